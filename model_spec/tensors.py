@@ -1,0 +1,132 @@
+"""Model spec stage: the tensor inventory (name, dtype, shape, role) of the target and drafter checkpoints.
+
+One table serves checkpoint validation, synthetic checkpoints, repack and codegen. Names follow the
+RedHatAI NVFP4 layout (`model.language_model.` prefix, experts stored unfused per expert) and the z-lab
+DFlash layout (no prefix, bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import DFlashSpec, Gemma4TextSpec
+
+TARGET_PREFIX = "model.language_model."
+GROUP = 16  # NVFP4 elements per E4M3 block scale
+
+# Tensors a multimodal checkpoint carries that the text engine does not use (validated as present-or-absent).
+IGNORED_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+# NVFP4 parts of one quantized Linear `P`: P.weight_packed, P.weight_scale, P.weight_global_scale, P.input_global_scale.
+NVFP4_PARTS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+OPTIONAL_PARTS = ("input_global_scale",)  # W4A16 never reads it; inferred, not confirmed, for the real checkpoint
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string: BF16, U8, F8_E4M3, F32
+    shape: tuple[int, ...]
+    role: str  # "bf16" for plain weights, or the NVFP4 part name
+    optional: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4}[self.dtype]
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One projection `y = x @ W.T` with W [out_features, in_features]."""
+
+    prefix: str  # full tensor-name prefix, e.g. model.language_model.layers.0.self_attn.q_proj
+    out_features: int
+    in_features: int
+    quantized: bool
+
+    def tensors(self) -> list[TensorInfo]:
+        if not self.quantized:
+            return [TensorInfo(f"{self.prefix}.weight", "BF16", (self.out_features, self.in_features), "bf16")]
+        o, i = self.out_features, self.in_features
+        return [
+            TensorInfo(f"{self.prefix}.weight_packed", "U8", (o, i // 2), "weight_packed"),
+            TensorInfo(f"{self.prefix}.weight_scale", "F8_E4M3", (o, i // GROUP), "weight_scale"),
+            TensorInfo(f"{self.prefix}.weight_global_scale", "F32", (1,), "weight_global_scale"),
+            TensorInfo(f"{self.prefix}.input_global_scale", "F32", (1,), "input_global_scale", optional=True),
+        ]
+
+
+def layer_prefix(layer: int) -> str:
+    return f"{TARGET_PREFIX}layers.{layer}."
+
+
+def target_linears(spec: Gemma4TextSpec, layer: int) -> list[Linear]:
+    """Every NVFP4 projection of one decoder layer, in dataflow order (attention, dense MLP, experts)."""
+    p, h = layer_prefix(layer), spec.hidden_size
+    hd, nq, nkv = spec.layer_head_dim(layer), spec.num_attention_heads, spec.layer_kv_heads(layer)
+    out = [Linear(f"{p}self_attn.q_proj", nq * hd, h, True), Linear(f"{p}self_attn.k_proj", nkv * hd, h, True)]
+    if spec.layer_has_v_proj(layer):
+        out.append(Linear(f"{p}self_attn.v_proj", nkv * hd, h, True))
+    out.append(Linear(f"{p}self_attn.o_proj", h, nq * hd, True))
+    i = spec.intermediate_size
+    out += [Linear(f"{p}mlp.gate_proj", i, h, True), Linear(f"{p}mlp.up_proj", i, h, True),
+            Linear(f"{p}mlp.down_proj", h, i, True)]
+    ie = spec.moe_intermediate_size
+    for e in range(spec.num_experts):
+        out += [Linear(f"{p}experts.{e}.gate_proj", ie, h, True), Linear(f"{p}experts.{e}.up_proj", ie, h, True),
+                Linear(f"{p}experts.{e}.down_proj", h, ie, True)]
+    return out
+
+
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "pre_feedforward_layernorm_2", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+               "post_feedforward_layernorm_2")
+
+
+def target_layer_tensors(spec: Gemma4TextSpec, layer: int) -> list[TensorInfo]:
+    p, h, hd = layer_prefix(layer), spec.hidden_size, spec.layer_head_dim(layer)
+    out = [t for lin in target_linears(spec, layer) for t in lin.tensors()]
+    out += [TensorInfo(f"{p}self_attn.q_norm.weight", "BF16", (hd,), "bf16"),
+            TensorInfo(f"{p}self_attn.k_norm.weight", "BF16", (hd,), "bf16")]
+    out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in LAYER_NORMS]
+    out += [TensorInfo(f"{p}router.proj.weight", "BF16", (spec.num_experts, h), "bf16"),
+            TensorInfo(f"{p}router.scale", "BF16", (h,), "bf16"),
+            TensorInfo(f"{p}router.per_expert_scale", "BF16", (spec.num_experts,), "bf16"),
+            TensorInfo(f"{p}layer_scalar", "BF16", (1,), "bf16")]
+    return out
+
+
+def target_tensors(spec: Gemma4TextSpec) -> list[TensorInfo]:
+    """Every tensor of the text model in a RedHatAI NVFP4 checkpoint (tied lm_head: no lm_head tensor)."""
+    out = [TensorInfo(f"{TARGET_PREFIX}embed_tokens.weight", "BF16", (spec.vocab_size, spec.hidden_size), "bf16")]
+    for layer in range(spec.num_hidden_layers):
+        out += target_layer_tensors(spec, layer)
+    out.append(TensorInfo(f"{TARGET_PREFIX}norm.weight", "BF16", (spec.hidden_size,), "bf16"))
+    return out
+
+
+def drafter_linears(spec: DFlashSpec, layer: int) -> list[Linear]:
+    p, h = f"layers.{layer}.", spec.hidden_size
+    hd, nq, nkv, i = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads, spec.intermediate_size
+    return [Linear(f"{p}self_attn.q_proj", nq * hd, h, False), Linear(f"{p}self_attn.k_proj", nkv * hd, h, False),
+            Linear(f"{p}self_attn.v_proj", nkv * hd, h, False), Linear(f"{p}self_attn.o_proj", h, nq * hd, False),
+            Linear(f"{p}mlp.gate_proj", i, h, False), Linear(f"{p}mlp.up_proj", i, h, False),
+            Linear(f"{p}mlp.down_proj", h, i, False)]
+
+
+def drafter_tensors(spec: DFlashSpec) -> list[TensorInfo]:
+    """Every tensor of a z-lab DFlash drafter (bf16; embedding and lm_head are shared from the target)."""
+    h = spec.hidden_size
+    out = [TensorInfo("fc.weight", "BF16", (h, len(spec.target_layer_ids) * h), "bf16"),
+           TensorInfo("hidden_norm.weight", "BF16", (h,), "bf16")]
+    for layer in range(spec.num_hidden_layers):
+        out += [t for lin in drafter_linears(spec, layer) for t in lin.tensors()]
+        out += [TensorInfo(f"layers.{layer}.self_attn.q_norm.weight", "BF16", (spec.head_dim,), "bf16"),
+                TensorInfo(f"layers.{layer}.self_attn.k_norm.weight", "BF16", (spec.head_dim,), "bf16"),
+                TensorInfo(f"layers.{layer}.input_layernorm.weight", "BF16", (h,), "bf16"),
+                TensorInfo(f"layers.{layer}.post_attention_layernorm.weight", "BF16", (h,), "bf16")]
+    out.append(TensorInfo("norm.weight", "BF16", (h,), "bf16"))
+    return out
