@@ -1,0 +1,47 @@
+"""The `thorgen` command line: one click group whose commands live beside the pipeline stage they drive."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute"; imported only when the command runs (or `--help` lists it), so `thorgen --help`
+# stays fast and a stage's optional dependencies (fastapi, cuda-python) load only for its own commands.
+COMMANDS = {
+    "synth-checkpoint": "thorgen.model_spec.synth.cli:synth_checkpoint",
+    "build": "thorgen.codegen.cli:build",
+    "repack-weights": "thorgen.runtime.cli:repack_weights",
+    "generate": "thorgen.runtime.cli:generate",
+    "bench": "thorgen.runtime.cli:bench",
+    "serve": "thorgen.serve.cli:serve",
+    "chat": "thorgen.serve.cli:chat",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:  # a stage not built yet, or a missing optional dependency
+            @click.command(name=name, help=f"(unavailable: {exc})")
+            def unavailable() -> None:
+                raise click.ClickException(f"`thorgen {name}` is unavailable: {exc}")
+            return unavailable
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="thorgen")
+def main() -> None:
+    """thorgen: compiled Gemma-4-26B-A4B-it inference (NVFP4 + DFlash) and an OpenAI-compatible server."""
+
+
+if __name__ == "__main__":
+    main()
