@@ -11,9 +11,9 @@ import click
 COMMANDS = {
     "synth-checkpoint": "thorgen.model_spec.synth.cli:synth_checkpoint",
     "build": "thorgen.codegen.cli:build",
-    "repack-weights": "thorgen.runtime.cli:repack_weights",
+    "repack-weights": "thorgen.runtime.repack_cli:repack_weights",
     "generate": "thorgen.runtime.cli:generate",
-    "bench": "thorgen.runtime.cli:bench",
+    "bench": "thorgen.runtime.bench:bench",
     "serve": "thorgen.serve.cli:serve",
     "chat": "thorgen.serve.cli:chat",
 }
