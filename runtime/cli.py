@@ -1,0 +1,147 @@
+"""Runtime stage: the `thorgen generate` command (raw-prompt generation through a Backend, text or JSON output)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .backend import BackendError, SamplingParams
+
+BOS_ID = 2
+
+# `thorgen repack-weights` and `thorgen bench` are registered as thorgen.runtime.cli:<name> but live in their
+# own modules; resolve them lazily so importing this module for `generate` does not import those.
+_ELSEWHERE = {"repack_weights": ".repack_cli", "bench": ".bench"}
+
+
+def __getattr__(name: str):
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_ELSEWHERE[name], __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        ids = [int(p) for p in parts if p]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint="--prompt-ids")
+    if not ids:
+        raise click.BadParameter("no token ids given", param_hint="--prompt-ids")
+    return ids
+
+
+def _stop_ids(ckpt) -> frozenset[int]:
+    """eos_token_id of generation_config.json (an int or a list), else the model config's eos."""
+    eos = ckpt.generation_config.get("eos_token_id", ckpt.spec.target.eos_token_id)
+    eos = eos if isinstance(eos, list) else [eos]
+    return frozenset(int(e) for e in eos if e is not None)
+
+
+def _open_backend(model: Path, draft: Path | None, backend: str, max_context: int | None):
+    if backend == "cuda":
+        raise click.ClickException("the cuda backend is not available yet: use --backend reference")
+    from ..model_spec.checkpoint import Checkpoint, CheckpointError
+    from .reference.backend import ReferenceBackend
+
+    try:
+        ckpt = Checkpoint.open(model, draft)
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        return ckpt, ReferenceBackend(ckpt, max_context=max_context)
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command("generate")
+@click.option("--model", "model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Checkpoint directory (target; the drafter is DIR/dflash unless --draft).")
+@click.option("--backend", type=click.Choice(["reference", "cuda"]), default="reference", show_default=True,
+              help="reference: the NumPy oracle (slow, exact); cuda: the compiled engine.")
+@click.option("--prompt", "prompt_text", default=None,
+              help="Raw text, tokenized WITHOUT a chat template and prefixed with <bos> (id 2).")
+@click.option("--prompt-ids", "prompt_ids", default=None, help="Comma-separated token ids, used verbatim.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--min-p", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampling seed; a token depends only on (seed, its position).")
+@click.option("--speculative/--no-speculative", default=False, show_default=True,
+              help="DFlash draft-then-verify (same tokens as plain decoding).")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Drafter directory (default: MODEL/dflash when present).")
+@click.option("--max-context", type=click.IntRange(min=2), default=None,
+              help="Context limit in tokens (default: the model's max_position_embeddings).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
+             temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
+             draft: Path | None, max_context: int | None, as_json: bool) -> None:
+    """Generate tokens for one raw prompt (no chat template) and print them.
+
+    Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
+    streams the decoded tokens (special tokens included) to stdout and a summary line to stderr; --json prints
+    {token_ids, text, finish_reason, timings, prompt_tokens[, accepted_lengths]}.
+    """
+    if (prompt_text is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    ckpt, engine = _open_backend(model, draft, backend, max_context)
+    from .tokenizer import Tokenizer, TokenizerError
+
+    try:
+        tok = Tokenizer.from_file(ckpt.tokenizer_path)
+    except TokenizerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if ids is None:
+        ids = [BOS_ID] + tok.encode(prompt_text or "")
+    vocab = ckpt.spec.target.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
+                                 param_hint="--prompt-ids")
+    if speculative and engine.drafter is None:
+        raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
+                                   "or --no-speculative")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    decoder = tok.incremental_decoder()
+    t0 = time.perf_counter()
+    try:
+        stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(ckpt),
+                                        speculative=speculative)
+        for step in stream:
+            text = decoder.push_many(step.token_ids)
+            if not as_json and text:
+                click.echo(text, nl=False)
+                sys.stdout.flush()
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    wall = time.perf_counter() - t0
+    result = engine.last_result
+    tail = decoder.flush()
+    n = len(result.token_ids)
+    timings = {"prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
+               "total_s": round(wall, 6),
+               "decode_tokens_per_s": round((n - 1) / result.decode_s, 3) if n > 1 and result.decode_s > 0 else None}
+    if as_json:
+        out = {"token_ids": result.token_ids, "text": decoder.text, "finish_reason": result.finish_reason,
+               "prompt_tokens": result.prompt_tokens, "timings": timings}
+        if speculative:
+            out["accepted_lengths"] = result.accepted_lengths
+        click.echo(json.dumps(out))
+        return
+    click.echo(tail)
+    summary = f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, decode {result.decode_s:.3f}s"
+    if speculative and result.accepted_lengths:
+        mean = sum(result.accepted_lengths) / len(result.accepted_lengths)
+        summary += f", mean acceptance length {mean:.2f}"
+    click.echo(summary + "]", err=True)

@@ -1,0 +1,90 @@
+"""Runtime stage (reference backend): `ReferenceBackend`, the NumPy implementation of the Backend protocol.
+
+It is the numerical oracle for the CUDA runtime: float32 weights dequantized from the NVFP4 checkpoint,
+float64-accumulated reductions, exact DFlash draft-then-verify, counter-based sampling, and an LRU prefix
+cache (default 4 slots) of target K/V + drafter context keyed by token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput
+from .drafter import DFlashDrafter, Drafter
+from .model import TargetModel
+from .speculative import Decoder
+from .state import PrefixCache
+from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
+
+
+class ReferenceBackend:
+    """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
+
+    def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
+                 prefix_slots: int = 4, embed_scale: float | None = None,
+                 expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
+        self.checkpoint = checkpoint
+        self.spec = checkpoint.spec
+        limit = self.spec.target.max_position_embeddings
+        self.max_context = limit if max_context is None else int(max_context)
+        if not 1 < self.max_context <= limit:
+            raise BackendError(f"max_context {self.max_context} must lie in 2..{limit} (max_position_embeddings)")
+        self.target = TargetModel(checkpoint, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
+        if drafter is None and self.spec.drafter is not None:
+            drafter = DFlashDrafter(checkpoint, self.target)
+        self.drafter = drafter
+        self.decoder = Decoder(self.target, drafter)
+        self.prefix_cache = PrefixCache(prefix_slots)
+        self.last_result: GenerationResult | None = None
+
+    def _check(self, prompt_ids: list[int], max_tokens: int, speculative: bool) -> list[int]:
+        vocab = self.spec.target.vocab_size
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise BackendError("the prompt is empty: give at least one token id")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        if len(prompt) >= self.max_context:
+            raise BackendError(f"the prompt has {len(prompt)} tokens; max_context is {self.max_context}, which "
+                               "leaves no room to generate: shorten the prompt or raise max_context")
+        if max_tokens < 1:
+            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
+        if speculative and self.drafter is None:
+            raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
+        return prompt
+
+    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+        """Yield committed tokens step by step. The filled GenerationResult is `result` (or `last_result`)."""
+        prompt = self._check(prompt_ids, max_tokens, speculative)
+        result = GenerationResult() if result is None else result
+        self.last_result = result
+        return self._stream(prompt, max_tokens, sampling, frozenset(stop_ids), speculative, cancelled, result)
+
+    def _stream(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+                speculative: bool, cancelled: Callable[[], bool] | None,
+                result: GenerationResult) -> Iterator[StepOutput]:
+        state, reused = self.prefix_cache.lookup(prompt)
+        if state is None:
+            state = self.decoder.new_state()
+        result.prompt_tokens = len(prompt)
+        result.cached_prompt_tokens = reused
+        try:
+            yield from self.decoder.run(state, prompt, max_tokens, sampling, stop_ids, speculative,
+                                        self.max_context, result, cancelled)
+        finally:
+            if state.length >= len(prompt):  # prefill completed: reusable once rolled back to what it covers
+                state.truncate(state.length)
+                self.prefix_cache.store(state)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+        result = GenerationResult()
+        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
+            pass
+        return result
+

@@ -1,0 +1,66 @@
+"""`thorgen generate` through click's CliRunner on the synthetic tiny checkpoint (reference backend)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from thorgen.cli import main
+from thorgen.runtime.backend import SamplingParams
+from thorgen.runtime.reference.backend import ReferenceBackend
+
+BASE = ["generate", "--backend", "reference", "--max-tokens", "16", "--json"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_json_ids_plain_and_speculative_agree(tiny_checkpoint, tiny_ckpt) -> None:
+    plain = run(*BASE, "--model", str(tiny_checkpoint), "--prompt-ids", "2,105,200,107")
+    assert plain.exit_code == 0, plain.output
+    out = json.loads(plain.output)
+    stops = set(tiny_ckpt.generation_config["eos_token_id"])
+    direct = ReferenceBackend(tiny_ckpt).generate([2, 105, 200, 107], 16, SamplingParams(), stop_ids=frozenset(stops))
+    assert out["token_ids"] == direct.token_ids
+    assert out["finish_reason"] == direct.finish_reason == "length"
+    assert len(out["token_ids"]) == 16
+    assert {"prefill_s", "decode_s"} <= set(out["timings"])
+    spec = run(*BASE, "--model", str(tiny_checkpoint), "--prompt-ids", "2,105,200,107", "--speculative")
+    assert spec.exit_code == 0, spec.output
+    spec_out = json.loads(spec.output)
+    assert spec_out["token_ids"] == out["token_ids"]
+    assert sum(spec_out["accepted_lengths"]) == len(out["token_ids"]) - 1
+
+
+def test_sampled_text_prompt_gets_bos(tiny_checkpoint, tiny_ckpt) -> None:
+    from thorgen.runtime.tokenizer import Tokenizer
+
+    args = [*BASE, "--model", str(tiny_checkpoint), "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
+    by_text = json.loads(run(*args, "--prompt", "The model answers").output)
+    ids = [2] + Tokenizer.from_file(tiny_ckpt.tokenizer_path).encode("The model answers")
+    by_ids = json.loads(run(*args, "--prompt-ids", ",".join(map(str, ids))).output)
+    assert by_text["token_ids"] == by_ids["token_ids"]
+    assert by_text["prompt_tokens"] == len(ids)
+
+
+def test_text_output_and_errors(tiny_checkpoint, tmp_path) -> None:
+    ok = CliRunner().invoke(main, ["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "2,5,6",
+                                   "--max-tokens", "4"])
+    assert ok.exit_code == 0 and "finish=" in ok.output
+    cases = [
+        (["--prompt-ids", "2,512"], "outside the vocabulary"),
+        (["--prompt-ids", "2,abc"], "comma-separated"),
+        ([], "exactly one of"),
+        (["--prompt", "hi", "--prompt-ids", "2"], "exactly one of"),
+        (["--prompt-ids", "2", "--backend", "cuda"], "not available yet"),
+    ]
+    for extra, message in cases:
+        r = CliRunner().invoke(main, ["generate", "--model", str(tiny_checkpoint), *extra])
+        assert r.exit_code != 0 and message in r.output, (extra, r.output)
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+    missing = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "2"])
+    assert missing.exit_code != 0 and "does not exist" in missing.output
+    empty = CliRunner().invoke(main, ["generate", "--model", str(tmp_path), "--prompt-ids", "2"])
+    assert empty.exit_code != 0 and "config.json" in empty.output
