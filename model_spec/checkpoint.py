@@ -1,0 +1,215 @@
+"""Model spec stage: open and validate a RedHatAI-layout NVFP4 checkpoint (+ z-lab DFlash drafter), memory-mapped.
+
+`Checkpoint.open(model_dir)` reads the configs into a ModelSpec, checks the quantization scheme, and validates
+the whole tensor inventory (names, dtypes, shapes, file sizes, global scales) against model_spec.tensors before
+anything runs. Tensor data is only touched on request: opening the 16 GB checkpoint reads its headers and the
+~12k scalar global scales, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import check_quantization_config, spec_from_configs
+from .nvfp4 import bf16_to_f32, dequantize_nvfp4
+from .safetensors_io import CheckpointError, SafetensorsDir
+from .tensors import IGNORED_PREFIXES, TensorInfo, drafter_tensors, target_tensors
+from .types import ModelSpec, SpecError
+
+__all__ = ["Checkpoint", "CheckpointError"]
+
+MAX_LISTED = 8  # names listed in an error before "... and N more"
+
+
+def _listing(names: list[str]) -> str:
+    more = f" ... and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+    return ", ".join(names[:MAX_LISTED]) + more
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing ({what})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot parse {what}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: str) -> None:
+    """Missing / extra / wrong dtype / wrong shape, every problem at once, each naming file and tensor."""
+    want = {t.name: t for t in expected}
+    missing = [t.name for t in expected if not t.optional and t.name not in st]
+    extra = [n for n in st.where if n not in want and not n.startswith(IGNORED_PREFIXES)]
+    wrong = []
+    for t in expected:
+        if t.name in st:
+            e = st.entry(t.name)
+            if e.dtype != t.dtype or e.shape != tuple(t.shape):
+                wrong.append(f"{st.file_of(t.name)}: tensor {t.name!r} is {e.dtype}{list(e.shape)}, "
+                             f"expected {t.dtype}{list(t.shape)}")
+    problems = []
+    if missing:
+        problems.append(f"{where}: {len(missing)} tensor(s) missing: {_listing(missing)}")
+    if extra:
+        problems.append(f"{where}: {len(extra)} unexpected tensor(s) (in "
+                        f"{_listing(sorted({st.file_of(n).name for n in extra}))}): {_listing(extra)}")
+    problems += wrong[:MAX_LISTED] + ([f"... and {len(wrong) - MAX_LISTED} more dtype/shape errors"]
+                                      if len(wrong) > MAX_LISTED else [])
+    if problems:
+        raise CheckpointError("\n".join(problems))
+
+
+class Checkpoint:
+    """A validated, memory-mapped checkpoint. Construct with `Checkpoint.open(model_dir, draft_dir=None)`."""
+
+    def __init__(self, model_dir: Path, draft_dir: Path | None, spec: ModelSpec, config: dict,
+                 draft_config: dict | None, generation_config: dict, tokenizer_path: Path,
+                 chat_template: str | None, target: SafetensorsDir, drafter: SafetensorsDir | None) -> None:
+        self.model_dir, self.draft_dir, self.spec = model_dir, draft_dir, spec
+        self.config, self.draft_config, self.generation_config = config, draft_config, generation_config
+        self.tokenizer_path, self.chat_template = tokenizer_path, chat_template
+        self._target, self._drafter = target, drafter
+        self.target_inventory = target_tensors(spec.target)
+        self.drafter_inventory = drafter_tensors(spec.drafter) if spec.drafter is not None else []
+
+    @classmethod
+    def open(cls, model_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None) -> "Checkpoint":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: not a directory")
+        if draft_dir is None and (model_dir / "dflash").is_dir():
+            draft_dir = model_dir / "dflash"
+        draft_dir = Path(draft_dir) if draft_dir is not None else None
+        config = _read_json(model_dir / "config.json", "model config")
+        draft_config = _read_json(draft_dir / "config.json", "drafter config") if draft_dir is not None else None
+        try:
+            check_quantization_config(config)
+        except SpecError as exc:
+            raise CheckpointError(f"{model_dir / 'config.json'}: {exc}") from exc
+        try:
+            spec = spec_from_configs(config, draft_config, name=model_dir.name)
+        except SpecError as exc:  # SpecError names the file ("config.json" / "drafter config.json") and the key
+            where = str(model_dir) + (f" + drafter {draft_dir}" if draft_dir else "")
+            raise CheckpointError(f"{where}: {exc}") from exc
+        gen_path = model_dir / "generation_config.json"
+        generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise CheckpointError(f"{tokenizer_path}: missing (the tokenizer)")
+        chat_template = cls._find_chat_template(model_dir)
+        target = SafetensorsDir(model_dir)
+        _validate_inventory(target, target_tensors(spec.target), f"{model_dir} (target)")
+        drafter = None
+        if draft_dir is not None:
+            drafter = SafetensorsDir(draft_dir)
+            _validate_inventory(drafter, drafter_tensors(spec.drafter), f"{draft_dir} (drafter)")
+        ckpt = cls(model_dir, draft_dir, spec, config, draft_config, generation_config, tokenizer_path,
+                   chat_template, target, drafter)
+        ckpt._check_global_scales()
+        return ckpt
+
+    @staticmethod
+    def _find_chat_template(model_dir: Path) -> str | None:
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        tok_cfg = model_dir / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            template = _read_json(tok_cfg, "tokenizer config").get("chat_template")
+            if isinstance(template, str):
+                return template
+            if isinstance(template, list):  # HF also allows [{"name": "default", "template": ...}, ...]
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                return named.get("default") or next(iter(named.values()), None)
+        return None
+
+    def _check_global_scales(self) -> None:
+        bad = []
+        for t in self.target_inventory:
+            if t.role in ("weight_global_scale", "input_global_scale") and t.name in self._target:
+                v = self._target.array(t.name)
+                if not (np.isfinite(v).all() and (v > 0).all()):
+                    bad.append(f"{self._target.file_of(t.name)}: tensor {t.name!r} = {v.tolist()} "
+                               "(a global scale must be finite and > 0)")
+        if bad:
+            raise CheckpointError("\n".join(bad[:MAX_LISTED]) + (f"\n... and {len(bad) - MAX_LISTED} more"
+                                                                if len(bad) > MAX_LISTED else ""))
+
+    # ---- tensors ----------------------------------------------------------------------------------------------
+    def tensor(self, name: str) -> np.ndarray:
+        """Raw memory-mapped target tensor (U8/F8_E4M3 -> uint8, BF16 -> uint16, F32 -> float32)."""
+        return self._target.array(name)
+
+    def draft_tensor(self, name: str) -> np.ndarray:
+        """Raw memory-mapped drafter tensor (BF16 -> uint16)."""
+        if self._drafter is None:
+            raise CheckpointError(f"{self.model_dir}: this checkpoint has no drafter (tensor {name!r})")
+        return self._drafter.array(name)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._target
+
+    def tensor_file(self, name: str) -> Path:
+        return self._target.file_of(name)
+
+    def tensor_dtype(self, name: str) -> str:
+        return self._target.entry(name).dtype
+
+    def _to_f32(self, st: SafetensorsDir, name: str) -> np.ndarray:
+        if name not in st:
+            raise CheckpointError(f"{st.folder}: no tensor {name!r}")
+        dtype = st.entry(name).dtype
+        raw = st.array(name)
+        if dtype == "BF16":
+            return bf16_to_f32(raw)
+        if dtype in ("F32", "F16"):
+            return np.array(raw, dtype=np.float32)
+        raise CheckpointError(f"{st.file_of(name)}: tensor {name!r} is {dtype}, not a BF16/F32 weight")
+
+    def weight_f32(self, name: str) -> np.ndarray:
+        """float32 copy of a BF16/F32 target tensor."""
+        return self._to_f32(self._target, name)
+
+    def draft_weight_f32(self, name: str) -> np.ndarray:
+        """float32 copy of a drafter tensor."""
+        if self._drafter is None:
+            raise CheckpointError(f"{self.model_dir}: this checkpoint has no drafter (tensor {name!r})")
+        return self._to_f32(self._drafter, name)
+
+    def nvfp4_parts(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        """(packed u8 [out, in/2], block scales u8 [out, in/16], global scale) of one Linear, scales checked."""
+        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_global_scale"]
+        for n in names:
+            if n not in self._target:
+                raise CheckpointError(f"{self.model_dir}: no tensor {n!r} (is {prefix!r} an NVFP4 Linear?)")
+        packed, scale, gs = (self._target.array(n) for n in names)
+        nan = (scale & 0x7F) == 0x7F
+        neg = (scale & 0x80) != 0
+        if nan.any() or neg.any():
+            row, col = np.argwhere(nan | neg)[0]
+            kind = "NaN" if nan.any() else "negative"
+            raise CheckpointError(f"{self._target.file_of(names[1])}: tensor {names[1]!r} holds {int(nan.sum())} NaN "
+                                  f"and {int(neg.sum())} negative E4M3 block scales (first {kind} at [{row}, {col}])")
+        return packed, scale, np.float32(gs.reshape(-1)[0])
+
+    def linear_f32(self, prefix: str) -> np.ndarray:
+        """float32 [out, in] dequantized NVFP4 weight of a target Linear prefix (e.g. ...layers.0.self_attn.q_proj)."""
+        packed, scale, gs = self.nvfp4_parts(prefix)
+        return dequantize_nvfp4(packed, scale, gs)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.model_dir}, drafter={self.draft_dir}, tensors={len(self._target.where)})"
+
+    def describe(self) -> dict[str, Any]:
+        """Small summary for logs and CLIs."""
+        return {"model_dir": str(self.model_dir), "draft_dir": str(self.draft_dir) if self.draft_dir else None,
+                "spec_hash": self.spec.spec_hash, "files": sorted(self._target.files),
+                "tensors": len(self._target.where)}
