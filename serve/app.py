@@ -1,0 +1,200 @@
+"""Serve stage: the FastAPI application: routes, API key, CORS, OpenAI-style errors, health and model loading."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..runtime.backend import Backend
+from ..runtime.tokenizer import Tokenizer
+from . import generation
+from .chat_template import ChatTemplate, control_ids, safe_decoder
+from .metrics import Metrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body, template_messages, validate_tools)
+from .worker import EngineWorker
+
+log = logging.getLogger("thorgen.serve")
+WEBUI = Path(__file__).with_name("webui.html")
+
+
+class ServerState:
+    """Everything a request needs; filled by `load()` (on a thread, so /health can answer 503 meanwhile)."""
+
+    def __init__(self, model_id: str, loader: Callable[[], tuple[Backend, Tokenizer, ChatTemplate, dict]],
+                 speculative: bool | None = False) -> None:
+        self.model_id = model_id
+        self.loader = loader
+        self.speculative = speculative
+        self.metrics = Metrics()
+        self.ready = False
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.backend: Any = None
+        self.worker: EngineWorker | None = None
+
+    def load(self) -> None:
+        try:
+            backend, tokenizer, template, gen_cfg = self.loader()
+            self.backend, self.tokenizer, self.template = backend, tokenizer, template
+            has_drafter = getattr(backend.spec, "drafter", None) is not None
+            if self.speculative is None:
+                self.speculative = has_drafter
+            elif self.speculative and not has_drafter:
+                raise ValueError("speculative decoding was asked for but the checkpoint has no drafter")
+            eos = gen_cfg.get("eos_token_id", [1, 106, 50])
+            self.stop_ids = frozenset([eos] if isinstance(eos, int) else eos)
+            self.controls = control_ids(tokenizer, self.stop_ids)
+            self.decode = safe_decoder(tokenizer)
+            self.generation_defaults = {k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
+                                        if k in gen_cfg}
+            self.worker = EngineWorker(backend, self.metrics)
+            self.ready = True
+        except Exception as exc:  # reported by /health and by every request instead of killing the process
+            log.exception("model loading failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def load_in_background(self) -> threading.Thread:
+        t = threading.Thread(target=self.load, name="thorgen-load", daemon=True)
+        t.start()
+        return t
+
+    def require_ready(self) -> None:
+        if self.load_error:
+            raise APIError(f"the model failed to load: {self.load_error}", status=503, type="server_error")
+        if not self.ready:
+            raise APIError("the model is still loading; retry shortly (GET /health turns 200 when ready)",
+                           status=503, type="server_error")
+        if not self.worker.alive:
+            raise APIError("the engine worker stopped; restart the server", status=503, type="server_error")
+
+
+class APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from streaming responses)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                                   code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(state: ServerState, api_key: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(title="thorgen", version="0.1.0",
+                  description="OpenAI-compatible server for Gemma-4 on the thorgen engine.")
+    app.state.server = state
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # added last = outermost: CORS headers also reach 401 answers, and preflights skip the key check
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials="*" not in cors_origins)
+
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        state.metrics.request_done(request.url.path, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        parts = []
+        if any(err.get("type") == "json_invalid" for err in exc.errors()):
+            state.metrics.request_done(request.url.path, 400)
+            return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+        state.metrics.request_done(request.url.path, 400)
+        return JSONResponse(error_body("invalid request: " + "; ".join(parts)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404
+                                       else "invalid_request_error"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):  # a server bug: still an OpenAI-style body, and logged
+        log.exception("unhandled error on %s", request.url.path)
+        state.metrics.request_done(request.url.path, 500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if state.load_error:
+            return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not state.worker.alive:
+            return JSONResponse({"status": "error", "error": "engine worker stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def webui():
+        return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
+
+    @app.get("/v1/models")
+    async def models():
+        ctx = state.backend.max_context if state.ready else None
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "thorgen", "max_model_len": ctx}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        state.require_ready()
+        return await generation.chat_completions(state, req, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        state.require_ready()
+        return await generation.completions(state, req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        state.require_ready()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of 'prompt' or 'messages'")
+        if req.messages is not None:
+            thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
+            text = state.template.render(template_messages(req.messages), validate_tools(req.tools),
+                                         add_generation_prompt=req.add_generation_prompt is not False,
+                                         enable_thinking=thinking is True)
+        else:
+            bos = state.template.bos_token
+            add = req.add_special_tokens is not False and not req.prompt.startswith(bos)
+            text = (bos if add else "") + req.prompt
+        ids = state.tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.backend.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        state.require_ready()
+        bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary 0..{state.tokenizer.vocab_size - 1}",
+                           param="tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    return app

@@ -1,0 +1,97 @@
+"""Serve stage: prompt construction: the checkpoint's own jinja chat template (sandboxed, HF conventions) and its
+tokenizer (tokenizer.json through `tokenizers`)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..runtime.tokenizer import Tokenizer
+from .parser import ControlIds
+from .protocol import APIError
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers' apply_chat_template uses, so a template renders identically in both."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "<bos>") -> None:
+        self.source = source
+        self.bos_token = bos_token
+        self._template = template_environment().from_string(source)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        try:
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                RecursionError) as exc:
+            # The template rejects this conversation (e.g. a tool schema shape it cannot render): the client's fix.
+            raise APIError(f"the chat template cannot render this conversation ({type(exc).__name__}: {exc}); "
+                           "check the tool schemas and message structure", param="messages") from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """tokenizer.json through `tokenizers` (the runtime's wrapper: no BOS added, specials matched literally)."""
+    return Tokenizer.from_file(path)
+
+
+def safe_decoder(tokenizer: Tokenizer):
+    """decode() that never raises: an id outside the vocabulary (an engine bug) decodes to U+FFFD."""
+    def decode(ids: list[int]) -> str:
+        try:
+            return tokenizer.decode(ids)
+        except ValueError:
+            return "".join(tokenizer.decode([i]) if 0 <= i < tokenizer.vocab_size else "\ufffd" for i in ids)
+    return decode
+
+
+def control_ids(tokenizer: Tokenizer, stop_ids: frozenset[int]) -> ControlIds:
+    """Control ids looked up by their token text (MODEL_FACTS §4.2 values as fallback); every other special
+    token is hidden from the output text."""
+    def tid(text: str, default: int) -> int:
+        found = tokenizer.token_to_id(text)
+        return default if found is None else found
+    ids = dict(channel_open=tid("<|channel>", 100), channel_close=tid("<channel|>", 101),
+               tool_call_open=tid("<|tool_call>", 48), tool_call_close=tid("<tool_call|>", 49),
+               string_delim=tid('<|"|>', 52))
+    hidden = tokenizer.special_ids - set(ids.values()) - stop_ids
+    return ControlIds(stops=stop_ids, hidden=frozenset(hidden), **ids)
+
+
+def load_chat_template(model_dir: Path, embedded: str | None = None) -> tuple[str, str]:
+    """(template source, bos token) from chat_template.jinja or tokenizer_config.json of a checkpoint."""
+    bos = "<bos>"
+    cfg_path = model_dir / "tokenizer_config.json"
+    source = embedded
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        b = cfg.get("bos_token")
+        bos = b.get("content", bos) if isinstance(b, dict) else (b or bos)
+        if source is None and isinstance(cfg.get("chat_template"), str):
+            source = cfg["chat_template"]
+    jinja_path = model_dir / "chat_template.jinja"
+    if source is None and jinja_path.exists():
+        source = jinja_path.read_text()
+    if source is None:
+        raise FileNotFoundError(f"{model_dir}: no chat_template.jinja and no chat_template in tokenizer_config.json")
+    return source, bos

@@ -1,0 +1,102 @@
+"""Serve stage: `thorgen serve` (the OpenAI-compatible server) and `thorgen chat` (the terminal client)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import click
+
+
+def open_model(model_dir: Path, backend: str, ctx: int | None, kv_dtype: str, draft_dir: Path | None):
+    """-> (backend, tokenizer, chat template, generation_config) for a checkpoint folder."""
+    from ..model_spec.checkpoint import Checkpoint
+    from .chat_template import ChatTemplate, load_chat_template, load_tokenizer
+
+    ckpt = Checkpoint.open(model_dir, draft_dir)
+    if backend == "cuda":
+        try:
+            from ..runtime.cuda_backend import CudaBackend
+        except ImportError as exc:
+            raise click.ClickException(f"the cuda backend is not available in this build ({exc}); "
+                                       "use --backend reference") from None
+        engine = CudaBackend.from_checkpoint(ckpt, max_context=ctx, kv_dtype=kv_dtype)
+    else:
+        if kv_dtype != "bf16":
+            raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs "
+                                       "--backend cuda")
+        from ..runtime.reference.backend import ReferenceBackend
+        engine = ReferenceBackend(ckpt, max_context=ctx)
+    source, bos = load_chat_template(Path(ckpt.model_dir), ckpt.chat_template)
+    return engine, load_tokenizer(ckpt.tokenizer_path), ChatTemplate(source, bos), dict(ckpt.generation_config or {})
+
+
+@click.command(help="Serve a checkpoint over an OpenAI-compatible HTTP API, with a web UI at /. Without --model, "
+                    "serves a tiny random-weight demo model (not Gemma) so that everything can be tried anywhere.")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Checkpoint folder (config.json, safetensors, tokenizer.json, chat_template.jinja).")
+@click.option("--draft", "draft_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="DFlash drafter folder (default: MODEL/dflash when present).")
+@click.option("--backend", type=click.Choice(["reference", "cuda"]), default="reference", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--ctx", type=click.IntRange(2), default=None, help="Context length (default: the model's).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option("--draft-tokens", type=click.IntRange(0), default=None,
+              help="Speculative draft tokens per step; 0 turns speculative decoding off (default: on with a drafter).")
+@click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+@click.option("--cors-origin", "cors_origins", multiple=True, help="Allowed CORS origin (repeat; '*' for any).")
+@click.option("--model-name", default=None, help="Model id reported by /v1/models (default: the folder name).")
+def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
+          kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
+          model_name: str | None) -> None:
+    import uvicorn
+
+    from .app import ServerState, create_app
+    from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
+
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        raise click.ClickException(f"{model_dir}: no config.json, not a checkpoint folder")
+    demo = model_dir is None
+    if backend == "reference" and kv_dtype != "bf16":
+        raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs --backend cuda")
+    name = model_name or (DEMO_MODEL_ID if demo else model_dir.name)
+
+    def loader():
+        folder = ensure_demo_checkpoint() if demo else model_dir
+        engine = open_model(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir)
+        return engine
+
+    # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
+    # drafter never agrees with its random target, so there it only costs time unless asked for.
+    # The cuda backend does not run DFlash yet (it raises), so there too only an explicit --draft-tokens turns it on.
+    off = draft_tokens == 0 or (draft_tokens is None and (demo or backend == "cuda"))
+    state = ServerState(name, loader, speculative=False if off else None)
+    app = create_app(state, api_key=api_key, cors_origins=list(cors_origins))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    loading = state.load_in_background()
+
+    def stop_if_load_fails() -> None:  # /health answers 503 while loading; a failed load ends the process
+        loading.join()
+        if state.load_error:
+            server.should_exit = True
+    threading.Thread(target=stop_if_load_fails, daemon=True).start()
+    click.echo(f"thorgen: serving {name!r} on http://{host}:{port}/ (web UI), OpenAI API at http://{host}:{port}/v1"
+               + ("  [demo model: random weights, output is gibberish]" if demo else ""))
+    server.run()
+    if state.load_error:
+        raise click.ClickException(f"the model failed to load: {state.load_error}")
+
+
+@click.command(help="Chat with a running `thorgen serve` in the terminal (streaming; /new resets, /quit exits).")
+@click.option("--url", default="http://127.0.0.1:8080", show_default=True, help="Server base URL.")
+@click.option("--think/--no-think", default=False, show_default=True, help="Enable the model's thinking.")
+@click.option("--temperature", type=click.FloatRange(0, 2), default=None, help="Sampling temperature.")
+@click.option("--max-tokens", type=click.IntRange(1), default=None)
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
+def chat(url: str, think: bool, temperature: float | None, max_tokens: int | None, system: str | None,
+         api_key: str | None) -> None:
+    from .chat_client import run_chat
+
+    run_chat(url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key)

@@ -1,0 +1,325 @@
+"""Serve stage: /v1/chat/completions and /v1/completions: request -> prompt ids -> engine job -> OpenAI JSON/SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..runtime.backend import GenerationResult, SamplingParams, StepOutput
+from .parser import ControlIds, Delta, OutputParser
+from .protocol import (REASONING_EFFORTS, APIError, ChatCompletionRequest, CompletionRequest, _Sampling,
+                       check_unsupported, stop_list, template_messages, tool_choice_mode, validate_tools)
+from .worker import Job
+
+POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
+
+
+class ClientGone(Exception):
+    pass
+
+
+def thinking_enabled(req: ChatCompletionRequest) -> bool:
+    kwargs = req.chat_template_kwargs or {}
+    if "enable_thinking" in kwargs:
+        value = kwargs["enable_thinking"]
+        if not isinstance(value, bool):
+            raise APIError("chat_template_kwargs.enable_thinking must be true or false", param="chat_template_kwargs")
+        return value
+    if req.reasoning_effort is not None:
+        if req.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+                           param="reasoning_effort")
+        return REASONING_EFFORTS[req.reasoning_effort]
+    return False
+
+
+def sampling_params(req: _Sampling, defaults: dict) -> SamplingParams:
+    """Request values over the checkpoint's generation_config defaults (as vLLM does)."""
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        return defaults.get(name, fallback) if value is None else value
+    top_k = int(pick("top_k", 0))
+    seed = req.seed if req.seed is not None else random.getrandbits(63)
+    try:
+        return SamplingParams(temperature=float(pick("temperature", 1.0)), top_k=max(top_k, 0),
+                              top_p=float(pick("top_p", 1.0)), min_p=float(pick("min_p", 0.0)),
+                              seed=seed % (1 << 63))
+    except ValueError as exc:
+        raise APIError(str(exc)) from None
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, max_context: int) -> int:
+    if prompt_len >= max_context:
+        raise APIError(f"this model's maximum context length is {max_context} tokens, but the prompt has "
+                       f"{prompt_len} tokens; shorten the messages", param="messages", code="context_length_exceeded")
+    room = max_context - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise APIError(f"max_tokens {requested} + prompt {prompt_len} tokens exceeds the context of {max_context} "
+                       f"tokens; ask for at most {room}", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+async def next_event(job: Job, request: Request | None) -> tuple[str, Any]:
+    """The job's next event; cancels the job and raises ClientGone if the client disconnects meanwhile.
+    The connection is checked at least every POLL_S, also while tokens keep flowing."""
+    loop = asyncio.get_running_loop()
+    while True:
+        if request is not None and loop.time() - job.checked_at >= POLL_S:
+            job.checked_at = loop.time()
+            if await request.is_disconnected():
+                job.cancel.set()
+                raise ClientGone()
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            job.checked_at = 0.0  # nothing arrived for a while: check the connection now
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Generation:
+    """One request's run: owns the parser, counts tokens, knows the finish reason."""
+
+    def __init__(self, server: Any, job: Job, parser: OutputParser, kind: str) -> None:
+        self.server, self.job, self.parser, self.kind = server, job, parser, kind
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.n_out = 0
+        self.result: GenerationResult | None = None
+        self.n_calls = 0
+        self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+    def feed(self, step: StepOutput) -> Delta:
+        self.n_out += len(step.token_ids)
+        delta = self.parser.feed(step.token_ids)
+        if self.parser.stopped:
+            self.job.cancel.set()  # a stop string ended the answer: free the engine now
+        return delta
+
+    def finish_reason(self) -> str:
+        reason = self.result.finish_reason if self.result else "stop"
+        if self.parser.n_calls and (reason != "length" or self.parser.stopped):
+            return "tool_calls"
+        if self.parser.stopped:
+            return "stop"
+        return "length" if reason == "length" else "stop"
+
+    def usage(self) -> dict:
+        cached = self.result.cached_prompt_tokens if self.result else 0
+        return usage(len(self.job.prompt_ids), self.n_out, cached)
+
+    async def first_event(self, request: Request) -> tuple[str, Any]:
+        """Wait for the engine to start (so that an engine-side rejection can still become a 4xx)."""
+        kind, payload = await next_event(self.job, request)
+        if kind == "error":
+            raise payload
+        return kind, payload
+
+
+def _merge(into: Delta, more: Delta) -> None:
+    into.content += more.content
+    into.reasoning += more.reasoning
+    into.tool_calls += more.tool_calls
+
+
+async def run_to_end(gen: Generation, request: Request, first: tuple[str, Any]) -> Delta:
+    total = Delta()
+    kind, payload = first
+    while True:
+        if kind == "tokens":
+            _merge(total, gen.feed(payload))
+        elif kind == "done":
+            gen.result = payload
+            _merge(total, gen.parser.finish())
+            return total
+        else:
+            raise payload
+        kind, payload = await next_event(gen.job, request)
+
+
+def chat_message(delta: Delta) -> dict:
+    msg: dict = {"role": "assistant", "content": delta.content if (delta.content or not delta.tool_calls) else None}
+    msg["reasoning_content"] = msg["reasoning"] = delta.reasoning or None
+    if delta.tool_calls:
+        msg["tool_calls"] = [c.to_openai() for c in delta.tool_calls]
+    return msg
+
+
+def _delta_json(delta: Delta, gen: Generation) -> dict:
+    out: dict = {}
+    if delta.reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = []
+        for call in delta.tool_calls:  # every delta carries index, id, type and name (strict clients need them)
+            out["tool_calls"].append(call.to_openai(index=gen.n_calls))
+            gen.n_calls += 1
+    return out
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def stream_events(gen: Generation, request: Request, first: tuple[str, Any],
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    model = gen.server.model_id
+    chat = gen.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict, **extra: Any) -> bytes:
+        body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return sse(body)
+
+    def choice(delta: Delta, finish: str | None = None) -> dict | None:
+        if chat:
+            d = _delta_json(delta, gen)
+            if not d and finish is None:
+                return None
+            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        if not delta.content and finish is None:
+            return None
+        return {"index": 0, "text": delta.content, "logprobs": None, "finish_reason": finish}
+
+    try:
+        if chat:
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        kind, payload = first
+        while True:
+            if kind == "tokens":
+                c = choice(gen.feed(payload))
+                if c:
+                    yield chunk(c)
+            elif kind == "done":
+                gen.result = payload
+                tail = gen.parser.finish()
+                c = choice(tail)
+                if c:
+                    yield chunk(c)
+                yield chunk(choice(Delta(), gen.finish_reason()))
+                if include_usage:
+                    body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
+                            "usage": gen.usage()}
+                    yield sse(body)
+                gen.server.metrics.request_done(gen.endpoint, 200)
+                break
+            else:
+                err: APIError = payload
+                yield sse(err.body())
+                gen.server.metrics.request_done(gen.endpoint, err.status)
+                break
+            kind, payload = await next_event(gen.job, request)
+        yield sse("[DONE]")
+    except ClientGone:
+        gen.server.metrics.request_done(gen.endpoint, 499)
+    finally:
+        gen.job.cancel.set()  # no-op after a normal end; stops the engine when the client went away
+
+
+async def serve_generation(server: Any, request: Request, gen: Generation, stream: bool,
+                           include_usage: bool) -> Any:
+    server.worker.submit(gen.job)
+    try:
+        first = await gen.first_event(request)
+    except ClientGone:
+        server.metrics.request_done(gen.endpoint, 499)
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    except BaseException:
+        gen.job.cancel.set()
+        raise
+    if stream:
+        return StreamingResponse(stream_events(gen, request, first, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        total = await run_to_end(gen, request, first)
+    except ClientGone:
+        server.metrics.request_done(gen.endpoint, 499)
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    finally:
+        gen.job.cancel.set()
+    base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": gen.usage()}
+    if gen.kind == "chat":
+        body = {"object": "chat.completion", **base, "choices": [
+            {"index": 0, "message": chat_message(total), "logprobs": None, "finish_reason": gen.finish_reason()}]}
+    else:
+        body = {"object": "text_completion", **base, "choices": [
+            {"index": 0, "text": total.content, "logprobs": None, "finish_reason": gen.finish_reason()}]}
+    server.metrics.request_done(gen.endpoint, 200)
+    return JSONResponse(body)
+
+
+async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
+    check_unsupported(req)
+    messages = template_messages(req.messages)
+    tools = validate_tools(req.tools)
+    mode, forced = tool_choice_mode(req.tool_choice, tools)
+    thinking = thinking_enabled(req)
+    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+             if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
+    prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
+                                    enable_thinking=thinking, **extra)
+    prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
+    if prefill is not None:  # force a tool call by opening it in the prompt (no constrained decoding needed)
+        prompt += "<|tool_call>" + prefill
+    ids = server.tokenizer.encode(prompt)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
+                          stop=stop_list(req.stop), prefill_tool=prefill,
+                          max_calls=1 if req.parallel_tool_calls is False else None)
+    job = Job(ids, max_new_tokens(requested, len(ids), server.backend.max_context),
+              sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await serve_generation(server, request, Generation(server, job, parser, "chat"), bool(req.stream),
+                                  include_usage)
+
+
+async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
+    check_unsupported(req)
+    if req.echo:
+        raise APIError("echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise APIError("only best_of=1 is supported", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        bos = server.template.bos_token
+        ids = server.tokenizer.encode(prompt if prompt.startswith(bos) else bos + prompt)
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < server.tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary", param="prompt")
+    if not ids:
+        raise APIError("the prompt is empty", param="prompt")
+    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
+                          stops=server.stop_ids, hidden=server.tokenizer.special_ids)
+    parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
+    limit = max_new_tokens(req.max_tokens, len(ids), server.backend.max_context)
+    job = Job(ids, limit if req.max_tokens is not None else min(16, limit),  # OpenAI's default for completions
+              sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await serve_generation(server, request, Generation(server, job, parser, "completion"), bool(req.stream),
+                                  include_usage)

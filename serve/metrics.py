@@ -1,0 +1,82 @@
+"""Serve stage: Prometheus text-format metrics (requests, tokens, TTFT, decode speed, speculative acceptance)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600)
+_ACCEPT_BUCKETS = tuple(range(1, 17))
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.total}')
+        out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.total}"]
+        return out
+
+
+class Metrics:
+    """Thread-safe: the engine worker thread and the event loop both record into it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.generation_tokens = 0
+        self.running = 0
+        self.queued = 0
+        self.ttft = _Histogram(_TTFT_BUCKETS)
+        self.tokens_per_s = _Histogram(_TPS_BUCKETS)
+        self.accepted_per_step = _Histogram(_ACCEPT_BUCKETS)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def add(self, **fields: float) -> None:
+        with self._lock:
+            for name, value in fields.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            getattr(self, name).observe(value)
+
+    def render(self) -> str:
+        with self._lock:
+            lines = ["# HELP thorgen_requests_total HTTP requests by endpoint and status.",
+                     "# TYPE thorgen_requests_total counter"]
+            for (endpoint, status), n in sorted(self.requests.items()):
+                lines.append(f'thorgen_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+            for name, value, kind, text in (
+                    ("thorgen_prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens processed."),
+                    ("thorgen_cached_prompt_tokens_total", self.cached_prompt_tokens, "counter",
+                     "Prompt tokens served from the prefix cache."),
+                    ("thorgen_generation_tokens_total", self.generation_tokens, "counter", "Tokens generated."),
+                    ("thorgen_requests_running", self.running, "gauge", "Generations on the engine now."),
+                    ("thorgen_requests_queued", self.queued, "gauge", "Generations waiting for the engine.")):
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+            for name, hist, text in (
+                    ("thorgen_time_to_first_token_seconds", self.ttft, "Time from arrival to the first token."),
+                    ("thorgen_decode_tokens_per_second", self.tokens_per_s, "Decode speed per request."),
+                    ("thorgen_accepted_tokens_per_step", self.accepted_per_step,
+                     "Tokens committed per speculative verify step (accepted drafts + 1).")):
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram"] + hist.lines(name)
+            return "\n".join(lines) + "\n"

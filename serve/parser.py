@@ -1,0 +1,310 @@
+"""Serve stage: turns generated token ids into OpenAI message parts (content, reasoning, tool calls), incrementally.
+
+Control tokens are recognised by id (never by matching decoded text), so a delimiter can never be split across
+stream chunks; ordinary text goes through an incremental UTF-8-safe decoder per segment. Streaming and
+non-streaming responses both run this one parser, so their final messages agree by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+STR_DELIM = '<|"|>'
+
+
+@dataclass(frozen=True)
+class ControlIds:
+    """Ids of Gemma-4's control tokens (MODEL_FACTS §4.2); `hidden` = other specials dropped from the text."""
+
+    channel_open: int = 100
+    channel_close: int = 101
+    tool_call_open: int = 48
+    tool_call_close: int = 49
+    string_delim: int = 52
+    stops: frozenset[int] = frozenset({1, 106, 50})
+    hidden: frozenset[int] = frozenset()
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def to_openai(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class IncrementalDecoder:
+    """Decodes a growing id list to text, holding back output while the tail is an incomplete UTF-8 sequence."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: decoding a short window keeps each push O(1) in the output length
+        self._read = 0  # ids before this index have been emitted
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        # A UTF-8 character spans at most 4 byte tokens: a longer undecodable tail is garbage, not a character
+        # still arriving, so it is emitted (as U+FFFD) rather than held back and re-decoded forever.
+        if len(text) > len(before) and (not text.endswith("\ufffd") or len(self._ids) - self._read > 4):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete sequence decodes to U+FFFD), then start afresh."""
+        out = ""
+        if self._read < len(self._ids):
+            before = self._decode(self._ids[self._prefix:self._read])
+            out = self._decode(self._ids[self._prefix:])[len(before):]
+        self._ids, self._prefix, self._read = [], 0, 0
+        return out
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; holds back any tail that could still begin one."""
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.hit = False
+
+    def push(self, text: str) -> str:
+        if self.hit:
+            return ""
+        if not self.stops:
+            return text
+        self._buf += text
+        cut = min((i for i in (self._buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit = True
+            out, self._buf = self._buf[:cut], ""
+            return out
+        # emit all but the longest tail that is a prefix of some stop string
+        keep = len(self._buf)
+        for k in range(min(self._hold, len(self._buf)), 0, -1):
+            if any(s.startswith(self._buf[-k:]) for s in self.stops):
+                keep = len(self._buf) - k
+                break
+        out, self._buf = self._buf[:keep], self._buf[keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.hit else self._buf), ""
+        return out
+
+
+class ToolSyntaxError(ValueError):
+    pass
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i].isspace():
+        i += 1
+    return i
+
+
+_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _bare(token: str):
+    """A value written without delimiters: booleans, null, numbers; anything else is kept as a string."""
+    low = token.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none"):
+        return None
+    if _NUMBER.fullmatch(token):
+        try:
+            return int(token)
+        except ValueError:
+            return float(token)
+    return token
+
+
+def _parse_value(s: str, i: int):
+    i = _skip_ws(s, i)
+    if s.startswith(STR_DELIM, i):
+        end = s.find(STR_DELIM, i + len(STR_DELIM))
+        if end < 0:
+            raise ToolSyntaxError("unterminated string")
+        return s[i + len(STR_DELIM):end], end + len(STR_DELIM)
+    if i < len(s) and s[i] in "{[":
+        closer = "}" if s[i] == "{" else "]"
+        out: dict | list = {} if closer == "}" else []
+        i = _skip_ws(s, i + 1)
+        if i < len(s) and s[i] == closer:
+            return out, i + 1
+        while True:
+            if closer == "}":
+                i = _skip_ws(s, i)
+                if s.startswith(STR_DELIM, i):
+                    key, i = _parse_value(s, i)
+                    i = _skip_ws(s, i)
+                else:
+                    colon = s.find(":", i)
+                    if colon < 0:
+                        raise ToolSyntaxError("object key without ':'")
+                    key, i = s[i:colon].strip(), colon
+                if i >= len(s) or s[i] != ":" or not key:
+                    raise ToolSyntaxError("bad object key")
+                value, i = _parse_value(s, i + 1)
+                out[key] = value  # type: ignore[index]
+            else:
+                value, i = _parse_value(s, i)
+                out.append(value)  # type: ignore[union-attr]
+            i = _skip_ws(s, i)
+            if i < len(s) and s[i] == ",":
+                i += 1
+                continue
+            if i < len(s) and s[i] == closer:
+                return out, i + 1
+            raise ToolSyntaxError(f"expected ',' or '{closer}'")
+    j = i
+    while j < len(s) and s[j] not in ",}]":
+        j += 1
+    token = s[i:j].strip()
+    if not token:
+        raise ToolSyntaxError("empty value")
+    return _bare(token), j
+
+
+def parse_tool_call(body: str) -> tuple[str, dict]:
+    """`call:NAME{k:v,...}` (the text between <|tool_call> and <tool_call|>) -> (NAME, arguments dict)."""
+    body = body.strip()
+    if not body.startswith("call:"):
+        raise ToolSyntaxError("tool call does not start with 'call:'")
+    brace = body.find("{")
+    if brace < 0:
+        raise ToolSyntaxError("tool call without arguments")
+    name = body[5:brace].strip()
+    if not re.fullmatch(r"[\w\-.]+", name):
+        raise ToolSyntaxError(f"bad tool name {name!r}")
+    args, end = _parse_value(body, brace)
+    if body[end:].strip():
+        raise ToolSyntaxError("text after the arguments")
+    return name, args
+
+
+class OutputParser:
+    """Feed token ids (any grouping), get Deltas; `finish()` flushes. Set `prefill_tool` when the prompt already
+    opened a tool call (tool_choice required/named) so the output starts inside `call:...`."""
+
+    def __init__(self, decode: Callable[[list[int]], str], ids: ControlIds = ControlIds(), *,
+                 parse_tools: bool = True, stop: Iterable[str] = (), prefill_tool: str | None = None,
+                 call_id_prefix: str | None = None, max_calls: int | None = None) -> None:
+        self.ids = ids
+        self.max_calls = max_calls  # parallel_tool_calls=false: the answer ends after the first call
+        self.parse_tools = parse_tools
+        self._decoder = IncrementalDecoder(decode)
+        self._stop = StopMatcher(stop)
+        self._mode = "tool" if prefill_tool is not None else "content"
+        self._body = prefill_tool or ""
+        self._label: str | None = None  # pending channel label ("thought\n") while not yet complete
+        self._prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
+        self.n_calls = 0
+        self.stopped = False  # a stop string was found: the caller ends the generation
+
+    # --- routing -------------------------------------------------------------------------------------------
+    def _route(self, text: str, out: Delta) -> None:
+        if not text:
+            return
+        if self._mode == "tool":
+            self._body += text
+        elif self._mode == "thought":
+            if self._label is not None:
+                self._label += text
+                nl = self._label.find("\n")
+                if nl < 0 and len(self._label) < 32:
+                    return
+                # no newline within 32 chars: it was not a channel label after all, keep it as reasoning
+                text, self._label = (self._label[nl + 1:] if nl >= 0 else self._label), None
+            out.reasoning += text
+        else:
+            out.content += self._stop.push(text)
+            self.stopped = self._stop.hit
+
+    def _switch(self, mode: str, out: Delta) -> None:
+        self._route(self._decoder.flush(), out)
+        self._mode = mode
+
+    def _close_call(self, out: Delta) -> None:
+        body, self._body = self._body, ""
+        self._mode = "content"
+        try:
+            name, args = parse_tool_call(body)
+        except ToolSyntaxError:
+            # malformed call syntax: return what the model wrote rather than guessing arguments
+            self._route("<|tool_call>" + body + "<tool_call|>", out)
+            return
+        out.tool_calls.append(ToolCall(f"{self._prefix}_{self.n_calls}", name, json.dumps(args, ensure_ascii=False)))
+        self.n_calls += 1
+        if self.max_calls is not None and self.n_calls >= self.max_calls:
+            self.stopped = True
+
+    # --- public --------------------------------------------------------------------------------------------
+    def feed(self, token_ids: Iterable[int]) -> Delta:
+        out = Delta()
+        ids = self.ids
+        for t in token_ids:
+            if self.stopped:
+                break
+            if t in ids.stops:
+                continue
+            if t == ids.channel_open:
+                self._switch("thought", out)
+                self._label = ""
+            elif t == ids.channel_close:
+                self._switch("content" if self._mode == "thought" else self._mode, out)
+                self._label = None
+            elif t == ids.tool_call_open and self.parse_tools:
+                if self._mode == "tool":  # a new call opens before the last one closed: keep the old as text
+                    self._switch("content", out)
+                    self._route("<|tool_call>" + self._body, out)
+                    self._body = ""
+                self._switch("tool", out)
+                self._label = None
+            elif t == ids.tool_call_close and self.parse_tools and self._mode == "tool":
+                self._switch("tool", out)
+                self._close_call(out)
+            elif t == ids.string_delim:
+                self._route(self._decoder.flush(), out)
+                self._route(STR_DELIM, out)
+            elif t in ids.hidden:
+                self._route(self._decoder.flush(), out)
+            else:
+                self._route(self._decoder.push(t), out)
+        return out
+
+    def finish(self) -> Delta:
+        out = Delta()
+        if not self.stopped:
+            self._route(self._decoder.flush(), out)
+            if self._mode == "tool":  # unterminated call (max_tokens): hand back the raw text as content
+                self._mode = "content"
+                self._route("<|tool_call>" + self._body, out)
+                self._body = ""
+        out.content += self._stop.flush()
+        return out

@@ -1,0 +1,269 @@
+"""Serve stage: OpenAI request schemas, their validation, and OpenAI-style error objects."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+Number = Union[StrictInt, float]
+
+
+class APIError(Exception):
+    """Becomes `{"error": {...}}` with this HTTP status (always 4xx for anything the client can fix)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Open(BaseModel):
+    # Unknown fields are accepted (clients send many harmless extras); fields that would change the output and
+    # that we do not implement are rejected explicitly in `check_unsupported`.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallIn(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class Message(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Open):
+    type: str = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool | None = False
+
+
+class _Sampling(_Open):
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: Number | None = Field(default=None, ge=0, le=1)
+    seed: StrictInt | None = None
+    stop: Union[str, list[str], None] = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = 1
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Number | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[StrictInt]]
+    echo: StrictBool | None = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+
+class TokenizeRequest(_Open):
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Open):
+    tokens: list[StrictInt]
+
+
+# --- semantic checks ---------------------------------------------------------------------------------------
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """Fields whose effect we do not implement are refused with a 400 instead of being silently ignored."""
+    if req.n not in (None, 1):
+        raise APIError("only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise APIError(f"{name} is not supported by this server (only 0): it cannot be applied to sampling",
+                           param=name)
+    if req.repetition_penalty not in (None, 1, 1.0):
+        raise APIError("repetition_penalty is not supported (only 1.0)", param="repetition_penalty")
+    if req.logprobs not in (None, False, 0) or req.top_logprobs not in (None, 0):
+        raise APIError("logprobs are not supported by this server", param="logprobs")
+    if req.logit_bias not in (None, {}):
+        raise APIError("logit_bias is not supported by this server", param="logit_bias")
+    fmt = req.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError("response_format other than {'type': 'text'} is not supported", param="response_format")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 16:
+        raise APIError("at most 16 stop sequences", param="stop")
+    return [s for s in stops if s]
+
+
+def _text_of(parts: list[TextPart], where: str) -> str:
+    texts = []
+    for part in parts:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"{where}: only text content parts are supported (got type {part.type!r})",
+                           param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    seen = set()
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if tool.type != "function":
+            raise APIError(f"tools[{i}].type must be 'function'", param="tools")
+        if not _TOOL_NAME.fullmatch(fn.name):
+            raise APIError(f"tools[{i}].function.name {fn.name!r} must match [A-Za-z0-9_.-]{{1,64}}", param="tools")
+        if fn.name in seen:
+            raise APIError(f"tool name {fn.name!r} is declared twice", param="tools")
+        seen.add(fn.name)
+        params = fn.parameters
+        if params is not None:
+            if params.get("type", "object") != "object":
+                raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type 'object'",
+                               param="tools")
+            if not isinstance(params.get("properties", {}), dict):
+                raise APIError(f"tools[{i}].function.parameters.properties must be an object", param="tools")
+        d = {"name": fn.name, "description": fn.description or ""}
+        if params is not None:
+            d["parameters"] = params
+        out.append({"type": "function", "function": d})
+    return out
+
+
+def tool_choice_mode(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, str | None]:
+    """-> (mode, forced name) with mode in none/auto/required/named."""
+    names = [t["function"]["name"] for t in tools or []]
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError("tool_choice must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+        if choice == "required" and not names:
+            raise APIError("tool_choice 'required' needs tools", param="tool_choice")
+        return (choice if names else "none"), None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in names:
+        raise APIError(f"tool_choice names {name!r}, which is not among the declared tools", param="tool_choice")
+    return "named", name
+
+
+def _arguments(call: ToolCallIn, i: int) -> dict | str:
+    args = call.function.arguments
+    if isinstance(args, dict):
+        return args
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+    except ValueError:
+        raise APIError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid JSON",
+                       param="messages") from None
+    if not isinstance(parsed, dict):
+        raise APIError(f"messages[{i}].tool_calls: arguments must be a JSON object", param="messages")
+    return parsed
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages -> the dicts Gemma's template expects: text parts joined, tool-call arguments as
+    mappings, and `role: "tool"` results folded into the preceding assistant message as `tool_responses`
+    (the form Google's template renders inside the model turn)."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    out: list[dict] = []
+    owner: dict | None = None  # the assistant message that tool results attach to
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", param="messages")
+        content = _text_of(m.content, f"messages[{i}]") if isinstance(m.content, list) else m.content
+        if m.role == "tool":
+            if owner is None:
+                raise APIError(f"messages[{i}]: a 'tool' message must follow an assistant message with tool_calls",
+                               param="messages")
+            name = m.name or "unknown"
+            for call in owner.get("_ids", []):
+                if m.tool_call_id is not None and call[0] == m.tool_call_id:
+                    name = call[1]
+            owner.setdefault("tool_responses", []).append({"name": name, "response": content or ""})
+            continue
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(f"messages[{i}].content is required for role {m.role!r}", param="messages")
+        d: dict = {"role": m.role, "content": content}
+        owner = None
+        if m.role == "assistant" and m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c, i)}}
+                               for c in m.tool_calls]
+            d["_ids"] = [(c.id, c.function.name) for c in m.tool_calls]
+            owner = d
+        out.append(d)
+    for d in out:
+        d.pop("_ids", None)
+    return out

@@ -1,0 +1,232 @@
+"""Serve stage tests: the HTTP API on a scripted engine: tools, reasoning, stop, bad input, auth, CORS, health."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.serve.app import ServerState, create_app  # noqa: E402
+from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
+from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
+Q = '<|"|>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "required": ["city"], "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "now", "description": "The time"}}]
+SCRIPT = {"out": ""}  # what the scripted engine answers, set per test
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_file(write_test_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def engine(tok) -> ScriptedBackend:
+    return ScriptedBackend(lambda prompt: tok.encode(SCRIPT["out"]), max_context=600, chunk=2)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tok):
+    state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
+    with running_server(create_app(state, cors_origins=["http://ui.example"])) as url:
+        yield url, state
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def said(engine: ScriptedBackend, tok: Tokenizer) -> str:
+    return tok.decode(engine.calls[-1]["prompt"])
+
+
+def test_tool_calls_stream_and_not(client, engine, tok):
+    SCRIPT["out"] = (f"<|tool_call>call:get_weather{{city:{Q}Zürich, CH{Q},days:2}}<tool_call|>"
+                     f"<|tool_call>call:now{{}}<tool_call|><|tool_response>")
+    msgs = [{"role": "user", "content": "weather?"}]
+    r = client.chat.completions.create(model="x", messages=msgs, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Zürich, CH", "days": 2}), ("now", {})]
+    assert all(c.id and c.type == "function" for c in choice.message.tool_calls)
+    assert "declaration:get_weather" in said(engine, tok)
+
+    chunks = list(client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, stream=True))
+    streamed = {}
+    for ch in chunks:
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            assert d.id and d.type == "function" and d.function.name  # strict clients need all three each time
+            streamed.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments
+        if ch.choices and ch.choices[0].delta.content:
+            assert "<|" not in ch.choices[0].delta.content
+    assert [(n, json.loads(a)) for _, (n, a) in sorted(streamed.items())] == calls
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    one = client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    assert one.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_results_and_tool_choice(client, engine, tok):
+    SCRIPT["out"] = "<|tool_call>call:now{}<tool_call|>"
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c9", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c9", "content": "12:00"}]
+    client.chat.completions.create(model="x", messages=history, tools=TOOLS)
+    prompt = said(engine, tok)
+    assert prompt.endswith(f"<|tool_call>call:now{{}}<tool_call|><|tool_response>response:now{{value:{Q}12:00{Q}}}"
+                           "<tool_response|><|channel>thought\n<channel|>")
+    SCRIPT["out"] = f"city:{Q}Oslo{Q}}}<tool_call|>"  # the prompt already opened the call
+    r = client.chat.completions.create(model="x", messages=history[:1], tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert said(engine, tok).endswith("<|tool_call>call:get_weather{")
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    SCRIPT["out"] = "just text"
+    r = client.chat.completions.create(model="x", messages=history[:1], tools=TOOLS, tool_choice="none")
+    assert "<|tool>" not in said(engine, tok) and r.choices[0].message.content == "just text"
+    client.chat.completions.create(model="x", messages=history[:1], tools=TOOLS, tool_choice="required")
+    assert said(engine, tok).endswith("<|tool_call>call:")
+
+
+def test_reasoning_on_and_off(client, engine, tok):
+    SCRIPT["out"] = "<|channel>thought\nFirst, 2+2.<channel|>It is 4.<turn|>"
+    msgs = [{"role": "user", "content": "2+2?"}]
+    r = client.chat.completions.create(model="x", messages=msgs, extra_body={
+        "chat_template_kwargs": {"enable_thinking": True}})
+    m = r.choices[0].message.model_dump()
+    assert (m["content"], m["reasoning_content"], m["reasoning"]) == ("It is 4.", "First, 2+2.", "First, 2+2.")
+    assert "<|think|>" in said(engine, tok) and said(engine, tok).endswith("<|turn>model\n")
+    text, thought = "", ""
+    for ch in client.chat.completions.create(model="x", messages=msgs, stream=True, reasoning_effort="high"):
+        d = ch.choices[0].delta.model_dump() if ch.choices else {}
+        text += d.get("content") or ""
+        thought += d.get("reasoning_content") or ""
+        assert d.get("reasoning_content") == d.get("reasoning")
+    assert (text, thought) == ("It is 4.", "First, 2+2.")
+    SCRIPT["out"] = "It is 4."
+    r = client.chat.completions.create(model="x", messages=msgs)
+    assert "<|think|>" not in said(engine, tok) and said(engine, tok).endswith("<|channel>thought\n<channel|>")
+    assert r.choices[0].message.model_dump().get("reasoning_content") is None
+
+
+def test_stop_usage_and_length(client, engine, tok):
+    SCRIPT["out"] = "alpha beta gamma delta"
+    msgs = [{"role": "user", "content": "go"}]
+    r = client.chat.completions.create(model="x", messages=msgs, stop=["gam", "zz"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("alpha beta ", "stop")
+    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="x", messages=msgs, stop="a g", stream=True) if ch.choices)
+    assert text == "alpha bet"
+    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.usage.prompt_tokens == len(engine.calls[-1]["prompt"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 3
+    chunks = list(client.chat.completions.create(model="x", messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tok.encode(SCRIPT["out"]))
+
+
+def test_completions_endpoint(client, engine, tok):
+    SCRIPT["out"] = "abc<eos>"
+    r = client.completions.create(model="x", prompt="Once", max_tokens=10)
+    assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "stop"
+    assert engine.calls[-1]["prompt"] == tok.encode("<bos>Once")
+    assert "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt="Once", stream=True) if c.choices) == "abc"
+
+
+BAD = [
+    ("malformed json", b"{not json", 400), ("wrong type", {"messages": "hi"}, 400),
+    ("empty messages", {"messages": []}, 400), ("unknown role", {"messages": [{"role": "bot", "content": "x"}]}, 400),
+    ("n=2", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("penalty", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1.0}, 400),
+    ("temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
+    ("too long", {"messages": [{"role": "user", "content": "x" * 700}]}, 400),
+    ("max_tokens over ctx", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}, 400),
+    ("bad tool", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+                                                                           "function": {"name": "bad name!"}}]}, 400),
+    ("bad schema", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"o": {"type": "object",
+                                                                          "additionalProperties": False}}}}}]}, 400),
+    ("unknown tool_choice", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                             "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    ("image", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, 400),
+    ("orphan tool", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, 400),
+    ("thinking flag", {"messages": [{"role": "user", "content": "x"}],
+                       "chat_template_kwargs": {"enable_thinking": "yes"}}, 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_error_object(server, name, body, status):
+    url = server[0] + "/v1/chat/completions"
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+        else httpx.post(url, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if name == "malformed json":
+        assert "not valid JSON" in err["message"]
+
+
+def test_worker_alive_after_bad_input(client):
+    SCRIPT["out"] = "fine"
+    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "x"}]).choices[0] \
+        .message.content == "fine"
+
+
+def test_models_tokenize_metrics_cors(server, tok):
+    url, state = server
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == state.model_id
+    ids = httpx.post(url + "/tokenize", json={"prompt": "hi ∑"}).json()
+    assert ids["tokens"] == tok.encode("<bos>hi ∑") and ids["count"] == len(ids["tokens"])
+    assert httpx.post(url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "<bos>hi ∑"
+    assert httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert tok.decode(chat["tokens"]).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    metrics = httpx.get(url + "/metrics").text
+    assert 'thorgen_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert "thorgen_time_to_first_token_seconds_count" in metrics and "thorgen_generation_tokens_total" in metrics
+    pre = httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+    assert "access-control-allow-origin" not in httpx.get(url + "/v1/models", headers={"Origin": "http://evil"}).headers
+
+
+def test_api_key_and_health_while_loading(tok):
+    gate = threading.Event()
+    engine = ScriptedBackend(lambda p: tok.encode("ok"))
+
+    def loader():
+        gate.wait(10)
+        return engine, tok, ChatTemplate(TEMPLATE.read_text()), {"eos_token_id": [1, 106, 50]}
+    state = ServerState("m", loader)
+    with running_server(create_app(state, api_key="sekrit")) as url:
+        state.load_in_background()
+        assert httpx.get(url + "/health").status_code == 503
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        gate.set()
+        for _ in range(200):
+            if httpx.get(url + "/health").status_code == 200:
+                break
+            threading.Event().wait(0.02)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert ok.chat.completions.create(model="m", messages=body["messages"]).choices[0].message.content == "ok"
