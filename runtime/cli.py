@@ -13,19 +13,6 @@ from .backend import BackendError, SamplingParams
 
 BOS_ID = 2
 
-# `thorgen repack-weights` and `thorgen bench` are registered as thorgen.runtime.cli:<name> but live in their
-# own modules; resolve them lazily so importing this module for `generate` does not import those.
-_ELSEWHERE = {"repack_weights": ".repack_cli", "bench": ".bench"}
-
-
-def __getattr__(name: str):
-    if name in _ELSEWHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_ELSEWHERE[name], __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _parse_ids(text: str) -> list[int]:
     parts = [p.strip() for p in text.split(",")]
     try:
@@ -44,17 +31,22 @@ def _stop_ids(ckpt) -> frozenset[int]:
     return frozenset(int(e) for e in eos if e is not None)
 
 
-def _open_backend(model: Path, draft: Path | None, backend: str, max_context: int | None):
-    if backend == "cuda":
-        raise click.ClickException("the cuda backend is not available yet: use --backend reference")
+def _open_backend(model: Path, draft: Path | None, backend: str, max_context: int | None, kv_dtype: str):
     from ..model_spec.checkpoint import Checkpoint, CheckpointError
-    from .reference.backend import ReferenceBackend
 
     try:
         ckpt = Checkpoint.open(model, draft)
     except CheckpointError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
+        if backend == "cuda":
+            from .cuda_backend import CudaBackend
+
+            return ckpt, CudaBackend.from_checkpoint(ckpt, max_context=max_context, kv_dtype=kv_dtype)
+        if kv_dtype != "bf16":
+            raise click.ClickException("--kv-dtype fp8 needs --backend cuda (the reference keeps K/V in float32)")
+        from .reference.backend import ReferenceBackend
+
         return ckpt, ReferenceBackend(ckpt, max_context=max_context)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -82,10 +74,12 @@ def _open_backend(model: Path, draft: Path | None, backend: str, max_context: in
               help="Drafter directory (default: MODEL/dflash when present).")
 @click.option("--max-context", type=click.IntRange(min=2), default=None,
               help="Context limit in tokens (default: the model's max_position_embeddings).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
-             draft: Path | None, max_context: int | None, as_json: bool) -> None:
+             draft: Path | None, max_context: int | None, kv_dtype: str, as_json: bool) -> None:
     """Generate tokens for one raw prompt (no chat template) and print them.
 
     Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
@@ -95,7 +89,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     if (prompt_text is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    ckpt, engine = _open_backend(model, draft, backend, max_context)
+    ckpt, engine = _open_backend(model, draft, backend, max_context, kv_dtype)
     from .tokenizer import Tokenizer, TokenizerError
 
     try:
@@ -109,7 +103,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     if bad:
         raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
                                  param_hint="--prompt-ids")
-    if speculative and engine.drafter is None:
+    if speculative and getattr(engine, "drafter", None) is None:
         raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
                                    "or --no-speculative")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)

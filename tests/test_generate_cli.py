@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from click.testing import CliRunner
 
@@ -54,8 +55,10 @@ def test_text_output_and_errors(tiny_checkpoint, tmp_path) -> None:
         (["--prompt-ids", "2,abc"], "comma-separated"),
         ([], "exactly one of"),
         (["--prompt", "hi", "--prompt-ids", "2"], "exactly one of"),
-        (["--prompt-ids", "2", "--backend", "cuda"], "not available yet"),
+        (["--prompt-ids", "2", "--kv-dtype", "fp8"], "needs --backend cuda"),
     ]
+    if shutil.which("nvidia-smi") is None:  # no GPU: the cuda backend must point the user at the reference
+        cases.append((["--prompt-ids", "2", "--backend", "cuda"], "--backend reference"))
     for extra, message in cases:
         r = CliRunner().invoke(main, ["generate", "--model", str(tiny_checkpoint), *extra])
         assert r.exit_code != 0 and message in r.output, (extra, r.output)

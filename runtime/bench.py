@@ -1,0 +1,201 @@
+"""Runtime stage: `thorgen bench` — TTFT, decode tok/s, weight bandwidth vs a copy probe, memory and load time.
+
+Method: load the backend (timed), warm up once, then `--runs` back-to-back greedy generations of exactly `--gen`
+tokens for one synthetic `--prompt-len` prompt (no stop ids, prefix cache off). TTFT = start of the call to the
+first token; decode tok/s = (tokens - 1) / (last token - first token); medians are reported. Weight bytes per
+decode step come from the spec (every non-expert weight + top_k of the experts + the lm_head), so achieved GB/s =
+bytes x tok/s; the copy probe (device-to-device on the cuda backend, host memcpy on the reference backend) is
+measured in the same process so the fraction compares like with like.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from ..model_spec.types import ModelSpec
+from .backend import BackendError, SamplingParams
+
+NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # e2m1 nibble + one e4m3 scale per 16 (tile scales are negligible)
+
+
+def decode_weight_bytes(spec: ModelSpec, lm_head: str = "nvfp4") -> int:
+    """Weight bytes one plain decode step (one token) reads: attention, dense MLP, top_k experts and router per
+    layer, norms, one embedding row, and the lm_head (NVFP4 or bf16)."""
+    t = spec.target
+    h = t.hidden_size
+    total = 0.0
+    for l in range(t.num_hidden_layers):
+        hd, kv = t.layer_head_dim(l), t.layer_kv_heads(l)
+        n_qkv = t.num_attention_heads * hd + kv * hd * (2 if t.layer_has_v_proj(l) else 1)
+        linear = h * n_qkv + t.num_attention_heads * hd * h + 3 * h * t.intermediate_size
+        linear += t.top_k_experts * 3 * h * t.moe_intermediate_size
+        total += linear * NVFP4_BYTES_PER_WEIGHT
+        total += 2 * (t.num_experts * h + h + t.num_experts + 7 * h + 2 * hd + 1)  # router, norms (bf16)
+    total += 2 * h * 2  # final norm + one embedding row
+    total += t.vocab_size * h * (NVFP4_BYTES_PER_WEIGHT if lm_head == "nvfp4" else 2)
+    return int(total)
+
+
+def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
+    """<bos> then n-1 pseudo-random ordinary token ids (above the special-token range of the real vocab)."""
+    rng = np.random.default_rng(seed)
+    lo = min(256, spec.target.vocab_size // 2)
+    return [spec.target.bos_token_id] + rng.integers(lo, spec.target.vocab_size, n - 1).tolist()
+
+
+def timed_run(backend: Any, prompt: list[int], gen: int) -> tuple[float, float, int]:
+    """(ttft seconds, decode seconds after the first token, tokens) of one greedy generation."""
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    for step in backend.generate_stream(prompt, gen, SamplingParams(), stop_ids=frozenset()):
+        now = time.perf_counter()
+        n += len(step.token_ids)
+        if first is None:
+            first = now
+        last = now
+    if first is None:
+        raise BackendError("the backend produced no token")
+    return first - t0, last - first, n
+
+
+def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Host memcpy bandwidth (read + write bytes per second), best of `repeats`."""
+    a = np.ones(nbytes, np.uint8)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def open_backend(name: str, model: Path, ctx: int, kv_dtype: str, weights: Path | None = None,
+                 kernel_dir: Path | None = None) -> tuple[Any, dict]:
+    """(backend, facts about it for the report)."""
+    if name == "reference":
+        from ..model_spec.checkpoint import Checkpoint
+        from .reference.backend import ReferenceBackend
+
+        ckpt = Checkpoint.open(model)
+        # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
+        b = ReferenceBackend(ckpt, max_context=min(ctx, ckpt.spec.target.max_position_embeddings), prefix_slots=0)
+        return b, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
+    from .cuda_backend import open_backend as open_cuda
+
+    b = open_cuda(model, ctx=ctx, kv_dtype=kv_dtype, weights_dir=weights, kernels_dir=kernel_dir)
+    return b, {"gpu": b.device.info.name, "lm_head": b.lm_head}
+
+
+def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int,
+              kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None) -> dict:
+    t0 = time.perf_counter()
+    backend, facts = open_backend(backend_name, model, ctx, kv_dtype, weights, kernel_dir)
+    load_s = time.perf_counter() - t0
+    spec = backend.spec
+    prompt = synthetic_prompt(spec, prompt_len)
+    timed_run(backend, prompt, min(gen, 4))  # warm-up: graph capture, lazy weights, caches
+    ttfts, rates = [], []
+    for _ in range(runs):
+        ttft, dec, n = timed_run(backend, prompt, gen)
+        ttfts.append(ttft)
+        rates.append((n - 1) / dec if n > 1 and dec > 0 else float("nan"))
+    tok_s = statistics.median(rates)
+    wbytes = decode_weight_bytes(spec, facts["lm_head"])
+    if backend_name == "cuda":
+        copy, copy_kind = backend.copy_bandwidth_gb_s(), "device-to-device copy"
+        peak = backend.peak_gpu_mem_bytes() / 2**30
+    else:
+        copy, copy_kind, peak = host_copy_gb_s(), "host memcpy", None
+    achieved = wbytes * tok_s / 1e9
+    report = {
+        "gpu": facts["gpu"], "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "backend": backend_name,
+        "model": spec.name, "spec_hash": spec.spec_hash, "prompt_len": prompt_len, "gen": gen, "runs": runs,
+        "ctx": ctx, "kv_dtype": kv_dtype, "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
+        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts], "decode_tok_s": round(tok_s, 3),
+        "decode_tok_s_runs": [round(r, 3) for r in rates], "step_ms": round(1e3 / tok_s, 4) if tok_s else None,
+        "weight_bytes_per_step": wbytes, "lm_head": facts["lm_head"], "achieved_gb_s": round(achieved, 3),
+        "copy_gb_s": round(copy, 3), "copy_probe": copy_kind, "fraction_of_copy": round(achieved / copy, 4),
+        "peak_gpu_mem_gib": None if peak is None else round(peak, 3), "load_s": round(load_s, 3),
+        "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+    }
+    if backend_name == "cuda" and hasattr(backend, "kernel_breakdown"):
+        report["decode_step_kernels"] = backend.kernel_breakdown()
+    return report
+
+
+def _text(r: dict) -> str:
+    lines = [f"{r['backend']} on {r['gpu']}: {r['model']} prompt {r['prompt_len']} gen {r['gen']} x{r['runs']}",
+             f"  load            {r['load_s']:.2f} s",
+             f"  TTFT            {r['ttft_ms']:.1f} ms (median)",
+             f"  decode          {r['decode_tok_s']:.2f} tok/s (median), step {r['step_ms']} ms",
+             f"  weights/step    {r['weight_bytes_per_step'] / 1e9:.3f} GB (lm_head {r['lm_head']}) -> "
+             f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
+             f"({r['copy_gb_s']:.1f} GB/s)",
+             f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB"]
+    for k in r.get("decode_step_kernels") or []:
+        lines.append(f"    {k['kernel']:<48} {k['us']:9.1f} us x{k.get('count', 1)}")
+    return "\n".join(lines)
+
+
+@click.command("bench")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Checkpoint folder (the cuda backend also finds its repacked weights and kernels from it).")
+@click.option("--backend", type=click.Choice(["cuda", "reference"]), default="cuda", show_default=True)
+@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--gen", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per run.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Back-to-back timed runs.")
+@click.option("--ctx", type=click.IntRange(min=2), default=65536, show_default=True, help="KV cache context.")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the JSON report to this file (e.g. docs/benchmarks/<name>.json).")
+@click.option("--kernels", is_flag=True, help="Also run the per-kernel benchmark (thorgen.codegen.bench_kernels).")
+@click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
+@click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
+def bench(model: Path, backend: str, prompt_len: int, gen: int, runs: int, ctx: int, kv_dtype: str,
+          as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None) -> None:
+    """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
+    probe measured in the same run, peak GPU memory and load time."""
+    if prompt_len + gen > ctx:
+        raise click.BadParameter(f"--prompt-len + --gen ({prompt_len + gen}) exceed --ctx {ctx}")
+    command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
+               f"--runs {runs} --ctx {ctx} --kv-dtype {kv_dtype}"
+               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else ""))
+    try:
+        report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir)
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(json.dumps(report, indent=1) + "\n")
+    click.echo(json.dumps(report) if as_json else _text(report))
+    if kernels:
+        # bench is a dev tool: it may reach into codegen (lazily, only for --kernels); the runtime never does.
+        import runpy
+
+        argv, sys.argv = sys.argv, ["thorgen.codegen.bench_kernels"]  # its own defaults, not bench's options
+        try:
+            runpy.run_module("thorgen.codegen.bench_kernels", run_name="__main__", alter_sys=True)
+        except ImportError as exc:
+            raise click.ClickException(f"--kernels: thorgen.codegen.bench_kernels is unavailable ({exc})") from exc
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise click.ClickException(f"kernel benchmark exited with {exc.code}") from exc
+        finally:
+            sys.argv = argv

@@ -1,0 +1,202 @@
+"""Runtime stage: `CudaBackend`, the compiled engine behind the Backend protocol (what `--backend cuda` opens).
+
+Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
+against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
+naming them, when built kernels are missing. Speculative (DFlash) decoding is not wired and raises. Nothing here
+has run on a GPU yet: token-exactness against the reference is what tests/test_runtime_gpu.py must show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..model_spec.config import spec_from_configs
+from .backend import BackendError, GenerationResult, SamplingParams, StepOutput
+from .device import Device, check, driver, gib
+from .engine import Engine
+from .kv_cache import DEFAULT_CTX, check_context, plan_kv
+from .memory import alloc, check_fits
+from .modules import KernelManifest, load_manifest
+from .repack import layout_version
+from .weights import WeightsArtifact, find_artifact, upload
+
+
+def _spec(model_dir: Path, draft_dir: Path | None):
+    """The ModelSpec from the configs alone (cheap; the repacked artifact carries the weights)."""
+    def read(p: Path) -> dict:
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BackendError(f"{p}: cannot read the model config ({exc})") from exc
+    draft_dir = draft_dir or (model_dir / "dflash" if (model_dir / "dflash" / "config.json").is_file() else None)
+    try:
+        return spec_from_configs(read(model_dir / "config.json"),
+                                 read(draft_dir / "config.json") if draft_dir else None, name=model_dir.name)
+    except ValueError as exc:  # SpecError: a config thorgen cannot run
+        raise BackendError(f"{model_dir}: {exc}") from exc
+
+
+def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path | None) -> KernelManifest:
+    """The built kernels: --kernels DIR, $THORGEN_KERNELS, ./thorgen-build/<model>/<arch> (thorgen build's
+    default), or <model>/thorgen-build/<arch>."""
+    cands = [kernels_dir] if kernels_dir else []
+    if os.environ.get("THORGEN_KERNELS"):
+        cands.append(Path(os.environ["THORGEN_KERNELS"]))
+    cands += [Path("thorgen-build") / spec_name / arch, model_dir / "thorgen-build" / arch]
+    for c in cands:
+        if (c / "manifest.json").is_file():
+            return load_manifest(c)
+    raise BackendError(f"no built kernels for {arch} (looked in {', '.join(map(str, cands))}); run "
+                       f"`thorgen build --model {model_dir} --arch {arch}` or pass --kernels DIR")
+
+
+class CudaBackend:
+    """Backend protocol over an Engine (one request at a time, like the reference backend)."""
+
+    def __init__(self, engine: Engine, load_s: float = 0.0) -> None:
+        self.engine, self.spec, self.device = engine, engine.spec, engine.device
+        self.max_context = engine.ctx
+        self.lm_head = engine.art.lm_head
+        self.load_s = load_s
+        self.last_result: GenerationResult | None = None
+        self._peak_used = self._used()
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, max_context: int | None = None, kv_dtype: str = "bf16") -> "CudaBackend":
+        """For callers holding an opened Checkpoint (the server): same as open_backend on its folders."""
+        return open_backend(ckpt.model_dir, ctx=max_context or DEFAULT_CTX, kv_dtype=kv_dtype,
+                            draft_dir=ckpt.draft_dir)
+
+    def _used(self) -> int:
+        free, total = self.device.mem_info()
+        return total - free
+
+    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.spec.target.vocab_size
+        check_context(len(prompt), self.max_context)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        if max_tokens < 1:
+            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
+        if speculative:
+            raise BackendError("cuda backend: speculative (DFlash) decoding is not wired yet; use --no-speculative "
+                               "or --backend reference")
+        result = GenerationResult() if result is None else result
+        self.last_result = result
+        return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result)
+
+    def _run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+             cancelled: Callable[[], bool] | None, result: GenerationResult) -> Iterator[StepOutput]:
+        e, greedy = self.engine, sampling.greedy
+        if not greedy:
+            e.set_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
+        result.prompt_tokens = len(prompt)
+        t0 = time.perf_counter()
+        tok = e.prefill(prompt, greedy)
+        result.prefill_s = time.perf_counter() - t0
+        pos = len(prompt)  # position of `tok`
+        t1 = time.perf_counter()
+        try:
+            while True:
+                result.token_ids.append(tok)
+                yield StepOutput([tok])
+                if tok in stop_ids:
+                    result.finish_reason = "stop"
+                    break
+                if len(result.token_ids) >= max_tokens or pos + 1 >= self.max_context:
+                    result.finish_reason = "length"
+                    break
+                if cancelled is not None and cancelled():
+                    result.finish_reason = "cancelled"
+                    break
+                tok = e.decode(pos, greedy)
+                pos += 1
+        finally:
+            result.decode_s = time.perf_counter() - t1
+            self._peak_used = max(self._peak_used, self._used())
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+        result = GenerationResult()
+        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
+            pass
+        return result
+
+    # ---- bench hooks ------------------------------------------------------------------------------------------
+    def peak_gpu_mem_bytes(self) -> int:
+        """Peak device memory in use seen at request ends (driver view: includes the CUDA context)."""
+        return max(self._peak_used, self._used())
+
+    def copy_bandwidth_gb_s(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+        """Device-to-device copy bandwidth (read + write bytes / s), best of `repeats`, measured now."""
+        a = alloc(self.device, nbytes, "bandwidth probe")
+        b = alloc(self.device, nbytes, "bandwidth probe")
+        s, e0, e1 = self.engine.stream, self.device.event(), self.device.event()
+        best = float("inf")
+        try:
+            for _ in range(repeats):
+                e0.record(s)
+                check(driver().cuMemcpyDtoDAsync(b.ptr, a.ptr, nbytes, s.handle), "bandwidth probe")
+                e1.record(s)
+                e1.synchronize()
+                best = min(best, e1.elapsed_ms(e0) / 1e3)
+        finally:
+            a.free()
+            b.free()
+            e0.destroy()
+            e1.destroy()
+        return 2 * nbytes / best / 1e9
+
+    def kernel_breakdown(self) -> list[dict]:
+        """One decode step's launches with their GPU time, summed per kernel (largest first)."""
+        rows = self.engine.profile_step(0)
+        agg: dict[str, dict] = {}
+        for r in rows:
+            a = agg.setdefault(r["kernel"], {"kernel": r["kernel"], "us": 0.0, "count": 0})
+            a["us"] += r["us"]
+            a["count"] += 1
+        return sorted(agg.values(), key=lambda a: -a["us"])
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_backend(model_dir: str | os.PathLike, ctx: int = DEFAULT_CTX, kv_dtype: str = "bf16",
+                 draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
+                 kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False) -> CudaBackend:
+    """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
+
+    Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
+    artifacts -> repack/build; too little memory -> needed vs free)."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
+    dev = Device.open(device)
+    arch = dev.info.arch
+    manifest = find_kernels(model_dir, spec.name, arch, Path(kernels_dir) if kernels_dir else None)
+    manifest.check(spec_hash=spec.spec_hash, device_arch=arch)
+    folder = Path(weights_dir) if weights_dir else find_artifact(model_dir, spec.spec_hash)
+    art = WeightsArtifact.open(folder, spec_hash=spec.spec_hash, layout_version=layout_version(), arch=arch)
+    if verify:
+        art.verify()
+    kv = plan_kv(spec, ctx, kv_dtype, conventions=manifest.conventions)
+    need = art.total_bytes + kv.nbytes + (256 << 20)  # + activations, logits and graph/launch slack
+    free, _ = dev.mem_info()
+    check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")
+    weights = upload(art, dev)
+    try:
+        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype)
+    except BaseException:
+        weights.free()
+        raise
+    return CudaBackend(engine, time.perf_counter() - t0)

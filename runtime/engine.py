@@ -1,0 +1,227 @@
+"""Runtime stage: the CUDA engine — one weight upload, static buffers, chunked prefill and a graphed decode step.
+
+Everything is allocated once (weights, KV cache, activations for up to `max_step_tokens` rows), so every pointer
+is fixed and the one-token decode step is captured as a CUDA graph (one per mode: greedy, sampled). The step
+embeds the previous step's `out_ids[0]` and reads its position from device memory (small async copies from
+pinned memory), so between steps only the new token id (4 bytes) crosses to the host. The launches themselves
+come from runtime/forward.py; a manifest lacking any kernel they need stops the engine at start, naming all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..model_spec.types import ModelSpec
+from .backend import BackendError
+from .device import Device, check, driver
+from .forward import LM_ROWS, MOE_SLICE, NULL, Copy2D, Forward, _grid
+from .graphs import CudaGraph
+from .kv_cache import KVCache, plan_kv
+from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
+from .modules import KernelManifest, KernelSet, Ptr
+from .weights import WeightsArtifact
+
+SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
+                          ("top_k", "<i4"), ("pad", "<i4")])  # thorgen::SampleParams (sample.cuh), 40 bytes
+
+
+class Engine:
+    """Device resources of one model; `prefill()` then `decode()` generate, `profile_step()` times a step."""
+
+    # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B); the stream is synchronised
+    # at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
+    _SLOTS, _READ = 128, 2048
+
+    def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
+                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16") -> None:
+        self.spec, self.device, self.manifest, self.art, self.weights = spec, device, manifest, artifact, weights
+        self.ctx = ctx
+        self.max_rows = int(manifest.conventions.get("max_step_tokens", 512))
+        self.stream = device.stream()
+        self.kernels = KernelSet(manifest, device)
+        self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
+        missing = self.fwd.probe()
+        if artifact.lm_head != "nvfp4":
+            missing.append("a bf16 lm_head GEMM (repack with --lm-head nvfp4, the supported path)")
+        if missing:
+            self.close()
+            raise BackendError("cuda backend: the kernel manifest lacks what the forward needs: " + "; ".join(missing)
+                               + ". Rebuild with `thorgen build` once those kernel families exist")
+        self.kernels.load_all()
+        self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, conventions=manifest.conventions))
+        self.act = Arena(device, self._plan_activations())
+        self.act.buffer.zero()  # argmax/sampler scratch (best, counters) must start zeroed; the kernels keep it so
+        self._pinned = PinnedBuffer(4096)
+        self.fwd.ptr = self  # real buffers from now on
+        self._graphs: dict[str, CudaGraph] = {}
+        self._bound: dict[tuple[int, bool, bool], list[tuple[str, Any]]] = {}
+
+    # ---- buffers --------------------------------------------------------------------------------------------------
+    def _plan_activations(self) -> ArenaPlan:
+        t, R = self.spec.target, self.max_rows
+        H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
+        qmax = max(t.num_attention_heads * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
+        kmax = max(t.layer_kv_heads(l) * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
+        kernels = self.manifest.kernels.values()
+        ws = max([int(k.params.get("ws_floats", 0)) for k in kernels if k.template.startswith("attn_fwd")] + [1])
+        sws = max([int(k.params.get("WS_ROW_BYTES", 0)) for k in kernels] + [1])
+        p = ArenaPlan("activations")
+        for name, shape, dt in (
+                ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
+                ("qkv", (R, qmax + 2 * kmax), "f32"), ("q_raw", (R, qmax), "f32"), ("k_raw", (R, kmax), "f32"),
+                ("v_raw", (R, kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
+                ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
+                ("mlp", (R, H), "f32"), ("moe_act", (MOE_SLICE * K, t.moe_intermediate_size), "f16"),
+                ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
+                ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + 1,), "i32"),
+                ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (LM_ROWS,), "i32"),
+                ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (LM_ROWS,), "i32"),
+                ("params", (LM_ROWS, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8")):
+            p.add_array(name, shape, dt)
+        return p
+
+    def W(self, name: str, byte_offset: int = 0) -> Ptr:
+        return Ptr(self.weights.ptr + self.art.entry(name).offset + byte_offset)
+
+    def A(self, name: str, row: int = 0) -> Ptr:
+        r = self.act.plan.regions[name]
+        return Ptr(self.act[name].ptr + row * (r.nbytes // r.shape[0]))
+
+    def KV(self, layer: int, which: str) -> Ptr:
+        return Ptr((self.kv.k(layer) if which == "k" else self.kv.v(layer)).ptr)
+
+    # ---- launches -------------------------------------------------------------------------------------------------
+    def bind(self, ops: list) -> list[tuple[str, Any]]:
+        """Ops -> (label, callable(stream)) pairs: prepacked kernel launches and strided copies."""
+        out: list[tuple[str, Any]] = []
+        for op in ops:
+            if isinstance(op, Copy2D):
+                out.append((op.label, _copy2d(op)))
+                continue
+            missing = [n for n in op.entry.args if n not in op.args]
+            if missing:
+                raise BackendError(f"cuda backend: {op.label}: kernel {op.entry.name} takes {missing}, which the "
+                                   "engine does not provide (kernel signature changed?)")
+            k = self.kernels.kernel(op.entry.name)
+            out.append((op.label, k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows))))
+        return out
+
+    def _graph(self, greedy: bool) -> CudaGraph:
+        key = "greedy" if greedy else "sample"
+        g = self._graphs.get(key)
+        if g is None:
+            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy))
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode step ({key})")
+            self._graphs[key] = g
+        return g
+
+    def _stage(self, step: int, position: int, token: int | None) -> None:
+        """Async copies of the step's position (and sampled position, and a prompt token into out_ids[0])."""
+        off = 16 * (step % self._SLOTS)
+        vals = self._pinned.array[off:off + 16].view(np.int32)
+        vals[:3] = (position, position + 1, -1 if token is None else token)
+        cu, h, src = driver(), self.stream.handle, self._pinned.ptr + off
+        pos = self.act["positions"].ptr
+        check(cu.cuMemcpyHtoDAsync(pos, src, 4, h), "position")
+        check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4, 4, h), "sample position")
+        if token is not None:
+            check(cu.cuMemcpyHtoDAsync(self.act["out_ids"].ptr, src + 8, 4, h), "prompt token")
+
+    # ---- running --------------------------------------------------------------------------------------------------
+    def set_sampling(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int) -> None:
+        rec = np.zeros(LM_ROWS, SAMPLE_PARAMS)
+        rec["temperature"], rec["top_k"], rec["top_p"], rec["min_p"] = temperature, top_k, top_p, min_p
+        rec["seed"] = np.uint64(seed % 2**64)
+        self.stream.synchronize()
+        self.act["params"].upload(rec.view(np.uint8))
+
+    def prefill(self, prompt: list[int], greedy: bool = True) -> int:
+        """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token."""
+        ids_buf, n = self.act["ids"], len(prompt)
+        for start in range(0, n, self.max_rows):
+            rows = min(self.max_rows, n - start)
+            last = start + rows == n
+            if rows == 1:  # the graphed step handles a single row (it embeds out_ids[0])
+                self._stage(0, start, prompt[start])
+                self._graph(greedy if last else True).replay(self.stream)
+                continue
+            self.stream.synchronize()  # the pinned position slot and ids buffer are reused per chunk
+            ids = np.asarray(prompt[start:start + rows], np.int32)
+            ids_buf.view(0, ids.nbytes).upload(ids)
+            pos = self.act["positions"]
+            pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32))
+            pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32))
+            key = (rows, last, greedy)
+            launches = self._bound.get(key)
+            if launches is None:
+                launches = self.bind(self.fwd.ops(rows, decode=False, last=last, greedy=greedy))
+                if rows == self.max_rows:
+                    self._bound[key] = launches  # full chunks repeat; a ragged last chunk is bound once
+            for _, launch in launches:
+                launch(self.stream)
+        return self._read_token()
+
+    def decode(self, position: int, greedy: bool = True) -> int:
+        """One graphed step for the token at `position` (its id is out_ids[0]); returns the new token id."""
+        self._stage(position, position, None)
+        self._graph(greedy).replay(self.stream)
+        return self._read_token()
+
+    def _read_token(self) -> int:
+        dst = self._pinned.ptr + self._READ
+        check(driver().cuMemcpyDtoHAsync(dst, self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
+        self.stream.synchronize()
+        return int(ctypes.c_int32.from_address(dst).value)
+
+    def logits(self) -> np.ndarray:
+        """float32 [V] logits (before softcap) of the last forward's last row (tests compare them)."""
+        self.stream.synchronize()
+        return self.act["logits"].download(np.float32, (self.spec.target.vocab_size,))
+
+    def profile_step(self, position: int = 0) -> list[dict]:
+        """GPU time (us) of each launch of one eager decode step, from events recorded between launches."""
+        launches = self.bind(self.fwd.ops(1, decode=True, last=True))
+        events = [self.device.event() for _ in range(len(launches) + 1)]
+        self._stage(0, position, 0)
+        events[0].record(self.stream)
+        for (_, launch), ev in zip(launches, events[1:]):
+            launch(self.stream)
+            ev.record(self.stream)
+        self.stream.synchronize()
+        rows = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
+                 "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
+        for e in events:
+            e.destroy()
+        return rows
+
+    def close(self) -> None:
+        """Free everything (idempotent), the uploaded weights included: the engine owns them."""
+        for g in getattr(self, "_graphs", {}).values():
+            g.destroy()
+        for name in ("act", "kv", "_pinned"):
+            r = getattr(self, name, None)
+            if r is not None:
+                r.free()
+        self.kernels.unload()
+        self.stream.destroy()
+        self.weights.free()
+
+
+def _copy2d(op: Copy2D) -> Any:
+    """A callable(stream) issuing the strided device-to-device copy `op` (usable inside a graph capture)."""
+    cu = driver()
+    p = cu.CUDA_MEMCPY2D()
+    p.srcMemoryType = p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.srcDevice, p.srcPitch, p.dstDevice, p.dstPitch = op.src.address, op.src_pitch, op.dst.address, op.dst_pitch
+    p.WidthInBytes, p.Height = op.width, op.height
+
+    def run(stream: Any) -> None:
+        check(cu.cuMemcpy2DAsync(p, stream.handle), op.label)
+    run.kernel = None  # type: ignore[attr-defined]  # profile rows name copies by label
+    return run
+
+
+__all__ = ["Engine", "NULL", "SAMPLE_PARAMS"]

@@ -1,0 +1,251 @@
+"""Runtime stage: the forward pass as an ordered list of kernel launches, looked up in the kernel manifest.
+
+`Forward.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
+q|k|v GEMV read in place by rope_kv, the split-K decode attention, the M=1 MoE pair; for a prefill chunk the
+fused q|k|v prefill GEMM whose [T, q|k|v] rows are split into the [T, heads*D] arrays rope_kv reads by strided
+device copies (`Copy2D`), the prefill attention, and the MoE pair on 16-row slices. Kernels are found by template + constants, never by
+name; pointers come from a `Pointers` object (the engine's buffers, or placeholders while probing which kernels
+exist). A missing kernel is recorded in `missing` and aborts that forward (`Missing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..model_spec.types import ModelSpec
+from .kv_cache import ring_slots
+from .modules import KernelEntry, KernelManifest, Ptr
+
+NULL = Ptr(0)
+LM_ROWS = 16  # rows of logits the lm_head epilogues handle (a 16-token verify block)
+MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
+
+
+class Pointers(Protocol):
+    def W(self, name: str, byte_offset: int = 0) -> Ptr: ...  # a weight tensor
+    def A(self, name: str, row: int = 0) -> Ptr: ...  # an activation buffer row
+    def KV(self, layer: int, which: str) -> Ptr: ...  # a layer's K or V cache
+
+
+class Placeholders:
+    """Pointers for probing: every address is null (nothing is launched)."""
+
+    max_rows = 0
+
+    def W(self, name: str, byte_offset: int = 0) -> Ptr:
+        return NULL
+
+    def A(self, name: str, row: int = 0) -> Ptr:
+        return NULL
+
+    def KV(self, layer: int, which: str) -> Ptr:
+        return NULL
+
+
+class Missing(Exception):
+    """A kernel lookup failed (recorded in Forward.missing); aborts building that forward."""
+
+
+def need(entry: KernelEntry | None) -> KernelEntry:
+    if entry is None:
+        raise Missing()
+    return entry
+
+
+@dataclass
+class Copy2D:
+    """A strided device copy (cuMemcpy2DAsync): `height` rows of `width` bytes between pitched buffers."""
+
+    label: str
+    src: Ptr
+    src_pitch: int
+    dst: Ptr
+    dst_pitch: int
+    width: int
+    height: int
+
+
+@dataclass
+class Op:
+    label: str
+    entry: KernelEntry
+    args: dict[str, Any]
+    rows: int
+
+
+def _grid(e: KernelEntry, rows: int) -> tuple[int, int, int]:
+    """Launch grid for `rows` rows (the manifest's grid is sized for the kernel's maximum)."""
+    g, p = list(e.grid), e.params
+    if "ROW_AXIS" in p:  # row kernels loop rows grid-stride: no more blocks than rows
+        g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
+    elif e.template.startswith("moe_gateup"):  # one block row per (token, top-k slot)
+        g[1] = rows * int(p["topk"])
+    elif e.template.startswith("attn_fwd"):  # query blocks of 16*mt/G queries
+        g[0] = -(-rows // (16 * int(p["mt"]) // (int(p["hq"]) // int(p["hkv"]))))
+    elif e.template.startswith("attn_combine"):
+        g[0] = rows * int(p["hq"])
+    elif "bm" in p:  # prefill GEMM: BM-row blocks
+        g[1] = -(-rows // int(p["bm"]))
+    return g[0], g[1], g[2]
+
+
+class Forward:
+    """Builds forwards for one model and kernel manifest; `missing` lists kernels that were looked up in vain."""
+
+    def __init__(self, spec: ModelSpec, manifest: KernelManifest, kv_dtype: str, max_rows: int) -> None:
+        self.spec, self.manifest, self.kv_dtype, self.max_rows = spec, manifest, kv_dtype, max_rows
+        self.missing: list[str] = []
+        self.ptr: Pointers = Placeholders()
+        self._probing = False
+
+    def probe(self) -> list[str]:
+        """Build every forward shape once (decode, verify-sized, prefill) and return what is missing."""
+        self._probing = True  # a missing kernel becomes a stub, so every other lookup still runs and is reported
+        try:
+            for rows in (1, 2, self.max_rows):
+                for greedy in (True, False):
+                    self.ops(rows, decode=rows == 1, last=True, greedy=greedy)
+        finally:
+            self._probing = False
+        self.missing = list(dict.fromkeys(self.missing))
+        return self.missing
+
+    # ---- kernel lookup ----------------------------------------------------------------------------------------------
+    def find(self, template: str, what: str, **params: Any) -> KernelEntry | None:
+        """The kernel built from `template` whose constants include `params`; records `what` when absent."""
+        for k in self.manifest.kernels.values():
+            if k.template == template and all(k.params.get(n) == v for n, v in params.items()):
+                return k
+        self.missing.append(f"{what} ({template} with {params})")
+        if self._probing:
+            return KernelEntry(f"<missing {what}>", Path(), "", "", (1, 1, 1), (1, 1, 1), 0, (), {}, template)
+        return None
+
+    def gemm(self, n: int, k: int, rows: int, epi: str = "store") -> KernelEntry:
+        if rows > 16:
+            e = self.find("nvfp4_gemm_large.cu.j2", f"prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
+        else:
+            e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={1 if rows == 1 else 16}", n=n, k=k, epi=epi,
+                          mmax=1 if rows == 1 else 16)
+        return need(e)
+
+    # ---- the forward ------------------------------------------------------------------------------------------------
+    def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True) -> list[Op]:
+        """Launches of one forward over `rows` tokens at positions[0..rows): token ids from `ids` (or, `decode`,
+        from the previous step's out_ids[0]); with `last`, the next token of the last row lands in out_ids[0]."""
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        H, K, ops = t.hidden_size, t.top_k_experts, []
+        emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
+                             SCALE=float(t.embed_scale)))
+        ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
+                                         out=A("x"), T=rows), rows))
+        norm = need(self.find("rmsnorm.cu.j2", "rmsnorm f32->f16", H=H, IN="f32", OUT="f16", EPS=t.rms_norm_eps))
+        ops.append(Op("input_norm", norm, dict(x=A("x"), w=W("layers.0.input_layernorm.weight"), y=A("a"), T=rows),
+                      rows))
+        for l in range(t.num_hidden_layers):
+            ops += self._layer_ops(l, rows)
+        if last:
+            V = t.vocab_size
+            ops.append(self._gemm_op("lm_head", "lm_head", V, H, 1, A("a", rows - 1), A("logits")))
+            if greedy:
+                am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
+                ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
+                                                 counters=A("counters"), out_ids=A("out_ids"), T=1), 1))
+            else:
+                common = dict(logits=A("logits"), params=A("params"), positions=A("positions", self.max_rows),
+                              workspace=A("workspace"), counters=A("counters"), out_ids=A("out_ids"),
+                              status=A("status"), T=1)
+                for stage in ("prep", "select", "finish"):
+                    k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
+                    ops.append(Op(f"sample_{stage}", k, {n: common[n] for n in k.args if n in common}, 1))
+        return ops
+
+    def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Ptr, y: Ptr, epi: str = "store") -> Op:
+        """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (gemv, gemm16 or the prefill GEMM by rows)."""
+        e = self.gemm(n, k, rows, epi)
+        return Op(label, e, dict(w=self.ptr.W(base + ".weight_packed"), s=self.ptr.W(base + ".weight_scale"),
+                                 gscale=self.ptr.W(base + ".weight_tile_scale"), x=x, y=y, m=rows), rows)
+
+    def _layer_ops(self, l: int, rows: int) -> list[Op]:
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        p, H, K = f"layers.{l}.", t.hidden_size, t.top_k_experts
+        hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
+        nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
+        qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
+        n_qkv = nq + nk * (2 if has_v else 1)
+        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv")))
+        base = A("qkv").address
+        if rows == 1:  # the single output row is q | k | v: point rope_kv into it
+            q_raw, k_raw, v_raw = Ptr(base), Ptr(base + 4 * nq), Ptr(base + 4 * (nq + nk)) if has_v else NULL
+        else:  # rope_kv reads [T, heads*D] arrays: split the [T, q|k|v] rows with strided copies
+            q_raw, k_raw, v_raw = A("q_raw"), A("k_raw"), A("v_raw") if has_v else NULL
+            parts = (("q", q_raw, 0, nq), ("k", k_raw, nq, nk)) + ((("v", v_raw, nq + nk, nk),) if has_v else ())
+            for name, dst, off, width in parts:
+                ops.append(Copy2D(f"{p}split_{name}", Ptr(base + 4 * off), 4 * n_qkv, dst, 4 * width, 4 * width, rows))
+        window = t.layer_window(l) or 0
+        ring = ring_slots(window, self.manifest.conventions) if window else 0
+        rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
+                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring,
+                              THETA=t.layer_rope(l).rope_theta))
+        ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
+                                                q_norm_w=W(f"{p}self_attn.q_norm.weight"),
+                                                k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
+                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"), T=rows),
+                      rows))
+        attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if rows <= 16 else 'prefill'}",
+                              d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
+                              kv_dtype=self.kv_dtype, mmax=16 if rows <= 16 else self.max_rows))
+        ops.append(Op(f"{p}attention", attn, dict(q=A("q"), kc=self.ptr.KV(l, "k"), vc=self.ptr.KV(l, "v"),
+                                                  positions=A("positions"), m=rows, out=A("attn"), ws=A("attn_ws")),
+                      rows))
+        if int(attn.params.get("nsplit", 1)) > 1:
+            comb = need(self.find("attn_combine.cu.j2", "attention combine", d=hd, hq=hq, nsplit=attn.params["nsplit"],
+                                   mmax=attn.params["mmax"]))
+            ops.append(Op(f"{p}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=A("attn")), rows))
+        ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
+        tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
+        ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
+                                                  w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
+                                                  w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"),
+                                                  a2=A("a2"), T=rows), rows))
+        rl = need(self.find("router_logits.cu.j2", "router logits", H=H, E=t.num_experts))
+        ops.append(Op(f"{p}router", rl, dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
+                                             logits=A("rlogits"), T=rows), rows))
+        tk = need(self.find("router_topk.cu.j2", "router top-k", E=t.num_experts, K=K))
+        ops.append(Op(f"{p}topk", tk, dict(logits=A("rlogits"), per_expert_scale=W(f"{p}router.per_expert_scale"),
+                                           topk_idx=A("topk_idx"), topk_w=A("topk_w"), T=rows), rows))
+        ops.append(self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
+                                 A("mlp_act"), epi="gelu_mul"))
+        ops.append(self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"),
+                                 A("mlp")))
+        ops += self._moe_ops(l, rows)
+        nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
+        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail", H=H, EPS=t.rms_norm_eps))
+        ops.append(Op(f"{p}ffn_tail", ft, dict(
+            mlp=A("mlp"), moe=A("moe"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), tap=NULL, tap_stride=0, tap_col=0, T=rows),
+            rows))
+        return ops
+
+    def _moe_ops(self, l: int, rows: int) -> list[Op]:
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        m, K = f"layers.{l}.experts.", t.top_k_experts
+        mmax = 1 if rows == 1 else MOE_SLICE
+        common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
+        up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
+        down = need(self.find("moe_down.cu.j2", f"MoE down m<={mmax}", **common))
+        ops = []
+        for r0 in range(0, rows, mmax):
+            n = min(mmax, rows - r0)
+            ops.append(Op(f"layers.{l}.moe_gateup", up, dict(
+                w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
+                gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
+                act=A("moe_act"), m=n), n))
+            ops.append(Op(f"layers.{l}.moe_down", down, dict(
+                w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
+                gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"), ids=A("topk_idx", r0),
+                wts=A("topk_w", r0), y=A("moe", r0), m=n), n))
+        return ops

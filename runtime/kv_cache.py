@@ -1,0 +1,151 @@
+"""Runtime stage: GPU KV cache planning (sizes per layer, bf16 or fp8 e4m3, rings for sliding layers) and allocation.
+
+Layout (the kernels' convention, copied into the kernel manifest as `conventions`): per layer a K cache and a V
+cache, each `[slot][kv_head][head_dim]`. Full-attention layers are linear (slot = position, `ctx` slots).
+Sliding layers are rings (slot = position % slots) of `window + max_step_tokens` slots: one forward step (a
+prefill chunk of up to max_step_tokens, or a 16-token verify block) writes all its keys before its queries read
+the `window - 1` older keys they still need, so the ring holds both; a plain 1024-slot ring would let a chunk
+overwrite keys its own first queries read. Full k_eq_v layers still store V separately (V = v_norm(k) is not K).
+The DFlash drafter's context cache is planned too when asked (always bf16: the drafter is precision-sensitive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model_spec.types import ModelSpec
+from .backend import BackendError
+from .memory import Arena, ArenaPlan, DeviceBuffer
+
+DEFAULT_CTX = 65536
+DEFAULT_MAX_STEP_TOKENS = 512  # codegen's MAX_STEP_TOKENS; the manifest's conventions override it
+KV_DTYPES = {"bf16": ("bf16", 2), "fp8": ("fp8e4m3", 1), "fp8e4m3": ("fp8e4m3", 1), "e4m3": ("fp8e4m3", 1)}
+
+
+def kv_dtype(name: str) -> tuple[str, int]:
+    """(canonical kernel dtype name, bytes per element) for a --kv-dtype value."""
+    try:
+        return KV_DTYPES[name.lower()]
+    except KeyError:
+        raise BackendError(f"--kv-dtype {name!r} is not supported (bf16, fp8)") from None
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    model: str  # "target" or "drafter"
+    layer: int
+    ring: bool  # True: slot = pos % slots (sliding window); False: slot = pos
+    slots: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    elem_bytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one position of K (or V): kv_heads * head_dim elements."""
+        return self.kv_heads * self.head_dim * self.elem_bytes
+
+    @property
+    def k_bytes(self) -> int:
+        return self.slots * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k_bytes  # K and V
+
+    def slot(self, pos: int) -> int:
+        return pos % self.slots if self.ring else pos
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    ctx: int
+    dtype: str
+    layers: tuple[LayerKV, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(l.nbytes for l in self.layers)
+
+    def target(self) -> list[LayerKV]:
+        return [l for l in self.layers if l.model == "target"]
+
+    def drafter(self) -> list[LayerKV]:
+        return [l for l in self.layers if l.model == "drafter"]
+
+    def summary(self) -> str:
+        t = sum(l.nbytes for l in self.target())
+        d = sum(l.nbytes for l in self.drafter())
+        return (f"KV cache ctx {self.ctx} {self.dtype}: target {t / 2**30:.2f} GiB"
+                + (f", drafter {d / 2**30:.2f} GiB" if d else "") + f", total {self.nbytes / 2**30:.2f} GiB")
+
+
+def ring_slots(window: int, conventions: dict | None = None) -> int:
+    """Slots of a sliding layer's ring: the manifest's value when given, else window + DEFAULT_MAX_STEP_TOKENS."""
+    conv = conventions or {}
+    table = conv.get("ring_slots") or {}
+    if str(window) in table:
+        return int(table[str(window)])
+    return window + int(conv.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
+
+
+def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,
+            conventions: dict | None = None) -> KVPlan:
+    """Per-layer KV sizes for a context of `ctx` tokens (pure arithmetic; BackendError for an invalid ctx)."""
+    t = spec.target
+    if ctx < 1:
+        raise BackendError(f"--ctx {ctx} must be at least 1")
+    if ctx > t.max_position_embeddings:
+        raise BackendError(f"--ctx {ctx} exceeds the model's max_position_embeddings ({t.max_position_embeddings})")
+    name, size = kv_dtype(dtype)
+    layers = []
+    for l in range(t.num_hidden_layers):
+        window = t.layer_window(l)
+        ring = window is not None and ring_slots(window, conventions) < ctx
+        slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
+        layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size))
+    if drafter:
+        d = spec.drafter
+        if d is None:
+            raise BackendError(f"model {spec.name} has no drafter; cannot plan a drafter KV cache")
+        for l in range(d.num_hidden_layers):
+            window = d.layer_window(l)
+            ring = window is not None and ring_slots(window, conventions) < ctx
+            slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
+            layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2))
+    return KVPlan(ctx, name, tuple(layers))
+
+
+def check_context(prompt_len: int, ctx: int) -> None:
+    """BackendError when a prompt cannot fit the KV cache (it needs room for at least one generated token)."""
+    if prompt_len < 1:
+        raise BackendError("the prompt is empty: at least one token (e.g. <bos>) is needed")
+    if prompt_len >= ctx:
+        raise BackendError(f"the prompt has {prompt_len} tokens but the context (--ctx) holds {ctx}; "
+                           f"shorten the prompt or raise --ctx above {prompt_len}")
+
+
+class KVCache:
+    """The planned caches in one device allocation; `k(model, layer)` / `v(model, layer)` are buffer views."""
+
+    def __init__(self, device, plan: KVPlan) -> None:  # device: runtime.device.Device
+        self.plan = plan
+        arena = ArenaPlan("KV cache")
+        for l in plan.layers:
+            shape = (l.slots, l.kv_heads, l.head_dim)
+            arena.add(f"{l.model}.{l.layer}.k", l.k_bytes, l.dtype, shape)
+            arena.add(f"{l.model}.{l.layer}.v", l.k_bytes, l.dtype, shape)
+        self.arena = Arena(device, arena)
+
+    def k(self, layer: int, model: str = "target") -> DeviceBuffer:
+        return self.arena[f"{model}.{layer}.k"]
+
+    def v(self, layer: int, model: str = "target") -> DeviceBuffer:
+        return self.arena[f"{model}.{layer}.v"]
+
+    def zero(self) -> None:
+        self.arena.buffer.zero()
+
+    def free(self) -> None:
+        self.arena.free()

@@ -1,0 +1,291 @@
+"""Runtime stage: the kernel manifest (read as plain JSON), cubin loading with an arch check, and kernel launches.
+
+The manifest is written by `thorgen build` (schema in codegen/manifest.py); the runtime never imports codegen,
+so the fields it relies on are re-checked here. Launch arguments are packed into a `void*[]` with ctypes once
+(`Kernel.bind`) and reused: a bound launch costs one `cuLaunchKernel`, and inside a graph capture it is recorded
+once. Argument widths come from the cubin itself (`cuFuncGetParamInfo`), so a Python int becomes a 64-bit pointer
+or a 32-bit int exactly as the kernel declares it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .backend import BackendError
+from .device import CudaError, Device, Stream, check, driver
+from .memory import DeviceBuffer
+
+MANIFEST_SCHEMA = 1  # codegen/manifest.py MANIFEST_SCHEMA this runtime understands
+MANIFEST_NAME = "manifest.json"
+_NO_BINARY_FOR_GPU = 209  # CUDA_ERROR_NO_BINARY_FOR_GPU
+_DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+
+
+class ModuleError(BackendError):
+    """A manifest or cubin the runtime cannot use: names the file and what to rebuild."""
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    name: str
+    cubin: Path
+    entry: str
+    family: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    args: tuple[str, ...]
+    params: dict
+    template: str = ""
+
+    def param(self, key: str) -> Any:
+        try:
+            return self.params[key]
+        except KeyError:
+            raise ModuleError(f"kernel {self.name} has no param {key!r} (has {sorted(self.params)})") from None
+
+
+@dataclass(frozen=True)
+class KernelManifest:
+    path: Path
+    model: str
+    spec_hash: str
+    arch: str
+    conventions: dict
+    kernels: dict[str, KernelEntry]
+
+    def kernel(self, name: str) -> KernelEntry:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise ModuleError(f"{self.path}: no kernel {name!r} in the manifest ({len(self.kernels)} kernels); "
+                              "rebuild with `thorgen build`") from None
+
+    def by_family(self, family: str) -> list[KernelEntry]:
+        return [k for k in self.kernels.values() if k.family == family]
+
+    def check(self, spec_hash: str | None = None, device_arch: str | None = None) -> None:
+        """ModuleError naming every field where the manifest and the model/device disagree."""
+        diffs = []
+        if spec_hash is not None and spec_hash != self.spec_hash:
+            diffs.append(f"spec hash: kernels built for {self.spec_hash[:12]} ({self.model}), model is {spec_hash[:12]}")
+        if device_arch is not None and device_arch != self.arch:
+            diffs.append(f"arch: kernels built for {self.arch}, this GPU is {device_arch}")
+        if diffs:
+            raise ModuleError(f"{self.path} does not match: " + "; ".join(diffs)
+                              + f". Rebuild with `thorgen build --arch {device_arch or self.arch}`")
+
+
+def load_manifest(path: str | Path) -> KernelManifest:
+    """Read manifest.json (or a folder holding one); ModuleError for a missing file or a malformed entry."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    if not p.is_file():
+        raise ModuleError(f"kernel manifest {p} not found; build the kernels with `thorgen build` first")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModuleError(f"{p}: unreadable kernel manifest ({exc}); rebuild with `thorgen build`") from exc
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ModuleError(f"{p}: manifest schema {got!r}, this runtime reads schema {MANIFEST_SCHEMA}; rebuild")
+    kernels = {}
+    for name, k in (data.get("kernels") or {}).items():
+        try:
+            kernels[name] = KernelEntry(
+                name=name, cubin=p.parent / k["cubin"], entry=k.get("entry", name), family=k.get("family", ""),
+                grid=tuple(int(v) for v in k["grid"]), block=tuple(int(v) for v in k["block"]),  # type: ignore[arg-type]
+                smem_bytes=int(k.get("smem_bytes", 0)), args=tuple(k.get("args", ())), params=dict(k.get("params", {})),
+                template=str(k.get("template", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModuleError(f"{p}: kernel {name!r} entry is malformed ({exc!r}); rebuild") from exc
+    for key in ("spec_hash", "arch"):
+        if not isinstance(data.get(key), str):
+            raise ModuleError(f"{p}: manifest has no {key!r}; rebuild with `thorgen build`")
+    return KernelManifest(p, str(data.get("model", "")), data["spec_hash"], data["arch"],
+                          dict(data.get("conventions") or {}), kernels)
+
+
+# ---- argument packing ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ptr:
+    """An explicit device pointer argument (a raw address)."""
+
+    address: int
+
+
+def _ctype_for(value: Any, size: int | None, where: str) -> Any:
+    if isinstance(value, ctypes._SimpleCData):
+        return value
+    if isinstance(value, DeviceBuffer):
+        return ctypes.c_uint64(value.ptr)
+    if isinstance(value, Ptr):
+        return ctypes.c_uint64(value.address)
+    if isinstance(value, np.generic):
+        return np.ctypeslib.as_ctypes_type(value.dtype)(value.item())
+    if isinstance(value, bool):
+        return ctypes.c_bool(value) if size in (None, 1) else ctypes.c_int32(int(value))
+    if isinstance(value, int):
+        if size == 8:
+            return ctypes.c_int64(value) if value < 0 else ctypes.c_uint64(value)
+        if size in (None, 4):
+            if not -(2**31) <= value < 2**32:
+                raise ModuleError(f"{where}: int {value} does not fit 32 bits (pass a Ptr for a pointer)")
+            return ctypes.c_int32(value) if value < 2**31 else ctypes.c_uint32(value)
+        raise ModuleError(f"{where}: the kernel declares a {size}-byte parameter; an int fits 4 or 8")
+    if isinstance(value, float):
+        if size in (None, 4):
+            return ctypes.c_float(value)
+        if size == 8:
+            return ctypes.c_double(value)
+        raise ModuleError(f"{where}: the kernel declares a {size}-byte parameter; a float fits 4 or 8")
+    raise ModuleError(f"{where}: cannot pass {type(value).__name__} to a kernel (DeviceBuffer, Ptr, int, float, "
+                      "NumPy scalar or ctypes value)")
+
+
+class PackedArgs:
+    """A `void*[]` pointing at ctypes copies of the arguments; `.address` goes to cuLaunchKernel."""
+
+    def __init__(self, values: Sequence[Any], sizes: Sequence[int] | None = None, names: Sequence[str] = (),
+                 kernel: str = "kernel") -> None:
+        if sizes is not None and len(sizes) != len(values):
+            raise ModuleError(f"{kernel}: takes {len(sizes)} arguments ({', '.join(names)}), got {len(values)}")
+        self._store = []
+        for i, v in enumerate(values):
+            label = f"{kernel} argument {i}" + (f" ({names[i]})" if i < len(names) else "")
+            size = None if sizes is None else sizes[i]
+            c = _ctype_for(v, size, label)
+            if size is not None and ctypes.sizeof(c) != size:
+                raise ModuleError(f"{label}: passed {ctypes.sizeof(c)} bytes, the kernel declares {size}")
+            self._store.append(c)
+        self._array = (ctypes.c_void_p * max(1, len(self._store)))(*[ctypes.addressof(c) for c in self._store])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._array) if self._store else 0
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+# ---- modules and kernels -------------------------------------------------------------------------------------
+
+class Kernel:
+    """A loaded entry point with its manifest defaults (grid, block, dynamic smem)."""
+
+    def __init__(self, entry: KernelEntry, function: Any, param_sizes: tuple[int, ...] | None) -> None:
+        self.entry, self.function, self.param_sizes = entry, function, param_sizes
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def bind(self, args: Sequence[Any], grid: tuple[int, int, int] | None = None,
+             block: tuple[int, int, int] | None = None, smem: int | None = None) -> "Launch":
+        return Launch(self, PackedArgs(args, self.param_sizes, self.entry.args, self.entry.name),
+                      tuple(grid or self.entry.grid), tuple(block or self.entry.block),  # type: ignore[arg-type]
+                      self.entry.smem_bytes if smem is None else smem)
+
+    def launch(self, stream: Stream, args: Sequence[Any], **kw: Any) -> None:
+        self.bind(args, **kw)(stream)
+
+
+@dataclass
+class Launch:
+    """One fully specified launch; calling it enqueues it on a stream."""
+
+    kernel: Kernel
+    args: PackedArgs
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+    def __call__(self, stream: Stream) -> None:
+        g, b = self.grid, self.block
+        check(driver().cuLaunchKernel(self.kernel.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
+                                      stream.handle, self.args.address, 0), f"launch {self.kernel.name}")
+
+
+def _param_sizes(function: Any, count: int) -> tuple[int, ...] | None:
+    """Byte size of each kernel parameter as compiled (None when the driver cannot say: CUDA < 12.4)."""
+    cu = driver()
+    if not hasattr(cu, "cuFuncGetParamInfo"):
+        return None
+    sizes = []
+    for i in range(count):
+        ret = cu.cuFuncGetParamInfo(function, i)
+        if int(ret[0]) != 0:
+            return None if i == 0 else tuple(sizes)
+        sizes.append(int(ret[2]))
+    # One more index must fail: otherwise the kernel takes more arguments than the manifest names.
+    extra = cu.cuFuncGetParamInfo(function, count)
+    if int(extra[0]) == 0:
+        raise ModuleError(f"kernel takes more than the {count} arguments its manifest entry names; rebuild")
+    return tuple(sizes)
+
+
+class KernelSet:
+    """The cubins of a manifest loaded into the current context (each cubin loaded once, on first use)."""
+
+    def __init__(self, manifest: KernelManifest, device: Device) -> None:
+        manifest.check(device_arch=device.info.arch)
+        self.manifest, self.device = manifest, device
+        self._modules: dict[Path, Any] = {}
+        self._kernels: dict[str, Kernel] = {}
+
+    def _module(self, path: Path, kernel: str) -> Any:
+        mod = self._modules.get(path)
+        if mod is not None:
+            return mod
+        try:
+            image = path.read_bytes()
+        except OSError as exc:
+            raise ModuleError(f"kernel {kernel}: cubin {path} unreadable ({exc}); rebuild with `thorgen build`") from exc
+        try:
+            mod = check(driver().cuModuleLoadData(image), f"load cubin {path.name}")
+        except CudaError as exc:
+            if exc.code == _NO_BINARY_FOR_GPU:
+                raise ModuleError(f"{path.name} was built for {self.manifest.arch}, which GPU {self.device.info.name} "
+                                  f"({self.device.info.arch}) cannot run; rebuild with `thorgen build --arch "
+                                  f"{self.device.info.arch}`") from exc
+            raise
+        self._modules[path] = mod
+        return mod
+
+    def kernel(self, name: str) -> Kernel:
+        k = self._kernels.get(name)
+        if k is not None:
+            return k
+        entry = self.manifest.kernel(name)
+        cu = driver()
+        fn = check(cu.cuModuleGetFunction(self._module(entry.cubin, name), entry.entry.encode()),
+                   f"find {entry.entry} in {entry.cubin.name}")
+        if entry.smem_bytes > _DEFAULT_SMEM_LIMIT:
+            limit = self.device.info.smem_per_block_optin
+            if entry.smem_bytes > limit:
+                raise ModuleError(f"kernel {name} needs {entry.smem_bytes} B shared memory, GPU allows {limit} B")
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(fn, attr, entry.smem_bytes), f"set smem of {name}")
+        k = Kernel(entry, fn, _param_sizes(fn, len(entry.args)))
+        self._kernels[name] = k
+        return k
+
+    def load_all(self) -> None:
+        """Load every kernel now (so a missing or broken cubin fails at startup, not mid-generation)."""
+        for name in self.manifest.kernels:
+            self.kernel(name)
+
+    def unload(self) -> None:
+        cu = driver()
+        for mod in self._modules.values():
+            cu.cuModuleUnload(mod)
+        self._modules.clear()
+        self._kernels.clear()
