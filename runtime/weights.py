@@ -81,9 +81,9 @@ class TensorEntry:
 
 def default_artifact_dirs(model_dir: str | os.PathLike, spec_hash: str) -> list[Path]:
     """Where `repack-weights` writes by default, in lookup order: <model>/thorgen-<hash12>, then (for a read-only
-    model folder) ~/.cache/thorgen/weights/<model-name>-<hash12> ($THORGEN_CACHE overrides ~/.cache/thorgen)."""
+    model folder) ~/.cache/thorgen/weights/<model-name>-<hash12> ($THORGEN_CACHE_DIR overrides ~/.cache/thorgen)."""
     model_dir = Path(model_dir).resolve()
-    cache = Path(os.environ.get("THORGEN_CACHE", Path.home() / ".cache" / "thorgen"))
+    cache = Path(os.environ.get("THORGEN_CACHE_DIR", Path.home() / ".cache" / "thorgen"))
     return [model_dir / f"thorgen-{spec_hash[:12]}", cache / "weights" / f"{model_dir.name}-{spec_hash[:12]}"]
 
 

@@ -31,7 +31,7 @@ def _free_port() -> int:
 def test_serve_demo_model_from_fresh_cache(tmp_path):
     openai = pytest.importorskip("openai")
     port = _free_port()
-    env = dict(os.environ, THORGEN_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, THORGEN_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "thorgen.cli", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
