@@ -29,6 +29,7 @@ import numpy as np
 
 from ..model_spec.nvfp4 import GROUP, bf16_to_f32, pack_e2m1, unpack_e2m1
 
+LAYOUT_VERSION = 2   # bump on any change of the bytes these packers produce (2: step-major units)
 TILE_N = 16          # output rows per unit (two mma n8 tiles)
 TILE_K = 64          # inputs per step (four mma k16 tiles)
 STEP_BYTES = 512     # packed weight bytes per unit and step (32 lanes x 16 B)

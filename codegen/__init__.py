@@ -1,0 +1,1 @@
+"""Codegen stage: turns a ModelSpec + target arch into specialised CUDA sources, cubins and a manifest."""

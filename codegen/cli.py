@@ -1,0 +1,75 @@
+"""Codegen stage: the `thorgen build` command (plan, render, compile in parallel through the cache, manifest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..model_spec.types import ModelSpec, SpecError
+
+
+def load_model_spec(model_dir: Path | None, preset: str | None) -> ModelSpec:
+    """The spec of `--preset NAME` or of a checkpoint folder (config.json [+ dflash/config.json])."""
+    if (model_dir is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model DIR or --preset NAME")
+    if preset is not None:
+        from ..model_spec.presets import get_preset
+
+        return get_preset(preset)
+    from ..model_spec.config import spec_from_configs
+
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise click.BadParameter(f"{cfg_path} not found (is {model_dir} a checkpoint folder?)", param_hint="--model")
+    try:
+        target = json.loads(cfg_path.read_text())
+        draft_path = Path(model_dir) / "dflash" / "config.json"
+        draft = json.loads(draft_path.read_text()) if draft_path.is_file() else None
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"invalid JSON in {model_dir}: {exc}", param_hint="--model") from exc
+    return spec_from_configs(target, draft, name=Path(model_dir).name)
+
+
+def format_table(rows: list) -> str:
+    head = f"{'kernel':<56} {'regs':>5} {'spills':>7} {'smem B':>8} {'compile s':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        secs = "cached" if r.cached else f"{r.seconds:.2f}"
+        lines.append(f"{r.kernel:<56} {r.registers:>5} {r.spills:>7} {r.smem_bytes:>8} {secs:>10}")
+    return "\n".join(lines)
+
+
+@click.command("build")
+@click.option("--arch", "arch_name", required=True, help="sm_90a | sm_100a | sm_110a | sm_120a | native (the local GPU)")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), help="checkpoint folder")
+@click.option("--preset", help="a shipped preset (tiny, gemma-4-26b-a4b)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="output folder (default: ./thorgen-build/<model>/<arch>)")
+@click.option("-j", "--jobs", default=0, type=int, help="parallel nvcc processes (default: all cores)")
+def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int) -> None:
+    """Render the model's specialised CUDA kernels and compile them to cubins for one GPU architecture.
+
+    Only changed kernels are recompiled (content-addressed cache in THORGEN_CACHE_DIR, default ~/.cache/thorgen).
+    Writes <out>/<kernel>.cubin, <out>/src/<kernel>.cu and <out>/manifest.json, then prints per-kernel
+    registers, spills, shared memory and compile time.
+    """
+    from .arch import ArchError, get_arch, native_arch
+    from .builder import BuildError, build as run_build
+    from .nvcc import NvccNotFound
+    from .plan import PlanError
+    from .render import RenderError
+
+    try:
+        arch = native_arch() if arch_name.strip().lower() == "native" else get_arch(arch_name)
+        spec = load_model_spec(model_dir, preset)
+        out = out_dir or Path("thorgen-build") / spec.name / arch.name
+        report = run_build(spec, arch, out, jobs=jobs)
+    except (ArchError, SpecError, PlanError, RenderError, NvccNotFound) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except BuildError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(report.rows))
+    click.echo(f"{len(report.rows)} kernels for {spec.name} on {arch.name}: {report.compiled} compiled, "
+               f"{len(report.rows) - report.compiled} from cache -> {report.manifest}")

@@ -1,0 +1,61 @@
+"""Codegen stage: the registry of kernel families; each module exposes `plan_<family>(spec, arch)`.
+
+Shared dataflow conventions (one place, so that producer and consumer kernels agree):
+  residual stream x            : f32 [T, H]
+  GEMM activations (inputs)    : ACT_DTYPE [T, K], written by the norm kernels
+  GEMM outputs                 : GEMM_OUT_DTYPE [T, N], read by the norm / rope kernels
+  attention Q (after norm+RoPE): Q_DTYPE [T, Hq, D]
+  KV cache (per layer)         : K and V caches, each [slots][Hkv][D] of KV_DTYPE ("bf16" or "fp8e4m3", no scale);
+                                 sliding layers: ring of RING_SLOTS(window) = window + MAX_STEP_TOKENS slots,
+                                 slot = pos % slots; full layers: linear, slot = pos (capacity set by the runtime).
+  positions                    : i32 [T] on the device (graph-friendly), absolute token positions.
+  lm_head logits               : f32 [T, V] (before softcap); the lm_head epilogue kernels softcap them.
+Row kernels (param ROW_AXIS = 0 or 1) take the runtime row count `T` and loop rows grid-stride along grid axis
+ROW_AXIS, so any extent 1..grid[ROW_AXIS] on that axis is correct; launch it as min(T, grid[ROW_AXIS]).
+Kernels with cross-block reductions (lm_argmax, lm_sample_finish) take `counters` buffers that the runtime zeroes
+once at allocation; the kernels leave them zeroed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Callable
+
+ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
+GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
+Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
+KV_DTYPES = ("bf16", "fp8e4m3")
+MAX_STEP_TOKENS = 512    # most tokens one forward may append to a KV cache (prefill chunk; verify uses 16)
+
+
+def ring_slots(window: int) -> int:
+    """Ring size of a sliding-window cache: a step writes up to MAX_STEP_TOKENS new keys before its queries have
+    read the `window - 1` older keys they need, so the ring must hold both."""
+    return window + MAX_STEP_TOKENS
+
+
+# Order = plan order (roughly the order of a forward step); codegen's own families first, then the matmul helper's.
+FAMILIES: tuple[str, ...] = (
+    "embedding", "norms", "rope_kv", "router", "lm_head", "drafter_glue",
+    "matmul", "moe", "attention", "drafter_gemm",
+)
+
+
+def load_family(name: str) -> ModuleType | None:
+    """The family module, or None when it does not exist yet (a helper still writing it)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"{__name__}.{name}":
+            return None
+        raise
+
+
+def family_function(name: str, prefix: str) -> Callable | None:
+    mod = load_family(name)
+    return None if mod is None else getattr(mod, f"{prefix}_{name}", None)
+
+
+def missing_families() -> list[str]:
+    return [f for f in FAMILIES if family_function(f, "plan") is None]

@@ -1,0 +1,135 @@
+"""Codegen stage: the attention family — decode / verify (split-K flash-decoding + combine) and prefill, for the
+target's sliding and full layers (bf16 and fp8 e4m3 KV caches) and the DFlash drafter's hybrid-mask layers.
+
+One template (attn_fwd.cu.j2 over thorgen/attention.cuh) serves all: a block holds R = 16*MT query rows = QB
+queries x all G query heads of one KV head (GQA: each K/V tile is read once for its G heads), warps split the head
+dim (64 columns each), K/V tiles of TK keys are double-buffered through shared memory, softmax is online in fp32.
+  attn_dec__...  m <= 16 queries, NSPLIT key splits (grid z) so short batches still fill the SMs; attn_comb__ merges.
+  attn_pre__...  prefill chunks (m <= MAX_STEP_TOKENS), NSPLIT = 1, causal + window skip work per query block.
+Cache conventions (families/__init__.py): [slot][Hkv][D], sliding rings of ring_slots(window) slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...model_spec.types import FULL, SLIDING, ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from . import KV_DTYPES, MAX_STEP_TOKENS, ring_slots
+from ._util import require
+
+TK = 32
+FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws")
+COMBINE_ARGS = ("ws", "m", "out")
+KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
+VERIFY_M = 16
+
+
+def attn_smem(d: int, mt: int, tk: int, kv: str) -> int:
+    """Must equal thorgen::AttnSmem<...>::BYTES (the template static_asserts it)."""
+    nw, r, tp = d // 64, 16 * mt, d + 8
+    tile = tk * tp * 2
+    fp8 = kv == "fp8e4m3"
+    return ((1 if fp8 else 2) * 2 * tile + (2 * 2 * tk * (d + 16) if fp8 else 0) + nw * r * (tk + 8) * 4
+            + r * (tk + 8) * 2 + 3 * r * 4)
+
+
+def _mt(g: int, d: int, m: int) -> int:
+    """m-tiles per block: 2 (32 rows) when the group is large enough to fill them, else 1."""
+    return 2 if g * m >= 32 and d <= 512 else 1
+
+
+def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
+                 scale: float, nsplit: int, arch: ArchSpec) -> list[KernelSpec]:
+    require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
+    require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
+    g = hq // hkv
+    out = []
+    common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, causal=causal, kv_dtype=kv,
+                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e))
+    cache = f"ring{ring}" if ring else "lin"
+    mask = ("c" if causal else "b") + (f"w{window}" if window else "")
+    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):
+        # 32-key tiles (measured on the H200); where they do not fit (sm_120a: 99 KB per block at head dim 512),
+        # one m-tile and 16-key tiles.
+        mt, tk = _mt(g, d, mmax), TK
+        if attn_smem(d, mt, tk, kv) > arch.smem_per_block_max:
+            mt = 1
+        while attn_smem(d, mt, tk, kv) > arch.smem_per_block_max and tk > 16:
+            tk //= 2
+        qb = 16 * mt // g
+        smem = attn_smem(d, mt, tk, kv)
+        require(smem <= arch.smem_per_block_max, f"attention {role}: {smem} B shared memory exceeds {arch.name}")
+        name = (f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}" + (f"_s{ns}" if ns > 1 else "")
+                + (f"_t{tk}" if tk != TK else ""))
+        out.append(KernelSpec(name, "attn_fwd.cu.j2",
+                              make_params(mt=mt, tk=tk, nsplit=ns, mmax=mmax, grid_x=math.ceil(mmax / qb),
+                                          ws_floats=(ns * mmax * hq * (d + 2)) if ns > 1 else 0, **common),
+                              grid=(math.ceil(mmax / qb), hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
+                              args=FWD_ARGS, family="attention"))
+        if ns > 1:
+            threads = min(d, 256)
+            out.append(KernelSpec(f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}", "attn_combine.cu.j2",
+                                  make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads),
+                                  grid=(mmax * hq, 1, 1), block=(threads, 1, 1), args=COMBINE_ARGS,
+                                  family="attention"))
+    return out
+
+
+def _nsplit(blocks_per_split: int, arch: ArchSpec, max_tiles: int | None) -> int:
+    """Key splits so that one decode step (M = 1) fills every SM, never more than the keys' tiles."""
+    ns = max(1, math.ceil(arch.sm_count / max(1, blocks_per_split)))
+    ns = 1 << (ns - 1).bit_length()  # power of two
+    return min(ns, 64, max_tiles or 64)
+
+
+def plan_attention(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    t = spec.target
+    out: dict[str, KernelSpec] = {}
+    for kind in (SLIDING, FULL):
+        layers = [l for l in range(t.num_hidden_layers) if t.layer_types[l] == kind]
+        if not layers:
+            continue
+        l = layers[0]
+        d, hkv, window = t.layer_head_dim(l), t.layer_kv_heads(l), t.layer_window(l) or 0
+        ring = ring_slots(window) if window else 0
+        max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
+        ns = _nsplit(hkv, arch, max_tiles)
+        for kv in KV_DTYPES:
+            for k in attn_kernels("tgt_" + kind[0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window, ring=ring,
+                                  causal=True, kv=kv, scale=1.0, nsplit=ns, arch=arch):
+                out.setdefault(k.name, k)
+    dr = spec.drafter
+    if dr is not None:
+        for kind in sorted(set(dr.layer_types)):
+            layer = dr.layer_types.index(kind)
+            window = dr.layer_window(layer) or 0
+            ring = ring_slots(window) if window else 0
+            ns = _nsplit(dr.num_key_value_heads, arch, None)
+            for k in attn_kernels("dft_" + kind[0], d=dr.head_dim, hq=dr.num_attention_heads,
+                                  hkv=dr.num_key_value_heads, window=window, ring=ring, causal=dr.is_causal(layer),
+                                  kv="bf16", scale=dr.head_dim ** -0.5, nsplit=ns, arch=arch):
+                out.setdefault(k.name, k)
+    return list(out.values())
+
+
+def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    """Decode (M = 1) and verify (M = 16) at a 4096-token context over the target layers' caches."""
+    cases = []
+    ctx = 4096
+    for k in plan_attention(spec, arch):
+        if not k.name.startswith("attn_dec__tgt_"):
+            continue
+        d, hq, hkv, ring = k.param("d"), k.param("hq"), k.param("hkv"), k.param("ring")
+        eb = 2 if k.param("kv_dtype") == "bf16" else 1
+        slots = ring or ctx + VERIFY_M
+        window = k.param("window")
+        for m in (1, VERIFY_M):
+            keys = min(ctx + m, (window + m - 1) if window else ctx + m)
+            args = (Buf("q", "bf16", m * hq * d), Buf("kc", "u8", slots * hkv * d * eb),
+                    Buf("vc", "u8", slots * hkv * d * eb), Buf("positions", "i32", m, ctx, ctx + 1),
+                    Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))))
+            cases.append(BenchCase(k, args, bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,
+                                   note=f"M={m}, ctx {ctx} (+combine kernel not included)"))
+    return cases

@@ -1,0 +1,25 @@
+"""Codegen stage: DFlash drafter glue — the block embedding [last token, mask x (B-1)] built on the device.
+
+The rest of the drafter glue reuses other families: the DFlash taps are written by the target's ffn_tail kernel
+(tap pointer), the context `fc` is a bf16 GEMM (drafter_gemm family) and `hidden_norm` is the rmsnorm kernel.
+"""
+
+from __future__ import annotations
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import KernelSpec, make_params
+from .embedding import OUT_DTYPE
+
+
+def plan_drafter_glue(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    d = spec.drafter
+    if d is None:
+        return []
+    H, V = spec.target.hidden_size, spec.target.vocab_size
+    threads = min(arch.threads_per_block, max(32, (H // 8 + 31) // 32 * 32))
+    return [KernelSpec(f"dflash_block_embed__v{V}_h{H}_m{d.mask_token_id}_b{d.block_size}", "embed.cu.j2",
+                       make_params(H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id,
+                                   ROW_AXIS=0),
+                       grid=(d.block_size, 1, 1), block=(threads, 1, 1), args=("ids", "table", "out", "T"),
+                       family="drafter_glue")]

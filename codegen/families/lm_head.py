@@ -1,0 +1,73 @@
+"""Codegen stage: the lm_head epilogue family — softcap fused with argmax, and seeded top-k/top-p/min-p sampling."""
+
+from __future__ import annotations
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ._util import ftag, require
+
+LM_ROWS = 16           # grid.y: rows handled concurrently (a verify step's 16 rows); more rows loop grid-stride
+SAMPLE_CANDIDATES = 64  # C: exact sampling while the kept set lies within the top C (Gemma's default top_k is 64)
+SAMPLE_PARAMS_DTYPE = [("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
+                       ("top_k", "<i4"), ("pad", "<i4")]  # thorgen::SampleParams, 40 bytes
+
+
+def exact_softcap(arch: ArchSpec) -> bool:
+    """fp64 tanh (bit-equal to the reference) where fp64 is fast; tanhf on the fp64-poor arches."""
+    return arch.name in ("sm_90a", "sm_100a")
+
+
+def _chunk(V: int, cap: int) -> int:
+    c = 1
+    while c * 2 <= min(V, cap) and V % (c * 2) == 0:
+        c *= 2
+    return c
+
+
+def ws_row_bytes(V: int, chunk: int, C: int) -> int:
+    nch = V // chunk
+    off_mode = (8 * nch * C + 16 * nch + 8 * nch + 4 * nch + 15) // 16 * 16  # doubles after it stay aligned
+    return off_mode + 32
+
+
+def plan_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    t = spec.target
+    V, cap = t.vocab_size, float(t.final_logit_softcapping or 0.0)
+    exact = exact_softcap(arch)
+    tag = f"v{V}_c{ftag(cap)}" + ("" if exact else "_fast")
+    chunk = _chunk(V, 2048)
+    require(chunk >= 128 and V % chunk == 0, f"lm_head: vocab {V} needs a power-of-two chunk >= 128 dividing it")
+    argmax_threads = max(32, min(256, chunk // 4 // 32 * 32))
+    ks = [KernelSpec(f"lm_argmax__{tag}", "lm_argmax.cu.j2",
+                     make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
+                     grid=(V // chunk, LM_ROWS, 1), block=(argmax_threads, 1, 1),
+                     args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")]
+    C = min(SAMPLE_CANDIDATES, chunk)
+    nc = (V // chunk) * C
+    require(nc & (nc - 1) == 0, f"lm_head sampler: {V // chunk} chunks x {C} candidates must be a power of two")
+    select_smem = nc * 8
+    require(select_smem <= arch.smem_per_block_max,
+            f"lm_head sampler: {select_smem} B of candidates exceed {arch.name}'s shared memory per block")
+    ws = ws_row_bytes(V, chunk, C)
+    common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
+    stages = (("prep", (V // chunk, LM_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
+              ("select", (1, LM_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
+              ("finish", (V // chunk, LM_ROWS, 1), 512, 0,
+               ("logits", "params", "positions", "workspace", "counters", "out_ids", "T")))
+    for stage, grid, threads, smem, args in stages:
+        threads = min(threads, max(32, chunk))
+        ks.append(KernelSpec(f"lm_sample_{stage}__{tag}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),
+                             grid=grid, block=(threads, 1, 1), smem_bytes=smem, args=args, family="lm_head"))
+    return ks
+
+
+def bench_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    V = spec.target.vocab_size
+    k = plan_lm_head(spec, arch)[0]
+    out = []
+    for T in (1, 16):
+        out.append(BenchCase(k, (Buf("logits", "f32", T * V, -20, 20), Buf("capped", "f32", 0), Buf("best", "u64", T, 0, 0),
+                                 Buf("counters", "u32", T, 0, 0), Buf("out_ids", "i32", T), Scalar("T", "i32", T)),
+                             bytes_moved=T * V * 4, grid=(k.grid[0], T, 1), note=f"T={T}, capped=null"))
+    return out

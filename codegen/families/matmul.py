@@ -1,0 +1,174 @@
+"""Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify GEMM (M <= 16), prefill GEMM.
+
+Every target Linear shape gets three kernels on the t16x64 weight layout (runtime/layouts.py):
+  nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
+                                            "swap" form: weights are the 16-row mma A operand (half the mma count)
+  nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
+  nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory
+Shapes: q / k / v / o of each layer kind, the fused q|k|v of each kind (one launch, per-projection scales in the
+per-tile gscale), dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and the tied lm_head (f32 logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...model_spec.types import FULL, SLIDING, ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
+from ._util import require
+
+W_LAYOUT = "t16x64"
+TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
+GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
+EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL"}
+LARGE_BM, LARGE_STAGES = 64, 3
+
+
+def fp4_order(arch: ArchSpec) -> str:
+    """Byte order of the NVFP4 layout for `arch` (must match runtime.layouts.fp4_order_for)."""
+    return "nat" if arch.has_fp4_cvt else "shift"
+
+
+def kind_enum(kind: str) -> str:
+    return {"shift": "FP4_SHIFT", "nat": "FP4_NAT", "half": "HALF"}[kind]
+
+
+def target_warps(arch: ArchSpec) -> int:
+    """Resident warps to aim for in a weight-streaming launch. Measured on the H200 (ncu, lm_head GEMV): these
+    kernels are latency-bound by occupancy, so many warps with a shallow prefetch beat few deep ones
+    (1 warp/block, PF 8: 18 warps/SM, 2.2 TB/s; 2 warps/block, PF 4: 3.2 TB/s)."""
+    return 24 * arch.sm_count
+
+
+def split_k(units: int, steps: int, arch: ArchSpec, blocks_per_unit: int = 1) -> int:
+    """Warps per block splitting K: fill the machine, at least 2 (1-warp blocks hit the 32 blocks/SM limit)."""
+    ks = math.ceil(target_warps(arch) / max(1, units * blocks_per_unit))
+    return max(min(2, steps), min(16, steps, ks))
+
+
+def prefetch(steps_per_warp: int, arch: ArchSpec) -> int:
+    """Software prefetch depth in 512-B steps (arch default; never past the warp's steps)."""
+    return max(1, min(arch.prefetch_depth, steps_per_warp))
+
+
+def check_shape(what: str, n: int, k: int) -> None:
+    require(n % TILE_N == 0 and k % TILE_K == 0,
+            f"{what}: weight [{n} x {k}] does not fit the t16x64 layout (N % 16 == 0 and K % 64 == 0 needed)")
+
+
+def weight_bytes(n: int, k: int) -> int:
+    """NVFP4 bytes of an [n, k] weight: packed codes + e4m3 scales + per-tile f32 global scales."""
+    return n * k // 2 + n * k // 16 + (n // 8) * 4
+
+
+def _tag(n: int, k: int, epi: str) -> str:
+    return f"n{n}_k{k}" + ("" if epi == "store" else "_" + epi.split("_")[0])
+
+
+def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | None = None,
+               prefix: str = "nvfp4", family: str = "matmul") -> KernelSpec:
+    """The M <= mmax weight-streaming kernel for an [n, k] weight (kind: fp4 order or "half")."""
+    kind = kind or fp4_order(arch)
+    check_shape(f"{prefix} gemm", n, k)
+    require(1 <= mmax <= 16, f"gemm_small: mmax {mmax} must lie in 1..16")
+    units, steps = n // TILE_N, k // TILE_K
+    ks = split_k(units, steps, arch)
+    pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
+    if mmax <= 8 and units >= 8 * arch.sm_count and steps >= 16:
+        # very wide (lm_head): 4 warps x PF 2 measured best on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4)
+        ks, pf = 4, 2
+    out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
+    what = "gemv" if mmax == 1 else f"gemm{mmax}"
+    template = "nvfp4_gemm.cu.j2" if kind != "half" else "bf16_gemm.cu.j2"
+    args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
+    return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", template,
+                      make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, ks=ks, mmax=mmax, pf=pf, epi=epi,
+                                  epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
+                                  fp4_order=fp4_order(arch), swap=mmax <= 8),
+                      grid=(units, 1, 1), block=(32 * ks, 1, 1), args=args, family=family)
+
+
+def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
+    return stages * bm * (64 + 8) * 2
+
+
+def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None, prefix: str = "nvfp4",
+               family: str = "matmul", mmax: int = MAX_STEP_TOKENS) -> KernelSpec:
+    """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit)."""
+    kind = kind or fp4_order(arch)
+    check_shape(f"{prefix} gemm", n, k)
+    units = n // TILE_N
+    nwarp = next(w for w in (4, 2, 1) if units % w == 0)
+    out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
+    template = "nvfp4_gemm_large.cu.j2" if kind != "half" else "bf16_gemm_large.cu.j2"
+    args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
+    return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
+                      make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, bm=LARGE_BM, nwarp=nwarp,
+                                  stages=LARGE_STAGES, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
+                                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch)),
+                      grid=(units // nwarp, math.ceil(mmax / LARGE_BM), 1), block=(32 * nwarp, 1, 1),
+                      smem_bytes=large_smem(), args=args, family=family)
+
+
+def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
+    """(role, N, K, epilogue) of every distinct target NVFP4 matrix (plus fused q|k|v and gate|up)."""
+    t = spec.target
+    h = t.hidden_size
+    shapes: list[tuple[str, int, int, str]] = []
+    for kind in (SLIDING, FULL):
+        layers = [l for l in range(t.num_hidden_layers) if t.layer_types[l] == kind]
+        if not layers:
+            continue
+        l = layers[0]
+        d, hq, hkv = t.layer_head_dim(l), t.num_attention_heads, t.layer_kv_heads(l)
+        nq, nkv = hq * d, hkv * d
+        shapes += [("q", nq, h, "store"), ("kv", nkv, h, "store"), ("o", h, nq, "store"),
+                   ("qkv", nq + nkv * (2 if t.layer_has_v_proj(l) else 1), h, "store")]
+    shapes += [("gate_up", 2 * t.intermediate_size, h, "gelu_mul"), ("down", h, t.intermediate_size, "store"),
+               ("lm_head", t.vocab_size, h, "store")]
+    return shapes
+
+
+def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    out: dict[str, KernelSpec] = {}
+    for role, n, k, epi in target_shapes(spec):
+        kernels = [gemm_small(n, k, 1, epi, arch), gemm_small(n, k, 16, epi, arch)]
+        if role != "lm_head":  # prefill needs logits of the last position only (the M = 1 kernel)
+            kernels.append(gemm_large(n, k, epi, arch))
+        for kern in kernels:
+            out.setdefault(kern.name, kern)
+    return list(out.values())
+
+
+def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
+    n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
+    out_n = n if epi == "store" else n // 2
+    out_b = 4 if kern.param("out_dtype") == "f32" else 2
+    if kern.param("kind") == "half":
+        args = (Buf("w", "f16", n * k, -0.05, 0.05), Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n),
+                Scalar("m", "i32", m))
+        wbytes = n * k * 2
+    else:
+        args = (Buf("w", "u8", n * k // 2), Buf("s", "u8", n * k // 16, 0, 0x70), Buf("gscale", "f32", n // 8, 1e-3, 2e-3),
+                Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n), Scalar("m", "i32", m))
+        wbytes = weight_bytes(n, k)
+    grid = None
+    if kern.template.endswith("_large.cu.j2"):
+        grid = (kern.grid[0], math.ceil(m / kern.param("bm")), 1)
+    return BenchCase(kern, args, bytes_moved=wbytes + m * k * 2 + m * out_n * out_b, grid=grid,
+                     note=note or f"M={m}", weight_streaming=m <= 16)
+
+
+def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    cases = []
+    for kern in plan_matmul(spec, arch):
+        if kern.name.startswith("nvfp4_gemv__"):
+            cases.append(gemm_bench_case(kern, 1))
+        elif kern.name.startswith("nvfp4_gemm16__"):
+            cases.append(gemm_bench_case(kern, 16))
+        elif kern.name.startswith("nvfp4_gemmL__") and kern.param("n") == spec.target.num_attention_heads * \
+                spec.target.head_dim:
+            cases.append(gemm_bench_case(kern, MAX_STEP_TOKENS, note=f"prefill M={MAX_STEP_TOKENS}"))
+    return cases

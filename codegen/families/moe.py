@@ -1,0 +1,99 @@
+"""Codegen stage: the grouped-MoE family (gate|up -> gelu_tanh(gate) * up -> down, weighted by the router).
+
+Two kernels per token budget (mmax 1 = decode, 16 = verify), on per-expert slabs of the t16x64 NVFP4 layout:
+  moe_gateup__...  grid (2*Ie/16 units, m*K slots): the first slot naming an expert does that expert's fused gate|up
+                   for all m tokens (one pass over its weights) and writes act[t*K+k] for the tokens that chose it.
+  moe_down__...    grid (H/16 units): each block walks every selected expert (fixed order), multiplies its down
+                   rows with the gathered act rows and the routing weights in fp32, reduces over warps in shared
+                   memory -> y[t, H] f32. No atomics, no partial buffers, each selected expert's weights read once.
+Prefill chunks (m > 16) call the verify pair on 16-token slices.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
+from ..kernel_spec import make_params
+from ._util import require
+from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
+                     weight_bytes)
+
+GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
+DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
+
+
+def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
+    """Distinct experts a step can select (planning estimate for grid fill)."""
+    return min(mmax * topk, experts)
+
+
+def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
+    t = spec.target
+    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
+    require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
+            f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
+    kind = fp4_order(arch)
+    leaders = _expert_leaders(mmax, topk, e)
+    units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
+    ks = max(min(2, steps_gu), min(16, steps_gu, math.ceil(target_warps(arch) / (units_gu * leaders))))
+    pf = prefetch(math.ceil(steps_gu / ks), arch)
+    common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
+                  w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE, swap=mmax <= 8)
+    gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
+                        make_params(ks=ks, pf=pf, **common), grid=(units_gu, mmax * topk, 1), block=(32 * ks, 1, 1),
+                        args=GATEUP_ARGS, family="moe")
+    steps_d = ie // TILE_K
+    units_d = h // TILE_N
+    # Warps per block: at most 8 (a 512-thread block held one block per SM: two waves over the H/16 units, measured
+    # 15 us at M = 1); slot groups spread the selected experts, the K split fills what the groups leave.
+    groups = min(leaders, 8)
+    ksd = max(1, min(steps_d, 8 // groups, math.ceil(target_warps(arch) / (units_d * groups))))
+    nw = groups * ksd
+    pfd = prefetch(math.ceil(steps_d / ksd), arch)
+    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
+                      make_params(nw=nw, ksd=ksd, pf=pfd, **common), grid=(units_d, 1, 1), block=(32 * nw, 1, 1),
+                      args=DOWN_ARGS, family="moe")
+    return [gateup, down]
+
+
+def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16)
+
+
+def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
+    t = spec.target
+    h, ie = t.hidden_size, t.moe_intermediate_size
+    return weight_bytes(2 * ie, h), weight_bytes(h, ie)
+
+
+def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    """M = 1 with K distinct experts (ids 0, E/K, 2E/K, ...), and M = 16 (random routing, bytes an upper bound)."""
+    t = spec.target
+    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
+    gu_b, d_b = expert_bytes(spec)
+    cases = []
+    for mmax in (1, 16):
+        gateup, down = moe_kernels(spec, arch, mmax)
+        m = mmax
+        n_sel = topk if m == 1 else min(e, m * topk)  # upper bound; random routing at M = 16 repeats some
+        # M = 1: distinct experts spread over the table (the counted bytes); M = 16: random routing (repeats)
+        ids = (Buf("ids", "i32", m * topk, values=tuple(range(0, e, max(1, e // topk)))[:topk]) if m == 1
+               else Buf("ids", "i32", m * topk, 0, e))
+        gu_args = (Buf("w", "u8", e * 2 * ie * h // 2), Buf("s", "u8", e * 2 * ie * h // 16),
+                   Buf("gscale", "f32", e * 2 * ie // 8, 1e-3, 2e-3), Buf("x", "f16", m * h), ids,
+                   Buf("act", "f16", m * topk * ie), Scalar("m", "i32", m))
+        d_args = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16),
+                  Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3), Buf("act", "f16", m * topk * ie), ids,
+                  Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("y", "f32", m * h), Scalar("m", "i32", m))
+        note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
+        cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
+                               note=note, weight_streaming=m == 1))
+        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + m * h * 4,
+                               note=note, weight_streaming=m == 1))
+    return cases
+
+
+__all__ = ["plan_moe", "bench_moe", "moe_kernels", "STEP_BYTES"]

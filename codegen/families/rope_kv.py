@@ -1,0 +1,76 @@
+"""Codegen stage: the attention-prologue family — Q/K norm + RoPE + V norm + KV-cache write, per layer kind."""
+
+from __future__ import annotations
+
+from ...model_spec.types import FULL, SLIDING, ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from . import KV_DTYPES, MAX_STEP_TOKENS, Q_DTYPE, ring_slots
+from ._util import ftag, require
+
+ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "T")
+DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
+
+
+def rope_kv_kernel(role: str, *, HQ: int, HKV: int, D: int, rot: int, theta: float, slots: int, has_q: bool,
+                   v_from_k: bool, v_norm: bool, kv: str, eps: float, arch: ArchSpec) -> KernelSpec:
+    require(D % 64 == 0, f"rope_kv {role}: head_dim {D} must be a multiple of 64")
+    require(0 <= rot <= D // 2, f"rope_kv {role}: {rot} rotating pairs out of range for head_dim {D}")
+    units = (HQ if has_q else 0) + 2 * HKV
+    warps = max(1, min(arch.warps_per_block, units))
+    cache = f"ring{slots}" if slots else "lin"
+    name = f"rope_kv__{role}_d{D}_q{HQ if has_q else 0}_kv{HKV}_r{rot}_t{ftag(theta)}_{cache}_{kv}"
+    return KernelSpec(name, "rope_kv.cu.j2",
+                      make_params(HQ=HQ, HKV=HKV, D=D, ROT=rot, THETA=float(theta), SLOTS=slots, HAS_Q=has_q,
+                                  V_FROM_K=v_from_k, V_NORM=v_norm, KV=kv, Q=Q_DTYPE, EPS=float(eps), ROW_AXIS=0),
+                      grid=(MAX_STEP_TOKENS, 1, 1), block=(32 * warps, 1, 1), args=ARGS, family="rope_kv")
+
+
+def _rot(rope, D: int) -> int:
+    return D // 2 if rope.rope_type == "default" else int(rope.partial_rotary_factor * D // 2)
+
+
+def plan_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    t = spec.target
+    ks = []
+    for kind in (SLIDING, FULL):
+        layers = [l for l in range(t.num_hidden_layers) if t.layer_types[l] == kind]
+        if not layers:
+            continue
+        l = layers[0]
+        D, rope = t.layer_head_dim(l), t.layer_rope(l)
+        slots = ring_slots(t.sliding_window) if kind == SLIDING else 0
+        for kv in KV_DTYPES:
+            ks.append(rope_kv_kernel("tgt_" + kind[0], HQ=t.num_attention_heads, HKV=t.layer_kv_heads(l), D=D,
+                                     rot=_rot(rope, D), theta=rope.rope_theta, slots=slots, has_q=True,
+                                     v_from_k=not t.layer_has_v_proj(l), v_norm=True, kv=kv, eps=t.rms_norm_eps,
+                                     arch=arch))
+    d = spec.drafter
+    if d is not None:
+        for kind in sorted(set(d.layer_types)):
+            slots = ring_slots(d.sliding_window) if kind == SLIDING else 0
+            for has_q in (False, True):  # context K/V (no queries) and the block (queries + K/V)
+                ks.append(rope_kv_kernel(("dblk_" if has_q else "dctx_") + kind[0], HQ=d.num_attention_heads,
+                                         HKV=d.num_key_value_heads, D=d.head_dim, rot=d.head_dim // 2,
+                                         theta=d.rope_theta, slots=slots, has_q=has_q, v_from_k=False, v_norm=False,
+                                         kv=DRAFTER_KV_DTYPE, eps=d.rms_norm_eps, arch=arch))
+    return ks
+
+
+def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    out = []
+    T = 16
+    for k in plan_rope_kv(spec, arch):
+        if not k.name.startswith("rope_kv__tgt_"):
+            continue
+        p = k.param_dict
+        HQ, HKV, D = p["HQ"], p["HKV"], p["D"]
+        slots = p["SLOTS"] or 4096
+        kvb = 2 if p["KV"] == "bf16" else 1
+        args = (Buf("q_raw", "f32", T * HQ * D), Buf("k_raw", "f32", T * HKV * D), Buf("v_raw", "f32", T * HKV * D),
+                Buf("q_norm_w", "bf16", D), Buf("k_norm_w", "bf16", D), Buf("positions", "i32", T, 0, slots - 1),
+                Buf("q_out", "bf16", T * HQ * D), Buf("k_cache", "u8", slots * HKV * D * kvb),
+                Buf("v_cache", "u8", slots * HKV * D * kvb), Scalar("T", "i32", T))
+        nbytes = T * D * (HQ * (4 + 2) + HKV * (8 if not p["V_FROM_K"] else 4) + 2 * HKV * kvb)
+        out.append(BenchCase(k, args, bytes_moved=nbytes, grid=(T, 1, 1), note="T=16"))
+    return out

@@ -1,0 +1,47 @@
+"""Codegen stage: the MoE router family — logits (norm, scale, bf16 projection) and softmax/top-k/renorm."""
+
+from __future__ import annotations
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from . import MAX_STEP_TOKENS
+from ._util import ftag, require
+
+LM_TOKENS = 16  # grid.y token groups of router_logits (a verify step's 16 tokens)
+
+
+def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    t = spec.target
+    H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
+    require(H % 8 == 0, f"router: hidden {H} must be a multiple of 8")
+    require(E <= 1024 and K <= 32, f"router: {E} experts / top-{K} exceed the kernel's limits (1024 / 32)")
+    warps = max(1, min(2, E))  # few warps per block: more blocks pull the router weight in parallel
+    while E % warps:
+        warps -= 1
+    # shared memory: the scaled token row (H floats) + scratch
+    require(H * 4 + 128 <= 48 * 1024, f"router: hidden {H} does not fit the static shared-memory row buffer")
+    eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"
+    logits = KernelSpec(f"router_logits__h{H}_e{E}{eps_tag}", "router_logits.cu.j2",
+                        make_params(H=H, E=E, EPS=float(t.rms_norm_eps), ROW_AXIS=1), grid=(E // warps, LM_TOKENS, 1),
+                        block=(32 * warps, 1, 1), args=("x", "scale", "proj", "logits", "T"), family="router")
+    threads = max(32, (E + 31) // 32 * 32)
+    topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_AXIS=0),
+                      grid=(MAX_STEP_TOKENS, 1, 1), block=(threads, 1, 1),
+                      args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"), family="router")
+    return [logits, topk]
+
+
+def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    t = spec.target
+    H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
+    lg, tk = plan_router(spec, arch)
+    out = []
+    for T in (1, 16):
+        out.append(BenchCase(lg, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
+                                  Buf("logits", "f32", T * E), Scalar("T", "i32", T)),
+                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4, grid=(lg.grid[0], T, 1), note=f"T={T}"))
+    out.append(BenchCase(tk, (Buf("logits", "f32", 16 * E), Buf("per_expert_scale", "bf16", E),
+                              Buf("topk_idx", "i32", 16 * K), Buf("topk_w", "f32", 16 * K), Scalar("T", "i32", 16)),
+                         bytes_moved=16 * (E * 4 + K * 8), grid=(16, 1, 1), note="T=16"))
+    return out

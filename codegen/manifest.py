@@ -1,0 +1,61 @@
+"""Codegen stage: manifest.json, the plain-JSON contract that ties built cubins to a spec hash and an arch.
+
+The runtime reads this file with `json` alone (it never imports codegen). Schema (MANIFEST_SCHEMA = 1):
+  {"schema": 1, "model": str, "spec_hash": str, "arch": str, "nvcc": str, "flags": [str],
+   "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, ring_slots: {window: slots}},
+   "kernels": {name: {"cubin": file name beside manifest.json, "entry": extern "C" symbol, "family", "template",
+                      "grid": [x,y,z], "block": [x,y,z], "smem_bytes": dynamic smem, "args": [names in order],
+                      "params": {constants}, "registers", "spills", "static_smem_bytes"}}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..model_spec.types import ModelSpec
+from . import families
+from .arch import ArchSpec
+from .kernel_spec import KernelSpec
+from .nvcc import PtxasInfo
+
+MANIFEST_SCHEMA = 1
+MANIFEST_NAME = "manifest.json"
+
+
+def conventions(spec: ModelSpec) -> dict:
+    windows = {spec.target.sliding_window} | ({spec.drafter.sliding_window} if spec.drafter else set())
+    return {"act_dtype": families.ACT_DTYPE, "gemm_out_dtype": families.GEMM_OUT_DTYPE, "q_dtype": families.Q_DTYPE,
+            "kv_dtypes": list(families.KV_DTYPES), "max_step_tokens": families.MAX_STEP_TOKENS,
+            "kv_layout": "[slot][kv_head][head_dim], K and V separate",
+            "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)}}
+
+
+def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], infos: dict[str, PtxasInfo],
+                   nvcc: str, flags: list[str]) -> dict:
+    entries = {}
+    for k in kernels:
+        info = infos.get(k.name, PtxasInfo())
+        entries[k.name] = {"cubin": f"{k.name}.cubin", "entry": k.name, "family": k.family, "template": k.template,
+                           "grid": list(k.grid), "block": list(k.block), "smem_bytes": k.smem_bytes,
+                           "args": list(k.args), "params": dict(k.params), "registers": info.registers,
+                           "spills": info.spills, "static_smem_bytes": info.smem_bytes}
+    return {"schema": MANIFEST_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
+            "nvcc": nvcc, "flags": [f for f in flags if not f.startswith("-I")], "conventions": conventions(spec),
+            "kernels": entries}
+
+
+def write_manifest(out_dir: Path, manifest: dict) -> Path:
+    path = Path(out_dir) / MANIFEST_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_manifest(path: Path) -> dict:
+    """Load and check a manifest (for codegen's own tools and tests)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != MANIFEST_SCHEMA:
+        raise ValueError(f"{path}: manifest schema {data.get('schema')!r}, expected {MANIFEST_SCHEMA}; rebuild")
+    return data

@@ -1,0 +1,343 @@
+// thorgen attention over a paged-free KV cache: decode (M = 1), verify (M <= 16), prefill chunks and the DFlash
+// drafter block, one kernel. Queries are m consecutive positions p0 .. p0+m-1 (p0 = positions[0]); their keys are
+// already in the cache ([slot][HKV][D], slot = pos % RING for sliding-window rings, pos for linear caches).
+//
+// Block = (query block of QB queries x all G = HQ/HKV query heads of one KV head, one key split): R = QB*G = 16*MT
+// rows, so each K/V tile is loaded once for every query head that reads it (GQA). Warps split the head dim
+// (64 columns each, NWARP = D/64): each warp forms partial scores Q[:, dchunk] K[:, dchunk]^T with mma.m16n8k16,
+// a shared-memory sum gives the scores, one online-softmax pass (fp32, exp2) per row, then each warp accumulates
+// its 64 output columns O += P V. K/V tiles of TK keys are double-buffered with cp.async (fp8: raw bytes staged,
+// then converted to fp16). Keys outside [lo, hi] are zero-filled so that garbage never meets a zero probability.
+// Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
+// NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts; each block writes unnormalised
+// O and (max, sum) per row to a workspace and attn_combine merges them.
+#pragma once
+#include "thorgen/nvfp4.cuh"
+
+namespace thorgen {
+
+enum KvType : int { KV_BF16 = 0, KV_FP8 = 1 };
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+template <int D, int G, int MT, int TK, int KVT, int NWARP_ = D / 64>
+struct AttnSmem {
+  static constexpr int NWARP = NWARP_;
+  static constexpr int R = 16 * MT;
+  static constexpr int TPITCH = D + 8;           // 16-bit elements per K/V smem row (+16 B: ldmatrix without conflicts)
+  static constexpr int SPITCH = D + 16;          // bytes per fp8 staging row
+  static constexpr int RPITCH = TK + 8;          // floats per partial-score row
+  static constexpr int PPITCH = TK + 8;          // 16-bit elements per probability row
+  static constexpr int TILE = TK * TPITCH * 2;   // bytes of one K (or V) tile
+  static constexpr int COMPUTE_STAGES = KVT == KV_FP8 ? 1 : 2;
+  static constexpr int KV_BYTES = COMPUTE_STAGES * 2 * TILE;
+  static constexpr int STAGE_BYTES = KVT == KV_FP8 ? 2 * 2 * TK * SPITCH : 0;
+  static constexpr int RED_BYTES = NWARP * R * RPITCH * 4;
+  static constexpr int P_BYTES = R * PPITCH * 2;
+  static constexpr int STAT_BYTES = 3 * R * 4;   // running max, running sum, rescale factor
+  static constexpr int BYTES = KV_BYTES + STAGE_BYTES + RED_BYTES + P_BYTES + STAT_BYTES;
+};
+
+template <int KVT> struct MmaT;
+template <> struct MmaT<KV_BF16> {
+  __device__ static __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) { mma_bf16(c, a0, a1, a2, a3, b0, b1); }
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static __forceinline__ uint32_t from_bf16x2(uint32_t v) { return v; }
+};
+template <> struct MmaT<KV_FP8> {
+  __device__ static __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) { mma_f16(c, a0, a1, a2, a3, b0, b1); }
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static __forceinline__ uint32_t from_bf16x2(uint32_t v) {
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
+    return pack(__low2float(b), __high2float(b));
+  }
+};
+
+template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX>
+__device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
+                                         const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
+                                         __half* __restrict__ out, float* __restrict__ ws, float scale_log2) {
+  using S = AttnSmem<D, G, MT, TK, KVT>;
+  using Mm = MmaT<KVT>;
+  static_assert(D % 64 == 0 && D <= 512, "head dim must be a multiple of 64, at most 512");
+  static_assert(G >= 1 && 16 % G == 0, "query heads per KV head must divide 16");
+  static_assert(TK == 16 || TK == 32 || TK == 64, "key tile must be 16, 32 or 64");
+  constexpr int NWARP = S::NWARP, R = S::R, QB = R / G, HQ = HKV * G, THREADS = NWARP * 32;
+  constexpr int EB = KVT == KV_FP8 ? 1 : 2;  // bytes per cached element
+  constexpr int NT = TK / 8;                 // n8 key tiles per score tile
+  extern __shared__ uint4 smem_u4[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(smem_u4);
+  uint16_t* kv_t = reinterpret_cast<uint16_t*>(smem);                           // [stage][K|V][TK][TPITCH]
+  uint8_t* stg = smem + S::KV_BYTES;                                             // fp8: [stage][K|V][TK][SPITCH]
+  float* red = reinterpret_cast<float*>(smem + S::KV_BYTES + S::STAGE_BYTES);    // [NWARP][R][RPITCH]
+  uint16_t* pbuf = reinterpret_cast<uint16_t*>(smem + S::KV_BYTES + S::STAGE_BYTES + S::RED_BYTES);
+  float* st_m = reinterpret_cast<float*>(smem + S::KV_BYTES + S::STAGE_BYTES + S::RED_BYTES + S::P_BYTES);
+  float* st_l = st_m + R;
+  float* st_a = st_l + R;
+
+  pdl_launch_dependents();
+  pdl_wait();  // q, positions and the cache rows come from the rope/KV-write kernel
+  const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
+  const int q0 = qb * QB;
+  if (q0 >= m) return;
+  const int nq = min(QB, m - q0);
+  const int p0 = __ldg(positions);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  const int last_vis = CAUSAL ? p0 + q0 + nq - 1 : p0 + m - 1;
+  const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
+  const int hi = last_vis;
+  const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
+  const int tb = t_lo + split * ntiles / NSPLIT, te = t_lo + (split + 1) * ntiles / NSPLIT;
+
+  for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
+
+  // Q fragments (rows r = mt*16 + gid (+8): query q0 + r / G, head hkv*G + r % G), this warp's 64 columns.
+  uint32_t qa[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + gid + 8 * h, qi = q0 + r / G;
+      const bool ok = r / G < nq;
+      const __nv_bfloat16* src = q + ((size_t)(qi < m ? qi : 0) * HQ + hkv * G + r % G) * D + 64 * warp + 2 * t4;
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const uint32_t lo2 = ok ? __ldg(reinterpret_cast<const unsigned int*>(src + 16 * kt)) : 0u;
+        const uint32_t hi2 = ok ? __ldg(reinterpret_cast<const unsigned int*>(src + 16 * kt + 8)) : 0u;
+        qa[mt][kt][h] = Mm::from_bf16x2(lo2);
+        qa[mt][kt][2 + h] = Mm::from_bf16x2(hi2);
+      }
+    }
+  }
+  float o[MT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+
+  // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi].
+  auto issue = [&](int tile, int buf) {
+    constexpr int CH = D * EB / 16;  // 16-B chunks per row
+    for (int c = threadIdx.x; c < 2 * TK * CH; c += THREADS) {
+      const int kv = c / (TK * CH), rem = c % (TK * CH), row = rem / CH, ch = rem % CH;
+      const int j = tile * TK + row;
+      const bool ok = j >= lo && j <= hi;
+      const int slot = RING > 0 ? (ok ? j % RING : 0) : (ok ? j : 0);
+      const uint8_t* src = (kv ? vc : kc) + ((size_t)slot * HKV + hkv) * D * EB + 16 * ch;
+      uint8_t* dst = KVT == KV_FP8 ? stg + ((size_t)(buf * 2 + kv) * TK + row) * S::SPITCH + 16 * ch
+                                   : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2 + kv) * S::TILE +
+                                         (size_t)row * S::TPITCH * 2 + 16 * ch;
+      cp_async16_zfill(dst, src, ok);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  if (tb < te) issue(tb, 0);
+  for (int tile = tb; tile < te; ++tile) {
+    const int it = tile - tb;
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    int cbuf = it & 1;
+    if constexpr (KVT == KV_FP8) {
+      // fp8 staging -> fp16 compute tile (exact: e4m3 values are fp16 values)
+      constexpr int PAIRS = D / 2;
+      for (int c = threadIdx.x; c < 2 * TK * PAIRS; c += THREADS) {
+        const int kv = c / (TK * PAIRS), rem = c % (TK * PAIRS), row = rem / PAIRS, pr = rem % PAIRS;
+        const uint16_t two = *reinterpret_cast<const uint16_t*>(stg + ((size_t)(cbuf * 2 + kv) * TK + row) * S::SPITCH + 2 * pr);
+        *reinterpret_cast<uint32_t*>(kv_t + (size_t)kv * (S::TILE / 2) + (size_t)row * S::TPITCH + 2 * pr) =
+            e4m3x2_to_half2(two);
+      }
+      __syncthreads();
+      cbuf = 0;
+    }
+    if (tile + 1 < te) issue(tile + 1, (it + 1) & 1);
+    const uint16_t* kt_s = kv_t + (size_t)(cbuf * 2) * (S::TILE / 2);
+    const uint16_t* vt_s = kt_s + S::TILE / 2;
+
+    // ---- partial scores over this warp's 64 columns
+    float sc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[mt][nt][i] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp) {  // two k16 tiles per ldmatrix.x4
+        uint32_t b[4];
+        ldsm_x4(b, kt_s + (size_t)(nt * 8 + (lane & 7)) * S::TPITCH + 64 * warp + 32 * kp + 8 * (lane >> 3));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mm::mma(sc[mt][nt], qa[mt][2 * kp][0], qa[mt][2 * kp][1], qa[mt][2 * kp][2], qa[mt][2 * kp][3], b[0], b[1]);
+          Mm::mma(sc[mt][nt], qa[mt][2 * kp + 1][0], qa[mt][2 * kp + 1][1], qa[mt][2 * kp + 1][2],
+                  qa[mt][2 * kp + 1][3], b[2], b[3]);
+        }
+      }
+    }
+    float* myred = red + (size_t)warp * R * S::RPITCH;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        *reinterpret_cast<float2*>(myred + (mt * 16 + gid) * S::RPITCH + nt * 8 + 2 * t4) =
+            make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+        *reinterpret_cast<float2*>(myred + (mt * 16 + gid + 8) * S::RPITCH + nt * 8 + 2 * t4) =
+            make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+      }
+    __syncthreads();
+
+    // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
+    for (int r = warp; r < R; r += NWARP) {
+      const int qi = q0 + r / G, P = p0 + qi;
+      const int hv = CAUSAL ? P : p0 + m - 1;
+      constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
+      float s[KPL];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int h = 0; h < KPL; ++h) {
+        const int kk = lane + 32 * h, j = tile * TK + kk;
+        float v = 0.f;
+        if (kk < TK) {
+#pragma unroll
+          for (int w = 0; w < NWARP; ++w) v += red[((size_t)w * R + r) * S::RPITCH + kk];
+        }
+        const bool vis = kk < TK && (r / G < nq) && j >= lo && j <= hv && (WINDOW == 0 || P - j < WINDOW);
+        s[h] = vis ? v * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, s[h]);
+      }
+      mx = warp_max(mx);
+      const float m_old = st_m[r], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < KPL; ++h) {
+        const float pv = s[h] == -INFINITY ? 0.f : exp2f(s[h] - m_new);
+        sum += pv;
+        if (lane + 32 * h < TK) {
+          if constexpr (KVT == KV_FP8) pbuf[r * S::PPITCH + lane + 32 * h] = __half_as_ushort(__float2half_rn(pv));
+          else pbuf[r * S::PPITCH + lane + 32 * h] = __bfloat16_as_ushort(__float2bfloat16_rn(pv));
+        }
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_old - m_new);
+        st_a[r] = alpha;
+        st_l[r] = st_l[r] * alpha + sum;
+        st_m[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- O = O * alpha + P V over this warp's 64 columns
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float a0 = st_a[mt * 16 + gid], a1 = st_a[mt * 16 + gid + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        o[mt][nt][0] *= a0; o[mt][nt][1] *= a0; o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < TK / 16; ++kt) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(pa[mt], pbuf + (size_t)(mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::PPITCH + kt * 16 +
+                            8 * (lane >> 4));
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {  // pairs of n8 column tiles
+        uint32_t b[4];
+        ldsm_x4_t(b, vt_s + (size_t)(kt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::TPITCH + 64 * warp +
+                         16 * np + 8 * (lane >> 4));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mm::mma(o[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[0], b[1]);
+          Mm::mma(o[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[2], b[3]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- write out: normalised (NSPLIT == 1) or partial O + (max, sum) for attn_combine
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + gid + 8 * h;
+      if (r / G >= nq) continue;
+      const int qi = q0 + r / G, head = hkv * G + r % G;
+      const size_t row = (size_t)qi * HQ + head;
+      if constexpr (NSPLIT == 1) {
+        const float l = st_l[r], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          __half2 v = __floats2half2_rn(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
+          *reinterpret_cast<__half2*>(out + row * D + 64 * warp + nt * 8 + 2 * t4) = v;
+        }
+      } else {
+        float* wo = ws + ((size_t)split * MMAX * HQ + row) * D;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<float2*>(wo + 64 * warp + nt * 8 + 2 * t4) = make_float2(o[mt][nt][2 * h], o[mt][nt][2 * h + 1]);
+        if (warp == 0 && t4 == 0) {
+          float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D + ((size_t)split * MMAX * HQ + row) * 2;
+          ml[0] = st_m[r];
+          ml[1] = st_l[r];
+        }
+      }
+    }
+  }
+}
+
+// Merge NSPLIT partial results: one block per (query, head) row, D threads.
+template <int D, int HQ, int NSPLIT, int MMAX>
+__device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {
+  pdl_launch_dependents();
+  pdl_wait();
+  const int row = blockIdx.x;  // qi * HQ + head
+  if (row >= m * HQ) return;
+  const float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D;
+  float mx = -INFINITY;
+  for (int z = 0; z < NSPLIT; ++z) {
+    const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
+    if (l > 0.f) mx = fmaxf(mx, ml[((size_t)z * MMAX * HQ + row) * 2]);
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f, lsum = 0.f;
+    for (int z = 0; z < NSPLIT; ++z) {
+      const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
+      if (!(l > 0.f)) continue;
+      const float e = exp2f(ml[((size_t)z * MMAX * HQ + row) * 2] - mx);
+      lsum += l * e;
+      acc += ws[((size_t)z * MMAX * HQ + row) * D + d] * e;
+    }
+    out[(size_t)row * D + d] = __float2half_rn(lsum > 0.f ? acc / lsum : 0.f);
+  }
+}
+
+}  // namespace thorgen

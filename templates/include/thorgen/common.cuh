@@ -1,0 +1,96 @@
+// thorgen common device helpers: element load/store by type, fp8 e4m3, warp/block reductions, orderable keys.
+// Hand-written; included by the generated kernels as "thorgen/common.cuh".
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace thorgen {
+
+// ---- element conversion: every kernel computes in fp32 and converts at the memory boundary -------------------
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// fp8 e4m3 (no scale), round-to-nearest-even, saturating at +-448 like the NumPy reference's f32_to_e4m3.
+struct fp8e4m3 { __nv_fp8_storage_t bits; };
+template <> __device__ __forceinline__ float to_f32<fp8e4m3>(fp8e4m3 v) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
+}
+template <> __device__ __forceinline__ fp8e4m3 from_f32<fp8e4m3>(float v) {
+  return fp8e4m3{__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)};
+}
+
+template <typename T> __device__ __forceinline__ float ld(const T* p, long i) { return to_f32<T>(p[i]); }
+template <typename T> __device__ __forceinline__ void st(T* p, long i, float v) { p[i] = from_f32<T>(v); }
+
+// ---- reductions ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Block-wide sum; `scratch` holds >= 32 floats; every thread gets the result. THREADS must be a multiple of 32.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block size must be a multiple of 32, at most 1024");
+  constexpr int WARPS = THREADS / 32;
+  v = warp_sum(v);
+  if (WARPS == 1) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < WARPS ? scratch[lane] : 0.f;
+  return warp_sum(r);
+}
+
+template <int THREADS>
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* scratch) {
+  constexpr int WARPS = THREADS / 32;
+  v = warp_max_u64(v);
+  if (WARPS == 1) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  unsigned long long r = lane < WARPS ? scratch[lane] : 0ull;
+  return warp_max_u64(r);
+}
+
+// ---- orderable keys: larger value first, ties -> lower index (the NumPy argmax / stable-sort rule) ----------
+__device__ __forceinline__ uint32_t ordered_f32(float f) {
+  uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float unordered_f32(uint32_t u) {
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+__device__ __forceinline__ unsigned long long value_index_key(float value, uint32_t index) {
+  return ((unsigned long long)ordered_f32(value) << 32) | (unsigned long long)(0xffffffffu - index);
+}
+__device__ __forceinline__ uint32_t key_index(unsigned long long key) { return 0xffffffffu - (uint32_t)(key & 0xffffffffu); }
+__device__ __forceinline__ float key_value(unsigned long long key) { return unordered_f32((uint32_t)(key >> 32)); }
+
+}  // namespace thorgen

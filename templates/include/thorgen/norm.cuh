@@ -1,0 +1,136 @@
+// thorgen RMSNorm family: plain-weight Gemma/Qwen RMSNorm  y = x * (mean(x^2) + eps)^-0.5 * w  (fp32 math),
+// fused with residual adds, norm-of-sum and layer_scalar. One block per row (grid-stride over the T rows);
+// each thread keeps H/THREADS elements in registers (element i = tid + j*THREADS: coalesced).
+#pragma once
+#include "thorgen/common.cuh"
+
+namespace thorgen {
+
+template <int H, int THREADS>
+struct RowShape {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "THREADS must be a multiple of 32, at most 1024");
+  static_assert(H % THREADS == 0, "hidden size must be a multiple of the block size");
+  static constexpr int PER = H / THREADS;
+};
+
+template <int H, int THREADS, typename T>
+__device__ __forceinline__ void load_row(const T* p, float (&v)[H / THREADS]) {
+#pragma unroll
+  for (int j = 0; j < H / THREADS; ++j) v[j] = ld(p, threadIdx.x + j * THREADS);
+}
+
+template <int H, int THREADS, typename T>
+__device__ __forceinline__ void store_row(T* p, const float (&v)[H / THREADS]) {
+#pragma unroll
+  for (int j = 0; j < H / THREADS; ++j) st(p, threadIdx.x + j * THREADS, v[j]);
+}
+
+// v <- v * rsqrt(mean(v^2) + eps) [* w]
+template <int H, int THREADS>
+__device__ __forceinline__ void norm_row(float (&v)[H / THREADS], const __nv_bfloat16* w, float eps, float* scratch) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < H / THREADS; ++j) ss = fmaf(v[j], v[j], ss);
+  ss = block_sum<THREADS>(ss, scratch);
+  const float inv = rsqrtf(ss * (1.0f / H) + eps);
+#pragma unroll
+  for (int j = 0; j < H / THREADS; ++j) {
+    v[j] *= inv;
+    if (w != nullptr) v[j] *= __bfloat162float(w[threadIdx.x + j * THREADS]);
+  }
+}
+
+// y = norm(x) * w
+template <int H, int THREADS, typename TI, typename TO>
+__device__ void rmsnorm_rows(const TI* __restrict__ x, const __nv_bfloat16* __restrict__ w, TO* __restrict__ y,
+                             int T, float eps) {
+  (void)RowShape<H, THREADS>::PER;
+  __shared__ float scratch[32];
+  for (int row = blockIdx.x; row < T; row += gridDim.x) {
+    float v[H / THREADS];
+    load_row<H, THREADS>(x + (long)row * H, v);
+    norm_row<H, THREADS>(v, w, eps, scratch);
+    store_row<H, THREADS>(y + (long)row * H, v);
+  }
+}
+
+// x += y ; a = norm(x) * w     (residual add then the next norm: the drafter's Qwen3-style layers)
+template <int H, int THREADS, typename TY, typename TA>
+__device__ void add_rmsnorm_rows(float* __restrict__ x, const TY* __restrict__ y, const __nv_bfloat16* __restrict__ w,
+                                 TA* __restrict__ a, int T, float eps) {
+  (void)RowShape<H, THREADS>::PER;
+  __shared__ float scratch[32];
+  for (int row = blockIdx.x; row < T; row += gridDim.x) {
+    float v[H / THREADS], d[H / THREADS];
+    load_row<H, THREADS>(x + (long)row * H, v);
+    load_row<H, THREADS>(y + (long)row * H, d);
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) v[j] += d[j];
+    store_row<H, THREADS>(x + (long)row * H, v);
+    norm_row<H, THREADS>(v, w, eps, scratch);
+    store_row<H, THREADS>(a + (long)row * H, v);
+  }
+}
+
+// Gemma attention tail: x += norm(o) * w_post ; a1 = norm(x) * w_pre1 ; a2 = norm(x) * w_pre2
+template <int H, int THREADS, typename TO_IN, typename TA>
+__device__ void attn_tail_rows(const TO_IN* __restrict__ o, float* __restrict__ x, const __nv_bfloat16* __restrict__ w_post,
+                               const __nv_bfloat16* __restrict__ w_pre1, const __nv_bfloat16* __restrict__ w_pre2,
+                               TA* __restrict__ a1, TA* __restrict__ a2, int T, float eps) {
+  (void)RowShape<H, THREADS>::PER;
+  __shared__ float scratch[32];
+  for (int row = blockIdx.x; row < T; row += gridDim.x) {
+    float h[H / THREADS], v[H / THREADS], n[H / THREADS];
+    load_row<H, THREADS>(o + (long)row * H, h);
+    norm_row<H, THREADS>(h, w_post, eps, scratch);
+    load_row<H, THREADS>(x + (long)row * H, v);
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) v[j] += h[j];
+    store_row<H, THREADS>(x + (long)row * H, v);
+    // one sum of squares serves both pre-FF norms (same input, different weights)
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) n[j] = v[j];
+    norm_row<H, THREADS>(n, nullptr, eps, scratch);
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      st(a1 + (long)row * H, i, n[j] * __bfloat162float(w_pre1[i]));
+      st(a2 + (long)row * H, i, n[j] * __bfloat162float(w_pre2[i]));
+    }
+  }
+}
+
+// Gemma feed-forward tail (norm-of-sum + residual + layer_scalar, then the next layer's input norm):
+//   h = norm(norm(mlp)*w1 + norm(moe)*w2) * w ; x = (x + h) * layer_scalar ; a = norm(x) * w_next (w_next != null)
+//   tap[row*tap_stride + tap_col + i] = x (the DFlash context feature; tap != null)
+template <int H, int THREADS, typename TI, typename TA, typename TT>
+__device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__ moe, float* __restrict__ x,
+                              const __nv_bfloat16* __restrict__ w1, const __nv_bfloat16* __restrict__ w2,
+                              const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ layer_scalar,
+                              const __nv_bfloat16* __restrict__ w_next, TA* __restrict__ a, TT* __restrict__ tap,
+                              int tap_stride, int tap_col, int T, float eps) {
+  (void)RowShape<H, THREADS>::PER;
+  __shared__ float scratch[32];
+  const float ls = __bfloat162float(layer_scalar[0]);
+  for (int row = blockIdx.x; row < T; row += gridDim.x) {
+    float h1[H / THREADS], h2[H / THREADS], v[H / THREADS];
+    load_row<H, THREADS>(mlp + (long)row * H, h1);
+    norm_row<H, THREADS>(h1, w1, eps, scratch);
+    load_row<H, THREADS>(moe + (long)row * H, h2);
+    norm_row<H, THREADS>(h2, w2, eps, scratch);
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) h1[j] += h2[j];
+    norm_row<H, THREADS>(h1, w, eps, scratch);
+    load_row<H, THREADS>(x + (long)row * H, v);
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) v[j] = (v[j] + h1[j]) * ls;
+    store_row<H, THREADS>(x + (long)row * H, v);
+    if (tap != nullptr) store_row<H, THREADS>(tap + (long)row * tap_stride + tap_col, v);
+    if (w_next != nullptr) {
+      norm_row<H, THREADS>(v, w_next, eps, scratch);
+      store_row<H, THREADS>(a + (long)row * H, v);
+    }
+  }
+}
+
+}  // namespace thorgen

@@ -1,0 +1,246 @@
+// thorgen NVFP4 / tensor-core primitives: mma.sync wrappers, streaming loads, in-register E2M1 and E4M3 decode.
+// Hand-written; the weight layout these decoders read is documented in runtime/layouts.py ("t16x64").
+#pragma once
+#include "thorgen/common.cuh"
+
+namespace thorgen {
+
+// ---- weight kinds of the tile engine ------------------------------------------------------------------------
+// FP4_SHIFT: NVFP4, "shift" bit order, integer decode (any arch; sm_90 has no E2M1 conversion instruction).
+// FP4_NAT  : NVFP4, checkpoint nibble order, hardware cvt.rn.f16x2.e2m1x2 (sm_100a and later, family-specific).
+// HALF     : fp16 weights, plain row-major [N][K] (the drafter's bf16 linears converted once at load).
+enum WeightKind : int { FP4_SHIFT = 0, FP4_NAT = 1, HALF = 2 };
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
+#define THORGEN_HAS_FP4_CVT 1
+#else
+#define THORGEN_HAS_FP4_CVT 0
+#endif
+
+// Value of a decoded register relative to the true e2m1 * e4m3 product; folded into the fp32 epilogue scale.
+template <int KIND> struct DecodeFactor { static constexpr float value = 1.0f; };
+template <> struct DecodeFactor<FP4_SHIFT> { static constexpr float value = 16384.0f; };  // regs hold e2m1 * 2^-14
+
+// ---- tensor-core mma (m16n8k16, fp32 accumulate) ---------------------------------------------------------------
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ---- loads --------------------------------------------------------------------------------------------------
+// Weights are read exactly once per launch: bypass L1 and do not keep them in L2 at the expense of activations.
+__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ldg_stream_u16(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
+// Activations: small, re-read by every block, so they stay cached.
+__device__ __forceinline__ uint4 ldg_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// ---- E2M1 / E4M3 decode ------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+  uint32_t out;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/layouts.py SHIFT_POS).
+__device__ __forceinline__ void fp4_shift_decode(uint32_t v, uint32_t (&r)[4]) {
+  r[0] = v & 0x8E008E00u;
+  r[1] = (v << 3) & 0x8E008E00u;
+  r[2] = ((v << 6) & 0x0E000E00u) | ((v << 1) & 0x80008000u);
+  r[3] = ((v << 9) & 0x0E000E00u) | ((v << 2) & 0x80008000u);
+}
+
+// checkpoint-order word (4 bytes, each = two e2m1 codes, low nibble first) -> 4 half2 registers (exact e2m1).
+__device__ __forceinline__ void fp4_nat_decode(uint32_t v, uint32_t (&r)[4]) {
+#if THORGEN_HAS_FP4_CVT
+  asm("{\n .reg .b8 b0, b1, b2, b3;\n mov.b32 {b0, b1, b2, b3}, %4;\n"
+      " cvt.rn.f16x2.e2m1x2 %0, b0;\n cvt.rn.f16x2.e2m1x2 %1, b1;\n"
+      " cvt.rn.f16x2.e2m1x2 %2, b2;\n cvt.rn.f16x2.e2m1x2 %3, b3;\n}\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(v));
+#else
+  // Portable fallback (never selected by the planner on these arches; kept so every kind compiles everywhere).
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t byte = (v >> (8 * i)) & 0xFFu;
+    const uint32_t x = (byte & 0xFu) | ((byte & 0xF0u) << 12);  // low code -> bits 0-3, high code -> 16-19
+    const uint32_t bits = ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);  // e2m1 * 2^-14
+    r[i] = hmul2_u32(bits, 0x74007400u);                                          // * 2^14 (exact)
+  }
+#endif
+}
+
+// Two e4m3 bytes (low byte first) -> half2 (exact; cvt.rn.f16x2.e4m3x2 exists from sm_89).
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t two_bytes) {
+  uint32_t out;
+  asm("{\n .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(out) : "r"(two_bytes));
+  return out;
+}
+// half2 (lo, hi) -> (lo, lo) and (hi, hi)
+__device__ __forceinline__ uint32_t bcast_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+__device__ __forceinline__ uint32_t bcast_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+
+// ---- one 16x64 step of one lane: raw weights -> B fragments ----------------------------------------------------
+// b[tile][ktile][reg]: tile 0 = rows n0..n0+7, tile 1 = rows n0+8..n0+15; k-tile j, register h covers the lane's
+// codes 4j+2h, 4j+2h+1 (see runtime/layouts.py).
+template <int KIND> struct WStep;
+template <> struct WStep<FP4_SHIFT> { uint4 w; uint32_t s; };
+template <> struct WStep<FP4_NAT> { uint4 w; uint32_t s; };
+template <> struct WStep<HALF> { uint4 q[4]; };
+
+// Weight operand of one launch: base pointers of a [N, K] matrix in its layout.
+struct WPtr {
+  const uint8_t* w;  // FP4: layout bytes; HALF: fp16 [N][K]
+  const uint8_t* s;  // FP4: layout scale bytes; HALF: unused
+};
+
+// Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/layouts.py).
+template <int KIND, int N, int K>
+__device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
+  constexpr int UNITS = N / 16;
+  const size_t idx = ((size_t)step * UNITS + unit) * 32 + lane;
+  if constexpr (KIND == HALF) {
+    const uint8_t* b = p.w + idx * 64;
+    st.q[0] = ldg_stream_v4(b);
+    st.q[1] = ldg_stream_v4(b + 16);
+    st.q[2] = ldg_stream_v4(b + 32);
+    st.q[3] = ldg_stream_v4(b + 48);
+  } else {
+    st.w = ldg_stream_v4(p.w + idx * 16);
+    st.s = ldg_stream_u16(p.s + idx * 2);
+  }
+}
+
+// Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start while the previous
+// kernel drains; it prefetches its weights (never written by earlier kernels) and waits before touching data that
+// earlier kernels produce. Without the attribute both instructions are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+template <int KIND>
+__device__ __forceinline__ void decode_step(const WStep<KIND>& st, uint32_t (&b)[2][4][2]) {
+  if constexpr (KIND == HALF) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const uint4 a = st.q[2 * t], c = st.q[2 * t + 1];
+      b[t][0][0] = a.x; b[t][0][1] = a.y; b[t][1][0] = a.z; b[t][1][1] = a.w;
+      b[t][2][0] = c.x; b[t][2][1] = c.y; b[t][3][0] = c.z; b[t][3][1] = c.w;
+    }
+  } else {
+    const uint32_t sc = e4m3x2_to_half2(st.s);
+    const uint32_t s2[2] = {bcast_lo(sc), bcast_hi(sc)};
+    const uint32_t words[4] = {st.w.x, st.w.y, st.w.z, st.w.w};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int wd = 0; wd < 2; ++wd) {
+        uint32_t r[4];
+        if constexpr (KIND == FP4_SHIFT) fp4_shift_decode(words[2 * t + wd], r);
+        else fp4_nat_decode(words[2 * t + wd], r);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) b[t][2 * wd + (q >> 1)][q & 1] = hmul2_u32(r[q], s2[t]);
+      }
+    }
+  }
+}
+
+// A fragments of one step for rows (gid, gid+8): the lane's 16 contiguous activations of each row (k = 16*t4 ..)
+struct AStep { uint4 r0[2]; uint4 r1[2]; };
+
+template <bool kTwoRows>
+__device__ __forceinline__ void load_a(AStep& a, const __half* row0, const __half* row1, int step, int t4) {
+  const int off = 64 * step + 16 * t4;
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  if (row0 != nullptr) { a.r0[0] = ldg_v4(row0 + off); a.r0[1] = ldg_v4(row0 + off + 8); }
+  else { a.r0[0] = z; a.r0[1] = z; }
+  if constexpr (kTwoRows) {
+    if (row1 != nullptr) { a.r1[0] = ldg_v4(row1 + off); a.r1[1] = ldg_v4(row1 + off + 8); }
+    else { a.r1[0] = z; a.r1[1] = z; }
+  }
+}
+
+// acc[tile] += A(16 x 64) * B(64 x 8) for both tiles of one step.
+template <bool kTwoRows>
+__device__ __forceinline__ void mma_step(float (&acc)[2][4], const AStep& a, const uint32_t (&b)[2][4][2]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 q0 = a.r0[j >> 1];
+    const uint32_t a0 = (j & 1) ? q0.z : q0.x, a2 = (j & 1) ? q0.w : q0.y;
+    uint32_t a1 = 0, a3 = 0;
+    if constexpr (kTwoRows) {
+      const uint4 q1 = a.r1[j >> 1];
+      a1 = (j & 1) ? q1.z : q1.x;
+      a3 = (j & 1) ? q1.w : q1.y;
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) mma_f16(acc[t], a0, a1, a2, a3, b[t][j][0], b[t][j][1]);
+  }
+}
+
+// Swapped form for <= 8 tokens: the unit's 16 weight rows are the mma A operand (16 x k16) and the tokens the B
+// operand (k16 x 8), so one mma covers 256 weights instead of 128: half the tensor instructions per byte.
+// acc[j & 1] (two chains) holds C[16 rows][8 tokens]: c0 = (row gid, token 2t4), c1 = (gid, 2t4+1),
+// c2 = (row gid+8, token 2t4), c3 = (gid+8, 2t4+1); rows 0-7 = tile 0, rows 8-15 = tile 1.
+__device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a, const uint32_t (&b)[2][4][2]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 q0 = a.r0[j >> 1];
+    const uint32_t x0 = (j & 1) ? q0.z : q0.x, x1 = (j & 1) ? q0.w : q0.y;
+    mma_f16(acc[j & 1], b[0][j][0], b[1][j][0], b[0][j][1], b[1][j][1], x0, x1);
+  }
+}
+
+// One warp: acc += rows x W[unit]^T over steps [s0, s1), weights prefetched PF steps ahead in registers.
+// kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
+template <int KIND, int N, int K, int PF, bool kTwoRows, bool kWait = false, bool kSwap = false>
+__device__ __forceinline__ void unit_steps(float (&acc)[2][4], const WPtr& p, int unit, const __half* row0,
+                                           const __half* row1, int s0, int s1) {
+  static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
+  static_assert(PF >= 1 && PF <= 16, "prefetch depth out of range");
+  static_assert(!(kSwap && kTwoRows), "the swapped form holds at most 8 tokens");
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
+  WStep<KIND> ring[PF];
+#pragma unroll
+  for (int i = 0; i < PF; ++i)
+    if (s0 + i < s1) load_step<KIND, N, K>(ring[i], p, unit, s0 + i, lane);
+  if constexpr (kWait) pdl_wait();
+  for (int base = s0; base < s1; base += PF) {
+#pragma unroll
+    for (int i = 0; i < PF; ++i) {
+      const int s = base + i;
+      if (s < s1) {
+        AStep a;
+        load_a<kTwoRows>(a, row0, row1, s, t4);
+        const WStep<KIND> cur = ring[i];
+        if (s + PF < s1) load_step<KIND, N, K>(ring[i], p, unit, s + PF, lane);
+        uint32_t b[2][4][2];
+        decode_step<KIND>(cur, b);
+        if constexpr (kSwap) mma_step_swap(acc, a, b);
+        else mma_step<kTwoRows>(acc, a, b);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float gelu_tanh_f(float x) {
+  // gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+}  // namespace thorgen

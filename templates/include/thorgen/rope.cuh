@@ -1,0 +1,101 @@
+// thorgen attention prologue: per-head Q/K RMSNorm (weight), V RMSNorm (no weight), RoPE (rotate_half pairing
+// (i, i + D/2); default or proportional: pairs >= ROT do not rotate) and the KV-cache write (bf16 or fp8 e4m3).
+// One block per token (grid-stride over T), one warp per head; lane holds elements i = lane + 32*j, so the RoPE
+// partner i + D/2 sits in the same lane (j + D/64). cos/sin are computed once per token in double precision
+// (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin).
+#pragma once
+#include "thorgen/common.cuh"
+
+namespace thorgen {
+
+// Cfg provides: HQ, HKV, D, ROT, SLOTS (0: linear cache, slot = pos), HAS_Q, V_FROM_K, V_NORM, EPS, THREADS,
+// types QT (queries) and KVT (cache), and `static __device__ double inv_freq(int pair)`.
+template <class Cfg>
+struct RopeKv {
+  static constexpr int D = Cfg::D, PER = D / 32, HALF = PER / 2;
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64 (RoPE partners in the same lane)");
+  static_assert(Cfg::ROT >= 0 && Cfg::ROT <= D / 2, "rotating pairs must lie in 0..D/2");
+  static_assert(Cfg::THREADS % 32 == 0, "block size must be a multiple of 32");
+  static constexpr int WARPS = Cfg::THREADS / 32;
+  static constexpr int QH = Cfg::HAS_Q ? Cfg::HQ : 0;
+  static constexpr int UNITS = QH + 2 * Cfg::HKV;  // q heads, k heads, v heads
+
+  // normalise a head held as v[PER] across the warp (w may be null: no weight)
+  static __device__ __forceinline__ void norm(float (&v)[PER], const __nv_bfloat16* w) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss * (1.0f / D) + Cfg::EPS);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      v[j] *= inv;
+      if (w != nullptr) v[j] *= __bfloat162float(w[lane + 32 * j]);
+    }
+  }
+
+  static __device__ __forceinline__ void rope(float (&v)[PER], const float* cs, const float* sn) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < HALF; ++j) {
+      const int i = lane + 32 * j;
+      if (i < Cfg::ROT) {
+        const float c = cs[i], s = sn[i], x1 = v[j], x2 = v[j + HALF];
+        v[j] = x1 * c - x2 * s;
+        v[j + HALF] = x2 * c + x1 * s;
+      }
+    }
+  }
+
+  static __device__ void run(const float* __restrict__ q_raw, const float* __restrict__ k_raw,
+                             const float* __restrict__ v_raw, const __nv_bfloat16* __restrict__ q_w,
+                             const __nv_bfloat16* __restrict__ k_w, const int32_t* __restrict__ positions,
+                             typename Cfg::QT* __restrict__ q_out, typename Cfg::KVT* __restrict__ k_cache,
+                             typename Cfg::KVT* __restrict__ v_cache, int T) {
+    __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+      const int pos = positions[t];
+      __syncthreads();  // the previous token's cos/sin may still be in use
+      for (int i = threadIdx.x; i < Cfg::ROT; i += Cfg::THREADS) {
+        double s, c;
+        sincos((double)pos * Cfg::inv_freq(i), &s, &c);
+        cs[i] = (float)c;
+        sn[i] = (float)s;
+      }
+      __syncthreads();
+      const long slot = Cfg::SLOTS > 0 ? (long)(pos % Cfg::SLOTS) : (long)pos;
+      for (int u = warp; u < UNITS; u += WARPS) {
+        float v[PER];
+        const float* src;
+        int kind, h;  // 0 q, 1 k, 2 v
+        if (u < QH) { kind = 0; h = u; src = q_raw + ((long)t * Cfg::HQ + h) * D; }
+        else if (u < QH + Cfg::HKV) { kind = 1; h = u - QH; src = k_raw + ((long)t * Cfg::HKV + h) * D; }
+        else { kind = 2; h = u - QH - Cfg::HKV; src = (Cfg::V_FROM_K ? k_raw : v_raw) + ((long)t * Cfg::HKV + h) * D; }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) v[j] = src[lane + 32 * j];
+        if (kind == 2) {
+          if (Cfg::V_NORM) norm(v, nullptr);
+          typename Cfg::KVT* dst = v_cache + (slot * Cfg::HKV + h) * D;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
+          continue;
+        }
+        norm(v, kind == 0 ? q_w : k_w);
+        rope(v, cs, sn);
+        if (kind == 0) {
+          typename Cfg::QT* dst = q_out + ((long)t * Cfg::HQ + h) * D;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
+        } else {
+          typename Cfg::KVT* dst = k_cache + (slot * Cfg::HKV + h) * D;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace thorgen

@@ -1,0 +1,142 @@
+"""GPU tests: NVFP4 GEMV / verify GEMM / prefill GEMM (matmul family) and the drafter's fp16 GEMMs against NumPy.
+
+Tiny preset: weights go through the real path (float -> quantize_nvfp4 -> runtime.layouts packers). Full size:
+random layout bytes (any byte pattern is a valid code set) with a sample of units checked, so the CPU reference
+stays cheap even for the 262144 x 2816 lm_head. Outputs are poisoned (NaN) first, so unwritten rows fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
+import matmul_reference as R  # noqa: E402
+from gpu_harness import PRESETS, GpuRunner  # noqa: E402
+from thorgen.model_spec.nvfp4 import f32_to_bf16
+from thorgen.runtime import layouts as L
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def runner(request):
+    return GpuRunner(request.param, ("matmul", "drafter_gemm"))
+
+
+def _ms(kern) -> list[int]:
+    if kern.name.split("__")[0].endswith("gemv"):
+        return [1]
+    if "gemmL" in kern.name:
+        return [kern.param("bm") + 37, 3]  # a partial last block, and fewer rows than a block
+    return [16, 5]
+
+
+def _poison(shape, dtype):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def _out(kern, m):
+    n, epi = kern.param("n"), kern.param("epi")
+    width = n if epi == "store" else n // 2
+    dt = np.float32 if kern.param("out_dtype") == "f32" else np.float16
+    return width, dt
+
+
+def _launch(runner, kern, inputs, m, width, dt):
+    grid = None
+    if "gemmL" in kern.name:
+        grid = (kern.grid[0], -(-m // kern.param("bm")), 1)
+    inputs = dict(inputs, m=np.int32(m), y=_poison((m, width), dt))
+    return runner.run(kern, inputs, {"y": ((m, width), dt)}, grid)["y"]
+
+
+def test_nvfp4_kernels(runner):
+    rng = np.random.default_rng(11)
+    kernels = runner.find("nvfp4_")
+    assert kernels, "matmul family planned no NVFP4 kernels"
+    failures = []
+    for kern in kernels:
+        n, k, epi, order = kern.param("n"), kern.param("k"), kern.param("epi"), kern.param("fp4_order")
+        big = n * k > 64 * 1024 * 1024 // 2 or runner.spec.name != "tiny"
+        for m in _ms(kern):
+            width, dt = _out(kern, m)
+            x = R.act_f16(rng, m, k)
+            if not big:
+                if epi == "store":
+                    wt = R.Fp4Weight(rng, n, k, order)
+                    w, s, gsc, ref = wt.w, wt.s, wt.gscale, R.gemm_ref(x, wt.dense)
+                else:
+                    g, u, (w, s, gsc) = R.gate_up_weight(rng, n // 2, k, order, amp=0.5)
+                    ref = R.gated_ref(x, g.dense, u.dense, epi)
+                y = _launch(runner, kern, {"w": w, "s": s, "gscale": gsc, "x": x}, m, width, dt)
+                err = R.norm_err(y, ref)
+            else:
+                lw = R.LayoutWeight(rng, n, k, order)
+                y = _launch(runner, kern, {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": x}, m, width, dt)
+                if not np.isfinite(y).all():
+                    failures.append(f"{kern.name} m={m}: unwritten or non-finite outputs")
+                    continue
+                units = np.unique(np.concatenate([[0, n // 16 - 1], rng.integers(0, n // 16, 30)]))
+                dense = lw.rows(units)
+                if epi == "store":
+                    cols = (units[:, None] * 16 + np.arange(16)).reshape(-1)
+                    ref = R.gemm_ref(x, dense)
+                else:  # rows of a unit: 8 gate rows then 8 up rows -> 8 output columns
+                    d3 = dense.reshape(len(units), 2, 8, k)
+                    cols = (units[:, None] * 8 + np.arange(8)).reshape(-1)
+                    ref = R.gated_ref(x, d3[:, 0].reshape(-1, k), d3[:, 1].reshape(-1, k), epi)
+                err = R.norm_err(y[:, cols], ref)
+            tol = R.TOL_GEMM[kern.param("out_dtype")]
+            if not err <= tol:
+                failures.append(f"{kern.name} m={m}: error {err:.2e} > {tol}")
+    assert not failures, "\n".join(failures)
+
+
+def test_fused_qkv_scales_are_per_part(runner):
+    """A fused q|k|v weight with different global scales per part gives each part's own product."""
+    rng = np.random.default_rng(12)
+    t = runner.spec.target
+    h = t.hidden_size
+    cands = [kern for kern in runner.find("nvfp4_gemm16__") if kern.param("k") == h and kern.param("epi") == "store"
+             and kern.param("n") % 64 == 0]
+    if not cands or runner.spec.name != "tiny":
+        pytest.skip("checked on the tiny preset")
+    kern = cands[0]
+    n, order = kern.param("n"), kern.param("fp4_order")
+    sizes = (n // 2, n // 4, n // 4)
+    parts = [R.Fp4Weight(rng, rows, h, order, amp=a) for rows, a in zip(sizes, (1.0, 0.01, 30.0))]
+    w, s, gsc = L.pack_nvfp4_concat([(p.packed, p.scale, p.gs) for p in parts], order)
+    x = R.act_f16(rng, 16, h)
+    y = _launch(runner, kern, {"w": w, "s": s, "gscale": gsc, "x": x}, 16, n, np.float32)
+    starts = np.cumsum((0,) + sizes)
+    for i, p in enumerate(parts):
+        err = R.norm_err(y[:, starts[i]:starts[i + 1]], R.gemm_ref(x, p.dense))
+        assert err <= R.TOL_GEMM["f32"], f"part {i}: {err:.2e}"
+
+
+def test_drafter_gemms(runner):
+    rng = np.random.default_rng(13)
+    kernels = runner.find("bf16_")
+    if runner.spec.drafter is None:
+        pytest.skip("no drafter")
+    assert kernels
+    failures = []
+    for kern in kernels:
+        n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
+        wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        bits = L.bf16_to_f16_bits(f32_to_bf16(wf))
+        w16 = bits.view(np.float16).astype(np.float64)
+        wl = L.pack_half(bits) if epi == "store" else L.pack_half_gate_up(bits[: n // 2], bits[n // 2:])
+        for m in _ms(kern):
+            width, dt = _out(kern, m)
+            x = R.act_f16(rng, m, k)
+            ref = R.gemm_ref(x, w16) if epi == "store" else R.gated_ref(x, w16[: n // 2], w16[n // 2:], epi)
+            y = _launch(runner, kern, {"w": wl.view(np.uint8), "x": x}, m, width, dt)
+            err = R.norm_err(y, ref)
+            if not err <= R.TOL_GEMM[kern.param("out_dtype")]:
+                failures.append(f"{kern.name} m={m}: error {err:.2e}")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,119 @@
+"""GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1)
+and verify (M <= 16, experts shared between tokens), tiny preset (real quantize + pack path) and full size (random
+layout bytes, all 128 experts resident, only the selected ones dequantized for the reference)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
+import matmul_reference as R  # noqa: E402
+from gpu_harness import PRESETS, GpuRunner  # noqa: E402
+from thorgen.runtime import layouts as L
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def runner(request):
+    return GpuRunner(request.param, ("moe",))
+
+
+class Experts:
+    """All experts' fused gate|up and down weights in the kernel layout, dense float64 on demand."""
+
+    def __init__(self, rng, spec, order: str):
+        t = spec.target
+        self.h, self.ie, self.e = t.hidden_size, t.moe_intermediate_size, t.num_experts
+        self.tiny = spec.name == "tiny"
+        if self.tiny:
+            gu, dn, gs_gu, gs_dn, self.gates, self.ups, self.downs = [], [], [], [], [], [], []
+            for _ in range(self.e):
+                g, u, (w, s, gsc) = R.gate_up_weight(rng, self.ie, self.h, order, amp=0.5)
+                d = R.Fp4Weight(rng, self.h, self.ie, order, amp=0.5)
+                gu.append((w, s)), dn.append((d.w, d.s)), gs_gu.append(gsc), gs_dn.append(d.gscale)
+                self.gates.append(g.dense), self.ups.append(u.dense), self.downs.append(d.dense)
+            self.gu_w, self.gu_s = np.concatenate([a for a, _ in gu]), np.concatenate([b for _, b in gu])
+            self.dn_w, self.dn_s = np.concatenate([a for a, _ in dn]), np.concatenate([b for _, b in dn])
+            self.gu_g, self.dn_g = np.concatenate(gs_gu), np.concatenate(gs_dn)
+        else:
+            self.gu = R.LayoutWeight(rng, 2 * self.ie, self.h, order, experts=self.e, gmax=0.01)
+            self.dn = R.LayoutWeight(rng, self.h, self.ie, order, experts=self.e, gmax=0.01)
+            self.gu_w, self.gu_s, self.gu_g = self.gu.w, self.gu.s, self.gu.gscale
+            self.dn_w, self.dn_s, self.dn_g = self.dn.w, self.dn.s, self.dn.gscale
+            self._cache: dict[int, tuple] = {}
+
+    def dense(self, e: int):
+        """(gate, up, down) float64 of expert e."""
+        if self.tiny:
+            return self.gates[e], self.ups[e], self.downs[e]
+        if e not in self._cache:
+            fused = self.gu.dense(e).reshape(-1, 2, 8, self.h)
+            self._cache[e] = (fused[:, 0].reshape(-1, self.h), fused[:, 1].reshape(-1, self.h), self.dn.dense(e))
+        return self._cache[e]
+
+    def lists(self, ids: np.ndarray):
+        gates, ups, downs = [None] * self.e, [None] * self.e, [None] * self.e
+        for e in np.unique(ids):
+            gates[e], ups[e], downs[e] = self.dense(int(e))
+        return gates, ups, downs
+
+
+@pytest.fixture(scope="module")
+def experts(runner):
+    (k,) = runner.find("moe_gateup__m1_")
+    return Experts(np.random.default_rng(21), runner.spec, k.param("fp4_order"))
+
+
+CASES = [(1, None), (16, None), (16, "pool"), (5, "pool")]  # (m, routing); "pool": experts shared by tokens
+
+
+@pytest.mark.parametrize("m,pool", CASES)
+def test_moe(runner, experts, m, pool):
+    rng = np.random.default_rng(22 + m)
+    t = runner.spec.target
+    h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
+    mmax = 1 if m == 1 else 16
+    gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
+    down = runner.find(f"moe_down__m{mmax}_")[0]
+    ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)
+    x = R.act_f16(rng, m, h)
+    gates, ups, downs = experts.lists(ids)
+    act_ref = R.moe_gateup_ref(x, ids, gates, ups)
+    common = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g, "ids": ids, "m": np.int32(m)}
+    act = runner.run(gateup, dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
+                     {"act": ((m * topk, ie), np.float16)}, grid=(gateup.grid[0], m * topk, 1))["act"]
+    err = R.norm_err(act, act_ref)
+    assert err <= R.TOL_MOE_ACT, f"{gateup.name} m={m}: act error {err:.2e}"
+    # down on the reference's own f16 act (isolates the down kernel), then the chained pair
+    act16 = act_ref.astype(np.float16)
+    y_ref = R.moe_down_ref(act16, ids, wts, downs)
+    dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "ids": ids, "wts": wts, "m": np.int32(m)}
+    y = runner.run(down, dict(dn, act=act16, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
+    err = R.norm_err(y, y_ref)
+    assert err <= R.TOL_MOE_OUT, f"{down.name} m={m}: error {err:.2e}"
+    y2 = runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
+    np.testing.assert_array_equal(y, runner.run(down, dict(dn, act=act16), {"y": ((m, h), np.float32)})["y"])
+    assert R.norm_err(y2, R.moe_down_ref(act, ids, wts, downs)) <= R.TOL_MOE_OUT
+
+
+def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
+    """An out-of-range id (corrupt router output) must neither crash nor write garbage for the valid slots."""
+    rng = np.random.default_rng(23)
+    t = runner.spec.target
+    m, topk = 1, t.top_k_experts
+    ids, wts = R.moe_routing(rng, m, t.num_experts, topk)
+    bad = ids.copy()
+    bad[0, -1] = t.num_experts + 1000
+    down = runner.find("moe_down__m1_")[0]
+    act16 = R.act_f16(rng, m * topk, t.moe_intermediate_size)
+    dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "wts": wts, "m": np.int32(m), "act": act16}
+    y = runner.run(down, dict(dn, ids=bad), {"y": ((m, t.hidden_size), np.float32)})["y"]
+    keep = wts.copy()
+    keep[0, -1] = 0.0
+    _, _, downs = experts.lists(ids)
+    assert R.norm_err(y, R.moe_down_ref(act16, ids, keep, downs)) <= R.TOL_MOE_OUT

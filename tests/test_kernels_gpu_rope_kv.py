@@ -1,0 +1,65 @@
+"""GPU tests: Q/K norm + RoPE (default / proportional) + V norm + KV-cache write (bf16, fp8; ring and linear)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
+from gpu_harness import PRESETS, GpuRunner
+from thorgen.codegen import reference_kernels as R
+from thorgen.model_spec.nvfp4 import f32_to_bf16
+
+pytestmark = pytest.mark.gpu
+T = 5
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def runner(request):
+    return GpuRunner(request.param, ("rope_kv",))
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_rope_kv(runner, far):
+    rng = np.random.default_rng(11 + far)
+    for k in runner.find("rope_kv__"):
+        p = k.param_dict
+        HQ, HKV, D, slots = p["HQ"], p["HKV"], p["D"], p["SLOTS"]
+        if far and not slots:
+            continue  # far positions (RoPE range reduction near 2.6e5 rad) on the ring caches only
+        start = int(rng.integers(250_000, 262_000)) if far else int(rng.integers(0, 3000))
+        positions = (start + np.arange(T)).astype(np.int32)
+        cap = slots or int(positions.max()) + 1
+        q_raw = rng.normal(0, 2, (T, HQ * D)).astype(np.float32)
+        k_raw = rng.normal(0, 2, (T, HKV * D)).astype(np.float32)
+        v_raw = rng.normal(0, 2, (T, HKV * D)).astype(np.float32)
+        q_w, k_w = (f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)) for _ in range(2))
+        kv_t, q_t = p["KV"], p["Q"]
+        inputs = {"q_raw": q_raw, "k_raw": k_raw, "v_raw": v_raw, "q_norm_w": q_w, "k_norm_w": k_w,
+                  "positions": positions, "T": np.int32(T)}
+        outputs = {"k_cache": ((cap, HKV, D), R.np_dtype(kv_t)), "v_cache": ((cap, HKV, D), R.np_dtype(kv_t))}
+        if p["HAS_Q"]:
+            outputs["q_out"] = ((T, HQ, D), R.np_dtype(q_t))
+        got = runner.run(k, inputs, outputs, (3, 1, 1))
+        q, kr, vr = R.rope_kv_ref(q_raw, k_raw, v_raw, q_w, k_w, positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
+                                  theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
+                                  eps=p["EPS"])
+        sl = R.cache_slots(positions, slots)
+        for name, ref in (("k_cache", kr), ("v_cache", vr)):
+            cache = got[name]
+            err = R.norm_err(R.load(cache[sl], kv_t), ref)
+            assert err <= R.TOL[kv_t], (k.name, name, err)
+            # rounding the reference the kernel's way gives nearly the same bits (only boundary cases differ)
+            assert R.norm_err(R.load(cache[sl], kv_t), R.load(R.store(ref, kv_t), kv_t)) <= R.TOL[kv_t] / 4
+            untouched = np.ones(cap, bool)
+            untouched[sl] = False
+            assert not cache[untouched].any(), f"{k.name}: {name} written outside slots {sl}"
+        if p["HAS_Q"]:
+            assert R.norm_err(R.load(got["q_out"], q_t), q) <= R.TOL[q_t], k.name
+        if p["ROT"] < D // 2:  # proportional RoPE: the non-rotating dims are the normed values, unrotated
+            kn = R.rms(k_raw.reshape(T, HKV, D), R.load(k_w, "bf16"), p["EPS"])
+            mid = np.r_[p["ROT"]:D // 2, D // 2 + p["ROT"]:D]
+            assert R.norm_err(R.load(got["k_cache"][sl], kv_t)[..., mid], kn[..., mid]) <= R.TOL[kv_t]
