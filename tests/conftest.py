@@ -40,3 +40,13 @@ def shared_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny CPU matmuls in the torch oracles: worker threads only contend on the 2-core runners."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,13 +24,7 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny CPU matmuls: torch worker threads only contend on the 2-core runners."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_state_dict(ckpt, spec) -> dict:
