@@ -53,7 +53,12 @@ class Engine:
         self.kernels.load_all()
         self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, conventions=manifest.conventions))
         self.act = Arena(device, self._plan_activations())
-        self.act.buffer.zero()  # argmax/sampler scratch (best, counters) must start zeroed; the kernels keep it so
+        # On self.stream, not the legacy stream: a non-blocking stream does not wait for legacy-stream work, so a
+        # plain cuMemsetD8 could still be running when the first kernels read. argmax/sampler scratch (best,
+        # counters) must start zeroed (the kernels keep it so); a zeroed KV cache keeps never-written slots finite.
+        self.act.buffer.zero(self.stream)
+        self.kv.arena.buffer.zero(self.stream)
+        self.stream.synchronize()
         self._pinned = PinnedBuffer(4096)
         self.fwd.ptr = self  # real buffers from now on
         self._graphs: dict[str, CudaGraph] = {}
@@ -135,8 +140,7 @@ class Engine:
         rec = np.zeros(LM_ROWS, SAMPLE_PARAMS)
         rec["temperature"], rec["top_k"], rec["top_p"], rec["min_p"] = temperature, top_k, top_p, min_p
         rec["seed"] = np.uint64(seed % 2**64)
-        self.stream.synchronize()
-        self.act["params"].upload(rec.view(np.uint8))
+        self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
     def prefill(self, prompt: list[int], greedy: bool = True) -> int:
         """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token."""
@@ -148,12 +152,14 @@ class Engine:
                 self._stage(0, start, prompt[start])
                 self._graph(greedy if last else True).replay(self.stream)
                 continue
-            self.stream.synchronize()  # the pinned position slot and ids buffer are reused per chunk
+            # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
+            # stream does not wait for (from pageable memory it may return before the DMA lands), so the chunk's
+            # kernels could read the previous chunk's ids/positions. Pageable sources are staged at the call.
             ids = np.asarray(prompt[start:start + rows], np.int32)
-            ids_buf.view(0, ids.nbytes).upload(ids)
+            ids_buf.view(0, ids.nbytes).upload(ids, stream=self.stream)
             pos = self.act["positions"]
-            pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32))
-            pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32))
+            pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
+            pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
             key = (rows, last, greedy)
             launches = self._bound.get(key)
             if launches is None:

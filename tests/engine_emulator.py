@@ -1,0 +1,496 @@
+"""Test support (not a test module): run the real CUDA engine on a CPU — a fake cuda.bindings.driver whose device
+memory is host NumPy arrays and whose kernel launches dispatch to NumPy references of each kernel's contract.
+
+Everything above the driver is the production code (open_backend, Engine, Forward, KernelSet argument packing,
+graph capture/replay, pinned staging, strided copies), so a wiring bug (wrong pointer, row offset, stride, launch
+order, position or slot arithmetic, stale graph argument) shows up as a divergence from the reference backend,
+while the kernels themselves are replaced by float64 references that round where the kernel stores. Accesses are
+bounds-checked against the allocation they start in. `mem_view(address, dtype, shape)` reads device memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from thorgen.codegen import reference_kernels as RK
+from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, f32_to_bf16
+from thorgen.runtime import layouts as L
+from thorgen.runtime.backend import SamplingParams
+from thorgen.runtime.reference.sampling import sample
+
+import matmul_reference as MR
+
+F64 = np.float64
+INT_ARGS = {"T", "m", "tap_stride", "tap_col"}
+
+
+class EmuError(AssertionError):
+    """A launch or copy the emulated GPU rejects (out-of-bounds access, null pointer, bad argument)."""
+
+
+class _Result(int):
+    """A CUresult: int 0 for success, with a .name like cuda-python's enum members."""
+
+    @property
+    def name(self) -> str:
+        return "CUDA_SUCCESS" if self == 0 else f"CUDA_ERROR_{int(self)}"
+
+
+OK = _Result(0)
+INVALID = _Result(1)
+
+
+class FakeDriver:
+    """The subset of cuda.bindings.driver the runtime uses, executing synchronously on host memory."""
+
+    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major",
+                                         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor",
+                                         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT="sms",
+                                         CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="smem")
+    CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
+    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1, CU_STREAM_DEFAULT=0)
+    CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0, CU_EVENT_DISABLE_TIMING=2)
+    CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="smem")
+    CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+
+    class CUDA_MEMCPY2D(SimpleNamespace):
+        pass
+
+    def __init__(self, manifest_dir: Path) -> None:
+        man = json.loads((Path(manifest_dir) / "manifest.json").read_text())
+        self.entries = man["kernels"]
+        self._bases: list[int] = []
+        self._arrays: dict[int, np.ndarray] = {}
+        self._next = 1 << 32
+        self._host: dict[int, Any] = {}
+        self._capture: dict[Any, list] = {}
+        self.launches: list[str] = []  # kernel names, in execution order (tests may inspect)
+        self.emu = KernelEmulator(self)
+
+    # ---- device / context ----------------------------------------------------------------------------------
+    def cuInit(self, flags): return (OK,)
+    def cuGetErrorString(self, err): return OK, b"emulated error"
+    def cuDeviceGetCount(self): return OK, 1
+    def cuDeviceGet(self, i): return OK, i
+    def cuDeviceGetAttribute(self, attr, d): return OK, {"major": 9, "minor": 0, "sms": 132, "smem": 232448}[attr]
+    def cuDeviceGetName(self, n, d): return OK, b"Emulated H200\0"
+    def cuDeviceTotalMem(self, d): return OK, 141 << 30
+    def cuDevicePrimaryCtxRetain(self, d): return OK, "ctx"
+    def cuDevicePrimaryCtxRelease(self, d): return (OK,)
+    def cuCtxSetCurrent(self, c): return (OK,)
+    def cuCtxSynchronize(self): return (OK,)
+    def cuMemGetInfo(self): return OK, 100 << 30, 141 << 30
+
+    # ---- memory ---------------------------------------------------------------------------------------------
+    def cuMemAlloc(self, n):
+        base = self._next
+        self._next += (int(n) + (1 << 20)) // (1 << 16) * (1 << 16) + (1 << 16)
+        self._arrays[base] = np.full(int(n), 0xFF, np.uint8)  # NaN-ish garbage: uninitialised memory is not zero
+        bisect.insort(self._bases, base)
+        return OK, base
+
+    def cuMemFree(self, p):
+        self._arrays.pop(int(p), None)
+        if int(p) in self._bases:
+            self._bases.remove(int(p))
+        return (OK,)
+
+    def cuMemAllocHost(self, n):
+        buf = (ctypes.c_ubyte * int(n))()
+        self._host[ctypes.addressof(buf)] = buf
+        return OK, ctypes.addressof(buf)
+
+    def cuMemFreeHost(self, p):
+        self._host.pop(int(p), None)
+        return (OK,)
+
+    def span(self, addr: int, nbytes: int, what: str = "access") -> np.ndarray:
+        """The uint8 view of [addr, addr+nbytes) of one allocation; EmuError when it leaves the allocation."""
+        addr = int(addr)
+        if addr == 0:
+            raise EmuError(f"{what}: null pointer")
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i < 0:
+            raise EmuError(f"{what}: address {addr:#x} is not device memory")
+        base = self._bases[i]
+        arr = self._arrays[base]
+        off = addr - base
+        if off + nbytes > arr.size:
+            raise EmuError(f"{what}: [{off}, {off + nbytes}) overruns an allocation of {arr.size} bytes")
+        return arr[off:off + nbytes]
+
+    def view(self, addr: int, dtype: Any, shape: tuple[int, ...] | int, what: str = "access") -> np.ndarray:
+        dt = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        return self.span(addr, n, what).view(dt).reshape(shape)
+
+    def _host_view(self, addr: int, n: int) -> np.ndarray:
+        return np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(int(addr)))
+
+    def _run(self, stream, fn) -> tuple:
+        if stream in self._capture:
+            self._capture[stream].append(fn)
+        else:
+            fn()
+        return (OK,)
+
+    def cuMemcpyHtoD(self, dst, src, n):
+        self.span(dst, n, "HtoD")[:] = self._host_view(src, n)
+        return (OK,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        if stream in self._capture:
+            raise EmuError("host copy inside a graph capture")
+        return self.cuMemcpyHtoD(dst, src, n)
+
+    def cuMemcpyDtoH(self, dst, src, n):
+        self._host_view(dst, n)[:] = self.span(src, n, "DtoH")
+        return (OK,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        return self.cuMemcpyDtoH(dst, src, n)
+
+    def cuMemcpyDtoDAsync(self, dst, src, n, stream):
+        return self._run(stream, lambda: self.span(dst, n, "DtoD").__setitem__(slice(None), self.span(src, n)))
+
+    def cuMemcpy2DAsync(self, p, stream):
+        p = SimpleNamespace(**vars(p))  # parameters are taken at call (capture) time
+
+        def go():
+            for r in range(p.Height):
+                self.span(p.dstDevice + r * p.dstPitch, p.WidthInBytes, "2D copy dst")[:] = \
+                    self.span(p.srcDevice + r * p.srcPitch, p.WidthInBytes, "2D copy src")
+        return self._run(stream, go)
+
+    def cuMemsetD8(self, p, v, n):
+        self.span(p, n, "memset")[:] = v
+        return (OK,)
+
+    def cuMemsetD8Async(self, p, v, n, stream):
+        return self._run(stream, lambda: self.cuMemsetD8(p, v, n))
+
+    # ---- streams, events, graphs ------------------------------------------------------------------------------
+    def cuStreamCreate(self, flags): return OK, object()
+    def cuStreamDestroy(self, s): return (OK,)
+    def cuStreamSynchronize(self, s): return (OK,)
+    def cuEventCreate(self, flags): return OK, object()
+    def cuEventDestroy(self, e): return (OK,)
+    def cuEventRecord(self, e, s): return (OK,)
+    def cuEventSynchronize(self, e): return (OK,)
+    def cuEventElapsedTime(self, a, b): return OK, 0.0
+
+    def cuStreamBeginCapture(self, s, mode):
+        self._capture[s] = []
+        return (OK,)
+
+    def cuStreamEndCapture(self, s):
+        return OK, self._capture.pop(s)
+
+    def cuGraphInstantiate(self, g, flags): return OK, list(g)
+    def cuGraphUpload(self, g, s): return (OK,)
+    def cuGraphDestroy(self, g): return (OK,)
+    def cuGraphExecDestroy(self, g): return (OK,)
+
+    def cuGraphLaunch(self, g, s):
+        for fn in g:
+            fn()
+        return (OK,)
+
+    # ---- modules and launches ---------------------------------------------------------------------------------
+    def cuModuleLoadData(self, image): return OK, "module"
+    def cuModuleUnload(self, m): return (OK,)
+    def cuFuncSetAttribute(self, fn, attr, v): return (OK,)
+
+    def cuModuleGetFunction(self, mod, name):
+        name = name.decode() if isinstance(name, bytes) else name
+        if name not in self.entries:
+            return (INVALID, None)
+        return OK, name
+
+    def cuFuncGetParamInfo(self, fn, i):
+        args = self.entries[fn]["args"]
+        if i >= len(args):
+            return INVALID, 0, 0
+        return OK, 8 * i, 4 if args[i] in INT_ARGS else 8
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        names = self.entries[fn]["args"]
+        slots = (ctypes.c_void_p * len(names)).from_address(params)
+        vals = {}
+        for i, n in enumerate(names):  # read now: a captured launch keeps the values it was captured with
+            ct = ctypes.c_int32 if n in INT_ARGS else ctypes.c_uint64
+            vals[n] = int(ct.from_address(slots[i]).value)
+        grid = (gx, gy, gz)
+
+        def go():
+            self.launches.append(fn)
+            self.emu.run(fn, self.entries[fn], vals, grid)
+        return self._run(stream, go)
+
+
+def write_fake_manifest(spec, out_dir: Path, arch_name: str = "sm_90a") -> Path:
+    """manifest.json of codegen's real plan (nothing compiled) plus empty cubin files beside it."""
+    from thorgen.codegen.arch import get_arch
+    from thorgen.codegen.manifest import build_manifest, write_manifest
+    from thorgen.codegen.plan import plan
+
+    arch = get_arch(arch_name)
+    kernels = plan(spec, arch)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for k in kernels:
+        (out_dir / f"{k.name}.cubin").write_bytes(b"")
+    write_manifest(out_dir, build_manifest(spec, arch, kernels, {}, "emulated", []))
+    return out_dir
+
+
+# ---- the kernels ------------------------------------------------------------------------------------------------
+
+def _gelu(x):
+    return MR.gelu_tanh(x)
+
+
+class KernelEmulator:
+    """NumPy stand-ins for each kernel template, reading and writing the fake driver's memory."""
+
+    def __init__(self, drv: FakeDriver) -> None:
+        self.d = drv
+        self.overrides: dict[tuple, np.ndarray] = {}  # (w, s, gscale, n, k) -> float64 weight to use instead
+        self.after = None  # optional callback(name, manifest entry, args) after every kernel (debugging)
+        self.taps: list[np.ndarray] = []  # the residual stream after every ffn_tail (per layer), for bisecting
+        self._dense: dict[tuple, np.ndarray] = {}
+
+    def v(self, addr, dtype, shape, what=""):
+        return self.d.view(addr, dtype, shape, what)
+
+    def nvfp4(self, w, s, g, n, k, order, what):
+        """Dequantized float64 [n, k] of a t16x64 weight at (w, s, gscale); cached by address."""
+        key = (w, s, g, n, k)
+        if key in self.overrides:
+            return self.overrides[key]
+        if key not in self._dense:
+            packed, scale = L.unpack_nvfp4(self.v(w, np.uint8, n * k // 2, what),
+                                           self.v(s, np.uint8, n * k // 16, what), n, k, order)
+            inv = np.repeat(self.v(g, np.float32, n // 8, what).astype(F64), 8)
+            self._dense[key] = dequantize_nvfp4(packed, scale, 1.0).astype(F64) * inv[:, None]
+        return self._dense[key]
+
+    @staticmethod
+    def check_grid(e: dict, a: dict, grid) -> None:
+        """The launch grid covers the rows (the kernels' own coverage rules; grid-stride row kernels need >= 1)."""
+        t, p, g = e["template"], e["params"], grid
+        rows = a.get("T", a.get("m", 1))
+        need = []
+        if t.startswith("attn_fwd"):
+            need = [(0, -(-rows // (16 * p["mt"] // (p["hq"] // p["hkv"])))), (1, p["hkv"]), (2, p["nsplit"])]
+        elif t.startswith("attn_combine"):
+            need = [(0, rows * p["hq"])]
+        elif t.startswith("moe_gateup"):
+            need = [(0, 2 * p["ie"] // 16), (1, rows * p["topk"])]
+        elif t.startswith("moe_down"):
+            need = [(0, p["h"] // 16)]
+        elif "bm" in p:
+            need = [(0, p["n"] // (16 * p["nwarp"])), (1, -(-rows // p["bm"]))]
+        elif t.startswith("nvfp4_gemm"):
+            need = [(0, p["n"] // 16)]
+        elif "ROW_AXIS" in p:
+            need = [(int(p["ROW_AXIS"]), 1)]
+        for axis, n in need:
+            if g[axis] < n:
+                raise EmuError(f"grid {tuple(g)} has {g[axis]} blocks on axis {axis}, the rows need {n}")
+
+    def run(self, name: str, e: dict, a: dict, grid) -> None:
+        t, p = e["template"], e["params"]
+        fn = getattr(self, "k_" + t.split(".")[0])
+        try:
+            self.check_grid(e, a, grid)
+            fn(p, a, name)
+        except EmuError as exc:
+            raise EmuError(f"{name}: {exc}") from None
+        if self.after is not None:
+            self.after(name, e, a)
+
+    def k_embed(self, p, a, n):
+        T, H, V = a["T"], p["H"], p["V"]
+        ids = self.v(a["ids"], np.int32, T, "ids")
+        if ((ids < 0) | (ids >= V)).any():
+            raise EmuError(f"token ids {ids} out of range")
+        table = self.v(a["table"], np.uint16, (V, H), "table")
+        self.v(a["out"], np.float32, (T, H), "out")[:] = RK.embed_ref(ids, table, p["SCALE"], p["MASK_ID"])
+
+    def k_rmsnorm(self, p, a, n):
+        T, H = a["T"], p["H"]
+        x = RK.load(self.v(a["x"], RK.np_dtype(p["IN"]), (T, H), "x"), p["IN"])
+        y = RK.rmsnorm_ref(x, self.v(a["w"], np.uint16, H, "w"), p["EPS"])
+        self.v(a["y"], RK.np_dtype(p["OUT"]), (T, H), "y")[:] = RK.store(y, p["OUT"])
+
+    def _gemm(self, p, a, n):
+        m, N, K = a["m"], p["n"], p["k"]
+        W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
+        x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
+        if p["epi"] == "store":
+            self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+        else:
+            g, u = L.deinterleave8(W)
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = (_gelu(x @ g.T) * (x @ u.T)).astype(np.float16)
+
+    k_nvfp4_gemm = _gemm
+    k_nvfp4_gemm_large = _gemm
+
+    def k_rope_kv(self, p, a, n):
+        T, HQ, HKV, D = a["T"], p["HQ"], p["HKV"], p["D"]
+        pos = self.v(a["positions"], np.int32, T, "positions").copy()
+        q_raw = self.v(a["q_raw"], np.float32, (T, HQ * D), "q_raw") if p["HAS_Q"] else None
+        k_raw = self.v(a["k_raw"], np.float32, (T, HKV * D), "k_raw")
+        v_raw = None if p["V_FROM_K"] else self.v(a["v_raw"], np.float32, (T, HKV * D), "v_raw")
+        q, k, v = RK.rope_kv_ref(q_raw, k_raw, v_raw, self.v(a["q_norm_w"], np.uint16, D),
+                                 self.v(a["k_norm_w"], np.uint16, D), pos, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
+                                 theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
+                                 eps=p["EPS"])
+        if q is not None:
+            self.v(a["q_out"], RK.np_dtype(p["Q"]), (T, HQ, D), "q_out")[:] = RK.store(q, p["Q"])
+        kvdt, eb = RK.np_dtype(p["KV"]), np.dtype(RK.np_dtype(p["KV"])).itemsize
+        for t, slot in enumerate(RK.cache_slots(pos, p["SLOTS"])):
+            row = int(slot) * HKV * D * eb
+            self.v(a["k_cache"] + row, kvdt, (HKV, D), "k_cache")[:] = RK.store(k[t], p["KV"])
+            self.v(a["v_cache"] + row, kvdt, (HKV, D), "v_cache")[:] = RK.store(v[t], p["KV"])
+
+    def k_attn_fwd(self, p, a, n):
+        m, d, hq, hkv, ring = a["m"], p["d"], p["hq"], p["hkv"], p["ring"]
+        if not 1 <= m <= p["mmax"]:
+            raise EmuError(f"m={m} outside 1..{p['mmax']}")
+        p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
+        slots = ring if ring else p0 + m
+        kvdt = RK.np_dtype(p["kv_dtype"])
+        kc = self.v(a["kc"], kvdt, (slots, hkv, d), "kc")
+        vc = self.v(a["vc"], kvdt, (slots, hkv, d), "vc")
+        q = self.v(a["q"], np.uint16, (m, hq, d), "q")
+        out = MR.attention_ref(q, kc, vc, p["kv_dtype"], p0, ring, p["window"], p["causal"], p["scale"])
+        if not np.isfinite(out).all():
+            raise EmuError("attention read non-finite cache values")
+        ns, mmax = p["nsplit"], p["mmax"]
+        if ns == 1:
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out.astype(np.float16)
+            return
+        # Partial results as the contract lays them out: split 0 holds everything (m = 0, l = 1), others are empty.
+        ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
+        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)
+        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)
+        o[0, :m] = out
+        ml[0, :m] = (0.0, 1.0)
+        ml[1:, :m] = (-np.inf, 0.0)
+
+    def k_attn_combine(self, p, a, n):
+        m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
+        ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
+        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m].astype(F64)
+        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m].astype(F64)
+        live = ml[..., 1] > 0
+        mx = np.where(live, ml[..., 0], -np.inf).max(axis=0)
+        e = np.where(live, np.exp2(np.where(live, ml[..., 0], 0) - mx), 0.0)
+        res = (o * e[..., None]).sum(0) / (ml[..., 1] * e).sum(0)[..., None]
+        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = res.astype(np.float16)
+
+    def k_attn_tail(self, p, a, n):
+        T, H = a["T"], p["H"]
+        bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        xn, a1, a2 = RK.attn_tail_ref(self.v(a["o"], np.float32, (T, H), "o"), x, bf("w_post"), bf("w_pre1"),
+                                      bf("w_pre2"), p["EPS"])
+        x[:] = xn
+        self.v(a["a1"], np.float16, (T, H), "a1")[:] = a1.astype(np.float16)
+        self.v(a["a2"], np.float16, (T, H), "a2")[:] = a2.astype(np.float16)
+
+    def k_ffn_tail(self, p, a, n):
+        T, H = a["T"], p["H"]
+        bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        w_next = bf("w_next") if a["w_next"] else None
+        xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"),
+                                  self.v(a["moe"], np.float32, (T, H), "moe"), x, bf("w1"), bf("w2"), bf("w"),
+                                  self.v(a["layer_scalar"], np.uint16, 1), w_next, p["EPS"])
+        x[:] = xn
+        self.taps.append(np.array(x))
+        if nxt is not None:
+            self.v(a["a"], np.float16, (T, H), "a")[:] = nxt.astype(np.float16)
+        if a["tap"]:
+            raise EmuError("taps are not emulated")
+
+    def k_router_logits(self, p, a, n):
+        T, H, E = a["T"], p["H"], p["E"]
+        lg = RK.router_logits_ref(self.v(a["x"], np.float32, (T, H), "x"), self.v(a["scale"], np.uint16, H),
+                                  self.v(a["proj"], np.uint16, (E, H)), p["EPS"])
+        self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
+
+    def k_router_topk(self, p, a, n):
+        T, E, K = a["T"], p["E"], p["K"]
+        idx, w = RK.router_topk_ref(self.v(a["logits"], np.float32, (T, E), "logits"), K,
+                                    self.v(a["per_expert_scale"], np.uint16, E))
+        self.v(a["topk_idx"], np.int32, (T, K), "topk_idx")[:] = idx
+        self.v(a["topk_w"], np.float32, (T, K), "topk_w")[:] = w
+
+    def _expert(self, a, e, n_, k_, p):
+        wb, sb = n_ * k_ // 2, n_ * k_ // 16
+        return self.nvfp4(a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"],
+                          f"expert {e}")
+
+    def k_moe_gateup(self, p, a, n):
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        if not 1 <= m <= p["mmax"]:
+            raise EmuError(f"m={m} outside 1..{p['mmax']}")
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        x = self.v(a["x"], np.float16, (m, h), "x").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act")
+        for t in range(m):
+            for k in range(K):
+                g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
+                act[t * K + k] = (_gelu(x[t] @ g.T) * (x[t] @ u.T)).astype(np.float16)
+
+    def k_moe_down(self, p, a, n):
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)
+        y = np.zeros((m, h), F64)
+        for t in range(m):
+            for k in range(K):
+                y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
+        self.v(a["y"], np.float32, (m, h), "y")[:] = y
+
+    def k_lm_argmax(self, p, a, n):
+        T, V = a["T"], p["V"]
+        capped = RK.softcap_ref(self.v(a["logits"], np.float32, (T, V), "logits"), p["SOFTCAP"])
+        self.v(a["out_ids"], np.int32, T, "out_ids")[:] = RK.argmax_ref(capped)
+
+    def k_lm_sample(self, p, a, n):
+        if p["STAGE"] != "finish":
+            return
+        from thorgen.runtime.engine import SAMPLE_PARAMS
+        T, V = a["T"], p["V"]
+        rec = self.v(a["params"], np.uint8, SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)[0]
+        sp = SamplingParams(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]), top_p=float(rec["top_p"]),
+                            min_p=float(rec["min_p"]), seed=int(rec["seed"]))
+        pos = self.v(a["positions"], np.int32, T, "positions")
+        logits = self.v(a["logits"], np.float32, (T, V), "logits")
+        out = self.v(a["out_ids"], np.int32, T, "out_ids")
+        for t in range(T):
+            out[t] = sample(RK.softcap_ref(logits[t], p["SOFTCAP"]), sp, int(pos[t]))
+
+
+def install(manifest_dir: Path) -> FakeDriver:
+    """Make the runtime use a fresh FakeDriver (undo with runtime.device.set_driver(None))."""
+    from thorgen.runtime import device as dev
+
+    drv = FakeDriver(manifest_dir)
+    dev.set_driver(drv)
+    return drv
+
+
+__all__ = ["EmuError", "FakeDriver", "install", "write_fake_manifest", "bf16_to_f32", "f32_to_bf16"]
