@@ -59,14 +59,32 @@ class GenerationResult:
 class Backend(Protocol):
     spec: ModelSpec
     max_context: int
+    last_result: GenerationResult | None  # the result of the latest generate_stream, filled as it streams
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
-        """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel."""
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+        """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
+        Fills `result` (or a new one, kept as `last_result`) as it goes."""
         ...
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
         ...
+
+
+class StreamingBackend:
+    """The part every backend shares: `generate` drains `generate_stream` into one GenerationResult."""
+
+    last_result: GenerationResult | None = None
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+        result = GenerationResult()
+        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative,  # type: ignore[attr-defined]
+                                      cancelled, result):
+            pass
+        return result

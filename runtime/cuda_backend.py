@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..model_spec.config import spec_from_configs
-from .backend import BackendError, GenerationResult, SamplingParams, StepOutput
+from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import Engine
 from .kv_cache import DEFAULT_CTX, check_context, plan_kv
@@ -54,7 +54,7 @@ def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path |
                        f"`thorgen build --model {model_dir} --arch {arch}` or pass --kernels DIR")
 
 
-class CudaBackend:
+class CudaBackend(StreamingBackend):
     """Backend protocol over an Engine (one request at a time, like the reference backend)."""
 
     def __init__(self, engine: Engine, load_s: float = 0.0) -> None:
@@ -124,13 +124,6 @@ class CudaBackend:
             result.decode_s = time.perf_counter() - t1
             self._peak_used = max(self._peak_used, self._used())
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
-        result = GenerationResult()
-        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
-            pass
-        return result
 
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:

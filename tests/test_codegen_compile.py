@@ -1,4 +1,4 @@
-"""CPU test: nvcc compiles every kernel of the full preset for sm_90a and sm_110a and of the tiny preset for
+"""CPU test: nvcc compiles every kernel of both presets for sm_90a and sm_110a and of the tiny preset for
 sm_100a and sm_120a (2 parallel nvcc processes, through the content-addressed cache). Skips without nvcc."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
 
-TARGETS = [("gemma-4-26b-a4b", "sm_90a"), ("gemma-4-26b-a4b", "sm_110a"), ("tiny", "sm_100a"), ("tiny", "sm_120a")]
+TARGETS = [("gemma-4-26b-a4b", "sm_90a"), ("gemma-4-26b-a4b", "sm_110a"), ("tiny", "sm_90a"), ("tiny", "sm_110a"),
+           ("tiny", "sm_100a"), ("tiny", "sm_120a")]
 
 
 @pytest.fixture(scope="module", autouse=True)

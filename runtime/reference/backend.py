@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput
+from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .speculative import Decoder
@@ -17,7 +17,7 @@ from .state import PrefixCache
 from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
 
 
-class ReferenceBackend:
+class ReferenceBackend(StreamingBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
 
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
@@ -80,11 +80,4 @@ class ReferenceBackend:
                 state.truncate(state.length)
                 self.prefix_cache.store(state)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
-        result = GenerationResult()
-        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
-            pass
-        return result
 
