@@ -4,8 +4,10 @@ memory is host NumPy arrays and whose kernel launches dispatch to NumPy referenc
 Everything above the driver is the production code (open_backend, Engine, Forward, KernelSet argument packing,
 graph capture/replay, pinned staging, strided copies), so a wiring bug (wrong pointer, row offset, stride, launch
 order, position or slot arithmetic, stale graph argument) shows up as a divergence from the reference backend,
-while the kernels themselves are replaced by float64 references that round where the kernel stores. Accesses are
-bounds-checked against the allocation they start in. `mem_view(address, dtype, shape)` reads device memory.
+while the kernels themselves are replaced by float64 references that round where the kernel stores (through
+float32, as the kernels convert their float32 registers: `RK.store`). Accesses are bounds-checked against the
+allocation they start in. The reference backend's numerics="w4a16" mode rounds at the same points, so the two
+agree token for token (tests/test_reference_w4a16.py).
 """
 
 from __future__ import annotations
@@ -339,7 +341,7 @@ class KernelEmulator:
             self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
         else:
             g, u = L.deinterleave8(W)
-            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = (_gelu(x @ g.T) * (x @ u.T)).astype(np.float16)
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
 
     k_nvfp4_gemm = _gemm
     k_nvfp4_gemm_large = _gemm
@@ -377,7 +379,7 @@ class KernelEmulator:
             raise EmuError("attention read non-finite cache values")
         ns, mmax = p["nsplit"], p["mmax"]
         if ns == 1:
-            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out.astype(np.float16)
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = RK.store(out, "f16")
             return
         # Partial results as the contract lays them out: split 0 holds everything (m = 0, l = 1), others are empty.
         ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
@@ -396,7 +398,7 @@ class KernelEmulator:
         mx = np.where(live, ml[..., 0], -np.inf).max(axis=0)
         e = np.where(live, np.exp2(np.where(live, ml[..., 0], 0) - mx), 0.0)
         res = (o * e[..., None]).sum(0) / (ml[..., 1] * e).sum(0)[..., None]
-        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = res.astype(np.float16)
+        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = RK.store(res, "f16")
 
     def k_attn_tail(self, p, a, n):
         T, H = a["T"], p["H"]
@@ -405,8 +407,8 @@ class KernelEmulator:
         xn, a1, a2 = RK.attn_tail_ref(self.v(a["o"], np.float32, (T, H), "o"), x, bf("w_post"), bf("w_pre1"),
                                       bf("w_pre2"), p["EPS"])
         x[:] = xn
-        self.v(a["a1"], np.float16, (T, H), "a1")[:] = a1.astype(np.float16)
-        self.v(a["a2"], np.float16, (T, H), "a2")[:] = a2.astype(np.float16)
+        self.v(a["a1"], np.float16, (T, H), "a1")[:] = RK.store(a1, "f16")
+        self.v(a["a2"], np.float16, (T, H), "a2")[:] = RK.store(a2, "f16")
 
     def k_ffn_tail(self, p, a, n):
         T, H = a["T"], p["H"]
@@ -419,7 +421,7 @@ class KernelEmulator:
         x[:] = xn
         self.taps.append(np.array(x))
         if nxt is not None:
-            self.v(a["a"], np.float16, (T, H), "a")[:] = nxt.astype(np.float16)
+            self.v(a["a"], np.float16, (T, H), "a")[:] = RK.store(nxt, "f16")
         if a["tap"]:
             raise EmuError("taps are not emulated")
 
@@ -451,7 +453,7 @@ class KernelEmulator:
         for t in range(m):
             for k in range(K):
                 g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
-                act[t * K + k] = (_gelu(x[t] @ g.T) * (x[t] @ u.T)).astype(np.float16)
+                act[t * K + k] = RK.store(_gelu(x[t] @ g.T) * (x[t] @ u.T), "f16")
 
     def k_moe_down(self, p, a, n):
         m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]

@@ -2,25 +2,49 @@
 the reference backend — greedy tokens (prompt suite, a prompt longer than the sliding window), logits, seeded
 sampling, the fp8 KV cache, and the context limit. Skipped without a GPU, cuda-python or nvcc.
 
-Run on the H200: `python -m pytest tests/test_runtime_gpu.py -m gpu -q`.
-Tolerances (first-run values, to be tightened with measurements): logits of the last prompt token, softcapped,
-relative L2 vs the float64-accumulating reference <= 2e-2 with the bf16 KV cache (W4A16: fp16 activations,
-NVFP4 weights; bf16 queries/KV) and <= 5e-2 with the fp8 e4m3 KV cache.
+Run on the H200: `python -m pytest tests/test_runtime_gpu.py -m gpu -q -rA` (-rA prints the measured logits
+errors). Without nvcc on the box, build the kernels where nvcc is (`thorgen build --preset tiny --arch sm_90a ...`)
+and point $THORGEN_KERNELS at the folder holding manifest.json.
+
+The like-for-like oracle is ReferenceBackend(numerics="w4a16", kv_dtype=<the engine's>): the reference rounded at
+the engine's storage points (fp16 GEMM inputs, bf16 Q, bf16/fp8 K/V, the repacked NVFP4 lm_head; see
+runtime/reference/w4a16.py). Against the CPU-emulated engine (the same schedule with NumPy kernels,
+tests/test_reference_w4a16.py) it is bit-equal: logits rel L2 0, every greedy and sampled token identical. On the
+GPU only the kernels' float32 accumulation order and attention's bf16 probabilities remain (per-layer error
+3e-4..2e-3 measured by tests/debug_engine_gpu.py), so tokens must be identical and logits close:
+  LOGITS_TOL      engine vs the w4a16 reference with the same KV type, softcapped logits of the last prompt token,
+                  relative L2: bf16 KV 1e-2, fp8 KV 5e-2 (an fp8 K/V value moves by a whole e4m3 step, 6%, where
+                  the GPU's input lands on the other side of a rounding boundary). Set from the emulation and the
+                  per-layer GPU errors; tighten with the first H200 measurements (printed with -rA).
+  F32_LOGITS_TOL  engine (bf16 KV) vs the float32 reference (the one proven against HF) 0.2: w4a16 vs float32
+                  measured 0.088-0.119 on ten 41-token random prompts (the NVFP4 lm_head alone ~0.09). With fp8 KV
+                  that distance is 0.12-0.35, so the fp8 path is bounded against the fp8 w4a16 reference only.
+longctx_001 is built with filler_repeats=LONGCTX_REPEATS (24: ~3400 tokens, seven 512-row prefill chunks, fits
+CTX 4096 with the 64 generated tokens) instead of the suite's 400 (~55k tokens, past the tiny preset's context).
+A token mismatch reports the reference's logit gap at the first difference (near zero: numerics; large: a bug).
+On the emulated GPU (tests/engine_emulator.py installed as the driver, THORGEN_KERNELS = its fake manifest) every
+test here passes except the bench, whose timings the emulator does not model.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from thorgen.runtime.backend import BackendError, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import prompt_suite as PS  # noqa: E402
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GEN = 64
-LOGITS_TOL = {"bf16": 2e-2, "fp8": 5e-2}
+CTX = 4096
+LOGITS_TOL = {"bf16": 1e-2, "fp8": 5e-2}
+F32_LOGITS_TOL = 0.2
+LONGCTX_REPEATS = 24
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +93,47 @@ def _open(built, **kw):
 
 @pytest.fixture(scope="module")
 def cuda(built):
-    b = _open(built, ctx=4096)  # a BackendError here (missing kernels) fails the tests: the engine is incomplete
+    b = _open(built, ctx=CTX)  # a BackendError here (missing kernels) fails the tests: the engine is incomplete
     yield b
     b.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt):
+def references(tiny_ckpt):
+    """references(kind) -> ReferenceBackend: "bf16" / "fp8" = numerics w4a16 with that KV cache, "f32" = float32."""
     from thorgen.runtime.reference.backend import ReferenceBackend
 
-    return ReferenceBackend(tiny_ckpt, max_context=4096, prefix_slots=0)
+    made: dict = {}
+
+    def get(kind: str):
+        if kind not in made:
+            kw = {} if kind == "f32" else dict(numerics="w4a16", kv_dtype=kind)
+            made[kind] = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0, **kw)
+        return made[kind]
+    return get
 
 
-def _suite_prompts(tiny_checkpoint: Path, shared_dir: Path) -> list[tuple[str, list[int]]]:
-    from thorgen.runtime.tokenizer import Tokenizer
-    from thorgen.serve.chat_template import ChatTemplate, load_chat_template
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("bf16")
 
-    suite = json.loads((shared_dir / "seed_data" / "prompt_suite.json").read_text())["prompts"]
-    source, bos = load_chat_template(tiny_checkpoint)
-    tmpl, tok = ChatTemplate(source, bos), Tokenizer.from_file(tiny_checkpoint / "tokenizer.json")
-    return [(p["id"], tok.encode(tmpl.render(p["messages"]))) for p in suite]
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _same_tokens(ref, prompt: list[int], got: list[int], want: list[int], what: str) -> None:
+    """got == want, else fail naming the first difference and the reference's logit gap there."""
+    i = _first_diff(got, want)
+    if i is None:
+        return
+    gap = float("nan")
+    if i < min(len(got), len(want)):
+        m = ref.target
+        logits = m.forward(prompt + want[:i], m.new_cache(), last_only=True).logits[-1]
+        gap = float(logits[want[i]] - logits[got[i]])
+    pytest.fail(f"{what}: first difference at token {i} (engine {got[i:i + 4]}, reference {want[i:i + 4]}); "
+                f"reference logit gap there {gap:.3g}")
 
 
 # ---- runtime pieces -------------------------------------------------------------------------------------------
@@ -152,43 +197,57 @@ def test_kernel_launch_and_graph_replay(device, built):
 # ---- the engine against the reference ---------------------------------------------------------------------------
 
 def test_greedy_prompt_suite_matches_reference(cuda, reference, tiny_checkpoint, shared_dir):
-    prompts = _suite_prompts(tiny_checkpoint, shared_dir)
-    assert prompts
+    prompts = PS.suite_prompts(tiny_checkpoint, shared_dir, filler_repeats=LONGCTX_REPEATS)
+    assert len(prompts) == 18
     for pid, ids in prompts:
         want = reference.generate(ids, GEN, SamplingParams()).token_ids
         got = cuda.generate(ids, GEN, SamplingParams()).token_ids
-        assert got == want, f"{pid}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        _same_tokens(reference, ids, got, want, f"{pid} ({len(ids)} prompt tokens)")
 
 
 def test_prompt_longer_than_sliding_window(cuda, reference):
     window = cuda.spec.target.sliding_window
     ids = [2] + np.random.default_rng(1).integers(256, 512, 3 * window).tolist()
-    assert cuda.generate(ids, GEN, SamplingParams()).token_ids == reference.generate(ids, GEN, SamplingParams()).token_ids
+    got = cuda.generate(ids, GEN, SamplingParams()).token_ids
+    _same_tokens(reference, ids, got, reference.generate(ids, GEN, SamplingParams()).token_ids, "random prompt")
 
 
 def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
 
 
-def _check_logits(backend, reference, kv: str) -> None:
+def _logits_errors(backend, references, kv: str) -> dict[str, float]:
+    """Rel L2 of the engine's softcapped last-token logits vs the w4a16 reference (same KV type) and vs float32."""
     from thorgen.runtime.reference.ops import softcap
 
     ids = [2] + np.random.default_rng(2).integers(256, 512, 40).tolist()
     backend.engine.prefill(ids)
     got = softcap(backend.engine.logits(), backend.spec.target.final_logit_softcapping)
-    model = reference.target
-    want = model.forward(ids, model.new_cache(), last_only=True).logits[-1]
-    assert _rel_l2(got, want) <= LOGITS_TOL[kv], f"{kv} KV: logits rel L2 {_rel_l2(got, want):.3g}"
+    errs = {}
+    for kind in (kv, "f32"):
+        m = references(kind).target
+        errs[kind] = _rel_l2(got, m.forward(ids, m.new_cache(), last_only=True).logits[-1])
+    print(f"logits rel L2, engine with {kv} KV: vs w4a16 reference {errs[kv]:.3g}, vs float32 {errs['f32']:.3g}")
+    return errs
 
 
-def test_logits_within_tolerance(cuda, reference):
-    _check_logits(cuda, reference, "bf16")
+def test_logits_within_tolerance(cuda, references):
+    errs = _logits_errors(cuda, references, "bf16")
+    assert errs["bf16"] <= LOGITS_TOL["bf16"], f"bf16 KV: logits rel L2 vs w4a16 reference {errs['bf16']:.3g}"
+    assert errs["f32"] <= F32_LOGITS_TOL, f"bf16 KV: logits rel L2 vs float32 reference {errs['f32']:.3g}"
 
 
-def test_fp8_kv_logits_within_tolerance(built, reference):
-    b = _open(built, ctx=4096, kv_dtype="fp8")
+def test_fp8_kv_within_tolerance(built, references):
+    """The fp8 e4m3 KV path: logits within tolerance, and greedy tokens identical to the fp8 w4a16 reference."""
+    b = _open(built, ctx=CTX, kv_dtype="fp8")
     try:
-        _check_logits(b, reference, "fp8")
+        errs = _logits_errors(b, references, "fp8")
+        assert errs["fp8"] <= LOGITS_TOL["fp8"], f"fp8 KV: logits rel L2 vs w4a16 reference {errs['fp8']:.3g}"
+        ref = references("fp8")
+        window = b.spec.target.sliding_window
+        ids = [2] + np.random.default_rng(1).integers(256, 512, 3 * window).tolist()
+        got = b.generate(ids, GEN, SamplingParams()).token_ids
+        _same_tokens(ref, ids, got, ref.generate(ids, GEN, SamplingParams()).token_ids, "fp8 KV, random prompt")
     finally:
         b.close()
 
@@ -197,7 +256,8 @@ def test_seeded_sampling_matches_reference(cuda, reference):
     ids = [2] + np.random.default_rng(3).integers(256, 512, 20).tolist()
     for params in (SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
                                                                           min_p=0.05, seed=123)):
-        assert cuda.generate(ids, 32, params).token_ids == reference.generate(ids, 32, params).token_ids, params
+        got = cuda.generate(ids, 32, params).token_ids
+        _same_tokens(reference, ids, got, reference.generate(ids, 32, params).token_ids, f"sampled {params}")
 
 
 def test_stop_ids_and_length(cuda, reference):
@@ -221,7 +281,7 @@ def test_bench_cuda_report(built):
     from thorgen.runtime.bench import run_bench
 
     model, kernels = built
-    r = run_bench("cuda", model, prompt_len=32, gen=16, runs=5, ctx=4096, kv_dtype="bf16", kernel_dir=kernels)
+    r = run_bench("cuda", model, prompt_len=32, gen=16, runs=5, ctx=CTX, kv_dtype="bf16", kernel_dir=kernels)
     for key in ("gpu", "command", "date", "prompt_len", "ttft_ms", "decode_tok_s", "peak_gpu_mem_gib", "load_s"):
         assert key in r
     assert r["decode_tok_s"] > 0 and r["copy_gb_s"] > 0 and r["decode_step_kernels"]

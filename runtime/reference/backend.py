@@ -3,6 +3,10 @@
 It is the numerical oracle for the CUDA runtime: float32 weights dequantized from the NVFP4 checkpoint,
 float64-accumulated reductions, exact DFlash draft-then-verify, counter-based sampling, and an LRU prefix
 cache (default 4 slots) of target K/V + drafter context keyed by token ids.
+
+`numerics="float32"` (default) is the model's own math (checked against HF transformers); `numerics="w4a16"`
+rounds where the CUDA engine stores (fp16 GEMM inputs, bf16 queries, `kv_dtype` "bf16" | "fp8" K/V cache,
+`lm_head` "nvfp4" | "bf16"; see w4a16.py), the like-for-like oracle for the engine's tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .speculative import Decoder
 from .state import PrefixCache
+from .w4a16 import W4A16Target
 from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
+
+NUMERICS = ("float32", "w4a16")
 
 
 class ReferenceBackend(StreamingBackend):
@@ -22,14 +29,30 @@ class ReferenceBackend(StreamingBackend):
 
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_slots: int = 4, embed_scale: float | None = None,
-                 expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
+                 expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
+                 kv_dtype: str | None = None, lm_head: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         limit = self.spec.target.max_position_embeddings
         self.max_context = limit if max_context is None else int(max_context)
         if not 1 < self.max_context <= limit:
             raise BackendError(f"max_context {self.max_context} must lie in 2..{limit} (max_position_embeddings)")
-        self.target = TargetModel(checkpoint, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
+        self.numerics = numerics
+        if numerics == "w4a16":
+            kv_dtype, lm_head = kv_dtype or "bf16", lm_head or "nvfp4"
+            try:  # bad kv_dtype / lm_head / a weight source without raw NVFP4 tensors
+                self.target: TargetModel = W4A16Target(checkpoint, kv_dtype=kv_dtype, lm_head=lm_head,
+                                                       embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
+            except ValueError as exc:
+                raise BackendError(f"numerics 'w4a16': {exc}") from None
+        elif numerics == "float32":
+            if kv_dtype is not None or lm_head is not None:
+                raise BackendError("kv_dtype and lm_head choose the CUDA engine's storage types: they apply to "
+                                   "numerics='w4a16' only (float32 keeps everything in float32)")
+            self.target = TargetModel(checkpoint, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
+        else:
+            raise BackendError(f"numerics {numerics!r}: choose one of {', '.join(NUMERICS)}")
+        self.kv_dtype, self.lm_head = kv_dtype, lm_head
         if drafter is None and self.spec.drafter is not None:
             drafter = DFlashDrafter(checkpoint, self.target)
         self.drafter = drafter

@@ -53,9 +53,13 @@ class TargetWeights:
         key = "linear:" + short_prefix
         w = self._cache.get(key)
         if w is None:
-            w = np.ascontiguousarray(self.source.linear_f32(TARGET_PREFIX + short_prefix), dtype=np.float32)
+            w = self.load_linear(TARGET_PREFIX + short_prefix)
             self._cache[key] = w
         return w
+
+    def load_linear(self, prefix: str) -> np.ndarray:
+        """One dequantized NVFP4 Linear by full prefix (a subclass may dequantize differently)."""
+        return np.ascontiguousarray(self.source.linear_f32(prefix), dtype=np.float32)
 
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of one expert, through the byte-budget LRU."""
@@ -65,8 +69,7 @@ class TargetWeights:
             self._experts.move_to_end(key)
             return hit
         p = f"{TARGET_PREFIX}layers.{layer}.experts.{e}."
-        ws = tuple(np.ascontiguousarray(self.source.linear_f32(p + n), dtype=np.float32)
-                   for n in ("gate_proj", "up_proj", "down_proj"))
+        ws = tuple(self.load_linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
         self._experts[key] = ws  # type: ignore[assignment]
         self._expert_bytes += sum(w.nbytes for w in ws)
         while self._expert_bytes > self.expert_budget_bytes and len(self._experts) > 1:
