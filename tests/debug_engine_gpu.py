@@ -64,14 +64,46 @@ def kv_snapshot(engine, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+# Layer-0 stages: (op label suffix, what, [(activation buffer, storage dtype, columns or None = all)]) downloaded after
+# that launch of layer 0 (the last MoE slice for moe_down), so the emulator-vs-GPU error is seen stage by stage.
+STAGES = (
+    ("qkv", "q|k|v GEMM (f32)", [("qkv", "f32", "qkv")]),
+    ("rope_kv", "q norm+rope (bf16)", [("q", "bf16", "q")]),
+    ("attention", "attention out (f16)", [("attn", "f16", "q")]),
+    ("attn_combine", "split-K combine (f16)", [("attn", "f16", "q")]),
+    ("o_proj", "o_proj (f32)", [("o", "f32", None)]),
+    ("attn_tail", "attn_tail x|a1|a2", [("x", "f32", None), ("a1", "f16", None), ("a2", "f16", None)]),
+    ("router", "router logits (f32)", [("rlogits", "f32", None)]),
+    ("topk", "top-k weights (f32)", [("topk_w", "f32", None)]),
+    ("mlp_gate_up", "dense gelu*up (f16)", [("mlp_act", "f16", None)]),
+    ("mlp_down", "dense down (f32)", [("mlp", "f32", None)]),
+    ("moe_down", "MoE out (f32)", [("moe", "f32", None)]),
+    ("ffn_tail", "ffn_tail x|a", [("x", "f32", None), ("a", "f16", None)]),
+)
+
+
+def _download(engine, name: str, dt: str, n: int, width: str | None) -> np.ndarray:
+    """Rows 0..n-1 of an activation buffer as float64, cut to layer 0's width ("q": Hq*D, "qkv": q|k|v)."""
+    from thorgen.codegen import reference_kernels as RK
+
+    t = engine.spec.target
+    r = engine.act.plan.regions[name]
+    cols = int(np.prod(r.shape[1:]))
+    raw = engine.act[name].download(RK.np_dtype(dt), (r.shape[0], cols))[:n]
+    nq, nk = t.num_attention_heads * t.layer_head_dim(0), t.layer_kv_heads(0) * t.layer_head_dim(0)
+    keep = {None: cols, "q": nq, "qkv": nq + nk * (2 if t.layer_has_v_proj(0) else 1)}[width]
+    return RK.load(raw[:, :keep], dt).astype(np.float64)
+
+
 def probed_forward(engine, ids: list[int], start: int, decode_token: int | None = None) -> dict:
     """Run one forward eagerly (prefill of `ids` from 0, or a decode step of `decode_token` at `start`), downloading
-    the residual stream at the embedding and after every layer, and every layer's top-k ids."""
+    the residual stream at the embedding and after every layer, every layer's top-k ids, and layer 0's stage
+    outputs (STAGES) and KV cache rows."""
     t = engine.spec.target
     H, K = t.hidden_size, t.top_k_experts
     n = 1 if decode_token is not None else len(ids)
     engine.stream.synchronize()
-    f = dict(start=start, n=n, xs=[], idx=[], kv=kv_snapshot(engine, start))
+    f = dict(start=start, n=n, xs=[], idx=[], kv=kv_snapshot(engine, start), stages={})
     if decode_token is None:
         engine.act["ids"].view(0, 4 * n).upload(np.asarray(ids, np.int32))
         engine.act["positions"].view(0, 4 * n).upload(np.arange(start, start + n, dtype=np.int32))
@@ -81,6 +113,13 @@ def probed_forward(engine, ids: list[int], start: int, decode_token: int | None 
     launches = engine.bind(engine.fwd.ops(n, decode=decode_token is not None, last=True, greedy=True))
     for label, launch in launches:
         launch(engine.stream)
+        if label.startswith("layers.0."):
+            for suffix, what, bufs in STAGES:
+                if label == "layers.0." + suffix:
+                    engine.stream.synchronize()
+                    f["stages"][suffix] = [_download(engine, b, dt, n, w) for b, dt, w in bufs]
+                    if suffix == "rope_kv":  # the K/V rows this forward wrote into layer 0's cache
+                        f["stages"]["kv0"] = kv_snapshot(engine, start + n)[0]
         if label == "embed" or label.endswith("ffn_tail"):
             engine.stream.synchronize()
             f["xs"].append(engine.act["x"].download(np.float32, (n, H)))
@@ -96,6 +135,22 @@ def probed_forward(engine, ids: list[int], start: int, decode_token: int | None 
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def stage_report(gpu: dict, emu: dict) -> None:
+    """Layer 0: emulator-vs-GPU rel L2 after each stage (the first stage with a large error holds the mismatch)."""
+    print("  layer 0 stages, GPU vs emulated engine (rel L2; max |diff| / max |emu|; exact-equal fraction):")
+    for suffix, what, bufs in STAGES + (("kv0", "K|V cache rows", [("k", "", None), ("v", "", None)]),):
+        if suffix not in gpu["stages"] or suffix not in emu["stages"]:
+            continue
+        parts = []
+        for (b, _, _), g, e in zip(bufs, gpu["stages"][suffix], emu["stages"][suffix]):
+            g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
+            if suffix == "kv0":
+                g, e = g[gpu["start"]:], e[emu["start"]:]
+            mx = float(np.abs(g - e).max() / max(np.abs(e).max(), 1e-30))
+            parts.append(f"{b} {rel(g, e):.2e} {mx:.1e} {float((g == e).mean()):.3f}")
+        print(f"    {what:24s} | " + " | ".join(parts))
 
 
 def report(m, f: dict, seq: list[int], emu: dict | None = None) -> None:
@@ -175,15 +230,11 @@ def main() -> int:
     try:  # the same prefill on the CPU-emulated engine (same code, NumPy kernels)
         import engine_emulator as EE
         from thorgen.runtime import device as devmod
-        from test_engine_emulated import Probe
-
         man = EE.write_fake_manifest(ck.spec, tmp / "emu-kernels", arch.name)
-        drv = EE.install(man)
+        EE.install(man)
         eb = open_backend(ckpt, ctx=1024, kv_dtype=args.kv, weights_dir=repack(ckpt, tmp / "emu-weights"),
                           kernels_dir=man)
-        probe = Probe(eb, drv)
-        eb.engine.prefill(ids)
-        emu = probe.forwards[0]
+        emu = probed_forward(eb.engine, ids, 0)
         eb.close()
         devmod.set_driver(None)
     except Exception as exc:  # the GPU part is what matters; report and go on
@@ -193,6 +244,8 @@ def main() -> int:
     for i, f in enumerate(forwards):
         print(f"\n== {'prefill' if i == 0 else f'decode step {i}'} ==")
         report(m, f, seq, emu if i == 0 else None)
+        if i == 0 and emu is not None:
+            stage_report(f, emu)
         want = m.forward(seq[:f["start"] + f["n"]], m.new_cache(), last_only=True)
         h_gpu = rms_norm(f["xs"][-1][-1:], m.w.plain("norm.weight"), t.rms_norm_eps).astype(np.float16)
         got = softcap(f["logits"], cap)

@@ -25,6 +25,7 @@ from thorgen.codegen import reference_kernels as RK
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, f32_to_bf16
 from thorgen.runtime import layouts as L
 from thorgen.runtime.backend import SamplingParams
+from thorgen.runtime.reference import w4a16 as W4
 from thorgen.runtime.reference.sampling import sample
 
 import matmul_reference as MR
@@ -373,32 +374,37 @@ class KernelEmulator:
         kvdt = RK.np_dtype(p["kv_dtype"])
         kc = self.v(a["kc"], kvdt, (slots, hkv, d), "kc")
         vc = self.v(a["vc"], kvdt, (slots, hkv, d), "vc")
-        q = self.v(a["q"], np.uint16, (m, hq, d), "q")
-        out = MR.attention_ref(q, kc, vc, p["kv_dtype"], p0, ring, p["window"], p["causal"], p["scale"])
-        if not np.isfinite(out).all():
+        q = bf16_to_f32(self.v(a["q"], np.uint16, (m, hq, d), "q")).astype(F64)
+        # keys/values by position 0..p0+m-1 (ring slots read for the positions a query may see; older ones zero)
+        end, win = p0 + m, p["window"]
+        lo = max(0, p0 - win + 1) if win else 0
+        pos = np.arange(lo, end)
+        sl = pos % ring if ring else pos
+        keys = np.zeros((end, hkv, d), F64)
+        vals = np.zeros((end, hkv, d), F64)
+        keys[lo:] = MR.kv_load(kc[sl], p["kv_dtype"])
+        vals[lo:] = MR.kv_load(vc[sl], p["kv_dtype"])
+        if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
             raise EmuError("attention read non-finite cache values")
+        shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
+        if not p["causal"]:
+            raise EmuError("bidirectional attention is not emulated")
         ns, mmax = p["nsplit"], p["mmax"]
         if ns == 1:
-            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = RK.store(out, "f16")
+            out = W4.attention_rows(q, keys, vals, p0, win or None, shape, kv)
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
             return
-        # Partial results as the contract lays them out: split 0 holds everything (m = 0, l = 1), others are empty.
+        o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
         ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
-        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)
-        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)
-        o[0, :m] = out
-        ml[0, :m] = (0.0, 1.0)
-        ml[1:, :m] = (-np.inf, 0.0)
+        ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
+        ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
 
     def k_attn_combine(self, p, a, n):
         m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
         ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
-        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m].astype(F64)
-        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m].astype(F64)
-        live = ml[..., 1] > 0
-        mx = np.where(live, ml[..., 0], -np.inf).max(axis=0)
-        e = np.where(live, np.exp2(np.where(live, ml[..., 0], 0) - mx), 0.0)
-        res = (o * e[..., None]).sum(0) / (ml[..., 1] * e).sum(0)[..., None]
-        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = RK.store(res, "f16")
+        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
+        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m]
+        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o, ml)
 
     def k_attn_tail(self, p, a, n):
         T, H = a["T"], p["H"]

@@ -46,7 +46,14 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint, tmp_path_factory):
+def fake_kernels(tiny_ckpt, tmp_path_factory):
+    """manifest.json of codegen's real tiny plan (nothing compiled): what the w4a16 reference reads its
+    attention blocking from, like a `thorgen build` output."""
+    return EE.write_fake_manifest(tiny_ckpt.spec, tmp_path_factory.mktemp("w4a16-kernels"))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, tmp_path_factory, fake_kernels):
     """pair(kv) -> (emulated CUDA backend, w4a16 reference backend) for KV dtype kv ("bf16" | "fp8")."""
     from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime import device as dev
@@ -57,14 +64,15 @@ def pair(tiny_checkpoint, tmp_path_factory):
     ck = Checkpoint.open(tiny_checkpoint)
     root = tmp_path_factory.mktemp("w4a16")
     weights = repack(tiny_checkpoint, root / "weights")
-    kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
+    kernels = fake_kernels
     made: dict = {}
 
     def get(kv: str):
         if kv not in made:
             drv = EE.install(kernels)
             cuda = open_backend(tiny_checkpoint, ctx=1024, kv_dtype=kv, weights_dir=weights, kernels_dir=kernels)
-            ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kv_dtype=kv)
+            ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kv_dtype=kv,
+                                  kernels=kernels)
             made[kv] = (cuda, ref, drv)
         dev.set_driver(made[kv][2])
         return made[kv][:2]
@@ -162,6 +170,10 @@ def test_numerics_options_are_checked(tiny_ckpt):
         ReferenceBackend(tiny_ckpt, numerics="w4a16", kv_dtype="fp16")
     with pytest.raises(BackendError, match="lm_head 'fp4': choose one of nvfp4, bf16"):
         ReferenceBackend(tiny_ckpt, numerics="w4a16", lm_head="fp4")
+    with pytest.raises(BackendError, match="needs the built kernels"):
+        ReferenceBackend(tiny_ckpt, numerics="w4a16")
+    with pytest.raises(BackendError, match="manifest.*not found"):
+        ReferenceBackend(tiny_ckpt, numerics="w4a16", kernels="/nonexistent/kernels")
 
     class NoRawTensors:  # a WeightSource with only dequantized weights
         spec = tiny_ckpt.spec
@@ -173,7 +185,7 @@ def test_numerics_options_are_checked(tiny_ckpt):
     assert ReferenceBackend(NoRawTensors()).numerics == "float32"
 
 
-def test_w4a16_differs_from_float32_only_by_engine_rounding(tiny_ckpt):
+def test_w4a16_differs_from_float32_only_by_engine_rounding(tiny_ckpt, fake_kernels):
     """Sanity of the mode itself: with a bf16 lm_head and bf16 KV the logits stay close to float32 (measured 4e-3
     on this prompt; 3e-3..4e-2 over six such prompts), and the NVFP4 lm_head moves them by about its quantisation
     error (measured 0.087; 0.086..0.103 over six prompts)."""
@@ -184,7 +196,8 @@ def test_w4a16_differs_from_float32_only_by_engine_rounding(tiny_ckpt):
     want = f32.forward(ids, f32.new_cache(), last_only=True).logits[-1]
     errs = {}
     for head in ("bf16", "nvfp4"):
-        m = ReferenceBackend(tiny_ckpt, prefix_slots=0, numerics="w4a16", lm_head=head).target
+        m = ReferenceBackend(tiny_ckpt, prefix_slots=0, numerics="w4a16", lm_head=head,
+                             kernels=fake_kernels).target
         errs[head] = _rel_l2(m.forward(ids, m.new_cache(), last_only=True).logits[-1], want)
     assert 0 < errs["bf16"] <= 2e-2, errs
     assert 5e-2 <= errs["nvfp4"] <= 0.2, errs

@@ -99,7 +99,7 @@ def cuda(built):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_ckpt):
+def references(tiny_ckpt, built):
     """references(kind) -> ReferenceBackend: "bf16" / "fp8" = numerics w4a16 with that KV cache, "f32" = float32."""
     from thorgen.runtime.reference.backend import ReferenceBackend
 
@@ -107,7 +107,7 @@ def references(tiny_ckpt):
 
     def get(kind: str):
         if kind not in made:
-            kw = {} if kind == "f32" else dict(numerics="w4a16", kv_dtype=kind)
+            kw = {} if kind == "f32" else dict(numerics="w4a16", kv_dtype=kind, kernels=built[1])
             made[kind] = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0, **kw)
         return made[kind]
     return get

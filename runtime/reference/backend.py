@@ -30,7 +30,7 @@ class ReferenceBackend(StreamingBackend):
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_slots: int = 4, embed_scale: float | None = None,
                  expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
-                 kv_dtype: str | None = None, lm_head: str | None = None) -> None:
+                 kv_dtype: str | None = None, lm_head: str | None = None, kernels=None) -> None:
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         limit = self.spec.target.max_position_embeddings
@@ -42,12 +42,13 @@ class ReferenceBackend(StreamingBackend):
             kv_dtype, lm_head = kv_dtype or "bf16", lm_head or "nvfp4"
             try:  # bad kv_dtype / lm_head / a weight source without raw NVFP4 tensors
                 self.target: TargetModel = W4A16Target(checkpoint, kv_dtype=kv_dtype, lm_head=lm_head,
-                                                       embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
-            except ValueError as exc:
+                                                       embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes,
+                                                       kernels=kernels)
+            except (ValueError, RuntimeError) as exc:
                 raise BackendError(f"numerics 'w4a16': {exc}") from None
         elif numerics == "float32":
-            if kv_dtype is not None or lm_head is not None:
-                raise BackendError("kv_dtype and lm_head choose the CUDA engine's storage types: they apply to "
+            if kv_dtype is not None or lm_head is not None or kernels is not None:
+                raise BackendError("kv_dtype, lm_head and kernels describe the CUDA engine: they apply to "
                                    "numerics='w4a16' only (float32 keeps everything in float32)")
             self.target = TargetModel(checkpoint, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
         else:

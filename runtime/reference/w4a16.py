@@ -10,6 +10,10 @@ like with like, token for token:
   - NVFP4 weights are applied as the kernels apply them: e2m1 * e4m3 scaled by the float32 inverse global scale
     (1/g rounded to float32, where the checkpoint path divides by g);
   - queries are bf16 and the K/V cache holds bf16 or fp8 e4m3 values (`kv_dtype` "bf16" | "fp8");
+  - attention is attn_fwd's tiled online softmax (`attention_rows` / `attention_partials` + `attention_combine`,
+    shared with the emulator): fp32 scores and exp2, probabilities rounded to bf16 (fp16 with fp8 caches) before
+    P.V while the row sum keeps them unrounded, the decode kernel's split-K workspace merged as attn_combine does,
+    with the built kernels' tile/block/split constants (`attention_shapes`, read from their manifest.json);
   - the tied lm_head is the bf16 embedding quantised to NVFP4 with `quantize_nvfp4` exactly as repack does
     (`lm_head="nvfp4"`, the engine's path), or the bf16 embedding itself (`lm_head="bf16"`);
   - the embedding is scaled by float32(sqrt(H)) and the sampler sees softcapped float32 logits, as before.
@@ -22,10 +26,13 @@ fp16/bf16/fp8 from float32 (the kernels convert float32 registers), never direct
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
+from ..kv_cache import DEFAULT_MAX_STEP_TOKENS
+from ..modules import load_manifest
 from .kv_cache import KVCache
 from .model import ForwardOutput, TargetModel
 from .ops import F32, F64, rope_cos_sin, softcap
@@ -76,29 +83,162 @@ def nvfp4_engine_weight(packed: np.ndarray, scale: np.ndarray, global_scale: flo
     return dequantize_nvfp4(packed, scale, 1.0).astype(F64) * F64(inv)
 
 
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, window: int | None,
-              scale: float) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA of float64 queries q [T, Hq, D] at positions start.. over cached
-    keys/values [start+T, Hkv, D] (float32); float64 softmax, returns [T, Hq, D] float64."""
-    t, hq, d = q.shape
-    hkv = keys.shape[1]
-    g = hq // hkv
-    out = np.empty((t, hq, values.shape[-1]), F64)
-    for r0 in range(0, t, ATTN_CHUNK):
-        r1 = min(t, r0 + ATTN_CHUNK)
-        qpos = start + np.arange(r0, r1)
-        lo = max(0, int(qpos[0]) - window + 1) if window else 0
-        kpos = np.arange(lo, int(qpos[-1]) + 1)
-        vis = kpos[None, :] <= qpos[:, None]
-        if window:
-            vis &= qpos[:, None] - kpos[None, :] < window
-        for h in range(hkv):
-            k = keys[lo:qpos[-1] + 1, h].astype(F64)  # [n, D]
-            v = values[lo:qpos[-1] + 1, h].astype(F64)
-            s = np.matmul(q[r0:r1, h * g:(h + 1) * g], k.T) * scale  # [rows, g, n]
-            s = np.where(vis[:, None, :], s, -np.inf)
-            s = np.exp(s - s.max(axis=-1, keepdims=True))
-            out[r0:r1, h * g:(h + 1) * g] = np.matmul(s / s.sum(axis=-1, keepdims=True), v)
+@dataclass(frozen=True)
+class AttnShape:
+    """The blocking of one planned attention kernel (thorgen/attention.cuh): TK-key tiles, QB queries per block,
+    NSPLIT key splits, the fp32 score factor scale * log2(e)."""
+
+    tk: int
+    qb: int
+    nsplit: int
+    scale_log2: float
+
+    @classmethod
+    def of(cls, params: dict) -> "AttnShape":
+        """From an attn_fwd kernel's constants (mt, tk, nsplit, hq, hkv, scale_log2)."""
+        g = int(params["hq"]) // int(params["hkv"])
+        return cls(int(params["tk"]), 16 * int(params["mt"]) // g, int(params["nsplit"]), float(params["scale_log2"]))
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """fmaf(a, b, c) of float32 operands (the product is exact in float64; one rounding to float32)."""
+    a64, b64 = np.asarray(a, F32).astype(F64), np.asarray(b, F32).astype(F64)
+    return (a64 * b64 + np.asarray(c, F32).astype(F64)).astype(F32)
+
+
+def _online(q: np.ndarray, keys: np.ndarray, values: np.ndarray, row_lo: np.ndarray, row_hi: np.ndarray, t0: int,
+            t1: int, shape: AttnShape, kv: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """attn_fwd's online softmax of rows q [Hkv, R, D] over key tiles t0..t1-1 (absolute key j = tile*TK + i; keys
+    and values [n, Hkv, D] hold positions 0..n-1): per tile fp32 scores (q.k) * scale_log2, running max, p =
+    exp2(s - max) in fp32, P rounded to bf16 (fp16 for fp8 caches) for the P.V mma while the row sum l takes the
+    unrounded p, O and l rescaled by exp2(m_old - m_new). Returns unnormalised O [Hkv, R, D], m [Hkv, R], l [Hkv, R]
+    (float32). A tile with no visible key for a row leaves that row exactly unchanged, so the result of a row does
+    not depend on which other rows share its block."""
+    h, r, d = q.shape
+    n, tk, sl2 = keys.shape[0], shape.tk, F32(shape.scale_log2)
+    pdt = "f16" if kv == "fp8" else "bf16"
+    o = np.zeros((h, r, d), F32)
+    m = np.full((h, r), -np.inf, F32)
+    l = np.zeros((h, r), F32)
+    for tile in range(t0, t1):
+        j = tile * tk + np.arange(tk)
+        ok = (j >= 0) & (j < n)
+        jj = np.where(ok, j, 0)
+        kt = np.where(ok[:, None, None], keys[jj], 0).astype(F64).transpose(1, 0, 2)  # [Hkv, TK, D]
+        vt = np.where(ok[:, None, None], values[jj], 0).astype(F64).transpose(1, 0, 2)
+        vis = ok[None, :] & (j[None, :] >= row_lo[:, None]) & (j[None, :] <= row_hi[:, None])  # [R, TK]
+        if not vis.any():
+            continue
+        s = (np.matmul(q, kt.transpose(0, 2, 1)).astype(F32) * sl2).astype(F32)
+        s = np.where(vis[None], s, F32(-np.inf))
+        m_new = np.maximum(m, s.max(-1))
+        with np.errstate(invalid="ignore"):
+            p = np.where(np.isneginf(s), F32(0), np.exp2((s - m_new[..., None]).astype(F32)).astype(F32))
+            alpha = np.where(np.isneginf(m_new), F32(1), np.exp2((m - m_new).astype(F32)).astype(F32))
+        pr = round_to(p, pdt)
+        l = fma32(l, alpha, p.astype(F64).sum(-1).astype(F32))
+        o = ((o * alpha[..., None]).astype(F32) + np.matmul(pr, vt).astype(F32)).astype(F32)
+        m = m_new.astype(F32)
+    return o, m, l
+
+
+def _bounds(qpos: np.ndarray, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.maximum(0, qpos - window + 1) if window else np.zeros_like(qpos)
+    return lo, qpos
+
+
+def _as_rows(q: np.ndarray, hkv: int, kv: str) -> np.ndarray:
+    m, hq, d = q.shape
+    q = np.asarray(q, F64)
+    if kv == "fp8":  # the fp8 kernel runs fp16 mma: queries bf16 -> fp16
+        q = round_to(q, "f16")
+    return q.reshape(m, hkv, hq // hkv, d).transpose(1, 0, 2, 3).reshape(hkv, m * (hq // hkv), d)
+
+
+def _from_rows(x: np.ndarray, m: int, hq: int) -> np.ndarray:
+    hkv, _, d = x.shape
+    return x.reshape(hkv, m, hq // hkv, d).transpose(1, 0, 2, 3).reshape(m, hq, d)
+
+
+def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
+                   shape: AttnShape, kv: str) -> np.ndarray:
+    """Output [m, Hq, D] (fp16 values, float64) of an attn_fwd launch with NSPLIT == 1 for causal queries q
+    [m, Hq, D] at positions p0.. over keys/values [n, Hkv, D] of positions 0..n-1: O * (1/l) in fp32, then fp16."""
+    m, hq, d = q.shape
+    hkv, g = keys.shape[1], hq // keys.shape[1]
+    out = np.empty((m, hq, d), F64)
+    for a in range(0, m, ATTN_CHUNK):
+        b = min(m, a + ATTN_CHUNK)
+        lo, hi = _bounds(p0 + np.arange(a, b), window)
+        o, _, l = _online(_as_rows(q[a:b], hkv, kv), keys, values, np.repeat(lo, g), np.repeat(hi, g),
+                          int(lo.min()) // shape.tk, int(hi.max()) // shape.tk + 1, shape, kv)
+        with np.errstate(divide="ignore"):
+            inv = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
+        out[a:b] = _from_rows(round_to((o * inv[..., None]).astype(F32), "f16"), b - a, hq)
+    return out
+
+
+def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
+                       shape: AttnShape, kv: str) -> tuple[np.ndarray, np.ndarray]:
+    """The flash-decoding workspace of an attn_fwd launch with NSPLIT > 1: per split unnormalised O [NS, m, Hq, D]
+    and (max, sum) [NS, m, Hq, 2] (float32; an empty split: (-inf, 0), O = 0). Splits cut each query block's tile
+    range [lo(first query) / TK, last visible key / TK] into NSPLIT parts, as the kernel does."""
+    m, hq, d = q.shape
+    hkv, g, ns = keys.shape[1], hq // keys.shape[1], shape.nsplit
+    o = np.zeros((ns, m, hq, d), F32)
+    ml = np.zeros((ns, m, hq, 2), F32)
+    ml[..., 0] = -np.inf
+    for q0 in range(0, m, shape.qb):
+        q1 = min(m, q0 + shape.qb)
+        lo, hi = _bounds(p0 + np.arange(q0, q1), window)
+        t_lo = int(lo[0]) // shape.tk
+        ntiles = int(hi[-1]) // shape.tk - t_lo + 1
+        rows = _as_rows(q[q0:q1], hkv, kv)
+        for z in range(ns):
+            tb, te = t_lo + z * ntiles // ns, t_lo + (z + 1) * ntiles // ns
+            if tb >= te:
+                continue
+            oz, mz, lz = _online(rows, keys, values, np.repeat(lo, g), np.repeat(hi, g), tb, te, shape, kv)
+            o[z, q0:q1] = _from_rows(oz, q1 - q0, hq)
+            ml[z, q0:q1, :, 0] = _from_rows(mz[..., None], q1 - q0, hq)[..., 0]
+            ml[z, q0:q1, :, 1] = _from_rows(lz[..., None], q1 - q0, hq)[..., 0]
+    return o, ml
+
+
+def attention_combine(o: np.ndarray, ml: np.ndarray) -> np.ndarray:
+    """attn_combine: the splits with l > 0 merged in split order in fp32 (acc / lsum), stored fp16 (float64)."""
+    live = ml[..., 1] > 0
+    mx = np.where(live, ml[..., 0], F32(-np.inf)).max(0)
+    acc = np.zeros(o.shape[1:], F32)
+    lsum = np.zeros(o.shape[1:-1], F32)
+    with np.errstate(invalid="ignore"):
+        for z in range(o.shape[0]):
+            e = np.where(live[z], np.exp2((ml[z, ..., 0] - mx).astype(F32)).astype(F32), F32(0))
+            lsum = np.where(live[z], fma32(ml[z, ..., 1], e, lsum), lsum)
+            acc = np.where(live[z][..., None], fma32(o[z], e[..., None], acc), acc)
+        res = np.where(lsum[..., None] > 0, (acc / lsum[..., None]).astype(F32), F32(0))
+    return round_to(res, "f16")
+
+
+def attention_shapes(spec, manifest, kv_dtype: str) -> dict[str, tuple[AttnShape, AttnShape]]:
+    """{layer type: (decode/verify kernel shape, prefill kernel shape)} read from the built kernels' manifest
+    (thorgen.runtime.modules.KernelManifest): the reference follows the blocking the engine actually runs."""
+    t, kv = spec.target, {"bf16": "bf16", "fp8": "fp8e4m3"}[kv_dtype]
+    kernels = [k for k in manifest.kernels.values() if k.template == "attn_fwd.cu.j2"]
+    out = {}
+    for l, kind in enumerate(t.layer_types):
+        if kind in out:
+            continue
+        want = dict(d=t.layer_head_dim(l), hq=t.num_attention_heads, hkv=t.layer_kv_heads(l),
+                    window=t.layer_window(l) or 0, causal=True, scale=1.0, kv_dtype=kv)
+        found = {}
+        for k in kernels:
+            prm = k.params
+            if all(prm.get(n) == v for n, v in want.items()):
+                found["dec" if prm["mmax"] <= 16 else "pre"] = AttnShape.of(prm)
+        if set(found) != {"dec", "pre"}:
+            raise ValueError(f"the kernel manifest {manifest.path} has no {kind} attention kernels matching {want}")
+        out[kind] = (found["dec"], found["pre"])
     return out
 
 
@@ -119,7 +259,8 @@ class W4A16Target(TargetModel):
     """The reference target at the CUDA engine's precision; same interface as TargetModel."""
 
     def __init__(self, source: WeightSource, kv_dtype: str = "bf16", lm_head: str = "nvfp4",
-                 embed_scale: float | None = None, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
+                 embed_scale: float | None = None, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET,
+                 kernels=None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         if lm_head not in LM_HEADS:
@@ -127,6 +268,12 @@ class W4A16Target(TargetModel):
         super().__init__(source, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
         self.w = EngineWeights(source, expert_budget_bytes)
         self.kv_dtype, self.lm_head_kind = kv_dtype, lm_head
+        if kernels is None:
+            raise ValueError("needs the built kernels (a folder with manifest.json from `thorgen build`, or a loaded "
+                             "KernelManifest): attention is emulated with the engine's own tile and split sizes")
+        manifest = kernels if hasattr(kernels, "kernels") else load_manifest(kernels)
+        self._attn_shapes = attention_shapes(source.spec, manifest, kv_dtype)
+        self.max_step_tokens = int(manifest.conventions.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
         self._lm: tuple[np.ndarray, F64] | None = None
 
     # ---- lm_head ----------------------------------------------------------------------------------------------
@@ -169,13 +316,30 @@ class W4A16Target(TargetModel):
         v = rms(v_raw, None, eps)
         cache.write(l, start, round_to(k, self.kv_dtype).astype(F32), round_to(v, self.kv_dtype).astype(F32))
         end = start + t
-        o = attention(q, cache.keys(l, end), cache.values(l, end), start, s.layer_window(l), scale=1.0)
+        o = self._engine_attention(l, q, cache.keys(l, end), cache.values(l, end), start)
         o = self._gemm(round_to(o, "f16").reshape(t, nq * d), p + "o_proj")
         xn = x + rms(o, self.w.plain(f"layers.{l}.post_attention_layernorm.weight"), eps)
         n = rms(xn, None, eps)
         a1 = round_to(n * self.w.plain(f"layers.{l}.pre_feedforward_layernorm.weight"), "f16")
         a2 = round_to(n * self.w.plain(f"layers.{l}.pre_feedforward_layernorm_2.weight"), "f16")
         return round_to(xn, "f32"), a1, a2
+
+    def _engine_attention(self, l: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                          start: int) -> np.ndarray:
+        """The engine's attention launches for the rows q [T, Hq, D] at positions start..: prefill chunks of
+        max_step_tokens rows, each the prefill kernel (> 16 rows) or the decode/verify kernel (<= 16 rows, split-K
+        + combine where it has NSPLIT > 1)."""
+        dec, pre = self._attn_shapes[self.spec.layer_types[l]]
+        window, out = self.spec.layer_window(l), np.empty(q.shape, F64)
+        for a in range(0, q.shape[0], self.max_step_tokens):
+            b = min(q.shape[0], a + self.max_step_tokens)
+            shape = dec if b - a <= 16 else pre
+            if shape.nsplit == 1:
+                out[a:b] = attention_rows(q[a:b], keys, values, start + a, window, shape, self.kv_dtype)
+            else:
+                out[a:b] = attention_combine(*attention_partials(q[a:b], keys, values, start + a, window, shape,
+                                                                 self.kv_dtype))
+        return out
 
     def route(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """router_logits + router_topk on the float32-valued residual x -> (float32 weights [T, K], ids [T, K])."""
