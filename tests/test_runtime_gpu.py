@@ -21,7 +21,12 @@ GPU only the kernels' float32 accumulation order and attention's bf16 probabilit
                   that distance is 0.12-0.35, so the fp8 path is bounded against the fp8 w4a16 reference only.
 longctx_001 is built with filler_repeats=LONGCTX_REPEATS (24: ~3400 tokens, seven 512-row prefill chunks, fits
 CTX 4096 with the 64 generated tokens) instead of the suite's 400 (~55k tokens, past the tiny preset's context).
-A token mismatch reports the reference's logit gap at the first difference (near zero: numerics; large: a bug).
+Greedy tokens must be identical except at a tie of the reference: TIE_TOL = 1e-2 (absolute, softcapped logits;
+the engine's logits differ from the w4a16 reference by ~2e-3 relative L2, measured on the H200). At a difference
+the reference's own gap between the two tokens is computed; within TIE_TOL the engine's token is accepted, the
+reference is re-run from the engine's prefix and the comparison continues; beyond it the test fails (a wiring or
+kernel bug gives gaps of whole logits). First H200 run (2026-11-30): 4 of 18 suite prompts identical before the
+first tie, which had a gap of 5.5e-4.
 On the emulated GPU (tests/engine_emulator.py installed as the driver, THORGEN_KERNELS = its fake manifest) every
 test here passes except the bench, whose timings the emulator does not model.
 """
@@ -45,6 +50,7 @@ CTX = 4096
 LOGITS_TOL = {"bf16": 1e-2, "fp8": 5e-2}
 F32_LOGITS_TOL = 0.2
 LONGCTX_REPEATS = 24
+TIE_TOL = 1e-2  # |reference logit gap| within which two greedy candidates count as tied (see the docstring)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +128,27 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def _same_tokens(ref, prompt: list[int], got: list[int], want: list[int], what: str) -> None:
-    """got == want, else fail naming the first difference and the reference's logit gap there."""
-    i = _first_diff(got, want)
-    if i is None:
-        return
-    gap = float("nan")
-    if i < min(len(got), len(want)):
+def _same_tokens(ref, prompt: list[int], got: list[int], want: list[int], what: str) -> int:
+    """got == want, except at a tie of the reference's logits: where the reference's own top-2 logits lie within
+    TIE_TOL the engine may take the other one; the reference is then re-run from the engine's prefix and the
+    comparison goes on. Any other difference fails, naming the token and the gap. Returns the ties crossed."""
+    ties = 0
+    while (i := _first_diff(got, want)) is not None:
+        if i >= min(len(got), len(want)):
+            pytest.fail(f"{what}: engine gave {len(got)} tokens, reference {len(want)}")
         m = ref.target
-        logits = m.forward(prompt + want[:i], m.new_cache(), last_only=True).logits[-1]
+        logits = m.forward(prompt + got[:i], m.new_cache(), last_only=True).logits[-1]
         gap = float(logits[want[i]] - logits[got[i]])
-    pytest.fail(f"{what}: first difference at token {i} (engine {got[i:i + 4]}, reference {want[i:i + 4]}); "
-                f"reference logit gap there {gap:.3g}")
+        if not abs(gap) <= TIE_TOL:
+            pytest.fail(f"{what}: first difference at token {i} (engine {got[i:i + 4]}, reference "
+                        f"{want[i:i + 4]}); reference logit gap there {gap:.3g} (> TIE_TOL {TIE_TOL})")
+        ties += 1
+        rest = len(got) - i - 1
+        tail = ref.generate(prompt + got[:i + 1], rest, SamplingParams()).token_ids if rest else []
+        want = got[:i + 1] + tail
+    if ties:
+        print(f"{what}: {ties} reference tie(s) crossed (|logit gap| <= {TIE_TOL})")
+    return ties
 
 
 # ---- runtime pieces -------------------------------------------------------------------------------------------
