@@ -2,8 +2,9 @@
 
 Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
 against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
-naming them, when built kernels are missing. Speculative (DFlash) decoding is not wired and raises. Nothing here
-has run on a GPU yet: token-exactness against the reference is what tests/test_runtime_gpu.py must show.
+naming them, when built kernels are missing. Speculative (DFlash) decoding runs the draft/verify loop of
+runtime/spec_decode.py when the model has a drafter and its kernels are built (else it raises, naming what is
+missing); its output equals plain decoding token for token (tests/test_engine_speculative_emulated.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .kv_cache import DEFAULT_CTX, check_context, plan_kv
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
+from .spec_decode import run_speculative
 from .weights import WeightsArtifact, find_artifact, upload
 
 
@@ -87,12 +89,32 @@ class CudaBackend(StreamingBackend):
             raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
         if max_tokens < 1:
             raise BackendError(f"max_tokens {max_tokens} must be >= 1")
-        if speculative:
-            raise BackendError("cuda backend: speculative (DFlash) decoding is not wired yet; use --no-speculative "
-                               "or --backend reference")
+        if speculative and not self.engine.speculative:
+            raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
+                               + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
         result = GenerationResult() if result is None else result
         self.last_result = result
+        if speculative:
+            return self._run_spec(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result)
         return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result)
+
+    @property
+    def drafter(self):
+        """The drafter's DFlashSpec when speculative decoding can run, else None (what `thorgen generate` checks)."""
+        return self.spec.drafter if self.engine.speculative else None
+
+    @property
+    def speculative_available(self) -> bool:
+        """True when generate_stream(speculative=True) can run (a drafter and its kernels are present)."""
+        return self.engine.speculative
+
+    def _run_spec(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+                  cancelled: Callable[[], bool] | None, result: GenerationResult) -> Iterator[StepOutput]:
+        try:
+            yield from run_speculative(self.engine, prompt, max_tokens, sampling, stop_ids, self.max_context,
+                                       cancelled, result)
+        finally:
+            self._peak_used = max(self._peak_used, self._used())
 
     def _run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
              cancelled: Callable[[], bool] | None, result: GenerationResult) -> Iterator[StepOutput]:
@@ -182,7 +204,8 @@ def open_backend(model_dir: str | os.PathLike, ctx: int = DEFAULT_CTX, kv_dtype:
     art = WeightsArtifact.open(folder, spec_hash=spec.spec_hash, layout_version=layout_version(), arch=arch)
     if verify:
         art.verify()
-    kv = plan_kv(spec, ctx, kv_dtype, conventions=manifest.conventions)
+    drafter = spec.drafter is not None and "draft.fc.weight" in art.tensors  # the engine's own probe may still say no
+    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
     need = art.total_bytes + kv.nbytes + (256 << 20)  # + activations, logits and graph/launch slack
     free, _ = dev.mem_info()
     check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")

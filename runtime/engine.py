@@ -5,6 +5,9 @@ is fixed and the one-token decode step is captured as a CUDA graph (one per mode
 embeds the previous step's `out_ids[0]` and reads its position from device memory (small async copies from
 pinned memory), so between steps only the new token id (4 bytes) crosses to the host. The launches themselves
 come from runtime/forward.py; a manifest lacking any kernel they need stops the engine at start, naming all.
+DFlash speculative decoding (runtime/spec_decode.py) adds, when the model has a drafter and its kernels are built,
+the drafter's KV cache and buffers, separate q/k/v drafter weights, tap capture in prefill, and two graphed
+16-row graphs per step (draft; verify + drafter context update); otherwise `spec_missing` says what is absent.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .graphs import CudaGraph
 from .kv_cache import KVCache, plan_kv
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
 from .modules import KernelManifest, KernelSet, Ptr
+from .spec_decode import BLOCK, DraftForward, plan_drafter_activations, split_weights
 from .weights import WeightsArtifact
 
 SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
@@ -44,6 +48,9 @@ class Engine:
         self.kernels = KernelSet(manifest, device)
         self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
         missing = self.fwd.probe()
+        # Speculative decoding is optional: without a drafter (or its kernels) plain decoding still runs, and
+        # generate_stream(speculative=True) names what is missing.
+        self.spec_missing = self._probe_speculative()
         if artifact.lm_head != "nvfp4":
             missing.append("a bf16 lm_head GEMM (repack with --lm-head nvfp4, the supported path)")
         if missing:
@@ -51,18 +58,56 @@ class Engine:
             raise BackendError("cuda backend: the kernel manifest lacks what the forward needs: " + "; ".join(missing)
                                + ". Rebuild with `thorgen build` once those kernel families exist")
         self.kernels.load_all()
-        self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, conventions=manifest.conventions))
+        self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, drafter=self.speculative,
+                                          conventions=manifest.conventions))
         self.act = Arena(device, self._plan_activations())
+        self.dw = self._split_drafter_weights() if self.speculative else None
         # On self.stream, not the legacy stream: a non-blocking stream does not wait for legacy-stream work, so a
         # plain cuMemsetD8 could still be running when the first kernels read. argmax/sampler scratch (best,
         # counters) must start zeroed (the kernels keep it so); a zeroed KV cache keeps never-written slots finite.
         self.act.buffer.zero(self.stream)
         self.kv.arena.buffer.zero(self.stream)
         self.stream.synchronize()
-        self._pinned = PinnedBuffer(4096)
+        self._pinned = PinnedBuffer(8192)
         self.fwd.ptr = self  # real buffers from now on
         self._graphs: dict[str, CudaGraph] = {}
-        self._bound: dict[tuple[int, bool, bool], list[tuple[str, Any]]] = {}
+        self._bound: dict[tuple, list[tuple[str, Any]]] = {}
+        # Test hook: callable(start, last_token) -> 15 drafts that replace the drafter's (written into ids[1..15]
+        # between the draft and the verify graphs), so tests can force long acceptances and rollbacks.
+        self.draft_hook: Any = None
+
+    # ---- speculative (DFlash) setup ---------------------------------------------------------------------------
+    def _probe_speculative(self) -> list[str]:
+        if self.spec.drafter is None:
+            return [f"model {self.spec.name} has no DFlash drafter (no dflash/ folder)"]
+        if "draft.fc.weight" not in self.art.tensors:
+            return ["the repacked weights hold no drafter (repack with the drafter next to the model)"]
+        try:
+            return DraftForward(self.fwd).probe()
+        except BackendError as exc:
+            return [str(exc)]
+
+    @property
+    def speculative(self) -> bool:
+        return not self.spec_missing
+
+    def _split_drafter_weights(self) -> Arena:
+        """The drafter's q, k and v matrices as separate half-layout weights (the repack stores q|k|v fused and the
+        GEMMs read whole matrices). In the step-major layout a row range of a matrix is, per 64-column step, one
+        contiguous run of its 16-row units, so each part is one strided device copy, done once at start."""
+        plan, parts = ArenaPlan("drafter q/k/v"), split_weights(self.spec)
+        for name, _, _, n, k in parts:
+            plan.add(name, n * k * 2, "f16", (n * k,))
+        arena = Arena(self.device, plan)
+        unit = 16 * 64 * 2  # bytes of one 16-row x 64-column unit of fp16
+        for name, src, r0, n, k in parts:
+            total = self.art.entry(src).shape
+            rows = int(np.prod(total)) // k
+            op = Copy2D(f"split {name}", self.W(src, r0 // 16 * unit), rows // 16 * unit, Ptr(arena[name].ptr),
+                        n // 16 * unit, n // 16 * unit, k // 64)
+            _copy2d(op)(self.stream)
+        self.stream.synchronize()
+        return arena
 
     # ---- buffers --------------------------------------------------------------------------------------------------
     def _plan_activations(self) -> ArenaPlan:
@@ -86,9 +131,13 @@ class Engine:
                 ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (LM_ROWS,), "i32"),
                 ("params", (LM_ROWS, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8")):
             p.add_array(name, shape, dt)
+        if self.speculative:
+            plan_drafter_activations(p, self.spec, R)
         return p
 
     def W(self, name: str, byte_offset: int = 0) -> Ptr:
+        if name.startswith("dsplit."):
+            return Ptr(self.dw[name].ptr + byte_offset)
         return Ptr(self.weights.ptr + self.art.entry(name).offset + byte_offset)
 
     def A(self, name: str, row: int = 0) -> Ptr:
@@ -97,6 +146,10 @@ class Engine:
 
     def KV(self, layer: int, which: str) -> Ptr:
         return Ptr((self.kv.k(layer) if which == "k" else self.kv.v(layer)).ptr)
+
+    def DKV(self, layer: int, which: str) -> Ptr:
+        """A drafter layer's K or V cache (the context K/V of committed positions, then the block's)."""
+        return Ptr((self.kv.k(layer, "drafter") if which == "k" else self.kv.v(layer, "drafter")).ptr)
 
     # ---- launches -------------------------------------------------------------------------------------------------
     def bind(self, ops: list) -> list[tuple[str, Any]]:
@@ -142,13 +195,16 @@ class Engine:
         rec["seed"] = np.uint64(seed % 2**64)
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
-    def prefill(self, prompt: list[int], greedy: bool = True) -> int:
-        """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token."""
+    def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False) -> int:
+        """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token.
+        `taps`: also capture the DFlash taps and project them into the drafter's context cache (speculative)."""
+        if taps and not self.speculative:
+            raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         ids_buf, n = self.act["ids"], len(prompt)
         for start in range(0, n, self.max_rows):
             rows = min(self.max_rows, n - start)
             last = start + rows == n
-            if rows == 1:  # the graphed step handles a single row (it embeds out_ids[0])
+            if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])
                 self._stage(0, start, prompt[start])
                 self._graph(greedy if last else True).replay(self.stream)
                 continue
@@ -160,21 +216,67 @@ class Engine:
             pos = self.act["positions"]
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
-            key = (rows, last, greedy)
+            key = (rows, last, greedy, taps)
             launches = self._bound.get(key)
             if launches is None:
-                launches = self.bind(self.fwd.ops(rows, decode=False, last=last, greedy=greedy))
+                ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps)
+                launches = self.bind(ops + (DraftForward(self.fwd).ctx_ops(rows) if taps else []))
                 if rows == self.max_rows:
                     self._bound[key] = launches  # full chunks repeat; a ragged last chunk is bound once
             for _, launch in launches:
                 launch(self.stream)
         return self._read_token()
 
-    def decode(self, position: int, greedy: bool = True) -> int:
-        """One graphed step for the token at `position` (its id is out_ids[0]); returns the new token id."""
-        self._stage(position, position, None)
+    def decode(self, position: int, greedy: bool = True, token: int | None = None) -> int:
+        """One graphed step for the token at `position` (its id is out_ids[0], or `token` when given); returns the
+        new token id."""
+        self._stage(position, position, token)
         self._graph(greedy).replay(self.stream)
         return self._read_token()
+
+    def spec_step(self, start: int, last: int, greedy: bool = True) -> tuple[list[int], list[int]]:
+        """One DFlash step for `last` at position `start` (runtime/spec_decode.py): returns (15 drafts, the
+        target's 16 tokens for positions start+1..start+16). Two graphs (draft; verify + context update)."""
+        if not self.speculative:
+            raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
+        cu, h, S, R = driver(), self.stream.handle, 4096, 6144
+        vals = self._pinned.array[S:S + 256].view(np.int32)
+        vals[:BLOCK] = np.arange(start, start + BLOCK)
+        vals[BLOCK:2 * BLOCK] = np.arange(start + 1, start + 1 + BLOCK)  # sampled positions
+        vals[2 * BLOCK] = last
+        pos, ids, src = self.act["positions"].ptr, self.act["ids"].ptr, self._pinned.ptr + S
+        check(cu.cuMemcpyHtoDAsync(pos, src, 4 * BLOCK, h), "block positions")
+        check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
+        check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
+        self._spec_graph("draft", greedy).replay(self.stream)
+        if self.draft_hook is not None:
+            forced = np.asarray(self.draft_hook(start, last), np.int32)
+            if forced.shape != (BLOCK - 1,):
+                raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {BLOCK - 1}")
+            vals[3 * BLOCK:4 * BLOCK - 1] = forced
+            check(cu.cuMemcpyHtoDAsync(ids + 4, src + 12 * BLOCK, 4 * (BLOCK - 1), h), "forced drafts")
+        self._spec_graph("verify", greedy).replay(self.stream)
+        dst = self._pinned.ptr + R
+        check(cu.cuMemcpyDtoHAsync(dst, ids, 4 * BLOCK, h), "drafts")
+        check(cu.cuMemcpyDtoHAsync(dst + 4 * BLOCK, self.act["out_ids"].ptr, 4 * BLOCK, h), "verified tokens")
+        self.stream.synchronize()
+        got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
+        return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
+
+    def _spec_graph(self, which: str, greedy: bool) -> CudaGraph:
+        key = "draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}"
+        g = self._graphs.get(key)
+        if g is None:
+            dfw = DraftForward(self.fwd)
+            if which == "draft":
+                ops = dfw.block_ops()
+            else:
+                ops = self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
+                ops += dfw.ctx_ops(BLOCK)
+            launches = self.bind(ops)
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"DFlash {key}")
+            self._graphs[key] = g
+        return g
 
     def _read_token(self) -> int:
         dst = self._pinned.ptr + self._READ
@@ -207,7 +309,7 @@ class Engine:
         """Free everything (idempotent), the uploaded weights included: the engine owns them."""
         for g in getattr(self, "_graphs", {}).values():
             g.destroy()
-        for name in ("act", "kv", "_pinned"):
+        for name in ("act", "kv", "dw", "_pinned"):
             r = getattr(self, name, None)
             if r is not None:
                 r.free()

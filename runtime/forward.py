@@ -27,6 +27,7 @@ class Pointers(Protocol):
     def W(self, name: str, byte_offset: int = 0) -> Ptr: ...  # a weight tensor
     def A(self, name: str, row: int = 0) -> Ptr: ...  # an activation buffer row
     def KV(self, layer: int, which: str) -> Ptr: ...  # a layer's K or V cache
+    def DKV(self, layer: int, which: str) -> Ptr: ...  # a drafter layer's K or V cache
 
 
 class Placeholders:
@@ -41,6 +42,9 @@ class Placeholders:
         return NULL
 
     def KV(self, layer: int, which: str) -> Ptr:
+        return NULL
+
+    def DKV(self, layer: int, which: str) -> Ptr:
         return NULL
 
 
@@ -99,6 +103,7 @@ class Forward:
         self.missing: list[str] = []
         self.ptr: Pointers = Placeholders()
         self._probing = False
+        self._taps = False
 
     def probe(self) -> list[str]:
         """Build every forward shape once (decode, verify-sized, prefill) and return what is missing."""
@@ -132,11 +137,16 @@ class Forward:
         return need(e)
 
     # ---- the forward ------------------------------------------------------------------------------------------------
-    def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True) -> list[Op]:
+    def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True, taps: bool = False,
+            all_logits: bool = False) -> list[Op]:
         """Launches of one forward over `rows` tokens at positions[0..rows): token ids from `ids` (or, `decode`,
-        from the previous step's out_ids[0]); with `last`, the next token of the last row lands in out_ids[0]."""
+        from the previous step's out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
+        `taps`: the DFlash tap layers also write their residual output (f16) into `taps` [rows, n_taps*H].
+        `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
+        sampled position positions[max_rows + row]."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         H, K, ops = t.hidden_size, t.top_k_experts, []
+        self._taps = taps
         emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
                              SCALE=float(t.embed_scale)))
         ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
@@ -147,19 +157,27 @@ class Forward:
         for l in range(t.num_hidden_layers):
             ops += self._layer_ops(l, rows)
         if last:
-            V = t.vocab_size
-            ops.append(self._gemm_op("lm_head", "lm_head", V, H, 1, A("a", rows - 1), A("logits")))
-            if greedy:
-                am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
-                ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
-                                                 counters=A("counters"), out_ids=A("out_ids"), T=1), 1))
-            else:
-                common = dict(logits=A("logits"), params=A("params"), positions=A("positions", self.max_rows),
-                              workspace=A("workspace"), counters=A("counters"), out_ids=A("out_ids"),
-                              status=A("status"), T=1)
-                for stage in ("prep", "select", "finish"):
-                    k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
-                    ops.append(Op(f"sample_{stage}", k, {n: common[n] for n in k.args if n in common}, 1))
+            n = rows if all_logits else 1
+            if n > LM_ROWS:
+                raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {LM_ROWS}")
+            ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy)
+        return ops
+
+    def head_ops(self, x: Ptr, n: int, out_ids: Ptr, greedy: bool = True) -> list[Op]:
+        """lm_head over n rows of x, then argmax (or the sampler at positions[max_rows..]) into out_ids[0..n)."""
+        t, A = self.spec.target, self.ptr.A
+        V, ops = t.vocab_size, [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
+        if greedy:
+            am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
+            ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
+                                             counters=A("counters"), out_ids=out_ids, T=n), n))
+        else:
+            common = dict(logits=A("logits"), params=A("params"), positions=A("positions", self.max_rows),
+                          workspace=A("workspace"), counters=A("counters"), out_ids=out_ids,
+                          status=A("status"), T=n)
+            for stage in ("prep", "select", "finish"):
+                k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
+                ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
         return ops
 
     def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Ptr, y: Ptr, epi: str = "store") -> Op:
@@ -226,9 +244,17 @@ class Forward:
         ops.append(Op(f"{p}ffn_tail", ft, dict(
             mlp=A("mlp"), moe=A("moe"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
-            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), tap=NULL, tap_stride=0, tap_col=0, T=rows),
-            rows))
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows))
         return ops
+
+    def _tap_args(self, l: int) -> dict[str, Any]:
+        """ffn_tail's tap arguments: layer l's residual output into its column block of `taps` (f16 elements)."""
+        d = self.spec.drafter
+        if not self._taps or d is None or l not in d.target_layer_ids:
+            return dict(tap=NULL, tap_stride=0, tap_col=0)
+        H = self.spec.target.hidden_size
+        return dict(tap=self.ptr.A("taps"), tap_stride=len(d.target_layer_ids) * H,
+                    tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int) -> list[Op]:
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W

@@ -347,6 +347,33 @@ class KernelEmulator:
     k_nvfp4_gemm = _gemm
     k_nvfp4_gemm_large = _gemm
 
+    def _half_gemm(self, p, a, n):
+        """The drafter's fp16 GEMMs (layouts.pack_half weights): store f32, or silu(gate)*up f16 (interleave8)."""
+        m, N, K = a["m"], p["n"], p["k"]
+        key = ("half", a["w"], N, K)
+        if key not in self._dense:
+            bits = self.v(a["w"], np.uint16, N * K, "weight")
+            self._dense[key] = L.unpack_half(bits, N, K).view(np.float16).astype(F64)
+        W = self._dense[key]
+        x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
+        if p["epi"] == "store":
+            self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+        else:
+            g, u = L.deinterleave8(W)
+            gx = x @ g.T
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(gx / (1.0 + np.exp(-gx)) * (x @ u.T), "f16")
+
+    k_bf16_gemm = _half_gemm
+    k_bf16_gemm_large = _half_gemm
+
+    def k_add_rmsnorm(self, p, a, n):
+        T, H = a["T"], p["H"]
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        s, y = RK.add_rmsnorm_ref(x, self.v(a["y"], np.float32, (T, H), "y"), self.v(a["w"], np.uint16, H, "w"),
+                                  p["EPS"])
+        x[:] = s
+        self.v(a["a"], RK.np_dtype(p["OUT"]), (T, H), "a")[:] = RK.store(y, p["OUT"])
+
     def k_rope_kv(self, p, a, n):
         T, HQ, HKV, D = a["T"], p["HQ"], p["HKV"], p["D"]
         pos = self.v(a["positions"], np.int32, T, "positions").copy()
@@ -387,9 +414,21 @@ class KernelEmulator:
         if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
             raise EmuError("attention read non-finite cache values")
         shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
-        if not p["causal"]:
-            raise EmuError("bidirectional attention is not emulated")
         ns, mmax = p["nsplit"], p["mmax"]
+        if not p["causal"]:
+            # Bidirectional within the block (the drafter's full layer, no window): every query sees keys
+            # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
+            if win:
+                raise EmuError("windowed bidirectional attention is not a planned kernel")
+            part = [W4.attention_partials(q[i:i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
+            o_p, ml_p = np.concatenate([o for o, _ in part], 1), np.concatenate([x for _, x in part], 1)
+            if ns == 1:
+                self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
+                return
+            ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
+            ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
+            ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+            return
         if ns == 1:
             out = W4.attention_rows(q, keys, vals, p0, win or None, shape, kv)
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
@@ -428,8 +467,11 @@ class KernelEmulator:
         self.taps.append(np.array(x))
         if nxt is not None:
             self.v(a["a"], np.float16, (T, H), "a")[:] = RK.store(nxt, "f16")
-        if a["tap"]:
-            raise EmuError("taps are not emulated")
+        if a["tap"]:  # the DFlash tap: x' rows into tap[row * tap_stride + tap_col ...] (TAP dtype)
+            tdt = RK.np_dtype(p["TAP"])
+            for r in range(T):
+                self.v(a["tap"] + (r * a["tap_stride"] + a["tap_col"]) * np.dtype(tdt).itemsize, tdt, H,
+                       "tap")[:] = RK.store(xn[r], p["TAP"])
 
     def k_router_logits(self, p, a, n):
         T, H, E = a["T"], p["H"], p["E"]

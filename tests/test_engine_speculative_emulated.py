@@ -1,0 +1,324 @@
+"""DFlash speculative decoding on the CUDA engine: on the emulated GPU (tests/engine_emulator.py: the real engine,
+graphs and staging over NumPy kernel models) speculative output must equal the same engine's plain output token
+for token, greedy and seeded; forced drafts (the plain continuation with planted mistakes) make every acceptance
+length 1..16 occur, so long acceptances and rollbacks (rejected target rows, stale drafter context rows) are
+exercised; the engine's drafter itself is checked against the NumPy DFlash reference on its own context taps.
+
+The GPU test at the bottom (marked gpu) runs the same equalities on the real device:
+  python -m pytest tests/test_engine_speculative_emulated.py -m gpu -q -rA
+There the verify step (M=16 kernels) and plain decode (M=1 kernels) accumulate in different orders, so a token may
+differ at a near-tie: at the first difference the plain engine's own logits must show a tie (TIE_TOL, as in
+tests/test_runtime_gpu.py), and the comparison of that prompt stops there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_emulator as EE  # noqa: E402
+
+pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
+
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+
+GEN = 24
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)
+DRAFT_LOGITS_TOL = 1e-2  # engine drafter vs float32 reference, rel L2 per row (measured 7.5e-4: fp16 weights, bf16 K/V)
+TIE_TOL = 1e-2  # GPU test only (see the docstring)
+
+
+@pytest.fixture(scope="module")
+def emu(tiny_checkpoint, tmp_path_factory):
+    """open_(ctx, manifest_edit=None) -> (backend, driver), cached; the tiny checkpoint repacked once."""
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime import device as dev
+    from thorgen.runtime.repack import repack
+
+    ck = Checkpoint.open(tiny_checkpoint)
+    root = tmp_path_factory.mktemp("spec_emulated")
+    weights = repack(tiny_checkpoint, root / "weights")
+    made: dict = {}
+
+    def open_(ctx: int = 1024, drop: str | None = None):
+        from thorgen.runtime.cuda_backend import open_backend
+
+        key = (ctx, drop)
+        if key not in made:
+            kernels = EE.write_fake_manifest(ck.spec, root / f"kernels_{drop}")
+            if drop:  # a manifest lacking some kernels (e.g. the drafter's GEMMs)
+                m = json.loads((kernels / "manifest.json").read_text())
+                m["kernels"] = {k: v for k, v in m["kernels"].items() if not k.startswith(drop)}
+                (kernels / "manifest.json").write_text(json.dumps(m))
+            drv = EE.install(kernels)
+            made[key] = (open_backend(tiny_checkpoint, ctx=ctx, weights_dir=weights, kernels_dir=kernels), drv)
+        dev.set_driver(made[key][1])
+        made[key][0].engine.draft_hook = None
+        return made[key]
+
+    yield open_, ck
+    for b, drv in made.values():
+        dev.set_driver(drv)
+        b.close()
+    dev.set_driver(None)
+
+
+def _shared() -> Path | None:
+    """<repo>/../shared when present (the prompt suite part is then included), else None."""
+    p = Path(__file__).resolve().parent.parent.parent / "shared"
+    return p if (p / "seed_data" / "prompt_suite.json").is_file() else None
+
+
+def _prompts(ck, shared: Path | None) -> list[tuple[str, list[int]]]:
+    rng = np.random.default_rng(3)
+    out = [("random41", [2] + rng.integers(256, 512, 40).tolist()), ("one_token", [2])]
+    if shared is not None:
+        import prompt_suite as PS
+
+        suite = PS.suite_prompts(ck.model_dir, shared, filler_repeats=1)
+        out += [(pid, ids) for pid, ids in suite[:3]]
+    return out
+
+
+def _check_lengths(res, first_from_prefill: bool = True) -> None:
+    acc = res.accepted_lengths
+    assert acc and all(1 <= a <= 16 for a in acc), acc
+    assert sum(acc) + (1 if first_from_prefill else 0) == len(res.token_ids)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_speculative_equals_plain(emu, mode):
+    """The real (random) drafter: whatever it proposes, every committed token is the plain engine's token."""
+    open_, ck = emu
+    backend, _ = open_()
+    params = SamplingParams() if mode == "greedy" else SAMPLED
+    for pid, ids in _prompts(ck, _shared()):
+        plain = backend.generate(ids, GEN, params).token_ids
+        res = backend.generate(ids, GEN, params, speculative=True)
+        assert res.token_ids == plain, f"{pid}: speculative {res.token_ids} != plain {plain}"
+        _check_lengths(res)
+        assert backend.last_result is res
+
+
+def _forced_hook(backend, prompt_len: int, plain: list[int], schedule: list[int], log: list, check=None,
+                 strict: bool = True):
+    """draft_hook: the plain continuation after `last` with a wrong token planted at slot schedule[step]
+    (15: none), so the step must accept exactly schedule[step] drafts."""
+    V = backend.spec.target.vocab_size
+
+    def hook(start: int, last: int) -> list[int]:
+        if check is not None:
+            check(start, last)
+        i = start - prompt_len  # plain[i] is the token at position start (== last)
+        assert plain[i] == last or not strict, f"step at {start}: last token {last}, plain decoding has {plain[i]}"
+        drafts = (plain[i + 1:i + 16] + [0] * 15)[:15]
+        j = schedule[len(log) % len(schedule)]
+        if j < 15:
+            drafts[j] = (drafts[j] + 1) % V  # never the target's token
+        log.append(j)
+        return drafts
+    return hook
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_forced_drafts_every_acceptance_length(emu, mode):
+    """Every acceptance length 1..16 occurs, exactly as planted; output still equals plain decoding."""
+    open_, ck = emu
+    backend, _ = open_()
+    params = SamplingParams() if mode == "greedy" else SAMPLED
+    ids = [2] + np.random.default_rng(11 if mode == "greedy" else 12).integers(256, 512, 30).tolist()
+    schedule = np.random.default_rng(5).permutation(16).tolist()
+    n = 1 + sum(j + 1 for j in schedule)  # prefill token + one full pass over the schedule
+    plain = backend.generate(ids, n + 16, params).token_ids
+    log: list[int] = []
+    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log)
+    res = backend.generate(ids, n, params, speculative=True)
+    assert res.token_ids == plain[:n]
+    assert res.accepted_lengths == [j + 1 for j in log]
+    assert sorted(res.accepted_lengths) == list(range(1, 17))
+    _check_lengths(res)
+
+
+def test_engine_drafter_matches_reference(emu):
+    """The device drafter (context K/V from the taps, hybrid masks, block K/V, shared lm_head) against the NumPy
+    DFlash reference fed the engine's own taps of the committed positions, over steps with rollbacks."""
+    from thorgen.runtime.reference.backend import ReferenceBackend
+    from thorgen.runtime.reference.ops import softcap
+
+    open_, ck = emu
+    backend, drv = open_()
+    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0).drafter
+    d, H = backend.spec.drafter, backend.spec.target.hidden_size
+    width = len(d.target_layer_ids) * H
+    taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
+    e = backend.engine
+    from thorgen.model_spec.nvfp4 import dequantize_nvfp4
+    from thorgen.runtime.repack import unpack_linear
+
+    lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
+
+    def after(name, entry, a):
+        if entry["template"].startswith("ffn_tail") and a["tap"]:
+            pos = drv.view(e.A("positions").address, np.int32, a["T"]).copy()
+            rows = drv.view(e.A("taps").address, np.float16, (a["T"], width))
+            for r, p in enumerate(pos):
+                taps[int(p)] = rows[r].astype(np.float32)
+    drv.emu.after = after
+    checked = []
+
+    def check(start: int, last: int) -> None:
+        ctx = ref.new_context()
+        ctx.append(np.stack([taps[p] for p in range(start)]))
+        # the reference's final hidden states through the engine's own NVFP4 lm_head (the reference's bf16 tied
+        # head alone differs by ~9% from NVFP4); the engine feeds the lm_head f16 activations
+        h = ref.block_hidden(ctx, [last] + [d.mask_token_id] * 15, start)[1:]
+        want = softcap(h.astype(np.float16).astype(np.float64) @ lm_head.T, d.final_logit_softcapping)
+        got = softcap(drv.view(e.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
+            np.float64), d.final_logit_softcapping)
+        err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+        assert err.max() <= DRAFT_LOGITS_TOL, f"drafter at {start}: rel errors {np.round(err, 4)}"
+        drafts = drv.view(e.A("ids", 1).address, np.int32, 15)
+        top2 = -np.sort(-want, axis=1)[:, :2]
+        clear = top2[:, 0] - top2[:, 1] > 0.05
+        assert (drafts[clear] == want.argmax(1)[clear]).all(), f"drafter argmax at {start}"
+        checked.append(start)
+
+    try:
+        ids = [2] + np.random.default_rng(4).integers(256, 512, 45).tolist()
+        plain = backend.generate(ids, 40, SAMPLED).token_ids
+        log: list[int] = []
+        e.draft_hook = _forced_hook(backend, len(ids), plain, [3, 15, 0, 9, 1], log, check)
+        res = backend.generate(ids, 32, SAMPLED, speculative=True)
+    finally:
+        drv.emu.after = None
+    assert res.token_ids == plain[:32]
+    assert len(checked) == len(res.accepted_lengths) >= 4
+
+
+def test_budget_stop_and_context_end(emu):
+    """max_tokens cuts a step's commit, a stop id ends it, and near the end of the context (no room for a
+    16-row verify) the loop finishes with plain steps: all as plain decoding does."""
+    open_, _ = emu
+    backend, _ = open_()
+    ids = [2] + np.random.default_rng(8).integers(256, 512, 20).tolist()
+    plain = backend.generate(ids, 40, SAMPLED).token_ids
+    log: list[int] = []
+    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
+    res = backend.generate(ids, 7, SAMPLED, speculative=True)  # one 16-token step cut to the 6 left
+    assert res.token_ids == plain[:7] and res.accepted_lengths == [6] and res.finish_reason == "length"
+    k = next(i for i in range(2, len(plain)) if plain[i] not in plain[:i])  # a stop id first produced mid-run
+    stop = plain[k]
+    res = backend.generate(ids, 40, SAMPLED, stop_ids=frozenset({stop}), speculative=True)
+    assert res.token_ids == plain[:k + 1] and res.finish_reason == "stop"
+    _check_lengths(res)
+    # ctx 600 > every ring (528 / 544 slots): the last 15 positions cannot take a verify block
+    small, _ = open_(ctx=600)
+    ids = [2] + np.random.default_rng(9).integers(256, 512, 569).tolist()
+    plain = small.generate(ids, 100, SAMPLED).token_ids
+    res = small.generate(ids, 100, SAMPLED, speculative=True)
+    assert res.token_ids == plain and res.finish_reason == "length"
+    assert len(ids) + len(plain) == 600
+    assert res.accepted_lengths and 1 + sum(res.accepted_lengths) < len(res.token_ids)  # verify steps, then plain
+
+
+def test_missing_drafter_kernels_raise(emu):
+    """Without the drafter's kernels plain decoding still runs and speculative names what is missing."""
+    open_, _ = emu
+    backend, _ = open_(drop="bf16_gemm")
+    assert backend.generate([2, 300], 2, SamplingParams()).token_ids
+    with pytest.raises(BackendError, match="drafter GEMM"):
+        backend.generate([2, 300], 2, SamplingParams(), speculative=True)
+
+
+# ---- the same on the real GPU (the lead runs this on the H200) ---------------------------------------------------
+
+def _tie(backend, ids: list[int], got: list[int], want: list[int], params: SamplingParams) -> float:
+    """Gap (in logit units) between the two candidates at the first difference, from the plain engine's logits."""
+    from thorgen.runtime.reference.ops import softcap
+    from thorgen.runtime.reference.sampling import filter_mask, gumbel
+
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    prefix = ids + want[:i]
+    backend.engine.prefill(prefix, greedy=True)
+    z = softcap(backend.engine.logits().astype(np.float64), backend.spec.target.final_logit_softcapping)
+    a, b = got[i], want[i]
+    if params.greedy:
+        return abs(z[a] - z[b])
+    z = z / params.temperature
+    if not (filter_mask(z, params)[a] and filter_mask(z, params)[b]):
+        return float("inf")
+    g = gumbel(params.seed, len(prefix), z.shape[0])
+    return abs((z[a] + g[a]) - (z[b] + g[b])) * params.temperature
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
+    import os
+
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.device import Device
+    from thorgen.runtime.repack import repack
+
+    from thorgen.runtime import device as D
+
+    D.set_driver(None)  # the real cuda-python driver, never the emulator the tests above install
+    try:
+        dev = Device.open(0)
+    except BackendError as exc:
+        pytest.skip(f"no GPU: {exc}")
+    ck = Checkpoint.open(tiny_checkpoint)
+    repack(tiny_checkpoint, arch=dev.info.arch)
+    pre = os.environ.get("THORGEN_KERNELS")
+    if pre and (Path(pre) / "manifest.json").is_file():
+        kernels = Path(pre)
+    else:
+        try:
+            from thorgen.codegen.arch import get_arch
+            from thorgen.codegen.builder import build
+            from thorgen.codegen.nvcc import find_nvcc
+
+            find_nvcc()
+        except Exception as exc:
+            pytest.skip(f"no nvcc / codegen: {exc}")
+        kernels = tmp_path_factory.mktemp("spec_kernels")
+        build(ck.spec, get_arch(dev.info.arch), kernels)
+    backend = open_backend(tiny_checkpoint, ctx=4096, kernels_dir=kernels)
+    params = SamplingParams() if mode == "greedy" else SAMPLED
+    shared = _shared()
+    try:
+        assert backend.speculative_available, backend.engine.spec_missing
+        lengths: list[int] = []
+        for pid, ids in _prompts(ck, shared):
+            plain = backend.generate(ids, 64, params).token_ids
+            res = backend.generate(ids, 64, params, speculative=True)
+            lengths += res.accepted_lengths
+            if res.token_ids != plain:
+                gap = _tie(backend, ids, res.token_ids, plain, params)
+                assert gap <= TIE_TOL, f"{pid}: speculative differs from plain (gap {gap:.3g}, not a tie)"
+                print(f"{pid}: tie (gap {gap:.3g}) at a difference")
+                continue
+            _check_lengths(res)
+        # forced drafts: long acceptances and rollbacks on the device
+        ids = [2] + np.random.default_rng(12).integers(256, 512, 30).tolist()
+        schedule = np.random.default_rng(5).permutation(16).tolist()
+        n = 1 + sum(j + 1 for j in schedule)
+        plain = backend.generate(ids, n + 16, params).token_ids
+        log: list[int] = []
+        backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log, strict=False)
+        res = backend.generate(ids, n, params, speculative=True)
+        backend.engine.draft_hook = None
+        if res.token_ids == plain[:n]:
+            assert res.accepted_lengths == [j + 1 for j in log]
+        else:
+            assert _tie(backend, ids, res.token_ids, plain, params) <= TIE_TOL
+        print(f"{mode}: mean acceptance length of the real drafter {np.mean(lengths):.2f} over {len(lengths)} steps")
+    finally:
+        backend.close()
