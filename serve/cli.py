@@ -69,7 +69,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.
-    # DFlash on the cuda backend is proven on the CPU emulator but not yet on a GPU: only an explicit --draft-tokens turns it on.
+    # DFlash on the cuda backend is proven on the CPU emulator but not yet on a GPU: there too only an explicit
+    # --draft-tokens turns it on.
     off = draft_tokens == 0 or (draft_tokens is None and (demo or backend == "cuda"))
     state = ServerState(name, loader, speculative=False if off else None)
     app = create_app(state, api_key=api_key, cors_origins=list(cors_origins))
