@@ -14,6 +14,8 @@ What is written (names relative to `model.language_model.`; format in runtime/we
     layout of layouts.pack_half (qkv concat, gate/up interleaved), its norms raw bf16.
 Streaming: jobs yield (tensor, piece) to weights.ArtifactWriter, and consumed source ranges are released from the
 process (madvise), so memory stays flat; the artifact is built in `<out>.tmp-XXXX` and renamed onto `<out>`.
+With jobs > 1 the plan's jobs run in spawned worker processes that pwrite at the planned offsets and hash their
+own tensors; the file is byte-identical to the one-process run.
 """
 
 from __future__ import annotations
@@ -293,9 +295,13 @@ def plan_artifact(ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_
 
 def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, lm_head: str = "nvfp4",
            arch: str | None = None, draft_dir: str | os.PathLike | None = None,
-           progress: Progress | None = None, chunk_cols: int = 256) -> Path:
-    """Repack a checkpoint into `out_dir` (default: see weights.default_artifact_dirs) and return that folder."""
+           progress: Progress | None = None, chunk_cols: int = 256, jobs: int | None = None) -> Path:
+    """Repack a checkpoint into `out_dir` (default: see weights.default_artifact_dirs) and return that folder.
+
+    jobs: worker processes (None: default_jobs(output size)); the artifact's bytes are the same for any value."""
     arch = arch or DEFAULT_ARCH
+    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
+        raise ArtifactError(f"--jobs must be a positive integer, got {jobs!r}")
     ckpt = Checkpoint.open(model_dir, draft_dir)
     _release_mappings(ckpt)
     spec = ckpt.spec
@@ -307,18 +313,25 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     if free < need:
         raise ArtifactError(f"not enough disk space in {out.parent}: needed {need / 2**30:.2f} GiB, "
                             f"free {free / 2**30:.2f} GiB")
+    from . import repack_parallel as par  # it imports this module
+
+    jobs = jobs if jobs is not None else par.default_jobs(need)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    writer = None
+    writer = pool = None
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the artifact is an ordinary shared folder
+        pool = par.start_pool(pl, jobs) if jobs > 1 else None  # before the writer's thread exists
         writer = ArtifactWriter(tmp, pl.tensors)
-        work, done = sum(b for _, b, _ in pl.jobs), 0
-        for label, nbytes, job in pl.jobs:
-            for name, piece in job():
-                writer.put(name, piece)
-            done += nbytes
-            if progress is not None:
-                progress(done, work, label)
+        if pool is not None:
+            par.run_parallel(pool, pl, writer, progress)
+        else:
+            work, done = sum(b for _, b, _ in pl.jobs), 0
+            for label, nbytes, job in pl.jobs:
+                for name, piece in job():
+                    writer.put(name, piece)
+                done += nbytes
+                if progress is not None:
+                    progress(done, work, label)
         writer.finish({"layout_version": layout_version(), "spec_hash": spec.spec_hash, "model": spec.name,
                        "arch": arch, "fp4_order": pl.order, "lm_head": lm_head,
                        "source": str(Path(model_dir).resolve())}, pl.scales)
@@ -328,6 +341,10 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
             writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     return out
 
 

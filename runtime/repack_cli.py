@@ -59,14 +59,17 @@ class ProgressBar:
                    "order, sm_100a and later in 'nat'; the artifact loads only on that arch.")
 @click.option("--verify/--no-verify", default=False, help="Re-read the written file and check every checksum.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Worker processes (default: the usable cores, at most 16; 1 below 256 MB of output). The "
+                   "artifact's bytes do not depend on it.")
 def repack_weights(model_dir: Path, draft_dir: Path | None, out_dir: Path | None, lm_head: str, arch: str | None,
-                   verify: bool, quiet: bool) -> None:
+                   verify: bool, quiet: bool, jobs: int | None) -> None:
     """Repack a checkpoint offline into the kernels' weight layout.
 
     Reads the checkpoint memory-mapped and streams it into one weights.bin (every tensor 256-byte aligned,
     per-projection global scales kept, experts stacked per layer) plus weights.json (spec hash, layout version,
     a blake2b checksum per tensor). Written into OUT.tmp-XXXX and renamed onto OUT, so an interrupted run never
-    leaves a half-written artifact. Memory stays at a few hundred MB whatever the model size.
+    leaves a half-written artifact. Memory stays at a few hundred MB per process whatever the model size.
     """
     from ..model_spec.checkpoint import CheckpointError
     from .backend import BackendError
@@ -76,7 +79,8 @@ def repack_weights(model_dir: Path, draft_dir: Path | None, out_dir: Path | None
     t0 = time.monotonic()
     bar = None if quiet else ProgressBar("repack")
     try:
-        out = repack(model_dir, out_dir, lm_head=lm_head, arch=arch, draft_dir=draft_dir, progress=bar)
+        out = repack(model_dir, out_dir, lm_head=lm_head, arch=arch, draft_dir=draft_dir, progress=bar,
+                     jobs=jobs)
     except (CheckpointError, BackendError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:

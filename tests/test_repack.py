@@ -229,6 +229,38 @@ def test_failed_repack_leaves_previous_artifact_intact(tiny, art, monkeypatch):
     assert not [p for p in tiny.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
+def test_worker_count_does_not_change_the_artifact(tiny, tmp_path):
+    """jobs=3 (forked workers pwrite at planned offsets and hash their own tensors) == the one-process writer."""
+    one = R.repack(tiny / "model", tmp_path / "one", jobs=1)
+    three = R.repack(tiny / "model", tmp_path / "three", jobs=3)
+    assert (one / "weights.bin").read_bytes() == (three / "weights.bin").read_bytes()
+    m1, m3 = (json.loads((d / "weights.json").read_text()) for d in (one, three))
+    assert m1 == m3 and len(m1["tensors"]) > 200
+    WeightsArtifact.open(three).verify()
+    with pytest.raises(ArtifactError, match="jobs"):
+        R.repack(tiny / "model", tmp_path / "zero", jobs=0)
+    assert not (tmp_path / "zero").exists()
+
+
+def test_worker_failure_leaves_previous_artifact_intact(tiny, monkeypatch, tmp_path):
+    out = tmp_path / "art"
+    R.repack(tiny / "model", out, lm_head="bf16", jobs=2)
+    before = (out / "weights.json").read_text()
+    calls = {"n": 0}
+    real = R.pack_matrix
+
+    def failing(*a, **k):  # inherited by the forked workers: each fails on its 5th matrix
+        calls["n"] += 1
+        if calls["n"] >= 5:
+            raise RuntimeError("disk on fire")
+        return real(*a, **k)
+    monkeypatch.setattr(R, "pack_matrix", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        R.repack(tiny / "model", out, jobs=2)
+    assert (out / "weights.json").read_text() == before
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
 def test_repack_cli(tiny, tmp_path):
     from click.testing import CliRunner
 
@@ -240,6 +272,10 @@ def test_repack_cli(tiny, tmp_path):
     assert res.exit_code == 0, res.output
     assert "verified" in res.output and str(out) in res.output
     assert WeightsArtifact.open(out).lm_head == "bf16"
+    res = CliRunner().invoke(repack_weights, ["--model", str(tiny / "model"), "--out", str(tmp_path / "j2"), "-q",
+                                              "--lm-head", "bf16", "--jobs", "2"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "j2" / "weights.bin").read_bytes() == (out / "weights.bin").read_bytes()
     (tmp_path / "empty").mkdir()
     res = CliRunner().invoke(repack_weights, ["--model", str(tmp_path / "empty"), "--out", str(tmp_path / "x")])
     assert res.exit_code != 0 and "config.json" in res.output and not (tmp_path / "x").exists()

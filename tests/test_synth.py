@@ -44,6 +44,19 @@ def test_same_seed_same_bytes_other_seed_differs(tiny, tmp_path):
     assert a["tokenizer.json"] == c["tokenizer.json"]
 
 
+def test_worker_count_does_not_change_bytes(tiny, tmp_path):
+    """jobs > 1 (worker processes pwrite into preallocated shards) gives the same files as the one-process
+    streaming writer that made `tiny` (default jobs is 1 below 256 MB)."""
+    four = write_synthetic_checkpoint("tiny", tmp_path / "four", seed=0, progress=False, jobs=4)
+    two = write_synthetic_checkpoint("tiny", tmp_path / "two", seed=0, progress=False, jobs=2)
+    assert _digest(four) == _digest(tiny) == _digest(two)
+    other = write_synthetic_checkpoint("tiny", tmp_path / "other", seed=1, progress=False, jobs=3)
+    assert all(_digest(other)[k] != v for k, v in _digest(tiny).items() if k.endswith(".safetensors"))
+    with pytest.raises(ValueError, match="jobs"):
+        write_synthetic_checkpoint("tiny", tmp_path / "zero", progress=False, jobs=0)
+    assert not (tmp_path / "zero").exists() and not list(tmp_path.glob("*.tmp-*"))
+
+
 def test_layout_and_configs(tiny):
     spec = get_preset("tiny")
     assert json.loads((tiny / "config.json").read_text()) == json.loads(json.dumps(target_config(spec.target)))
@@ -184,3 +197,9 @@ def test_cli(tmp_path):
                                "--quiet"])
     assert res.exit_code == 0 and "[synth]" not in res.output
     assert json.loads((tmp_path / "c" / "synth_info.json").read_text())["seed"] == 0
+    res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "j"), "--jobs", "2",
+                               "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert _digest(tmp_path / "j") == _digest(tmp_path / "c")
+    res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "k"), "--jobs", "0"])
+    assert res.exit_code != 0 and "--jobs" in res.output and not (tmp_path / "k").exists()

@@ -17,7 +17,10 @@ from ..presets import PRESETS
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed (same seed -> same bytes).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
-def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: bool) -> None:
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Worker processes (default: the usable cores, at most 16; 1 for models under 256 MB). "
+                   "The output bytes do not depend on it.")
+def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: bool, jobs: int | None) -> None:
     """Write a synthetic checkpoint: random but numerically sane weights in the exact RedHatAI NVFP4 layout,
     a z-lab-layout DFlash drafter in OUT/dflash, a byte-fallback BPE tokenizer with Gemma-4's special ids,
     the chat template and generation config. Written to a temp folder and renamed into place."""
@@ -27,7 +30,7 @@ def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: 
         raise click.ClickException(f"{out_dir} exists and is not empty; pass --force to replace it")
     t0 = time.monotonic()
     try:
-        write_synthetic_checkpoint(preset, out_dir, seed=seed, progress=not quiet, force=force)
+        write_synthetic_checkpoint(preset, out_dir, seed=seed, progress=not quiet, force=force, jobs=jobs)
     except (OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
