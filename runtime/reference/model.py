@@ -125,14 +125,19 @@ class TargetModel:
         return (x * self.w.plain(f"layers.{layer}.layer_scalar")).astype(F32)
 
     # ---- whole model ----------------------------------------------------------------------------------------
-    def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
-                last_only: bool = False) -> ForwardOutput:
-        """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
+    def check_ids(self, ids: list[int] | np.ndarray) -> np.ndarray:
+        """The token ids as a flat int64 array; ValueError when empty or outside the vocabulary."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
         if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
             raise ValueError(f"token id out of range 0..{self.spec.vocab_size - 1}")
+        return ids
+
+    def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
+                last_only: bool = False) -> ForwardOutput:
+        """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
+        ids = self.check_ids(ids)
         start = cache.length
         x = self.embed(ids)
         out_taps: dict[int, np.ndarray] = {}

@@ -387,11 +387,7 @@ class W4A16Target(TargetModel):
     def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
                 last_only: bool = False) -> ForwardOutput:
         """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise ValueError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
-            raise ValueError(f"token id out of range 0..{self.spec.vocab_size - 1}")
+        ids = self.check_ids(ids)
         s, start = self.spec, cache.length
         x = self.embed(ids).astype(F64)  # float32 product, as the embed kernel
         a = round_to(rms(x, self.w.plain("layers.0.input_layernorm.weight"), s.rms_norm_eps), "f16")
