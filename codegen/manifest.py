@@ -2,7 +2,7 @@
 
 The runtime reads this file with `json` alone (it never imports codegen). Schema (MANIFEST_SCHEMA = 1):
   {"schema": 1, "model": str, "spec_hash": str, "arch": str, "nvcc": str, "flags": [str],
-   "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, ring_slots: {window: slots}},
+   "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, pdl, ring_slots: {window: slots}},
    "kernels": {name: {"cubin": file name beside manifest.json, "entry": extern "C" symbol, "family", "template",
                       "grid": [x,y,z], "block": [x,y,z], "smem_bytes": dynamic smem, "args": [names in order],
                       "params": {constants}, "registers", "spills", "static_smem_bytes"}}}
@@ -27,6 +27,7 @@ def conventions(spec: ModelSpec) -> dict:
     windows = {spec.target.sliding_window} | ({spec.drafter.sliding_window} if spec.drafter else set())
     return {"act_dtype": families.ACT_DTYPE, "gemm_out_dtype": families.GEMM_OUT_DTYPE, "q_dtype": families.Q_DTYPE,
             "kv_dtypes": list(families.KV_DTYPES), "max_step_tokens": families.MAX_STEP_TOKENS,
+            "pdl": families.PDL,
             "kv_layout": "[slot][kv_head][head_dim], K and V separate",
             "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)}}
 

@@ -172,9 +172,10 @@ class CudaBackend(StreamingBackend):
             e1.destroy()
         return 2 * nbytes / best / 1e9
 
-    def kernel_breakdown(self) -> list[dict]:
-        """One decode step's launches with their GPU time, summed per kernel (largest first)."""
-        rows = self.engine.profile_step(0)
+    def kernel_breakdown(self, rows: int = 1) -> list[dict]:
+        """One decode step's (or `rows`-token prefill chunk's) launches with their GPU time, summed per kernel
+        (largest first)."""
+        rows = self.engine.profile_step(0, rows=rows)
         agg: dict[str, dict] = {}
         for r in rows:
             a = agg.setdefault(r["kernel"], {"kernel": r["kernel"], "us": 0.0, "count": 0})

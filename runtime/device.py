@@ -176,6 +176,10 @@ class Stream:
     def synchronize(self) -> None:
         check(driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def wait(self, event: "Event") -> None:
+        """Later work on this stream waits for the event's recorded work (a fork or join inside a graph capture)."""
+        check(driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
     def destroy(self) -> None:
         if self.handle is not None:
             check(driver().cuStreamDestroy(self.handle), "cuStreamDestroy")

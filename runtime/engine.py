@@ -13,6 +13,7 @@ the drafter's KV cache and buffers, separate q/k/v drafter weights, tap capture 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,12 @@ class Engine:
         self.spec, self.device, self.manifest, self.art, self.weights = spec, device, manifest, artifact, weights
         self.ctx = ctx
         self.max_rows = int(manifest.conventions.get("max_step_tokens", 512))
+        # Programmatic dependent launch between consecutive kernels (the kernels' convention; THORGEN_PDL=0 is off)
+        self.pdl = bool(manifest.conventions.get("pdl", False)) and os.environ.get("THORGEN_PDL", "1") != "0"
+        # The dense MLP on a side stream beside router + MoE (THORGEN_FORK=0 runs everything on one stream)
+        self.fork = os.environ.get("THORGEN_FORK", "1") != "0"
+        self.side = device.stream()
+        self._events: list[Any] = []
         self.stream = device.stream()
         self.kernels = KernelSet(manifest, device)
         self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
@@ -118,6 +125,11 @@ class Engine:
         kernels = self.manifest.kernels.values()
         ws = max([int(k.params.get("ws_floats", 0)) for k in kernels if k.template.startswith("attn_fwd")] + [1])
         sws = max([int(k.params.get("WS_ROW_BYTES", 0)) for k in kernels] + [1])
+        # split-K attention's merge counters (one buffer: attention launches never overlap); zeroed below, kept so
+        acnt = max([int(k.params.get("cnt_words", 0)) for k in kernels if k.template.startswith("attn_fwd")] + [1])
+        # grouped MoE (prefill chunks): the plan kernel writes every entry of its tile list (sized by the planner)
+        tiles = max([int(k.params.get("max_tiles", 0)) for k in kernels if k.template == "moe_grouped_plan.cu.j2"]
+                    + [1])
         p = ArenaPlan("activations")
         for name, shape, dt in (
                 ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
@@ -126,10 +138,13 @@ class Engine:
                 ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
                 ("mlp", (R, H), "f32"), ("moe_act", (MOE_SLICE * K, t.moe_intermediate_size), "f16"),
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
-                ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + 1,), "i32"),
+                ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + LM_ROWS,), "i32"),
                 ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (LM_ROWS,), "i32"),
                 ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (LM_ROWS,), "i32"),
-                ("params", (LM_ROWS, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8")):
+                ("params", (LM_ROWS, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
+                ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
+                ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
+                ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32")):
             p.add_array(name, shape, dt)
         if self.speculative:
             plan_drafter_activations(p, self.spec, R)
@@ -155,17 +170,57 @@ class Engine:
     def bind(self, ops: list) -> list[tuple[str, Any]]:
         """Ops -> (label, callable(stream)) pairs: prepacked kernel launches and strided copies."""
         out: list[tuple[str, Any]] = []
+        # PDL only between two kernels of one stream: a copy, the host's staging or a cross-stream join is a full
+        # dependency. Branch-1 ops run on the side stream: forked from the main stream at the first one, joined
+        # back at the next op marked `join`.
+        after = {0: False, 1: False}
+        side_open = False
         for op in ops:
             if isinstance(op, Copy2D):
                 out.append((op.label, _copy2d(op)))
+                after[0] = False
                 continue
+            branch = getattr(op, "branch", 0) if self.fork else 0
+            fork = branch == 1 and not side_open
+            join = side_open and getattr(op, "join", False)
+            if fork:
+                side_open, after[1] = True, False
+            if join:
+                side_open, after[0] = False, False
             missing = [n for n in op.entry.args if n not in op.args]
             if missing:
                 raise BackendError(f"cuda backend: {op.label}: kernel {op.entry.name} takes {missing}, which the "
                                    "engine does not provide (kernel signature changed?)")
             k = self.kernels.kernel(op.entry.name)
-            out.append((op.label, k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows))))
+            launch = k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows),
+                            pdl=self.pdl and after[branch])
+            after[branch] = True
+            out.append((op.label, self._on_branch(launch, branch, fork, join)))
+        if side_open:
+            raise BackendError("cuda backend: a side-stream branch is never joined (forward schedule bug)")
         return out
+
+    def _on_branch(self, launch: Any, branch: int, fork: bool, join: bool) -> Any:
+        """The launch, run on the side stream (branch 1; `fork`: first wait for the main stream's work so far) or
+        on the main stream (`join`: first wait for everything the side stream has queued)."""
+        if not (branch or join):
+            return launch
+        ev = self.device.event(timing=False)
+        self._events.append(ev)
+
+        def run(stream: Any) -> None:
+            if branch:
+                if fork:
+                    ev.record(stream)
+                    self.side.wait(ev)
+                launch(self.side)
+            else:
+                ev.record(self.side)
+                stream.wait(ev)
+                launch(stream)
+        run.kernel = launch.kernel  # type: ignore[attr-defined]  (profiling labels)
+        run.pdl = launch.pdl  # type: ignore[attr-defined]
+        return run
 
     def _graph(self, greedy: bool) -> CudaGraph:
         key = "greedy" if greedy else "sample"
@@ -289,21 +344,59 @@ class Engine:
         self.stream.synchronize()
         return self.act["logits"].download(np.float32, (self.spec.target.vocab_size,))
 
-    def profile_step(self, position: int = 0) -> list[dict]:
-        """GPU time (us) of each launch of one eager decode step, from events recorded between launches."""
-        launches = self.bind(self.fwd.ops(1, decode=True, last=True))
+    def profile_step(self, position: int = 0, rows: int = 1, replays: int = 10) -> list[dict]:
+        """GPU time (us) per launch of one forward. A decode step (rows 1): the launches of each kernel are captured
+        into a graph of their own and replayed (back to back, as in the step graph; each layer's own weights), so a
+        kernel's time excludes host launch gaps. A prefill chunk of `rows` tokens (ids 0..rows-1 at positions
+        position..): eager launches timed one by one with events."""
+        # One stream, no PDL overlap: the events (and per-kernel graphs) see each kernel alone.
+        fork, pdl, self.fork, self.pdl = self.fork, self.pdl, False, False
+        try:
+            launches = self.bind(self.fwd.ops(1, decode=True, last=True) if rows == 1 else
+                                 self.fwd.ops(rows, decode=False, last=True))
+        finally:
+            self.fork, self.pdl = fork, pdl
+        if rows == 1:
+            self._stage(0, position, 0)
+            self._graph(True).replay(self.stream)  # every buffer holds the values of a real step
+            return self._graph_profile(launches, replays)
+        self.act["ids"].view(0, 4 * rows).upload(np.arange(rows, dtype=np.int32), stream=self.stream)
+        self.act["positions"].view(0, 4 * rows).upload(np.arange(position, position + rows, dtype=np.int32),
+                                                      stream=self.stream)
         events = [self.device.event() for _ in range(len(launches) + 1)]
-        self._stage(0, position, 0)
         events[0].record(self.stream)
         for (_, launch), ev in zip(launches, events[1:]):
             launch(self.stream)
             ev.record(self.stream)
         self.stream.synchronize()
-        rows = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
-                 "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
+        out = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
+                "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
         for e in events:
             e.destroy()
-        return rows
+        return out
+
+    def _graph_profile(self, launches: list[tuple[str, Any]], replays: int) -> list[dict]:
+        groups: dict[str, list[tuple[str, Any]]] = {}
+        for label, launch in launches:
+            groups.setdefault(getattr(getattr(launch, "kernel", None), "name", "memcpy2d"), []).append((label, launch))
+        out = []
+        for name, group in groups.items():
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in group], f"profile {name}")
+            try:
+                g.replay(self.stream)
+                a, b = self.device.event(), self.device.event()
+                a.record(self.stream)
+                for _ in range(replays):
+                    g.replay(self.stream)
+                b.record(self.stream)
+                self.stream.synchronize()
+                per = 1e3 * b.elapsed_ms(a) / (replays * len(group))
+                a.destroy()
+                b.destroy()
+            finally:
+                g.destroy()
+            out += [{"op": label, "kernel": name, "us": per} for label, _ in group]
+        return out
 
     def close(self) -> None:
         """Free everything (idempotent), the uploaded weights included: the engine owns them."""
@@ -314,7 +407,12 @@ class Engine:
             if r is not None:
                 r.free()
         self.kernels.unload()
-        self.stream.destroy()
+        for ev in getattr(self, "_events", []):
+            ev.destroy()
+        self._events = []
+        for st in (self.stream, getattr(self, "side", None)):
+            if st is not None:
+                st.destroy()
         self.weights.free()
 
 

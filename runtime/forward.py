@@ -1,11 +1,13 @@
 """Runtime stage: the forward pass as an ordered list of kernel launches, looked up in the kernel manifest.
 
 `Forward.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
-q|k|v GEMV read in place by rope_kv, the split-K decode attention, the M=1 MoE pair; for a prefill chunk the
-fused q|k|v prefill GEMM whose [T, q|k|v] rows are split into the [T, heads*D] arrays rope_kv reads by strided
-device copies (`Copy2D`), the prefill attention, and the MoE pair on 16-row slices. Kernels are found by template + constants, never by
-name; pointers come from a `Pointers` object (the engine's buffers, or placeholders while probing which kernels
-exist). A missing kernel is recorded in `missing` and aborts that forward (`Missing`).
+q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the router
+(logits + top-k in one launch), the M=1 MoE pair; for more rows attention + a combine launch and the router pair;
+for a prefill chunk the fused q|k|v prefill GEMM whose [T, q|k|v] rows are split into the [T, heads*D] arrays
+rope_kv reads by strided device copies (`Copy2D`), the prefill attention, and the MoE pair on 16-row slices.
+Kernels are found by template + constants, never by name; pointers come from a `Pointers` object (the engine's
+buffers, or placeholders while probing which kernels exist). A missing kernel is recorded in `missing` and aborts
+that forward (`Missing`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class Op:
     entry: KernelEntry
     args: dict[str, Any]
     rows: int
+    branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
+    join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
 
 
 def _grid(e: KernelEntry, rows: int) -> tuple[int, int, int]:
@@ -188,7 +192,7 @@ class Forward:
 
     def _layer_ops(self, l: int, rows: int) -> list[Op]:
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
-        p, H, K = f"layers.{l}.", t.hidden_size, t.top_k_experts
+        p, H = f"layers.{l}.", t.hidden_size
         hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
         nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
         qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
@@ -215,37 +219,61 @@ class Forward:
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if rows <= 16 else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
                               kv_dtype=self.kv_dtype, mmax=16 if rows <= 16 else self.max_rows))
-        ops.append(Op(f"{p}attention", attn, dict(q=A("q"), kc=self.ptr.KV(l, "k"), vc=self.ptr.KV(l, "v"),
-                                                  positions=A("positions"), m=rows, out=A("attn"), ws=A("attn_ws")),
-                      rows))
-        if int(attn.params.get("nsplit", 1)) > 1:
-            comb = need(self.find("attn_combine.cu.j2", "attention combine", d=hd, hq=hq, nsplit=attn.params["nsplit"],
-                                   mmax=attn.params["mmax"]))
-            ops.append(Op(f"{p}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=A("attn")), rows))
+        ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"))
         ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
         tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
         ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
                                                   w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
                                                   w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"),
                                                   a2=A("a2"), T=rows), rows))
-        rl = need(self.find("router_logits.cu.j2", "router logits", H=H, E=t.num_experts))
-        ops.append(Op(f"{p}router", rl, dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
-                                             logits=A("rlogits"), T=rows), rows))
-        tk = need(self.find("router_topk.cu.j2", "router top-k", E=t.num_experts, K=K))
-        ops.append(Op(f"{p}topk", tk, dict(logits=A("rlogits"), per_expert_scale=W(f"{p}router.per_expert_scale"),
-                                           topk_idx=A("topk_idx"), topk_w=A("topk_w"), T=rows), rows))
-        ops.append(self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
-                                 A("mlp_act"), epi="gelu_mul"))
-        ops.append(self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"),
-                                 A("mlp")))
+        # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
+        # branch 1 lets it run on a side stream beside them.
+        mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
+                             A("mlp_act"), epi="gelu_mul"),
+               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"))]
+        for op in mlp:
+            op.branch = 1
+        ops += mlp  # first, so the side stream starts before the router
+        ops += self._router_ops(l, rows)
         ops += self._moe_ops(l, rows)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
         ft = need(self.find("ffn_tail.cu.j2", "ffn_tail", H=H, EPS=t.rms_norm_eps))
         ops.append(Op(f"{p}ffn_tail", ft, dict(
             mlp=A("mlp"), moe=A("moe"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
-            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows))
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
+
+    def attention_ops(self, label: str, attn: KernelEntry, rows: int, q: Ptr, kc: Ptr, vc: Ptr, out: Ptr) -> list[Op]:
+        """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
+        launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
+        attn_combine launch for more (measured on the H200: for 16 queries one merging block per group is slower
+        than a combine launch with one block per row)."""
+        A = self.ptr.A
+        fused = rows == 1 and int(attn.params.get("nsplit", 1)) > 1
+        ops = [Op(f"{label}attention", attn, dict(q=q, kc=kc, vc=vc, positions=A("positions"), m=rows, out=out,
+                                                   ws=A("attn_ws"), counters=A("attn_cnt") if fused else NULL), rows)]
+        if int(attn.params.get("nsplit", 1)) > 1 and not fused:
+            comb = need(self.find("attn_combine.cu.j2", "attention combine", d=attn.params["d"], hq=attn.params["hq"],
+                                  nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
+            ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))
+        return ops
+
+    def _router_ops(self, l: int, rows: int) -> list[Op]:
+        """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters
+        zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows)."""
+        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
+        E, K = t.num_experts, t.top_k_experts
+        common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
+                      per_expert_scale=W(f"{p}router.per_expert_scale"), logits=A("rlogits"), topk_idx=A("topk_idx"),
+                      topk_w=A("topk_w"), T=rows)
+        if rows == 1:
+            rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
+            return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
+        rl = need(self.find("router_logits.cu.j2", "router logits", H=t.hidden_size, E=E))
+        tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
+        return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
+                Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
 
     def _tap_args(self, l: int) -> dict[str, Any]:
         """ffn_tail's tap arguments: layer l's residual output into its column block of `taps` (f16 elements)."""
@@ -257,8 +285,33 @@ class Forward:
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int) -> list[Op]:
+        """The MoE of layer l: the M=1 / M=16 pair for up to 16 rows (16-row slices are never needed then); the
+        grouped kernels above that: plan (pairs grouped by expert, tile list), gate/up and down over the tiles
+        (each expert's weights read once per chunk), combine of each row's slots -> moe [rows, H]."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
+        if rows > MOE_SLICE:
+            g = dict(experts=t.num_experts, topk=K)
+            plan = need(self.find("moe_grouped_plan.cu.j2", "grouped MoE plan", **g))
+            gu = need(self.find("moe_grouped_gateup.cu.j2", "grouped MoE gate/up", ie=t.moe_intermediate_size,
+                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
+            dn = need(self.find("moe_grouped_down.cu.j2", "grouped MoE down", ie=t.moe_intermediate_size,
+                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
+            cb = need(self.find("moe_grouped_combine.cu.j2", "grouped MoE combine", h=t.hidden_size, **g))
+            routing = dict(pairs=A("moe_pairs"), tiles=A("moe_tiles"))
+            return [
+                Op(f"layers.{l}.moe_plan", plan, dict(ids=A("topk_idx"), offsets=A("moe_offsets"), T=rows, **routing),
+                   rows),
+                Op(f"layers.{l}.moe_grouped_gateup", gu, dict(
+                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
+                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), act=A("moe_act_sorted"), **routing),
+                   rows),
+                Op(f"layers.{l}.moe_grouped_down", dn, dict(
+                    w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
+                    gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
+                    ypair=A("moe_pair_out"), **routing), rows),
+                Op(f"layers.{l}.moe_combine", cb, dict(ypair=A("moe_pair_out"), ids=A("topk_idx"), y=A("moe"),
+                                                       T=rows), rows)]
         mmax = 1 if rows == 1 else MOE_SLICE
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))

@@ -189,10 +189,11 @@ class Kernel:
         return self.entry.name
 
     def bind(self, args: Sequence[Any], grid: tuple[int, int, int] | None = None,
-             block: tuple[int, int, int] | None = None, smem: int | None = None) -> "Launch":
+             block: tuple[int, int, int] | None = None, smem: int | None = None, pdl: bool = False) -> "Launch":
+        """`pdl`: launch with programmatic stream serialization (only right after another PDL-safe kernel)."""
         return Launch(self, PackedArgs(args, self.param_sizes, self.entry.args, self.entry.name),
                       tuple(grid or self.entry.grid), tuple(block or self.entry.block),  # type: ignore[arg-type]
-                      self.entry.smem_bytes if smem is None else smem)
+                      self.entry.smem_bytes if smem is None else smem, pdl)
 
     def launch(self, stream: Stream, args: Sequence[Any], **kw: Any) -> None:
         self.bind(args, **kw)(stream)
@@ -207,11 +208,31 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int
+    pdl: bool = False
 
     def __call__(self, stream: Stream) -> None:
-        g, b = self.grid, self.block
-        check(driver().cuLaunchKernel(self.kernel.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
-                                      stream.handle, self.args.address, 0), f"launch {self.kernel.name}")
+        g, b, cu = self.grid, self.block, driver()
+        if self.pdl:  # may start under the previous kernel's tail; the kernel waits (griddepcontrol) before its reads
+            check(cu.cuLaunchKernelEx(self._config(stream), self.kernel.function, self.args.address, 0),
+                  f"launch {self.kernel.name} (PDL)")
+            return
+        check(cu.cuLaunchKernel(self.kernel.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
+                                stream.handle, self.args.address, 0), f"launch {self.kernel.name}")
+
+    def _config(self, stream: Stream) -> Any:
+        cfg = getattr(self, "_cfg", None)
+        if cfg is None or getattr(self, "_cfg_stream", None) is not stream:
+            cu = driver()
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
+            cfg.sharedMemBytes, cfg.hStream = self.smem, stream.handle
+            cfg.attrs, cfg.numAttrs = [attr], 1
+            self._cfg, self._cfg_stream = cfg, stream
+        return cfg
 
 
 def _param_sizes(function: Any, count: int) -> tuple[int, ...] | None:

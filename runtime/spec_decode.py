@@ -132,13 +132,7 @@ class DraftForward:
                                hq=d.num_attention_heads, hkv=d.num_key_value_heads, window=w,
                                ring=ring_slots(w, f.manifest.conventions) if w else 0, causal=d.is_causal(l),
                                scale=float(d.head_dim ** -0.5), kv_dtype="bf16", mmax=16))
-            ops.append(Op(f"draft.{l}.attention", attn, dict(q=A("dq"), kc=f.ptr.DKV(l, "k"), vc=f.ptr.DKV(l, "v"),
-                                                             positions=A("positions"), m=B, out=A("dattn"),
-                                                             ws=A("attn_ws")), B))
-            if int(attn.params.get("nsplit", 1)) > 1:
-                comb = need(f.find("attn_combine.cu.j2", "drafter attention combine", d=d.head_dim,
-                                   hq=d.num_attention_heads, nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
-                ops.append(Op(f"draft.{l}.attn_combine", comb, dict(ws=A("attn_ws"), m=B, out=A("dattn")), B))
+            ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"))
             ops.append(self._gemm(f"draft.{l}.o", p + "self_attn.o_proj.weight", h, nq, B, A("dattn"), A("do")))
             ops.append(Op(f"draft.{l}.post_attn_norm", add, dict(x=A("dx"), y=A("do"),
                                                                  w=W(p + "post_attention_layernorm.weight"),

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from thorgen.codegen import reference_kernels as RK
+from thorgen.codegen.families import moe_grouped as MG
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, f32_to_bf16
 from thorgen.runtime import layouts as L
 from thorgen.runtime.backend import SamplingParams
@@ -66,6 +67,15 @@ class FakeDriver:
     class CUDA_MEMCPY2D(SimpleNamespace):
         pass
 
+    CUlaunchAttributeID = SimpleNamespace(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION=6)
+
+    class CUlaunchConfig(SimpleNamespace):
+        pass
+
+    class CUlaunchAttribute(SimpleNamespace):
+        def __init__(self) -> None:
+            super().__init__(id=None, value=SimpleNamespace())
+
     def __init__(self, manifest_dir: Path) -> None:
         man = json.loads((Path(manifest_dir) / "manifest.json").read_text())
         self.entries = man["kernels"]
@@ -74,7 +84,10 @@ class FakeDriver:
         self._next = 1 << 32
         self._host: dict[int, Any] = {}
         self._capture: dict[Any, list] = {}
+        self._joined: dict[Any, Any] = {}  # side stream -> the capturing stream it forked from
+        self._recorded_on: dict[int, Any] = {}  # id(event) -> stream of its last record
         self.launches: list[str] = []  # kernel names, in execution order (tests may inspect)
+        self.pdl_launches = 0  # launches made with programmatic stream serialization
         self.emu = KernelEmulator(self)
 
     # ---- device / context ----------------------------------------------------------------------------------
@@ -186,7 +199,18 @@ class FakeDriver:
     def cuStreamSynchronize(self, s): return (OK,)
     def cuEventCreate(self, flags): return OK, object()
     def cuEventDestroy(self, e): return (OK,)
-    def cuEventRecord(self, e, s): return (OK,)
+    def cuEventRecord(self, e, s):
+        self._recorded_on[id(e)] = s
+        return (OK,)
+
+    def cuStreamWaitEvent(self, s, e, flags):
+        """Launches run in issue order here; a stream that waits on an event recorded on a capturing stream joins
+        that capture (as in CUDA: the fork of a side stream inside a graph capture)."""
+        src = self._recorded_on.get(id(e))
+        if src in self._capture and s not in self._capture:
+            self._capture[s] = self._capture[src]
+            self._joined[s] = src
+        return (OK,)
     def cuEventSynchronize(self, e): return (OK,)
     def cuEventElapsedTime(self, a, b): return OK, 0.0
 
@@ -195,6 +219,8 @@ class FakeDriver:
         return (OK,)
 
     def cuStreamEndCapture(self, s):
+        for side in [k for k, origin in self._joined.items() if origin is s]:
+            del self._capture[side], self._joined[side]
         return OK, self._capture.pop(s)
 
     def cuGraphInstantiate(self, g, flags): return OK, list(g)
@@ -223,6 +249,15 @@ class FakeDriver:
         if i >= len(args):
             return INVALID, 0, 0
         return OK, 8 * i, 4 if args[i] in INT_ARGS else 8
+
+    def cuLaunchKernelEx(self, cfg, fn, params, extra):
+        """A PDL launch: executes like any other here (the emulator runs launches in order)."""
+        ids = [a.id for a in cfg.attrs[:cfg.numAttrs]]
+        if ids != [self.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]:
+            raise EmuError(f"unexpected launch attributes {ids}")
+        self.pdl_launches += 1
+        return self.cuLaunchKernel(fn, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY,
+                                   cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, params, extra)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         names = self.entries[fn]["args"]
@@ -269,6 +304,7 @@ class KernelEmulator:
         self.after = None  # optional callback(name, manifest entry, args) after every kernel (debugging)
         self.taps: list[np.ndarray] = []  # the residual stream after every ffn_tail (per layer), for bisecting
         self._dense: dict[tuple, np.ndarray] = {}
+        self._pair_rows: dict[int, dict[int, np.ndarray]] = {}  # grouped MoE: ypair address -> {pair: f64 row}
 
     def v(self, addr, dtype, shape, what=""):
         return self.d.view(addr, dtype, shape, what)
@@ -299,6 +335,8 @@ class KernelEmulator:
             need = [(0, 2 * p["ie"] // 16), (1, rows * p["topk"])]
         elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
+        elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
+            need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
         elif "bm" in p:
             need = [(0, p["n"] // (16 * p["nwarp"])), (1, -(-rows // p["bm"]))]
         elif t.startswith("nvfp4_gemm"):
@@ -312,6 +350,7 @@ class KernelEmulator:
     def run(self, name: str, e: dict, a: dict, grid) -> None:
         t, p = e["template"], e["params"]
         fn = getattr(self, "k_" + t.split(".")[0])
+        self.grid = tuple(grid)
         try:
             self.check_grid(e, a, grid)
             fn(p, a, name)
@@ -414,7 +453,7 @@ class KernelEmulator:
         if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
             raise EmuError("attention read non-finite cache values")
         shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
-        ns, mmax = p["nsplit"], p["mmax"]
+        ns = p["nsplit"]
         if not p["causal"]:
             # Bidirectional within the block (the drafter's full layer, no window): every query sees keys
             # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
@@ -425,18 +464,32 @@ class KernelEmulator:
             if ns == 1:
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
                 return
-            ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
-            ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
-            ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+            self._split_out(p, a, m, o_p, ml_p)
             return
         if ns == 1:
             out = W4.attention_rows(q, keys, vals, p0, win or None, shape, kv)
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
             return
         o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
-        ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
+        self._split_out(p, a, m, o_p, ml_p)
+
+    def _counters_zero(self, a, n: int, what: str) -> None:
+        """The fused kernels' arrival counters must be zero at entry (the runtime zeroes them once; the kernels
+        leave them zeroed), else the GPU kernel would pick the wrong last block."""
+        cnt = self.v(a["counters"], np.uint32, n, what)
+        if cnt.any():
+            raise EmuError(f"{what}: counters not zero at entry: {cnt[cnt != 0][:8]}")
+
+    def _split_out(self, p, a, m, o_p, ml_p) -> None:
+        """A split decode kernel: the partials land in ws (as the kernel writes them); given counters the last split
+        block's merge writes out (attn_split.cuh; attn_combine's math), else an attn_combine launch must follow."""
+        d, hq, ns, mmax = p["d"], p["hq"], p["nsplit"], p["mmax"]
+        ws = self.v(a["ws"], np.float32, p["ws_floats"], "ws")
         ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
-        ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+        ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+        if a["counters"]:
+            self._counters_zero(a, p["cnt_words"], "attention")
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
 
     def k_attn_combine(self, p, a, n):
         m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
@@ -479,6 +532,12 @@ class KernelEmulator:
                                   self.v(a["proj"], np.uint16, (E, H)), p["EPS"])
         self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
 
+    def k_router_fused(self, p, a, n):
+        """router_logits + router_topk in one launch (bit-identical to the pair on the GPU)."""
+        self._counters_zero(a, a["T"], "router")
+        self.k_router_logits(p, a, n)
+        self.k_router_topk(p, a, n)
+
     def k_router_topk(self, p, a, n):
         T, E, K = a["T"], p["E"], p["K"]
         idx, w = RK.router_topk_ref(self.v(a["logits"], np.float32, (T, E), "logits"), K,
@@ -513,6 +572,59 @@ class KernelEmulator:
             for k in range(K):
                 y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
         self.v(a["y"], np.float32, (m, h), "y")[:] = y
+
+    # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile -> combine in slot order
+    def k_moe_grouped_plan(self, p, a, n):
+        K, E, T = p["topk"], p["experts"], min(max(a["T"], 0), p["mmax"])
+        off, pairs, tiles = MG.plan_reference(self.v(a["ids"], np.int32, (T, K), "ids"), E, p["tile_rows"],
+                                              p["max_tiles"])
+        self.v(a["offsets"], np.int32, E + 1, "offsets")[:] = off
+        self.v(a["pairs"], np.int32, int(off[E]), "pairs")[:] = pairs[:off[E]]  # the kernel writes only these
+        self.v(a["tiles"], np.int32, tiles.shape, "tiles")[:] = tiles
+
+    def _moe_tiles(self, p, a):
+        """(tile index, expert, sorted index range, pair ids) of every real tile; each must lie inside the grid."""
+        for i, (e, start, rows, _) in enumerate(self.v(a["tiles"], np.int32, (p["max_tiles"], 4), "tiles")):
+            if not (0 <= e < p["experts"] and rows > 0):
+                continue
+            if i >= self.grid[1]:
+                raise EmuError(f"tile {i} lies outside the launch grid {self.grid}")
+            yield int(e), slice(int(start), int(start + rows)), self.v(a["pairs"], np.int32, int(start + rows))[start:]
+
+    def k_moe_grouped_gateup(self, p, a, n):
+        K, ie, h = p["topk"], p["ie"], p["h"]
+        for e, rng, pairs in self._moe_tiles(p, a):
+            x = self.v(a["x"], np.float16, (int(pairs.max()) // K + 1, h), "x")[pairs // K].astype(F64)
+            g, u = L.deinterleave8(self._expert(a, e, 2 * ie, h, p))
+            self.v(a["act"], np.float16, (rng.stop, ie), "act")[rng] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
+
+    def k_moe_grouped_down(self, p, a, n):
+        ie, h = p["ie"], p["h"]
+        shadow = self._pair_rows[a["ypair"]] = {}  # float64 rows by pair index, for the combine
+        for e, rng, pairs in self._moe_tiles(p, a):
+            act = self.v(a["act"], np.float16, (rng.stop, ie), "act")[rng].astype(F64)
+            wts = self.v(a["wts"], np.float32, int(pairs.max()) + 1, "wts")[pairs].astype(F64)
+            y = (act @ self._expert(a, e, h, ie, p).T) * wts[:, None]
+            self.v(a["ypair"], np.float32, (int(pairs.max()) + 1, h), "ypair")[pairs] = RK.store(y, "f32")
+            shadow.update(zip(pairs.tolist(), y))
+
+    def k_moe_grouped_combine(self, p, a, n):
+        """Sums the down kernel's float64 rows (in slot order, rounded once, like the sliced path's contract and the
+        w4a16 reference), after checking that the f32 rows in device memory are exactly those rows: the wiring is
+        checked; the kernel's own f32 per-pair rounding and f32 adds (~5e-8 relative) are accumulation-class
+        roundings, which this emulator does not model for any kernel."""
+        T, K, h = min(a["T"], p["mmax"]), p["topk"], p["h"]
+        ids = self.v(a["ids"], np.int32, (T, K), "ids")
+        ypair = self.v(a["ypair"], np.float32, (T * K, h), "ypair")
+        shadow = self._pair_rows.get(a["ypair"], {})
+        y = np.zeros((T, h), F64)
+        for k in range(K):
+            for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < p["experts"]))[0]:
+                row = shadow.get(int(t) * K + k)
+                if row is None or not np.array_equal(RK.store(row, "f32"), ypair[t * K + k]):
+                    raise EmuError(f"combine: pair {t * K + k} holds no row the grouped down kernel wrote")
+                y[t] += row
+        self.v(a["y"], np.float32, (T, h), "y")[:] = RK.store(y, "f32")
 
     def k_lm_argmax(self, p, a, n):
         T, V = a["T"], p["V"]

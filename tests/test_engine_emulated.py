@@ -81,7 +81,7 @@ class Probe:
             start = int(self.d.view(self.e.A("positions").address, np.int32, 1)[0])
             self.forwards.append(dict(start=start, n=a["T"], xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
                                       idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
-        elif t.startswith("router_topk"):
+        elif t.startswith(("router_topk", "router_fused")):
             self.forwards[-1]["idx"].append(self.d.view(a["topk_idx"], np.int32, (a["T"], entry["params"]["K"])).copy())
         elif t.startswith("ffn_tail"):
             self.forwards[-1]["xs"].append(self.d.view(a["x"], np.float32, (a["T"], H)).copy())
@@ -204,3 +204,34 @@ def test_seeded_sampling_positions_and_params(emulated):
         for f in probe.forwards:
             _check_forward(m, f, "bf16")
         assert backend.generate(prompt, 4, params).token_ids == toks
+
+
+def test_pdl_only_between_kernels(emulated):
+    """A kernel is launched with PDL only right after a kernel of its own stream: never the first launch of a
+    forward (it follows the host's staging copies), never right after a strided copy, never the first op of the
+    side-stream branch (dense MLP) or the op that joins it back; the MLP runs on the side stream."""
+    from thorgen.runtime.engine import Copy2D
+
+    open_, _ = emulated
+    backend, drv = open_("bf16")
+    eng = backend.engine
+    assert eng.pdl and eng.fork, "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
+    for rows, decode in ((1, True), (40, False)):
+        ops = eng.fwd.ops(rows, decode=decode, last=True)
+        flags = [getattr(l, "pdl", None) for _, l in eng.bind(ops)]
+        assert flags[0] is False
+        n_pdl = 0
+        for i in range(1, len(ops)):
+            op, prev = ops[i], ops[i - 1]
+            if isinstance(op, Copy2D):
+                continue
+            first_side = op.branch == 1 and (isinstance(prev, Copy2D) or prev.branch == 0)
+            if isinstance(prev, Copy2D) or first_side or op.join:
+                assert flags[i] is False, op.label
+            n_pdl += bool(flags[i])
+        assert n_pdl > len(ops) // 2
+        assert {o.label.split(".")[-1] for o in ops if not isinstance(o, Copy2D) and o.branch} == \
+            {"mlp_gate_up", "mlp_down"}
+    before = drv.pdl_launches
+    eng.prefill([2] + list(range(300, 339)))  # an eager 40-row chunk: its kernels reach the driver as PDL launches
+    assert drv.pdl_launches > before

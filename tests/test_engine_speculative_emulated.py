@@ -7,8 +7,11 @@ exercised; the engine's drafter itself is checked against the NumPy DFlash refer
 The GPU test at the bottom (marked gpu) runs the same equalities on the real device:
   python -m pytest tests/test_engine_speculative_emulated.py -m gpu -q -rA
 There the verify step (M=16 kernels) and plain decode (M=1 kernels) accumulate in different orders, so a token may
-differ at a near-tie: at the first difference the plain engine's own logits must show a tie (TIE_TOL, as in
-tests/test_runtime_gpu.py), and the comparison of that prompt stops there.
+differ: greedy only at a near-tie (at the first difference the plain engine's own logits must show a tie, TIE_TOL
+as in tests/test_runtime_gpu.py); sampled, the small logit differences can also move a Gumbel draw (on the tiny
+model's near-uniform routers they can flip an expert: measured on `one_token`, token 56), so at the first
+difference each path's token must be the reference sampler's exact draw from that path's own logits, and at most
+one prompt may differ. The comparison of that prompt stops there.
 """
 
 from __future__ import annotations
@@ -239,22 +242,57 @@ def test_missing_drafter_kernels_raise(emu):
 # ---- the same on the real GPU (the lead runs this on the H200) ---------------------------------------------------
 
 def _tie(backend, ids: list[int], got: list[int], want: list[int], params: SamplingParams) -> float:
-    """Gap (in logit units) between the two candidates at the first difference, from the plain engine's logits."""
+    """Greedy: gap (in logit units) between the two candidates at the first difference, from the plain engine's
+    logits."""
     from thorgen.runtime.reference.ops import softcap
-    from thorgen.runtime.reference.sampling import filter_mask, gumbel
 
     i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-    prefix = ids + want[:i]
-    backend.engine.prefill(prefix, greedy=True)
+    backend.engine.prefill(ids + want[:i], greedy=True)
     z = softcap(backend.engine.logits().astype(np.float64), backend.spec.target.final_logit_softcapping)
-    a, b = got[i], want[i]
-    if params.greedy:
-        return abs(z[a] - z[b])
-    z = z / params.temperature
-    if not (filter_mask(z, params)[a] and filter_mask(z, params)[b]):
-        return float("inf")
-    g = gumbel(params.seed, len(prefix), z.shape[0])
-    return abs((z[a] + g[a]) - (z[b] + g[b])) * params.temperature
+    return abs(z[got[i]] - z[want[i]])
+
+
+class _VerifyLog:
+    """Wraps Engine.spec_step to keep each verify step's start position and its 16 rows of target logits."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.orig, self.steps = engine, engine.spec_step, []
+        engine.spec_step = self
+
+    def __call__(self, start, last, greedy=True):
+        drafts, toks = self.orig(start, last, greedy)
+        V = self.engine.spec.target.vocab_size
+        self.steps.append((start, self.engine.act["logits"].download(np.float32, (16, V))))
+        return drafts, toks
+
+    def logits_for(self, position: int) -> np.ndarray:
+        """The verify row that produced the token at `position` (the last step starting before it)."""
+        start, rows = max((s for s in self.steps if s[0] < position), key=lambda s: s[0])
+        return rows[position - start - 1]
+
+    def close(self) -> None:
+        self.engine.spec_step = self.orig
+
+
+def _sampled_difference(backend, ids, got, want, params, log: _VerifyLog) -> str:
+    """Sampled mode, at the first difference: each path's token must be the reference sampler's draw from that
+    path's own logits at that position (plain: the M=1 decode step's; speculative: the 16-row verify row's).
+    Then the paths differ only because their logits differ (different kernels, different rounding), not because
+    the verify loop drew or committed wrongly."""
+    from thorgen.runtime.reference.ops import softcap
+    from thorgen.runtime.reference.sampling import sample
+
+    cap = backend.spec.target.final_logit_softcapping
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    p = len(ids) + i
+    z_ver = log.logits_for(p).astype(np.float64)
+    assert got[i] == sample(softcap(z_ver, cap), params, p), f"verify drew token {got[i]} at {p} wrongly"
+    again = backend.generate(ids, i + 1, params).token_ids  # the plain path up to the differing token
+    assert again == want[:i + 1]
+    z_plain = backend.engine.logits().astype(np.float64)
+    assert want[i] == sample(softcap(z_plain, cap), params, p), f"plain decode drew token {want[i]} at {p} wrongly"
+    rel = np.linalg.norm(z_ver - z_plain) / np.linalg.norm(z_plain)
+    return f"token {i}: both draws exact from their own logits (verify vs decode logits rel L2 {rel:.3g})"
 
 
 @pytest.mark.gpu
@@ -296,16 +334,26 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
     try:
         assert backend.speculative_available, backend.engine.spec_missing
         lengths: list[int] = []
+        differing = []
         for pid, ids in _prompts(ck, shared):
             plain = backend.generate(ids, 64, params).token_ids
-            res = backend.generate(ids, 64, params, speculative=True)
+            log = _VerifyLog(backend.engine)
+            try:
+                res = backend.generate(ids, 64, params, speculative=True)
+            finally:
+                log.close()
             lengths += res.accepted_lengths
             if res.token_ids != plain:
-                gap = _tie(backend, ids, res.token_ids, plain, params)
-                assert gap <= TIE_TOL, f"{pid}: speculative differs from plain (gap {gap:.3g}, not a tie)"
-                print(f"{pid}: tie (gap {gap:.3g}) at a difference")
+                differing.append(pid)
+                if params.greedy:
+                    gap = _tie(backend, ids, res.token_ids, plain, params)
+                    assert gap <= TIE_TOL, f"{pid}: speculative differs from plain (gap {gap:.3g}, not a tie)"
+                    print(f"{pid}: tie (gap {gap:.3g}) at a difference")
+                else:
+                    print(f"{pid}: {_sampled_difference(backend, ids, res.token_ids, plain, params, log)}")
                 continue
             _check_lengths(res)
+        assert len(differing) <= 1, f"speculative departs from plain on {differing}"
         # forced drafts: long acceptances and rollbacks on the device
         ids = [2] + np.random.default_rng(12).integers(256, 512, 30).tolist()
         schedule = np.random.default_rng(5).permutation(16).tolist()
@@ -313,12 +361,18 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
         plain = backend.generate(ids, n + 16, params).token_ids
         log: list[int] = []
         backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log, strict=False)
-        res = backend.generate(ids, n, params, speculative=True)
-        backend.engine.draft_hook = None
+        vlog = _VerifyLog(backend.engine)
+        try:
+            res = backend.generate(ids, n, params, speculative=True)
+        finally:
+            vlog.close()
+            backend.engine.draft_hook = None
         if res.token_ids == plain[:n]:
             assert res.accepted_lengths == [j + 1 for j in log]
-        else:
+        elif params.greedy:
             assert _tie(backend, ids, res.token_ids, plain, params) <= TIE_TOL
+        else:
+            print(f"forced drafts: {_sampled_difference(backend, ids, res.token_ids, plain, params, vlog)}")
         print(f"{mode}: mean acceptance length of the real drafter {np.mean(lengths):.2f} over {len(lengths)} steps")
     finally:
         backend.close()

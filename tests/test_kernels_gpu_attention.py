@@ -1,6 +1,10 @@
-"""GPU tests: attention (decode / verify with split-K + combine, prefill chunks, drafter hybrid masks) against the
-NumPy reference, bf16 and fp8 caches, ring-buffer wrap-around and long linear contexts. Cache slots the queries
-must not see are filled with NaN, so any leak of a masked key (or of an unloaded row) fails the test."""
+"""GPU tests: attention (decode / verify with split-K merged in the same launch, prefill chunks, drafter hybrid
+masks) against the NumPy reference, bf16 and fp8 caches, ring-buffer wrap-around and long linear contexts. Cache
+slots the queries must not see are filled with NaN, so any leak of a masked key (or of an unloaded row) fails the
+test; the split workspace starts as NaN too, so a merge that reads a part before its block wrote it fails. Split
+kernels run both ways, merging in the kernel (counters given; what decode uses) and leaving the partials to an
+attn_comb launch (counters null; what 16-query steps use); merging in the kernel they run twice per case: the
+second launch needs the merge counters back at zero (checked) and must reproduce the first bit for bit."""
 
 from __future__ import annotations
 
@@ -53,19 +57,42 @@ def _build(rng, kern, m: int, p0: int):
     return q, kc, vc, ref
 
 
-def _run(runner, kern, q, kc, vc, m, p0):
-    d, hq = kern.param("d"), kern.param("hq")
+def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = True):
+    """out [m, Hq, D] fp16 (and, `partials`, the split kernel's (O, (max, sum)) parts [nsplit, m, Hq, ...]);
+    split kernels merge in the kernel (`fused`) or through the attn_comb kernel."""
+    d, hq, ns = kern.param("d"), kern.param("hq"), kern.param("nsplit")
     inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.arange(p0, p0 + m, dtype=np.int32), "m": np.int32(m),
               "out": np.full((m, hq, d), np.nan, np.float16)}
     outputs = {"out": ((m, hq, d), np.float16)}
-    if kern.param("nsplit") > 1:
+    if ns == 1:
+        return runner.run_seq([(kern, None)], inputs, outputs)["out"]
+    inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)
+    if not fused:  # counters null: the kernel leaves its partials to the combine kernel
         comb = [c for c in runner.find("attn_comb__") if c.param("d") == d and c.param("hq") == hq
-                and c.param("nsplit") == kern.param("nsplit")][0]
-        inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)
-        steps = [(kern, None), (comb, (m * hq, 1, 1))]
-    else:
-        steps = [(kern, None)]
-    return runner.run_seq(steps, inputs, outputs)["out"]
+                and c.param("nsplit") == ns and c.param("mmax") == kern.param("mmax")][0]
+        return runner.run_seq([(kern, None), (comb, (m * hq, 1, 1))], inputs, outputs)["out"]
+    inputs["counters"] = np.zeros(kern.param("cnt_words"), np.uint32)
+    outputs |= {"ws": ((kern.param("ws_floats"),), np.float32), "counters": ((kern.param("cnt_words"),), np.uint32)}
+    first = runner.run_seq([(kern, None)], inputs, outputs)
+    np.testing.assert_array_equal(first["counters"], 0, err_msg=f"{kern.name}: counters not left zeroed")
+    again = runner.run_seq([(kern, None), (kern, None)], inputs, outputs)  # the 2nd launch relies on zeroed counters
+    np.testing.assert_array_equal(again["out"].view(np.uint16), first["out"].view(np.uint16),
+                                  err_msg=f"{kern.name} m={m} p0={p0}: a second launch differs")
+    if not partials:
+        return first["out"]
+    mmax, ws = kern.param("mmax"), first["ws"]
+    o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
+    ml = ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m]
+    return first["out"], o, ml
+
+
+def _merge64(o: np.ndarray, ml: np.ndarray) -> np.ndarray:
+    """float64 merge of split parts: sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z over the parts with l_z > 0."""
+    o, m_, l_ = o.astype(np.float64), ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64)
+    ok = l_ > 0
+    mx = np.where(ok, m_, -np.inf).max(axis=0)
+    e = np.where(ok, np.exp2(np.where(ok, m_, 0.0) - mx), 0.0)
+    return (e[..., None] * o).sum(0) / (e * l_).sum(0)[..., None]
 
 
 def test_attention(runner):
@@ -77,11 +104,11 @@ def test_attention(runner):
         for m, p0 in _cases(kern, tiny):
             rng = np.random.default_rng(100 * i + m + p0)
             q, kc, vc, ref = _build(rng, kern, m, p0)
-            out = _run(runner, kern, q, kc, vc, m, p0)
-            err = R.norm_err(out, ref)
             tol = R.TOL_ATTN[kern.param("kv_dtype")]
-            if not err <= tol:
-                failures.append(f"{kern.name} m={m} p0={p0}: error {err:.2e} > {tol}")
+            for fused in (True, False) if kern.param("nsplit") > 1 else (True,):
+                err = R.norm_err(_run(runner, kern, q, kc, vc, m, p0, fused=fused), ref)
+                if not err <= tol:
+                    failures.append(f"{kern.name} m={m} p0={p0} fused={fused}: error {err:.2e} > {tol}")
     assert not failures, "\n".join(failures)
 
 
@@ -96,7 +123,28 @@ def test_attention_split_matches_unsplit(runner):
     rng = np.random.default_rng(5)
     m, p0 = 16, (kern.param("ring") or 2048) + 100
     q, kc, vc, ref = _build(rng, kern, m, p0)
-    a = _run(runner, kern, q, kc, vc, m, p0)
     b = _run(runner, pre, q, kc, vc, m, p0)
-    assert R.norm_err(a, b) <= 2e-3
-    assert R.norm_err(a, ref) <= R.TOL_ATTN["bf16"]
+    for fused in (True, False):
+        a = _run(runner, kern, q, kc, vc, m, p0, fused=fused)
+        assert R.norm_err(a, b) <= 2e-3
+        assert R.norm_err(a, ref) <= R.TOL_ATTN["bf16"]
+
+
+def test_split_merge_matches_its_partials(runner):
+    """The in-kernel merge (one level for small groups, two for large ones: m = 1 and m = 16 exercise both on the
+    full-attention kernels) equals a float64 merge of the kernel's own partials up to the fp16 output rounding.
+    Isolates the merge from the attention math: a race (a part read before its block wrote it: NaN) or a wrong
+    level-1 part fails here even where the attention tolerance would hide it."""
+    dec = [k for k in runner.find("attn_dec__") if k.param("nsplit") > 1 and k.param("kv_dtype") == "bf16"]
+    if not dec:
+        pytest.skip("no split decode kernel")
+    failures = []
+    for i, kern in enumerate(dec):
+        for m in (1, 16):
+            p0 = (kern.param("ring") or 3000) + 77
+            q, kc, vc, _ = _build(np.random.default_rng(900 + i * 16 + m), kern, m, p0)
+            out, o, ml = _run(runner, kern, q, kc, vc, m, p0, partials=True)
+            err = R.norm_err(out, _merge64(o, ml))
+            if not err <= 1e-3:
+                failures.append(f"{kern.name} m={m}: merge error {err:.2e}")
+    assert not failures, "\n".join(failures)

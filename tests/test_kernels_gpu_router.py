@@ -1,4 +1,6 @@
-"""GPU tests: MoE router logits (norm, scale, bf16 projection) and softmax / top-k / renorm / per-expert scale."""
+"""GPU tests: MoE router — logits (norm, scale, bf16 projection) and softmax / top-k / renorm / per-expert scale, as
+the unfused pair (router_logits + router_topk) and as router_fused (one launch, the top-k by each token's last
+block), which must be bit-identical to the pair and leave its arrival counters zeroed."""
 
 from __future__ import annotations
 
@@ -21,27 +23,60 @@ def runner(request):
     return GpuRunner(request.param, ("router",))
 
 
+def _inputs(rng, H, E, T):
+    return {"x": rng.normal(0, 3, (T, H)).astype(np.float32),
+            "scale": f32_to_bf16(rng.normal(1, 0.2, H).astype(np.float32)),
+            "proj": f32_to_bf16(rng.normal(0, 1, (E, H)).astype(np.float32)),
+            "per_expert_scale": f32_to_bf16(rng.uniform(0.5, 2.0, E).astype(np.float32)), "T": np.int32(T)}
+
+
+def _outputs(T, E, K):
+    return {"logits": ((T, E), np.float32), "topk_idx": ((T, K), np.int32), "topk_w": ((T, K), np.float32)}
+
+
 @pytest.mark.parametrize("T", [1, 7])
 def test_router(runner, T):
     rng = np.random.default_rng(21 + T)
     (lk,) = runner.find("router_logits__")
     (tk,) = runner.find("router_topk__")
     H, E, K = lk.param("H"), lk.param("E"), tk.param("K")
-    x = rng.normal(0, 3, (T, H)).astype(np.float32)
-    scale = f32_to_bf16(rng.normal(1, 0.2, H).astype(np.float32))
-    proj = f32_to_bf16(rng.normal(0, 1, (E, H)).astype(np.float32))
-    pes = f32_to_bf16(rng.uniform(0.5, 2.0, E).astype(np.float32))
-    got = runner.run_seq([(lk, (lk.grid[0], min(T, 3), 1)), (tk, (min(T, 3), 1, 1))],
-                         {"x": x, "scale": scale, "proj": proj, "per_expert_scale": pes, "T": np.int32(T)},
-                         {"logits": ((T, E), np.float32), "topk_idx": ((T, K), np.int32), "topk_w": ((T, K), np.float32)})
-    ref_logits = R.router_logits_ref(x, scale, proj, lk.param("EPS"))
+    inp = _inputs(rng, H, E, T)
+    got = runner.run_seq([(lk, (lk.grid[0], min(T, 3), 1)), (tk, (min(T, 3), 1, 1))], inp, _outputs(T, E, K))
+    ref_logits = R.router_logits_ref(inp["x"], inp["scale"], inp["proj"], lk.param("EPS"))
     assert R.norm_err(got["logits"], ref_logits) <= R.TOL_ROUTER_LOGITS
     # indices exact against the reference applied to the kernel's own logits (no tie can differ) ...
-    idx, w = R.router_topk_ref(got["logits"], K, pes)
+    idx, w = R.router_topk_ref(got["logits"], K, inp["per_expert_scale"])
     np.testing.assert_array_equal(got["topk_idx"], idx)
     assert R.norm_err(got["topk_w"], w) <= R.TOL_ROUTER_WEIGHTS
     # ... and equal to the float64 reference's when its top-k margin is clear of the logits' error
-    idx64, _ = R.router_topk_ref(ref_logits, K, pes)
+    idx64, _ = R.router_topk_ref(ref_logits, K, inp["per_expert_scale"])
     srt = np.sort(ref_logits, axis=-1)[:, ::-1]
     clear = (srt[:, K - 1] - srt[:, K]) > 1e-3 * np.abs(srt[:, 0])
     np.testing.assert_array_equal(got["topk_idx"][clear], idx64[clear])
+
+
+@pytest.mark.parametrize("T,rows_per_block", [(1, 1), (7, 1), (40, 3)])
+def test_router_fused_bit_identical_to_pair(runner, T, rows_per_block):
+    """router_fused == router_logits + router_topk bit for bit (logits, ids, weights), with tokens looped grid-stride
+    (rows_per_block > 1: one block handles several tokens), launched twice in a row (the counters must be back at
+    zero after the first launch, or the second would pick a wrong last block), outputs poisoned beforehand."""
+    rng = np.random.default_rng(500 + T)
+    (fu,) = runner.find("router_fused__")
+    (lk,) = runner.find("router_logits__")
+    (tk,) = runner.find("router_topk__")
+    H, E, K = fu.param("H"), fu.param("E"), fu.param("K")
+    assert (lk.param("H"), lk.param("E"), tk.param("K")) == (H, E, K)
+    inp = _inputs(rng, H, E, T)
+    if T > 1:  # an exact tie between two experts of one token: the lower id must win in both kernels
+        inp["proj"][5] = inp["proj"][2]
+    gy = -(-T // rows_per_block)
+    pair = runner.run_seq([(lk, (lk.grid[0], gy, 1)), (tk, (gy, 1, 1))], inp, _outputs(T, E, K))
+    outs = _outputs(T, E, K) | {"counters": ((T,), np.uint32)}
+    poisoned = inp | {"logits": np.full((T, E), np.nan, np.float32), "topk_idx": np.full((T, K), -1, np.int32),
+                      "topk_w": np.full((T, K), np.nan, np.float32), "counters": np.zeros(T, np.uint32)}
+    fused = runner.run_seq([(fu, (fu.grid[0], gy, 1)), (fu, (fu.grid[0], gy, 1))], poisoned, outs)
+    for name in ("logits", "topk_idx", "topk_w"):
+        np.testing.assert_array_equal(fused[name].view(np.uint32), pair[name].view(np.uint32), err_msg=name)
+    np.testing.assert_array_equal(fused["counters"], 0)
+    idx, _ = R.router_topk_ref(fused["logits"], K, inp["per_expert_scale"])
+    np.testing.assert_array_equal(fused["topk_idx"], idx)

@@ -12,6 +12,9 @@ Shared dataflow conventions (one place, so that producer and consumer kernels ag
   lm_head logits               : f32 [T, V] (before softcap); the lm_head epilogue kernels softcap them.
 Row kernels (param ROW_AXIS = 0 or 1) take the runtime row count `T` and loop rows grid-stride along grid axis
 ROW_AXIS, so any extent 1..grid[ROW_AXIS] on that axis is correct; launch it as min(T, grid[ROW_AXIS]).
+PDL: every kernel calls pdl_launch_dependents() and waits in pdl_wait() before it reads earlier kernels' outputs or
+writes anything (common.cuh), so the runtime may launch each kernel that follows a kernel with programmatic stream
+serialization (manifest convention "pdl"); the weight-streaming kernels load their first weight steps before the wait.
 Kernels with cross-block reductions (lm_argmax, lm_sample_finish) take `counters` buffers that the runtime zeroes
 once at allocation; the kernels leave them zeroed.
 """
@@ -26,6 +29,7 @@ ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's 
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
 Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
 KV_DTYPES = ("bf16", "fp8e4m3")
+PDL = True               # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
 MAX_STEP_TOKENS = 512    # most tokens one forward may append to a KV cache (prefill chunk; verify uses 16)
 
 
@@ -38,7 +42,7 @@ def ring_slots(window: int) -> int:
 # Order = plan order (roughly the order of a forward step); codegen's own families first, then the matmul helper's.
 FAMILIES: tuple[str, ...] = (
     "embedding", "norms", "rope_kv", "router", "lm_head", "drafter_glue",
-    "matmul", "moe", "attention", "drafter_gemm",
+    "matmul", "moe", "moe_grouped", "attention", "drafter_gemm",
 )
 
 

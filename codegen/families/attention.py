@@ -4,7 +4,12 @@ target's sliding and full layers (bf16 and fp8 e4m3 KV caches) and the DFlash dr
 One template (attn_fwd.cu.j2 over thorgen/attention.cuh) serves all: a block holds R = 16*MT query rows = QB
 queries x all G query heads of one KV head (GQA: each K/V tile is read once for its G heads), warps split the head
 dim (64 columns each), K/V tiles of TK keys are double-buffered through shared memory, softmax is online in fp32.
-  attn_dec__...  m <= 16 queries, NSPLIT key splits (grid z) so short batches still fill the SMs; attn_comb__ merges.
+  attn_dec__...  m <= 16 queries, NSPLIT key splits (grid z) so short batches still fill the SMs. Given `counters`
+                 (u32 [cnt_words], zeroed by the runtime once, left zeroed) the last split block of each (query
+                 block, KV head) merges the splits in the same launch (thorgen/attn_split.cuh; two levels of NSUB
+                 subgroups when a group's partials are large): the decode step (m = 1) uses that. With counters
+                 null the partials stay in the workspace and attn_comb__ merges them, one block per (query, head)
+                 row: faster for m = 16 (verify, drafter block), where one block per group would read megabytes.
   attn_pre__...  prefill chunks (m <= MAX_STEP_TOKENS), NSPLIT = 1, causal + window skip work per query block.
 Cache conventions (families/__init__.py): [slot][Hkv][D], sliding rings of ring_slots(window) slots.
 """
@@ -20,7 +25,7 @@ from . import KV_DTYPES, MAX_STEP_TOKENS, ring_slots
 from ._util import require
 
 TK = 32
-FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws")
+FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters")
 COMBINE_ARGS = ("ws", "m", "out")
 KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
 VERIFY_M = 16
@@ -33,6 +38,12 @@ def attn_smem(d: int, mt: int, tk: int, kv: str) -> int:
     fp8 = kv == "fp8e4m3"
     return ((1 if fp8 else 2) * 2 * tile + (2 * 2 * tk * (d + 16) if fp8 else 0) + nw * r * (tk + 8) * 4
             + r * (tk + 8) * 2 + 3 * r * 4)
+
+
+def nsub_for(nsplit: int) -> int:
+    """Level-1 subgroups of a two-level split merge: about sqrt(nsplit) (a power of two), so that each merging block
+    reads ~sqrt(nsplit) parts instead of nsplit; 1 (one level) for few splits."""
+    return 1 << ((nsplit.bit_length() - 1) // 2) if nsplit >= 8 else 1
 
 
 def _mt(g: int, d: int, m: int) -> int:
@@ -63,10 +74,14 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         require(smem <= arch.smem_per_block_max, f"attention {role}: {smem} B shared memory exceeds {arch.name}")
         name = (f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}" + (f"_s{ns}" if ns > 1 else "")
                 + (f"_t{tk}" if tk != TK else ""))
+        gx, nsub = math.ceil(mmax / qb), nsub_for(ns)
+        require(ns % nsub == 0, f"attention {role}: {nsub} merge subgroups must divide {ns} splits")
+        # workspace: the splits' partials (O [D] + (max, sum) per row) then the level-1 merged parts
         out.append(KernelSpec(name, "attn_fwd.cu.j2",
-                              make_params(mt=mt, tk=tk, nsplit=ns, mmax=mmax, grid_x=math.ceil(mmax / qb),
-                                          ws_floats=(ns * mmax * hq * (d + 2)) if ns > 1 else 0, **common),
-                              grid=(math.ceil(mmax / qb), hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
+                              make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx,
+                                          ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
+                                          cnt_words=gx * hkv * (nsub + 1) if ns > 1 else 0, **common),
+                              grid=(gx, hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
                               args=FWD_ARGS, family="attention"))
         if ns > 1:
             threads = min(d, 256)
@@ -129,7 +144,10 @@ def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
             keys = min(ctx + m, (window + m - 1) if window else ctx + m)
             args = (Buf("q", "bf16", m * hq * d), Buf("kc", "u8", slots * hkv * d * eb),
                     Buf("vc", "u8", slots * hkv * d * eb), Buf("positions", "i32", m, ctx, ctx + 1),
-                    Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))))
+                    Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))),
+                    Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0))
+            if m > 1:  # the runtime merges 16-query splits with attn_comb (counters null)
+                args = args[:-1] + (Buf("counters", "u32", 0),)
             cases.append(BenchCase(k, args, bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,
-                                   note=f"M={m}, ctx {ctx} (+combine kernel not included)"))
+                                   note=f"M={m}, ctx {ctx}, " + ("merge fused" if m == 1 else "+attn_comb")))
     return cases

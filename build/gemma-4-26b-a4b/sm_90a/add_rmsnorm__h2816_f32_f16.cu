@@ -3,5 +3,7 @@
 // add_rmsnorm__h2816_f32_f16: x += y ; a = rmsnorm(x) * w over rows of 2816 (x f32, y f32, a f16), eps 1e-06.
 extern "C" __global__ void __launch_bounds__(256)
 add_rmsnorm__h2816_f32_f16(float* x, const float* y, const __nv_bfloat16* w, __half* a, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::add_rmsnorm_rows<2816, 256>(x, y, w, a, T, 1e-06f);
 }

@@ -3,7 +3,10 @@
 // (linear), head dim 128, 32 query heads / 8 KV heads,
 // bidirectional among the new queries, scale 0.08838834764831845.
 // Grid (2 query blocks of 8, 8, 32 key splits), 2 warps, 48000 B smem.
-// Writes partial O / (max, sum) to ws ([32][16][32][128] + [32][16][32][2] f32); attn_combine finishes.
+// Writes partial O / (max, sum) to ws ([32][16][32][128] + [32][16][32][2] f32, then the
+// level-1 parts [4][...]); given counters (u32 [80], zero at entry, left zeroed) the last split block of each
+// (query block, KV head) merges them into out (4 level-1 subgroups when a group's partials are large); counters
+// null: attn_combine merges them.
 #include "thorgen/attention.cuh"
 
 static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000,
@@ -11,8 +14,8 @@ static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000
 
 extern "C" __global__ void __launch_bounds__(64)
 attn_dec__dft_f_d128_h32x8_b_lin_bf16_s32(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* __restrict__ ws) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
   thorgen::attn_fwd<128, 4, 8, 2, 32, 0, 0, false,
-                    thorgen::KV_BF16, 32, 16>(q, kc, vc, positions, m, out, ws,
-                                                             0.12751743082459868f);
+                    thorgen::KV_BF16, 32, 16, 4>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       0.12751743082459868f);
 }

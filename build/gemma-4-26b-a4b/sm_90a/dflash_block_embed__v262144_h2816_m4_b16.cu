@@ -4,5 +4,7 @@
 // DFlash block: row 0 = ids[0] (last committed token), rows 1.. = mask token 4.
 extern "C" __global__ void __launch_bounds__(256)
 dflash_block_embed__v262144_h2816_m4_b16(const int32_t* ids, const __nv_bfloat16* table, float* out, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::embed_rows<2816, 256>(ids, table, out, T, 262144, 53.0659966456864f, 4);
 }

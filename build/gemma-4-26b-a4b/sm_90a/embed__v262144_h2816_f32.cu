@@ -3,5 +3,7 @@
 // embed__v262144_h2816_f32: out[t] = table[ids[t]] * 53.0659966456864 ; table bf16 [262144, 2816] -> f32 rows.
 extern "C" __global__ void __launch_bounds__(256)
 embed__v262144_h2816_f32(const int32_t* ids, const __nv_bfloat16* table, float* out, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::embed_rows<2816, 256>(ids, table, out, T, 262144, 53.0659966456864f, -1);
 }

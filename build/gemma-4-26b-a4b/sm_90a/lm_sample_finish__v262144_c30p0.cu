@@ -10,5 +10,7 @@ static_assert(Sampler::WS_ROW_BYTES == 69152, "workspace row size differs from t
 extern "C" __global__ void __launch_bounds__(512)
 lm_sample_finish__v262144_c30p0(const float* logits, const thorgen::SampleParams* params, const int32_t* positions, unsigned char* workspace,
            unsigned int* counters, int32_t* out_ids, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   Sampler::finish(logits, params, positions, workspace, counters, out_ids, T, 30.0f);
 }

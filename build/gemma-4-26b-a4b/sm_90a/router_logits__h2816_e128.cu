@@ -3,5 +3,6 @@
 // router_logits__h2816_e128: router logits [T, 128] from the raw residual [T, 2816] (norm without weight, * scale * H^-0.5, bf16 proj).
 extern "C" __global__ void __launch_bounds__(64)
 router_logits__h2816_e128(const float* x, const __nv_bfloat16* scale, const __nv_bfloat16* proj, float* logits, int T) {
+  thorgen::pdl_launch_dependents();  // router_logits waits (pdl_wait) once its weight row is loading
   thorgen::router_logits<2816, 128, 64>(x, scale, proj, logits, T, 1e-06f);
 }

@@ -3,5 +3,7 @@
 // router_topk__e128_k8: softmax over 128 router logits, top-8 (ties -> lower id), renormalise, * per_expert_scale.
 extern "C" __global__ void __launch_bounds__(128)
 router_topk__e128_k8(const float* logits, const __nv_bfloat16* per_expert_scale, int32_t* topk_idx, float* topk_w, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::router_topk<128, 8, 128>(logits, per_expert_scale, topk_idx, topk_w, T);
 }

@@ -3,7 +3,10 @@
 // (linear), head dim 64, 4 query heads / 2 KV heads,
 // bidirectional among the new queries, scale 0.125.
 // Grid (1 query blocks of 16, 2, 64 key splits), 1 warps, 26496 B smem.
-// Writes partial O / (max, sum) to ws ([64][16][4][64] + [64][16][4][2] f32); attn_combine finishes.
+// Writes partial O / (max, sum) to ws ([64][16][4][64] + [64][16][4][2] f32, then the
+// level-1 parts [8][...]); given counters (u32 [18], zero at entry, left zeroed) the last split block of each
+// (query block, KV head) merges them into out (8 level-1 subgroups when a group's partials are large); counters
+// null: attn_combine merges them.
 #include "thorgen/attention.cuh"
 
 static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_BF16>::BYTES == 26496,
@@ -11,8 +14,8 @@ static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_BF16>::BYTES == 26496,
 
 extern "C" __global__ void __launch_bounds__(32)
 attn_dec__dft_f_d64_h4x2_b_lin_bf16_s64(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* __restrict__ ws) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 0, 0, false,
-                    thorgen::KV_BF16, 64, 16>(q, kc, vc, positions, m, out, ws,
-                                                             0.18033688011112042f);
+                    thorgen::KV_BF16, 64, 16, 8>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       0.18033688011112042f);
 }

@@ -4,5 +4,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 attn_tail__h256_f32_f16(const float* o, float* x, const __nv_bfloat16* w_post, const __nv_bfloat16* w_pre1,
            const __nv_bfloat16* w_pre2, __half* a1, __half* a2, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::attn_tail_rows<256, 256>(o, x, w_post, w_pre1, w_pre2, a1, a2, T, 1e-06f);
 }

@@ -4,5 +4,7 @@
 // DFlash block: row 0 = ids[0] (last committed token), rows 1.. = mask token 4.
 extern "C" __global__ void __launch_bounds__(32)
 dflash_block_embed__v512_h256_m4_b16(const int32_t* ids, const __nv_bfloat16* table, float* out, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::embed_rows<256, 32>(ids, table, out, T, 512, 16.0f, 4);
 }

@@ -3,5 +3,7 @@
 // embed__v512_h256_f32: out[t] = table[ids[t]] * 16.0 ; table bf16 [512, 256] -> f32 rows.
 extern "C" __global__ void __launch_bounds__(32)
 embed__v512_h256_f32(const int32_t* ids, const __nv_bfloat16* table, float* out, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::embed_rows<256, 32>(ids, table, out, T, 512, 16.0f, -1);
 }

@@ -4,6 +4,8 @@
 // best (u64) and counters (u32) hold one zeroed entry per row (the kernel leaves them zeroed); capped may be null.
 extern "C" __global__ void __launch_bounds__(128)
 lm_argmax__v512_c30p0(const float* logits, float* capped, unsigned long long* best, unsigned int* counters, int32_t* out_ids, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::softcap_argmax<512, 512, 128, true>(logits, capped, best, counters,
                                                                                out_ids, T, 30.0f);
 }

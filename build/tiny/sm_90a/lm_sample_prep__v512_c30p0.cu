@@ -9,5 +9,7 @@ static_assert(Sampler::WS_ROW_BYTES == 576, "workspace row size differs from the
 
 extern "C" __global__ void __launch_bounds__(512)
 lm_sample_prep__v512_c30p0(const float* logits, const thorgen::SampleParams* params, unsigned char* workspace, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   Sampler::prep(logits, params, workspace, T, 30.0f);
 }

@@ -10,5 +10,7 @@ static_assert(Sampler::WS_ROW_BYTES == 576, "workspace row size differs from the
 extern "C" __global__ void __launch_bounds__(512)
 lm_sample_select__v512_c30p0(const thorgen::SampleParams* params, const int32_t* positions, unsigned char* workspace, int32_t* out_ids,
            int32_t* status, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   Sampler::select(params, positions, workspace, out_ids, status, T);
 }

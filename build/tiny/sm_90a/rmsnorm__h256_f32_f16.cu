@@ -3,5 +3,7 @@
 // rmsnorm__h256_f32_f16: y = rmsnorm(x) * w over rows of 256 (f32 -> f16), eps 1e-06.
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm__h256_f32_f16(const float* x, const __nv_bfloat16* w, __half* y, int T) {
+  thorgen::pdl_launch_dependents();
+  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
   thorgen::rmsnorm_rows<256, 256>(x, w, y, T, 1e-06f);
 }

@@ -3,5 +3,6 @@
 // router_logits__h256_e16: router logits [T, 16] from the raw residual [T, 256] (norm without weight, * scale * H^-0.5, bf16 proj).
 extern "C" __global__ void __launch_bounds__(64)
 router_logits__h256_e16(const float* x, const __nv_bfloat16* scale, const __nv_bfloat16* proj, float* logits, int T) {
+  thorgen::pdl_launch_dependents();  // router_logits waits (pdl_wait) once its weight row is loading
   thorgen::router_logits<256, 16, 64>(x, scale, proj, logits, T, 1e-06f);
 }

@@ -10,8 +10,11 @@
 // then converted to fp16). Keys outside [lo, hi] are zero-filled so that garbage never meets a zero probability.
 // Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
 // NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts; each block writes unnormalised
-// O and (max, sum) per row to a workspace and attn_combine merges them.
+// O and (max, sum) per row to a workspace; with `counters` the last split block of each (query block, KV head)
+// merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at entry and left zeroed; no second
+// launch), with counters == nullptr an attn_combine launch merges them (faster for 16 queries: one block per row).
 #pragma once
+#include "thorgen/attn_split.cuh"
 #include "thorgen/nvfp4.cuh"
 
 namespace thorgen {
@@ -74,10 +77,12 @@ template <> struct MmaT<KV_FP8> {
   }
 };
 
-template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX>
+template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
+          int NSUB = 1>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
-                                         __half* __restrict__ out, float* __restrict__ ws, float scale_log2) {
+                                         __half* __restrict__ out, float* ws, unsigned int* counters,
+                                         float scale_log2) {
   using S = AttnSmem<D, G, MT, TK, KVT>;
   using Mm = MmaT<KVT>;
   static_assert(D % 64 == 0 && D <= 512, "head dim must be a multiple of 64, at most 512");
@@ -283,7 +288,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   }
   __syncthreads();
 
-  // ---- write out: normalised (NSPLIT == 1) or partial O + (max, sum) for attn_combine
+  // ---- write out: normalised (NSPLIT == 1) or partial O + (max, sum), merged by the group's last split block
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -312,31 +317,11 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       }
     }
   }
-}
-
-// Merge NSPLIT partial results: one block per (query, head) row, D threads.
-template <int D, int HQ, int NSPLIT, int MMAX>
-__device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {
-  pdl_launch_dependents();
-  pdl_wait();
-  const int row = blockIdx.x;  // qi * HQ + head
-  if (row >= m * HQ) return;
-  const float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D;
-  float mx = -INFINITY;
-  for (int z = 0; z < NSPLIT; ++z) {
-    const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
-    if (l > 0.f) mx = fmaxf(mx, ml[((size_t)z * MMAX * HQ + row) * 2]);
-  }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f, lsum = 0.f;
-    for (int z = 0; z < NSPLIT; ++z) {
-      const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
-      if (!(l > 0.f)) continue;
-      const float e = exp2f(ml[((size_t)z * MMAX * HQ + row) * 2] - mx);
-      lsum += l * e;
-      acc += ws[((size_t)z * MMAX * HQ + row) * D + d] * e;
-    }
-    out[(size_t)row * D + d] = __float2half_rn(lsum > 0.f ? acc / lsum : 0.f);
+  if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+    static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the K/V tiles");
+    if (counters != nullptr)  // else the partials stay in ws for an attn_combine launch
+      attn_split_finish<D, HQ, G, MMAX, THREADS, NSPLIT, NSUB>(ws, counters, out, qb * HKV + hkv, split, q0, nq, hkv,
+                                                               reinterpret_cast<int*>(st_a), smem);
   }
 }
 

@@ -8,6 +8,17 @@
 
 namespace thorgen {
 
+// ---- programmatic dependent launch (PDL, sm_90+) ---------------------------------------------------------
+// Kernels are launched inside CUDA graphs with programmatic stream serialization, so one may start while the
+// kernel before it still runs. pdl_launch_dependents() (alias pdl_trigger) lets the next kernel launch now: its
+// blocks take free SM slots and park in pdl_wait(), which returns once the earlier kernels have finished and their
+// writes are visible. So every kernel calls pdl_wait() before it reads anything an earlier kernel writes
+// (activations, ids, KV, counters) and before its first global write; immutable weights may be loaded before it,
+// which is the point: the weight stream starts under the previous kernel's tail. No-ops without the attribute.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { pdl_launch_dependents(); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---- element conversion: every kernel computes in fp32 and converts at the memory boundary -------------------
 template <typename T> __device__ __forceinline__ float to_f32(T v);
 template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }

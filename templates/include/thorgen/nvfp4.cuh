@@ -125,12 +125,6 @@ __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int un
   }
 }
 
-// Programmatic dependent launch (sm_90+): a kernel launched with the PDL attribute may start while the previous
-// kernel drains; it prefetches its weights (never written by earlier kernels) and waits before touching data that
-// earlier kernels produce. Without the attribute both instructions are no-ops.
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
 template <int KIND>
 __device__ __forceinline__ void decode_step(const WStep<KIND>& st, uint32_t (&b)[2][4][2]) {
   if constexpr (KIND == HALF) {

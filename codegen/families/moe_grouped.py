@@ -1,0 +1,208 @@
+"""Codegen stage: the grouped (sorted-by-expert) MoE family for prefill chunks of more than 16 rows.
+
+Four kernels per model (templates/include/thorgen/moe_grouped.cuh has the device code):
+  moe_grouped_plan__...    one block: topk ids [T, K] -> offsets [E+1], pair ids (row*K + slot) grouped by expert in
+                           ascending pair order, tile list int4 [max_tiles] (expert, first sorted index, rows, 0;
+                           unused: expert -1). `plan_reference` below is its exact NumPy contract.
+  moe_grouped_gateup__...  grid (2*Ie/16/(nwarp*upw), max_tiles): gathered x rows x the tile's expert gate|up (each expert's
+                           weights streamed once per tile; a tile holds up to `tile_rows` rows) -> f16 act_sorted.
+  moe_grouped_down__...    grid (H/16/(nwarp*upw), max_tiles): act_sorted x down, times the routing weight -> f32 ypair
+                           [T*K, H] at the pair index.
+  moe_grouped_combine__... row kernel: y[row] = sum of its valid slots' ypair rows in slot order -> f32 [T, H].
+Sizes are for MAX_STEP_TOKENS rows (the prefill chunk); any T up to that works (extra tile blocks exit at once).
+The params avoid the names `bm` and a `moe_gateup` template prefix, which the runtime's grid rules reserve for
+kernels whose grid follows the row count; these grids are fixed (the plan's tile count is only known on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from . import ACT_DTYPE, MAX_STEP_TOKENS
+from ._util import require
+from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, weight_bytes
+
+TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 32 rows at T = 512; m-tiles without rows are skipped
+STAGES = 3       # cp.async depth of the A tiles
+PITCH = 64 + 8   # halves per shared-memory row (GroupedSmem::PITCH)
+STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB limit, some slack)
+
+
+@dataclass(frozen=True)
+class GemmCfg:
+    """Blocking of one grouped GEMM: warps per block, 16-column units per warp (the A fragments a warp reads from
+    shared memory serve all its units), weight prefetch depth in steps, A stages, and min_blocks (launch bounds:
+    caps registers at 64K / (min_blocks * threads))."""
+
+    nwarp: int = 4
+    upw: int = 1
+    pf: int = 4
+    stages: int = STAGES
+    min_blocks: int = 4
+
+    @property
+    def tag(self) -> str:
+        return f"w{self.nwarp}u{self.upw}p{self.pf}s{self.stages}"
+
+
+# H200, T = 512 random routing (bench_moe_grouped, graph-replayed, weights rotated past L2): 2 units per warp with
+# prefetch 2 beat 1 unit with prefetch 4 (gate/up 198 vs 222 us, down 108 vs 123 us); 4 A stages: same; 32-row
+# tiles: slower (217 / 113 us). ~162 registers: 3 blocks of 4 warps per SM. ncu: issue-bound (51% slots busy) with
+# MOV / IMAD.MOV = half the loop's instructions (the A fragments of the non-swapped mma need regrouping).
+GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
+DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
+
+PLAN_ARGS = ("ids", "offsets", "pairs", "tiles", "T")
+GATEUP_ARGS = ("w", "s", "gscale", "x", "pairs", "tiles", "act")
+DOWN_ARGS = ("w", "s", "gscale", "act", "pairs", "tiles", "wts", "ypair")
+COMBINE_ARGS = ("ypair", "ids", "y", "T")
+
+
+def max_tiles(rows: int, topk: int, experts: int, tile_rows: int) -> int:
+    """Most tiles a chunk of `rows` rows can need: sum_e ceil(c_e / BM) over the non-empty experts, with
+    sum c_e <= rows*topk, is at most (rows*topk + nonempty*(BM-1)) // BM, nonempty <= min(E, rows*topk)."""
+    pairs = rows * topk
+    return max(1, (pairs + min(experts, pairs) * (tile_rows - 1)) // tile_rows)
+
+
+def plan_reference(ids: np.ndarray, experts: int, tile_rows: int, n_tiles: int):
+    """NumPy contract of moe_grouped_plan: (offsets i32 [E+1], pairs i32 [T*K] (only the first offsets[E] are
+    defined), tiles i32 [n_tiles, 4]). Ids outside 0..E-1 are skipped (no pair, no output)."""
+    flat = np.asarray(ids, np.int64).reshape(-1)
+    valid = (flat >= 0) & (flat < experts)
+    counts = np.bincount(flat[valid], minlength=experts)[:experts]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    order = np.nonzero(valid)[0]
+    order = order[np.argsort(flat[order], kind="stable")]  # by expert, ascending pair index within one
+    pairs = np.full(flat.size, -1, np.int32)
+    pairs[:order.size] = order
+    tiles = np.tile(np.array([-1, 0, 0, 0], np.int32), (n_tiles, 1))
+    i = 0
+    for e in range(experts):
+        for start in range(int(offsets[e]), int(offsets[e + 1]), tile_rows):
+            if i >= n_tiles:
+                raise ValueError(f"routing needs more than {n_tiles} tiles")
+            tiles[i] = (e, start, min(tile_rows, int(offsets[e + 1]) - start), 0)
+            i += 1
+    return offsets, pairs, tiles
+
+
+def _smem(tile_rows: int, stages: int) -> int:
+    return stages * tile_rows * PITCH * 2
+
+
+def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, arch: ArchSpec, tag: str,
+                 args: tuple[str, ...]) -> KernelSpec:
+    require(units % (cfg.nwarp * cfg.upw) == 0,
+            f"moe_grouped {which}: {cfg.nwarp} warps per block x {cfg.upw} units per warp must divide its {units} units")
+    require(cfg.stages >= 2 and cfg.pf >= 1 and 1 <= cfg.min_blocks <= 32, f"moe_grouped {which}: bad blocking {cfg}")
+    return KernelSpec(f"moe_grouped_{which}__{tag}_{cfg.tag}", f"moe_grouped_{which}.cu.j2",
+                      make_params(nwarp=cfg.nwarp, upw=cfg.upw, pf=min(cfg.pf, steps), stages=cfg.stages,
+                                  min_blocks=cfg.min_blocks, **base),
+                      grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1), block=(32 * cfg.nwarp, 1, 1),
+                      smem_bytes=_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
+
+
+def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_ROWS, gateup: GemmCfg = GATEUP_CFG,
+                        down: GemmCfg = DOWN_CFG, rows: int = MAX_STEP_TOKENS) -> list[KernelSpec]:
+    """[plan, gateup, down, combine] for `rows`-row chunks with tiles of `tile_rows` rows."""
+    t = spec.target
+    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
+    require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
+            f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
+    require(tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16")
+    require(1 <= e <= 1024 and 1 <= topk <= 32, f"moe_grouped: {e} experts / top-{topk} out of range")
+    kind = fp4_order(arch)
+    base = dict(experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows),
+                pdl=True)
+    gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=kind,
+                act_dtype=ACT_DTYPE)
+    # plan block: the ids (rows*K ints) and per-warp expert counters (WARPS x (E+1) ints) in static shared memory,
+    # under the 48 KB static limit
+    plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 4 * rows * topk - 16 * (e + 1)) // (4 * (e + 1)))
+    require(plan_warps >= 1, f"moe_grouped: the plan's {rows}x{topk} ids and {e} experts exceed static shared memory")
+    combine_threads = max(32, min(256, -(-(h // 4) // 32) * 32))
+    tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}"
+    plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
+                      make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
+                      args=PLAN_ARGS, family="moe_grouped")
+    gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag, GATEUP_ARGS)
+    dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, DOWN_ARGS)
+    combine = KernelSpec(f"moe_grouped_combine__r{rows}_k{topk}_h{h}", "moe_grouped_combine.cu.j2",
+                         make_params(h=h, threads=combine_threads, ROW_AXIS=0, **base),
+                         grid=(rows, 1, 1), block=(combine_threads, 1, 1), args=COMBINE_ARGS, family="moe_grouped")
+    return [plan, gu, dn, combine]
+
+
+def plan_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    return moe_grouped_kernels(spec, arch)
+
+
+def random_routing(rng: np.random.Generator, rows: int, experts: int, topk: int) -> np.ndarray:
+    """Distinct uniformly random experts per row (i32 [rows, topk])."""
+    return np.argsort(rng.random((rows, experts)), axis=1)[:, :topk].astype(np.int32)
+
+
+# Alternative blockings timed beside the planned one (tile_rows, gate/up cfg, down cfg): the numbers above.
+BENCH_VARIANTS: tuple[tuple[int, GemmCfg, GemmCfg], ...] = tuple(
+    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 1, 4, 3, 4)), (64, (4, 2, 2, 4, 3)), (32, (4, 2, 2, 3, 4))))
+
+
+def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int, gcfg: GemmCfg, dcfg: GemmCfg,
+               note: str) -> list[BenchCase]:
+    t = spec.target
+    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
+    rows = ids.shape[0]
+    plan, gateup, down, combine = moe_grouped_kernels(spec, arch, tile_rows, gcfg, dcfg)
+    n_tiles = plan.param("max_tiles")
+    _, pairs, tiles = plan_reference(ids, e, tile_rows, n_tiles)
+    used = int((tiles[:, 0] >= 0).sum())
+    n_sel = len(np.unique(ids))
+    npair = rows * topk
+    pairs_buf = Buf("pairs", "i32", npair, values=tuple(int(v) for v in pairs))
+    tiles_buf = Buf("tiles", "i32", n_tiles * 4, values=tuple(int(v) for v in tiles.reshape(-1)))
+    ids_buf = Buf("ids", "i32", npair, values=tuple(int(v) for v in ids.reshape(-1)))
+    scale = dict(low=0, high=0x70)  # e4m3 block scales without NaN codes
+    gu_w = (Buf("w", "u8", e * 2 * ie * h // 2), Buf("s", "u8", e * 2 * ie * h // 16, **scale),
+            Buf("gscale", "f32", e * 2 * ie // 8, 1e-3, 2e-3))
+    dn_w = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16, **scale),
+            Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3))
+    gu_b, d_b = weight_bytes(2 * ie, h), weight_bytes(h, ie)
+    tf = f"{2 * npair * ie * h * 2 / 1e9:.1f}+{2 * npair * ie * h / 1e9:.1f} GFLOP"
+    what = f"{note} T={rows} {used} tiles"
+    return [
+        BenchCase(plan, (ids_buf, Buf("offsets", "i32", e + 1), Buf("pairs", "i32", npair),
+                         Buf("tiles", "i32", n_tiles * 4), Scalar("T", "i32", rows)),
+                  bytes_moved=npair * 8 + n_tiles * 16, note=what),
+        BenchCase(gateup, gu_w + (Buf("x", "f16", rows * h), pairs_buf, tiles_buf, Buf("act", "f16", npair * ie)),
+                  bytes_moved=n_sel * gu_b + rows * h * 2 + npair * ie * 2, note=f"{what} {tf}"),
+        BenchCase(down, dn_w + (Buf("act", "f16", npair * ie), pairs_buf, tiles_buf,
+                                Buf("wts", "f32", npair, 0.05, 0.3), Buf("ypair", "f32", npair * h)),
+                  bytes_moved=n_sel * d_b + npair * (ie * 2 + 4 + h * 4), note=what),
+        BenchCase(combine, (Buf("ypair", "f32", npair * h), ids_buf, Buf("y", "f32", rows * h), Scalar("T", "i32", rows)),
+                  bytes_moved=npair * (h * 4 + 4) + rows * h * 4, grid=(rows, 1, 1), note=what),
+    ]
+
+
+def bench_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    """A full prefill chunk (MAX_STEP_TOKENS rows) with uniformly random distinct top-k routing, for the planned tiling
+    and BENCH_VARIANTS (each expert's weights counted once: the compulsory bytes)."""
+    t = spec.target
+    ids = random_routing(np.random.default_rng(0), MAX_STEP_TOKENS, t.num_experts, t.top_k_experts)
+    cases = _bench_set(spec, arch, ids, TILE_ROWS, GATEUP_CFG, DOWN_CFG, "planned")
+    for tile_rows, gcfg, dcfg in BENCH_VARIANTS:
+        try:
+            cases += [c for c in _bench_set(spec, arch, ids, tile_rows, gcfg, dcfg, f"t{tile_rows}")
+                      if "gateup" in c.kernel.name or "down" in c.kernel.name]
+        except ValueError:  # a variant that does not fit this shape
+            continue
+    return cases
+
+
+__all__ = ["plan_moe_grouped", "bench_moe_grouped", "moe_grouped_kernels", "plan_reference", "max_tiles",
+           "random_routing", "TILE_ROWS", "GemmCfg"]

@@ -1,0 +1,167 @@
+// thorgen flash-decoding split merge: the NSPLIT key splits of attn_fwd write unnormalised partial O [D] and
+// (max, sum) per (query, head) row into a workspace; merging part z with weight e_z = 2^(m_z - M), M = the max of
+// the parts with l_z > 0, gives out = sum_z e_z O_z / sum_z e_z l_z (parts with l_z = 0 skipped, split order).
+//   attn_combine: a separate kernel, one block per row (kept for callers that launch it).
+//   merge_parts:  the same math inside attn_fwd (attn_split_finish): the last split block of a (query block, KV
+//                 head) group merges its rows, so decode/verify need no second launch. When a group's parts are
+//                 large (> SPLIT_FLAT_BYTES, e.g. head dim 512 or 16 queries), one block reading them all would take
+//                 microseconds, so the merge is two-level: the last block of each of NSUB subgroups of NSPLIT/NSUB
+//                 consecutive splits merges those into a level-1 part (O, M, l unnormalised, in the workspace after
+//                 the partials), and the last of those merges the NSUB level-1 parts (same formula) into out.
+// Counters (u32, per group: NSUB level-1 + 1 final) start zeroed and are re-zeroed by the block that finishes them.
+#pragma once
+#include "thorgen/common.cuh"
+
+namespace thorgen {
+
+constexpr int SPLIT_FLAT_BYTES = 128 * 1024;  // a group's partials up to this size: one block merges them (one level)
+
+// Bytes of shared scratch merge_parts needs for NZ parts of up to NROWS rows: (m, l) and the weight per (part, row),
+// then (max, sum) per row.
+__host__ __device__ constexpr int merge_scratch_bytes(int nz, int nrows) { return nz * nrows * 12 + nrows * 8; }
+
+// Merge parts z0 .. z0+NZ-1 of the group's nrows valid rows (block rows r: query q0 + r / G, head hkv*G + r % G).
+// FINAL: fp16 out [row][D] = merged / l; else level-1 part `slot` of o_dst / ml_dst = (merged O, (M, l)).
+// Parts were written by other blocks of this launch: loads go through L2 (ld.cg), after the caller's fence.
+// The (m, l) pairs are staged in shared memory and each row's max and weights computed once (one thread per row,
+// attn_combine's order), so the O loads of the main loop depend on nothing and stay in flight together.
+template <int D, int HQ, int G, int MMAX, int THREADS, int NZ, bool FINAL>
+__device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_src, int z0, int q0, int nrows,
+                                            int hkv, float* o_dst, float* ml_dst, int slot, __half* out,
+                                            uint8_t* scratch) {
+  static_assert(D % 4 == 0, "head dim must be a multiple of 4");
+  constexpr int C4 = D / 4;
+  constexpr size_t ZS = (size_t)MMAX * HQ;  // rows per part
+  float2* mls = reinterpret_cast<float2*>(scratch);          // [NZ][nrows] (m, l)
+  float* wts = reinterpret_cast<float*>(mls + NZ * nrows);   // [NZ][nrows] 2^(m - M), 0 for skipped parts
+  float2* rows = reinterpret_cast<float2*>(wts + NZ * nrows);  // [nrows] (M, sum of l * weight)
+  auto row_of = [&](int r) { return (size_t)(q0 + r / G) * HQ + hkv * G + r % G; };
+  __syncthreads();  // the scratch may still be read by a previous merge
+  for (int i = threadIdx.x; i < NZ * nrows; i += THREADS) {
+    const int z = i / nrows, r = i % nrows;
+    mls[i] = __ldcg(reinterpret_cast<const float2*>(ml_src + ((z0 + z) * ZS + row_of(r)) * 2));
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < nrows; r += THREADS) {
+    float mx = -INFINITY;
+    for (int z = 0; z < NZ; ++z)
+      if (mls[z * nrows + r].y > 0.f) mx = fmaxf(mx, mls[z * nrows + r].x);
+    float lsum = 0.f;
+    for (int z = 0; z < NZ; ++z) {
+      const float2 ml = mls[z * nrows + r];
+      float e = 0.f;
+      if (ml.y > 0.f) { e = exp2f(ml.x - mx); lsum += ml.y * e; }
+      wts[z * nrows + r] = e;
+    }
+    rows[r] = make_float2(mx, lsum);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows * C4; i += THREADS) {
+    const int r = i / C4, c = (i % C4) * 4;
+    const size_t row = row_of(r);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+    for (int z = 0; z < NZ; ++z) {
+      const float4 o = __ldcg(reinterpret_cast<const float4*>(o_src + ((z0 + z) * ZS + row) * D + c));
+      if (!(mls[z * nrows + r].y > 0.f)) continue;  // skipped parts add nothing (attn_combine's rule)
+      const float e = wts[z * nrows + r];
+      acc.x += o.x * e; acc.y += o.y * e; acc.z += o.z * e; acc.w += o.w * e;
+    }
+    const float lsum = rows[r].y;
+    if constexpr (FINAL) {
+      const __half2 lo = __floats2half2_rn(lsum > 0.f ? acc.x / lsum : 0.f, lsum > 0.f ? acc.y / lsum : 0.f);
+      const __half2 hi = __floats2half2_rn(lsum > 0.f ? acc.z / lsum : 0.f, lsum > 0.f ? acc.w / lsum : 0.f);
+      uint2 v;
+      v.x = *reinterpret_cast<const uint32_t*>(&lo);
+      v.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(out + row * D + c) = v;
+    } else {
+      *reinterpret_cast<float4*>(o_dst + (slot * ZS + row) * D + c) = acc;
+      if (c == 0) *reinterpret_cast<float2*>(ml_dst + (slot * ZS + row) * 2) = rows[r];
+    }
+  }
+}
+
+// One arrival at a u32 counter of `n` arrivals by the calling block (every thread calls it); true in every thread
+// of the block that arrives last, which re-zeroes the counter and may then read what the others wrote.
+// flag: a shared int. The caller's global writes precede the call.
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag) {
+  __syncthreads();  // the block's writes are done
+  if (threadIdx.x == 0) {
+    __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
+    const bool l = atomicAdd(counter, 1u) == n - 1;
+    if (l) *counter = 0u;  // all n have counted: nobody touches it again in this launch
+    *flag = l;
+  }
+  __syncthreads();
+  const bool l = *flag != 0;
+  if (l) __threadfence();  // acquire: the other blocks' writes are visible from here on
+  return l;
+}
+
+// The end of a split attn_fwd block (after its partial is written): count this split in; the group's last block
+// merges (one level, or two when the group's partials exceed SPLIT_FLAT_BYTES and NSUB > 1). R: the block's rows.
+// ws: [NSPLIT][MMAX][HQ][D] O, [NSPLIT][MMAX][HQ][2] (m, l), then [NSUB][MMAX][HQ][D] + [NSUB][MMAX][HQ][2] level 1.
+// scratch: split_scratch_bytes(...) bytes of shared memory no longer in use.
+__host__ __device__ constexpr int split_scratch_bytes(int d, int r, int nsplit, int nsub) {
+  // one level: every row of a group whose partials fit SPLIT_FLAT_BYTES (or all R rows when NSUB == 1)
+  const int flat = nsub == 1 ? r : (SPLIT_FLAT_BYTES / (d * 4 * nsplit) < r ? SPLIT_FLAT_BYTES / (d * 4 * nsplit) : r);
+  const int level = nsplit / nsub > nsub ? nsplit / nsub : nsub;  // parts per two-level merge step (at most)
+  const int a = merge_scratch_bytes(nsplit, flat), b = merge_scratch_bytes(level, r);
+  return a > b ? a : b;
+}
+
+template <int D, int HQ, int G, int MMAX, int THREADS, int NSPLIT, int NSUB>
+__device__ __forceinline__ void attn_split_finish(float* ws, unsigned int* counters, __half* out, int group, int split,
+                                                  int q0, int nq, int hkv, int* flag, uint8_t* scratch) {
+  static_assert(NSUB >= 1 && NSPLIT % NSUB == 0, "level-1 subgroups must divide the splits");
+  constexpr int S1 = NSPLIT / NSUB;
+  constexpr size_t PART = (size_t)MMAX * HQ;
+  const float* o_ws = ws;
+  const float* ml_ws = ws + NSPLIT * PART * D;
+  float* o1 = ws + NSPLIT * PART * (D + 2);
+  float* ml1 = o1 + NSUB * PART * D;
+  unsigned int* cnt = counters + (size_t)group * (NSUB + 1);
+  const int nrows = nq * G;
+  const bool tree = NSUB > 1 && (size_t)nrows * D * NSPLIT * 4 > (size_t)SPLIT_FLAT_BYTES;  // uniform per group
+  if (!tree) {
+    if (last_arrival(cnt + NSUB, NSPLIT, flag))
+      merge_parts<D, HQ, G, MMAX, THREADS, NSPLIT, true>(o_ws, ml_ws, 0, q0, nrows, hkv, nullptr, nullptr, 0, out,
+                                                         scratch);
+    return;
+  }
+  const int sub = split / S1;
+  if (!last_arrival(cnt + sub, S1, flag)) return;
+  merge_parts<D, HQ, G, MMAX, THREADS, S1, false>(o_ws, ml_ws, sub * S1, q0, nrows, hkv, o1, ml1, sub, nullptr,
+                                                  scratch);
+  if (last_arrival(cnt + NSUB, NSUB, flag))
+    merge_parts<D, HQ, G, MMAX, THREADS, NSUB, true>(o1, ml1, 0, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
+}
+
+// Merge NSPLIT partial results: one block per (query, head) row, D threads.
+template <int D, int HQ, int NSPLIT, int MMAX>
+__device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {
+  pdl_launch_dependents();
+  pdl_wait();
+  const int row = blockIdx.x;  // qi * HQ + head
+  if (row >= m * HQ) return;
+  const float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D;
+  float mx = -INFINITY;
+  for (int z = 0; z < NSPLIT; ++z) {
+    const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
+    if (l > 0.f) mx = fmaxf(mx, ml[((size_t)z * MMAX * HQ + row) * 2]);
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f, lsum = 0.f;
+    for (int z = 0; z < NSPLIT; ++z) {
+      const float l = ml[((size_t)z * MMAX * HQ + row) * 2 + 1];
+      if (!(l > 0.f)) continue;
+      const float e = exp2f(ml[((size_t)z * MMAX * HQ + row) * 2] - mx);
+      lsum += l * e;
+      acc += ws[((size_t)z * MMAX * HQ + row) * D + d] * e;
+    }
+    out[(size_t)row * D + d] = __float2half_rn(lsum > 0.f ? acc / lsum : 0.f);
+  }
+}
+
+}  // namespace thorgen

@@ -1,0 +1,65 @@
+"""Codegen check: every kernel template is safe to launch with programmatic dependent launch (the manifest says
+"pdl": the runtime launches each kernel that follows a kernel with programmatic stream serialization).
+
+A PDL-launched kernel may start while its predecessor still runs, so before reading any earlier kernel's output or
+writing anything it must execute griddepcontrol.wait (thorgen::pdl_wait). A template is safe when its wrapper calls
+pdl_wait itself, or it calls a header function whose body calls pdl_wait (directly or through unit_steps<..., true>,
+the weight loop that waits after its weight prologue). A new template without either fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "templates" / "kernels"
+HEADERS = ROOT / "templates" / "include" / "thorgen"
+
+
+def _function_body(text: str, name: str) -> str | None:
+    """The brace-matched body of `void name(` in header text, or None."""
+    m = re.search(rf"\bvoid\s+{name}\s*\(", text)
+    if m is None:
+        return None
+    i = text.index("{", m.end())
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j + 1]
+    return None
+
+
+def _waiting_functions() -> set[str]:
+    """Header functions whose body calls pdl_wait() (or the waiting form of unit_steps)."""
+    out = set()
+    for h in HEADERS.glob("*.cuh"):
+        text = h.read_text()
+        for name in set(re.findall(r"\bvoid\s+(\w+)\s*\(", text)):
+            body = _function_body(text, name) or ""
+            if "pdl_wait()" in body or re.search(r"unit_steps<[^;]*,\s*true\s*(,[^;]*)?>\(", body):
+                out.add(name)
+    return out
+
+
+def test_pdl_convention_is_on():
+    from thorgen.codegen import families
+
+    assert families.PDL is True
+
+
+def test_every_template_waits_before_reading_earlier_outputs():
+    waiting = _waiting_functions()
+    assert {"gemm_small", "gemm_large", "moe_gateup", "moe_down", "attn_fwd", "attn_combine"} <= waiting, waiting
+    unsafe = []
+    for t in sorted(KERNELS.glob("*.cu.j2")):
+        text = t.read_text()
+        wrappers = re.split(r'extern "C" __global__', text)[1:]
+        assert wrappers, f"{t.name}: no extern \"C\" kernel"
+        for w in wrappers:
+            body = w[w.index("{"):]
+            calls = set(re.findall(r"\w+::(\w+)\s*[<(]", body))  # thorgen::f<...>(...), Sampler::prep(...)
+            if "pdl_wait()" not in body and not calls & waiting:
+                unsafe.append(t.name)
+    assert not unsafe, f"templates that never wait (griddepcontrol.wait) before their reads: {unsafe}"
