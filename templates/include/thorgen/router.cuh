@@ -13,6 +13,23 @@
 
 namespace thorgen {
 
+// The renormalised top-k weights from the selected logits (sel_logit[0] is the largest): exp(l_k - l_0) / sum,
+// times the expert's per_expert_scale; written with the ids. One thread; shared by router_topk and the fused path.
+template <int K>
+__device__ __forceinline__ void write_topk(const int* sel, const float* sel_logit,
+                                           const __nv_bfloat16* __restrict__ per_expert_scale,
+                                           int32_t* __restrict__ idx_out, float* __restrict__ w_out) {
+  const float m = sel_logit[0];
+  float p[K], sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) { p[k] = expf(sel_logit[k] - m); sum += p[k]; }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    idx_out[k] = sel[k];
+    w_out[k] = p[k] / sum * __bfloat162float(per_expert_scale[sel[k]]);
+  }
+}
+
 // Top-k of one token's E logits by one warp (lane l holds experts l, l+32, ...): K rounds of a warp max over
 // (logit, -id) keys, the winner's owner drops it; lane 0 writes ids and weights exactly as router_topk does. The
 // logits were written by other blocks of this launch: read through L2 (ld.cg), after the caller's fence.
@@ -45,15 +62,7 @@ __device__ __forceinline__ void router_topk_warp(const float* lrow, const __nv_b
     sel_logit[k] = key_value(best);  // the logit's exact bits (the key is a bijection of the float)
   }
   if (lane == 0) {
-    const float m = sel_logit[0];  // the largest logit overall
-    float p[K], sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) { p[k] = expf(sel_logit[k] - m); sum += p[k]; }
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      idx_out[k] = sel[k];
-      w_out[k] = p[k] / sum * __bfloat162float(per_expert_scale[sel[k]]);
-    }
+    write_topk<K>(sel, sel_logit, per_expert_scale, idx_out, w_out);
   }
 }
 
@@ -142,17 +151,7 @@ __device__ void router_topk(const float* __restrict__ logits, const __nv_bfloat1
       if (e == idx) { taken = true; sel[k] = e; sel_logit[k] = l; }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      const float m = sel_logit[0];  // the largest logit overall
-      float p[K], sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < K; ++k) { p[k] = expf(sel_logit[k] - m); sum += p[k]; }
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        topk_idx[(long)t * K + k] = sel[k];
-        topk_w[(long)t * K + k] = p[k] / sum * __bfloat162float(per_expert_scale[sel[k]]);
-      }
-    }
+    if (threadIdx.x == 0) write_topk<K>(sel, sel_logit, per_expert_scale, topk_idx + (long)t * K, topk_w + (long)t * K);
     __syncthreads();
   }
 }
