@@ -175,7 +175,9 @@ class CudaBackend(StreamingBackend):
     def kernel_breakdown(self, rows: int = 1) -> list[dict]:
         """One decode step's (or `rows`-token prefill chunk's) launches with their GPU time, summed per kernel
         (largest first)."""
-        rows = self.engine.profile_step(0, rows=rows)
+        from .profile import profile_step
+
+        rows = profile_step(self.engine, 0, rows=rows)
         agg: dict[str, dict] = {}
         for r in rows:
             a = agg.setdefault(r["kernel"], {"kernel": r["kernel"], "us": 0.0, "count": 0})

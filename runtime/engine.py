@@ -34,7 +34,7 @@ SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<
 
 
 class Engine:
-    """Device resources of one model; `prefill()` then `decode()` generate, `profile_step()` times a step."""
+    """Device resources of one model; `prefill()` then `decode()` generate (runtime/profile.py times a step)."""
 
     # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B); the stream is synchronised
     # at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
@@ -343,60 +343,6 @@ class Engine:
         """float32 [V] logits (before softcap) of the last forward's last row (tests compare them)."""
         self.stream.synchronize()
         return self.act["logits"].download(np.float32, (self.spec.target.vocab_size,))
-
-    def profile_step(self, position: int = 0, rows: int = 1, replays: int = 10) -> list[dict]:
-        """GPU time (us) per launch of one forward. A decode step (rows 1): the launches of each kernel are captured
-        into a graph of their own and replayed (back to back, as in the step graph; each layer's own weights), so a
-        kernel's time excludes host launch gaps. A prefill chunk of `rows` tokens (ids 0..rows-1 at positions
-        position..): eager launches timed one by one with events."""
-        # One stream, no PDL overlap: the events (and per-kernel graphs) see each kernel alone.
-        fork, pdl, self.fork, self.pdl = self.fork, self.pdl, False, False
-        try:
-            launches = self.bind(self.fwd.ops(1, decode=True, last=True) if rows == 1 else
-                                 self.fwd.ops(rows, decode=False, last=True))
-        finally:
-            self.fork, self.pdl = fork, pdl
-        if rows == 1:
-            self._stage(0, position, 0)
-            self._graph(True).replay(self.stream)  # every buffer holds the values of a real step
-            return self._graph_profile(launches, replays)
-        self.act["ids"].view(0, 4 * rows).upload(np.arange(rows, dtype=np.int32), stream=self.stream)
-        self.act["positions"].view(0, 4 * rows).upload(np.arange(position, position + rows, dtype=np.int32),
-                                                      stream=self.stream)
-        events = [self.device.event() for _ in range(len(launches) + 1)]
-        events[0].record(self.stream)
-        for (_, launch), ev in zip(launches, events[1:]):
-            launch(self.stream)
-            ev.record(self.stream)
-        self.stream.synchronize()
-        out = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
-                "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
-        for e in events:
-            e.destroy()
-        return out
-
-    def _graph_profile(self, launches: list[tuple[str, Any]], replays: int) -> list[dict]:
-        groups: dict[str, list[tuple[str, Any]]] = {}
-        for label, launch in launches:
-            groups.setdefault(getattr(getattr(launch, "kernel", None), "name", "memcpy2d"), []).append((label, launch))
-        out = []
-        for name, group in groups.items():
-            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in group], f"profile {name}")
-            try:
-                g.replay(self.stream)
-                a, b = self.device.event(), self.device.event()
-                a.record(self.stream)
-                for _ in range(replays):
-                    g.replay(self.stream)
-                b.record(self.stream)
-                self.stream.synchronize()
-                per = 1e3 * b.elapsed_ms(a) / (replays * len(group))
-                a.destroy()
-                b.destroy()
-            finally:
-                g.destroy()
-            out += [{"op": label, "kernel": name, "us": per} for label, _ in group]
-        return out
 
     def close(self) -> None:
         """Free everything (idempotent), the uploaded weights included: the engine owns them."""

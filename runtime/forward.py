@@ -149,7 +149,7 @@ class Forward:
         `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
         sampled position positions[max_rows + row]."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
-        H, K, ops = t.hidden_size, t.top_k_experts, []
+        H, ops = t.hidden_size, []
         self._taps = taps
         emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
                              SCALE=float(t.embed_scale)))

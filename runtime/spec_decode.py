@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from ..model_spec.types import ModelSpec
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput
-from .forward import NULL, Forward, Missing, Op, need
+from .forward import Forward, Missing, Op, need
 from .kv_cache import ring_slots
 from .memory import ArenaPlan
 from .modules import KernelEntry

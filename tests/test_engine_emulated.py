@@ -235,3 +235,19 @@ def test_pdl_only_between_kernels(emulated):
     before = drv.pdl_launches
     eng.prefill([2] + list(range(300, 339)))  # an eager 40-row chunk: its kernels reach the driver as PDL launches
     assert drv.pdl_launches > before
+
+
+def test_profile_step_times_every_launch(emulated):
+    """`thorgen bench`'s breakdown: one row per launch of the forward (decode: per-kernel graphs; prefill chunk:
+    eager), in schedule order, and the engine's fork/PDL settings are restored afterwards."""
+    from thorgen.runtime.profile import profile_step
+
+    open_, _ = emulated
+    backend, _ = open_("bf16")
+    eng = backend.engine
+    for rows, decode in ((1, True), (40, False)):
+        want = [op.label for op in eng.fwd.ops(rows, decode=decode, last=True)]
+        got = profile_step(eng, 3, rows=rows)
+        assert sorted(r["op"] for r in got) == sorted(want) and (rows == 1 or [r["op"] for r in got] == want)
+        assert all(r["us"] >= 0 and r["kernel"] for r in got)
+    assert eng.fork and eng.pdl

@@ -1,0 +1,65 @@
+"""Runtime stage: per-kernel GPU time of one forward of the engine (`thorgen bench`'s breakdown tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .engine import Engine
+from .graphs import CudaGraph
+
+
+def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 10) -> list[dict]:
+    """GPU time (us) per launch of one forward. A decode step (rows 1): the launches of each kernel are captured
+    into a graph of their own and replayed (back to back, as in the step graph; each layer's own weights), so a
+    kernel's time excludes host launch gaps. A prefill chunk of `rows` tokens (ids 0..rows-1 at positions
+    position..): eager launches timed one by one with events."""
+    # One stream, no PDL overlap: the events (and per-kernel graphs) see each kernel alone.
+    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
+    try:
+        launches = eng.bind(eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
+                        eng.fwd.ops(rows, decode=False, last=True))
+    finally:
+        eng.fork, eng.pdl = fork, pdl
+    if rows == 1:
+        eng._stage(0, position, 0)
+        eng._graph(True).replay(eng.stream)  # every buffer holds the values of a real step
+        return _graph_profile(eng, launches, replays)
+    eng.act["ids"].view(0, 4 * rows).upload(np.arange(rows, dtype=np.int32), stream=eng.stream)
+    eng.act["positions"].view(0, 4 * rows).upload(np.arange(position, position + rows, dtype=np.int32),
+                                                  stream=eng.stream)
+    events = [eng.device.event() for _ in range(len(launches) + 1)]
+    events[0].record(eng.stream)
+    for (_, launch), ev in zip(launches, events[1:]):
+        launch(eng.stream)
+        ev.record(eng.stream)
+    eng.stream.synchronize()
+    out = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
+            "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
+    for e in events:
+        e.destroy()
+    return out
+
+def _graph_profile(eng: Engine, launches: list[tuple[str, Any]], replays: int) -> list[dict]:
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for label, launch in launches:
+        groups.setdefault(getattr(getattr(launch, "kernel", None), "name", "memcpy2d"), []).append((label, launch))
+    out = []
+    for name, group in groups.items():
+        g = CudaGraph.capture(eng.stream, lambda: [l(eng.stream) for _, l in group], f"profile {name}")
+        try:
+            g.replay(eng.stream)
+            a, b = eng.device.event(), eng.device.event()
+            a.record(eng.stream)
+            for _ in range(replays):
+                g.replay(eng.stream)
+            b.record(eng.stream)
+            eng.stream.synchronize()
+            per = 1e3 * b.elapsed_ms(a) / (replays * len(group))
+            a.destroy()
+            b.destroy()
+        finally:
+            g.destroy()
+        out += [{"op": label, "kernel": name, "us": per} for label, _ in group]
+    return out
