@@ -39,7 +39,9 @@ def test_plans_render_and_fit(preset: str, arch: str) -> None:
             assert k.smem_bytes == attention.attn_smem(p["d"], p["mt"], p["tk"], p["kv_dtype"]), k.name
             assert k.grid[0] == math.ceil(p["mmax"] / (16 * p["mt"] // g)) and k.block[0] == 32 * (p["d"] // 64)
             if p["nsplit"] > 1:
-                assert p["ws_floats"] == p["nsplit"] * p["mmax"] * p["hq"] * (p["d"] + 2)
+                # partials of every split, plus the merge subgroups' partials (two-level in-kernel merge)
+                assert p["ws_floats"] == (p["nsplit"] + p["nsub"]) * p["mmax"] * p["hq"] * (p["d"] + 2)
+                assert p["nsplit"] % p["nsub"] == 0
 
 
 def test_fp4_order_matches_layouts() -> None:
