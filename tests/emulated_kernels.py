@@ -1,0 +1,387 @@
+"""Test support (not a test module): NumPy stand-ins for every kernel template, used by the fake CUDA driver of
+tests/engine_emulator.py. Each reads its arguments from the fake device memory and writes its outputs there, as
+float64 references that round where the kernel stores (through float32: `RK.store`), so the emulated engine agrees
+with the reference backend's numerics="w4a16" mode token for token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from thorgen.codegen import reference_kernels as RK
+from thorgen.codegen.families import moe_grouped as MG
+from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4
+from thorgen.runtime import layouts as L
+from thorgen.runtime.backend import SamplingParams
+from thorgen.runtime.reference import w4a16 as W4
+from thorgen.runtime.reference.sampling import sample
+
+import matmul_reference as MR
+
+if TYPE_CHECKING:
+    from engine_emulator import FakeDriver
+
+F64 = np.float64
+
+
+class EmuError(AssertionError):
+    """A launch or copy the emulated GPU rejects (out-of-bounds access, null pointer, bad argument)."""
+
+
+# ---- the kernels ------------------------------------------------------------------------------------------------
+
+def _gelu(x):
+    return MR.gelu_tanh(x)
+
+
+class KernelEmulator:
+    """NumPy stand-ins for each kernel template, reading and writing the fake driver's memory."""
+
+    def __init__(self, drv: FakeDriver) -> None:
+        self.d = drv
+        self.overrides: dict[tuple, np.ndarray] = {}  # (w, s, gscale, n, k) -> float64 weight to use instead
+        self.after = None  # optional callback(name, manifest entry, args) after every kernel (debugging)
+        self.taps: list[np.ndarray] = []  # the residual stream after every ffn_tail (per layer), for bisecting
+        self._dense: dict[tuple, np.ndarray] = {}
+        self._pair_rows: dict[int, dict[int, np.ndarray]] = {}  # grouped MoE: ypair address -> {pair: f64 row}
+
+    def v(self, addr, dtype, shape, what=""):
+        return self.d.view(addr, dtype, shape, what)
+
+    def nvfp4(self, w, s, g, n, k, order, what):
+        """Dequantized float64 [n, k] of a t16x64 weight at (w, s, gscale); cached by address."""
+        key = (w, s, g, n, k)
+        if key in self.overrides:
+            return self.overrides[key]
+        if key not in self._dense:
+            packed, scale = L.unpack_nvfp4(self.v(w, np.uint8, n * k // 2, what),
+                                           self.v(s, np.uint8, n * k // 16, what), n, k, order)
+            inv = np.repeat(self.v(g, np.float32, n // 8, what).astype(F64), 8)
+            self._dense[key] = dequantize_nvfp4(packed, scale, 1.0).astype(F64) * inv[:, None]
+        return self._dense[key]
+
+    @staticmethod
+    def check_grid(e: dict, a: dict, grid) -> None:
+        """The launch grid covers the rows (the kernels' own coverage rules; grid-stride row kernels need >= 1)."""
+        t, p, g = e["template"], e["params"], grid
+        rows = a.get("T", a.get("m", 1))
+        need = []
+        if t.startswith("attn_fwd"):
+            need = [(0, -(-rows // (16 * p["mt"] // (p["hq"] // p["hkv"])))), (1, p["hkv"]), (2, p["nsplit"])]
+        elif t.startswith("attn_combine"):
+            need = [(0, rows * p["hq"])]
+        elif t.startswith("moe_gateup"):
+            need = [(0, 2 * p["ie"] // 16), (1, rows * p["topk"])]
+        elif t.startswith("moe_down"):
+            need = [(0, p["h"] // 16)]
+        elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
+            need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
+        elif "bm" in p:
+            need = [(0, p["n"] // (16 * p["nwarp"])), (1, -(-rows // p["bm"]))]
+        elif t.startswith("nvfp4_gemm"):
+            need = [(0, p["n"] // 16)]
+        elif "ROW_AXIS" in p:
+            need = [(int(p["ROW_AXIS"]), 1)]
+        for axis, n in need:
+            if g[axis] < n:
+                raise EmuError(f"grid {tuple(g)} has {g[axis]} blocks on axis {axis}, the rows need {n}")
+
+    def run(self, name: str, e: dict, a: dict, grid) -> None:
+        t, p = e["template"], e["params"]
+        fn = getattr(self, "k_" + t.split(".")[0])
+        self.grid = tuple(grid)
+        try:
+            self.check_grid(e, a, grid)
+            fn(p, a, name)
+        except EmuError as exc:
+            raise EmuError(f"{name}: {exc}") from None
+        if self.after is not None:
+            self.after(name, e, a)
+
+    def k_embed(self, p, a, n):
+        T, H, V = a["T"], p["H"], p["V"]
+        ids = self.v(a["ids"], np.int32, T, "ids")
+        if ((ids < 0) | (ids >= V)).any():
+            raise EmuError(f"token ids {ids} out of range")
+        table = self.v(a["table"], np.uint16, (V, H), "table")
+        self.v(a["out"], np.float32, (T, H), "out")[:] = RK.embed_ref(ids, table, p["SCALE"], p["MASK_ID"])
+
+    def k_rmsnorm(self, p, a, n):
+        T, H = a["T"], p["H"]
+        x = RK.load(self.v(a["x"], RK.np_dtype(p["IN"]), (T, H), "x"), p["IN"])
+        y = RK.rmsnorm_ref(x, self.v(a["w"], np.uint16, H, "w"), p["EPS"])
+        self.v(a["y"], RK.np_dtype(p["OUT"]), (T, H), "y")[:] = RK.store(y, p["OUT"])
+
+    def _gemm(self, p, a, n):
+        m, N, K = a["m"], p["n"], p["k"]
+        W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
+        x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
+        if p["epi"] == "store":
+            self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+        else:
+            g, u = L.deinterleave8(W)
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
+
+    k_nvfp4_gemm = _gemm
+    k_nvfp4_gemm_large = _gemm
+
+    def _half_gemm(self, p, a, n):
+        """The drafter's fp16 GEMMs (layouts.pack_half weights): store f32, or silu(gate)*up f16 (interleave8)."""
+        m, N, K = a["m"], p["n"], p["k"]
+        key = ("half", a["w"], N, K)
+        if key not in self._dense:
+            bits = self.v(a["w"], np.uint16, N * K, "weight")
+            self._dense[key] = L.unpack_half(bits, N, K).view(np.float16).astype(F64)
+        W = self._dense[key]
+        x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
+        if p["epi"] == "store":
+            self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+        else:
+            g, u = L.deinterleave8(W)
+            gx = x @ g.T
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(gx / (1.0 + np.exp(-gx)) * (x @ u.T), "f16")
+
+    k_bf16_gemm = _half_gemm
+    k_bf16_gemm_large = _half_gemm
+
+    def k_add_rmsnorm(self, p, a, n):
+        T, H = a["T"], p["H"]
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        s, y = RK.add_rmsnorm_ref(x, self.v(a["y"], np.float32, (T, H), "y"), self.v(a["w"], np.uint16, H, "w"),
+                                  p["EPS"])
+        x[:] = s
+        self.v(a["a"], RK.np_dtype(p["OUT"]), (T, H), "a")[:] = RK.store(y, p["OUT"])
+
+    def k_rope_kv(self, p, a, n):
+        T, HQ, HKV, D = a["T"], p["HQ"], p["HKV"], p["D"]
+        pos = self.v(a["positions"], np.int32, T, "positions").copy()
+        q_raw = self.v(a["q_raw"], np.float32, (T, HQ * D), "q_raw") if p["HAS_Q"] else None
+        k_raw = self.v(a["k_raw"], np.float32, (T, HKV * D), "k_raw")
+        v_raw = None if p["V_FROM_K"] else self.v(a["v_raw"], np.float32, (T, HKV * D), "v_raw")
+        q, k, v = RK.rope_kv_ref(q_raw, k_raw, v_raw, self.v(a["q_norm_w"], np.uint16, D),
+                                 self.v(a["k_norm_w"], np.uint16, D), pos, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
+                                 theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
+                                 eps=p["EPS"])
+        if q is not None:
+            self.v(a["q_out"], RK.np_dtype(p["Q"]), (T, HQ, D), "q_out")[:] = RK.store(q, p["Q"])
+        kvdt, eb = RK.np_dtype(p["KV"]), np.dtype(RK.np_dtype(p["KV"])).itemsize
+        for t, slot in enumerate(RK.cache_slots(pos, p["SLOTS"])):
+            row = int(slot) * HKV * D * eb
+            self.v(a["k_cache"] + row, kvdt, (HKV, D), "k_cache")[:] = RK.store(k[t], p["KV"])
+            self.v(a["v_cache"] + row, kvdt, (HKV, D), "v_cache")[:] = RK.store(v[t], p["KV"])
+
+    def k_attn_fwd(self, p, a, n):
+        m, d, hq, hkv, ring = a["m"], p["d"], p["hq"], p["hkv"], p["ring"]
+        if not 1 <= m <= p["mmax"]:
+            raise EmuError(f"m={m} outside 1..{p['mmax']}")
+        p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
+        slots = ring if ring else p0 + m
+        kvdt = RK.np_dtype(p["kv_dtype"])
+        kc = self.v(a["kc"], kvdt, (slots, hkv, d), "kc")
+        vc = self.v(a["vc"], kvdt, (slots, hkv, d), "vc")
+        q = bf16_to_f32(self.v(a["q"], np.uint16, (m, hq, d), "q")).astype(F64)
+        # keys/values by position 0..p0+m-1 (ring slots read for the positions a query may see; older ones zero)
+        end, win = p0 + m, p["window"]
+        lo = max(0, p0 - win + 1) if win else 0
+        pos = np.arange(lo, end)
+        sl = pos % ring if ring else pos
+        keys = np.zeros((end, hkv, d), F64)
+        vals = np.zeros((end, hkv, d), F64)
+        keys[lo:] = MR.kv_load(kc[sl], p["kv_dtype"])
+        vals[lo:] = MR.kv_load(vc[sl], p["kv_dtype"])
+        if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
+            raise EmuError("attention read non-finite cache values")
+        shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
+        ns = p["nsplit"]
+        if not p["causal"]:
+            # Bidirectional within the block (the drafter's full layer, no window): every query sees keys
+            # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
+            if win:
+                raise EmuError("windowed bidirectional attention is not a planned kernel")
+            part = [W4.attention_partials(q[i:i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
+            o_p, ml_p = np.concatenate([o for o, _ in part], 1), np.concatenate([x for _, x in part], 1)
+            if ns == 1:
+                self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
+                return
+            self._split_out(p, a, m, o_p, ml_p)
+            return
+        if ns == 1:
+            out = W4.attention_rows(q, keys, vals, p0, win or None, shape, kv)
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
+            return
+        o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
+        self._split_out(p, a, m, o_p, ml_p)
+
+    def _counters_zero(self, a, n: int, what: str) -> None:
+        """The fused kernels' arrival counters must be zero at entry (the runtime zeroes them once; the kernels
+        leave them zeroed), else the GPU kernel would pick the wrong last block."""
+        cnt = self.v(a["counters"], np.uint32, n, what)
+        if cnt.any():
+            raise EmuError(f"{what}: counters not zero at entry: {cnt[cnt != 0][:8]}")
+
+    def _split_out(self, p, a, m, o_p, ml_p) -> None:
+        """A split decode kernel: the partials land in ws (as the kernel writes them); given counters the last split
+        block's merge writes out (attn_split.cuh; attn_combine's math), else an attn_combine launch must follow."""
+        d, hq, ns, mmax = p["d"], p["hq"], p["nsplit"], p["mmax"]
+        ws = self.v(a["ws"], np.float32, p["ws_floats"], "ws")
+        ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
+        ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+        if a["counters"]:
+            self._counters_zero(a, p["cnt_words"], "attention")
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
+
+    def k_attn_combine(self, p, a, n):
+        m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
+        ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
+        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
+        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m]
+        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o, ml)
+
+    def k_attn_tail(self, p, a, n):
+        T, H = a["T"], p["H"]
+        bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        xn, a1, a2 = RK.attn_tail_ref(self.v(a["o"], np.float32, (T, H), "o"), x, bf("w_post"), bf("w_pre1"),
+                                      bf("w_pre2"), p["EPS"])
+        x[:] = xn
+        self.v(a["a1"], np.float16, (T, H), "a1")[:] = RK.store(a1, "f16")
+        self.v(a["a2"], np.float16, (T, H), "a2")[:] = RK.store(a2, "f16")
+
+    def k_ffn_tail(self, p, a, n):
+        T, H = a["T"], p["H"]
+        bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
+        x = self.v(a["x"], np.float32, (T, H), "x")
+        w_next = bf("w_next") if a["w_next"] else None
+        xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"),
+                                  self.v(a["moe"], np.float32, (T, H), "moe"), x, bf("w1"), bf("w2"), bf("w"),
+                                  self.v(a["layer_scalar"], np.uint16, 1), w_next, p["EPS"])
+        x[:] = xn
+        self.taps.append(np.array(x))
+        if nxt is not None:
+            self.v(a["a"], np.float16, (T, H), "a")[:] = RK.store(nxt, "f16")
+        if a["tap"]:  # the DFlash tap: x' rows into tap[row * tap_stride + tap_col ...] (TAP dtype)
+            tdt = RK.np_dtype(p["TAP"])
+            for r in range(T):
+                self.v(a["tap"] + (r * a["tap_stride"] + a["tap_col"]) * np.dtype(tdt).itemsize, tdt, H,
+                       "tap")[:] = RK.store(xn[r], p["TAP"])
+
+    def k_router_logits(self, p, a, n):
+        T, H, E = a["T"], p["H"], p["E"]
+        lg = RK.router_logits_ref(self.v(a["x"], np.float32, (T, H), "x"), self.v(a["scale"], np.uint16, H),
+                                  self.v(a["proj"], np.uint16, (E, H)), p["EPS"])
+        self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
+
+    def k_router_fused(self, p, a, n):
+        """router_logits + router_topk in one launch (bit-identical to the pair on the GPU)."""
+        self._counters_zero(a, a["T"], "router")
+        self.k_router_logits(p, a, n)
+        self.k_router_topk(p, a, n)
+
+    def k_router_topk(self, p, a, n):
+        T, E, K = a["T"], p["E"], p["K"]
+        idx, w = RK.router_topk_ref(self.v(a["logits"], np.float32, (T, E), "logits"), K,
+                                    self.v(a["per_expert_scale"], np.uint16, E))
+        self.v(a["topk_idx"], np.int32, (T, K), "topk_idx")[:] = idx
+        self.v(a["topk_w"], np.float32, (T, K), "topk_w")[:] = w
+
+    def _expert(self, a, e, n_, k_, p):
+        wb, sb = n_ * k_ // 2, n_ * k_ // 16
+        return self.nvfp4(a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"],
+                          f"expert {e}")
+
+    def k_moe_gateup(self, p, a, n):
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        if not 1 <= m <= p["mmax"]:
+            raise EmuError(f"m={m} outside 1..{p['mmax']}")
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        x = self.v(a["x"], np.float16, (m, h), "x").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act")
+        for t in range(m):
+            for k in range(K):
+                g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
+                act[t * K + k] = RK.store(_gelu(x[t] @ g.T) * (x[t] @ u.T), "f16")
+
+    def k_moe_down(self, p, a, n):
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)
+        y = np.zeros((m, h), F64)
+        for t in range(m):
+            for k in range(K):
+                y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
+        self.v(a["y"], np.float32, (m, h), "y")[:] = y
+
+    # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile -> combine in slot order
+    def k_moe_grouped_plan(self, p, a, n):
+        K, E, T = p["topk"], p["experts"], min(max(a["T"], 0), p["mmax"])
+        off, pairs, tiles = MG.plan_reference(self.v(a["ids"], np.int32, (T, K), "ids"), E, p["tile_rows"],
+                                              p["max_tiles"])
+        self.v(a["offsets"], np.int32, E + 1, "offsets")[:] = off
+        self.v(a["pairs"], np.int32, int(off[E]), "pairs")[:] = pairs[:off[E]]  # the kernel writes only these
+        self.v(a["tiles"], np.int32, tiles.shape, "tiles")[:] = tiles
+
+    def _moe_tiles(self, p, a):
+        """(tile index, expert, sorted index range, pair ids) of every real tile; each must lie inside the grid."""
+        for i, (e, start, rows, _) in enumerate(self.v(a["tiles"], np.int32, (p["max_tiles"], 4), "tiles")):
+            if not (0 <= e < p["experts"] and rows > 0):
+                continue
+            if i >= self.grid[1]:
+                raise EmuError(f"tile {i} lies outside the launch grid {self.grid}")
+            yield int(e), slice(int(start), int(start + rows)), self.v(a["pairs"], np.int32, int(start + rows))[start:]
+
+    def k_moe_grouped_gateup(self, p, a, n):
+        K, ie, h = p["topk"], p["ie"], p["h"]
+        for e, rng, pairs in self._moe_tiles(p, a):
+            x = self.v(a["x"], np.float16, (int(pairs.max()) // K + 1, h), "x")[pairs // K].astype(F64)
+            g, u = L.deinterleave8(self._expert(a, e, 2 * ie, h, p))
+            self.v(a["act"], np.float16, (rng.stop, ie), "act")[rng] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
+
+    def k_moe_grouped_down(self, p, a, n):
+        ie, h = p["ie"], p["h"]
+        shadow = self._pair_rows[a["ypair"]] = {}  # float64 rows by pair index, for the combine
+        for e, rng, pairs in self._moe_tiles(p, a):
+            act = self.v(a["act"], np.float16, (rng.stop, ie), "act")[rng].astype(F64)
+            wts = self.v(a["wts"], np.float32, int(pairs.max()) + 1, "wts")[pairs].astype(F64)
+            y = (act @ self._expert(a, e, h, ie, p).T) * wts[:, None]
+            self.v(a["ypair"], np.float32, (int(pairs.max()) + 1, h), "ypair")[pairs] = RK.store(y, "f32")
+            shadow.update(zip(pairs.tolist(), y))
+
+    def k_moe_grouped_combine(self, p, a, n):
+        """Sums the down kernel's float64 rows (in slot order, rounded once, like the sliced path's contract and the
+        w4a16 reference), after checking that the f32 rows in device memory are exactly those rows: the wiring is
+        checked; the kernel's own f32 per-pair rounding and f32 adds (~5e-8 relative) are accumulation-class
+        roundings, which this emulator does not model for any kernel."""
+        T, K, h = min(a["T"], p["mmax"]), p["topk"], p["h"]
+        ids = self.v(a["ids"], np.int32, (T, K), "ids")
+        ypair = self.v(a["ypair"], np.float32, (T * K, h), "ypair")
+        shadow = self._pair_rows.get(a["ypair"], {})
+        y = np.zeros((T, h), F64)
+        for k in range(K):
+            for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < p["experts"]))[0]:
+                row = shadow.get(int(t) * K + k)
+                if row is None or not np.array_equal(RK.store(row, "f32"), ypair[t * K + k]):
+                    raise EmuError(f"combine: pair {t * K + k} holds no row the grouped down kernel wrote")
+                y[t] += row
+        self.v(a["y"], np.float32, (T, h), "y")[:] = RK.store(y, "f32")
+
+    def k_lm_argmax(self, p, a, n):
+        T, V = a["T"], p["V"]
+        capped = RK.softcap_ref(self.v(a["logits"], np.float32, (T, V), "logits"), p["SOFTCAP"])
+        self.v(a["out_ids"], np.int32, T, "out_ids")[:] = RK.argmax_ref(capped)
+
+    def k_lm_sample(self, p, a, n):
+        if p["STAGE"] != "finish":
+            return
+        from thorgen.runtime.engine import SAMPLE_PARAMS
+        T, V = a["T"], p["V"]
+        rec = self.v(a["params"], np.uint8, SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)[0]
+        sp = SamplingParams(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]), top_p=float(rec["top_p"]),
+                            min_p=float(rec["min_p"]), seed=int(rec["seed"]))
+        pos = self.v(a["positions"], np.int32, T, "positions")
+        logits = self.v(a["logits"], np.float32, (T, V), "logits")
+        out = self.v(a["out_ids"], np.int32, T, "out_ids")
+        for t in range(T):
+            out[t] = sample(RK.softcap_ref(logits[t], p["SOFTCAP"]), sp, int(pos[t]))
