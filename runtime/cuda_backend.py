@@ -2,9 +2,10 @@
 
 Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
 against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
-naming them, when built kernels are missing. Speculative (DFlash) decoding runs the draft/verify loop of
-runtime/spec_decode.py when the model has a drafter and its kernels are built (else it raises, naming what is
-missing); its output equals plain decoding token for token (tests/test_engine_speculative_emulated.py).
+naming them, when built kernels are missing. Plain and speculative (DFlash) decoding share one loop
+(runtime/spec_decode.py run_generation); speculative runs when the model has a drafter and its kernels are built
+(else it raises, naming what is missing); its output equals plain decoding token for token
+(tests/test_engine_speculative_emulated.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .kv_cache import DEFAULT_CTX, check_context, plan_kv
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
-from .spec_decode import run_speculative
+from .spec_decode import run_generation
 from .weights import WeightsArtifact, find_artifact, upload
 
 
@@ -94,9 +95,7 @@ class CudaBackend(StreamingBackend):
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
         result = GenerationResult() if result is None else result
         self.last_result = result
-        if speculative:
-            return self._run_spec(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result)
-        return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result)
+        return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result, speculative)
 
     @property
     def drafter(self):
@@ -108,44 +107,13 @@ class CudaBackend(StreamingBackend):
         """True when generate_stream(speculative=True) can run (a drafter and its kernels are present)."""
         return self.engine.speculative
 
-    def _run_spec(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                  cancelled: Callable[[], bool] | None, result: GenerationResult) -> Iterator[StepOutput]:
-        try:
-            yield from run_speculative(self.engine, prompt, max_tokens, sampling, stop_ids, self.max_context,
-                                       cancelled, result)
-        finally:
-            self._peak_used = max(self._peak_used, self._used())
-
     def _run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-             cancelled: Callable[[], bool] | None, result: GenerationResult) -> Iterator[StepOutput]:
-        e, greedy = self.engine, sampling.greedy
-        if not greedy:
-            e.set_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
-        result.prompt_tokens = len(prompt)
-        t0 = time.perf_counter()
-        tok = e.prefill(prompt, greedy)
-        result.prefill_s = time.perf_counter() - t0
-        pos = len(prompt)  # position of `tok`
-        t1 = time.perf_counter()
+             cancelled: Callable[[], bool] | None, result: GenerationResult, speculative: bool) -> Iterator[StepOutput]:
         try:
-            while True:
-                result.token_ids.append(tok)
-                yield StepOutput([tok])
-                if tok in stop_ids:
-                    result.finish_reason = "stop"
-                    break
-                if len(result.token_ids) >= max_tokens or pos + 1 >= self.max_context:
-                    result.finish_reason = "length"
-                    break
-                if cancelled is not None and cancelled():
-                    result.finish_reason = "cancelled"
-                    break
-                tok = e.decode(pos, greedy)
-                pos += 1
+            yield from run_generation(self.engine, prompt, max_tokens, sampling, stop_ids, self.max_context,
+                                      cancelled, result, speculative)
         finally:
-            result.decode_s = time.perf_counter() - t1
             self._peak_used = max(self._peak_used, self._used())
-
 
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:

@@ -251,3 +251,25 @@ def test_profile_step_times_every_launch(emulated):
         assert sorted(r["op"] for r in got) == sorted(want) and (rows == 1 or [r["op"] for r in got] == want)
         assert all(r["us"] >= 0 and r["kernel"] for r in got)
     assert eng.fork and eng.pdl
+
+
+def test_plain_generation_stop_length_and_cancel(emulated):
+    """The shared decode loop on plain steps: a stop id ends the run (and is kept), max_tokens and the context end
+    give "length", a cancel after the first token gives "cancelled"; each step is one token (no accepted counts)."""
+    open_, _ = emulated
+    backend, _ = open_("bf16")
+    ids = [2] + list(range(300, 320))
+    params = SamplingParams(temperature=1.0, seed=5)  # varied tokens (greedy on the tiny model repeats one id)
+    free = backend.generate(ids, 12, params)
+    assert len(free.token_ids) == 12 and free.finish_reason == "length" and free.accepted_lengths == []
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])  # first produced mid-run
+    got = backend.generate(ids, 12, params, stop_ids=frozenset({free.token_ids[k]}))
+    assert got.token_ids == free.token_ids[:k + 1] and got.finish_reason == "stop"
+    steps = list(backend.generate_stream(ids, 5, params))
+    assert [s.token_ids for s in steps] == [[t] for t in free.token_ids[:5]]
+    assert all(s.accepted is None for s in steps)
+    room = backend.max_context - len(ids)  # tokens until the context is full
+    end = backend.generate(ids, room + 10, params)
+    assert len(end.token_ids) == room and end.finish_reason == "length"
+    cut = backend.generate(ids, 12, params, cancelled=lambda: True)
+    assert cut.token_ids == free.token_ids[:1] and cut.finish_reason == "cancelled"
