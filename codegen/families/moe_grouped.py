@@ -29,7 +29,7 @@ from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, weight_bytes
 
 TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 32 rows at T = 512; m-tiles without rows are skipped
 STAGES = 3       # cp.async depth of the A tiles
-PITCH = 64 + 8   # halves per shared-memory row (GroupedSmem::PITCH)
+PITCH = 64 + 8   # halves per shared-memory row (LargeSmem::PITCH in gemm_nvfp4.cuh)
 STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB limit, some slack)
 
 

@@ -5,7 +5,7 @@
 // through 3-stage cp.async shared memory (27648 B dynamic); blocks without a tile exit at once.
 #include "thorgen/moe_grouped.cuh"
 
-static_assert(thorgen::GroupedSmem<64, 3>::BYTES == 27648, "planner and header disagree on smem");
+static_assert(thorgen::LargeSmem<64, 3>::BYTES == 27648, "planner and header disagree on smem");
 
 extern "C" __global__ void __launch_bounds__(128, 3)
 moe_grouped_gateup__e128_k8_i704_h2816_t64_w4u2p2s3(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

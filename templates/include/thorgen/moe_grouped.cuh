@@ -118,11 +118,6 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
 }
 
 // ---- grouped GEMM core ------------------------------------------------------------------------------------------
-template <int BM, int STAGES> struct GroupedSmem {
-  static constexpr int PITCH = 64 + 8;  // halves per row (+16 B: the lanes' 16-B reads land on distinct banks)
-  static constexpr int BYTES = STAGES * BM * PITCH * 2;
-};
-
 // acc[u][mt] += rows(mt) . W[unit0 + u]^T over all K steps, u < UPW units per warp (the A fragments read from
 // shared memory once serve all of them). `src[r]` (shared) = row r's K activations, nullptr = padding (zero-filled
 // by cp.async). Only the first `mts` m-tiles (those holding real rows) issue tensor-core work.
@@ -131,7 +126,7 @@ __device__ __forceinline__ void grouped_mainloop(float (&acc)[UPW][BM / 16][2][4
                                                  const __half* const* src, __half* As, int mts) {
   static_assert(N % (16 * NWARP * UPW) == 0 && K % 64 == 0, "N must be a multiple of 16*NWARP*UPW, K of 64");
   static_assert(BM % 16 == 0 && BM <= 128 && STAGES >= 2 && PF >= 1 && UPW >= 1, "BM in 16..128, >= 2 stages");
-  constexpr int STEPS = K / 64, MT = BM / 16, THREADS = NWARP * 32, PITCH = GroupedSmem<BM, STAGES>::PITCH;
+  constexpr int STEPS = K / 64, MT = BM / 16, THREADS = NWARP * 32, PITCH = LargeSmem<BM, STAGES>::PITCH;
   static_assert((BM * 8) % THREADS == 0, "the A tile's 16-B chunks must split evenly over the threads");
   constexpr int CH = BM * 8 / THREADS;  // 16-B chunks of one A stage per thread
   const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
