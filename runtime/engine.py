@@ -50,7 +50,6 @@ class Engine:
         # The dense MLP on a side stream beside router + MoE (THORGEN_FORK=0 runs everything on one stream)
         self.fork = os.environ.get("THORGEN_FORK", "1") != "0"
         self.side = device.stream()
-        self._events: list[Any] = []
         self.stream = device.stream()
         self.kernels = KernelSet(manifest, device)
         self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
@@ -65,6 +64,11 @@ class Engine:
             raise BackendError("cuda backend: the kernel manifest lacks what the forward needs: " + "; ".join(missing)
                                + ". Rebuild with `thorgen build` once those kernel families exist")
         self.kernels.load_all()
+        # Fork/join events. Eager forwards (prefill chunks, bound again for every ragged chunk) share one pair: a
+        # stream wait binds to the event's latest record at the time of the call, so re-recording is safe. Captured
+        # graphs (a few, built once) get events of their own, kept until close.
+        self._fork_ev, self._join_ev = device.event(timing=False), device.event(timing=False)
+        self._graph_events: list[Any] = []
         self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, drafter=self.speculative,
                                           conventions=manifest.conventions))
         self.act = Arena(device, self._plan_activations())
@@ -167,7 +171,7 @@ class Engine:
         return Ptr((self.kv.k(layer, "drafter") if which == "k" else self.kv.v(layer, "drafter")).ptr)
 
     # ---- launches -------------------------------------------------------------------------------------------------
-    def bind(self, ops: list) -> list[tuple[str, Any]]:
+    def bind(self, ops: list, captured: bool = False) -> list[tuple[str, Any]]:
         """Ops -> (label, callable(stream)) pairs: prepacked kernel launches and strided copies."""
         out: list[tuple[str, Any]] = []
         # PDL only between two kernels of one stream: a copy, the host's staging or a cross-stream join is a full
@@ -195,18 +199,21 @@ class Engine:
             launch = k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows),
                             pdl=self.pdl and after[branch])
             after[branch] = True
-            out.append((op.label, self._on_branch(launch, branch, fork, join)))
+            out.append((op.label, self._on_branch(launch, branch, fork, join, captured)))
         if side_open:
             raise BackendError("cuda backend: a side-stream branch is never joined (forward schedule bug)")
         return out
 
-    def _on_branch(self, launch: Any, branch: int, fork: bool, join: bool) -> Any:
+    def _on_branch(self, launch: Any, branch: int, fork: bool, join: bool, captured: bool) -> Any:
         """The launch, run on the side stream (branch 1; `fork`: first wait for the main stream's work so far) or
         on the main stream (`join`: first wait for everything the side stream has queued)."""
         if not (branch or join):
             return launch
-        ev = self.device.event(timing=False)
-        self._events.append(ev)
+        if captured:
+            ev = self.device.event(timing=False)
+            self._graph_events.append(ev)
+        else:
+            ev = self._fork_ev if branch else self._join_ev
 
         def run(stream: Any) -> None:
             if branch:
@@ -226,7 +233,7 @@ class Engine:
         key = "greedy" if greedy else "sample"
         g = self._graphs.get(key)
         if g is None:
-            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy))
+            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy), captured=True)
             g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode step ({key})")
             self._graphs[key] = g
         return g
@@ -328,7 +335,7 @@ class Engine:
             else:
                 ops = self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
                 ops += dfw.ctx_ops(BLOCK)
-            launches = self.bind(ops)
+            launches = self.bind(ops, captured=True)
             g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"DFlash {key}")
             self._graphs[key] = g
         return g
@@ -353,9 +360,11 @@ class Engine:
             if r is not None:
                 r.free()
         self.kernels.unload()
-        for ev in getattr(self, "_events", []):
+        for ev in [getattr(self, "_fork_ev", None), getattr(self, "_join_ev", None)]:
+            if ev is not None:
+                ev.destroy()
+        for ev in getattr(self, "_graph_events", []):
             ev.destroy()
-        self._events = []
         for st in (self.stream, getattr(self, "side", None)):
             if st is not None:
                 st.destroy()

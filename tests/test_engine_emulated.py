@@ -273,3 +273,17 @@ def test_plain_generation_stop_length_and_cancel(emulated):
     assert len(end.token_ids) == room and end.finish_reason == "length"
     cut = backend.generate(ids, 12, params, cancelled=lambda: True)
     assert cut.token_ids == free.token_ids[:1] and cut.finish_reason == "cancelled"
+
+
+def test_eager_forwards_create_no_events(emulated, monkeypatch):
+    """Ragged prefill chunks are bound again on every call: their side-stream fork/join must reuse the engine's
+    event pair instead of creating (and keeping) new CUDA events each time."""
+    open_, _ = emulated
+    backend, _ = open_("bf16")
+    eng = backend.engine
+    made: list = []
+    real = eng.device.event
+    monkeypatch.setattr(eng.device, "event", lambda *a, **k: made.append(1) or real(*a, **k))
+    for n in (30, 31, 45):
+        eng.prefill([2] + list(range(300, 300 + n)))
+    assert made == []
