@@ -18,6 +18,9 @@ COMMANDS = {
     "chat": "thorgen.serve.cli:chat",
 }
 
+# Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
+SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve"}}
+
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -29,7 +32,14 @@ class LazyGroup(click.Group):
             return None
         module, attr = target.split(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            command = getattr(importlib.import_module(module), attr)
+            for sub_name, sub_target in SUBCOMMANDS.get(name, {}).items():
+                sub_module, sub_attr = sub_target.split(":")
+                try:
+                    command.add_command(getattr(importlib.import_module(sub_module), sub_attr), sub_name)
+                except ImportError:  # its stage's optional dependencies are missing: the parent still works
+                    pass
+            return command
         except (ImportError, AttributeError) as exc:  # a stage not built yet, or a missing optional dependency
             @click.command(name=name, help=f"(unavailable: {exc})")
             def unavailable() -> None:

@@ -59,14 +59,14 @@ class GenerationResult:
 class Backend(Protocol):
     spec: ModelSpec
     max_context: int
-    last_result: GenerationResult | None  # the result of the latest generate_stream, filled as it streams
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
                         result: GenerationResult | None = None) -> Iterator[StepOutput]:
         """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
-        Fills `result` (or a new one, kept as `last_result`) as it goes."""
+        Fills the caller's `result` as it goes (the caller keeps it: a value per request, never backend state).
+        Request mistakes raise BackendError from this call itself, before any work."""
         ...
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
@@ -77,8 +77,6 @@ class Backend(Protocol):
 
 class StreamingBackend:
     """The part every backend shares: `generate` drains `generate_stream` into one GenerationResult."""
-
-    last_result: GenerationResult | None = None
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), speculative: bool = False,

@@ -24,6 +24,7 @@ import click
 import numpy as np
 
 from ..model_spec.types import ModelSpec
+from .api import EngineConfig, open_backend
 from .backend import BackendError, SamplingParams
 
 NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # e2m1 nibble + one e4m3 scale per 16 (tile scales are negligible)
@@ -82,28 +83,25 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def open_backend(name: str, model: Path, ctx: int, kv_dtype: str, weights: Path | None = None,
-                 kernel_dir: Path | None = None) -> tuple[Any, dict]:
-    """(backend, facts about it for the report)."""
-    if name == "reference":
-        from ..model_spec.checkpoint import Checkpoint
-        from .reference.backend import ReferenceBackend
-
-        ckpt = Checkpoint.open(model)
-        # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
-        b = ReferenceBackend(ckpt, max_context=min(ctx, ckpt.spec.target.max_position_embeddings), prefix_slots=0)
-        return b, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
-    from .cuda_backend import open_backend as open_cuda
-
-    b = open_cuda(model, ctx=ctx, kv_dtype=kv_dtype, weights_dir=weights, kernels_dir=kernel_dir)
-    return b, {"gpu": b.device.info.name, "lm_head": b.lm_head}
+def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
+                   kernel_dir: Path | None = None) -> tuple[Any, dict]:
+    """(backend, facts about it for the report), through the one backend registry."""
+    # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
+    b = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
+                                  prefix_slots=0)).backend
+    if name == "cuda":
+        return b, {"gpu": b.device.info.name, "lm_head": b.lm_head}
+    return b, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
 
 
-def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int,
+def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None) -> dict:
     t0 = time.perf_counter()
-    backend, facts = open_backend(backend_name, model, ctx, kv_dtype, weights, kernel_dir)
+    backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir)
     load_s = time.perf_counter() - t0
+    ctx = backend.max_context
+    if prompt_len + gen > ctx:
+        raise BackendError(f"--prompt-len + --gen ({prompt_len + gen}) exceed the context of {ctx} (--ctx)")
     spec = backend.spec
     prompt = synthetic_prompt(spec, prompt_len)
     timed_run(backend, prompt, min(gen, 4))  # warm-up: graph capture, lazy weights, caches
@@ -165,14 +163,15 @@ def _text(r: dict) -> str:
     return "\n".join(lines)
 
 
-@click.command("bench")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.group("bench", invoke_without_command=True)
+@click.option("--model", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Checkpoint folder (the cuda backend also finds its repacked weights and kernels from it).")
 @click.option("--backend", type=click.Choice(["cuda", "reference"]), default="cuda", show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per run.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Back-to-back timed runs.")
-@click.option("--ctx", type=click.IntRange(min=2), default=65536, show_default=True, help="KV cache context.")
+@click.option("--ctx", type=click.IntRange(min=2), default=None,
+              help="KV cache context (default: min(the model's max_position_embeddings, 65536)).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -182,14 +181,19 @@ def _text(r: dict) -> str:
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
-def bench(model: Path, backend: str, prompt_len: int, gen: int, runs: int, ctx: int, kv_dtype: str,
+@click.pass_context
+def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
-    probe measured in the same run, peak GPU memory and load time."""
-    if prompt_len + gen > ctx:
+    probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
+    if click_ctx.invoked_subcommand is not None:
+        return
+    if model is None:
+        raise click.UsageError("--model DIR is required (or run `thorgen bench serve` against a server)")
+    if ctx is not None and prompt_len + gen > ctx:
         raise click.BadParameter(f"--prompt-len + --gen ({prompt_len + gen}) exceed --ctx {ctx}")
     command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
-               f"--runs {runs} --ctx {ctx} --kv-dtype {kv_dtype}"
+               f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
                + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else ""))
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir)

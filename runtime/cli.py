@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from .backend import BackendError, SamplingParams
+from .api import EngineConfig, open_backend
+from .backend import BackendError, GenerationResult, SamplingParams
 
 BOS_ID = 2
 
@@ -24,32 +25,11 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _stop_ids(ckpt) -> frozenset[int]:
+def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
     """eos_token_id of generation_config.json (an int or a list), else the model config's eos."""
-    eos = ckpt.generation_config.get("eos_token_id", ckpt.spec.target.eos_token_id)
+    eos = generation_config.get("eos_token_id", spec.target.eos_token_id)
     eos = eos if isinstance(eos, list) else [eos]
     return frozenset(int(e) for e in eos if e is not None)
-
-
-def _open_backend(model: Path, draft: Path | None, backend: str, max_context: int | None, kv_dtype: str):
-    from ..model_spec.checkpoint import Checkpoint, CheckpointError
-
-    try:
-        ckpt = Checkpoint.open(model, draft)
-    except CheckpointError as exc:
-        raise click.ClickException(str(exc)) from exc
-    try:
-        if backend == "cuda":
-            from .cuda_backend import CudaBackend
-
-            return ckpt, CudaBackend.from_checkpoint(ckpt, max_context=max_context, kv_dtype=kv_dtype)
-        if kv_dtype != "bf16":
-            raise click.ClickException("--kv-dtype fp8 needs --backend cuda (the reference keeps K/V in float32)")
-        from .reference.backend import ReferenceBackend
-
-        return ckpt, ReferenceBackend(ckpt, max_context=max_context)
-    except BackendError as exc:
-        raise click.ClickException(str(exc)) from exc
 
 
 @click.command("generate")
@@ -72,8 +52,8 @@ def _open_backend(model: Path, draft: Path | None, backend: str, max_context: in
               help="DFlash draft-then-verify (same tokens as plain decoding).")
 @click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Drafter directory (default: MODEL/dflash when present).")
-@click.option("--max-context", type=click.IntRange(min=2), default=None,
-              help="Context limit in tokens (default: the model's max_position_embeddings).")
+@click.option("--ctx", "--max-context", "max_context", type=click.IntRange(min=2), default=None,
+              help="Context limit in tokens (default: min(the model's max_position_embeddings, 65536)).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -89,16 +69,20 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     if (prompt_text is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    ckpt, engine = _open_backend(model, draft, backend, max_context, kv_dtype)
+    try:
+        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft))
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    engine = opened.backend
     from .tokenizer import Tokenizer, TokenizerError
 
     try:
-        tok = Tokenizer.from_file(ckpt.tokenizer_path)
+        tok = Tokenizer.from_file(opened.tokenizer_path)
     except TokenizerError as exc:
         raise click.ClickException(str(exc)) from exc
     if ids is None:
         ids = [BOS_ID] + tok.encode(prompt_text or "")
-    vocab = ckpt.spec.target.vocab_size
+    vocab = engine.spec.target.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
@@ -109,9 +93,11 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     decoder = tok.incremental_decoder()
     t0 = time.perf_counter()
+    result = GenerationResult()
     try:
-        stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(ckpt),
-                                        speculative=speculative)
+        stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(opened.generation_config,
+                                                                                      engine.spec),
+                                        speculative=speculative, result=result)
         for step in stream:
             text = decoder.push_many(step.token_ids)
             if not as_json and text:
@@ -119,8 +105,11 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
                 sys.stdout.flush()
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     wall = time.perf_counter() - t0
-    result = engine.last_result
     tail = decoder.flush()
     n = len(result.token_ids)
     timings = {"prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),

@@ -20,7 +20,7 @@ from ..model_spec.config import spec_from_configs
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import Engine
-from .kv_cache import DEFAULT_CTX, check_context, plan_kv
+from .kv_cache import check_context, default_ctx, plan_kv
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
@@ -65,14 +65,7 @@ class CudaBackend(StreamingBackend):
         self.max_context = engine.ctx
         self.lm_head = engine.art.lm_head
         self.load_s = load_s
-        self.last_result: GenerationResult | None = None
         self._peak_used = self._used()
-
-    @classmethod
-    def from_checkpoint(cls, ckpt, max_context: int | None = None, kv_dtype: str = "bf16") -> "CudaBackend":
-        """For callers holding an opened Checkpoint (the server): same as open_backend on its folders."""
-        return open_backend(ckpt.model_dir, ctx=max_context or DEFAULT_CTX, kv_dtype=kv_dtype,
-                            draft_dir=ckpt.draft_dir)
 
     def _used(self) -> int:
         free, total = self.device.mem_info()
@@ -94,7 +87,6 @@ class CudaBackend(StreamingBackend):
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
         result = GenerationResult() if result is None else result
-        self.last_result = result
         return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result, speculative)
 
     @property
@@ -157,7 +149,7 @@ class CudaBackend(StreamingBackend):
         self.engine.close()
 
 
-def open_backend(model_dir: str | os.PathLike, ctx: int = DEFAULT_CTX, kv_dtype: str = "bf16",
+def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
                  draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
                  kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False) -> CudaBackend:
     """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
@@ -167,6 +159,7 @@ def open_backend(model_dir: str | os.PathLike, ctx: int = DEFAULT_CTX, kv_dtype:
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
+    ctx = default_ctx(spec.target.max_position_embeddings, ctx)
     dev = Device.open(device)
     arch = dev.info.arch
     manifest = find_kernels(model_dir, spec.name, arch, Path(kernels_dir) if kernels_dir else None)

@@ -17,7 +17,7 @@ from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .memory import Arena, ArenaPlan, DeviceBuffer
 
-DEFAULT_CTX = 65536
+DEFAULT_CTX = 65536  # every command's --ctx default is min(max_position_embeddings, DEFAULT_CTX)
 DEFAULT_MAX_STEP_TOKENS = 512  # codegen's MAX_STEP_TOKENS; the manifest's conventions override it
 KV_DTYPES = {"bf16": ("bf16", 2), "fp8": ("fp8e4m3", 1), "fp8e4m3": ("fp8e4m3", 1), "e4m3": ("fp8e4m3", 1)}
 
@@ -115,6 +115,11 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
             slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
             layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2))
     return KVPlan(ctx, name, tuple(layers))
+
+
+def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
+    """`ctx` when given, else min(the model's max_position_embeddings, DEFAULT_CTX)."""
+    return min(max_position_embeddings, DEFAULT_CTX) if ctx is None else int(ctx)
 
 
 def check_context(prompt_len: int, ctx: int) -> None:

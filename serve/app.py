@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,23 +15,25 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.backend import Backend
+from ..runtime.api import Capabilities, EngineClient
 from ..runtime.tokenizer import Tokenizer
 from . import generation
 from .chat_template import ChatTemplate, control_ids, safe_decoder
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body, template_messages, validate_tools)
-from .worker import EngineWorker
 
 log = logging.getLogger("thorgen.serve")
 WEBUI = Path(__file__).with_name("webui.html")
 
 
 class ServerState:
-    """Everything a request needs; filled by `load()` (on a thread, so /health can answer 503 meanwhile)."""
+    """Everything a request needs; filled by `load()` (on a thread, so /health can answer 503 meanwhile).
 
-    def __init__(self, model_id: str, loader: Callable[[], tuple[Backend, Tokenizer, ChatTemplate, dict]],
+    `loader()` returns (engine client, tokenizer, chat template, generation_config); the client has opened its
+    backend on its own engine thread."""
+
+    def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
                  speculative: bool | None = False) -> None:
         self.model_id = model_id
         self.loader = loader
@@ -40,25 +42,26 @@ class ServerState:
         self.ready = False
         self.load_error: str | None = None
         self.created = int(time.time())
-        self.backend: Any = None
-        self.worker: EngineWorker | None = None
+        self.client: EngineClient | None = None
+        self.caps: Capabilities | None = None
 
     def load(self) -> None:
         try:
-            backend, tokenizer, template, gen_cfg = self.loader()
-            self.backend, self.tokenizer, self.template = backend, tokenizer, template
-            has_drafter = getattr(backend.spec, "drafter", None) is not None
+            client, tokenizer, template, gen_cfg = self.loader()
+            self.client, self.tokenizer, self.template = client, tokenizer, template
+            self.caps = client.capabilities
+            has_drafter = self.caps.speculative
             if self.speculative is None:
                 self.speculative = has_drafter
             elif self.speculative and not has_drafter:
-                raise ValueError("speculative decoding was asked for but the checkpoint has no drafter")
+                raise ValueError("speculative decoding was asked for but the engine cannot run it (no drafter, "
+                                 "or its kernels are missing)")
             eos = gen_cfg.get("eos_token_id", [1, 106, 50])
             self.stop_ids = frozenset([eos] if isinstance(eos, int) else eos)
             self.controls = control_ids(tokenizer, self.stop_ids)
             self.decode = safe_decoder(tokenizer)
             self.generation_defaults = {k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
                                         if k in gen_cfg}
-            self.worker = EngineWorker(backend, self.metrics)
             self.ready = True
         except Exception as exc:  # reported by /health and by every request instead of killing the process
             log.exception("model loading failed")
@@ -75,8 +78,13 @@ class ServerState:
         if not self.ready:
             raise APIError("the model is still loading; retry shortly (GET /health turns 200 when ready)",
                            status=503, type="server_error")
-        if not self.worker.alive:
-            raise APIError("the engine worker stopped; restart the server", status=503, type="server_error")
+        if not self.client.ready:
+            raise APIError(f"the engine stopped ({self.client.health().get('error')}); restart the server",
+                           status=503, type="server_error")
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
 
 class APIKeyMiddleware:
@@ -143,12 +151,15 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
-        if not state.worker.alive:
-            return JSONResponse({"status": "error", "error": "engine worker stopped"}, status_code=503)
-        return {"status": "ok"}
+        engine = state.client.health()
+        if engine["status"] != "ok":
+            return JSONResponse(engine, status_code=503)
+        return engine
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
+        engine = state.client.health() if state.client is not None else {}
+        state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=HTMLResponse)
@@ -157,7 +168,7 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
 
     @app.get("/v1/models")
     async def models():
-        ctx = state.backend.max_context if state.ready else None
+        ctx = state.caps.max_context if state.ready else None
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "thorgen", "max_model_len": ctx}]}
 
@@ -186,7 +197,7 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             add = req.add_special_tokens is not False and not req.prompt.startswith(bos)
             text = (bos if add else "") + req.prompt
         ids = state.tokenizer.encode(text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.backend.max_context}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.caps.max_context}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

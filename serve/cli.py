@@ -8,27 +8,18 @@ from pathlib import Path
 import click
 
 
-def open_model(model_dir: Path, backend: str, ctx: int | None, kv_dtype: str, draft_dir: Path | None):
-    """-> (backend, tokenizer, chat template, generation_config) for a checkpoint folder."""
-    from ..model_spec.checkpoint import Checkpoint
+def open_model(config):
+    """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
+    from ..runtime.api import EngineClient
     from .chat_template import ChatTemplate, load_chat_template, load_tokenizer
 
-    ckpt = Checkpoint.open(model_dir, draft_dir)
-    if backend == "cuda":
-        try:
-            from ..runtime.cuda_backend import CudaBackend
-        except ImportError as exc:
-            raise click.ClickException(f"the cuda backend is not available in this build ({exc}); "
-                                       "use --backend reference") from None
-        engine = CudaBackend.from_checkpoint(ckpt, max_context=ctx, kv_dtype=kv_dtype)
-    else:
-        if kv_dtype != "bf16":
-            raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs "
-                                       "--backend cuda")
-        from ..runtime.reference.backend import ReferenceBackend
-        engine = ReferenceBackend(ckpt, max_context=ctx)
-    source, bos = load_chat_template(Path(ckpt.model_dir), ckpt.chat_template)
-    return engine, load_tokenizer(ckpt.tokenizer_path), ChatTemplate(source, bos), dict(ckpt.generation_config or {})
+    client, model = EngineClient.open(config)
+    try:
+        source, bos = load_chat_template(model.model_dir, model.chat_template)
+        return client, load_tokenizer(model.tokenizer_path), ChatTemplate(source, bos), model.generation_config
+    except BaseException:
+        client.close()
+        raise
 
 
 @click.command(help="Serve a checkpoint over an OpenAI-compatible HTTP API, with a web UI at /. Without --model, "
@@ -40,18 +31,24 @@ def open_model(model_dir: Path, backend: str, ctx: int | None, kv_dtype: str, dr
 @click.option("--backend", type=click.Choice(["reference", "cuda"]), default="reference", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--ctx", type=click.IntRange(2), default=None, help="Context length (default: the model's).")
+@click.option("--ctx", type=click.IntRange(2), default=None,
+              help="Context length (default: min(the model's max_position_embeddings, 65536); the demo: 2048).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--draft-tokens", type=click.IntRange(0), default=None,
               help="Speculative draft tokens per step; 0 turns speculative decoding off (default: on with a drafter).")
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allowed CORS origin (repeat; '*' for any).")
 @click.option("--model-name", default=None, help="Model id reported by /v1/models (default: the folder name).")
+@click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
+@click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
-          model_name: str | None) -> None:
+          model_name: str | None, weights: Path | None, kernel_dir: Path | None) -> None:
     import uvicorn
 
+    from ..runtime.api import EngineConfig
     from .app import ServerState, create_app
     from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
 
@@ -64,8 +61,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
 
     def loader():
         folder = ensure_demo_checkpoint() if demo else model_dir
-        engine = open_model(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir)
-        return engine
+        return open_model(EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir,
+                                       weights, kernel_dir))
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.
@@ -84,7 +81,10 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
     click.echo(f"thorgen: serving {name!r} on http://{host}:{port}/ (web UI), OpenAI API at http://{host}:{port}/v1"
                + ("  [demo model: random weights, output is gibberish]" if demo else ""))
-    server.run()
+    try:
+        server.run()
+    finally:
+        state.close()  # cancels what still runs and closes the engine on its own thread
     if state.load_error:
         raise click.ClickException(f"the model failed to load: {state.load_error}")
 

@@ -7,16 +7,17 @@ import json
 import random
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..runtime.backend import GenerationResult, SamplingParams, StepOutput
+from ..runtime.api import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
+                           RequestRejected, RequestStream, SamplingParams)
 from .parser import ControlIds, Delta, OutputParser
 from .protocol import (REASONING_EFFORTS, APIError, ChatCompletionRequest, CompletionRequest, _Sampling,
                        check_unsupported, stop_list, template_messages, tool_choice_mode, validate_tools)
-from .worker import Job
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
@@ -68,20 +69,68 @@ def max_new_tokens(requested: int | None, prompt_len: int, max_context: int) -> 
     return requested
 
 
+@dataclass
+class Job:
+    """One request as the server sees it: what goes to the engine, and its stream once submitted."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    speculative: bool = False
+    stream: RequestStream | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_at: float | None = None
+    checked_at: float = 0.0  # event-loop time of the last client-connection check
+
+    def abort(self) -> None:
+        if self.stream is not None:
+            self.stream.abort()
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The engine's error as the client should see it: its own mistakes 4xx, the engine's 5xx."""
+    if isinstance(exc, RequestRejected):
+        return APIError(str(exc))
+    if isinstance(exc, EngineBusy):
+        return APIError(str(exc), status=429, type="server_busy")
+    if isinstance(exc, EngineUnavailable):
+        return APIError(f"the engine is unavailable: {exc}", status=503, type="server_error")
+    if isinstance(exc, EngineFailure):
+        return APIError(str(exc), status=500, type="server_error")
+    return APIError(f"generation failed: {type(exc).__name__}: {exc}", status=500, type="server_error")
+
+
+def submit(server: Any, job: Job) -> None:
+    try:
+        job.stream = server.client.submit(job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
+                                          speculative=job.speculative)
+    except (EngineBusy, EngineUnavailable, RequestRejected) as exc:
+        raise api_error(exc) from None
+
+
 async def next_event(job: Job, request: Request | None) -> tuple[str, Any]:
-    """The job's next event; cancels the job and raises ClientGone if the client disconnects meanwhile.
-    The connection is checked at least every POLL_S, also while tokens keep flowing."""
+    """("tokens", RequestOutput), ("done", GenerationResult) or ("error", APIError). Aborts the request and
+    raises ClientGone if the client disconnects meanwhile; the connection is checked at least every POLL_S."""
     loop = asyncio.get_running_loop()
     while True:
         if request is not None and loop.time() - job.checked_at >= POLL_S:
             job.checked_at = loop.time()
             if await request.is_disconnected():
-                job.cancel.set()
+                job.abort()
                 raise ClientGone()
         try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
+            out: RequestOutput = await job.stream.next(POLL_S)
         except asyncio.TimeoutError:
             job.checked_at = 0.0  # nothing arrived for a while: check the connection now
+            continue
+        except Exception as exc:
+            return "error", api_error(exc)
+        if out.finished:
+            return "done", out.result
+        if job.first_at is None:
+            job.first_at = time.perf_counter()
+        return "tokens", out
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -99,14 +148,34 @@ class Generation:
         self.n_out = 0
         self.result: GenerationResult | None = None
         self.n_calls = 0
+        self.token_ids: list[int] = []
+        self.return_ids = False  # vLLM's return_token_ids
         self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
-    def feed(self, step: StepOutput) -> Delta:
+    def feed(self, step: RequestOutput) -> Delta:
+        metrics = self.server.metrics
+        if self.n_out == 0 and step.token_ids:
+            metrics.observe("ttft", time.perf_counter() - self.job.arrived)
+        if self.job.speculative and step.accepted is not None:
+            metrics.observe("accepted_per_step", step.accepted + 1)
         self.n_out += len(step.token_ids)
-        delta = self.parser.feed(step.token_ids)
+        self.token_ids += step.token_ids
+        delta = self.parser.feed(list(step.token_ids))
         if self.parser.stopped:
-            self.job.cancel.set()  # a stop string ended the answer: free the engine now
+            self.job.abort()  # a stop string ended the answer: free the engine now
         return delta
+
+    def finish(self, result: GenerationResult) -> Delta:
+        """The engine is done: record the request's metrics and flush the parser."""
+        self.result = result
+        metrics, job = self.server.metrics, self.job
+        if job.first_at is not None and self.n_out > 1:
+            elapsed = time.perf_counter() - job.first_at
+            if elapsed > 0:
+                metrics.observe("tokens_per_s", (self.n_out - 1) / elapsed)
+        metrics.add(prompt_tokens=len(job.prompt_ids), cached_prompt_tokens=result.cached_prompt_tokens,
+                    generation_tokens=self.n_out)
+        return self.parser.finish()
 
     def finish_reason(self) -> str:
         reason = self.result.finish_reason if self.result else "stop"
@@ -141,8 +210,7 @@ async def run_to_end(gen: Generation, request: Request, first: tuple[str, Any]) 
         if kind == "tokens":
             _merge(total, gen.feed(payload))
         elif kind == "done":
-            gen.result = payload
-            _merge(total, gen.parser.finish())
+            _merge(total, gen.finish(payload))
             return total
         else:
             raise payload
@@ -188,15 +256,19 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
         body.update(extra)
         return sse(body)
 
-    def choice(delta: Delta, finish: str | None = None) -> dict | None:
+    def choice(delta: Delta, finish: str | None = None, ids: tuple[int, ...] = ()) -> dict | None:
         if chat:
             d = _delta_json(delta, gen)
-            if not d and finish is None:
+            if not d and finish is None and not (gen.return_ids and ids):
                 return None
-            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        if not delta.content and finish is None:
-            return None
-        return {"index": 0, "text": delta.content, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            if not delta.content and finish is None and not (gen.return_ids and ids):
+                return None
+            out = {"index": 0, "text": delta.content, "logprobs": None, "finish_reason": finish}
+        if gen.return_ids:
+            out["token_ids"] = list(ids)
+        return out
 
     try:
         if chat:
@@ -205,12 +277,11 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
         kind, payload = first
         while True:
             if kind == "tokens":
-                c = choice(gen.feed(payload))
+                c = choice(gen.feed(payload), ids=payload.token_ids)
                 if c:
                     yield chunk(c)
             elif kind == "done":
-                gen.result = payload
-                tail = gen.parser.finish()
+                tail = gen.finish(payload)
                 c = choice(tail)
                 if c:
                     yield chunk(c)
@@ -231,19 +302,19 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
     except ClientGone:
         gen.server.metrics.request_done(gen.endpoint, 499)
     finally:
-        gen.job.cancel.set()  # no-op after a normal end; stops the engine when the client went away
+        gen.job.abort()  # no-op after a normal end; stops the engine when the client went away
 
 
 async def serve_generation(server: Any, request: Request, gen: Generation, stream: bool,
                            include_usage: bool) -> Any:
-    server.worker.submit(gen.job)
+    submit(server, gen.job)
     try:
         first = await gen.first_event(request)
     except ClientGone:
         server.metrics.request_done(gen.endpoint, 499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     except BaseException:
-        gen.job.cancel.set()
+        gen.job.abort()
         raise
     if stream:
         return StreamingResponse(stream_events(gen, request, first, include_usage), media_type="text/event-stream",
@@ -254,7 +325,7 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
         server.metrics.request_done(gen.endpoint, 499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     finally:
-        gen.job.cancel.set()
+        gen.job.abort()
     base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": gen.usage()}
     if gen.kind == "chat":
         body = {"object": "chat.completion", **base, "choices": [
@@ -262,6 +333,8 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
     else:
         body = {"object": "text_completion", **base, "choices": [
             {"index": 0, "text": total.content, "logprobs": None, "finish_reason": gen.finish_reason()}]}
+    if gen.return_ids:
+        body["choices"][0].update(token_ids=gen.token_ids, prompt_token_ids=list(gen.job.prompt_ids))
     server.metrics.request_done(gen.endpoint, 200)
     return JSONResponse(body)
 
@@ -284,11 +357,12 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
     parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
                           stop=stop_list(req.stop), prefill_tool=prefill,
                           max_calls=1 if req.parallel_tool_calls is False else None)
-    job = Job(ids, max_new_tokens(requested, len(ids), server.backend.max_context),
+    job = Job(ids, max_new_tokens(requested, len(ids), server.caps.max_context),
               sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, Generation(server, job, parser, "chat"), bool(req.stream),
-                                  include_usage)
+    gen = Generation(server, job, parser, "chat")
+    gen.return_ids = bool(req.return_token_ids)
+    return await serve_generation(server, request, gen, bool(req.stream), include_usage)
 
 
 async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
@@ -317,9 +391,10 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
     controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
                           stops=server.stop_ids, hidden=server.tokenizer.special_ids)
     parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-    limit = max_new_tokens(req.max_tokens, len(ids), server.backend.max_context)
+    limit = max_new_tokens(req.max_tokens, len(ids), server.caps.max_context)
     job = Job(ids, limit if req.max_tokens is not None else min(16, limit),  # OpenAI's default for completions
               sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, Generation(server, job, parser, "completion"), bool(req.stream),
-                                  include_usage)
+    gen = Generation(server, job, parser, "completion")
+    gen.return_ids = bool(req.return_token_ids)
+    return await serve_generation(server, request, gen, bool(req.stream), include_usage)

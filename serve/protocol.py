@@ -94,6 +94,9 @@ class _Sampling(_Open):
     top_logprobs: Any = None
     logit_bias: Any = None
     response_format: Any = None
+    # vLLM's extension: each choice also carries the generated `token_ids` (streamed: each chunk's own ids)
+    # and the `prompt_token_ids` the engine saw.
+    return_token_ids: StrictBool | None = False
 
 
 class ChatCompletionRequest(_Sampling):

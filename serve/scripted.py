@@ -60,17 +60,17 @@ class ScriptedBackend:
         self.max_context = max_context
         self.spec = SimpleNamespace(drafter=None, target=SimpleNamespace(vocab_size=vocab_size))
         self.calls: list[dict] = []  # what each generation received and how it ended
-        self.last_result: GenerationResult | None = None
         self.lock = threading.Lock()
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
         record = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "sampling": sampling, "end": None,
                   "started": time.perf_counter()}
         self.calls.append(record)
-        result = GenerationResult(prompt_tokens=len(prompt_ids))
-        self.last_result = result
+        result = GenerationResult() if result is None else result
+        result.prompt_tokens = len(prompt_ids)
         return self._run(list(self.script(list(prompt_ids))), max_tokens, stop_ids, cancelled, result, record)
 
     def _run(self, tokens, max_tokens, stop_ids, cancelled, result, record) -> Iterator[StepOutput]:
@@ -109,16 +109,21 @@ class ScriptedBackend:
 
     def generate(self, prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False, cancelled=None):
         result = GenerationResult()
-        for step in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled):
-            result.token_ids += step.token_ids
-        return self.last_result or result
+        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
+            pass
+        return result
 
 
 def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):
-    """A loaded ServerState around any backend (the generation_config of Gemma-4: stops 1, 106, 50)."""
+    """A loaded ServerState around any backend, behind an EngineClient (Gemma-4's stops 1, 106, 50)."""
+    from ..runtime.api import EngineClient
     from .app import ServerState
 
-    state = ServerState(model_id, lambda: (backend, tokenizer, template, {"eos_token_id": [1, 106, 50]}))
+    def loader():
+        client = EngineClient(lambda: backend)
+        client.wait_ready()
+        return client, tokenizer, template, {"eos_token_id": [1, 106, 50]}
+    state = ServerState(model_id, loader)
     state.load()
     if state.load_error:
         raise RuntimeError(state.load_error)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import json
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +39,11 @@ class _Result(int):
 
 OK = _Result(0)
 INVALID = _Result(1)
+INVALID_CONTEXT = _Result(201)  # CUDA_ERROR_INVALID_CONTEXT: a context-bound call on a thread with none current
+# Calls that need no current context, as in the real driver; every other cu* call fails without one.
+CONTEXT_FREE = {"cuInit", "cuGetErrorString", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetAttribute",
+                "cuDeviceGetName", "cuDeviceTotalMem", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
+                "cuCtxSetCurrent"}
 
 
 class FakeDriver:
@@ -66,6 +72,7 @@ class FakeDriver:
             super().__init__(id=None, value=SimpleNamespace())
 
     def __init__(self, manifest_dir: Path) -> None:
+        self._ctx = threading.local()
         man = json.loads((Path(manifest_dir) / "manifest.json").read_text())
         self.entries = man["kernels"]
         self._bases: list[int] = []
@@ -89,7 +96,18 @@ class FakeDriver:
     def cuDeviceTotalMem(self, d): return OK, 141 << 30
     def cuDevicePrimaryCtxRetain(self, d): return OK, "ctx"
     def cuDevicePrimaryCtxRelease(self, d): return (OK,)
-    def cuCtxSetCurrent(self, c): return (OK,)
+    def cuCtxSetCurrent(self, c):
+        self._ctx.current = c
+        return (OK,)
+
+    def __getattribute__(self, name: str) -> Any:
+        """Model the driver's per-thread current context: a context-bound call from a thread on which no
+        context was made current answers CUDA_ERROR_INVALID_CONTEXT (what `serve --backend cuda` once hit)."""
+        attr = object.__getattribute__(self, name)
+        if name.startswith("cu") and name not in CONTEXT_FREE and callable(attr) \
+                and getattr(object.__getattribute__(self, "_ctx"), "current", None) is None:
+            return lambda *args, **kwargs: (INVALID_CONTEXT,)
+        return attr
     def cuCtxSynchronize(self): return (OK,)
     def cuMemGetInfo(self): return OK, 100 << 30, 141 << 30
 

@@ -53,43 +53,6 @@ LONGCTX_REPEATS = 24
 TIE_TOL = 1e-2  # |reference logit gap| within which two greedy candidates count as tied (see the docstring)
 
 
-@pytest.fixture(scope="module")
-def device():
-    from thorgen.runtime.device import Device
-
-    try:
-        return Device.open(0)
-    except BackendError as exc:
-        pytest.skip(f"no GPU: {exc}")
-
-
-@pytest.fixture(scope="module")
-def built(device, tiny_checkpoint, tmp_path_factory):
-    """(checkpoint dir, kernels dir): weights repacked for this GPU's arch, kernels built with codegen (or taken
-    prebuilt from $THORGEN_KERNELS, e.g. `thorgen build --preset tiny --arch sm_90a` run where nvcc is)."""
-    import os
-
-    from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime.repack import repack
-
-    repack(tiny_checkpoint, arch=device.info.arch)
-    pre = os.environ.get("THORGEN_KERNELS")
-    if pre and (Path(pre) / "manifest.json").is_file():
-        return tiny_checkpoint, Path(pre)
-    try:
-        from thorgen.codegen.arch import get_arch
-        from thorgen.codegen.builder import build
-        from thorgen.codegen.nvcc import find_nvcc
-
-        find_nvcc()
-    except Exception as exc:  # tests may use codegen; the runtime itself never does
-        pytest.skip(f"no nvcc / codegen: {exc}")
-    spec = Checkpoint.open(tiny_checkpoint).spec
-    kernels = tmp_path_factory.mktemp("kernels")
-    build(spec, get_arch(device.info.arch), kernels)
-    return tiny_checkpoint, kernels
-
-
 def _open(built, **kw):
     from thorgen.runtime.cuda_backend import open_backend
 

@@ -12,6 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.runtime.api import EngineClient  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
 from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
@@ -138,6 +139,26 @@ def test_stop_usage_and_length(client, engine, tok):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tok.encode(SCRIPT["out"]))
 
 
+def test_return_token_ids(server, engine, tok):
+    """vLLM's return_token_ids: the generated ids (stop id included) and the prompt ids, streamed and not."""
+    url = server[0]
+    SCRIPT["out"] = "ab<turn|>"
+    body = {"model": "x", "messages": [{"role": "user", "content": "go"}], "return_token_ids": True}
+    choice = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["token_ids"] == tok.encode("ab<turn|>") and choice["message"]["content"] == "ab"
+    assert choice["prompt_token_ids"] == engine.calls[-1]["prompt"]
+    for endpoint, extra in (("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "x", "max_tokens": 9})):
+        req = dict(body, stream=True, **extra) if not extra else {"model": "x", "stream": True,
+                                                                  "return_token_ids": True, **extra}
+        with httpx.stream("POST", url + endpoint, json=req) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+        assert ids == tok.encode("ab<turn|>")
+    plain = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "x"}).json()["choices"][0]
+    assert "token_ids" not in plain
+
+
 def test_completions_endpoint(client, engine, tok):
     SCRIPT["out"] = "abc<eos>"
     r = client.completions.create(model="x", prompt="Once", max_tokens=10)
@@ -211,7 +232,9 @@ def test_api_key_and_health_while_loading(tok):
 
     def loader():
         gate.wait(10)
-        return engine, tok, ChatTemplate(TEMPLATE.read_text()), {"eos_token_id": [1, 106, 50]}
+        client = EngineClient(lambda: engine)
+        client.wait_ready()
+        return client, tok, ChatTemplate(TEMPLATE.read_text()), {"eos_token_id": [1, 106, 50]}
     state = ServerState("m", loader)
     with running_server(create_app(state, api_key="sekrit")) as url:
         state.load_in_background()
@@ -224,7 +247,7 @@ def test_api_key_and_health_while_loading(tok):
             if httpx.get(url + "/health").status_code == 200:
                 break
             threading.Event().wait(0.02)
-        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401

@@ -56,7 +56,7 @@ def test_32_concurrent_streams_unmixed(tok):
             n = 5 + i % 7
             assert text == f"reply to {i}: " + " ".join(f"{i}.{k}" for k in range(n))
             assert finish == "stop"
-        assert len(engine.calls) == 32 and state.worker.alive
+        assert len(engine.calls) == 32 and state.client.ready
 
 
 def test_disconnect_frees_the_worker(tok):

@@ -7,6 +7,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from thorgen.runtime.api import EngineConfig  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.cli import open_model  # noqa: E402
 from thorgen.serve.scripted import running_server  # noqa: E402
@@ -16,7 +17,7 @@ MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    state = ServerState("tiny", lambda: open_model(tiny_checkpoint, "reference", 1024, "bf16", None),
+    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
                         speculative=False)
     state.load()
     assert state.load_error is None, state.load_error
@@ -91,7 +92,8 @@ def test_over_context_is_400(client):
 def test_speculative_decoding_is_lossless(tiny_checkpoint, client):
     """With the DFlash drafter on, greedy output equals plain greedy output; /metrics sees the verify steps."""
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
-    state = ServerState("tiny", lambda: open_model(tiny_checkpoint, "reference", 1024, "bf16", None), speculative=None)
+    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
+                        speculative=None)
     state.load()
     assert state.speculative is True  # the tiny checkpoint carries a drafter
     with running_server(create_app(state)) as url:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from thorgen.runtime.backend import BackendError, SamplingParams
+from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.drafter import DraftContext
 
@@ -78,8 +78,8 @@ def test_scripted_drafter_covers_every_acceptance_count(tiny_ckpt, backend: Refe
     plain = backend.generate(ids, n_new, sampling).token_ids
     drafter = ScriptedDrafter(ids + plain, plan, 16, tiny_ckpt.spec.target.vocab_size)
     spec_backend = ReferenceBackend(tiny_ckpt, drafter=drafter, prefix_slots=0)
-    steps = list(spec_backend.generate_stream(ids, n_new, sampling, speculative=True))
-    result = spec_backend.last_result
+    result = GenerationResult()
+    steps = list(spec_backend.generate_stream(ids, n_new, sampling, speculative=True, result=result))
     assert [t for s in steps for t in s.token_ids] == result.token_ids == plain
     accepted = [s.accepted for s in steps[1:]]
     assert accepted == plan

@@ -59,7 +59,6 @@ class ReferenceBackend(StreamingBackend):
         self.drafter = drafter
         self.decoder = Decoder(self.target, drafter)
         self.prefix_cache = PrefixCache(prefix_slots)
-        self.last_result: GenerationResult | None = None
 
     def _check(self, prompt_ids: list[int], max_tokens: int, speculative: bool) -> list[int]:
         vocab = self.spec.target.vocab_size
@@ -82,10 +81,9 @@ class ReferenceBackend(StreamingBackend):
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
                         result: GenerationResult | None = None) -> Iterator[StepOutput]:
-        """Yield committed tokens step by step. The filled GenerationResult is `result` (or `last_result`)."""
+        """Yield committed tokens step by step, filling `result` as they come."""
         prompt = self._check(prompt_ids, max_tokens, speculative)
         result = GenerationResult() if result is None else result
-        self.last_result = result
         return self._stream(prompt, max_tokens, sampling, frozenset(stop_ids), speculative, cancelled, result)
 
     def _stream(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],

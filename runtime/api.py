@@ -1,0 +1,360 @@
+"""Runtime stage: the engine client API: open a backend from an `EngineConfig` and drive it from its own thread.
+
+`generate`, `bench` and `serve` all open engines through the one registry here (`open_backend`). The server
+talks to an `EngineClient`, which owns the thread that drives the device: the backend is opened on that thread
+and every later call into it (generation, close) runs there too, so a CUDA context made current while loading
+is current wherever CUDA is called. Outputs come back as immutable `RequestOutput` values, the last of which
+carries the request's `GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .backend import Backend, BackendError, GenerationResult, SamplingParams, StepOutput
+from .kv_cache import default_ctx
+
+log = logging.getLogger("thorgen.engine")
+
+
+# ---- opening a backend: one registry for every command ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to open. `ctx` None: min(the model's max_position_embeddings, 65536)."""
+
+    model: Path
+    backend: str = "reference"
+    ctx: int | None = None
+    kv_dtype: str = "bf16"
+    draft: Path | None = None
+    weights: Path | None = None  # cuda: repacked weights folder (default: found from the model)
+    kernels: Path | None = None  # cuda: built kernels folder (default: $THORGEN_KERNELS, ./thorgen-build/...)
+    prefix_slots: int = 4  # reference: LRU prefix-cache slots (bench passes 0 so that TTFT never hits it)
+
+
+@dataclass(frozen=True)
+class OpenedModel:
+    """A backend plus what the text side needs from the same checkpoint (tokenizer, template, defaults)."""
+
+    backend: Backend
+    tokenizer_path: Path
+    chat_template: str | None
+    generation_config: dict
+    model_dir: Path
+
+
+def _open_reference(config: EngineConfig, ckpt: Any) -> Backend:
+    if config.kv_dtype != "bf16":
+        raise BackendError("--kv-dtype fp8 needs --backend cuda (the reference backend keeps K/V in float32)")
+    from .reference.backend import ReferenceBackend
+
+    ctx = default_ctx(ckpt.spec.target.max_position_embeddings, config.ctx)
+    return ReferenceBackend(ckpt, max_context=ctx, prefix_slots=config.prefix_slots)
+
+
+def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
+    from .cuda_backend import open_backend as open_cuda
+
+    return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
+                     weights_dir=config.weights, kernels_dir=config.kernels)
+
+
+BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
+
+
+def open_backend(config: EngineConfig) -> OpenedModel:
+    """Open the checkpoint and the named backend on the calling thread; BackendError says what is wrong."""
+    from ..model_spec.checkpoint import Checkpoint, CheckpointError
+
+    opener = BACKENDS.get(config.backend)
+    if opener is None:
+        raise BackendError(f"unknown backend {config.backend!r}: choose one of {', '.join(sorted(BACKENDS))}")
+    try:
+        ckpt = Checkpoint.open(config.model, config.draft)
+    except CheckpointError as exc:
+        raise BackendError(str(exc)) from exc
+    return OpenedModel(opener(config, ckpt), Path(ckpt.tokenizer_path), ckpt.chat_template,
+                       dict(ckpt.generation_config or {}), Path(ckpt.model_dir))
+
+
+# ---- the client -------------------------------------------------------------------------------------------------
+
+class RequestRejected(BackendError):
+    """The request cannot be served as asked (prompt over the context, bad ids, ...): a client error (4xx)."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running a request (a CUDA error, a bug): a server error (5xx)."""
+
+
+class EngineBusy(RuntimeError):
+    """The queue is full; retry later (429)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is loading, failed to load, or was closed (503)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    backend: str
+    max_context: int
+    speculative: bool  # the backend can run DFlash draft + verify
+    kv_dtype: str
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    accepted: int | None = None  # drafts accepted by a speculative step
+    finished: bool = False
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    speculative: bool
+    stream: "RequestStream"
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class RequestStream:
+    """The outputs of one submitted request, in order: `async for out in stream`, or `await stream.next(t)`.
+
+    Raises RequestRejected or EngineFailure where the engine reported one. `abort()` stops the request."""
+
+    def __init__(self, client: "EngineClient", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.client, self.request_id, self._loop = client, request_id, loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # engine thread -> event loop
+        if self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop shut down meanwhile
+            pass
+
+    async def next(self, timeout: float | None = None) -> RequestOutput:
+        """The next output; asyncio.TimeoutError when none comes within `timeout` (the request keeps running)."""
+        if self.done:
+            raise StopAsyncIteration
+        item = await (asyncio.wait_for(self._queue.get(), timeout) if timeout is not None else self._queue.get())
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self.next()
+
+    def abort(self) -> None:
+        self.client.abort(self.request_id)
+
+
+class EngineClient:
+    """Owns the engine thread. `opener` runs on that thread and returns the backend (or raises: load error)."""
+
+    def __init__(self, opener: Callable[[], Backend], backend_name: str = "reference", kv_dtype: str = "bf16",
+                 max_queue: int = 1024) -> None:
+        self.backend_name, self.kv_dtype, self.max_queue = backend_name, kv_dtype, max_queue
+        self.backend: Backend | None = None
+        self.load_error: BaseException | None = None
+        self._loaded = threading.Event()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._live: dict[str, _Job] = {}  # queued or running, by request id
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._running: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, args=(opener,), name="thorgen-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, config: EngineConfig, max_queue: int = 1024) -> tuple["EngineClient", OpenedModel]:
+        """Open `config` on a new engine thread; blocks until loaded; BackendError/... from the load re-raised."""
+        holder: dict[str, OpenedModel] = {}
+
+        def opener() -> Backend:
+            holder["model"] = open_backend(config)
+            return holder["model"].backend
+        client = cls(opener, config.backend, config.kv_dtype, max_queue)
+        client.wait_ready()
+        return client, holder["model"]
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._loaded.wait(timeout):
+            raise EngineUnavailable("the engine is still loading")
+        if self.load_error is not None:
+            raise self.load_error
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded.is_set() and self.load_error is None and self._thread.is_alive() and not self._closed
+
+    @property
+    def capabilities(self) -> Capabilities:
+        self.wait_ready(0)
+        b = self.backend
+        speculative = getattr(b, "speculative_available", None)
+        if speculative is None:
+            speculative = getattr(b, "drafter", None) is not None
+        return Capabilities(self.backend_name, int(b.max_context), bool(speculative), self.kv_dtype,
+                            int(b.spec.target.vocab_size))
+
+    def health(self) -> dict:
+        if not self._loaded.is_set():
+            return {"status": "loading"}
+        if self.load_error is not None:
+            return {"status": "error", "error": f"{type(self.load_error).__name__}: {self.load_error}"}
+        if self._closed or not self._thread.is_alive():
+            return {"status": "error", "error": "the engine thread stopped"}
+        with self._lock:
+            live = len(self._live)
+        running = int(self._running is not None)
+        return {"status": "ok", "running": running, "queued": live - running}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel everything, close the backend on its own thread, and join it."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            for job in self._live.values():
+                job.cancel.set()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+               stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request; call from a running event loop. The returned stream yields its outputs."""
+        if not self.ready:
+            health = self.health()
+            raise EngineUnavailable(health.get("error") or f"the engine is {health['status']}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        job = _Job(request_id, list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), speculative, stream)
+        with self._lock:
+            if request_id in self._live:
+                raise RequestRejected(f"request id {request_id!r} is already running")
+            if len(self._live) >= self.max_queue:
+                raise EngineBusy(f"the server is busy: {len(self._live)} requests queued; retry later")
+            self._live[request_id] = job
+        self._jobs.put(job)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a queued or running request (it finishes with finish_reason "cancelled"); False if unknown."""
+        with self._lock:
+            job = self._live.get(request_id)
+        if job is None:
+            return False
+        job.cancel.set()
+        return True
+
+    # -- the engine thread ------------------------------------------------------------------------------------
+    def _main(self, opener: Callable[[], Backend]) -> None:
+        try:
+            self.backend = opener()
+        except BaseException as exc:  # reported by wait_ready / health
+            self.load_error = exc
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            while (job := self._jobs.get()) is not None:
+                self._running = job.request_id
+                try:
+                    self._serve(job)
+                finally:
+                    self._running = None
+                    with self._lock:
+                        self._live.pop(job.request_id, None)
+        finally:
+            self._drain()
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    log.exception("closing the backend failed")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.stream._put(EngineUnavailable("the engine was closed"))
+
+    def _serve(self, job: _Job) -> None:
+        result = GenerationResult(prompt_tokens=len(job.prompt_ids))
+        if job.cancel.is_set():  # aborted while queued
+            job.stream._put(RequestOutput(job.request_id, finished=True,
+                                          result=dataclasses.replace(result, finish_reason="cancelled")))
+            return
+        try:
+            steps = self.backend.generate_stream(job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
+                                                 speculative=job.speculative, cancelled=job.cancel.is_set,
+                                                 result=result)
+        except BackendError as exc:
+            from .device import CudaError  # a driver failure is the engine's fault, whenever it happens
+
+            if isinstance(exc, CudaError):
+                job.stream._put(self._failure(exc))
+            else:  # raised before any work: the request itself is at fault
+                job.stream._put(RequestRejected(str(exc)))
+            return
+        except Exception as exc:
+            job.stream._put(self._failure(exc))
+            return
+        try:
+            for step in steps:
+                job.stream._put(self._output(job, step))
+                if job.cancel.is_set():
+                    result.finish_reason = "cancelled"
+                    break
+        except Exception as exc:  # the request had started: whatever breaks now is the engine's
+            job.stream._put(self._failure(exc))
+            return
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()  # the backend's cleanup (prefix-cache store) runs here, on this thread
+        job.stream._put(RequestOutput(job.request_id, finished=True, result=dataclasses.replace(result)))
+
+    @staticmethod
+    def _output(job: _Job, step: StepOutput) -> RequestOutput:
+        return RequestOutput(job.request_id, tuple(int(t) for t in step.token_ids), step.accepted)
+
+    @staticmethod
+    def _failure(exc: BaseException) -> EngineFailure:
+        log.error("generation failed", exc_info=exc)
+        return EngineFailure(f"generation failed: {type(exc).__name__}: {exc}")

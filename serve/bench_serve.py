@@ -1,0 +1,162 @@
+"""Serve stage: `thorgen bench serve`, a closed-loop load generator against a running OpenAI-compatible server.
+
+Each concurrency level runs C clients that each send requests back to back (streamed /v1/completions with a
+token-id prompt of --prompt-len ids, --gen tokens), and reports TTFT and inter-token latency percentiles,
+per-request decode tok/s and aggregate tok/s (completion tokens of the level / its wall time). Inter-token
+latency is the gap between streamed chunks that carry text, divided by the tokens between them as counted by
+the final usage (a chunk may carry several tokens, and a token may carry no text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+async def _one(http, url: str, body: dict, headers: dict) -> dict:
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    usage = None
+    async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise click.ClickException(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise click.ClickException(f"the server reported an error: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            if any(c.get("text") for c in event.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    tokens = (usage or {}).get("completion_tokens", len(arrivals))
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+
+
+async def run_level(url: str, concurrency: int, requests: int, prompt: list[int], gen: int,
+                    api_key: str | None, timeout: float) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    results: list[dict] = []
+    todo = list(range(requests))
+
+    async def client(http) -> None:
+        while todo:
+            todo.pop()
+            results.append(await _one(http, url, body, headers))
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttft = [r["arrivals"][0] - r["sent"] for r in results if r["arrivals"]]
+    itl, rates = [], []
+    for r in results:
+        a = r["arrivals"]
+        if len(a) > 1 and r["tokens"] > 1:
+            per_token = (r["tokens"] - 1) / (len(a) - 1)  # tokens per text-carrying chunk after the first
+            itl += [(b - x) / per_token for x, b in zip(a, a[1:])]
+            rates.append((r["tokens"] - 1) / (a[-1] - a[0]))
+    total = sum(r["tokens"] for r in results)
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 3)
+    return {"concurrency": concurrency, "requests": len(results), "completion_tokens": total,
+            "wall_s": round(wall, 3), "aggregate_tok_s": round(total / wall, 2),
+            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99)),
+            "request_decode_tok_s_median": round(statistics.median(rates), 2) if rates else None}
+
+
+def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
+    """`prompt_len` token ids of plain text, tokenized by the server itself (so any tokenizer works)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = "The quick brown fox jumps over the lazy dog while the engine streams tokens. "
+    ids: list[int] = []
+    while len(ids) < prompt_len:
+        text *= 2
+        r = httpx.post(url + "/tokenize", json={"prompt": text}, headers=headers, timeout=60)
+        if r.status_code != 200:
+            raise click.ClickException(f"/tokenize answered {r.status_code}: {r.text[:300]}")
+        ids = r.json()["tokens"]
+    return ids[:prompt_len]
+
+
+@click.command("serve")
+@click.option("--url", default="http://127.0.0.1:8080", show_default=True, help="The running server.")
+@click.option("--concurrency", default="1,2,4,8,16,32,64", show_default=True,
+              help="Comma-separated concurrency levels.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--gen", type=click.IntRange(min=2), default=256, show_default=True, help="max_tokens per request.")
+@click.option("--requests", "per_client", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Requests per client at each level (level total = concurrency x this).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True)
+@click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
+@click.option("--engine-tok-s", type=float, default=None,
+              help="The engine's own batch-1 decode tok/s (thorgen bench), reported beside the server's.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON report here (e.g. docs/benchmarks/<name>.json).")
+def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_client: int, timeout: float,
+                api_key: str | None, engine_tok_s: float | None, out_file: Path | None) -> None:
+    """Load-test a running `thorgen serve` (or any OpenAI-compatible server with /tokenize)."""
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{concurrency!r} is not a comma-separated list of integers") from None
+    if not levels or min(levels) < 1:
+        raise click.BadParameter("give concurrency levels >= 1", param_hint="--concurrency")
+    import httpx
+
+    url = url.rstrip("/")
+    try:
+        health = httpx.get(url + "/health", timeout=10)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"no server at {url}: {exc}") from None
+    if health.status_code != 200:
+        raise click.ClickException(f"{url}/health answered {health.status_code}: {health.text[:200]}")
+    prompt = bench_prompt(url, prompt_len, api_key)
+    asyncio.run(run_level(url, 1, 1, prompt, min(gen, 8), api_key, timeout))  # warm-up
+    rows = []
+    for c in levels:
+        row = asyncio.run(run_level(url, c, c * per_client, prompt, gen, api_key, timeout))
+        rows.append(row)
+        click.echo(f"c={c:<3} {row['aggregate_tok_s']:>9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']} ms "
+                   f"p99 {row['ttft_ms_p99']} ms  ITL p50 {row['itl_ms_p50']} ms p99 {row['itl_ms_p99']} ms  "
+                   f"per-request {row['request_decode_tok_s_median']} tok/s")
+    report = {"url": url, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "model": (httpx.get(url + "/v1/models", timeout=10).json().get("data") or [{}])[0].get("id"),
+              "prompt_len": prompt_len, "gen": gen, "requests_per_client": per_client, "levels": rows,
+              "command": f"thorgen bench serve --url {url} --concurrency {concurrency} --prompt-len {prompt_len} "
+                         f"--gen {gen} --requests {per_client}"}
+    if engine_tok_s:
+        one = next((r for r in rows if r["concurrency"] == 1), None)
+        if one and one["request_decode_tok_s_median"]:
+            report["engine_tok_s"] = engine_tok_s
+            report["server_over_engine"] = round(one["request_decode_tok_s_median"] / engine_tok_s, 4)
+            click.echo(f"batch 1 through HTTP: {one['request_decode_tok_s_median']} tok/s = "
+                       f"{100 * report['server_over_engine']:.1f}% of the engine's {engine_tok_s} tok/s")
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,0 +1,50 @@
+"""Serve stage tests: `thorgen bench serve` against a scripted server: every level is reported, tokens come from
+the usage, latencies are positive and ordered, and a server error stops the run with a clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from click.testing import CliRunner  # noqa: E402
+
+from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.serve.app import create_app  # noqa: E402
+from thorgen.serve.bench_serve import bench_serve, percentile  # noqa: E402
+from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
+from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile(list(range(1, 101)), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_bench_serve_levels(tmp_path):
+    tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
+    engine = ScriptedBackend(lambda p: tok.encode("abcdefghijklmnopqrstuvwxyz" * 4), delay=0.002)
+    state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
+    out = tmp_path / "report.json"
+    with running_server(create_app(state)) as url:
+        r = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1,2", "--prompt-len", "40",
+                                             "--gen", "12", "--requests", "2", "--engine-tok-s", "500",
+                                             "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        bad = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1", "--prompt-len", "5000"])
+        assert bad.exit_code != 0 and "400" in bad.output  # the prompt exceeds the scripted context
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["requests"] == 2 * lv["concurrency"] and lv["completion_tokens"] == 12 * lv["requests"]
+        assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
+        assert lv["aggregate_tok_s"] > 0
+    assert len(engine.calls[-1]["prompt"]) == 40 and report["server_over_engine"] > 0
+    assert CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", "--concurrency", "1"]).exit_code != 0
+    state.close()

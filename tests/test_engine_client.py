@@ -1,0 +1,233 @@
+"""Runtime API tests: the EngineClient drives its backend from one thread (where it was opened), maps request
+mistakes to 4xx and engine failures to 5xx through the server, aborts queued and running requests, and reports
+load errors. The cuda backend is served over HTTP on the CPU emulator, whose fake driver answers
+CUDA_ERROR_INVALID_CONTEXT off the thread that made its context current (the bug `serve --backend cuda` had)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from thorgen.runtime.api import (EngineClient, EngineConfig, EngineUnavailable, RequestRejected,  # noqa: E402
+                                 open_backend)
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.kv_cache import default_ctx  # noqa: E402
+from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.serve.app import ServerState, create_app  # noqa: E402
+from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
+from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_file(write_test_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+
+
+class ThreadBoundBackend(ScriptedBackend):
+    """Like a CUDA context: usable only on the thread that created it (anything else raises)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner = threading.get_ident()
+        self.closed_on = None
+
+    def _here(self) -> None:
+        if threading.get_ident() != self.owner:
+            raise BackendError("used off its thread")
+
+    def generate_stream(self, *args, **kwargs):
+        self._here()
+        steps = super().generate_stream(*args, **kwargs)
+
+        def checked():
+            for step in steps:
+                self._here()
+                yield step
+        return checked()
+
+    def close(self) -> None:
+        self._here()
+        self.closed_on = threading.get_ident()
+
+
+def _collect(client: EngineClient, prompt: list[int], n: int, abort_after: int | None = None):
+    async def run():
+        stream = client.submit(prompt, n, SamplingParams())
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if abort_after is not None and len(outs) == abort_after:
+                stream.abort()
+        return outs
+    return asyncio.run(run())
+
+
+def test_client_opens_runs_and_closes_on_its_own_thread(tok):
+    made = {}
+
+    def opener():
+        made["b"] = ThreadBoundBackend(lambda p: tok.encode("hello world"), chunk=2)
+        return made["b"]
+    client = EngineClient(opener)
+    client.wait_ready(10)
+    outs = _collect(client, [2, 3], 64)
+    assert [t for o in outs for t in o.token_ids] == tok.encode("hello world")
+    final = outs[-1]
+    assert final.finished and final.result.finish_reason == "stop" and final.result.token_ids == \
+        tok.encode("hello world")
+    assert made["b"].owner != threading.get_ident()
+    assert client.health() == {"status": "ok", "running": 0, "queued": 0}
+    client.close()
+    assert made["b"].closed_on == made["b"].owner
+    assert client.health()["status"] == "error"
+
+
+def test_abort_running_and_unknown(tok):
+    client = EngineClient(lambda: ScriptedBackend(lambda p: list(range(200, 300)), delay=0.01))
+    client.wait_ready(10)
+    outs = _collect(client, [2], 100, abort_after=3)
+    assert outs[-1].finished and outs[-1].result.finish_reason == "cancelled"
+    assert len(outs) < 20  # stopped within a few steps
+    assert client.abort("no-such-request") is False
+    client.close()
+
+
+def test_request_mistake_is_rejected_and_load_error_reported():
+    client = EngineClient(lambda: ScriptedBackend(lambda p: [5], max_context=8))
+    client.wait_ready(10)
+
+    async def too_long():
+        stream = client.submit([2] * 4, 2, SamplingParams())
+        return await stream.next()
+    client.backend.generate_stream = _raiser(BackendError("the prompt has 4 tokens but the context holds 3"))
+    with pytest.raises(RequestRejected, match="context holds 3"):
+        asyncio.run(too_long())
+    client.close()
+
+    broken = EngineClient(_raiser(OSError("weights missing")))
+    with pytest.raises(OSError, match="weights missing"):
+        broken.wait_ready(10)
+    assert broken.health() == {"status": "error", "error": "OSError: weights missing"}
+
+    async def submit():
+        broken.submit([2], 1, SamplingParams())
+    with pytest.raises(EngineUnavailable, match="weights missing"):
+        asyncio.run(submit())
+
+
+def _raiser(exc: BaseException):
+    def fn(*args, **kwargs):
+        raise exc
+    return fn
+
+
+def _failing_stream(exc: BaseException, after: int):
+    def generate_stream(prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False,
+                        cancelled=None, result=None):
+        def steps():
+            from thorgen.runtime.backend import StepOutput
+            for i in range(after):
+                yield StepOutput([200 + i])
+            raise exc
+        return steps()
+    return generate_stream
+
+
+def test_http_status_of_engine_errors(tok):
+    """Client mistakes stay 400; a CUDA error at submission or any failure mid-generation is a 500."""
+    from thorgen.runtime.device import CudaError
+
+    engine = ScriptedBackend(lambda p: tok.encode("ok"))
+    state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
+    body = {"model": "m", "messages": MSGS}
+    with running_server(create_app(state)) as url:
+        cases = [(_raiser(BackendError("prompt over the context")), 400, "invalid_request_error"),
+                 (_raiser(CudaError("cuMemGetInfo", 201, "CUDA_ERROR_INVALID_CONTEXT")), 500, "server_error"),
+                 (_failing_stream(RuntimeError("kernel fault"), 2), 500, "server_error")]
+        for fn, status, kind in cases:
+            state.client.backend.generate_stream = fn
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["type"] == kind
+        # streamed: the failure arrives as an error event after the tokens already sent, then [DONE]
+        state.client.backend.generate_stream = _failing_stream(RuntimeError("kernel fault"), 2)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=30) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and "kernel fault" in text and text.rstrip().endswith("data: [DONE]")
+        del state.client.backend.generate_stream  # the scripted method again: the server still answers
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    state.close()
+
+
+def test_default_ctx():
+    assert default_ctx(8192) == 8192 and default_ctx(262144) == 65536 and default_ctx(262144, 1000) == 1000
+
+
+@pytest.fixture(scope="module")
+def emulated_cuda(tiny_checkpoint, tmp_path_factory):
+    """(config, driver) for the cuda backend on the CPU emulator (fake driver + fake manifest, real repack)."""
+    pytest.importorskip("thorgen.codegen.plan")
+    import engine_emulator as EE
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime import device as dev
+    from thorgen.runtime.repack import repack
+
+    root = tmp_path_factory.mktemp("emulated-serve")
+    weights = repack(tiny_checkpoint, root / "weights")
+    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
+    drv = EE.install(kernels)
+    yield EngineConfig(tiny_checkpoint, "cuda", weights=weights, kernels=kernels), drv
+    dev.set_driver(None)
+
+
+def test_emulated_driver_is_thread_bound(emulated_cuda):
+    _, drv = emulated_cuda
+    assert drv.cuCtxSetCurrent("ctx")[0] == 0 and drv.cuMemGetInfo()[0] == 0
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(int(drv.cuMemGetInfo()[0])))
+    t.start()
+    t.join()
+    assert seen == [201]  # CUDA_ERROR_INVALID_CONTEXT off the thread that made the context current
+
+
+def test_serve_cuda_backend_over_http(emulated_cuda):
+    """`serve --backend cuda`'s loader, on the emulator: the engine opens on its own thread and answers HTTP;
+    --ctx defaults to the model's 8192 (not 65536, which the tiny model refuses)."""
+    from thorgen.serve.cli import open_model
+
+    config, _ = emulated_cuda
+    state = ServerState("tiny-cuda", lambda: open_model(config))
+    state.load()
+    assert state.load_error is None, state.load_error
+    assert state.caps.backend == "cuda" and state.caps.max_context == 8192
+    try:
+        with running_server(create_app(state)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+            a = client.completions.create(model="m", prompt=[2, 105, 200, 107], max_tokens=4, temperature=0)
+            b = client.completions.create(model="m", prompt=[2, 105, 200, 107], max_tokens=4, temperature=0)
+            assert a.usage.completion_tokens == 4 or a.choices[0].finish_reason == "stop"
+            assert a.choices[0].text == b.choices[0].text
+            chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=3, stream=True,
+                                                         temperature=0))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        state.close()
+
+
+def test_open_backend_names_unknown_backend(tiny_checkpoint):
+    with pytest.raises(BackendError, match="unknown backend 'tpu'"):
+        open_backend(EngineConfig(tiny_checkpoint, "tpu"))
