@@ -12,6 +12,7 @@ COMMANDS = {
     "synth-checkpoint": "thorgen.model_spec.synth.cli:synth_checkpoint",
     "build": "thorgen.codegen.cli:build",
     "repack-weights": "thorgen.runtime.repack_cli:repack_weights",
+    "prepare": "thorgen.prepare:prepare",
     "generate": "thorgen.runtime.cli:generate",
     "bench": "thorgen.runtime.bench:bench",
     "serve": "thorgen.serve.cli:serve",
@@ -41,9 +42,11 @@ class LazyGroup(click.Group):
                     pass
             return command
         except (ImportError, AttributeError) as exc:  # a stage not built yet, or a missing optional dependency
-            @click.command(name=name, help=f"(unavailable: {exc})")
+            reason = str(exc)  # `exc` itself is unbound once the except block ends
+
+            @click.command(name=name, help=f"(unavailable: {reason})")
             def unavailable() -> None:
-                raise click.ClickException(f"`thorgen {name}` is unavailable: {exc}")
+                raise click.ClickException(f"`thorgen {name}` is unavailable: {reason}")
             return unavailable
 
 

@@ -2,15 +2,15 @@
 
 `generate`, `bench` and `serve` all open engines through the one registry here (`open_backend`). The server
 talks to an `EngineClient`, which owns the thread that drives the device: the backend is opened on that thread
-and every later call into it (generation, close) runs there too, so a CUDA context made current while loading
-is current wherever CUDA is called. Outputs come back as immutable `RequestOutput` values, the last of which
-carries the request's `GenerationResult`.
+and every later call into it (the engine core's steps, close) runs there too, so a CUDA context made current
+while loading is current wherever CUDA is called. That thread runs runtime/engine_core.py's `EngineCore` over the
+backend's ModelRunner: submitted requests join the running batch between steps. Outputs come back as immutable
+`RequestOutput` values, the last of which carries the request's `GenerationResult`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .backend import Backend, BackendError, GenerationResult, SamplingParams, StepOutput
+from .backend import Backend, BackendError, GenerationResult, SamplingParams
+from .engine_core import EngineCore, RequestOutput
 from .kv_cache import default_ctx
 
 log = logging.getLogger("thorgen.engine")
@@ -39,6 +40,7 @@ class EngineConfig:
     weights: Path | None = None  # cuda: repacked weights folder (default: found from the model)
     kernels: Path | None = None  # cuda: built kernels folder (default: $THORGEN_KERNELS, ./thorgen-build/...)
     prefix_slots: int = 4  # reference: LRU prefix-cache slots (bench passes 0 so that TTFT never hits it)
+    max_num_seqs: int = 8  # sequences decoded together (the cuda runner holds 1 until batched graphs exist)
 
 
 @dataclass(frozen=True)
@@ -113,17 +115,6 @@ class Capabilities:
     vocab_size: int
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`."""
-
-    request_id: str
-    token_ids: tuple[int, ...] = ()
-    accepted: int | None = None  # drafts accepted by a speculative step
-    finished: bool = False
-    result: GenerationResult | None = None
-
-
 @dataclass
 class _Job:
     request_id: str
@@ -134,6 +125,8 @@ class _Job:
     speculative: bool
     stream: "RequestStream"
     cancel: threading.Event = field(default_factory=threading.Event)
+    in_core: bool = False  # handed to the engine core (else still in the submission queue)
+    aborted: bool = False  # the core was told
 
 
 class RequestStream:
@@ -176,19 +169,23 @@ class RequestStream:
 
 
 class EngineClient:
-    """Owns the engine thread. `opener` runs on that thread and returns the backend (or raises: load error)."""
+    """Owns the engine thread, which runs an EngineCore over the backend's ModelRunner (continuous batching
+    up to `max_num_seqs`). `opener` runs on that thread and returns the backend (or raises: the load error)."""
 
     def __init__(self, opener: Callable[[], Backend], backend_name: str = "reference", kv_dtype: str = "bf16",
-                 max_queue: int = 1024) -> None:
+                 max_queue: int = 1024, max_num_seqs: int = 8, kv_tokens: int | None = None,
+                 max_step_tokens: int = 512) -> None:
         self.backend_name, self.kv_dtype, self.max_queue = backend_name, kv_dtype, max_queue
+        self.max_num_seqs, self.kv_tokens, self.max_step_tokens = max_num_seqs, kv_tokens, max_step_tokens
         self.backend: Backend | None = None
+        self.core: EngineCore | None = None
         self.load_error: BaseException | None = None
         self._loaded = threading.Event()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._live: dict[str, _Job] = {}  # queued or running, by request id
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._running: str | None = None
+        self._running = 0
         self._closed = False
         self._thread = threading.Thread(target=self._main, args=(opener,), name="thorgen-engine", daemon=True)
         self._thread.start()
@@ -201,7 +198,7 @@ class EngineClient:
         def opener() -> Backend:
             holder["model"] = open_backend(config)
             return holder["model"].backend
-        client = cls(opener, config.backend, config.kv_dtype, max_queue)
+        client = cls(opener, config.backend, config.kv_dtype, max_queue, config.max_num_seqs)
         client.wait_ready()
         return client, holder["model"]
 
@@ -235,7 +232,7 @@ class EngineClient:
             return {"status": "error", "error": "the engine thread stopped"}
         with self._lock:
             live = len(self._live)
-        running = int(self._running is not None)
+        running = min(self._running, live)
         return {"status": "ok", "running": running, "queued": live - running}
 
     def close(self, timeout: float = 30.0) -> None:
@@ -279,25 +276,25 @@ class EngineClient:
         return True
 
     # -- the engine thread ------------------------------------------------------------------------------------
+    def _new_core(self) -> EngineCore:
+        return EngineCore(self.backend.runner(self.max_num_seqs, self.kv_tokens), self.max_step_tokens)
+
     def _main(self, opener: Callable[[], Backend]) -> None:
         try:
             self.backend = opener()
+            self.core = self._new_core()
         except BaseException as exc:  # reported by wait_ready / health
             self.load_error = exc
             self._loaded.set()
             return
         self._loaded.set()
         try:
-            while (job := self._jobs.get()) is not None:
-                self._running = job.request_id
-                try:
-                    self._serve(job)
-                finally:
-                    self._running = None
-                    with self._lock:
-                        self._live.pop(job.request_id, None)
+            while self._admit(block=self.core.unfinished == 0):
+                self._abort_cancelled()
+                if self.core.unfinished:
+                    self._step()
         finally:
-            self._drain()
+            self._fail_all(EngineUnavailable("the engine was closed"))
             close = getattr(self.backend, "close", None)
             if close is not None:
                 try:
@@ -305,54 +302,76 @@ class EngineClient:
                 except Exception:
                     log.exception("closing the backend failed")
 
-    def _drain(self) -> None:
+    def _admit(self, block: bool) -> bool:
+        """Move submitted jobs into the core (waiting for one when idle); False once close() was called."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            block = False
+            if job.cancel.is_set():  # aborted while queued
+                result = GenerationResult(prompt_tokens=len(job.prompt_ids), finish_reason="cancelled")
+                self._emit(job, RequestOutput(job.request_id, finished=True, result=result))
+                continue
+            try:
+                self.core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
+                              job.speculative)
+                job.in_core = True
+            except BackendError as exc:
+                from .device import CudaError  # a driver failure is the engine's fault, whenever it happens
+
+                self._emit(job, self._failure(exc) if isinstance(exc, CudaError) else RequestRejected(str(exc)))
+            except Exception as exc:
+                self._emit(job, self._failure(exc))
+
+    def _abort_cancelled(self) -> None:
+        with self._lock:
+            jobs = [j for j in self._live.values() if j.in_core and not j.aborted and j.cancel.is_set()]
+        for job in jobs:
+            job.aborted = True
+            self.core.abort(job.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:  # the engine's fault: every request in the core fails, the core starts over
+            failure = self._failure(exc)
+            with self._lock:
+                jobs = [j for j in self._live.values() if j.in_core]
+            for job in jobs:
+                self._emit(job, failure)
+            self.core = self._new_core()
+            self._running = 0
+            return
+        self._running = len(self.core.scheduler.running)
+        for out in outputs:
+            with self._lock:
+                job = self._live.get(out.request_id)
+            if job is not None:
+                self._emit(job, out)
+
+    def _emit(self, job: _Job, item: RequestOutput | BaseException) -> None:
+        """Hand `item` to the job's stream; a final one (a finished output or an error) retires the job."""
+        if isinstance(item, BaseException) or item.finished:
+            with self._lock:
+                self._live.pop(job.request_id, None)
+        job.stream._put(item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            jobs = list(self._live.values())
+        for job in jobs:
+            self._emit(job, exc)
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
             if job is not None:
-                job.stream._put(EngineUnavailable("the engine was closed"))
-
-    def _serve(self, job: _Job) -> None:
-        result = GenerationResult(prompt_tokens=len(job.prompt_ids))
-        if job.cancel.is_set():  # aborted while queued
-            job.stream._put(RequestOutput(job.request_id, finished=True,
-                                          result=dataclasses.replace(result, finish_reason="cancelled")))
-            return
-        try:
-            steps = self.backend.generate_stream(job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
-                                                 speculative=job.speculative, cancelled=job.cancel.is_set,
-                                                 result=result)
-        except BackendError as exc:
-            from .device import CudaError  # a driver failure is the engine's fault, whenever it happens
-
-            if isinstance(exc, CudaError):
-                job.stream._put(self._failure(exc))
-            else:  # raised before any work: the request itself is at fault
-                job.stream._put(RequestRejected(str(exc)))
-            return
-        except Exception as exc:
-            job.stream._put(self._failure(exc))
-            return
-        try:
-            for step in steps:
-                job.stream._put(self._output(job, step))
-                if job.cancel.is_set():
-                    result.finish_reason = "cancelled"
-                    break
-        except Exception as exc:  # the request had started: whatever breaks now is the engine's
-            job.stream._put(self._failure(exc))
-            return
-        finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                close()  # the backend's cleanup (prefix-cache store) runs here, on this thread
-        job.stream._put(RequestOutput(job.request_id, finished=True, result=dataclasses.replace(result)))
-
-    @staticmethod
-    def _output(job: _Job, step: StepOutput) -> RequestOutput:
-        return RequestOutput(job.request_id, tuple(int(t) for t in step.token_ids), step.accepted)
+                job.stream._put(exc)
 
     @staticmethod
     def _failure(exc: BaseException) -> EngineFailure:

@@ -2,10 +2,10 @@
 
 Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
 against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
-naming them, when built kernels are missing. Plain and speculative (DFlash) decoding share one loop
-(runtime/spec_decode.py run_generation); speculative runs when the model has a drafter and its kernels are built
-(else it raises, naming what is missing); its output equals plain decoding token for token
-(tests/test_engine_speculative_emulated.py).
+naming them, when built kernels are missing. `CudaRunner` is the engine core's ModelRunner (runtime/engine_core.py
+holds the one stop / length / cancel loop); speculative (DFlash) steps run when the model has a drafter and its
+kernels are built (else the request is refused, naming what is missing); their output equals plain decoding
+token for token (tests/test_engine_speculative_emulated.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from ..model_spec.config import spec_from_configs
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import Engine
-from .kv_cache import check_context, default_ctx, plan_kv
+from .kv_cache import default_ctx, plan_kv
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
-from .spec_decode import run_generation
+from .engine_core import generate_one
+from .spec_decode import BLOCK
 from .weights import WeightsArtifact, find_artifact, upload
 
 
@@ -71,23 +72,16 @@ class CudaBackend(StreamingBackend):
         free, total = self.device.mem_info()
         return total - free
 
+    def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> "CudaRunner":
+        """The engine core's ModelRunner: one sequence at a time until batched decode graphs exist."""
+        return CudaRunner(self)
+
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
                         result: GenerationResult | None = None) -> Iterator[StepOutput]:
-        prompt = [int(t) for t in prompt_ids]
-        vocab = self.spec.target.vocab_size
-        check_context(len(prompt), self.max_context)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
-        if max_tokens < 1:
-            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
-        if speculative and not self.engine.speculative:
-            raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
-                               + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
-        result = GenerationResult() if result is None else result
-        return self._run(prompt, max_tokens, sampling, frozenset(stop_ids), cancelled, result, speculative)
+        return generate_one(self.runner(), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
+                            speculative, cancelled, GenerationResult() if result is None else result)
 
     @property
     def drafter(self):
@@ -98,14 +92,6 @@ class CudaBackend(StreamingBackend):
     def speculative_available(self) -> bool:
         """True when generate_stream(speculative=True) can run (a drafter and its kernels are present)."""
         return self.engine.speculative
-
-    def _run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-             cancelled: Callable[[], bool] | None, result: GenerationResult, speculative: bool) -> Iterator[StepOutput]:
-        try:
-            yield from run_generation(self.engine, prompt, max_tokens, sampling, stop_ids, self.max_context,
-                                      cancelled, result, speculative)
-        finally:
-            self._peak_used = max(self._peak_used, self._used())
 
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:
@@ -147,6 +133,61 @@ class CudaBackend(StreamingBackend):
 
     def close(self) -> None:
         self.engine.close()
+
+
+class CudaRunner:
+    """ModelRunner over the Engine, whose KV cache holds one sequence: max_num_seqs 1, whole-prompt prefill
+    (the engine chunks it itself). Plain steps decode the token the previous step left in out_ids[0] when they
+    follow a plain step of the same sequence; otherwise the input token is staged (4 bytes)."""
+
+    max_num_seqs = 1
+    prefill_chunk = None
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend, self.engine = backend, backend.engine
+        self.max_context = self.kv_tokens = backend.max_context
+        self.verify_block = BLOCK if self.engine.speculative else 1
+        self._on_device: tuple[str, int] | None = None  # (request, position) whose token is in out_ids[0]
+
+    def check(self, seq) -> None:
+        vocab = self.backend.spec.target.vocab_size
+        bad = [t for t in seq.prompt if not 0 <= t < vocab]
+        if bad:
+            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        if seq.speculative and not self.engine.speculative:
+            raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
+                               + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
+
+    def admit(self, seq) -> int:
+        s = seq.sampling
+        if not s.greedy:
+            self.engine.set_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
+        return 0
+
+    def prefill(self, seq, start: int, end: int, sample: bool) -> int | None:
+        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative)
+        self._on_device = (seq.request_id, end) if sample else None
+        return tok if sample else None
+
+    def decode(self, seqs: list) -> list[tuple[list[int], bool]]:
+        (seq,) = seqs
+        pos, tok, greedy = len(seq.tokens) - 1, seq.output[-1], seq.sampling.greedy
+        room = seq.room(self.max_context)
+        if seq.speculative and pos + BLOCK <= self.max_context:  # else a verify block would run past the cache
+            drafts, target = self.engine.spec_step(pos, tok, greedy)
+            new = [target[0]]
+            while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
+                new.append(target[len(new)])
+            self._on_device = None  # out_ids[0] now holds a verify row
+            return [(new[:room], True)]
+        staged = None if self._on_device == (seq.request_id, pos) else tok
+        new = self.engine.decode(pos, greedy, token=staged)
+        self._on_device = (seq.request_id, pos + 1)
+        return [([new], False)]
+
+    def release(self, seq, finished: bool) -> None:
+        self._on_device = None
+        self.backend._peak_used = max(self.backend._peak_used, self.backend._used())
 
 
 def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",

@@ -1,5 +1,5 @@
-"""Runtime stage: DFlash speculative decoding on the CUDA engine — the drafter's launches and the decode loop (plain
-steps, or draft/verify steps).
+"""Runtime stage: DFlash speculative decoding on the CUDA engine — the drafter's launches and buffers (the engine
+core's CudaRunner drives the draft/verify steps).
 
 Per step (MODEL_FACTS §3.3), with `last` the newest token at position `start` (not yet in any cache):
   1. draft graph: block embedding of [last, mask x15] (x embed scale) at positions start..start+15, the drafter
@@ -21,11 +21,9 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Iterator
 
 from ..model_spec.types import ModelSpec
-from .backend import BackendError, GenerationResult, SamplingParams, StepOutput
+from .backend import BackendError
 from .forward import Forward, Missing, Op, need
 from .kv_cache import ring_slots
 from .memory import ArenaPlan
@@ -167,56 +165,4 @@ class DraftForward:
         return out
 
 
-def run_generation(engine, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                   stop_ids: frozenset[int], max_context: int, cancelled: Callable[[], bool] | None,
-                   result: GenerationResult, speculative: bool) -> Iterator[StepOutput]:
-    """The cuda backend's decode loop, plain or DFlash (see the module docstring); fills `result`. Plain steps
-    decode the token the previous step left in out_ids[0]; speculative runs plain steps only where a verify block
-    would run past the cache, and then stages the last committed token (out_ids[0] holds a verify row)."""
-    greedy = sampling.greedy
-    if not greedy:
-        engine.set_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
-    result.prompt_tokens = len(prompt)
-    t0 = time.perf_counter()
-    tok = engine.prefill(prompt, greedy, taps=speculative)  # taps: also project the prompt's drafter context
-    result.prefill_s = time.perf_counter() - t0
-    pos, t1 = len(prompt), time.perf_counter()  # pos: position of `tok` (in no cache yet)
-    try:
-        result.token_ids.append(tok)
-        yield StepOutput([tok])
-        if tok in stop_ids:
-            result.finish_reason = "stop"
-            return
-        while True:
-            room = min(max_tokens - len(result.token_ids), max_context - (pos + 1))
-            if room <= 0:
-                result.finish_reason = "length"
-                return
-            if cancelled is not None and cancelled():
-                result.finish_reason = "cancelled"
-                return
-            spec = speculative and pos + BLOCK <= max_context  # else a verify block would run past the cache
-            if spec:
-                drafts, target = engine.spec_step(pos, tok, greedy)
-                new = [target[0]]
-                while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
-                    new.append(target[len(new)])
-                new = new[:room]
-            else:
-                new = [engine.decode(pos, greedy, token=tok if speculative else None)]
-            stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            if stop_at is not None:
-                new = new[:stop_at + 1]
-            if spec:
-                result.accepted_lengths.append(len(new))
-            result.token_ids.extend(new)
-            yield StepOutput(new, accepted=len(new) - 1 if speculative else None)
-            if stop_at is not None:
-                result.finish_reason = "stop"
-                return
-            tok, pos = new[-1], pos + len(new)
-    finally:
-        result.decode_s = time.perf_counter() - t1
-
-
-__all__ = ["BLOCK", "DraftForward", "plan_drafter_activations", "run_generation", "split_weights"]
+__all__ = ["BLOCK", "DraftForward", "plan_drafter_activations", "split_weights"]

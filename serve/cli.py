@@ -43,9 +43,12 @@ def open_model(config):
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
+@click.option("--max-num-seqs", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Requests decoded together (continuous batching); the cuda backend runs 1 until its batched "
+                   "decode graphs exist.")
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
-          model_name: str | None, weights: Path | None, kernel_dir: Path | None) -> None:
+          model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
@@ -62,7 +65,7 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     def loader():
         folder = ensure_demo_checkpoint() if demo else model_dir
         return open_model(EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir,
-                                       weights, kernel_dir))
+                                       weights, kernel_dir, max_num_seqs=max_num_seqs))
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.

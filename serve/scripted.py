@@ -52,7 +52,9 @@ def write_test_tokenizer(path: str | Path) -> Path:
 
 
 class ScriptedBackend:
-    """Backend protocol: `script(prompt_ids) -> token ids` is replayed `chunk` tokens per step, `delay` s a step."""
+    """Backend protocol: `script(prompt_ids) -> token ids` is replayed `chunk` tokens per step, `delay` s a step.
+    It runs through the engine core like every backend (ScriptedRunner); a script that runs out ends the
+    request with a stop id, as if the model had ended its turn."""
 
     def __init__(self, script: Callable[[list[int]], list[int]], max_context: int = 4096, chunk: int = 1,
                  delay: float = 0.0, vocab_size: int = BYTE_BASE + 256) -> None:
@@ -62,56 +64,69 @@ class ScriptedBackend:
         self.calls: list[dict] = []  # what each generation received and how it ended
         self.lock = threading.Lock()
 
+    def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> "ScriptedRunner":
+        return ScriptedRunner(self, max_num_seqs, kv_tokens)
+
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
                         result: GenerationResult | None = None) -> Iterator[StepOutput]:
-        record = {"prompt": list(prompt_ids), "max_tokens": max_tokens, "sampling": sampling, "end": None,
-                  "started": time.perf_counter()}
-        self.calls.append(record)
-        result = GenerationResult() if result is None else result
-        result.prompt_tokens = len(prompt_ids)
-        return self._run(list(self.script(list(prompt_ids))), max_tokens, stop_ids, cancelled, result, record)
+        from ..runtime.engine_core import generate_one
 
-    def _run(self, tokens, max_tokens, stop_ids, cancelled, result, record) -> Iterator[StepOutput]:
-        result.finish_reason = "length"
-        try:
-            i = 0
-            while i < len(tokens) and len(result.token_ids) < max_tokens:
-                if cancelled is not None and cancelled():
-                    result.finish_reason = "cancelled"
-                    break
-                if self.delay:
-                    time.sleep(self.delay)
-                step = []
-                for t in tokens[i:i + self.chunk]:
-                    if len(result.token_ids) + len(step) >= max_tokens:
-                        break
-                    step.append(t)
-                    if t in stop_ids:
-                        break
-                i += len(step)
-                result.token_ids += step
-                try:
-                    yield StepOutput(step)
-                except GeneratorExit:  # the consumer stopped early (a cancel): report it as such
-                    result.finish_reason = "cancelled"
-                    raise
-                if step and step[-1] in stop_ids:
-                    result.finish_reason = "stop"
-                    break
-            else:
-                if len(result.token_ids) < max_tokens:
-                    result.finish_reason = "stop"  # the script ended: as if an end-of-turn was produced
-        finally:
-            record["end"] = result.finish_reason
-            record["ended"] = time.perf_counter()
+        return generate_one(self.runner(1), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
+                            speculative, cancelled, GenerationResult() if result is None else result)
 
     def generate(self, prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False, cancelled=None):
         result = GenerationResult()
         for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
             pass
         return result
+
+
+class ScriptedRunner:
+    """The engine core's ModelRunner for ScriptedBackend: each step commits the next `chunk` script tokens."""
+
+    prefill_chunk = None
+    verify_block = 1
+
+    def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
+        self.backend, self.max_num_seqs = backend, max_num_seqs
+        self.max_context = backend.max_context
+        self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
+        self._runs: dict[str, tuple[list[int], dict]] = {}
+
+    def check(self, seq) -> None:
+        pass
+
+    def admit(self, seq) -> int:
+        record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,
+                  "end": None, "started": time.perf_counter()}
+        with self.backend.lock:
+            self.backend.calls.append(record)
+        self._runs[seq.request_id] = (list(self.backend.script(list(seq.prompt))), record)
+        return 0
+
+    def _next(self, seq, n: int) -> list[int]:
+        tokens, _ = self._runs[seq.request_id]
+        done = len(seq.output)
+        if done >= len(tokens):  # the script ran out: end the turn
+            return [min(seq.stop_ids) if seq.stop_ids else 1]
+        return tokens[done:done + n]
+
+    def prefill(self, seq, start: int, end: int, sample: bool) -> int | None:
+        if self.backend.delay:
+            time.sleep(self.backend.delay)
+        return self._next(seq, 1)[0] if sample else None
+
+    def decode(self, seqs: list) -> list[list[int]]:
+        if self.backend.delay:
+            time.sleep(self.backend.delay)
+        return [(self._next(seq, self.backend.chunk)[:max(seq.room(self.max_context), 1)], False) for seq in seqs]
+
+    def release(self, seq, finished: bool) -> None:
+        _, record = self._runs.pop(seq.request_id)
+        if finished:
+            record["end"], record["ended"] = seq.finish_reason, time.perf_counter()
 
 
 def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):

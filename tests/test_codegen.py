@@ -8,7 +8,6 @@ import os
 import threading
 from pathlib import Path
 
-import jinja2
 import pytest
 from click.testing import CliRunner
 

@@ -6,6 +6,7 @@ CUDA_ERROR_INVALID_CONTEXT off the thread that made its context current (the bug
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 from pathlib import Path
@@ -37,35 +38,32 @@ def tok(tmp_path_factory) -> Tokenizer:
 
 
 class ThreadBoundBackend(ScriptedBackend):
-    """Like a CUDA context: usable only on the thread that created it (anything else raises)."""
+    """Like a CUDA context: usable only on the thread that created it (its runner raises anywhere else)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.owner = threading.get_ident()
         self.closed_on = None
 
-    def _here(self) -> None:
+    def here(self) -> None:
         if threading.get_ident() != self.owner:
             raise BackendError("used off its thread")
 
-    def generate_stream(self, *args, **kwargs):
-        self._here()
-        steps = super().generate_stream(*args, **kwargs)
-
-        def checked():
-            for step in steps:
-                self._here()
-                yield step
-        return checked()
+    def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None):
+        runner = super().runner(max_num_seqs, kv_tokens)
+        for name in ("check", "admit", "prefill", "decode", "release"):
+            method = getattr(runner, name)
+            setattr(runner, name, lambda *a, _m=method, **k: (self.here(), _m(*a, **k))[1])
+        return runner
 
     def close(self) -> None:
-        self._here()
+        self.here()
         self.closed_on = threading.get_ident()
 
 
 def _collect(client: EngineClient, prompt: list[int], n: int, abort_after: int | None = None):
     async def run():
-        stream = client.submit(prompt, n, SamplingParams())
+        stream = client.submit(prompt, n, SamplingParams(), stop_ids=frozenset({1}))
         outs = []
         async for out in stream:
             outs.append(out)
@@ -84,10 +82,10 @@ def test_client_opens_runs_and_closes_on_its_own_thread(tok):
     client = EngineClient(opener)
     client.wait_ready(10)
     outs = _collect(client, [2, 3], 64)
-    assert [t for o in outs for t in o.token_ids] == tok.encode("hello world")
+    reply = tok.encode("hello world") + [1]  # the scripted runner ends its turn with the stop id
+    assert [t for o in outs for t in o.token_ids] == reply
     final = outs[-1]
-    assert final.finished and final.result.finish_reason == "stop" and final.result.token_ids == \
-        tok.encode("hello world")
+    assert final.finished and final.result.finish_reason == "stop" and final.result.token_ids == reply
     assert made["b"].owner != threading.get_ident()
     assert client.health() == {"status": "ok", "running": 0, "queued": 0}
     client.close()
@@ -112,8 +110,8 @@ def test_request_mistake_is_rejected_and_load_error_reported():
     async def too_long():
         stream = client.submit([2] * 4, 2, SamplingParams())
         return await stream.next()
-    client.backend.generate_stream = _raiser(BackendError("the prompt has 4 tokens but the context holds 3"))
-    with pytest.raises(RequestRejected, match="context holds 3"):
+    client.core.runner.check = _raiser(BackendError("prompt token ids [9999] lie outside the vocabulary"))
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
         asyncio.run(too_long())
     client.close()
 
@@ -134,16 +132,16 @@ def _raiser(exc: BaseException):
     return fn
 
 
-def _failing_stream(exc: BaseException, after: int):
-    def generate_stream(prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False,
-                        cancelled=None, result=None):
-        def steps():
-            from thorgen.runtime.backend import StepOutput
-            for i in range(after):
-                yield StepOutput([200 + i])
+def _fails_after(runner, exc: BaseException, steps: int):
+    """Make the runner's decode raise `exc` once `steps` decode steps ran."""
+    decode, calls = runner.decode, []
+
+    def failing(seqs):
+        calls.append(1)
+        if len(calls) > steps:
             raise exc
-        return steps()
-    return generate_stream
+        return decode(seqs)
+    return failing
 
 
 def test_http_status_of_engine_errors(tok):
@@ -154,20 +152,30 @@ def test_http_status_of_engine_errors(tok):
     state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
     body = {"model": "m", "messages": MSGS}
     with running_server(create_app(state)) as url:
-        cases = [(_raiser(BackendError("prompt over the context")), 400, "invalid_request_error"),
-                 (_raiser(CudaError("cuMemGetInfo", 201, "CUDA_ERROR_INVALID_CONTEXT")), 500, "server_error"),
-                 (_failing_stream(RuntimeError("kernel fault"), 2), 500, "server_error")]
-        for fn, status, kind in cases:
-            state.client.backend.generate_stream = fn
+        runner = state.client.core.runner
+        cases = [("check", _raiser(BackendError("prompt token ids [9999] lie outside the vocabulary")), 400,
+                  "invalid_request_error"),
+                 ("prefill", _raiser(CudaError("cuMemGetInfo", 201, "CUDA_ERROR_INVALID_CONTEXT")), 500,
+                  "server_error"),
+                 ("decode", _fails_after(runner, RuntimeError("kernel fault"), 0), 500, "server_error")]
+        for name, fn, status, kind in cases:
+            setattr(state.client.core.runner, name, fn)
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
             assert r.status_code == status, r.text
             assert r.json()["error"]["type"] == kind
+            for patched in ("check", "prefill", "decode"):  # back to the class's methods (the core may be new)
+                state.client.core.runner.__dict__.pop(patched, None)
         # streamed: the failure arrives as an error event after the tokens already sent, then [DONE]
-        state.client.backend.generate_stream = _failing_stream(RuntimeError("kernel fault"), 2)
+        SCRIPT_LONG = tok.encode("a long reply")
+        engine.script = lambda p: SCRIPT_LONG
+        state.client.core.runner.decode = _fails_after(state.client.core.runner, RuntimeError("kernel fault"), 2)
         with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=30) as r:
             text = "".join(r.iter_text())
         assert r.status_code == 200 and "kernel fault" in text and text.rstrip().endswith("data: [DONE]")
-        del state.client.backend.generate_stream  # the scripted method again: the server still answers
+        content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in text.splitlines()
+                          if line.startswith("data: {") and "choices" in line)
+        assert content == "a l"  # the prefill and two decode steps that ran before the failure were streamed
+        # the core started over after the failure: the server still answers
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
     state.close()
 

@@ -255,7 +255,7 @@ def test_profile_step_times_every_launch(emulated):
 
 def test_plain_generation_stop_length_and_cancel(emulated):
     """The shared decode loop on plain steps: a stop id ends the run (and is kept), max_tokens and the context end
-    give "length", a cancel after the first token gives "cancelled"; each step is one token (no accepted counts)."""
+    give "length", a cancel before a step gives "cancelled"; each step is one token (no accepted counts)."""
     open_, _ = emulated
     backend, _ = open_("bf16")
     ids = [2] + list(range(300, 320))
@@ -271,8 +271,11 @@ def test_plain_generation_stop_length_and_cancel(emulated):
     room = backend.max_context - len(ids)  # tokens until the context is full
     end = backend.generate(ids, room + 10, params)
     assert len(end.token_ids) == room and end.finish_reason == "length"
-    cut = backend.generate(ids, 12, params, cancelled=lambda: True)
-    assert cut.token_ids == free.token_ids[:1] and cut.finish_reason == "cancelled"
+    cut = backend.generate(ids, 12, params, cancelled=lambda: True)  # polled before every step: no work at all
+    assert cut.token_ids == [] and cut.finish_reason == "cancelled"
+    polls: list = []
+    cut = backend.generate(ids, 12, params, cancelled=lambda: len(polls.append(1) or polls) > 2)
+    assert cut.token_ids == free.token_ids[:2] and cut.finish_reason == "cancelled"
 
 
 def test_eager_forwards_create_no_events(emulated, monkeypatch):

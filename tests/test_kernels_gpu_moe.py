@@ -13,7 +13,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
-from thorgen.runtime import layouts as L
 
 pytestmark = pytest.mark.gpu
 

@@ -33,39 +33,56 @@ def _thorgen(*args: str) -> list[str]:
     return [sys.executable, "-c", "from thorgen.cli import main; main()", *args]
 
 
-@pytest.fixture(scope="module")
-def server(built, tmp_path_factory):
-    model, kernels = built
+def _start(model, kernels, log, *extra: str):
+    """`thorgen serve --backend cuda` on a free port; (process, url) once /health is 200."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(_thorgen("serve", "--model", str(model), "--backend", "cuda", "--port", str(port),
-                                         "--kernel-dir", str(kernels)), stdout=out, stderr=subprocess.STDOUT)
+                                         "--kernel-dir", str(kernels), *extra), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"thorgen serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc, log)
+            pytest.fail(f"thorgen serve was not healthy within 180 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+def _stop(proc, log) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"thorgen serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"thorgen serve was not healthy within 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    print(f"\n--- {log.name} (tail) ---\n{log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(built, tmp_path_factory):
+    model, kernels = built
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc, url = _start(model, kernels, log)
+    try:
         yield url, model, kernels
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        print(f"\n--- thorgen serve log (tail) ---\n{log.read_text()[-2000:]}")
+        _stop(proc, log)
+
+
+def _ids(url: str, prompt: list[int], n: int, **sampling) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "return_token_ids": True, **sampling}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
 
 
 @pytest.fixture()
@@ -132,3 +149,33 @@ def test_abort_mid_stream_frees_the_engine(server, client):
 def test_prompt_over_the_context_is_a_400(server):
     r = httpx.post(server[0] + "/v1/completions", json={"model": "m", "prompt": [2] * 9000, "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
+def test_concurrent_requests_equal_alone(server, sampling):
+    """32 concurrent requests (different prompts) through the engine core: each gets its tokens alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = server[0]
+    prompts = [PROMPT_IDS[:-1] + [200 + 3 * i, 107] for i in range(32)]
+    alone = [_ids(url, p, 12, **sampling) for p in prompts]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda p: _ids(url, p, 12, **sampling), prompts))
+    assert together == alone
+
+
+def test_speculative_server_equals_plain(server, tmp_path):
+    """A second server with DFlash on (--draft-tokens 15): greedy tokens equal the plain server's."""
+    url, model, kernels = server
+    prompts = [PROMPT_IDS, [2, 105, 150, 151, 152, 107]]
+    plain = [_ids(url, p, 40, temperature=0) for p in prompts]
+    log = tmp_path / "serve-speculative.log"
+    proc, spec_url = _start(model, kernels, log, "--draft-tokens", "15")
+    try:
+        assert [_ids(spec_url, p, 40, temperature=0) for p in prompts] == plain
+        metrics = httpx.get(spec_url + "/metrics").text
+        assert "thorgen_accepted_tokens_per_step_count" in metrics
+        count = [ln for ln in metrics.splitlines() if ln.startswith("thorgen_accepted_tokens_per_step_count")]
+        assert float(count[0].split()[-1]) > 0  # verify steps ran
+    finally:
+        _stop(proc, log)

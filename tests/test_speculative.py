@@ -132,7 +132,8 @@ def test_cancel_and_bad_requests(tiny_ckpt) -> None:
     b = ReferenceBackend(tiny_ckpt, max_context=64, prefix_slots=0)
     calls = []
     r = b.generate(prompt(6, 10), 30, SamplingParams(), cancelled=lambda: len(calls.append(1) or calls) > 3)
-    assert r.finish_reason == "cancelled" and len(r.token_ids) == 4
+    # polled before every engine step, the prefill included: three steps ran (prefill + 2 decodes)
+    assert r.finish_reason == "cancelled" and len(r.token_ids) == 3 and len(calls) == 4
     for bad in ([], [5, 512], [-1], prompt(64, 11)):
         with pytest.raises(BackendError):
             b.generate(bad, 4, SamplingParams())

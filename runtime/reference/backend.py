@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
+from ..engine_core import generate_one
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
+from .runner import ReferenceRunner
 from .speculative import Decoder
 from .state import PrefixCache
 from .w4a16 import W4A16Target
@@ -60,46 +62,15 @@ class ReferenceBackend(StreamingBackend):
         self.decoder = Decoder(self.target, drafter)
         self.prefix_cache = PrefixCache(prefix_slots)
 
-    def _check(self, prompt_ids: list[int], max_tokens: int, speculative: bool) -> list[int]:
-        vocab = self.spec.target.vocab_size
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise BackendError("the prompt is empty: give at least one token id")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
-        if len(prompt) >= self.max_context:
-            raise BackendError(f"the prompt has {len(prompt)} tokens; max_context is {self.max_context}, which "
-                               "leaves no room to generate: shorten the prompt or raise max_context")
-        if max_tokens < 1:
-            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
-        if speculative and self.drafter is None:
-            raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
-        return prompt
+    def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
+        """The engine core's ModelRunner over this backend (shares its model, drafter and prefix cache)."""
+        return ReferenceRunner(self, max_num_seqs, kv_tokens)
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
                         result: GenerationResult | None = None) -> Iterator[StepOutput]:
-        """Yield committed tokens step by step, filling `result` as they come."""
-        prompt = self._check(prompt_ids, max_tokens, speculative)
-        result = GenerationResult() if result is None else result
-        return self._stream(prompt, max_tokens, sampling, frozenset(stop_ids), speculative, cancelled, result)
-
-    def _stream(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                speculative: bool, cancelled: Callable[[], bool] | None,
-                result: GenerationResult) -> Iterator[StepOutput]:
-        state, reused = self.prefix_cache.lookup(prompt)
-        if state is None:
-            state = self.decoder.new_state()
-        result.prompt_tokens = len(prompt)
-        result.cached_prompt_tokens = reused
-        try:
-            yield from self.decoder.run(state, prompt, max_tokens, sampling, stop_ids, speculative,
-                                        self.max_context, result, cancelled)
-        finally:
-            if state.length >= len(prompt):  # prefill completed: reusable once rolled back to what it covers
-                state.truncate(state.length)
-                self.prefix_cache.store(state)
-
-
+        """Yield committed tokens step by step, filling `result` as they come (one request, engine core)."""
+        return generate_one(self.runner(1, self.max_context), list(prompt_ids), max_tokens, sampling,
+                            frozenset(stop_ids), speculative, cancelled,
+                            GenerationResult() if result is None else result)

@@ -1,0 +1,191 @@
+"""Runtime stage: the engine core: `step()` = schedule -> run (a backend's ModelRunner) -> postprocess.
+
+The stop, length and cancel rules live here once, for plain and speculative decoding and for every backend:
+a runner only computes tokens. Its decode step returns, per sequence, the tokens the step commits (one, or the
+accepted drafts plus the bonus token), and postprocess cuts them after a stop id and at the room left
+(max_tokens, context). Outputs are `RequestOutput` values; a finished request's last one carries its result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from .backend import BackendError, GenerationResult, SamplingParams
+from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    accepted: int | None = None  # drafts accepted by a speculative step
+    finished: bool = False
+    result: GenerationResult | None = None
+
+
+class ModelRunner(Protocol):
+    """What a backend gives the engine core. Every call runs on the engine thread."""
+
+    max_context: int
+    max_num_seqs: int  # sequences whose K/V it can hold at once
+    kv_tokens: int  # K/V entries it can hold in all (the scheduler's block budget)
+    verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
+    prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
+
+    def check(self, seq: Sequence) -> None:
+        """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
+
+    def admit(self, seq: Sequence) -> int:
+        """Make per-sequence state; returns how many leading tokens a prefix cache already covers."""
+
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool) -> int | None:
+        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1])."""
+
+    def decode(self, seqs: list[Sequence]) -> list[tuple[list[int], bool]]:
+        """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
+        draft + verify step)."""
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """Drop the sequence's state (a finished one may stay in a prefix cache)."""
+
+
+class EngineCore:
+    """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
+
+    def __init__(self, runner: ModelRunner, max_step_tokens: int = 512, block_size: int = 16) -> None:
+        self.runner = runner
+        pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
+        self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
+                                   runner.verify_block, runner.prefill_chunk)
+        self._seqs: dict[str, Sequence] = {}
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+            stop_ids: frozenset[int] = frozenset(), speculative: bool = False) -> Sequence:
+        """Queue a request; BackendError when it cannot be served as asked (checked now, before any work)."""
+        if request_id in self._seqs:
+            raise BackendError(f"request id {request_id!r} is already in the engine")
+        if not prompt:
+            raise BackendError("the prompt is empty: at least one token (e.g. <bos>) is needed")
+        if len(prompt) >= self.runner.max_context:
+            raise BackendError(f"the prompt has {len(prompt)} tokens but the context (--ctx) holds "
+                               f"{self.runner.max_context}; shorten the prompt or raise --ctx above {len(prompt)}")
+        if max_tokens < 1:
+            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
+        seq = Sequence(request_id, [int(t) for t in prompt], sampling, int(max_tokens), frozenset(stop_ids),
+                       speculative)
+        self.runner.check(seq)
+        try:
+            self.scheduler.add(seq)
+        except KVExhausted as exc:
+            raise BackendError(str(exc)) from None
+        self._seqs[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        seq.cancelled = True  # finished at the start of the next step, between steps
+        return True
+
+    @property
+    def unfinished(self) -> int:
+        return self.scheduler.unfinished
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish(s, "cancelled") for s in list(self._seqs.values()) if s.cancelled]
+        schedule = self.scheduler.schedule()
+        for seq in schedule.preempted:
+            self.runner.release(seq, finished=False)
+        outputs += [self._finish(seq, "length") for seq in schedule.exhausted]
+        new: list[tuple[Sequence, list[int], bool]] = []
+        for p in schedule.prefills:
+            start = p.start
+            if start == 0:  # just admitted (or readmitted after a preemption)
+                cached = min(self.runner.admit(p.seq), p.end - 1)
+                if cached > 0:  # a prefix-cache hit: those tokens need no forward
+                    start = p.seq.num_cached = cached
+                    if p.seq.preemptions == 0:
+                        p.seq.cached_prompt_tokens = cached
+            token = self.runner.prefill(p.seq, start, p.end, p.sample)
+            p.seq.num_cached = p.end
+            if p.sample:
+                new.append((p.seq, [int(token)], False))
+        if schedule.decodes:
+            for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes))):
+                seq.num_cached = len(seq.tokens) - 1 + len(chain)  # its input token plus all but the last new
+                new.append((seq, [int(t) for t in chain], verified))
+        for seq, tokens, verified in new:
+            outputs += self._commit(seq, tokens, verified)
+        return outputs
+
+    def _commit(self, seq: Sequence, tokens: list[int], verified: bool) -> list[RequestOutput]:
+        """The stop / length rules: keep tokens up to a stop id and within the room; finish when done."""
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        tokens = tokens[:max(seq.room(self.runner.max_context), 0)]
+        stop_at = next((i for i, t in enumerate(tokens) if t in seq.stop_ids), None)
+        if stop_at is not None:
+            tokens = tokens[:stop_at + 1]
+        seq.output += tokens
+        accepted = None
+        if verified:
+            accepted = len(tokens) - 1
+            seq.accepted_lengths.append(len(tokens))
+        out = [RequestOutput(seq.request_id, tuple(tokens), accepted)]
+        if stop_at is not None:
+            out.append(self._finish(seq, "stop"))
+        elif seq.room(self.runner.max_context) <= 0:
+            out.append(self._finish(seq, "length"))
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        was_running = seq.status.value == "running"
+        self.scheduler.finish(seq, reason)
+        if was_running:
+            self.runner.release(seq, finished=True)
+        self._seqs.pop(seq.request_id, None)
+        first = seq.first_token_at or seq.finished_at
+        result = GenerationResult(token_ids=list(seq.output), accepted_lengths=list(seq.accepted_lengths),
+                                  finish_reason=reason, prompt_tokens=len(seq.prompt),
+                                  cached_prompt_tokens=seq.cached_prompt_tokens,
+                                  prefill_s=first - (seq.admitted_at or seq.arrived),
+                                  decode_s=seq.finished_at - first)
+        return RequestOutput(seq.request_id, finished=True, result=result)
+
+
+def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int], speculative: bool, cancelled, result: GenerationResult):
+    """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
+    BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
+    from .backend import StepOutput
+
+    core = EngineCore(runner)
+    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative)
+    result.prompt_tokens = len(prompt)
+
+    def steps():
+        try:
+            while core.unfinished:
+                if cancelled is not None and cancelled():
+                    core.abort("generate")
+                for out in core.step():
+                    if out.finished:
+                        r = out.result
+                        result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
+                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = \
+                            r.cached_prompt_tokens, r.prefill_s, r.decode_s
+                        return
+                    result.token_ids += out.token_ids
+                    yield StepOutput(list(out.token_ids), out.accepted)
+        finally:
+            if core.unfinished:  # the consumer stopped early: finish it as cancelled, releasing its state
+                core.abort("generate")
+                core.step()
+                result.finish_reason = "cancelled"
+    return steps()

@@ -1,0 +1,224 @@
+"""Runtime stage: the engine core's `Sequence`, its KV-block accounting and the `Scheduler` (nano-vllm's shape).
+
+A sequence's K/V covers `num_cached` of its tokens. While it decodes, that is every token but the last sampled
+one, which is the next step's input. Each step the scheduler first gives every running decoder its step (one
+token, or a verify block when speculative), then fills the rest of the per-step token budget with prefill
+chunks: of sequences already admitted, then of new ones (FCFS), each admitted only when its KV blocks fit.
+When a decoder needs a block and none is free, the most recently admitted other sequence is preempted by
+recompute: its blocks are freed and it re-queues at the front, keeping its output. On readmission it prefills
+its prompt plus all its output but the last token, and continues, with the tokens it would have produced anyway
+(seeded sampling depends only on seed and position).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .backend import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine core. `output` grows as steps commit tokens."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    speculative: bool = False
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_cached: int = 0  # tokens whose K/V the runner holds for this sequence
+    blocks: int = 0  # KV blocks charged to it
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from a prefix cache (first admission)
+    accepted_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    preemptions: int = 0
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    admitted_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens the K/V must cover before decoding: all of them, except a resumed sequence's last output."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    def room(self, max_context: int) -> int:
+        """Tokens it may still commit: bounded by max_tokens and by the context."""
+        return min(self.max_tokens - len(self.output), max_context - len(self.prompt) - len(self.output))
+
+
+@dataclass(frozen=True)
+class Prefill:
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool  # the chunk ends the prompt of a sequence with no output yet: sample its first token
+
+
+@dataclass(frozen=True)
+class Schedule:
+    prefills: tuple[Prefill, ...] = ()
+    decodes: tuple[Sequence, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+    exhausted: tuple[Sequence, ...] = ()  # alone, it outgrew the whole KV cache: it ends at its length
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class KVExhausted(Exception):
+    """A single sequence needs more KV blocks than the whole cache has."""
+
+
+@dataclass
+class BlockPool:
+    """Counts KV blocks of `block_size` tokens; `num_blocks` of them exist."""
+
+    num_blocks: int
+    block_size: int = 16
+    used: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.num_blocks - self.used
+
+    def needed(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Charge `seq` enough blocks to hold `tokens` K/V entries; False (nothing charged) if they are not free."""
+        extra = self.needed(tokens) - seq.blocks
+        if extra <= 0:
+            return True
+        if extra > self.free:
+            return False
+        self.used += extra
+        seq.blocks += extra
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.used -= seq.blocks
+        seq.blocks = 0
+
+
+class Scheduler:
+    """FCFS admission under a KV budget and `max_num_seqs`; chunked prefill under `max_step_tokens` per step."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_step_tokens: int, max_context: int,
+                 verify_block: int = 1, prefill_chunk: int | None = None) -> None:
+        self.pool, self.max_num_seqs, self.max_step_tokens = pool, max_num_seqs, max_step_tokens
+        self.max_context, self.verify_block = max_context, verify_block
+        self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        need = self.pool.needed(len(seq.prompt) + 1)
+        if need > self.pool.num_blocks:
+            raise KVExhausted(f"the prompt has {len(seq.prompt)} tokens and needs {need} KV blocks of "
+                              f"{self.pool.block_size} tokens, but the whole KV cache holds {self.pool.num_blocks} "
+                              f"blocks ({self.pool.num_blocks * self.pool.block_size} tokens)")
+        self.waiting.append(seq)
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def step_tokens(self, seq: Sequence) -> int:
+        """K/V positions a decode step of `seq` writes: its verify block when speculative, else one."""
+        return self.verify_block if seq.speculative else 1
+
+    def schedule(self) -> Schedule:
+        budget = self.max_step_tokens
+        decodes: list[Sequence] = []
+        preempted: list[Sequence] = []
+        exhausted: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.prefilling or seq not in self.running:
+                continue
+            tokens = min(seq.num_cached + self.step_tokens(seq), self.max_context)
+            while not self.pool.grow(seq, tokens):
+                victim = next((s for s in reversed(self.running) if s is not seq), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim in decodes:  # it was given this step already: it gives its budget back
+                    decodes.remove(victim)
+                    budget += 1
+            if seq.blocks < self.pool.needed(tokens):
+                exhausted.append(seq)
+                continue
+            decodes.append(seq)
+            budget -= 1
+        prefills: list[Prefill] = []
+        for seq in [s for s in self.running if s.prefilling]:  # admitted earlier, prompt not yet done
+            if budget <= 0:
+                break
+            chunk = self._chunk(seq, budget)
+            if chunk is not None:
+                prefills.append(chunk)
+                budget -= chunk.end - chunk.start
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.pool.grow(seq, min(seq.prefill_target + self.step_tokens(seq), self.max_context)):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status, seq.admitted_at = Status.RUNNING, time.perf_counter()
+            self.running.append(seq)
+            chunk = self._chunk(seq, budget)
+            if chunk is not None:
+                prefills.append(chunk)
+                budget -= chunk.end - chunk.start
+        return Schedule(tuple(prefills), tuple(decodes), tuple(preempted), tuple(exhausted))
+
+    def _chunk(self, seq: Sequence, budget: int) -> Prefill | None:
+        start, target = seq.num_cached, seq.prefill_target
+        if start >= target:
+            return None
+        if self.prefill_chunk is None:  # whole-prompt runner: only when the budget allows it all at once
+            if target - start > budget and (self.running and self.running[0] is not seq):
+                return None
+            end = target
+        else:
+            end = min(target, start + min(budget, self.prefill_chunk))
+        return Prefill(seq, start, end, sample=end == target and not seq.output)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq)
+        seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.perf_counter()

@@ -1,0 +1,147 @@
+"""Engine-core tests on the reference backend (tiny checkpoint): continuous batching gives every request the
+tokens it gets alone (greedy and seeded, plain and speculative), prefill chunks interleave with decode steps,
+preemption by recompute resumes to the same tokens, KV exhaustion is a clear error, and aborts work in every
+phase (queued, mid-prefill, mid-decode)."""
+
+from __future__ import annotations
+
+import pytest
+
+from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
+from thorgen.runtime.engine_core import EngineCore
+from thorgen.runtime.reference.backend import ReferenceBackend
+
+CTX = 160
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_ckpt):
+    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0)
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [2] + [110 + (salt * 37 + 11 * i) % 400 for i in range(n - 1)]  # ordinary ids of the tiny vocab (512)
+
+
+def _alone(backend, prompt, n, sampling, speculative=False) -> list[int]:
+    r = GenerationResult()
+    for _ in backend.generate_stream(prompt, n, sampling, speculative=speculative, result=r):
+        pass
+    return r.token_ids
+
+
+class Recording:
+    """Wraps a runner; records what every step ran (prefill chunks and decode batch sizes)."""
+
+    def __init__(self, runner) -> None:
+        self.inner, self.steps = runner, []
+        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "prefill_chunk", "check",
+                     "admit", "release"):
+            setattr(self, name, getattr(runner, name))
+
+    def prefill(self, seq, start, end, sample):
+        self.steps.append(("prefill", seq.request_id, start, end))
+        return self.inner.prefill(seq, start, end, sample)
+
+    def decode(self, seqs):
+        self.steps.append(("decode", len(seqs)))
+        return self.inner.decode(seqs)
+
+
+def _run(core: EngineCore, limit: int = 2000) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(limit):
+        if not core.unfinished:
+            return outs
+        for o in core.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("the engine core did not finish")
+
+
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_equals_alone_with_interleaved_prefill(backend, sampling):
+    reqs = {f"r{i}": (_prompt(n, i), g) for i, (n, g) in enumerate([(40, 12), (7, 20), (90, 6), (23, 15)])}
+    runner = Recording(backend.runner(max_num_seqs=4))
+    runner.prefill_chunk = 16
+    core = EngineCore(runner, max_step_tokens=20)
+    for rid, (prompt, n) in reqs.items():
+        core.add(rid, prompt, n, sampling)
+    outs = _run(core)
+    for rid, (prompt, n) in reqs.items():
+        assert _tokens(outs[rid]) == _alone(backend, prompt, n, sampling), rid
+        assert outs[rid][-1].finished and outs[rid][-1].result.finish_reason == "length"
+    # a step that decodes some sequences while others prefill (chunked: no chunk over 16 tokens)
+    kinds = [s[0] for s in runner.steps]
+    assert any(a == "decode" and b == "prefill" for a, b in zip(kinds, kinds[1:]))
+    assert max(s[3] - s[2] for s in runner.steps if s[0] == "prefill") <= 16
+    assert max(s[1] for s in runner.steps if s[0] == "decode") >= 2
+
+
+def test_speculative_batched_equals_plain(backend):
+    prompts = {f"s{i}": _prompt(n, 40 + i) for i, n in enumerate((12, 30, 5))}
+    core = EngineCore(backend.runner(max_num_seqs=3))
+    for rid, p in prompts.items():
+        core.add(rid, p, 24, GREEDY, speculative=True)
+    outs = _run(core)
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == _alone(backend, p, 24, GREEDY), rid
+        assert all(o.accepted is not None for o in outs[rid][1:-1])
+
+
+def test_preemption_resumes_to_the_same_tokens(backend):
+    """A KV budget for about two sequences forces the later ones out and back in (recompute)."""
+    reqs = {f"p{i}": _prompt(30 + 5 * i, 70 + i) for i in range(4)}
+    core = EngineCore(backend.runner(max_num_seqs=4, kv_tokens=112), max_step_tokens=64, block_size=16)
+    seqs = {rid: core.add(rid, p, 24, SEEDED) for rid, p in reqs.items()}
+    outs = _run(core)
+    assert sum(s.preemptions for s in seqs.values()) > 0
+    for rid, p in reqs.items():
+        assert _tokens(outs[rid]) == _alone(backend, p, 24, SEEDED), rid
+
+
+def test_kv_exhaustion_is_a_clear_error(backend):
+    core = EngineCore(backend.runner(max_num_seqs=2, kv_tokens=64), block_size=16)
+    with pytest.raises(BackendError, match=r"needs 7 KV blocks of 16 tokens, but the whole KV cache holds 4"):
+        core.add("big", _prompt(100, 1), 4, GREEDY)
+    core.add("grows", _prompt(40, 2), 100, GREEDY)  # fits, then outgrows the whole cache alone
+    outs = _run(core)
+    final = outs["grows"][-1]
+    assert final.finished and final.result.finish_reason == "length" and len(_tokens(outs["grows"])) == 64 - 40 + 1
+
+
+def test_abort_in_every_phase(backend):
+    runner = backend.runner(max_num_seqs=1)
+    runner.prefill_chunk = 8
+    core = EngineCore(runner, max_step_tokens=8)
+    core.add("running", _prompt(20, 3), 50, GREEDY)
+    core.add("queued", _prompt(10, 4), 50, GREEDY)
+    core.step()  # "running" has prefilled 8 of its 20 prompt tokens
+    assert core.abort("queued") and core.abort("running")
+    outs = {o.request_id: o for o in core.step()}
+    assert {r: o.result.finish_reason for r, o in outs.items()} == {"running": "cancelled", "queued": "cancelled"}
+    assert core.unfinished == 0 and core.scheduler.pool.used == 0
+    core.add("decoding", _prompt(6, 5), 50, GREEDY)
+    got = []
+    while len(got) < 3:
+        got += [t for o in core.step() for t in o.token_ids]
+    core.abort("decoding")
+    (last,) = core.step()
+    assert last.finished and last.result.finish_reason == "cancelled" and last.result.token_ids == got
+    assert not core.abort("decoding")  # gone
+
+
+def test_bad_requests(backend):
+    core = EngineCore(backend.runner())
+    for prompt, n, match in (([], 4, "empty"), (_prompt(CTX, 1), 4, "context"), ([2, 5], 0, "max_tokens"),
+                             ([2, 10 ** 7], 4, "vocabulary")):
+        with pytest.raises(BackendError, match=match):
+            core.add("x", prompt, n, GREEDY)
+    core.add("x", [2, 5], 2, GREEDY)
+    with pytest.raises(BackendError, match="already"):
+        core.add("x", [2, 5], 2, GREEDY)
