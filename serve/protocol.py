@@ -6,9 +6,13 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
-Number = Union[StrictInt, float]
+# StrictFloat takes JSON integers too but no booleans or numeric strings; a plain (non-union) type also lets
+# pydantic write the bounds as JSON Schema's minimum/maximum.
+Number = StrictFloat
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -23,6 +27,19 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -32,6 +49,41 @@ class _Open(BaseModel):
     # Unknown fields are accepted (clients send many harmless extras); fields that would change the output and
     # that we do not implement are rejected explicitly in `check_unsupported`.
     model_config = ConfigDict(extra="allow")
+
+
+def _find_surrogate(value: Any, path: str) -> tuple[str, int, str] | None:
+    """(field path, index, char) of the first lone surrogate in any string or key of a parsed JSON value."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return (path or "body", m.start(), m.group()) if m else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if path else str(key)
+            found = _find_surrogate(key, name) or _find_surrogate(item, name)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Body(_Open):
+    """A request body. JSON's \\uXXXX escapes can spell lone UTF-16 surrogates, which are not Unicode text: the
+    tokenizer and the UTF-8 response encoder would fail on them, so they are refused up front, naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        found = _find_surrogate(data, "")
+        if found:
+            field, index, char = found
+            raise PydanticCustomError("invalid_text", "{field} contains a lone surrogate U+{code} at index {index}; "
+                                      "text must be valid Unicode",
+                                      {"field": field, "code": f"{ord(char):04X}", "index": index})
+        return data
 
 
 class TextPart(_Open):
@@ -75,7 +127,7 @@ class StreamOptions(_Open):
     include_usage: StrictBool | None = False
 
 
-class _Sampling(_Open):
+class _Sampling(_Body):
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Number | None = Field(default=None, ge=0, le=2)
@@ -86,7 +138,7 @@ class _Sampling(_Open):
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
+    n: StrictInt | None = Field(default=1, ge=1)
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Number | None = None
@@ -116,7 +168,7 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: StrictBool | None = None
@@ -125,7 +177,7 @@ class TokenizeRequest(_Open):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Open):
+class DetokenizeRequest(_Body):
     tokens: list[StrictInt]
 
 
