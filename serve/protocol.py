@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, model_validator
 from pydantic_core import PydanticCustomError
 
-# StrictFloat takes JSON integers too but no booleans or numeric strings; a plain (non-union) type also lets
-# pydantic write the bounds as JSON Schema's minimum/maximum.
+# Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
+# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum.
 Number = StrictFloat
+
+
+def _no_coercion(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def integer(**bounds: int) -> Any:
+    """JSON Schema's integer includes 2.0, so an integral float passes (as lax int allows); booleans and strings
+    do not. The bounds go before the validator, or pydantic would write them as non-standard ge/le."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_no_coercion)]
+
+
+Integer = integer()
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -129,16 +144,16 @@ class StreamOptions(_Open):
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: Number | None = Field(default=None, ge=0, le=1)
-    seed: StrictInt | None = None
+    seed: Integer | None = None
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(default=1, ge=1)
+    n: integer(ge=1) | None = 1
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Number | None = None
@@ -153,7 +168,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -162,10 +177,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[StrictInt]]
+    prompt: Union[str, list[str], list[Integer]]
     echo: StrictBool | None = False
     suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: Integer | None = None
 
 
 class TokenizeRequest(_Body):
@@ -178,7 +193,7 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    tokens: list[StrictInt]
+    tokens: list[Integer]
 
 
 # --- semantic checks ---------------------------------------------------------------------------------------
