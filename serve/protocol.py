@@ -95,6 +95,7 @@ class _Body(_Open):
         found = _find_surrogate(data, "")
         if found:
             field, index, char = found
+            field = field.encode("utf-8", "backslashreplace").decode()  # a key can hold the surrogate itself
             raise PydanticCustomError("invalid_text", "{field} contains a lone surrogate U+{code} at index {index}; "
                                       "text must be valid Unicode",
                                       {"field": field, "code": f"{ord(char):04X}", "index": index})
