@@ -41,8 +41,9 @@ class Tokenizer:
         return cls.from_file(Path(model_dir) / "tokenizer.json")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text: no BOS added; special-token strings in the text become their ids."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of text: no BOS added; special-token strings in the text become their ids. Through
+        encode_batch, which releases the GIL (encode holds it), so a long text never stalls other threads."""
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)

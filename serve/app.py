@@ -17,14 +17,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.api import Capabilities, EngineClient
 from ..runtime.tokenizer import Tokenizer
-from . import generation
+from . import generation, openapi
 from .chat_template import ChatTemplate, control_ids, safe_decoder
+from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body, template_messages, validate_tools)
 
 log = logging.getLogger("thorgen.serve")
 WEBUI = Path(__file__).with_name("webui.html")
+DEFAULT_MAX_BODY = 8 << 20  # bytes; a full 64k-token conversation is well under 1 MB of JSON
 
 
 class ServerState:
@@ -60,11 +62,13 @@ class ServerState:
             self.stop_ids = frozenset([eos] if isinstance(eos, int) else eos)
             self.controls = control_ids(tokenizer, self.stop_ids)
             self.decode = safe_decoder(tokenizer)
+            self.max_token_chars = longest_token_chars(tokenizer)
             self.generation_defaults = {k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
                                         if k in gen_cfg}
             self.ready = True
         except Exception as exc:  # reported by /health and by every request instead of killing the process
-            log.exception("model loading failed")
+            # one line for the operator (`thorgen serve` prints it); the traceback only under --log-level debug
+            log.debug("model loading failed", exc_info=True)
             self.load_error = f"{type(exc).__name__}: {exc}"
 
     def load_in_background(self) -> threading.Thread:
@@ -104,10 +108,24 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState, api_key: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+def _param(loc: tuple) -> str | None:
+    """Pydantic's error location as a field path: ('body', 'messages', 0, 'content') -> messages[0].content."""
+    path = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+def create_app(state: ServerState, api_key: str | None = None, cors_origins: list[str] | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
     app = FastAPI(title="thorgen", version="0.1.0",
                   description="OpenAI-compatible server for Gemma-4 on the thorgen engine.")
     app.state.server = state
+    openapi.install(app)
+    # add_middleware puts each new one outside the previous: bug handler innermost, then the body limit (the
+    # app never sees an oversized body), the key check, and CORS outermost.
+    app.add_middleware(BugMiddleware, on_error=lambda path: state.metrics.request_done(path, 500))
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # added last = outermost: CORS headers also reach 401 answers, and preflights skip the key check
@@ -123,27 +141,24 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        parts = []
-        if any(err.get("type") == "json_invalid" for err in exc.errors()):
-            state.metrics.request_done(request.url.path, 400)
-            return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+        errors = exc.errors()
         state.metrics.request_done(request.url.path, 400)
-        return JSONResponse(error_body("invalid request: " + "; ".join(parts)), status_code=400)
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
+        params = [(err.get("ctx") or {}).get("field") or _param(tuple(err.get("loc", ()))) for err in errors]
+        # msg only, never the input: it can be megabytes, and pydantic's messages already name what is wrong
+        parts = [f"{param or 'body'}: {err.get('msg', 'invalid')}" for param, err in zip(params, errors[:5])]
+        if errors and errors[0].get("type") == "invalid_text":
+            parts = [errors[0]["msg"]]
+        return JSONResponse(error_body("invalid request: " + "; ".join(parts), param=params[0] if params else None,
+                                       code=errors[0].get("type") if errors else None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
+        # exc.headers carries e.g. Allow on a 405
         return JSONResponse(error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404
-                                       else "invalid_request_error"), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception):  # a server bug: still an OpenAI-style body, and logged
-        log.exception("unhandled error on %s", request.url.path)
-        state.metrics.request_done(request.url.path, 500)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
-                            status_code=500)
+                                       else "invalid_request_error"), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -166,40 +181,53 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def webui():
         return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card() -> dict:
         ctx = state.caps.max_context if state.ready else None
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
-                                            "owned_by": "thorgen", "max_model_len": ctx}]}
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "thorgen",
+                "max_model_len": ctx}
 
-    @app.post("/v1/chat/completions")
+    @app.get("/v1/models", responses=openapi.errors(401))
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    # `:path`: model ids may contain '/' (the openai client puts them into the URL unescaped)
+    @app.get("/v1/models/{model_id:path}", responses=openapi.errors(401, 404))
+    async def model(model_id: str):
+        if model_id != state.model_id:
+            raise APIError(f"the model {model_id!r} does not exist; this server serves {state.model_id!r}",
+                           status=404, param="model", type="not_found_error", code="model_not_found")
+        return model_card()
+
+    generating = openapi.errors(400, 401, 413, 429, 500, 503)
+
+    @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         state.require_ready()
         return await generation.chat_completions(state, req, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generating)
     async def completions(req: CompletionRequest, request: Request):
         state.require_ready()
         return await generation.completions(state, req, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=openapi.errors(400, 413, 503))
     async def tokenize(req: TokenizeRequest):
         state.require_ready()
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
-            text = state.template.render(template_messages(req.messages), validate_tools(req.tools),
-                                         add_generation_prompt=req.add_generation_prompt is not False,
-                                         enable_thinking=thinking is True)
+            messages, tools = template_messages(req.messages), validate_tools(req.tools)
+            ids = await prompt_ids(state, lambda: state.template.render(
+                messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
+                enable_thinking=thinking is True))
         else:
             bos = state.template.bos_token
             add = req.add_special_tokens is not False and not req.prompt.startswith(bos)
-            text = (bos if add else "") + req.prompt
-        ids = state.tokenizer.encode(text)
+            ids = await prompt_ids(state, lambda: (bos if add else "") + req.prompt, param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.caps.max_context}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=openapi.errors(400, 413, 503))
     async def detokenize(req: DetokenizeRequest):
         state.require_ready()
         bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]

@@ -3,14 +3,49 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
 import httpx
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
-HELP = "commands: /new (reset the conversation), /quit (exit); Ctrl-C stops a reply"
+HELP = "commands: /new (reset the conversation), /quit (exit); Ctrl-C stops a reply; Up/Down recall earlier lines"
+# C0/C1 control characters but newline and tab, and the bidi overrides: model output (or a server) must not be able
+# to move the cursor, retitle the terminal or reorder what is shown.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """text without terminal control characters (a lone CR becomes a newline, so no line can overwrite another)."""
+    return _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def history_path() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "thorgen" / "chat_history"
+
+
+def line_reader() -> Callable[[str], str]:
+    """prompt_toolkit's editor (cursor keys, Emacs bindings, history kept across sessions) on a terminal;
+    plain input() when stdin is not a terminal (pipes, tests) or prompt_toolkit is missing."""
+    if not sys.stdin.isatty():
+        return input
+    try:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+    except ImportError:
+        return input
+    path = history_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        session = PromptSession(history=FileHistory(str(path)))
+    except OSError:  # an unwritable home: editing still works, history lasts for this session
+        session = PromptSession()
+    return session.prompt
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict]:
@@ -78,18 +113,18 @@ class ChatSession:
                         piece_r, piece_c = delta.get("reasoning_content") or "", delta.get("content") or ""
                         if (piece_r or piece_c or delta.get("tool_calls")) and first is None:
                             first = time.perf_counter()
-                        if piece_r:
-                            self.out.write(self._paint(DIM, piece_r))
+                        if piece_r:  # shown cleaned; the history keeps what the model said
+                            self.out.write(self._paint(DIM, printable(piece_r)))
                             was_reasoning = True
                         if piece_c:
                             if was_reasoning:
                                 self.out.write("\n\n")
                                 was_reasoning = False
-                            self.out.write(piece_c)
+                            self.out.write(printable(piece_c))
                         for call in delta.get("tool_calls") or []:
                             calls[call["index"]] = call
                             fn = call["function"]
-                            self.out.write(f"\n[tool call] {fn['name']}({fn['arguments']})")
+                            self.out.write(printable(f"\n[tool call] {fn['name']}({fn['arguments']})"))
                         reasoning += piece_r
                         content += piece_c
                         self.out.flush()
@@ -110,14 +145,15 @@ class ChatSession:
 
 def run_chat(url: str, think: bool = False, temperature: float | None = None, max_tokens: int | None = None,
              system: str | None = None, api_key: str | None = None,
-             read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+             read: Callable[[str], str] | None = None, out: TextIO = sys.stdout) -> None:
     session = ChatSession(url, think, temperature, max_tokens, system, api_key, out=out)
+    read = read or line_reader()
     try:
         model = session.connect()
     except (httpx.HTTPError, KeyError, ValueError) as exc:
-        out.write(f"cannot reach a server at {url}: {exc}\n")
+        out.write(printable(f"cannot reach a server at {url}: {exc}") + "\n")
         raise SystemExit(1) from None
-    out.write(f"connected to {model} at {url}" + (" (thinking on)" if think else "") + f"\n{HELP}\n")
+    out.write(f"connected to {printable(model)} at {url}" + (" (thinking on)" if think else "") + f"\n{HELP}\n")
     while True:
         try:
             line = read("> ").strip()
@@ -139,4 +175,4 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
             session.send(line)
         except (RuntimeError, httpx.HTTPError) as exc:
             session.history.pop()  # the failed user turn
-            out.write(session._paint(RED, f"error: {exc}") + "\n")
+            out.write(session._paint(RED, printable(f"error: {exc}")) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -46,9 +47,16 @@ def open_model(config):
 @click.option("--max-num-seqs", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests decoded together (continuous batching); the cuda backend runs 1 until its batched "
                    "decode graphs exist.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
+              help="Largest request body accepted; bigger ones get a 413.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,
+              help="Seconds a shutdown (Ctrl-C, SIGTERM) waits for running requests before cancelling them.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True, help="Server log level; 'debug' also prints tracebacks of load errors.")
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
-          model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int) -> None:
+          model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
+          max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
@@ -72,9 +80,12 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     # DFlash on the cuda backend is proven on the CPU emulator but not yet on a GPU: there too only an explicit
     # --draft-tokens turns it on.
     off = draft_tokens == 0 or (draft_tokens is None and (demo or backend == "cuda"))
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     state = ServerState(name, loader, speculative=False if off else None)
-    app = create_app(state, api_key=api_key, cors_origins=list(cors_origins))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    app = create_app(state, api_key=api_key, cors_origins=list(cors_origins),
+                     max_body_bytes=int(max_body_mb * (1 << 20)))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=shutdown_timeout))
     loading = state.load_in_background()
 
     def stop_if_load_fails() -> None:  # /health answers 503 while loading; a failed load ends the process

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.api import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
                            RequestRejected, RequestStream, SamplingParams)
+from .guards import prompt_ids
 from .parser import ControlIds, Delta, OutputParser
 from .protocol import (REASONING_EFFORTS, APIError, ChatCompletionRequest, CompletionRequest, _Sampling,
                        check_unsupported, stop_list, template_messages, tool_choice_mode, validate_tools)
@@ -151,6 +152,19 @@ class Generation:
         self.token_ids: list[int] = []
         self.return_ids = False  # vLLM's return_token_ids
         self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        self.recorded = False
+
+    def record(self, status: int) -> None:
+        """Count the request once in /metrics; 499 = the client went away (its tokens still count)."""
+        if self.recorded:
+            return
+        self.recorded = True
+        metrics = self.server.metrics
+        metrics.request_done(self.endpoint, status)
+        if status == 499:
+            metrics.aborted(self.endpoint)
+            if self.result is None:  # finish() never ran
+                metrics.add(prompt_tokens=len(self.job.prompt_ids), generation_tokens=self.n_out)
 
     def feed(self, step: RequestOutput) -> Delta:
         metrics = self.server.metrics
@@ -290,18 +304,21 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
                     body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
                             "usage": gen.usage()}
                     yield sse(body)
-                gen.server.metrics.request_done(gen.endpoint, 200)
+                gen.record(200)
                 break
             else:
                 err: APIError = payload
                 yield sse(err.body())
-                gen.server.metrics.request_done(gen.endpoint, err.status)
+                gen.record(err.status)
                 break
             kind, payload = await next_event(gen.job, request)
         yield sse("[DONE]")
     except ClientGone:
-        gen.server.metrics.request_done(gen.endpoint, 499)
+        pass
     finally:
+        # Also reached when the server cancels this generator (the client disconnected while a chunk was being
+        # sent, or shutdown): the request then still counts as aborted.
+        gen.record(499)
         gen.job.abort()  # no-op after a normal end; stops the engine when the client went away
 
 
@@ -311,7 +328,7 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
     try:
         first = await gen.first_event(request)
     except ClientGone:
-        server.metrics.request_done(gen.endpoint, 499)
+        gen.record(499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     except BaseException:
         gen.job.abort()
@@ -322,7 +339,7 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
     try:
         total = await run_to_end(gen, request, first)
     except ClientGone:
-        server.metrics.request_done(gen.endpoint, 499)
+        gen.record(499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     finally:
         gen.job.abort()
@@ -335,7 +352,7 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
             {"index": 0, "text": total.content, "logprobs": None, "finish_reason": gen.finish_reason()}]}
     if gen.return_ids:
         body["choices"][0].update(token_ids=gen.token_ids, prompt_token_ids=list(gen.job.prompt_ids))
-    server.metrics.request_done(gen.endpoint, 200)
+    gen.record(200)
     return JSONResponse(body)
 
 
@@ -347,12 +364,14 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
     thinking = thinking_enabled(req)
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
              if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
-    prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
-                                    enable_thinking=thinking, **extra)
     prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
-    if prefill is not None:  # force a tool call by opening it in the prompt (no constrained decoding needed)
-        prompt += "<|tool_call>" + prefill
-    ids = server.tokenizer.encode(prompt)
+
+    def render() -> str:
+        prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
+                                        enable_thinking=thinking, **extra)
+        # force a tool call by opening it in the prompt (no constrained decoding needed)
+        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
+    ids = await prompt_ids(server, render)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
                           stop=stop_list(req.stop), prefill_tool=prefill,
@@ -380,7 +399,7 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
         prompt = prompt[0]
     if isinstance(prompt, str):
         bos = server.template.bos_token
-        ids = server.tokenizer.encode(prompt if prompt.startswith(bos) else bos + prompt)
+        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param="prompt")
     else:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < server.tokenizer.vocab_size]

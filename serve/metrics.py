@@ -37,6 +37,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.aborts: dict[str, int] = defaultdict(int)
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.generation_tokens = 0
@@ -49,6 +50,10 @@ class Metrics:
     def request_done(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
+
+    def aborted(self, endpoint: str) -> None:
+        with self._lock:
+            self.aborts[endpoint] += 1
 
     def add(self, **fields: float) -> None:
         with self._lock:
@@ -65,6 +70,10 @@ class Metrics:
                      "# TYPE thorgen_requests_total counter"]
             for (endpoint, status), n in sorted(self.requests.items()):
                 lines.append(f'thorgen_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+            lines += ["# HELP thorgen_requests_aborted_total Generations whose client disconnected before the end "
+                      "(also counted as status 499 above).", "# TYPE thorgen_requests_aborted_total counter"]
+            for endpoint, n in sorted(self.aborts.items()):
+                lines.append(f'thorgen_requests_aborted_total{{endpoint="{endpoint}"}} {n}')
             for name, value, kind, text in (
                     ("thorgen_prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens processed."),
                     ("thorgen_cached_prompt_tokens_total", self.cached_prompt_tokens, "counter",

@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, model_validator
+from pydantic_core import PydanticCustomError
 
-Number = Union[StrictInt, float]
+# Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
+# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum.
+Number = StrictFloat
+
+
+def _no_coercion(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def integer(**bounds: int) -> Any:
+    """JSON Schema's integer includes 2.0, so an integral float passes (as lax int allows); booleans and strings
+    do not. The bounds go before the validator, or pydantic would write them as non-standard ge/le."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_no_coercion)]
+
+
+Integer = integer()
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -23,6 +42,19 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -32,6 +64,42 @@ class _Open(BaseModel):
     # Unknown fields are accepted (clients send many harmless extras); fields that would change the output and
     # that we do not implement are rejected explicitly in `check_unsupported`.
     model_config = ConfigDict(extra="allow")
+
+
+def _find_surrogate(value: Any, path: str) -> tuple[str, int, str] | None:
+    """(field path, index, char) of the first lone surrogate in any string or key of a parsed JSON value."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return (path or "body", m.start(), m.group()) if m else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if path else str(key)
+            found = _find_surrogate(key, name) or _find_surrogate(item, name)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Body(_Open):
+    """A request body. JSON's \\uXXXX escapes can spell lone UTF-16 surrogates, which are not Unicode text: the
+    tokenizer and the UTF-8 response encoder would fail on them, so they are refused up front, naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        found = _find_surrogate(data, "")
+        if found:
+            field, index, char = found
+            field = field.encode("utf-8", "backslashreplace").decode()  # a key can hold the surrogate itself
+            raise PydanticCustomError("invalid_text", "{field} contains a lone surrogate U+{code} at index {index}; "
+                                      "text must be valid Unicode",
+                                      {"field": field, "code": f"{ord(char):04X}", "index": index})
+        return data
 
 
 class TextPart(_Open):
@@ -75,18 +143,18 @@ class StreamOptions(_Open):
     include_usage: StrictBool | None = False
 
 
-class _Sampling(_Open):
+class _Sampling(_Body):
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: Number | None = Field(default=None, ge=0, le=1)
-    seed: StrictInt | None = None
+    seed: Integer | None = None
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
+    n: integer(ge=1) | None = 1
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Number | None = None
@@ -101,7 +169,7 @@ class _Sampling(_Open):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -110,13 +178,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[StrictInt]]
+    prompt: Union[str, list[str], list[Integer]]
     echo: StrictBool | None = False
     suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: Integer | None = None
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: StrictBool | None = None
@@ -125,8 +193,8 @@ class TokenizeRequest(_Open):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Open):
-    tokens: list[StrictInt]
+class DetokenizeRequest(_Body):
+    tokens: list[Integer]
 
 
 # --- semantic checks ---------------------------------------------------------------------------------------

@@ -86,3 +86,44 @@ def test_cli_help():
     r = subprocess.run([sys.executable, "-m", "thorgen.cli", "serve", "--model", "/nonexistent/dir"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "config.json" in r.stderr
+
+
+def test_chat_client_strips_control_characters(tmp_path):
+    tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
+    evil = "safe\x1b]0;pwned\x07 text\x1b[2J\rover\u202eevil\x00 end"
+    engine = ScriptedBackend(lambda p: tok.encode(evil), chunk=3)
+    state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
+    lines = iter(["hello", "again", "/quit"])
+    out = io.StringIO()
+    with running_server(create_app(state)) as url:
+        run_chat(url, read=lambda prompt: next(lines), out=out)
+    text = out.getvalue()
+    assert not any(ch in text for ch in "\x1b\x07\x00\r\u202e")
+    assert text.count("safe]0;pwned text[2J\noverevil end") == 2
+    assert evil in tok.decode(engine.calls[1]["prompt"])  # the history sent back is what the model said
+
+
+def test_chat_line_editor_with_history(tmp_path, monkeypatch):
+    pytest.importorskip("prompt_toolkit")
+    from prompt_toolkit.history import FileHistory
+
+    from thorgen.serve import chat_client
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    assert chat_client.line_reader() is input  # piped input: plain lines
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    read = chat_client.line_reader()
+    history = read.__self__.history
+    assert isinstance(history, FileHistory) and Path(history.filename) == tmp_path / "thorgen" / "chat_history"
+
+
+def test_serve_load_error_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cmd = [sys.executable, "-m", "thorgen.cli", "serve", "--model", str(tmp_path), "--port", str(_free_port())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr + r.stdout
+    errors = [line for line in r.stderr.splitlines() if "failed to load" in line]
+    assert len(errors) == 1 and "config.json" in errors[0]
+    r = subprocess.run(cmd + ["--log-level", "debug"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" in r.stderr

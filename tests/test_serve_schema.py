@@ -1,7 +1,9 @@
-"""Serve stage tests: schemathesis fuzzes every endpoint of /openapi.json (>= 500 requests) and no answer is a 5xx."""
+"""Serve stage tests: schemathesis fuzzes every operation of /openapi.json over real HTTP (uvicorn on loopback),
+with valid and invalid input: no answer is a 5xx, and the answers conform to the documented schema."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -9,19 +11,31 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
+requests = pytest.importorskip("requests")
 
 from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
-from thorgen.serve.scripted import ScriptedBackend, scripted_state, write_test_tokenizer  # noqa: E402
+from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
-EXAMPLES = 100  # per operation and generation mode (8 operations; GETs without input yield few cases)
+EXAMPLES = 80  # per operation and generation mode (9 operations; GETs without input yield few cases)
+BUDGET_S = 50  # wall-clock cap for all requests; past it, remaining examples are skipped (and the test fails)
+# Schemathesis checks we do not run, and why. Everything else (not_a_server_error, status_code_conformance,
+# content_type_conformance, response_schema_conformance, negative_data_rejection, unsupported_method, ...) must
+# pass on every case.
+ALLOWED = {
+    "positive_data_acceptance": "schema-valid requests can still be refused with a 400 by checks JSON Schema "
+                                "cannot express (conversation order, tool names, context length, vocabulary, "
+                                "fields we do not implement such as n>1 or penalties); `schema_accepts` below "
+                                "checks the part that matters: such a 400 never comes from schema validation",
+}
 
 
-def test_schemathesis_no_server_errors(tmp_path):
+def test_schemathesis_over_http(tmp_path):
     from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import CHECKS, load_all_checks
     from schemathesis.generation import GenerationMode
 
     tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
@@ -29,29 +43,43 @@ def test_schemathesis_no_server_errors(tmp_path):
     out = tok.encode(f"<|channel>thought\nhm<channel|>ok <|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>")
     engine = ScriptedBackend(lambda prompt: out, max_context=4096, chunk=4)
     state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(state))
     statuses: Counter[int] = Counter()
     failures: list[str] = []
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
-    for op in operations:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def call(case) -> None:
-                response = case.call()
-                statuses[response.status_code] += 1
-                if response.status_code >= 500 and len(failures) < 5:
-                    failures.append(f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code} "
-                                    f"{response.text[:300]}")
-            try:
-                call()
-            except hypothesis.errors.Unsatisfiable:  # no invalid input exists (GET without parameters)
-                assert mode == GenerationMode.NEGATIVE
+    # explicit: without `checks=`, call_and_validate runs only the few enabled by default (not_a_server_error)
+    load_all_checks()
+    run = [check for check in CHECKS.get_all() if check.__name__ not in ALLOWED]
+    assert len(run) >= 10 and {"status_code_conformance", "negative_data_rejection"} <= {c.__name__ for c in run}
+    with running_server(create_app(state)) as url, requests.Session() as session:
+        schema = schemathesis.openapi.from_url(url + "/openapi.json")
+        operations = [result.ok() for result in schema.get_all_operations()]
+        assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/tokenize",
+                                                  "/detokenize", "/v1/models/{model_id}"}
+        deadline = time.monotonic() + BUDGET_S
+        for op in operations:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck))
+                @given(case=op.as_strategy(generation_mode=mode))
+                def call(case) -> None:
+                    if time.monotonic() > deadline:
+                        return
+                    # a failed check raises (and hypothesis reports the smallest such case)
+                    response = case.call_and_validate(session=session, checks=run)
+                    statuses[response.status_code] += 1
+                    body = response.json() if response.status_code == 400 else {}
+                    if mode == GenerationMode.POSITIVE and body["error"]["message"].startswith("invalid request:") \
+                            if body else False:
+                        failures.append(f"schema-valid input failed schema validation: {case.method} {case.path} "
+                                        f"{case.body!r:.200} -> {body['error']['message']:.300}")
+                try:
+                    call()
+                except hypothesis.errors.Unsatisfiable:  # no invalid input exists (GET without parameters)
+                    assert mode == GenerationMode.NEGATIVE
+        assert time.monotonic() <= deadline, "the fuzzing ran past its time budget"
     total = sum(statuses.values())
     print(f"\nschemathesis: {total} requests, statuses {dict(sorted(statuses.items()))}")
     assert not failures, "\n".join(failures)
-    assert total >= 500
-    assert statuses[200] > 50  # the fuzzing reached generation, not only validation errors
+    assert total >= 200
+    assert statuses[200] > 30  # the fuzzing reached generation, not only validation errors
+    assert not any(status >= 500 for status in statuses)
     assert state.client.ready

@@ -1,4 +1,5 @@
-"""Serve stage tests: the web UI end to end in headless Chromium: send, stream, stop, thinking collapsed."""
+"""Serve stage tests: the web UI end to end in headless Chromium: send, stream, stop, thinking collapsed, tables and
+blockquotes, the conversation kept across a reload and cleared by New."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ CHROMIUM = os.environ.get("THORGEN_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("THORGEN_TEST_ARTIFACTS", REPO / "tests" / "artifacts"))
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ANSWER = "Here is code:\n\n```python\nprint('hi <b>')\n```\n\nDone **now**."
+ANSWER = ("Here is code:\n\n```python\nprint('hi <b>')\n```\n\n| name | n |\n|:-----|--:|\n| a<i> | 1 |\n| b | 22 |\n\n"
+          "> quoted **bold**\n> line two\n\nDone **now**.")
 
 
 def test_webui_send_stream_stop(tmp_path):
@@ -56,7 +58,14 @@ def test_webui_send_stream_stop(tmp_path):
             assert 0 < len(partial) < len(reply.get_by_test_id("content").text_content())  # it arrived in pieces
             code = reply.locator("pre code")
             assert code.text_content() == "print('hi <b>')"  # markdown code block, HTML escaped
-            assert reply.locator("strong").text_content() == "now"
+            assert reply.locator("p strong").last.text_content() == "now"
+            cells = reply.locator("table tbody tr").all()
+            assert [[td.text_content() for td in row.locator("td").all()] for row in cells] == [["a<i>", "1"],
+                                                                                                ["b", "22"]]
+            assert reply.locator("table th").first.text_content() == "name"
+            assert reply.locator("table td").nth(1).evaluate("e => e.style.textAlign") == "right"
+            quote = reply.locator("blockquote")
+            assert "quoted bold" in quote.text_content() and quote.locator("strong").text_content() == "bold"
             thinking = reply.get_by_test_id("thinking")
             assert thinking.is_visible() and thinking.get_attribute("open") is None  # collapsed
             assert "The user wants code." in thinking.text_content()
@@ -74,9 +83,29 @@ def test_webui_send_stream_stop(tmp_path):
             while engine.calls[-1]["end"] is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert engine.calls[-1]["end"] == "cancelled"  # the stop button reached the engine
+            stopped = page.get_by_test_id("assistant-message").last.get_by_test_id("stopped")
+            assert stopped.text_content() == "(stopped)"
+
+            page.reload()  # the conversation survives, tables and the stopped mark included
+            page.locator("[data-testid=assistant-message][data-done='1']").nth(1).wait_for(timeout=10000)
+            users = page.locator("[data-testid=user-message] [data-testid=content]")
+            assert users.all_text_contents() == ["show me code", "talk forever"]
+            again = page.get_by_test_id("assistant-message")
+            assert again.first.locator("table tbody tr").count() == 2
+            assert again.first.get_by_test_id("thinking").text_content().endswith("The user wants code.")
+            assert again.last.get_by_test_id("stopped").is_visible()
+            page.get_by_test_id("input").fill("and now?")
+            page.get_by_test_id("send").click()
+            page.locator("[data-testid=assistant-message][data-done='1']").nth(2).wait_for(timeout=20000)
+            prompt = tok.decode(engine.calls[-1]["prompt"])
+            assert "show me code" in prompt and "talk forever" in prompt  # the restored history went back
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shot = ARTIFACTS / "webui.png"
             page.screenshot(path=str(shot), full_page=True)
             print(f"\nweb UI screenshot: {shot}")
+            page.get_by_test_id("new").click()
+            page.reload()
+            page.get_by_test_id("model").filter(has_text=state.model_id).wait_for(timeout=10000)
+            assert page.get_by_test_id("assistant-message").count() == 0
         finally:
             browser.close()
