@@ -186,6 +186,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._running = 0
+        self._pending: list[RequestOutput] = []  # the last step's outputs, streamed during the next step
         self._closed = False
         self._thread = threading.Thread(target=self._main, args=(opener,), name="thorgen-engine", daemon=True)
         self._thread.start()
@@ -294,6 +295,7 @@ class EngineClient:
                 if self.core.unfinished:
                     self._step()
         finally:
+            self._flush()
             self._fail_all(EngineUnavailable("the engine was closed"))
             close = getattr(self.backend, "close", None)
             if close is not None:
@@ -335,9 +337,13 @@ class EngineClient:
             self.core.abort(job.request_id)
 
     def _step(self) -> None:
+        """One core step. The previous step's outputs go to the clients while this step's device work runs
+        (the core calls `launched` right after enqueueing it): waking the event loop then costs no GPU time,
+        where waking it between steps let it take the GIL before the next launch."""
         try:
-            outputs = self.core.step()
+            outputs = self.core.step(launched=self._flush)
         except Exception as exc:  # the engine's fault: every request in the core fails, the core starts over
+            self._flush()
             failure = self._failure(exc)
             with self._lock:
                 jobs = [j for j in self._live.values() if j.in_core]
@@ -347,6 +353,12 @@ class EngineClient:
             self._running = 0
             return
         self._running = len(self.core.scheduler.running)
+        self._pending = outputs
+        if not self.core.unfinished:  # no next step to hide them behind
+            self._flush()
+
+    def _flush(self) -> None:
+        outputs, self._pending = self._pending, []
         for out in outputs:
             with self._lock:
                 job = self._live.get(out.request_id)

@@ -164,24 +164,24 @@ class CudaRunner:
             self.engine.set_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
         return 0
 
-    def prefill(self, seq, start: int, end: int, sample: bool) -> int | None:
-        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative)
+    def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched)
         self._on_device = (seq.request_id, end) if sample else None
         return tok if sample else None
 
-    def decode(self, seqs: list) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
         (seq,) = seqs
         pos, tok, greedy = len(seq.tokens) - 1, seq.output[-1], seq.sampling.greedy
         room = seq.room(self.max_context)
         if seq.speculative and pos + BLOCK <= self.max_context:  # else a verify block would run past the cache
-            drafts, target = self.engine.spec_step(pos, tok, greedy)
+            drafts, target = self.engine.spec_step(pos, tok, greedy, launched)
             new = [target[0]]
             while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
                 new.append(target[len(new)])
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
-        new = self.engine.decode(pos, greedy, token=staged)
+        new = self.engine.decode(pos, greedy, token=staged, launched=launched)
         self._on_device = (seq.request_id, pos + 1)
         return [([new], False)]
 

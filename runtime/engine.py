@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -257,9 +257,11 @@ class Engine:
         rec["seed"] = np.uint64(seed % 2**64)
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
-    def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False) -> int:
+    def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
+                launched: Callable[[], None] | None = None) -> int:
         """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token.
-        `taps`: also capture the DFlash taps and project them into the drafter's context cache (speculative)."""
+        `taps`: also capture the DFlash taps and project them into the drafter's context cache (speculative).
+        `launched()` runs once everything is enqueued, before the wait for the token (see decode)."""
         if taps and not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         ids_buf, n = self.act["ids"], len(prompt)
@@ -287,16 +289,19 @@ class Engine:
                     self._bound[key] = launches  # full chunks repeat; a ragged last chunk is bound once
             for _, launch in launches:
                 launch(self.stream)
-        return self._read_token()
+        return self._read_token(launched)
 
-    def decode(self, position: int, greedy: bool = True, token: int | None = None) -> int:
+    def decode(self, position: int, greedy: bool = True, token: int | None = None,
+               launched: Callable[[], None] | None = None) -> int:
         """One graphed step for the token at `position` (its id is out_ids[0], or `token` when given); returns the
-        new token id."""
+        new token id. `launched()` runs while the GPU works, before the wait: host work done there (streaming the
+        previous step's tokens to clients) then costs no GPU time."""
         self._stage(position, position, token)
         self._graph(greedy).replay(self.stream)
-        return self._read_token()
+        return self._read_token(launched)
 
-    def spec_step(self, start: int, last: int, greedy: bool = True) -> tuple[list[int], list[int]]:
+    def spec_step(self, start: int, last: int, greedy: bool = True,
+                  launched: Callable[[], None] | None = None) -> tuple[list[int], list[int]]:
         """One DFlash step for `last` at position `start` (runtime/spec_decode.py): returns (15 drafts, the
         target's 16 tokens for positions start+1..start+16). Two graphs (draft; verify + context update)."""
         if not self.speculative:
@@ -321,6 +326,8 @@ class Engine:
         dst = self._pinned.ptr + R
         check(cu.cuMemcpyDtoHAsync(dst, ids, 4 * BLOCK, h), "drafts")
         check(cu.cuMemcpyDtoHAsync(dst + 4 * BLOCK, self.act["out_ids"].ptr, 4 * BLOCK, h), "verified tokens")
+        if launched is not None:
+            launched()
         self.stream.synchronize()
         got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
         return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
@@ -340,9 +347,11 @@ class Engine:
             self._graphs[key] = g
         return g
 
-    def _read_token(self) -> int:
+    def _read_token(self, launched: Callable[[], None] | None = None) -> int:
         dst = self._pinned.ptr + self._READ
         check(driver().cuMemcpyDtoHAsync(dst, self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
+        if launched is not None:
+            launched()
         self.stream.synchronize()
         return int(ctypes.c_int32.from_address(dst).value)
 

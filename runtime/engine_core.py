@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .backend import BackendError, GenerationResult, SamplingParams
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence
@@ -43,15 +43,30 @@ class ModelRunner(Protocol):
     def admit(self, seq: Sequence) -> int:
         """Make per-sequence state; returns how many leading tokens a prefix cache already covers."""
 
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool) -> int | None:
-        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1])."""
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
+                launched: Callable[[], None] | None = None) -> int | None:
+        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
+        `launched()` is called once the device work is enqueued, before waiting for it."""
 
-    def decode(self, seqs: list[Sequence]) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
+               ) -> list[tuple[list[int], bool]]:
         """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
-        draft + verify step)."""
+        draft + verify step). `launched()` as for prefill."""
 
     def release(self, seq: Sequence, finished: bool) -> None:
         """Drop the sequence's state (a finished one may stay in a prefix cache)."""
+
+
+class _Once:
+    """Calls `fn` on the first call only."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 class EngineCore:
@@ -97,7 +112,10 @@ class EngineCore:
     def unfinished(self) -> int:
         return self.scheduler.unfinished
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One engine step. `launched()` runs once, as soon as the step's first device work is enqueued (or at
+        the end of a step without any): the client streams the previous step's outputs there, beside the GPU."""
+        once = _Once(launched)
         outputs = [self._finish(s, "cancelled") for s in list(self._seqs.values()) if s.cancelled]
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
@@ -112,16 +130,17 @@ class EngineCore:
                     start = p.seq.num_cached = cached
                     if p.seq.preemptions == 0:
                         p.seq.cached_prompt_tokens = cached
-            token = self.runner.prefill(p.seq, start, p.end, p.sample)
+            token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
             p.seq.num_cached = p.end
             if p.sample:
                 new.append((p.seq, [int(token)], False))
         if schedule.decodes:
-            for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes))):
+            for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes), once)):
                 seq.num_cached = len(seq.tokens) - 1 + len(chain)  # its input token plus all but the last new
                 new.append((seq, [int(t) for t in chain], verified))
         for seq, tokens, verified in new:
             outputs += self._commit(seq, tokens, verified)
+        once()
         return outputs
 
     def _commit(self, seq: Sequence, tokens: list[int], verified: bool) -> list[RequestOutput]:

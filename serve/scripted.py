@@ -113,12 +113,16 @@ class ScriptedRunner:
             return [min(seq.stop_ids) if seq.stop_ids else 1]
         return tokens[done:done + n]
 
-    def prefill(self, seq, start: int, end: int, sample: bool) -> int | None:
+    def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+        if launched is not None:  # the delay stands for device time: host work may overlap it
+            launched()
         if self.backend.delay:
             time.sleep(self.backend.delay)
         return self._next(seq, 1)[0] if sample else None
 
-    def decode(self, seqs: list) -> list[list[int]]:
+    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+        if launched is not None:
+            launched()
         if self.backend.delay:
             time.sleep(self.backend.delay)
         return [(self._next(seq, self.backend.chunk)[:max(seq.room(self.max_context), 1)], False) for seq in seqs]

@@ -136,11 +136,11 @@ def _fails_after(runner, exc: BaseException, steps: int):
     """Make the runner's decode raise `exc` once `steps` decode steps ran."""
     decode, calls = runner.decode, []
 
-    def failing(seqs):
+    def failing(seqs, launched=None):
         calls.append(1)
         if len(calls) > steps:
             raise exc
-        return decode(seqs)
+        return decode(seqs, launched)
     return failing
 
 

@@ -41,13 +41,13 @@ class Recording:
                      "admit", "release"):
             setattr(self, name, getattr(runner, name))
 
-    def prefill(self, seq, start, end, sample):
+    def prefill(self, seq, start, end, sample, launched=None):
         self.steps.append(("prefill", seq.request_id, start, end))
-        return self.inner.prefill(seq, start, end, sample)
+        return self.inner.prefill(seq, start, end, sample, launched)
 
-    def decode(self, seqs):
+    def decode(self, seqs, launched=None):
         self.steps.append(("decode", len(seqs)))
-        return self.inner.decode(seqs)
+        return self.inner.decode(seqs, launched)
 
 
 def _run(core: EngineCore, limit: int = 2000) -> dict[str, list]:
@@ -145,3 +145,25 @@ def test_bad_requests(backend):
     core.add("x", [2, 5], 2, GREEDY)
     with pytest.raises(BackendError, match="already"):
         core.add("x", [2, 5], 2, GREEDY)
+
+
+def test_launched_hook_runs_once_per_step_before_the_wait(backend):
+    """EngineCore.step(launched=...) calls it once per step: inside the runner's first call, once its device
+    work is enqueued (the client streams the previous step's tokens there), or at the end of an idle step."""
+    log: list[str] = []
+    runner = Recording(backend.runner(max_num_seqs=2))
+    inner_decode = runner.decode
+
+    def decode(seqs, launched=None):
+        out = inner_decode(seqs, launched)
+        log.append("decoded")
+        return out
+    runner.decode = decode
+    core = EngineCore(runner)
+    core.add("a", _prompt(9, 1), 4, GREEDY)
+    while core.unfinished:
+        log.append("step")
+        core.step(launched=lambda: log.append("launched"))
+    steps = "|".join(log).split("step|")[1:]
+    assert all(s.count("launched") == 1 for s in steps), log
+    assert all(s.index("launched") < s.index("decoded") for s in steps if "decoded" in s), log

@@ -38,12 +38,16 @@ class ReferenceRunner:
         self._states[seq.request_id] = state if state is not None else self.decoder.new_state()
         return reused
 
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool) -> int | None:
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool, launched=None) -> int | None:
+        if launched is not None:  # NumPy computes on this thread: nothing runs beside it
+            launched()
         state = self._states[seq.request_id]
         assert state.length == start, (state.length, start)
         return self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None)
 
-    def decode(self, seqs: list[Sequence]) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool]]:
+        if launched is not None:
+            launched()
         out = []
         for seq in seqs:
             state, start = self._states[seq.request_id], len(seq.tokens) - 1
