@@ -21,7 +21,8 @@ serve = pytest.importorskip("ray.serve")
 from thorgen.runtime.api import EngineConfig  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.cli import open_model  # noqa: E402
-from thorgen.serve.cluster import APP, ENGINE, build_app  # noqa: E402
+from thorgen.serve.cluster import APP, ENGINE, build_app, cluster as cluster_command  # noqa: E402
+from thorgen.serve.remote import ReplicaHeaderMiddleware, _REPLICA_SLOT  # noqa: E402
 from thorgen.serve.routing import PrefixIndex, block_hashes, rank  # noqa: E402
 from thorgen.serve.scripted import running_server  # noqa: E402
 
@@ -120,6 +121,32 @@ def test_policy_prefers_the_prefix_holder_within_the_load_bound():
     for i in range(20):  # bounded: the least recently used blocks go
         index.record(block_hashes([i] * 16, 16), "b")
     assert len(index) == 8 and index.held["b"] == 8
+
+
+def test_middleware_names_the_replica_and_marks_503_retryable():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.get("/placed/{status}")
+    async def placed(status: int):
+        _REPLICA_SLOT.get()["replica"] = "r1"  # what RemoteStream does once the router has placed the request
+        return JSONResponse({"error": {"message": "x"}}, status_code=status)
+    app.add_middleware(ReplicaHeaderMiddleware)
+    with running_server(app) as url:
+        ok, gone = httpx.get(url + "/placed/200", timeout=10), httpx.get(url + "/placed/503", timeout=10)
+    assert ok.headers["x-thorgen-replica"] == "r1" and "retry-after" not in ok.headers
+    assert gone.status_code == 503 and gone.headers["retry-after"] == "1"
+
+
+def test_cluster_command_rejects_bad_options(tmp_path):
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cluster_command, ["--model", str(tmp_path)])
+    assert result.exit_code != 0 and "config.json" in result.output
+    result = CliRunner().invoke(cluster_command, ["--kv-dtype", "fp8"])
+    assert result.exit_code != 0 and "--backend cuda" in result.output
 
 
 # ---- through the ingress ----------------------------------------------------------------------------------------
