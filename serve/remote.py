@@ -112,6 +112,8 @@ class RemoteStream:
             except (TaskCancelledError, asyncio.CancelledError):
                 if self._aborted:
                     return
+                self._queue.put_nowait(EngineUnavailable("Ray Serve cancelled the request (shutting down?); retry "
+                                                         "the request"))  # the reader must not wait forever
                 raise
             except BackPressureError as exc:
                 err = EngineBusy(f"every replica is busy; retry later ({exc})")
