@@ -3,6 +3,7 @@ ingress, driven by the official `openai` client (Ray starts once for the module;
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -30,6 +31,7 @@ from thorgen.serve.scripted import running_server  # noqa: E402
 pytestmark = pytest.mark.slow
 CTX = 1024
 LONG = [{"role": "user", "content": "Count slowly from one to one thousand, one number per line."}]
+PRIME = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 
 
 def _free_port() -> int:
@@ -154,7 +156,7 @@ def test_cluster_command_rejects_bad_options(tmp_path):
 
 def test_openai_client_answers_and_equals_single_server(cluster):
     url, single_url = cluster
-    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+    msgs = PRIME
     got, want = _client(url), _client(single_url)
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
         a, replica = _chat(got, msgs, max_tokens=8, **kw)
@@ -212,6 +214,44 @@ def test_conversation_sticks_to_one_replica_and_unrelated_ones_spread(cluster):
                     max_tokens=2, temperature=0)[1]
               for topic in ("Rivers", "Quartz", "Jazz", "Origami", "Volcanoes", "Tea")}
     assert spread == set(_replicas_up(url)) and len(spread) == 2, spread
+
+
+def test_stop_string_ends_the_replica_request_as_single_server(cluster):
+    """A stop string makes the ingress cancel the replica call; the answer is trimmed as by `thorgen serve`."""
+    url, single_url = cluster
+    base = _client(single_url).chat.completions.create(model="tiny", messages=PRIME, max_tokens=12, temperature=0)
+    text = (base.choices[0].message.content or "").strip("\ufffd")
+    if len(text) < 2:
+        pytest.skip("the random model produced too little visible text to place a stop string")
+    stop = text[len(text) // 2:][:2]
+    want = _client(single_url).chat.completions.create(model="tiny", messages=PRIME, max_tokens=12, temperature=0,
+                                                       stop=[stop])
+    got, _ = _chat(_client(url), PRIME, max_tokens=12, temperature=0, stop=[stop])
+    assert got.choices[0].message.content == want.choices[0].message.content == text[:text.index(stop)]
+    assert got.choices[0].finish_reason == want.choices[0].finish_reason == "stop"
+
+
+def test_client_disconnect_frees_the_replica(cluster):
+    """The engine request stops soon after the client leaves, well before it would have finished."""
+    url, _ = cluster
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=30,
+                      json={"model": "tiny", "messages": LONG, "max_tokens": 900, "temperature": 0,
+                            "stream": True, "return_token_ids": True}) as r:
+        replica, n, started = r.headers["x-thorgen-replica"], 0, None
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                ids = choices[0].get("token_ids") or [] if choices else []
+                started = started or (time.monotonic() if ids else None)
+                n += len(ids)
+                if n >= 40:
+                    break
+        rate = n / (time.monotonic() - started)  # tokens/s on this machine
+    left = (900 - n) / rate
+    label = f'replica="{replica}"'
+    _wait(lambda: _counter(_metrics(url), "thorgen_replica_requests_running", label) == 0
+          and _counter(_metrics(url), "thorgen_replica_requests_queued", label) == 0, max(2.0, left / 2),
+          f"the abandoned stream's engine request to end (it had {left:.1f}s of tokens left)")
 
 
 def test_replica_killed_mid_stream(cluster):
