@@ -109,11 +109,13 @@ class RemoteStream:
                     continue
                 err: BaseException = EngineUnavailable(
                     f"replica {self.replica} stopped during the request ({type(exc).__name__}); retry the request")
-            except (TaskCancelledError, asyncio.CancelledError):
+            except TaskCancelledError:
                 if self._aborted:
                     return
-                self._queue.put_nowait(EngineUnavailable("Ray Serve cancelled the request (shutting down?); retry "
-                                                         "the request"))  # the reader must not wait forever
+                err = EngineUnavailable("Ray Serve cancelled the request (shutting down?); retry the request")
+            except asyncio.CancelledError:  # this task itself was cancelled (the loop is closing)
+                if not self._aborted:
+                    self._queue.put_nowait(EngineUnavailable("the ingress is shutting down; retry the request"))
                 raise
             except BackPressureError as exc:
                 err = EngineBusy(f"every replica is busy; retry later ({exc})")
