@@ -17,6 +17,7 @@ COMMANDS = {
     "bench": "thorgen.runtime.bench:bench",
     "serve": "thorgen.serve.cli:serve",
     "chat": "thorgen.serve.cli:chat",
+    "cluster": "thorgen.serve.cluster_cli:cluster",
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
