@@ -129,23 +129,15 @@ class _Job:
     aborted: bool = False  # the core was told
 
 
-class RequestStream:
-    """The outputs of one submitted request, in order: `async for out in stream`, or `await stream.next(t)`.
+class OutputStream:
+    """One request's outputs, in order: `async for out in stream`, or `await stream.next(t)`. Producers put
+    RequestOutputs, or an exception that ends the stream, on `_queue`; `abort()` stops the request."""
 
-    Raises RequestRejected or EngineFailure where the engine reported one. `abort()` stops the request."""
+    request_id: str
 
-    def __init__(self, client: "EngineClient", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.request_id, self._loop = client, request_id, loop
+    def __init__(self) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.done = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # engine thread -> event loop
-        if self._loop.is_closed():
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop shut down meanwhile
-            pass
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
         """The next output; asyncio.TimeoutError when none comes within `timeout` (the request keeps running)."""
@@ -158,11 +150,30 @@ class RequestStream:
         self.done = item.finished
         return item
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> "OutputStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
         return await self.next()
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class RequestStream(OutputStream):
+    """An EngineClient request's outputs; raises RequestRejected or EngineFailure where the engine reported one."""
+
+    def __init__(self, client: "EngineClient", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.client, self.request_id, self._loop = client, request_id, loop
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # engine thread -> event loop
+        if self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop shut down meanwhile
+            pass
 
     def abort(self) -> None:
         self.client.abort(self.request_id)

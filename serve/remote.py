@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..runtime.api import (Capabilities, EngineBusy, EngineFailure, EngineUnavailable, GenerationResult,
-                           RequestOutput, RequestRejected, SamplingParams)
+                           OutputStream, RequestOutput, RequestRejected, SamplingParams)
 from . import routing
 from .metrics import Metrics
 
@@ -78,14 +78,13 @@ class ReplicaHeaderMiddleware:
             _REPLICA_SLOT.reset(token)
 
 
-class RemoteStream:
-    """One request's outputs from whichever replica serves it; `RequestStream`'s next/aiter/abort/done."""
+class RemoteStream(OutputStream):
+    """One request's outputs from whichever replica serves it (an OutputStream, as EngineClient's are)."""
 
     def __init__(self, client: "RemoteEngineClient", request_id: str, args: tuple, slot: dict | None) -> None:
+        super().__init__()
         self.client, self.request_id, self._args, self._slot = client, request_id, args, slot
-        self.done = False
         self.replica: str | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()
         self._call: Any = None
         self._tokens: list[int] = []
         self._finished = self._aborted = False
@@ -146,23 +145,6 @@ class RemoteStream:
         if not self._aborted:  # the replica ended the stream without a final output: it is shutting down
             self._queue.put_nowait(EngineUnavailable(f"replica {self.replica} ended the request early (shutting "
                                                      "down); retry the request"))
-
-    async def next(self, timeout: float | None = None) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        get = self._queue.get()
-        item = await (asyncio.wait_for(get, timeout) if timeout is not None else get)
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        self.done = item.finished
-        return item
-
-    def __aiter__(self) -> "RemoteStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        return await self.next()
 
     def abort(self) -> None:
         """Cancel the replica call (its engine request is aborted there); the stream ends "cancelled" here, as an
