@@ -29,11 +29,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-async def _one(http, url: str, body: dict, headers: dict) -> dict:
+async def _one(http, url: str, body: dict, headers: dict, endpoint: str = "/v1/completions") -> dict:
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage = None
-    async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+    async with http.stream("POST", url + endpoint, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise click.ClickException(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -44,10 +44,11 @@ async def _one(http, url: str, body: dict, headers: dict) -> dict:
                 raise click.ClickException(f"the server reported an error: {event['error']}")
             if event.get("usage"):
                 usage = event["usage"]
-            if any(c.get("text") for c in event.get("choices", [])):
+            if any(c.get("text") or (c.get("delta") or {}).get("content")
+                   or (c.get("delta") or {}).get("reasoning_content") for c in event.get("choices", [])):
                 arrivals.append(time.perf_counter())
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
-    return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
 async def run_level(url: str, concurrency: int, requests: int, prompt: list[int], gen: int,
@@ -88,6 +89,34 @@ async def run_level(url: str, concurrency: int, requests: int, prompt: list[int]
             "request_decode_tok_s_median": round(statistics.median(rates), 2) if rates else None}
 
 
+async def run_suite(url: str, entries: list[dict], api_key: str | None, timeout: float,
+                    filler_repeats: int | None) -> list[dict]:
+    """Each suite prompt alone (chat, streamed, greedy, the entry's max_tokens): TTFT and decode tok/s."""
+    import httpx
+
+    from .prompt_suite import build_messages
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rows = []
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        for entry in entries:
+            body = {"model": "bench", "messages": build_messages(entry, filler_repeats), "temperature": 0,
+                    "max_tokens": int(entry.get("max_tokens", 128)), "stream": True,
+                    "stream_options": {"include_usage": True}}
+            try:
+                r = await _one(http, url, body, headers, "/v1/chat/completions")
+            except click.ClickException as exc:  # e.g. a needle prompt over the server's context: keep going
+                rows.append({"id": entry["id"], "category": entry.get("category"), "error": exc.message})
+                continue
+            a = r["arrivals"]
+            rows.append({"id": entry["id"], "category": entry.get("category"), "prompt_tokens": r["prompt_tokens"],
+                         "completion_tokens": r["tokens"],
+                         "ttft_ms": round((a[0] - r["sent"]) * 1e3, 3) if a else None,
+                         "decode_tok_s": round((r["tokens"] - 1) / (a[-1] - a[0]), 2)
+                         if len(a) > 1 and r["tokens"] > 1 and a[-1] > a[0] else None})
+    return rows
+
+
 def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
     """`prompt_len` token ids of plain text, tokenized by the server itself (so any tokenizer works)."""
     import httpx
@@ -118,8 +147,13 @@ def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
               help="The engine's own batch-1 decode tok/s (thorgen bench), reported beside the server's.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here (e.g. docs/benchmarks/<name>.json).")
+@click.option("--suite", "suite_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Also run each prompt of this suite alone (the JSON shape of seed_data/prompt_suite.json).")
+@click.option("--filler-repeats", type=click.IntRange(min=1), default=None,
+              help="Filler lines of the suite's needle prompts (default: the suite's own; smaller for short --ctx).")
 def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_client: int, timeout: float,
-                api_key: str | None, engine_tok_s: float | None, out_file: Path | None) -> None:
+                api_key: str | None, engine_tok_s: float | None, out_file: Path | None, suite_file: Path | None,
+                filler_repeats: int | None) -> None:
     """Load-test a running `thorgen serve` (or any OpenAI-compatible server with /tokenize)."""
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
@@ -136,6 +170,12 @@ def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_clien
         raise click.ClickException(f"no server at {url}: {exc}") from None
     if health.status_code != 200:
         raise click.ClickException(f"{url}/health answered {health.status_code}: {health.text[:200]}")
+    from .prompt_suite import load_suite
+
+    try:
+        suite = load_suite(suite_file) if suite_file is not None else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     prompt = bench_prompt(url, prompt_len, api_key)
     asyncio.run(run_level(url, 1, 1, prompt, min(gen, 8), api_key, timeout))  # warm-up
     rows = []
@@ -150,6 +190,14 @@ def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_clien
               "prompt_len": prompt_len, "gen": gen, "requests_per_client": per_client, "levels": rows,
               "command": f"thorgen bench serve --url {url} --concurrency {concurrency} --prompt-len {prompt_len} "
                          f"--gen {gen} --requests {per_client}"}
+    if suite is not None:
+        report["suite_file"] = str(suite_file)
+        report["suite"] = asyncio.run(run_suite(url, suite, api_key, timeout, filler_repeats))
+        for row in report["suite"]:
+            head = f"{row['id']:<16} {row['category'] or '':<16}"
+            click.echo(f"{head} error: {row['error']}" if "error" in row else
+                       f"{head} prompt {row['prompt_tokens']:>6}  out {row['completion_tokens']:>4}  "
+                       f"TTFT {row['ttft_ms']} ms  decode {row['decode_tok_s']} tok/s")
     if engine_tok_s:
         one = next((r for r in rows if r["concurrency"] == 1), None)
         if one and one["request_decode_tok_s_median"]:

@@ -2,12 +2,10 @@
 rendered through a checkpoint's own chat template and tokenizer.
 
 The template is rendered with jinja2 directly (the same sandboxed environment as serve/chat_template.py), not
-through serve/, whose modules need pydantic, which the GPU box lacks. Entries without "messages" (longctx_001,
-"_build": "needle") are built with the recipe of MODEL_FACTS §5.3 (scripts/capture_traces.py build_messages):
-    filler = ("This is filler context line for retrieval testing. " * 4 + "\\n") * filler_repeats
-    content = filler[:len//2] + "\\n" + needle + "\\n" + filler[len//2:] + "\\n\\nQuestion: " + question
-The suite's filler_repeats (400: ~55k tokens with the tiny checkpoint's tokenizer, 137 tokens a repeat) exceeds
-the tiny preset's context, so callers pass a smaller count (`filler_repeats=`).
+through serve/chat_template.py, whose imports need pydantic (not on every GPU box). Entries without "messages"
+are built by serve/prompt_suite.py's build_messages (MODEL_FACTS §5.3's needle recipe). The suite's
+filler_repeats (400: ~55k tokens with the tiny checkpoint's tokenizer, 137 tokens a repeat) exceeds the tiny
+preset's context, so callers pass a smaller count (`filler_repeats=`).
 """
 
 from __future__ import annotations
@@ -16,19 +14,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-FILLER_LINE = "This is filler context line for retrieval testing. " * 4 + "\n"
-
-
-def build_messages(entry: dict, filler_repeats: int | None = None) -> list[dict]:
-    """The chat messages of one suite entry; `filler_repeats` overrides the needle prompt's repeat count."""
-    if "messages" in entry:
-        return entry["messages"]
-    if entry.get("_build") != "needle":
-        raise ValueError(f"prompt {entry.get('id')!r}: no messages and no known _build recipe")
-    filler = FILLER_LINE * (entry["filler_repeats"] if filler_repeats is None else filler_repeats)
-    half = len(filler) // 2
-    content = filler[:half] + "\n" + entry["needle"] + "\n" + filler[half:] + "\n\nQuestion: " + entry["question"]
-    return [{"role": "user", "content": content}]
+from thorgen.serve.prompt_suite import build_messages
 
 
 def render(model_dir: Path, messages: list[dict]) -> str:

@@ -48,3 +48,29 @@ def test_bench_serve_levels(tmp_path):
     assert len(engine.calls[-1]["prompt"]) == 40 and report["server_over_engine"] > 0
     assert CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", "--concurrency", "1"]).exit_code != 0
     state.close()
+
+
+def test_bench_serve_suite(tmp_path):
+    """--suite runs every prompt alone through chat (messages or the needle recipe); an entry the server
+    refuses is reported, not fatal."""
+    tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
+    engine = ScriptedBackend(lambda p: tok.encode("one two three four five six"), max_context=3000)
+    state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
+    suite = {"prompts": [
+        {"id": "a", "category": "short_factual", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        {"id": "n", "category": "long_context", "_build": "needle", "needle": "The code is 7.",
+         "question": "What is the code?", "filler_repeats": 2, "max_tokens": 3},
+        {"id": "big", "category": "long_context", "_build": "needle", "needle": "x", "question": "y",
+         "filler_repeats": 50, "max_tokens": 3}]}
+    (tmp_path / "suite.json").write_text(json.dumps(suite))
+    out = tmp_path / "r.json"
+    with running_server(create_app(state)) as url:
+        r = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1", "--prompt-len", "8", "--gen", "4",
+                                             "--requests", "1", "--suite", str(tmp_path / "suite.json"),
+                                             "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in json.loads(out.read_text())["suite"]}
+    assert rows["a"]["completion_tokens"] == 4 and rows["a"]["ttft_ms"] > 0
+    assert rows["n"]["completion_tokens"] == 3 and "The code is 7." in tok.decode(engine.calls[-1]["prompt"])
+    assert "context" in rows["big"]["error"]  # 50 filler repeats exceed the 3000-token context
+    state.close()
