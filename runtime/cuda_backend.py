@@ -138,7 +138,11 @@ class CudaBackend(StreamingBackend):
 class CudaRunner:
     """ModelRunner over the Engine, whose KV cache holds one sequence: max_num_seqs 1, whole-prompt prefill
     (the engine chunks it itself). Plain steps decode the token the previous step left in out_ids[0] when they
-    follow a plain step of the same sequence; otherwise the input token is staged (4 bytes)."""
+    follow a plain step of the same sequence; otherwise the input token is staged (4 bytes).
+
+    One-slot prefix cache: the K/V of the last finished sequence stays in the cache, so a request that starts
+    with its tokens (a chat's next turn) prefills only the rest, while the rings still hold what the new
+    positions need (KVPlan.prefix_intact) and, for a speculative request, the drafter context was built too."""
 
     max_num_seqs = 1
     prefill_chunk = None
@@ -148,6 +152,9 @@ class CudaRunner:
         self.max_context = self.kv_tokens = backend.max_context
         self.verify_block = BLOCK if self.engine.speculative else 1
         self._on_device: tuple[str, int] | None = None  # (request, position) whose token is in out_ids[0]
+        self._cached: list[int] = []  # tokens at positions 0.. whose K/V the cache holds (the last sequence's)
+        self._last_written = -1  # the highest position written since (rejected drafts included)
+        self._with_taps = False  # the drafter context covers `_cached` too
 
     def check(self, seq) -> None:
         vocab = self.backend.spec.target.vocab_size
@@ -162,10 +169,21 @@ class CudaRunner:
         s = seq.sampling
         if not s.greedy:
             self.engine.set_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
-        return 0
+        want = seq.tokens[:seq.prefill_target]
+        n = 0
+        while n < min(len(self._cached), len(want) - 1) and self._cached[n] == want[n]:
+            n += 1  # keep at least one token to run: the first sample needs fresh logits
+        if n and (not self.engine.kv.plan.prefix_intact(n, self._last_written)
+                  or (seq.speculative and not self._with_taps)):
+            n = 0
+        self._cached, self._last_written = [], -1  # from here on the cache belongs to `seq`
+        return n
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
-        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched)
+        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched,
+                                  begin=start)
+        self._with_taps = seq.speculative and (start == 0 or self._with_taps)
+        self._last_written = end - 1
         self._on_device = (seq.request_id, end) if sample else None
         return tok if sample else None
 
@@ -175,6 +193,7 @@ class CudaRunner:
         room = seq.room(self.max_context)
         if seq.speculative and pos + BLOCK <= self.max_context:  # else a verify block would run past the cache
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched)
+            self._last_written = max(self._last_written, pos + BLOCK - 1)
             new = [target[0]]
             while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
                 new.append(target[len(new)])
@@ -182,11 +201,15 @@ class CudaRunner:
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
         new = self.engine.decode(pos, greedy, token=staged, launched=launched)
+        self._last_written = max(self._last_written, pos)
+        self._with_taps = False  # a plain step leaves the drafter context behind
         self._on_device = (seq.request_id, pos + 1)
         return [([new], False)]
 
     def release(self, seq, finished: bool) -> None:
         self._on_device = None
+        # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
+        self._cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
         self.backend._peak_used = max(self.backend._peak_used, self.backend._used())
 
 

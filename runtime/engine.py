@@ -258,14 +258,17 @@ class Engine:
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
     def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
-                launched: Callable[[], None] | None = None) -> int:
-        """Run the prompt (positions 0..P-1) in chunks of max_step_tokens rows; returns the first new token.
-        `taps`: also capture the DFlash taps and project them into the drafter's context cache (speculative).
-        `launched()` runs once everything is enqueued, before the wait for the token (see decode)."""
+                launched: Callable[[], None] | None = None, begin: int = 0) -> int:
+        """Run the prompt (positions begin..P-1; the K/V of 0..begin-1 is already cached) in chunks of
+        max_step_tokens rows; returns the first new token. `taps`: also capture the DFlash taps and project them
+        into the drafter's context cache (speculative). `launched()` runs once everything is enqueued, before
+        the wait for the token (see decode)."""
         if taps and not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         ids_buf, n = self.act["ids"], len(prompt)
-        for start in range(0, n, self.max_rows):
+        if not 0 <= begin < n:
+            raise BackendError(f"prefill from position {begin} of a {n}-token prompt: at least one token must run")
+        for start in range(begin, n, self.max_rows):
             rows = min(self.max_rows, n - start)
             last = start + rows == n
             if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])

@@ -40,6 +40,7 @@ class LayerKV:
     head_dim: int
     dtype: str
     elem_bytes: int
+    window: int | None = None  # a sliding layer's window (keys a query sees); None: full attention
 
     @property
     def row_bytes(self) -> int:
@@ -74,6 +75,12 @@ class KVPlan:
     def drafter(self) -> list[LayerKV]:
         return [l for l in self.layers if l.model == "drafter"]
 
+    def prefix_intact(self, n: int, last_written: int) -> bool:
+        """Whether the K/V of positions [0, n) can still serve a continuation from position n, when positions up
+        to `last_written` were written since: a ring slot keeps a position until one `slots` later is written,
+        and the continuation's first query needs the `window` positions before n."""
+        return all(last_written < n - l.window + l.slots for l in self.layers if l.ring)
+
     def summary(self) -> str:
         t = sum(l.nbytes for l in self.target())
         d = sum(l.nbytes for l in self.drafter())
@@ -104,7 +111,8 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
         window = t.layer_window(l)
         ring = window is not None and ring_slots(window, conventions) < ctx
         slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
-        layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size))
+        layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size,
+                              window))
     if drafter:
         d = spec.drafter
         if d is None:
@@ -113,7 +121,7 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
             window = d.layer_window(l)
             ring = window is not None and ring_slots(window, conventions) < ctx
             slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
-            layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2))
+            layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2, window))
     return KVPlan(ctx, name, tuple(layers))
 
 

@@ -179,3 +179,22 @@ def test_speculative_server_equals_plain(server, tmp_path):
         assert float(count[0].split()[-1]) > 0  # verify steps ran
     finally:
         _stop(proc, log)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"])
+def test_prefix_cache_hit_equals_miss(server, sampling):
+    """A chat's next turn reuses the K/V the previous turn left (usage.prompt_tokens_details.cached_tokens) and
+    gets exactly the tokens of a full prefill (after an unrelated request took the cache)."""
+    url = server[0]
+
+    def run(prompt):
+        body = {"model": "m", "prompt": prompt, "max_tokens": 16, "return_token_ids": True, **sampling}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+        return r["choices"][0]["token_ids"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    first, _ = run(PROMPT_IDS)
+    turn2 = PROMPT_IDS + first + [107, 105, 250, 251, 107]
+    hit, cached_hit = run(turn2)
+    run([2, 400, 401])  # another conversation takes the one-slot cache
+    miss, cached_miss = run(turn2)
+    assert cached_hit == len(PROMPT_IDS) + len(first) - 1 and cached_miss <= 1
+    assert hit == miss

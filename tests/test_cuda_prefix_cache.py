@@ -1,0 +1,83 @@
+"""CPU tests of the cuda backend's one-slot prefix cache, on the emulated engine (tests/engine_emulator.py): a
+chat's next turn prefills only its new tokens and gets exactly the tokens a full prefill gives; the reuse is
+refused where a ring no longer holds what the new positions need, or a speculative request would lack the
+drafter context."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_emulator as EE  # noqa: E402
+
+pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
+
+from thorgen.runtime.backend import SamplingParams  # noqa: E402
+from thorgen.runtime.engine_core import EngineCore  # noqa: E402
+from thorgen.runtime.kv_cache import plan_kv  # noqa: E402
+
+SEEDED = SamplingParams(temperature=1.0, seed=9)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_checkpoint, tmp_path_factory):
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.repack import repack
+
+    root = tmp_path_factory.mktemp("prefix")
+    weights = repack(tiny_checkpoint, root / "weights")
+    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
+    EE.install(kernels)
+    b = open_backend(tiny_checkpoint, ctx=1024, weights_dir=weights, kernels_dir=kernels)
+    yield b
+    b.close()
+    dev.set_driver(None)
+
+
+def _run(core: EngineCore, rid: str, prompt: list[int], n: int, speculative: bool = False):
+    core.add(rid, prompt, n, SEEDED, speculative=speculative)
+    tokens, result = [], None
+    while core.unfinished:
+        for out in core.step():
+            tokens += out.token_ids
+            result = out.result or result
+    return tokens, result
+
+
+def test_next_turn_reuses_the_cache_and_equals_a_full_prefill(backend):
+    core = EngineCore(backend.runner())
+    first = [2] + list(range(300, 330))
+    a, ra = _run(core, "a", first, 8)
+    assert ra.cached_prompt_tokens == 0
+    turn2 = first + a + [107, 105, 250, 251, 107]
+    hit, rh = _run(core, "b", turn2, 8)
+    assert rh.cached_prompt_tokens == len(first) + len(a) - 1  # all but the last answer token had K/V
+    miss, rm = _run(EngineCore(backend.runner()), "c", turn2, 8)  # a new runner knows no cached prefix
+    assert rm.cached_prompt_tokens == 0 and hit == miss
+    other, ro = _run(core, "d", [2, 400, 401], 4)  # shares only <bos>: nothing worth reusing, and it is correct
+    assert ro.cached_prompt_tokens == 1 and other == _run(EngineCore(backend.runner()), "e", [2, 400, 401], 4)[0]
+
+
+def test_speculative_request_needs_the_drafter_context(backend):
+    core = EngineCore(backend.runner())
+    first = [2] + list(range(310, 330))
+    a, _ = _run(core, "plain", first, 6)
+    _, r = _run(core, "spec", first + a + [107], 6, speculative=True)
+    assert r.cached_prompt_tokens == 0  # the plain run built no drafter context
+    a2, _ = _run(core, "spec2", first, 6, speculative=True)
+    _, r2 = _run(core, "spec3", first + a2 + [107], 6, speculative=True)
+    assert r2.cached_prompt_tokens > 0
+
+
+def test_prefix_intact_follows_the_rings(backend):
+    plan = plan_kv(backend.spec, 1024, "bf16", drafter=True)
+    rings = [l for l in plan.layers if l.ring]
+    assert rings, "the tiny preset has sliding layers"
+    margin = min(l.slots - l.window for l in rings)
+    assert plan.prefix_intact(100, 100 + margin - 1) and not plan.prefix_intact(100, 100 + margin)
