@@ -54,14 +54,14 @@ def json_grammar(schema: dict | None, tok: Any) -> str:
 class Grammar:
     """An llguidance grammar (its JSON form) over an `llguidance.LLTokenizer` whose EOS tokens are the stop ids.
 
-    `start_after`: a token id after which the constraint begins (the thought channel's close with thinking on);
-    None: from the first generated token."""
+    `thought`: (channel open id, channel close id) with thinking on: the first token may open the thought
+    channel instead, which runs unconstrained until it closes, and the grammar starts after it."""
 
     text: str
     tokenizer: Any = field(compare=False, repr=False)
-    start_after: int | None = None
+    thought: tuple[int, int] | None = None
 
-    def matcher(self) -> "Matcher":
+    def matcher(self) -> Matcher:
         return Matcher(self)
 
 
@@ -74,24 +74,30 @@ class Matcher:
         self._m = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         if self._m.is_error():
             raise BackendError(f"the grammar is invalid: {self._m.get_error()}")
-        self.start_after = grammar.start_after
-        self.active = grammar.start_after is None
+        self.thought = grammar.thought
+        self.state = "start" if self.thought else "active"  # -> "thinking" -> "active"
 
     def allowed(self, vocab: int) -> np.ndarray | None:
-        """The allowed-token mask over `vocab` ids (ids past the tokenizer's are never allowed); None while the
-        constraint has not started."""
-        if not self.active:
+        """The allowed-token mask over `vocab` ids (ids past the tokenizer's are never allowed); None inside the
+        thought channel."""
+        if self.state == "thinking":
             return None
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         mask = np.zeros(vocab, dtype=bool)
         n = min(vocab, bits.shape[0])
         mask[:n] = bits[:n].astype(bool)
+        if self.state == "start":
+            mask[self.thought[0]] = True
         return mask
 
     def accept(self, token: int) -> None:
-        if not self.active:
-            self.active = token == self.start_after
+        if self.state == "start" and token == self.thought[0]:
+            self.state = "thinking"
             return
+        if self.state == "thinking":
+            if token == self.thought[1]:
+                self.state = "active"
+            return
+        self.state = "active"
         if not self._m.consume_token(int(token)):
             raise RuntimeError(f"grammar matcher rejected token {token}: {self._m.get_error()}")
-
