@@ -160,3 +160,24 @@ def test_cuda_runner_refuses_extended_sampling():
                            (SamplingParams(grammar=object()), "response_format")]:
         with pytest.raises(BackendError, match=f"{name}.* is not supported on the cuda backend yet"):
             CudaRunner.check(runner, Sequence("a", [2, 3], sampling, 4))
+
+
+def test_grammar_starts_after_the_thought_channel(backend, tiny_checkpoint):
+    pytest.importorskip("llguidance")
+    from thorgen.runtime.constraint import Grammar, json_grammar, tokenizer
+
+    lltok = tokenizer(str(tiny_checkpoint / "tokenizer.json"), backend.spec.target.vocab_size, (1,))
+    grammar = Grammar(json_grammar(None, lltok), lltok, thought=(100, 101))
+    m = grammar.matcher()
+    first = m.allowed(512)
+    assert first[100] and not first[101] and first.sum() < 100  # the channel may open; else JSON must start
+    m.accept(100)
+    assert m.allowed(512) is None  # inside the thought: unconstrained
+    m.accept(300)
+    m.accept(101)
+    after = m.allowed(512)
+    assert not after[100] and after.sum() < 100
+    direct = grammar.matcher()
+    brace = int(np.flatnonzero(direct.allowed(512) & ~np.eye(512, dtype=bool)[100])[0])
+    direct.accept(brace)  # a first token that is not the channel opener starts the grammar at once
+    assert not direct.allowed(512)[100]
