@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from ..model_spec import ModelSpec
 
@@ -12,15 +12,34 @@ class BackendError(RuntimeError):
     """A request the backend cannot serve (prompt over the context, no GPU, ...): the message says what to do."""
 
 
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
+
+# One committed token's logprob entry: (its logprob, ((token id, logprob), ...) for the top entries asked for).
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature 0 is greedy. Filters apply in the order softcap -> temperature -> top-k -> top-p -> min-p."""
+    """Temperature 0 is greedy. Filters apply in the order softcap -> temperature -> top-k -> top-p -> min-p.
+
+    Logits processing (all off by default, so that a plain request pays nothing) runs on the softcapped logits
+    before the temperature, in vLLM's order and semantics: repetition_penalty over prompt + output tokens
+    (positive logits divided, negative multiplied), then frequency_penalty * count and presence_penalty over
+    output tokens, then logit_bias (token id -> bias, clamped to +-100), then the grammar's allowed-token mask.
+    `logprobs` (None: off, else 0..20 top entries) come from the softcapped logits, before any processing."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by id
+    logprobs: int | None = None
+    grammar: Any = None  # a runtime.constraint.Grammar
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,10 +50,41 @@ class SamplingParams:
             raise ValueError(f"top_p {self.top_p} must lie in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p {self.min_p} must lie in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} {getattr(self, name)} must lie in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty} must be > 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs {self.logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
+        bias = dict(self.logit_bias)
+        if len(bias) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(
+            (int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in sorted(bias.items())))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (a penalty, a bias or a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.grammar is not None)
+
+    @property
+    def extended(self) -> bool:
+        """Whether the request uses anything beyond the plain sampler (processing or logprobs)."""
+        return self.processed or self.logprobs is not None
+
+    def describe_extended(self) -> str:
+        names = [n for n, on in (("logprobs", self.logprobs is not None), ("presence_penalty", self.presence_penalty),
+                                 ("frequency_penalty", self.frequency_penalty),
+                                 ("repetition_penalty", self.repetition_penalty != 1.0),
+                                 ("logit_bias", self.logit_bias), ("response_format / forced tool_choice",
+                                                                   self.grammar is not None)) if on]
+        return ", ".join(names)
 
 
 @dataclass

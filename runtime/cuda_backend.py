@@ -164,6 +164,9 @@ class CudaRunner:
         if seq.speculative and not self.engine.speculative:
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
+        if seq.sampling.extended:  # the GPU sampler has no logits processing or logprobs output yet
+            raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the cuda backend yet "
+                               "(use --backend reference)")
 
     def admit(self, seq) -> int:
         s = seq.sampling

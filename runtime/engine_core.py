@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .backend import BackendError, GenerationResult, SamplingParams
+from .backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence
 
 
@@ -26,6 +26,7 @@ class RequestOutput:
     accepted: int | None = None  # drafts accepted by a speculative step
     finished: bool = False
     result: GenerationResult | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in token_ids, when the request asked
 
 
 class ModelRunner(Protocol):
@@ -46,7 +47,8 @@ class ModelRunner(Protocol):
     def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
                 launched: Callable[[], None] | None = None) -> int | None:
         """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
-        `launched()` is called once the device work is enqueued, before waiting for it."""
+        `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
+        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
 
     def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
                ) -> list[tuple[list[int], bool]]:
@@ -156,7 +158,10 @@ class EngineCore:
         if verified:
             accepted = len(tokens) - 1
             seq.accepted_lengths.append(len(tokens))
-        out = [RequestOutput(seq.request_id, tuple(tokens), accepted)]
+        logprobs, seq.step_logprobs = seq.step_logprobs, None
+        if logprobs is not None:
+            logprobs = tuple(logprobs[:len(tokens)])
+        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs)]
         if stop_at is not None:
             out.append(self._finish(seq, "stop"))
         elif seq.room(self.runner.max_context) <= 0:

@@ -17,6 +17,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backend import SamplingParams
 
@@ -50,6 +51,8 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     admitted_at: float | None = None
+    matcher: Any = None  # its grammar's runtime.constraint.Matcher (made by the runner's check)
+    step_logprobs: list | None = None  # the runner's TokenLogprob per token of the step just run
 
     @property
     def tokens(self) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,58 +15,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.api import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
                            RequestRejected, RequestStream, SamplingParams)
 from .guards import prompt_ids
+from .logprobs import Logprobs
 from .parser import ControlIds, Delta, OutputParser
-from .protocol import (REASONING_EFFORTS, APIError, ChatCompletionRequest, CompletionRequest, _Sampling,
-                       check_unsupported, stop_list, template_messages, tool_choice_mode, validate_tools)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list,
+                       template_messages, tool_choice_mode, validate_tools)
+from .sampling import max_new_tokens, sampling_params, thinking_enabled
+from .structured import response_grammar
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
 
 class ClientGone(Exception):
     pass
-
-
-def thinking_enabled(req: ChatCompletionRequest) -> bool:
-    kwargs = req.chat_template_kwargs or {}
-    if "enable_thinking" in kwargs:
-        value = kwargs["enable_thinking"]
-        if not isinstance(value, bool):
-            raise APIError("chat_template_kwargs.enable_thinking must be true or false", param="chat_template_kwargs")
-        return value
-    if req.reasoning_effort is not None:
-        if req.reasoning_effort not in REASONING_EFFORTS:
-            raise APIError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
-                           param="reasoning_effort")
-        return REASONING_EFFORTS[req.reasoning_effort]
-    return False
-
-
-def sampling_params(req: _Sampling, defaults: dict) -> SamplingParams:
-    """Request values over the checkpoint's generation_config defaults (as vLLM does)."""
-    def pick(name: str, fallback: Any) -> Any:
-        value = getattr(req, name)
-        return defaults.get(name, fallback) if value is None else value
-    top_k = int(pick("top_k", 0))
-    seed = req.seed if req.seed is not None else random.getrandbits(63)
-    try:
-        return SamplingParams(temperature=float(pick("temperature", 1.0)), top_k=max(top_k, 0),
-                              top_p=float(pick("top_p", 1.0)), min_p=float(pick("min_p", 0.0)),
-                              seed=seed % (1 << 63))
-    except ValueError as exc:
-        raise APIError(str(exc)) from None
-
-
-def max_new_tokens(requested: int | None, prompt_len: int, max_context: int) -> int:
-    if prompt_len >= max_context:
-        raise APIError(f"this model's maximum context length is {max_context} tokens, but the prompt has "
-                       f"{prompt_len} tokens; shorten the messages", param="messages", code="context_length_exceeded")
-    room = max_context - prompt_len
-    if requested is None:
-        return room
-    if requested > room:
-        raise APIError(f"max_tokens {requested} + prompt {prompt_len} tokens exceeds the context of {max_context} "
-                       f"tokens; ask for at most {room}", param="max_tokens", code="context_length_exceeded")
-    return requested
 
 
 @dataclass
@@ -153,6 +112,9 @@ class Generation:
         self.return_ids = False  # vLLM's return_token_ids
         self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self.recorded = False
+        self.logprobs = (Logprobs(lambda t: server.tokenizer.decode([t]), kind == "chat")
+                         if job.sampling.logprobs is not None else None)
+        self.step_logprobs: dict | None = None  # the last fed step's logprobs object
 
     def record(self, status: int) -> None:
         """Count the request once in /metrics; 499 = the client went away (its tokens still count)."""
@@ -174,6 +136,8 @@ class Generation:
             metrics.observe("accepted_per_step", step.accepted + 1)
         self.n_out += len(step.token_ids)
         self.token_ids += step.token_ids
+        if self.logprobs is not None and step.logprobs is not None:
+            self.step_logprobs = self.logprobs.add(step.token_ids, step.logprobs)
         delta = self.parser.feed(list(step.token_ids))
         if self.parser.stopped:
             self.job.abort()  # a stop string ended the answer: free the engine now
@@ -270,16 +234,18 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
         body.update(extra)
         return sse(body)
 
-    def choice(delta: Delta, finish: str | None = None, ids: tuple[int, ...] = ()) -> dict | None:
+    def choice(delta: Delta, finish: str | None = None, ids: tuple[int, ...] = (),
+               logprobs: dict | None = None) -> dict | None:
+        extra = (gen.return_ids and ids) or logprobs is not None  # a chunk even without text
         if chat:
             d = _delta_json(delta, gen)
-            if not d and finish is None and not (gen.return_ids and ids):
+            if not d and finish is None and not extra:
                 return None
-            out = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         else:
-            if not delta.content and finish is None and not (gen.return_ids and ids):
+            if not delta.content and finish is None and not extra:
                 return None
-            out = {"index": 0, "text": delta.content, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "text": delta.content, "logprobs": logprobs, "finish_reason": finish}
         if gen.return_ids:
             out["token_ids"] = list(ids)
         return out
@@ -291,7 +257,9 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
         kind, payload = first
         while True:
             if kind == "tokens":
-                c = choice(gen.feed(payload), ids=payload.token_ids)
+                delta = gen.feed(payload)
+                c = choice(delta, ids=payload.token_ids, logprobs=gen.step_logprobs)
+                gen.step_logprobs = None
                 if c:
                     yield chunk(c)
             elif kind == "done":
@@ -344,12 +312,13 @@ async def serve_generation(server: Any, request: Request, gen: Generation, strea
     finally:
         gen.job.abort()
     base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": gen.usage()}
+    logprobs = gen.logprobs.total() if gen.logprobs is not None else None
     if gen.kind == "chat":
         body = {"object": "chat.completion", **base, "choices": [
-            {"index": 0, "message": chat_message(total), "logprobs": None, "finish_reason": gen.finish_reason()}]}
+            {"index": 0, "message": chat_message(total), "logprobs": logprobs, "finish_reason": gen.finish_reason()}]}
     else:
         body = {"object": "text_completion", **base, "choices": [
-            {"index": 0, "text": total.content, "logprobs": None, "finish_reason": gen.finish_reason()}]}
+            {"index": 0, "text": total.content, "logprobs": logprobs, "finish_reason": gen.finish_reason()}]}
     if gen.return_ids:
         body["choices"][0].update(token_ids=gen.token_ids, prompt_token_ids=list(gen.job.prompt_ids))
     gen.record(200)
@@ -377,7 +346,9 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
                           stop=stop_list(req.stop), prefill_tool=prefill,
                           max_calls=1 if req.parallel_tool_calls is False else None)
     job = Job(ids, max_new_tokens(requested, len(ids), server.caps.max_context),
-              sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
+              sampling_params(req, server.generation_defaults, server.caps.vocab_size,
+                              response_grammar(req.response_format, server, thinking)),
+              server.stop_ids, speculative=server.speculative)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     gen = Generation(server, job, parser, "chat")
     gen.return_ids = bool(req.return_token_ids)
@@ -412,7 +383,9 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
     parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
     limit = max_new_tokens(req.max_tokens, len(ids), server.caps.max_context)
     job = Job(ids, limit if req.max_tokens is not None else min(16, limit),  # OpenAI's default for completions
-              sampling_params(req, server.generation_defaults), server.stop_ids, speculative=server.speculative)
+              sampling_params(req, server.generation_defaults, server.caps.vocab_size,
+                              response_grammar(req.response_format, server, False)),
+              server.stop_ids, speculative=server.speculative)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     gen = Generation(server, job, parser, "completion")
     gen.return_ids = bool(req.return_token_ids)

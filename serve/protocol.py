@@ -204,23 +204,10 @@ REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": Tru
 
 
 def check_unsupported(req: _Sampling) -> None:
-    """Fields whose effect we do not implement are refused with a 400 instead of being silently ignored."""
+    """Fields whose effect we do not implement are refused with a 400 instead of being silently ignored (the
+    sampling fields are checked where serve/sampling.py and serve/structured.py read them)."""
     if req.n not in (None, 1):
         raise APIError("only n=1 is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise APIError(f"{name} is not supported by this server (only 0): it cannot be applied to sampling",
-                           param=name)
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise APIError("repetition_penalty is not supported (only 1.0)", param="repetition_penalty")
-    if req.logprobs not in (None, False, 0) or req.top_logprobs not in (None, 0):
-        raise APIError("logprobs are not supported by this server", param="logprobs")
-    if req.logit_bias not in (None, {}):
-        raise APIError("logit_bias is not supported by this server", param="logit_bias")
-    fmt = req.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("response_format other than {'type': 'text'} is not supported", param="response_format")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -96,7 +96,10 @@ class ScriptedRunner:
         self._runs: dict[str, tuple[list[int], dict]] = {}
 
     def check(self, seq) -> None:
-        pass
+        from ..runtime.backend import BackendError
+
+        if seq.sampling.extended:  # a script has no logits to process or report
+            raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the scripted backend")
 
     def admit(self, seq) -> int:
         record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,

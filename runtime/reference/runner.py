@@ -3,12 +3,19 @@
 Each sequence has its own SeqState (target K/V + drafter context); a step runs the sequences one after another,
 which is what batching means for a CPU oracle: the same tokens as one at a time, by construction. Finished
 sequences go to the backend's LRU prefix cache, and a new sequence starts from its longest cached prefix.
+A sequence with logits processing (penalties, logit_bias, a grammar) decodes without speculation: each token's
+processing depends on the tokens before it, which a verify block does not know yet. Logprobs alone keep
+speculation (the verify logits of each committed position are that position's own logits).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..backend import BackendError
 from ..scheduler import Sequence
+from .logits import process, token_logprob
+from .sampling import sample
 from .state import SeqState
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (the engine core interleaves chunks with decode steps)
@@ -32,6 +39,11 @@ class ReferenceRunner:
             raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
         if seq.speculative and self.backend.drafter is None:
             raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
+        bad = [t for t, _ in seq.sampling.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise BackendError(f"logit_bias token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        if seq.sampling.grammar is not None and seq.matcher is None:
+            seq.matcher = seq.sampling.grammar.matcher()
 
     def admit(self, seq: Sequence) -> int:
         state, reused = self.backend.prefix_cache.lookup(seq.tokens[:seq.prefill_target + 1])
@@ -43,7 +55,11 @@ class ReferenceRunner:
             launched()
         state = self._states[seq.request_id]
         assert state.length == start, (state.length, start)
-        return self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None)
+        pick = _Pick.of(seq) if sample else None
+        token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick)
+        if pick is not None:
+            seq.step_logprobs = pick.logprobs
+        return token
 
     def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool]]:
         if launched is not None:
@@ -52,11 +68,42 @@ class ReferenceRunner:
         for seq in seqs:
             state, start = self._states[seq.request_id], len(seq.tokens) - 1
             assert state.length == start, (state.length, start)
-            out.append((self.decoder.step(state, seq.output[-1], start, seq.sampling, seq.speculative,
-                                          seq.room(self.max_context)), seq.speculative))
+            speculative = seq.speculative and not seq.sampling.processed
+            pick = _Pick.of(seq)
+            out.append((self.decoder.step(state, seq.output[-1], start, seq.sampling, speculative,
+                                          seq.room(self.max_context), pick), speculative))
+            if pick is not None:
+                seq.step_logprobs = pick.logprobs
         return out
 
     def release(self, seq: Sequence, finished: bool) -> None:
         state = self._states.pop(seq.request_id, None)
         if state is not None and finished and state.length >= len(seq.prompt):
             self.backend.prefix_cache.store(state)  # reusable for any prompt it is a prefix of
+
+
+class _Pick:
+    """One step's sampler for a sequence that uses logits processing or logprobs: processes each row (with the
+    tokens picked earlier in the step), samples, records the logprob and feeds the grammar."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq, self.picked = seq, []
+        self.logprobs: list | None = [] if seq.sampling.logprobs is not None else None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "_Pick | None":
+        return cls(seq) if seq.sampling.extended else None  # None: the plain sampler, no extra work
+
+    def __call__(self, row: np.ndarray, position: int) -> int:
+        params, matcher = self.seq.sampling, self.seq.matcher
+        z = row
+        if params.processed:
+            allowed = None if matcher is None else matcher.allowed(row.shape[0])
+            z = process(row, params, self.seq.prompt, self.seq.output + self.picked, allowed)
+        token = sample(z, params, position)
+        if matcher is not None:
+            matcher.accept(token)
+        if self.logprobs is not None:
+            self.logprobs.append(token_logprob(row, token, params.logprobs))
+        self.picked.append(token)
+        return token

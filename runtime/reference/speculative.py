@@ -11,6 +11,8 @@ output equals plain output for the same seed, by construction.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..backend import SamplingParams
@@ -18,6 +20,9 @@ from .drafter import Drafter
 from .model import TargetModel
 from .sampling import sample
 from .state import SeqState
+
+# pick(softcapped logits row [V], absolute position) -> token: the runner's per-sequence sampler
+Pick = Callable[[np.ndarray, int], int]
 
 
 class Decoder:
@@ -45,18 +50,24 @@ class Decoder:
         state.tokens.extend(ids[:n])
 
     def prefill(self, state: SeqState, ids: list[int], sampling: SamplingParams,
-                sample_at: int | None) -> int | None:
+                sample_at: int | None, pick: Pick | None = None) -> int | None:
         """Forward `ids` after what `state` covers and keep them; with `sample_at` (the new token's position),
-        sample the token that follows them."""
+        sample the token that follows them (with `pick` where given, else the plain sampler)."""
         logits = self._forward(state, ids, last_only=True)
         self._commit(state, ids, len(ids))
-        return None if sample_at is None else sample(logits[-1], sampling, sample_at)
+        if sample_at is None:
+            return None
+        return sample(logits[-1], sampling, sample_at) if pick is None else pick(logits[-1], sample_at)
 
     def step(self, state: SeqState, tok: int, start: int, sampling: SamplingParams, speculative: bool,
-             room: int) -> list[int]:
+             room: int, pick: Pick | None = None) -> list[int]:
         """One step for `tok` at position `start` (not yet in the K/V): plain, or draft + verify of a block of at
         most `room` tokens. Returns the committed tokens (accepted drafts + the bonus token) and keeps their
-        K/V; the engine core cuts them at a stop id."""
+        K/V; the engine core cuts them at a stop id. `pick` (default: the plain sampler) is called once per
+        committed token, in order."""
+        if pick is None:
+            def pick(row: np.ndarray, position: int) -> int:
+                return sample(row, sampling, position)
         drafts: list[int] = []
         n_drafts = min(self.drafter.block_size, room) - 1 if speculative and self.drafter else 0
         if n_drafts > 0:
@@ -66,8 +77,8 @@ class Decoder:
             drafts = [int(d) for d in self.drafter.propose(state.draft, tok, start)][:n_drafts]
         block = [tok] + drafts
         logits = self._forward(state, block, last_only=False)
-        new = [sample(logits[0], sampling, start + 1)]
+        new = [pick(logits[0], start + 1)]
         while len(new) <= len(drafts) and drafts[len(new) - 1] == new[-1]:
-            new.append(sample(logits[len(new)], sampling, start + 1 + len(new)))
+            new.append(pick(logits[len(new)], start + 1 + len(new)))
         self._commit(state, block, len(new))
         return new

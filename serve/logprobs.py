@@ -1,0 +1,37 @@
+"""Serve stage: the engine's per-token logprobs -> OpenAI's `logprobs` objects (chat and completions, streamed
+or whole). One entry per generated token, the final stop token included (as vLLM reports it)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Logprobs:
+    """Formats one request's logprobs; `add` returns the object for the tokens of one engine step and keeps
+    them for `total` (the non-streamed answer)."""
+
+    def __init__(self, token_text: Callable[[int], str], chat: bool) -> None:
+        self.token_text, self.chat = token_text, chat
+        self.offset = 0  # completions' text_offset of the next token
+        self.items: list = []
+
+    def add(self, ids: tuple[int, ...], logprobs: tuple) -> dict:
+        items = []
+        for token, (lp, top) in zip(ids, logprobs):
+            text = self.token_text(token)
+            items.append((text, lp, [(self.token_text(t), v) for t, v in top], self.offset))
+            self.offset += len(text)
+        self.items += items
+        return self._object(items)
+
+    def total(self) -> dict:
+        return self._object(self.items)
+
+    def _object(self, items: list) -> dict[str, Any]:
+        if self.chat:
+            def entry(text: str, lp: float) -> dict:
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                                for text, lp, top, _ in items]}
+        return {"tokens": [i[0] for i in items], "token_logprobs": [i[1] for i in items],
+                "top_logprobs": [dict(i[2]) for i in items], "text_offset": [i[3] for i in items]}
