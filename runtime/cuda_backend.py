@@ -192,7 +192,7 @@ class CudaRunner:
 
     def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
         (seq,) = seqs
-        pos, tok, greedy = len(seq.tokens) - 1, seq.output[-1], seq.sampling.greedy
+        pos, tok, greedy = seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
         room = seq.room(self.max_context)
         if seq.speculative and pos + BLOCK <= self.max_context:  # else a verify block would run past the cache
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched)

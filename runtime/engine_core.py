@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from .backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`."""
+class RequestOutput(NamedTuple):
+    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`.
+    A NamedTuple: an immutable value, and cheap enough to make one per sequence per step."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -80,6 +79,7 @@ class EngineCore:
         self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
                                    runner.verify_block, runner.prefill_chunk)
         self._seqs: dict[str, Sequence] = {}
+        self._cancelled: list[Sequence] = []  # aborted since the last step
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
             stop_ids: frozenset[int] = frozenset(), speculative: bool = False) -> Sequence:
@@ -108,6 +108,7 @@ class EngineCore:
         if seq is None:
             return False
         seq.cancelled = True  # finished at the start of the next step, between steps
+        self._cancelled.append(seq)
         return True
 
     @property
@@ -118,7 +119,10 @@ class EngineCore:
         """One engine step. `launched()` runs once, as soon as the step's first device work is enqueued (or at
         the end of a step without any): the client streams the previous step's outputs there, beside the GPU."""
         once = _Once(launched)
-        outputs = [self._finish(s, "cancelled") for s in list(self._seqs.values()) if s.cancelled]
+        outputs = []
+        if self._cancelled:
+            cancelled, self._cancelled = self._cancelled, []
+            outputs = [self._finish(s, "cancelled") for s in cancelled if s.request_id in self._seqs]
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             self.runner.release(seq, finished=False)
@@ -138,7 +142,7 @@ class EngineCore:
                 new.append((p.seq, [int(token)], False))
         if schedule.decodes:
             for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes), once)):
-                seq.num_cached = len(seq.tokens) - 1 + len(chain)  # its input token plus all but the last new
+                seq.num_cached = seq.num_tokens - 1 + len(chain)  # its input token plus all but the last new
                 new.append((seq, [int(t) for t in chain], verified))
         for seq, tokens, verified in new:
             outputs += self._commit(seq, tokens, verified)
@@ -149,10 +153,15 @@ class EngineCore:
         """The stop / length rules: keep tokens up to a stop id and within the room; finish when done."""
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
-        tokens = tokens[:max(seq.room(self.runner.max_context), 0)]
-        stop_at = next((i for i, t in enumerate(tokens) if t in seq.stop_ids), None)
-        if stop_at is not None:
-            tokens = tokens[:stop_at + 1]
+        room = seq.room(self.runner.max_context)
+        if len(tokens) > room:
+            tokens = tokens[:max(room, 0)]
+        stop_at = None
+        for i, t in enumerate(tokens):
+            if t in seq.stop_ids:
+                stop_at = i
+                tokens = tokens[:i + 1]
+                break
         seq.output += tokens
         accepted = None
         if verified:
@@ -164,7 +173,7 @@ class EngineCore:
         out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs)]
         if stop_at is not None:
             out.append(self._finish(seq, "stop"))
-        elif seq.room(self.runner.max_context) <= 0:
+        elif room - len(tokens) <= 0:
             out.append(self._finish(seq, "length"))
         return out
 

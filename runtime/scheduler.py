@@ -13,10 +13,10 @@ its prompt plus all its output but the last token, and continues, with the token
 from __future__ import annotations
 
 import enum
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from typing import Any
 
 from .backend import SamplingParams
@@ -59,6 +59,10 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:  # len(tokens) without building the list (the decode path asks every step)
+        return len(self.prompt) + len(self.output)
+
+    @property
     def prefill_target(self) -> int:
         """Tokens the K/V must cover before decoding: all of them, except a resumed sequence's last output."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
@@ -69,7 +73,8 @@ class Sequence:
 
     def room(self, max_context: int) -> int:
         """Tokens it may still commit: bounded by max_tokens and by the context."""
-        return min(self.max_tokens - len(self.output), max_context - len(self.prompt) - len(self.output))
+        n = len(self.output)
+        return min(self.max_tokens - n, max_context - len(self.prompt) - n)
 
 
 @dataclass(frozen=True)
@@ -80,16 +85,11 @@ class Prefill:
     sample: bool  # the chunk ends the prompt of a sequence with no output yet: sample its first token
 
 
-@dataclass(frozen=True)
-class Schedule:
+class Schedule(NamedTuple):  # a tuple: built every step, and cheap to build
     prefills: tuple[Prefill, ...] = ()
     decodes: tuple[Sequence, ...] = ()
     preempted: tuple[Sequence, ...] = ()
     exhausted: tuple[Sequence, ...] = ()  # alone, it outgrew the whole KV cache: it ends at its length
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
 
 
 class KVExhausted(Exception):
@@ -109,7 +109,7 @@ class BlockPool:
         return self.num_blocks - self.used
 
     def needed(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_size)
+        return -(-tokens // self.block_size)
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
         """Charge `seq` enough blocks to hold `tokens` K/V entries; False (nothing charged) if they are not free."""
@@ -155,14 +155,17 @@ class Scheduler:
         return self.verify_block if seq.speculative else 1
 
     def schedule(self) -> Schedule:
+        if not self.waiting and all(s.num_cached >= s.prefill_target and s.blocks * self.pool.block_size >= min(
+                s.num_cached + (self.verify_block if s.speculative else 1), self.max_context) for s in self.running):
+            return Schedule(decodes=tuple(self.running))  # the steady state: everyone decodes in blocks it has
         budget = self.max_step_tokens
         decodes: list[Sequence] = []
         preempted: list[Sequence] = []
         exhausted: list[Sequence] = []
         for seq in list(self.running):
-            if seq.prefilling or seq not in self.running:
+            if seq.status is not Status.RUNNING or seq.num_cached < seq.prefill_target:  # preempted / prefilling
                 continue
-            tokens = min(seq.num_cached + self.step_tokens(seq), self.max_context)
+            tokens = min(seq.num_cached + (self.verify_block if seq.speculative else 1), self.max_context)
             while not self.pool.grow(seq, tokens):
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
                 if victim is None:
@@ -178,7 +181,7 @@ class Scheduler:
             decodes.append(seq)
             budget -= 1
         prefills: list[Prefill] = []
-        for seq in [s for s in self.running if s.prefilling]:  # admitted earlier, prompt not yet done
+        for seq in [s for s in self.running if s.num_cached < s.prefill_target]:  # admitted, prompt not done
             if budget <= 0:
                 break
             chunk = self._chunk(seq, budget)

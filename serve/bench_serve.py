@@ -1,8 +1,9 @@
 """Serve stage: `thorgen bench serve`, a closed-loop load generator against a running OpenAI-compatible server.
 
 Each concurrency level runs C clients that each send requests back to back (streamed /v1/completions with a
-token-id prompt of --prompt-len ids, --gen tokens), and reports TTFT and inter-token latency percentiles,
-per-request decode tok/s and aggregate tok/s (completion tokens of the level / its wall time). Inter-token
+token-id prompt of --prompt-len ids, shuffled per request so that no prefix cache helps, --gen tokens), and
+reports TTFT and inter-token latency percentiles, per-request decode tok/s and aggregate tok/s (completion
+tokens of the level / its wall time). Inter-token
 latency is the gap between streamed chunks that carry text, divided by the tokens between them as counted by
 the final usage (a chunk may carry several tokens, and a token may carry no text).
 """
@@ -13,6 +14,7 @@ import asyncio
 import datetime as _dt
 import json
 import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -51,19 +53,32 @@ async def _one(http, url: str, body: dict, headers: dict, endpoint: str = "/v1/c
     return {"sent": sent, "arrivals": arrivals, "tokens": tokens, "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
+_served = 0  # requests sent so far by this process
+
+
+def unique_prompt(prompt: list[int], i: int) -> list[int]:
+    """`prompt` with all but its first token shuffled by a seed unique to this request (the same tokens, the same
+    length), so that no two requests share a prefix beyond that first token: TTFT then measures a full prefill,
+    never a prefix-cache hit."""
+    global _served
+    _served += 1
+    rest = list(prompt[1:])
+    random.Random(_served * 100003 + i).shuffle(rest)
+    return prompt[:1] + rest
+
+
 async def run_level(url: str, concurrency: int, requests: int, prompt: list[int], gen: int,
                     api_key: str | None, timeout: float) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
     results: list[dict] = []
     todo = list(range(requests))
 
     async def client(http) -> None:
         while todo:
-            todo.pop()
+            body = {"model": "bench", "prompt": unique_prompt(prompt, todo.pop()), "max_tokens": gen,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             results.append(await _one(http, url, body, headers))
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:

@@ -66,7 +66,7 @@ class ReferenceRunner:
             launched()
         out = []
         for seq in seqs:
-            state, start = self._states[seq.request_id], len(seq.tokens) - 1
+            state, start = self._states[seq.request_id], seq.num_tokens - 1
             assert state.length == start, (state.length, start)
             speculative = seq.speculative and not seq.sampling.processed
             pick = _Pick.of(seq)
