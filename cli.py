@@ -21,7 +21,8 @@ COMMANDS = {
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
-SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve"}}
+SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve",
+                         "sweep": "thorgen.runtime.bench_sweep:sweep"}}
 
 
 class LazyGroup(click.Group):
