@@ -1,0 +1,71 @@
+"""The ModelRunner contract (runtime/engine_core.py), checked the same way on every runner: the reference
+runner, the cuda runner on the CPU emulator and the scripted test runner. `check` refuses bad requests, `admit`
+reports a cached prefix shorter than the prompt, `prefill` samples only when asked, `decode` commits 1..room
+tokens per sequence, and each calls `launched` exactly once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.scheduler import Sequence  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["reference", "cuda-emulated", "scripted"])
+def runner(request, tiny_checkpoint, tiny_ckpt, tmp_path_factory):
+    if request.param == "reference":
+        from thorgen.runtime.reference.backend import ReferenceBackend
+
+        yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_slots=0).runner(max_num_seqs=2)
+    elif request.param == "scripted":
+        from thorgen.serve.scripted import ScriptedBackend
+
+        yield ScriptedBackend(lambda p: [200, 201, 202] * 20, max_context=256, chunk=2).runner(2)
+    else:
+        pytest.importorskip("thorgen.codegen.plan")
+        import engine_emulator as EE
+        from thorgen.runtime import device as dev
+        from thorgen.runtime.cuda_backend import open_backend
+        from thorgen.runtime.repack import repack
+
+        root = tmp_path_factory.mktemp("runner")
+        weights = repack(tiny_checkpoint, root / "weights")
+        EE.install(kernels := EE.write_fake_manifest(tiny_ckpt.spec, root / "kernels"))
+        backend = open_backend(tiny_checkpoint, ctx=256, weights_dir=weights, kernels_dir=kernels)
+        yield backend.runner()
+        backend.close()
+        dev.set_driver(None)
+
+
+def _calls():
+    log: list[int] = []
+    return log, (lambda: log.append(1))
+
+
+def test_runner_contract(runner):
+    assert runner.max_num_seqs >= 1 and runner.kv_tokens >= runner.max_context >= 2 and runner.verify_block >= 1
+    seq = Sequence("r", [2] + list(range(300, 310)), SamplingParams(), max_tokens=6, stop_ids=frozenset({1}))
+    runner.check(seq)
+    cached = runner.admit(seq)
+    assert 0 <= cached < len(seq.prompt)
+    log, launched = _calls()
+    first = runner.prefill(seq, cached, len(seq.prompt), True, launched)
+    assert isinstance(first, int) and log == [1]
+    seq.num_cached, seq.output = len(seq.prompt), [first]
+    log, launched = _calls()
+    ((tokens, verified),) = runner.decode([seq], launched)
+    assert 1 <= len(tokens) <= seq.room(runner.max_context) and isinstance(verified, bool) and log == [1]
+    seq.num_cached, seq.output = seq.num_tokens - 1 + len(tokens), seq.output + tokens
+    runner.release(seq, finished=True)
+
+
+def test_runner_refuses_out_of_vocabulary_ids(runner):
+    if type(runner).__name__ == "ScriptedRunner":
+        pytest.skip("the scripted runner replays a script: it has no model to refuse ids for")
+    with pytest.raises(BackendError, match="vocabulary"):
+        runner.check(Sequence("bad", [2, 10 ** 7], SamplingParams(), max_tokens=2))
