@@ -11,23 +11,20 @@ from thorgen.runtime.api import EngineConfig  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.cli import open_model  # noqa: E402
 from thorgen.serve.scripted import running_server  # noqa: E402
+from tiny_server import openai_client, tiny_server  # noqa: E402
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
-                        speculative=False)
-    state.load()
-    assert state.load_error is None, state.load_error
-    with running_server(create_app(state)) as url:
-        yield url, state
+    with tiny_server(tiny_checkpoint, 1024) as running:
+        yield running
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(server[0])
 
 
 def test_chat_stream_equals_non_stream(client, server):

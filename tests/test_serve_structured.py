@@ -13,10 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-from thorgen.runtime.api import EngineConfig  # noqa: E402
-from thorgen.serve.app import ServerState, create_app  # noqa: E402
-from thorgen.serve.cli import open_model  # noqa: E402
-from thorgen.serve.scripted import running_server  # noqa: E402
+from tiny_server import openai_client, tiny_server  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Describe a city as JSON."}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -26,17 +23,13 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 512)),
-                        speculative=False)
-    state.load()
-    assert state.load_error is None, state.load_error
-    with running_server(create_app(state)) as url:
-        yield url, state
+    with tiny_server(tiny_checkpoint, 512) as running:
+        yield running
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(server[0])
 
 
 def _valid(value: dict) -> None:

@@ -1,0 +1,31 @@
+"""Test support (not a test module): the tiny checkpoint served on the reference backend, for the openai client."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def tiny_server(checkpoint: Path, ctx: int, speculative: bool | None = False) -> Iterator[tuple[str, object]]:
+    """(base URL, ServerState) of a running server; closed on exit."""
+    from thorgen.runtime.api import EngineConfig
+    from thorgen.serve.app import ServerState, create_app
+    from thorgen.serve.cli import open_model
+    from thorgen.serve.scripted import running_server
+
+    state = ServerState("tiny", lambda: open_model(EngineConfig(checkpoint, "reference", ctx)), speculative=speculative)
+    state.load()
+    assert state.load_error is None, state.load_error
+    try:
+        with running_server(create_app(state)) as url:
+            yield url, state
+    finally:
+        state.close()
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
