@@ -168,14 +168,14 @@ class CudaRunner:
             raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the cuda backend yet "
                                "(use --backend reference)")
 
-    def admit(self, seq) -> int:
+    def admit(self, seq, limit: int) -> int:
         s = seq.sampling
         if not s.greedy:
             self.engine.set_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
         want = seq.tokens[:seq.prefill_target]
         n = 0
-        while n < min(len(self._cached), len(want) - 1) and self._cached[n] == want[n]:
-            n += 1  # keep at least one token to run: the first sample needs fresh logits
+        while n < min(len(self._cached), len(want), limit) and self._cached[n] == want[n]:
+            n += 1
         if n and (not self.engine.kv.plan.prefix_intact(n, self._last_written)
                   or (seq.speculative and not self._with_taps)):
             n = 0
@@ -184,7 +184,7 @@ class CudaRunner:
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched,
-                                  begin=start)
+                                  begin=start)  # (start < end: the core skips a fully cached chunk)
         self._with_taps = seq.speculative and (start == 0 or self._with_taps)
         self._last_written = end - 1
         self._on_device = (seq.request_id, end) if sample else None

@@ -40,8 +40,9 @@ class ModelRunner(Protocol):
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
 
-    def admit(self, seq: Sequence) -> int:
-        """Make per-sequence state; returns how many leading tokens a prefix cache already covers."""
+    def admit(self, seq: Sequence, limit: int) -> int:
+        """Make per-sequence state; returns how many leading tokens (at most `limit`) a prefix cache already
+        covers, and the state holds exactly those."""
 
     def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
                 launched: Callable[[], None] | None = None) -> int | None:
@@ -131,12 +132,14 @@ class EngineCore:
         for p in schedule.prefills:
             start = p.start
             if start == 0:  # just admitted (or readmitted after a preemption)
-                cached = min(self.runner.admit(p.seq), p.end - 1)
+                # a first token needs fresh logits: one token of the chunk always runs then; a resumed sequence
+                # (no sample) may find the whole chunk cached
+                cached = self.runner.admit(p.seq, p.end - 1 if p.sample else p.end)
                 if cached > 0:  # a prefix-cache hit: those tokens need no forward
                     start = p.seq.num_cached = cached
                     if p.seq.preemptions == 0:
                         p.seq.cached_prompt_tokens = cached
-            token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
+            token = self.runner.prefill(p.seq, start, p.end, p.sample, once) if start < p.end else None
             p.seq.num_cached = p.end
             if p.sample:
                 new.append((p.seq, [int(token)], False))

@@ -101,7 +101,7 @@ class ScriptedRunner:
         if seq.sampling.extended:  # a script has no logits to process or report
             raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the scripted backend")
 
-    def admit(self, seq) -> int:
+    def admit(self, seq, limit: int) -> int:
         record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,
                   "end": None, "started": time.perf_counter()}
         with self.backend.lock:

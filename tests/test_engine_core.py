@@ -167,3 +167,17 @@ def test_launched_hook_runs_once_per_step_before_the_wait(backend):
     steps = "|".join(log).split("step|")[1:]
     assert all(s.count("launched") == 1 for s in steps), log
     assert all(s.index("launched") < s.index("decoded") for s in steps if "decoded" in s), log
+
+
+def test_resumed_sequence_fully_covered_by_the_prefix_cache(tiny_ckpt):
+    """A preempted sequence whose every token is in the prefix cache (the same request ran alone before) resumes
+    without a forward and continues to the same tokens (CI once hit a state one token longer than the chunk)."""
+    backend = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=4)
+    prompt = _prompt(12, 9)
+    core = EngineCore(backend.runner(max_num_seqs=2))
+    core.add("alone", prompt, 10, SEEDED)
+    alone = _tokens(_run(core)["alone"])
+    seq = core.add("resumed", prompt, 10, SEEDED)
+    seq.output, seq.preemptions = alone[:4], 1  # as if preempted after 4 tokens: it re-prefills prompt + 3
+    outs = _run(core)
+    assert seq.output == alone and _tokens(outs["resumed"]) == alone[4:]

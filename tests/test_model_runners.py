@@ -51,7 +51,7 @@ def test_runner_contract(runner):
     assert runner.max_num_seqs >= 1 and runner.kv_tokens >= runner.max_context >= 2 and runner.verify_block >= 1
     seq = Sequence("r", [2] + list(range(300, 310)), SamplingParams(), max_tokens=6, stop_ids=frozenset({1}))
     runner.check(seq)
-    cached = runner.admit(seq)
+    cached = runner.admit(seq, len(seq.prompt) - 1)
     assert 0 <= cached < len(seq.prompt)
     log, launched = _calls()
     first = runner.prefill(seq, cached, len(seq.prompt), True, launched)

@@ -45,8 +45,9 @@ class ReferenceRunner:
         if seq.sampling.grammar is not None and seq.matcher is None:
             seq.matcher = seq.sampling.grammar.matcher()
 
-    def admit(self, seq: Sequence) -> int:
-        state, reused = self.backend.prefix_cache.lookup(seq.tokens[:seq.prefill_target + 1])
+    def admit(self, seq: Sequence, limit: int) -> int:
+        # lookup() keeps at least the last token it is given to run: give it one past the limit
+        state, reused = self.backend.prefix_cache.lookup(seq.tokens[:limit + 1])
         self._states[seq.request_id] = state if state is not None else self.decoder.new_state()
         return reused
 
