@@ -113,6 +113,7 @@ class Capabilities:
     speculative: bool  # the backend can run DFlash draft + verify
     kv_dtype: str
     vocab_size: int
+    constrained: bool = False  # grammar-constrained decoding (structured outputs, forced tool calls) works
 
 
 @dataclass
@@ -233,7 +234,7 @@ class EngineClient:
         if speculative is None:
             speculative = getattr(b, "drafter", None) is not None
         return Capabilities(self.backend_name, int(b.max_context), bool(speculative), self.kv_dtype,
-                            int(b.spec.target.vocab_size))
+                            int(b.spec.target.vocab_size), bool(getattr(b, "supports_grammar", False)))
 
     def health(self) -> dict:
         if not self._loaded.is_set():

@@ -21,6 +21,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check
                        template_messages, tool_choice_mode, validate_tools)
 from .sampling import max_new_tokens, sampling_params, thinking_enabled
 from .structured import response_grammar
+from .tool_grammar import tool_call_grammar
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
@@ -345,9 +346,12 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
     parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
                           stop=stop_list(req.stop), prefill_tool=prefill,
                           max_calls=1 if req.parallel_tool_calls is False else None)
+    grammar = tool_call_grammar(tools, mode, forced, server)  # None unless a call is forced and can be constrained
+    if grammar is not None and req.response_format not in (None, {"type": "text"}):
+        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
     job = Job(ids, max_new_tokens(requested, len(ids), server.caps.max_context),
               sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                              response_grammar(req.response_format, server, thinking)),
+                              grammar or response_grammar(req.response_format, server, thinking)),
               server.stop_ids, speculative=server.speculative)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     gen = Generation(server, job, parser, "chat")

@@ -29,6 +29,8 @@ NUMERICS = ("float32", "w4a16")
 class ReferenceBackend(StreamingBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
 
+    supports_grammar = True  # its runner applies llguidance masks (runtime/constraint.py)
+
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_slots: int = 4, embed_scale: float | None = None,
                  expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
