@@ -12,6 +12,13 @@ class BackendError(RuntimeError):
     """A request the backend cannot serve (prompt over the context, no GPU, ...): the message says what to do."""
 
 
+def check_token_ids(ids, vocab: int, what: str = "prompt") -> None:
+    """BackendError naming the first ids outside 0..vocab-1."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise BackendError(f"{what} token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+
+
 MAX_TOP_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 

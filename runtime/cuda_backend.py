@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..model_spec.config import spec_from_configs
-from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
+from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend, check_token_ids
 from .device import Device, check, driver, gib
 from .engine import Engine
 from .kv_cache import default_ctx, plan_kv
@@ -157,10 +157,7 @@ class CudaRunner:
         self._with_taps = False  # the drafter context covers `_cached` too
 
     def check(self, seq) -> None:
-        vocab = self.backend.spec.target.vocab_size
-        bad = [t for t in seq.prompt if not 0 <= t < vocab]
-        if bad:
-            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        check_token_ids(seq.prompt, self.backend.spec.target.vocab_size)
         if seq.speculative and not self.engine.speculative:
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")

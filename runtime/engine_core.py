@@ -13,7 +13,7 @@ import time
 from typing import Callable, NamedTuple, Protocol
 
 from .backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
-from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence
+from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
 
 
 class RequestOutput(NamedTuple):
@@ -108,8 +108,7 @@ class EngineCore:
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        seq.cancelled = True  # finished at the start of the next step, between steps
-        self._cancelled.append(seq)
+        self._cancelled.append(seq)  # finished at the start of the next step, between steps
         return True
 
     @property
@@ -181,7 +180,7 @@ class EngineCore:
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
-        was_running = seq.status.value == "running"
+        was_running = seq.status is Status.RUNNING
         self.scheduler.finish(seq, reason)
         if was_running:
             self.runner.release(seq, finished=True)

@@ -45,7 +45,6 @@ class Sequence:
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from a prefix cache (first admission)
     accepted_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    cancelled: bool = False
     preemptions: int = 0
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

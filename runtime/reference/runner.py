@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BackendError
+from ..backend import BackendError, check_token_ids
 from ..scheduler import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
@@ -34,14 +34,10 @@ class ReferenceRunner:
 
     def check(self, seq: Sequence) -> None:
         vocab = self.backend.spec.target.vocab_size
-        bad = [t for t in seq.prompt if not 0 <= t < vocab]
-        if bad:
-            raise BackendError(f"prompt token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        check_token_ids(seq.prompt, vocab)
         if seq.speculative and self.backend.drafter is None:
             raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
-        bad = [t for t, _ in seq.sampling.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise BackendError(f"logit_bias token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+        check_token_ids([t for t, _ in seq.sampling.logit_bias], vocab, "logit_bias")
         if seq.sampling.grammar is not None and seq.matcher is None:
             seq.matcher = seq.sampling.grammar.matcher()
 
