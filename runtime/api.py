@@ -40,7 +40,8 @@ class EngineConfig:
     weights: Path | None = None  # cuda: repacked weights folder (default: found from the model)
     kernels: Path | None = None  # cuda: built kernels folder (default: $THORGEN_KERNELS, ./thorgen-build/...)
     prefix_slots: int = 4  # reference: LRU prefix-cache slots (bench passes 0 so that TTFT never hits it)
-    max_num_seqs: int = 8  # sequences decoded together (the cuda runner holds 1 until batched graphs exist)
+    max_num_seqs: int = 8  # sequences decoded together (cuda: KV lanes, at most forward.MAX_BATCH)
+    kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
     from .cuda_backend import open_backend as open_cuda
 
     return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
-                     weights_dir=config.weights, kernels_dir=config.kernels)
+                     weights_dir=config.weights, kernels_dir=config.kernels, max_num_seqs=config.max_num_seqs,
+                     kv_cache_gib=config.kv_cache_gib)
 
 
 BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}

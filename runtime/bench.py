@@ -88,7 +88,7 @@ def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weigh
     """(backend, facts about it for the report), through the one backend registry."""
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
     b = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                  prefix_slots=0)).backend
+                                  prefix_slots=0, max_num_seqs=1)).backend
     if name == "cuda":
         return b, {"gpu": b.device.info.name, "lm_head": b.lm_head}
     return b, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}

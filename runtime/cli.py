@@ -70,7 +70,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     try:
-        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft))
+        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1))
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     engine = opened.backend

@@ -20,7 +20,8 @@ from ..model_spec.config import spec_from_configs
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend, check_token_ids
 from .device import Device, check, driver, gib
 from .engine import Engine
-from .kv_cache import default_ctx, plan_kv
+from .forward import MAX_BATCH
+from .kv_cache import default_ctx, fit_lanes, plan_kv
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
@@ -59,7 +60,7 @@ def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path |
 
 
 class CudaBackend(StreamingBackend):
-    """Backend protocol over an Engine (one request at a time, like the reference backend)."""
+    """Backend protocol over an Engine (generate_stream: one request; the engine core batches through runner())."""
 
     def __init__(self, engine: Engine, load_s: float = 0.0) -> None:
         self.engine, self.spec, self.device = engine, engine.spec, engine.device
@@ -73,8 +74,9 @@ class CudaBackend(StreamingBackend):
         return total - free
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> "CudaRunner":
-        """The engine core's ModelRunner: one sequence at a time until batched decode graphs exist."""
-        return CudaRunner(self)
+        """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes (its KV budget is the
+        lanes', so `kv_tokens` is not used)."""
+        return CudaRunner(self, max_num_seqs)
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
@@ -135,26 +137,44 @@ class CudaBackend(StreamingBackend):
         self.engine.close()
 
 
+class _Lane:
+    """One sequence's room in the KV cache: who holds it, and what it still caches for the next holder."""
+
+    def __init__(self) -> None:
+        self.owner: str | None = None  # the running sequence's request id
+        self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
+        self.last_written = -1  # the highest position written since they were (rejected drafts included)
+        self.freed_at = 0  # when it was last released (LRU among free lanes)
+
+
 class CudaRunner:
-    """ModelRunner over the Engine, whose KV cache holds one sequence: max_num_seqs 1, whole-prompt prefill
-    (the engine chunks it itself). Plain steps decode the token the previous step left in out_ids[0] when they
-    follow a plain step of the same sequence; otherwise the input token is staged (4 bytes).
+    """ModelRunner over the Engine: one KV lane per running sequence, whole-prompt prefill (the engine chunks it
+    itself), decode steps batched over every running sequence (Engine.decode_batch), or a graphed one-sequence
+    step when one runs. A plain one-sequence step decodes the token the previous step left in out_ids[0] when it
+    follows a step of the same sequence; otherwise the input token is staged (4 bytes).
 
-    One-slot prefix cache: the K/V of the last finished sequence stays in the cache, so a request that starts
-    with its tokens (a chat's next turn) prefills only the rest, while the rings still hold what the new
-    positions need (KVPlan.prefix_intact) and, for a speculative request, the drafter context was built too."""
+    Prefix cache: a lane keeps the K/V of the last sequence that finished in it, so a request starting with its
+    tokens (a chat's next turn) prefills only the rest, while the rings still hold what the new positions need
+    (KVPlan.prefix_intact). Admission picks the free lane with the longest usable prefix, else the one freed
+    longest ago. Speculative steps run while a speculative sequence decodes alone and the drafter context (one
+    lane's worth, runtime/kv_cache.py) is current for it; a batched or plain step leaves that context behind, so
+    the sequence continues with plain steps (its output is the same either way)."""
 
-    max_num_seqs = 1
     prefill_chunk = None
 
-    def __init__(self, backend: CudaBackend) -> None:
+    def __init__(self, backend: CudaBackend, max_num_seqs: int | None = None) -> None:
         self.backend, self.engine = backend, backend.engine
-        self.max_context = self.kv_tokens = backend.max_context
+        lanes = self.engine.lanes
+        self.max_num_seqs = min(lanes, max_num_seqs or lanes)
+        self.max_context = backend.max_context
+        self.kv_tokens = self.max_num_seqs * backend.max_context
         self.verify_block = BLOCK if self.engine.speculative else 1
-        self._on_device: tuple[str, int] | None = None  # (request, position) whose token is in out_ids[0]
-        self._cached: list[int] = []  # tokens at positions 0.. whose K/V the cache holds (the last sequence's)
-        self._last_written = -1  # the highest position written since (rejected drafts included)
-        self._with_taps = False  # the drafter context covers `_cached` too
+        self._lanes = [_Lane() for _ in range(self.max_num_seqs)]
+        self._lane_of: dict[str, int] = {}
+        self._on_device: tuple[str, int] | None = None  # (request, position) whose input token is in out_ids[0]
+        self._params_for: str | None = None  # the request whose SampleParams fill params[] (one-sequence steps)
+        self._draft_lane: int | None = None  # the lane whose tokens the drafter context covers (all of them)
+        self._released = 0
 
     def check(self, seq) -> None:
         check_token_ids(seq.prompt, self.backend.spec.target.vocab_size)
@@ -166,60 +186,111 @@ class CudaRunner:
                                "(use --backend reference)")
 
     def admit(self, seq, limit: int) -> int:
-        s = seq.sampling
-        if not s.greedy:
-            self.engine.set_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
         want = seq.tokens[:seq.prefill_target]
-        n = 0
-        while n < min(len(self._cached), len(want), limit) and self._cached[n] == want[n]:
-            n += 1
-        if n and (not self.engine.kv.plan.prefix_intact(n, self._last_written)
-                  or (seq.speculative and not self._with_taps)):
+        best, best_n = None, -1
+        for i, lane in enumerate(self._lanes):
+            if lane.owner is not None:
+                continue
             n = 0
-        self._cached, self._last_written = [], -1  # from here on the cache belongs to `seq`
-        return n
+            while n < min(len(lane.cached), len(want), limit) and lane.cached[n] == want[n]:
+                n += 1
+            if n and (not self.engine.kv.plan.prefix_intact(n, lane.last_written)
+                      or (seq.speculative and self._draft_lane != i)):
+                n = 0
+            if n > best_n or (n == best_n and lane.freed_at < self._lanes[best].freed_at):
+                best, best_n = i, n
+        if best is None:
+            raise BackendError("cuda backend: no free KV lane (the scheduler admitted more sequences than "
+                               f"--max-num-seqs {self.max_num_seqs})")
+        lane = self._lanes[best]
+        lane.owner, lane.cached, lane.last_written = seq.request_id, [], -1  # from here on it belongs to `seq`
+        if best_n == 0 and self._draft_lane == best:
+            self._draft_lane = None
+        self._lane_of[seq.request_id] = best
+        return best_n
+
+    def _params(self, seq) -> None:
+        """params[] holds `seq`'s sampling parameters before a one-sequence step samples."""
+        if not seq.sampling.greedy and self._params_for != seq.request_id:
+            self.engine.set_sampling(seq.sampling)
+            self._params_for = seq.request_id
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+        i = self._lane_of[seq.request_id]
+        self._params(seq)
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched,
-                                  begin=start)  # (start < end: the core skips a fully cached chunk)
-        self._with_taps = seq.speculative and (start == 0 or self._with_taps)
-        self._last_written = end - 1
+                                  begin=start, lane=i)  # (start < end: the core skips a fully cached chunk)
+        if seq.speculative:  # the drafter context now holds this lane's positions (from 0: admit checked reuse)
+            self._draft_lane = i
+        lane = self._lanes[i]
+        lane.last_written = max(lane.last_written, end - 1)
         self._on_device = (seq.request_id, end) if sample else None
         return tok if sample else None
 
     def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+        if len(seqs) > 1:
+            return self._decode_batch(seqs, launched)
         (seq,) = seqs
-        pos, tok, greedy = seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
+        i = self._lane_of[seq.request_id]
+        lane, pos, tok, greedy = self._lanes[i], seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
         room = seq.room(self.max_context)
-        if seq.speculative and pos + BLOCK <= self.max_context:  # else a verify block would run past the cache
-            drafts, target = self.engine.spec_step(pos, tok, greedy, launched)
-            self._last_written = max(self._last_written, pos + BLOCK - 1)
+        self._params(seq)
+        if seq.speculative and self._draft_lane == i and pos + BLOCK <= self.max_context:
+            # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
+            drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
+            lane.last_written = max(lane.last_written, pos + BLOCK - 1)
             new = [target[0]]
             while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
                 new.append(target[len(new)])
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
-        new = self.engine.decode(pos, greedy, token=staged, launched=launched)
-        self._last_written = max(self._last_written, pos)
-        self._with_taps = False  # a plain step leaves the drafter context behind
+        new = self.engine.decode(pos, greedy, token=staged, launched=launched, lane=i)
+        lane.last_written = max(lane.last_written, pos)
+        if self._draft_lane == i:
+            self._draft_lane = None  # a plain step leaves the drafter context behind
         self._on_device = (seq.request_id, pos + 1)
         return [([new], False)]
 
+    def _decode_batch(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+        rows = []
+        for seq in seqs:
+            i = self._lane_of[seq.request_id]
+            rows.append((i, seq.num_tokens - 1, seq.output[-1], None if seq.sampling.greedy else seq.sampling))
+            self._lanes[i].last_written = max(self._lanes[i].last_written, seq.num_tokens - 1)
+            if self._draft_lane == i:
+                self._draft_lane = None
+        new = self.engine.decode_batch(rows, launched)
+        self._on_device = None  # out_ids[0] holds row 0's token
+        if any(r[3] is not None for r in rows):
+            self._params_for = None  # the step wrote every row's parameters
+        return [([t], False) for t in new]
+
     def release(self, seq, finished: bool) -> None:
-        self._on_device = None
-        # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
-        self._cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
+        i = self._lane_of.pop(seq.request_id, None)
+        if self._on_device is not None and self._on_device[0] == seq.request_id:
+            self._on_device = None
+        if i is not None:
+            lane = self._lanes[i]
+            # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
+            lane.owner = None
+            lane.cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
+            self._released += 1
+            lane.freed_at = self._released
+            if not finished and self._draft_lane == i:
+                self._draft_lane = None
         self.backend._peak_used = max(self.backend._peak_used, self.backend._used())
 
 
 def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
                  draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
-                 kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False) -> CudaBackend:
+                 kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False,
+                 max_num_seqs: int = 1, kv_cache_gib: float | None = None) -> CudaBackend:
     """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
 
     Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
-    artifacts -> repack/build; too little memory -> needed vs free)."""
+    artifacts -> repack/build; too little memory -> needed vs free). The KV cache holds `max_num_seqs` sequences
+    of `ctx` tokens, or fewer when they do not fit (kv_cache.fit_lanes)."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
@@ -233,13 +304,19 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     if verify:
         art.verify()
     drafter = spec.drafter is not None and "draft.fc.weight" in art.tensors  # the engine's own probe may still say no
-    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
-    need = art.total_bytes + kv.nbytes + (256 << 20)  # + activations, logits and graph/launch slack
+    if not 1 <= max_num_seqs <= MAX_BATCH:
+        raise BackendError(f"--max-num-seqs {max_num_seqs}: the cuda backend decodes 1..{MAX_BATCH} sequences at "
+                           "once (more requests queue)")
+    slack = 512 << 20  # activations, logits, graphs and launch slack
     free, _ = dev.mem_info()
+    one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
+    lanes = fit_lanes(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)
+    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions, lanes=lanes)
+    need = art.total_bytes + kv.nbytes + slack
     check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")
     weights = upload(art, dev)
     try:
-        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype)
+        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes)
     except BaseException:
         weights.free()
         raise

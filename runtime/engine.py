@@ -21,7 +21,7 @@ import numpy as np
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .device import Device, check, driver
-from .forward import LM_ROWS, MOE_SLICE, NULL, Copy2D, Forward, _grid
+from .forward import DECODE_BUCKETS, LM_ROWS, MAX_BATCH, MOE_SLICE, NULL, Copy2D, Forward, _grid
 from .graphs import CudaGraph
 from .kv_cache import KVCache, plan_kv
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
@@ -39,11 +39,16 @@ class Engine:
     # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B); the stream is synchronised
     # at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
     _SLOTS, _READ = 128, 2048
+    # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
+    # then the tokens read back (the step waits for them, so the area is free again at the next step).
+    _BATCH, _BATCH_READ = 8192, 2048  # (16 * MAX_BATCH bytes of int32, then MAX_BATCH * 40 of params, < 2048)
 
     def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
-                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16") -> None:
+                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1) -> None:
         self.spec, self.device, self.manifest, self.art, self.weights = spec, device, manifest, artifact, weights
-        self.ctx = ctx
+        self.ctx, self.lanes = ctx, lanes
+        if not 1 <= lanes <= MAX_BATCH:
+            raise BackendError(f"cuda backend: {lanes} sequences at once; batched decode steps hold 1..{MAX_BATCH}")
         self.max_rows = int(manifest.conventions.get("max_step_tokens", 512))
         # Programmatic dependent launch between consecutive kernels (the kernels' convention; THORGEN_PDL=0 is off)
         self.pdl = bool(manifest.conventions.get("pdl", False)) and os.environ.get("THORGEN_PDL", "1") != "0"
@@ -70,7 +75,7 @@ class Engine:
         self._fork_ev, self._join_ev = device.event(timing=False), device.event(timing=False)
         self._graph_events: list[Any] = []
         self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, drafter=self.speculative,
-                                          conventions=manifest.conventions))
+                                          conventions=manifest.conventions, lanes=lanes))
         self.act = Arena(device, self._plan_activations())
         self.dw = self._split_drafter_weights() if self.speculative else None
         # On self.stream, not the legacy stream: a non-blocking stream does not wait for legacy-stream work, so a
@@ -79,7 +84,7 @@ class Engine:
         self.act.buffer.zero(self.stream)
         self.kv.arena.buffer.zero(self.stream)
         self.stream.synchronize()
-        self._pinned = PinnedBuffer(8192)
+        self._pinned = PinnedBuffer(self._BATCH + 4096)
         self.fwd.ptr = self  # real buffers from now on
         self._graphs: dict[str, CudaGraph] = {}
         self._bound: dict[tuple, list[tuple[str, Any]]] = {}
@@ -142,10 +147,10 @@ class Engine:
                 ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
                 ("mlp", (R, H), "f32"), ("moe_act", (MOE_SLICE * K, t.moe_intermediate_size), "f16"),
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
-                ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + LM_ROWS,), "i32"),
-                ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (LM_ROWS,), "i32"),
-                ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (LM_ROWS,), "i32"),
-                ("params", (LM_ROWS, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
+                ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
+                ("lanes", (R,), "i32"), ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
+                ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
+                ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
                 ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
                 ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32")):
@@ -165,6 +170,9 @@ class Engine:
 
     def KV(self, layer: int, which: str) -> Ptr:
         return Ptr((self.kv.k(layer) if which == "k" else self.kv.v(layer)).ptr)
+
+    def lane_bytes(self, layer: int) -> int:
+        return self.kv.plan.layers[layer].k_bytes  # target layers come first in the plan
 
     def DKV(self, layer: int, which: str) -> Ptr:
         """A drafter layer's K or V cache (the context K/V of committed positions, then the block's)."""
@@ -196,7 +204,7 @@ class Engine:
                 raise BackendError(f"cuda backend: {op.label}: kernel {op.entry.name} takes {missing}, which the "
                                    "engine does not provide (kernel signature changed?)")
             k = self.kernels.kernel(op.entry.name)
-            launch = k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows),
+            launch = k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows, op.rowwise),
                             pdl=self.pdl and after[branch])
             after[branch] = True
             out.append((op.label, self._on_branch(launch, branch, fork, join, captured)))
@@ -238,27 +246,29 @@ class Engine:
             self._graphs[key] = g
         return g
 
-    def _stage(self, step: int, position: int, token: int | None) -> None:
-        """Async copies of the step's position (and sampled position, and a prompt token into out_ids[0])."""
+    def _stage(self, step: int, position: int, token: int | None, lane: int = 0) -> None:
+        """Async copies of the step's position (and sampled position, KV lane, and a prompt token into
+        out_ids[0])."""
         off = 16 * (step % self._SLOTS)
         vals = self._pinned.array[off:off + 16].view(np.int32)
-        vals[:3] = (position, position + 1, -1 if token is None else token)
+        vals[:] = (position, position + 1, -1 if token is None else token, lane)
         cu, h, src = driver(), self.stream.handle, self._pinned.ptr + off
         pos = self.act["positions"].ptr
         check(cu.cuMemcpyHtoDAsync(pos, src, 4, h), "position")
         check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4, 4, h), "sample position")
+        check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 12, 4, h), "KV lane")
         if token is not None:
             check(cu.cuMemcpyHtoDAsync(self.act["out_ids"].ptr, src + 8, 4, h), "prompt token")
 
     # ---- running --------------------------------------------------------------------------------------------------
-    def set_sampling(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int) -> None:
-        rec = np.zeros(LM_ROWS, SAMPLE_PARAMS)
-        rec["temperature"], rec["top_k"], rec["top_p"], rec["min_p"] = temperature, top_k, top_p, min_p
-        rec["seed"] = np.uint64(seed % 2**64)
+    def set_sampling(self, sampling: Any) -> None:
+        """Every row's SampleParams from one request's SamplingParams (what single-sequence steps sample with)."""
+        rec = np.zeros(MAX_BATCH, SAMPLE_PARAMS)
+        rec[:] = sample_record(sampling)
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
     def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
-                launched: Callable[[], None] | None = None, begin: int = 0) -> int:
+                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0) -> int:
         """Run the prompt (positions begin..P-1; the K/V of 0..begin-1 is already cached) in chunks of
         max_step_tokens rows; returns the first new token. `taps`: also capture the DFlash taps and project them
         into the drafter's context cache (speculative). `launched()` runs once everything is enqueued, before
@@ -272,7 +282,7 @@ class Engine:
             rows = min(self.max_rows, n - start)
             last = start + rows == n
             if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])
-                self._stage(0, start, prompt[start])
+                self._stage(0, start, prompt[start], lane)
                 self._graph(greedy if last else True).replay(self.stream)
                 continue
             # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
@@ -283,6 +293,7 @@ class Engine:
             pos = self.act["positions"]
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
+            self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
             key = (rows, last, greedy, taps)
             launches = self._bound.get(key)
             if launches is None:
@@ -295,27 +306,74 @@ class Engine:
         return self._read_token(launched)
 
     def decode(self, position: int, greedy: bool = True, token: int | None = None,
-               launched: Callable[[], None] | None = None) -> int:
+               launched: Callable[[], None] | None = None, lane: int = 0) -> int:
         """One graphed step for the token at `position` (its id is out_ids[0], or `token` when given); returns the
         new token id. `launched()` runs while the GPU works, before the wait: host work done there (streaming the
         previous step's tokens to clients) then costs no GPU time."""
-        self._stage(position, position, token)
+        self._stage(position, position, token, lane)
         self._graph(greedy).replay(self.stream)
         return self._read_token(launched)
 
+    def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None
+                     ) -> list[int]:
+        """One batched step: rows of (KV lane, position, token id, sampling params or None for greedy), each the
+        next token of its own sequence; returns each row's new token. The step runs the graph of the smallest
+        bucket (DECODE_BUCKETS) holding the rows; padding rows repeat row 0 (they rewrite its K/V with the same
+        values, and their tokens are dropped)."""
+        n = len(rows)
+        if not 1 <= n <= MAX_BATCH:
+            raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
+        if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
+            raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}")
+        B = next(b for b in DECODE_BUCKETS if b >= n)
+        padded = rows + [rows[0]] * (B - n)
+        greedy = all(r[3] is None or r[3].greedy for r in rows)
+        base, M = self._BATCH, MAX_BATCH
+        vals = self._pinned.array[base:base + 16 * M].view(np.int32)
+        vals[:] = 0
+        for i, (lane, pos, tok, _) in enumerate(padded):
+            vals[i], vals[M + i], vals[2 * M + i], vals[3 * M + i] = tok, pos, pos + 1, lane
+        cu, h, src = driver(), self.stream.handle, self._pinned.ptr + base
+        pos_ptr = self.act["positions"].ptr
+        check(cu.cuMemcpyHtoDAsync(self.act["ids"].ptr, src, 4 * B, h), "batch token ids")
+        check(cu.cuMemcpyHtoDAsync(pos_ptr, src + 4 * M, 4 * B, h), "batch positions")
+        check(cu.cuMemcpyHtoDAsync(pos_ptr + 4 * self.max_rows, src + 8 * M, 4 * B, h), "batch sampled positions")
+        check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 12 * M, 4 * B, h), "batch KV lanes")
+        if not greedy:  # greedy rows of a sampled step: temperature 0 (the sampler's argmax)
+            rec = self._pinned.array[base + 16 * M:base + 16 * M + B * SAMPLE_PARAMS.itemsize].view(SAMPLE_PARAMS)
+            for i, (_, _, _, sp) in enumerate(padded):
+                rec[i] = sample_record(sp)
+            check(cu.cuMemcpyHtoDAsync(self.act["params"].ptr, src + 16 * M, B * SAMPLE_PARAMS.itemsize, h),
+                  "batch sampling params")
+        key = f"batch{B}_{'greedy' if greedy else 'sample'}"
+        g = self._graphs.get(key)
+        if g is None:
+            launches = self.bind(self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True), captured=True)
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode x{B} ({key})")
+            self._graphs[key] = g
+        g.replay(self.stream)
+        read = base + self._BATCH_READ
+        check(cu.cuMemcpyDtoHAsync(self._pinned.ptr + read, self.act["out_ids"].ptr, 4 * B, h), "batch token ids")
+        if launched is not None:
+            launched()
+        self.stream.synchronize()
+        return [int(t) for t in self._pinned.array[read:read + 4 * n].view(np.int32)]
+
     def spec_step(self, start: int, last: int, greedy: bool = True,
-                  launched: Callable[[], None] | None = None) -> tuple[list[int], list[int]]:
+                  launched: Callable[[], None] | None = None, lane: int = 0) -> tuple[list[int], list[int]]:
         """One DFlash step for `last` at position `start` (runtime/spec_decode.py): returns (15 drafts, the
         target's 16 tokens for positions start+1..start+16). Two graphs (draft; verify + context update)."""
         if not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         cu, h, S, R = driver(), self.stream.handle, 4096, 6144
-        vals = self._pinned.array[S:S + 256].view(np.int32)
+        vals = self._pinned.array[S:S + 512].view(np.int32)
         vals[:BLOCK] = np.arange(start, start + BLOCK)
         vals[BLOCK:2 * BLOCK] = np.arange(start + 1, start + 1 + BLOCK)  # sampled positions
         vals[2 * BLOCK] = last
+        vals[4 * BLOCK:5 * BLOCK] = lane
         pos, ids, src = self.act["positions"].ptr, self.act["ids"].ptr, self._pinned.ptr + S
         check(cu.cuMemcpyHtoDAsync(pos, src, 4 * BLOCK, h), "block positions")
+        check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 16 * BLOCK, 4 * BLOCK, h), "block KV lanes")
         check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
         check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
         self._spec_graph("draft", greedy).replay(self.stream)
@@ -397,4 +455,15 @@ def _copy2d(op: Copy2D) -> Any:
     return run
 
 
-__all__ = ["Engine", "NULL", "SAMPLE_PARAMS"]
+def sample_record(sampling: Any) -> np.void:
+    """A thorgen::SampleParams record for runtime.backend.SamplingParams (None or greedy: temperature 0)."""
+    rec = np.zeros((), SAMPLE_PARAMS)
+    rec["top_p"] = 1.0  # (off)
+    if sampling is not None and not sampling.greedy:
+        rec["temperature"], rec["top_k"] = sampling.temperature, sampling.top_k
+        rec["top_p"], rec["min_p"] = sampling.top_p, sampling.min_p
+        rec["seed"] = np.uint64(int(sampling.seed or 0) % 2**64)
+    return rec
+
+
+__all__ = ["Engine", "NULL", "SAMPLE_PARAMS", "sample_record"]

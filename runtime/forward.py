@@ -22,6 +22,8 @@ from .modules import KernelEntry, KernelManifest, Ptr
 
 NULL = Ptr(0)
 LM_ROWS = 16  # rows of logits the lm_head epilogues handle (a 16-token verify block)
+MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in LM_ROWS slices
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)  # batched decode graphs are captured for these row counts
 MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
 
 
@@ -30,6 +32,7 @@ class Pointers(Protocol):
     def A(self, name: str, row: int = 0) -> Ptr: ...  # an activation buffer row
     def KV(self, layer: int, which: str) -> Ptr: ...  # a layer's K or V cache
     def DKV(self, layer: int, which: str) -> Ptr: ...  # a drafter layer's K or V cache
+    def lane_bytes(self, layer: int) -> int: ...  # bytes between two sequences' lanes of a target layer's K (or V)
 
 
 class Placeholders:
@@ -48,6 +51,9 @@ class Placeholders:
 
     def DKV(self, layer: int, which: str) -> Ptr:
         return NULL
+
+    def lane_bytes(self, layer: int) -> int:
+        return 0
 
 
 class Missing(Exception):
@@ -81,17 +87,18 @@ class Op:
     rows: int
     branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
     join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
+    rowwise: bool = False  # attention: one query per block (a batched decode step)
 
 
-def _grid(e: KernelEntry, rows: int) -> tuple[int, int, int]:
+def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, int]:
     """Launch grid for `rows` rows (the manifest's grid is sized for the kernel's maximum)."""
     g, p = list(e.grid), e.params
     if "ROW_AXIS" in p:  # row kernels loop rows grid-stride: no more blocks than rows
         g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
     elif e.template.startswith("moe_gateup"):  # one block row per (token, top-k slot)
         g[1] = rows * int(p["topk"])
-    elif e.template.startswith("attn_fwd"):  # query blocks of 16*mt/G queries
-        g[0] = -(-rows // (16 * int(p["mt"]) // (int(p["hq"]) // int(p["hkv"]))))
+    elif e.template.startswith("attn_fwd"):  # query blocks of 16*mt/G queries; rowwise: a block per query
+        g[0] = rows if rowwise else -(-rows // (16 * int(p["mt"]) // (int(p["hq"]) // int(p["hkv"]))))
     elif e.template.startswith("attn_combine"):
         g[0] = rows * int(p["hq"])
     elif "bm" in p:  # prefill GEMM: BM-row blocks
@@ -108,6 +115,7 @@ class Forward:
         self.ptr: Pointers = Placeholders()
         self._probing = False
         self._taps = False
+        self._rowwise = False
 
     def probe(self) -> list[str]:
         """Build every forward shape once (decode, verify-sized, prefill) and return what is missing."""
@@ -116,6 +124,8 @@ class Forward:
             for rows in (1, 2, self.max_rows):
                 for greedy in (True, False):
                     self.ops(rows, decode=rows == 1, last=True, greedy=greedy)
+            for rows in DECODE_BUCKETS[1:]:
+                self.ops(rows, decode=False, last=True, greedy=False, batched=True)
         finally:
             self._probing = False
         self.missing = list(dict.fromkeys(self.missing))
@@ -142,15 +152,20 @@ class Forward:
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False) -> list[Op]:
-        """Launches of one forward over `rows` tokens at positions[0..rows): token ids from `ids` (or, `decode`,
-        from the previous step's out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
+            all_logits: bool = False, batched: bool = False) -> list[Op]:
+        """Launches of one forward over `rows` tokens at positions[0..rows) of the sequence in KV lane lanes[0]
+        (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
+        out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
         `taps`: the DFlash tap layers also write their residual output (f16) into `taps` [rows, n_taps*H].
         `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
-        sampled position positions[max_rows + row]."""
+        sampled position positions[max_rows + row].
+        `batched` (rows <= MAX_BATCH): row t is the next token ids[t] of its own sequence, at positions[t] in lane
+        lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t])."""
+        if batched and rows > MAX_BATCH:
+            raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         H, ops = t.hidden_size, []
-        self._taps = taps
+        self._taps, self._rowwise = taps, batched
         emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
                              SCALE=float(t.embed_scale)))
         ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
@@ -160,15 +175,21 @@ class Forward:
                       rows))
         for l in range(t.num_hidden_layers):
             ops += self._layer_ops(l, rows)
+        self._rowwise = False  # (the drafter's forwards, built separately, are never rowwise)
         if last:
+            if batched:
+                for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
+                    ops += self.head_ops(A("a", r0), min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0)
+                return ops
             n = rows if all_logits else 1
             if n > LM_ROWS:
                 raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {LM_ROWS}")
             ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy)
         return ops
 
-    def head_ops(self, x: Ptr, n: int, out_ids: Ptr, greedy: bool = True) -> list[Op]:
-        """lm_head over n rows of x, then argmax (or the sampler at positions[max_rows..]) into out_ids[0..n)."""
+    def head_ops(self, x: Ptr, n: int, out_ids: Ptr, greedy: bool = True, r0: int = 0) -> list[Op]:
+        """lm_head over n rows of x, then argmax (or the sampler with params[r0..], at positions[max_rows+r0..])
+        into out_ids[0..n)."""
         t, A = self.spec.target, self.ptr.A
         V, ops = t.vocab_size, [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
         if greedy:
@@ -176,9 +197,9 @@ class Forward:
             ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
                                              counters=A("counters"), out_ids=out_ids, T=n), n))
         else:
-            common = dict(logits=A("logits"), params=A("params"), positions=A("positions", self.max_rows),
+            common = dict(logits=A("logits"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
                           workspace=A("workspace"), counters=A("counters"), out_ids=out_ids,
-                          status=A("status"), T=n)
+                          status=A("status", r0), T=n)
             for stage in ("prep", "select", "finish"):
                 k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
                 ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
@@ -214,12 +235,14 @@ class Forward:
         ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
                                                 q_norm_w=W(f"{p}self_attn.q_norm.weight"),
                                                 k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
-                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"), T=rows),
-                      rows))
-        attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if rows <= 16 else 'prefill'}",
+                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
+                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), T=rows), rows))
+        small = rows <= 16 or self._rowwise  # a batched step runs the split decode kernel on 16-row slices
+        attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
-                              kv_dtype=self.kv_dtype, mmax=16 if rows <= 16 else self.max_rows))
-        ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"))
+                              kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
+        ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
+                                  lanes=self.ptr.lane_bytes(l))
         ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
         tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
         ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
@@ -244,16 +267,31 @@ class Forward:
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
 
-    def attention_ops(self, label: str, attn: KernelEntry, rows: int, q: Ptr, kc: Ptr, vc: Ptr, out: Ptr) -> list[Op]:
+    def attention_ops(self, label: str, attn: KernelEntry, rows: int, q: Ptr, kc: Ptr, vc: Ptr, out: Ptr,
+                      lanes: int | None = None) -> list[Op]:
         """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
         launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
         attn_combine launch for more (measured on the H200: for 16 queries one merging block per group is slower
-        than a combine launch with one block per row)."""
-        A = self.ptr.A
-        fused = rows == 1 and int(attn.params.get("nsplit", 1)) > 1
+        than a combine launch with one block per row). `lanes`: the caches hold a lane per sequence, this many
+        bytes apart (lanes[] in device memory picks them); None: one lane. A batched step (rowwise: one query per
+        sequence) runs on slices of the kernel's mmax rows, each block merging its own splits."""
+        A, ns = self.ptr.A, int(attn.params.get("nsplit", 1))
+        rowwise = self._rowwise and lanes is not None
+        lane_args = dict(lanes=NULL, lane_bytes=0, rowwise=0) if lanes is None else \
+            dict(lanes=A("lanes"), lane_bytes=lanes, rowwise=int(rowwise))
+        if rowwise:
+            pr = attn.params  # (a probe's stub for a missing kernel has none)
+            mmax, bpr = int(pr.get("mmax", LM_ROWS)), 2 * int(pr.get("hq", 1)) * int(pr.get("d", 1))
+            return [Op(f"{label}attention", attn, dict(
+                q=Ptr(q.address + r0 * bpr), kc=kc, vc=vc, positions=A("positions", r0), m=min(mmax, rows - r0),
+                out=Ptr(out.address + r0 * bpr), ws=A("attn_ws"), counters=A("attn_cnt") if ns > 1 else NULL,
+                **dict(lane_args, lanes=A("lanes", r0))), min(mmax, rows - r0), rowwise=True)
+                for r0 in range(0, rows, mmax)]
+        fused = rows == 1 and ns > 1
         ops = [Op(f"{label}attention", attn, dict(q=q, kc=kc, vc=vc, positions=A("positions"), m=rows, out=out,
-                                                   ws=A("attn_ws"), counters=A("attn_cnt") if fused else NULL), rows)]
-        if int(attn.params.get("nsplit", 1)) > 1 and not fused:
+                                                   ws=A("attn_ws"), counters=A("attn_cnt") if fused else NULL,
+                                                   **lane_args), rows)]
+        if ns > 1 and not fused:
             comb = need(self.find("attn_combine.cu.j2", "attention combine", d=attn.params["d"], hq=attn.params["hq"],
                                   nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
             ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))

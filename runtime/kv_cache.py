@@ -7,6 +7,9 @@ prefill chunk of up to max_step_tokens, or a 16-token verify block) writes all i
 the `window - 1` older keys they still need, so the ring holds both; a plain 1024-slot ring would let a chunk
 overwrite keys its own first queries read. Full k_eq_v layers still store V separately (V = v_norm(k) is not K).
 The DFlash drafter's context cache is planned too when asked (always bf16: the drafter is precision-sensitive).
+Lanes: the target's caches hold `lanes` sequences, each layer's lanes one after another (`lane = [slot][kv_head]
+[head_dim]`, `k_bytes` apart), so a batched decode step reads and writes every sequence in the same launches. The
+drafter context has one lane: it belongs to the one sequence decoding speculatively.
 """
 
 from __future__ import annotations
@@ -64,10 +67,19 @@ class KVPlan:
     ctx: int
     dtype: str
     layers: tuple[LayerKV, ...]
+    lanes: int = 1  # sequences the target's caches hold (each of `ctx` tokens)
+
+    def lanes_of(self, l: LayerKV) -> int:
+        return self.lanes if l.model == "target" else 1
 
     @property
     def nbytes(self) -> int:
-        return sum(l.nbytes for l in self.layers)
+        return sum(l.nbytes * self.lanes_of(l) for l in self.layers)
+
+    @property
+    def lane_nbytes(self) -> int:
+        """Bytes one more lane costs (the target's K and V of one sequence)."""
+        return sum(l.nbytes for l in self.target())
 
     def target(self) -> list[LayerKV]:
         return [l for l in self.layers if l.model == "target"]
@@ -82,9 +94,9 @@ class KVPlan:
         return all(last_written < n - l.window + l.slots for l in self.layers if l.ring)
 
     def summary(self) -> str:
-        t = sum(l.nbytes for l in self.target())
+        t = sum(l.nbytes for l in self.target()) * self.lanes
         d = sum(l.nbytes for l in self.drafter())
-        return (f"KV cache ctx {self.ctx} {self.dtype}: target {t / 2**30:.2f} GiB"
+        return (f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s): target {t / 2**30:.2f} GiB"
                 + (f", drafter {d / 2**30:.2f} GiB" if d else "") + f", total {self.nbytes / 2**30:.2f} GiB")
 
 
@@ -98,9 +110,12 @@ def ring_slots(window: int, conventions: dict | None = None) -> int:
 
 
 def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,
-            conventions: dict | None = None) -> KVPlan:
-    """Per-layer KV sizes for a context of `ctx` tokens (pure arithmetic; BackendError for an invalid ctx)."""
+            conventions: dict | None = None, lanes: int = 1) -> KVPlan:
+    """Per-layer KV sizes for `lanes` sequences of `ctx` tokens (pure arithmetic; BackendError for an invalid
+    ctx)."""
     t = spec.target
+    if lanes < 1:
+        raise BackendError(f"a KV cache of {lanes} sequences: at least 1 is needed")
     if ctx < 1:
         raise BackendError(f"--ctx {ctx} must be at least 1")
     if ctx > t.max_position_embeddings:
@@ -122,7 +137,32 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
             ring = window is not None and ring_slots(window, conventions) < ctx
             slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
             layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2, window))
-    return KVPlan(ctx, name, tuple(layers))
+    return KVPlan(ctx, name, tuple(layers), lanes)
+
+
+def fit_lanes(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float | None = None,
+              headroom: float = 0.9) -> int:
+    """How many sequences the KV cache holds: `max_num_seqs`, or fewer when their K/V (`one`: a plan of one lane)
+    does not fit `--kv-cache-gib`, or by default `headroom` of the `available` bytes beside the weights.
+    BackendError, naming the numbers, when --kv-cache-gib exceeds what is available or holds no sequence."""
+    gib_ = 2.0 ** 30
+    if kv_cache_gib is not None:
+        if kv_cache_gib <= 0:
+            raise BackendError(f"--kv-cache-gib {kv_cache_gib} must be positive")
+        if kv_cache_gib * gib_ > available:
+            raise BackendError(f"--kv-cache-gib {kv_cache_gib} exceeds the {available / gib_:.2f} GiB free on the "
+                               "GPU beside the weights; lower it (or leave it out: the default fits)")
+        budget = kv_cache_gib * gib_
+    else:
+        budget = available * headroom
+    shared = one.nbytes - one.lane_nbytes  # the drafter context: one lane's worth in all
+    lanes = min(max_num_seqs, int((budget - shared) // one.lane_nbytes))
+    if lanes < 1:
+        where = f"--kv-cache-gib {kv_cache_gib}" if kv_cache_gib is not None else \
+            f"the {budget / gib_:.2f} GiB free beside the weights"
+        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({one.nbytes / gib_:.2f} GiB) does not "
+                           f"fit {where}; lower --ctx or free GPU memory")
+    return lanes
 
 
 def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
@@ -146,9 +186,10 @@ class KVCache:
         self.plan = plan
         arena = ArenaPlan("KV cache")
         for l in plan.layers:
-            shape = (l.slots, l.kv_heads, l.head_dim)
-            arena.add(f"{l.model}.{l.layer}.k", l.k_bytes, l.dtype, shape)
-            arena.add(f"{l.model}.{l.layer}.v", l.k_bytes, l.dtype, shape)
+            n = plan.lanes_of(l)
+            shape = (n, l.slots, l.kv_heads, l.head_dim)
+            arena.add(f"{l.model}.{l.layer}.k", n * l.k_bytes, l.dtype, shape)
+            arena.add(f"{l.model}.{l.layer}.v", n * l.k_bytes, l.dtype, shape)
         self.arena = Arena(device, arena)
 
     def k(self, layer: int, model: str = "target") -> DeviceBuffer:

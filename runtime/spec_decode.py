@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
-from .forward import Forward, Missing, Op, need
+from .forward import NULL, Forward, Missing, Op, need
 from .kv_cache import ring_slots
 from .memory import ArenaPlan
 from .modules import KernelEntry
@@ -92,7 +92,8 @@ class DraftForward:
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
             q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
             k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
-            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), T=rows), rows)
+            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0, T=rows),
+                  rows)  # the drafter context has one lane (the sequence that owns it)
 
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""

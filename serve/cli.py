@@ -45,8 +45,10 @@ def open_model(config):
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
 @click.option("--max-num-seqs", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Requests decoded together (continuous batching); the cuda backend runs 1 until its batched "
-                   "decode graphs exist.")
+              help="Requests decoded together (continuous batching; the cuda backend holds up to 32).")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="cuda: GiB of KV cache (--max-num-seqs sequences of --ctx tokens, fewer if they do not fit); "
+                   "default: what fits beside the weights.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
               help="Largest request body accepted; bigger ones get a 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,
@@ -56,7 +58,7 @@ def open_model(config):
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
           model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
-          max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
+          kv_cache_gib: float | None, max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
@@ -73,7 +75,7 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     def loader():
         folder = ensure_demo_checkpoint() if demo else model_dir
         return open_model(EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir,
-                                       weights, kernel_dir, max_num_seqs=max_num_seqs))
+                                       weights, kernel_dir, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib))
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.

@@ -69,7 +69,8 @@ class KernelEmulator:
         rows = a.get("T", a.get("m", 1))
         need = []
         if t.startswith("attn_fwd"):
-            need = [(0, -(-rows // (16 * p["mt"] // (p["hq"] // p["hkv"])))), (1, p["hkv"]), (2, p["nsplit"])]
+            qb = 1 if a.get("rowwise") else 16 * p["mt"] // (p["hq"] // p["hkv"])  # queries per block
+            need = [(0, -(-rows // qb)), (1, p["hkv"]), (2, p["nsplit"])]
         elif t.startswith("attn_combine"):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
@@ -167,34 +168,38 @@ class KernelEmulator:
         if q is not None:
             self.v(a["q_out"], RK.np_dtype(p["Q"]), (T, HQ, D), "q_out")[:] = RK.store(q, p["Q"])
         kvdt, eb = RK.np_dtype(p["KV"]), np.dtype(RK.np_dtype(p["KV"])).itemsize
+        lanes = self.v(a["lanes"], np.int32, T, "lanes").copy() if a["lanes"] else np.zeros(T, np.int64)
         for t, slot in enumerate(RK.cache_slots(pos, p["SLOTS"])):
-            row = int(slot) * HKV * D * eb
+            row = int(lanes[t]) * a["lane_bytes"] + int(slot) * HKV * D * eb
             self.v(a["k_cache"] + row, kvdt, (HKV, D), "k_cache")[:] = RK.store(k[t], p["KV"])
             self.v(a["v_cache"] + row, kvdt, (HKV, D), "v_cache")[:] = RK.store(v[t], p["KV"])
 
     def k_attn_fwd(self, p, a, n):
-        m, d, hq, hkv, ring = a["m"], p["d"], p["hq"], p["hkv"], p["ring"]
+        m, d, hq, hkv = a["m"], p["d"], p["hq"], p["hkv"]
         if not 1 <= m <= p["mmax"]:
             raise EmuError(f"m={m} outside 1..{p['mmax']}")
-        p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
-        slots = ring if ring else p0 + m
-        kvdt = RK.np_dtype(p["kv_dtype"])
-        kc = self.v(a["kc"], kvdt, (slots, hkv, d), "kc")
-        vc = self.v(a["vc"], kvdt, (slots, hkv, d), "vc")
-        q = bf16_to_f32(self.v(a["q"], np.uint16, (m, hq, d), "q")).astype(F64)
-        # keys/values by position 0..p0+m-1 (ring slots read for the positions a query may see; older ones zero)
-        end, win = p0 + m, p["window"]
-        lo = max(0, p0 - win + 1) if win else 0
-        pos = np.arange(lo, end)
-        sl = pos % ring if ring else pos
-        keys = np.zeros((end, hkv, d), F64)
-        vals = np.zeros((end, hkv, d), F64)
-        keys[lo:] = MR.kv_load(kc[sl], p["kv_dtype"])
-        vals[lo:] = MR.kv_load(vc[sl], p["kv_dtype"])
-        if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
-            raise EmuError("attention read non-finite cache values")
         shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
-        ns = p["nsplit"]
+        ns, win = p["nsplit"], p["window"]
+        q = bf16_to_f32(self.v(a["q"], np.uint16, (m, hq, d), "q")).astype(F64)
+        if a["rowwise"]:  # a batched step: query i is its own sequence's, at positions[i] in lane lanes[i]
+            if not (a["lanes"] and p["causal"]):
+                raise EmuError("rowwise attention needs lanes and a causal mask")
+            pos = self.v(a["positions"], np.int32, m, "positions").copy()
+            lanes = self.v(a["lanes"], np.int32, m, "lanes").copy()
+            kvs = [self._load_kv(p, a, int(pos[i]), 1, int(lanes[i]) * a["lane_bytes"]) for i in range(m)]
+            if ns == 1:
+                self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
+                    [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
+                return
+            parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
+                     for i in range(m)]
+            self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),
+                            np.concatenate([x for _, x in parts], 1))
+            return
+        p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
+        lane_off = int(self.v(a["lanes"], np.int32, 1, "lanes")[0]) * a["lane_bytes"] if a["lanes"] else 0
+        keys, vals = self._load_kv(p, a, p0, m, lane_off)
+        end = p0 + m
         if not p["causal"]:
             # Bidirectional within the block (the drafter's full layer, no window): every query sees keys
             # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
@@ -213,6 +218,24 @@ class KernelEmulator:
             return
         o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
         self._split_out(p, a, m, o_p, ml_p)
+
+    def _load_kv(self, p, a, p0: int, m: int, lane_off: int):
+        """Keys/values [p0+m, Hkv, D] (float64) by position of queries p0..p0+m-1 over the cache lane at byte
+        offset lane_off (ring slots read for the positions a query may see; older ones zero)."""
+        d, hkv, ring, win = p["d"], p["hkv"], p["ring"], p["window"]
+        kvdt = RK.np_dtype(p["kv_dtype"])
+        slots = ring if ring else p0 + m
+        kc = self.v(a["kc"] + lane_off, kvdt, (slots, hkv, d), "kc")
+        vc = self.v(a["vc"] + lane_off, kvdt, (slots, hkv, d), "vc")
+        end = p0 + m
+        lo = max(0, p0 - win + 1) if win else 0
+        pos = np.arange(lo, end)
+        sl = pos % ring if ring else pos
+        keys, vals = np.zeros((end, hkv, d), F64), np.zeros((end, hkv, d), F64)
+        keys[lo:], vals[lo:] = MR.kv_load(kc[sl], p["kv_dtype"]), MR.kv_load(vc[sl], p["kv_dtype"])
+        if not (np.isfinite(keys).all() and np.isfinite(vals).all()):
+            raise EmuError("attention read non-finite cache values")
+        return keys, vals
 
     def _counters_zero(self, a, n: int, what: str) -> None:
         """The fused kernels' arrival counters must be zero at entry (the runtime zeroes them once; the kernels
@@ -377,11 +400,11 @@ class KernelEmulator:
             return
         from thorgen.runtime.engine import SAMPLE_PARAMS
         T, V = a["T"], p["V"]
-        rec = self.v(a["params"], np.uint8, SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)[0]
-        sp = SamplingParams(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]), top_p=float(rec["top_p"]),
-                            min_p=float(rec["min_p"]), seed=int(rec["seed"]))
+        recs = self.v(a["params"], np.uint8, T * SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)
         pos = self.v(a["positions"], np.int32, T, "positions")
         logits = self.v(a["logits"], np.float32, (T, V), "logits")
         out = self.v(a["out_ids"], np.int32, T, "out_ids")
-        for t in range(T):
+        for t, rec in enumerate(recs):  # each row its own parameters
+            sp = SamplingParams(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]),
+                                top_p=float(rec["top_p"]), min_p=float(rec["min_p"]), seed=int(rec["seed"]))
             out[t] = sample(RK.softcap_ref(logits[t], p["SOFTCAP"]), sp, int(pos[t]))

@@ -190,7 +190,7 @@ def test_seeded_sampling_positions_and_params(emulated):
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=11)
     for prompt in ([2], [2] + list(range(300, 320))):
         probe.forwards.clear()
-        backend.engine.set_sampling(params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
+        backend.engine.set_sampling(params)
         tok = backend.engine.prefill(prompt, greedy=False)
         seq, toks = list(prompt), []
         for _ in range(4):

@@ -148,3 +148,48 @@ def test_split_merge_matches_its_partials(runner):
             if not err <= 1e-3:
                 failures.append(f"{kern.name} m={m}: merge error {err:.2e}")
     assert not failures, "\n".join(failures)
+
+
+def test_attention_rowwise_lanes(runner):
+    """Batched decode (rowwise): query i is its own sequence's token at position p_i in KV lane lanes[i] of a
+    cache holding several lanes; each row equals the reference over its own lane. The other lanes' slots and
+    each lane's unread slots are NaN, so reading another sequence's keys fails."""
+    failures = []
+    tiny = runner.spec.name == "tiny"
+    for i, kern in enumerate(k for k in runner.find("attn_dec__tgt_")):
+        d, hq, hkv, ring, window = (kern.param(x) for x in ("d", "hq", "hkv", "ring", "window"))
+        kv = kern.param("kv_dtype")
+        far = (ring * 2 + 5) if ring else (3000 if tiny else 20000)
+        for positions, lanes in (([7, far, 0], [2, 0, 3]), ([far + j for j in range(5)], [4, 1, 3, 0, 2])):
+            rng = np.random.default_rng(1000 + 10 * i + len(positions))
+            m, n_lanes = len(positions), max(lanes) + 1
+            slots = ring if ring else max(positions) + 41
+            kc = np.full((n_lanes, slots, hkv, d), NAN_BITS[kv], R.kv_store(np.zeros(1, np.float32), kv).dtype)
+            vc = kc.copy()
+            q = R.kv_store(rng.normal(0, 2.0 / np.sqrt(d), (m, hq, d)).astype(np.float32), "bf16")
+            refs = []
+            for r, (p, lane) in enumerate(zip(positions, lanes)):
+                pos = np.arange(p + 1)
+                if window:
+                    pos = pos[pos >= max(0, p - window + 1)]
+                used = (pos % ring) if ring else pos
+                for c in (kc, vc):
+                    c[lane, used] = R.kv_store(rng.normal(0, 1, (len(used), hkv, d)).astype(np.float32), kv)
+                refs.append(R.attention_ref(q[r:r + 1], kc[lane], vc[lane], kv, p, ring, window, True,
+                                            kern.param("scale")))
+            eb = kc.dtype.itemsize
+            inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.asarray(positions, np.int32), "m": np.int32(m),
+                      "out": np.full((m, hq, d), np.nan, np.float16), "lanes": np.asarray(lanes, np.int32),
+                      "lane_bytes": np.int64(slots * hkv * d * eb), "rowwise": np.int32(1)}
+            outputs = {"out": ((m, hq, d), np.float16)}
+            if kern.param("nsplit") > 1:
+                inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)
+                inputs["counters"] = np.zeros(kern.param("cnt_words"), np.uint32)
+                outputs["counters"] = ((kern.param("cnt_words"),), np.uint32)
+            got = runner.run_seq([(kern, (m, hkv, kern.param("nsplit")))], inputs, outputs)
+            if "counters" in got and got["counters"].any():
+                failures.append(f"{kern.name}: counters not left zeroed")
+            err = R.norm_err(got["out"], np.concatenate(refs))
+            if not err <= R.TOL_ATTN[kv]:
+                failures.append(f"{kern.name} positions={positions} lanes={lanes}: error {err:.2e}")
+    assert not failures, "\n".join(failures)

@@ -75,15 +75,17 @@ def test_sampling_matches_reference(runner, case):
     logits = rng.normal(0, 1.5, (T, V)).astype(np.float32) if flat else peaked_logits(rng, T, V, hot=min(30, V // 16))
     positions = rng.integers(0, 100_000, T).astype(np.int32)
     seed = 0xDEADBEEF12345 + int(temp * 10)
-    params = np.array([(temp, top_p, min_p, seed, top_k, 0)], dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
+    # one SampleParams per row (a batched step samples each sequence its own way): seeds differ by row
+    params = np.array([(temp, top_p, min_p, seed + t, top_k, 0) for t in range(T)],
+                      dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
     rows = min(T, 3)
     steps = [(prep, (prep.grid[0], rows, 1)), (select, (1, rows, 1)), (finish, (finish.grid[0], rows, 1))]
     got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": positions, "T": np.int32(T)},
                          {"workspace": ((T * ws,), np.uint8), "counters": ((T,), np.uint32),
                           "out_ids": ((T,), np.int32), "status": ((T,), np.int32)})
-    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     capped = R.softcap_ref(logits, cap)
-    want = [sample(capped[t], sp, int(positions[t])) for t in range(T)]
+    want = [sample(capped[t], SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + t),
+                   int(positions[t])) for t in range(T)]
     assert not got["status"].any(), "every case here keeps its kept set inside the candidates (exact path)"
     np.testing.assert_array_equal(got["out_ids"], want)
     assert not got["counters"].any()
@@ -97,7 +99,7 @@ def test_sampling_wide_nucleus_is_flagged(runner):
         pytest.skip("vocabulary too small for a nucleus wider than the candidates")
     T = 2
     logits = np.random.default_rng(51).normal(0, 0.1, (T, V)).astype(np.float32)
-    params = np.array([(1.0, 0.9, 0.0, 7, 0, 0)], dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
+    params = np.array([(1.0, 0.9, 0.0, 7, 0, 0)] * T, dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
     steps = [(prep, (prep.grid[0], T, 1)), (select, (1, T, 1)), (finish, (finish.grid[0], T, 1))]
     got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": np.arange(T, dtype=np.int32),
                                  "T": np.int32(T)},

@@ -184,7 +184,7 @@ def test_speculative_server_equals_plain(server, tmp_path):
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"])
 def test_prefix_cache_hit_equals_miss(server, sampling):
     """A chat's next turn reuses the K/V the previous turn left (usage.prompt_tokens_details.cached_tokens) and
-    gets exactly the tokens of a full prefill (after an unrelated request took the cache)."""
+    gets exactly the tokens of a full prefill (after unrelated requests took every lane's cache)."""
     url = server[0]
 
     def run(prompt):
@@ -194,7 +194,8 @@ def test_prefix_cache_hit_equals_miss(server, sampling):
     first, _ = run(PROMPT_IDS)
     turn2 = PROMPT_IDS + first + [107, 105, 250, 251, 107]
     hit, cached_hit = run(turn2)
-    run([2, 400, 401])  # another conversation takes the one-slot cache
+    for i in range(8):  # other conversations take every KV lane (--max-num-seqs 8; the LRU lane goes first)
+        run([2, 400 + i, 401])
     miss, cached_miss = run(turn2)
     assert cached_hit == len(PROMPT_IDS) + len(first) - 1 and cached_miss <= 1
     assert hit == miss

@@ -4,7 +4,7 @@ target's sliding and full layers (bf16 and fp8 e4m3 KV caches) and the DFlash dr
 One template (attn_fwd.cu.j2 over thorgen/attention.cuh) serves all: a block holds R = 16*MT query rows = QB
 queries x all G query heads of one KV head (GQA: each K/V tile is read once for its G heads), warps split the head
 dim (64 columns each), K/V tiles of TK keys are double-buffered through shared memory, softmax is online in fp32.
-  attn_dec__...  m <= 16 queries, NSPLIT key splits (grid z) so short batches still fill the SMs. Given `counters`
+  attn_dec__...  m <= 16 queries (consecutive, or rowwise: one per sequence), NSPLIT key splits (grid z) so short batches still fill the SMs. Given `counters`
                  (u32 [cnt_words], zeroed by the runtime once, left zeroed) the last split block of each (query
                  block, KV head) merges the splits in the same launch (thorgen/attn_split.cuh; two levels of NSUB
                  subgroups when a group's partials are large): the decode step (m = 1) uses that. With counters
@@ -25,7 +25,7 @@ from . import KV_DTYPES, MAX_STEP_TOKENS, ring_slots
 from ._util import require
 
 TK = 32
-FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters")
+FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")
 KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
 VERIFY_M = 16
@@ -80,7 +80,9 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         out.append(KernelSpec(name, "attn_fwd.cu.j2",
                               make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx,
                                           ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
-                                          cnt_words=gx * hkv * (nsub + 1) if ns > 1 else 0, **common),
+                                          # one merge group per (query block, KV head); rowwise (batched
+                                          # decode) launches have a block per query, up to mmax of them
+                                          cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0, **common),
                               grid=(gx, hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
                               args=FWD_ARGS, family="attention"))
         if ns > 1:
@@ -145,9 +147,10 @@ def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
             args = (Buf("q", "bf16", m * hq * d), Buf("kc", "u8", slots * hkv * d * eb),
                     Buf("vc", "u8", slots * hkv * d * eb), Buf("positions", "i32", m, ctx, ctx + 1),
                     Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))),
-                    Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0))
+                    Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0), Buf("lanes", "i32", 0),
+                    Scalar("lane_bytes", "i64", 0), Scalar("rowwise", "i32", 0))
             if m > 1:  # the runtime merges 16-query splits with attn_comb (counters null)
-                args = args[:-1] + (Buf("counters", "u32", 0),)
+                args = tuple(Buf("counters", "u32", 0) if getattr(a, "name", "") == "counters" else a for a in args)
             cases.append(BenchCase(k, args, bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,
                                    note=f"M={m}, ctx {ctx}, " + ("merge fused" if m == 1 else "+attn_comb")))
     return cases

@@ -8,7 +8,8 @@ from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import KV_DTYPES, MAX_STEP_TOKENS, Q_DTYPE, ring_slots
 from ._util import ftag, require
 
-ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "T")
+ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes",
+        "lane_bytes", "T")
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
 
 
@@ -70,7 +71,8 @@ def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         args = (Buf("q_raw", "f32", T * HQ * D), Buf("k_raw", "f32", T * HKV * D), Buf("v_raw", "f32", T * HKV * D),
                 Buf("q_norm_w", "bf16", D), Buf("k_norm_w", "bf16", D), Buf("positions", "i32", T, 0, slots - 1),
                 Buf("q_out", "bf16", T * HQ * D), Buf("k_cache", "u8", slots * HKV * D * kvb),
-                Buf("v_cache", "u8", slots * HKV * D * kvb), Scalar("T", "i32", T))
+                Buf("v_cache", "u8", slots * HKV * D * kvb), Buf("lanes", "i32", 0), Scalar("lane_bytes", "i64", 0),
+                Scalar("T", "i32", T))
         nbytes = T * D * (HQ * (4 + 2) + HKV * (8 if not p["V_FROM_K"] else 4) + 2 * HKV * kvb)
         out.append(BenchCase(k, args, bytes_moved=nbytes, grid=(T, 1, 1), note="T=16"))
     return out

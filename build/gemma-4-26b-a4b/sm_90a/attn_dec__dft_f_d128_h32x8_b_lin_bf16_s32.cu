@@ -4,7 +4,7 @@
 // bidirectional among the new queries, scale 0.08838834764831845.
 // Grid (2 query blocks of 8, 8, 32 key splits), 2 warps, 48000 B smem.
 // Writes partial O / (max, sum) to ws ([32][16][32][128] + [32][16][32][2] f32, then the
-// level-1 parts [4][...]); given counters (u32 [80], zero at entry, left zeroed) the last split block of each
+// level-1 parts [4][...]); given counters (u32 [640], zero at entry, left zeroed) the last split block of each
 // (query block, KV head) merges them into out (4 level-1 subgroups when a group's partials are large); counters
 // null: attn_combine merges them.
 #include "thorgen/attention.cuh"
@@ -14,8 +14,10 @@ static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000
 
 extern "C" __global__ void __launch_bounds__(64)
 attn_dec__dft_f_d128_h32x8_b_lin_bf16_s32(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
+           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
   thorgen::attn_fwd<128, 4, 8, 2, 32, 0, 0, false,
                     thorgen::KV_BF16, 32, 16, 4>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       lanes, lane_bytes, rowwise,
                                                                        0.12751743082459868f);
 }

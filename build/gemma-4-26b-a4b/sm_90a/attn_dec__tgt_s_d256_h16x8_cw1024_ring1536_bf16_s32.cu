@@ -4,7 +4,7 @@
 // causal, window 1024, scale 1.0.
 // Grid (1 query blocks of 16, 8, 32 key splits), 4 warps, 91008 B smem.
 // Writes partial O / (max, sum) to ws ([32][16][16][256] + [32][16][16][2] f32, then the
-// level-1 parts [4][...]); given counters (u32 [40], zero at entry, left zeroed) the last split block of each
+// level-1 parts [4][...]); given counters (u32 [640], zero at entry, left zeroed) the last split block of each
 // (query block, KV head) merges them into out (4 level-1 subgroups when a group's partials are large); counters
 // null: attn_combine merges them.
 #include "thorgen/attention.cuh"
@@ -14,8 +14,10 @@ static_assert(thorgen::AttnSmem<256, 2, 2, 32, thorgen::KV_BF16>::BYTES == 91008
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_dec__tgt_s_d256_h16x8_cw1024_ring1536_bf16_s32(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
+           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
   thorgen::attn_fwd<256, 2, 8, 2, 32, 1024, 1536, true,
                     thorgen::KV_BF16, 32, 16, 4>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       lanes, lane_bytes, rowwise,
                                                                        1.4426950408889634f);
 }

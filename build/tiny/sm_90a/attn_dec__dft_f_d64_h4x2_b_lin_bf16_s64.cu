@@ -4,7 +4,7 @@
 // bidirectional among the new queries, scale 0.125.
 // Grid (1 query blocks of 16, 2, 64 key splits), 1 warps, 26496 B smem.
 // Writes partial O / (max, sum) to ws ([64][16][4][64] + [64][16][4][2] f32, then the
-// level-1 parts [8][...]); given counters (u32 [18], zero at entry, left zeroed) the last split block of each
+// level-1 parts [8][...]); given counters (u32 [288], zero at entry, left zeroed) the last split block of each
 // (query block, KV head) merges them into out (8 level-1 subgroups when a group's partials are large); counters
 // null: attn_combine merges them.
 #include "thorgen/attention.cuh"
@@ -14,8 +14,10 @@ static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_BF16>::BYTES == 26496,
 
 extern "C" __global__ void __launch_bounds__(32)
 attn_dec__dft_f_d64_h4x2_b_lin_bf16_s64(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
+           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 0, 0, false,
                     thorgen::KV_BF16, 64, 16, 8>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       lanes, lane_bytes, rowwise,
                                                                        0.18033688011112042f);
 }

@@ -4,7 +4,7 @@
 // causal, scale 1.0.
 // Grid (2 query blocks of 8, 1, 64 key splits), 2 warps, 48000 B smem.
 // Writes partial O / (max, sum) to ws ([64][16][4][128] + [64][16][4][2] f32, then the
-// level-1 parts [8][...]); given counters (u32 [18], zero at entry, left zeroed) the last split block of each
+// level-1 parts [8][...]); given counters (u32 [144], zero at entry, left zeroed) the last split block of each
 // (query block, KV head) merges them into out (8 level-1 subgroups when a group's partials are large); counters
 // null: attn_combine merges them.
 #include "thorgen/attention.cuh"
@@ -14,8 +14,10 @@ static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000
 
 extern "C" __global__ void __launch_bounds__(64)
 attn_dec__tgt_f_d128_h4x1_c_lin_bf16_s64(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
+           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
   thorgen::attn_fwd<128, 4, 1, 2, 32, 0, 0, true,
                     thorgen::KV_BF16, 64, 16, 8>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       lanes, lane_bytes, rowwise,
                                                                        1.4426950408889634f);
 }

@@ -10,8 +10,10 @@ static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_FP8>::BYTES == 49024,
 
 extern "C" __global__ void __launch_bounds__(64)
 attn_pre__tgt_f_d128_h4x1_c_lin_fp8e4m3(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters) {
+           const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
+           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
   thorgen::attn_fwd<128, 4, 1, 2, 32, 0, 0, true,
                     thorgen::KV_FP8, 1, 512, 1>(q, kc, vc, positions, m, out, ws, counters,
+                                                                       lanes, lane_bytes, rowwise,
                                                                        1.4426950408889634f);
 }

@@ -9,6 +9,9 @@
 // its 64 output columns O += P V. K/V tiles of TK keys are double-buffered with cp.async (fp8: raw bytes staged,
 // then converted to fp16). Keys outside [lo, hi] are zero-filled so that garbage never meets a zero probability.
 // Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
+// KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
+// queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
+// its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
 // NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts; each block writes unnormalised
 // O and (max, sum) per row to a workspace; with `counters` the last split block of each (query block, KV head)
 // merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at entry and left zeroed; no second
@@ -82,6 +85,7 @@ template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUS
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
+                                         const int* __restrict__ lanes, long long lane_bytes, int rowwise,
                                          float scale_log2) {
   using S = AttnSmem<D, G, MT, TK, KVT>;
   using Mm = MmaT<KVT>;
@@ -104,10 +108,17 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   pdl_launch_dependents();
   pdl_wait();  // q, positions and the cache rows come from the rope/KV-write kernel
   const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
-  const int q0 = qb * QB;
+  const int qpb = rowwise ? 1 : QB;  // queries of this block
+  const int q0 = qb * qpb;
   if (q0 >= m) return;
-  const int nq = min(QB, m - q0);
-  const int p0 = __ldg(positions);
+  const int nq = min(qpb, m - q0);
+  // rowwise: p0 + q0 is this block's query position (p0 itself is not a position then)
+  const int p0 = rowwise ? __ldg(positions + qb) - q0 : __ldg(positions);
+  if (lanes != nullptr) {
+    const long long off = (long long)__ldg(lanes + (rowwise ? qb : 0)) * lane_bytes;
+    kc += off;
+    vc += off;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int last_vis = CAUSAL ? p0 + q0 + nq - 1 : p0 + m - 1;
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;

@@ -3,6 +3,8 @@
 // One block per token (grid-stride over T), one warp per head; lane holds elements i = lane + 32*j, so the RoPE
 // partner i + D/2 sits in the same lane (j + D/64). cos/sin are computed once per token in double precision
 // (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin).
+// KV lanes: the caches hold one lane per sequence, `lane_bytes` apart; token t writes lane lanes[t] (lanes null:
+// lane 0), so one launch serves a prefill chunk of one sequence and a batched decode step over many alike.
 #pragma once
 #include "thorgen/common.cuh"
 
@@ -52,7 +54,8 @@ struct RopeKv {
                              const float* __restrict__ v_raw, const __nv_bfloat16* __restrict__ q_w,
                              const __nv_bfloat16* __restrict__ k_w, const int32_t* __restrict__ positions,
                              typename Cfg::QT* __restrict__ q_out, typename Cfg::KVT* __restrict__ k_cache,
-                             typename Cfg::KVT* __restrict__ v_cache, int T) {
+                             typename Cfg::KVT* __restrict__ v_cache, const int32_t* __restrict__ lanes,
+                             long long lane_bytes, int T) {
     __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -66,6 +69,9 @@ struct RopeKv {
       }
       __syncthreads();
       const long slot = Cfg::SLOTS > 0 ? (long)(pos % Cfg::SLOTS) : (long)pos;
+      const long long lane_off = lanes == nullptr ? 0ll : (long long)lanes[t] * lane_bytes;
+      typename Cfg::KVT* kc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(k_cache) + lane_off);
+      typename Cfg::KVT* vc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(v_cache) + lane_off);
       for (int u = warp; u < UNITS; u += WARPS) {
         float v[PER];
         const float* src;
@@ -77,7 +83,7 @@ struct RopeKv {
         for (int j = 0; j < PER; ++j) v[j] = src[lane + 32 * j];
         if (kind == 2) {
           if (Cfg::V_NORM) norm(v, nullptr);
-          typename Cfg::KVT* dst = v_cache + (slot * Cfg::HKV + h) * D;
+          typename Cfg::KVT* dst = vc + (slot * Cfg::HKV + h) * D;
 #pragma unroll
           for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
           continue;
@@ -89,7 +95,7 @@ struct RopeKv {
 #pragma unroll
           for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
         } else {
-          typename Cfg::KVT* dst = k_cache + (slot * Cfg::HKV + h) * D;
+          typename Cfg::KVT* dst = kc + (slot * Cfg::HKV + h) * D;
 #pragma unroll
           for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
         }

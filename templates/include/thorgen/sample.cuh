@@ -12,7 +12,7 @@
 
 namespace thorgen {
 
-struct SampleParams {          // 40 bytes, in device memory so a captured graph can change them per request
+struct SampleParams {          // 40 bytes per row, in device memory so a captured graph can change them per request
   double temperature;          // <= 0: greedy
   double top_p;                // 1: off
   double min_p;                // 0: off
@@ -136,8 +136,8 @@ struct LmSample {
                               unsigned char* __restrict__ ws, int T, float cap) {
     __shared__ unsigned long long keys[CHUNK];
     __shared__ double red_m[32], red_s[32];
-    const double temp = sp->temperature;
     for (int row = blockIdx.y; row < T; row += gridDim.y) {
+      const double temp = sp[row].temperature;  // per row: a batched step samples each sequence its own way
       const long base = (long)row * V + (long)blockIdx.x * CHUNK;
       double m = -INFINITY, s = 0.0;
       for (int i = threadIdx.x; i < CHUNK; i += THREADS) {
@@ -178,8 +178,8 @@ struct LmSample {
       __syncthreads();
       sort_desc(keys, NC);
       if (threadIdx.x == 0) {
-        const double temp = sp->temperature, top_p = sp->top_p, min_p = sp->min_p;
-        const int top_k = sp->top_k;
+        const double temp = sp[row].temperature, top_p = sp[row].top_p, min_p = sp[row].min_p;
+        const int top_k = sp[row].top_k;
         int* mode = reinterpret_cast<int*>(w + OFF_MODE);
         double* z0p = reinterpret_cast<double*>(w + OFF_MODE + 8);
         int st = 0;
@@ -234,7 +234,7 @@ struct LmSample {
             open = n_k > known;
           }
           if (!open) {
-            const unsigned long long key = position_key(sp->seed, positions[row]);
+            const unsigned long long key = position_key(sp[row].seed, positions[row]);
             double best = -INFINITY;
             int bi = (int)key_index(keys[0]);
             for (int i = 0; i < (int)L; ++i) {
@@ -250,7 +250,7 @@ struct LmSample {
             z0p[1] = min_p;
           } else {
             st = 1;  // approximate: sample within the top C
-            const unsigned long long key = position_key(sp->seed, positions[row]);
+            const unsigned long long key = position_key(sp[row].seed, positions[row]);
             double best = -INFINITY;
             int bi = (int)key_index(keys[0]);
             for (int i = 0; i < known; ++i) {
@@ -279,8 +279,8 @@ struct LmSample {
       if (*reinterpret_cast<const int*>(w + OFF_MODE) == 0) continue;  // uniform over the block
       const double z0 = reinterpret_cast<const double*>(w + OFF_MODE + 8)[0];
       const double min_p = reinterpret_cast<const double*>(w + OFF_MODE + 8)[1];
-      const double temp = sp->temperature;
-      const unsigned long long key = position_key(sp->seed, positions[row]);
+      const double temp = sp[row].temperature;
+      const unsigned long long key = position_key(sp[row].seed, positions[row]);
       const long base = (long)row * V + (long)blockIdx.x * CHUNK;
       double best = -INFINITY;
       int bi = 0x7fffffff;

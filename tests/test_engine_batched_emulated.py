@@ -1,0 +1,110 @@
+"""CPU tests of batched decoding on the cuda backend, on the emulated engine (tests/engine_emulator.py): one KV
+lane per sequence, batched decode graphs per bucket (padding rows repeat row 0), per-row sampling parameters,
+and a prefix cache per lane. A request's tokens must not depend on what else runs: each one served beside others
+equals the same request served alone, greedy and seeded."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_emulator as EE  # noqa: E402
+
+pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
+
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.engine_core import EngineCore  # noqa: E402
+from thorgen.runtime.kv_cache import fit_lanes, plan_kv  # noqa: E402
+
+LANES = 3
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_checkpoint, tmp_path_factory):
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.repack import repack
+
+    root = tmp_path_factory.mktemp("batched")
+    weights = repack(tiny_checkpoint, root / "weights")
+    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
+    EE.install(kernels)
+    b = open_backend(tiny_checkpoint, ctx=512, weights_dir=weights, kernels_dir=kernels, max_num_seqs=LANES)
+    yield b
+    b.close()
+    dev.set_driver(None)
+
+
+def _serve(core: EngineCore, requests: dict[str, tuple[list[int], int, SamplingParams]]) -> dict[str, list[int]]:
+    """Run the requests together (all queued at once) to the end; each request's tokens."""
+    for rid, (prompt, n, sp) in requests.items():
+        core.add(rid, prompt, n, sp)
+    out = {rid: [] for rid in requests}
+    while core.unfinished:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    return out
+
+
+def _requests() -> dict[str, tuple[list[int], int, SamplingParams]]:
+    seeded = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=s) for s in (3, 4)]
+    return {"a": ([2] + list(range(300, 312)), 5, GREEDY),  # lengths differ: rows at different positions,
+            "b": ([2, 500, 501], 6, seeded[0]),  # ending at different steps (the bucket shrinks, 3 -> pad 4)
+            "c": ([2, 90, 91, 92, 93], 3, seeded[1]),
+            "d": ([2, 100], 4, GREEDY)}  # the fourth waits for a lane
+
+
+def test_batched_decode_equals_each_request_alone(backend):
+    engine = backend.engine
+    engine._graphs = {k: g for k, g in engine._graphs.items() if not k.startswith("batch")}
+    together = _serve(EngineCore(backend.runner(LANES)), _requests())
+    buckets = sorted(k for k in engine._graphs if k.startswith("batch"))
+    assert any(k.startswith("batch4_sample") for k in buckets), buckets  # 3 running (+1 padding row), 2 seeded
+    assert any(k.startswith("batch2") for k in buckets), buckets  # then two
+    for rid, (prompt, n, sp) in _requests().items():
+        alone = _serve(EngineCore(backend.runner(1)), {rid: (prompt, n, sp)})[rid]
+        assert together[rid] == alone, f"request {rid}: batched {together[rid]} != alone {alone}"
+        assert len(alone) == n
+
+
+def test_each_lane_keeps_its_own_prefix_cache(backend):
+    core = EngineCore(backend.runner(LANES))
+    chats = {"x": [2] + list(range(310, 318)), "y": [2] + list(range(410, 420))}
+    first = _serve(core, {rid: (p, 4, GREEDY) for rid, p in chats.items()})
+    turn2 = {rid + "2": (chats[rid] + first[rid] + [107, 105], 3, GREEDY) for rid in chats}
+    for rid, req in turn2.items():  # both next turns at once: each finds its own conversation in some lane
+        core.add(rid, *req)
+    out, cached = {rid: [] for rid in turn2}, {}
+    while core.unfinished:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+            if o.finished:
+                cached[o.request_id] = o.result.cached_prompt_tokens
+    for rid in chats:
+        assert cached[rid + "2"] == len(chats[rid]) + 4 - 1  # all but the last answer token had K/V
+        miss = _serve(EngineCore(backend.runner(1)), {"m": turn2[rid + "2"]})["m"]
+        assert out[rid + "2"] == miss
+
+
+def test_decode_batch_rejects_shared_or_unknown_lanes(backend):
+    with pytest.raises(BackendError, match="distinct"):
+        backend.engine.decode_batch([(0, 5, 2, None), (0, 6, 2, None)])
+    with pytest.raises(BackendError, match="distinct"):
+        backend.engine.decode_batch([(LANES, 5, 2, None)])  # (no such lane)
+
+
+def test_kv_lanes_fit_the_budget(backend):
+    one = plan_kv(backend.spec, 512, "bf16")
+    lane = one.lane_nbytes
+    assert fit_lanes(one, 8, available=100 * lane) == 8
+    assert fit_lanes(one, 8, available=100 * lane, kv_cache_gib=3.5 * lane / 2**30) == 3
+    with pytest.raises(BackendError, match="exceeds"):
+        fit_lanes(one, 8, available=2 * lane, kv_cache_gib=3 * lane / 2**30)
+    with pytest.raises(BackendError, match="does not fit"):
+        fit_lanes(one, 8, available=100 * lane, kv_cache_gib=0.5 * lane / 2**30)
