@@ -148,8 +148,8 @@ class _Lane:
 
 
 class CudaRunner:
-    """ModelRunner over the Engine: one KV lane per running sequence, whole-prompt prefill (the engine chunks it
-    itself), decode steps batched over every running sequence (Engine.decode_batch), or a graphed one-sequence
+    """ModelRunner over the Engine: one KV lane per running sequence, chunked prefill interleaved with decode
+    steps batched over every running sequence (Engine.decode_batch), or a graphed one-sequence
     step when one runs. A plain one-sequence step decodes the token the previous step left in out_ids[0] when it
     follows a step of the same sequence; otherwise the input token is staged (4 bytes).
 
@@ -160,10 +160,11 @@ class CudaRunner:
     lane's worth, runtime/kv_cache.py) is current for it; a batched or plain step leaves that context behind, so
     the sequence continues with plain steps (its output is the same either way)."""
 
-    prefill_chunk = None
-
     def __init__(self, backend: CudaBackend, max_num_seqs: int | None = None) -> None:
         self.backend, self.engine = backend, backend.engine
+        # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
+        # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
+        self.prefill_chunk = self.engine.max_rows
         lanes = self.engine.lanes
         self.max_num_seqs = min(lanes, max_num_seqs or lanes)
         self.max_context = backend.max_context
