@@ -22,7 +22,8 @@ COMMANDS = {
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
 SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve",
-                         "sweep": "thorgen.runtime.bench_sweep:sweep"}}
+                         "sweep": "thorgen.runtime.bench_sweep:sweep",
+                         "report": "thorgen.runtime.bench_report:report"}}
 
 
 class LazyGroup(click.Group):
