@@ -18,6 +18,7 @@ COMMANDS = {
     "serve": "thorgen.serve.cli:serve",
     "chat": "thorgen.serve.cli:chat",
     "cluster": "thorgen.serve.cluster_cli:cluster",
+    "gate": "thorgen.serve.gate:gate",
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
