@@ -18,11 +18,13 @@ COMMANDS = {
     "serve": "thorgen.serve.cli:serve",
     "chat": "thorgen.serve.cli:chat",
     "cluster": "thorgen.serve.cluster_cli:cluster",
+    "gate": "thorgen.serve.gate:gate",
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
 SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve",
-                         "sweep": "thorgen.runtime.bench_sweep:sweep"}}
+                         "sweep": "thorgen.runtime.bench_sweep:sweep",
+                         "report": "thorgen.runtime.bench_report:report"}}
 
 
 class LazyGroup(click.Group):
