@@ -5,7 +5,9 @@ tokens for one synthetic `--prompt-len` prompt (no stop ids, prefix cache off). 
 first token; decode tok/s = (tokens - 1) / (last token - first token); medians are reported. Weight bytes per
 decode step come from the spec (every non-expert weight + top_k of the experts + the lm_head), so achieved GB/s =
 bytes x tok/s; the copy probe (device-to-device on the cuda backend, host memcpy on the reference backend) is
-measured in the same process so the fraction compares like with like.
+measured in the same process so the fraction compares like with like. `--roofline` turns these step times
+into fractions of the copy and tensor-core ceilings (runtime/roofline.py); `--suite FILE` runs a prompt suite
+instead (runtime/bench_suite.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..model_spec.types import ModelSpec
 from .api import EngineConfig, OpenedModel, open_backend
 from .backend import BackendError, GenerationResult, SamplingParams
 from .roofline import COPY_GBS_SEEN, roofline_entry, step_cost, target_weight_bytes, tc_ceiling
+
 
 def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
     """<bos> then n-1 pseudo-random ordinary token ids (above the special-token range of the real vocab)."""
