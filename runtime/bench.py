@@ -5,7 +5,9 @@ tokens for one synthetic `--prompt-len` prompt (no stop ids, prefix cache off). 
 first token; decode tok/s = (tokens - 1) / (last token - first token); medians are reported. Weight bytes per
 decode step come from the spec (every non-expert weight + top_k of the experts + the lm_head), so achieved GB/s =
 bytes x tok/s; the copy probe (device-to-device on the cuda backend, host memcpy on the reference backend) is
-measured in the same process so the fraction compares like with like.
+measured in the same process so the fraction compares like with like. `--roofline` turns these step times
+into fractions of the copy and tensor-core ceilings (runtime/roofline.py); `--suite FILE` runs a prompt suite
+instead (runtime/bench_suite.py).
 """
 
 from __future__ import annotations
@@ -24,28 +26,9 @@ import click
 import numpy as np
 
 from ..model_spec.types import ModelSpec
-from .api import EngineConfig, open_backend
-from .backend import BackendError, SamplingParams
-
-NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # e2m1 nibble + one e4m3 scale per 16 (tile scales are negligible)
-
-
-def decode_weight_bytes(spec: ModelSpec, lm_head: str = "nvfp4") -> int:
-    """Weight bytes one plain decode step (one token) reads: attention, dense MLP, top_k experts and router per
-    layer, norms, one embedding row, and the lm_head (NVFP4 or bf16)."""
-    t = spec.target
-    h = t.hidden_size
-    total = 0.0
-    for l in range(t.num_hidden_layers):
-        hd, kv = t.layer_head_dim(l), t.layer_kv_heads(l)
-        n_qkv = t.num_attention_heads * hd + kv * hd * (2 if t.layer_has_v_proj(l) else 1)
-        linear = h * n_qkv + t.num_attention_heads * hd * h + 3 * h * t.intermediate_size
-        linear += t.top_k_experts * 3 * h * t.moe_intermediate_size
-        total += linear * NVFP4_BYTES_PER_WEIGHT
-        total += 2 * (t.num_experts * h + h + t.num_experts + 7 * h + 2 * hd + 1)  # router, norms (bf16)
-    total += 2 * h * 2  # final norm + one embedding row
-    total += t.vocab_size * h * (NVFP4_BYTES_PER_WEIGHT if lm_head == "nvfp4" else 2)
-    return int(total)
+from .api import EngineConfig, OpenedModel, open_backend
+from .backend import BackendError, GenerationResult, SamplingParams
+from .roofline import COPY_GBS_SEEN, roofline_entry, step_cost, target_weight_bytes, tc_ceiling
 
 
 def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
@@ -55,20 +38,32 @@ def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
     return [spec.target.bos_token_id] + rng.integers(lo, spec.target.vocab_size, n - 1).tolist()
 
 
-def timed_run(backend: Any, prompt: list[int], gen: int) -> tuple[float, float, int]:
-    """(ttft seconds, decode seconds after the first token, tokens) of one greedy generation."""
+def timed_stream(backend: Any, prompt: list[int], gen: int, speculative: bool = False,
+                 stop_ids: frozenset[int] = frozenset()) -> dict:
+    """One greedy generation, timed at each step's arrival: ttft_s (call -> first token), decode_s (first ->
+    last token), steps after the first token, the tokens and, for speculative decoding, the accepted lengths."""
+    result = GenerationResult()
     t0 = time.perf_counter()
     first = last = None
-    n = 0
-    for step in backend.generate_stream(prompt, gen, SamplingParams(), stop_ids=frozenset()):
+    steps = 0
+    for _ in backend.generate_stream(prompt, gen, SamplingParams(), stop_ids=stop_ids, speculative=speculative,
+                                     result=result):
         now = time.perf_counter()
-        n += len(step.token_ids)
         if first is None:
             first = now
+        else:
+            steps += 1
         last = now
     if first is None:
         raise BackendError("the backend produced no token")
-    return first - t0, last - first, n
+    return {"ttft_s": first - t0, "decode_s": last - first, "steps": steps, "token_ids": result.token_ids,
+            "accepted_lengths": result.accepted_lengths}
+
+
+def timed_run(backend: Any, prompt: list[int], gen: int) -> tuple[float, float, int]:
+    """(ttft seconds, decode seconds after the first token, tokens) of one plain greedy generation."""
+    r = timed_stream(backend, prompt, gen)
+    return r["ttft_s"], r["decode_s"], len(r["token_ids"])
 
 
 def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -83,19 +78,64 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
+                         kernel_dir: Path | None = None) -> tuple[OpenedModel, dict]:
+    """(the opened model, facts about its backend for the report), through the one backend registry."""
+    # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
+    opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
+                                       prefix_slots=0, max_num_seqs=1))  # (one request at a time)
+    b = opened.backend
+    if name == "cuda":
+        return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head}
+    return opened, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
+
+
 def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
                    kernel_dir: Path | None = None) -> tuple[Any, dict]:
-    """(backend, facts about it for the report), through the one backend registry."""
-    # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
-    b = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                  prefix_slots=0, max_num_seqs=1)).backend
-    if name == "cuda":
-        return b, {"gpu": b.device.info.name, "lm_head": b.lm_head}
-    return b, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
+    """(backend, facts about it for the report)."""
+    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir)
+    return opened.backend, facts
+
+
+def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int], gen: int, runs: int) -> None:
+    """Add `roofline` ({step: {bytes, flops, ms, copy_gbs, frac_copy, frac_tc}}) and `roofline_ceilings` to a
+    `run_bench` report. decode: the median plain step (B 1) at the mean context of the timed steps; prefill: the
+    event-timed chunk of the kernel breakdown where there is one, else the whole prompt's TTFT; verify: the
+    median speculative step (draft + verify) of `runs` greedy generations, where the model has a drafter."""
+    spec, lm, kv, copy = backend.spec, facts["lm_head"], report["kv_dtype"], report["copy_gb_s"]
+    tc = tc_ceiling(facts["gpu"])
+    mid = report["prompt_len"] + gen // 2
+    rl = {"decode": roofline_entry(step_cost(spec, "decode", mid, 1, kv, lm), report["step_ms"], copy, tc)}
+    if report.get("prefill_chunk_kernels"):
+        rows, ms = report["prefill_chunk_rows"], sum(k["us"] for k in report["prefill_chunk_kernels"]) / 1e3
+    else:
+        rows, ms = report["prompt_len"], report["ttft_ms"]
+    rl["prefill"] = roofline_entry(step_cost(spec, "prefill", rows, rows, kv, lm), ms, copy, tc)
+    if getattr(backend, "drafter", None) is not None:
+        step_ms, taus = [], []
+        for _ in range(runs):
+            r = timed_stream(backend, prompt, gen, speculative=True)
+            if r["steps"]:
+                step_ms.append(1e3 * r["decode_s"] / r["steps"])
+                taus.append(statistics.mean(r["accepted_lengths"]))
+        if step_ms:
+            tau = statistics.median(taus)
+            block = spec.drafter.block_size
+            cost = step_cost(spec, "verify", mid + block, block, kv, lm, accepted=tau)
+            rl["verify"] = roofline_entry(cost, statistics.median(step_ms), copy, tc)
+            report["speculative_tau"] = round(tau, 4)
+    report["roofline"] = rl
+    report["roofline_ceilings"] = {
+        "copy_gbs": copy, "copy_probe": report["copy_probe"],
+        "copy_gbs_seen": next((v for k, v in COPY_GBS_SEEN.items() if k in facts["gpu"]), None),
+        "tc_tflops": tc, "tc_source": "dense bf16 matmul measured on this GPU kind (runtime/roofline.py)"
+                                      if tc else None,
+        "decode_ctx": mid, "prefill_rows": rows}
 
 
 def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
-              kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None) -> dict:
+              kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
+              roofline: bool = False) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir)
     load_s = time.perf_counter() - t0
@@ -112,7 +152,7 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         ttfts.append(ttft)
         rates.append((n - 1) / dec if n > 1 and dec > 0 else float("nan"))
     tok_s = statistics.median(rates)
-    wbytes = decode_weight_bytes(spec, facts["lm_head"])
+    wbytes = int(target_weight_bytes(spec, 1, facts["lm_head"]))
     if backend_name == "cuda":
         copy, copy_kind = backend.copy_bandwidth_gb_s(), "device-to-device copy"
         peak = backend.peak_gpu_mem_bytes() / 2**30
@@ -139,6 +179,8 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         if chunk > 1:
             report["prefill_chunk_rows"] = chunk
             report["prefill_chunk_kernels"] = backend.kernel_breakdown(rows=chunk)
+    if roofline:
+        measure_roofline(backend, facts, report, prompt, gen, runs)
     return report
 
 
@@ -160,7 +202,34 @@ def _text(r: dict) -> str:
             lines.append(f"  {title}; sum {sum(k['us'] for k in ks):.0f} us:")
         for k in ks:
             lines.append(f"    {k['kernel']:<56} {k['us']:9.1f} us x{k.get('count', 1)}")
+    for step, e in (r.get("roofline") or {}).items():
+        tc = "n/a" if e["frac_tc"] is None else f"{100 * e['frac_tc']:.2f}%"
+        lines.append(f"  roofline {step:<8} {e['bytes'] / 1e6:10.1f} MB {e['flops'] / 1e9:10.2f} GFLOP "
+                     f"{e['ms']:9.3f} ms: {100 * e['frac_copy']:.1f}% of copy, {tc} of tensor cores")
     return "\n".join(lines)
+
+
+def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: int | None, kv_dtype: str,
+                 ignore_eos: bool, as_json: bool, out_file: Path | None, weights: Path | None,
+                 kernel_dir: Path | None) -> None:
+    from .bench_suite import row_text, run_suite
+
+    command = (f"thorgen bench --model {model} --backend {backend} --suite {suite_file} --runs {runs}"
+               + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}" + (" --ignore-eos" if ignore_eos else "")
+               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else ""))
+    try:
+        report = run_suite(backend, model, suite_file, runs, ctx, kv_dtype, ignore_eos, command=command,
+                           weights=weights, kernel_dir=kernel_dir,
+                           progress=None if as_json else lambda row: click.echo(row_text(row)))
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(json.dumps(report, indent=1) + "\n")
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"summary: {report['summary']}")
 
 
 @click.group("bench", invoke_without_command=True)
@@ -181,22 +250,37 @@ def _text(r: dict) -> str:
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
+@click.option("--roofline", is_flag=True,
+              help="Add bytes, FLOPs and the achieved fraction of copy bandwidth and tensor-core peak per step "
+                   "(decode, prefill, and verify when the model has a drafter: also times speculative runs).")
+@click.option("--suite", "suite_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Run each prompt of this suite file instead (docs/prompt_suite.json; the JSON shape of "
+                   "seed_data/prompt_suite.json): TTFT, decode tok/s and tau, plain and speculative.")
+@click.option("--ignore-eos", is_flag=True, help="--suite: generate each prompt's max_tokens, past stop ids.")
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
-          as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None) -> None:
+          as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
+          roofline: bool, suite_file: Path | None, ignore_eos: bool) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
         return
     if model is None:
         raise click.UsageError("--model DIR is required (or run `thorgen bench serve` against a server)")
+    if suite_file is not None:
+        if roofline or kernels:
+            raise click.UsageError("--suite runs on its own: drop --roofline / --kernels")
+        return _bench_suite(model, backend, suite_file, runs, ctx, kv_dtype, ignore_eos, as_json, out_file,
+                            weights, kernel_dir)
     if ctx is not None and prompt_len + gen > ctx:
         raise click.BadParameter(f"--prompt-len + --gen ({prompt_len + gen}) exceed --ctx {ctx}")
     command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
                f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
-               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else ""))
+               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
+               + (" --roofline" if roofline else ""))
     try:
-        report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir)
+        report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
+                           roofline)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -109,7 +109,7 @@ async def run_suite(url: str, entries: list[dict], api_key: str | None, timeout:
     """Each suite prompt alone (chat, streamed, greedy, the entry's max_tokens): TTFT and decode tok/s."""
     import httpx
 
-    from .prompt_suite import build_messages
+    from ..runtime.prompts import build_messages
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rows = []
@@ -118,6 +118,8 @@ async def run_suite(url: str, entries: list[dict], api_key: str | None, timeout:
             body = {"model": "bench", "messages": build_messages(entry, filler_repeats), "temperature": 0,
                     "max_tokens": int(entry.get("max_tokens", 128)), "stream": True,
                     "stream_options": {"include_usage": True}}
+            if entry.get("tools"):
+                body["tools"] = entry["tools"]
             try:
                 r = await _one(http, url, body, headers, "/v1/chat/completions")
             except click.ClickException as exc:  # e.g. a needle prompt over the server's context: keep going
@@ -185,7 +187,7 @@ def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_clien
         raise click.ClickException(f"no server at {url}: {exc}") from None
     if health.status_code != 200:
         raise click.ClickException(f"{url}/health answered {health.status_code}: {health.text[:200]}")
-    from .prompt_suite import load_suite
+    from ..runtime.prompts import load_suite
 
     try:
         suite = load_suite(suite_file) if suite_file is not None else None

@@ -3,33 +3,15 @@ tokenizer (tokenizer.json through `tokenizers`)."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..runtime.prompts import template_environment
 from ..runtime.tokenizer import Tokenizer
 from .parser import ControlIds
 from .protocol import APIError
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def template_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers' apply_chat_template uses, so a template renders identically in both."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
-        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 class ChatTemplate:
@@ -76,22 +58,3 @@ def control_ids(tokenizer: Tokenizer, stop_ids: frozenset[int]) -> ControlIds:
                string_delim=tid('<|"|>', 52))
     hidden = tokenizer.special_ids - set(ids.values()) - stop_ids
     return ControlIds(stops=stop_ids, hidden=frozenset(hidden), **ids)
-
-
-def load_chat_template(model_dir: Path, embedded: str | None = None) -> tuple[str, str]:
-    """(template source, bos token) from chat_template.jinja or tokenizer_config.json of a checkpoint."""
-    bos = "<bos>"
-    cfg_path = model_dir / "tokenizer_config.json"
-    source = embedded
-    if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        b = cfg.get("bos_token")
-        bos = b.get("content", bos) if isinstance(b, dict) else (b or bos)
-        if source is None and isinstance(cfg.get("chat_template"), str):
-            source = cfg["chat_template"]
-    jinja_path = model_dir / "chat_template.jinja"
-    if source is None and jinja_path.exists():
-        source = jinja_path.read_text()
-    if source is None:
-        raise FileNotFoundError(f"{model_dir}: no chat_template.jinja and no chat_template in tokenizer_config.json")
-    return source, bos

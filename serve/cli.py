@@ -12,7 +12,8 @@ import click
 def open_model(config):
     """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
     from ..runtime.api import EngineClient
-    from .chat_template import ChatTemplate, load_chat_template, load_tokenizer
+    from ..runtime.prompts import load_chat_template
+    from .chat_template import ChatTemplate, load_tokenizer
 
     client, model = EngineClient.open(config)
     try:

@@ -30,7 +30,7 @@ class EngineReplica:
     """One engine: opened on its own engine thread when the replica starts, closed when Serve stops it."""
 
     def __init__(self, config: EngineConfig, max_queue: int = 1024) -> None:
-        from .chat_template import load_chat_template
+        from ..runtime.prompts import load_chat_template
 
         self.client, model = EngineClient.open(config, max_queue)
         source, bos = load_chat_template(model.model_dir, model.chat_template)

@@ -333,12 +333,12 @@ def test_kv_cache_allocation_checks_memory(fake):
 # ---- bench / engine helpers -----------------------------------------------------------------------------------
 
 def test_decode_weight_bytes_matches_the_anchor_roofline():
-    from thorgen.runtime.bench import decode_weight_bytes
+    from thorgen.runtime.roofline import target_weight_bytes
     # ANCHORS.md 1.2: ~3.82e9 weights read per token; NVFP4 everything (E2M1 + one E4M3 per 16) = 2.15 GB/token,
     # NVFP4 except a bf16 lm_head = 3.21 GB/token (those tables ignore the small bf16 router/norm weights).
     spec = get_preset("gemma-4-26b-a4b")
-    assert abs(decode_weight_bytes(spec, "nvfp4") - 2.15e9) / 2.15e9 < 0.02
-    assert abs(decode_weight_bytes(spec, "bf16") - 3.21e9) / 3.21e9 < 0.02
+    assert abs(target_weight_bytes(spec, 1, "nvfp4") - 2.15e9) / 2.15e9 < 0.02
+    assert abs(target_weight_bytes(spec, 1, "bf16") - 3.21e9) / 3.21e9 < 0.02
 
 
 def test_bench_reference_backend_json(tiny_checkpoint, tmp_path):

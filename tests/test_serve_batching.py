@@ -14,7 +14,8 @@ pytest.importorskip("fastapi")
 
 from thorgen.runtime.api import EngineClient, EngineConfig, open_backend  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
-from thorgen.serve.chat_template import ChatTemplate, load_chat_template, load_tokenizer  # noqa: E402
+from thorgen.runtime.prompts import load_chat_template  # noqa: E402
+from thorgen.serve.chat_template import ChatTemplate, load_tokenizer  # noqa: E402
 from thorgen.serve.scripted import running_server  # noqa: E402
 
 
