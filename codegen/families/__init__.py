@@ -15,8 +15,8 @@ ROW_AXIS, so any extent 1..grid[ROW_AXIS] on that axis is correct; launch it as 
 PDL: every kernel calls pdl_launch_dependents() and waits in pdl_wait() before it reads earlier kernels' outputs or
 writes anything (common.cuh), so the runtime may launch each kernel that follows a kernel with programmatic stream
 serialization (manifest convention "pdl"); the weight-streaming kernels load their first weight steps before the wait.
-Kernels with cross-block reductions (lm_argmax, lm_sample_finish) take `counters` buffers that the runtime zeroes
-once at allocation; the kernels leave them zeroed.
+Kernels with cross-block reductions (lm_argmax, lm_sample_finish, lm_process, lm_pick argmax / finish) take
+`counters` buffers that the runtime zeroes once at allocation; the kernels leave them zeroed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def ring_slots(window: int) -> int:
 
 # Order = plan order (roughly the order of a forward step); codegen's own families first, then the matmul helper's.
 FAMILIES: tuple[str, ...] = (
-    "embedding", "norms", "rope_kv", "router", "lm_head", "drafter_glue",
+    "embedding", "norms", "rope_kv", "router", "lm_head", "lm_logits", "drafter_glue",
     "matmul", "moe", "moe_grouped", "attention", "drafter_gemm",
 )
 

@@ -18,11 +18,28 @@ def exact_softcap(arch: ArchSpec) -> bool:
     return arch.name in ("sm_90a", "sm_100a")
 
 
-def _chunk(V: int, cap: int) -> int:
+def vocab_chunk(V: int, cap: int = 2048) -> int:
+    """The vocabulary chunk of one block: the largest power of two <= cap dividing V (at least 128)."""
     c = 1
     while c * 2 <= min(V, cap) and V % (c * 2) == 0:
         c *= 2
+    require(c >= 128 and V % c == 0, f"lm_head: vocab {V} needs a power-of-two chunk >= 128 dividing it")
     return c
+
+
+def chunk_threads(chunk: int) -> int:
+    """Threads of the float4-per-thread chunk kernels (argmax, logits processing)."""
+    return max(32, min(256, chunk // 4 // 32 * 32))
+
+
+def sampler_shape(V: int, chunk: int, arch: ArchSpec) -> tuple[int, int, int]:
+    """(C candidates per chunk, workspace row bytes, select stage's shared memory) of the sampler."""
+    C = min(SAMPLE_CANDIDATES, chunk)
+    nc = (V // chunk) * C
+    require(nc & (nc - 1) == 0, f"lm_head sampler: {V // chunk} chunks x {C} candidates must be a power of two")
+    require(nc * 8 <= arch.smem_per_block_max,
+            f"lm_head sampler: {nc * 8} B of candidates exceed {arch.name}'s shared memory per block")
+    return C, ws_row_bytes(V, chunk, C), nc * 8
 
 
 def ws_row_bytes(V: int, chunk: int, C: int) -> int:
@@ -36,20 +53,12 @@ def plan_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     V, cap = t.vocab_size, float(t.final_logit_softcapping or 0.0)
     exact = exact_softcap(arch)
     tag = f"v{V}_c{ftag(cap)}" + ("" if exact else "_fast")
-    chunk = _chunk(V, 2048)
-    require(chunk >= 128 and V % chunk == 0, f"lm_head: vocab {V} needs a power-of-two chunk >= 128 dividing it")
-    argmax_threads = max(32, min(256, chunk // 4 // 32 * 32))
+    chunk = vocab_chunk(V)
     ks = [KernelSpec(f"lm_argmax__{tag}", "lm_argmax.cu.j2",
                      make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
-                     grid=(V // chunk, LM_ROWS, 1), block=(argmax_threads, 1, 1),
+                     grid=(V // chunk, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
                      args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")]
-    C = min(SAMPLE_CANDIDATES, chunk)
-    nc = (V // chunk) * C
-    require(nc & (nc - 1) == 0, f"lm_head sampler: {V // chunk} chunks x {C} candidates must be a power of two")
-    select_smem = nc * 8
-    require(select_smem <= arch.smem_per_block_max,
-            f"lm_head sampler: {select_smem} B of candidates exceed {arch.name}'s shared memory per block")
-    ws = ws_row_bytes(V, chunk, C)
+    C, ws, select_smem = sampler_shape(V, chunk, arch)
     common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
     stages = (("prep", (V // chunk, LM_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
               ("select", (1, LM_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),

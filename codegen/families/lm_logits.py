@@ -1,0 +1,89 @@
+"""Codegen stage: the lm_logits family — logits processing (penalties, logit_bias, grammar mask), the token pick
+over processed logits, and logprobs (issue 13), beside the lm_head epilogue.
+
+A step that processes logits runs, after the lm_head GEMM: lm_process (logits -> processed, softcapped), then
+lm_pick argmax, or lm_pick prep -> lm_head's lm_sample select -> lm_pick finish (select never reads logits);
+a step that reports logprobs then runs lm_logprobs prep -> finish on the unprocessed logits and the picked ids.
+The pick kernels are lm_head's argmax / sampler code with softcap 0, in their own template (lm_pick.cu.j2) so
+that a manifest lookup by template and V never confuses them with lm_head's softcapping ones.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ...model_spec.types import ModelSpec
+from ..arch import ArchSpec
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ._util import ftag, require
+from .lm_head import LM_ROWS, chunk_threads, exact_softcap, sampler_shape, vocab_chunk
+
+TOP_LOGPROBS = 20      # TOPN: OpenAI's (and runtime.backend's MAX_TOP_LOGPROBS) most top entries per token
+LOGPROB_CANDIDATES = 32  # K: per-chunk candidates of the logprobs top-N (a power of two >= TOPN)
+PROCESS_COUNTERS = 2     # u32 counters per row of lm_process (blocks done, allowed count)
+# thorgen::LogitRow of a row without processing (r = 1, f = p = 0, no entries, mask_row -1) as 12 u32 words
+PLAIN_ROW_WORDS = struct.unpack("<12I", struct.pack("<3d6i", 1.0, 0.0, 0.0, 0, 0, 0, 0, -1, 0))
+
+
+def logprobs_shape(V: int, chunk: int) -> tuple[int, int]:
+    """(workspace row bytes, finish stage's shared memory) of the logprobs kernels (thorgen::LmLogprobs)."""
+    nch = V // chunk
+    nc = nch * LOGPROB_CANDIDATES
+    ncp = 1
+    while ncp < nc:
+        ncp *= 2
+    return 8 * nc + 16 * nch, 8 * ncp
+
+
+def plan_lm_logits(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+    t = spec.target
+    V, cap = t.vocab_size, float(t.final_logit_softcapping or 0.0)
+    exact = exact_softcap(arch)
+    fast = "" if exact else "_fast"
+    tag, pick_tag = f"v{V}_c{ftag(cap)}{fast}", f"v{V}{fast}"
+    chunk = vocab_chunk(V)
+    require(V % 32 == 0, f"lm_logits: vocab {V} must be a multiple of 32 (grammar mask words)")
+    nch = V // chunk
+    ks = [KernelSpec(f"lm_process__{tag}", "lm_process.cu.j2",
+                     make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
+                     grid=(nch, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
+                     args=("logits", "rows", "counts", "biases", "masks", "out", "counters", "status", "T"),
+                     family="lm_logits")]
+    C, ws, _ = sampler_shape(V, chunk, arch)
+    pick = dict(V=V, CHUNK=chunk, C=C, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
+    stages = (("argmax", nch, chunk_threads(chunk), ("logits", "best", "counters", "out_ids", "T")),
+              ("prep", nch, 512, ("logits", "params", "workspace", "T")),
+              ("finish", nch, 512, ("logits", "params", "positions", "workspace", "counters", "out_ids", "T")))
+    for stage, gx, threads, args in stages:
+        ks.append(KernelSpec(f"lm_pick_{stage}__{pick_tag}", "lm_pick.cu.j2", make_params(STAGE=stage, **pick),
+                             grid=(gx, LM_ROWS, 1), block=(min(threads, max(32, chunk)), 1, 1), args=args,
+                             family="lm_logits"))
+    lp_ws, finish_smem = logprobs_shape(V, chunk)
+    require(finish_smem <= arch.smem_per_block_max,
+            f"lm_logits: {finish_smem} B of logprob candidates exceed {arch.name}'s shared memory per block")
+    lp = dict(V=V, CHUNK=chunk, K=LOGPROB_CANDIDATES, TOPN=TOP_LOGPROBS, SOFTCAP=cap, EXACT=exact,
+              WS_ROW_BYTES=lp_ws, SMEM_FINISH=finish_smem, ROW_AXIS=1)
+    ks.append(KernelSpec(f"lm_logprobs_prep__{tag}", "lm_logprobs.cu.j2", make_params(STAGE="prep", **lp),
+                         grid=(nch, LM_ROWS, 1), block=(min(512, chunk), 1, 1), args=("logits", "workspace", "T"),
+                         family="lm_logits"))
+    ks.append(KernelSpec(f"lm_logprobs_finish__{tag}", "lm_logprobs.cu.j2", make_params(STAGE="finish", **lp),
+                         grid=(1, LM_ROWS, 1), block=(min(1024, max(32, finish_smem // 16)), 1, 1),
+                         smem_bytes=finish_smem,
+                         args=("logits", "workspace", "out_ids", "top_ids", "top_lps", "chosen_lp", "T"),
+                         family="lm_logits"))
+    return ks
+
+
+def bench_lm_logits(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
+    """lm_process over plain rows (softcap only: no entries, no mask): the full-vocabulary read + write."""
+    V = spec.target.vocab_size
+    k = plan_lm_logits(spec, arch)[0]
+    out = []
+    for T in (1, 16):
+        words = PLAIN_ROW_WORDS * T
+        out.append(BenchCase(k, (Buf("logits", "f32", T * V, -20, 20), Buf("rows", "u32", len(words), values=words),
+                                 Buf("counts", "u32", 2), Buf("biases", "u32", 4), Buf("masks", "u32", 0),
+                                 Buf("out", "f32", T * V), Buf("counters", "u32", 2 * T, 0, 0),
+                                 Buf("status", "i32", T), Scalar("T", "i32", T)),
+                             bytes_moved=2 * T * V * 4, grid=(k.grid[0], T, 1), note=f"T={T}, plain rows"))
+    return out
