@@ -19,7 +19,8 @@ from typing import Callable, Iterator
 from ..model_spec.config import spec_from_configs
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend, check_token_ids
 from .device import Device, check, driver, gib
-from .engine import Engine
+from .engine import MAX_LOGIT_BIAS, Engine
+from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
 from .kv_cache import default_ctx, fit_lanes, plan_kv
 from .memory import alloc, check_fits
@@ -89,6 +90,11 @@ class CudaBackend(StreamingBackend):
     def drafter(self):
         """The drafter's DFlashSpec when speculative decoding can run, else None (what `thorgen generate` checks)."""
         return self.spec.drafter if self.engine.speculative else None
+
+    @property
+    def supports_grammar(self) -> bool:
+        """Grammar-constrained decoding runs (the token mask is applied on the GPU by lm_process)."""
+        return not self.engine.ext_missing
 
     @property
     def speculative_available(self) -> bool:
@@ -176,15 +182,24 @@ class CudaRunner:
         self._params_for: str | None = None  # the request whose SampleParams fill params[] (one-sequence steps)
         self._draft_lane: int | None = None  # the lane whose tokens the drafter context covers (all of them)
         self._released = 0
+        self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
 
     def check(self, seq) -> None:
         check_token_ids(seq.prompt, self.backend.spec.target.vocab_size)
         if seq.speculative and not self.engine.speculative:
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
-        if seq.sampling.extended:  # the GPU sampler has no logits processing or logprobs output yet
-            raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the cuda backend yet "
-                               "(use --backend reference)")
+        if seq.sampling.extended:
+            if self.engine.ext_missing:
+                raise BackendError(f"{seq.sampling.describe_extended()} needs kernels this build lacks ("
+                                   + "; ".join(self.engine.ext_missing) + "); rebuild with `thorgen build`")
+            check_token_ids([t for t, _ in seq.sampling.logit_bias], self.backend.spec.target.vocab_size,
+                            "logit_bias")
+            if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
+                raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
+                                   f"{MAX_LOGIT_BIAS}")
+            if seq.sampling.grammar is not None and seq.matcher is None:
+                seq.matcher = seq.sampling.grammar.matcher()
 
     def admit(self, seq, limit: int) -> int:
         want = seq.tokens[:seq.prefill_target]
@@ -219,8 +234,11 @@ class CudaRunner:
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
         i = self._lane_of[seq.request_id]
         self._params(seq)
+        ext = sample and self._stage_logits([seq])
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched,
-                                  begin=start, lane=i)  # (start < end: the core skips a fully cached chunk)
+                                  begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
+        if ext:
+            self._picked([seq], [tok])
         if seq.speculative:  # the drafter context now holds this lane's positions (from 0: admit checked reuse)
             self._draft_lane = i
         lane = self._lanes[i]
@@ -236,7 +254,8 @@ class CudaRunner:
         lane, pos, tok, greedy = self._lanes[i], seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
         room = seq.room(self.max_context)
         self._params(seq)
-        if seq.speculative and self._draft_lane == i and pos + BLOCK <= self.max_context:
+        if (seq.speculative and self._draft_lane == i and pos + BLOCK <= self.max_context
+                and not seq.sampling.extended):  # (a processed sequence decodes without speculation)
             # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
             lane.last_written = max(lane.last_written, pos + BLOCK - 1)
@@ -246,7 +265,10 @@ class CudaRunner:
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
-        new = self.engine.decode(pos, greedy, token=staged, launched=launched, lane=i)
+        ext = self._stage_logits([seq])
+        new = self.engine.decode(pos, greedy, token=staged, launched=launched, lane=i, ext=ext)
+        if ext:
+            self._picked([seq], [new])
         lane.last_written = max(lane.last_written, pos)
         if self._draft_lane == i:
             self._draft_lane = None  # a plain step leaves the drafter context behind
@@ -261,13 +283,54 @@ class CudaRunner:
             self._lanes[i].last_written = max(self._lanes[i].last_written, seq.num_tokens - 1)
             if self._draft_lane == i:
                 self._draft_lane = None
-        new = self.engine.decode_batch(rows, launched)
+        ext = self._stage_logits(seqs)
+        new = self.engine.decode_batch(rows, launched, ext=ext)
+        if ext:
+            self._picked(seqs, new)
         self._on_device = None  # out_ids[0] holds row 0's token
         if any(r[3] is not None for r in rows):
             self._params_for = None  # the step wrote every row's parameters
         return [([t], False) for t in new]
 
+    def _stage_logits(self, seqs: list) -> bool:
+        """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the
+        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host."""
+        if not any(s.sampling.extended for s in seqs):
+            return False
+        vocab, rows = self.backend.spec.target.vocab_size, []
+        for s in seqs:
+            sp = s.sampling
+            if not sp.processed:
+                rows.append(None)
+                continue
+            counts = None
+            if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+                counts = self._counts.get(s.request_id)
+                if counts is None:
+                    counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, vocab)
+            mask = None if s.matcher is None else s.matcher.allowed(vocab)
+            rows.append((sp, counts, mask))
+        self.engine.set_logits(pack(rows, vocab), len(seqs))
+        return True
+
+    def _picked(self, seqs: list, tokens: list[int]) -> None:
+        """After an ext step: fail on a fully masked row, feed the grammars and counts, keep the logprobs."""
+        status, ids, lps, chosen = self.engine.read_logits(len(seqs))
+        for r, (s, tok) in enumerate(zip(seqs, tokens)):
+            if status[r]:
+                what = "the grammar allows no token" if status[r] & STATUS_NONE_ALLOWED else \
+                    "a processed logit is not finite (penalties overflowed)"
+                raise BackendError(f"request {s.request_id}: {what} at position {s.num_tokens}")
+            if s.matcher is not None:
+                s.matcher.accept(tok)
+            if s.request_id in self._counts:
+                self._counts[s.request_id].add(tok)
+            k = s.sampling.logprobs
+            if k is not None:
+                s.step_logprobs = [(float(chosen[r]), tuple((int(ids[r, j]), float(lps[r, j])) for j in range(k)))]
+
     def release(self, seq, finished: bool) -> None:
+        self._counts.pop(seq.request_id, None)
         i = self._lane_of.pop(seq.request_id, None)
         if self._on_device is not None and self._on_device[0] == seq.request_id:
             self._on_device = None

@@ -19,16 +19,18 @@ from typing import Any, Callable
 import numpy as np
 
 from ..model_spec.types import ModelSpec
-from .backend import BackendError
+from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
 from .forward import DECODE_BUCKETS, LM_ROWS, MAX_BATCH, MOE_SLICE, NULL, Copy2D, Forward, _grid
 from .graphs import CudaGraph
 from .kv_cache import KVCache, plan_kv
+from .logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT, plain_row
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
 from .modules import KernelManifest, KernelSet, Ptr
 from .spec_decode import BLOCK, DraftForward, plan_drafter_activations, split_weights
 from .weights import WeightsArtifact
 
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
 SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
                           ("top_k", "<i4"), ("pad", "<i4")])  # thorgen::SampleParams (sample.cuh), 40 bytes
 
@@ -62,6 +64,8 @@ class Engine:
         # Speculative decoding is optional: without a drafter (or its kernels) plain decoding still runs, and
         # generate_stream(speculative=True) names what is missing.
         self.spec_missing = self._probe_speculative()
+        # Logits processing and logprobs (lm_logits kernels) are optional too: without them such requests are refused
+        self.ext_missing = self.fwd.probe_ext()
         if artifact.lm_head != "nvfp4":
             missing.append("a bf16 lm_head GEMM (repack with --lm-head nvfp4, the supported path)")
         if missing:
@@ -155,6 +159,16 @@ class Engine:
                 ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
                 ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32")):
             p.add_array(name, shape, dt)
+        if not self.ext_missing:  # the processed head: runtime/logits_params.py packs what the rows point into
+            V, M = t.vocab_size, MAX_BATCH
+            for name, shape, dt in (
+                    ("processed", (LM_ROWS, V), "f32"), ("logit_rows", (M, LOGIT_ROW.itemsize), "u8"),
+                    ("logit_counts", (M * min(V, self.ctx), TOKEN_COUNT.itemsize), "u8"),
+                    ("logit_biases", (M * MAX_LOGIT_BIAS, TOKEN_BIAS.itemsize), "u8"),
+                    ("logit_masks", (M, V // 32), "u32"), ("proc_counters", (2 * LM_ROWS,), "u32"),
+                    ("proc_status", (M,), "i32"), ("lp_ids", (M, MAX_TOP_LOGPROBS), "i32"),
+                    ("lp_lps", (M, MAX_TOP_LOGPROBS), "float64"), ("lp_chosen", (M,), "float64")):
+                p.add_array(name, shape, dt)
         if self.speculative:
             plan_drafter_activations(p, self.spec, R)
         return p
@@ -237,11 +251,11 @@ class Engine:
         run.pdl = launch.pdl  # type: ignore[attr-defined]
         return run
 
-    def _graph(self, greedy: bool) -> CudaGraph:
-        key = "greedy" if greedy else "sample"
+    def _graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
+        key = ("greedy" if greedy else "sample") + ("_ext" if ext else "")
         g = self._graphs.get(key)
         if g is None:
-            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy), captured=True)
+            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext), captured=True)
             g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode step ({key})")
             self._graphs[key] = g
         return g
@@ -268,7 +282,7 @@ class Engine:
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
     def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
-                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0) -> int:
+                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0, ext: bool = False) -> int:
         """Run the prompt (positions begin..P-1; the K/V of 0..begin-1 is already cached) in chunks of
         max_step_tokens rows; returns the first new token. `taps`: also capture the DFlash taps and project them
         into the drafter's context cache (speculative). `launched()` runs once everything is enqueued, before
@@ -283,7 +297,7 @@ class Engine:
             last = start + rows == n
             if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])
                 self._stage(0, start, prompt[start], lane)
-                self._graph(greedy if last else True).replay(self.stream)
+                self._graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
             # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
             # stream does not wait for (from pageable memory it may return before the DMA lands), so the chunk's
@@ -294,10 +308,10 @@ class Engine:
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
             self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
-            key = (rows, last, greedy, taps)
+            key = (rows, last, greedy, taps, ext and last)
             launches = self._bound.get(key)
             if launches is None:
-                ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps)
+                ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
                 launches = self.bind(ops + (DraftForward(self.fwd).ctx_ops(rows) if taps else []))
                 if rows == self.max_rows:
                     self._bound[key] = launches  # full chunks repeat; a ragged last chunk is bound once
@@ -306,16 +320,16 @@ class Engine:
         return self._read_token(launched)
 
     def decode(self, position: int, greedy: bool = True, token: int | None = None,
-               launched: Callable[[], None] | None = None, lane: int = 0) -> int:
+               launched: Callable[[], None] | None = None, lane: int = 0, ext: bool = False) -> int:
         """One graphed step for the token at `position` (its id is out_ids[0], or `token` when given); returns the
         new token id. `launched()` runs while the GPU works, before the wait: host work done there (streaming the
         previous step's tokens to clients) then costs no GPU time."""
         self._stage(position, position, token, lane)
-        self._graph(greedy).replay(self.stream)
+        self._graph(greedy, ext).replay(self.stream)
         return self._read_token(launched)
 
-    def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None
-                     ) -> list[int]:
+    def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None,
+                     ext: bool = False) -> list[int]:
         """One batched step: rows of (KV lane, position, token id, sampling params or None for greedy), each the
         next token of its own sequence; returns each row's new token. The step runs the graph of the smallest
         bucket (DECODE_BUCKETS) holding the rows; padding rows repeat row 0 (they rewrite its K/V with the same
@@ -345,10 +359,11 @@ class Engine:
                 rec[i] = sample_record(sp)
             check(cu.cuMemcpyHtoDAsync(self.act["params"].ptr, src + 16 * M, B * SAMPLE_PARAMS.itemsize, h),
                   "batch sampling params")
-        key = f"batch{B}_{'greedy' if greedy else 'sample'}"
+        key = f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else "")
         g = self._graphs.get(key)
         if g is None:
-            launches = self.bind(self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True), captured=True)
+            launches = self.bind(self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
+                                 captured=True)
             g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode x{B} ({key})")
             self._graphs[key] = g
         g.replay(self.stream)
@@ -392,6 +407,32 @@ class Engine:
         self.stream.synchronize()
         got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
         return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
+
+    def set_logits(self, batch: Any, rows: int) -> None:
+        """Upload a step's logits processing (runtime/logits_params.LogitsBatch) for rows 0..rows-1 (rows past the
+        batch's only softcap); stream-ordered before the next step."""
+        if self.ext_missing:
+            raise BackendError("cuda backend: logits processing / logprobs need kernels the manifest lacks: "
+                               + "; ".join(self.ext_missing))
+        recs = np.concatenate([batch.rows] + [plain_row()[None]] * (rows - batch.rows.shape[0]))
+        for name, arr in (("logit_rows", recs), ("logit_counts", batch.counts), ("logit_biases", batch.biases),
+                          ("logit_masks", batch.masks)):
+            buf = self.act[name]
+            if arr.nbytes > buf.nbytes:
+                raise BackendError(f"cuda backend: this step's {name} need {arr.nbytes} bytes, the engine holds "
+                                   f"{buf.nbytes} (logit_bias has at most {MAX_LOGIT_BIAS} entries per request)")
+            if arr.nbytes:
+                buf.view(0, arr.nbytes).upload(np.ascontiguousarray(arr), stream=self.stream)
+
+    def read_logits(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """After an `ext` step: (lm_process status [rows], top-20 ids [rows, 20], their logprobs, the picked
+        token's logprob [rows])."""
+        self.stream.synchronize()
+        k = MAX_TOP_LOGPROBS
+        return (self.act["proc_status"].view(0, 4 * rows).download(np.int32, (rows,)),
+                self.act["lp_ids"].view(0, 4 * k * rows).download(np.int32, (rows, k)),
+                self.act["lp_lps"].view(0, 8 * k * rows).download(np.float64, (rows, k)),
+                self.act["lp_chosen"].view(0, 8 * rows).download(np.float64, (rows,)))
 
     def _spec_graph(self, which: str, greedy: bool) -> CudaGraph:
         key = "draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}"

@@ -152,7 +152,7 @@ class Forward:
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False, batched: bool = False) -> list[Op]:
+            all_logits: bool = False, batched: bool = False, ext: bool = False) -> list[Op]:
         """Launches of one forward over `rows` tokens at positions[0..rows) of the sequence in KV lane lanes[0]
         (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
         out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
@@ -160,7 +160,8 @@ class Forward:
         `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
         sampled position positions[max_rows + row].
         `batched` (rows <= MAX_BATCH): row t is the next token ids[t] of its own sequence, at positions[t] in lane
-        lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t])."""
+        lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t]).
+        `ext`: the head processes the logits and writes logprobs (head_ops)."""
         if batched and rows > MAX_BATCH:
             raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
@@ -179,19 +180,24 @@ class Forward:
         if last:
             if batched:
                 for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
-                    ops += self.head_ops(A("a", r0), min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0)
+                    ops += self.head_ops(A("a", r0), min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0, ext)
                 return ops
             n = rows if all_logits else 1
             if n > LM_ROWS:
                 raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {LM_ROWS}")
-            ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy)
+            ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy, ext=ext)
         return ops
 
-    def head_ops(self, x: Ptr, n: int, out_ids: Ptr, greedy: bool = True, r0: int = 0) -> list[Op]:
+    def head_ops(self, x: Ptr, n: int, out_ids: Ptr, greedy: bool = True, r0: int = 0, ext: bool = False
+                 ) -> list[Op]:
         """lm_head over n rows of x, then argmax (or the sampler with params[r0..], at positions[max_rows+r0..])
-        into out_ids[0..n)."""
+        into out_ids[0..n). `ext` (requests with penalties, logit_bias, a grammar or logprobs): lm_process first
+        writes each row's processed, softcapped logits (logit_rows[r0..] say how) that the lm_pick kernels pick
+        from, and lm_logprobs then writes each row's top-20 and picked-token logprobs from the unprocessed ones."""
         t, A = self.spec.target, self.ptr.A
         V, ops = t.vocab_size, [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
+        if ext:
+            return ops + self._ext_head_ops(n, out_ids, greedy, r0)
         if greedy:
             am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
             ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
@@ -204,6 +210,39 @@ class Forward:
                 k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
                 ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
         return ops
+
+    def _ext_head_ops(self, n: int, out_ids: Ptr, greedy: bool, r0: int) -> list[Op]:
+        A, V = self.ptr.A, self.spec.target.vocab_size
+        proc = need(self.find("lm_process.cu.j2", "logits processing", V=V))
+        ops = [Op("lm_process", proc, dict(logits=A("logits"), rows=A("logit_rows", r0), counts=A("logit_counts"),
+                                           biases=A("logit_biases"), masks=A("logit_masks"), out=A("processed"),
+                                           counters=A("proc_counters"), status=A("proc_status", r0), T=n), n)]
+        common = dict(logits=A("processed"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
+                      workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, best=A("best"),
+                      status=A("status", r0), T=n)
+        stages = [("lm_pick.cu.j2", "argmax")] if greedy else \
+            [("lm_pick.cu.j2", "prep"), ("lm_sample.cu.j2", "select"), ("lm_pick.cu.j2", "finish")]
+        for template, stage in stages:
+            k = need(self.find(template, f"processed pick {stage}", V=V, STAGE=stage))
+            ops.append(Op(f"pick_{stage}", k, {a: common[a] for a in k.args}, n))
+        lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
+                  top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
+        for stage in ("prep", "finish"):
+            k = need(self.find("lm_logprobs.cu.j2", f"logprobs {stage}", V=V, STAGE=stage))
+            ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))
+        return ops
+
+    def probe_ext(self) -> list[str]:
+        """What the processed head (penalties, logit_bias, grammars, logprobs) lacks in this manifest."""
+        self.missing = []
+        for rows in (1, 2):
+            for greedy in (True, False):
+                try:
+                    self.head_ops(NULL, rows, NULL, greedy, ext=True)
+                except Missing:
+                    pass
+        missing, self.missing = list(dict.fromkeys(self.missing)), []
+        return missing
 
     def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Ptr, y: Ptr, epi: str = "store") -> Op:
         """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (gemv, gemm16 or the prefill GEMM by rows)."""

@@ -31,7 +31,7 @@ import click
 
 from ..runtime.api import EngineConfig
 from ..runtime.backend import BackendError, SamplingParams
-from .prompt_suite import build_messages, load_suite
+from ..runtime.prompts import build_messages, load_suite
 
 MAX_RESYNCS = 32  # per trace: bounds the work when an engine disagrees everywhere (a broken one)
 

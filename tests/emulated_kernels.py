@@ -17,6 +17,7 @@ from thorgen.runtime import layouts as L
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference import w4a16 as W4
 from thorgen.runtime.reference.sampling import sample
+from emulated_logits import LogitsKernels  # (tests/ is on sys.path: engine_emulator imports this module)
 
 import matmul_reference as MR
 
@@ -36,7 +37,7 @@ def _gelu(x):
     return MR.gelu_tanh(x)
 
 
-class KernelEmulator:
+class KernelEmulator(LogitsKernels):
     """NumPy stand-ins for each kernel template, reading and writing the fake driver's memory."""
 
     def __init__(self, drv: FakeDriver) -> None:

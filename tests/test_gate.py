@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from thorgen.cli import main
 from thorgen.serve.gate import GateError, load_traces, margin
-from thorgen.serve.prompt_suite import load_suite
+from thorgen.runtime.prompts import load_suite
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = {"prompts": [

@@ -200,3 +200,22 @@ def test_prefix_cache_hit_equals_miss(server, sampling):
     # all but the last answer token had K/V (more when an earlier test's lane holds a longer greedy continuation)
     assert cached_hit >= len(PROMPT_IDS) + len(first) - 1 and cached_miss <= 1
     assert hit == miss
+
+
+def test_structured_output_logprobs_and_penalties(client, server):
+    """The processed head on the GPU through HTTP: a json_schema is obeyed on random weights, a logit_bias of
+    +100 forces its token, and greedy logprobs name the picked token first (its logprob is the top one's)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "json"}], max_tokens=40,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "t", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool), r.choices[0].message.content
+    ids = _ids(server[0], PROMPT_IDS, 6, temperature=0, logit_bias={"77": 100})
+    assert ids == [77] * 6
+    body = {"model": "m", "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "logprobs": 3,
+            "frequency_penalty": 0.5, "presence_penalty": 0.3, "return_token_ids": True}
+    c = httpx.post(server[0] + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    top = c["logprobs"]["top_logprobs"]
+    assert len(top) == len(c["token_ids"]) and all(len(t) == 3 for t in top)
+    assert all(lp <= 0 for lp in c["logprobs"]["token_logprobs"])
