@@ -199,6 +199,18 @@ def _plots():
     return bench_plots
 
 
+def _cases(names: list[str], runs: dict, ctx: Context) -> str:
+    """A run of named cases ({case: {measure: value}}) as one table."""
+    out = []
+    for n in names:
+        cases = runs[n]["cases"]
+        cols = sorted({k for v in cases.values() for k in v})
+        rows = [f"| {c} | " + " | ".join(str(v.get(k, "")) for k in cols) + " |" for c, v in cases.items()]
+        out.append("\n".join([_run_line(n, runs[n]), "", "| case | " + " | ".join(cols) + " |",
+                              "|---|" + "---|" * len(cols)] + rows))
+    return "\n\n".join(out)
+
+
 VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Context], str]]] = {
     "kernels": (lambda r: "kernels" in r, _kernels),
     "bench": (lambda r: "decode_tok_s" in r and "ttft_ms" in r, _bench),
@@ -211,6 +223,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
                         _step_kernels("prefill_chunk_kernels", "prefill chunk", "prefill-kernels")),
     "sweep": (lambda r: isinstance(r.get("rows"), list) and all("kv_dtype" in x for x in r["rows"]), _sweep),
     "serve": (lambda r: "levels" in r, _serve),
+    "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
 }
 
 

@@ -10,6 +10,7 @@ token for token (tests/test_engine_speculative_emulated.py).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -93,8 +94,9 @@ class CudaBackend(StreamingBackend):
 
     @property
     def supports_grammar(self) -> bool:
-        """Grammar-constrained decoding runs (the token mask is applied on the GPU by lm_process)."""
-        return not self.engine.ext_missing
+        """Grammar-constrained decoding runs (the token mask is applied on the GPU by lm_process; llguidance
+        computes it)."""
+        return not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None
 
     @property
     def speculative_available(self) -> bool:

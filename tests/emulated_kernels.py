@@ -176,7 +176,7 @@ class KernelEmulator(LogitsKernels):
             self.v(a["v_cache"] + row, kvdt, (HKV, D), "v_cache")[:] = RK.store(v[t], p["KV"])
 
     def k_attn_fwd(self, p, a, n):
-        m, d, hq, hkv = a["m"], p["d"], p["hq"], p["hkv"]
+        m, d, hq = a["m"], p["d"], p["hq"]
         if not 1 <= m <= p["mmax"]:
             raise EmuError(f"m={m} outside 1..{p['mmax']}")
         shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"

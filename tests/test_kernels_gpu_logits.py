@@ -104,7 +104,7 @@ def test_pick_over_processed_logits_matches_the_reference_sampler(runner, pick):
     processed, status, _ = _process(runner, x, b, len(rows))
     assert not status.any()
     seed = 0xC0FFEE + int(temp * 10)
-    params = np.array([(temp, 1.0, min_p, seed, top_k, 0)], dtype=SAMPLE_PARAMS_DTYPE)
+    params = np.array([(temp, 1.0, min_p, seed, top_k, 0)] * len(rows), dtype=SAMPLE_PARAMS_DTYPE)  # one per row
     positions = rng.integers(0, 100_000, len(rows)).astype(np.int32)
     ids, st = _pick(runner, processed, params, positions)
     sp = SamplingParams(temperature=temp, top_k=top_k, min_p=min_p, seed=seed)

@@ -188,11 +188,10 @@ class _Memory:
 
 def test_emulated_kernels_follow_the_references():
     from emulated_kernels import KernelEmulator
-    from emulated_logits import LogitsKernels
     from thorgen.runtime.engine import SAMPLE_PARAMS
     from thorgen.runtime.reference.sampling import sample
 
-    class Emu(LogitsKernels, KernelEmulator):
+    class Emu(KernelEmulator):  # (KernelEmulator includes LogitsKernels)
         pass
 
     V = 512
@@ -201,7 +200,7 @@ def test_emulated_kernels_follow_the_references():
     T = len(cases)
     logits = LC.logits(rng, T, V)
     b = LC.pack(cases, V)
-    sp = np.zeros(1, SAMPLE_PARAMS)
+    sp = np.zeros(T, SAMPLE_PARAMS)  # one record per row (the sampler reads params[row])
     sp["temperature"], sp["top_k"], sp["top_p"], sp["seed"] = 0.8, 40, 1.0, 99
     mem = _Memory({"logits": logits, "rows": b.rows, "counts": b.counts, "biases": b.biases,
                    "masks": b.masks, "out": np.zeros((T, V), np.float32), "status": np.zeros(T, np.int32),
