@@ -79,11 +79,11 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                         kernel_dir: Path | None = None) -> tuple[OpenedModel, dict]:
+                         kernel_dir: Path | None = None, max_num_seqs: int = 1) -> tuple[OpenedModel, dict]:
     """(the opened model, facts about its backend for the report), through the one backend registry."""
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
     opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                       prefix_slots=0, max_num_seqs=1))  # (one request at a time)
+                                       prefix_slots=0, max_num_seqs=max_num_seqs))  # (KV lanes: cuda)
     b = opened.backend
     if name == "cuda":
         return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head}
@@ -91,9 +91,9 @@ def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str,
 
 
 def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                   kernel_dir: Path | None = None) -> tuple[Any, dict]:
+                   kernel_dir: Path | None = None, max_num_seqs: int = 1) -> tuple[Any, dict]:
     """(backend, facts about it for the report)."""
-    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir)
+    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs)
     return opened.backend, facts
 
 
@@ -135,9 +135,10 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
 
 def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
-              roofline: bool = False) -> dict:
+              roofline: bool = False, batch_sizes: list[int] | None = None) -> dict:
     t0 = time.perf_counter()
-    backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir)
+    backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
+                                    max(batch_sizes or [1]))
     load_s = time.perf_counter() - t0
     ctx = backend.max_context
     if prompt_len + gen > ctx:
@@ -181,6 +182,12 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
             report["prefill_chunk_kernels"] = backend.kernel_breakdown(rows=chunk)
     if roofline:
         measure_roofline(backend, facts, report, prompt, gen, runs)
+    if batch_sizes:
+        if backend_name != "cuda":
+            raise BackendError("--batch-sizes times the cuda backend's batched decode graphs (use --backend cuda)")
+        from .bench_batched import measure_batched
+
+        measure_batched(backend, report, batch_sizes, prompt_len + gen // 2)
     return report
 
 
@@ -257,10 +264,13 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
               help="Run each prompt of this suite file instead (docs/prompt_suite.json; the JSON shape of "
                    "seed_data/prompt_suite.json): TTFT, decode tok/s and tau, plain and speculative.")
 @click.option("--ignore-eos", is_flag=True, help="--suite: generate each prompt's max_tokens, past stop ids.")
+@click.option("--batch-sizes", default=None,
+              help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
+                   "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
-          roofline: bool, suite_file: Path | None, ignore_eos: bool) -> None:
+          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -277,10 +287,16 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
                f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
                + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
-               + (" --roofline" if roofline else ""))
+               + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else ""))
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",")] if batch_sizes else None
+    except ValueError:
+        raise click.BadParameter(f"--batch-sizes {batch_sizes!r}: comma-separated integers") from None
+    if sizes and not all(1 <= n <= 32 for n in sizes):
+        raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline)
+                           roofline, sizes)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -199,6 +199,19 @@ def _plots():
     return bench_plots
 
 
+def _batched(names: list[str], runs: dict, ctx: Context) -> str:
+    """`thorgen bench --batch-sizes`: one row per batch size, with the step's bytes and achieved bandwidth."""
+    out = []
+    for n in names:
+        r = runs[n]
+        lines = [_run_line(n, r), "", f"Each row a sequence at position {r['batched_decode_position']}.", "",
+                 "| rows | bucket | step ms | tok/s | MB per step | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['rows']} | {b['bucket']} | {b['step_ms']} | {b['tok_s']:,} | {b['bytes'] / 1e6:,.0f} | "
+                  f"{b['gb_s']:,} | {100 * b['frac_copy']:.1f} % |" for b in r["batched_decode"]]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def _cases(names: list[str], runs: dict, ctx: Context) -> str:
     """A run of named cases ({case: {measure: value}}) as one table."""
     out = []
@@ -224,6 +237,9 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "sweep": (lambda r: isinstance(r.get("rows"), list) and all("kv_dtype" in x for x in r["rows"]), _sweep),
     "serve": (lambda r: "levels" in r, _serve),
     "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
+    "batched": (lambda r: "batched_decode" in r, _batched),
+    "batched-kernels": (lambda r: "batched_step_kernels" in r,
+                        _step_kernels("batched_step_kernels", "batched decode step", "batched-kernels")),
 }
 
 

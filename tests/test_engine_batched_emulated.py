@@ -108,3 +108,17 @@ def test_kv_lanes_fit_the_budget(backend):
         fit_lanes(one, 8, available=2 * lane, kv_cache_gib=3 * lane / 2**30)
     with pytest.raises(BackendError, match="does not fit"):
         fit_lanes(one, 8, available=100 * lane, kv_cache_gib=0.5 * lane / 2**30)
+
+
+def test_bench_times_each_bucket(backend):
+    """`thorgen bench --batch-sizes`' measurement on the emulated engine: one row per size, the largest's
+    kernels, and bytes that grow with the rows (more experts touched, more K/V)."""
+    from thorgen.runtime.bench_batched import measure_batched
+
+    report = {"kv_dtype": "bf16", "lm_head": "nvfp4", "copy_gb_s": 1.0}
+    measure_batched(backend, report, [1, 3], position=20, steps=1)
+    one, three = report["batched_decode"]
+    assert (one["rows"], one["bucket"], three["rows"], three["bucket"]) == (1, 1, 3, 4)
+    assert three["bytes"] > one["bytes"] > 0 and three["step_ms"] > 0
+    kernels = {k["kernel"] for k in report["batched_step_kernels"]}
+    assert any(k.startswith("attn_dec__") for k in kernels) and report["batched_step_rows"] == 3
