@@ -43,7 +43,8 @@ class Engine:
     _SLOTS, _READ = 128, 2048
     # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
     # then the tokens read back (the step waits for them, so the area is free again at the next step).
-    _BATCH, _BATCH_READ = 8192, 2048  # (16 * MAX_BATCH bytes of int32, then MAX_BATCH * 40 of params, < 2048)
+    # Two such areas (a step of more than DECODE_BUCKETS[-1] rows runs as two forwards), 2048 bytes each.
+    _BATCH, _BATCH_PART, _BATCH_READ = 8192, 2048, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
 
     def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
                  weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1) -> None:
@@ -331,18 +332,32 @@ class Engine:
     def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None,
                      ext: bool = False) -> list[int]:
         """One batched step: rows of (KV lane, position, token id, sampling params or None for greedy), each the
-        next token of its own sequence; returns each row's new token. The step runs the graph of the smallest
-        bucket (DECODE_BUCKETS) holding the rows; padding rows repeat row 0 (they rewrite its K/V with the same
-        values, and their tokens are dropped)."""
+        next token of its own sequence; returns each row's new token. Up to DECODE_BUCKETS[-1] rows run the graph
+        of the smallest bucket holding them; padding rows repeat row 0 (they rewrite its K/V with the same values,
+        and their tokens are dropped). More rows run as two graphs back to back: measured on the H200, 32 rows
+        in one forward (prefill GEMMs, grouped MoE) took 16.3 ms, two 16-row forwards 12.4 ms. A processed
+        (`ext`) step keeps one forward: its per-row logits inputs are staged for the whole step."""
         n = len(rows)
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
         if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
             raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}")
-        B = next(b for b in DECODE_BUCKETS if b >= n)
-        padded = rows + [rows[0]] * (B - n)
         greedy = all(r[3] is None or r[3].greedy for r in rows)
-        base, M = self._BATCH, MAX_BATCH
+        top = DECODE_BUCKETS[-1]
+        parts = [rows] if ext or n <= top else [rows[:top], rows[top:]]
+        reads = [self._batch_part(part, i, greedy, ext) for i, part in enumerate(parts)]
+        if launched is not None:
+            launched()
+        self.stream.synchronize()
+        return [int(t) for read, part in zip(reads, parts)
+                for t in self._pinned.array[read:read + 4 * len(part)].view(np.int32)]
+
+    def _batch_part(self, rows: list, part: int, greedy: bool, ext: bool) -> int:
+        """Stage and enqueue one batched forward (pinned staging area `part`); returns where its tokens land."""
+        n = len(rows)
+        B = next((b for b in DECODE_BUCKETS if b >= n), MAX_BATCH)
+        padded = rows + [rows[0]] * (B - n)
+        base, M = self._BATCH + part * self._BATCH_PART, MAX_BATCH
         vals = self._pinned.array[base:base + 16 * M].view(np.int32)
         vals[:] = 0
         for i, (lane, pos, tok, _) in enumerate(padded):
@@ -369,10 +384,7 @@ class Engine:
         g.replay(self.stream)
         read = base + self._BATCH_READ
         check(cu.cuMemcpyDtoHAsync(self._pinned.ptr + read, self.act["out_ids"].ptr, 4 * B, h), "batch token ids")
-        if launched is not None:
-            launched()
-        self.stream.synchronize()
-        return [int(t) for t in self._pinned.array[read:read + 4 * n].view(np.int32)]
+        return read
 
     def spec_step(self, start: int, last: int, greedy: bool = True,
                   launched: Callable[[], None] | None = None, lane: int = 0) -> tuple[list[int], list[int]]:

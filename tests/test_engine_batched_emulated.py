@@ -122,3 +122,27 @@ def test_bench_times_each_bucket(backend):
     assert three["bytes"] > one["bytes"] > 0 and three["step_ms"] > 0
     kernels = {k["kernel"] for k in report["batched_step_kernels"]}
     assert any(k.startswith("attn_dec__") for k in kernels) and report["batched_step_rows"] == 3
+
+
+def test_more_rows_than_the_largest_bucket_run_as_two_forwards(tiny_checkpoint, tmp_path):
+    """18 sequences: one step runs the 16-row graph and then a 2-row one; each request equals itself alone."""
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.repack import repack
+
+    weights = repack(tiny_checkpoint, tmp_path / "weights")
+    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, tmp_path / "kernels")
+    before = dev._driver  # the module fixture's fake driver, which its backend closes with
+    EE.install(kernels)
+    b = open_backend(tiny_checkpoint, ctx=64, weights_dir=weights, kernels_dir=kernels, max_num_seqs=18)
+    try:
+        reqs = {f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
+                for i in range(18)}
+        together = _serve(EngineCore(b.runner(18)), reqs)
+        assert {"batch16_sample", "batch2_sample"} <= set(b.engine._graphs)
+        for rid, req in list(reqs.items())[::5]:
+            assert together[rid] == _serve(EngineCore(b.runner(1)), {rid: req})[rid]
+    finally:
+        b.close()
+        dev.set_driver(before)
