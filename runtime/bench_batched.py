@@ -7,8 +7,6 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from .roofline import step_cost
 
 
@@ -47,26 +45,7 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
 
 
 def _kernels(eng: Any, n: int, position: int) -> list[dict]:
-    """One batched step of n rows, eager launches one stream, each timed with events, summed per kernel."""
-    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
-    try:
-        launches = eng.bind(eng.fwd.ops(n, decode=False, last=True, batched=True))
-    finally:
-        eng.fork, eng.pdl = fork, pdl
-    for name, values in (("ids", np.full(n, 2)), ("positions", np.full(n, position)), ("lanes", np.arange(n))):
-        eng.act[name].view(0, 4 * n).upload(values.astype(np.int32), stream=eng.stream)
-    events = [eng.device.event() for _ in range(len(launches) + 1)]
-    events[0].record(eng.stream)
-    for (_, launch), ev in zip(launches, events[1:]):
-        launch(eng.stream)
-        ev.record(eng.stream)
-    eng.stream.synchronize()
-    agg: dict[str, dict] = {}
-    for i, (_, launch) in enumerate(launches):
-        name = launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d"
-        a = agg.setdefault(name, {"kernel": name, "us": 0.0, "count": 0})
-        a["us"] += 1e3 * events[i + 1].elapsed_ms(events[i])
-        a["count"] += 1
-    for e in events:
-        e.destroy()
-    return sorted(({**a, "us": round(a["us"], 2)} for a in agg.values()), key=lambda a: -a["us"])
+    """One batched step of n rows (runtime/profile.py), summed per kernel, largest first."""
+    from .profile import per_kernel, profile_batched
+
+    return [{**a, "us": round(a["us"], 2)} for a in per_kernel(profile_batched(eng, n, position))]

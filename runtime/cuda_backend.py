@@ -131,15 +131,9 @@ class CudaBackend(StreamingBackend):
     def kernel_breakdown(self, rows: int = 1) -> list[dict]:
         """One decode step's (or `rows`-token prefill chunk's) launches with their GPU time, summed per kernel
         (largest first)."""
-        from .profile import profile_step
+        from .profile import per_kernel, profile_step
 
-        rows = profile_step(self.engine, 0, rows=rows)
-        agg: dict[str, dict] = {}
-        for r in rows:
-            a = agg.setdefault(r["kernel"], {"kernel": r["kernel"], "us": 0.0, "count": 0})
-            a["us"] += r["us"]
-            a["count"] += 1
-        return sorted(agg.values(), key=lambda a: -a["us"])
+        return per_kernel(profile_step(self.engine, 0, rows=rows))
 
     def close(self) -> None:
         self.engine.close()

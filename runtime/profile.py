@@ -29,6 +29,24 @@ def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 1
     eng.act["ids"].view(0, 4 * rows).upload(np.arange(rows, dtype=np.int32), stream=eng.stream)
     eng.act["positions"].view(0, 4 * rows).upload(np.arange(position, position + rows, dtype=np.int32),
                                                   stream=eng.stream)
+    return _eager_profile(eng, launches)
+
+
+def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
+    """GPU time (us) per launch of one batched decode forward of `rows` sequences (lanes 0..rows-1, each at
+    `position`): eager launches on one stream, timed with events."""
+    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
+    try:
+        launches = eng.bind(eng.fwd.ops(rows, decode=False, last=True, batched=True))
+    finally:
+        eng.fork, eng.pdl = fork, pdl
+    for name, values in (("ids", np.full(rows, 2)), ("positions", np.full(rows, position)),
+                         ("lanes", np.arange(rows))):
+        eng.act[name].view(0, 4 * rows).upload(values.astype(np.int32), stream=eng.stream)
+    return _eager_profile(eng, launches)
+
+
+def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
     events = [eng.device.event() for _ in range(len(launches) + 1)]
     events[0].record(eng.stream)
     for (_, launch), ev in zip(launches, events[1:]):
@@ -63,3 +81,13 @@ def _graph_profile(eng: Engine, launches: list[tuple[str, Any]], replays: int) -
             g.destroy()
         out += [{"op": label, "kernel": name, "us": per} for label, _ in group]
     return out
+
+
+def per_kernel(rows: list[dict]) -> list[dict]:
+    """Launch rows ({kernel, us}) summed per kernel: [{kernel, us, count}], largest first."""
+    agg: dict[str, dict] = {}
+    for r in rows:
+        a = agg.setdefault(r["kernel"], {"kernel": r["kernel"], "us": 0.0, "count": 0})
+        a["us"] += r["us"]
+        a["count"] += 1
+    return sorted(agg.values(), key=lambda a: -a["us"])

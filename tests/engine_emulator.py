@@ -306,3 +306,16 @@ def install(manifest_dir: Path) -> FakeDriver:
 
 
 __all__ = ["EmuError", "FakeDriver", "install", "write_fake_manifest", "bf16_to_f32", "f32_to_bf16"]
+
+
+def open_emulated(checkpoint: Path, root: Path, **kwargs):
+    """The cuda backend (runtime.cuda_backend.open_backend) of `checkpoint` on a freshly installed fake driver:
+    weights repacked and a fake manifest written under `root`."""
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.repack import repack
+
+    weights = repack(checkpoint, root / "weights")
+    kernels = write_fake_manifest(Checkpoint.open(checkpoint).spec, root / "kernels")
+    install(kernels)
+    return open_backend(checkpoint, weights_dir=weights, kernels_dir=kernels, **kwargs)

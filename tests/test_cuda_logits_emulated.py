@@ -27,16 +27,9 @@ from thorgen.runtime.reference.ops import softcap  # noqa: E402
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
 
-    root = tmp_path_factory.mktemp("logits")
-    weights = repack(tiny_checkpoint, root / "weights")
-    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
-    EE.install(kernels)
-    b = open_backend(tiny_checkpoint, ctx=512, weights_dir=weights, kernels_dir=kernels, max_num_seqs=2)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("logits"), ctx=512, max_num_seqs=2)
     yield b
     b.close()
     dev.set_driver(None)

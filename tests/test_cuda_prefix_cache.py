@@ -25,16 +25,9 @@ SEEDED = SamplingParams(temperature=1.0, seed=9)
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
 
-    root = tmp_path_factory.mktemp("prefix")
-    weights = repack(tiny_checkpoint, root / "weights")
-    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
-    EE.install(kernels)
-    b = open_backend(tiny_checkpoint, ctx=1024, weights_dir=weights, kernels_dir=kernels)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("prefix"), ctx=1024)
     yield b
     b.close()
     dev.set_driver(None)

@@ -26,16 +26,9 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
 
-    root = tmp_path_factory.mktemp("batched")
-    weights = repack(tiny_checkpoint, root / "weights")
-    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, root / "kernels")
-    EE.install(kernels)
-    b = open_backend(tiny_checkpoint, ctx=512, weights_dir=weights, kernels_dir=kernels, max_num_seqs=LANES)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("batched"), ctx=512, max_num_seqs=LANES)
     yield b
     b.close()
     dev.set_driver(None)
@@ -126,16 +119,10 @@ def test_bench_times_each_bucket(backend):
 
 def test_more_rows_than_the_largest_bucket_run_as_two_forwards(tiny_checkpoint, tmp_path):
     """18 sequences: one step runs the 16-row graph and then a 2-row one; each request equals itself alone."""
-    from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
 
-    weights = repack(tiny_checkpoint, tmp_path / "weights")
-    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, tmp_path / "kernels")
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
-    EE.install(kernels)
-    b = open_backend(tiny_checkpoint, ctx=64, weights_dir=weights, kernels_dir=kernels, max_num_seqs=18)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=64, max_num_seqs=18)
     try:
         reqs = {f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
                 for i in range(18)}
