@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.api import Capabilities, EngineClient
 from ..runtime.tokenizer import Tokenizer
-from . import generation, openapi
+from . import endpoints, openapi
 from .chat_template import ChatTemplate, control_ids, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .metrics import Metrics
@@ -203,12 +203,12 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         state.require_ready()
-        return await generation.chat_completions(state, req, request)
+        return await endpoints.chat_completions(state, req, request)
 
     @app.post("/v1/completions", responses=generating)
     async def completions(req: CompletionRequest, request: Request):
         state.require_ready()
-        return await generation.completions(state, req, request)
+        return await endpoints.completions(state, req, request)
 
     @app.post("/tokenize", responses=openapi.errors(400, 413, 503))
     async def tokenize(req: TokenizeRequest):

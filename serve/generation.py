@@ -1,4 +1,4 @@
-"""Serve stage: /v1/chat/completions and /v1/completions: request -> prompt ids -> engine job -> OpenAI JSON/SSE."""
+"""Serve stage: a request's choices run as engine jobs, answered as OpenAI JSON or SSE (endpoints: serve/endpoints.py)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,17 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.api import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
                            RequestRejected, RequestStream, SamplingParams)
-from .guards import prompt_ids
 from .logprobs import Logprobs
-from .parser import ControlIds, Delta, OutputParser
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list,
-                       template_messages, tool_choice_mode, validate_tools)
-from .sampling import max_new_tokens, sampling_params, thinking_enabled
-from .structured import response_grammar
-from .tool_grammar import tool_call_grammar
+from .parser import Delta, OutputParser
+from .protocol import APIError
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
@@ -113,6 +108,7 @@ class Generation:
         self.return_ids = False  # vLLM's return_token_ids
         self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self.recorded = False
+        self.counts_request = True  # the HTTP request's count in /metrics (its first choice only)
         self.logprobs = (Logprobs(lambda t: server.tokenizer.decode([t]), kind == "chat")
                          if job.sampling.logprobs is not None else None)
         self.step_logprobs: dict | None = None  # the last fed step's logprobs object
@@ -123,9 +119,11 @@ class Generation:
             return
         self.recorded = True
         metrics = self.server.metrics
-        metrics.request_done(self.endpoint, status)
+        if self.counts_request:
+            metrics.request_done(self.endpoint, status)
         if status == 499:
-            metrics.aborted(self.endpoint)
+            if self.counts_request:
+                metrics.aborted(self.endpoint)
             if self.result is None:  # finish() never ran
                 metrics.add(prompt_tokens=len(self.job.prompt_ids), generation_tokens=self.n_out)
 
@@ -222,8 +220,53 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def stream_events(gen: Generation, request: Request, first: tuple[str, Any],
+async def _events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]]
+                  ) -> AsyncIterator[tuple[int, str, Any]]:
+    """(choice index, kind, payload) of every generation until each is done or failed. One generation is read
+    directly; several through one queue fed by a task each (their tokens interleave as the engine makes them)."""
+    if len(gens) == 1:
+        kind, payload = firsts[0]
+        while True:
+            yield 0, kind, payload
+            if kind != "tokens":
+                return
+            kind, payload = await next_event(gens[0].job, request)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        kind, payload = firsts[i]
+        try:
+            while True:
+                await queue.put((i, kind, payload))
+                if kind != "tokens":
+                    return
+                kind, payload = await next_event(gens[i].job, request)
+        except ClientGone as exc:
+            await queue.put((i, "gone", exc))
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+    try:
+        live = len(gens)
+        while live:
+            i, kind, payload = await queue.get()
+            if kind == "gone":
+                raise payload
+            live -= kind != "tokens"
+            yield i, kind, payload
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def total_usage(gens: list[Generation]) -> dict:
+    """The prompt once, the completions of every choice (OpenAI's usage for n > 1)."""
+    u = gens[0].usage()
+    n = sum(g.n_out for g in gens)
+    return {**u, "completion_tokens": n, "total_tokens": u["prompt_tokens"] + n}
+
+
+async def stream_events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]],
                         include_usage: bool) -> AsyncIterator[bytes]:
+    gen = gens[0]
     model = gen.server.model_id
     chat = gen.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -235,162 +278,118 @@ async def stream_events(gen: Generation, request: Request, first: tuple[str, Any
         body.update(extra)
         return sse(body)
 
-    def choice(delta: Delta, finish: str | None = None, ids: tuple[int, ...] = (),
+    def choice(i: int, delta: Delta, finish: str | None = None, ids: tuple[int, ...] = (),
                logprobs: dict | None = None) -> dict | None:
-        extra = (gen.return_ids and ids) or logprobs is not None  # a chunk even without text
+        g = gens[i]
+        extra = (g.return_ids and ids) or logprobs is not None  # a chunk even without text
         if chat:
-            d = _delta_json(delta, gen)
+            d = _delta_json(delta, g)
             if not d and finish is None and not extra:
                 return None
-            out = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+            out = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         else:
             if not delta.content and finish is None and not extra:
                 return None
-            out = {"index": 0, "text": delta.content, "logprobs": logprobs, "finish_reason": finish}
-        if gen.return_ids:
+            out = {"index": i, "text": delta.content, "logprobs": logprobs, "finish_reason": finish}
+        if g.return_ids:
             out["token_ids"] = list(ids)
         return out
 
     try:
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        kind, payload = first
-        while True:
+            for i in range(len(gens)):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+        failed = False
+        async for i, kind, payload in _events(gens, request, firsts):
+            g = gens[i]
             if kind == "tokens":
-                delta = gen.feed(payload)
-                c = choice(delta, ids=payload.token_ids, logprobs=gen.step_logprobs)
-                gen.step_logprobs = None
+                delta = g.feed(payload)
+                c = choice(i, delta, ids=payload.token_ids, logprobs=g.step_logprobs)
+                g.step_logprobs = None
                 if c:
                     yield chunk(c)
             elif kind == "done":
-                tail = gen.finish(payload)
-                c = choice(tail)
+                tail = g.finish(payload)
+                c = choice(i, tail)
                 if c:
                     yield chunk(c)
-                yield chunk(choice(Delta(), gen.finish_reason()))
-                if include_usage:
-                    body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
-                            "usage": gen.usage()}
-                    yield sse(body)
-                gen.record(200)
-                break
+                yield chunk(choice(i, Delta(), g.finish_reason()))
             else:
                 err: APIError = payload
                 yield sse(err.body())
-                gen.record(err.status)
+                for other in gens:
+                    other.record(err.status)
+                failed = True
                 break
-            kind, payload = await next_event(gen.job, request)
+        if not failed:
+            if include_usage:
+                yield sse({"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
+                           "usage": total_usage(gens)})
+            for g in gens:
+                g.record(200)
         yield sse("[DONE]")
     except ClientGone:
         pass
     finally:
         # Also reached when the server cancels this generator (the client disconnected while a chunk was being
         # sent, or shutdown): the request then still counts as aborted.
-        gen.record(499)
-        gen.job.abort()  # no-op after a normal end; stops the engine when the client went away
+        for g in gens:
+            g.record(499)
+            g.job.abort()  # no-op after a normal end; stops the engine when the client went away
 
 
-async def serve_generation(server: Any, request: Request, gen: Generation, stream: bool,
+async def serve_generation(server: Any, request: Request, gens: list[Generation], stream: bool,
                            include_usage: bool) -> Any:
-    submit(server, gen.job)
+    """Run the request's choices (n of them, each its own engine sequence) and answer, streamed or not."""
+    firsts = []
     try:
-        first = await gen.first_event(request)
+        for g in gens:
+            submit(server, g.job)
+        for g in gens:
+            firsts.append(await g.first_event(request))
     except ClientGone:
-        gen.record(499)
+        for g in gens:
+            g.job.abort()
+            g.record(499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     except BaseException:
-        gen.job.abort()
+        for g in gens:
+            g.job.abort()
         raise
     if stream:
-        return StreamingResponse(stream_events(gen, request, first, include_usage), media_type="text/event-stream",
+        return StreamingResponse(stream_events(gens, request, firsts, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        total = await run_to_end(gen, request, first)
+        totals = await asyncio.gather(*(run_to_end(g, request, f) for g, f in zip(gens, firsts)))
     except ClientGone:
-        gen.record(499)
+        for g in gens:
+            g.record(499)
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
     finally:
-        gen.job.abort()
-    base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": gen.usage()}
-    logprobs = gen.logprobs.total() if gen.logprobs is not None else None
-    if gen.kind == "chat":
-        body = {"object": "chat.completion", **base, "choices": [
-            {"index": 0, "message": chat_message(total), "logprobs": logprobs, "finish_reason": gen.finish_reason()}]}
-    else:
-        body = {"object": "text_completion", **base, "choices": [
-            {"index": 0, "text": total.content, "logprobs": logprobs, "finish_reason": gen.finish_reason()}]}
-    if gen.return_ids:
-        body["choices"][0].update(token_ids=gen.token_ids, prompt_token_ids=list(gen.job.prompt_ids))
-    gen.record(200)
+        for g in gens:
+            g.job.abort()
+    gen = gens[0]
+    base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": total_usage(gens)}
+    choices = []
+    for i, (g, total) in enumerate(zip(gens, totals)):
+        logprobs = g.logprobs.total() if g.logprobs is not None else None
+        c = {"index": i, "message": chat_message(total)} if g.kind == "chat" else {"index": i, "text": total.content}
+        c.update(logprobs=logprobs, finish_reason=g.finish_reason())
+        if g.return_ids:
+            c.update(token_ids=g.token_ids, prompt_token_ids=list(g.job.prompt_ids))
+        choices.append(c)
+    body = {"object": "chat.completion" if gen.kind == "chat" else "text_completion", **base, "choices": choices}
+    for g in gens:
+        g.record(200)
     return JSONResponse(body)
 
 
-async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
-    check_unsupported(req)
-    messages = template_messages(req.messages)
-    tools = validate_tools(req.tools)
-    mode, forced = tool_choice_mode(req.tool_choice, tools)
-    thinking = thinking_enabled(req)
-    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-             if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
-    prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
-
-    def render() -> str:
-        prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
-                                        enable_thinking=thinking, **extra)
-        # force a tool call by opening it in the prompt (no constrained decoding needed)
-        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
-    ids = await prompt_ids(server, render)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
-                          stop=stop_list(req.stop), prefill_tool=prefill,
-                          max_calls=1 if req.parallel_tool_calls is False else None)
-    grammar = tool_call_grammar(tools, mode, forced, server)  # None unless a call is forced and can be constrained
-    if grammar is not None and req.response_format not in (None, {"type": "text"}):
-        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
-    job = Job(ids, max_new_tokens(requested, len(ids), server.caps.max_context),
-              sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                              grammar or response_grammar(req.response_format, server, thinking)),
-              server.stop_ids, speculative=server.speculative)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    gen = Generation(server, job, parser, "chat")
-    gen.return_ids = bool(req.return_token_ids)
-    return await serve_generation(server, request, gen, bool(req.stream), include_usage)
-
-
-async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
-    check_unsupported(req)
-    if req.echo:
-        raise APIError("echo is not supported", param="echo")
-    if req.suffix:
-        raise APIError("suffix is not supported", param="suffix")
-    if req.best_of not in (None, 1):
-        raise APIError("only best_of=1 is supported", param="best_of")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError("only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        bos = server.template.bos_token
-        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param="prompt")
-    else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < server.tokenizer.vocab_size]
-        if bad:
-            raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary", param="prompt")
-    if not ids:
-        raise APIError("the prompt is empty", param="prompt")
-    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
-                          stops=server.stop_ids, hidden=server.tokenizer.special_ids)
-    parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-    limit = max_new_tokens(req.max_tokens, len(ids), server.caps.max_context)
-    job = Job(ids, limit if req.max_tokens is not None else min(16, limit),  # OpenAI's default for completions
-              sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                              response_grammar(req.response_format, server, False)),
-              server.stop_ids, speculative=server.speculative)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    gen = Generation(server, job, parser, "completion")
-    gen.return_ids = bool(req.return_token_ids)
-    return await serve_generation(server, request, gen, bool(req.stream), include_usage)
+def choices(req: Any, make: Callable[[SamplingParams], Generation], sampling: SamplingParams) -> list[Generation]:
+    """`n` generations of one request: choice i samples with seed + i (greedy choices are all alike, as in
+    vLLM); each is its own engine sequence, and the engine's prefix cache may serve the shared prompt."""
+    gens = [make(sampling if i == 0 else replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
+            for i in range(req.n or 1)]
+    for g in gens[1:]:
+        g.counts_request = False
+    return gens

@@ -154,7 +154,7 @@ class _Sampling(_Body):
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: integer(ge=1) | None = 1
+    n: integer(ge=1) | None = 1  # choices: that many sequences of the prompt (serve/generation.py: choices)
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Number | None = None
@@ -200,14 +200,15 @@ class DetokenizeRequest(_Body):
 # --- semantic checks ---------------------------------------------------------------------------------------
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
+MAX_N = 16  # choices per request (each its own engine sequence)
 REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 
 def check_unsupported(req: _Sampling) -> None:
     """Fields whose effect we do not implement are refused with a 400 instead of being silently ignored (the
     sampling fields are checked where serve/sampling.py and serve/structured.py read them)."""
-    if req.n not in (None, 1):
-        raise APIError("only n=1 is supported", param="n")
+    if req.n is not None and req.n > MAX_N:
+        raise APIError(f"n={req.n}: at most {MAX_N} choices per request", param="n")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -172,7 +172,7 @@ def test_completions_endpoint(client, engine, tok):
 BAD = [
     ("malformed json", b"{not json", 400), ("wrong type", {"messages": "hi"}, 400),
     ("empty messages", {"messages": []}, 400), ("unknown role", {"messages": [{"role": "bot", "content": "x"}]}, 400),
-    ("n=2", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("n=17", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400),
     ("penalty", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, 400),
     ("repetition_penalty", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, 400),
     ("top_logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400),

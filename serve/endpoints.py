@@ -1,0 +1,94 @@
+"""Serve stage: the two generation endpoints, /v1/chat/completions and /v1/completions: a request -> its prompt ids,
+parser and sampling -> its choices, run by serve/generation.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from ..runtime.api import SamplingParams
+from .generation import Generation, Job, choices, serve_generation
+from .guards import prompt_ids
+from .parser import ControlIds, OutputParser
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list,
+                       template_messages, tool_choice_mode, validate_tools)
+from .sampling import max_new_tokens, sampling_params, thinking_enabled
+from .structured import response_grammar
+from .tool_grammar import tool_call_grammar
+
+
+async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
+    check_unsupported(req)
+    messages = template_messages(req.messages)
+    tools = validate_tools(req.tools)
+    mode, forced = tool_choice_mode(req.tool_choice, tools)
+    thinking = thinking_enabled(req)
+    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+             if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
+    prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
+
+    def render() -> str:
+        prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
+                                        enable_thinking=thinking, **extra)
+        # force a tool call by opening it in the prompt (no constrained decoding needed)
+        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
+    ids = await prompt_ids(server, render)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    grammar = tool_call_grammar(tools, mode, forced, server)  # None unless a call is forced and can be constrained
+    if grammar is not None and req.response_format not in (None, {"type": "text"}):
+        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
+    limit = max_new_tokens(requested, len(ids), server.caps.max_context)
+
+    def make(sampling: SamplingParams) -> Generation:
+        parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
+                              stop=stop_list(req.stop), prefill_tool=prefill,
+                              max_calls=1 if req.parallel_tool_calls is False else None)
+        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
+                         parser, "chat")
+        gen.return_ids = bool(req.return_token_ids)
+        return gen
+    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
+                               grammar or response_grammar(req.response_format, server, thinking))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await serve_generation(server, request, choices(req, make, sampling), bool(req.stream), include_usage)
+
+
+async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
+    check_unsupported(req)
+    if req.echo:
+        raise APIError("echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise APIError("only best_of=1 is supported", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        bos = server.template.bos_token
+        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param="prompt")
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < server.tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary", param="prompt")
+    if not ids:
+        raise APIError("the prompt is empty", param="prompt")
+    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
+                          stops=server.stop_ids, hidden=server.tokenizer.special_ids)
+    limit = max_new_tokens(req.max_tokens, len(ids), server.caps.max_context)
+    limit = limit if req.max_tokens is not None else min(16, limit)  # OpenAI's default for completions
+
+    def make(sampling: SamplingParams) -> Generation:
+        parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
+        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
+                         parser, "completion")
+        gen.return_ids = bool(req.return_token_ids)
+        return gen
+    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
+                               response_grammar(req.response_format, server, False))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await serve_generation(server, request, choices(req, make, sampling), bool(req.stream), include_usage)
