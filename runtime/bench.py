@@ -135,7 +135,7 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
 
 def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
-              roofline: bool = False, batch_sizes: list[int] | None = None) -> dict:
+              roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
                                     max(batch_sizes or [1]))
@@ -188,6 +188,13 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         from .bench_batched import measure_batched
 
         measure_batched(backend, report, batch_sizes, prompt_len + gen // 2)
+    if peer == "hf":  # the same prompt and length on the same device, in the same run (runtime/peer.py)
+        from .peer import bench_peer
+
+        p = bench_peer(model, prompt, gen, runs)
+        p["decode_ratio"] = round(report["decode_tok_s"] / p["decode_tok_s"], 3) if p["decode_tok_s"] else None
+        p["ttft_ratio"] = round(p["ttft_ms"] / report["ttft_ms"], 3) if report["ttft_ms"] else None
+        report["peer"] = p
     return report
 
 
@@ -201,6 +208,11 @@ def _text(r: dict) -> str:
              f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
              f"({r['copy_gb_s']:.1f} GB/s)",
              f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB"]
+    if r.get("peer"):
+        p = r["peer"]
+        lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
+                     f"{', torch.compile' if p['compiled'] else ''}): {p['decode_tok_s']:.2f} tok/s, TTFT "
+                     f"{p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its decode, its TTFT / ours {p['ttft_ratio']}x")
     for key, title in (("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
                        ("prefill_chunk_kernels", f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel "
                                                  "(eager launches, event-timed)")):
@@ -264,13 +276,17 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
               help="Run each prompt of this suite file instead (docs/prompt_suite.json; the JSON shape of "
                    "seed_data/prompt_suite.json): TTFT, decode tok/s and tau, plain and speculative.")
 @click.option("--ignore-eos", is_flag=True, help="--suite: generate each prompt's max_tokens, past stop ids.")
+@click.option("--peer", type=click.Choice(["hf"]), default=None,
+              help="Also run HF transformers' Gemma4 on the same checkpoint, prompt and device (the `peer` extra) "
+                   "and print our decode tok/s and TTFT as ratios of its.")
 @click.option("--batch-sizes", default=None,
               help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
                    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
-          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None) -> None:
+          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None
+          ) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -287,7 +303,8 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
                f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
                + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
-               + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else ""))
+               + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
+               + (f" --peer {peer}" if peer else ""))
     try:
         sizes = [int(x) for x in batch_sizes.split(",")] if batch_sizes else None
     except ValueError:
@@ -296,7 +313,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes)
+                           roofline, sizes, peer)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -1,4 +1,4 @@
-"""Serve stage: a request's choices run as engine jobs, answered as OpenAI JSON or SSE (endpoints: serve/endpoints.py)."""
+"""Serve stage: runs a request's choices as engine jobs and answers with OpenAI JSON or SSE."""
 
 from __future__ import annotations
 

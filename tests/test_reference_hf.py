@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.config import target_config
-from thorgen.model_spec.tensors import LAYER_NORMS, TARGET_PREFIX
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.model import TargetModel
@@ -28,30 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_state_dict(ckpt, spec) -> dict:
-    P = TARGET_PREFIX
-    emb = ckpt.weight_f32(P + "embed_tokens.weight")
-    sd = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": ckpt.weight_f32(P + "norm.weight")}
-    for l in range(spec.num_hidden_layers):
-        p = f"layers.{l}."
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if n != "v_proj" or spec.layer_has_v_proj(l):
-                sd[f"model.{p}self_attn.{n}.weight"] = ckpt.linear_f32(f"{P}{p}self_attn.{n}")
-        for n in ("q_norm", "k_norm"):
-            sd[f"model.{p}self_attn.{n}.weight"] = ckpt.weight_f32(f"{P}{p}self_attn.{n}.weight")
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            sd[f"model.{p}mlp.{n}.weight"] = ckpt.linear_f32(f"{P}{p}mlp.{n}")
-        for n in LAYER_NORMS:
-            sd[f"model.{p}{n}.weight"] = ckpt.weight_f32(f"{P}{p}{n}.weight")
-        sd[f"model.{p}layer_scalar"] = ckpt.weight_f32(f"{P}{p}layer_scalar")
-        for n in ("scale", "per_expert_scale", "proj.weight"):
-            sd[f"model.{p}router.{n}"] = ckpt.weight_f32(f"{P}{p}router.{n}")
-        experts = range(spec.num_experts)
-        sd[f"model.{p}experts.gate_up_proj"] = np.stack([np.concatenate(
-            [ckpt.linear_f32(f"{P}{p}experts.{e}.gate_proj"), ckpt.linear_f32(f"{P}{p}experts.{e}.up_proj")])
-            for e in experts])
-        sd[f"model.{p}experts.down_proj"] = np.stack([ckpt.linear_f32(f"{P}{p}experts.{e}.down_proj")
-                                                      for e in experts])
-    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sd.items()}
+    """The checkpoint's weights under HF's names (runtime/peer.py, what `bench --peer hf` loads), float32."""
+    from thorgen.runtime.peer import hf_state_dict as peer_state
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in peer_state(ckpt).items()}
 
 
 @pytest.fixture(scope="module")
