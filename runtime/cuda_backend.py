@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..model_spec.config import spec_from_configs
-from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend, check_token_ids
+from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import MAX_LOGIT_BIAS, Engine
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
@@ -181,7 +181,6 @@ class CudaRunner:
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
 
     def check(self, seq) -> None:
-        check_token_ids(seq.prompt, self.backend.spec.target.vocab_size)
         if seq.speculative and not self.engine.speculative:
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
@@ -189,13 +188,10 @@ class CudaRunner:
             if self.engine.ext_missing:
                 raise BackendError(f"{seq.sampling.describe_extended()} needs kernels this build lacks ("
                                    + "; ".join(self.engine.ext_missing) + "); rebuild with `thorgen build`")
-            check_token_ids([t for t, _ in seq.sampling.logit_bias], self.backend.spec.target.vocab_size,
-                            "logit_bias")
             if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
                                    f"{MAX_LOGIT_BIAS}")
-            if seq.sampling.grammar is not None and seq.matcher is None:
-                seq.matcher = seq.sampling.grammar.matcher()
+        seq.prepare(self.backend.spec.target.vocab_size)
 
     def admit(self, seq, limit: int) -> int:
         want = seq.tokens[:seq.prefill_target]
@@ -306,7 +302,7 @@ class CudaRunner:
                     counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, vocab)
             mask = None if s.matcher is None else s.matcher.allowed(vocab)
             rows.append((sp, counts, mask))
-        self.engine.set_logits(pack(rows, vocab), len(seqs))
+        self.engine.set_logits(pack(rows, vocab))
         return True
 
     def _picked(self, seqs: list, tokens: list[int]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from typing import Any
 
-from .backend import SamplingParams
+from .backend import SamplingParams, check_token_ids
 
 
 class Status(enum.Enum):
@@ -50,7 +50,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     admitted_at: float | None = None
-    matcher: Any = None  # its grammar's runtime.constraint.Matcher (made by the runner's check)
+    matcher: Any = None  # its grammar's runtime.constraint.Matcher (made by prepare(), in the runner's check)
     step_logprobs: list | None = None  # the runner's TokenLogprob per token of the step just run
 
     @property
@@ -69,6 +69,14 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_cached < self.prefill_target
+
+    def prepare(self, vocab: int) -> None:
+        """What every runner's check needs: BackendError for prompt or logit_bias ids outside the vocabulary, and
+        the grammar's matcher made (once)."""
+        check_token_ids(self.prompt, vocab)
+        check_token_ids([t for t, _ in self.sampling.logit_bias], vocab, "logit_bias")
+        if self.sampling.grammar is not None and self.matcher is None:
+            self.matcher = self.sampling.grammar.matcher()
 
     def room(self, max_context: int) -> int:
         """Tokens it may still commit: bounded by max_tokens and by the context."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BackendError, check_token_ids
+from ..backend import BackendError
 from ..scheduler import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
@@ -33,13 +33,9 @@ class ReferenceRunner:
         self._states: dict[str, SeqState] = {}
 
     def check(self, seq: Sequence) -> None:
-        vocab = self.backend.spec.target.vocab_size
-        check_token_ids(seq.prompt, vocab)
         if seq.speculative and self.backend.drafter is None:
             raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
-        check_token_ids([t for t, _ in seq.sampling.logit_bias], vocab, "logit_bias")
-        if seq.sampling.grammar is not None and seq.matcher is None:
-            seq.matcher = seq.sampling.grammar.matcher()
+        seq.prepare(self.backend.spec.target.vocab_size)
 
     def admit(self, seq: Sequence, limit: int) -> int:
         # lookup() keeps at least the last token it is given to run: give it one past the limit
