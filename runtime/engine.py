@@ -252,14 +252,18 @@ class Engine:
         run.pdl = launch.pdl  # type: ignore[attr-defined]
         return run
 
-    def _graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
-        key = ("greedy" if greedy else "sample") + ("_ext" if ext else "")
+    def _captured(self, key: str, ops: Callable[[], list], what: str) -> CudaGraph:
+        """The graph `key`, captured from `ops()` the first time it is asked for."""
         g = self._graphs.get(key)
         if g is None:
-            launches = self.bind(self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext), captured=True)
-            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode step ({key})")
+            launches = self.bind(ops(), captured=True)
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"{what} ({key})")
             self._graphs[key] = g
         return g
+
+    def _graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
+        return self._captured(("greedy" if greedy else "sample") + ("_ext" if ext else ""),
+                              lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext), "decode step")
 
     def _stage(self, step: int, position: int, token: int | None, lane: int = 0) -> None:
         """Async copies of the step's position (and sampled position, KV lane, and a prompt token into
@@ -374,14 +378,9 @@ class Engine:
                 rec[i] = sample_record(sp)
             check(cu.cuMemcpyHtoDAsync(self.act["params"].ptr, src + 16 * M, B * SAMPLE_PARAMS.itemsize, h),
                   "batch sampling params")
-        key = f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else "")
-        g = self._graphs.get(key)
-        if g is None:
-            launches = self.bind(self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
-                                 captured=True)
-            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"decode x{B} ({key})")
-            self._graphs[key] = g
-        g.replay(self.stream)
+        self._captured(f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else ""),
+                       lambda: self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
+                       f"decode x{B}").replay(self.stream)
         read = base + self._BATCH_READ
         check(cu.cuMemcpyDtoHAsync(self._pinned.ptr + read, self.act["out_ids"].ptr, 4 * B, h), "batch token ids")
         return read
@@ -420,13 +419,14 @@ class Engine:
         got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
         return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
 
-    def set_logits(self, batch: Any, rows: int) -> None:
-        """Upload a step's logits processing (runtime/logits_params.LogitsBatch) for rows 0..rows-1 (rows past the
-        batch's only softcap); stream-ordered before the next step."""
+    def set_logits(self, batch: Any) -> None:
+        """Upload a step's logits processing (runtime/logits_params.LogitsBatch) for its rows; every row past them
+        (a bucket's padding rows included) only softcaps, so no row reads a previous step's entries. Stream-ordered
+        before the next step."""
         if self.ext_missing:
             raise BackendError("cuda backend: logits processing / logprobs need kernels the manifest lacks: "
                                + "; ".join(self.ext_missing))
-        recs = np.concatenate([batch.rows] + [plain_row()[None]] * (rows - batch.rows.shape[0]))
+        recs = np.concatenate([batch.rows] + [plain_row()[None]] * (MAX_BATCH - batch.rows.shape[0]))
         for name, arr in (("logit_rows", recs), ("logit_counts", batch.counts), ("logit_biases", batch.biases),
                           ("logit_masks", batch.masks)):
             buf = self.act[name]
@@ -447,19 +447,14 @@ class Engine:
                 self.act["lp_chosen"].view(0, 8 * rows).download(np.float64, (rows,)))
 
     def _spec_graph(self, which: str, greedy: bool) -> CudaGraph:
-        key = "draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}"
-        g = self._graphs.get(key)
-        if g is None:
+        def ops() -> list:
             dfw = DraftForward(self.fwd)
             if which == "draft":
-                ops = dfw.block_ops()
-            else:
-                ops = self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
-                ops += dfw.ctx_ops(BLOCK)
-            launches = self.bind(ops, captured=True)
-            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"DFlash {key}")
-            self._graphs[key] = g
-        return g
+                return dfw.block_ops()
+            return (self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
+                    + dfw.ctx_ops(BLOCK))
+        return self._captured("draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}", ops,
+                              "DFlash")
 
     def _read_token(self, launched: Callable[[], None] | None = None) -> int:
         dst = self._pinned.ptr + self._READ

@@ -115,7 +115,6 @@ class Forward:
         self.ptr: Pointers = Placeholders()
         self._probing = False
         self._taps = False
-        self._rowwise = False
 
     def probe(self) -> list[str]:
         """Build every forward shape once (decode, verify-sized, prefill) and return what is missing."""
@@ -124,7 +123,7 @@ class Forward:
             for rows in (1, 2, self.max_rows):
                 for greedy in (True, False):
                     self.ops(rows, decode=rows == 1, last=True, greedy=greedy)
-            for rows in DECODE_BUCKETS[1:]:
+            for rows in DECODE_BUCKETS[1:] + (MAX_BATCH,):  # (MAX_BATCH: a processed step keeps one forward)
                 self.ops(rows, decode=False, last=True, greedy=False, batched=True)
         finally:
             self._probing = False
@@ -166,7 +165,7 @@ class Forward:
             raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         H, ops = t.hidden_size, []
-        self._taps, self._rowwise = taps, batched
+        self._taps = taps
         emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
                              SCALE=float(t.embed_scale)))
         ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
@@ -175,8 +174,7 @@ class Forward:
         ops.append(Op("input_norm", norm, dict(x=A("x"), w=W("layers.0.input_layernorm.weight"), y=A("a"), T=rows),
                       rows))
         for l in range(t.num_hidden_layers):
-            ops += self._layer_ops(l, rows)
-        self._rowwise = False  # (the drafter's forwards, built separately, are never rowwise)
+            ops += self._layer_ops(l, rows, batched)
         if last:
             if batched:
                 for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
@@ -250,7 +248,7 @@ class Forward:
         return Op(label, e, dict(w=self.ptr.W(base + ".weight_packed"), s=self.ptr.W(base + ".weight_scale"),
                                  gscale=self.ptr.W(base + ".weight_tile_scale"), x=x, y=y, m=rows), rows)
 
-    def _layer_ops(self, l: int, rows: int) -> list[Op]:
+    def _layer_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         p, H = f"layers.{l}.", t.hidden_size
         hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
@@ -276,12 +274,12 @@ class Forward:
                                                 k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
                                                 q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
                                                 lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), T=rows), rows))
-        small = rows <= 16 or self._rowwise  # a batched step runs the split decode kernel on 16-row slices
+        small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
                               kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
-                                  lanes=self.ptr.lane_bytes(l))
+                                  lanes=self.ptr.lane_bytes(l), rowwise=batched)
         ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
         tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
         ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
@@ -307,15 +305,16 @@ class Forward:
         return ops
 
     def attention_ops(self, label: str, attn: KernelEntry, rows: int, q: Ptr, kc: Ptr, vc: Ptr, out: Ptr,
-                      lanes: int | None = None) -> list[Op]:
+                      lanes: int | None = None, rowwise: bool = False) -> list[Op]:
         """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
         launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
         attn_combine launch for more (measured on the H200: for 16 queries one merging block per group is slower
         than a combine launch with one block per row). `lanes`: the caches hold a lane per sequence, this many
         bytes apart (lanes[] in device memory picks them); None: one lane. A batched step (rowwise: one query per
-        sequence) runs on slices of the kernel's mmax rows, each block merging its own splits."""
+        sequence; needs `lanes`) runs on slices of the kernel's mmax rows, each block merging its own splits."""
+        if rowwise and lanes is None:
+            raise ValueError(f"{label}attention: a rowwise (batched) launch reads each row's KV lane: give `lanes`")
         A, ns = self.ptr.A, int(attn.params.get("nsplit", 1))
-        rowwise = self._rowwise and lanes is not None
         lane_args = dict(lanes=NULL, lane_bytes=0, rowwise=0) if lanes is None else \
             dict(lanes=A("lanes"), lane_bytes=lanes, rowwise=int(rowwise))
         if rowwise:
