@@ -34,7 +34,10 @@ class SamplingParams:
     before the temperature, in vLLM's order and semantics: repetition_penalty over prompt + output tokens
     (positive logits divided, negative multiplied), then frequency_penalty * count and presence_penalty over
     output tokens, then logit_bias (token id -> bias, clamped to +-100), then the grammar's allowed-token mask.
-    `logprobs` (None: off, else 0..20 top entries) come from the softcapped logits, before any processing."""
+    `logprobs` (None: off, else 0..20 top entries) come from the softcapped logits, before any processing.
+    `prompt_logprobs` (None: off, else 0..20 top entries): the same for every prompt token after the first, each
+    given the tokens before it (completions' `echo`; lm-eval's loglikelihood). Such a request bypasses the prefix
+    cache: a cached prefix has no logits."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
@@ -46,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by id
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: Any = None  # a runtime.constraint.Grammar
 
     def __post_init__(self) -> None:
@@ -64,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty {self.repetition_penalty} must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs {self.logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top prompt logprobs {self.prompt_logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
         bias = dict(self.logit_bias)
         if len(bias) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
@@ -111,6 +117,8 @@ class GenerationResult:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list | None = None
 
 
 class Backend(Protocol):

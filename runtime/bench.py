@@ -211,7 +211,7 @@ def _text(r: dict) -> str:
     if r.get("peer"):
         p = r["peer"]
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
-                     f"{', torch.compile' if p['compiled'] else ''}): {p['decode_tok_s']:.2f} tok/s, TTFT "
+                     f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): {p['decode_tok_s']:.2f} tok/s, TTFT "
                      f"{p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its decode, its TTFT / ours {p['ttft_ratio']}x")
     for key, title in (("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
                        ("prefill_chunk_kernels", f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel "

@@ -225,15 +225,29 @@ class CudaRunner:
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
         i = self._lane_of[seq.request_id]
+        lane = self._lanes[i]
         self._params(seq)
+        # A scored prompt (prompt logprobs) runs its rows through Engine.score, all but a last row that samples;
+        # that skips the DFlash taps, so the sequence then decodes with plain steps.
+        taps = seq.speculative and seq.prompt_logprobs is None
+        if seq.scores_prompt:
+            scored = seq.scored_upto(start, end) - 1  # rows start..scored-1 predict prompt tokens
+            if scored > start:
+                seq.prompt_logprobs += self.engine.score(seq.tokens, start, scored, seq.sampling.prompt_logprobs, i)
+                lane.last_written = max(lane.last_written, scored - 1)
+                start = scored
+            if start == end:
+                self._on_device = None
+                return None
         ext = sample and self._stage_logits([seq])
-        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=seq.speculative, launched=launched,
+        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched,
                                   begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
         if ext:
             self._picked([seq], [tok])
-        if seq.speculative:  # the drafter context now holds this lane's positions (from 0: admit checked reuse)
+        if taps:  # the drafter context now holds this lane's positions (from 0: admit checked reuse)
             self._draft_lane = i
-        lane = self._lanes[i]
+        elif self._draft_lane == i:
+            self._draft_lane = None
         lane.last_written = max(lane.last_written, end - 1)
         self._on_device = (seq.request_id, end) if sample else None
         return tok if sample else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -92,7 +93,10 @@ class Engine:
         self._pinned = PinnedBuffer(self._BATCH + 4096)
         self.fwd.ptr = self  # real buffers from now on
         self._graphs: dict[str, CudaGraph] = {}
-        self._bound: dict[tuple, list[tuple[str, Any]]] = {}
+        # Bound launch lists of prefill chunks and scoring passes by shape, most recent last: a ragged chunk
+        # (the step budget less the running decodes) recurs as often as the decode count does, and binding
+        # one costs milliseconds of Python (~450 launches) while the GPU waits.
+        self._bound: OrderedDict[tuple, list[tuple[str, Any]]] = OrderedDict()
         # Test hook: callable(start, last_token) -> 15 drafts that replace the drafter's (written into ids[1..15]
         # between the draft and the verify graphs), so tests can force long acceptances and rollbacks.
         self.draft_hook: Any = None
@@ -313,16 +317,49 @@ class Engine:
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
             self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
-            key = (rows, last, greedy, taps, ext and last)
-            launches = self._bound.get(key)
-            if launches is None:
-                ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
-                launches = self.bind(ops + (DraftForward(self.fwd).ctx_ops(rows) if taps else []))
-                if rows == self.max_rows:
-                    self._bound[key] = launches  # full chunks repeat; a ragged last chunk is bound once
+            launches = self._bound_launches((rows, last, greedy, taps, ext and last), lambda: self.fwd.ops(
+                rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
+                + (DraftForward(self.fwd).ctx_ops(rows) if taps else []))
             for _, launch in launches:
                 launch(self.stream)
         return self._read_token(launched)
+
+    _BOUND_KEEP = 64  # launch lists kept (a few MB of packed parameters)
+
+    def _bound_launches(self, key: tuple, ops: Callable[[], list]) -> list[tuple[str, Any]]:
+        launches = self._bound.get(key)
+        if launches is None:
+            launches = self._bound[key] = self.bind(ops())
+            if len(self._bound) > self._BOUND_KEEP:
+                self._bound.popitem(last=False)
+        self._bound.move_to_end(key)
+        return launches
+
+    def score(self, tokens: list[int], start: int, stop: int, top: int, lane: int = 0) -> list:
+        """Prompt logprobs: run positions start..stop-1 of `tokens` (the K/V of 0..start-1 cached) and return,
+        for each, the TokenLogprob of the token after it (tokens[p + 1]) with the `top` most likely ids.
+        Batched forwards of up to MAX_BATCH consecutive positions in one lane (Forward.ops `score`)."""
+        if not 0 <= start < stop < len(tokens):  # position p needs tokens[p + 1]
+            raise BackendError(f"score positions {start}..{stop - 1} of {len(tokens)} tokens")
+        if self.ext_missing:
+            raise BackendError("cuda backend: prompt logprobs need kernels the manifest lacks: "
+                               + "; ".join(self.ext_missing))
+        out = []
+        for r0 in range(start, stop, MAX_BATCH):
+            rows = min(MAX_BATCH, stop - r0)
+            put = [(self.act["ids"], tokens[r0:r0 + rows]), (self.act["positions"], range(r0, r0 + rows)),
+                   (self.act["lanes"], [lane] * rows), (self.act["out_ids"], tokens[r0 + 1:r0 + 1 + rows])]
+            for buf, vals in put:
+                arr = np.asarray(vals, np.int32)
+                buf.view(0, arr.nbytes).upload(arr, stream=self.stream)
+            launches = self._bound_launches(("score", rows), lambda: self.fwd.ops(
+                rows, decode=False, last=True, batched=True, score=True))
+            for _, launch in launches:
+                launch(self.stream)
+            _, ids, lps, chosen = self.read_logits(rows)
+            out += [(float(chosen[r]), tuple((int(ids[r, j]), float(lps[r, j])) for j in range(top)))
+                    for r in range(rows)]
+        return out
 
     def decode(self, position: int, greedy: bool = True, token: int | None = None,
                launched: Callable[[], None] | None = None, lane: int = 0, ext: bool = False) -> int:

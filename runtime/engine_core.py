@@ -26,6 +26,8 @@ class RequestOutput(NamedTuple):
     finished: bool = False
     result: GenerationResult | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in token_ids, when the request asked
+    # on the request's first token output, with sampling.prompt_logprobs: one per prompt token (None first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class ModelRunner(Protocol):
@@ -132,8 +134,10 @@ class EngineCore:
             start = p.start
             if start == 0:  # just admitted (or readmitted after a preemption)
                 # a first token needs fresh logits: one token of the chunk always runs then; a resumed sequence
-                # (no sample) may find the whole chunk cached
-                cached = self.runner.admit(p.seq, p.end - 1 if p.sample else p.end)
+                # (no sample) may find the whole chunk cached; a scored prompt needs every position's logits
+                scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
+                p.seq.prompt_logprobs = [None] if scored else None
+                cached = self.runner.admit(p.seq, 0 if scored else p.end - 1 if p.sample else p.end)
                 if cached > 0:  # a prefix-cache hit: those tokens need no forward
                     start = p.seq.num_cached = cached
                     if p.seq.preemptions == 0:
@@ -172,7 +176,12 @@ class EngineCore:
         logprobs, seq.step_logprobs = seq.step_logprobs, None
         if logprobs is not None:
             logprobs = tuple(logprobs[:len(tokens)])
-        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs)]
+        prompt_lps = None
+        if seq.prompt_logprobs is not None:  # delivered once, with the first token
+            prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
+            assert len(prompt_lps) == len(seq.prompt), (len(prompt_lps), len(seq.prompt))
+        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs,
+                             prompt_logprobs=prompt_lps)]
         if stop_at is not None:
             out.append(self._finish(seq, "stop"))
         elif room - len(tokens) <= 0:
@@ -217,6 +226,8 @@ def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampli
                             r.cached_prompt_tokens, r.prefill_s, r.decode_s
                         return
                     result.token_ids += out.token_ids
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = list(out.prompt_logprobs)
                     yield StepOutput(list(out.token_ids), out.accepted)
         finally:
             if core.unfinished:  # the consumer stopped early: finish it as cancelled, releasing its state

@@ -151,7 +151,7 @@ class Forward:
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool, last: bool, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False, batched: bool = False, ext: bool = False) -> list[Op]:
+            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> list[Op]:
         """Launches of one forward over `rows` tokens at positions[0..rows) of the sequence in KV lane lanes[0]
         (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
         out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
@@ -160,7 +160,11 @@ class Forward:
         sampled position positions[max_rows + row].
         `batched` (rows <= MAX_BATCH): row t is the next token ids[t] of its own sequence, at positions[t] in lane
         lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t]).
-        `ext`: the head processes the logits and writes logprobs (head_ops)."""
+        `ext`: the head processes the logits and writes logprobs (head_ops).
+        `score` (with `batched`; prompt logprobs): the rows are consecutive positions of one sequence in one lane
+        (rowwise attention is causal: every row's K/V is written before any row attends), and the head writes
+        each row's top-20 logprobs and the logprob of out_ids[row] (the next prompt token, staged by the caller)
+        instead of picking a token."""
         if batched and rows > MAX_BATCH:
             raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
@@ -178,7 +182,12 @@ class Forward:
         if last:
             if batched:
                 for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
-                    ops += self.head_ops(A("a", r0), min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0, ext)
+                    n = min(LM_ROWS, rows - r0)
+                    if score:
+                        ops += [self._gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
+                        ops += self._logprobs_ops(n, A("out_ids", r0), r0)
+                    else:
+                        ops += self.head_ops(A("a", r0), n, A("out_ids", r0), greedy, r0, ext)
                 return ops
             n = rows if all_logits else 1
             if n > LM_ROWS:
@@ -223,6 +232,11 @@ class Forward:
         for template, stage in stages:
             k = need(self.find(template, f"processed pick {stage}", V=V, STAGE=stage))
             ops.append(Op(f"pick_{stage}", k, {a: common[a] for a in k.args}, n))
+        return ops + self._logprobs_ops(n, out_ids, r0)
+
+    def _logprobs_ops(self, n: int, out_ids: Ptr, r0: int) -> list[Op]:
+        """Each row's top-20 logprobs of the softcapped logits, and the logprob of the id in out_ids[row]."""
+        A, V, ops = self.ptr.A, self.spec.target.vocab_size, []
         lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
                   top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
         for stage in ("prep", "finish"):

@@ -4,7 +4,8 @@ same prompt as `thorgen bench`, so `thorgen bench --peer hf` prints our speed as
 The peer gets the checkpoint's weights dequantized (NVFP4 -> float), fused the way HF holds its experts in memory:
 `experts.gate_up_proj` [E, 2*Ie, H] = concat(gate, up) along the output axis, `experts.down_proj` [E, H, Ie].
 It decodes greedily with a static KV cache (`cache_implementation="static"`) and, on a GPU, under torch.compile:
-the fastest stock configuration transformers documents for decoding. torch and transformers are imported here
+the fastest stock configuration transformers documents for decoding. On a GPU its experts run in the fastest of
+transformers' own implementations (EXPERTS), chosen by a short uncompiled decode of each, all of them recorded. torch and transformers are imported here
 only, and only when the peer runs (`pip install -e ".[peer]"`).
 """
 
@@ -84,6 +85,35 @@ def hf_model(ckpt: Checkpoint, dtype: str = "bfloat16", device: str = "cpu", att
     return model.eval()
 
 
+EXPERTS = ("grouped_mm", "batched_mm", "eager")  # transformers' MoE experts implementations that need no extra
+
+
+def pick_experts(model: Any, ids: Any, tokens: int = 8) -> tuple[str, dict]:
+    """(the fastest of EXPERTS on this model and device, {name: decode tok/s or why it could not run})."""
+    import torch
+
+    rates: dict = {}
+    for name in EXPERTS:
+        try:
+            model.set_experts_implementation(name)
+            with torch.inference_mode():
+                for n in (2, tokens):  # the first call warms up (kernels, caches)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   cache_implementation="static")
+                    torch.cuda.synchronize()
+            rates[name] = round((tokens - 1) / (time.perf_counter() - t0), 2)  # (prefill included: a ranking only)
+        except Exception as exc:  # an implementation this torch/transformers/GPU lacks
+            rates[name] = f"unavailable: {type(exc).__name__}: {str(exc)[:160]}"
+    timed = {k: v for k, v in rates.items() if isinstance(v, float)}
+    if not timed:
+        raise BackendError(f"no experts implementation of transformers ran: {rates}")
+    best = max(timed, key=timed.get)
+    model.set_experts_implementation(best)
+    return best, rates
+
+
 def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: str | None = None,
                compile: bool | None = None) -> dict:
     """TTFT and decode tok/s of HF's greedy generate on `prompt` (median of `runs`, after a warm-up run that also
@@ -95,10 +125,13 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compile = device == "cuda" if compile is None else compile
     dtype = "bfloat16" if device == "cuda" else "float32"  # (bf16 matmuls on a CPU are slow, not representative)
+    t_load = time.perf_counter()
     model = hf_model(Checkpoint.open(model_dir), dtype, device, "sdpa" if device == "cuda" else "eager")
+    load_s = time.perf_counter() - t_load
+    ids = torch.tensor([prompt], device=device)
+    experts, tried = pick_experts(model, ids) if device == "cuda" else ("eager", {})
     if compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
-    ids = torch.tensor([prompt], device=device)
 
     def run(n: int) -> tuple[float, float, int]:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -122,5 +155,6 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
         ttfts.append(ttft)
         rates.append((n - 1) / rest if n > 1 and rest > 0 else float("nan"))
     return {"peer": f"hf transformers {__import__('transformers').__version__} Gemma4ForCausalLM", "device": device,
-            "dtype": dtype, "compiled": compile, "cache": "static", "ttft_ms": round(1e3 * statistics.median(ttfts), 3),
+            "dtype": dtype, "compiled": compile, "cache": "static", "experts": experts, "experts_tried": tried,
+            "load_s": round(load_s, 1), "ttft_ms": round(1e3 * statistics.median(ttfts), 3),
             "decode_tok_s": round(statistics.median(rates), 3), "tokens": gen}

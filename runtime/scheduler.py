@@ -52,6 +52,9 @@ class Sequence:
     admitted_at: float | None = None
     matcher: Any = None  # its grammar's runtime.constraint.Matcher (made by prepare(), in the runner's check)
     step_logprobs: list | None = None  # the runner's TokenLogprob per token of the step just run
+    # with sampling.prompt_logprobs, until the first token: None for token 0, then the runner's TokenLogprob of
+    # each prompt token its prefill chunks predict (tokens start+1 .. end-1 of a chunk, and `end` inside the prompt)
+    prompt_logprobs: list | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -77,6 +80,15 @@ class Sequence:
         check_token_ids([t for t, _ in self.sampling.logit_bias], vocab, "logit_bias")
         if self.sampling.grammar is not None and self.matcher is None:
             self.matcher = self.sampling.grammar.matcher()
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill must also score the prompt tokens (asked for, and not yet delivered)."""
+        return self.prompt_logprobs is not None and not self.output
+
+    def scored_upto(self, start: int, end: int) -> int:
+        """The prompt tokens a prefill chunk [start, end) predicts are start+1 .. this - 1 (none past the prompt)."""
+        return min(end, len(self.prompt) - 1) + 1
 
     def room(self, max_context: int) -> int:
         """Tokens it may still commit: bounded by max_tokens and by the context."""

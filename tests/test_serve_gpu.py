@@ -224,3 +224,18 @@ def test_structured_output_logprobs_and_penalties(client, server):
     top = c["logprobs"]["top_logprobs"]
     assert len(top) == len(c["token_ids"]) and all(len(t) == 3 for t in top)
     assert all(lp <= 0 for lp in c["logprobs"]["token_logprobs"])
+
+
+def test_echo_prompt_logprobs(server):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, a list of token-id prompts) through HTTP
+    on the device: one entry per prompt token (None first) and the generated one, which equals the same request's
+    logprobs without echo."""
+    body = {"model": "m", "prompt": [PROMPT_IDS], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(PROMPT_IDS) + 1 and lp["token_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
+    plain = httpx.post(server[0] + "/v1/completions", json={**body, "echo": False, "prompt": PROMPT_IDS},
+                       timeout=120).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][-1] == pytest.approx(plain["token_logprobs"][0], abs=1e-6)

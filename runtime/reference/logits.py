@@ -6,6 +6,7 @@ softcapped logits l of the position being sampled, with prompt + output tokens s
   2. for every id in the output with count c: l -= frequency_penalty * c + presence_penalty;
   3. l[id] += bias for each logit_bias entry;
   4. a grammar's disallowed ids get -inf.
+  5. one rounding to float32 (the value the device stores; the recipe's steps run in float64 before it).
 Then the plain sampler (temperature, filters, Gumbel-max by seed and position) runs on l. Logprobs are the
 log-softmax of the softcapped logits before step 1 (the model's own distribution, as vLLM reports them).
 """
@@ -19,7 +20,8 @@ from ..backend import SamplingParams, TokenLogprob
 
 def process(logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int],
             allowed: np.ndarray | None) -> np.ndarray:
-    """Steps 1-4 of the recipe on one row of softcapped logits [V]; returns a new float64 row."""
+    """Steps 1-5 of the recipe on one row of softcapped logits [V]; returns a new float64 row of float32 values,
+    so that a seeded sample picks from the values the device's lm_pick picks from."""
     out = logits.astype(np.float64)
     vocab = out.shape[0]
     if params.repetition_penalty != 1.0:
@@ -34,7 +36,8 @@ def process(logits: np.ndarray, params: SamplingParams, prompt: list[int], outpu
         out[token] += bias
     if allowed is not None:
         out[~allowed] = -np.inf
-    return out
+    with np.errstate(over="ignore"):  # an overflow becomes inf, which the callers refuse (as the device does)
+        return out.astype(np.float32).astype(np.float64)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -49,7 +49,14 @@ class ReferenceRunner:
         state = self._states[seq.request_id]
         assert state.length == start, (state.length, start)
         pick = _Pick.of(seq) if sample else None
-        token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick)
+        score = None
+        if seq.scores_prompt:
+            targets, top = seq.prompt[start + 1:seq.scored_upto(start, end)], seq.sampling.prompt_logprobs
+
+            def score(logits: np.ndarray) -> None:
+                seq.prompt_logprobs.extend(token_logprob(logits[i], t, top) for i, t in enumerate(targets))
+        token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick,
+                                     score)
         if pick is not None:
             seq.step_logprobs = pick.logprobs
         return token
@@ -93,6 +100,9 @@ class _Pick:
         if params.processed:
             allowed = None if matcher is None else matcher.allowed(row.shape[0])
             z = process(row, params, self.seq.prompt, self.seq.output + self.picked, allowed)
+            if not np.all(z < np.inf):  # +inf or NaN: refused as the device's lm_process status refuses it
+                raise BackendError(f"request {self.seq.request_id}: a processed logit is not finite (penalties "
+                                   f"overflowed) at position {position}")
         token = sample(z, params, position)
         if matcher is not None:
             matcher.accept(token)

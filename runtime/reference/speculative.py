@@ -50,10 +50,14 @@ class Decoder:
         state.tokens.extend(ids[:n])
 
     def prefill(self, state: SeqState, ids: list[int], sampling: SamplingParams,
-                sample_at: int | None, pick: Pick | None = None) -> int | None:
+                sample_at: int | None, pick: Pick | None = None,
+                score: Callable[[np.ndarray], None] | None = None) -> int | None:
         """Forward `ids` after what `state` covers and keep them; with `sample_at` (the new token's position),
-        sample the token that follows them (with `pick` where given, else the plain sampler)."""
-        logits = self._forward(state, ids, last_only=True)
+        sample the token that follows them (with `pick` where given, else the plain sampler). `score` is given
+        every row's softcapped logits [len(ids), V] (prompt logprobs)."""
+        logits = self._forward(state, ids, last_only=score is None)
+        if score is not None:
+            score(logits)
         self._commit(state, ids, len(ids))
         if sample_at is None:
             return None
