@@ -124,6 +124,12 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
             cost = step_cost(spec, "verify", mid + block, block, kv, lm, accepted=tau)
             rl["verify"] = roofline_entry(cost, statistics.median(step_ms), copy, tc)
             report["speculative_tau"] = round(tau, 4)
+            engine = getattr(backend, "engine", None)
+            if engine is not None:  # the cuda backend: what one draft and one verify forward spend per kernel
+                from .profile import per_kernel, profile_speculative
+
+                draft, verify = profile_speculative(engine, mid)
+                report["draft_step_kernels"], report["verify_step_kernels"] = per_kernel(draft), per_kernel(verify)
     report["roofline"] = rl
     report["roofline_ceilings"] = {
         "copy_gbs": copy, "copy_probe": report["copy_probe"],
@@ -214,6 +220,9 @@ def _text(r: dict) -> str:
                      f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): {p['decode_tok_s']:.2f} tok/s, TTFT "
                      f"{p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its decode, its TTFT / ours {p['ttft_ratio']}x")
     for key, title in (("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
+                       ("draft_step_kernels", "DFlash draft forward, per kernel (eager launches, event-timed)"),
+                       ("verify_step_kernels", "DFlash verify forward + drafter context, per kernel (eager, "
+                                               "event-timed)"),
                        ("prefill_chunk_kernels", f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel "
                                                  "(eager launches, event-timed)")):
         ks = r.get(key) or []

@@ -92,6 +92,8 @@ def pick_experts(model: Any, ids: Any, tokens: int = 8) -> tuple[str, dict]:
     """(the fastest of EXPERTS on this model and device, {name: decode tok/s or why it could not run})."""
     import torch
 
+    if not hasattr(model, "set_experts_implementation"):  # a transformers without the experts interface
+        return "default", {}
     rates: dict = {}
     for name in EXPERTS:
         try:

@@ -46,6 +46,25 @@ def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
     return _eager_profile(eng, launches)
 
 
+def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[dict]]:
+    """GPU time (us) per launch of one DFlash step of lane 0 at `position`: (the draft forward, the verify forward
+    with its drafter-context update), eager launches on one stream, timed with events."""
+    from .spec_decode import BLOCK, DraftForward
+
+    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
+    try:
+        dfw = DraftForward(eng.fwd)
+        draft = eng.bind(dfw.block_ops())
+        verify = eng.bind(eng.fwd.ops(BLOCK, decode=False, last=True, taps=True, all_logits=True)
+                          + dfw.ctx_ops(BLOCK))
+    finally:
+        eng.fork, eng.pdl = fork, pdl
+    for name, values in (("ids", np.full(BLOCK, 2)), ("positions", np.arange(position, position + BLOCK)),
+                         ("lanes", np.zeros(BLOCK))):
+        eng.act[name].view(0, 4 * BLOCK).upload(values.astype(np.int32), stream=eng.stream)
+    return _eager_profile(eng, draft), _eager_profile(eng, verify)
+
+
 def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
     events = [eng.device.event() for _ in range(len(launches) + 1)]
     events[0].record(eng.stream)
