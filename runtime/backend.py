@@ -92,7 +92,9 @@ class SamplingParams:
         return self.processed or self.logprobs is not None
 
     def describe_extended(self) -> str:
-        names = [n for n, on in (("logprobs", self.logprobs is not None), ("presence_penalty", self.presence_penalty),
+        names = [n for n, on in (("logprobs", self.logprobs is not None),
+                                 ("prompt logprobs (echo)", self.prompt_logprobs is not None),
+                                 ("presence_penalty", self.presence_penalty),
                                  ("frequency_penalty", self.frequency_penalty),
                                  ("repetition_penalty", self.repetition_penalty != 1.0),
                                  ("logit_bias", self.logit_bias), ("response_format / forced tool_choice",

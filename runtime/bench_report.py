@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -124,9 +125,43 @@ def _bench(names: list[str], runs: dict, ctx: Context) -> str:
     for name in names:
         if "decode_tok_s" not in runs[name] or "ttft_ms" not in runs[name]:
             raise KeyError("decode_tok_s and ttft_ms")
+    if any(runs[n].get("peer") for n in names):  # rows only where a run compared itself with a peer
+        metrics += [(m, lambda r, fn=fn: fn(r["peer"]) if r.get("peer") else "") for m, fn in PEER_METRICS]
     table = _table(["metric"] + [f"`{Path(n).stem}`" for n in names],
                    [[m] + [fn(runs[n]) for n in names] for m, fn in metrics])
-    return table + "\n\n" + "\n".join(f"- {_run_line(n, runs[n])}" for n in names)
+    lines = [f"- {_run_line(n, runs[n])}" for n in names]
+    lines += [f"- `{Path(n).stem}` peer experts tried (tok/s of a short uncompiled decode, prefill included: a "
+              f"ranking only): {_experts_tried(runs[n]['peer']['experts_tried'])}"
+              for n in names if (runs[n].get("peer") or {}).get("experts_tried")]
+    return table + "\n\n" + "\n".join(lines)
+
+
+def _peer_config(p: dict) -> str:
+    bits = [p["dtype"], p["device"], f"{p['cache']} cache"] + (["torch.compile"] if p["compiled"] else [])
+    # runs before the experts were chosen by measurement did not record them
+    bits += [f"experts {p['experts']}"] if p.get("experts") else []
+    return f"{p['peer']} ({', '.join(bits)})"
+
+
+def _peer_ratios(p: dict) -> str:
+    """bench.py leaves a ratio None where the measure it divides by was zero."""
+    parts = [f"{p['decode_ratio']:.1f}x its decode tok/s"] if p.get("decode_ratio") is not None else []
+    parts += [f"its TTFT {p['ttft_ratio']:.1f}x ours"] if p.get("ttft_ratio") is not None else []
+    return "ours: " + "; ".join(parts) if parts else ""
+
+
+def _experts_tried(tried: dict) -> str:
+    # an "unavailable: ..." reason is an exception message: it may span lines, which would break the list item
+    return "; ".join(f"{name} {_f(v, 2) if isinstance(v, (int, float)) else ' '.join(str(v).split())}"
+                     for name, v in tried.items())
+
+
+PEER_METRICS = [  # the `peer` object of a `thorgen bench --peer hf` run
+    ("peer", _peer_config),
+    ("peer decode tok/s / TTFT ms", lambda p: f"{_f(p['decode_tok_s'])} / {_f(p['ttft_ms'])}"),
+    ("peer load s", lambda p: _f(p.get("load_s"))),
+    ("ours vs peer", _peer_ratios),
+]
 
 
 def _step_kernels(key: str, label: str, view: str):
@@ -224,6 +259,72 @@ def _cases(names: list[str], runs: dict, ctx: Context) -> str:
     return "\n\n".join(out)
 
 
+# `thorgen bench --suite` measures per prompt and mode: (column, mode, key, format); speculative ones only where
+# the model has a drafter
+SUITE_MEASURES = [("plain TTFT ms", "plain", "ttft_ms", _ms), ("plain decode tok/s", "plain", "decode_tok_s", _f),
+                  ("speculative decode tok/s", "speculative", "decode_tok_s", _f),
+                  ("tau", "speculative", "tau", lambda v: _f(v, 2))]
+SAME_TOKENS = {True: "yes", False: "**no**", None: ""}  # greedy speculation must not change the output
+
+
+def _median(values) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _suite_prompt_row(p: dict, measures: list[tuple], spec: bool) -> list[str]:
+    # a prompt that could not be rendered was skipped before it had a length
+    head = [f"`{p['id']}`", p.get("category") or "", str(p.get("prompt_tokens", ""))]
+    if "skipped" in p:  # the reason goes in the first measure's cell, escaped: a "|" would end the cell
+        reason = "skipped: " + str(p["skipped"]).replace("|", "\\|")
+        return head + ["", reason] + [""] * (len(measures) + spec - 1)
+    cells = [fmt(p[mode][key]) for _, mode, key, fmt in measures]
+    return head + [str(p["plain"]["tokens"])] + cells + ([SAME_TOKENS[p.get("same_tokens")]] if spec else [])
+
+
+def _suite_category_rows(prompts: list[dict], measures: list[tuple], spec: bool) -> list[list[str]]:
+    """Per category, in the suite's order: the median of each measure over the prompts of it that ran."""
+    rows = []
+    for cat in dict.fromkeys(p.get("category") for p in prompts):
+        group = [p for p in prompts if p.get("category") == cat]
+        ran = [p for p in group if "skipped" not in p]
+        row = [cat or "(none)", f"{len(ran)} / {len(group)}", _f(_median(p["prompt_tokens"] for p in ran), 0)]
+        row += [fmt(_median(p[mode][key] for p in ran)) for _, mode, key, fmt in measures]
+        same = f"{sum(p.get('same_tokens') is True for p in ran)} / {len(ran)}" if ran else ""
+        rows.append(row + ([same] if spec else []))
+    return rows
+
+
+def _suite_summary(run: dict) -> str:
+    s = run["summary"]
+    plain, spec = s["plain_decode_tok_s_median"], s.get("speculative_decode_tok_s_median")
+    text = f"Medians over the {s['ran']} of {s['prompts']} prompts that ran: plain decode {_f(plain)} tok/s"
+    if spec is not None:
+        text += f", speculative decode {_f(spec)} tok/s at tau {_f(s.get('speculative_tau_median'), 2)}"
+        text += f" ({spec / plain:.2f}x plain)" if plain else ""
+    return text + "."
+
+
+def _suite(names: list[str], runs: dict, ctx: Context) -> str:
+    """`thorgen bench --suite`: a row per prompt, the medians per category and overall, and a plot."""
+    run = runs[names[0]]
+    prompts = run["prompts"]
+    spec = any("speculative" in p for p in prompts)  # a model without a drafter has plain rows only
+    measures = [m for m in SUITE_MEASURES if spec or m[1] == "plain"]
+    setup = (f"Suite `{run['suite_file']}`, model `{run['model']}` ({run['backend']} backend), ctx {run['ctx']}, "
+             f"KV {run['kv_dtype']}, the median of {run['runs']} runs per prompt and mode"
+             + (", EOS ignored (every prompt decodes its max tokens)" if run.get("ignore_eos") else "")
+             + ("" if spec else "; no drafter, so plain decoding only") + ".")
+    same = ["same tokens"] if spec else []
+    per_prompt = _table(["prompt", "category", "prompt tokens", "new tokens"] + [m[0] for m in measures] + same,
+                        [_suite_prompt_row(p, measures, spec) for p in prompts])
+    per_category = _table(["category", "ran", "prompt tokens"] + [m[0] for m in measures] + same,
+                          _suite_category_rows(prompts, measures, spec))
+    image = ctx.plot(_plots().plot_suite, names[0], "suite", run)
+    return "\n\n".join([_run_line(names[0], run), setup, per_prompt, "Per category (medians):", per_category,
+                        _suite_summary(run), image])
+
+
 VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Context], str]]] = {
     "kernels": (lambda r: "kernels" in r, _kernels),
     "bench": (lambda r: "decode_tok_s" in r and "ttft_ms" in r, _bench),
@@ -238,6 +339,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "serve": (lambda r: "levels" in r, _serve),
     "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
     "batched": (lambda r: "batched_decode" in r, _batched),
+    "suite": (lambda r: isinstance(r.get("prompts"), list), _suite),
     "batched-kernels": (lambda r: "batched_step_kernels" in r,
                         _step_kernels("batched_step_kernels", "batched decode step", "batched-kernels")),
 }

@@ -184,7 +184,7 @@ class CudaRunner:
         if seq.speculative and not self.engine.speculative:
             raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
                                + "; ".join(self.engine.spec_missing) + "; use --no-speculative")
-        if seq.sampling.extended:
+        if seq.sampling.extended or seq.sampling.prompt_logprobs is not None:
             if self.engine.ext_missing:
                 raise BackendError(f"{seq.sampling.describe_extended()} needs kernels this build lacks ("
                                    + "; ".join(self.engine.ext_missing) + "); rebuild with `thorgen build`")

@@ -18,11 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..runtime.api import Capabilities, EngineClient
 from ..runtime.tokenizer import Tokenizer
 from . import endpoints, openapi
-from .chat_template import ChatTemplate, control_ids, safe_decoder
+from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       error_body, template_messages, validate_tools)
+                       TokenizerInfo, error_body, template_messages, validate_tools)
 
 log = logging.getLogger("thorgen.serve")
 WEBUI = Path(__file__).with_name("webui.html")
@@ -65,6 +65,7 @@ class ServerState:
             self.max_token_chars = longest_token_chars(tokenizer)
             self.generation_defaults = {k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
                                         if k in gen_cfg}
+            self.tokenizer_info = describe_tokenizer(tokenizer, template, gen_cfg, self.caps.max_context)
             self.ready = True
         except Exception as exc:  # reported by /health and by every request instead of killing the process
             # one line for the operator (`thorgen serve` prints it); the traceback only under --log-level debug
@@ -235,5 +236,10 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             raise APIError(f"token ids {bad[:5]} are outside the vocabulary 0..{state.tokenizer.vocab_size - 1}",
                            param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=openapi.errors(503))
+    async def tokenizer_info():
+        state.require_ready()
+        return state.tokenizer_info
 
     return app

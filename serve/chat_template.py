@@ -47,6 +47,19 @@ def safe_decoder(tokenizer: Tokenizer):
     return decode
 
 
+def describe_tokenizer(tokenizer: Tokenizer, template: ChatTemplate, generation_config: dict,
+                       max_context: int) -> dict:
+    """GET /tokenizer_info's body. The special tokens are the ids generation_config names (its first eos id is
+    the tokenizer's own eos, as in Gemma's configs); the class is what transformers loads a tokenizer.json as."""
+    def text(key: str) -> str | None:
+        ids = generation_config.get(key)
+        first = ids[0] if isinstance(ids, list) and ids else ids
+        return tokenizer.id_to_token(first) if isinstance(first, int) else None
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": template.bos_token,
+            "eos_token": text("eos_token_id"), "pad_token": text("pad_token_id"), "chat_template": template.source,
+            "model_max_length": max_context, "vocab_size": tokenizer.vocab_size}
+
+
 def control_ids(tokenizer: Tokenizer, stop_ids: frozenset[int]) -> ControlIds:
     """Control ids looked up by their token text (MODEL_FACTS §4.2 values as fallback); every other special
     token is hidden from the output text."""

@@ -1,9 +1,11 @@
 """Serve stage: the two generation endpoints, /v1/chat/completions and /v1/completions: a request -> its prompt ids,
-parser and sampling -> its choices, run by serve/generation.py."""
+parser and sampling -> its choices (n per prompt; completions take several prompts, and echo them), run by
+serve/generation.py."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 from fastapi import Request
 
@@ -11,8 +13,8 @@ from ..runtime.api import SamplingParams
 from .generation import Generation, Job, choices, serve_generation
 from .guards import prompt_ids
 from .parser import ControlIds, OutputParser
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list,
-                       template_messages, tool_choice_mode, validate_tools)
+from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported,
+                       stop_list, template_messages, tool_choice_mode, validate_tools)
 from .sampling import max_new_tokens, sampling_params, thinking_enabled
 from .structured import response_grammar
 from .tool_grammar import tool_call_grammar
@@ -51,44 +53,71 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
     sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
                                grammar or response_grammar(req.response_format, server, thinking))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, choices(req, make, sampling), bool(req.stream), include_usage)
+    return await serve_generation(server, request, choices(req.n or 1, [make], sampling), bool(req.stream),
+                                  include_usage)
+
+
+def _prompts(prompt: str | list) -> list[tuple[str, str | list[int]]]:
+    """The request's prompts, each with the field its errors name: one text or token-id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [("prompt", prompt)]
+    if not prompt:
+        raise APIError("prompt must not be an empty list", param="prompt")
+    return [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+
+
+async def _prompt_ids(server: Any, where: str, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        bos = server.template.bos_token
+        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param=where)
+    else:
+        ids = list(prompt)
+        vocab = server.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"{where}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param=where)
+    if not ids:
+        raise APIError(f"{where} is empty", param=where)
+    return ids
 
 
 async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
     check_unsupported(req)
-    if req.echo:
-        raise APIError("echo is not supported", param="echo")
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise APIError("only best_of=1 is supported", param="best_of")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError("only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        bos = server.template.bos_token
-        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param="prompt")
-    else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < server.tokenizer.vocab_size]
-        if bad:
-            raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary", param="prompt")
-    if not ids:
-        raise APIError("the prompt is empty", param="prompt")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens 0 (score the prompt only) needs echo: true", param="max_tokens")
+    prompts, n = _prompts(req.prompt), req.n or 1
+    if len(prompts) * n > MAX_CHOICES:  # refused before any tokenizing
+        raise APIError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per "
+                       "request", param="prompt")
     controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
                           stops=server.stop_ids, hidden=server.tokenizer.special_ids)
-    limit = max_new_tokens(req.max_tokens, len(ids), server.caps.max_context)
-    limit = limit if req.max_tokens is not None else min(16, limit)  # OpenAI's default for completions
-
-    def make(sampling: SamplingParams) -> Generation:
-        parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
-                         parser, "completion")
-        gen.return_ids = bool(req.return_token_ids)
-        return gen
+    # max_tokens 0 still runs one token: the engine scores a prompt while it prefills for a first token
+    requested = 1 if req.max_tokens == 0 else req.max_tokens
     sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
                                response_grammar(req.response_format, server, False))
+    if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
+        sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+
+    def maker(where: str, ids: list[int], echo: str | None) -> Callable[[SamplingParams], Generation]:
+        limit = max_new_tokens(requested, len(ids), server.caps.max_context, param=where)
+        limit = limit if requested is not None else min(16, limit)  # OpenAI's default for completions
+
+        def make(sampling: SamplingParams) -> Generation:
+            parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
+            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
+                             parser, "completion")
+            gen.return_ids, gen.echo, gen.score_only = bool(req.return_token_ids), echo, req.max_tokens == 0
+            return gen
+        return make
+    makers = []
+    for where, prompt in prompts:
+        ids = await _prompt_ids(server, where, prompt)
+        # echo: a text prompt as sent, token ids decoded (as vLLM does)
+        echo = (prompt if isinstance(prompt, str) else server.tokenizer.decode(ids)) if req.echo else None
+        makers.append(maker(where, ids, echo))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, choices(req, make, sampling), bool(req.stream), include_usage)
+    return await serve_generation(server, request, choices(n, makers, sampling), bool(req.stream), include_usage)

@@ -109,6 +109,9 @@ class Generation:
         self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self.recorded = False
         self.counts_request = True  # the HTTP request's count in /metrics (its first choice only)
+        self.counts_prompt = True  # usage counts its prompt (the first choice of each prompt only)
+        self.echo: str | None = None  # completions' echo: the prompt text, still to go ahead of the output
+        self.score_only = False  # max_tokens 0 with echo: the one token the engine must make is dropped
         self.logprobs = (Logprobs(lambda t: server.tokenizer.decode([t]), kind == "chat")
                          if job.sampling.logprobs is not None else None)
         self.step_logprobs: dict | None = None  # the last fed step's logprobs object
@@ -133,13 +136,26 @@ class Generation:
             metrics.observe("ttft", time.perf_counter() - self.job.arrived)
         if self.job.speculative and step.accepted is not None:
             metrics.observe("accepted_per_step", step.accepted + 1)
-        self.n_out += len(step.token_ids)
-        self.token_ids += step.token_ids
-        if self.logprobs is not None and step.logprobs is not None:
-            self.step_logprobs = self.logprobs.add(step.token_ids, step.logprobs)
-        delta = self.parser.feed(list(step.token_ids))
+        ids = () if self.score_only else step.token_ids
+        self.n_out += len(ids)
+        self.token_ids += ids
+        if self.logprobs is not None:
+            scored: list = []
+            if step.prompt_logprobs is not None:  # echo: the prompt's entries go ahead of the first token's
+                scored += zip(self.job.prompt_ids, step.prompt_logprobs)
+            if ids and step.logprobs is not None:
+                scored += zip(ids, step.logprobs)
+            if scored:
+                self.step_logprobs = self.logprobs.add(scored)
+        delta = self._echoed(self.parser.feed(list(ids)))
         if self.parser.stopped:
             self.job.abort()  # a stop string ended the answer: free the engine now
+        return delta
+
+    def _echoed(self, delta: Delta) -> Delta:
+        """The delta with the echoed prompt text ahead of it, the first time only."""
+        if self.echo is not None:
+            delta.content, self.echo = self.echo + delta.content, None
         return delta
 
     def finish(self, result: GenerationResult) -> Delta:
@@ -152,9 +168,11 @@ class Generation:
                 metrics.observe("tokens_per_s", (self.n_out - 1) / elapsed)
         metrics.add(prompt_tokens=len(job.prompt_ids), cached_prompt_tokens=result.cached_prompt_tokens,
                     generation_tokens=self.n_out)
-        return self.parser.finish()
+        return self._echoed(self.parser.finish())
 
     def finish_reason(self) -> str:
+        if self.score_only:
+            return "length"  # OpenAI's answer to max_tokens 0
         reason = self.result.finish_reason if self.result else "stop"
         if self.parser.n_calls and (reason != "length" or self.parser.stopped):
             return "tool_calls"
@@ -162,15 +180,14 @@ class Generation:
             return "stop"
         return "length" if reason == "length" else "stop"
 
-    def usage(self) -> dict:
-        cached = self.result.cached_prompt_tokens if self.result else 0
-        return usage(len(self.job.prompt_ids), self.n_out, cached)
-
     async def first_event(self, request: Request) -> tuple[str, Any]:
         """Wait for the engine to start (so that an engine-side rejection can still become a 4xx)."""
         kind, payload = await next_event(self.job, request)
         if kind == "error":
             raise payload
+        if kind == "tokens" and self.job.sampling.prompt_logprobs is not None and payload.prompt_logprobs is None:
+            # a backend that ignored the field: better an error than an answer silently missing the entries
+            raise APIError("the engine returned no prompt logprobs", status=500, type="server_error")
         return kind, payload
 
 
@@ -258,10 +275,10 @@ async def _events(gens: list[Generation], request: Request, firsts: list[tuple[s
 
 
 def total_usage(gens: list[Generation]) -> dict:
-    """The prompt once, the completions of every choice (OpenAI's usage for n > 1)."""
-    u = gens[0].usage()
-    n = sum(g.n_out for g in gens)
-    return {**u, "completion_tokens": n, "total_tokens": u["prompt_tokens"] + n}
+    """Each prompt once, the completions of every choice (OpenAI's usage for n > 1 and for several prompts)."""
+    firsts = [g for g in gens if g.counts_prompt]
+    return usage(sum(len(g.job.prompt_ids) for g in firsts), sum(g.n_out for g in gens),
+                 sum(g.result.cached_prompt_tokens for g in firsts if g.result))
 
 
 async def stream_events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]],
@@ -305,7 +322,7 @@ async def stream_events(gens: list[Generation], request: Request, firsts: list[t
             g = gens[i]
             if kind == "tokens":
                 delta = g.feed(payload)
-                c = choice(i, delta, ids=payload.token_ids, logprobs=g.step_logprobs)
+                c = choice(i, delta, ids=() if g.score_only else payload.token_ids, logprobs=g.step_logprobs)
                 g.step_logprobs = None
                 if c:
                     yield chunk(c)
@@ -385,11 +402,15 @@ async def serve_generation(server: Any, request: Request, gens: list[Generation]
     return JSONResponse(body)
 
 
-def choices(req: Any, make: Callable[[SamplingParams], Generation], sampling: SamplingParams) -> list[Generation]:
-    """`n` generations of one request: choice i samples with seed + i (greedy choices are all alike, as in
-    vLLM); each is its own engine sequence, and the engine's prefix cache may serve the shared prompt."""
-    gens = [make(sampling if i == 0 else replace(sampling, seed=(sampling.seed + i) % (1 << 63)))
-            for i in range(req.n or 1)]
-    for g in gens[1:]:
-        g.counts_request = False
+def choices(n: int, makers: list[Callable[[SamplingParams], Generation]], sampling: SamplingParams
+            ) -> list[Generation]:
+    """`n` generations of each prompt (one maker per prompt), prompt-major: choice p * n + j, as OpenAI numbers
+    them. Choice j samples with seed + j (greedy choices are all alike, as in vLLM); each is its own engine
+    sequence, and the engine's prefix cache may serve a shared prompt."""
+    gens = []
+    for make in makers:
+        for j in range(n):
+            g = make(sampling if j == 0 else replace(sampling, seed=(sampling.seed + j) % (1 << 63)))
+            g.counts_request, g.counts_prompt = not gens, j == 0
+            gens.append(g)
     return gens

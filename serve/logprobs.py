@@ -1,9 +1,12 @@
 """Serve stage: the engine's per-token logprobs -> OpenAI's `logprobs` objects (chat and completions, streamed
-or whole). One entry per generated token, the final stop token included (as vLLM reports it)."""
+or whole). One entry per generated token, the final stop token included (as vLLM reports it); with completions'
+`echo`, the prompt's tokens come first, the very first one without a logprob (nothing predicts it)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+from ..runtime.backend import TokenLogprob
 
 
 class Logprobs:
@@ -15,11 +18,13 @@ class Logprobs:
         self.offset = 0  # completions' text_offset of the next token
         self.items: list = []
 
-    def add(self, ids: tuple[int, ...], logprobs: tuple) -> dict:
+    def add(self, entries: Iterable[tuple[int, TokenLogprob | None]]) -> dict:
+        """(token id, its TokenLogprob) pairs; None stands for the first prompt token's missing entry."""
         items = []
-        for token, (lp, top) in zip(ids, logprobs):
+        for token, entry in entries:
             text = self.token_text(token)
-            items.append((text, lp, [(self.token_text(t), v) for t, v in top], self.offset))
+            lp, top = entry if entry is not None else (None, None)
+            items.append((text, lp, None if top is None else [(self.token_text(t), v) for t, v in top], self.offset))
             self.offset += len(text)
         self.items += items
         return self._object(items)
@@ -34,4 +39,5 @@ class Logprobs:
             return {"content": [{**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top]}
                                 for text, lp, top, _ in items]}
         return {"tokens": [i[0] for i in items], "token_logprobs": [i[1] for i in items],
-                "top_logprobs": [dict(i[2]) for i in items], "text_offset": [i[3] for i in items]}
+                "top_logprobs": [None if i[2] is None else dict(i[2]) for i in items],
+                "text_offset": [i[3] for i in items]}

@@ -178,7 +178,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[Integer]]
+    # one prompt (text or token ids) or several (texts or token-id lists): OpenAI's four forms
+    prompt: Union[str, list[str], list[Integer], list[list[Integer]]]
+    max_tokens: integer(ge=0) | None = None  # 0: score the prompt only (needs echo; serve/endpoints.py)
     echo: StrictBool | None = False
     suffix: str | None = None
     best_of: Integer | None = None
@@ -197,10 +199,24 @@ class DetokenizeRequest(_Body):
     tokens: list[Integer]
 
 
+class TokenizerInfo(_Open):
+    """GET /tokenizer_info (vLLM's, read by lm-eval's RemoteTokenizer): the special tokens as text, the chat
+    template the server renders, and the context length."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str
+    model_max_length: int
+    vocab_size: int
+
+
 # --- semantic checks ---------------------------------------------------------------------------------------
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
 MAX_N = 16  # choices per request (each its own engine sequence)
+MAX_CHOICES = 64  # prompts x n of one completions request: bounds the engine work one request can queue
 REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 

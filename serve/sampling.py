@@ -89,10 +89,11 @@ def thinking_enabled(req: ChatCompletionRequest) -> bool:
     return False
 
 
-def max_new_tokens(requested: int | None, prompt_len: int, max_context: int) -> int:
+def max_new_tokens(requested: int | None, prompt_len: int, max_context: int, param: str = "messages") -> int:
+    """The token budget; `param` names the prompt's field (a prompt that fills the context is its fault)."""
     if prompt_len >= max_context:
         raise APIError(f"this model's maximum context length is {max_context} tokens, but the prompt has "
-                       f"{prompt_len} tokens; shorten the messages", param="messages", code="context_length_exceeded")
+                       f"{prompt_len} tokens; shorten the {param}", param=param, code="context_length_exceeded")
     room = max_context - prompt_len
     if requested is None:
         return room

@@ -1,9 +1,11 @@
 """Runtime tests: `thorgen bench report` regenerates docs/BENCHMARKS.md from NOTES.md and the committed JSON runs
 (byte-identical to the committed file, so a stale report fails), writes valid PNGs, appends runs NOTES.md does not
-place (a roofline run and a verify-step profile here), and names the file when a run or a notes line is wrong."""
+place (a roofline run and a verify-step profile here), draws `thorgen bench --suite` runs and the `--peer hf`
+rows of the bench view from made-up sample runs, and names the file when a run or a notes line is wrong."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import struct
@@ -102,10 +104,146 @@ def test_unplaced_runs_are_appended(tmp_path):
         assert f"(b/plots/{p.name})" in text
 
 
+# ---- made-up sample runs, shaped as `thorgen bench --suite` and `thorgen bench --peer hf` write them ------------
+
+SAMPLE_SUITE = {  # a sample, not a measurement: a model with a drafter, one prompt too long for the context
+    "gpu": "Sample GPU", "command": "thorgen bench --suite docs/prompt_suite.json --out sample-suite.json",
+    "backend": "cuda", "model": "sample-gemma4", "suite_file": "docs/prompt_suite.json", "ctx": 32768,
+    "kv_dtype": "bf16", "runs": 3, "ignore_eos": False, "speculative": True, "date": "2026-12-03T10:00:00+00:00",
+    "summary": {"prompts": 4, "ran": 3, "plain_decode_tok_s_median": 400.0,
+                "speculative_decode_tok_s_median": 700.0, "speculative_tau_median": 1.9},
+    "prompts": [
+        {"id": "fact_01", "category": "short_factual", "max_tokens": 64, "prompt_tokens": 20,
+         "plain": {"ttft_ms": 25.125, "decode_tok_s": 401.25, "tau": 1.0, "tokens": 64, "steps": 63},
+         "speculative": {"ttft_ms": 27.5, "decode_tok_s": 702.5, "tau": 1.85, "tokens": 64, "steps": 34},
+         "same_tokens": True},
+        {"id": "fact_02", "category": "short_factual", "max_tokens": 64, "prompt_tokens": 30,
+         "plain": {"ttft_ms": 26.875, "decode_tok_s": 400.0, "tau": 1.0, "tokens": 40, "steps": 39},
+         "speculative": {"ttft_ms": 28.0, "decode_tok_s": 650.0, "tau": 1.7, "tokens": 40, "steps": 23},
+         "same_tokens": False},
+        {"id": "code_gen_01", "category": "code_gen", "max_tokens": 256, "prompt_tokens": 1500,
+         "plain": {"ttft_ms": 140.0, "decode_tok_s": 395.5, "tau": 1.0, "tokens": 256, "steps": 255},
+         "speculative": {"ttft_ms": 150.0, "decode_tok_s": 700.0, "tau": 1.9, "tokens": 256, "steps": 134},
+         "same_tokens": True},
+        {"id": "longctx_64k_01", "category": "long_context_64k", "max_tokens": 256, "prompt_tokens": 64010,
+         "skipped": "64010 prompt + 256 new tokens exceed the context of 32768 (--ctx)"},
+    ],
+}
+
+
+def _sample_suite_plain() -> dict:
+    """The sample suite on a model without a drafter (no speculative rows), one prompt failing to render."""
+    run = copy.deepcopy(SAMPLE_SUITE)
+    run.update(speculative=False, command="thorgen bench --suite s.json --out sample-suite-plain.json")
+    run["summary"].update(speculative_decode_tok_s_median=None, speculative_tau_median=None)
+    for row in run["prompts"]:
+        row.pop("speculative", None)
+        row.pop("same_tokens", None)
+    run["prompts"][3] = {"id": "tool_use_01", "category": "tool_use", "max_tokens": 128,
+                         "skipped": "tool_use_01: no chat template | tools given"}
+    return run
+
+
+def _suite_without_plain() -> dict:
+    run = copy.deepcopy(SAMPLE_SUITE)
+    del run["prompts"][0]["plain"]
+    return run
+
+
+def _sample_bench(peer: dict | None, decode: float, ttft: float) -> dict:
+    """A sample `thorgen bench` run (made up), with the peer object `--peer hf` adds when given."""
+    run = {"gpu": "Sample GPU", "date": "2026-12-03T11:00:00+00:00", "command": "thorgen bench --prompt-len 512",
+           "prompt_len": 512, "gen": 256, "runs": 3, "decode_tok_s": decode, "ttft_ms": ttft, "step_ms": 2.5}
+    return run | ({"peer": peer} if peer else {})
+
+
+SAMPLE_PEER = {  # a sample: as runtime/peer.py writes it now, with the experts implementation it picked
+    "peer": "hf transformers 5.17.0 Gemma4ForCausalLM", "device": "cuda", "dtype": "bfloat16", "compiled": True,
+    "cache": "static", "experts": "grouped_mm",
+    "experts_tried": {"grouped_mm": 95.5, "batched_mm": 61.25, "eager": "unavailable: RuntimeError: out of\n  memory"},
+    "load_s": 41.2, "ttft_ms": 412.3, "decode_tok_s": 93.0, "tokens": 256, "decode_ratio": 4.301, "ttft_ratio": 3.298}
+SAMPLE_PEER_OLD = {  # a sample of an older run: no experts, experts_tried or load_s yet
+    "peer": "hf transformers 5.9.0 Gemma4ForCausalLM", "device": "cpu", "dtype": "float32", "compiled": False,
+    "cache": "static", "ttft_ms": 980.0, "decode_tok_s": 20.5, "tokens": 256, "decode_ratio": 18.537,
+    "ttft_ratio": 7.538}
+
+
+def _sample_folder(tmp_path: Path, notes: str, runs: dict[str, dict]) -> Path:
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / "NOTES.md").write_text(notes)
+    for name, run in runs.items():
+        (folder / name).write_text(json.dumps(run))
+    return folder
+
+
+def test_suite_view(tmp_path):
+    """A placed suite run with speculative rows, and an unplaced one without them: tables, medians, plots."""
+    pytest.importorskip("matplotlib")
+    folder = _sample_folder(tmp_path, "# Benchmarks\n\n<!-- report suite sample-suite.json -->\n",
+                            {"sample-suite.json": SAMPLE_SUITE, "sample-suite-plain.json": _sample_suite_plain()})
+    text, written = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    spec, plain = text.split("## Other runs")
+    assert ("Run: Sample GPU, 2026-12-03 (`docs/benchmarks/sample-suite.json`): "
+            "`thorgen bench --suite docs/prompt_suite.json --out sample-suite.json`") in spec
+    assert "model `sample-gemma4` (cuda backend), ctx 32768, KV bf16, the median of 3 runs" in spec
+    assert ("| prompt | category | prompt tokens | new tokens | plain TTFT ms | plain decode tok/s | "
+            "speculative decode tok/s | tau | same tokens |") in spec
+    assert "| `fact_01` | short_factual | 20 | 64 | 25.1 | 401.2 | 702.5 | 1.85 | yes |" in spec
+    assert "| `fact_02` | short_factual | 30 | 40 | 26.9 | 400.0 | 650.0 | 1.70 | **no** |" in spec
+    assert "| `code_gen_01` | code_gen | 1500 | 256 | 140 | 395.5 | 700.0 | 1.90 | yes |" in spec
+    assert ("| `longctx_64k_01` | long_context_64k | 64010 |  | skipped: 64010 prompt + 256 new tokens exceed the "
+            "context of 32768 (--ctx) |  |  |  |  |") in spec
+    # per category: the median over the prompts that ran, a skipped one counted but not measured
+    assert "| short_factual | 2 / 2 | 25 | 26.0 | 400.6 | 676.2 | 1.77 | 1 / 2 |" in spec
+    assert "| code_gen | 1 / 1 | 1500 | 140 | 395.5 | 700.0 | 1.90 | 1 / 1 |" in spec
+    assert "| long_context_64k | 0 / 1 |  |  |  |  |  |  |" in spec
+    assert ("Medians over the 3 of 4 prompts that ran: plain decode 400.0 tok/s, speculative decode 700.0 tok/s "
+            "at tau 1.90 (1.75x plain).") in spec
+    assert "![suite of sample-suite.json](b/plots/sample-suite-suite.png)" in spec
+    # without a drafter: no speculative columns, and a skip reason's "|" escaped so the row keeps its cells
+    assert "| prompt | category | prompt tokens | new tokens | plain TTFT ms | plain decode tok/s |\n" in plain
+    assert "speculative decode tok/s" not in plain and "same tokens" not in plain
+    assert "no drafter, so plain decoding only" in plain
+    assert "| `fact_01` | short_factual | 20 | 64 | 25.1 | 401.2 |\n" in plain
+    assert "| `tool_use_01` | tool_use |  |  | skipped: tool_use_01: no chat template \\| tools given |" in plain
+    assert "Medians over the 3 of 4 prompts that ran: plain decode 400.0 tok/s." in plain
+    assert sorted(p.name for p in written) == ["sample-suite-plain-suite.png", "sample-suite-suite.png"]
+    for p in written:
+        width, height = _png_size(p)
+        assert 300 <= width <= 1600 and 200 <= height <= 1600
+
+
+def test_bench_view_peer_rows(tmp_path):
+    """Peer rows appear only in a bench view with a peer run; older peer objects (no experts) still render."""
+    pytest.importorskip("matplotlib")
+    notes = ("<!-- report bench sample-bench.json -->\n\nSPLIT\n\n<!-- report bench sample-bench-peer.json "
+             "sample-bench-peer-old.json sample-bench.json -->\n")
+    folder = _sample_folder(tmp_path, notes, {"sample-bench.json": _sample_bench(None, 390.0, 120.0),
+                                              "sample-bench-peer.json": _sample_bench(SAMPLE_PEER, 400.0, 125.0),
+                                              "sample-bench-peer-old.json": _sample_bench(SAMPLE_PEER_OLD, 380.0,
+                                                                                          130.0)})
+    text, _ = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    alone, compared = text.split("SPLIT")
+    assert "| decode tok/s, median (range) | 390.0 |" in alone and "peer" not in alone
+    assert ("| peer | hf transformers 5.17.0 Gemma4ForCausalLM (bfloat16, cuda, static cache, torch.compile, experts "
+            "grouped_mm) | hf transformers 5.9.0 Gemma4ForCausalLM (float32, cpu, static cache) |  |") in compared
+    assert "| peer decode tok/s / TTFT ms | 93.0 / 412.3 | 20.5 / 980.0 |  |" in compared
+    assert "| peer load s | 41.2 |  |  |" in compared
+    assert ("| ours vs peer | ours: 4.3x its decode tok/s; its TTFT 3.3x ours | ours: 18.5x its decode tok/s; its "
+            "TTFT 7.5x ours |  |") in compared
+    assert ("- `sample-bench-peer` peer experts tried (tok/s of a short uncompiled decode, prefill included: a "
+            "ranking only): grouped_mm 95.50; batched_mm 61.25; eager unavailable: RuntimeError: out of memory\n"
+            ) in compared
+    assert "`sample-bench-peer-old` peer experts tried" not in compared
+
+
 @pytest.mark.parametrize("content, says", [
     ("{\"rows\": [", "not a readable JSON file"),
     ("[1, 2]", "expected a JSON object"),
     ("{\"levels\": [{\"concurrency\": 1}]}", "missing key"),  # a serve run without its numbers
+    (json.dumps(_suite_without_plain()), "cannot draw the suite view (missing key 'plain')"),
+    ("{\"prompts\": [3]}", "cannot draw the suite view (TypeError"),
 ])
 def test_bad_run_names_the_file(tmp_path, content, says):
     pytest.importorskip("matplotlib")  # the runs before the broken one are drawn
