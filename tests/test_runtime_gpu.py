@@ -50,10 +50,10 @@ CTX = 4096
 LOGITS_TOL = {"bf16": 1e-2, "fp8": 5e-2}
 F32_LOGITS_TOL = 0.2
 LONGCTX_REPEATS = 24
-# prompt logprobs, engine vs the w4a16 reference, absolute: the batched rows' kernel forms differ from the
-# reference's prefill by up to 5.1e-3 on the emulator (tests/test_cuda_logits_emulated.py), plus the GPU's own
-# accumulation order (LOGITS_TOL)
-PROMPT_LP_TOL = 3e-2
+# prompt logprobs, engine vs the w4a16 reference, absolute. Measured on the H200 (tiny, 80 positions): the
+# engine's own prefill logits already differ from the reference by up to 0.022 (position 45; the GPU's
+# accumulation order, cf. LOGITS_TOL), and Engine.score's batched rows from that prefill by up to 5.2e-3.
+PROMPT_LP_TOL = 4e-2
 TIE_TOL = 1e-2  # |reference logit gap| within which two greedy candidates count as tied (see the docstring)
 
 
@@ -269,17 +269,22 @@ def test_processed_sampling_matches_reference(cuda, reference):
 
 
 def test_prompt_logprobs_match_reference(cuda, reference):
-    """Prompt logprobs on the device (Engine.score: batched passes of consecutive positions, top-20 by
-    lm_logprobs) against the w4a16 reference's, over 3 passes; ids where the reference's own values tie."""
+    """Prompt logprobs on the device (Engine.score: batched passes of consecutive positions, top-3 by lm_logprobs)
+    against the w4a16 reference's log-softmax of one whole-prompt forward, over 3 passes: each prompt token's
+    logprob, and each listed alternative's value and rank (up to a tie within the tolerance)."""
+    from thorgen.runtime.reference.logits import log_softmax
+
     ids = [2] + np.random.default_rng(5).integers(256, 512, 80).tolist()
     got = cuda.generate(ids, 2, SamplingParams(prompt_logprobs=3))
-    want = reference.generate(ids, 2, SamplingParams(prompt_logprobs=3))
     assert len(got.prompt_logprobs) == len(ids) and got.prompt_logprobs[0] is None
+    m = reference.target
+    rows = m.forward(ids, m.new_cache(), last_only=False).logits
     worst = 0.0
-    for i, ((lp, top), (rlp, rtop)) in enumerate(zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]), 1):
-        worst = max(worst, abs(lp - rlp))
-        for (t, v), (rt, rv) in zip(top, rtop):
-            assert t == rt or abs(v - rv) <= PROMPT_LP_TOL, (i, top, rtop)
+    for i, (lp, top) in enumerate(got.prompt_logprobs[1:], start=1):
+        want = log_softmax(rows[i - 1])
+        third = np.sort(want)[-3]
+        worst = max(worst, abs(lp - want[ids[i]]), *(abs(v - want[t]) for t, v in top))
+        assert len(top) == 3 and all(want[t] >= third - PROMPT_LP_TOL for t, _ in top), (i, top)
     print(f"prompt logprobs: max |engine - w4a16 reference| {worst:.3g} over {len(ids) - 1} tokens")
     assert worst <= PROMPT_LP_TOL
 
