@@ -11,7 +11,10 @@ only, and only when the peer runs (`pip install -e ".[peer]"`).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,12 +51,14 @@ def hf_tensors(ckpt: Checkpoint) -> Iterator[tuple[str, np.ndarray]]:
         yield f"model.{p}layer_scalar", ckpt.weight_f32(f"{P}{p}layer_scalar")
         for n in ("scale", "per_expert_scale", "proj.weight"):
             yield f"model.{p}router.{n}", ckpt.weight_f32(f"{P}{p}router.{n}")
-        experts = range(spec.num_experts)
-        yield f"model.{p}experts.gate_up_proj", np.stack([np.concatenate(
-            [ckpt.linear_f32(f"{P}{p}experts.{e}.gate_proj"), ckpt.linear_f32(f"{P}{p}experts.{e}.up_proj")])
-            for e in experts])
-        yield f"model.{p}experts.down_proj", np.stack([ckpt.linear_f32(f"{P}{p}experts.{e}.down_proj")
-                                                      for e in experts])
+        def stacked(names: tuple[str, ...]) -> np.ndarray:
+            # the experts dequantize on every core (NumPy releases the GIL): 3 x 128 matrices a layer at full size
+            def one(e: int) -> np.ndarray:
+                return np.concatenate([ckpt.linear_f32(f"{P}{p}experts.{e}.{n}") for n in names])
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                return np.stack(list(pool.map(one, range(spec.num_experts))))
+        yield f"model.{p}experts.gate_up_proj", stacked(("gate_proj", "up_proj"))
+        yield f"model.{p}experts.down_proj", stacked(("down_proj",))
 
 
 def hf_model(ckpt: Checkpoint, dtype: str = "bfloat16", device: str = "cpu", attn: str = "eager") -> Any:
@@ -130,8 +135,11 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
     t_load = time.perf_counter()
     model = hf_model(Checkpoint.open(model_dir), dtype, device, "sdpa" if device == "cuda" else "eager")
     load_s = time.perf_counter() - t_load
+    say = lambda what: print(f"peer: {what} at {time.perf_counter() - t_load:.0f} s", file=sys.stderr)  # noqa: E731
+    say("weights loaded")  # (a full-size run takes minutes: these lines show where they go)
     ids = torch.tensor([prompt], device=device)
     experts, tried = pick_experts(model, ids) if device == "cuda" else ("eager", {})
+    say(f"experts {experts} ({tried})")
     if compile:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
 
@@ -151,6 +159,7 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
         # the second call repeats the prefill: its decode time is its time less the first call's
         return t1 - t0, (t2 - t1) - (t1 - t0), int(out.shape[1] - ids.shape[1])
     run(min(gen, 4))  # warm-up (and compilation)
+    say("warm-up (compilation) done")
     ttfts, rates = [], []
     for _ in range(runs):
         ttft, rest, n = run(gen)
