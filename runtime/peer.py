@@ -3,10 +3,13 @@ same prompt as `thorgen bench`, so `thorgen bench --peer hf` prints our speed as
 
 The peer gets the checkpoint's weights dequantized (NVFP4 -> float), fused the way HF holds its experts in memory:
 `experts.gate_up_proj` [E, 2*Ie, H] = concat(gate, up) along the output axis, `experts.down_proj` [E, H, Ie].
-It decodes greedily with a static KV cache (`cache_implementation="static"`) and, on a GPU, under torch.compile:
-the fastest stock configuration transformers documents for decoding. On a GPU its experts run in the fastest of
-transformers' own implementations (EXPERTS), chosen by a short uncompiled decode of each, all of them recorded. torch and transformers are imported here
-only, and only when the peer runs (`pip install -e ".[peer]"`).
+It decodes greedily with a static KV cache (`cache_implementation="static"`); on a GPU, generate() then compiles
+the decoding forward itself (its automatic torch.compile, "reduce-overhead"): the fastest stock configuration
+transformers documents for decoding. Wrapping forward in torch.compile as well, as this module first did, made
+the H200 run recompile past dynamo's limit (the cache length is a Python int). Its experts run in the fastest of
+transformers' own implementations (EXPERTS), ranked by a short decode of each with compilation off (one compile
+each would take minutes), all of them recorded. torch and transformers are imported here only, and only when
+the peer runs (`pip install -e ".[peer]"`).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def pick_experts(model: Any, ids: Any, tokens: int = 8) -> tuple[str, dict]:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   cache_implementation="static")
+                                   cache_implementation="static", disable_compile=True)
                     torch.cuda.synchronize()
             rates[name] = round((tokens - 1) / (time.perf_counter() - t0), 2)  # (prefill included: a ranking only)
         except Exception as exc:  # an implementation this torch/transformers/GPU lacks
@@ -140,20 +143,17 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
     ids = torch.tensor([prompt], device=device)
     experts, tried = pick_experts(model, ids) if device == "cuda" else ("eager", {})
     say(f"experts {experts} ({tried})")
-    if compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    kw = dict(do_sample=False, cache_implementation="static", disable_compile=not compile)
 
     def run(n: int) -> tuple[float, float, int]:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         with torch.inference_mode():
             sync()
             t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False,
-                           cache_implementation="static")
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
             sync()
             t1 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 cache_implementation="static")
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
             sync()
             t2 = time.perf_counter()
         # the second call repeats the prefill: its decode time is its time less the first call's
