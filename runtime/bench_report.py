@@ -331,6 +331,8 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "roofline": (lambda r: "roofline" in r, _roofline),
     "decode-kernels": (lambda r: "decode_step_kernels" in r,
                        _step_kernels("decode_step_kernels", "decode step", "decode-kernels")),
+    "draft-kernels": (lambda r: "draft_step_kernels" in r,
+                      _step_kernels("draft_step_kernels", "draft step", "draft-kernels")),
     "verify-kernels": (lambda r: "verify_step_kernels" in r,
                        _step_kernels("verify_step_kernels", "verify step", "verify-kernels")),
     "prefill-kernels": (lambda r: "prefill_chunk_kernels" in r,
