@@ -50,6 +50,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by id
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    draft_tokens: int | None = None  # a speculative request's drafts per step, at most (None: the drafter's block)
     grammar: Any = None  # a runtime.constraint.Grammar
 
     def __post_init__(self) -> None:
@@ -68,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty {self.repetition_penalty} must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs {self.logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
+        if self.draft_tokens is not None and not self.draft_tokens >= 1:
+            raise ValueError(f"draft_tokens {self.draft_tokens} must be >= 1 (speculative off is its own switch)")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top prompt logprobs {self.prompt_logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
         bias = dict(self.logit_bias)

@@ -265,8 +265,8 @@ class CudaRunner:
             # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
             lane.last_written = max(lane.last_written, pos + BLOCK - 1)
-            new = [target[0]]
-            while len(new) < BLOCK and drafts[len(new) - 1] == new[-1]:
+            new, most = [target[0]], 1 + min(BLOCK - 1, seq.sampling.draft_tokens or BLOCK - 1)
+            while len(new) < most and drafts[len(new) - 1] == new[-1]:  # (the request may cap its drafts)
                 new.append(target[len(new)])
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]

@@ -96,6 +96,10 @@ class EngineCore:
                                f"{self.runner.max_context}; shorten the prompt or raise --ctx above {len(prompt)}")
         if max_tokens < 1:
             raise BackendError(f"max_tokens {max_tokens} must be >= 1")
+        drafts = sampling.draft_tokens
+        if speculative and drafts is not None and drafts > self.runner.verify_block - 1:
+            raise BackendError(f"draft_tokens {drafts}: the drafter proposes at most {self.runner.verify_block - 1} "
+                               "tokens a step")
         seq = Sequence(request_id, [int(t) for t in prompt], sampling, int(max_tokens), frozenset(stop_ids),
                        speculative)
         self.runner.check(seq)

@@ -36,10 +36,11 @@ class ServerState:
     backend on its own engine thread."""
 
     def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
-                 speculative: bool | None = False) -> None:
+                 speculative: bool | None = False, draft_tokens: int | None = None) -> None:
         self.model_id = model_id
         self.loader = loader
         self.speculative = speculative
+        self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
         self.metrics = Metrics()
         self.ready = False
         self.load_error: str | None = None

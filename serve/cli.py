@@ -36,8 +36,9 @@ def open_model(config):
 @click.option("--ctx", type=click.IntRange(2), default=None,
               help="Context length (default: min(the model's max_position_embeddings, 65536); the demo: 2048).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
-@click.option("--draft-tokens", type=click.IntRange(0), default=None,
-              help="Speculative draft tokens per step; 0 turns speculative decoding off (default: on with a drafter).")
+@click.option("--draft-tokens", type=click.IntRange(0, 15), default=None,
+              help="Speculative (DFlash) drafts per step, at most: 1..15; 0 turns speculative decoding off "
+                   "(default: on with a drafter, 15; a request may ask for fewer with num_speculative_tokens).")
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allowed CORS origin (repeat; '*' for any).")
 @click.option("--model-name", default=None, help="Model id reported by /v1/models (default: the folder name).")
@@ -80,11 +81,9 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.
-    # DFlash on the cuda backend is proven on the CPU emulator but not yet on a GPU: there too only an explicit
-    # --draft-tokens turns it on.
-    off = draft_tokens == 0 or (draft_tokens is None and (demo or backend == "cuda"))
+    off = draft_tokens == 0 or (draft_tokens is None and demo)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    state = ServerState(name, loader, speculative=False if off else None)
+    state = ServerState(name, loader, speculative=False if off else None, draft_tokens=draft_tokens or None)
     app = create_app(state, api_key=api_key, cors_origins=list(cors_origins),
                      max_body_bytes=int(max_body_mb * (1 << 20)))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,

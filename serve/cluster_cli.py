@@ -62,7 +62,7 @@ def cluster(model_dir: Path | None, draft_dir: Path | None, backend: str, replic
     folder = ensure_demo_checkpoint() if demo else model_dir.resolve()
     config = EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype,
                           draft_dir.resolve() if draft_dir else None, weights, kernel_dir, max_num_seqs=max_num_seqs)
-    off = draft_tokens == 0 or (draft_tokens is None and (demo or backend == "cuda"))  # as `thorgen serve`
+    off = draft_tokens == 0 or (draft_tokens is None and demo)  # as `thorgen serve` (any N > 0: the full block)
     ray.init(address=ray_address, include_dashboard=False if ray_address is None else None)
     if replicas is None:
         replicas = int(ray.cluster_resources().get("GPU", 0)) if backend == "cuda" else 1

@@ -15,7 +15,7 @@ from .guards import prompt_ids
 from .parser import ControlIds, OutputParser
 from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported,
                        stop_list, template_messages, tool_choice_mode, validate_tools)
-from .sampling import max_new_tokens, sampling_params, thinking_enabled
+from .sampling import max_new_tokens, sampling_params, speculation, thinking_enabled
 from .structured import response_grammar
 from .tool_grammar import tool_call_grammar
 
@@ -46,12 +46,13 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
         parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
                               stop=stop_list(req.stop), prefill_tool=prefill,
                               max_calls=1 if req.parallel_tool_calls is False else None)
-        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
+        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
                          parser, "chat")
         gen.return_ids = bool(req.return_token_ids)
         return gen
     sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
                                grammar or response_grammar(req.response_format, server, thinking))
+    speculative, sampling = speculation(req, server, sampling)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await serve_generation(server, request, choices(req.n or 1, [make], sampling), bool(req.stream),
                                   include_usage)
@@ -99,6 +100,7 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
     requested = 1 if req.max_tokens == 0 else req.max_tokens
     sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
                                response_grammar(req.response_format, server, False))
+    speculative, sampling = speculation(req, server, sampling)
     if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
         sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
 
@@ -108,7 +110,7 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
 
         def make(sampling: SamplingParams) -> Generation:
             parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=server.speculative),
+            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
                              parser, "completion")
             gen.return_ids, gen.echo, gen.score_only = bool(req.return_token_ids), echo, req.max_tokens == 0
             return gen

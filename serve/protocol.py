@@ -165,6 +165,9 @@ class _Sampling(_Body):
     # vLLM's extension: each choice also carries the generated `token_ids` (streamed: each chunk's own ids)
     # and the `prompt_token_ids` the engine saw.
     return_token_ids: StrictBool | None = False
+    # vLLM's speculative setting, per request: at most this many drafts a step (DFlash proposes up to 15); 0 turns
+    # speculative decoding off for this request; absent: the server's --draft-tokens
+    num_speculative_tokens: integer(ge=0, le=15) | None = None
 
 
 class ChatCompletionRequest(_Sampling):

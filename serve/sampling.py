@@ -4,6 +4,7 @@ logprobs, grammar), the token budget and the thinking switch; every bad value a 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 from ..runtime.backend import MAX_TOP_LOGPROBS, SamplingParams
@@ -72,6 +73,20 @@ def sampling_params(req: _Sampling, defaults: dict, vocab: int = 1 << 30, gramma
                               grammar=grammar)
     except ValueError as exc:
         raise APIError(str(exc)) from None
+
+
+def speculation(req: _Sampling, server: Any, sampling: SamplingParams) -> tuple[bool, SamplingParams]:
+    """(whether the request decodes speculatively, its sampling with the draft cap): the server's setting, or the
+    request's num_speculative_tokens."""
+    n = req.num_speculative_tokens
+    if n is None:
+        return bool(server.speculative), replace(sampling, draft_tokens=server.draft_tokens)
+    if n == 0:
+        return False, sampling
+    if not server.caps.speculative:
+        raise APIError("num_speculative_tokens > 0 needs speculative decoding, which this model cannot run (no "
+                       "drafter, or its kernels are missing)", param="num_speculative_tokens")
+    return True, replace(sampling, draft_tokens=n)
 
 
 def thinking_enabled(req: ChatCompletionRequest) -> bool:

@@ -147,6 +147,19 @@ def test_forced_drafts_every_acceptance_length(emu, mode):
     _check_lengths(res)
 
 
+def test_draft_tokens_caps_the_accepted_drafts(emu):
+    """A request's draft_tokens = 5 on the cuda backend: with every draft right, each step commits 5 + 1."""
+    open_, ck = emu
+    backend, _ = open_()
+    ids = [2] + np.random.default_rng(13).integers(256, 512, 30).tolist()
+    plain = backend.generate(ids, 40, SamplingParams()).token_ids
+    log: list[int] = []
+    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
+    res = backend.generate(ids, 25, SamplingParams(draft_tokens=5), speculative=True)
+    assert res.token_ids == plain[:25] and res.accepted_lengths == [6] * 4
+    _check_lengths(res)
+
+
 def test_engine_drafter_matches_reference(emu):
     """The device drafter (context K/V from the taps, hybrid masks, block K/V, shared lm_head) against the NumPy
     DFlash reference fed the engine's own taps of the committed positions, over steps with rollbacks."""

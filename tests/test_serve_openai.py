@@ -101,3 +101,33 @@ def test_speculative_decoding_is_lossless(tiny_checkpoint, client):
         metrics = httpx.get(url + "/metrics").text
     count = [line for line in metrics.splitlines() if line.startswith("thorgen_accepted_tokens_per_step_count")]
     assert count and int(count[0].split()[1]) >= 1
+
+
+def _verify_steps(url: str) -> int:
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
+             if ln.startswith("thorgen_accepted_tokens_per_step_count")]
+    return int(float(lines[0].split()[1])) if lines else 0
+
+
+def test_num_speculative_tokens_per_request(tiny_checkpoint, client):
+    """A request's num_speculative_tokens: 0 decodes it plainly on a speculative server, N > 0 speculatively on a
+    plain one (the engine caps its drafts: tests/test_speculative.py); the output is plain greedy either way, and
+    a value outside 0..15 is a 400 naming the field."""
+    plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
+    url = f"http://{client.base_url.host}:{client.base_url.port}"
+    before = _verify_steps(url)
+    forced = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0,
+                                            extra_body={"num_speculative_tokens": 3})
+    assert forced.choices[0].message.content == plain.choices[0].message.content
+    assert _verify_steps(url) > before
+    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
+                        speculative=None)
+    state.load()
+    with running_server(create_app(state)) as spec_url:
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 5, "temperature": 0, "num_speculative_tokens": 0}
+        r = httpx.post(spec_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and _verify_steps(spec_url) == 0
+        assert r.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content
+        for bad in (16, -1, "3", True, 2.5):  # (2.0 is a JSON Schema integer, as for every integer field)
+            r = httpx.post(spec_url + "/v1/chat/completions", json={**body, "num_speculative_tokens": bad}, timeout=60)
+            assert r.status_code == 400 and "num_speculative_tokens" in r.text, (bad, r.text)

@@ -142,3 +142,17 @@ def test_cancel_and_bad_requests(tiny_ckpt) -> None:
     # the context limit ends generation with "length"
     r = b.generate(prompt(60, 12), 30, SamplingParams(), speculative=True)
     assert len(r.token_ids) == 4 and r.finish_reason == "length"
+
+
+def test_draft_tokens_caps_each_step(tiny_ckpt, backend: ReferenceBackend) -> None:
+    """SamplingParams.draft_tokens = 3 with a drafter that is always right: every verify step commits 3 drafts +
+    the bonus token, and the output is still plain decoding's; a cap above the drafter's block is refused."""
+    from thorgen.runtime.backend import BackendError
+
+    ids = prompt(10, 9)
+    plain = backend.generate(ids, 30, SamplingParams()).token_ids
+    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(ids + plain, [15] * 12, 16, 512), prefix_slots=0)
+    r = all_right.generate(ids, 29, SamplingParams(draft_tokens=3), speculative=True)
+    assert r.token_ids == plain[:29] and r.accepted_lengths == [4] * 7
+    with pytest.raises(BackendError, match="draft_tokens 16: the drafter proposes at most 15"):
+        all_right.generate(ids, 8, SamplingParams(draft_tokens=16), speculative=True)

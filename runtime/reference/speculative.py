@@ -74,6 +74,8 @@ class Decoder:
                 return sample(row, sampling, position)
         drafts: list[int] = []
         n_drafts = min(self.drafter.block_size, room) - 1 if speculative and self.drafter else 0
+        if sampling.draft_tokens is not None:  # the request's own cap (the drafter still runs its whole block)
+            n_drafts = min(n_drafts, sampling.draft_tokens)
         if n_drafts > 0:
             assert self.drafter is not None and state.draft is not None
             # The drafter always runs its full block (same masks as the real engine); extra drafts past the
