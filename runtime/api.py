@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -201,6 +202,10 @@ class EngineClient:
         self._ids = itertools.count()
         self._running = 0
         self._pending: list[RequestOutput] = []  # the last step's outputs, streamed during the next step
+        # where the engine thread's time goes, summed over steps (health(); /metrics): "prepare" = step start ->
+        # device work enqueued (scheduling, staging, launches), "flush" = handing the previous step's outputs to
+        # the clients, "finish" = the rest (waiting for the device, postprocessing)
+        self._stats = {"steps": 0, "running": 0, "prepare": 0.0, "flush": 0.0, "finish": 0.0}
         self._closed = False
         self._thread = threading.Thread(target=self._main, args=(opener,), name="thorgen-engine", daemon=True)
         self._thread.start()
@@ -248,7 +253,7 @@ class EngineClient:
         with self._lock:
             live = len(self._live)
         running = min(self._running, live)
-        return {"status": "ok", "running": running, "queued": live - running}
+        return {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel everything, close the backend on its own thread, and join it."""
@@ -354,8 +359,14 @@ class EngineClient:
         """One core step. The previous step's outputs go to the clients while this step's device work runs
         (the core calls `launched` right after enqueueing it): waking the event loop then costs no GPU time,
         where waking it between steps let it take the GIL before the next launch."""
+        marks = [time.perf_counter()]
+
+        def launched() -> None:
+            marks.append(time.perf_counter())
+            self._flush()
+            marks.append(time.perf_counter())
         try:
-            outputs = self.core.step(launched=self._flush)
+            outputs = self.core.step(launched=launched)
         except Exception as exc:  # the engine's fault: every request in the core fails, the core starts over
             self._flush()
             failure = self._failure(exc)
@@ -368,6 +379,13 @@ class EngineClient:
             return
         self._running = len(self.core.scheduler.running)
         self._pending = outputs
+        t0, enqueued, flushed = marks
+        st = self._stats  # (read by health() on other threads: a glimpse, not a snapshot)
+        st["steps"] += 1
+        st["running"] += self._running
+        st["prepare"] += enqueued - t0
+        st["flush"] += flushed - enqueued
+        st["finish"] += time.perf_counter() - flushed
         if not self.core.unfinished:  # no next step to hide them behind
             self._flush()
 

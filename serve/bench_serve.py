@@ -134,6 +134,28 @@ async def run_suite(url: str, entries: list[dict], api_key: str | None, timeout:
     return rows
 
 
+def _engine_steps(url: str) -> dict | None:
+    """The engine thread's step counters from /health (a thorgen server's; None from another server)."""
+    import httpx
+
+    try:
+        steps = httpx.get(url + "/health", timeout=10).json().get("steps")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return steps if isinstance(steps, dict) else None
+
+
+def _step_means(before: dict | None, after: dict | None) -> dict | None:
+    """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/api.py)."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return None
+    n = after["steps"] - before["steps"]
+    out = {"steps": n, "mean_running": round((after["running"] - before["running"]) / n, 2)}
+    for phase in ("prepare", "flush", "finish"):
+        out[f"{phase}_ms"] = round(1e3 * (after[phase] - before[phase]) / n, 3)
+    return out
+
+
 def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
     """`prompt_len` token ids of plain text, tokenized by the server itself (so any tokenizer works)."""
     import httpx
@@ -197,11 +219,18 @@ def bench_serve(url: str, concurrency: str, prompt_len: int, gen: int, per_clien
     asyncio.run(run_level(url, 1, 1, prompt, min(gen, 8), api_key, timeout))  # warm-up
     rows = []
     for c in levels:
+        before = _engine_steps(url)
         row = asyncio.run(run_level(url, c, c * per_client, prompt, gen, api_key, timeout))
+        steps = _step_means(before, _engine_steps(url))
+        if steps:
+            row["engine_steps"] = steps
         rows.append(row)
         click.echo(f"c={c:<3} {row['aggregate_tok_s']:>9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']} ms "
                    f"p99 {row['ttft_ms_p99']} ms  ITL p50 {row['itl_ms_p50']} ms p99 {row['itl_ms_p99']} ms  "
-                   f"per-request {row['request_decode_tok_s_median']} tok/s")
+                   f"per-request {row['request_decode_tok_s_median']} tok/s"
+                   + (f"  engine: {steps['steps']} steps, {steps['mean_running']} running, prepare "
+                      f"{steps['prepare_ms']} / flush {steps['flush_ms']} / finish {steps['finish_ms']} ms a step"
+                      if steps else ""))
     report = {"url": url, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "model": (httpx.get(url + "/v1/models", timeout=10).json().get("data") or [{}])[0].get("id"),
               "prompt_len": prompt_len, "gen": gen, "requests_per_client": per_client, "levels": rows,

@@ -64,7 +64,8 @@ class Metrics:
         with self._lock:
             getattr(self, name).observe(value)
 
-    def render(self) -> str:
+    def render(self, steps: dict | None = None) -> str:
+        """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"])."""
         with self._lock:
             lines = ["# HELP thorgen_requests_total HTTP requests by endpoint and status.",
                      "# TYPE thorgen_requests_total counter"]
@@ -88,4 +89,15 @@ class Metrics:
                     ("thorgen_accepted_tokens_per_step", self.accepted_per_step,
                      "Tokens committed per speculative verify step (accepted drafts + 1).")):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram"] + hist.lines(name)
+            if steps:  # where the engine thread's time goes (a load test diffs two scrapes: per-step means)
+                lines += ["# HELP thorgen_engine_steps_total Engine steps run.", "# TYPE thorgen_engine_steps_total "
+                          "counter", f"thorgen_engine_steps_total {steps['steps']}",
+                          "# HELP thorgen_engine_running_sequences_total Sequences running after each step, summed "
+                          "(over steps_total: the mean batch).", "# TYPE thorgen_engine_running_sequences_total "
+                          "counter", f"thorgen_engine_running_sequences_total {steps['running']}",
+                          "# HELP thorgen_engine_step_seconds_total Engine thread time by phase: prepare (step "
+                          "start to device work enqueued), flush (streaming the previous step's outputs), finish "
+                          "(the device wait and postprocessing).", "# TYPE thorgen_engine_step_seconds_total counter"]
+                lines += [f'thorgen_engine_step_seconds_total{{phase="{p}"}} {steps[p]:.6f}'
+                          for p in ("prepare", "flush", "finish")]
             return "\n".join(lines) + "\n"

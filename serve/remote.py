@@ -225,8 +225,8 @@ class ClusterMetrics(Metrics):
         super().__init__()
         self.client = client
 
-    def render(self) -> str:
-        lines = []
+    def render(self, steps: dict | None = None) -> str:
+        lines = []  # (the engine-step counters are each replica's own: not summed here)
         for name, kind, text in (
                 ("thorgen_replica_up", "gauge", "1 while the replica's engine reports ok (labels: pid, node)."),
                 ("thorgen_replica_requests_running", "gauge", "Generations on the replica's engine now."),
@@ -246,4 +246,4 @@ class ClusterMetrics(Metrics):
                                      f'node="{stats.get("node")}"}} {value}')
                     else:
                         lines.append(f'{name}{{replica="{rid}"}} {stats.get(name.rsplit("_", 1)[1], 0)}')
-        return super().render() + "\n".join(lines) + "\n"
+        return super().render(None) + "\n".join(lines) + "\n"

@@ -45,6 +45,12 @@ def test_bench_serve_levels(tmp_path):
         assert lv["requests"] == 2 * lv["concurrency"] and lv["completion_tokens"] == 12 * lv["requests"]
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
         assert lv["aggregate_tok_s"] > 0
+        # the engine thread's own account of the level (from /health): every step sleeps `delay` somewhere
+        steps = lv["engine_steps"]
+        assert steps["steps"] >= 12 and 0 < steps["mean_running"] <= lv["concurrency"]
+        assert min(steps[f"{p}_ms"] for p in ("prepare", "flush", "finish")) >= 0
+        assert sum(steps[f"{p}_ms"] for p in ("prepare", "flush", "finish")) >= 0.9 * 2.0
+    assert "engine:" in r.output and "prepare" in r.output
     assert len(engine.calls[-1]["prompt"]) == 40 and report["server_over_engine"] > 0
     assert CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", "--concurrency", "1"]).exit_code != 0
     state.close()
