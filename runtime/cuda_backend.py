@@ -144,6 +144,7 @@ class _Lane:
 
     def __init__(self) -> None:
         self.owner: str | None = None  # the running sequence's request id
+        self.seq = None  # that sequence (its tokens[:num_cached] are what the lane holds while it runs)
         self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
         self.last_written = -1  # the highest position written since they were (rejected drafts included)
         self.freed_at = 0  # when it was last released (LRU among free lanes)
@@ -179,6 +180,7 @@ class CudaRunner:
         self._draft_lane: int | None = None  # the lane whose tokens the drafter context covers (all of them)
         self._released = 0
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
+        self.copied_prefix_tokens = 0  # prefix-cache hits served by copying another lane's K/V
 
     def check(self, seq) -> None:
         if seq.speculative and not self.engine.speculative:
@@ -195,25 +197,42 @@ class CudaRunner:
 
     def admit(self, seq, limit: int) -> int:
         want = seq.tokens[:seq.prefill_target]
-        best, best_n = None, -1
-        for i, lane in enumerate(self._lanes):
-            if lane.owner is not None:
-                continue
+        intact = self.engine.kv.plan.prefix_intact
+
+        def usable(i: int, lane: _Lane) -> int:
+            """How many of `want`'s leading tokens lane i's K/V can serve (a running lane: its sequence's)."""
+            have = lane.cached if lane.owner is None else lane.seq.tokens[:lane.seq.num_cached]
             n = 0
-            while n < min(len(lane.cached), len(want), limit) and lane.cached[n] == want[n]:
+            while n < min(len(have), len(want), limit) and have[n] == want[n]:
                 n += 1
-            if n and (not self.engine.kv.plan.prefix_intact(n, lane.last_written)
-                      or (seq.speculative and self._draft_lane != i)):
-                n = 0
+            return n if n and intact(n, lane.last_written) else 0
+        best, best_n, source, source_n = None, -1, None, 0
+        for i, lane in enumerate(self._lanes):
+            n = usable(i, lane)
+            if lane.owner is not None:  # running: a source to copy from, never the sequence's own lane
+                if n > source_n:
+                    source, source_n = i, n
+                continue
+            if n and seq.speculative and self._draft_lane != i:
+                n = 0  # (a speculative sequence keeps the drafter context: only its lane's prefix is usable)
+            elif n > source_n:
+                source, source_n = i, n
             if n > best_n or (n == best_n and lane.freed_at < self._lanes[best].freed_at):
                 best, best_n = i, n
         if best is None:
             raise BackendError("cuda backend: no free KV lane (the scheduler admitted more sequences than "
                                f"--max-num-seqs {self.max_num_seqs})")
-        lane = self._lanes[best]
-        lane.owner, lane.cached, lane.last_written = seq.request_id, [], -1  # from here on it belongs to `seq`
-        if best_n == 0 and self._draft_lane == best:
-            self._draft_lane = None
+        lane, written = self._lanes[best], -1  # (-1: nothing written over its cached K/V since)
+        if source_n > best_n and not seq.speculative:
+            # Another lane (running, or free but not chosen) holds a longer prefix, e.g. a shared system prompt or
+            # a sibling choice of an n > 1 request: copy its K/V here instead of prefilling it again. The rings
+            # come as they are, with whatever the source wrote past the prefix since.
+            self.engine.kv.copy_prefix(source, best, source_n, self.engine.stream)
+            best_n, written = source_n, self._lanes[source].last_written
+            self.copied_prefix_tokens += source_n
+        lane.owner, lane.seq, lane.cached, lane.last_written = seq.request_id, seq, [], written
+        if self._draft_lane == best and (best_n == 0 or written >= 0):
+            self._draft_lane = None  # the drafter context covers the lane's previous tokens only
         self._lane_of[seq.request_id] = best
         return best_n
 
@@ -343,7 +362,7 @@ class CudaRunner:
         if i is not None:
             lane = self._lanes[i]
             # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
-            lane.owner = None
+            lane.owner, lane.seq = None, None
             lane.cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
             self._released += 1
             lane.freed_at = self._released

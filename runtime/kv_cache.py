@@ -198,6 +198,21 @@ class KVCache:
     def v(self, layer: int, model: str = "target") -> DeviceBuffer:
         return self.arena[f"{model}.{layer}.v"]
 
+    def copy_prefix(self, src: int, dst: int, n: int, stream) -> int:
+        """Stream-ordered copy of the target's K/V for positions [0, n) from lane `src` to lane `dst` (a ring
+        layer: its whole ring, whose slots hold those positions' last `window`); returns the bytes copied. The
+        caller checks that `src` still holds them (KVPlan.prefix_intact)."""
+        from .device import check, driver
+
+        copied = 0
+        for l in self.plan.target():
+            nbytes = l.k_bytes if l.ring else n * l.row_bytes
+            for buf in (self.k(l.layer), self.v(l.layer)):
+                check(driver().cuMemcpyDtoDAsync(buf.ptr + dst * l.k_bytes, buf.ptr + src * l.k_bytes, nbytes,
+                                                 stream.handle), "KV prefix copy between lanes")
+                copied += nbytes
+        return copied
+
     def zero(self) -> None:
         self.arena.buffer.zero()
 

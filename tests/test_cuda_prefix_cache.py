@@ -27,7 +27,7 @@ SEEDED = SamplingParams(temperature=1.0, seed=9)
 def backend(tiny_checkpoint, tmp_path_factory):
     from thorgen.runtime import device as dev
 
-    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("prefix"), ctx=1024)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("prefix"), ctx=1024, max_num_seqs=2)
     yield b
     b.close()
     dev.set_driver(None)
@@ -74,3 +74,33 @@ def test_prefix_intact_follows_the_rings(backend):
     assert rings, "the tiny preset has sliding layers"
     margin = min(l.slots - l.window for l in rings)
     assert plan.prefix_intact(100, 100 + margin - 1) and not plan.prefix_intact(100, 100 + margin)
+
+
+def test_a_running_lane_shares_its_prefix_by_copy(backend):
+    """Two requests with one long system prompt, the second admitted while the first still runs: the second's
+    prompt K/V comes from the first's lane (copied, not prefilled again), and both get exactly the tokens they get
+    alone. A speculative request does not copy (it would lack the drafter context)."""
+    shared = [2] + [110 + (13 * i) % 380 for i in range(60)]
+    prompts = {"a": shared + [107, 300, 301], "b": shared + [107, 400, 401, 402]}
+    alone = {rid: _run(EngineCore(backend.runner(2)), rid, p, 10)[0] for rid, p in prompts.items()}
+
+    def together(speculative: bool):
+        runner = backend.runner(2)
+        core = EngineCore(runner)
+        core.add("a", prompts["a"], 10, SEEDED)
+        out, results = {"a": [], "b": []}, {}
+        for step in range(100):
+            if step == 3:  # "a" decodes in its lane now
+                core.add("b", prompts["b"], 10, SEEDED, speculative=speculative)
+            for o in core.step():
+                out[o.request_id] += o.token_ids
+                if o.result is not None:
+                    results[o.request_id] = o.result
+            if not core.unfinished:
+                return out, results, runner.copied_prefix_tokens
+        raise AssertionError("did not finish")
+    out, results, copied = together(False)
+    assert out == alone
+    assert results["b"].cached_prompt_tokens == len(shared) + 1 == copied
+    out, results, copied = together(True)
+    assert copied == 0 and results["b"].cached_prompt_tokens == 0 and out == alone
