@@ -141,7 +141,8 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
 
 def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
-              roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None) -> dict:
+              roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
+              speculative: bool = False, accept: int | None = None) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
                                     max(batch_sizes or [1]))
@@ -188,6 +189,10 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
             report["prefill_chunk_kernels"] = backend.kernel_breakdown(rows=chunk)
     if roofline:
         measure_roofline(backend, facts, report, prompt, gen, runs)
+    if speculative:
+        from .bench_spec import measure_speculative
+
+        measure_speculative(backend, report, prompt, gen, runs, accept)
     if batch_sizes:
         if backend_name != "cuda":
             raise BackendError("--batch-sizes times the cuda backend's batched decode graphs (use --backend cuda)")
@@ -219,6 +224,12 @@ def _text(r: dict) -> str:
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
                      f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): {p['decode_tok_s']:.2f} tok/s, TTFT "
                      f"{p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its decode, its TTFT / ours {p['ttft_ratio']}x")
+    if r.get("speculative"):
+        s = r["speculative"]
+        lines.append(f"  speculative     {s['spec_tok_s']} tok/s (median), tau {s['tau']}, step {s['step_ms']} ms "
+                     f"(draft {s['draft_step_ms']} ms + verify {s['verify_step_ms']} ms on the GPU)"
+                     + (f"; EMULATED acceptance {s['emulated_acceptance']}" if s["emulated_acceptance"] is not None
+                        else ""))
     for key, title in (("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
                        ("draft_step_kernels", "DFlash draft forward, per kernel (eager launches, event-timed)"),
                        ("verify_step_kernels", "DFlash verify forward + drafter context, per kernel (eager, "
@@ -288,14 +299,20 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--peer", type=click.Choice(["hf"]), default=None,
               help="Also run HF transformers' Gemma4 on the same checkpoint, prompt and device (the `peer` extra) "
                    "and print our decode tok/s and TTFT as ratios of its.")
+@click.option("--speculative", is_flag=True,
+              help="Also time DFlash speculative decoding (draft -> verify -> commit): tok/s, tau, draft and "
+                   "verify step ms, and one draft and one verify forward per kernel (cuda).")
+@click.option("--emulate-acceptance", "accept", type=click.IntRange(0, 15), default=None,
+              help="--speculative: every verify step commits exactly K drafts + 1 (speed at tau = K + 1 on random "
+                   "weights; the tokens are not the model's, and the report says so).")
 @click.option("--batch-sizes", default=None,
               help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
                    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
-          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None
-          ) -> None:
+          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None,
+          speculative: bool, accept: int | None) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -313,7 +330,10 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
                + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
                + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
-               + (f" --peer {peer}" if peer else ""))
+               + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
+               + (f" --emulate-acceptance {accept}" if accept is not None else ""))
+    if accept is not None and not speculative:
+        raise click.UsageError("--emulate-acceptance goes with --speculative")
     try:
         sizes = [int(x) for x in batch_sizes.split(",")] if batch_sizes else None
     except ValueError:
@@ -322,7 +342,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer)
+                           roofline, sizes, peer, speculative, accept)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

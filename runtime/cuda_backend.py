@@ -285,8 +285,9 @@ class CudaRunner:
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
             lane.last_written = max(lane.last_written, pos + BLOCK - 1)
             new, most = [target[0]], 1 + min(BLOCK - 1, seq.sampling.draft_tokens or BLOCK - 1)
-            while len(new) < most and drafts[len(new) - 1] == new[-1]:  # (the request may cap its drafts)
-                new.append(target[len(new)])
+            k = self.engine.emulate_acceptance  # (bench: commit K drafts + 1 whatever the drafter said)
+            while len(new) < most and (drafts[len(new) - 1] == new[-1] if k is None else len(new) <= k):
+                new.append(target[len(new)])  # (the request may cap its drafts)
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok

@@ -100,6 +100,8 @@ class Engine:
         # Test hook: callable(start, last_token) -> 15 drafts that replace the drafter's (written into ids[1..15]
         # between the draft and the verify graphs), so tests can force long acceptances and rollbacks.
         self.draft_hook: Any = None
+        self.emulate_acceptance: int | None = None  # see CudaRunner.decode (thorgen bench --emulate-acceptance)
+        self.spec_timing: list | None = None  # a list: each DFlash step appends its (draft ms, verify ms)
 
     # ---- speculative (DFlash) setup ---------------------------------------------------------------------------
     def _probe_speculative(self) -> list[str]:
@@ -439,7 +441,12 @@ class Engine:
         check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 16 * BLOCK, 4 * BLOCK, h), "block KV lanes")
         check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
         check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
+        events = None if self.spec_timing is None else [self.device.event() for _ in range(3)]
+        if events:
+            events[0].record(self.stream)
         self._spec_graph("draft", greedy).replay(self.stream)
+        if events:
+            events[1].record(self.stream)
         if self.draft_hook is not None:
             forced = np.asarray(self.draft_hook(start, last), np.int32)
             if forced.shape != (BLOCK - 1,):
@@ -447,12 +454,18 @@ class Engine:
             vals[3 * BLOCK:4 * BLOCK - 1] = forced
             check(cu.cuMemcpyHtoDAsync(ids + 4, src + 12 * BLOCK, 4 * (BLOCK - 1), h), "forced drafts")
         self._spec_graph("verify", greedy).replay(self.stream)
+        if events:
+            events[2].record(self.stream)
         dst = self._pinned.ptr + R
         check(cu.cuMemcpyDtoHAsync(dst, ids, 4 * BLOCK, h), "drafts")
         check(cu.cuMemcpyDtoHAsync(dst + 4 * BLOCK, self.act["out_ids"].ptr, 4 * BLOCK, h), "verified tokens")
         if launched is not None:
             launched()
         self.stream.synchronize()
+        if events:
+            self.spec_timing.append((events[1].elapsed_ms(events[0]), events[2].elapsed_ms(events[1])))
+            for e in events:
+                e.destroy()
         got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
         return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
 

@@ -32,6 +32,9 @@ class Decoder:
         self.target = target
         self.drafter = drafter
         self.tap_layers: tuple[int, ...] = () if drafter is None else tuple(drafter.tap_layers)
+        # `thorgen bench --emulate-acceptance K`: every verify step commits K drafts + 1 whatever the drafter said
+        # (a speed measurement at a chosen acceptance on random weights; the tokens are not the model's)
+        self.emulate_acceptance: int | None = None
 
     def new_state(self) -> SeqState:
         return SeqState([], self.target.new_cache(), None if self.drafter is None else self.drafter.new_context())
@@ -84,7 +87,8 @@ class Decoder:
         block = [tok] + drafts
         logits = self._forward(state, block, last_only=False)
         new = [pick(logits[0], start + 1)]
-        while len(new) <= len(drafts) and drafts[len(new) - 1] == new[-1]:
+        k = self.emulate_acceptance
+        while len(new) <= len(drafts) and (drafts[len(new) - 1] == new[-1] if k is None else len(new) <= k):
             new.append(pick(logits[len(new)], start + 1 + len(new)))
         self._commit(state, block, len(new))
         return new
