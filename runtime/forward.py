@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..model_spec.conventions import DECODE_BUCKETS, MAX_BATCH  # noqa: F401  (the engine imports them from here)
+from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
 from ..model_spec.types import ModelSpec
 from .kv_cache import ring_slots
 from .modules import KernelEntry, KernelManifest, Ptr
 
 NULL = Ptr(0)
-LM_ROWS = 16  # rows of logits the lm_head epilogues handle (a 16-token verify block)
-MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in LM_ROWS slices
-DECODE_BUCKETS = (1, 2, 4, 8, 16)  # batched decode graphs are captured for these row counts (more: two steps)
 MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model_spec.conventions import MAX_STEP_TOKENS as DEFAULT_MAX_STEP_TOKENS  # a manifest's conventions win
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .memory import Arena, ArenaPlan, DeviceBuffer
 
 DEFAULT_CTX = 65536  # every command's --ctx default is min(max_position_embeddings, DEFAULT_CTX)
-DEFAULT_MAX_STEP_TOKENS = 512  # codegen's MAX_STEP_TOKENS; the manifest's conventions override it
 KV_DTYPES = {"bf16": ("bf16", 2), "fp8": ("fp8e4m3", 1), "fp8e4m3": ("fp8e4m3", 1), "e4m3": ("fp8e4m3", 1)}
 
 

@@ -21,7 +21,7 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 
 from __future__ import annotations
 
-
+from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .forward import NULL, Forward, Missing, Op, need
@@ -29,7 +29,6 @@ from .kv_cache import ring_slots
 from .memory import ArenaPlan
 from .modules import KernelEntry
 
-BLOCK = 16  # the verify / draft block (the M=16 kernels); DFlashSpec.block_size must match
 
 
 def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:

@@ -25,12 +25,12 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
+from ...model_spec.conventions import MAX_STEP_TOKENS
 ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
 Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
 KV_DTYPES = ("bf16", "fp8e4m3")
 PDL = True               # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
-MAX_STEP_TOKENS = 512    # most tokens one forward may append to a KV cache (prefill chunk; verify uses 16)
 
 
 def ring_slots(window: int) -> int:

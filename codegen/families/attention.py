@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from ...model_spec.conventions import VERIFY_ROWS as VERIFY_M
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -28,7 +29,6 @@ TK = 32
 FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")
 KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
-VERIFY_M = 16
 
 
 def attn_smem(d: int, mt: int, tk: int, kv: str) -> int:
