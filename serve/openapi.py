@@ -42,9 +42,13 @@ def corrected(schema: dict) -> dict:
             responses.pop("422", None)  # validation errors are answered with 400 (OpenAI's convention)
             ok = responses.get("200", {}).get("content")
             if path in SSE_PATHS and ok is not None:
+                # One event (how schemathesis and OpenAPI 3.2's itemSchema read an event stream's schema): the
+                # body is a sequence of them, each 'data: <JSON chunk>', the last 'data: [DONE]'.
                 ok["text/event-stream"] = {"schema": {
-                    "type": "string", "description": "with \"stream\": true: server-sent events, each 'data: "
-                    "<JSON chunk>', ending with 'data: [DONE]'"}}
+                    "type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "description": "with \"stream\": true: server-sent events, each 'data: <JSON chunk>', ending "
+                                   "with 'data: [DONE]'"}}
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
