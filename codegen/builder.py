@@ -121,5 +121,5 @@ def build(spec: ModelSpec, arch: ArchSpec, out_dir: Path, jobs: int = 0, kernels
         infos[k.name] = info
         rows.append(BuildRow(k.name, info.registers, info.spills, info.smem_bytes + k.smem_bytes, res.seconds, res.cached))
     nvcc = find_nvcc()
-    manifest = build_manifest(spec, arch, kernels, infos, nvcc_version(nvcc), flags(arch, INCLUDE_DIR))
+    manifest = build_manifest(spec, arch, kernels, infos, nvcc_version(nvcc), flags(arch, INCLUDE_DIR), sources)
     return BuildReport(out_dir, write_manifest(out_dir, manifest), rows)

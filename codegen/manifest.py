@@ -18,6 +18,7 @@ from . import families
 from .arch import ArchSpec
 from .kernel_spec import KernelSpec
 from .nvcc import PtxasInfo
+from .render import arg_access
 
 MANIFEST_SCHEMA = 1
 MANIFEST_NAME = "manifest.json"
@@ -33,7 +34,8 @@ def conventions(spec: ModelSpec) -> dict:
 
 
 def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], infos: dict[str, PtxasInfo],
-                   nvcc: str, flags: list[str]) -> dict:
+                   nvcc: str, flags: list[str], sources: dict[str, str] | None = None) -> dict:
+    """`sources` (name -> rendered .cu): each entry also gets its args' access (render.arg_access)."""
     entries = {}
     for k in kernels:
         info = infos.get(k.name, PtxasInfo())
@@ -41,6 +43,8 @@ def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], i
                            "grid": list(k.grid), "block": list(k.block), "smem_bytes": k.smem_bytes,
                            "args": list(k.args), "params": dict(k.params), "registers": info.registers,
                            "spills": info.spills, "static_smem_bytes": info.smem_bytes}
+        if sources is not None:
+            entries[k.name]["access"] = arg_access(sources[k.name], k)
     return {"schema": MANIFEST_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
             "nvcc": nvcc, "flags": [f for f in flags if not f.startswith("-I")], "conventions": conventions(spec),
             "kernels": entries}

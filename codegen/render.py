@@ -66,3 +66,27 @@ def render(kernel: KernelSpec, arch: ArchSpec, spec_hash: str) -> str:
     if f"{kernel.name}(" not in body:
         raise RenderError(f"kernel {kernel.name}: template {kernel.template} does not define the entry {kernel.name}")
     return banner(kernel, arch, spec_hash) + body
+
+
+def arg_access(source: str, kernel: KernelSpec) -> dict[str, str]:
+    """Each launch argument's access, read off the rendered entry's C signature: "r" for a pointer to const (the
+    kernel only reads it), "w" for another pointer (it writes it, and may read it too), "v" for a value. The
+    signature's parameters are the KernelSpec's args in order; the runtime's dataflow checks read this."""
+    head = source.find(f"{kernel.name}(", source.find("__global__"))
+    if head < 0:
+        raise RenderError(f"kernel {kernel.name}: no __global__ entry {kernel.name}( in its source")
+    i, depth, params, cur = head + len(kernel.name) + 1, 1, [], ""
+    while depth:
+        c = source[i]
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if c == "," and depth == 1 and cur.count("<") == cur.count(">"):
+            params.append(cur)
+            cur = ""
+        elif depth:
+            cur += c
+        i += 1
+    params = [" ".join(p.split()) for p in params + [cur] if p.strip()]
+    if len(params) != len(kernel.args):
+        raise RenderError(f"kernel {kernel.name}: its C entry takes {len(params)} parameters, the KernelSpec "
+                          f"{len(kernel.args)} args {kernel.args}")
+    return {a: ("r" if p.startswith("const ") else "w") if "*" in p else "v" for a, p in zip(kernel.args, params)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,6 +43,8 @@ class KernelEntry:
     args: tuple[str, ...]
     params: dict
     template: str = ""
+    # arg -> "r" (a pointer the kernel only reads), "w" (one it writes), "v" (a value); {} in older manifests
+    access: dict = field(default_factory=dict)
 
     def param(self, key: str) -> Any:
         try:
@@ -103,7 +105,7 @@ def load_manifest(path: str | Path) -> KernelManifest:
                 name=name, cubin=p.parent / k["cubin"], entry=k.get("entry", name), family=k.get("family", ""),
                 grid=tuple(int(v) for v in k["grid"]), block=tuple(int(v) for v in k["block"]),  # type: ignore[arg-type]
                 smem_bytes=int(k.get("smem_bytes", 0)), args=tuple(k.get("args", ())), params=dict(k.get("params", {})),
-                template=str(k.get("template", "")))
+                template=str(k.get("template", "")), access=dict(k.get("access") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise ModuleError(f"{p}: kernel {name!r} entry is malformed ({exc!r}); rebuild") from exc
     for key in ("spec_hash", "arch"):

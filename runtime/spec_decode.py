@@ -106,7 +106,7 @@ class DraftForward:
         for l in range(d.num_hidden_layers):
             ops.append(self._gemm(f"draft.{l}.ctx_k", f"dsplit.{l}.k", nkv, h, rows, A("dctx_a"), A("dk_raw")))
             ops.append(self._gemm(f"draft.{l}.ctx_v", f"dsplit.{l}.v", nkv, h, rows, A("dctx_a"), A("dv_raw")))
-            ops.append(self._rope_op(l, rows, False, A("dq_raw"), A("dq")))
+            ops.append(self._rope_op(l, rows, False, NULL, NULL))  # (no queries: HAS_Q false never reads them)
         return ops
 
     def block_ops(self) -> list[Op]:

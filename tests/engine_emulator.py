@@ -286,13 +286,15 @@ def write_fake_manifest(spec, out_dir: Path, arch_name: str = "sm_90a") -> Path:
     from thorgen.codegen.arch import get_arch
     from thorgen.codegen.manifest import build_manifest, write_manifest
     from thorgen.codegen.plan import plan
+    from thorgen.codegen.render import render
 
     arch = get_arch(arch_name)
     kernels = plan(spec, arch)
     out_dir.mkdir(parents=True, exist_ok=True)
     for k in kernels:
         (out_dir / f"{k.name}.cubin").write_bytes(b"")
-    write_manifest(out_dir, build_manifest(spec, arch, kernels, {}, "emulated", []))
+    sources = {k.name: render(k, arch, spec.spec_hash) for k in kernels}  # (for each arg's access)
+    write_manifest(out_dir, build_manifest(spec, arch, kernels, {}, "emulated", [], sources))
     return out_dir
 
 
