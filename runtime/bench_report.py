@@ -127,6 +127,9 @@ def _bench(names: list[str], runs: dict, ctx: Context) -> str:
             raise KeyError("decode_tok_s and ttft_ms")
     if any(runs[n].get("peer") for n in names):  # rows only where a run compared itself with a peer
         metrics += [(m, lambda r, fn=fn: fn(r["peer"]) if r.get("peer") else "") for m, fn in PEER_METRICS]
+    if any(runs[n].get("speculative") for n in names):  # `thorgen bench --speculative [--emulate-acceptance K]`
+        metrics += [(m, lambda r, fn=fn: fn(r["speculative"]) if r.get("speculative") else "")
+                    for m, fn in SPEC_METRICS]
     table = _table(["metric"] + [f"`{Path(n).stem}`" for n in names],
                    [[m] + [fn(runs[n]) for n in names] for m, fn in metrics])
     lines = [f"- {_run_line(n, runs[n])}" for n in names]
@@ -161,6 +164,15 @@ PEER_METRICS = [  # the `peer` object of a `thorgen bench --peer hf` run
     ("peer decode tok/s / TTFT ms", lambda p: f"{_f(p['decode_tok_s'])} / {_f(p['ttft_ms'])}"),
     ("peer load s", lambda p: _f(p.get("load_s"))),
     ("ours vs peer", _peer_ratios),
+]
+
+
+SPEC_METRICS = [  # the `speculative` object of a `thorgen bench --speculative` run
+    ("speculative tok/s, tau", lambda s: f"{_f(s['spec_tok_s'])}, {_f(s['tau'], 2)}"
+                                         + (f" (**emulated**: {s['emulated_acceptance']} drafts accepted a step)"
+                                            if s.get("emulated_acceptance") is not None else "")),
+    ("speculative step ms (draft + verify on the GPU)",
+     lambda s: f"{_f(s['step_ms'], 3)} ({_f(s.get('draft_step_ms'), 3)} + {_f(s.get('verify_step_ms'), 3)})"),
 ]
 
 

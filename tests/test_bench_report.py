@@ -238,6 +238,21 @@ def test_bench_view_peer_rows(tmp_path):
     assert "`sample-bench-peer-old` peer experts tried" not in compared
 
 
+def test_bench_view_speculative_rows(tmp_path):
+    """A `bench --speculative --emulate-acceptance K` run gets its rows, marked emulated; a plain run beside it
+    leaves them empty."""
+    pytest.importorskip("matplotlib")
+    spec = dict(_sample_bench(None, 400.0, 120.0), speculative={  # sample numbers, shaped as bench_spec writes
+        "emulated_acceptance": 6, "tau": 7.0, "spec_tok_s": 1012.5, "step_ms": 6.914, "draft_step_ms": 0.98,
+        "verify_step_ms": 5.71, "spec_tok_s_runs": [1012.5]})
+    notes = "<!-- report bench sample-bench-spec.json sample-bench.json -->\n"
+    folder = _sample_folder(tmp_path, notes, {"sample-bench.json": _sample_bench(None, 390.0, 120.0),
+                                              "sample-bench-spec.json": spec})
+    text, _ = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    assert "| speculative tok/s, tau | 1012.5, 7.00 (**emulated**: 6 drafts accepted a step) |  |" in text
+    assert "| speculative step ms (draft + verify on the GPU) | 6.914 (0.980 + 5.710) |  |" in text
+
+
 @pytest.mark.parametrize("content, says", [
     ("{\"rows\": [", "not a readable JSON file"),
     ("[1, 2]", "expected a JSON object"),
