@@ -17,6 +17,7 @@ import bisect
 from typing import Any, Iterable
 
 from .forward import Copy2D, Op
+from .modules import Ptr
 
 
 class DataflowError(ValueError):
@@ -36,6 +37,34 @@ class Regions:
         if i >= 0 and address < self._spans[i][1]:
             return self._spans[i][2]
         return None
+
+
+class PlannedPointers:
+    """Forward's Pointers over an activation plan, with no device memory: the arena at `base`, every weight and
+    KV cache address far above it (outside the arena, so never checked). Lets the checks run on any model's step
+    shapes, the full-size one included, on a CPU."""
+
+    OUTSIDE = 1 << 44
+
+    def __init__(self, plan: Any, base: int = 1 << 32) -> None:  # plan: memory.ArenaPlan
+        self.plan, self.base = plan, base
+        self.regions = Regions(base, plan.regions.values())
+
+    def A(self, name: str, row: int = 0) -> Ptr:
+        r = self.plan.regions[name]
+        return Ptr(self.base + r.offset + row * (r.nbytes // r.shape[0]))
+
+    def W(self, name: str, byte_offset: int = 0) -> Ptr:
+        return Ptr(self.OUTSIDE + byte_offset)
+
+    def KV(self, layer: int, which: str) -> Ptr:
+        return self.W("kv")
+
+    def DKV(self, layer: int, which: str) -> Ptr:
+        return self.W("dkv")
+
+    def lane_bytes(self, layer: int) -> int:
+        return 1 << 20
 
 
 def _accesses(op: Any, regions: Regions) -> tuple[list[str], list[str]]:

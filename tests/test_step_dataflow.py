@@ -1,6 +1,7 @@
-"""Every step shape's launch list passes the dataflow checks (runtime/dataflow.py) on the emulated engine: no
-launch reads an activation before a launch writes it (or the engine stages it), and the side stream never races
-the main one. The checks themselves catch a dropped launch, a missing join and a manifest without access."""
+"""Every step shape's launch list passes the dataflow checks (runtime/dataflow.py), on the emulated tiny engine
+and on the full-size preset's plan (its launch lists over the activation plan, no device memory): no launch reads
+an activation before a launch writes it (or the engine stages it), and the side stream never races the main one.
+The checks themselves catch a dropped launch, an unstaged input, a missing join and a manifest without access."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import engine_emulator as EE  # noqa: E402
 
 pytest.importorskip("thorgen.codegen.plan")
 
-from thorgen.runtime.dataflow import DataflowError, Regions, check_step  # noqa: E402
+from thorgen.runtime.dataflow import DataflowError, PlannedPointers, Regions, check_step  # noqa: E402
 from thorgen.runtime.spec_decode import BLOCK, DraftForward  # noqa: E402
 
 STEP = {"positions", "lanes", "params"}  # staged before every step
@@ -37,13 +38,13 @@ def _regions(engine) -> Regions:
     return Regions(engine.act.buffer.ptr, engine.act.plan.regions.values())
 
 
-def _shapes(engine):
-    """(name, launch list, the step's inputs) for each step shape the engine runs."""
-    f, dfw = engine.fwd, DraftForward(engine.fwd)
+def _shapes(f, max_rows: int, speculative: bool):
+    """(name, launch list, the step's inputs) for each step shape an engine runs (Forward `f`)."""
+    dfw = DraftForward(f)
     yield "decode", f.ops(1, decode=True, last=True), STEP | {"out_ids"}
     yield "decode sampled + processed", f.ops(1, decode=True, last=True, greedy=False, ext=True), \
         STEP | {"out_ids"} | EXT
-    for rows in (2, 16, 17, engine.max_rows):
+    for rows in (2, 16, 17, max_rows):
         yield f"prefill {rows}", f.ops(rows, decode=False, last=True), STEP | {"ids"}
     yield "prefill chunk (not the last)", f.ops(40, decode=False, last=False), STEP | {"ids"}
     for rows in (1, 4, 16, 32):
@@ -51,7 +52,7 @@ def _shapes(engine):
     yield "batched x32 processed", f.ops(32, decode=False, last=True, batched=True, ext=True), STEP | {"ids"} | EXT
     yield "prompt scoring x32", f.ops(32, decode=False, last=True, batched=True, score=True), \
         STEP | {"ids", "out_ids"}
-    if engine.speculative:
+    if speculative:
         yield "prefill with DFlash taps", f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40), \
             STEP | {"ids"}
         yield "draft", dfw.block_ops(), STEP | {"ids"}
@@ -62,10 +63,36 @@ def _shapes(engine):
 def test_every_step_shape_passes(engine):
     regions = _regions(engine)
     names = []
-    for name, ops, inputs in _shapes(engine):
+    for name, ops, inputs in _shapes(engine.fwd, engine.max_rows, engine.speculative):
         check_step(ops, regions, inputs, name)
         names.append(name)
     assert "verify" in names and "draft" in names  # the tiny checkpoint has a drafter
+
+
+def test_full_size_step_shapes_pass(tmp_path):
+    """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
+    its activation plan, laid out but not allocated."""
+    from types import SimpleNamespace
+
+    from thorgen.model_spec.presets import get_preset
+    from thorgen.runtime.engine import Engine
+    from thorgen.runtime.forward import Forward
+    from thorgen.runtime.modules import load_manifest
+
+    spec = get_preset("gemma-4-26b-a4b")
+    manifest = load_manifest(EE.write_fake_manifest(spec, tmp_path) / "manifest.json")
+    rows = 512
+    # the engine's own activation plan, on what it reads of an engine (no device, no weights)
+    plan = Engine._plan_activations(SimpleNamespace(spec=spec, max_rows=rows, manifest=manifest, ext_missing=[],
+                                                    ctx=65536, speculative=spec.drafter is not None))
+    fwd = Forward(spec, manifest, "bf16", rows)
+    fwd.ptr = ptr = PlannedPointers(plan)
+    assert ptr.regions.name(ptr.A("moe", 7).address) == "moe" and ptr.regions.name(ptr.W("x").address) is None
+    names = []
+    for name, ops, inputs in _shapes(fwd, rows, spec.drafter is not None):
+        check_step(ops, ptr.regions, inputs, f"full size, {name}")
+        names.append(name)
+    assert len(names) == 16 and "verify" in names  # every shape of _shapes, the DFlash ones included
 
 
 def test_the_checks_catch_what_they_are_for(engine):
