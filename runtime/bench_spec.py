@@ -65,7 +65,7 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
            "spec_tok_s_runs": [round(x, 3) for x in rates]}
     if accept is not None:
         out["note"] = f"emulated: every verify step committed {accept} drafts + 1; the tokens are not the model's"
-    if engine is not None:
+    if engine is not None and "verify_step_kernels" not in report:  # (--roofline took them at this position)
         from .profile import per_kernel, profile_speculative
 
         draft, verify = profile_speculative(engine, len(prompt) + gen // 2)

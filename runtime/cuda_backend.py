@@ -199,8 +199,8 @@ class CudaRunner:
         want = seq.tokens[:seq.prefill_target]
         intact = self.engine.kv.plan.prefix_intact
 
-        def usable(i: int, lane: _Lane) -> int:
-            """How many of `want`'s leading tokens lane i's K/V can serve (a running lane: its sequence's)."""
+        def usable(lane: _Lane) -> int:
+            """How many of `want`'s leading tokens the lane's K/V can serve (a running lane: its sequence's)."""
             have = lane.cached if lane.owner is None else lane.seq.tokens[:lane.seq.num_cached]
             n = 0
             while n < min(len(have), len(want), limit) and have[n] == want[n]:
@@ -208,7 +208,7 @@ class CudaRunner:
             return n if n and intact(n, lane.last_written) else 0
         best, best_n, source, source_n = None, -1, None, 0
         for i, lane in enumerate(self._lanes):
-            n = usable(i, lane)
+            n = usable(lane)
             if lane.owner is not None:  # running: a source to copy from, never the sequence's own lane
                 if n > source_n:
                     source, source_n = i, n

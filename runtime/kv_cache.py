@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..model_spec.conventions import MAX_STEP_TOKENS as DEFAULT_MAX_STEP_TOKENS  # a manifest's conventions win
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
+from .device import check, driver
 from .memory import Arena, ArenaPlan, DeviceBuffer
 
 DEFAULT_CTX = 65536  # every command's --ctx default is min(max_position_embeddings, DEFAULT_CTX)
@@ -202,8 +203,6 @@ class KVCache:
         """Stream-ordered copy of the target's K/V for positions [0, n) from lane `src` to lane `dst` (a ring
         layer: its whole ring, whose slots hold those positions' last `window`); returns the bytes copied. The
         caller checks that `src` still holds them (KVPlan.prefix_intact)."""
-        from .device import check, driver
-
         copied = 0
         for l in self.plan.target():
             nbytes = l.k_bytes if l.ring else n * l.row_bytes

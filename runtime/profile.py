@@ -10,39 +10,43 @@ from .engine import Engine
 from .graphs import CudaGraph
 
 
+def _bind_alone(eng: Engine, *op_lists: list) -> list[list[tuple[str, Any]]]:
+    """Each op list bound for one stream with no PDL overlap, so that events (and per-kernel graphs) see each
+    kernel alone."""
+    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
+    try:
+        return [eng.bind(ops) for ops in op_lists]
+    finally:
+        eng.fork, eng.pdl = fork, pdl
+
+
+def _stage(eng: Engine, **values: np.ndarray) -> None:
+    """Upload int32 inputs (ids, positions, lanes) for a profiled forward."""
+    for name, v in values.items():
+        v = np.asarray(v, np.int32)
+        eng.act[name].view(0, v.nbytes).upload(v, stream=eng.stream)
+
+
 def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 10) -> list[dict]:
     """GPU time (us) per launch of one forward. A decode step (rows 1): the launches of each kernel are captured
     into a graph of their own and replayed (back to back, as in the step graph; each layer's own weights), so a
     kernel's time excludes host launch gaps. A prefill chunk of `rows` tokens (ids 0..rows-1 at positions
     position..): eager launches timed one by one with events."""
-    # One stream, no PDL overlap: the events (and per-kernel graphs) see each kernel alone.
-    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
-    try:
-        launches = eng.bind(eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
-                        eng.fwd.ops(rows, decode=False, last=True))
-    finally:
-        eng.fork, eng.pdl = fork, pdl
+    (launches,) = _bind_alone(eng, eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
+                              eng.fwd.ops(rows, decode=False, last=True))
     if rows == 1:
         eng._stage(0, position, 0)
         eng._graph(True).replay(eng.stream)  # every buffer holds the values of a real step
         return _graph_profile(eng, launches, replays)
-    eng.act["ids"].view(0, 4 * rows).upload(np.arange(rows, dtype=np.int32), stream=eng.stream)
-    eng.act["positions"].view(0, 4 * rows).upload(np.arange(position, position + rows, dtype=np.int32),
-                                                  stream=eng.stream)
+    _stage(eng, ids=np.arange(rows), positions=np.arange(position, position + rows))
     return _eager_profile(eng, launches)
 
 
 def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
     """GPU time (us) per launch of one batched decode forward of `rows` sequences (lanes 0..rows-1, each at
     `position`): eager launches on one stream, timed with events."""
-    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
-    try:
-        launches = eng.bind(eng.fwd.ops(rows, decode=False, last=True, batched=True))
-    finally:
-        eng.fork, eng.pdl = fork, pdl
-    for name, values in (("ids", np.full(rows, 2)), ("positions", np.full(rows, position)),
-                         ("lanes", np.arange(rows))):
-        eng.act[name].view(0, 4 * rows).upload(values.astype(np.int32), stream=eng.stream)
+    (launches,) = _bind_alone(eng, eng.fwd.ops(rows, decode=False, last=True, batched=True))
+    _stage(eng, ids=np.full(rows, 2), positions=np.full(rows, position), lanes=np.arange(rows))
     return _eager_profile(eng, launches)
 
 
@@ -51,17 +55,10 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
     with its drafter-context update), eager launches on one stream, timed with events."""
     from .spec_decode import BLOCK, DraftForward
 
-    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
-    try:
-        dfw = DraftForward(eng.fwd)
-        draft = eng.bind(dfw.block_ops())
-        verify = eng.bind(eng.fwd.ops(BLOCK, decode=False, last=True, taps=True, all_logits=True)
-                          + dfw.ctx_ops(BLOCK))
-    finally:
-        eng.fork, eng.pdl = fork, pdl
-    for name, values in (("ids", np.full(BLOCK, 2)), ("positions", np.arange(position, position + BLOCK)),
-                         ("lanes", np.zeros(BLOCK))):
-        eng.act[name].view(0, 4 * BLOCK).upload(values.astype(np.int32), stream=eng.stream)
+    dfw = DraftForward(eng.fwd)
+    draft, verify = _bind_alone(eng, dfw.block_ops(), eng.fwd.ops(BLOCK, decode=False, last=True, taps=True,
+                                                                  all_logits=True) + dfw.ctx_ops(BLOCK))
+    _stage(eng, ids=np.full(BLOCK, 2), positions=np.arange(position, position + BLOCK), lanes=np.zeros(BLOCK))
     return _eager_profile(eng, draft), _eager_profile(eng, verify)
 
 
