@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 from ..model_spec.config import spec_from_configs
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
-from .engine import MAX_LOGIT_BIAS, Engine
+from .engine import MAX_LOGIT_BIAS, Engine, logprob_entry
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
 from .kv_cache import default_ctx, fit_lanes, plan_kv
@@ -353,7 +353,7 @@ class CudaRunner:
                 self._counts[s.request_id].add(tok)
             k = s.sampling.logprobs
             if k is not None:
-                s.step_logprobs = [(float(chosen[r]), tuple((int(ids[r, j]), float(lps[r, j])) for j in range(k)))]
+                s.step_logprobs = [logprob_entry(ids, lps, chosen, r, k)]
 
     def release(self, seq, finished: bool) -> None:
         self._counts.pop(seq.request_id, None)

@@ -359,8 +359,7 @@ class Engine:
             for _, launch in launches:
                 launch(self.stream)
             _, ids, lps, chosen = self.read_logits(rows)
-            out += [(float(chosen[r]), tuple((int(ids[r, j]), float(lps[r, j])) for j in range(top)))
-                    for r in range(rows)]
+            out += [logprob_entry(ids, lps, chosen, r, top) for r in range(rows)]
         return out
 
     def decode(self, position: int, greedy: bool = True, token: int | None = None,
@@ -551,6 +550,11 @@ def _copy2d(op: Copy2D) -> Any:
         check(cu.cuMemcpy2DAsync(p, stream.handle), op.label)
     run.kernel = None  # type: ignore[attr-defined]  # profile rows name copies by label
     return run
+
+
+def logprob_entry(ids: np.ndarray, lps: np.ndarray, chosen: np.ndarray, row: int, top: int) -> tuple:
+    """Row `row` of read_logits' arrays as a TokenLogprob: (its token's logprob, the `top` best (id, logprob))."""
+    return float(chosen[row]), tuple((int(ids[row, j]), float(lps[row, j])) for j in range(top))
 
 
 def sample_record(sampling: Any) -> np.void:
