@@ -284,7 +284,7 @@ class CudaRunner:
             # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
             lane.last_written = max(lane.last_written, pos + BLOCK - 1)
-            new, most = [target[0]], 1 + min(BLOCK - 1, seq.sampling.draft_tokens or BLOCK - 1)
+            new, most = [target[0]], 1 + (seq.sampling.draft_tokens or BLOCK - 1)  # (EngineCore.add checked it)
             k = self.engine.emulate_acceptance  # (bench: commit K drafts + 1 whatever the drafter said)
             while len(new) < most and (drafts[len(new) - 1] == new[-1] if k is None else len(new) <= k):
                 new.append(target[len(new)])  # (the request may cap its drafts)
