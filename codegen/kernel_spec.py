@@ -34,8 +34,10 @@ class KernelSpec:
         if len(set(keys)) != len(keys):
             raise ValueError(f"kernel {self.name}: duplicate params {sorted(k for k in keys if keys.count(k) > 1)}")
         for key, value in self.params:
-            if not isinstance(value, (int, float, bool, str)):
-                raise ValueError(f"kernel {self.name}: param {key}={value!r} is not an int, float, bool or str")
+            table = isinstance(value, tuple) and all(isinstance(v, int) for v in value)  # (a grid rule's table)
+            if not (table or isinstance(value, (int, float, bool, str))):
+                raise ValueError(f"kernel {self.name}: param {key}={value!r} is not an int, float, bool, str or "
+                                 "tuple of ints")
         if len(self.grid) != 3 or len(self.block) != 3 or min(self.grid + self.block) < 1:
             raise ValueError(f"kernel {self.name}: grid {self.grid} / block {self.block} must be 3 positive ints")
         threads = self.block[0] * self.block[1] * self.block[2]

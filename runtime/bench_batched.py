@@ -13,15 +13,16 @@ from .roofline import step_cost
 def measure_batched(backend: Any, report: dict, sizes: list[int], position: int, steps: int = 20) -> None:
     """Add `batched_decode` ([{rows, bucket, step_ms, tok_s, bytes, gb_s, frac_copy}]) and `batched_step_kernels`
     (the largest size's step, eager launches event-timed) to a cuda `run_bench` report. Every row is its own
-    sequence in its own KV lane at `position` (the lanes' K/V is whatever they hold: the cost does not depend on
-    it); the time is the wall time of Engine.decode_batch, host staging and the token read-back included, as the
+    sequence in its own KV lane at `position`, with its own token (the lanes' K/V is whatever they hold: the cost
+    does not depend on it); the time is the wall time of Engine.decode_batch, host staging and the token read-back included, as the
     server sees it."""
     from .forward import DECODE_BUCKETS
+    from .profile import distinct_tokens
 
     eng, spec = backend.engine, backend.spec
     rows_out = []
-    for n in sizes:
-        rows = [(lane, position, 2, None) for lane in range(n)]
+    for n in sizes:  # a different token per row: routed to different experts, as a real batch is
+        rows = [(lane, position, int(t), None) for lane, t in enumerate(distinct_tokens(n, spec.target.vocab_size))]
         for _ in range(3):  # capture + warm-up
             eng.decode_batch(rows)
         times = []

@@ -12,6 +12,8 @@ that forward (`Missing`).
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,6 +80,10 @@ class Copy2D:
     height: int
 
 
+# THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
+# per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
+ROWWISE_SPLITS = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
+
 @dataclass
 class Op:
     label: str
@@ -98,6 +104,8 @@ def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, i
         g[1] = rows * int(p["topk"])
     elif e.template.startswith("attn_fwd"):  # query blocks of 16*mt/G queries; rowwise: a block per query
         g[0] = rows if rowwise else -(-rows // (16 * int(p["mt"]) // (int(p["hq"]) // int(p["hkv"]))))
+        if rowwise and p.get("rowwise_splits") and ROWWISE_SPLITS:  # the planner's key splits for this many rows
+            g[2] = int(p["rowwise_splits"][rows - 1])
     elif e.template.startswith("attn_combine"):
         g[0] = rows * int(p["hq"])
     elif "bm" in p:  # prefill GEMM: BM-row blocks

@@ -20,6 +20,13 @@ def _bind_alone(eng: Engine, *op_lists: list) -> list[list[tuple[str, Any]]]:
         eng.fork, eng.pdl = fork, pdl
 
 
+def distinct_tokens(n: int, vocab: int) -> np.ndarray:
+    """n different ordinary token ids spread over the vocabulary, for timed steps of n rows: rows of one repeated
+    token route to the same 8 experts, so a batched or verify MoE would read a fraction of the experts that
+    distinct tokens (a real batch) make it read, and time too fast."""
+    return (1000 + 7919 * np.arange(n)) % vocab
+
+
 def _stage(eng: Engine, **values: np.ndarray) -> None:
     """Upload int32 inputs (ids, positions, lanes) for a profiled forward."""
     for name, v in values.items():
@@ -46,7 +53,8 @@ def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
     """GPU time (us) per launch of one batched decode forward of `rows` sequences (lanes 0..rows-1, each at
     `position`): eager launches on one stream, timed with events."""
     (launches,) = _bind_alone(eng, eng.fwd.ops(rows, decode=False, last=True, batched=True))
-    _stage(eng, ids=np.full(rows, 2), positions=np.full(rows, position), lanes=np.arange(rows))
+    _stage(eng, ids=distinct_tokens(rows, eng.spec.target.vocab_size), positions=np.full(rows, position),
+           lanes=np.arange(rows))
     return _eager_profile(eng, launches)
 
 
@@ -58,7 +66,8 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
     dfw = DraftForward(eng.fwd)
     draft, verify = _bind_alone(eng, dfw.block_ops(), eng.fwd.ops(BLOCK, decode=False, last=True, taps=True,
                                                                   all_logits=True) + dfw.ctx_ops(BLOCK))
-    _stage(eng, ids=np.full(BLOCK, 2), positions=np.arange(position, position + BLOCK), lanes=np.zeros(BLOCK))
+    _stage(eng, ids=distinct_tokens(BLOCK, eng.spec.target.vocab_size),
+           positions=np.arange(position, position + BLOCK), lanes=np.zeros(BLOCK))
     return _eager_profile(eng, draft), _eager_profile(eng, verify)
 
 

@@ -6,6 +6,8 @@ with the reference backend's numerics="w4a16" mode token for token.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -71,7 +73,11 @@ class KernelEmulator(LogitsKernels):
         need = []
         if t.startswith("attn_fwd"):
             qb = 1 if a.get("rowwise") else 16 * p["mt"] // (p["hq"] // p["hkv"])  # queries per block
-            need = [(0, -(-rows // qb)), (1, p["hkv"]), (2, p["nsplit"])]
+            # rowwise (batched) launches may run fewer splits (the planner's rowwise_splits); the others all
+            need = [(0, -(-rows // qb)), (1, p["hkv"]), (2, 1 if a.get("rowwise") else p["nsplit"])]
+            if a.get("rowwise") and p.get("rowwise_splits") and g[2] != p["rowwise_splits"][rows - 1]:
+                raise EmuError(f"a rowwise launch of {rows} rows with {g[2]} key splits; the plan says "
+                               f"{p['rowwise_splits'][rows - 1]}")
         elif t.startswith("attn_combine"):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
@@ -192,6 +198,7 @@ class KernelEmulator(LogitsKernels):
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
                     [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
                 return
+            shape = dataclasses.replace(shape, nsplit=min(int(self.grid[2]), ns))  # the launch's splits
             parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
                      for i in range(m)]
             self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),
@@ -248,10 +255,10 @@ class KernelEmulator(LogitsKernels):
     def _split_out(self, p, a, m, o_p, ml_p) -> None:
         """A split decode kernel: the partials land in ws (as the kernel writes them); given counters the last split
         block's merge writes out (attn_split.cuh; attn_combine's math), else an attn_combine launch must follow."""
-        d, hq, ns, mmax = p["d"], p["hq"], p["nsplit"], p["mmax"]
+        d, hq, ns, mmax, z = p["d"], p["hq"], p["nsplit"], p["mmax"], len(o_p)  # (z <= ns: the launch's splits)
         ws = self.v(a["ws"], np.float32, p["ws_floats"], "ws")
-        ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m] = o_p
-        ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m] = ml_p
+        ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:z, :m] = o_p
+        ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:z, :m] = ml_p
         if a["counters"]:
             self._counters_zero(a, p["cnt_words"], "attention")
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)

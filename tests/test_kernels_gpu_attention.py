@@ -152,7 +152,8 @@ def test_split_merge_matches_its_partials(runner):
 
 def test_attention_rowwise_lanes(runner):
     """Batched decode (rowwise): query i is its own sequence's token at position p_i in KV lane lanes[i] of a
-    cache holding several lanes; each row equals the reference over its own lane. The other lanes' slots and
+    cache holding several lanes; each row equals the reference over its own lane, at every split count the launch
+    may use (gridDim.z <= nsplit: the planner's rowwise_splits for m rows, one, and all). The other lanes' slots and
     each lane's unread slots are NaN, so reading another sequence's keys fails."""
     failures = []
     tiny = runner.spec.name == "tiny"
@@ -160,7 +161,8 @@ def test_attention_rowwise_lanes(runner):
         d, hq, hkv, ring, window = (kern.param(x) for x in ("d", "hq", "hkv", "ring", "window"))
         kv = kern.param("kv_dtype")
         far = (ring * 2 + 5) if ring else (3000 if tiny else 20000)
-        for positions, lanes in (([7, far, 0], [2, 0, 3]), ([far + j for j in range(5)], [4, 1, 3, 0, 2])):
+        sixteen = ([700 + 13 * j for j in range(16)], [(5 * j) % 16 for j in range(16)])  # a full bucket
+        for positions, lanes in (([7, far, 0], [2, 0, 3]), ([far + j for j in range(5)], [4, 1, 3, 0, 2]), sixteen):
             rng = np.random.default_rng(1000 + 10 * i + len(positions))
             m, n_lanes = len(positions), max(lanes) + 1
             slots = ring if ring else max(positions) + 41
@@ -186,10 +188,13 @@ def test_attention_rowwise_lanes(runner):
                 inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)
                 inputs["counters"] = np.zeros(kern.param("cnt_words"), np.uint32)
                 outputs["counters"] = ((kern.param("cnt_words"),), np.uint32)
-            got = runner.run_seq([(kern, (m, hkv, kern.param("nsplit")))], inputs, outputs)
-            if "counters" in got and got["counters"].any():
-                failures.append(f"{kern.name}: counters not left zeroed")
-            err = R.norm_err(got["out"], np.concatenate(refs))
-            if not err <= R.TOL_ATTN[kv]:
-                failures.append(f"{kern.name} positions={positions} lanes={lanes}: error {err:.2e}")
+            ns = kern.param("nsplit")
+            # every split count a launch may use: the planner's for m rows, one, and the most
+            for z in sorted({1, ns, kern.param("rowwise_splits")[m - 1]} if ns > 1 else {1}):
+                got = runner.run_seq([(kern, (m, hkv, z))], inputs, outputs)
+                if "counters" in got and got["counters"].any():
+                    failures.append(f"{kern.name} splits={z}: counters not left zeroed")
+                err = R.norm_err(got["out"], np.concatenate(refs))
+                if not err <= R.TOL_ATTN[kv]:
+                    failures.append(f"{kern.name} positions={positions} lanes={lanes} splits={z}: error {err:.2e}")
     assert not failures, "\n".join(failures)

@@ -12,7 +12,8 @@
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
 // queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
 // its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
-// NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts; each block writes unnormalised
+// NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts (a rowwise launch: gridDim.z <=
+// NSPLIT parts, since a batched step's rows fill the SMs already); each block writes unnormalised
 // O and (max, sum) per row to a workspace; with `counters` the last split block of each (query block, KV head)
 // merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at entry and left zeroed; no second
 // launch), with counters == nullptr an attn_combine launch merges them (faster for 16 queries: one block per row).
@@ -108,6 +109,10 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   pdl_launch_dependents();
   pdl_wait();  // q, positions and the cache rows come from the rope/KV-write kernel
   const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
+  // the launch's key splits: NSPLIT (which lays out the workspace), or for a rowwise launch gridDim.z <= NSPLIT: a
+  // batched step's rows already fill the SMs, and fewer, longer splits pay each block's fixed cost fewer times
+  const int nsplit = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
+  if (split >= nsplit) return;  // (a grid with more splits than planned)
   const int qpb = rowwise ? 1 : QB;  // queries of this block
   const int q0 = qb * qpb;
   if (q0 >= m) return;
@@ -124,7 +129,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
   const int hi = last_vis;
   const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
-  const int tb = t_lo + split * ntiles / NSPLIT, te = t_lo + (split + 1) * ntiles / NSPLIT;
+  const int tb = t_lo + split * ntiles / nsplit, te = t_lo + (split + 1) * ntiles / nsplit;
 
   for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
 
@@ -330,9 +335,10 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   }
   if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
     static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the K/V tiles");
+    static_assert(merge_scratch_bytes(NSPLIT, G) <= S::KV_BYTES, "a rowwise one-level merge exceeds the K/V tiles");
     if (counters != nullptr)  // else the partials stay in ws for an attn_combine launch
-      attn_split_finish<D, HQ, G, MMAX, THREADS, NSPLIT, NSUB>(ws, counters, out, qb * HKV + hkv, split, q0, nq, hkv,
-                                                               reinterpret_cast<int*>(st_a), smem);
+      attn_split_finish<D, HQ, G, MMAX, THREADS, NSPLIT, NSUB>(ws, counters, out, qb * HKV + hkv, split, nsplit, q0,
+                                                               nq, hkv, reinterpret_cast<int*>(st_a), smem);
   }
 }
 

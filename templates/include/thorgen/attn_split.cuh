@@ -20,34 +20,34 @@ constexpr int SPLIT_FLAT_BYTES = 128 * 1024;  // a group's partials up to this s
 // then (max, sum) per row.
 __host__ __device__ constexpr int merge_scratch_bytes(int nz, int nrows) { return nz * nrows * 12 + nrows * 8; }
 
-// Merge parts z0 .. z0+NZ-1 of the group's nrows valid rows (block rows r: query q0 + r / G, head hkv*G + r % G).
+// Merge parts z0 .. z0+nz-1 of the group's nrows valid rows (block rows r: query q0 + r / G, head hkv*G + r % G).
 // FINAL: fp16 out [row][D] = merged / l; else level-1 part `slot` of o_dst / ml_dst = (merged O, (M, l)).
 // Parts were written by other blocks of this launch: loads go through L2 (ld.cg), after the caller's fence.
 // The (m, l) pairs are staged in shared memory and each row's max and weights computed once (one thread per row,
 // attn_combine's order), so the O loads of the main loop depend on nothing and stay in flight together.
-template <int D, int HQ, int G, int MMAX, int THREADS, int NZ, bool FINAL>
-__device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_src, int z0, int q0, int nrows,
+template <int D, int HQ, int G, int MMAX, int THREADS, bool FINAL>
+__device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_src, int z0, int nz, int q0, int nrows,
                                             int hkv, float* o_dst, float* ml_dst, int slot, __half* out,
                                             uint8_t* scratch) {
   static_assert(D % 4 == 0, "head dim must be a multiple of 4");
   constexpr int C4 = D / 4;
   constexpr size_t ZS = (size_t)MMAX * HQ;  // rows per part
-  float2* mls = reinterpret_cast<float2*>(scratch);          // [NZ][nrows] (m, l)
-  float* wts = reinterpret_cast<float*>(mls + NZ * nrows);   // [NZ][nrows] 2^(m - M), 0 for skipped parts
-  float2* rows = reinterpret_cast<float2*>(wts + NZ * nrows);  // [nrows] (M, sum of l * weight)
+  float2* mls = reinterpret_cast<float2*>(scratch);          // [nz][nrows] (m, l)
+  float* wts = reinterpret_cast<float*>(mls + nz * nrows);   // [nz][nrows] 2^(m - M), 0 for skipped parts
+  float2* rows = reinterpret_cast<float2*>(wts + nz * nrows);  // [nrows] (M, sum of l * weight)
   auto row_of = [&](int r) { return (size_t)(q0 + r / G) * HQ + hkv * G + r % G; };
   __syncthreads();  // the scratch may still be read by a previous merge
-  for (int i = threadIdx.x; i < NZ * nrows; i += THREADS) {
+  for (int i = threadIdx.x; i < nz * nrows; i += THREADS) {
     const int z = i / nrows, r = i % nrows;
     mls[i] = __ldcg(reinterpret_cast<const float2*>(ml_src + ((z0 + z) * ZS + row_of(r)) * 2));
   }
   __syncthreads();
   for (int r = threadIdx.x; r < nrows; r += THREADS) {
     float mx = -INFINITY;
-    for (int z = 0; z < NZ; ++z)
+    for (int z = 0; z < nz; ++z)
       if (mls[z * nrows + r].y > 0.f) mx = fmaxf(mx, mls[z * nrows + r].x);
     float lsum = 0.f;
-    for (int z = 0; z < NZ; ++z) {
+    for (int z = 0; z < nz; ++z) {
       const float2 ml = mls[z * nrows + r];
       float e = 0.f;
       if (ml.y > 0.f) { e = exp2f(ml.x - mx); lsum += ml.y * e; }
@@ -60,8 +60,8 @@ __device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_
     const int r = i / C4, c = (i % C4) * 4;
     const size_t row = row_of(r);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int z = 0; z < NZ; ++z) {
+#pragma unroll 8
+    for (int z = 0; z < nz; ++z) {
       const float4 o = __ldcg(reinterpret_cast<const float4*>(o_src + ((z0 + z) * ZS + row) * D + c));
       if (!(mls[z * nrows + r].y > 0.f)) continue;  // skipped parts add nothing (attn_combine's rule)
       const float e = wts[z * nrows + r];
@@ -113,7 +113,10 @@ __host__ __device__ constexpr int split_scratch_bytes(int d, int r, int nsplit, 
 
 template <int D, int HQ, int G, int MMAX, int THREADS, int NSPLIT, int NSUB>
 __device__ __forceinline__ void attn_split_finish(float* ws, unsigned int* counters, __half* out, int group, int split,
-                                                  int q0, int nq, int hkv, int* flag, uint8_t* scratch) {
+                                                  int nsplit, int q0, int nq, int hkv, int* flag, uint8_t* scratch) {
+  // nsplit: the launch's splits (NSPLIT, or fewer for a rowwise launch: one query, G rows per group). Fewer than
+  // NSPLIT always merge in one level (the two-level subgroups are laid out for NSPLIT parts); the caller
+  // static_asserts that NSPLIT parts of G rows fit the scratch.
   static_assert(NSUB >= 1 && NSPLIT % NSUB == 0, "level-1 subgroups must divide the splits");
   constexpr int S1 = NSPLIT / NSUB;
   constexpr size_t PART = (size_t)MMAX * HQ;
@@ -123,19 +126,20 @@ __device__ __forceinline__ void attn_split_finish(float* ws, unsigned int* count
   float* ml1 = o1 + NSUB * PART * D;
   unsigned int* cnt = counters + (size_t)group * (NSUB + 1);
   const int nrows = nq * G;
-  const bool tree = NSUB > 1 && (size_t)nrows * D * NSPLIT * 4 > (size_t)SPLIT_FLAT_BYTES;  // uniform per group
+  const bool tree = NSUB > 1 && nsplit == NSPLIT &&
+                    (size_t)nrows * D * NSPLIT * 4 > (size_t)SPLIT_FLAT_BYTES;  // uniform per group
   if (!tree) {
-    if (last_arrival(cnt + NSUB, NSPLIT, flag))
-      merge_parts<D, HQ, G, MMAX, THREADS, NSPLIT, true>(o_ws, ml_ws, 0, q0, nrows, hkv, nullptr, nullptr, 0, out,
-                                                         scratch);
+    if (last_arrival(cnt + NSUB, nsplit, flag))
+      merge_parts<D, HQ, G, MMAX, THREADS, true>(o_ws, ml_ws, 0, nsplit, q0, nrows, hkv, nullptr, nullptr, 0, out,
+                                                 scratch);
     return;
   }
   const int sub = split / S1;
   if (!last_arrival(cnt + sub, S1, flag)) return;
-  merge_parts<D, HQ, G, MMAX, THREADS, S1, false>(o_ws, ml_ws, sub * S1, q0, nrows, hkv, o1, ml1, sub, nullptr,
-                                                  scratch);
+  merge_parts<D, HQ, G, MMAX, THREADS, false>(o_ws, ml_ws, sub * S1, S1, q0, nrows, hkv, o1, ml1, sub, nullptr,
+                                              scratch);
   if (last_arrival(cnt + NSUB, NSUB, flag))
-    merge_parts<D, HQ, G, MMAX, THREADS, NSUB, true>(o1, ml1, 0, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
+    merge_parts<D, HQ, G, MMAX, THREADS, true>(o1, ml1, 0, NSUB, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
 }
 
 // Merge NSPLIT partial results: one block per (query, head) row, D threads.
