@@ -158,7 +158,7 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
             t2 = time.perf_counter()
         # the second call repeats the prefill: its decode time is its time less the first call's
         return t1 - t0, (t2 - t1) - (t1 - t0), int(out.shape[1] - ids.shape[1])
-    run(min(gen, 4))  # warm-up (and compilation)
+    run(gen)  # warm-up and compilation, at the timed runs' own cache lengths (so they never recompile)
     say("warm-up (compilation) done")
     ttfts, rates = [], []
     for _ in range(runs):
