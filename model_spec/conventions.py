@@ -6,5 +6,3 @@ MAX_STEP_TOKENS = 512  # most tokens one forward appends to a KV cache (a prefil
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices
 DECODE_BUCKETS = (1, 2, 4, 8, 16)  # batched decode graphs are captured for these row counts (more: two steps)
-PREFILL_ALIGN = 64  # a prefill chunk the step's token budget cuts short is cut to a multiple of this: few distinct
-# chunk shapes, so the cuda engine binds each shape's ~500 launches once (a new shape costs ~20 ms of host time)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from typing import Any
 
-from ..model_spec.conventions import PREFILL_ALIGN
 from .backend import SamplingParams, check_token_ids
 
 
@@ -230,10 +229,7 @@ class Scheduler:
                 return None
             end = target
         else:
-            n = min(budget, self.prefill_chunk)
-            if start + n < target and n >= PREFILL_ALIGN:  # cut short by the budget: whole multiples only
-                n -= n % PREFILL_ALIGN
-            end = min(target, start + n)
+            end = min(target, start + min(budget, self.prefill_chunk))
         return Prefill(seq, start, end, sample=end == target and not seq.output)
 
     def _preempt(self, seq: Sequence) -> None:

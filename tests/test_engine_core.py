@@ -181,33 +181,3 @@ def test_resumed_sequence_fully_covered_by_the_prefix_cache(tiny_ckpt):
     seq.output, seq.preemptions = alone[:4], 1  # as if preempted after 4 tokens: it re-prefills prompt + 3
     outs = _run(core)
     assert seq.output == alone and _tokens(outs["resumed"]) == alone[4:]
-
-
-def test_budget_cut_prefill_chunks_are_whole_multiples():
-    """A prefill chunk the step's token budget cuts short is cut to a multiple of PREFILL_ALIGN (31 decoding
-    sequences leave 481 of 512 tokens: the chunk is 448, then the prompt's rest), so that a cuda engine meets few
-    chunk shapes; a chunk that ends its prompt, or a budget under PREFILL_ALIGN, is taken as it is."""
-    from thorgen.model_spec.conventions import PREFILL_ALIGN
-    from thorgen.runtime.scheduler import BlockPool, Scheduler, Sequence, Status
-
-    sched = Scheduler(BlockPool(10_000), max_num_seqs=64, max_step_tokens=512, max_context=4096, prefill_chunk=512)
-    for i in range(31):  # decoding sequences: prompt done
-        s = Sequence(f"d{i}", [2] * 8, GREEDY, 100)
-        sched.add(s)
-    for s in list(sched.waiting):
-        sched.waiting.remove(s)
-        s.status, s.num_cached, s.output = Status.RUNNING, 8, [5]
-        sched.pool.grow(s, 16)
-        sched.running.append(s)
-    new = Sequence("p", [2] * 1000, GREEDY, 10)
-    sched.add(new)
-    (chunk,) = sched.schedule().prefills
-    assert (chunk.start, chunk.end) == (0, 448) and 448 % PREFILL_ALIGN == 0
-    new.num_cached = 448
-    (chunk,) = sched.schedule().prefills
-    assert (chunk.start, chunk.end) == (448, 896)
-    new.num_cached = 896
-    (chunk,) = sched.schedule().prefills
-    assert (chunk.start, chunk.end) == (896, 1000) and chunk.sample  # the prompt's end: as it is
-    tight = sched._chunk(Sequence("q", [2] * 100, GREEDY, 4), budget=PREFILL_ALIGN - 5)
-    assert (tight.start, tight.end) == (0, PREFILL_ALIGN - 5)  # under one multiple: progress, not zero

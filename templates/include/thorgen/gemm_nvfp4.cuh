@@ -99,9 +99,8 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
 
 // ---- grouped MoE, M <= 16 ------------------------------------------------------------------------------------
 // Block (unit, slot): only the first slot of each distinct expert ("leader") works; it runs the expert's fused
-// gate/up (2*IE rows, interleaved 8-row tiles) with the rows of the tokens that chose it (the other mma rows are
-// zeros: tensor-core rows are free, their loads are not), then writes gelu(gate)*up for those tokens:
-// act[(t*TOPK + k)][IE] fp16. Weights read once per step.
+// gate/up (2*IE rows, interleaved 8-row tiles) over ALL m tokens (tensor-core rows are free), then writes
+// gelu(gate)*up for the tokens that chose the expert: act[(t*TOPK + k)][IE] fp16. Weights read once per step.
 template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, const int* __restrict__ ids,
@@ -124,16 +123,8 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
-  // only the rows of tokens that chose e are loaded (the others' products are never written): at 16 tokens an
-  // expert has ~1.6 of them, and loading all 16 rows moved 4x the weight bytes from L2 on every step
-  auto chose = [&](int t) {
-    bool c = false;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) c |= __ldg(ids + t * TOPK + k) == e;
-    return c;
-  };
-  const __half* row0 = gid < m && (MMAX == 1 || chose(gid)) ? x + (size_t)gid * H : nullptr;  // (1 token: it did)
-  const __half* row1 = (TWO && gid + 8 < m && chose(gid + 8)) ? x + (size_t)(gid + 8) * H : nullptr;
+  const __half* row0 = gid < m ? x + (size_t)gid * H : nullptr;
+  const __half* row1 = (TWO && gid + 8 < m) ? x + (size_t)(gid + 8) * H : nullptr;
   const WPtr pe{p.w + e * EW, p.s + e * ES};
   float acc[2][4] = {};
   static_assert(!(SWAP && TWO), "the swapped form holds at most 8 tokens");
@@ -158,9 +149,8 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
 }
 
 // Block = one 16-row unit of the down projections (H rows), all experts: NW warps = NG slot groups x KSD K-parts.
-// Each warp walks its slots in order (one prefetched stream of expert steps), runs the leader expert's down rows
-// over the gathered act rows of the tokens that chose it, and accumulates acc * inv_scale * routing weight per
-// token in fp32 registers; a fixed-order
+// Each warp walks its slots in order, runs the leader expert's down rows over the gathered act rows of the tokens
+// that chose it, and accumulates acc * inv_scale * routing weight per token in fp32 registers; a fixed-order
 // shared-memory reduction gives y[t][H] (fp32) deterministically: no atomics, no partial buffers.
 template <int KIND, int IE, int H, int E, int TOPK, int NW, int KSD, int MMAX, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__ gscale,
@@ -191,94 +181,51 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x, group = warp / KSD, kp = warp % KSD;
   const int s0 = kp * STEPS / KSD, s1 = (kp + 1) * STEPS / KSD;
-  // The warp's work is one stream of (leader slot, step) items: its leaders (slots group, group + NG, ...) in
-  // order, each over steps s0..s1-1. Weights are prefetched PF items ahead across leader boundaries, so the
-  // next expert's first loads are in flight while this one finishes (a restart per leader left ~1 memory
-  // latency idle per expert: ~10 experts a warp at 16 tokens). Accumulation order is that of the slot loop.
-  auto next_leader = [&](int slot) {
-    while (slot < nslots && !lead[slot]) slot += NG;
-    return slot;
-  };
   float tot[2][4] = {};
-  if (s0 < s1) {
-    int pslot = next_leader(group), pstep = s0;  // the next item to load
-    auto load_next = [&](WStep<KIND>& st) {
-      if (pslot >= nslots) return;
-      const int e = __ldg(ids + pslot);
-      load_step<KIND, H, IE>(st, WPtr{p.w + e * EW, p.s + e * ES}, unit, pstep, lane);
-      if (++pstep == s1) { pstep = s0; pslot = next_leader(pslot + NG); }
-    };
-    WStep<KIND> ring[PF];
-#pragma unroll
-    for (int i = 0; i < PF; ++i) load_next(ring[i]);
-    int cslot = next_leader(group), cstep = s0;  // the item being computed
-    int e = 0;
+  for (int slot = group; slot < nslots; slot += NG) {
+    if (!lead[slot]) continue;
+    const int e = __ldg(ids + slot);
     const __half* row0 = nullptr;
     const __half* row1 = nullptr;
     float w0 = 0.f, w1 = 0.f;
-    float acc[2][4];
-    while (cslot < nslots) {
 #pragma unroll
-      for (int i = 0; i < PF; ++i) {
-        if (cslot >= nslots) break;
-        if (cstep == s0) {  // a new leader: its expert, the gathered rows of the tokens that chose it
-          e = __ldg(ids + cslot);
-          row0 = row1 = nullptr;
-          w0 = w1 = 0.f;
+    for (int k = 0; k < TOPK; ++k) {
+      if (gid < m && __ldg(ids + gid * TOPK + k) == e) {
+        row0 = act + (size_t)(gid * TOPK + k) * IE;
+        w0 = __ldg(wts + gid * TOPK + k);
+      }
+      if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) {
+        row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
+        w1 = __ldg(wts + (gid + 8) * TOPK + k);
+      }
+    }
+    const WPtr pe{p.w + e * EW, p.s + e * ES};
+    float acc[2][4] = {};
+    unit_steps<KIND, H, IE, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
+    const float* gs = gscale + (size_t)e * (H / 8);
+    if constexpr (SWAP) {
+      // C[row][token]: tokens 2*t4, 2*t4+1 need their own routing weights for expert e
+      float wt[2] = {0.f, 0.f};
 #pragma unroll
-          for (int k = 0; k < TOPK; ++k) {
-            if (gid < m && __ldg(ids + gid * TOPK + k) == e) {
-              row0 = act + (size_t)(gid * TOPK + k) * IE;
-              w0 = __ldg(wts + gid * TOPK + k);
-            }
-            if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) {
-              row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
-              w1 = __ldg(wts + (gid + 8) * TOPK + k);
-            }
-          }
+      for (int c = 0; c < 2; ++c) {
+        const int tok = 2 * t4 + c;
 #pragma unroll
-          for (int t = 0; t < 2; ++t)
+        for (int k = 0; k < TOPK; ++k)
+          if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
+      }
+      const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
+      tot[0][0] = fmaf((acc[0][0] + acc[1][0]) * f0, wt[0], tot[0][0]);
+      tot[0][1] = fmaf((acc[0][1] + acc[1][1]) * f0, wt[1], tot[0][1]);
+      tot[0][2] = fmaf((acc[0][2] + acc[1][2]) * f1, wt[0], tot[0][2]);
+      tot[0][3] = fmaf((acc[0][3] + acc[1][3]) * f1, wt[1], tot[0][3]);
+    } else {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[t][c] = 0.f;
-        }
-        AStep a;
-        load_a<TWO>(a, row0, row1, cstep, t4);
-        const WStep<KIND> cur = ring[i];
-        load_next(ring[i]);
-        uint32_t b[2][4][2];
-        decode_step<KIND>(cur, b);
-        if constexpr (SWAP) mma_step_swap(acc, a, b);
-        else mma_step<TWO>(acc, a, b);
-        if (++cstep < s1) continue;
-        // the leader's last step: fold its product into the tokens' sums (scale, routing weight)
-        const float* gs = gscale + (size_t)e * (H / 8);
-        if constexpr (SWAP) {
-          // C[row][token]: tokens 2*t4, 2*t4+1 need their own routing weights for expert e
-          float wt[2] = {0.f, 0.f};
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int tok = 2 * t4 + c;
-#pragma unroll
-            for (int k = 0; k < TOPK; ++k)
-              if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
-          }
-          const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
-          tot[0][0] = fmaf((acc[0][0] + acc[1][0]) * f0, wt[0], tot[0][0]);
-          tot[0][1] = fmaf((acc[0][1] + acc[1][1]) * f0, wt[1], tot[0][1]);
-          tot[0][2] = fmaf((acc[0][2] + acc[1][2]) * f1, wt[0], tot[0][2]);
-          tot[0][3] = fmaf((acc[0][3] + acc[1][3]) * f1, wt[1], tot[0][3]);
-        } else {
-#pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            const float f = tile_factor<KIND>(gs, 2 * unit + t);
-            tot[t][0] = fmaf(acc[t][0] * f, w0, tot[t][0]);
-            tot[t][1] = fmaf(acc[t][1] * f, w0, tot[t][1]);
-            tot[t][2] = fmaf(acc[t][2] * f, w1, tot[t][2]);
-            tot[t][3] = fmaf(acc[t][3] * f, w1, tot[t][3]);
-          }
-        }
-        cstep = s0;
-        cslot = next_leader(cslot + NG);
+      for (int t = 0; t < 2; ++t) {
+        const float f = tile_factor<KIND>(gs, 2 * unit + t);
+        tot[t][0] = fmaf(acc[t][0] * f, w0, tot[t][0]);
+        tot[t][1] = fmaf(acc[t][1] * f, w0, tot[t][1]);
+        tot[t][2] = fmaf(acc[t][2] * f, w1, tot[t][2]);
+        tot[t][3] = fmaf(acc[t][3] * f, w1, tot[t][3]);
       }
     }
   }
