@@ -118,8 +118,18 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   if (slot >= m * TOPK) return;
   const int e = __ldg(ids + slot);
   if (e < 0 || e >= E) return;
-  for (int i = 0; i < slot; ++i)
-    if (__ldg(ids + i) == e) return;  // not the leader of this expert
+  // not the leader of this expert when an earlier slot names it: the block's threads check the earlier slots
+  // together (one barrier), where one serial scan cost ~64 dependent loads before any weight load (16 tokens:
+  // 99.9 -> 85.2 us a layer)
+  // (one token: at most 7 earlier slots, which a serial scan checks sooner than a barrier: 9.6 vs 9.9 us)
+  if constexpr (MMAX == 1) {
+    for (int i = 0; i < slot; ++i)
+      if (__ldg(ids + i) == e) return;
+  } else {
+    bool dup = false;
+    for (int i = threadIdx.x; i < slot; i += KS * 32) dup |= __ldg(ids + i) == e;
+    if (__syncthreads_or(dup)) return;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
@@ -164,16 +174,25 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
   __shared__ float red[NW][MR][16];
   __shared__ int lead[SLOTS];
+  __shared__ int first[E];  // the first slot naming each expert
   pdl_launch_dependents();
   pdl_wait();
   m = m < MMAX ? m : MMAX;
   const int nslots = m * TOPK;
+  // a slot leads when it is the first naming its expert: one shared-memory atomicMin per slot (a serial scan of
+  // the earlier slots per thread took up to 127 dependent loads before any weight load)
+  for (int i = threadIdx.x; i < E; i += NW * 32) first[i] = SLOTS;
+  __syncthreads();
+  for (int i = threadIdx.x; i < nslots; i += NW * 32) {
+    const int e = __ldg(ids + i);
+    if (e >= 0 && e < E) atomicMin(first + e, i);
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < SLOTS; i += NW * 32) {
     int ok = 0;
     if (i < nslots) {
       const int e = __ldg(ids + i);
-      ok = e >= 0 && e < E;
-      for (int j = 0; j < i && ok; ++j) ok = __ldg(ids + j) != e;
+      ok = e >= 0 && e < E && first[e] == i;
     }
     lead[i] = ok;
   }
