@@ -82,7 +82,7 @@ class Copy2D:
 
 # THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
 # per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
-ROWWISE_SPLITS = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
+ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
 
 @dataclass
 class Op:
@@ -96,20 +96,19 @@ class Op:
 
 
 def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, int]:
-    """Launch grid for `rows` rows (the manifest's grid is sized for the kernel's maximum)."""
+    """Launch grid for `rows` rows, by the planner's rules in the manifest (codegen/families/__init__.py): the
+    manifest's grid is sized for the kernel's maximum; ROW_AXIS kernels loop rows grid-stride (no more blocks than
+    rows); ROW_GRID (axis, mul, div) kernels need ceil(rows * mul / div) blocks on that axis; a rowwise launch
+    (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2."""
     g, p = list(e.grid), e.params
-    if "ROW_AXIS" in p:  # row kernels loop rows grid-stride: no more blocks than rows
+    if "ROW_AXIS" in p:
         g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
-    elif e.template.startswith("moe_gateup"):  # one block row per (token, top-k slot)
-        g[1] = rows * int(p["topk"])
-    elif e.template.startswith("attn_fwd"):  # query blocks of 16*mt/G queries; rowwise: a block per query
-        g[0] = rows if rowwise else -(-rows // (16 * int(p["mt"]) // (int(p["hq"]) // int(p["hkv"]))))
-        if rowwise and p.get("rowwise_splits") and ROWWISE_SPLITS:  # the planner's key splits for this many rows
-            g[2] = int(p["rowwise_splits"][rows - 1])
-    elif e.template.startswith("attn_combine"):
-        g[0] = rows * int(p["hq"])
-    elif "bm" in p:  # prefill GEMM: BM-row blocks
-        g[1] = -(-rows // int(p["bm"]))
+    rule = p.get("ROWWISE_GRID" if rowwise else "ROW_GRID")
+    if rule:
+        axis, mul, div = (int(v) for v in rule)
+        g[axis] = -(-rows * mul // div)
+    if rowwise and p.get("ROWWISE_SPLITS") and ROWWISE_SPLITS_ON:
+        g[2] = int(p["ROWWISE_SPLITS"][rows - 1])
     return g[0], g[1], g[2]
 
 

@@ -73,11 +73,11 @@ class KernelEmulator(LogitsKernels):
         need = []
         if t.startswith("attn_fwd"):
             qb = 1 if a.get("rowwise") else 16 * p["mt"] // (p["hq"] // p["hkv"])  # queries per block
-            # rowwise (batched) launches may run fewer splits (the planner's rowwise_splits); the others all
+            # rowwise (batched) launches may run fewer splits (the planner's ROWWISE_SPLITS); the others all
             need = [(0, -(-rows // qb)), (1, p["hkv"]), (2, 1 if a.get("rowwise") else p["nsplit"])]
-            if a.get("rowwise") and p.get("rowwise_splits") and g[2] != p["rowwise_splits"][rows - 1]:
+            if a.get("rowwise") and p.get("ROWWISE_SPLITS") and g[2] != p["ROWWISE_SPLITS"][rows - 1]:
                 raise EmuError(f"a rowwise launch of {rows} rows with {g[2]} key splits; the plan says "
-                               f"{p['rowwise_splits'][rows - 1]}")
+                               f"{p['ROWWISE_SPLITS'][rows - 1]}")
         elif t.startswith("attn_combine"):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):

@@ -153,7 +153,7 @@ def test_split_merge_matches_its_partials(runner):
 def test_attention_rowwise_lanes(runner):
     """Batched decode (rowwise): query i is its own sequence's token at position p_i in KV lane lanes[i] of a
     cache holding several lanes; each row equals the reference over its own lane, at every split count the launch
-    may use (gridDim.z <= nsplit: the planner's rowwise_splits for m rows, one, and all). The other lanes' slots and
+    may use (gridDim.z <= nsplit: the planner's ROWWISE_SPLITS for m rows, one, and all). The other lanes' slots and
     each lane's unread slots are NaN, so reading another sequence's keys fails."""
     failures = []
     tiny = runner.spec.name == "tiny"
@@ -190,7 +190,7 @@ def test_attention_rowwise_lanes(runner):
                 outputs["counters"] = ((kern.param("cnt_words"),), np.uint32)
             ns = kern.param("nsplit")
             # every split count a launch may use: the planner's for m rows, one, and the most
-            for z in sorted({1, ns, kern.param("rowwise_splits")[m - 1]} if ns > 1 else {1}):
+            for z in sorted({1, ns, kern.param("ROWWISE_SPLITS")[m - 1]} if ns > 1 else {1}):
                 got = runner.run_seq([(kern, (m, hkv, z))], inputs, outputs)
                 if "counters" in got and got["counters"].any():
                     failures.append(f"{kern.name} splits={z}: counters not left zeroed")

@@ -378,9 +378,12 @@ def test_launch_grid_rules():
         return KernelEntry("k", Path("k.cubin"), "k", "f", grid, (128, 1, 1), 0, (), params, template)
     assert _grid(entry((512, 1, 1), {"ROW_AXIS": 0}), 3) == (3, 1, 1)
     assert _grid(entry((128, 16, 1), {"ROW_AXIS": 1}), 1) == (128, 1, 1)
-    assert _grid(entry((88, 128, 1), {"topk": 8}, "moe_gateup.cu.j2"), 2) == (88, 16, 1)
-    assert _grid(entry((11, 1, 1), {"bm": 64}), 130) == (11, 3, 1)
-    assert _grid(entry((176, 1, 1), {}), 1) == (176, 1, 1)
+    assert _grid(entry((88, 128, 1), {"ROW_GRID": (1, 8, 1)}), 2) == (88, 16, 1)  # moe_gateup: rows x top-k
+    assert _grid(entry((11, 8, 1), {"ROW_GRID": (1, 1, 64)}), 130) == (11, 3, 1)  # prefill GEMM: 64-row blocks
+    attn = entry((1, 8, 32), {"ROW_GRID": (0, 1, 16), "ROWWISE_GRID": (0, 1, 1), "ROWWISE_SPLITS": (32, 16, 8, 8)})
+    assert _grid(attn, 3) == (1, 8, 32) and _grid(attn, 17) == (2, 8, 32)  # query blocks of 16, every split
+    assert _grid(attn, 3, rowwise=True) == (3, 8, 8)  # a block per query, the planner's splits for 3 rows
+    assert _grid(entry((176, 1, 1), {}), 1) == (176, 1, 1)  # no rule: the planned grid
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gemma-4-26b-a4b"])

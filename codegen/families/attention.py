@@ -75,13 +75,13 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         name = (f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}" + (f"_s{ns}" if ns > 1 else "")
                 + (f"_t{tk}" if tk != TK else ""))
         gx, nsub = math.ceil(mmax / qb), nsub_for(ns)
-        # a batched decode step (rowwise: a block per query) of r rows launches rowwise_splits[r - 1] <= ns splits
+        # a batched decode step (rowwise: a block per query) of r rows launches ROWWISE_SPLITS[r - 1] <= ns splits
         rowwise = tuple(_rowwise_splits(r, hkv, ns, smem, arch) for r in range(1, mmax + 1)) if what == "dec" else ()
+        rules = dict(ROW_GRID=(0, 1, qb), ROWWISE_GRID=(0, 1, 1)) | (dict(ROWWISE_SPLITS=rowwise) if rowwise else {})
         require(ns % nsub == 0, f"attention {role}: {nsub} merge subgroups must divide {ns} splits")
         # workspace: the splits' partials (O [D] + (max, sum) per row) then the level-1 merged parts
         out.append(KernelSpec(name, "attn_fwd.cu.j2",
-                              make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx,
-                                          rowwise_splits=rowwise,
+                              make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx, **rules,
                                           ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
                                           # one merge group per (query block, KV head); rowwise (batched
                                           # decode) launches have a block per query, up to mmax of them
@@ -91,7 +91,7 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         if ns > 1:
             threads = min(d, 256)
             out.append(KernelSpec(f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}", "attn_combine.cu.j2",
-                                  make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads),
+                                  make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads, ROW_GRID=(0, hq, 1)),
                                   grid=(mmax * hq, 1, 1), block=(threads, 1, 1), args=COMBINE_ARGS,
                                   family="attention"))
     return out

@@ -106,6 +106,7 @@ def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None
     args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
     return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
                       make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, bm=LARGE_BM, nwarp=nwarp,
+                                  ROW_GRID=(1, 1, LARGE_BM),
                                   stages=LARGE_STAGES, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
                                   act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch)),
                       grid=(units // nwarp, math.ceil(mmax / LARGE_BM), 1), block=(32 * nwarp, 1, 1),

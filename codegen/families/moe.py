@@ -47,7 +47,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE, swap=mmax <= 8)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, **common), grid=(units_gu, mmax * topk, 1), block=(32 * ks, 1, 1),
+                        make_params(ks=ks, pf=pf, ROW_GRID=(1, topk, 1), **common), grid=(units_gu, mmax * topk, 1),
+                        block=(32 * ks, 1, 1),
                         args=GATEUP_ARGS, family="moe")
     steps_d = ie // TILE_K
     units_d = h // TILE_N
