@@ -1,11 +1,14 @@
 """Codegen stage: manifest.json, the plain-JSON contract that ties built cubins to a spec hash and an arch.
 
-The runtime reads this file with `json` alone (it never imports codegen). Schema (MANIFEST_SCHEMA = 1):
-  {"schema": 1, "model": str, "spec_hash": str, "arch": str, "nvcc": str, "flags": [str],
+The runtime reads this file with `json` alone (it never imports codegen). Schema (model_spec/conventions.py
+MANIFEST_SCHEMA = 2):
+  {"schema": 2, "model": str, "spec_hash": str, "arch": str, "nvcc": str, "flags": [str],
    "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, pdl, ring_slots: {window: slots}},
    "kernels": {name: {"cubin": file name beside manifest.json, "entry": extern "C" symbol, "family", "template",
                       "grid": [x,y,z], "block": [x,y,z], "smem_bytes": dynamic smem, "args": [names in order],
-                      "params": {constants}, "registers", "spills", "static_smem_bytes"}}}
+                      "params": {constants, with the launch-grid rules ROW_AXIS / ROW_GRID / ROWWISE_GRID /
+                                 ROWWISE_SPLITS (codegen/families/__init__.py)}, "access": {arg: "r" | "w" | "rw"},
+                      "registers", "spills", "static_smem_bytes"}}}
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..model_spec.conventions import MANIFEST_SCHEMA
 from ..model_spec.types import ModelSpec
 from . import families
 from .arch import ArchSpec
@@ -20,7 +24,6 @@ from .kernel_spec import KernelSpec
 from .nvcc import PtxasInfo
 from .render import arg_access
 
-MANIFEST_SCHEMA = 1
 MANIFEST_NAME = "manifest.json"
 
 

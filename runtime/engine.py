@@ -143,13 +143,11 @@ class Engine:
         qmax = max(t.num_attention_heads * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
         kmax = max(t.layer_kv_heads(l) * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
         kernels = self.manifest.kernels.values()
-        ws = max([int(k.params.get("ws_floats", 0)) for k in kernels if k.template.startswith("attn_fwd")] + [1])
-        sws = max([int(k.params.get("WS_ROW_BYTES", 0)) for k in kernels] + [1])
-        # split-K attention's merge counters (one buffer: attention launches never overlap); zeroed below, kept so
-        acnt = max([int(k.params.get("cnt_words", 0)) for k in kernels if k.template.startswith("attn_fwd")] + [1])
-        # grouped MoE (prefill chunks): the plan kernel writes every entry of its tile list (sized by the planner)
-        tiles = max([int(k.params.get("max_tiles", 0)) for k in kernels if k.template == "moe_grouped_plan.cu.j2"]
-                    + [1])
+        # workspaces, sized by the planner's params (whichever kernels declare them): split-K attention's partials
+        # (ws_floats) and merge counters (cnt_words: one buffer, attention launches never overlap; zeroed below,
+        # kept so), the logits kernels' per-row workspace, the grouped MoE's tile list (every entry written)
+        ws, sws, acnt, tiles = (max([int(k.params.get(n, 0)) for k in kernels] + [1])
+                                for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles"))
         p = ArenaPlan("activations")
         for name, shape, dt in (
                 ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),

@@ -17,11 +17,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..model_spec.conventions import MANIFEST_SCHEMA
 from .backend import BackendError
 from .device import CudaError, Device, Stream, check, driver
 from .memory import DeviceBuffer
 
-MANIFEST_SCHEMA = 1  # codegen/manifest.py MANIFEST_SCHEMA this runtime understands
 MANIFEST_NAME = "manifest.json"
 _NO_BINARY_FOR_GPU = 209  # CUDA_ERROR_NO_BINARY_FOR_GPU
 _DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory

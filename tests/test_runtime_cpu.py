@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec import get_preset
+from thorgen.model_spec.conventions import MANIFEST_SCHEMA
 from thorgen.runtime import device as dev
 from thorgen.runtime.backend import BackendError
 from thorgen.runtime.graphs import CudaGraph
@@ -205,7 +206,7 @@ def test_capture_error_ends_capture_and_reraises(fake):
 # ---- manifest / modules ------------------------------------------------------------------------------------------
 
 def _manifest(tmp_path, **over):
-    m = {"schema": 1, "model": "tiny", "spec_hash": "ab" * 32, "arch": "sm_90a", "conventions": {},
+    m = {"schema": MANIFEST_SCHEMA, "model": "tiny", "spec_hash": "ab" * 32, "arch": "sm_90a", "conventions": {},
          "kernels": {"k1": {"cubin": "k1.cubin", "entry": "k1", "family": "norms", "grid": [1, 1, 1],
                             "block": [256, 1, 1], "smem_bytes": 0, "args": ["x", "n"], "params": {"h": 256}}}}
     m.update(over)
