@@ -218,3 +218,23 @@ def test_model_dir_spec_matches_preset(tmp_path: Path) -> None:
     assert load_model_spec(tmp_path, None).spec_hash == spec.spec_hash
     r = CliRunner().invoke(build, ["--arch", "sm_90a", "--model", str(tmp_path / "nope")])
     assert r.exit_code != 0 and "config.json not found" in r.output
+
+
+def test_batched_attention_splits_fill_one_wave() -> None:
+    """The planner's key splits for a batched (rowwise) attention launch of r rows: the largest power of two, at most
+    the kernel's own split count, whose r x KV heads x splits blocks fit the SMs in one wave (H200: 132 SMs, two
+    sliding-layer blocks or one full-layer block resident by shared memory)."""
+    from thorgen.codegen.families.attention import plan_attention
+
+    arch = get_arch("sm_90a")
+    dec = {k.name.split("__")[1][:5]: k for k in plan_attention(get_preset("gemma-4-26b-a4b"), arch)
+           if k.name.startswith("attn_dec__tgt_") and k.param("kv_dtype") == "bf16"}
+    sliding, full = dec["tgt_s"], dec["tgt_f"]
+    assert sliding.param("ROWWISE_SPLITS")[:16:7] == (32, 4, 2) and sliding.param("nsplit") == 32
+    assert full.param("ROWWISE_SPLITS")[:16:7] == (64, 8, 4) and full.param("nsplit") == 64
+    for k, resident in ((sliding, 2), (full, 1)):
+        for rows, ns in enumerate(k.param("ROWWISE_SPLITS"), 1):
+            blocks = rows * k.param("hkv") * ns
+            assert ns & (ns - 1) == 0 and (blocks <= arch.sm_count * resident or ns == 1)
+            assert ns == k.param("nsplit") or 2 * blocks > arch.sm_count * resident
+        assert k.param("ROWWISE_GRID") == (0, 1, 1)  # a block per query
