@@ -222,8 +222,9 @@ def _text(r: dict) -> str:
     if r.get("peer"):
         p = r["peer"]
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
-                     f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): {p['decode_tok_s']:.2f} tok/s, TTFT "
-                     f"{p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its decode, its TTFT / ours {p['ttft_ratio']}x")
+                     f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): "
+                     f"{p['decode_tok_s']:.2f} tok/s, TTFT {p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its "
+                     f"decode, its TTFT / ours {p['ttft_ratio']}x")
     if r.get("speculative"):
         s = r["speculative"]
         lines.append(f"  speculative     {s['spec_tok_s']} tok/s (median), tau {s['tau']}, step {s['step_ms']} ms "

@@ -13,7 +13,6 @@ that forward (`Missing`).
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +25,9 @@ from .modules import KernelEntry, KernelManifest, Ptr
 
 NULL = Ptr(0)
 MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
+# THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
+# per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
+ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
 
 
 class Pointers(Protocol):
@@ -79,10 +81,6 @@ class Copy2D:
     width: int
     height: int
 
-
-# THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
-# per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
-ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
 
 @dataclass
 class Op:

@@ -43,7 +43,8 @@ class KernelEntry:
     args: tuple[str, ...]
     params: dict
     template: str = ""
-    # arg -> "r" (a pointer the kernel only reads), "w" (one it writes), "v" (a value); {} in older manifests
+    # arg -> "r" (a pointer the kernel only reads), "w" (one it writes), "v" (a value); {}: the manifest gave
+    # none (the dataflow checks refuse such a kernel)
     access: dict = field(default_factory=dict)
 
     def param(self, key: str) -> Any:

@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Callable
 
 from ...model_spec.conventions import MAX_STEP_TOKENS
+
 ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
 Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
