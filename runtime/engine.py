@@ -151,8 +151,7 @@ class Engine:
         p = ArenaPlan("activations")
         for name, shape, dt in (
                 ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
-                ("qkv", (R, qmax + 2 * kmax), "f32"), ("q_raw", (R, qmax), "f32"), ("k_raw", (R, kmax), "f32"),
-                ("v_raw", (R, kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
+                ("qkv", (R, qmax + 2 * kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
                 ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
                 ("mlp", (R, H), "f32"), ("moe_act", (MOE_SLICE * K, t.moe_intermediate_size), "f16"),
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),

@@ -3,8 +3,8 @@
 `Forward.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
 q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the router
 (logits + top-k in one launch), the M=1 MoE pair; for more rows attention + a combine launch and the router pair;
-for a prefill chunk the fused q|k|v prefill GEMM whose [T, q|k|v] rows are split into the [T, heads*D] arrays
-rope_kv reads by strided device copies (`Copy2D`), the prefill attention, and the MoE pair on 16-row slices.
+for a prefill chunk the fused q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill
+attention, and the grouped MoE kernels.
 Kernels are found by template + constants, never by name; pointers come from a `Pointers` object (the engine's
 buffers, or placeholders while probing which kernels exist). A missing kernel is recorded in `missing` and aborts
 that forward (`Missing`).
@@ -28,6 +28,9 @@ MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
 # THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
 # per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
 ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
+# THORGEN_MOE_PAIRS=0: 16-row steps run moe_down (a block per unit walks every expert) instead of moe_down_pairs +
+# the combine (codegen/families/moe.py), for the ablation
+MOE_PAIRS_ON = os.environ.get("THORGEN_MOE_PAIRS", "1") != "0"
 
 
 class Pointers(Protocol):
@@ -274,14 +277,8 @@ class Forward:
         qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
         n_qkv = nq + nk * (2 if has_v else 1)
         ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv")))
-        base = A("qkv").address
-        if rows == 1:  # the single output row is q | k | v: point rope_kv into it
-            q_raw, k_raw, v_raw = Ptr(base), Ptr(base + 4 * nq), Ptr(base + 4 * (nq + nk)) if has_v else NULL
-        else:  # rope_kv reads [T, heads*D] arrays: split the [T, q|k|v] rows with strided copies
-            q_raw, k_raw, v_raw = A("q_raw"), A("k_raw"), A("v_raw") if has_v else NULL
-            parts = (("q", q_raw, 0, nq), ("k", k_raw, nq, nk)) + ((("v", v_raw, nq + nk, nk),) if has_v else ())
-            for name, dst, off, width in parts:
-                ops.append(Copy2D(f"{p}split_{name}", Ptr(base + 4 * off), 4 * n_qkv, dst, 4 * width, 4 * width, rows))
+        base = A("qkv").address  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
+        q_raw, k_raw, v_raw = Ptr(base), Ptr(base + 4 * nq), Ptr(base + 4 * (nq + nk)) if has_v else NULL
         window = t.layer_window(l) or 0
         ring = ring_slots(window, self.manifest.conventions) if window else 0
         rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
@@ -291,7 +288,8 @@ class Forward:
                                                 q_norm_w=W(f"{p}self_attn.q_norm.weight"),
                                                 k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
                                                 q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
-                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), T=rows), rows))
+                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), q_stride=n_qkv,
+                                                kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
@@ -364,7 +362,9 @@ class Forward:
         if rows == 1:
             rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
-        rl = need(self.find("router_logits.cu.j2", "router logits", H=t.hidden_size, E=E))
+        wide = rows > LM_ROWS  # a prefill chunk: the blocking for many rows
+        rl = need(self.find("router_logits.cu.j2", f"router logits m<={self.max_rows if wide else LM_ROWS}",
+                            H=t.hidden_size, E=E, mmax=self.max_rows if wide else LM_ROWS))
         tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
         return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
                 Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
@@ -379,8 +379,8 @@ class Forward:
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int) -> list[Op]:
-        """The MoE of layer l: the M=1 / M=16 pair for up to 16 rows (16-row slices are never needed then); the
-        grouped kernels above that: plan (pairs grouped by expert, tile list), gate/up and down over the tiles
+        """The MoE of layer l: for one row the M=1 gate/up + down; up to 16 rows (a batched step: 16-row slices) the
+        M=16 gate/up, the down into pair rows and their combine; the grouped kernels above that: plan (pairs grouped by expert, tile list), gate/up and down over the tiles
         (each expert's weights read once per chunk), combine of each row's slots -> moe [rows, H]."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
@@ -409,7 +409,12 @@ class Forward:
         mmax = 1 if rows == 1 else MOE_SLICE
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
-        down = need(self.find("moe_down.cu.j2", f"MoE down m<={mmax}", **common))
+        pairs = mmax > 1 and MOE_PAIRS_ON  # the down per (unit, expert) into pair rows, then their sum per token
+        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
+        comb = need(self.find("moe_grouped_combine.cu.j2", "MoE pair combine", h=t.hidden_size,
+                              experts=t.num_experts, topk=K)) if pairs else None
+        dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
+                  gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
         ops = []
         for r0 in range(0, rows, mmax):
             n = min(mmax, rows - r0)
@@ -417,8 +422,12 @@ class Forward:
                 w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
                 gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
                 act=A("moe_act"), m=n), n))
-            ops.append(Op(f"layers.{l}.moe_down", down, dict(
-                w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
-                gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"), ids=A("topk_idx", r0),
-                wts=A("topk_w", r0), y=A("moe", r0), m=n), n))
+            if comb is None:
+                ops.append(Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0),
+                                                                y=A("moe", r0), m=n), n))
+                continue
+            ops.append(Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0),
+                                                            ypair=A("moe_pair_out"), m=n), n))
+            ops.append(Op(f"layers.{l}.moe_combine", comb, dict(ypair=A("moe_pair_out"), ids=A("topk_idx", r0),
+                                                                y=A("moe", r0), T=n), n))
         return ops

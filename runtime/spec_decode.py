@@ -87,11 +87,12 @@ class DraftForward:
                                   THETA=float(d.rope_theta)))
 
     def _rope_op(self, l: int, rows: int, has_q: bool, q_raw, q_out) -> Op:
-        A, W, p = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn."
+        A, W, p, d = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn.", self.spec.drafter
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
             q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
             k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
-            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0, T=rows),
+            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0,
+            q_stride=d.num_attention_heads * d.head_dim, kv_stride=d.num_key_value_heads * d.head_dim, T=rows),
                   rows)  # the drafter context has one lane (the sequence that owns it)
 
     def ctx_ops(self, rows: int) -> list[Op]:

@@ -82,6 +82,8 @@ class KernelEmulator(LogitsKernels):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
             need = [(0, 2 * p["ie"] // 16), (1, rows * p["topk"])]
+        elif t.startswith("moe_down_pairs"):
+            need = [(0, p["h"] // 16), (1, rows * p["topk"])]
         elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
@@ -165,9 +167,12 @@ class KernelEmulator(LogitsKernels):
     def k_rope_kv(self, p, a, n):
         T, HQ, HKV, D = a["T"], p["HQ"], p["HKV"], p["D"]
         pos = self.v(a["positions"], np.int32, T, "positions").copy()
-        q_raw = self.v(a["q_raw"], np.float32, (T, HQ * D), "q_raw") if p["HAS_Q"] else None
-        k_raw = self.v(a["k_raw"], np.float32, (T, HKV * D), "k_raw")
-        v_raw = None if p["V_FROM_K"] else self.v(a["v_raw"], np.float32, (T, HKV * D), "v_raw")
+        def rows(name, width, stride):  # token t's inputs: `width` floats at t * stride (q|k|v rows read in place)
+            return np.stack([self.v(a[name] + 4 * t * stride, np.float32, width, name) for t in range(T)])
+
+        q_raw = rows("q_raw", HQ * D, a["q_stride"]) if p["HAS_Q"] else None
+        k_raw = rows("k_raw", HKV * D, a["kv_stride"])
+        v_raw = None if p["V_FROM_K"] else rows("v_raw", HKV * D, a["kv_stride"])
         q, k, v = RK.rope_kv_ref(q_raw, k_raw, v_raw, self.v(a["q_norm_w"], np.uint16, D),
                                  self.v(a["k_norm_w"], np.uint16, D), pos, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
                                  theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
@@ -344,6 +349,21 @@ class KernelEmulator(LogitsKernels):
             for k in range(K):
                 y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
         self.v(a["y"], np.float32, (m, h), "y")[:] = y
+
+    def k_moe_down_pairs(self, p, a, n):
+        """Every valid slot's routing-weighted expert output into its pair row (the combine sums them)."""
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)
+        ypair = self.v(a["ypair"], np.float32, (m * K, h), "ypair")
+        shadow = self._pair_rows[a["ypair"]] = {}  # float64 rows by pair index, for the combine
+        for t in range(m):
+            for k in range(K):
+                if 0 <= ids[t, k] < p["experts"]:
+                    row = wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
+                    ypair[t * K + k] = RK.store(row, "f32")
+                    shadow[t * K + k] = row
 
     # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile -> combine in slot order
     def k_moe_grouped_plan(self, p, a, n):

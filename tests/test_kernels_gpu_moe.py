@@ -98,6 +98,15 @@ def test_moe(runner, experts, m, pool):
     y2 = runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     np.testing.assert_array_equal(y, runner.run(down, dict(dn, act=act16), {"y": ((m, h), np.float32)})["y"])
     assert R.norm_err(y2, R.moe_down_ref(act, ids, wts, downs)) <= R.TOL_MOE_OUT
+    if mmax > 1:  # the down per (unit, expert): every slot's weighted row, which the combine sums in slot order
+        (pk,) = runner.find(f"moe_down_pairs__m{mmax}_")
+        pairs = runner.run(pk, dict(dn, act=act16, ypair=np.full((m * topk, h), np.nan, np.float32)),
+                           {"ypair": ((m * topk, h), np.float32)}, grid=(pk.grid[0], m * topk, 1))["ypair"]
+        flat_ids, flat_w = ids.reshape(-1), wts.reshape(-1)
+        ref = np.stack([flat_w[i] * (downs[e] @ act16[i].astype(np.float64)) for i, e in enumerate(flat_ids)])
+        err = R.norm_err(pairs, ref)
+        assert err <= R.TOL_MOE_OUT, f"{pk.name} m={m}: pair rows error {err:.2e}"
+        assert R.norm_err(pairs.reshape(m, topk, h).astype(np.float64).sum(axis=1), y_ref) <= R.TOL_MOE_OUT
 
 
 def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):

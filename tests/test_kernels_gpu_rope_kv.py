@@ -38,8 +38,13 @@ def test_rope_kv(runner, far):
         v_raw = rng.normal(0, 2, (T, HKV * D)).astype(np.float32)
         q_w, k_w = (f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)) for _ in range(2))
         kv_t, q_t = p["KV"], p["Q"]
-        inputs = {"q_raw": q_raw, "k_raw": k_raw, "v_raw": v_raw, "q_norm_w": q_w, "k_norm_w": k_w,
-                  "positions": positions, "T": np.int32(T)}
+        # near: each token's inputs sit in a wider row (the target reads its q|k|v GEMM rows in place), the rest
+        # of the row NaN, so a kernel that ignores the strides fails; far: packed rows
+        pad = 0 if far else 96
+        strided = [np.concatenate([a, np.full((T, pad), np.nan, np.float32)], axis=1) for a in (q_raw, k_raw, v_raw)]
+        inputs = {"q_raw": strided[0], "k_raw": strided[1], "v_raw": strided[2], "q_norm_w": q_w, "k_norm_w": k_w,
+                  "positions": positions, "q_stride": np.int32(HQ * D + pad), "kv_stride": np.int32(HKV * D + pad),
+                  "T": np.int32(T)}
         outputs = {"k_cache": ((cap, HKV, D), R.np_dtype(kv_t)), "v_cache": ((cap, HKV, D), R.np_dtype(kv_t))}
         if p["HAS_Q"]:
             outputs["q_out"] = ((T, HQ, D), R.np_dtype(q_t))

@@ -34,10 +34,18 @@ def _outputs(T, E, K):
     return {"logits": ((T, E), np.float32), "topk_idx": ((T, K), np.int32), "topk_w": ((T, K), np.float32)}
 
 
-@pytest.mark.parametrize("T", [1, 7])
-def test_router(runner, T):
+def _small_logits(runner):
+    """The router_logits blocking for up to 16 rows (the fused kernel's pair)."""
+    (lk,) = [k for k in runner.find("router_logits__") if k.param("mmax") == 16]
+    return lk
+
+
+@pytest.mark.parametrize("T", [1, 7, 40])
+@pytest.mark.parametrize("blocking", ["small", "prefill"])
+def test_router(runner, T, blocking):
+    """Each router_logits blocking (2 experts a block up to 16 rows, 16 a block for prefill chunks) + top-k."""
     rng = np.random.default_rng(21 + T)
-    (lk,) = runner.find("router_logits__")
+    (lk,) = [k for k in runner.find("router_logits__") if (k.param("mmax") == 16) == (blocking == "small")]
     (tk,) = runner.find("router_topk__")
     H, E, K = lk.param("H"), lk.param("E"), tk.param("K")
     inp = _inputs(rng, H, E, T)
@@ -62,7 +70,7 @@ def test_router_fused_bit_identical_to_pair(runner, T, rows_per_block):
     zero after the first launch, or the second would pick a wrong last block), outputs poisoned beforehand."""
     rng = np.random.default_rng(500 + T)
     (fu,) = runner.find("router_fused__")
-    (lk,) = runner.find("router_logits__")
+    lk = _small_logits(runner)
     (tk,) = runner.find("router_topk__")
     H, E, K = fu.param("H"), fu.param("E"), fu.param("K")
     assert (lk.param("H"), lk.param("E"), tk.param("K")) == (H, E, K)

@@ -407,12 +407,14 @@ def test_forward_schedule_binds_every_planned_kernel(preset, tmp_path):
         for rows in (1, 7, 16, 17, man.conventions["max_step_tokens"]):
             from thorgen.runtime.forward import Copy2D
 
-            every = fwd.ops(rows, decode=rows == 1, last=True, greedy=rows != 7)
-            copies = [op for op in every if isinstance(op, Copy2D)]
-            ops = [op for op in every if not isinstance(op, Copy2D)]
-            # prefill splits [T, q|k|v] rows: q, k (+ v on layers with a v_proj), each T rows of its own width
-            assert len(copies) == (0 if rows == 1 else sum(2 + t.layer_has_v_proj(l) for l in range(t.num_hidden_layers)))
-            assert all(c.height == rows and c.width <= c.src_pitch and c.width == c.dst_pitch for c in copies)
+            ops = fwd.ops(rows, decode=rows == 1, last=True, greedy=rows != 7)
+            # rope_kv reads the q|k|v GEMM's rows in place: no split copies, strides = the row width
+            assert not [op for op in ops if isinstance(op, Copy2D)]
+            for op in ops:
+                if op.label.endswith("rope_kv"):
+                    pr = op.entry.params
+                    width = pr["D"] * (pr["HQ"] + pr["HKV"] * (1 if pr["V_FROM_K"] else 2))  # q | k (| v)
+                    assert op.args["q_stride"] == op.args["kv_stride"] == width, op.label
             for op in ops:
                 assert set(op.entry.args) <= set(op.args), (op.label, op.entry.name)
                 g = _grid(op.entry, op.rows)

@@ -6,7 +6,10 @@ Two kernels per token budget (mmax 1 = decode, 16 = verify), on per-expert slabs
   moe_down__...    grid (H/16 units): each block walks every selected expert (fixed order), multiplies its down
                    rows with the gathered act rows and the routing weights in fp32, reduces over warps in shared
                    memory -> y[t, H] f32. No atomics, no partial buffers, each selected expert's weights read once.
-Prefill chunks (m > 16) call the verify pair on 16-token slices.
+  moe_down_pairs__ (16 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
+                   down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which moe_grouped_combine sums per
+                   token in slot order (the grouped family's combine). THORGEN_MOE_PAIRS=0: moe_down instead.
+Prefill chunks (m > 16) use the grouped family (moe_grouped.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order,
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
+DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 
 
 def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
@@ -65,7 +69,14 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
                       make_params(nw=nw, ksd=ksd, pf=pfd, **common), grid=(units_d, 1, 1), block=(32 * nw, 1, 1),
                       args=DOWN_ARGS, family="moe")
-    return [gateup, down]
+    if mmax == 1:
+        return [gateup, down]
+    kp = min(2, steps_d)  # 2 warps a block: 1-warp blocks would hit the 32 blocks/SM limit
+    pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
+                       make_params(ks=kp, pf=prefetch(math.ceil(steps_d / kp), arch), ROW_GRID=(1, topk, 1),
+                                   **common), grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1),
+                       args=DOWN_PAIRS_ARGS, family="moe")
+    return [gateup, down, pairs]
 
 
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
@@ -85,7 +96,7 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     gu_b, d_b = expert_bytes(spec)
     cases = []
     for mmax in (1, 16):
-        gateup, down = moe_kernels(spec, arch, mmax)
+        gateup, down = moe_kernels(spec, arch, mmax)[:2]
         m = mmax
         n_sel = topk if m == 1 else min(e, m * topk)  # upper bound; random routing at M = 16 repeats some
         # M = 1: distinct experts spread over the table (the counted bytes); M = 16: random routing (repeats)
@@ -102,6 +113,9 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
                                note=note, weight_streaming=m == 1))
         cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + m * h * 4,
                                note=note, weight_streaming=m == 1))
+    pairs = moe_kernels(spec, arch, 16)[2]
+    p_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])  # (m = 16 from the loop's last case)
+    cases.append(BenchCase(pairs, p_args, bytes_moved=n_sel * d_b + m * topk * (ie * 2 + h * 4), note=note))
     return cases
 
 

@@ -8,8 +8,9 @@ from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import KV_DTYPES, MAX_STEP_TOKENS, Q_DTYPE, ring_slots
 from ._util import ftag, require
 
+# q_stride / kv_stride: floats between two tokens' q (k, v) inputs (the target passes its fused q|k|v row width)
 ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes",
-        "lane_bytes", "T")
+        "lane_bytes", "q_stride", "kv_stride", "T")
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
 
 
@@ -72,7 +73,7 @@ def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
                 Buf("q_norm_w", "bf16", D), Buf("k_norm_w", "bf16", D), Buf("positions", "i32", T, 0, slots - 1),
                 Buf("q_out", "bf16", T * HQ * D), Buf("k_cache", "u8", slots * HKV * D * kvb),
                 Buf("v_cache", "u8", slots * HKV * D * kvb), Buf("lanes", "i32", 0), Scalar("lane_bytes", "i64", 0),
-                Scalar("T", "i32", T))
+                Scalar("q_stride", "i32", HQ * D), Scalar("kv_stride", "i32", HKV * D), Scalar("T", "i32", T))
         nbytes = T * D * (HQ * (4 + 2) + HKV * (8 if not p["V_FROM_K"] else 4) + 2 * HKV * kvb)
         out.append(BenchCase(k, args, bytes_moved=nbytes, grid=(T, 1, 1), note="T=16"))
     return out

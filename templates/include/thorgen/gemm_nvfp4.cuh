@@ -267,6 +267,65 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   }
 }
 
+// Block (unit, slot), as moe_gateup: only the first slot naming an expert works. It runs the expert's down rows of
+// this unit over the act rows of the tokens that chose it (gathered; the other rows are zero) and writes each such
+// token's routing-weighted part into its pair row, ypair[(t*TOPK + k)][H] fp32; moe_grouped_combine then sums a
+// token's pairs in slot order. One block per (unit, expert) spreads the ~80 experts 16 tokens select over the
+// whole GPU, where moe_down's H/16 blocks each walk all of them. Each valid pair row is written by exactly one
+// block per unit (no atomics), and a token's sum order is its slot order, whatever else the step holds.
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF>
+__device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __restrict__ gscale,
+                                               const __half* __restrict__ act, const int* __restrict__ ids,
+                                               const float* __restrict__ wts, float* __restrict__ ypair, int m) {
+  static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
+  static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
+  constexpr bool TWO = MMAX > 8;
+  constexpr int MR = TWO ? 16 : 8;
+  constexpr int STEPS = IE / 64;
+  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  __shared__ float red[KS][MR][16];
+  pdl_launch_dependents();
+  pdl_wait();  // ids, wts and act come from the router and gate/up kernels
+  m = m < MMAX ? m : MMAX;
+  const int slot = blockIdx.y;
+  if (slot >= m * TOPK) return;
+  const int e = __ldg(ids + slot);
+  if (e < 0 || e >= E) return;
+  bool dup = false;  // an earlier slot names the expert: that slot's block does it
+  for (int i = threadIdx.x; i < slot; i += KS * 32) dup |= __ldg(ids + i) == e;
+  if (__syncthreads_or(dup)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  const int unit = blockIdx.x;
+  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
+  const __half* row0 = nullptr;  // the act rows of tokens gid and gid + 8 for expert e, if they chose it
+  const __half* row1 = nullptr;
+#pragma unroll
+  for (int k = 0; k < TOPK; ++k) {
+    if (gid < m && __ldg(ids + gid * TOPK + k) == e) row0 = act + (size_t)(gid * TOPK + k) * IE;
+    if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
+  }
+  const WPtr pe{p.w + e * EW, p.s + e * ES};
+  float acc[2][4] = {};
+  unit_steps<KIND, H, IE, PF, TWO, false, false>(acc, pe, unit, row0, row1, s0, s1);
+  frag_to_smem<MR>(red[warp], acc, gid, t4);
+  __syncthreads();
+  const float* gs = gscale + (size_t)e * (H / 8);
+  for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
+    const int r = i >> 4, c = i & 15;
+    if (r >= m) break;
+    int k = -1;
+#pragma unroll
+    for (int kk = 0; kk < TOPK; ++kk)
+      if (__ldg(ids + r * TOPK + kk) == e) k = kk;
+    if (k < 0) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < KS; ++w) v += red[w][r][c];
+    const int pair = r * TOPK + k;
+    ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
+  }
+}
+
 // ---- large M (prefill) ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);

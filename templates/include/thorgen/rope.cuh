@@ -5,6 +5,8 @@
 // (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin).
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart; token t writes lane lanes[t] (lanes null:
 // lane 0), so one launch serves a prefill chunk of one sequence and a batched decode step over many alike.
+// Inputs: token t's q heads start at q_raw + t * q_stride, its k (v) heads at k_raw (v_raw) + t * kv_stride floats,
+// so the target reads the fused q|k|v GEMM's rows in place (every stride = the row width, no split copies).
 #pragma once
 #include "thorgen/common.cuh"
 
@@ -55,7 +57,7 @@ struct RopeKv {
                              const __nv_bfloat16* __restrict__ k_w, const int32_t* __restrict__ positions,
                              typename Cfg::QT* __restrict__ q_out, typename Cfg::KVT* __restrict__ k_cache,
                              typename Cfg::KVT* __restrict__ v_cache, const int32_t* __restrict__ lanes,
-                             long long lane_bytes, int T) {
+                             long long lane_bytes, int q_stride, int kv_stride, int T) {
     __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -76,9 +78,9 @@ struct RopeKv {
         float v[PER];
         const float* src;
         int kind, h;  // 0 q, 1 k, 2 v
-        if (u < QH) { kind = 0; h = u; src = q_raw + ((long)t * Cfg::HQ + h) * D; }
-        else if (u < QH + Cfg::HKV) { kind = 1; h = u - QH; src = k_raw + ((long)t * Cfg::HKV + h) * D; }
-        else { kind = 2; h = u - QH - Cfg::HKV; src = (Cfg::V_FROM_K ? k_raw : v_raw) + ((long)t * Cfg::HKV + h) * D; }
+        if (u < QH) { kind = 0; h = u; src = q_raw + (long)t * q_stride + h * D; }
+        else if (u < QH + Cfg::HKV) { kind = 1; h = u - QH; src = k_raw + (long)t * kv_stride + h * D; }
+        else { kind = 2; h = u - QH - Cfg::HKV; src = (Cfg::V_FROM_K ? k_raw : v_raw) + (long)t * kv_stride + h * D; }
 #pragma unroll
         for (int j = 0; j < PER; ++j) v[j] = src[lane + 32 * j];
         if (kind == 2) {
