@@ -28,9 +28,6 @@ MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
 # THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
 # per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
 ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
-# THORGEN_MOE_PAIRS=0: 16-row steps run moe_down (a block per unit walks every expert) instead of moe_down_pairs +
-# the combine (codegen/families/moe.py), for the ablation
-MOE_PAIRS_ON = os.environ.get("THORGEN_MOE_PAIRS", "1") != "0"
 
 
 class Pointers(Protocol):
@@ -409,7 +406,7 @@ class Forward:
         mmax = 1 if rows == 1 else MOE_SLICE
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
-        pairs = mmax > 1 and MOE_PAIRS_ON  # the down per (unit, expert) into pair rows, then their sum per token
+        pairs = mmax > 1  # the down per (unit, expert) into pair rows, then their sum per token
         down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         comb = need(self.find("moe_grouped_combine.cu.j2", "MoE pair combine", h=t.hidden_size,
                               experts=t.num_experts, topk=K)) if pairs else None
@@ -422,12 +419,11 @@ class Forward:
                 w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
                 gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
                 act=A("moe_act"), m=n), n))
+            route = dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0), m=n)
             if comb is None:
-                ops.append(Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0),
-                                                                y=A("moe", r0), m=n), n))
+                ops.append(Op(f"layers.{l}.moe_down", down, dict(route, y=A("moe", r0)), n))
                 continue
-            ops.append(Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0),
-                                                            ypair=A("moe_pair_out"), m=n), n))
+            ops.append(Op(f"layers.{l}.moe_down", down, dict(route, ypair=A("moe_pair_out")), n))
             ops.append(Op(f"layers.{l}.moe_combine", comb, dict(ypair=A("moe_pair_out"), ids=A("topk_idx", r0),
                                                                 y=A("moe", r0), T=n), n))
         return ops

@@ -188,9 +188,10 @@ def test_forward_uses_the_grouped_kernels_above_16_rows(preset, tmp_path):
     for rows in (16, 17, 300):
         ops = [op for op in fwd.ops(rows, decode=False, last=True) if hasattr(op, "entry")]
         grouped = [op for op in ops if op.entry.template.startswith("moe_grouped")]
-        sliced = [op for op in ops if op.entry.template in ("moe_gateup.cu.j2", "moe_down.cu.j2")]
-        if rows <= 16:
-            assert not grouped and len(sliced) == 2 * layers
+        sliced = [op for op in ops if op.entry.template in ("moe_gateup.cu.j2", "moe_down_pairs.cu.j2")]
+        if rows <= 16:  # the 16-row pair, its pair rows summed by the grouped family's combine
+            assert len(sliced) == 2 * layers
+            assert [op.entry.template for op in grouped] == ["moe_grouped_combine.cu.j2"] * layers
             continue
         assert not sliced and len(grouped) == 4 * layers
         order = [op.entry.template.split(".")[0] for op in grouped[:4]]

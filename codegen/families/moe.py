@@ -3,12 +3,12 @@
 Two kernels per token budget (mmax 1 = decode, 16 = verify), on per-expert slabs of the t16x64 NVFP4 layout:
   moe_gateup__...  grid (2*Ie/16 units, m*K slots): the first slot naming an expert does that expert's fused gate|up
                    for all m tokens (one pass over its weights) and writes act[t*K+k] for the tokens that chose it.
-  moe_down__...    grid (H/16 units): each block walks every selected expert (fixed order), multiplies its down
-                   rows with the gathered act rows and the routing weights in fp32, reduces over warps in shared
-                   memory -> y[t, H] f32. No atomics, no partial buffers, each selected expert's weights read once.
+  moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
+                   their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
+                   shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
   moe_down_pairs__ (16 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which moe_grouped_combine sums per
-                   token in slot order (the grouped family's combine). THORGEN_MOE_PAIRS=0: moe_down instead.
+                   token in slot order (the grouped family's combine).
 Prefill chunks (m > 16) use the grouped family (moe_grouped.py).
 """
 
@@ -56,27 +56,24 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
                         args=GATEUP_ARGS, family="moe")
     steps_d = ie // TILE_K
     units_d = h // TILE_N
-    # Warps per block: at most 8 (a 512-thread block held one block per SM: two waves over the H/16 units, measured
-    # 15 us at M = 1); slot groups spread the selected experts, the K split fills what the groups leave.
+    if mmax > 1:
+        # a block per (unit, expert), like gate/up. Against moe_down with the sweep's best blocking (H200,
+        # 2026-12-01): 100.9 -> 66.8 us a layer (kernel bench), the batched 16-row step 9.02 -> 8.41 ms
+        kp = min(2, steps_d)  # 2 warps a block: 1-warp blocks would hit the 32 blocks/SM limit
+        pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
+                           make_params(ks=kp, pf=prefetch(math.ceil(steps_d / kp), arch), ROW_GRID=(1, topk, 1),
+                                       **common), grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1),
+                           args=DOWN_PAIRS_ARGS, family="moe")
+        return [gateup, pairs]
+    # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
+    # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.
     groups = min(leaders, 8)
     ksd = max(1, min(steps_d, 8 // groups, math.ceil(target_warps(arch) / (units_d * groups))))
     nw = groups * ksd
-    pfd = prefetch(math.ceil(steps_d / ksd), arch)
-    # (the same sweep: each warp's ~10 experts of 11 steps start sooner with 8 in flight, 97.3 us vs 102.9 at 4;
-    # 16 warps, 4 warps or a K split were slower)
-    if mmax > 1 and arch.prefetch_depth >= 4:
-        pfd = max(pfd, min(8, math.ceil(steps_d / ksd)))
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
-                      make_params(nw=nw, ksd=ksd, pf=pfd, **common), grid=(units_d, 1, 1), block=(32 * nw, 1, 1),
-                      args=DOWN_ARGS, family="moe")
-    if mmax == 1:
-        return [gateup, down]
-    kp = min(2, steps_d)  # 2 warps a block: 1-warp blocks would hit the 32 blocks/SM limit
-    pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                       make_params(ks=kp, pf=prefetch(math.ceil(steps_d / kp), arch), ROW_GRID=(1, topk, 1),
-                                   **common), grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1),
-                       args=DOWN_PAIRS_ARGS, family="moe")
-    return [gateup, down, pairs]
+                      make_params(nw=nw, ksd=ksd, pf=prefetch(math.ceil(steps_d / ksd), arch), **common),
+                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
+    return [gateup, down]
 
 
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
@@ -96,7 +93,7 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     gu_b, d_b = expert_bytes(spec)
     cases = []
     for mmax in (1, 16):
-        gateup, down = moe_kernels(spec, arch, mmax)[:2]
+        gateup, down = moe_kernels(spec, arch, mmax)
         m = mmax
         n_sel = topk if m == 1 else min(e, m * topk)  # upper bound; random routing at M = 16 repeats some
         # M = 1: distinct experts spread over the table (the counted bytes); M = 16: random routing (repeats)
@@ -111,11 +108,11 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
         cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
                                note=note, weight_streaming=m == 1))
-        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + m * h * 4,
+        if m > 1:  # moe_down_pairs: one output row per slot
+            d_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])
+        out_rows = m * topk if m > 1 else m
+        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
                                note=note, weight_streaming=m == 1))
-    pairs = moe_kernels(spec, arch, 16)[2]
-    p_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])  # (m = 16 from the loop's last case)
-    cases.append(BenchCase(pairs, p_args, bytes_moved=n_sel * d_b + m * topk * (ie * 2 + h * 4), note=note))
     return cases
 
 

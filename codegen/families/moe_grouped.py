@@ -9,6 +9,7 @@ Four kernels per model (templates/include/thorgen/moe_grouped.cuh has the device
   moe_grouped_down__...    grid (H/16/(nwarp*upw), max_tiles): act_sorted x down, times the routing weight -> f32 ypair
                            [T*K, H] at the pair index.
   moe_grouped_combine__... row kernel: y[row] = sum of its valid slots' ypair rows in slot order -> f32 [T, H].
+                           (The 16-row MoE, moe.py, sums its pair rows with it too.)
 Sizes are for MAX_STEP_TOKENS rows (the prefill chunk); any T up to that works (extra tile blocks exit at once).
 The params avoid the names `bm` and a `moe_gateup` template prefix, which the runtime's grid rules reserve for
 kernels whose grid follows the row count; these grids are fixed (the plan's tile count is only known on the device).

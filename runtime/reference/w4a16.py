@@ -365,7 +365,7 @@ class W4A16Target(TargetModel):
             act = self._gated(a2[rows], gate, up)
             contrib[rows, ranks] = weights[rows, ranks].astype(F64)[:, None] * (act @ down.T)
         y = np.zeros((t, a2.shape[1]), F64)
-        for r in range(k):  # summed in top-k rank order, as moe_down does
+        for r in range(k):  # summed in top-k rank order, as the kernels' combine (and moe_down) do
             y += contrib[:, r]
         return round_to(y, "f32")
 
