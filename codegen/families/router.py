@@ -4,11 +4,13 @@ router_fused (one launch: logits, then each token's last block runs the top-k; b
 the decode step (one row) uses; steps of more rows use the pair router_logits + router_topk, which measured faster
 at 16 rows on the H200 (graph-replayed: fused 12.7 us vs 7.2 + 4.6 us; a likely cause: the 16 tokens' counters
 share a cache line), and it is the fused kernel's GPU oracle.
-router_logits comes in two forms (param mmax: the rows it is for). Up to 16 rows: 2 warps (2 experts) a block,
-so many blocks pull the router weight at once, each token's row staged in shared memory. A prefill chunk:
-router_logits_wide (router.cuh), warps that read and normalise their tokens' rows themselves, two at a time, with
-no barrier. The staged form took ~3.5 us a token a block: 116 us a layer at 512 rows (H200, 2026-12-01: 3.5 of a
-29.4 ms chunk); the staged form with 16 warps a block still took 109 us (one block per SM fits)."""
+router_logits comes in two blockings (param mmax: the rows it is for). Up to 16 rows: 2 warps (2 experts) a block,
+so many blocks pull the router weight at once. A prefill chunk: 16 warps a block. Every block stages and
+normalises each of its tokens' rows one at a time (~3.5 us a token), so at 512 rows the 2-warp blocking took 116 us
+a layer (H200, 2026-12-01, eager: 3.5 of a 29.4 ms chunk) and the 16-warp one 95 (109 graph-replayed; one
+block per SM fits). Tried and removed: warps that read and normalise their own rows with no barrier, 155 us (each
+warp re-reads every token row from L2: 740 MB a layer at 512 rows). What would help: x tiles shared by many
+experts, as in a GEMM."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
 LM_TOKENS = 16  # grid.y token groups of router_logits (a verify step's 16 tokens)
-WIDE_WARPS, WIDE_TOKENS = 8, 32  # router_logits_wide: warps (experts) a block, grid.y token groups
+WIDE_WARPS, WIDE_TOKENS = 16, 128  # the prefill blocking: warps (experts) a block, grid.y token groups
 # counters: u32 [rows], zeroed once by the runtime, left zeroed by the kernel
 FUSED_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "counters", "topk_idx", "topk_w", "T")
 

@@ -132,61 +132,6 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
   }
 }
 
-// router_logits_wide (prefill chunks): a warp per expert, its W row in registers, and no shared memory or block
-// barrier: each warp reads its tokens' rows itself (the block's warps share them through L1) and normalises them
-// with its own sum of squares, two tokens at a time. The staged form above runs one token at a time a block
-// behind two barriers: ~3.5 us a token, which at 512 rows was 95-116 us a layer on the H200. The dot products add
-// in the same order as there; only the sum of squares differs (a warp's, not a block's).
-template <int H, int E, int THREADS>
-__device__ void router_logits_wide(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
-                                   const __nv_bfloat16* __restrict__ proj, float* __restrict__ logits, int T,
-                                   float eps) {
-  static_assert(H % 8 == 0, "hidden size must be a multiple of 8 (16-byte weight loads)");
-  static_assert(THREADS % 32 == 0, "block size must be a multiple of 32");
-  constexpr int WARPS = THREADS / 32, CH = H / 8, PER = (CH + 31) / 32, TB = 2;
-  static_assert(E % WARPS == 0, "experts must be a multiple of the warps per block");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int e = blockIdx.x * WARPS + warp;
-  uint4 w[PER];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int c = lane + 32 * j;
-    w[j] = c < CH ? reinterpret_cast<const uint4*>(proj + (long)e * H)[c] : make_uint4(0, 0, 0, 0);
-  }
-  pdl_wait();  // PDL: the weight row is in flight; x comes from the previous kernel
-  const float inv_h = rsqrtf((float)H);
-  for (int t0 = blockIdx.y * TB; t0 < T; t0 += gridDim.y * TB) {
-    float acc[TB] = {}, ss[TB] = {};
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int c = lane + 32 * j;
-      if (c < CH) {
-        const uint4 sc = __ldg(reinterpret_cast<const uint4*>(scale) + c);
-        const __nv_bfloat16* sb = reinterpret_cast<const __nv_bfloat16*>(&sc);
-        const __nv_bfloat16* wb = reinterpret_cast<const __nv_bfloat16*>(&w[j]);
-#pragma unroll
-        for (int u = 0; u < TB; ++u) {
-          if (t0 + u < T) {
-            const float4* xr = reinterpret_cast<const float4*>(x + (long)(t0 + u) * H) + 2 * c;
-            const float4 a = xr[0], b = xr[1];
-            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              ss[u] = fmaf(v[i], v[i], ss[u]);
-              acc[u] = fmaf(v[i] * __bfloat162float(sb[i]), __bfloat162float(wb[i]), acc[u]);
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < TB; ++u) {
-      const float dot = warp_sum(acc[u]), sq = warp_sum(ss[u]);
-      if (lane == 0 && t0 + u < T) logits[(long)(t0 + u) * E + e] = dot * (rsqrtf(sq * (1.0f / H) + eps) * inv_h);
-    }
-  }
-}
-
 template <int E, int K, int THREADS>
 __device__ void router_topk(const float* __restrict__ logits, const __nv_bfloat16* __restrict__ per_expert_scale,
                             int32_t* __restrict__ topk_idx, float* __restrict__ topk_w, int T) {
