@@ -58,12 +58,13 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     units_d = h // TILE_N
     if mmax > 1:
         # a block per (unit, expert), like gate/up. Against moe_down with the sweep's best blocking (H200,
-        # 2026-12-01): 100.9 -> 66.8 us a layer (kernel bench), the batched 16-row step 9.02 -> 8.41 ms
-        kp = min(2, steps_d)  # 2 warps a block: 1-warp blocks would hit the 32 blocks/SM limit
+        # 2026-12-01): 100.9 -> 66.8 us a layer (kernel bench), the batched 16-row step 9.02 -> 8.41 ms. Its own
+        # sweep (.gpu/pairs_sweep.py, kept out of the repo; KS 1-4 x PF 2-8): one warp a block with 2 steps in
+        # flight is fastest, 56.3 us against 71.3 for 2 warps x 4 (more blocks resident beat deeper prefetch).
+        kp = 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, pf=prefetch(math.ceil(steps_d / kp), arch), ROW_GRID=(1, topk, 1),
-                                       **common), grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1),
-                           args=DOWN_PAIRS_ARGS, family="moe")
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), ROW_GRID=(1, topk, 1), **common),
+                           grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.

@@ -5,10 +5,10 @@
 // sums each token's pairs (in slot order) into y.
 #include "thorgen/gemm_nvfp4.cuh"
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(32)
 moe_down_pairs__m16_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
            float* __restrict__ ypair, int m) {
-  thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 2, 16,
-                          4>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
+  thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 1, 16,
+                          2>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
 }

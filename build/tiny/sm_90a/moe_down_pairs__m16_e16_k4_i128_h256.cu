@@ -5,10 +5,10 @@
 // sums each token's pairs (in slot order) into y.
 #include "thorgen/gemm_nvfp4.cuh"
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(32)
 moe_down_pairs__m16_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
            float* __restrict__ ypair, int m) {
-  thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 128, 256, 16, 4, 2, 16,
-                          1>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
+  thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 128, 256, 16, 4, 1, 16,
+                          2>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
 }
