@@ -76,6 +76,11 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     units, steps = n // TILE_N, k // TILE_K
     ks = split_k(units, steps, arch)
     pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
+    if kind != "half" and arch.prefetch_depth >= 4:
+        # H200 sweep (.gpu/knob_sweep.py, kept out of the repo; KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
+        # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
+        # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
+        ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
     if mmax <= 8 and units >= 8 * arch.sm_count and steps >= 16:
         # very wide (lm_head): 4 warps x PF 2 measured best on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4)
         ks, pf = 4, 2

@@ -9,5 +9,5 @@ moe_down__m1_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __
            const __half* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
            float* __restrict__ y, int m) {
   thorgen::moe_down<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 8, 1, 1,
-                    4, true>(thorgen::WPtr{w, s}, gscale, act, ids, wts, y, m);
+                    11, true>(thorgen::WPtr{w, s}, gscale, act, ids, wts, y, m);
 }

@@ -6,6 +6,6 @@
 extern "C" __global__ void __launch_bounds__(512)
 nvfp4_gemm16__n2048_k2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, float* __restrict__ y, int m) {
-  thorgen::gemm_small<thorgen::FP4_SHIFT, 2048, 2816, 16, 16, 3,
+  thorgen::gemm_small<thorgen::FP4_SHIFT, 2048, 2816, 16, 16, 2,
                       thorgen::EPI_STORE, float, false>(thorgen::WPtr{w, s}, gscale, x, y, m);
 }

@@ -6,6 +6,6 @@
 extern "C" __global__ void __launch_bounds__(512)
 nvfp4_gemv__n2816_k2112(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, float* __restrict__ y, int m) {
-  thorgen::gemm_small<thorgen::FP4_SHIFT, 2816, 2112, 16, 1, 3,
+  thorgen::gemm_small<thorgen::FP4_SHIFT, 2816, 2112, 16, 1, 2,
                       thorgen::EPI_STORE, float, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
 }

@@ -6,6 +6,6 @@
 extern "C" __global__ void __launch_bounds__(128)
 nvfp4_gemv__n128_k256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, float* __restrict__ y, int m) {
-  thorgen::gemm_small<thorgen::FP4_SHIFT, 128, 256, 4, 1, 1,
+  thorgen::gemm_small<thorgen::FP4_SHIFT, 128, 256, 4, 1, 2,
                       thorgen::EPI_STORE, float, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
 }
