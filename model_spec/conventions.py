@@ -1,6 +1,8 @@
 """Model-spec stage (shared bottom constants): the step shapes that codegen plans kernels for and the runtime runs
 them at, written once here so that neither stage copies the other's numbers (the manifest's `conventions` carry
-the ones a build was made with)."""
+the ones a build was made with), and the device records both sides lay out."""
+
+import numpy as np
 
 MAX_STEP_TOKENS = 512  # most tokens one forward appends to a KV cache (a prefill chunk); rings add this to the window
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
@@ -8,3 +10,24 @@ MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head 
 DECODE_BUCKETS = (1, 2, 4, 8, 16)  # batched decode graphs are captured for these row counts (more: two steps)
 MANIFEST_SCHEMA = 2  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params, which a schema-1 build lacks
+
+# NVFP4 byte orders of the t16x64 weight layout (runtime/layouts.py): "nat" (the checkpoint's nibbles) where the arch
+# converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
+# order the kernels of the target arch were built for (their param `fp4_order`).
+FP4_ORDERS = ("shift", "nat")
+
+
+def fp4_order_for(has_fp4_cvt: bool) -> str:
+    return "nat" if has_fp4_cvt else "shift"
+
+
+def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
+    """Slots of a sliding layer's KV ring: a step writes up to max_step_tokens new keys before its queries have read
+    the `window - 1` older keys they need, so the ring holds both."""
+    return window + max_step_tokens
+
+
+# thorgen::SampleParams (templates/include/thorgen/sample.cuh): one row's sampling, in device memory so that a
+# captured graph samples each request its own way. tests/test_conventions.py checks it against the C struct.
+SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
+                          ("top_k", "<i4"), ("pad", "<i4")])

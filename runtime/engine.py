@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..model_spec.conventions import SAMPLE_PARAMS
 from ..model_spec.types import ModelSpec
 from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
@@ -32,8 +33,6 @@ from .spec_decode import BLOCK, DraftForward, plan_drafter_activations, split_we
 from .weights import WeightsArtifact
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
-SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
-                          ("top_k", "<i4"), ("pad", "<i4")])  # thorgen::SampleParams (sample.cuh), 40 bytes
 
 
 class Engine:

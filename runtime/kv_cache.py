@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model_spec.conventions import MAX_STEP_TOKENS as DEFAULT_MAX_STEP_TOKENS  # a manifest's conventions win
+from ..model_spec.conventions import ring_slots as default_ring_slots
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .device import check, driver
@@ -102,12 +103,13 @@ class KVPlan:
 
 
 def ring_slots(window: int, conventions: dict | None = None) -> int:
-    """Slots of a sliding layer's ring: the manifest's value when given, else window + DEFAULT_MAX_STEP_TOKENS."""
+    """Slots of a sliding layer's ring: the manifest's value when given, else the conventions' rule with the
+    manifest's (or the default) max step tokens."""
     conv = conventions or {}
     table = conv.get("ring_slots") or {}
     if str(window) in table:
         return int(table[str(window)])
-    return window + int(conv.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
+    return default_ring_slots(window, int(conv.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS)))
 
 
 def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model_spec.conventions import FP4_ORDERS, fp4_order_for  # noqa: F401  (the byte orders, written once)
 from ..model_spec.nvfp4 import GROUP, bf16_to_f32, pack_e2m1, unpack_e2m1
 
 LAYOUT_VERSION = 2   # bump on any change of the bytes these packers produce (2: step-major units)
@@ -34,7 +35,6 @@ TILE_N = 16          # output rows per unit (two mma n8 tiles)
 TILE_K = 64          # inputs per step (four mma k16 tiles)
 STEP_BYTES = 512     # packed weight bytes per unit and step (32 lanes x 16 B)
 STEP_SCALE_BYTES = 64  # scale bytes per unit and step (32 lanes x 2 B)
-FP4_ORDERS = ("shift", "nat")
 # (magnitude bit, sign bit) of register r inside each 16-bit half of a "shift" word.
 SHIFT_POS = ((9, 15), (6, 12), (3, 14), (0, 13))
 SHIFT_DECODE_FACTOR = 2.0 ** 14  # "shift" registers hold e2m1 * 2^-14
@@ -42,11 +42,6 @@ SHIFT_DECODE_FACTOR = 2.0 ** 14  # "shift" registers hold e2m1 * 2^-14
 
 class LayoutError(ValueError):
     """A weight that does not fit a kernel layout (shape not divisible, wrong dtype or order)."""
-
-
-def fp4_order_for(has_fp4_cvt: bool) -> str:
-    """The byte order a kernel built for an arch expects (KernelSpec param `fp4_order`)."""
-    return "nat" if has_fp4_cvt else "shift"
 
 
 def _check_nvfp4(packed: np.ndarray, scale: np.ndarray, order: str) -> tuple[int, int]:

@@ -30,19 +30,13 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
-from ...model_spec.conventions import MAX_STEP_TOKENS
+from ...model_spec.conventions import MAX_STEP_TOKENS, ring_slots  # noqa: F401  (the families import it from here)
 
 ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
 Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
 KV_DTYPES = ("bf16", "fp8e4m3")
 PDL = True               # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
-
-
-def ring_slots(window: int) -> int:
-    """Ring size of a sliding-window cache: a step writes up to MAX_STEP_TOKENS new keys before its queries have
-    read the `window - 1` older keys they need, so the ring must hold both."""
-    return window + MAX_STEP_TOKENS
 
 
 # Order = plan order (roughly the order of a forward step); codegen's own families first, then the matmul helper's.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from ...model_spec.conventions import fp4_order_for
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -27,8 +28,8 @@ LARGE_BM, LARGE_STAGES = 64, 3
 
 
 def fp4_order(arch: ArchSpec) -> str:
-    """Byte order of the NVFP4 layout for `arch` (must match runtime.layouts.fp4_order_for)."""
-    return "nat" if arch.has_fp4_cvt else "shift"
+    """Byte order of the NVFP4 layout for `arch` (model_spec/conventions.py)."""
+    return fp4_order_for(arch.has_fp4_cvt)
 
 
 def kind_enum(kind: str) -> str:
