@@ -376,9 +376,10 @@ class Forward:
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int) -> list[Op]:
-        """The MoE of layer l: for one row the M=1 gate/up + down; up to 16 rows (a batched step: 16-row slices) the
-        M=16 gate/up, the down into pair rows and their combine; the grouped kernels above that: plan (pairs grouped by expert, tile list), gate/up and down over the tiles
-        (each expert's weights read once per chunk), combine of each row's slots -> moe [rows, H]."""
+        """The MoE of layer l: for one row the M=1 gate/up + down; up to 16 rows (a batched step: 16-row slices)
+        the M=16 gate/up, the down into pair rows and their combine; the grouped kernels above that: plan (pairs
+        grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per chunk),
+        combine of each row's slots -> moe [rows, H]."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
         if rows > MOE_SLICE:
