@@ -98,6 +98,26 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
 }
 
 // ---- grouped MoE, M <= 16 ------------------------------------------------------------------------------------
+// The slot (0..TOPK-1) of token r that names expert e, or -1.
+template <int TOPK>
+__device__ __forceinline__ int slot_of(const int* __restrict__ ids, int r, int e) {
+  int k = -1;
+#pragma unroll
+  for (int kk = 0; kk < TOPK; ++kk)
+    if (__ldg(ids + r * TOPK + kk) == e) k = kk;
+  return k;
+}
+
+// Whether an earlier slot than `slot` names expert e (then that slot's block does the expert): the block's threads
+// check the earlier slots together behind one barrier, where one serial scan cost ~64 dependent loads before any
+// weight load (16 tokens: 99.9 -> 85.2 us a layer of gate/up). Every thread of the block must call it.
+template <int THREADS>
+__device__ __forceinline__ bool named_earlier(const int* __restrict__ ids, int slot, int e) {
+  bool dup = false;
+  for (int i = threadIdx.x; i < slot; i += THREADS) dup |= __ldg(ids + i) == e;
+  return __syncthreads_or(dup);
+}
+
 // Block (unit, slot): only the first slot of each distinct expert ("leader") works; it runs the expert's fused
 // gate/up (2*IE rows, interleaved 8-row tiles) over ALL m tokens (tensor-core rows are free), then writes
 // gelu(gate)*up for the tokens that chose the expert: act[(t*TOPK + k)][IE] fp16. Weights read once per step.
@@ -118,17 +138,13 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   if (slot >= m * TOPK) return;
   const int e = __ldg(ids + slot);
   if (e < 0 || e >= E) return;
-  // not the leader of this expert when an earlier slot names it: the block's threads check the earlier slots
-  // together (one barrier), where one serial scan cost ~64 dependent loads before any weight load (16 tokens:
-  // 99.9 -> 85.2 us a layer)
-  // (one token: at most 7 earlier slots, which a serial scan checks sooner than a barrier: 9.6 vs 9.9 us)
+  // not the leader of this expert when an earlier slot names it (one token: at most 7 earlier slots, which a
+  // serial scan checks sooner than a barrier: 9.6 vs 9.9 us)
   if constexpr (MMAX == 1) {
     for (int i = 0; i < slot; ++i)
       if (__ldg(ids + i) == e) return;
-  } else {
-    bool dup = false;
-    for (int i = threadIdx.x; i < slot; i += KS * 32) dup |= __ldg(ids + i) == e;
-    if (__syncthreads_or(dup)) return;
+  } else if (named_earlier<KS * 32>(ids, slot, e)) {
+    return;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
@@ -146,10 +162,7 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   for (int i = threadIdx.x; i < MR * 8; i += KS * 32) {
     const int r = i >> 3, c = i & 7;
     if (r >= m) break;
-    int k = -1;
-#pragma unroll
-    for (int kk = 0; kk < TOPK; ++kk)
-      if (__ldg(ids + r * TOPK + kk) == e) k = kk;
+    const int k = slot_of<TOPK>(ids, r, e);
     if (k < 0) continue;
     float g = 0.f, u = 0.f;
 #pragma unroll
@@ -291,9 +304,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   if (slot >= m * TOPK) return;
   const int e = __ldg(ids + slot);
   if (e < 0 || e >= E) return;
-  bool dup = false;  // an earlier slot names the expert: that slot's block does it
-  for (int i = threadIdx.x; i < slot; i += KS * 32) dup |= __ldg(ids + i) == e;
-  if (__syncthreads_or(dup)) return;
+  if (named_earlier<KS * 32>(ids, slot, e)) return;  // an earlier slot's block does the expert
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
@@ -313,10 +324,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
     const int r = i >> 4, c = i & 15;
     if (r >= m) break;
-    int k = -1;
-#pragma unroll
-    for (int kk = 0; kk < TOPK; ++kk)
-      if (__ldg(ids + r * TOPK + kk) == e) k = kk;
+    const int k = slot_of<TOPK>(ids, r, e);
     if (k < 0) continue;
     float v = 0.f;
 #pragma unroll
