@@ -24,7 +24,7 @@ from .kv_cache import ring_slots
 from .modules import KernelEntry, KernelManifest, Ptr
 
 NULL = Ptr(0)
-MOE_SLICE = 16  # prefill runs the MoE kernels (mmax 1 / 16) on 16-row slices
+MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels (batched steps: on 16-row slices)
 # THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
 # per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
 ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
@@ -359,7 +359,7 @@ class Forward:
         if rows == 1:
             rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
-        wide = rows > LM_ROWS  # a prefill chunk: the blocking for many rows
+        wide = rows > LM_ROWS  # more rows than the 16-row blocking serves (a prefill chunk, a 32-row scoring pass)
         rl = need(self.find("router_logits.cu.j2", f"router logits m<={self.max_rows if wide else LM_ROWS}",
                             H=t.hidden_size, E=E, mmax=self.max_rows if wide else LM_ROWS))
         tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))

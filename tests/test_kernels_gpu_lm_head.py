@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 from gpu_harness import PRESETS, GpuRunner
 from thorgen.codegen import reference_kernels as R
-from thorgen.codegen.families.lm_head import SAMPLE_PARAMS_DTYPE
+from thorgen.model_spec.conventions import SAMPLE_PARAMS
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def test_sampling_matches_reference(runner, case):
     seed = 0xDEADBEEF12345 + int(temp * 10)
     # one SampleParams per row (a batched step samples each sequence its own way): seeds differ by row
     params = np.array([(temp, top_p, min_p, seed + t, top_k, 0) for t in range(T)],
-                      dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
+                      dtype=SAMPLE_PARAMS).view(np.uint8)
     rows = min(T, 3)
     steps = [(prep, (prep.grid[0], rows, 1)), (select, (1, rows, 1)), (finish, (finish.grid[0], rows, 1))]
     got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": positions, "T": np.int32(T)},
@@ -99,7 +99,7 @@ def test_sampling_wide_nucleus_is_flagged(runner):
         pytest.skip("vocabulary too small for a nucleus wider than the candidates")
     T = 2
     logits = np.random.default_rng(51).normal(0, 0.1, (T, V)).astype(np.float32)
-    params = np.array([(1.0, 0.9, 0.0, 7, 0, 0)] * T, dtype=SAMPLE_PARAMS_DTYPE).view(np.uint8)
+    params = np.array([(1.0, 0.9, 0.0, 7, 0, 0)] * T, dtype=SAMPLE_PARAMS).view(np.uint8)
     steps = [(prep, (prep.grid[0], T, 1)), (select, (1, T, 1)), (finish, (finish.grid[0], T, 1))]
     got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": np.arange(T, dtype=np.int32),
                                  "T": np.int32(T)},

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a pack
 import logits_cases as LC
 from gpu_harness import PRESETS, GpuRunner
 from thorgen.codegen import reference_logits as RL
-from thorgen.codegen.families.lm_head import SAMPLE_PARAMS_DTYPE
+from thorgen.model_spec.conventions import SAMPLE_PARAMS
 from thorgen.runtime import logits_params as LP
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +104,7 @@ def test_pick_over_processed_logits_matches_the_reference_sampler(runner, pick):
     processed, status, _ = _process(runner, x, b, len(rows))
     assert not status.any()
     seed = 0xC0FFEE + int(temp * 10)
-    params = np.array([(temp, 1.0, min_p, seed, top_k, 0)] * len(rows), dtype=SAMPLE_PARAMS_DTYPE)  # one per row
+    params = np.array([(temp, 1.0, min_p, seed, top_k, 0)] * len(rows), dtype=SAMPLE_PARAMS)  # one per row
     positions = rng.integers(0, 100_000, len(rows)).astype(np.int32)
     ids, st = _pick(runner, processed, params, positions)
     sp = SamplingParams(temperature=temp, top_k=top_k, min_p=min_p, seed=seed)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ...model_spec.conventions import SAMPLE_PARAMS
 from ...model_spec.conventions import VERIFY_ROWS as LM_ROWS  # grid.y: rows at once (more loop grid-stride)
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
@@ -10,7 +9,6 @@ from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from ._util import ftag, require
 
 SAMPLE_CANDIDATES = 64  # C: exact sampling while the kept set lies within the top C (Gemma's default top_k is 64)
-SAMPLE_PARAMS_DTYPE = SAMPLE_PARAMS  # thorgen::SampleParams (model_spec/conventions.py), for the GPU tests
 
 
 def exact_softcap(arch: ArchSpec) -> bool:

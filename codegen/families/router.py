@@ -26,14 +26,17 @@ WIDE_WARPS, WIDE_TOKENS = 16, 128  # the prefill blocking: warps (experts) a blo
 FUSED_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "counters", "topk_idx", "topk_w", "T")
 
 
+def _warps(experts: int, most: int) -> int:
+    """Warps (one expert each) a router_logits block holds: the most, up to `most`, that divide the experts."""
+    return max(w for w in range(1, most + 1) if experts % w == 0)
+
+
 def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     t = spec.target
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     require(H % 8 == 0, f"router: hidden {H} must be a multiple of 8")
     require(E <= 1024 and K <= 32, f"router: {E} experts / top-{K} exceed the kernel's limits (1024 / 32)")
-    warps = max(1, min(2, E))  # few warps per block: more blocks pull the router weight in parallel
-    while E % warps:
-        warps -= 1
+    warps = _warps(E, 2)  # few warps per block: more blocks pull the router weight in parallel
     # shared memory: the scaled token row (H floats) + scratch
     require(H * 4 + 128 <= 48 * 1024, f"router: hidden {H} does not fit the static shared-memory row buffer")
     eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"
@@ -41,7 +44,7 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
                         grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
                         args=("x", "scale", "proj", "logits", "T"), family="router")
-    wide = max(w for w in range(1, WIDE_WARPS + 1) if E % w == 0)
+    wide = _warps(E, WIDE_WARPS)
     prefill = KernelSpec(f"router_logits__h{H}_e{E}_m{MAX_STEP_TOKENS}{eps_tag}", "router_logits.cu.j2",
                          make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=MAX_STEP_TOKENS, ROW_AXIS=1),
                          grid=(E // wide, WIDE_TOKENS, 1), block=(32 * wide, 1, 1), args=logits.args, family="router")
