@@ -310,9 +310,13 @@ class Forward:
         ops += self._router_ops(l, rows)
         ops += self._moe_ops(l, rows)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
-        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail", H=H, EPS=t.rms_norm_eps))
+        # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
+        pairs = t.top_k_experts if rows > 1 else 0
+        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
+                            EPS=t.rms_norm_eps, PAIRS=pairs))
+        moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
         ops.append(Op(f"{p}ffn_tail", ft, dict(
-            mlp=A("mlp"), moe=A("moe"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
@@ -376,10 +380,10 @@ class Forward:
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int) -> list[Op]:
-        """The MoE of layer l: for one row the M=1 gate/up + down; up to 16 rows (a batched step: 16-row slices)
-        the M=16 gate/up, the down into pair rows and their combine; the grouped kernels above that: plan (pairs
-        grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per chunk),
-        combine of each row's slots -> moe [rows, H]."""
+        """The MoE of layer l: for one row the M=1 gate/up + down -> moe [1, H]; up to 16 rows (a batched step:
+        16-row slices) the M=16 gate/up and the down into a row per slot; above that the grouped kernels: plan
+        (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
+        chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
         if rows > MOE_SLICE:
@@ -389,7 +393,6 @@ class Forward:
                                 h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
             dn = need(self.find("moe_grouped_down.cu.j2", "grouped MoE down", ie=t.moe_intermediate_size,
                                 h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
-            cb = need(self.find("moe_grouped_combine.cu.j2", "grouped MoE combine", h=t.hidden_size, **g))
             routing = dict(pairs=A("moe_pairs"), tiles=A("moe_tiles"))
             return [
                 Op(f"layers.{l}.moe_plan", plan, dict(ids=A("topk_idx"), offsets=A("moe_offsets"), T=rows, **routing),
@@ -401,16 +404,12 @@ class Forward:
                 Op(f"layers.{l}.moe_grouped_down", dn, dict(
                     w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                     gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
-                    ypair=A("moe_pair_out"), **routing), rows),
-                Op(f"layers.{l}.moe_combine", cb, dict(ypair=A("moe_pair_out"), ids=A("topk_idx"), y=A("moe"),
-                                                       T=rows), rows)]
+                    ypair=A("moe_pair_out"), **routing), rows)]
         mmax = 1 if rows == 1 else MOE_SLICE
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
-        pairs = mmax > 1  # the down per (unit, expert) into pair rows, then their sum per token
+        pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
         down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
-        comb = need(self.find("moe_grouped_combine.cu.j2", "MoE pair combine", h=t.hidden_size,
-                              experts=t.num_experts, topk=K)) if pairs else None
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
         ops = []
@@ -421,10 +420,6 @@ class Forward:
                 gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
                 act=A("moe_act"), m=n), n))
             route = dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0), m=n)
-            if comb is None:
-                ops.append(Op(f"layers.{l}.moe_down", down, dict(route, y=A("moe", r0)), n))
-                continue
-            ops.append(Op(f"layers.{l}.moe_down", down, dict(route, ypair=A("moe_pair_out")), n))
-            ops.append(Op(f"layers.{l}.moe_combine", comb, dict(ypair=A("moe_pair_out"), ids=A("topk_idx", r0),
-                                                                y=A("moe", r0), T=n), n))
+            out = dict(ypair=A("moe_pair_out", r0 * K)) if pairs else dict(y=A("moe", r0))  # slice r0's slot rows
+            ops.append(Op(f"layers.{l}.moe_down", down, dict(route, **out), n))
         return ops

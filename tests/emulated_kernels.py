@@ -48,7 +48,8 @@ class KernelEmulator(LogitsKernels):
         self.after = None  # optional callback(name, manifest entry, args) after every kernel (debugging)
         self.taps: list[np.ndarray] = []  # the residual stream after every ffn_tail (per layer), for bisecting
         self._dense: dict[tuple, np.ndarray] = {}
-        self._pair_rows: dict[int, dict[int, np.ndarray]] = {}  # grouped MoE: ypair address -> {pair: f64 row}
+        # the MoE down kernels' float64 slot rows by device address, until the ffn_tail that sums them takes them
+        self._pair_rows: dict[int, np.ndarray] = {}
 
     def v(self, addr, dtype, shape, what=""):
         return self.d.view(addr, dtype, shape, what)
@@ -290,8 +291,9 @@ class KernelEmulator(LogitsKernels):
         bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
         x = self.v(a["x"], np.float32, (T, H), "x")
         w_next = bf("w_next") if a["w_next"] else None
-        xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"),
-                                  self.v(a["moe"], np.float32, (T, H), "moe"), x, bf("w1"), bf("w2"), bf("w"),
+        moe = (self._pair_sum(a, T, p["PAIRS"], p["EXPERTS"], H) if p.get("PAIRS")
+               else self.v(a["moe"], np.float32, (T, H), "moe"))
+        xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"), moe, x, bf("w1"), bf("w2"), bf("w"),
                                   self.v(a["layer_scalar"], np.uint16, 1), w_next, p["EPS"])
         x[:] = xn
         self.taps.append(np.array(x))
@@ -351,21 +353,20 @@ class KernelEmulator(LogitsKernels):
         self.v(a["y"], np.float32, (m, h), "y")[:] = y
 
     def k_moe_down_pairs(self, p, a, n):
-        """Every valid slot's routing-weighted expert output into its pair row (the combine sums them)."""
+        """Every valid slot's routing-weighted expert output into its pair row (ffn_tail sums them)."""
         m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
         ids = self.v(a["ids"], np.int32, (m, K), "ids")
         wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
         act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)
         ypair = self.v(a["ypair"], np.float32, (m * K, h), "ypair")
-        shadow = self._pair_rows[a["ypair"]] = {}  # float64 rows by pair index, for the combine
         for t in range(m):
             for k in range(K):
                 if 0 <= ids[t, k] < p["experts"]:
                     row = wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
                     ypair[t * K + k] = RK.store(row, "f32")
-                    shadow[t * K + k] = row
+                    self._pair_rows[a["ypair"] + 4 * h * (t * K + k)] = row
 
-    # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile -> combine in slot order
+    # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile (ffn_tail sums the slot rows)
     def k_moe_grouped_plan(self, p, a, n):
         K, E, T = p["topk"], p["experts"], min(max(a["T"], 0), p["mmax"])
         off, pairs, tiles = MG.plan_reference(self.v(a["ids"], np.int32, (T, K), "ids"), E, p["tile_rows"],
@@ -392,31 +393,29 @@ class KernelEmulator(LogitsKernels):
 
     def k_moe_grouped_down(self, p, a, n):
         ie, h = p["ie"], p["h"]
-        shadow = self._pair_rows[a["ypair"]] = {}  # float64 rows by pair index, for the combine
         for e, rng, pairs in self._moe_tiles(p, a):
             act = self.v(a["act"], np.float16, (rng.stop, ie), "act")[rng].astype(F64)
             wts = self.v(a["wts"], np.float32, int(pairs.max()) + 1, "wts")[pairs].astype(F64)
             y = (act @ self._expert(a, e, h, ie, p).T) * wts[:, None]
             self.v(a["ypair"], np.float32, (int(pairs.max()) + 1, h), "ypair")[pairs] = RK.store(y, "f32")
-            shadow.update(zip(pairs.tolist(), y))
+            self._pair_rows.update((a["ypair"] + 4 * h * int(q), row) for q, row in zip(pairs, y))
 
-    def k_moe_grouped_combine(self, p, a, n):
-        """Sums the down kernel's float64 rows (in slot order, rounded once, like the sliced path's contract and the
-        w4a16 reference), after checking that the f32 rows in device memory are exactly those rows: the wiring is
-        checked; the kernel's own f32 per-pair rounding and f32 adds (~5e-8 relative) are accumulation-class
-        roundings, which this emulator does not model for any kernel."""
-        T, K, h = min(a["T"], p["mmax"]), p["topk"], p["h"]
+    def _pair_sum(self, a, T, K, experts, H):
+        """A row's MoE output from its slot rows (moe_down_pairs, moe_grouped_down): the down kernels' float64 rows
+        summed in slot order over the valid slots and rounded once (like the w4a16 reference), after checking that
+        the f32 rows in device memory are exactly those rows: the wiring is checked; the kernels' own f32 per-slot
+        rounding and f32 adds (~5e-8 relative) are accumulation-class roundings, which this emulator does not model
+        for any kernel."""
         ids = self.v(a["ids"], np.int32, (T, K), "ids")
-        ypair = self.v(a["ypair"], np.float32, (T * K, h), "ypair")
-        shadow = self._pair_rows.get(a["ypair"], {})
-        y = np.zeros((T, h), F64)
+        ypair = self.v(a["moe"], np.float32, (T * K, H), "moe (slot rows)")
+        y = np.zeros((T, H), F64)
         for k in range(K):
-            for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < p["experts"]))[0]:
-                row = shadow.get(int(t) * K + k)
+            for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < experts))[0]:
+                row = self._pair_rows.pop(a["moe"] + 4 * H * (int(t) * K + k), None)
                 if row is None or not np.array_equal(RK.store(row, "f32"), ypair[t * K + k]):
-                    raise EmuError(f"combine: pair {t * K + k} holds no row the grouped down kernel wrote")
+                    raise EmuError(f"ffn_tail: slot row {t * K + k} holds no row a MoE down kernel wrote")
                 y[t] += row
-        self.v(a["y"], np.float32, (T, h), "y")[:] = RK.store(y, "f32")
+        return RK.store(y, "f32")
 
     def k_lm_argmax(self, p, a, n):
         T, V = a["T"], p["V"]

@@ -73,7 +73,7 @@ CASES = [(1, None), (16, None), (16, "pool"), (5, "pool")]  # (m, routing); "poo
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
     """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 16) writes each slot's
-    weighted row, summed here in slot order as moe_grouped_combine does (the combine has its own test)."""
+    weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
     if down.name.startswith("moe_down__"):
         return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),

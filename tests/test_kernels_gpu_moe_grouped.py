@@ -1,7 +1,7 @@
-"""GPU tests: the grouped prefill MoE (plan -> gate/up -> down -> combine) against NumPy. The plan must equal its
-NumPy contract exactly; gate/up and down are checked against float64 on the same dequantized weights and the same
-f16 activations (tiny: real quantize + pack path, every column; full size: random layout bytes for all 128 experts,
-a sample of 16-row units dequantized); combine is checked against the kernel's own per-pair rows. Rows 17 / 100 /
+"""GPU tests: the grouped prefill MoE (plan -> gate/up -> down; ffn_tail sums the slot rows) against NumPy. The
+plan must equal its NumPy contract exactly; gate/up and down are checked against float64 on the same dequantized
+weights and the same f16 activations (tiny: real quantize + pack path, every column; full size: random layout bytes
+for all 128 experts, a sample of 16-row units dequantized); unwritten slot rows must stay poisoned. Rows 17 / 100 /
 512, random, skewed (one expert in every row, most experts empty) and corrupt ids; a row's output must not change
 bit for bit when other rows are added in front of it (other tiles, other positions inside its tile)."""
 
@@ -75,7 +75,7 @@ def experts(runner):
 
 
 def _kernels(runner):
-    return [runner.find(f"moe_grouped_{s}__")[0] for s in ("plan", "gateup", "down", "combine")]
+    return [runner.find(f"moe_grouped_{s}__")[0] for s in ("plan", "gateup", "down")]
 
 
 def _routing(rng, t, rows, kind):
@@ -97,8 +97,9 @@ def _valid(ids, e):
 
 
 def run_chain(runner, ex, ids, wts, x, act_in=None):
-    """plan, gate/up, down (on act_in when given, else the gate/up output), combine; poisoned outputs."""
-    plan, gu, dn, cb = _kernels(runner)
+    """plan, gate/up, down (on act_in when given, else the gate/up output); poisoned outputs. y: each row's valid
+    slot rows summed in slot order in f32, the operations of ffn_tail's PAIRS form (tested in test_kernels_gpu_norms)."""
+    plan, gu, dn = _kernels(runner)
     t, rows = runner.spec.target, ids.shape[0]
     npair, nt = ids.size, plan.param("max_tiles")
     i32 = np.int32
@@ -112,10 +113,15 @@ def run_chain(runner, ex, ids, wts, x, act_in=None):
     ypair = runner.run(dn, dict(route, w=ex.dn_w, s=ex.dn_s, gscale=ex.dn_g, act=a, wts=wts,
                                 ypair=np.full((npair, t.hidden_size), np.nan, np.float32)),
                        {"ypair": ((npair, t.hidden_size), np.float32)})["ypair"]
-    y = runner.run(cb, {"ypair": ypair, "ids": ids, "T": i32(rows), "y": np.full((rows, t.hidden_size), np.nan,
-                                                                                 np.float32)},
-                   {"y": ((rows, t.hidden_size), np.float32)}, grid=(rows, 1, 1))["y"]
-    return r, act, ypair, y
+    return r, act, ypair, slot_sum(ypair, ids, t.num_experts)
+
+
+def slot_sum(ypair, ids, e):
+    rows, k = ids.shape
+    y, ok = np.zeros((rows, ypair.shape[1]), np.float32), _valid(ids, e)
+    for slot in range(k):
+        y[ok[:, slot]] += ypair.reshape(rows, k, -1)[ok[:, slot], slot]
+    return y
 
 
 CASES = [(17, "random"), (100, "random"), (512, "random"), (100, "skewed"), (512, "skewed"), (100, "corrupt")]
@@ -157,12 +163,7 @@ def test_grouped_moe(runner, experts, rows, kind):
     err = R.norm_err(got, yref)
     assert err <= R.TOL_MOE_OUT, f"down rows={rows} {kind}: error {err:.2e}"
     assert np.isnan(ypair[~_valid(flat, e)]).all()
-    # combine: the valid slots of each row, in slot order, from the kernel's own per-pair rows
-    ok = _valid(ids, e)
-    comb = np.zeros((rows, t.hidden_size))
-    for slot in range(k):
-        comb[ok[:, slot]] += ypair.reshape(rows, k, -1)[ok[:, slot], slot]
-    assert np.isfinite(y).all() and R.norm_err(y, comb) <= 1e-6
+    assert np.isfinite(y).all()  # every valid slot row written
 
 
 @pytest.mark.parametrize("rows", [100, 512])

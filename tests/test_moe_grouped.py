@@ -1,6 +1,6 @@
 """CPU tests of the grouped (sorted-by-expert) prefill MoE: the plan's NumPy contract (grouping, stable order, tile
-list, tile bound), the three-stage dataflow (gather -> act_sorted -> per-pair rows -> slot-order combine) against
-the per-row MoE formula, the planner's kernels, the bench cases and the runtime's choice of path by row count."""
+list, tile bound), the dataflow (gather -> act_sorted -> per-pair rows -> slot-order sum, which ffn_tail does)
+against the per-row MoE formula, the planner's kernels, the bench cases and the runtime's choice of path by rows."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_max_tiles_is_a_bound_and_is_reached():
 
 def _grouped_moe(x, ids, wts, gates, ups, downs, bm):
     """The three kernels' dataflow in NumPy: act_sorted (f16) per sorted pair, f32 per-pair rows at the pair index,
-    f32 combine in slot order over valid slots."""
+    f32 sum in slot order over valid slots (ffn_tail's PAIRS form)."""
     rows, topk = ids.shape
     experts = len(gates)
     off, pairs, tiles = MG.plan_reference(ids, experts, bm, MG.max_tiles(rows, topk, experts, bm))
@@ -131,14 +131,12 @@ def test_planner_kernels(preset, arch_name):
     spec, arch = get_preset(preset), get_arch(arch_name)
     t = spec.target
     ks = {k.template: k for k in MG.plan_moe_grouped(spec, arch)}
-    assert set(ks) == {"moe_grouped_plan.cu.j2", "moe_grouped_gateup.cu.j2", "moe_grouped_down.cu.j2",
-                       "moe_grouped_combine.cu.j2"}
+    assert set(ks) == {"moe_grouped_plan.cu.j2", "moe_grouped_gateup.cu.j2", "moe_grouped_down.cu.j2"}
     tiles = MG.max_tiles(MAX_STEP_TOKENS, t.top_k_experts, t.num_experts, MG.TILE_ROWS)
     gu, dn = ks["moe_grouped_gateup.cu.j2"], ks["moe_grouped_down.cu.j2"]
     assert gu.grid == (2 * t.moe_intermediate_size // (16 * gu.param("nwarp") * gu.param("upw")), tiles, 1)
     assert dn.grid == (t.hidden_size // (16 * dn.param("nwarp") * dn.param("upw")), tiles, 1)
     assert ks["moe_grouped_plan.cu.j2"].grid == (1, 1, 1) and ks["moe_grouped_plan.cu.j2"].param("max_tiles") == tiles
-    assert ks["moe_grouped_combine.cu.j2"].param("ROW_AXIS") == 0
     for k in ks.values():
         assert k.param("pdl") is True and k.family == "moe_grouped" and k.smem_bytes <= arch.smem_per_block_max
         assert "bm" not in k.param_dict and not k.template.startswith("moe_gateup")  # runtime grid rules (forward._grid)
@@ -189,12 +187,14 @@ def test_forward_uses_the_grouped_kernels_above_16_rows(preset, tmp_path):
         ops = [op for op in fwd.ops(rows, decode=False, last=True) if hasattr(op, "entry")]
         grouped = [op for op in ops if op.entry.template.startswith("moe_grouped")]
         sliced = [op for op in ops if op.entry.template in ("moe_gateup.cu.j2", "moe_down_pairs.cu.j2")]
-        if rows <= 16:  # the 16-row pair, its pair rows summed by the grouped family's combine
-            assert len(sliced) == 2 * layers
-            assert [op.entry.template for op in grouped] == ["moe_grouped_combine.cu.j2"] * layers
+        tails = [op for op in ops if op.entry.template == "ffn_tail.cu.j2"]
+        # more than one row: the MoE writes a row per slot and every layer's ffn_tail sums them itself
+        assert len(tails) == layers and all(op.entry.params["PAIRS"] == spec.target.top_k_experts for op in tails)
+        if rows <= 16:  # the 16-row pair
+            assert not grouped and len(sliced) == 2 * layers
             continue
-        assert not sliced and len(grouped) == 4 * layers
-        order = [op.entry.template.split(".")[0] for op in grouped[:4]]
-        assert order == ["moe_grouped_plan", "moe_grouped_gateup", "moe_grouped_down", "moe_grouped_combine"]
+        assert not sliced and len(grouped) == 3 * layers
+        order = [op.entry.template.split(".")[0] for op in grouped[:3]]
+        assert order == ["moe_grouped_plan", "moe_grouped_gateup", "moe_grouped_down"]
         for op in grouped:
             assert _grid(op.entry, rows) == (op.entry.grid if "ROW_AXIS" not in op.entry.params else (rows, 1, 1))

@@ -7,8 +7,8 @@ Two kernels per token budget (mmax 1 = decode, 16 = verify), on per-expert slabs
                    their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
                    shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
   moe_down_pairs__ (16 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
-                   down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which moe_grouped_combine sums per
-                   token in slot order (the grouped family's combine).
+                   down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
+                   norms.py) sums per token in slot order.
 Prefill chunks (m > 16) use the grouped family (moe_grouped.py).
 """
 

@@ -1,6 +1,6 @@
 """Codegen stage: the grouped (sorted-by-expert) MoE family for prefill chunks of more than 16 rows.
 
-Four kernels per model (templates/include/thorgen/moe_grouped.cuh has the device code):
+Three kernels per model (templates/include/thorgen/moe_grouped.cuh has the device code):
   moe_grouped_plan__...    one block: topk ids [T, K] -> offsets [E+1], pair ids (row*K + slot) grouped by expert in
                            ascending pair order, tile list int4 [max_tiles] (expert, first sorted index, rows, 0;
                            unused: expert -1). `plan_reference` below is its exact NumPy contract.
@@ -8,8 +8,7 @@ Four kernels per model (templates/include/thorgen/moe_grouped.cuh has the device
                            weights streamed once per tile; a tile holds up to `tile_rows` rows) -> f16 act_sorted.
   moe_grouped_down__...    grid (H/16/(nwarp*upw), max_tiles): act_sorted x down, times the routing weight -> f32 ypair
                            [T*K, H] at the pair index.
-  moe_grouped_combine__... row kernel: y[row] = sum of its valid slots' ypair rows in slot order -> f32 [T, H].
-                           (The 16-row MoE, moe.py, sums its pair rows with it too.)
+The ffn_tail after them (norms.py, its PAIRS form) sums each row's valid slots' ypair rows in slot order.
 Sizes are for MAX_STEP_TOKENS rows (the prefill chunk); any T up to that works (extra tile blocks exit at once).
 The params avoid the names `bm` and a `moe_gateup` template prefix, which the runtime's grid rules reserve for
 kernels whose grid follows the row count; these grids are fixed (the plan's tile count is only known on the device).
@@ -61,7 +60,6 @@ DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
 PLAN_ARGS = ("ids", "offsets", "pairs", "tiles", "T")
 GATEUP_ARGS = ("w", "s", "gscale", "x", "pairs", "tiles", "act")
 DOWN_ARGS = ("w", "s", "gscale", "act", "pairs", "tiles", "wts", "ypair")
-COMBINE_ARGS = ("ypair", "ids", "y", "T")
 
 
 def max_tiles(rows: int, topk: int, experts: int, tile_rows: int) -> int:
@@ -111,7 +109,7 @@ def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, a
 
 def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_ROWS, gateup: GemmCfg = GATEUP_CFG,
                         down: GemmCfg = DOWN_CFG, rows: int = MAX_STEP_TOKENS) -> list[KernelSpec]:
-    """[plan, gateup, down, combine] for `rows`-row chunks with tiles of `tile_rows` rows."""
+    """[plan, gateup, down] for `rows`-row chunks with tiles of `tile_rows` rows."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
@@ -127,17 +125,13 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     # under the 48 KB static limit
     plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 4 * rows * topk - 16 * (e + 1)) // (4 * (e + 1)))
     require(plan_warps >= 1, f"moe_grouped: the plan's {rows}x{topk} ids and {e} experts exceed static shared memory")
-    combine_threads = max(32, min(256, -(-(h // 4) // 32) * 32))
     tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}"
     plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
                       make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
                       args=PLAN_ARGS, family="moe_grouped")
     gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag, GATEUP_ARGS)
     dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, DOWN_ARGS)
-    combine = KernelSpec(f"moe_grouped_combine__r{rows}_k{topk}_h{h}", "moe_grouped_combine.cu.j2",
-                         make_params(h=h, threads=combine_threads, ROW_AXIS=0, **base),
-                         grid=(rows, 1, 1), block=(combine_threads, 1, 1), args=COMBINE_ARGS, family="moe_grouped")
-    return [plan, gu, dn, combine]
+    return [plan, gu, dn]
 
 
 def plan_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
@@ -159,7 +153,7 @@ def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int,
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     rows = ids.shape[0]
-    plan, gateup, down, combine = moe_grouped_kernels(spec, arch, tile_rows, gcfg, dcfg)
+    plan, gateup, down = moe_grouped_kernels(spec, arch, tile_rows, gcfg, dcfg)
     n_tiles = plan.param("max_tiles")
     _, pairs, tiles = plan_reference(ids, e, tile_rows, n_tiles)
     used = int((tiles[:, 0] >= 0).sum())
@@ -185,8 +179,6 @@ def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int,
         BenchCase(down, dn_w + (Buf("act", "f16", npair * ie), pairs_buf, tiles_buf,
                                 Buf("wts", "f32", npair, 0.05, 0.3), Buf("ypair", "f32", npair * h)),
                   bytes_moved=n_sel * d_b + npair * (ie * 2 + 4 + h * 4), note=what),
-        BenchCase(combine, (Buf("ypair", "f32", npair * h), ids_buf, Buf("y", "f32", rows * h), Scalar("T", "i32", rows)),
-                  bytes_moved=npair * (h * 4 + 4) + rows * h * 4, grid=(rows, 1, 1), note=what),
     ]
 
 

@@ -2,12 +2,14 @@
 #include "thorgen/norm.cuh"
 // ffn_tail__h2816_f32_f16: h = rmsnorm(rmsnorm(mlp)*w1 + rmsnorm(moe)*w2) * w ; x = (x + h) * layer_scalar ;
 //   a = rmsnorm(x) * w_next (skipped when w_next is null) ; tap[t*tap_stride + tap_col + i] = x (when tap is not null)
+//   (ids unused: moe is [T][2816])
 extern "C" __global__ void __launch_bounds__(256)
-ffn_tail__h2816_f32_f16(const float* mlp, const float* moe, float* x, const __nv_bfloat16* w1,
+ffn_tail__h2816_f32_f16(const float* mlp, const float* moe, const int* ids, float* x, const __nv_bfloat16* w1,
            const __nv_bfloat16* w2, const __nv_bfloat16* w, const __nv_bfloat16* layer_scalar,
            const __nv_bfloat16* w_next, __half* a, __half* tap, int tap_stride, int tap_col, int T) {
   thorgen::pdl_launch_dependents();
   thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
-  thorgen::ffn_tail_rows<2816, 256>(mlp, moe, x, w1, w2, w, layer_scalar, w_next, a, tap,
-                                                      tap_stride, tap_col, T, 1e-06f);
+  thorgen::ffn_tail_rows<2816, 256, 0, 0>(mlp, moe, ids, x, w1, w2, w, layer_scalar,
+                                                                            w_next, a, tap, tap_stride, tap_col, T,
+                                                                            1e-06f);
 }

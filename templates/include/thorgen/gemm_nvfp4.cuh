@@ -282,7 +282,7 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
 
 // Block (unit, slot), as moe_gateup: only the first slot naming an expert works. It runs the expert's down rows of
 // this unit over the act rows of the tokens that chose it (gathered; the other rows are zero) and writes each such
-// token's routing-weighted part into its pair row, ypair[(t*TOPK + k)][H] fp32; moe_grouped_combine then sums a
+// token's routing-weighted part into its pair row, ypair[(t*TOPK + k)][H] fp32; ffn_tail (PAIRS) then sums a
 // token's pairs in slot order. One block per (unit, expert) spreads the ~80 experts 16 tokens select over the
 // whole GPU, where moe_down's H/16 blocks each walk all of them. Each valid pair row is written by exactly one
 // block per unit (no atomics), and a token's sum order is its slot order, whatever else the step holds.

@@ -8,7 +8,7 @@
 //                       into act_sorted[sorted index][IE].
 //   moe_grouped_down    grid (H/16/NWARP, MAX_TILES): act_sorted rows x the expert's down weights, times the routing
 //                       weight -> f32 per-pair rows ypair[row*K + slot][H].
-//   moe_grouped_combine y[row] = sum of the row's valid slots 0..K-1 in slot order (f32), a row kernel.
+// The ffn_tail after them sums each row's valid slots 0..K-1 in slot order (f32; norm.cuh, load_moe_row).
 // Every output element is one fixed sequence of fp32 operations on its own row's data: no atomics in the math, no
 // dependence on scheduling or on which other rows share a tile.
 #pragma once
@@ -294,37 +294,6 @@ __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __re
               make_float2(acc[u][mt][t][2 * h] * f * w, acc[u][mt][t][2 * h + 1] * f * w);
         }
       }
-    }
-  }
-}
-
-// y[row] = sum over the row's slots k = 0..K-1 whose expert id is valid of ypair[row*K + k], in slot order (f32).
-template <int H, int TOPK, int E, int MAX_ROWS, int THREADS>
-__device__ __forceinline__ void moe_grouped_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
-                                                    float* __restrict__ y, int T) {
-  static_assert(H % 4 == 0, "H must be a multiple of 4 (float4 rows)");
-  pdl_trigger();
-  pdl_wait();  // ypair from the grouped down kernel, ids from the router
-  T = T > MAX_ROWS ? MAX_ROWS : T;
-  for (int row = blockIdx.x; row < T; row += gridDim.x) {
-    unsigned valid = 0;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) {
-      const int e = __ldg(ids + row * TOPK + k);
-      if (e >= 0 && e < E) valid |= 1u << k;
-    }
-    const float4* src = reinterpret_cast<const float4*>(ypair + (size_t)row * TOPK * H);
-    float4* dst = reinterpret_cast<float4*>(y + (size_t)row * H);
-    for (int c = threadIdx.x; c < H / 4; c += THREADS) {
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int k = 0; k < TOPK; ++k) {
-        if (valid >> k & 1u) {
-          const float4 v = src[(size_t)k * (H / 4) + c];
-          s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
-      }
-      dst[c] = s;
     }
   }
 }

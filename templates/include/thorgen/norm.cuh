@@ -103,8 +103,37 @@ __device__ void attn_tail_rows(const TO_IN* __restrict__ o, float* __restrict__ 
 // Gemma feed-forward tail (norm-of-sum + residual + layer_scalar, then the next layer's input norm):
 //   h = norm(norm(mlp)*w1 + norm(moe)*w2) * w ; x = (x + h) * layer_scalar ; a = norm(x) * w_next (w_next != null)
 //   tap[row*tap_stride + tap_col + i] = x (the DFlash context feature; tap != null)
-template <int H, int THREADS, typename TI, typename TA, typename TT>
-__device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__ moe, float* __restrict__ x,
+// PAIRS = K > 0: `moe` holds the MoE's per-slot rows [T*K][H] (moe_down_pairs, moe_grouped_down) and a row's MoE
+// output is the sum of its slots with a valid expert id (ids [T][K], E experts), in slot order from 0 in f32: the
+// same operations as the combine kernel this form replaced (one launch a layer fewer).
+template <int H, int THREADS, int PAIRS, int E, typename TI>
+__device__ __forceinline__ void load_moe_row(const TI* __restrict__ moe, const int* __restrict__ ids, int row,
+                                             float (&v)[H / THREADS]) {
+  if constexpr (PAIRS == 0) {
+    load_row<H, THREADS>(moe + (long)row * H, v);
+  } else {
+    unsigned valid = 0;
+#pragma unroll
+    for (int k = 0; k < PAIRS; ++k) {
+      const int e = __ldg(ids + row * PAIRS + k);
+      if (e >= 0 && e < E) valid |= 1u << k;
+    }
+#pragma unroll
+    for (int j = 0; j < H / THREADS; ++j) v[j] = 0.f;
+#pragma unroll
+    for (int k = 0; k < PAIRS; ++k) {
+      if (valid >> k & 1u) {
+        const TI* src = moe + ((long)row * PAIRS + k) * H;
+#pragma unroll
+        for (int j = 0; j < H / THREADS; ++j) v[j] += ld(src, threadIdx.x + j * THREADS);
+      }
+    }
+  }
+}
+
+template <int H, int THREADS, int PAIRS, int E, typename TI, typename TA, typename TT>
+__device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__ moe, const int* __restrict__ ids,
+                              float* __restrict__ x,
                               const __nv_bfloat16* __restrict__ w1, const __nv_bfloat16* __restrict__ w2,
                               const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ layer_scalar,
                               const __nv_bfloat16* __restrict__ w_next, TA* __restrict__ a, TT* __restrict__ tap,
@@ -116,7 +145,7 @@ __device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__
     float h1[H / THREADS], h2[H / THREADS], v[H / THREADS];
     load_row<H, THREADS>(mlp + (long)row * H, h1);
     norm_row<H, THREADS>(h1, w1, eps, scratch);
-    load_row<H, THREADS>(moe + (long)row * H, h2);
+    load_moe_row<H, THREADS, PAIRS, E>(moe, ids, row, h2);
     norm_row<H, THREADS>(h2, w2, eps, scratch);
 #pragma unroll
     for (int j = 0; j < H / THREADS; ++j) h1[j] += h2[j];
