@@ -8,8 +8,8 @@ MAX_STEP_TOKENS = 512  # most tokens one forward appends to a KV cache (a prefil
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices
 DECODE_BUCKETS = (1, 2, 4, 8, 16)  # batched decode graphs are captured for these row counts (more: two steps)
-MANIFEST_SCHEMA = 2  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
-# rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params, which a schema-1 build lacks
+MANIFEST_SCHEMA = 3  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
+# rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs
 
 # NVFP4 byte orders of the t16x64 weight layout (runtime/layouts.py): "nat" (the checkpoint's nibbles) where the arch
 # converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
@@ -31,3 +31,17 @@ def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
 # captured graph samples each request its own way. tests/test_conventions.py checks it against the C struct.
 SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
                           ("top_k", "<i4"), ("pad", "<i4")])
+
+
+# Step programs (manifest "programs", codegen/programs.py writes them, runtime/forward.py binds them): one launch list
+# per kind of forward, keyed by its flags, each for a range of row counts. Flags that change nothing are folded.
+def program_key(decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
+                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> str:
+    if not last or score:  # no token is picked: how it would be is moot
+        greedy, ext = True, False
+    flags = dict(decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext,
+                 score=score)
+    return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
+
+
+DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"  # the drafter's programs (runtime/spec_decode.py)

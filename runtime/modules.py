@@ -10,6 +10,7 @@ or a 32-bit int exactly as the kernel declares it.
 from __future__ import annotations
 
 import ctypes
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,10 @@ class KernelManifest:
     arch: str
     conventions: dict
     kernels: dict[str, KernelEntry]
+    # the step programs, {kv dtype: {program key: [{"lo", "hi", "launches"}]}} (codegen/programs.py), and what
+    # the kinds left out lack, by group ("core", "ext", "speculative")
+    programs: dict = field(default_factory=dict)
+    programs_missing: dict = field(default_factory=dict)
 
     def kernel(self, name: str) -> KernelEntry:
         try:
@@ -112,8 +117,17 @@ def load_manifest(path: str | Path) -> KernelManifest:
     for key in ("spec_hash", "arch"):
         if not isinstance(data.get(key), str):
             raise ModuleError(f"{p}: manifest has no {key!r}; rebuild with `thorgen build`")
+    programs = data.get("programs")
+    if programs is None and data.get("programs_file"):
+        try:
+            programs = json.loads(gzip.decompress((p.parent / str(data["programs_file"])).read_bytes()))
+        except (OSError, ValueError) as exc:
+            raise ModuleError(f"{p}: unreadable step programs {data['programs_file']} ({exc}); rebuild") from exc
+    if not isinstance(programs, dict):
+        raise ModuleError(f"{p}: manifest has no step programs; rebuild with `thorgen build`")
     return KernelManifest(p, str(data.get("model", "")), data["spec_hash"], data["arch"],
-                          dict(data.get("conventions") or {}), kernels)
+                          dict(data.get("conventions") or {}), kernels, programs,
+                          dict(data.get("programs_missing") or {}))
 
 
 # ---- argument packing ----------------------------------------------------------------------------------------

@@ -208,7 +208,8 @@ def test_capture_error_ends_capture_and_reraises(fake):
 def _manifest(tmp_path, **over):
     m = {"schema": MANIFEST_SCHEMA, "model": "tiny", "spec_hash": "ab" * 32, "arch": "sm_90a", "conventions": {},
          "kernels": {"k1": {"cubin": "k1.cubin", "entry": "k1", "family": "norms", "grid": [1, 1, 1],
-                            "block": [256, 1, 1], "smem_bytes": 0, "args": ["x", "n"], "params": {"h": 256}}}}
+                            "block": [256, 1, 1], "smem_bytes": 0, "args": ["x", "n"], "params": {"h": 256}}},
+         "programs": {}}
     m.update(over)
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     return tmp_path
@@ -237,6 +238,10 @@ def test_manifest_errors(tmp_path):
     (bad / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ModuleError, match="'k1' entry is malformed"):
         load_manifest(bad)
+    with pytest.raises(ModuleError, match="no step programs"):
+        load_manifest(_manifest(tmp_path, programs=None))
+    with pytest.raises(ModuleError, match="unreadable step programs"):
+        load_manifest(_manifest(tmp_path, programs=None, programs_file="programs.json.gz"))
 
 
 def test_manifest_mismatch_names_both_sides(tmp_path):

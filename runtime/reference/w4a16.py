@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...model_spec.conventions import program_key
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
 from ..kv_cache import DEFAULT_MAX_STEP_TOKENS
 from ..modules import load_manifest
@@ -221,24 +222,27 @@ def attention_combine(o: np.ndarray, ml: np.ndarray) -> np.ndarray:
 
 
 def attention_shapes(spec, manifest, kv_dtype: str) -> dict[str, tuple[AttnShape, AttnShape]]:
-    """{layer type: (decode/verify kernel shape, prefill kernel shape)} read from the built kernels' manifest
-    (thorgen.runtime.modules.KernelManifest): the reference follows the blocking the engine actually runs."""
+    """{layer type: (decode/verify kernel shape, prefill kernel shape)} of the attention kernels the manifest's step
+    programs launch (thorgen.runtime.modules.KernelManifest): the reference follows the blocking the engine runs."""
     t, kv = spec.target, {"bf16": "bf16", "fp8": "fp8e4m3"}[kv_dtype]
-    kernels = [k for k in manifest.kernels.values() if k.template == "attn_fwd.cu.j2"]
+    programs = manifest.programs.get(kv, {})
+    try:  # a decode step, and the widest prefill chunk range
+        dec, pre = programs[program_key(decode=True)][0], programs[program_key(last=True)][-1]
+    except KeyError:
+        raise ValueError(f"the kernel manifest {manifest.path} has no decode and prefill step programs for "
+                         f"KV {kv}; rebuild with `thorgen build`") from None
     out = {}
     for l, kind in enumerate(t.layer_types):
         if kind in out:
             continue
-        want = dict(d=t.layer_head_dim(l), hq=t.num_attention_heads, hkv=t.layer_kv_heads(l),
-                    window=t.layer_window(l) or 0, causal=True, scale=1.0, kv_dtype=kv)
-        found = {}
-        for k in kernels:
-            prm = k.params
-            if all(prm.get(n) == v for n, v in want.items()):
-                found["dec" if prm["mmax"] <= 16 else "pre"] = AttnShape.of(prm)
-        if set(found) != {"dec", "pre"}:
-            raise ValueError(f"the kernel manifest {manifest.path} has no {kind} attention kernels matching {want}")
-        out[kind] = (found["dec"], found["pre"])
+        shapes = []
+        for prog in (dec, pre):
+            name = next((op["kernel"] for op in prog["launches"] if op["label"] == f"layers.{l}.attention"), None)
+            if name is None or name not in manifest.kernels:
+                raise ValueError(f"the kernel manifest {manifest.path}: no attention kernel of layer {l} in its "
+                                 f"{prog['lo']}-{prog['hi']}-row program")
+            shapes.append(AttnShape.of(manifest.kernels[name].params))
+        out[kind] = (shapes[0], shapes[1])
     return out
 
 

@@ -1,0 +1,389 @@
+"""Codegen stage: the model's forward lowered to launch lists over the planned kernels (step programs).
+
+`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
+q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the router
+(logits + top-k in one launch), the M=1 MoE pair; for more rows attention + a combine launch and the router pair;
+for a prefill chunk the fused q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill
+attention, and the grouped MoE kernels. Kernels are chosen among the planned ones by template + constants;
+arguments are symbols (`Sym`: an activation row, a weight, a KV cache; `LaneBytes`), which the runtime binds to
+its buffers. codegen/programs.py evaluates this at a few row counts per step shape and writes the launch lists
+into the manifest; the runtime (runtime/forward.py) only binds and runs them. A missing kernel aborts that
+forward (`Missing`) and is named in `missing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..model_spec.conventions import MAX_BATCH, ring_slots
+from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
+from ..model_spec.types import ModelSpec
+
+MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels (batched steps: on 16-row slices)
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A symbolic device address: activation `name` row `row` (A), weight `name` (W), layer `name`'s K or V cache
+    (KV / DKV), or null; plus `off` bytes."""
+
+    kind: str
+    name: Any = ""
+    row: int = 0
+    off: int = 0
+    which: str = ""
+
+    def __add__(self, nbytes: int) -> "Sym":
+        return replace(self, off=self.off + nbytes)
+
+
+@dataclass(frozen=True)
+class LaneBytes:
+    """Bytes between two sequences' KV lanes of a target layer (the runtime's KV plan knows them)."""
+
+    layer: int
+
+
+NULL = Sym("NULL")
+
+
+class Symbols:
+    """The Pointers a forward is lowered against: every address a symbol."""
+
+    def W(self, name: str, byte_offset: int = 0) -> Sym:
+        return Sym("W", name, 0, byte_offset)
+
+    def A(self, name: str, row: int = 0) -> Sym:
+        return Sym("A", name, row)
+
+    def KV(self, layer: int, which: str) -> Sym:
+        return Sym("KV", layer, which=which)
+
+    def DKV(self, layer: int, which: str) -> Sym:
+        return Sym("DKV", layer, which=which)
+
+    def lane_bytes(self, layer: int) -> LaneBytes:
+        return LaneBytes(layer)
+
+
+@dataclass(frozen=True)
+class KView:
+    """What lowering needs of a planned kernel (its manifest entry's fields)."""
+
+    name: str
+    template: str
+    params: dict = field(hash=False)
+    args: tuple[str, ...] = ()
+
+
+class Missing(Exception):
+    """A kernel lookup failed (recorded in Lower.missing); aborts lowering that forward."""
+
+
+def need(entry: KView | None) -> KView:
+    if entry is None:
+        raise Missing()
+    return entry
+
+
+@dataclass
+class Op:
+    label: str
+    entry: KView
+    args: dict[str, Any]
+    rows: int
+    branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
+    join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
+    rowwise: bool = False  # attention: one query per block (a batched decode step)
+
+
+class Lower:
+    """Lowers forwards of one model onto its planned kernels; `missing` lists kernels looked up in vain."""
+
+    def __init__(self, spec: ModelSpec, kernels: list[KView], kv_dtype: str, max_rows: int) -> None:
+        self.spec, self.kernels, self.kv_dtype, self.max_rows = spec, kernels, kv_dtype, max_rows
+        self.missing: list[str] = []
+        self.ptr = Symbols()
+        self.probing = False  # a missing kernel becomes a stub, so every other lookup still runs and is recorded
+        self._found: dict[tuple, KView | None] = {}
+        self._taps = False
+
+    # ---- kernel lookup ----------------------------------------------------------------------------------------------
+    def find(self, template: str, what: str, **params: Any) -> KView | None:
+        """The kernel built from `template` whose constants include `params`; records `what` when absent."""
+        key = (template, tuple(sorted(params.items())))
+        if key not in self._found:  # (a forward looks up the same few kernels per layer, programs.py many forwards)
+            self._found[key] = next((k for k in self.kernels if k.template == template
+                                     and all(k.params.get(n) == v for n, v in params.items())), None)
+        if self._found[key] is not None:
+            return self._found[key]
+        self.missing.append(f"{what} ({template} with {params})")
+        return KView(f"<missing {what}>", template, {}, ()) if self.probing else None
+
+    def gemm(self, n: int, k: int, rows: int, epi: str = "store") -> KView:
+        if rows > 16:
+            e = self.find("nvfp4_gemm_large.cu.j2", f"prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
+        else:
+            e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={1 if rows == 1 else 16}", n=n, k=k, epi=epi,
+                          mmax=1 if rows == 1 else 16)
+        return need(e)
+
+    # ---- the forward ------------------------------------------------------------------------------------------------
+    def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
+            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> list[Op]:
+        """Launches of one forward over `rows` tokens at positions[0..rows) of the sequence in KV lane lanes[0]
+        (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
+        out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
+        `taps`: the DFlash tap layers also write their residual output (f16) into `taps` [rows, n_taps*H].
+        `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
+        sampled position positions[max_rows + row].
+        `batched` (rows <= MAX_BATCH): row t is the next token ids[t] of its own sequence, at positions[t] in lane
+        lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t]).
+        `ext`: the head processes the logits and writes logprobs (head_ops).
+        `score` (with `batched`; prompt logprobs): the rows are consecutive positions of one sequence in one lane
+        (rowwise attention is causal: every row's K/V is written before any row attends), and the head writes
+        each row's top-20 logprobs and the logprob of out_ids[row] (the next prompt token, staged by the caller)
+        instead of picking a token."""
+        if batched and rows > MAX_BATCH:
+            raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        H, ops = t.hidden_size, []
+        self._taps = taps
+        emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
+                             SCALE=float(t.embed_scale)))
+        ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
+                                         out=A("x"), T=rows), rows))
+        norm = need(self.find("rmsnorm.cu.j2", "rmsnorm f32->f16", H=H, IN="f32", OUT="f16", EPS=t.rms_norm_eps))
+        ops.append(Op("input_norm", norm, dict(x=A("x"), w=W("layers.0.input_layernorm.weight"), y=A("a"), T=rows),
+                      rows))
+        for l in range(t.num_hidden_layers):
+            ops += self._layer_ops(l, rows, batched)
+        if last:
+            if batched:
+                for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
+                    n = min(LM_ROWS, rows - r0)
+                    if score:
+                        ops += [self._gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
+                        ops += self._logprobs_ops(n, A("out_ids", r0), r0)
+                    else:
+                        ops += self.head_ops(A("a", r0), n, A("out_ids", r0), greedy, r0, ext)
+                return ops
+            n = rows if all_logits else 1
+            if n > LM_ROWS:
+                raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {LM_ROWS}")
+            ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy, ext=ext)
+        return ops
+
+    def head_ops(self, x: Sym, n: int, out_ids: Sym, greedy: bool = True, r0: int = 0, ext: bool = False
+                 ) -> list[Op]:
+        """lm_head over n rows of x, then argmax (or the sampler with params[r0..], at positions[max_rows+r0..])
+        into out_ids[0..n). `ext` (requests with penalties, logit_bias, a grammar or logprobs): lm_process first
+        writes each row's processed, softcapped logits (logit_rows[r0..] say how) that the lm_pick kernels pick
+        from, and lm_logprobs then writes each row's top-20 and picked-token logprobs from the unprocessed ones."""
+        t, A = self.spec.target, self.ptr.A
+        V, ops = t.vocab_size, [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
+        if ext:
+            return ops + self._ext_head_ops(n, out_ids, greedy, r0)
+        if greedy:
+            am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
+            ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
+                                             counters=A("counters"), out_ids=out_ids, T=n), n))
+        else:
+            common = dict(logits=A("logits"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
+                          workspace=A("workspace"), counters=A("counters"), out_ids=out_ids,
+                          status=A("status", r0), T=n)
+            for stage in ("prep", "select", "finish"):
+                k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
+                ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
+        return ops
+
+    def _ext_head_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
+        A, V = self.ptr.A, self.spec.target.vocab_size
+        proc = need(self.find("lm_process.cu.j2", "logits processing", V=V))
+        ops = [Op("lm_process", proc, dict(logits=A("logits"), rows=A("logit_rows", r0), counts=A("logit_counts"),
+                                           biases=A("logit_biases"), masks=A("logit_masks"), out=A("processed"),
+                                           counters=A("proc_counters"), status=A("proc_status", r0), T=n), n)]
+        common = dict(logits=A("processed"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
+                      workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, best=A("best"),
+                      status=A("status", r0), T=n)
+        stages = [("lm_pick.cu.j2", "argmax")] if greedy else \
+            [("lm_pick.cu.j2", "prep"), ("lm_sample.cu.j2", "select"), ("lm_pick.cu.j2", "finish")]
+        for template, stage in stages:
+            k = need(self.find(template, f"processed pick {stage}", V=V, STAGE=stage))
+            ops.append(Op(f"pick_{stage}", k, {a: common[a] for a in k.args}, n))
+        return ops + self._logprobs_ops(n, out_ids, r0)
+
+    def _logprobs_ops(self, n: int, out_ids: Sym, r0: int) -> list[Op]:
+        """Each row's top-20 logprobs of the softcapped logits, and the logprob of the id in out_ids[row]."""
+        A, V, ops = self.ptr.A, self.spec.target.vocab_size, []
+        lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
+                  top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
+        for stage in ("prep", "finish"):
+            k = need(self.find("lm_logprobs.cu.j2", f"logprobs {stage}", V=V, STAGE=stage))
+            ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))
+        return ops
+
+    def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store") -> Op:
+        """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (gemv, gemm16 or the prefill GEMM by rows)."""
+        e = self.gemm(n, k, rows, epi)
+        return Op(label, e, dict(w=self.ptr.W(base + ".weight_packed"), s=self.ptr.W(base + ".weight_scale"),
+                                 gscale=self.ptr.W(base + ".weight_tile_scale"), x=x, y=y, m=rows), rows)
+
+    def _layer_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        p, H = f"layers.{l}.", t.hidden_size
+        hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
+        nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
+        qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
+        n_qkv = nq + nk * (2 if has_v else 1)
+        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv")))
+        base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
+        q_raw, k_raw, v_raw = base, base + 4 * nq, base + 4 * (nq + nk) if has_v else NULL
+        window = t.layer_window(l) or 0
+        ring = ring_slots(window, self.max_rows) if window else 0
+        rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
+                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring,
+                              THETA=t.layer_rope(l).rope_theta))
+        ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
+                                                q_norm_w=W(f"{p}self_attn.q_norm.weight"),
+                                                k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
+                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
+                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), q_stride=n_qkv,
+                                                kv_stride=n_qkv, T=rows), rows))
+        small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
+        attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
+                              d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
+                              kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
+        ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
+                                  lanes=self.ptr.lane_bytes(l), rowwise=batched)
+        ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
+        tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
+        ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
+                                                  w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
+                                                  w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"),
+                                                  a2=A("a2"), T=rows), rows))
+        # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
+        # branch 1 lets it run on a side stream beside them.
+        mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
+                             A("mlp_act"), epi="gelu_mul"),
+               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"))]
+        for op in mlp:
+            op.branch = 1
+        ops += mlp  # first, so the side stream starts before the router
+        ops += self._router_ops(l, rows)
+        ops += self._moe_ops(l, rows)
+        nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
+        # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
+        pairs = t.top_k_experts if rows > 1 else 0
+        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
+                            EPS=t.rms_norm_eps, PAIRS=pairs))
+        moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
+        ops.append(Op(f"{p}ffn_tail", ft, dict(
+            mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
+        return ops
+
+    def attention_ops(self, label: str, attn: KView, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,
+                      lanes: int | None = None, rowwise: bool = False) -> list[Op]:
+        """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
+        launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
+        attn_combine launch for more (measured on the H200: for 16 queries one merging block per group is slower
+        than a combine launch with one block per row). `lanes`: the caches hold a lane per sequence, this many
+        bytes apart (lanes[] in device memory picks them); None: one lane. A batched step (rowwise: one query per
+        sequence; needs `lanes`) runs on slices of the kernel's mmax rows, each block merging its own splits."""
+        if rowwise and lanes is None:
+            raise ValueError(f"{label}attention: a rowwise (batched) launch reads each row's KV lane: give `lanes`")
+        A, ns = self.ptr.A, int(attn.params.get("nsplit", 1))
+        lane_args = dict(lanes=NULL, lane_bytes=0, rowwise=0) if lanes is None else \
+            dict(lanes=A("lanes"), lane_bytes=lanes, rowwise=int(rowwise))
+        if rowwise:
+            pr = attn.params  # (a probe's stub for a missing kernel has none)
+            mmax, bpr = int(pr.get("mmax", LM_ROWS)), 2 * int(pr.get("hq", 1)) * int(pr.get("d", 1))
+            return [Op(f"{label}attention", attn, dict(
+                q=q + r0 * bpr, kc=kc, vc=vc, positions=A("positions", r0), m=min(mmax, rows - r0),
+                out=out + r0 * bpr, ws=A("attn_ws"), counters=A("attn_cnt") if ns > 1 else NULL,
+                **dict(lane_args, lanes=A("lanes", r0))), min(mmax, rows - r0), rowwise=True)
+                for r0 in range(0, rows, mmax)]
+        fused = rows == 1 and ns > 1
+        ops = [Op(f"{label}attention", attn, dict(q=q, kc=kc, vc=vc, positions=A("positions"), m=rows, out=out,
+                                                   ws=A("attn_ws"), counters=A("attn_cnt") if fused else NULL,
+                                                   **lane_args), rows)]
+        if ns > 1 and not fused:
+            comb = need(self.find("attn_combine.cu.j2", "attention combine", d=attn.params["d"], hq=attn.params["hq"],
+                                  nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
+            ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))
+        return ops
+
+    def _router_ops(self, l: int, rows: int) -> list[Op]:
+        """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters
+        zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows)."""
+        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
+        E, K = t.num_experts, t.top_k_experts
+        common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
+                      per_expert_scale=W(f"{p}router.per_expert_scale"), logits=A("rlogits"), topk_idx=A("topk_idx"),
+                      topk_w=A("topk_w"), T=rows)
+        if rows == 1:
+            rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
+            return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
+        wide = rows > LM_ROWS  # more rows than the 16-row blocking serves (a prefill chunk, a 32-row scoring pass)
+        rl = need(self.find("router_logits.cu.j2", f"router logits m<={self.max_rows if wide else LM_ROWS}",
+                            H=t.hidden_size, E=E, mmax=self.max_rows if wide else LM_ROWS))
+        tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
+        return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
+                Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
+
+    def _tap_args(self, l: int) -> dict[str, Any]:
+        """ffn_tail's tap arguments: layer l's residual output into its column block of `taps` (f16 elements)."""
+        d = self.spec.drafter
+        if not self._taps or d is None or l not in d.target_layer_ids:
+            return dict(tap=NULL, tap_stride=0, tap_col=0)
+        H = self.spec.target.hidden_size
+        return dict(tap=self.ptr.A("taps"), tap_stride=len(d.target_layer_ids) * H,
+                    tap_col=list(d.target_layer_ids).index(l) * H)
+
+    def _moe_ops(self, l: int, rows: int) -> list[Op]:
+        """The MoE of layer l: for one row the M=1 gate/up + down -> moe [1, H]; up to 16 rows (a batched step:
+        16-row slices) the M=16 gate/up and the down into a row per slot; above that the grouped kernels: plan
+        (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
+        chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
+        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
+        m, K = f"layers.{l}.experts.", t.top_k_experts
+        if rows > MOE_SLICE:
+            g = dict(experts=t.num_experts, topk=K)
+            plan = need(self.find("moe_grouped_plan.cu.j2", "grouped MoE plan", **g))
+            gu = need(self.find("moe_grouped_gateup.cu.j2", "grouped MoE gate/up", ie=t.moe_intermediate_size,
+                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
+            dn = need(self.find("moe_grouped_down.cu.j2", "grouped MoE down", ie=t.moe_intermediate_size,
+                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
+            routing = dict(pairs=A("moe_pairs"), tiles=A("moe_tiles"))
+            return [
+                Op(f"layers.{l}.moe_plan", plan, dict(ids=A("topk_idx"), offsets=A("moe_offsets"), T=rows, **routing),
+                   rows),
+                Op(f"layers.{l}.moe_grouped_gateup", gu, dict(
+                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
+                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), act=A("moe_act_sorted"), **routing),
+                   rows),
+                Op(f"layers.{l}.moe_grouped_down", dn, dict(
+                    w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
+                    gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
+                    ypair=A("moe_pair_out"), **routing), rows)]
+        mmax = 1 if rows == 1 else MOE_SLICE
+        common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
+        up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
+        pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
+        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
+        dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
+                  gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
+        ops = []
+        for r0 in range(0, rows, mmax):
+            n = min(mmax, rows - r0)
+            ops.append(Op(f"layers.{l}.moe_gateup", up, dict(
+                w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
+                gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
+                act=A("moe_act"), m=n), n))
+            route = dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0), m=n)
+            out = dict(ypair=A("moe_pair_out", r0 * K)) if pairs else dict(y=A("moe", r0))  # slice r0's slot rows
+            ops.append(Op(f"layers.{l}.moe_down", down, dict(route, **out), n))
+        return ops

@@ -1,0 +1,98 @@
+"""Codegen stage: the DFlash drafter's launches lowered onto the planned kernels (the draft block, and the context
+K/V update of committed positions), as codegen/lower.py does the target's; codegen/programs.py writes them into the
+manifest. The step itself: runtime/spec_decode.py."""
+
+from __future__ import annotations
+
+from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
+from ..model_spec.conventions import ring_slots
+from .lower import NULL, KView, Lower, Op, need
+
+
+class LowerDraft:
+    """The drafter's launches, lowered like the target's (Lower.find) onto the planned kernels."""
+
+    def __init__(self, fwd: Lower) -> None:
+        self.fwd, self.spec = fwd, fwd.spec
+        if self.spec.drafter is None:
+            raise ValueError(f"model {self.spec.name} has no DFlash drafter")
+        if self.spec.drafter.block_size != BLOCK:
+            raise ValueError(f"drafter block_size {self.spec.drafter.block_size}: the engine's verify step is "
+                             f"built for {BLOCK}")
+
+    def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
+        f = self.fwd
+        if rows > BLOCK:
+            e = f.find("bf16_gemm_large.cu.j2", f"drafter prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
+        else:
+            e = f.find("bf16_gemm.cu.j2", f"drafter GEMM n={n} k={k} m<=16", n=n, k=k, epi=epi, mmax=16)
+        return Op(label, need(e), dict(w=f.ptr.W(w), x=x, y=y, m=rows), rows)
+
+    def _rope(self, l: int, has_q: bool) -> KView:
+        d = self.spec.drafter
+        w = d.layer_window(l) or 0
+        return need(self.fwd.find("rope_kv.cu.j2", f"drafter rope_kv ({'block' if has_q else 'context'}) layer {l}",
+                                  HQ=d.num_attention_heads, HKV=d.num_key_value_heads, D=d.head_dim, HAS_Q=has_q,
+                                  KV="bf16", V_FROM_K=False, V_NORM=False,
+                                  SLOTS=ring_slots(w, self.fwd.max_rows) if w else 0,
+                                  THETA=float(d.rope_theta)))
+
+    def _rope_op(self, l: int, rows: int, has_q: bool, q_raw, q_out) -> Op:
+        A, W, p, d = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn.", self.spec.drafter
+        return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
+            q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
+            k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
+            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0,
+            q_stride=d.num_attention_heads * d.head_dim, kv_stride=d.num_key_value_heads * d.head_dim, T=rows),
+                  rows)  # the drafter context has one lane (the sequence that owns it)
+
+    def ctx_ops(self, rows: int) -> list[Op]:
+        """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
+        d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
+        h, nkv = d.hidden_size, d.num_key_value_heads * d.head_dim
+        ops = [self._gemm("draft.fc", "draft.fc.weight", h, len(d.target_layer_ids) * self.spec.target.hidden_size,
+                          rows, A("taps"), A("dctx"))]
+        norm = need(f.find("rmsnorm.cu.j2", "drafter hidden_norm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
+        ops.append(Op("draft.hidden_norm", norm, dict(x=A("dctx"), w=W("draft.hidden_norm.weight"), y=A("dctx_a"),
+                                                      T=rows), rows))
+        for l in range(d.num_hidden_layers):
+            ops.append(self._gemm(f"draft.{l}.ctx_k", f"dsplit.{l}.k", nkv, h, rows, A("dctx_a"), A("dk_raw")))
+            ops.append(self._gemm(f"draft.{l}.ctx_v", f"dsplit.{l}.v", nkv, h, rows, A("dctx_a"), A("dv_raw")))
+            ops.append(self._rope_op(l, rows, False, NULL, NULL))  # (no queries: HAS_Q false never reads them)
+        return ops
+
+    def block_ops(self) -> list[Op]:
+        """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
+        d, t, A, W, f = self.spec.drafter, self.spec.target, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
+        h, nq, nkv, B = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, BLOCK
+        emb = need(f.find("embed.cu.j2", "drafter block embedding", H=t.hidden_size, V=t.vocab_size,
+                          MASK_ID=d.mask_token_id, OUT="f32", SCALE=float(d.embed_scale)))
+        ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
+        norm = need(f.find("rmsnorm.cu.j2", "drafter rmsnorm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
+        add = need(f.find("add_rmsnorm.cu.j2", "drafter add+rmsnorm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
+        ops.append(Op("draft.0.input_norm", norm, dict(x=A("dx"), w=W("draft.layers.0.input_layernorm.weight"),
+                                                       y=A("da"), T=B), B))
+        for l in range(d.num_hidden_layers):
+            p = f"draft.layers.{l}."
+            ops.append(self._gemm(f"draft.{l}.q", f"dsplit.{l}.q", nq, h, B, A("da"), A("dq_raw")))
+            ops.append(self._gemm(f"draft.{l}.k", f"dsplit.{l}.k", nkv, h, B, A("da"), A("dk_raw")))
+            ops.append(self._gemm(f"draft.{l}.v", f"dsplit.{l}.v", nkv, h, B, A("da"), A("dv_raw")))
+            ops.append(self._rope_op(l, B, True, A("dq_raw"), A("dq")))
+            w = d.layer_window(l) or 0
+            attn = need(f.find("attn_fwd.cu.j2", f"drafter attention layer {l}", d=d.head_dim,
+                               hq=d.num_attention_heads, hkv=d.num_key_value_heads, window=w,
+                               ring=ring_slots(w, f.max_rows) if w else 0, causal=d.is_causal(l),
+                               scale=float(d.head_dim ** -0.5), kv_dtype="bf16", mmax=16))
+            ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"))
+            ops.append(self._gemm(f"draft.{l}.o", p + "self_attn.o_proj.weight", h, nq, B, A("dattn"), A("do")))
+            ops.append(Op(f"draft.{l}.post_attn_norm", add, dict(x=A("dx"), y=A("do"),
+                                                                 w=W(p + "post_attention_layernorm.weight"),
+                                                                 a=A("da"), T=B), B))
+            ops.append(self._gemm(f"draft.{l}.gate_up", p + "mlp.gate_up_proj.weight", 2 * d.intermediate_size, h,
+                                  B, A("da"), A("dmlp"), epi="silu_mul"))
+            ops.append(self._gemm(f"draft.{l}.down", p + "mlp.down_proj.weight", h, d.intermediate_size, B,
+                                  A("dmlp"), A("do")))
+            nxt = f"draft.layers.{l + 1}.input_layernorm.weight" if l + 1 < d.num_hidden_layers else "draft.norm.weight"
+            ops.append(Op(f"draft.{l}.ffn_norm", add, dict(x=A("dx"), y=A("do"), w=W(nxt), a=A("da"), T=B), B))
+        # slots 1..15 only: the slot-0 prediction is never used, and ids[0] must keep the last token
+        return ops + f.head_ops(A("da", 1), B - 1, A("ids", 1), greedy=True)

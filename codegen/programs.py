@@ -1,0 +1,161 @@
+"""Codegen stage: step programs, the launch lists of every kind of forward the engine runs, written into the manifest.
+
+Each kind (its flags: model_spec.conventions.program_key) is lowered (codegen/lower.py) for row ranges whose launch
+structure does not change: one row, 2..16, 17, and more. Within a range the lowering is evaluated at 4 row counts
+(both ends, the second, the middle); the launches must be the same, and a launch argument that differs must be linear
+in the row count (a grid-stride count, a last-row pointer, a second slice's rows): it is written as
+["rows", a, b] = a * rows + b. Anything else is an error at build time. Arguments are symbols the runtime binds to its buffers (runtime/forward.py):
+  ["A", activation, row, byte offset]  ["W", weight, byte offset]  ["KV" | "DKV", layer, "k" | "v", byte offset]
+  ["NULL"]  ["lane_bytes", layer]  and integers (row and offset entries may themselves be ["rows", a, b]).
+A launch: {"label", "kernel" (a manifest kernel name), "args", "rows", "branch", "join", "rowwise"}; launch grids
+follow the kernels' planned rules (their params) at bind time. Kinds that lack a kernel are left out, their reasons
+listed under "missing" by what they serve: "core" (plain decoding), "ext" (logits processing, logprobs, prompt
+scoring) and "speculative" (DFlash)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from ..model_spec.conventions import DRAFT_BLOCK, DRAFT_CONTEXT, MAX_BATCH, VERIFY_ROWS, program_key
+from ..model_spec.types import ModelSpec
+from .kernel_spec import KernelSpec
+from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Op, Sym
+from .lower_draft import LowerDraft
+
+
+class ProgramError(ValueError):
+    """A lowering whose structure or arguments change inside a row range in a way a program cannot express."""
+
+
+def _ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi] cut where the launch structure changes: 1 row (the M = 1 kernels), up to 16 (the M = 16 ones, one
+    slice), 17 (a batched step's second slice of one row: the M = 1 lm_head), above (prefill kernels, or a second
+    16-row slice)."""
+    out = []
+    for a, b in ((1, 1), (2, MOE_SLICE), (MOE_SLICE + 1, MOE_SLICE + 1), (MOE_SLICE + 2, hi)):
+        a, b = max(a, lo), min(b, hi)
+        if a <= b:
+            out.append((a, b))
+    return out
+
+
+def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, int]]:
+    """(group, key, Lower.ops flags, lowest rows, highest rows) of every forward the engine asks for."""
+    for greedy in (True, False):
+        for ext in (False, True):
+            flags = dict(decode=True, last=True, greedy=greedy, ext=ext)
+            yield ("ext" if ext else "core"), program_key(**flags), flags, 1, 1
+            flags = dict(last=True, greedy=greedy, batched=True, ext=ext)
+            yield ("ext" if ext else "core"), program_key(**flags), flags, 1, MAX_BATCH
+    yield "ext", program_key(last=True, batched=True, score=True), dict(last=True, batched=True, score=True), 1, MAX_BATCH
+    for taps in (False, True) if drafter else (False,):
+        group = "speculative" if taps else "core"
+        yield group, program_key(last=False, taps=taps), dict(last=False, taps=taps), 1, max_rows
+        for greedy in (True, False):
+            for ext in (False, True):
+                flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
+                yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
+    if drafter:
+        for greedy in (True, False):
+            flags = dict(last=True, greedy=greedy, taps=True, all_logits=True)
+            yield "speculative", program_key(**flags), flags, VERIFY_ROWS, VERIFY_ROWS
+
+
+def _fit(points: list[tuple[int, int]], what: str) -> Any:
+    """Integers v(rows) at the sample points -> v, or ["rows", a, b] when they are a * rows + b."""
+    (r0, v0), (r1, v1) = points[0], points[-1]
+    if all(v == v0 for _, v in points):
+        return v0
+    a, rem = divmod(v1 - v0, r1 - r0)
+    b = v0 - a * r0
+    if rem or any(v != a * r + b for r, v in points):
+        raise ProgramError(f"{what}: {points} is not linear in the row count")
+    return ["rows", a, b]
+
+
+def _encode(points: list[tuple[int, Any]], what: str) -> Any:
+    """One launch argument at the sample points -> its JSON form (module docstring)."""
+    vals = [v for _, v in points]
+    first = vals[0]
+    if isinstance(first, Sym):
+        if any(not isinstance(v, Sym) or (v.kind, v.name, v.which) != (first.kind, first.name, first.which)
+               for v in vals):
+            raise ProgramError(f"{what}: another buffer at another row count ({vals})")
+        row = _fit([(r, v.row) for r, v in points], what)
+        off = _fit([(r, v.off) for r, v in points], what)
+        if first.kind == "A":
+            return ["A", first.name, row, off]
+        if first.kind == "W":
+            return ["W", first.name, off]
+        if first.kind in ("KV", "DKV"):
+            return [first.kind, first.name, first.which, off]
+        return ["NULL"]
+    if isinstance(first, LaneBytes):
+        return ["lane_bytes", first.layer]
+    if isinstance(first, bool) or not isinstance(first, int) or not all(type(v) is type(first) for v in vals):
+        raise ProgramError(f"{what}: an argument no program can hold ({vals})")
+    return _fit(list(points), what)
+
+
+def _merge(samples: list[tuple[int, list[Op]]], what: str) -> list[dict]:
+    """The launch lists of one range at its sample row counts -> one program."""
+    base = samples[0][1]
+    for rows, ops in samples[1:]:
+        if [(o.label, o.entry.name, o.branch, o.join, o.rowwise, sorted(o.args)) for o in ops] != \
+                [(o.label, o.entry.name, o.branch, o.join, o.rowwise, sorted(o.args)) for o in base]:
+            raise ProgramError(f"{what}: the launches at {rows} rows differ from those at {samples[0][0]}")
+    out = []
+    for i, op in enumerate(base):
+        at = [(rows, ops[i]) for rows, ops in samples]
+        out.append({"label": op.label, "kernel": op.entry.name, "branch": op.branch, "join": op.join,
+                    "rowwise": op.rowwise, "rows": _fit([(r, o.rows) for r, o in at], f"{what} {op.label} rows"),
+                    "args": {n: _encode([(r, o.args[n]) for r, o in at], f"{what} {op.label} {n}")
+                             for n in op.args}})
+    return out
+
+
+def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str) -> list[dict]:
+    """[{"lo", "hi", "launches"}] for each structural range of [lo, hi]."""
+    out = []
+    for a, b in _ranges(lo, hi):
+        # the ends, the second row count and the middle: the structure changes only at the cuts above (row
+        # counts against 1 and the 16-row slices), and 4 points pin a linear argument and catch most slips
+        points = sorted({a, min(a + 1, b), (a + b) // 2, b})
+        out.append({"lo": a, "hi": b, "launches": _merge([(r, build(r)) for r in points], f"{what} rows {a}-{b}")})
+    return out
+
+
+def kernel_views(kernels: list[KernelSpec]) -> list[KView]:
+    return [KView(k.name, k.template, k.param_dict, tuple(k.args)) for k in kernels]
+
+
+def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[str], max_rows: int) -> dict:
+    """{"programs": {kv dtype: {key: [ranges]}}, "missing": {group: [what is missing]}}."""
+    views = kernel_views(kernels)
+    programs: dict[str, dict] = {}
+    missing: dict[str, list[str]] = {"core": [], "ext": [], "speculative": []}
+    drafter = spec.drafter is not None
+    for kv in kv_dtypes:
+        low = Lower(spec, views, kv, max_rows)
+        table = programs[kv] = {}
+        jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
+                for g, key, flags, lo, hi in _kinds(max_rows, drafter)]
+        if drafter:
+            dl = LowerDraft(low)
+            jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
+                     ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, max_rows)]
+        for group, key, build, lo, hi in jobs:
+            try:
+                table[key] = _program(build, lo, hi, f"{kv} {key}")
+            except Missing:  # left out; name every kernel it lacks (lowered again with stubs for them)
+                low.missing, low.probing = [], True
+                try:
+                    for a, _ in _ranges(lo, hi):
+                        build(a)
+                finally:
+                    low.probing = False
+                missing[group] += [m for m in low.missing if m not in missing[group]]
+    return {"programs": programs, "missing": missing}
+
+
+__all__ = ["ProgramError", "emit_programs", "kernel_views"]
