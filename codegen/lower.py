@@ -18,6 +18,7 @@ from typing import Any
 
 from ..model_spec.conventions import MAX_BATCH, ring_slots
 from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
+from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
 
 MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels (batched steps: on 16-row slices)
@@ -85,17 +86,6 @@ def need(entry: KView | None) -> KView:
     if entry is None:
         raise Missing()
     return entry
-
-
-@dataclass
-class Op:
-    label: str
-    entry: KView
-    args: dict[str, Any]
-    rows: int
-    branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
-    join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
-    rowwise: bool = False  # attention: one query per block (a batched decode step)
 
 
 class Lower:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
 from ..model_spec.conventions import ring_slots
+from ..model_spec.step_program import drafter_problem
 from .lower import NULL, KView, Lower, Op, need
 
 
@@ -14,11 +15,9 @@ class LowerDraft:
 
     def __init__(self, fwd: Lower) -> None:
         self.fwd, self.spec = fwd, fwd.spec
-        if self.spec.drafter is None:
-            raise ValueError(f"model {self.spec.name} has no DFlash drafter")
-        if self.spec.drafter.block_size != BLOCK:
-            raise ValueError(f"drafter block_size {self.spec.drafter.block_size}: the engine's verify step is "
-                             f"built for {BLOCK}")
+        problem = drafter_problem(self.spec)
+        if problem:
+            raise ValueError(problem)
 
     def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
         f = self.fwd

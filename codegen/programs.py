@@ -1,6 +1,6 @@
 """Codegen stage: step programs, the launch lists of every kind of forward the engine runs, written into the manifest.
 
-Each kind (its flags: model_spec.conventions.program_key) is lowered (codegen/lower.py) for row ranges whose launch
+Each kind (its flags: model_spec.step_program.program_key) is lowered (codegen/lower.py) for row ranges whose launch
 structure does not change: one row, 2..16, 17, and more. Within a range the lowering is evaluated at 4 row counts
 (both ends, the second, the middle); the launches must be the same, and a launch argument that differs must be linear
 in the row count (a grid-stride count, a last-row pointer, a second slice's rows): it is written as
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from ..model_spec.conventions import DRAFT_BLOCK, DRAFT_CONTEXT, MAX_BATCH, VERIFY_ROWS, program_key
+from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
+from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, program_key
 from ..model_spec.types import ModelSpec
 from .kernel_spec import KernelSpec
-from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Op, Sym
+from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Sym
 from .lower_draft import LowerDraft
 
 

@@ -32,16 +32,3 @@ def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
 SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
                           ("top_k", "<i4"), ("pad", "<i4")])
 
-
-# Step programs (manifest "programs", codegen/programs.py writes them, runtime/forward.py binds them): one launch list
-# per kind of forward, keyed by its flags, each for a range of row counts. Flags that change nothing are folded.
-def program_key(decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> str:
-    if not last or score:  # no token is picked: how it would be is moot
-        greedy, ext = True, False
-    flags = dict(decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext,
-                 score=score)
-    return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
-
-
-DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"  # the drafter's programs (runtime/spec_decode.py)

@@ -1,7 +1,7 @@
 """Runtime stage: the step programs of the kernel manifest (codegen/programs.py) bound to the engine's buffers.
 
 `Forward.ops(rows, ...)` returns the launches of one forward over `rows` tokens: the manifest's program for that
-kind of forward (its flags: model_spec.conventions.program_key) and row range, its symbols resolved through a
+kind of forward (its flags: model_spec.step_program.program_key) and row range, its symbols resolved through a
 `Pointers` object (the engine's buffers, or runtime/dataflow.PlannedPointers for the checks). No kernel is chosen
 here: a program names its kernels, and their grids follow the planned rules in their params (`_grid`).
 """
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from ..model_spec.conventions import DECODE_BUCKETS, MAX_BATCH  # noqa: F401  (the engine imports them from here)
 from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # noqa: F401  (rows of logits the lm_head handles)
-from ..model_spec.conventions import program_key
+from ..model_spec.step_program import Op, program_key
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .modules import KernelEntry, KernelManifest, Ptr
@@ -64,17 +64,6 @@ class Copy2D:
     dst_pitch: int
     width: int
     height: int
-
-
-@dataclass
-class Op:
-    label: str
-    entry: KernelEntry
-    args: dict[str, Any]
-    rows: int
-    branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
-    join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
-    rowwise: bool = False  # attention: one query per block (a batched decode step)
 
 
 def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, int]:

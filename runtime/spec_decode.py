@@ -21,8 +21,8 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 
 from __future__ import annotations
 
-from ..model_spec.conventions import DRAFT_BLOCK, DRAFT_CONTEXT, program_key
 from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
+from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .forward import Forward, Op
@@ -62,11 +62,9 @@ class DraftForward:
 
     def __init__(self, fwd: Forward) -> None:
         self.fwd, self.spec = fwd, fwd.spec
-        if self.spec.drafter is None:
-            raise BackendError(f"model {self.spec.name} has no DFlash drafter")
-        if self.spec.drafter.block_size != BLOCK:
-            raise BackendError(f"drafter block_size {self.spec.drafter.block_size}: the engine's verify step is "
-                               f"built for {BLOCK}")
+        problem = drafter_problem(self.spec)
+        if problem:
+            raise BackendError(problem)
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""

@@ -18,7 +18,7 @@ from thorgen.codegen.lower_draft import LowerDraft  # noqa: E402
 from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E402
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge, kernel_views  # noqa: E402
-from thorgen.model_spec.conventions import DRAFT_BLOCK, DRAFT_CONTEXT, program_key  # noqa: E402
+from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
 from thorgen.runtime.backend import BackendError  # noqa: E402
 from thorgen.runtime.forward import Forward  # noqa: E402

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...model_spec.conventions import program_key
+from ...model_spec.step_program import program_key
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
 from ..kv_cache import DEFAULT_MAX_STEP_TOKENS
 from ..modules import load_manifest

@@ -1,0 +1,47 @@
+"""Model-spec stage (shared bottom): the step-program format both stages use. codegen/programs.py writes programs
+of these launches into the manifest, runtime/forward.py binds them (docs/step_programs.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .conventions import VERIFY_ROWS
+from .types import ModelSpec
+
+
+@dataclass
+class Op:
+    """One launch of a step: codegen's form holds a planned kernel and symbols, the runtime's a manifest entry and
+    device pointers."""
+
+    label: str
+    entry: Any
+    args: dict[str, Any]
+    rows: int
+    branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
+    join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
+    rowwise: bool = False  # attention: one query per block (a batched decode step)
+
+
+# One program per kind of forward, keyed by its flags, each for ranges of row counts. Flags that change nothing are
+# folded, so that codegen and the runtime name a kind alike.
+def program_key(decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
+                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> str:
+    if not last or score:  # no token is picked: how it would be is moot
+        greedy, ext = True, False
+    flags = dict(decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext,
+                 score=score)
+    return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
+
+
+DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"  # the drafter's programs (runtime/spec_decode.py)
+
+
+def drafter_problem(spec: ModelSpec) -> str | None:
+    """Why the DFlash steps cannot be built or run for `spec` (None: they can)."""
+    if spec.drafter is None:
+        return f"model {spec.name} has no DFlash drafter"
+    if spec.drafter.block_size != VERIFY_ROWS:
+        return f"drafter block_size {spec.drafter.block_size}: the verify step is built for {VERIFY_ROWS}"
+    return None
