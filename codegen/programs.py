@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
-from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, program_key
+from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key
 from ..model_spec.types import ModelSpec
 from .kernel_spec import KernelSpec
 from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Sym
@@ -135,7 +135,10 @@ def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[st
     views = kernel_views(kernels)
     programs: dict[str, dict] = {}
     missing: dict[str, list[str]] = {"core": [], "ext": [], "speculative": []}
-    drafter = spec.drafter is not None
+    problem = drafter_problem(spec)  # no drafter, or one these programs cannot serve: plain decoding only
+    drafter = problem is None
+    if problem and spec.drafter is not None:
+        missing["speculative"].append(problem)
     for kv in kv_dtypes:
         low = Lower(spec, views, kv, max_rows)
         table = programs[kv] = {}
