@@ -21,7 +21,7 @@ from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits th
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
 
-MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels (batched steps: on 16-row slices)
+MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels; batched steps of more, the M = MAX_BATCH ones
 
 
 @dataclass(frozen=True)
@@ -111,12 +111,14 @@ class Lower:
         self.missing.append(f"{what} ({template} with {params})")
         return KView(f"<missing {what}>", template, {}, ()) if self.probing else None
 
-    def gemm(self, n: int, k: int, rows: int, epi: str = "store") -> KView:
-        if rows > 16:
+    def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KView:
+        """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
+        read once for all rows), else the prefill GEMM."""
+        if rows > 16 and not batched:
             e = self.find("nvfp4_gemm_large.cu.j2", f"prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
         else:
-            e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={1 if rows == 1 else 16}", n=n, k=k, epi=epi,
-                          mmax=1 if rows == 1 else 16)
+            mmax = 1 if rows == 1 else 16 if rows <= 16 else MAX_BATCH
+            e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={mmax}", n=n, k=k, epi=epi, mmax=mmax)
         return need(e)
 
     # ---- the forward ------------------------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ class Lower:
         ops.append(Op("input_norm", norm, dict(x=A("x"), w=W("layers.0.input_layernorm.weight"), y=A("a"), T=rows),
                       rows))
         for l in range(t.num_hidden_layers):
-            ops += self._layer_ops(l, rows, batched)
+            ops += self._layer_ops(l, rows, batched, small=batched and not score)
         if last:
             if batched:
                 for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
@@ -214,20 +216,24 @@ class Lower:
             ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))
         return ops
 
-    def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store") -> Op:
-        """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (gemv, gemm16 or the prefill GEMM by rows)."""
-        e = self.gemm(n, k, rows, epi)
+    def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
+                 batched: bool = False) -> Op:
+        """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (the kernel by rows: Lower.gemm)."""
+        e = self.gemm(n, k, rows, epi, batched)
         return Op(label, e, dict(w=self.ptr.W(base + ".weight_packed"), s=self.ptr.W(base + ".weight_scale"),
                                  gscale=self.ptr.W(base + ".weight_tile_scale"), x=x, y=y, m=rows), rows)
 
-    def _layer_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
+    def _layer_ops(self, l: int, rows: int, batched: bool = False, small: bool = False) -> list[Op]:
+        """Layer l over `rows` tokens; `batched`: one per sequence (rowwise attention over their lanes); `small`:
+        the weight-streaming kernels up to MAX_BATCH rows (a batched decode step; a scoring pass runs the prefill
+        kernels, as the prompt's prefill does)."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         p, H = f"layers.{l}.", t.hidden_size
         hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
         nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
         qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
         n_qkv = nq + nk * (2 if has_v else 1)
-        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv")))
+        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
         base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
         q_raw, k_raw, v_raw = base, base + 4 * nq, base + 4 * (nq + nk) if has_v else NULL
         window = t.layer_window(l) or 0
@@ -247,7 +253,8 @@ class Lower:
                               kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
                                   lanes=self.ptr.lane_bytes(l), rowwise=batched)
-        ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o")))
+        ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o"),
+                                 batched=small))
         tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
         ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
                                                   w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
@@ -256,13 +263,14 @@ class Lower:
         # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
         # branch 1 lets it run on a side stream beside them.
         mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
-                             A("mlp_act"), epi="gelu_mul"),
-               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"))]
+                             A("mlp_act"), epi="gelu_mul", batched=small),
+               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"),
+                             batched=small)]
         for op in mlp:
             op.branch = 1
         ops += mlp  # first, so the side stream starts before the router
-        ops += self._router_ops(l, rows)
-        ops += self._moe_ops(l, rows)
+        ops += self._router_ops(l, rows, small)
+        ops += self._moe_ops(l, rows, small)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
         # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
         pairs = t.top_k_experts if rows > 1 else 0
@@ -306,9 +314,10 @@ class Lower:
             ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))
         return ops
 
-    def _router_ops(self, l: int, rows: int) -> list[Op]:
+    def _router_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
         """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters
-        zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows)."""
+        zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows). A
+        batched step of up to MAX_BATCH rows keeps the 16-row blocking (its blocks loop over the rows)."""
         t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
         E, K = t.num_experts, t.top_k_experts
         common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
@@ -317,7 +326,7 @@ class Lower:
         if rows == 1:
             rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
-        wide = rows > LM_ROWS  # more rows than the 16-row blocking serves (a prefill chunk, a 32-row scoring pass)
+        wide = rows > LM_ROWS and not batched  # a prefill chunk: the wide blocking
         rl = need(self.find("router_logits.cu.j2", f"router logits m<={self.max_rows if wide else LM_ROWS}",
                             H=t.hidden_size, E=E, mmax=self.max_rows if wide else LM_ROWS))
         tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
@@ -333,14 +342,14 @@ class Lower:
         return dict(tap=self.ptr.A("taps"), tap_stride=len(d.target_layer_ids) * H,
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
-    def _moe_ops(self, l: int, rows: int) -> list[Op]:
-        """The MoE of layer l: for one row the M=1 gate/up + down -> moe [1, H]; up to 16 rows (a batched step:
-        16-row slices) the M=16 gate/up and the down into a row per slot; above that the grouped kernels: plan
+    def _moe_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
+        """The MoE of layer l: for one row the M=1 gate/up + down -> moe [1, H]; up to 16 rows the M=16 gate/up
+        and the down into a row per slot, a batched step of more the M=MAX_BATCH pair; else the grouped kernels: plan
         (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
         chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
-        if rows > MOE_SLICE:
+        if rows > MOE_SLICE and not batched:
             g = dict(experts=t.num_experts, topk=K)
             plan = need(self.find("moe_grouped_plan.cu.j2", "grouped MoE plan", **g))
             gu = need(self.find("moe_grouped_gateup.cu.j2", "grouped MoE gate/up", ie=t.moe_intermediate_size,
@@ -359,21 +368,16 @@ class Lower:
                     w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                     gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
                     ypair=A("moe_pair_out"), **routing), rows)]
-        mmax = 1 if rows == 1 else MOE_SLICE
+        mmax = 1 if rows == 1 else MOE_SLICE if rows <= MOE_SLICE else MAX_BATCH
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
         pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
         down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
-        ops = []
-        for r0 in range(0, rows, mmax):
-            n = min(mmax, rows - r0)
-            ops.append(Op(f"layers.{l}.moe_gateup", up, dict(
-                w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
-                gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2", r0), ids=A("topk_idx", r0),
-                act=A("moe_act"), m=n), n))
-            route = dict(dw, ids=A("topk_idx", r0), wts=A("topk_w", r0), m=n)
-            out = dict(ypair=A("moe_pair_out", r0 * K)) if pairs else dict(y=A("moe", r0))  # slice r0's slot rows
-            ops.append(Op(f"layers.{l}.moe_down", down, dict(route, **out), n))
-        return ops
+        out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))
+        return [Op(f"layers.{l}.moe_gateup", up, dict(
+                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
+                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),
+                    m=rows), rows),
+                Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx"), wts=A("topk_w"), m=rows, **out), rows)]

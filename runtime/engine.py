@@ -23,7 +23,7 @@ from ..model_spec.conventions import SAMPLE_PARAMS
 from ..model_spec.types import ModelSpec
 from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
-from .forward import DECODE_BUCKETS, LM_ROWS, MAX_BATCH, MOE_SLICE, NULL, Copy2D, Forward, _grid
+from .forward import DECODE_BUCKETS, LM_ROWS, MAX_BATCH, NULL, Copy2D, Forward, _grid
 from .graphs import CudaGraph
 from .kv_cache import KVCache, plan_kv
 from .logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT, plain_row
@@ -43,8 +43,7 @@ class Engine:
     _SLOTS, _READ = 128, 2048
     # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
     # then the tokens read back (the step waits for them, so the area is free again at the next step).
-    # Two such areas (a step of more than DECODE_BUCKETS[-1] rows runs as two forwards), 2048 bytes each.
-    _BATCH, _BATCH_PART, _BATCH_READ = 8192, 2048, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
+    _BATCH, _BATCH_READ = 8192, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
 
     def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
                  weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1) -> None:
@@ -152,7 +151,7 @@ class Engine:
                 ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
                 ("qkv", (R, qmax + 2 * kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
                 ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
-                ("mlp", (R, H), "f32"), ("moe_act", (MOE_SLICE * K, t.moe_intermediate_size), "f16"),
+                ("mlp", (R, H), "f32"), ("moe_act", (MAX_BATCH * K, t.moe_intermediate_size), "f16"),
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
                 ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
                 ("lanes", (R,), "i32"), ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
@@ -370,32 +369,27 @@ class Engine:
     def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None,
                      ext: bool = False) -> list[int]:
         """One batched step: rows of (KV lane, position, token id, sampling params or None for greedy), each the
-        next token of its own sequence; returns each row's new token. Up to DECODE_BUCKETS[-1] rows run the graph
-        of the smallest bucket holding them; padding rows repeat row 0 (they rewrite its K/V with the same values,
-        and their tokens are dropped). More rows run as two graphs back to back: measured on the H200, 32 rows
-        in one forward (prefill GEMMs, grouped MoE) took 16.3 ms, two 16-row forwards 12.4 ms. A processed
-        (`ext`) step keeps one forward: its per-row logits inputs are staged for the whole step."""
+        next token of its own sequence; returns each row's new token. The rows run the graph of the smallest
+        bucket holding them (17..32 rows: the M = 32 kernels, each weight byte read once for all rows); padding
+        rows repeat row 0 (they rewrite its K/V with the same values, and their tokens are dropped)."""
         n = len(rows)
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
         if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
             raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}")
         greedy = all(r[3] is None or r[3].greedy for r in rows)
-        top = DECODE_BUCKETS[-1]
-        parts = [rows] if ext or n <= top else [rows[:top], rows[top:]]
-        reads = [self._batch_part(part, i, greedy, ext) for i, part in enumerate(parts)]
+        read = self._stage_batch(rows, greedy, ext)
         if launched is not None:
             launched()
         self.stream.synchronize()
-        return [int(t) for read, part in zip(reads, parts)
-                for t in self._pinned.array[read:read + 4 * len(part)].view(np.int32)]
+        return [int(t) for t in self._pinned.array[read:read + 4 * n].view(np.int32)]
 
-    def _batch_part(self, rows: list, part: int, greedy: bool, ext: bool) -> int:
-        """Stage and enqueue one batched forward (pinned staging area `part`); returns where its tokens land."""
+    def _stage_batch(self, rows: list, greedy: bool, ext: bool) -> int:
+        """Stage and enqueue one batched forward; returns where in the pinned area its tokens land."""
         n = len(rows)
-        B = next((b for b in DECODE_BUCKETS if b >= n), MAX_BATCH)
+        B = next(b for b in DECODE_BUCKETS if b >= n)
         padded = rows + [rows[0]] * (B - n)
-        base, M = self._BATCH + part * self._BATCH_PART, MAX_BATCH
+        base, M = self._BATCH, MAX_BATCH
         vals = self._pinned.array[base:base + 16 * M].view(np.int32)
         vals[:] = 0
         for i, (lane, pos, tok, _) in enumerate(padded):

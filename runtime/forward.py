@@ -20,7 +20,6 @@ from .backend import BackendError
 from .modules import KernelEntry, KernelManifest, Ptr
 
 NULL = Ptr(0)
-MOE_SLICE = 16  # rows of the M = 16 kernels (the engine sizes its MoE scratch by it)
 # THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
 # per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
 ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from pathlib import Path
 
 import click
+
+SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 
 
 def open_model(config):
@@ -86,6 +89,11 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     state = ServerState(name, loader, speculative=False if off else None, draft_tokens=draft_tokens or None)
     app = create_app(state, api_key=api_key, cors_origins=list(cors_origins),
                      max_body_bytes=int(max_body_mb * (1 << 20)))
+    # The engine thread and the event loop share the GIL; when the loop is busy streaming, the engine thread waits
+    # up to one switch interval (5 ms by default) each time it takes the GIL back after a CUDA call. Measured on
+    # the H200 (full-size checkpoint, `thorgen bench serve`, 512-token prompts): 0.2 ms raises 1,130 -> 1,202 tok/s
+    # at 8 streams and 1,328 -> 1,393 at 32, the engine's host time a step at 32 streams 3.5 -> 2.6 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=shutdown_timeout))
     loading = state.load_in_background()

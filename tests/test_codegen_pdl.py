@@ -3,7 +3,7 @@
 
 A PDL-launched kernel may start while its predecessor still runs, so before reading any earlier kernel's output or
 writing anything it must execute griddepcontrol.wait (thorgen::pdl_wait). A template is safe when its wrapper calls
-pdl_wait itself, or it calls a header function whose body calls pdl_wait (directly or through unit_steps<..., true>,
+pdl_wait itself, or it calls a header function whose body calls pdl_wait (directly or through unit_steps[_rows]<..., true>,
 the weight loop that waits after its weight prologue). A new template without either fails here.
 """
 
@@ -38,7 +38,7 @@ def _waiting_functions() -> set[str]:
         text = h.read_text()
         for name in set(re.findall(r"\bvoid\s+(\w+)\s*\(", text)):
             body = _function_body(text, name) or ""
-            if "pdl_wait()" in body or re.search(r"unit_steps<[^;]*,\s*true\s*(,[^;]*)?>\(", body):
+            if "pdl_wait()" in body or re.search(r"unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(", body):
                 out.add(name)
     return out
 

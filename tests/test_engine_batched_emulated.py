@@ -117,8 +117,9 @@ def test_bench_times_each_bucket(backend):
     assert any(k.startswith("attn_dec__") for k in kernels) and report["batched_step_rows"] == 3
 
 
-def test_more_rows_than_the_largest_bucket_run_as_two_forwards(tiny_checkpoint, tmp_path):
-    """18 sequences: one step runs the 16-row graph and then a 2-row one; each request equals itself alone."""
+def test_more_than_16_rows_run_the_32_row_bucket(tiny_checkpoint, tmp_path):
+    """18 sequences: one step runs the 32-row graph (the M = 32 GEMMs and MoE pair; padded rows dropped); each
+    request equals itself alone."""
     from thorgen.runtime import device as dev
 
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
@@ -127,7 +128,10 @@ def test_more_rows_than_the_largest_bucket_run_as_two_forwards(tiny_checkpoint, 
         reqs = {f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
                 for i in range(18)}
         together = _serve(EngineCore(b.runner(18)), reqs)
-        assert {"batch16_sample", "batch2_sample"} <= set(b.engine._graphs)
+        assert "batch32_sample" in b.engine._graphs and not any(k.startswith("batch16") for k in b.engine._graphs)
+        step = b.engine.fwd.ops(32, decode=False, last=True, greedy=False, batched=True)
+        kernels = {op.entry.name for op in step}
+        assert any(k.startswith("nvfp4_gemm32__") for k in kernels) and any(k.startswith("moe_gateup__m32") for k in kernels)
         for rid, req in list(reqs.items())[::5]:
             assert together[rid] == _serve(EngineCore(b.runner(1)), {rid: req})[rid]
     finally:

@@ -32,6 +32,8 @@ def _ms(kern) -> list[int]:
         return [1]
     if "gemmL" in kern.name:
         return [kern.param("bm") + 37, 3]  # a partial last block, and fewer rows than a block
+    if kern.param("mmax") > 16:
+        return [32, 21]  # both 16-row tiles full, and a part-full second one
     return [16, 5]
 
 

@@ -68,11 +68,12 @@ def experts(runner):
     return Experts(np.random.default_rng(21), runner.spec, k.param("fp4_order"))
 
 
-CASES = [(1, None), (16, None), (16, "pool"), (5, "pool")]  # (m, routing); "pool": experts shared by tokens
+# (m, routing); "pool": experts shared by tokens. 21 and 32 rows: the M = 32 pair (batched decode steps)
+CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "pool"), (21, "pool")]
 
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
-    """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 16) writes each slot's
+    """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
     weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
     if down.name.startswith("moe_down__"):
         return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
@@ -86,7 +87,7 @@ def test_moe(runner, experts, m, pool):
     rng = np.random.default_rng(22 + m)
     t = runner.spec.target
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
-    mmax = 1 if m == 1 else 16
+    mmax = 1 if m == 1 else 16 if m <= 16 else 32
     gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
     (down,) = runner.find("moe_down__m1_" if m == 1 else f"moe_down_pairs__m{mmax}_")
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)

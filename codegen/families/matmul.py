@@ -1,9 +1,12 @@
-"""Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify GEMM (M <= 16), prefill GEMM.
+"""Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify and batched-decode GEMMs (M <= 16,
+M <= 32), prefill GEMM.
 
-Every target Linear shape gets three kernels on the t16x64 weight layout (runtime/layouts.py):
+Every target Linear shape gets these kernels on the t16x64 weight layout (runtime/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
+  nvfp4_gemm32__n{N}_k{K}[_gelu] M <= 32    same, two 16-row tiles on each decoded weight step (batched decode of
+                                            17..32 sequences; not the lm_head, which runs in 16-row slices)
   nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory
 Shapes: q / k / v / o of each layer kind, the fused q|k|v of each kind (one launch, per-projection scales in the
 per-tile gscale), dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and the tied lm_head (f32 logits).
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from ...model_spec.conventions import fp4_order_for
+from ...model_spec.conventions import MAX_BATCH, fp4_order_for
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -25,6 +28,8 @@ TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
 EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL"}
 LARGE_BM, LARGE_STAGES = 64, 3
+SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
+BATCHED_ROLES = ("qkv", "o", "gate_up", "down")  # the linears a batched decode step runs at M = SMALL_MAX_ROWS
 
 
 def fp4_order(arch: ArchSpec) -> str:
@@ -73,7 +78,7 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     """The M <= mmax weight-streaming kernel for an [n, k] weight (kind: fp4 order or "half")."""
     kind = kind or fp4_order(arch)
     check_shape(f"{prefix} gemm", n, k)
-    require(1 <= mmax <= 16, f"gemm_small: mmax {mmax} must lie in 1..16")
+    require(1 <= mmax <= SMALL_MAX_ROWS, f"gemm_small: mmax {mmax} must lie in 1..{SMALL_MAX_ROWS}")
     units, steps = n // TILE_N, k // TILE_K
     ks = split_k(units, steps, arch)
     pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
@@ -144,6 +149,8 @@ def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
         kernels = [gemm_small(n, k, 1, epi, arch), gemm_small(n, k, 16, epi, arch)]
         if role != "lm_head":  # prefill needs logits of the last position only (the M = 1 kernel)
             kernels.append(gemm_large(n, k, epi, arch))
+        if role in BATCHED_ROLES:
+            kernels.append(gemm_small(n, k, SMALL_MAX_ROWS, epi, arch))
         for kern in kernels:
             out.setdefault(kern.name, kern)
     return list(out.values())
@@ -165,7 +172,7 @@ def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
     if kern.template.endswith("_large.cu.j2"):
         grid = (kern.grid[0], math.ceil(m / kern.param("bm")), 1)
     return BenchCase(kern, args, bytes_moved=wbytes + m * k * 2 + m * out_n * out_b, grid=grid,
-                     note=note or f"M={m}", weight_streaming=m <= 16)
+                     note=note or f"M={m}", weight_streaming=m <= SMALL_MAX_ROWS)
 
 
 def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
@@ -175,6 +182,8 @@ def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
             cases.append(gemm_bench_case(kern, 1))
         elif kern.name.startswith("nvfp4_gemm16__"):
             cases.append(gemm_bench_case(kern, 16))
+        elif kern.name.startswith("nvfp4_gemm32__"):
+            cases.append(gemm_bench_case(kern, 32))
         elif kern.name.startswith("nvfp4_gemmL__") and kern.param("n") == spec.target.num_attention_heads * \
                 spec.target.head_dim:
             cases.append(gemm_bench_case(kern, MAX_STEP_TOKENS, note=f"prefill M={MAX_STEP_TOKENS}"))

@@ -1,21 +1,23 @@
 """Codegen stage: the grouped-MoE family (gate|up -> gelu_tanh(gate) * up -> down, weighted by the router).
 
-Two kernels per token budget (mmax 1 = decode, 16 = verify), on per-expert slabs of the t16x64 NVFP4 layout:
+Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 32 = batched decode of 17..32
+sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
   moe_gateup__...  grid (2*Ie/16 units, m*K slots): the first slot naming an expert does that expert's fused gate|up
                    for all m tokens (one pass over its weights) and writes act[t*K+k] for the tokens that chose it.
   moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
                    their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
                    shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
-  moe_down_pairs__ (16 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
+  moe_down_pairs__ (16 or 32 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
                    norms.py) sums per token in slot order.
-Prefill chunks (m > 16) use the grouped family (moe_grouped.py).
+Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 """
 
 from __future__ import annotations
 
 import math
 
+from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
@@ -27,6 +29,11 @@ from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order,
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
+
+
+def _units(units: int, most: int) -> int:
+    """Units a block: the largest power of two up to `most` that divides the matrix's units."""
+    return max(u for u in (1, 2, 4) if u <= most and units % u == 0)
 
 
 def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
@@ -48,10 +55,18 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     # layer vs 128.0 (fewer registers, more warps resident); 8 was no better than 4, more warps (KS) slower.
     if mmax > 1 and arch.prefetch_depth >= 4:
         pf = min(pf, 2)
+    # Units a block (a warp runs them all on each activation step it loads: the 16- and 32-row kernels are bound
+    # by re-reading the token rows from L1/L2, 90-180 KB a block, more than by the weights). H200 sweep
+    # (.gpu/moe32_sweep.py, kept out of the repo; KS 1-4 x UN 1-4, 2026-12-01): 16 rows KS 4 x UN 2 93.7 -> 77.7
+    # us a layer, 32 rows KS 2 x UN 4 192.9 -> 156.6.
+    un = 1
+    if mmax > 1 and arch.prefetch_depth >= 4:
+        ks, un = (min(4, steps_gu), _units(units_gu, 2)) if mmax <= 16 else (ks, _units(units_gu, 4))
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE, swap=mmax <= 8)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, ROW_GRID=(1, topk, 1), **common), grid=(units_gu, mmax * topk, 1),
+                        make_params(ks=ks, pf=pf, un=un, ROW_GRID=(1, topk, 1), **common),
+                        grid=(units_gu // un, mmax * topk, 1),
                         block=(32 * ks, 1, 1),
                         args=GATEUP_ARGS, family="moe")
     steps_d = ie // TILE_K
@@ -61,10 +76,12 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         # 2026-12-01): 100.9 -> 66.8 us a layer (kernel bench), the batched 16-row step 9.02 -> 8.41 ms. Its own
         # sweep (.gpu/pairs_sweep.py, kept out of the repo; KS 1-4 x PF 2-8): one warp a block with 2 steps in
         # flight is fastest, 56.3 us against 71.3 for 2 warps x 4 (more blocks resident beat deeper prefetch).
-        kp = 1
+        # (the same sweep: 2 units a block 54.3 -> 51.4 us at 16 rows; at 32 rows one unit stays best, 120 us)
+        kp, upd = 1, _units(units_d, 2) if mmax <= 16 and arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), ROW_GRID=(1, topk, 1), **common),
-                           grid=(units_d, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, ROW_GRID=(1, topk, 1),
+                                       **common),
+                           grid=(units_d // upd, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.
@@ -81,7 +98,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
 
 
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16)
+    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16) + moe_kernels(spec, arch, MAX_BATCH)
 
 
 def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
@@ -96,7 +113,7 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     gu_b, d_b = expert_bytes(spec)
     cases = []
-    for mmax in (1, 16):
+    for mmax in (1, 16, MAX_BATCH):
         gateup, down = moe_kernels(spec, arch, mmax)
         m = mmax
         n_sel = topk if m == 1 else min(e, m * topk)  # upper bound; random routing at M = 16 repeats some

@@ -52,15 +52,40 @@ __device__ __forceinline__ void acc_to_smem(float (*dst)[16], const float (&acc)
   else frag_to_smem<MR>(dst, acc, gid, t4);
 }
 
-// ---- M <= 16 -----------------------------------------------------------------------------------------------
+// The tensor-core rows of a step of up to MMAX tokens: RT 16-row tiles (one 8-row half for MMAX <= 8); MR rows of
+// the shared-memory reduction tile.
+template <int MMAX> struct RowTiles {
+  static_assert(MMAX >= 1 && MMAX <= 32, "the small kernels handle 1..32 rows");
+  static constexpr int RT = MMAX > 16 ? 2 : 1;
+  static constexpr bool TWO = MMAX > 8;
+  static constexpr int MR = MMAX > 16 ? 32 : TWO ? 16 : 8;
+};
+
+// Every tile's accumulators into rows 16 rt.. of a [MR][16] smem tile.
+template <bool SWAP, int MR, int RT>
+__device__ __forceinline__ void tiles_to_smem(float (*dst)[16], const float (&acc)[RT][2][4], int gid, int t4) {
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) acc_to_smem<SWAP, (MR < 16 ? MR : 16)>(dst + 16 * rt, acc[rt], gid, t4);
+}
+
+// The lane's rows (unit_steps_rows order: row 8 j + gid) of x [m][K], nullptr past m.
+template <int RT, bool TWO>
+__device__ __forceinline__ void lane_rows(const __half* (&rows)[2 * RT], const __half* x, int K, int m, int gid) {
+#pragma unroll
+  for (int j = 0; j < 2 * RT; ++j) {
+    const int r = 8 * j + gid;
+    rows[j] = ((j & 1) == 0 || TWO) && r < m ? x + (size_t)r * K : nullptr;
+  }
+}
+
+// ---- M <= 32 -----------------------------------------------------------------------------------------------
 template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false>
 __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   static_assert(N % 16 == 0 && K % 64 == 0, "W must be [N % 16 == 0, K % 64 == 0]");
-  static_assert(MMAX >= 1 && MMAX <= 16, "gemm_small handles 1..16 rows");
   static_assert(KS >= 1 && KS <= 32 && KS <= K / 64, "K split must give every warp at least one step");
-  constexpr bool TWO = MMAX > 8;
-  constexpr int MR = TWO ? 16 : 8;
+  using Tiles = RowTiles<MMAX>;
+  constexpr int RT = Tiles::RT, MR = Tiles::MR;
   constexpr int STEPS = K / 64;
   __shared__ float red[KS][MR][16];
   pdl_launch_dependents();
@@ -68,12 +93,12 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
-  const __half* row0 = gid < m ? x + (size_t)gid * K : nullptr;
-  const __half* row1 = (TWO && gid + 8 < m) ? x + (size_t)(gid + 8) * K : nullptr;
-  float acc[2][4] = {};
-  static_assert(!(SWAP && TWO), "the swapped form holds at most 8 tokens");
-  unit_steps<KIND, N, K, PF, TWO, true, SWAP>(acc, p, unit, row0, row1, s0, s1);
-  acc_to_smem<SWAP, MR>(red[warp], acc, gid, t4);
+  const __half* rows[2 * RT];
+  lane_rows<RT, Tiles::TWO>(rows, x, K, m, gid);
+  float acc[1][RT][2][4] = {};
+  static_assert(!(SWAP && Tiles::TWO), "the swapped form holds at most 8 tokens");
+  unit_steps_rows<KIND, N, K, PF, RT, 1, Tiles::TWO, true, SWAP>(acc, p, unit, rows, s0, s1);
+  tiles_to_smem<SWAP, MR>(red[warp], acc[0], gid, t4);
   __syncthreads();
   if constexpr (EPI == EPI_STORE) {
     for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
@@ -118,19 +143,20 @@ __device__ __forceinline__ bool named_earlier(const int* __restrict__ ids, int s
   return __syncthreads_or(dup);
 }
 
-// Block (unit, slot): only the first slot of each distinct expert ("leader") works; it runs the expert's fused
+// Block (unit group, slot): only the first slot of each distinct expert ("leader") works; it runs the expert's fused
 // gate/up (2*IE rows, interleaved 8-row tiles) over ALL m tokens (tensor-core rows are free), then writes
 // gelu(gate)*up for the tokens that chose the expert: act[(t*TOPK + k)][IE] fp16. Weights read once per step.
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, bool SWAP = false>
+// UN units a block (a warp runs all of them on each activation step it loads).
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, bool SWAP = false, int UN = 1>
 __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, const int* __restrict__ ids,
                                            __half* __restrict__ act, int m) {
   static_assert((2 * IE) % 16 == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile");
-  constexpr bool TWO = MMAX > 8;
-  constexpr int MR = TWO ? 16 : 8;
+  using Tiles = RowTiles<MMAX>;
+  constexpr int RT = Tiles::RT, MR = Tiles::MR;
   constexpr int STEPS = H / 64;
   constexpr size_t EW = (size_t)2 * IE * H / 2, ES = (size_t)2 * IE * H / 16;
-  __shared__ float red[KS][MR][16];
+  __shared__ float red[KS][UN][MR][16];
   pdl_launch_dependents();
   pdl_wait();  // ids and x come from the router / norm kernels
   m = m < MMAX ? m : MMAX;
@@ -147,27 +173,28 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
     return;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int unit = blockIdx.x;
+  const int unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
-  const __half* row0 = gid < m ? x + (size_t)gid * H : nullptr;
-  const __half* row1 = (TWO && gid + 8 < m) ? x + (size_t)(gid + 8) * H : nullptr;
+  const __half* rows[2 * RT];
+  lane_rows<RT, Tiles::TWO>(rows, x, H, m, gid);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
-  float acc[2][4] = {};
-  static_assert(!(SWAP && TWO), "the swapped form holds at most 8 tokens");
-  unit_steps<KIND, 2 * IE, H, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
-  acc_to_smem<SWAP, MR>(red[warp], acc, gid, t4);
+  float acc[UN][RT][2][4] = {};
+  static_assert(!(SWAP && Tiles::TWO), "the swapped form holds at most 8 tokens");
+  unit_steps_rows<KIND, 2 * IE, H, PF, RT, UN, Tiles::TWO, false, SWAP>(acc, pe, unit0, rows, s0, s1);
+#pragma unroll
+  for (int u = 0; u < UN; ++u) tiles_to_smem<SWAP, MR>(red[warp][u], acc[u], gid, t4);
   __syncthreads();
   const float* gs = gscale + (size_t)e * (2 * IE / 8);
-  const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
-  for (int i = threadIdx.x; i < MR * 8; i += KS * 32) {
-    const int r = i >> 3, c = i & 7;
-    if (r >= m) break;
+  for (int i = threadIdx.x; i < UN * MR * 8; i += KS * 32) {
+    const int u = i / (MR * 8), r = (i >> 3) % MR, c = i & 7, unit = unit0 + u;
+    if (r >= m) continue;
     const int k = slot_of<TOPK>(ids, r, e);
     if (k < 0) continue;
-    float g = 0.f, u = 0.f;
+    float g = 0.f, up = 0.f;
 #pragma unroll
-    for (int w = 0; w < KS; ++w) { g += red[w][r][c]; u += red[w][r][8 + c]; }
-    act[(size_t)(r * TOPK + k) * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (u * fu));
+    for (int w = 0; w < KS; ++w) { g += red[w][u][r][c]; up += red[w][u][r][8 + c]; }
+    const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
+    act[(size_t)(r * TOPK + k) * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
   }
 }
 
@@ -286,17 +313,18 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
 // token's pairs in slot order. One block per (unit, expert) spreads the ~80 experts 16 tokens select over the
 // whole GPU, where moe_down's H/16 blocks each walk all of them. Each valid pair row is written by exactly one
 // block per unit (no atomics), and a token's sum order is its slot order, whatever else the step holds.
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF>
+// UN units a block, as moe_gateup.
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1>
 __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __restrict__ gscale,
                                                const __half* __restrict__ act, const int* __restrict__ ids,
                                                const float* __restrict__ wts, float* __restrict__ ypair, int m) {
   static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
   static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
-  constexpr bool TWO = MMAX > 8;
-  constexpr int MR = TWO ? 16 : 8;
+  using Tiles = RowTiles<MMAX>;
+  constexpr int RT = Tiles::RT, MR = Tiles::MR;
   constexpr int STEPS = IE / 64;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
-  __shared__ float red[KS][MR][16];
+  __shared__ float red[KS][UN][MR][16];
   pdl_launch_dependents();
   pdl_wait();  // ids, wts and act come from the router and gate/up kernels
   m = m < MMAX ? m : MMAX;
@@ -306,29 +334,33 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   if (e < 0 || e >= E) return;
   if (named_earlier<KS * 32>(ids, slot, e)) return;  // an earlier slot's block does the expert
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int unit = blockIdx.x;
+  const int unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
-  const __half* row0 = nullptr;  // the act rows of tokens gid and gid + 8 for expert e, if they chose it
-  const __half* row1 = nullptr;
+  const __half* rows[2 * RT];  // the act rows of the lane's tokens (8 j + gid) for expert e, if they chose it
 #pragma unroll
-  for (int k = 0; k < TOPK; ++k) {
-    if (gid < m && __ldg(ids + gid * TOPK + k) == e) row0 = act + (size_t)(gid * TOPK + k) * IE;
-    if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
+  for (int j = 0; j < 2 * RT; ++j) {
+    const int r = 8 * j + gid;
+    rows[j] = nullptr;
+    if (((j & 1) == 0 || Tiles::TWO) && r < m) {
+      const int k = slot_of<TOPK>(ids, r, e);
+      if (k >= 0) rows[j] = act + (size_t)(r * TOPK + k) * IE;
+    }
   }
   const WPtr pe{p.w + e * EW, p.s + e * ES};
-  float acc[2][4] = {};
-  unit_steps<KIND, H, IE, PF, TWO, false, false>(acc, pe, unit, row0, row1, s0, s1);
-  frag_to_smem<MR>(red[warp], acc, gid, t4);
+  float acc[UN][RT][2][4] = {};
+  unit_steps_rows<KIND, H, IE, PF, RT, UN, Tiles::TWO, false, false>(acc, pe, unit0, rows, s0, s1);
+#pragma unroll
+  for (int u = 0; u < UN; ++u) tiles_to_smem<false, MR>(red[warp][u], acc[u], gid, t4);
   __syncthreads();
   const float* gs = gscale + (size_t)e * (H / 8);
-  for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
-    const int r = i >> 4, c = i & 15;
-    if (r >= m) break;
+  for (int i = threadIdx.x; i < UN * MR * 16; i += KS * 32) {
+    const int u = i / (MR * 16), r = (i >> 4) % MR, c = i & 15, unit = unit0 + u;
+    if (r >= m) continue;
     const int k = slot_of<TOPK>(ids, r, e);
     if (k < 0) continue;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < KS; ++w) v += red[w][r][c];
+    for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
     const int pair = r * TOPK + k;
     ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
   }

@@ -198,36 +198,60 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
   }
 }
 
-// One warp: acc += rows x W[unit]^T over steps [s0, s1), weights prefetched PF steps ahead in registers.
+// One warp: acc[u][rt] += the rows of 16-row tile rt x W[unit0 + u]^T over steps [s0, s1), for UN consecutive
+// units, weights prefetched PF steps ahead in registers. Each weight step is decoded once for all RT tiles (a
+// 32-row step reads each weight byte once, like 16 rows) and each activation step is loaded once for all UN units
+// (UN x fewer activation reads from L1/L2, which bound the 32-row MoE kernels).
+// rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros).
 // kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
-template <int KIND, int N, int K, int PF, bool kTwoRows, bool kWait = false, bool kSwap = false>
-__device__ __forceinline__ void unit_steps(float (&acc)[2][4], const WPtr& p, int unit, const __half* row0,
-                                           const __half* row1, int s0, int s1) {
+template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false>
+__device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
+                                                const __half* const (&rows)[2 * RT], int s0, int s1) {
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
   static_assert(PF >= 1 && PF <= 16, "prefetch depth out of range");
+  static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a warp, dividing the matrix's units");
   static_assert(!(kSwap && kTwoRows), "the swapped form holds at most 8 tokens");
+  static_assert(RT >= 1 && RT <= 2 && (RT == 1 || (kTwoRows && !kSwap)), "1 or 2 tiles; two are full 16-row tiles");
   const int lane = threadIdx.x & 31, t4 = lane & 3;
-  WStep<KIND> ring[PF];
+  WStep<KIND> ring[UN][PF];
 #pragma unroll
   for (int i = 0; i < PF; ++i)
-    if (s0 + i < s1) load_step<KIND, N, K>(ring[i], p, unit, s0 + i, lane);
+#pragma unroll
+    for (int u = 0; u < UN; ++u)
+      if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
   if constexpr (kWait) pdl_wait();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
       const int s = base + i;
       if (s < s1) {
-        AStep a;
-        load_a<kTwoRows>(a, row0, row1, s, t4);
-        const WStep<KIND> cur = ring[i];
-        if (s + PF < s1) load_step<KIND, N, K>(ring[i], p, unit, s + PF, lane);
-        uint32_t b[2][4][2];
-        decode_step<KIND>(cur, b);
-        if constexpr (kSwap) mma_step_swap(acc, a, b);
-        else mma_step<kTwoRows>(acc, a, b);
+        AStep a[RT];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+          const WStep<KIND> cur = ring[u][i];
+          if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
+          uint32_t b[2][4][2];
+          decode_step<KIND>(cur, b);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            if constexpr (kSwap) mma_step_swap(acc[u][rt], a[rt], b);
+            else mma_step<kTwoRows>(acc[u][rt], a[rt], b);
+          }
+        }
       }
     }
   }
+}
+
+// One 16-row (or 8-row) tile of one unit: unit_steps_rows with RT = UN = 1.
+template <int KIND, int N, int K, int PF, bool kTwoRows, bool kWait = false, bool kSwap = false>
+__device__ __forceinline__ void unit_steps(float (&acc)[2][4], const WPtr& p, int unit, const __half* row0,
+                                           const __half* row1, int s0, int s1) {
+  const __half* const rows[2] = {row0, row1};
+  unit_steps_rows<KIND, N, K, PF, 1, 1, kTwoRows, kWait, kSwap>(reinterpret_cast<float (&)[1][1][2][4]>(acc), p,
+                                                                unit, rows, s0, s1);
 }
 
 __device__ __forceinline__ float gelu_tanh_f(float x) {
