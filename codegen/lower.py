@@ -21,7 +21,13 @@ from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits th
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
 
-MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 MoE kernels; batched steps of more, the M = MAX_BATCH ones
+MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 kernels; batched steps of more, the M = MAX_BATCH ones
+
+
+def small_mmax(rows: int) -> int:
+    """The row capacity of the weight-streaming kernels (GEMMs and the MoE pair) that serve `rows` rows: the M = 1
+    ones, the 16-row ones, else (a batched step) the MAX_BATCH-row ones."""
+    return 1 if rows == 1 else MOE_SLICE if rows <= MOE_SLICE else MAX_BATCH
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,10 @@ class Lower:
     def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KView:
         """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
         read once for all rows), else the prefill GEMM."""
-        if rows > 16 and not batched:
+        if rows > MOE_SLICE and not batched:
             e = self.find("nvfp4_gemm_large.cu.j2", f"prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
         else:
-            mmax = 1 if rows == 1 else 16 if rows <= 16 else MAX_BATCH
+            mmax = small_mmax(rows)
             e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={mmax}", n=n, k=k, epi=epi, mmax=mmax)
         return need(e)
 
@@ -368,7 +374,7 @@ class Lower:
                     w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                     gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
                     ypair=A("moe_pair_out"), **routing), rows)]
-        mmax = 1 if rows == 1 else MOE_SLICE if rows <= MOE_SLICE else MAX_BATCH
+        mmax = small_mmax(rows)
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
         pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
