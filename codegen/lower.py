@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..model_spec.conventions import MAX_BATCH, ring_slots
+from ..model_spec.conventions import KV_PAGE, MAX_BATCH, ring_slots
 from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
@@ -244,21 +244,24 @@ class Lower:
         q_raw, k_raw, v_raw = base, base + 4 * nq, base + 4 * (nq + nk) if has_v else NULL
         window = t.layer_window(l) or 0
         ring = ring_slots(window, self.max_rows) if window else 0
+        page = 0 if window else KV_PAGE  # full layers: paged, each row's lane a row of the page table kv_pages
+        pages = A("kv_pages") if page else NULL
         rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
-                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring,
+                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring, PAGE=page,
                               THETA=t.layer_rope(l).rope_theta))
         ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
                                                 q_norm_w=W(f"{p}self_attn.q_norm.weight"),
                                                 k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
                                                 q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
-                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), q_stride=n_qkv,
+                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=pages,
+                                                q_stride=n_qkv,
                                                 kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
-                              d=hd, hq=hq, hkv=hkv, window=window, ring=ring, causal=True, scale=1.0,
+                              d=hd, hq=hq, hkv=hkv, window=window, ring=ring, page=page, causal=True, scale=1.0,
                               kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
-                                  lanes=self.ptr.lane_bytes(l), rowwise=batched)
+                                  lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
         ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o"),
                                  batched=small))
         tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
@@ -290,18 +293,19 @@ class Lower:
         return ops
 
     def attention_ops(self, label: str, attn: KView, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,
-                      lanes: int | None = None, rowwise: bool = False) -> list[Op]:
+                      lanes: int | None = None, rowwise: bool = False, pages: Sym = NULL) -> list[Op]:
         """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
         launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
         attn_combine launch for more (measured on the H200: for 16 queries one merging block per group is slower
         than a combine launch with one block per row). `lanes`: the caches hold a lane per sequence, this many
         bytes apart (lanes[] in device memory picks them); None: one lane. A batched step (rowwise: one query per
-        sequence; needs `lanes`) runs on slices of the kernel's mmax rows, each block merging its own splits."""
+        sequence; needs `lanes`) runs on slices of the kernel's mmax rows, each block merging its own splits.
+        `pages`: a paged cache's page table (a lane is then its row), else NULL."""
         if rowwise and lanes is None:
             raise ValueError(f"{label}attention: a rowwise (batched) launch reads each row's KV lane: give `lanes`")
         A, ns = self.ptr.A, int(attn.params.get("nsplit", 1))
-        lane_args = dict(lanes=NULL, lane_bytes=0, rowwise=0) if lanes is None else \
-            dict(lanes=A("lanes"), lane_bytes=lanes, rowwise=int(rowwise))
+        lane_args = dict(lanes=NULL, lane_bytes=0, pages=pages, rowwise=0) if lanes is None else \
+            dict(lanes=A("lanes"), lane_bytes=lanes, pages=pages, rowwise=int(rowwise))
         if rowwise:
             pr = attn.params  # (a probe's stub for a missing kernel has none)
             mmax, bpr = int(pr.get("mmax", LM_ROWS)), 2 * int(pr.get("hq", 1)) * int(pr.get("d", 1))

@@ -41,7 +41,7 @@ class LowerDraft:
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
             q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
             k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
-            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0,
+            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0, pages=NULL,
             q_stride=d.num_attention_heads * d.head_dim, kv_stride=d.num_key_value_heads * d.head_dim, T=rows),
                   rows)  # the drafter context has one lane (the sequence that owns it)
 

@@ -3,7 +3,8 @@
 The runtime reads this file with `json` alone (it never imports codegen). Schema (model_spec/conventions.py
 MANIFEST_SCHEMA = 3):
   {"schema": 3, "model": str, "spec_hash": str, "arch": str, "nvcc": str, "flags": [str],
-   "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, pdl, ring_slots: {window: slots}},
+   "conventions": {act_dtype, gemm_out_dtype, q_dtype, kv_dtypes, max_step_tokens, pdl, ring_slots: {window: slots},
+                   kv_page, page_pitch},
    "kernels": {name: {"cubin": file name beside manifest.json, "entry": extern "C" symbol, "family", "template",
                       "grid": [x,y,z], "block": [x,y,z], "smem_bytes": dynamic smem, "args": [names in order],
                       "params": {constants, with the launch-grid rules ROW_AXIS / ROW_GRID / ROWWISE_GRID /
@@ -19,7 +20,7 @@ import gzip
 import json
 from pathlib import Path
 
-from ..model_spec.conventions import MANIFEST_SCHEMA
+from ..model_spec.conventions import KV_PAGE, MANIFEST_SCHEMA, page_pitch
 from ..model_spec.types import ModelSpec
 from . import families
 from .arch import ArchSpec
@@ -38,7 +39,9 @@ def conventions(spec: ModelSpec) -> dict:
             "kv_dtypes": list(families.KV_DTYPES), "max_step_tokens": families.MAX_STEP_TOKENS,
             "pdl": families.PDL,
             "kv_layout": "[slot][kv_head][head_dim], K and V separate",
-            "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)}}
+            "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)},
+            # the target's full-attention layers: pages of kv_page positions, page_pitch entries a sequence
+            "kv_page": KV_PAGE, "page_pitch": page_pitch(spec.target.max_position_embeddings)}
 
 
 def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], infos: dict[str, PtxasInfo],

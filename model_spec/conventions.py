@@ -8,6 +8,7 @@ MAX_STEP_TOKENS = 512  # most tokens one forward appends to a KV cache (a prefil
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)  # batched decode graphs are captured for these row counts (up to MAX_BATCH)
+KV_PAGE = 16  # positions per page of a paged KV cache (the full-attention layers); also the scheduler's block size
 MANIFEST_SCHEMA = 3  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs
 
@@ -25,6 +26,12 @@ def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
     """Slots of a sliding layer's KV ring: a step writes up to max_step_tokens new keys before its queries have read
     the `window - 1` older keys they need, so the ring holds both."""
     return window + max_step_tokens
+
+
+def page_pitch(max_position_embeddings: int) -> int:
+    """Entries of one sequence's row of the page table: pages for the model's longest context (the kernels index
+    rows at this pitch, so it is a build-time constant; a shorter --ctx leaves the tail of each row unused)."""
+    return -(-max_position_embeddings // KV_PAGE)
 
 
 # thorgen::SampleParams (templates/include/thorgen/sample.cuh): one row's sampling, in device memory so that a

@@ -23,7 +23,9 @@ from .device import Device, check, driver, gib
 from .engine import MAX_LOGIT_BIAS, Engine, logprob_entry
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
-from .kv_cache import default_ctx, fit_lanes, plan_kv
+from ..model_spec.conventions import KV_PAGE
+from .kv_cache import default_ctx, fit_kv, plan_kv
+from .kv_pages import PagePool, SeqPages
 from .memory import alloc, check_fits
 from .modules import KernelManifest, load_manifest
 from .repack import layout_version
@@ -148,6 +150,7 @@ class _Lane:
         self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
         self.last_written = -1  # the highest position written since they were (rejected drafts included)
         self.freed_at = 0  # when it was last released (LRU among free lanes)
+        self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
 
 
 class CudaRunner:
@@ -156,10 +159,12 @@ class CudaRunner:
     step when one runs. A plain one-sequence step decodes the token the previous step left in out_ids[0] when it
     follows a step of the same sequence; otherwise the input token is staged (4 bytes).
 
-    Prefix cache: a lane keeps the K/V of the last sequence that finished in it, so a request starting with its
-    tokens (a chat's next turn) prefills only the rest, while the rings still hold what the new positions need
-    (KVPlan.prefix_intact). Admission picks the free lane with the longest usable prefix, else the one freed
-    longest ago. Speculative steps run while a speculative sequence decodes alone and the drafter context (one
+    Prefix cache: the paged (full-attention) layers' pages are shared by content (runtime/kv_pages.py: full pages
+    registered under the hash of their tokens, LRU-evicted); the per-lane rings of the sliding layers keep the K/V
+    of the last sequence that finished in the lane. So a request starting with a cached prefix (a chat's next
+    turn, a shared system prompt) prefills only the rest, as far as its pages are cached and a lane's rings still
+    hold what the new positions need (KVPlan.prefix_intact), in whole pages. Admission picks the free lane with
+    the longest usable prefix, else the one freed longest ago. Speculative steps run while a speculative sequence decodes alone and the drafter context (one
     lane's worth, runtime/kv_cache.py) is current for it; a batched or plain step leaves that context behind, so
     the sequence continues with plain steps (its output is the same either way)."""
 
@@ -171,7 +176,10 @@ class CudaRunner:
         lanes = self.engine.lanes
         self.max_num_seqs = min(lanes, max_num_seqs or lanes)
         self.max_context = backend.max_context
-        self.kv_tokens = self.max_num_seqs * backend.max_context
+        plan = self.engine.kv.plan
+        # the paged layers' pool (the scheduler's block budget: it charges every page a sequence may hold)
+        self.pool = PagePool(plan.pages) if plan.pages else None
+        self.kv_tokens = plan.pages * KV_PAGE if self.pool else self.max_num_seqs * backend.max_context
         self.verify_block = BLOCK if self.engine.speculative else 1
         self._lanes = [_Lane() for _ in range(self.max_num_seqs)]
         self._lane_of: dict[str, int] = {}
@@ -198,13 +206,19 @@ class CudaRunner:
     def admit(self, seq, limit: int) -> int:
         want = seq.tokens[:seq.prefill_target]
         intact = self.engine.kv.plan.prefix_intact
+        # the paged layers serve whole cached pages, wherever they are
+        shared = self.pool.matched(want, limit) if self.pool else None
+        cap = limit if shared is None else len(shared) * KV_PAGE
 
         def usable(lane: _Lane) -> int:
-            """How many of `want`'s leading tokens the lane's K/V can serve (a running lane: its sequence's)."""
+            """How many of `want`'s leading tokens the lane's rings can serve (a running lane: its sequence's)
+            along with the cached pages."""
             have = lane.cached if lane.owner is None else lane.seq.tokens[:lane.seq.num_cached]
             n = 0
-            while n < min(len(have), len(want), limit) and have[n] == want[n]:
+            while n < min(len(have), len(want), cap) and have[n] == want[n]:
                 n += 1
+            if shared is not None:
+                n -= n % KV_PAGE
             return n if n and intact(n, lane.last_written) else 0
         best, best_n, source, source_n = None, -1, None, 0
         for i, lane in enumerate(self._lanes):
@@ -231,10 +245,19 @@ class CudaRunner:
             best_n, written = source_n, self._lanes[source].last_written
             self.copied_prefix_tokens += source_n
         lane.owner, lane.seq, lane.cached, lane.last_written = seq.request_id, seq, [], written
+        if shared is not None and best_n > 0:
+            lane.pages.share(self.pool, shared[:best_n // KV_PAGE])
+            self.engine.map_pages(best, 0, lane.pages.pages)
         if self._draft_lane == best and (best_n == 0 or written >= 0):
             self._draft_lane = None  # the drafter context covers the lane's previous tokens only
         self._lane_of[seq.request_id] = best
         return best_n
+
+    def _grow(self, i: int, end: int) -> None:
+        """Pages for positions 0..end-1 of lane i's sequence (the scheduler charged them), mapped before use."""
+        if self.pool is not None:
+            first, new = self._lanes[i].pages.grow(self.pool, end)
+            self.engine.map_pages(i, first, new)
 
     def _params(self, seq) -> None:
         """params[] holds `seq`'s sampling parameters before a one-sequence step samples."""
@@ -249,6 +272,7 @@ class CudaRunner:
         # A scored prompt (prompt logprobs) runs its rows through Engine.score, all but a last row that samples;
         # that skips the DFlash taps, so the sequence then decodes with plain steps.
         taps = seq.speculative and seq.prompt_logprobs is None
+        self._grow(i, end)
         if seq.scores_prompt:
             scored = seq.scored_upto(start, end) - 1  # rows start..scored-1 predict prompt tokens
             if scored > start:
@@ -268,6 +292,8 @@ class CudaRunner:
         elif self._draft_lane == i:
             self._draft_lane = None
         lane.last_written = max(lane.last_written, end - 1)
+        if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
+            lane.pages.register(self.pool, seq.tokens, end)
         self._on_device = (seq.request_id, end) if sample else None
         return tok if sample else None
 
@@ -282,6 +308,7 @@ class CudaRunner:
         if (seq.speculative and self._draft_lane == i and pos + BLOCK <= self.max_context
                 and not seq.sampling.extended):  # (a processed sequence decodes without speculation)
             # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
+            self._grow(i, pos + BLOCK)
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
             lane.last_written = max(lane.last_written, pos + BLOCK - 1)
             new, most = [target[0]], 1 + (seq.sampling.draft_tokens or BLOCK - 1)  # (EngineCore.add checked it)
@@ -291,6 +318,7 @@ class CudaRunner:
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
+        self._grow(i, pos + 1)
         ext = self._stage_logits([seq])
         new = self.engine.decode(pos, greedy, token=staged, launched=launched, lane=i, ext=ext)
         if ext:
@@ -305,6 +333,7 @@ class CudaRunner:
         rows = []
         for seq in seqs:
             i = self._lane_of[seq.request_id]
+            self._grow(i, seq.num_tokens)
             rows.append((i, seq.num_tokens - 1, seq.output[-1], None if seq.sampling.greedy else seq.sampling))
             self._lanes[i].last_written = max(self._lanes[i].last_written, seq.num_tokens - 1)
             if self._draft_lane == i:
@@ -365,6 +394,10 @@ class CudaRunner:
             # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
             lane.owner, lane.seq = None, None
             lane.cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
+            if self.pool is not None:  # its final full pages stay cached (LRU) for whoever starts the same way
+                if finished:
+                    lane.pages.register(self.pool, lane.cached, len(lane.cached))
+                lane.pages.release(self.pool)
             self._released += 1
             lane.freed_at = self._released
             if not finished and self._draft_lane == i:
@@ -380,7 +413,8 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
 
     Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
     artifacts -> repack/build; too little memory -> needed vs free). The KV cache holds `max_num_seqs` sequences
-    of `ctx` tokens, or fewer when they do not fit (kv_cache.fit_lanes)."""
+    of up to `ctx` tokens (fewer when their rings and one full context do not fit), whose paged layers share the
+    pages that fit beside them (kv_cache.fit_kv)."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
@@ -400,13 +434,13 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     slack = 512 << 20  # activations, logits, graphs and launch slack
     free, _ = dev.mem_info()
     one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
-    lanes = fit_lanes(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)
-    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions, lanes=lanes)
+    lanes, pages = fit_kv(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)
+    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions, lanes=lanes, pages=pages)
     need = art.total_bytes + kv.nbytes + slack
     check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")
     weights = upload(art, dev)
     try:
-        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes)
+        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes, pages=pages)
     except BaseException:
         weights.free()
         raise

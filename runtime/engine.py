@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..model_spec.conventions import SAMPLE_PARAMS
+from ..model_spec.conventions import KV_PAGE, SAMPLE_PARAMS, page_pitch
 from ..model_spec.types import ModelSpec
 from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
@@ -46,7 +46,8 @@ class Engine:
     _BATCH, _BATCH_READ = 8192, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
 
     def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
-                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1) -> None:
+                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1,
+                 pages: int | None = None) -> None:
         self.spec, self.device, self.manifest, self.art, self.weights = spec, device, manifest, artifact, weights
         self.ctx, self.lanes = ctx, lanes
         if not 1 <= lanes <= MAX_BATCH:
@@ -79,8 +80,9 @@ class Engine:
         self._fork_ev, self._join_ev = device.event(timing=False), device.event(timing=False)
         self._graph_events: list[Any] = []
         self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, drafter=self.speculative,
-                                          conventions=manifest.conventions, lanes=lanes))
+                                          conventions=manifest.conventions, lanes=lanes, pages=pages))
         self.act = Arena(device, self._plan_activations())
+        self.pitch = self.act.plan.regions["kv_pages"].shape[1]
         self.dw = self._split_drafter_weights() if self.speculative else None
         # On self.stream, not the legacy stream: a non-blocking stream does not wait for legacy-stream work, so a
         # plain cuMemsetD8 could still be running when the first kernels read. argmax/sampler scratch (best,
@@ -89,6 +91,15 @@ class Engine:
         self.kv.arena.buffer.zero(self.stream)
         self.stream.synchronize()
         self._pinned = PinnedBuffer(self._BATCH + 4096)
+        # The page table's host copy (pinned: rows are uploaded from it stream-ordered, runtime/kv_pages.py decides
+        # them). Until a runner maps a lane, lane l's positions sit on pages l * P.. (P: one full context), wrapped
+        # at the pool's end: what a direct caller (a benchmark, a test) gets, like one linear cache a lane.
+        self._page_rows = PinnedBuffer(4 * MAX_BATCH * self.pitch)
+        if self.kv.plan.pages:
+            seq, table = self.kv.plan.seq_pages, self._page_rows.array.view(np.int32).reshape(MAX_BATCH, self.pitch)
+            table[:] = (np.arange(MAX_BATCH)[:, None] * seq + np.arange(self.pitch)[None]) % self.kv.plan.pages
+            self.act["kv_pages"].upload(table, stream=self.stream)
+            self.stream.synchronize()
         self.fwd.ptr = self  # real buffers from now on
         self._graphs: dict[str, CudaGraph] = {}
         # Bound launch lists of prefill chunks and scoring passes by shape, most recent last: a ragged chunk
@@ -159,7 +170,10 @@ class Engine:
                 ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
                 ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
-                ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32")):
+                ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"),
+                # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
+                ("kv_pages", (MAX_BATCH, int(self.manifest.conventions.get(
+                    "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):
             p.add_array(name, shape, dt)
         if not self.ext_missing:  # the processed head: runtime/logits_params.py packs what the rows point into
             V, M = t.vocab_size, MAX_BATCH
@@ -188,7 +202,24 @@ class Engine:
         return Ptr((self.kv.k(layer) if which == "k" else self.kv.v(layer)).ptr)
 
     def lane_bytes(self, layer: int) -> int:
-        return self.kv.plan.layers[layer].k_bytes  # target layers come first in the plan
+        l = self.kv.plan.layers[layer]  # (target layers come first in the plan)
+        return 0 if l.paged else l.k_bytes  # (a paged layer's lanes are page-table rows)
+
+    def map_pages(self, lane: int, first: int, pages: list[int]) -> None:
+        """Page-table entries first.. of `lane` = `pages` (uploaded stream-ordered before the next launches).
+        Every engine call waits for its step, so no running step reads an entry being replaced."""
+        if not pages:
+            return
+        if not (0 <= lane < self.lanes and 0 <= first and first + len(pages) <= self.pitch):
+            raise BackendError(f"page table: lane {lane} entries {first}..{first + len(pages) - 1} outside "
+                               f"{self.lanes} x {self.pitch}")
+        if min(pages) < 0 or max(pages) >= self.kv.plan.pages:
+            raise BackendError(f"page table: page ids {min(pages)}..{max(pages)} outside the pool of "
+                               f"{self.kv.plan.pages}")
+        at = lane * self.pitch + first
+        self._page_rows.array.view(np.int32)[at:at + len(pages)] = pages
+        check(driver().cuMemcpyHtoDAsync(self.act["kv_pages"].ptr + 4 * at, self._page_rows.ptr + 4 * at,
+                                         4 * len(pages), self.stream.handle), "page table entries")
 
     def DKV(self, layer: int, which: str) -> Ptr:
         """A drafter layer's K or V cache (the context K/V of committed positions, then the block's)."""
@@ -512,7 +543,7 @@ class Engine:
         """Free everything (idempotent), the uploaded weights included: the engine owns them."""
         for g in getattr(self, "_graphs", {}).values():
             g.destroy()
-        for name in ("act", "kv", "dw", "_pinned"):
+        for name in ("act", "kv", "dw", "_pinned", "_page_rows"):
             r = getattr(self, name, None)
             if r is not None:
                 r.free()

@@ -12,6 +12,7 @@ import math
 import time
 from typing import Callable, NamedTuple, Protocol
 
+from ..model_spec.conventions import KV_PAGE
 from .backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
 
@@ -76,7 +77,7 @@ class _Once:
 class EngineCore:
     """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int = 512, block_size: int = 16) -> None:
+    def __init__(self, runner: ModelRunner, max_step_tokens: int = 512, block_size: int = KV_PAGE) -> None:
         self.runner = runner
         pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
         self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,

@@ -1,21 +1,25 @@
-"""Runtime stage: GPU KV cache planning (sizes per layer, bf16 or fp8 e4m3, rings for sliding layers) and allocation.
+"""Runtime stage: GPU KV cache planning (sizes per layer, bf16 or fp8 e4m3, pages and rings) and allocation.
 
 Layout (the kernels' convention, copied into the kernel manifest as `conventions`): per layer a K cache and a V
-cache, each `[slot][kv_head][head_dim]`. Full-attention layers are linear (slot = position, `ctx` slots).
-Sliding layers are rings (slot = position % slots) of `window + max_step_tokens` slots: one forward step (a
+cache, each `[slot][kv_head][head_dim]`. The target's full-attention layers are paged: one pool of `pages` pages of
+KV_PAGE positions that every sequence draws from (slot = page table[lane][pos / KV_PAGE] * KV_PAGE + pos % KV_PAGE;
+the engine owns the page table, runtime/kv_pages.py the pages), so a long context costs only what it uses and a
+shared prefix is held once. Sliding layers are rings (slot = position % slots) of `window + max_step_tokens` slots: one forward step (a
 prefill chunk of up to max_step_tokens, or a 16-token verify block) writes all its keys before its queries read
 the `window - 1` older keys they still need, so the ring holds both; a plain 1024-slot ring would let a chunk
 overwrite keys its own first queries read. Full k_eq_v layers still store V separately (V = v_norm(k) is not K).
 The DFlash drafter's context cache is planned too when asked (always bf16: the drafter is precision-sensitive).
-Lanes: the target's caches hold `lanes` sequences, each layer's lanes one after another (`lane = [slot][kv_head]
-[head_dim]`, `k_bytes` apart), so a batched decode step reads and writes every sequence in the same launches. The
-drafter context has one lane: it belongs to the one sequence decoding speculatively.
+Lanes: the target's rings hold `lanes` sequences, each layer's lanes one after another (`lane = [slot][kv_head]
+[head_dim]`, `k_bytes` apart), so a batched decode step reads and writes every sequence in the same launches; for a
+paged layer a lane is a row of the page table. The drafter context has one lane (linear): it belongs to the one
+sequence decoding speculatively.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model_spec.conventions import KV_PAGE
 from ..model_spec.conventions import MAX_STEP_TOKENS as DEFAULT_MAX_STEP_TOKENS  # a manifest's conventions win
 from ..model_spec.conventions import ring_slots as default_ring_slots
 from ..model_spec.types import ModelSpec
@@ -46,6 +50,7 @@ class LayerKV:
     dtype: str
     elem_bytes: int
     window: int | None = None  # a sliding layer's window (keys a query sees); None: full attention
+    paged: bool = False  # True: `slots` are the pool's pages x KV_PAGE, shared by all lanes through the page table
 
     @property
     def row_bytes(self) -> int:
@@ -61,6 +66,7 @@ class LayerKV:
         return 2 * self.k_bytes  # K and V
 
     def slot(self, pos: int) -> int:
+        """The slot of `pos` in a ring or linear cache (a paged one maps it through the page table)."""
         return pos % self.slots if self.ring else pos
 
 
@@ -69,10 +75,11 @@ class KVPlan:
     ctx: int
     dtype: str
     layers: tuple[LayerKV, ...]
-    lanes: int = 1  # sequences the target's caches hold (each of `ctx` tokens)
+    lanes: int = 1  # sequences the target's caches hold (each of up to `ctx` tokens)
+    pages: int = 0  # pages of KV_PAGE positions in the paged layers' pool (0: no paged layer)
 
     def lanes_of(self, l: LayerKV) -> int:
-        return self.lanes if l.model == "target" else 1
+        return self.lanes if l.model == "target" and not l.paged else 1
 
     @property
     def nbytes(self) -> int:
@@ -80,8 +87,18 @@ class KVPlan:
 
     @property
     def lane_nbytes(self) -> int:
-        """Bytes one more lane costs (the target's K and V of one sequence)."""
-        return sum(l.nbytes for l in self.target())
+        """Bytes one more lane costs (the target's rings of one sequence)."""
+        return sum(l.nbytes for l in self.target() if not l.paged)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one more page costs (K and V of KV_PAGE positions in every paged layer)."""
+        return sum(2 * KV_PAGE * l.row_bytes for l in self.layers if l.paged)
+
+    @property
+    def seq_pages(self) -> int:
+        """Pages of one sequence at the full context (0 without paged layers)."""
+        return -(-self.ctx // KV_PAGE) if any(l.paged for l in self.layers) else 0
 
     def target(self) -> list[LayerKV]:
         return [l for l in self.layers if l.model == "target"]
@@ -96,9 +113,10 @@ class KVPlan:
         return all(last_written < n - l.window + l.slots for l in self.layers if l.ring)
 
     def summary(self) -> str:
-        t = sum(l.nbytes for l in self.target()) * self.lanes
+        t = sum(l.nbytes * self.lanes_of(l) for l in self.target())
         d = sum(l.nbytes for l in self.drafter())
-        return (f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s): target {t / 2**30:.2f} GiB"
+        pages = f", {self.pages} pages of {KV_PAGE} positions" if self.pages else ""
+        return (f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s){pages}: target {t / 2**30:.2f} GiB"
                 + (f", drafter {d / 2**30:.2f} GiB" if d else "") + f", total {self.nbytes / 2**30:.2f} GiB")
 
 
@@ -113,9 +131,9 @@ def ring_slots(window: int, conventions: dict | None = None) -> int:
 
 
 def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,
-            conventions: dict | None = None, lanes: int = 1) -> KVPlan:
-    """Per-layer KV sizes for `lanes` sequences of `ctx` tokens (pure arithmetic; BackendError for an invalid
-    ctx)."""
+            conventions: dict | None = None, lanes: int = 1, pages: int | None = None) -> KVPlan:
+    """Per-layer KV sizes for `lanes` sequences of up to `ctx` tokens whose paged layers share `pages` pages
+    (default: every lane's full context); pure arithmetic, BackendError for an invalid ctx."""
     t = spec.target
     if lanes < 1:
         raise BackendError(f"a KV cache of {lanes} sequences: at least 1 is needed")
@@ -125,10 +143,18 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
         raise BackendError(f"--ctx {ctx} exceeds the model's max_position_embeddings ({t.max_position_embeddings})")
     name, size = kv_dtype(dtype)
     layers = []
+    seq_pages = -(-ctx // KV_PAGE)
+    pages = lanes * seq_pages if pages is None else pages
+    if pages < 0:
+        raise BackendError(f"a KV page pool of {pages} pages")
     for l in range(t.num_hidden_layers):
         window = t.layer_window(l)
-        ring = window is not None and ring_slots(window, conventions) < ctx
-        slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
+        if window is None:  # full attention: the paged pool
+            layers.append(LayerKV("target", l, False, pages * KV_PAGE, t.layer_kv_heads(l), t.layer_head_dim(l),
+                                  name, size, None, paged=True))
+            continue
+        ring = ring_slots(window, conventions) < ctx
+        slots = ring_slots(window, conventions) if ring else ctx
         layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size,
                               window))
     if drafter:
@@ -140,13 +166,14 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
             ring = window is not None and ring_slots(window, conventions) < ctx
             slots = ring_slots(window, conventions) if ring else ctx  # type: ignore[arg-type]
             layers.append(LayerKV("drafter", l, ring, slots, d.num_key_value_heads, d.head_dim, "bf16", 2, window))
-    return KVPlan(ctx, name, tuple(layers), lanes)
+    return KVPlan(ctx, name, tuple(layers), lanes, pages if any(l.paged for l in layers) else 0)
 
 
-def fit_lanes(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float | None = None,
-              headroom: float = 0.9) -> int:
-    """How many sequences the KV cache holds: `max_num_seqs`, or fewer when their K/V (`one`: a plan of one lane)
-    does not fit `--kv-cache-gib`, or by default `headroom` of the `available` bytes beside the weights.
+def fit_kv(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float | None = None,
+           headroom: float = 0.9) -> tuple[int, int]:
+    """(lanes, pages) of the KV cache in `--kv-cache-gib`, or by default `headroom` of the `available` bytes
+    beside the weights (`one`: a plan of one lane). Lanes are `max_num_seqs`, or fewer when their rings and one
+    full-context sequence's pages do not fit; the pages fill the rest, up to every lane's full context.
     BackendError, naming the numbers, when --kv-cache-gib exceeds what is available or holds no sequence."""
     gib_ = 2.0 ** 30
     if kv_cache_gib is not None:
@@ -158,14 +185,17 @@ def fit_lanes(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: floa
         budget = kv_cache_gib * gib_
     else:
         budget = available * headroom
-    shared = one.nbytes - one.lane_nbytes  # the drafter context: one lane's worth in all
-    lanes = min(max_num_seqs, int((budget - shared) // one.lane_nbytes))
-    if lanes < 1:
+    lane, page, full = one.lane_nbytes, one.page_nbytes, one.seq_pages
+    shared = sum(l.nbytes for l in one.drafter())  # the drafter context: one lane's worth in all
+    seq = lane + full * page  # one more sequence at the full context
+    lanes = min(max_num_seqs, int((budget - shared - full * page) // lane) if lane else max_num_seqs)
+    if lanes < 1 or budget < shared + seq:
         where = f"--kv-cache-gib {kv_cache_gib}" if kv_cache_gib is not None else \
             f"the {budget / gib_:.2f} GiB free beside the weights"
-        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({one.nbytes / gib_:.2f} GiB) does not "
+        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({(shared + seq) / gib_:.2f} GiB) does not "
                            f"fit {where}; lower --ctx or free GPU memory")
-    return lanes
+    pages = min(lanes * full, int((budget - shared - lanes * lane) // page)) if page else 0
+    return lanes, pages
 
 
 def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
@@ -203,10 +233,13 @@ class KVCache:
 
     def copy_prefix(self, src: int, dst: int, n: int, stream) -> int:
         """Stream-ordered copy of the target's K/V for positions [0, n) from lane `src` to lane `dst` (a ring
-        layer: its whole ring, whose slots hold those positions' last `window`); returns the bytes copied. The
-        caller checks that `src` still holds them (KVPlan.prefix_intact)."""
+        layer: its whole ring, whose slots hold those positions' last `window`; paged layers share pages through
+        the page table instead); returns the bytes copied. The caller checks that `src` still holds them
+        (KVPlan.prefix_intact)."""
         copied = 0
         for l in self.plan.target():
+            if l.paged:
+                continue
             nbytes = l.k_bytes if l.ring else n * l.row_bytes
             for buf in (self.k(l.layer), self.v(l.layer)):
                 check(driver().cuMemcpyDtoDAsync(buf.ptr + dst * l.k_bytes, buf.ptr + src * l.k_bytes, nbytes,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from typing import Any
 
+from ..model_spec.conventions import KV_PAGE
 from .backend import SamplingParams, check_token_ids
 
 
@@ -117,10 +118,10 @@ class KVExhausted(Exception):
 
 @dataclass
 class BlockPool:
-    """Counts KV blocks of `block_size` tokens; `num_blocks` of them exist."""
+    """Counts KV blocks of `block_size` tokens; `num_blocks` of them exist (the cuda runner's pages: KV_PAGE)."""
 
     num_blocks: int
-    block_size: int = 16
+    block_size: int = KV_PAGE
     used: int = 0
 
     @property

@@ -183,7 +183,11 @@ class KernelEmulator(LogitsKernels):
         kvdt, eb = RK.np_dtype(p["KV"]), np.dtype(RK.np_dtype(p["KV"])).itemsize
         lanes = self.v(a["lanes"], np.int32, T, "lanes").copy() if a["lanes"] else np.zeros(T, np.int64)
         for t, slot in enumerate(RK.cache_slots(pos, p["SLOTS"])):
-            row = int(lanes[t]) * a["lane_bytes"] + int(slot) * HKV * D * eb
+            if p["PAGE"]:  # paged: the lane's page-table row maps the position (lane_bytes unused)
+                slot = self._page_slots(a, p["PAGE"], p["PITCH"], int(lanes[t]), np.array([pos[t]]))[0]
+                row = int(slot) * HKV * D * eb
+            else:
+                row = int(lanes[t]) * a["lane_bytes"] + int(slot) * HKV * D * eb
             self.v(a["k_cache"] + row, kvdt, (HKV, D), "k_cache")[:] = RK.store(k[t], p["KV"])
             self.v(a["v_cache"] + row, kvdt, (HKV, D), "v_cache")[:] = RK.store(v[t], p["KV"])
 
@@ -199,7 +203,7 @@ class KernelEmulator(LogitsKernels):
                 raise EmuError("rowwise attention needs lanes and a causal mask")
             pos = self.v(a["positions"], np.int32, m, "positions").copy()
             lanes = self.v(a["lanes"], np.int32, m, "lanes").copy()
-            kvs = [self._load_kv(p, a, int(pos[i]), 1, int(lanes[i]) * a["lane_bytes"]) for i in range(m)]
+            kvs = [self._load_kv(p, a, int(pos[i]), 1, int(lanes[i])) for i in range(m)]
             if ns == 1:
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
                     [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
@@ -211,8 +215,8 @@ class KernelEmulator(LogitsKernels):
                             np.concatenate([x for _, x in parts], 1))
             return
         p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
-        lane_off = int(self.v(a["lanes"], np.int32, 1, "lanes")[0]) * a["lane_bytes"] if a["lanes"] else 0
-        keys, vals = self._load_kv(p, a, p0, m, lane_off)
+        lane = int(self.v(a["lanes"], np.int32, 1, "lanes")[0]) if a["lanes"] else 0
+        keys, vals = self._load_kv(p, a, p0, m, lane)
         end = p0 + m
         if not p["causal"]:
             # Bidirectional within the block (the drafter's full layer, no window): every query sees keys
@@ -233,18 +237,29 @@ class KernelEmulator(LogitsKernels):
         o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
         self._split_out(p, a, m, o_p, ml_p)
 
-    def _load_kv(self, p, a, p0: int, m: int, lane_off: int):
-        """Keys/values [p0+m, Hkv, D] (float64) by position of queries p0..p0+m-1 over the cache lane at byte
-        offset lane_off (ring slots read for the positions a query may see; older ones zero)."""
-        d, hkv, ring, win = p["d"], p["hkv"], p["ring"], p["window"]
+    def _page_slots(self, a, page: int, pitch: int, lane: int, pos: np.ndarray) -> np.ndarray:
+        """Slots of positions `pos` of a paged cache through row `lane` of the page table."""
+        if not a["pages"]:
+            raise EmuError("a paged cache needs the page table (pages is null)")
+        row = self.v(a["pages"] + 4 * lane * pitch, np.int32, pitch, "pages")
+        return row[pos // page].astype(np.int64) * page + pos % page
+
+    def _load_kv(self, p, a, p0: int, m: int, lane: int):
+        """Keys/values [p0+m, Hkv, D] (float64) by position of queries p0..p0+m-1 over the cache of KV lane `lane`
+        (ring slots read for the positions a query may see, older ones zero; a paged cache through the lane's
+        page-table row)."""
+        d, hkv, ring, win, page = p["d"], p["hkv"], p["ring"], p["window"], p["page"]
         kvdt = RK.np_dtype(p["kv_dtype"])
-        slots = ring if ring else p0 + m
-        kc = self.v(a["kc"] + lane_off, kvdt, (slots, hkv, d), "kc")
-        vc = self.v(a["vc"] + lane_off, kvdt, (slots, hkv, d), "vc")
         end = p0 + m
         lo = max(0, p0 - win + 1) if win else 0
         pos = np.arange(lo, end)
-        sl = pos % ring if ring else pos
+        if page:
+            sl = self._page_slots(a, page, p["pitch"], lane, pos)
+            slots, lane_off = int(sl.max()) + 1, 0
+        else:
+            sl, slots, lane_off = (pos % ring if ring else pos), (ring if ring else end), lane * a["lane_bytes"]
+        kc = self.v(a["kc"] + lane_off, kvdt, (slots, hkv, d), "kc")
+        vc = self.v(a["vc"] + lane_off, kvdt, (slots, hkv, d), "vc")
         keys, vals = np.zeros((end, hkv, d), F64), np.zeros((end, hkv, d), F64)
         keys[lo:], vals[lo:] = MR.kv_load(kc[sl], p["kv_dtype"]), MR.kv_load(vc[sl], p["kv_dtype"])
         if not (np.isfinite(keys).all() and np.isfinite(vals).all()):

@@ -18,7 +18,7 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 from thorgen.runtime.engine_core import EngineCore  # noqa: E402
-from thorgen.runtime.kv_cache import fit_lanes, plan_kv  # noqa: E402
+from thorgen.runtime.kv_cache import fit_kv, plan_kv  # noqa: E402
 
 LANES = 3
 GREEDY = SamplingParams()
@@ -68,7 +68,7 @@ def test_batched_decode_equals_each_request_alone(backend):
 
 def test_each_lane_keeps_its_own_prefix_cache(backend):
     core = EngineCore(backend.runner(LANES))
-    chats = {"x": [2] + list(range(310, 318)), "y": [2] + list(range(410, 420))}
+    chats = {"x": [2] + list(range(310, 330)), "y": [2] + list(range(410, 433))}  # (past one page of 16)
     first = _serve(core, {rid: (p, 4, GREEDY) for rid, p in chats.items()})
     turn2 = {rid + "2": (chats[rid] + first[rid] + [107, 105], 3, GREEDY) for rid in chats}
     for rid, req in turn2.items():  # both next turns at once: each finds its own conversation in some lane
@@ -80,7 +80,8 @@ def test_each_lane_keeps_its_own_prefix_cache(backend):
             if o.finished:
                 cached[o.request_id] = o.result.cached_prompt_tokens
     for rid in chats:
-        assert cached[rid + "2"] == len(chats[rid]) + 4 - 1  # all but the last answer token had K/V
+        # all but the last answer token had K/V, in whole pages
+        assert cached[rid + "2"] == (len(chats[rid]) + 4 - 1) // 16 * 16 > 0
         miss = _serve(EngineCore(backend.runner(1)), {"m": turn2[rid + "2"]})["m"]
         assert out[rid + "2"] == miss
 
@@ -92,15 +93,22 @@ def test_decode_batch_rejects_shared_or_unknown_lanes(backend):
         backend.engine.decode_batch([(LANES, 5, 2, None)])  # (no such lane)
 
 
-def test_kv_lanes_fit_the_budget(backend):
+def test_kv_lanes_and_pages_fit_the_budget(backend):
+    """Lanes cost their rings, pages the paged layers' K/V: the pages fill what the lanes leave, up to every lane's
+    full context, and the lanes shrink only when one full-context sequence would not fit beside them."""
     one = plan_kv(backend.spec, 512, "bf16")
-    lane = one.lane_nbytes
-    assert fit_lanes(one, 8, available=100 * lane) == 8
-    assert fit_lanes(one, 8, available=100 * lane, kv_cache_gib=3.5 * lane / 2**30) == 3
+    lane, page, full = one.lane_nbytes, one.page_nbytes, one.seq_pages
+    assert lane and page and full == 512 // 16
+    seq = lane + full * page  # one sequence at the full context
+    assert fit_kv(one, 8, available=100 * seq) == (8, 8 * full)  # room for all: capped at 8 full contexts
+    gib = (8 * lane + 3 * full * page + page // 2) / 2**30  # 8 rings and three contexts' pages (and half a page)
+    assert fit_kv(one, 8, available=100 * seq, kv_cache_gib=gib) == (8, 3 * full)
+    gib = (3 * lane + full * page) / 2**30  # 3 rings and one context: the lanes give way to one full sequence
+    assert fit_kv(one, 8, available=100 * seq, kv_cache_gib=gib) == (3, full)
     with pytest.raises(BackendError, match="exceeds"):
-        fit_lanes(one, 8, available=2 * lane, kv_cache_gib=3 * lane / 2**30)
+        fit_kv(one, 8, available=2 * seq, kv_cache_gib=3 * seq / 2**30)
     with pytest.raises(BackendError, match="does not fit"):
-        fit_lanes(one, 8, available=100 * lane, kv_cache_gib=0.5 * lane / 2**30)
+        fit_kv(one, 8, available=100 * seq, kv_cache_gib=0.5 * seq / 2**30)
 
 
 def test_bench_times_each_bucket(backend):

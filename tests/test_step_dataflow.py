@@ -20,7 +20,7 @@ pytest.importorskip("thorgen.codegen.plan")
 from thorgen.runtime.dataflow import DataflowError, PlannedPointers, Regions, check_step  # noqa: E402
 from thorgen.runtime.spec_decode import BLOCK, DraftForward  # noqa: E402
 
-STEP = {"positions", "lanes", "params"}  # staged before every step
+STEP = {"positions", "lanes", "params", "kv_pages"}  # staged before every step (the page table by the runner)
 EXT = {"logit_rows", "logit_counts", "logit_biases", "logit_masks"}  # a processed step's per-row inputs
 
 

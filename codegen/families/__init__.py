@@ -7,7 +7,10 @@ Shared dataflow conventions (one place, so that producer and consumer kernels ag
   attention Q (after norm+RoPE): Q_DTYPE [T, Hq, D]
   KV cache (per layer)         : K and V caches, each [slots][Hkv][D] of KV_DTYPE ("bf16" or "fp8e4m3", no scale);
                                  sliding layers: ring of RING_SLOTS(window) = window + MAX_STEP_TOKENS slots,
-                                 slot = pos % slots; full layers: linear, slot = pos (capacity set by the runtime).
+                                 slot = pos % slots; the target's full layers: paged, one pool of pages of KV_PAGE
+                                 positions for all sequences, slot = pages[lane][pos / KV_PAGE] * KV_PAGE +
+                                 pos % KV_PAGE (the page table: i32 [lanes][page_pitch], runtime-owned); the
+                                 drafter's full layers: linear, slot = pos (capacity set by the runtime).
   positions                    : i32 [T] on the device (graph-friendly), absolute token positions.
   lm_head logits               : f32 [T, V] (before softcap); the lm_head epilogue kernels softcap them.
 Row kernels (param ROW_AXIS = 0 or 1) take the runtime row count `T` and loop rows grid-stride along grid axis
@@ -30,7 +33,7 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
-from ...model_spec.conventions import MAX_STEP_TOKENS, ring_slots  # noqa: F401  (the families import it from here)
+from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots  # noqa: F401  (the families import them from here)
 
 ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds

@@ -11,7 +11,8 @@ dim (64 columns each), K/V tiles of TK keys are double-buffered through shared m
                  null the partials stay in the workspace and attn_comb__ merges them, one block per (query, head)
                  row: faster for m = 16 (verify, drafter block), where one block per group would read megabytes.
   attn_pre__...  prefill chunks (m <= MAX_STEP_TOKENS), NSPLIT = 1, causal + window skip work per query block.
-Cache conventions (families/__init__.py): [slot][Hkv][D], sliding rings of ring_slots(window) slots.
+Cache conventions (families/__init__.py): [slot][Hkv][D], sliding rings of ring_slots(window) slots, the target's
+full layers paged (page > 0: pages of KV_PAGE positions, the page table `pages` of `pitch` entries a sequence).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from ...model_spec.conventions import VERIFY_ROWS as VERIFY_M
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
-from . import KV_DTYPES, MAX_STEP_TOKENS, ring_slots
+from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots
 from ._util import require
 
 TK = 32
-FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "rowwise")
+FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "pages", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")
 KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
 
@@ -52,14 +53,15 @@ def _mt(g: int, d: int, m: int) -> int:
 
 
 def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
-                 scale: float, nsplit: int, arch: ArchSpec) -> list[KernelSpec]:
+                 scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0) -> list[KernelSpec]:
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
+    require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
     g = hq // hkv
     out = []
-    common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, causal=causal, kv_dtype=kv,
+    common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, page=page, pitch=pitch, causal=causal, kv_dtype=kv,
                   kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e))
-    cache = f"ring{ring}" if ring else "lin"
+    cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
     for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):
         # 32-key tiles (measured on the H200); where they do not fit (sm_120a: 99 KB per block at head dim 512),
@@ -128,9 +130,11 @@ def plan_attention(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
         ring = ring_slots(window) if window else 0
         max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
         ns = _nsplit(hkv, arch, max_tiles)
+        page = 0 if window else KV_PAGE  # the full layers are paged
         for kv in KV_DTYPES:
             for k in attn_kernels("tgt_" + kind[0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window, ring=ring,
-                                  causal=True, kv=kv, scale=1.0, nsplit=ns, arch=arch):
+                                  causal=True, kv=kv, scale=1.0, nsplit=ns, arch=arch, page=page,
+                                  pitch=page_pitch(t.max_position_embeddings) if page else 0):
                 out.setdefault(k.name, k)
     dr = spec.drafter
     if dr is not None:
@@ -154,8 +158,11 @@ def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         if not k.name.startswith("attn_dec__tgt_"):
             continue
         d, hq, hkv, ring = k.param("d"), k.param("hq"), k.param("hkv"), k.param("ring")
+        page, pitch = k.param("page"), k.param("pitch")
         eb = 2 if k.param("kv_dtype") == "bf16" else 1
         slots = ring or ctx + VERIFY_M
+        # a paged cache: one sequence whose pages are the pool's first ones in order (the identity page table)
+        pages = Buf("pages", "i32", pitch, values=tuple(range(pitch))) if page else Buf("pages", "i32", 0)
         window = k.param("window")
         for m in (1, VERIFY_M):
             keys = min(ctx + m, (window + m - 1) if window else ctx + m)
@@ -163,7 +170,7 @@ def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
                     Buf("vc", "u8", slots * hkv * d * eb), Buf("positions", "i32", m, ctx, ctx + 1),
                     Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))),
                     Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0), Buf("lanes", "i32", 0),
-                    Scalar("lane_bytes", "i64", 0), Scalar("rowwise", "i32", 0))
+                    Scalar("lane_bytes", "i64", 0), pages, Scalar("rowwise", "i32", 0))
             if m > 1:  # the runtime merges 16-query splits with attn_comb (counters null)
                 args = tuple(Buf("counters", "u32", 0) if getattr(a, "name", "") == "counters" else a for a in args)
             cases.append(BenchCase(k, args, bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,

@@ -5,25 +5,29 @@ from __future__ import annotations
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
-from . import KV_DTYPES, MAX_STEP_TOKENS, Q_DTYPE, ring_slots
+from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, Q_DTYPE, page_pitch, ring_slots
 from ._util import ftag, require
 
 # q_stride / kv_stride: floats between two tokens' q (k, v) inputs (the target passes its fused q|k|v row width)
 ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes",
-        "lane_bytes", "q_stride", "kv_stride", "T")
+        "lane_bytes", "pages", "q_stride", "kv_stride", "T")
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
 
 
 def rope_kv_kernel(role: str, *, HQ: int, HKV: int, D: int, rot: int, theta: float, slots: int, has_q: bool,
-                   v_from_k: bool, v_norm: bool, kv: str, eps: float, arch: ArchSpec) -> KernelSpec:
+                   v_from_k: bool, v_norm: bool, kv: str, eps: float, arch: ArchSpec, page: int = 0,
+                   pitch: int = 0) -> KernelSpec:
+    """slots > 0: a ring cache; page > 0: a paged one (pitch page-table entries a sequence); else linear."""
     require(D % 64 == 0, f"rope_kv {role}: head_dim {D} must be a multiple of 64")
     require(0 <= rot <= D // 2, f"rope_kv {role}: {rot} rotating pairs out of range for head_dim {D}")
+    require(not (page and slots) and bool(page) == bool(pitch), f"rope_kv {role}: a paged cache is not a ring")
     units = (HQ if has_q else 0) + 2 * HKV
     warps = max(1, min(arch.warps_per_block, units))
-    cache = f"ring{slots}" if slots else "lin"
+    cache = f"ring{slots}" if slots else f"p{page}" if page else "lin"
     name = f"rope_kv__{role}_d{D}_q{HQ if has_q else 0}_kv{HKV}_r{rot}_t{ftag(theta)}_{cache}_{kv}"
     return KernelSpec(name, "rope_kv.cu.j2",
-                      make_params(HQ=HQ, HKV=HKV, D=D, ROT=rot, THETA=float(theta), SLOTS=slots, HAS_Q=has_q,
+                      make_params(HQ=HQ, HKV=HKV, D=D, ROT=rot, THETA=float(theta), SLOTS=slots, PAGE=page, PITCH=pitch,
+                                  HAS_Q=has_q,
                                   V_FROM_K=v_from_k, V_NORM=v_norm, KV=kv, Q=Q_DTYPE, EPS=float(eps), ROW_AXIS=0),
                       grid=(MAX_STEP_TOKENS, 1, 1), block=(32 * warps, 1, 1), args=ARGS, family="rope_kv")
 
@@ -42,11 +46,13 @@ def plan_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
         l = layers[0]
         D, rope = t.layer_head_dim(l), t.layer_rope(l)
         slots = ring_slots(t.sliding_window) if kind == SLIDING else 0
+        page = 0 if kind == SLIDING else KV_PAGE  # the full layers are paged
         for kv in KV_DTYPES:
             ks.append(rope_kv_kernel("tgt_" + kind[0], HQ=t.num_attention_heads, HKV=t.layer_kv_heads(l), D=D,
                                      rot=_rot(rope, D), theta=rope.rope_theta, slots=slots, has_q=True,
                                      v_from_k=not t.layer_has_v_proj(l), v_norm=True, kv=kv, eps=t.rms_norm_eps,
-                                     arch=arch))
+                                     arch=arch, page=page,
+                                     pitch=page_pitch(t.max_position_embeddings) if page else 0))
     d = spec.drafter
     if d is not None:
         for kind in sorted(set(d.layer_types)):
@@ -69,10 +75,12 @@ def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         HQ, HKV, D = p["HQ"], p["HKV"], p["D"]
         slots = p["SLOTS"] or 4096
         kvb = 2 if p["KV"] == "bf16" else 1
+        # a paged cache: the identity page table (one sequence on the pool's first pages)
+        pages = Buf("pages", "i32", p["PITCH"], values=tuple(range(p["PITCH"]))) if p["PAGE"] else Buf("pages", "i32", 0)
         args = (Buf("q_raw", "f32", T * HQ * D), Buf("k_raw", "f32", T * HKV * D), Buf("v_raw", "f32", T * HKV * D),
                 Buf("q_norm_w", "bf16", D), Buf("k_norm_w", "bf16", D), Buf("positions", "i32", T, 0, slots - 1),
                 Buf("q_out", "bf16", T * HQ * D), Buf("k_cache", "u8", slots * HKV * D * kvb),
-                Buf("v_cache", "u8", slots * HKV * D * kvb), Buf("lanes", "i32", 0), Scalar("lane_bytes", "i64", 0),
+                Buf("v_cache", "u8", slots * HKV * D * kvb), Buf("lanes", "i32", 0), Scalar("lane_bytes", "i64", 0), pages,
                 Scalar("q_stride", "i32", HQ * D), Scalar("kv_stride", "i32", HKV * D), Scalar("T", "i32", T))
         nbytes = T * D * (HQ * (4 + 2) + HKV * (8 if not p["V_FROM_K"] else 4) + 2 * HKV * kvb)
         out.append(BenchCase(k, args, bytes_moved=nbytes, grid=(T, 1, 1), note="T=16"))

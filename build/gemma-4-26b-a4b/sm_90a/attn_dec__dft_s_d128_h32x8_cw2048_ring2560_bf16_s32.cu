@@ -15,9 +15,8 @@ static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000
 extern "C" __global__ void __launch_bounds__(64)
 attn_dec__dft_s_d128_h32x8_cw2048_ring2560_bf16_s32(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
-           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
+           const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 8, 2, 32, 2048, 2560, true,
-                    thorgen::KV_BF16, 32, 16, 4>(q, kc, vc, positions, m, out, ws, counters,
-                                                                       lanes, lane_bytes, rowwise,
-                                                                       0.12751743082459868f);
+                    thorgen::KV_BF16, 32, 16, 4, 0, 0>(
+      q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.12751743082459868f);
 }

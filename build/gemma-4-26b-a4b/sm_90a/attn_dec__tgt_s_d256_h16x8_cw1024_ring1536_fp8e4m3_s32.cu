@@ -15,9 +15,8 @@ static_assert(thorgen::AttnSmem<256, 2, 2, 32, thorgen::KV_FP8>::BYTES == 92032,
 extern "C" __global__ void __launch_bounds__(128)
 attn_dec__tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3_s32(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
-           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
+           const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<256, 2, 8, 2, 32, 1024, 1536, true,
-                    thorgen::KV_FP8, 32, 16, 4>(q, kc, vc, positions, m, out, ws, counters,
-                                                                       lanes, lane_bytes, rowwise,
-                                                                       1.4426950408889634f);
+                    thorgen::KV_FP8, 32, 16, 4, 0, 0>(
+      q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

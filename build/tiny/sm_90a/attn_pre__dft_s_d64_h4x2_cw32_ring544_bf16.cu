@@ -11,9 +11,8 @@ static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_BF16>::BYTES == 26496,
 extern "C" __global__ void __launch_bounds__(32)
 attn_pre__dft_s_d64_h4x2_cw32_ring544_bf16(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
-           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
+           const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 32, 544, true,
-                    thorgen::KV_BF16, 1, 512, 1>(q, kc, vc, positions, m, out, ws, counters,
-                                                                       lanes, lane_bytes, rowwise,
-                                                                       0.18033688011112042f);
+                    thorgen::KV_BF16, 1, 512, 1, 0, 0>(
+      q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.18033688011112042f);
 }

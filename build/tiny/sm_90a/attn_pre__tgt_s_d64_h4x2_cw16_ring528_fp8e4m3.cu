@@ -11,9 +11,8 @@ static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_FP8>::BYTES == 27520,
 extern "C" __global__ void __launch_bounds__(32)
 attn_pre__tgt_s_d64_h4x2_cw16_ring528_fp8e4m3(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
-           const int* __restrict__ lanes, long long lane_bytes, int rowwise) {
+           const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 16, 528, true,
-                    thorgen::KV_FP8, 1, 512, 1>(q, kc, vc, positions, m, out, ws, counters,
-                                                                       lanes, lane_bytes, rowwise,
-                                                                       1.4426950408889634f);
+                    thorgen::KV_FP8, 1, 512, 1, 0, 0>(
+      q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

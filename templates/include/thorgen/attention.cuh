@@ -1,6 +1,7 @@
-// thorgen attention over a paged-free KV cache: decode (M = 1), verify (M <= 16), prefill chunks and the DFlash
-// drafter block, one kernel. Queries are m consecutive positions p0 .. p0+m-1 (p0 = positions[0]); their keys are
-// already in the cache ([slot][HKV][D], slot = pos % RING for sliding-window rings, pos for linear caches).
+// thorgen attention over the KV cache: decode (M = 1), verify (M <= 16), prefill chunks and the DFlash drafter
+// block, one kernel. Queries are m consecutive positions p0 .. p0+m-1 (p0 = positions[0]); their keys are already
+// in the cache ([slot][HKV][D]; slot = pos % RING for sliding-window rings, page_slot(pos) for paged caches, pos for
+// linear ones).
 //
 // Block = (query block of QB queries x all G = HQ/HKV query heads of one KV head, one key split): R = QB*G = 16*MT
 // rows, so each K/V tile is loaded once for every query head that reads it (GQA). Warps split the head dim
@@ -12,6 +13,8 @@
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
 // queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
 // its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
+// Paged caches (PAGE > 0, the full-attention layers): one pool of pages of PAGE positions shared by all sequences;
+// a lane is then a row of the page table (`pages`, PITCH entries a lane) and lane_bytes is unused.
 // NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts (a rowwise launch: gridDim.z <=
 // NSPLIT parts, since a batched step's rows fill the SMs already); each block writes unnormalised
 // O and (max, sum) per row to a workspace; with `counters` the last split block of each (query block, KV head)
@@ -81,18 +84,26 @@ template <> struct MmaT<KV_FP8> {
   }
 };
 
+// Slot of position j in a paged cache: page table entry j / PAGE of the lane's row `tab`, then the offset in it.
+template <int PAGE>
+__device__ __forceinline__ int page_slot(const int* __restrict__ tab, int j) {
+  static_assert(PAGE > 0 && (PAGE & (PAGE - 1)) == 0, "pages hold a power-of-two count of positions");
+  return __ldg(tab + j / PAGE) * PAGE + (j & (PAGE - 1));
+}
+
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
-          int NSUB = 1>
+          int NSUB = 1, int PAGE = 0, int PITCH = 0>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
-                                         const int* __restrict__ lanes, long long lane_bytes, int rowwise,
-                                         float scale_log2) {
+                                         const int* __restrict__ lanes, long long lane_bytes,
+                                         const int* __restrict__ pages, int rowwise, float scale_log2) {
   using S = AttnSmem<D, G, MT, TK, KVT>;
   using Mm = MmaT<KVT>;
   static_assert(D % 64 == 0 && D <= 512, "head dim must be a multiple of 64, at most 512");
   static_assert(G >= 1 && 16 % G == 0, "query heads per KV head must divide 16");
   static_assert(TK == 16 || TK == 32 || TK == 64, "key tile must be 16, 32 or 64");
+  static_assert(PAGE == 0 || (RING == 0 && PITCH > 0), "a paged cache is not a ring, and has a page-table pitch");
   constexpr int NWARP = S::NWARP, R = S::R, QB = R / G, HQ = HKV * G, THREADS = NWARP * 32;
   constexpr int EB = KVT == KV_FP8 ? 1 : 2;  // bytes per cached element
   constexpr int NT = TK / 8;                 // n8 key tiles per score tile
@@ -119,8 +130,10 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int nq = min(qpb, m - q0);
   // rowwise: p0 + q0 is this block's query position (p0 itself is not a position then)
   const int p0 = rowwise ? __ldg(positions + qb) - q0 : __ldg(positions);
-  if (lanes != nullptr) {
-    const long long off = (long long)__ldg(lanes + (rowwise ? qb : 0)) * lane_bytes;
+  const int lane_id = lanes != nullptr ? __ldg(lanes + (rowwise ? qb : 0)) : 0;
+  const int* tab = PAGE > 0 ? pages + (size_t)lane_id * PITCH : nullptr;  // this sequence's page-table row
+  if (PAGE == 0 && lanes != nullptr) {
+    const long long off = (long long)lane_id * lane_bytes;
     kc += off;
     vc += off;
   }
@@ -166,7 +179,12 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       const int kv = c / (TK * CH), rem = c % (TK * CH), row = rem / CH, ch = rem % CH;
       const int j = tile * TK + row;
       const bool ok = j >= lo && j <= hi;
-      const int slot = RING > 0 ? (ok ? j % RING : 0) : (ok ? j : 0);
+      int slot = 0;
+      if (ok) {
+        if constexpr (RING > 0) slot = j % RING;
+        else if constexpr (PAGE > 0) slot = page_slot<PAGE>(tab, j);
+        else slot = j;
+      }
       const uint8_t* src = (kv ? vc : kc) + ((size_t)slot * HKV + hkv) * D * EB + 16 * ch;
       uint8_t* dst = KVT == KV_FP8 ? stg + ((size_t)(buf * 2 + kv) * TK + row) * S::SPITCH + 16 * ch
                                    : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2 + kv) * S::TILE +

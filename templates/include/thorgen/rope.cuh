@@ -5,6 +5,8 @@
 // (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin).
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart; token t writes lane lanes[t] (lanes null:
 // lane 0), so one launch serves a prefill chunk of one sequence and a batched decode step over many alike.
+// Paged caches (PAGE > 0): one pool of PAGE-position pages for all sequences; lanes[t] is the row of the page table
+// (`pages`, PITCH entries a lane) that maps its position to a slot, and lane_bytes is unused.
 // Inputs: token t's q heads start at q_raw + t * q_stride, its k (v) heads at k_raw (v_raw) + t * kv_stride floats,
 // so the target reads the fused q|k|v GEMM's rows in place (every stride = the row width, no split copies).
 #pragma once
@@ -12,7 +14,7 @@
 
 namespace thorgen {
 
-// Cfg provides: HQ, HKV, D, ROT, SLOTS (0: linear cache, slot = pos), HAS_Q, V_FROM_K, V_NORM, EPS, THREADS,
+// Cfg provides: HQ, HKV, D, ROT, SLOTS (0: linear or paged cache), PAGE, PITCH (0: not paged), HAS_Q, V_FROM_K, V_NORM, EPS, THREADS,
 // types QT (queries) and KVT (cache), and `static __device__ double inv_freq(int pair)`.
 template <class Cfg>
 struct RopeKv {
@@ -20,6 +22,8 @@ struct RopeKv {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64 (RoPE partners in the same lane)");
   static_assert(Cfg::ROT >= 0 && Cfg::ROT <= D / 2, "rotating pairs must lie in 0..D/2");
   static_assert(Cfg::THREADS % 32 == 0, "block size must be a multiple of 32");
+  static_assert(Cfg::PAGE == 0 || (Cfg::SLOTS == 0 && Cfg::PITCH > 0 && (Cfg::PAGE & (Cfg::PAGE - 1)) == 0),
+                "a paged cache is not a ring; its pages hold a power of two of positions");
   static constexpr int WARPS = Cfg::THREADS / 32;
   static constexpr int QH = Cfg::HAS_Q ? Cfg::HQ : 0;
   static constexpr int UNITS = QH + 2 * Cfg::HKV;  // q heads, k heads, v heads
@@ -57,7 +61,8 @@ struct RopeKv {
                              const __nv_bfloat16* __restrict__ k_w, const int32_t* __restrict__ positions,
                              typename Cfg::QT* __restrict__ q_out, typename Cfg::KVT* __restrict__ k_cache,
                              typename Cfg::KVT* __restrict__ v_cache, const int32_t* __restrict__ lanes,
-                             long long lane_bytes, int q_stride, int kv_stride, int T) {
+                             long long lane_bytes, const int32_t* __restrict__ pages, int q_stride, int kv_stride,
+                             int T) {
     __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -70,8 +75,12 @@ struct RopeKv {
         sn[i] = (float)s;
       }
       __syncthreads();
-      const long slot = Cfg::SLOTS > 0 ? (long)(pos % Cfg::SLOTS) : (long)pos;
-      const long long lane_off = lanes == nullptr ? 0ll : (long long)lanes[t] * lane_bytes;
+      const int lane_id = lanes == nullptr ? 0 : lanes[t];
+      long slot = pos;
+      if constexpr (Cfg::SLOTS > 0) slot = pos % Cfg::SLOTS;
+      else if constexpr (Cfg::PAGE > 0)
+        slot = (long)pages[(size_t)lane_id * Cfg::PITCH + pos / Cfg::PAGE] * Cfg::PAGE + pos % Cfg::PAGE;
+      const long long lane_off = Cfg::PAGE > 0 ? 0ll : (long long)lane_id * lane_bytes;
       typename Cfg::KVT* kc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(k_cache) + lane_off);
       typename Cfg::KVT* vc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(v_cache) + lane_off);
       for (int u = warp; u < UNITS; u += WARPS) {

@@ -1,0 +1,63 @@
+"""The paged layers' page pool and prefix cache (runtime/kv_pages.py), on the CPU: reference counts, registration of
+full pages only, lookups by the whole token prefix, and least-recently-released eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from thorgen.runtime.backend import BackendError
+from thorgen.runtime.kv_pages import PagePool, SeqPages, page_keys
+
+P = 4  # positions a page (small, so that a few tokens make several pages)
+
+
+def test_keys_depend_on_every_earlier_token():
+    a = [k for k, _ in page_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, P)]
+    b = [k for k, _ in page_keys([9, 2, 3, 4, 5, 6, 7, 8], 2, P)]
+    assert a[1][1] == b[1][1] and a[1] != b[1]  # the same tokens in page 1, after a different page 0
+
+
+def test_take_hold_drop_and_the_free_count():
+    pool = PagePool(3, P)
+    s = SeqPages()
+    first, new = s.grow(pool, 9)  # 9 positions: 3 pages
+    assert (first, new, pool.free) == (0, [0, 1, 2], 0)
+    with pytest.raises(BackendError, match="all 3 pages are held"):
+        pool.take()
+    assert s.grow(pool, 12) == (3, [])  # already covered
+    s.release(pool)
+    assert pool.free == 3 and pool.cached == {}  # unregistered pages come back empty
+
+
+def test_only_full_final_pages_are_registered_and_matched():
+    pool, s, toks = PagePool(8, P), SeqPages(), list(range(100, 111))  # 11 tokens
+    s.grow(pool, len(toks))
+    s.register(pool, toks, 10)  # positions 0..9 final: pages 0 and 1 (page 2 is partial)
+    assert pool.matched(toks, len(toks)) == s.pages[:2]
+    assert pool.matched(toks, 7) == s.pages[:1]  # a limit inside page 1: only page 0 serves
+    assert pool.matched([100, 101, 102, 999] + toks[4:], 11) == []  # page 0 differs: nothing after it matches
+    other = SeqPages()
+    other.share(pool, pool.matched(toks, 11))
+    assert pool.refs[s.pages[0]] == 2 and other.registered == 2
+    full, partial = s.pages[:2], s.pages[2]
+    s.release(pool)
+    assert pool.refs[full[0]] == 1 and partial in pool.empty  # still held by `other`; the partial page is nobody's
+    other.release(pool)
+    assert list(pool.cached) == full and pool.matched(toks, 11) == full  # free, and still a cache hit
+
+
+def test_eviction_takes_the_least_recently_released_page():
+    pool = PagePool(2, P)
+    a, b = SeqPages(), SeqPages()
+    ta, tb = [1, 2, 3, 4], [5, 6, 7, 8]
+    for s, t in ((a, ta), (b, tb)):
+        s.grow(pool, P)
+        s.register(pool, t, P)
+    pa, pb = a.pages[0], b.pages[0]
+    a.release(pool)
+    b.release(pool)  # a's page was released first
+    assert pool.free == 2 and pool.matched(ta, P) == [pa]
+    assert pool.take() == pa and pool.evicted == 1
+    assert pool.matched(ta, P) == [] and pool.matched(tb, P) == [pb]  # b's page is still cached
+    pool.hold(pb)  # a hit takes it out of the free list
+    assert pool.free == 0
