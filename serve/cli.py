@@ -52,8 +52,9 @@ def open_model(config):
 @click.option("--max-num-seqs", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests decoded together (continuous batching; the cuda backend holds up to 32).")
 @click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="cuda: GiB of KV cache (--max-num-seqs sequences of --ctx tokens, fewer if they do not fit); "
-                   "default: what fits beside the weights.")
+              help="cuda: GiB of KV cache: a sliding-window ring per sequence (--max-num-seqs of them, fewer if one "
+                   "--ctx-token sequence would not fit beside them), the rest pages of the full-attention layers "
+                   "shared by all sequences; default: 90% of what is free beside the weights.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
               help="Largest request body accepted; bigger ones get a 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,

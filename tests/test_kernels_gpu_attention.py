@@ -4,7 +4,9 @@ slots the queries must not see are filled with NaN, so any leak of a masked key 
 test; the split workspace starts as NaN too, so a merge that reads a part before its block wrote it fails. Split
 kernels run both ways, merging in the kernel (counters given; what decode uses) and leaving the partials to an
 attn_comb launch (counters null; what 16-query steps use); merging in the kernel they run twice per case: the
-second launch needs the merge counters back at zero (checked) and must reproduce the first bit for bit."""
+second launch needs the merge counters back at zero (checked) and must reproduce the first bit for bit. Paged
+kernels (the target's full layers) read their keys through a scrambled page table over a pool whose spare pages are
+NaN, built from the same linear caches the reference reads."""
 
 from __future__ import annotations
 
@@ -57,12 +59,33 @@ def _build(rng, kern, m: int, p0: int):
     return q, kc, vc, ref
 
 
+def _paged(kern, kcs: list, vcs: list, rng) -> dict:
+    """A paged kernel's inputs for linear per-lane caches kcs[lane] / vcs[lane] [slots, Hkv, D]: every lane's pages
+    scattered over one pool (plus two spare pages of NaN), the page table [lanes, pitch] saying where (entries past
+    a lane's pages point at a spare page)."""
+    page, pitch, kv = kern.param("page"), kern.param("pitch"), kern.param("kv_dtype")
+    n = -(-max(c.shape[0] for c in kcs) // page)
+    order = rng.permutation(len(kcs) * n + 2)
+    table = np.full((len(kcs), pitch), order[-1], np.int32)
+    shape = ((len(kcs) * n + 2) * page,) + kcs[0].shape[1:]
+    pk, pv = np.full(shape, NAN_BITS[kv], kcs[0].dtype), np.full(shape, NAN_BITS[kv], kcs[0].dtype)
+    for lane, (kc, vc) in enumerate(zip(kcs, vcs)):
+        table[lane, :n] = order[lane * n:(lane + 1) * n]
+        for b in range(-(-kc.shape[0] // page)):
+            dst, src = slice(table[lane, b] * page, table[lane, b] * page + page), slice(b * page, (b + 1) * page)
+            rows = kc[src].shape[0]
+            pk[dst][:rows], pv[dst][:rows] = kc[src], vc[src]
+    return {"kc": pk, "vc": pv, "pages": table}
+
+
 def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = True):
     """out [m, Hq, D] fp16 (and, `partials`, the split kernel's (O, (max, sum)) parts [nsplit, m, Hq, ...]);
     split kernels merge in the kernel (`fused`) or through the attn_comb kernel."""
     d, hq, ns = kern.param("d"), kern.param("hq"), kern.param("nsplit")
     inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.arange(p0, p0 + m, dtype=np.int32), "m": np.int32(m),
               "out": np.full((m, hq, d), np.nan, np.float16)}
+    if kern.param("page"):
+        inputs |= _paged(kern, [kc], [vc], np.random.default_rng(p0 + m))
     outputs = {"out": ((m, hq, d), np.float16)}
     if ns == 1:
         return runner.run_seq([(kern, None)], inputs, outputs)["out"]
@@ -183,6 +206,8 @@ def test_attention_rowwise_lanes(runner):
             inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.asarray(positions, np.int32), "m": np.int32(m),
                       "out": np.full((m, hq, d), np.nan, np.float16), "lanes": np.asarray(lanes, np.int32),
                       "lane_bytes": np.int64(slots * hkv * d * eb), "rowwise": np.int32(1)}
+            if kern.param("page"):  # the lanes' pages in one pool (lane_bytes unused)
+                inputs |= _paged(kern, list(kc), list(vc), rng)
             outputs = {"out": ((m, hq, d), np.float16)}
             if kern.param("nsplit") > 1:
                 inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)

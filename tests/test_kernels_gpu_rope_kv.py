@@ -1,4 +1,5 @@
-"""GPU tests: Q/K norm + RoPE (default / proportional) + V norm + KV-cache write (bf16, fp8; ring and linear)."""
+"""GPU tests: Q/K norm + RoPE (default / proportional) + V norm + KV-cache write (bf16, fp8; ring, linear and paged:
+a paged cache's positions land where lane 1's row of a scrambled page table puts them, nowhere else)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def test_rope_kv(runner, far):
         inputs = {"q_raw": strided[0], "k_raw": strided[1], "v_raw": strided[2], "q_norm_w": q_w, "k_norm_w": k_w,
                   "positions": positions, "q_stride": np.int32(HQ * D + pad), "kv_stride": np.int32(HKV * D + pad),
                   "T": np.int32(T)}
+        sl = R.cache_slots(positions, slots)
+        if p["PAGE"]:  # lane 1's pages scattered over a pool with spare pages; row 0 points at a spare one
+            page, n = p["PAGE"], -(-cap // p["PAGE"])
+            order = rng.permutation(n + 2)
+            table = np.full((2, p["PITCH"]), order[n], np.int32)
+            table[1, :n] = order[:n]
+            inputs |= {"pages": table, "lanes": np.ones(T, np.int32)}
+            sl, cap = table[1, positions // page].astype(np.int64) * page + positions % page, (n + 2) * page
         outputs = {"k_cache": ((cap, HKV, D), R.np_dtype(kv_t)), "v_cache": ((cap, HKV, D), R.np_dtype(kv_t))}
         if p["HAS_Q"]:
             outputs["q_out"] = ((T, HQ, D), R.np_dtype(q_t))
@@ -52,7 +61,6 @@ def test_rope_kv(runner, far):
         q, kr, vr = R.rope_kv_ref(q_raw, k_raw, v_raw, q_w, k_w, positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
                                   theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
                                   eps=p["EPS"])
-        sl = R.cache_slots(positions, slots)
         for name, ref in (("k_cache", kr), ("v_cache", vr)):
             cache = got[name]
             err = R.norm_err(R.load(cache[sl], kv_t), ref)

@@ -202,8 +202,9 @@ def test_prefix_cache_hit_equals_miss(server, sampling):
     for i in range(8):  # other conversations take every KV lane (--max-num-seqs 8; the LRU lane goes first)
         run([2, 400 + i, 401])
     miss, cached_miss = run(turn2)
-    # all but the last answer token had K/V (more when an earlier test's lane holds a longer greedy continuation)
-    assert cached_hit >= len(PROMPT_IDS) + len(first) - 1 and cached_miss <= 1
+    # all but the last answer token had K/V, in whole pages of the paged layers (more when an earlier test's lane
+    # holds a longer greedy continuation)
+    assert cached_hit >= (len(PROMPT_IDS) + len(first) - 1) // 16 * 16 > 0 and cached_miss <= 1
     assert hit == miss
 
 
