@@ -138,15 +138,19 @@ class EngineCore:
         for p in schedule.prefills:
             start = p.start
             if start == 0:  # just admitted (or readmitted after a preemption)
-                # a first token needs fresh logits: one token of the chunk always runs then; a resumed sequence
-                # (no sample) may find the whole chunk cached; a scored prompt needs every position's logits
+                # a first token needs fresh logits: the prompt's last token always runs then; a resumed sequence
+                # (its output goes on) may find its whole prefill cached; a scored prompt needs every position's
+                # logits. A hit may reach past this step's chunk: the next steps prefill from where it ends.
                 scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
                 p.seq.prompt_logprobs = [None] if scored else None
-                cached = self.runner.admit(p.seq, 0 if scored else p.end - 1 if p.sample else p.end)
+                target = p.seq.prefill_target
+                cached = self.runner.admit(p.seq, 0 if scored else target if p.seq.output else target - 1)
                 if cached > 0:  # a prefix-cache hit: those tokens need no forward
                     start = p.seq.num_cached = cached
                     if p.seq.preemptions == 0:
                         p.seq.cached_prompt_tokens = cached
+                if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
+                    continue
             token = self.runner.prefill(p.seq, start, p.end, p.sample, once) if start < p.end else None
             p.seq.num_cached = p.end
             if p.sample:

@@ -109,8 +109,8 @@ class KVPlan:
     def prefix_intact(self, n: int, last_written: int) -> bool:
         """Whether the K/V of positions [0, n) can still serve a continuation from position n, when positions up
         to `last_written` were written since: a ring slot keeps a position until one `slots` later is written,
-        and the continuation's first query needs the `window` positions before n."""
-        return all(last_written < n - l.window + l.slots for l in self.layers if l.ring)
+        and the continuation's queries need the `window` positions before n (those that exist)."""
+        return all(last_written < max(0, n - l.window) + l.slots for l in self.layers if l.ring)
 
     def summary(self) -> str:
         t = sum(l.nbytes * self.lanes_of(l) for l in self.target())

@@ -153,3 +153,14 @@ def test_a_shared_prefix_is_held_once_and_survives_until_evicted(backend):
         runner.pool.drop(p)
     cold = _run(core, "d", shared + [303], 4)
     assert cold[1].cached_prompt_tokens == 0 and cold[0] == again[0]
+
+
+def test_a_hit_reaches_past_the_first_prefill_chunk(backend):
+    """A cached prompt longer than one prefill chunk (and than the sliding window) is reused up to its last whole
+    page before the token that must run, not only up to the first chunk, and gives the tokens of a full prefill."""
+    prompt = [2] + [100 + (i * 7) % 400 for i in range(700)]  # 701 tokens: two chunks of 512
+    core = EngineCore(backend.runner())
+    first, r1 = _run(core, "a", prompt, 6)
+    again, r2 = _run(core, "b", prompt, 6)
+    assert r1.cached_prompt_tokens == 0 and r2.cached_prompt_tokens == 700 // 16 * 16
+    assert again == first == _run(EngineCore(backend.runner()), "c", prompt, 6)[0]

@@ -60,7 +60,7 @@ def test_real_shapes_are_planned() -> None:
         assert want in names, want
     att = [n for n in names if n.startswith("attn_")]
     for frag in ("tgt_s_d256_h16x8_cw1024_ring1536_bf16", "tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3",
-                 "tgt_f_d512_h16x2_c_lin_bf16", "dft_s_d128_h32x8_cw2048", "dft_f_d128_h32x8_b_lin"):
+                 "tgt_f_d512_h16x2_c_p16_bf16", "dft_s_d128_h32x8_cw2048", "dft_f_d128_h32x8_b_lin"):
         assert any(frag in n for n in att), frag
 
 
