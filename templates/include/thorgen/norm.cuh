@@ -127,15 +127,24 @@ __device__ __forceinline__ void attn_tail_row(const TO_IN* o, float* x, const __
                                               const __nv_bfloat16* __restrict__ w_pre2, TA* a1, TA* a2, float eps,
                                               float* scratch) {
   using R = VRow<H, VT, BLOCK>;
-  float v[R::Q][R::PER];
+  // the residual and w_post load beside o and w_pre1 / w_pre2 beside the second sum (in flight across its barriers):
+  // one memory round trip less on the row's path than loading each just before its use
+  float v[R::Q][R::PER], xr[R::Q][R::PER];
+  __nv_bfloat16 wp[R::Q][R::PER], w1[R::Q][R::PER], w2[R::Q][R::PER];
 #pragma unroll
   for (int q = 0; q < R::Q; ++q) {
     const int t = R::vt(q);
 #pragma unroll
     for (int j = 0; j < R::PER; ++j) {
-      if (t < 0) v[q][j] = 0.f;
-      else if constexpr (CG) v[q][j] = to_f32<TO_IN>(__ldcg(o + t + j * VT));
-      else v[q][j] = ld(o, t + j * VT);
+      const int i = t + j * VT;
+      if (t < 0) {
+        v[q][j] = 0.f;
+        continue;
+      }
+      if constexpr (CG) v[q][j] = to_f32<TO_IN>(__ldcg(o + i));
+      else v[q][j] = ld(o, i);
+      xr[q][j] = x[i];
+      wp[q][j] = w_post[i];
     }
   }
   const float inv_o = vrow_inv_rms<H, VT, BLOCK>(v, eps, scratch);
@@ -146,8 +155,10 @@ __device__ __forceinline__ void attn_tail_row(const TO_IN* o, float* x, const __
     for (int j = 0; j < R::PER; ++j) {
       if (t < 0) continue;
       const int i = t + j * VT;
-      v[q][j] = __fadd_rn(x[i], __fmul_rn(__fmul_rn(v[q][j], inv_o), __bfloat162float(w_post[i])));
+      v[q][j] = __fadd_rn(xr[q][j], __fmul_rn(__fmul_rn(v[q][j], inv_o), __bfloat162float(wp[q][j])));
       x[i] = v[q][j];
+      w1[q][j] = w_pre1[i];
+      w2[q][j] = w_pre2[i];
     }
   }
   const float inv_x = vrow_inv_rms<H, VT, BLOCK>(v, eps, scratch);
@@ -159,8 +170,8 @@ __device__ __forceinline__ void attn_tail_row(const TO_IN* o, float* x, const __
       if (t < 0) continue;
       const int i = t + j * VT;
       const float n = __fmul_rn(v[q][j], inv_x);
-      st(a1, i, __fmul_rn(n, __bfloat162float(w_pre1[i])));
-      st(a2, i, __fmul_rn(n, __bfloat162float(w_pre2[i])));
+      st(a1, i, __fmul_rn(n, __bfloat162float(w1[q][j])));
+      st(a2, i, __fmul_rn(n, __bfloat162float(w2[q][j])));
     }
   }
 }
