@@ -1,14 +1,14 @@
 """Codegen stage: the model's forward lowered to launch lists over the planned kernels (step programs).
 
 `Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
-q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the router
-(logits + top-k in one launch), the M=1 MoE pair; for more rows attention + a combine launch and the router pair;
-for a prefill chunk the fused q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill
-attention, and the grouped MoE kernels. Kernels are chosen among the planned ones by template + constants;
-arguments are symbols (`Sym`: an activation row, a weight, a KV cache; `LaneBytes`), which the runtime binds to
-its buffers. codegen/programs.py evaluates this at a few row counts per step shape and writes the launch lists
-into the manifest; the runtime (runtime/forward.py) only binds and runs them. A missing kernel aborts that
-forward (`Missing`) and is named in `missing`.
+q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the o_proj
+GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE pair; for more rows
+attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused q|k|v prefill
+GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels. Kernels are
+chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a weight, a
+KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few row
+counts per step shape and writes the launch lists into the manifest; the runtime (runtime/forward.py) only binds and
+runs them. A missing kernel aborts that forward (`Missing`) and is named in `missing`.
 """
 
 from __future__ import annotations
@@ -225,9 +225,12 @@ class Lower:
     def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
                  batched: bool = False) -> Op:
         """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (the kernel by rows: Lower.gemm)."""
-        e = self.gemm(n, k, rows, epi, batched)
-        return Op(label, e, dict(w=self.ptr.W(base + ".weight_packed"), s=self.ptr.W(base + ".weight_scale"),
-                                 gscale=self.ptr.W(base + ".weight_tile_scale"), x=x, y=y, m=rows), rows)
+        return Op(label, self.gemm(n, k, rows, epi, batched), self._gemm_args(base, rows, x, y), rows)
+
+    def _gemm_args(self, base: str, rows: int, x: Sym, y: Sym) -> dict[str, Any]:
+        W = self.ptr.W
+        return dict(w=W(base + ".weight_packed"), s=W(base + ".weight_scale"), gscale=W(base + ".weight_tile_scale"),
+                    x=x, y=y, m=rows)
 
     def _layer_ops(self, l: int, rows: int, batched: bool = False, small: bool = False) -> list[Op]:
         """Layer l over `rows` tokens; `batched`: one per sequence (rowwise attention over their lanes); `small`:
@@ -262,13 +265,7 @@ class Lower:
                               kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
                                   lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
-        ops.append(self._gemm_op(f"{p}o_proj", f"{p}self_attn.o_proj", H, nq, rows, A("attn"), A("o"),
-                                 batched=small))
-        tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
-        ops.append(Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), w_post=W(f"{p}post_attention_layernorm.weight"),
-                                                  w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
-                                                  w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"),
-                                                  a2=A("a2"), T=rows), rows))
+        ops += self._o_proj_tail_ops(l, rows, nq, small)
         # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
         # branch 1 lets it run on a side stream beside them.
         mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
@@ -291,6 +288,23 @@ class Lower:
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
+
+    def _o_proj_tail_ops(self, l: int, rows: int, nq: int, small: bool) -> list[Op]:
+        """o_proj, then Gemma's attention tail (x += norm(o) * w_post; a1, a2 = norm(x) * w_pre1, w_pre2). One row:
+        one launch, the GEMV whose last block runs the tail (counters zeroed once, left zeroed; bit-identical to
+        the pair: a kernel boundary less on the decode critical path); more rows: the GEMM and attn_tail."""
+        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
+        H, base = t.hidden_size, f"{p}self_attn.o_proj"
+        norms = dict(w_post=W(f"{p}post_attention_layernorm.weight"), w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
+                     w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"), a2=A("a2"))
+        if rows == 1:
+            fold = need(self.find("nvfp4_gemm.cu.j2", f"o_proj GEMV + attn_tail n={H} k={nq}", n=H, k=nq, mmax=1,
+                                  epi="attn_tail", eps=t.rms_norm_eps))
+            args = dict(self._gemm_args(base, rows, A("attn"), A("o")), resid=A("x"), counters=A("tail_cnt"), **norms)
+            return [Op(f"{p}o_proj_tail", fold, args, rows)]
+        tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
+        return [self._gemm_op(f"{p}o_proj", base, H, nq, rows, A("attn"), A("o"), batched=small),
+                Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), **norms, T=rows), rows)]
 
     def attention_ops(self, label: str, attn: KView, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,
                       lanes: int | None = None, rowwise: bool = False, pages: Sym = NULL) -> list[Op]:

@@ -73,6 +73,8 @@ STAGES = (
     ("attn_combine", "split-K combine (f16)", [("attn", "f16", "q")]),
     ("o_proj", "o_proj (f32)", [("o", "f32", None)]),
     ("attn_tail", "attn_tail x|a1|a2", [("x", "f32", None), ("a1", "f16", None), ("a2", "f16", None)]),
+    ("o_proj_tail", "o_proj + attn_tail (1 row)", [("o", "f32", None), ("x", "f32", None), ("a1", "f16", None),
+                                                   ("a2", "f16", None)]),
     ("router", "router logits (f32)", [("rlogits", "f32", None)]),
     ("topk", "top-k weights (f32)", [("topk_w", "f32", None)]),
     ("mlp_gate_up", "dense gelu*up (f16)", [("mlp_act", "f16", None)]),

@@ -129,8 +129,13 @@ class KernelEmulator(LogitsKernels):
         m, N, K = a["m"], p["n"], p["k"]
         W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
         x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
-        if p["epi"] == "store":
+        if p["epi"] in ("store", "attn_tail"):
             self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+            if p["epi"] == "attn_tail":  # the last block's attn_tail on the row (bit-identical on the GPU)
+                if m != 1:
+                    raise EmuError(f"the folded attention tail serves one row, not {m}")
+                self._counters_zero(a, 1, "o_proj tail")
+                self.k_attn_tail(dict(H=N, EPS=p["eps"]), dict(a, o=a["y"], x=a["resid"], T=1), n)
         else:
             g, u = L.deinterleave8(W)
             self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")

@@ -1,4 +1,5 @@
-"""GPU tests: NVFP4 GEMV / verify GEMM / prefill GEMM (matmul family) and the drafter's fp16 GEMMs against NumPy.
+"""GPU tests: NVFP4 GEMV / verify GEMM / prefill GEMM (matmul family), the o_proj GEMV with the attention tail
+folded in, and the drafter's fp16 GEMMs against NumPy.
 
 Tiny preset: weights go through the real path (float -> quantize_nvfp4 -> runtime.layouts packers). Full size:
 random layout bytes (any byte pattern is a valid code set) with a sample of units checked, so the CPU reference
@@ -16,6 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
+from thorgen.codegen import reference_kernels as RK
+from thorgen.codegen.families.matmul import target_shapes
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 from thorgen.runtime import layouts as L
 
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", params=PRESETS)
 def runner(request):
-    return GpuRunner(request.param, ("matmul", "drafter_gemm"))
+    return GpuRunner(request.param, ("matmul", "drafter_gemm", "norms"))  # (norms: attn_tail, for the fold's pair)
 
 
 def _ms(kern) -> list[int]:
@@ -58,7 +61,7 @@ def _launch(runner, kern, inputs, m, width, dt):
 
 def test_nvfp4_kernels(runner):
     rng = np.random.default_rng(11)
-    kernels = runner.find("nvfp4_")
+    kernels = [k for k in runner.find("nvfp4_") if k.param("epi") != "attn_tail"]  # (the fold: its own test)
     assert kernels, "matmul family planned no NVFP4 kernels"
     failures = []
     for kern in kernels:
@@ -118,6 +121,59 @@ def test_fused_qkv_scales_are_per_part(runner):
     for i, p in enumerate(parts):
         err = R.norm_err(y[:, starts[i]:starts[i + 1]], R.gemm_ref(x, p.dense))
         assert err <= R.TOL_GEMM["f32"], f"part {i}: {err:.2e}"
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def test_gemv_attn_tail(runner):
+    """The o_proj GEMV whose last block runs the attention tail (one row), on every o_proj shape: o against the GEMV
+    reference (sampled units at full size) and x / a1 / a2 against attn_tail's reference on that o; bit for bit the
+    plain GEMV then attn_tail (the two launches it replaces); and a second launch on the same counter runs the tail
+    again (the last block left it zeroed)."""
+    rng = np.random.default_rng(14)
+    folds = [k for k in runner.find("nvfp4_gemv__") if k.param("epi") == "attn_tail"]
+    (tail,) = runner.find("attn_tail__")
+    o_shapes = [k for role, _, k, _ in target_shapes(runner.spec) if role == "o"]
+    assert sorted(kern.param("k") for kern in folds) == sorted(o_shapes), "an o_proj shape without its fold"
+    for kern in folds:
+        n, k = kern.param("n"), kern.param("k")
+        plain = runner.kernels[kern.name.removesuffix("_attn_tail")]
+        knobs = (kern.param("ks"), kern.param("pf"), kern.param("tail_threads"))
+        assert knobs == (plain.param("ks"), plain.param("pf"), tail.threads), kern.name
+        lw = R.LayoutWeight(rng, n, k, kern.param("fp4_order"))
+        ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
+        gemv = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": R.act_f16(rng, 1, k), "m": np.int32(1),
+                "y": _poison((1, n), np.float32)}
+        resid = rng.normal(0, 2, (1, n)).astype(np.float32)
+        norms = {"w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "a1": _poison((1, n), np.float16),
+                 "a2": _poison((1, n), np.float16)}
+        fold_in = dict(gemv, **norms, resid=resid, counters=np.zeros(1, np.uint32))
+        outs = {"y": ((1, n), np.float32), "resid": ((1, n), np.float32), "a1": ((1, n), np.float16),
+                "a2": ((1, n), np.float16), "counters": ((1,), np.uint32)}
+        got = runner.run(kern, fold_in, outs)
+        units = np.arange(n // 16) if n // 16 <= 64 else \
+            np.unique(np.concatenate([[0, n // 16 - 1], rng.integers(0, n // 16, 30)]))
+        cols = (units[:, None] * 16 + np.arange(16)).reshape(-1)
+        err = R.norm_err(got["y"][:, cols], R.gemm_ref(gemv["x"], lw.rows(units)))
+        assert err <= R.TOL_GEMM["f32"], f"{kern.name}: o error {err:.2e}"
+        xr, a1r, a2r = RK.attn_tail_ref(got["y"], resid, *ws, kern.param("eps"))
+        assert RK.norm_err(got["resid"], xr) <= RK.TOL["f32"], kern.name
+        assert RK.norm_err(got["a1"], a1r) <= RK.TOL["f16"] and RK.norm_err(got["a2"], a2r) <= RK.TOL["f16"], kern.name
+        assert got["counters"][0] == 0, f"{kern.name}: counter left at {got['counters'][0]}"
+        # the pair it replaces: the plain GEMV, then attn_tail on its o (one row: one block, as the runtime launches)
+        o = runner.run(plain, gemv, {"y": ((1, n), np.float32)})["y"]
+        pair = runner.run(tail, {"o": o, "x": resid, **norms, "T": np.int32(1)},
+                          {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]}, (1, 1, 1))
+        for what, theirs in (("y", o), ("resid", pair["x"]), ("a1", pair["a1"]), ("a2", pair["a2"])):
+            assert np.array_equal(_bits(got[what]), _bits(theirs)), f"{kern.name}: {what} differs from the pair's"
+        # two launches on one counter: the second one's tail runs again, from the first one's residual
+        twice = runner.run_seq([(kern, None), (kern, None)], fold_in, outs)
+        again = runner.run(kern, dict(fold_in, resid=got["resid"]), outs)
+        for what in ("resid", "a1", "a2"):
+            assert np.array_equal(_bits(twice[what]), _bits(again[what])), f"{kern.name}: second launch's {what}"
+        assert twice["counters"][0] == 0, kern.name
 
 
 def test_drafter_gemms(runner):

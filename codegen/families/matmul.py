@@ -4,6 +4,8 @@ M <= 32), prefill GEMM.
 Every target Linear shape gets these kernels on the t16x64 weight layout (runtime/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
+  nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block
+                                            runs attn_tail on the row (bit-identical; one launch a layer fewer)
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
   nvfp4_gemm32__n{N}_k{K}[_gelu] M <= 32    same, two 16-row tiles on each decoded weight step (batched decode of
                                             17..32 sequences; not the lm_head, which runs in 16-row slices)
@@ -15,6 +17,7 @@ per-tile gscale), dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ...model_spec.conventions import MAX_BATCH, fp4_order_for
 from ...model_spec.types import FULL, SLIDING, ModelSpec
@@ -22,11 +25,15 @@ from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
+from .norms import attn_tail_kernel
 
 W_LAYOUT = "t16x64"
 TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
-EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL"}
+# attn_tail: the GEMM part stores o as "store" does; the template adds the tail (gemv_attn_tail)
+EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE"}
+EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
+TAIL_ARGS = ("resid", "w_post", "w_pre1", "w_pre2", "a1", "a2", "counters")  # after GEMM_ARGS (resid: the residual x)
 LARGE_BM, LARGE_STAGES = 64, 3
 SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
 BATCHED_ROLES = ("qkv", "o", "gate_up", "down")  # the linears a batched decode step runs at M = SMALL_MAX_ROWS
@@ -70,7 +77,7 @@ def weight_bytes(n: int, k: int) -> int:
 
 
 def _tag(n: int, k: int, epi: str) -> str:
-    return f"n{n}_k{k}" + ("" if epi == "store" else "_" + epi.split("_")[0])
+    return f"n{n}_k{k}" + EPI_TAG[epi]
 
 
 def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | None = None,
@@ -99,6 +106,17 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
                                   epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
                                   fp4_order=fp4_order(arch), swap=mmax <= 8),
                       grid=(units, 1, 1), block=(32 * ks, 1, 1), args=args, family=family)
+
+
+def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec) -> KernelSpec:
+    """The M = 1 o_proj GEMV (the plain one's knobs) whose last block then runs Gemma's attention tail on the row,
+    replaying the arithmetic of the attn_tail kernel's block size (norm.cuh: attn_tail_row), so that one decode
+    launch a layer replaces two with the same bits. counters: one u32, zero at entry, left zeroed."""
+    plain, tail = gemm_small(n, k, 1, "store", arch), attn_tail_kernel(n, eps, arch)
+    params = dict(plain.param_dict, epi="attn_tail", epi_enum=EPI_ENUM["attn_tail"], eps=float(eps),
+                  tail_threads=tail.threads, tail_dtype=tail.param("OUT"))
+    return replace(plain, name=f"nvfp4_gemv__{_tag(n, k, 'attn_tail')}", params=make_params(**params),
+                   args=GEMM_ARGS + TAIL_ARGS)
 
 
 def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
@@ -147,6 +165,8 @@ def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     out: dict[str, KernelSpec] = {}
     for role, n, k, epi in target_shapes(spec):
         kernels = [gemm_small(n, k, 1, epi, arch), gemm_small(n, k, 16, epi, arch)]
+        if role == "o":  # one-row steps run the o_proj with the attention tail folded in
+            kernels.append(gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch))
         if role != "lm_head":  # prefill needs logits of the last position only (the M = 1 kernel)
             kernels.append(gemm_large(n, k, epi, arch))
         if role in BATCHED_ROLES:
@@ -175,10 +195,25 @@ def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
                      note=note or f"M={m}", weight_streaming=m <= SMALL_MAX_ROWS)
 
 
+def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
+    """One decode step's o_proj + attention tail: the weight, o and the residual row, the two f16 rows out."""
+    n, k = kern.param("n"), kern.param("k")
+    args = (Buf("w", "u8", n * k // 2), Buf("s", "u8", n * k // 16, 0, 0x70), Buf("gscale", "f32", n // 8, 1e-3, 2e-3),
+            Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1), Buf("resid", "f32", n),
+            Buf("w_post", "bf16", n, 0.5, 1.5), Buf("w_pre1", "bf16", n, 0.5, 1.5), Buf("w_pre2", "bf16", n, 0.5, 1.5),
+            Buf("a1", "f16", n), Buf("a2", "f16", n), Buf("counters", "u32", 1, 0, 0))
+    # DRAM: weight, x, o stored, residual read and written, three bf16 norm weights, a1 and a2 (o is read back
+    # from L2)
+    return BenchCase(kern, args, bytes_moved=weight_bytes(n, k) + 2 * k + n * (4 + 2 * 4 + 3 * 2 + 2 * 2),
+                     note="M=1 + attn_tail", weight_streaming=True)
+
+
 def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     cases = []
     for kern in plan_matmul(spec, arch):
-        if kern.name.startswith("nvfp4_gemv__"):
+        if kern.param("epi") == "attn_tail":
+            cases.append(gemv_attn_tail_bench_case(kern))
+        elif kern.name.startswith("nvfp4_gemv__"):
             cases.append(gemm_bench_case(kern, 1))
         elif kern.name.startswith("nvfp4_gemm16__"):
             cases.append(gemm_bench_case(kern, 16))

@@ -82,23 +82,6 @@ __device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_
   }
 }
 
-// One arrival at a u32 counter of `n` arrivals by the calling block (every thread calls it); true in every thread
-// of the block that arrives last, which re-zeroes the counter and may then read what the others wrote.
-// flag: a shared int. The caller's global writes precede the call.
-__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag) {
-  __syncthreads();  // the block's writes are done
-  if (threadIdx.x == 0) {
-    __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
-    const bool l = atomicAdd(counter, 1u) == n - 1;
-    if (l) *counter = 0u;  // all n have counted: nobody touches it again in this launch
-    *flag = l;
-  }
-  __syncthreads();
-  const bool l = *flag != 0;
-  if (l) __threadfence();  // acquire: the other blocks' writes are visible from here on
-  return l;
-}
-
 // The end of a split attn_fwd block (after its partial is written): count this split in; the group's last block
 // merges (one level, or two when the group's partials exceed SPLIT_FLAT_BYTES and NSUB > 1). R: the block's rows.
 // ws: [NSPLIT][MMAX][HQ][D] O, [NSPLIT][MMAX][HQ][2] (m, l), then [NSUB][MMAX][HQ][D] + [NSUB][MMAX][HQ][2] level 1.

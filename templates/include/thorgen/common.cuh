@@ -1,4 +1,5 @@
-// thorgen common device helpers: element load/store by type, fp8 e4m3, warp/block reductions, orderable keys.
+// thorgen common device helpers: element load/store by type, fp8 e4m3, warp/block reductions, last-block arrival,
+// orderable keys.
 // Hand-written; included by the generated kernels as "thorgen/common.cuh".
 #pragma once
 #include <cuda_bf16.h>
@@ -88,6 +89,24 @@ __device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v
   __syncthreads();
   unsigned long long r = lane < WARPS ? scratch[lane] : 0ull;
   return warp_max_u64(r);
+}
+
+// ---- cross-block completion: the last block of a launch (or of a group) merges what the others wrote --------
+// One arrival at a u32 counter of `n` arrivals by the calling block (every thread calls it); true in every thread
+// of the block that arrives last, which re-zeroes the counter and may then read what the others wrote.
+// flag: a shared int. The caller's global writes precede the call.
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag) {
+  __syncthreads();  // the block's writes are done
+  if (threadIdx.x == 0) {
+    __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
+    const bool l = atomicAdd(counter, 1u) == n - 1;
+    if (l) *counter = 0u;  // all n have counted: nobody touches it again in this launch
+    *flag = l;
+  }
+  __syncthreads();
+  const bool l = *flag != 0;
+  if (l) __threadfence();  // acquire: the other blocks' writes are visible from here on
+  return l;
 }
 
 // ---- orderable keys: larger value first, ties -> lower index (the NumPy argmax / stable-sort rule) ----------

@@ -72,32 +72,132 @@ __device__ void add_rmsnorm_rows(float* __restrict__ x, const TY* __restrict__ y
   }
 }
 
-// Gemma attention tail: x += norm(o) * w_post ; a1 = norm(x) * w_pre1 ; a2 = norm(x) * w_pre2
+// ---- one row in another block size's arithmetic ------------------------------------------------------------------
+// A block of BLOCK threads computes a row exactly as a row kernel of VT threads would: virtual thread vt holds
+// elements vt + j*VT (load_row's layout), and real warp w plays virtual warps w, w + BLOCK/32, ... (slots q) with its
+// lanes as theirs, so every per-thread chain and every shuffle tree sees the same operands in the same order. The
+// folded o_proj GEMV (nvfp4_gemm.cu.j2, epilogue attn_tail) replays attn_tail's block this way with its own size.
+template <int H, int VT, int BLOCK>
+struct VRow {
+  static_assert(VT % 32 == 0 && VT <= 1024 && BLOCK % 32 == 0 && BLOCK <= 1024,
+                "block sizes must be multiples of 32, at most 1024");
+  static_assert(H % VT == 0, "hidden size must be a multiple of the virtual block size");
+  static constexpr int PER = H / VT, VW = VT / 32, RW = BLOCK / 32, Q = (VW + RW - 1) / RW;
+  // The virtual thread this thread plays in slot q, or -1 (its warp has no virtual warp there).
+  static __device__ __forceinline__ int vt(int q) {
+    const int vw = (int)(threadIdx.x >> 5) + q * RW;
+    return vw < VW ? 32 * vw + (int)(threadIdx.x & 31) : -1;
+  }
+};
+
+// rsqrt(mean(v^2) + eps) of a virtual row (norm_row's sum: each virtual thread's fma chain, then block_sum<VT>'s
+// tree). Every thread of the block calls it; idle slots hold zeros.
+template <int H, int VT, int BLOCK>
+__device__ __forceinline__ float vrow_inv_rms(const float (&v)[VRow<H, VT, BLOCK>::Q][H / VT], float eps,
+                                              float* scratch) {
+  using R = VRow<H, VT, BLOCK>;
+  float ss[R::Q];
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    ss[q] = 0.f;
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) ss[q] = fmaf(v[q][j], v[q][j], ss[q]);
+    ss[q] = warp_sum(ss[q]);
+  }
+  float tot = ss[0];
+  if constexpr (R::VW > 1) {
+    const int lane = threadIdx.x & 31;
+    __syncthreads();  // scratch may still be read by a previous call
+#pragma unroll
+    for (int q = 0; q < R::Q; ++q)
+      if (lane == 0 && R::vt(q) >= 0) scratch[R::vt(q) >> 5] = ss[q];
+    __syncthreads();
+    tot = warp_sum(lane < R::VW ? scratch[lane] : 0.f);
+  }
+  return rsqrtf(fmaf(tot, 1.0f / H, eps));
+}
+
+// Gemma attention tail of one row: x += norm(o) * w_post ; a1 = norm(x) * w_pre1 ; a2 = norm(x) * w_pre2 (one sum of
+// squares serves both pre-FF norms), in a VT-thread block's arithmetic. Products and sums are rounded explicitly
+// (__fmul_rn / __fadd_rn: never fused into an fma), so the standalone kernel and the folded GEMV give the same bits
+// whatever the compiler does around them. CG: o was written by other blocks of this launch (loads through L2).
+template <int H, int VT, int BLOCK, bool CG, typename TO_IN, typename TA>
+__device__ __forceinline__ void attn_tail_row(const TO_IN* o, float* x, const __nv_bfloat16* __restrict__ w_post,
+                                              const __nv_bfloat16* __restrict__ w_pre1,
+                                              const __nv_bfloat16* __restrict__ w_pre2, TA* a1, TA* a2, float eps,
+                                              float* scratch) {
+  using R = VRow<H, VT, BLOCK>;
+  // the residual and w_post load beside o and w_pre1 / w_pre2 beside the second sum (in flight across its barriers):
+  // one memory round trip less on the row's path than loading each just before its use
+  float v[R::Q][R::PER], xr[R::Q][R::PER];
+  __nv_bfloat16 wp[R::Q][R::PER], w1[R::Q][R::PER], w2[R::Q][R::PER];
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) {
+      const int i = t + j * VT;
+      if (t < 0) {
+        v[q][j] = 0.f;
+        continue;
+      }
+      if constexpr (CG) v[q][j] = to_f32<TO_IN>(__ldcg(o + i));
+      else v[q][j] = ld(o, i);
+      xr[q][j] = x[i];
+      wp[q][j] = w_post[i];
+    }
+  }
+  const float inv_o = vrow_inv_rms<H, VT, BLOCK>(v, eps, scratch);
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) {
+      if (t < 0) continue;
+      const int i = t + j * VT;
+      v[q][j] = __fadd_rn(xr[q][j], __fmul_rn(__fmul_rn(v[q][j], inv_o), __bfloat162float(wp[q][j])));
+      x[i] = v[q][j];
+      w1[q][j] = w_pre1[i];
+      w2[q][j] = w_pre2[i];
+    }
+  }
+  const float inv_x = vrow_inv_rms<H, VT, BLOCK>(v, eps, scratch);
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) {
+      if (t < 0) continue;
+      const int i = t + j * VT;
+      const float n = __fmul_rn(v[q][j], inv_x);
+      st(a1, i, __fmul_rn(n, __bfloat162float(w1[q][j])));
+      st(a2, i, __fmul_rn(n, __bfloat162float(w2[q][j])));
+    }
+  }
+}
+
+// The attn_tail kernel: attn_tail_row on each of its rows (grid-stride), every thread its own virtual thread.
 template <int H, int THREADS, typename TO_IN, typename TA>
 __device__ void attn_tail_rows(const TO_IN* __restrict__ o, float* __restrict__ x, const __nv_bfloat16* __restrict__ w_post,
                                const __nv_bfloat16* __restrict__ w_pre1, const __nv_bfloat16* __restrict__ w_pre2,
                                TA* __restrict__ a1, TA* __restrict__ a2, int T, float eps) {
-  (void)RowShape<H, THREADS>::PER;
   __shared__ float scratch[32];
-  for (int row = blockIdx.x; row < T; row += gridDim.x) {
-    float h[H / THREADS], v[H / THREADS], n[H / THREADS];
-    load_row<H, THREADS>(o + (long)row * H, h);
-    norm_row<H, THREADS>(h, w_post, eps, scratch);
-    load_row<H, THREADS>(x + (long)row * H, v);
-#pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) v[j] += h[j];
-    store_row<H, THREADS>(x + (long)row * H, v);
-    // one sum of squares serves both pre-FF norms (same input, different weights)
-#pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) n[j] = v[j];
-    norm_row<H, THREADS>(n, nullptr, eps, scratch);
-#pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      st(a1 + (long)row * H, i, n[j] * __bfloat162float(w_pre1[i]));
-      st(a2 + (long)row * H, i, n[j] * __bfloat162float(w_pre2[i]));
-    }
-  }
+  for (int row = blockIdx.x; row < T; row += gridDim.x)
+    attn_tail_row<H, THREADS, THREADS, false>(o + (long)row * H, x + (long)row * H, w_post, w_pre1, w_pre2,
+                                              a1 + (long)row * H, a2 + (long)row * H, eps, scratch);
+}
+
+// The attention tail folded into the o_proj GEMV (one row): every block stored its 16 values of o; the block that
+// arrives last at counters[0] (zero at entry, left zeroed) runs the tail with attn_tail's VT-thread arithmetic.
+template <int H, int VT, int BLOCK, typename TA>
+__device__ __forceinline__ void attn_tail_last_block(const float* o, float* x, const __nv_bfloat16* __restrict__ w_post,
+                                                     const __nv_bfloat16* __restrict__ w_pre1,
+                                                     const __nv_bfloat16* __restrict__ w_pre2, TA* a1, TA* a2,
+                                                     unsigned int* counters, float eps) {
+  __shared__ float scratch[32];
+  __shared__ int flag;
+  if (!last_arrival(counters, gridDim.x, &flag)) return;
+  attn_tail_row<H, VT, BLOCK, true>(o, x, w_post, w_pre1, w_pre2, a1, a2, eps, scratch);
 }
 
 // Gemma feed-forward tail (norm-of-sum + residual + layer_scalar, then the next layer's input norm):
