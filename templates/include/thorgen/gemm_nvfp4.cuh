@@ -202,15 +202,14 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
 // Each warp walks its slots in order, runs the leader expert's down rows over the gathered act rows of the tokens
 // that chose it, and accumulates acc * inv_scale * routing weight per token in fp32 registers; a fixed-order
 // shared-memory reduction gives y[t][H] (fp32) deterministically: no atomics, no partial buffers.
-// The swapped form for up to 8 tokens (the one-token step); more rows run moe_down_pairs.
-template <int KIND, int IE, int H, int E, int TOPK, int NW, int KSD, int MMAX, int PF, bool SWAP = true>
+template <int KIND, int IE, int H, int E, int TOPK, int NW, int KSD, int MMAX, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__ gscale,
                                          const __half* __restrict__ act, const int* __restrict__ ids,
                                          const float* __restrict__ wts, float* __restrict__ y, int m) {
   static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
   static_assert(NW % KSD == 0 && KSD <= IE / 64, "NW must be a multiple of KSD; KSD at most the step count");
-  static_assert(SWAP && MMAX <= 8, "moe_down is the swapped form for up to 8 tokens (more: moe_down_pairs)");
-  constexpr int MR = 8;
+  constexpr bool TWO = MMAX > 8;
+  constexpr int MR = TWO ? 16 : 8;
   constexpr int STEPS = IE / 64, NG = NW / KSD, SLOTS = MMAX * TOPK;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
   __shared__ float red[NW][MR][16];
@@ -245,33 +244,58 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   for (int slot = group; slot < nslots; slot += NG) {
     if (!lead[slot]) continue;
     const int e = __ldg(ids + slot);
-    const __half* row0 = nullptr;  // token gid's act row for expert e, if it chose it
+    const __half* row0 = nullptr;
+    const __half* row1 = nullptr;
+    float w0 = 0.f, w1 = 0.f;
 #pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      if (gid < m && __ldg(ids + gid * TOPK + k) == e) row0 = act + (size_t)(gid * TOPK + k) * IE;
+    for (int k = 0; k < TOPK; ++k) {
+      if (gid < m && __ldg(ids + gid * TOPK + k) == e) {
+        row0 = act + (size_t)(gid * TOPK + k) * IE;
+        w0 = __ldg(wts + gid * TOPK + k);
+      }
+      if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) {
+        row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
+        w1 = __ldg(wts + (gid + 8) * TOPK + k);
+      }
+    }
     const WPtr pe{p.w + e * EW, p.s + e * ES};
     float acc[2][4] = {};
-    unit_steps<KIND, H, IE, PF, false, false, true>(acc, pe, unit, row0, nullptr, s0, s1);
+    unit_steps<KIND, H, IE, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
     const float* gs = gscale + (size_t)e * (H / 8);
-    // C[row][token]: tokens 2*t4, 2*t4+1 need their own routing weights for expert e
-    float wt[2] = {0.f, 0.f};
+    if constexpr (SWAP) {
+      // C[row][token]: tokens 2*t4, 2*t4+1 need their own routing weights for expert e
+      float wt[2] = {0.f, 0.f};
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int tok = 2 * t4 + c;
+      for (int c = 0; c < 2; ++c) {
+        const int tok = 2 * t4 + c;
 #pragma unroll
-      for (int k = 0; k < TOPK; ++k)
-        if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
+        for (int k = 0; k < TOPK; ++k)
+          if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
+      }
+      const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
+      tot[0][0] = fmaf((acc[0][0] + acc[1][0]) * f0, wt[0], tot[0][0]);
+      tot[0][1] = fmaf((acc[0][1] + acc[1][1]) * f0, wt[1], tot[0][1]);
+      tot[0][2] = fmaf((acc[0][2] + acc[1][2]) * f1, wt[0], tot[0][2]);
+      tot[0][3] = fmaf((acc[0][3] + acc[1][3]) * f1, wt[1], tot[0][3]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float f = tile_factor<KIND>(gs, 2 * unit + t);
+        tot[t][0] = fmaf(acc[t][0] * f, w0, tot[t][0]);
+        tot[t][1] = fmaf(acc[t][1] * f, w0, tot[t][1]);
+        tot[t][2] = fmaf(acc[t][2] * f, w1, tot[t][2]);
+        tot[t][3] = fmaf(acc[t][3] * f, w1, tot[t][3]);
+      }
     }
-    const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
-    tot[0][0] = fmaf((acc[0][0] + acc[1][0]) * f0, wt[0], tot[0][0]);
-    tot[0][1] = fmaf((acc[0][1] + acc[1][1]) * f0, wt[1], tot[0][1]);
-    tot[0][2] = fmaf((acc[0][2] + acc[1][2]) * f1, wt[0], tot[0][2]);
-    tot[0][3] = fmaf((acc[0][3] + acc[1][3]) * f1, wt[1], tot[0][3]);
   }
-  red[warp][2 * t4][gid] = tot[0][0];
-  red[warp][2 * t4 + 1][gid] = tot[0][1];
-  red[warp][2 * t4][8 + gid] = tot[0][2];
-  red[warp][2 * t4 + 1][8 + gid] = tot[0][3];
+  if constexpr (SWAP) {
+    red[warp][2 * t4][gid] = tot[0][0];
+    red[warp][2 * t4 + 1][gid] = tot[0][1];
+    red[warp][2 * t4][8 + gid] = tot[0][2];
+    red[warp][2 * t4 + 1][8 + gid] = tot[0][3];
+  } else {
+    frag_to_smem<MR>(red[warp], tot, gid, t4);
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < MR * 16; i += NW * 32) {
     const int r = i >> 4, c = i & 15;
