@@ -253,7 +253,12 @@ class EngineClient:
         with self._lock:
             live = len(self._live)
         running = min(self._running, live)
-        return {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
+        out = {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
+        core = self.core
+        if core is not None:  # the scheduler's KV blocks (the cuda runner's pages): ints, read between steps or not
+            pool = core.scheduler.pool
+            out["kv"] = {"blocks": pool.num_blocks, "used": pool.used, "block_tokens": pool.block_size}
+        return out
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel everything, close the backend on its own thread, and join it."""

@@ -177,7 +177,8 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def metrics():
         engine = state.client.health() if state.client is not None else {}
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
-        return PlainTextResponse(state.metrics.render(engine.get("steps")), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(engine.get("steps"), engine.get("kv")),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=HTMLResponse)
     async def webui():

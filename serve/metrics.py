@@ -64,8 +64,9 @@ class Metrics:
         with self._lock:
             getattr(self, name).observe(value)
 
-    def render(self, steps: dict | None = None) -> str:
-        """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"])."""
+    def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
+        """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"]); `kv`:
+        its KV blocks (health()["kv"]: total, charged to running sequences, tokens a block)."""
         with self._lock:
             lines = ["# HELP thorgen_requests_total HTTP requests by endpoint and status.",
                      "# TYPE thorgen_requests_total counter"]
@@ -100,4 +101,11 @@ class Metrics:
                           "(the device wait and postprocessing).", "# TYPE thorgen_engine_step_seconds_total counter"]
                 lines += [f'thorgen_engine_step_seconds_total{{phase="{p}"}} {steps[p]:.6f}'
                           for p in ("prepare", "flush", "finish")]
+            if kv:  # vLLM's kv_cache_usage_perc, and the numbers behind it
+                usage = kv["used"] / kv["blocks"] if kv["blocks"] else 0.0
+                for name, value, text in (
+                        ("thorgen_kv_cache_blocks", kv["blocks"], f"KV blocks of {kv['block_tokens']} tokens in all."),
+                        ("thorgen_kv_cache_blocks_used", kv["used"], "KV blocks charged to running sequences."),
+                        ("thorgen_kv_cache_usage", round(usage, 6), "Fraction of the KV blocks in use (0..1).")):
+                    lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
             return "\n".join(lines) + "\n"

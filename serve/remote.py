@@ -225,8 +225,8 @@ class ClusterMetrics(Metrics):
         super().__init__()
         self.client = client
 
-    def render(self, steps: dict | None = None) -> str:
-        lines = []  # (the engine-step counters are each replica's own: not summed here)
+    def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
+        lines = []  # (the engine-step counters and KV blocks are each replica's own: not summed here)
         for name, kind, text in (
                 ("thorgen_replica_up", "gauge", "1 while the replica's engine reports ok (labels: pid, node)."),
                 ("thorgen_replica_requests_running", "gauge", "Generations on the replica's engine now."),

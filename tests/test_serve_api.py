@@ -234,6 +234,9 @@ def test_models_tokenize_metrics_cors(server, tok):
     metrics = httpx.get(url + "/metrics").text
     assert 'thorgen_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert "thorgen_time_to_first_token_seconds_count" in metrics and "thorgen_generation_tokens_total" in metrics
+    gauges = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("thorgen_kv_cache")}
+    assert gauges["thorgen_kv_cache_blocks"] > 0 and 0 <= gauges["thorgen_kv_cache_blocks_used"] \
+        <= gauges["thorgen_kv_cache_blocks"] and 0 <= gauges["thorgen_kv_cache_usage"] <= 1
     pre = httpx.options(url + "/v1/chat/completions", headers={
         "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
