@@ -38,4 +38,3 @@ def page_pitch(max_position_embeddings: int) -> int:
 # captured graph samples each request its own way. tests/test_conventions.py checks it against the C struct.
 SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
                           ("top_k", "<i4"), ("pad", "<i4")])
-

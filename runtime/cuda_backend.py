@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..model_spec.config import spec_from_configs
+from ..model_spec.conventions import KV_PAGE
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import MAX_LOGIT_BIAS, Engine, logprob_entry
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
-from ..model_spec.conventions import KV_PAGE
 from .kv_cache import default_ctx, fit_kv, plan_kv
 from .kv_pages import PagePool, SeqPages
 from .memory import alloc, check_fits
@@ -164,9 +164,10 @@ class CudaRunner:
     of the last sequence that finished in the lane. So a request starting with a cached prefix (a chat's next
     turn, a shared system prompt) prefills only the rest, as far as its pages are cached and a lane's rings still
     hold what the new positions need (KVPlan.prefix_intact), in whole pages. Admission picks the free lane with
-    the longest usable prefix, else the one freed longest ago. Speculative steps run while a speculative sequence decodes alone and the drafter context (one
-    lane's worth, runtime/kv_cache.py) is current for it; a batched or plain step leaves that context behind, so
-    the sequence continues with plain steps (its output is the same either way)."""
+    the longest usable prefix, else the one freed longest ago. Speculative steps run while a speculative sequence
+    decodes alone and the drafter context (one lane's worth, runtime/kv_cache.py) is current for it; a batched or
+    plain step leaves that context behind, so the sequence continues with plain steps (its output is the same
+    either way)."""
 
     def __init__(self, backend: CudaBackend, max_num_seqs: int | None = None) -> None:
         self.backend, self.engine = backend, backend.engine

@@ -151,7 +151,7 @@ class EngineCore:
                         p.seq.cached_prompt_tokens = cached
                 if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
                     continue
-            token = self.runner.prefill(p.seq, start, p.end, p.sample, once) if start < p.end else None
+            token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
             p.seq.num_cached = p.end
             if p.sample:
                 new.append((p.seq, [int(token)], False))

@@ -21,10 +21,11 @@ from .backend import BackendError
 Key = tuple[int, tuple[int, ...]]
 
 
-def page_keys(tokens: list[int], n_pages: int, page: int = KV_PAGE) -> Iterator[tuple[Key, int]]:
-    """(key, chain hash) of full pages 0..n_pages-1 of `tokens` (n_pages * page <= len(tokens))."""
-    chain = 0
-    for i in range(n_pages):
+def page_keys(tokens: list[int], n_pages: int, page: int = KV_PAGE, first: int = 0,
+              chain: int = 0) -> Iterator[tuple[Key, int]]:
+    """(key, chain hash) of full pages first..n_pages-1 of `tokens` (n_pages * page <= len(tokens)); `chain`: the
+    chain hash after page first-1 (0 before page 0)."""
+    for i in range(first, n_pages):
         key = (chain, tuple(tokens[i * page:(i + 1) * page]))
         chain = hash(key)
         yield key, chain
@@ -103,6 +104,7 @@ class SeqPages:
     def __init__(self) -> None:
         self.pages: list[int] = []
         self.registered = 0  # leading pages registered in the pool
+        self._chain = 0  # the chain hash after them (so registering more hashes only the new pages)
 
     def grow(self, pool: PagePool, end: int) -> tuple[int, list[int]]:
         """Take pages until positions 0..end-1 are covered; returns (index of the first new page, the new pages)."""
@@ -118,18 +120,18 @@ class SeqPages:
             pool.hold(p)
         self.pages = list(pages)
         self.registered = len(pages)  # they are registered already
+        self._chain = hash(pool.key_of[pages[-1]]) if pages else 0
 
     def register(self, pool: PagePool, tokens: list[int], upto: int) -> None:
         """Register the full pages below position `upto` (their K/V final) under their tokens' keys."""
         n = min(upto, len(tokens)) // pool.page
-        if n <= self.registered:
-            return
-        for i, (key, _) in enumerate(page_keys(tokens, n, pool.page)):
-            if i >= self.registered:
-                pool.register(self.pages[i], key)
-        self.registered = n
+        for i, (key, chain) in enumerate(page_keys(tokens, n, pool.page, self.registered, self._chain),
+                                         self.registered):
+            pool.register(self.pages[i], key)
+            self._chain = chain
+        self.registered = max(self.registered, n)
 
     def release(self, pool: PagePool) -> None:
         for p in self.pages:
             pool.drop(p)
-        self.pages, self.registered = [], 0
+        self.pages, self.registered, self._chain = [], 0, 0
