@@ -84,13 +84,6 @@ template <> struct MmaT<KV_FP8> {
   }
 };
 
-// Slot of position j in a paged cache: page table entry j / PAGE of the lane's row `tab`, then the offset in it.
-template <int PAGE>
-__device__ __forceinline__ int page_slot(const int* __restrict__ tab, int j) {
-  static_assert(PAGE > 0 && (PAGE & (PAGE - 1)) == 0, "pages hold a power-of-two count of positions");
-  return __ldg(tab + j / PAGE) * PAGE + (j & (PAGE - 1));
-}
-
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
           int NSUB = 1, int PAGE = 0, int PITCH = 0>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,

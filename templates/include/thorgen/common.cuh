@@ -20,6 +20,14 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void pdl_trigger() { pdl_launch_dependents(); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// ---- paged KV caches (the attention and rope_kv kernels) --------------------------------------------------------
+// Slot of position j in a paged cache: page table entry j / PAGE of the sequence's row `tab`, then the offset in it.
+template <int PAGE>
+__device__ __forceinline__ int page_slot(const int* __restrict__ tab, int j) {
+  static_assert(PAGE > 0 && (PAGE & (PAGE - 1)) == 0, "pages hold a power-of-two count of positions");
+  return __ldg(tab + j / PAGE) * PAGE + (j & (PAGE - 1));
+}
+
 // ---- element conversion: every kernel computes in fp32 and converts at the memory boundary -------------------
 template <typename T> __device__ __forceinline__ float to_f32(T v);
 template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }

@@ -14,16 +14,15 @@
 
 namespace thorgen {
 
-// Cfg provides: HQ, HKV, D, ROT, SLOTS (0: linear or paged cache), PAGE, PITCH (0: not paged), HAS_Q, V_FROM_K, V_NORM, EPS, THREADS,
-// types QT (queries) and KVT (cache), and `static __device__ double inv_freq(int pair)`.
+// Cfg provides: HQ, HKV, D, ROT, SLOTS (0: linear or paged cache), PAGE, PITCH (0: not paged), HAS_Q, V_FROM_K,
+// V_NORM, EPS, THREADS, types QT (queries) and KVT (cache), and `static __device__ double inv_freq(int pair)`.
 template <class Cfg>
 struct RopeKv {
   static constexpr int D = Cfg::D, PER = D / 32, HALF = PER / 2;
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64 (RoPE partners in the same lane)");
   static_assert(Cfg::ROT >= 0 && Cfg::ROT <= D / 2, "rotating pairs must lie in 0..D/2");
   static_assert(Cfg::THREADS % 32 == 0, "block size must be a multiple of 32");
-  static_assert(Cfg::PAGE == 0 || (Cfg::SLOTS == 0 && Cfg::PITCH > 0 && (Cfg::PAGE & (Cfg::PAGE - 1)) == 0),
-                "a paged cache is not a ring; its pages hold a power of two of positions");
+  static_assert(Cfg::PAGE == 0 || (Cfg::SLOTS == 0 && Cfg::PITCH > 0), "a paged cache is not a ring, and has a pitch");
   static constexpr int WARPS = Cfg::THREADS / 32;
   static constexpr int QH = Cfg::HAS_Q ? Cfg::HQ : 0;
   static constexpr int UNITS = QH + 2 * Cfg::HKV;  // q heads, k heads, v heads
@@ -78,8 +77,7 @@ struct RopeKv {
       const int lane_id = lanes == nullptr ? 0 : lanes[t];
       long slot = pos;
       if constexpr (Cfg::SLOTS > 0) slot = pos % Cfg::SLOTS;
-      else if constexpr (Cfg::PAGE > 0)
-        slot = (long)pages[(size_t)lane_id * Cfg::PITCH + pos / Cfg::PAGE] * Cfg::PAGE + pos % Cfg::PAGE;
+      else if constexpr (Cfg::PAGE > 0) slot = page_slot<Cfg::PAGE>(pages + (size_t)lane_id * Cfg::PITCH, pos);
       const long long lane_off = Cfg::PAGE > 0 ? 0ll : (long long)lane_id * lane_bytes;
       typename Cfg::KVT* kc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(k_cache) + lane_off);
       typename Cfg::KVT* vc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(v_cache) + lane_off);
