@@ -138,11 +138,10 @@ def test_a_shared_prefix_is_held_once_and_survives_until_evicted(backend):
     core.add("b", shared + [302], 6, SEEDED)
     held = None
     while core.unfinished:
-        outs = core.step()
+        core.step()
         running = [l for l in runner._lanes if l.owner is not None]
         if len(running) == 2 and all(len(l.pages.pages) >= 2 for l in running):
             held = [l.pages.pages[:2] for l in running]
-        del outs
     assert held is not None and held[0] == held[1]  # the second request was admitted on the first's pages
     assert all(runner.pool.refs[p] == 0 for p in held[0]) and set(held[0]) <= set(runner.pool.cached)
     again = _run(core, "c", shared + [303], 4)
