@@ -59,8 +59,11 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
     g = hq // hkv
     out = []
+    # early: the target's layers load cache rows older than the step before griddepcontrol.wait (no kernel of a
+    # step writes them); the drafter's context rows are written in the same step as its block attends them
     common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, page=page, pitch=pitch, causal=causal, kv_dtype=kv,
-                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e))
+                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e),
+                  early=role.startswith("tgt_"))
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
     for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):

@@ -11,6 +11,12 @@ nvfp4_gemv__n2816_k4096_attn_tail(const uint8_t* __restrict__ w, const uint8_t* 
            const __half* __restrict__ x, float* __restrict__ y, int m, float* resid,
            const __nv_bfloat16* w_post, const __nv_bfloat16* w_pre1, const __nv_bfloat16* w_pre2,
            __half* a1, __half* a2, unsigned int* counters) {
+  {  // this block's 16 columns of the tail's row inputs toward L2 (the last block reads them all)
+    const void* const f32_rows[] = {resid};
+    const void* const bf16_rows[] = {w_post, w_pre1, w_pre2};
+    thorgen::prefetch_l2_columns(f32_rows, 4 * 16 * blockIdx.x);
+    thorgen::prefetch_l2_columns(bf16_rows, 2 * 16 * blockIdx.x);
+  }
   thorgen::gemm_small<thorgen::FP4_SHIFT, 2816, 4096, 16, 1, 2,
                       thorgen::EPI_STORE, float, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
   thorgen::attn_tail_last_block<2816, 256, 512>(

@@ -2,6 +2,7 @@
 // attn_dec__tgt_f_d128_h4x1_c_p16_bf16_s64: attention of m consecutive queries (p0 = positions[0]) over a bf16 KV cache
 // (pages of 16 positions, 512 a sequence), head dim 128, 4 query heads / 1 KV heads,
 // causal, scale 1.0.
+// The first key tile's rows before the step's first position load before griddepcontrol.wait (target layers).
 // Grid (2 query blocks of 8, 1, 64 key splits), 2 warps, 48000 B smem.
 // Writes partial O / (max, sum) to ws ([64][16][4][128] + [64][16][4][2] f32, then the
 // level-1 parts [8][...]); given counters (u32 [144], zero at entry, left zeroed) the last split block of each
@@ -17,6 +18,7 @@ attn_dec__tgt_f_d128_h4x1_c_p16_bf16_s64(const __nv_bfloat16* __restrict__ q, co
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 1, 2, 32, 0, 0, true,
-                    thorgen::KV_BF16, 64, 16, 8, 16, 512>(
+                    thorgen::KV_BF16, 64, 16, 8, 16, 512,
+                    true>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

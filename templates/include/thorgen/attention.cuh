@@ -9,6 +9,8 @@
 // a shared-memory sum gives the scores, one online-softmax pass (fp32, exp2) per row, then each warp accumulates
 // its 64 output columns O += P V. K/V tiles of TK keys are double-buffered with cp.async (fp8: raw bytes staged,
 // then converted to fp16). Keys outside [lo, hi] are zero-filled so that garbage never meets a zero probability.
+// Only the block's valid rows (its queries x G heads) run mma tiles and softmax rows. EARLY (the target's layers):
+// a one-sequence launch loads its first key tile's rows older than the step before griddepcontrol.wait.
 // Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
 // queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
@@ -21,6 +23,8 @@
 // merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at entry and left zeroed; no second
 // launch), with counters == nullptr an attn_combine launch merges them (faster for 16 queries: one block per row).
 #pragma once
+#include <climits>
+
 #include "thorgen/attn_split.cuh"
 #include "thorgen/nvfp4.cuh"
 
@@ -85,7 +89,7 @@ template <> struct MmaT<KV_FP8> {
 };
 
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
-          int NSUB = 1, int PAGE = 0, int PITCH = 0>
+          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
@@ -111,7 +115,13 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   float* st_a = st_l + R;
 
   pdl_launch_dependents();
-  pdl_wait();  // q, positions and the cache rows come from the rope/KV-write kernel
+  // q and the cache rows of this step's positions come from the rope/KV-write kernel. EARLY (the target's layers,
+  // whose earlier positions no kernel of the step writes), one sequence's consecutive queries (not rowwise: a
+  // scoring pass's slices attend rows an earlier slice's step wrote): the first key tile's rows below the step's
+  // first position load before the wait, under the previous kernel's tail (positions, lanes and the page table
+  // are the host's staging, final before the forward's first kernel).
+  const bool early = EARLY && rowwise == 0;
+  if (!early) pdl_wait();
   const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
   // the launch's key splits: NSPLIT (which lays out the workspace), or for a rowwise launch gridDim.z <= NSPLIT: a
   // batched step's rows already fill the SMs, and fewer, longer splits pay each block's fixed cost fewer times
@@ -121,6 +131,9 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int q0 = qb * qpb;
   if (q0 >= m) return;
   const int nq = min(qpb, m - q0);
+  // the block's valid rows (nq queries x G heads): 16-row tiles past them skip their mma, and the softmax skips
+  // rows past them, whose probabilities and outputs nothing reads (a decode or batched-step block has G of R)
+  const int vrows = nq * G;
   // rowwise: p0 + q0 is this block's query position (p0 itself is not a position then)
   const int p0 = rowwise ? __ldg(positions + qb) - q0 : __ldg(positions);
   const int lane_id = lanes != nullptr ? __ldg(lanes + (rowwise ? qb : 0)) : 0;
@@ -139,6 +152,49 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
 
   for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
 
+  float o[MT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+
+  // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi] (the
+  // others zero-filled), of the tile's rows with from <= j < to; `issue` commits the whole tile as one group.
+  auto issue_rows = [&](int tile, int buf, int from, int to) {
+    constexpr int CH = D * EB / 16;  // 16-B chunks per row
+    for (int c = threadIdx.x; c < 2 * TK * CH; c += THREADS) {
+      const int kv = c / (TK * CH), rem = c % (TK * CH), row = rem / CH, ch = rem % CH;
+      const int j = tile * TK + row;
+      if (j < from || j >= to) continue;
+      const bool ok = j >= lo && j <= hi;
+      int slot = 0;
+      if (ok) {
+        if constexpr (RING > 0) slot = j % RING;
+        else if constexpr (PAGE > 0) slot = page_slot<PAGE>(tab, j);
+        else slot = j;
+      }
+      const uint8_t* src = (kv ? vc : kc) + ((size_t)slot * HKV + hkv) * D * EB + 16 * ch;
+      uint8_t* dst = KVT == KV_FP8 ? stg + ((size_t)(buf * 2 + kv) * TK + row) * S::SPITCH + 16 * ch
+                                   : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2 + kv) * S::TILE +
+                                         (size_t)row * S::TPITCH * 2 + 16 * ch;
+      cp_async16_zfill(dst, src, ok);
+    }
+  };
+  auto issue = [&](int tile, int buf) {
+    issue_rows(tile, buf, INT_MIN, INT_MAX);
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  if (early) {  // the step writes the cache rows from p0 on
+    if (tb < te) issue_rows(tb, 0, INT_MIN, p0);
+    pdl_wait();
+    if (tb < te) issue_rows(tb, 0, p0, INT_MAX);
+    asm volatile("cp.async.commit_group;\n" ::);
+  } else if (tb < te) {
+    issue(tb, 0);
+  }
   // Q fragments (rows r = mt*16 + gid (+8): query q0 + r / G, head hkv*G + r % G), this warp's 64 columns.
   uint32_t qa[MT][4][4];
 #pragma unroll
@@ -157,37 +213,6 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       }
     }
   }
-  float o[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
-
-  // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi].
-  auto issue = [&](int tile, int buf) {
-    constexpr int CH = D * EB / 16;  // 16-B chunks per row
-    for (int c = threadIdx.x; c < 2 * TK * CH; c += THREADS) {
-      const int kv = c / (TK * CH), rem = c % (TK * CH), row = rem / CH, ch = rem % CH;
-      const int j = tile * TK + row;
-      const bool ok = j >= lo && j <= hi;
-      int slot = 0;
-      if (ok) {
-        if constexpr (RING > 0) slot = j % RING;
-        else if constexpr (PAGE > 0) slot = page_slot<PAGE>(tab, j);
-        else slot = j;
-      }
-      const uint8_t* src = (kv ? vc : kc) + ((size_t)slot * HKV + hkv) * D * EB + 16 * ch;
-      uint8_t* dst = KVT == KV_FP8 ? stg + ((size_t)(buf * 2 + kv) * TK + row) * S::SPITCH + 16 * ch
-                                   : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2 + kv) * S::TILE +
-                                         (size_t)row * S::TPITCH * 2 + 16 * ch;
-      cp_async16_zfill(dst, src, ok);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-
-  if (tb < te) issue(tb, 0);
   for (int tile = tb; tile < te; ++tile) {
     const int it = tile - tb;
     asm volatile("cp.async.wait_group 0;\n" ::);
@@ -225,6 +250,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
         ldsm_x4(b, kt_s + (size_t)(nt * 8 + (lane & 7)) * S::TPITCH + 64 * warp + 32 * kp + 8 * (lane >> 3));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
+          if (16 * mt >= vrows) break;
           Mm::mma(sc[mt][nt], qa[mt][2 * kp][0], qa[mt][2 * kp][1], qa[mt][2 * kp][2], qa[mt][2 * kp][3], b[0], b[1]);
           Mm::mma(sc[mt][nt], qa[mt][2 * kp + 1][0], qa[mt][2 * kp + 1][1], qa[mt][2 * kp + 1][2],
                   qa[mt][2 * kp + 1][3], b[2], b[3]);
@@ -236,6 +262,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
+        if (16 * mt >= vrows) break;
         *reinterpret_cast<float2*>(myred + (mt * 16 + gid) * S::RPITCH + nt * 8 + 2 * t4) =
             make_float2(sc[mt][nt][0], sc[mt][nt][1]);
         *reinterpret_cast<float2*>(myred + (mt * 16 + gid + 8) * S::RPITCH + nt * 8 + 2 * t4) =
@@ -244,7 +271,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
     __syncthreads();
 
     // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
-    for (int r = warp; r < R; r += NWARP) {
+    for (int r = warp; r < vrows; r += NWARP) {
       const int qi = q0 + r / G, P = p0 + qi;
       const int hv = CAUSAL ? P : p0 + m - 1;
       constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
@@ -298,7 +325,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       uint32_t pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4(pa[mt], pbuf + (size_t)(mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::PPITCH + kt * 16 +
+        if (16 * mt < vrows) ldsm_x4(pa[mt], pbuf + (size_t)(mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::PPITCH + kt * 16 +
                             8 * (lane >> 4));
 #pragma unroll
       for (int np = 0; np < 4; ++np) {  // pairs of n8 column tiles
@@ -307,6 +334,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
                          16 * np + 8 * (lane >> 4));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
+          if (16 * mt >= vrows) break;
           Mm::mma(o[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[0], b[1]);
           Mm::mma(o[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[2], b[3]);
         }

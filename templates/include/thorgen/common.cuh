@@ -117,6 +117,19 @@ __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int
   return l;
 }
 
+// ---- L2 prefetch hints -----------------------------------------------------------------------------------------
+// Pull the 128-B line holding ptrs[i] + col toward L2, one thread per pointer (null ones skipped). A hint, safe
+// before the data's producer has run: L2 is where global memory is coherent, so a later load still sees the write.
+// The folded tails use it: every block prefetches its own columns of the tail's row inputs before its GEMV work,
+// so the one block that runs the tail reads them from L2 rather than DRAM.
+template <int N>
+__device__ __forceinline__ void prefetch_l2_columns(const void* const (&ptrs)[N], int col_bytes) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (threadIdx.x == i && ptrs[i] != nullptr)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(ptrs[i]) + col_bytes));
+}
+
 // ---- orderable keys: larger value first, ties -> lower index (the NumPy argmax / stable-sort rule) ----------
 __device__ __forceinline__ uint32_t ordered_f32(float f) {
   uint32_t u = __float_as_uint(f);
