@@ -276,35 +276,18 @@ class Lower:
             op.branch = 1
         ops += mlp  # first, so the side stream starts before the router
         ops += self._router_ops(l, rows, small)
-        return ops + self._moe_tail_ops(l, rows, small)
-
-    def _moe_tail_ops(self, l: int, rows: int, small: bool) -> list[Op]:
-        """The MoE, then Gemma's feed-forward tail (norms of the dense MLP's and the MoE's rows, their sum's norm, the
-        residual, layer_scalar, the next layer's input norm; it joins the side stream). One row: the MoE down whose
-        last block runs the tail (counters zeroed once, left zeroed; bit-identical to the pair: a kernel boundary
-        less on the decode critical path); the down then joins the side stream, which finished long before (the
-        dense MLP is two short GEMVs beside the router and gate/up). More rows: the tail sums the MoE's slot rows
-        itself (no combine launch)."""
-        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
-        H = t.hidden_size
+        ops += self._moe_ops(l, rows, small)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
-        norms = dict(mlp=A("mlp"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
-                     w2=W(f"{p}post_feedforward_layernorm_2.weight"), layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt),
-                     a=A("a"))
-        w_tail, taps = W(f"{p}post_feedforward_layernorm.weight"), self._tap_args(l)
-        moe = self._moe_ops(l, rows, small)
-        if rows == 1:
-            gateup, down = moe
-            fold = need(self.find("moe_down.cu.j2", "MoE down + ffn_tail m<=1", ie=t.moe_intermediate_size,
-                                  experts=t.num_experts, topk=t.top_k_experts, mmax=1, epi="ffn_tail"))
-            args = dict(down.args, **norms, w_tail=w_tail, tap=taps["tap"], tap_col=taps["tap_col"],
-                        counters=A("ffn_cnt"))
-            return [gateup, Op(f"{p}moe_down_tail", fold, args, rows, join=True)]
-        pairs = t.top_k_experts
-        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail (summing the MoE's slot rows)", H=H, EPS=t.rms_norm_eps,
-                            PAIRS=pairs))
-        return moe + [Op(f"{p}ffn_tail", ft, dict(norms, moe=A("moe_pair_out"), ids=A("topk_idx"), w=w_tail, **taps,
-                                                  T=rows), rows, join=True)]
+        # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
+        pairs = t.top_k_experts if rows > 1 else 0
+        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
+                            EPS=t.rms_norm_eps, PAIRS=pairs))
+        moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
+        ops.append(Op(f"{p}ffn_tail", ft, dict(
+            mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
+        return ops
 
     def _o_proj_tail_ops(self, l: int, rows: int, nq: int, small: bool) -> list[Op]:
         """o_proj, then Gemma's attention tail (x += norm(o) * w_post; a1, a2 = norm(x) * w_pre1, w_pre2). One row:
@@ -413,8 +396,7 @@ class Lower:
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
         pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
-        down = need(self.find("moe_down_pairs.cu.j2", f"MoE down m<={mmax}", **common) if pairs else
-                    self.find("moe_down.cu.j2", f"MoE down m<={mmax}", epi="store", **common))
+        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
         out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))

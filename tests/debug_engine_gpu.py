@@ -81,7 +81,6 @@ STAGES = (
     ("mlp_down", "dense down (f32)", [("mlp", "f32", None)]),
     ("moe_down", "MoE out (f32)", [("moe", "f32", None)]),
     ("ffn_tail", "ffn_tail x|a", [("x", "f32", None), ("a", "f16", None)]),
-    ("moe_down_tail", "MoE down + ffn_tail (1 row)", [("moe", "f32", None), ("x", "f32", None), ("a", "f16", None)]),
 )
 
 
@@ -123,7 +122,7 @@ def probed_forward(engine, ids: list[int], start: int, decode_token: int | None 
                     f["stages"][suffix] = [_download(engine, b, dt, n, w) for b, dt, w in bufs]
                     if suffix == "rope_kv":  # the K/V rows this forward wrote into layer 0's cache
                         f["stages"]["kv0"] = kv_snapshot(engine, start + n)[0]
-        if label == "embed" or label.endswith(("ffn_tail", "moe_down_tail")):
+        if label == "embed" or label.endswith("ffn_tail"):
             engine.stream.synchronize()
             f["xs"].append(engine.act["x"].download(np.float32, (n, H)))
         elif label.endswith(".topk"):

@@ -371,12 +371,6 @@ class KernelEmulator(LogitsKernels):
             for k in range(K):
                 y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
         self.v(a["y"], np.float32, (m, h), "y")[:] = y
-        if p.get("epi") == "ffn_tail":  # the last block's ffn_tail on the row (bit-identical on the GPU)
-            if m != 1:
-                raise EmuError(f"the folded feed-forward tail serves one row, not {m}")
-            self._counters_zero(a, 1, "MoE down tail")
-            self.k_ffn_tail(dict(H=h, EPS=p["eps"], PAIRS=0, TAP=p["tap_dtype"]),
-                            dict(a, moe=a["y"], w=a["w_tail"], tap_stride=0, T=1), n)
 
     def k_moe_down_pairs(self, p, a, n):
         """Every valid slot's routing-weighted expert output into its pair row (ffn_tail sums them)."""

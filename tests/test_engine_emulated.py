@@ -83,8 +83,8 @@ class Probe:
                                       idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
         elif t.startswith(("router_topk", "router_fused")):
             self.forwards[-1]["idx"].append(self.d.view(a["topk_idx"], np.int32, (a["T"], entry["params"]["K"])).copy())
-        elif t.startswith("ffn_tail") or entry["params"].get("epi") == "ffn_tail":  # (one row: the MoE down's fold)
-            self.forwards[-1]["xs"].append(self.d.view(a["x"], np.float32, (a.get("T", a.get("m")), H)).copy())
+        elif t.startswith("ffn_tail"):
+            self.forwards[-1]["xs"].append(self.d.view(a["x"], np.float32, (a["T"], H)).copy())
 
     def _kv(self, layer: int, start: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 K, V [start, Hkv, D] of positions 0..start-1 as the engine's cache holds them (slots that a

@@ -179,11 +179,9 @@ def test_engine_drafter_matches_reference(emu):
     lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
 
     def after(name, entry, a):
-        tail = entry["template"].startswith("ffn_tail") or entry["params"].get("epi") == "ffn_tail"  # (or its fold)
-        if tail and a["tap"]:
-            n = a.get("T", a.get("m"))
-            pos = drv.view(e.A("positions").address, np.int32, n).copy()
-            rows = drv.view(e.A("taps").address, np.float16, (n, width))
+        if entry["template"].startswith("ffn_tail") and a["tap"]:
+            pos = drv.view(e.A("positions").address, np.int32, a["T"]).copy()
+            rows = drv.view(e.A("taps").address, np.float16, (a["T"], width))
             for r, p in enumerate(pos):
                 taps[int(p)] = rows[r].astype(np.float32)
     drv.emu.after = after

@@ -1,7 +1,6 @@
 """GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1)
 and verify (M <= 16, experts shared between tokens), tiny preset (real quantize + pack path) and full size (random
-layout bytes, all 128 experts resident, only the selected ones dequantized for the reference); and the one-token
-down with the feed-forward tail folded in, against the references and bit for bit against the pair it replaces."""
+layout bytes, all 128 experts resident, only the selected ones dequantized for the reference)."""
 
 from __future__ import annotations
 
@@ -14,15 +13,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
-from thorgen.codegen import reference_kernels as RK  # noqa: E402
-from thorgen.model_spec.nvfp4 import f32_to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", params=PRESETS)
 def runner(request):
-    return GpuRunner(request.param, ("moe", "norms"))  # (norms: ffn_tail, for the fold's pair)
+    return GpuRunner(request.param, ("moe",))
 
 
 class Experts:
@@ -71,11 +68,6 @@ def experts(runner):
     return Experts(np.random.default_rng(21), runner.spec, k.param("fp4_order"))
 
 
-def _plain_down(runner):
-    (down,) = [k for k in runner.find("moe_down__m1_") if k.param("epi") == "store"]
-    return down
-
-
 # (m, routing); "pool": experts shared by tokens. 21 and 32 rows: the M = 32 pair (batched decode steps)
 CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "pool"), (21, "pool")]
 
@@ -97,7 +89,7 @@ def test_moe(runner, experts, m, pool):
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
     mmax = 1 if m == 1 else 16 if m <= 16 else 32
     gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
-    (down,) = [_plain_down(runner)] if m == 1 else runner.find(f"moe_down_pairs__m{mmax}_")
+    (down,) = runner.find("moe_down__m1_" if m == 1 else f"moe_down_pairs__m{mmax}_")
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)
     x = R.act_f16(rng, m, h)
     gates, ups, downs = experts.lists(ids)
@@ -127,7 +119,7 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk)
     bad = ids.copy()
     bad[0, -1] = t.num_experts + 1000
-    down = _plain_down(runner)
+    down = runner.find("moe_down__m1_")[0]
     act16 = R.act_f16(rng, m * topk, t.moe_intermediate_size)
     dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "wts": wts, "m": np.int32(m), "act": act16}
     y = runner.run(down, dict(dn, ids=bad), {"y": ((m, t.hidden_size), np.float32)})["y"]
@@ -135,55 +127,3 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     keep[0, -1] = 0.0
     _, _, downs = experts.lists(ids)
     assert R.norm_err(y, R.moe_down_ref(act16, ids, keep, downs)) <= R.TOL_MOE_OUT
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
-
-
-def test_moe_down_ffn_tail(runner, experts):
-    """The one-token MoE down whose last block runs Gemma's feed-forward tail: y against the down reference, x / a /
-    the tap against ffn_tail's reference on that y; bit for bit the plain down then ffn_tail (the two launches it
-    replaces); and a second launch on the same counter runs the tail again (the last block left it zeroed)."""
-    rng = np.random.default_rng(24)
-    t = runner.spec.target
-    h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
-    (fold,) = [k for k in runner.find("moe_down__m1_") if k.param("epi") == "ffn_tail"]
-    plain = _plain_down(runner)
-    (tail,) = [k for k in runner.find("ffn_tail__") if not k.param("PAIRS")]
-    assert [fold.param(n) for n in ("nw", "ksd", "pf")] == [plain.param(n) for n in ("nw", "ksd", "pf")]
-    assert fold.param("tail_threads") == tail.threads and fold.grid == plain.grid
-    ids, wts = R.moe_routing(rng, 1, t.num_experts, topk)
-    act16 = R.act_f16(rng, topk, ie)
-    _, _, downs = experts.lists(ids)
-    dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "ids": ids, "wts": wts, "m": np.int32(1),
-          "act": act16}
-    w1, w2, w, w_next = (f32_to_bf16(rng.normal(1.0, 0.3, h).astype(np.float32)) for _ in range(4))
-    norms = {"mlp": rng.normal(0, 1, (1, h)).astype(np.float32), "w1": w1, "w2": w2, "w_next": w_next,
-             "layer_scalar": f32_to_bf16(np.array([0.7], np.float32)), "a": np.full((1, h), np.nan, np.float16),
-             "tap": np.full((1, 2 * h), np.nan, np.float16), "tap_col": np.int32(h)}  # the tap's second column block
-    x = rng.normal(0, 2, (1, h)).astype(np.float32)
-    fold_in = dict(dn, **norms, w_tail=w, x=x, y=np.full((1, h), np.nan, np.float32),
-                   counters=np.zeros(1, np.uint32))
-    outs = {"y": ((1, h), np.float32), "x": ((1, h), np.float32), "a": ((1, h), np.float16),
-            "tap": ((1, 2 * h), np.float16), "counters": ((1,), np.uint32)}
-    got = runner.run(fold, fold_in, outs)
-    err = R.norm_err(got["y"], R.moe_down_ref(act16, ids, wts, downs))
-    assert err <= R.TOL_MOE_OUT, f"{fold.name}: MoE row error {err:.2e}"
-    xr, ar = RK.ffn_tail_ref(norms["mlp"], got["y"], x, w1, w2, w, norms["layer_scalar"], w_next, fold.param("eps"))
-    assert RK.norm_err(got["x"], xr) <= RK.TOL["f32"] and RK.norm_err(got["a"], ar) <= RK.TOL["f16"], fold.name
-    assert np.array_equal(got["tap"][:, h:], got["x"].astype(np.float16)), f"{fold.name}: tap is not x"
-    assert np.isnan(got["tap"][:, :h]).all(), f"{fold.name}: wrote outside the tap's column block"
-    assert got["counters"][0] == 0, f"{fold.name}: counter left at {got['counters'][0]}"
-    # the pair it replaces: the plain down, then ffn_tail on its row (one block, as the runtime launches one row)
-    y = runner.run(plain, dict(dn, y=fold_in["y"]), {"y": outs["y"]})["y"]
-    pair = runner.run(tail, dict(norms, moe=y, x=x, w=w, tap_stride=np.int32(2 * h), T=np.int32(1)),
-                      {k: outs[k] for k in ("x", "a", "tap")}, (1, 1, 1))
-    for what, theirs in (("y", y), ("x", pair["x"]), ("a", pair["a"]), ("tap", pair["tap"])):
-        assert np.array_equal(_bits(got[what]), _bits(theirs)), f"{fold.name}: {what} differs from the pair's"
-    # two launches on one counter: the second one's tail runs again, from the first one's residual
-    twice = runner.run_seq([(fold, None), (fold, None)], fold_in, outs)
-    again = runner.run(fold, dict(fold_in, x=got["x"]), outs)
-    for what in ("x", "a"):
-        assert np.array_equal(_bits(twice[what]), _bits(again[what])), f"{fold.name}: second launch's {what}"
-    assert twice["counters"][0] == 0, fold.name

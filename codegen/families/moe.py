@@ -7,8 +7,6 @@ sequences: two 16-row tensor-core tiles on each decoded weight step), on per-exp
   moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
                    their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
                    shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
-  moe_down__..._ffn_tail  the same, whose last block then runs Gemma's feed-forward tail on the row (ffn_tail's
-                   arithmetic, bit-identical: one decode launch a layer fewer; counters: one u32, left zeroed).
   moe_down_pairs__ (16 or 32 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
                    norms.py) sums per token in slot order.
@@ -18,7 +16,6 @@ Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.types import ModelSpec
@@ -26,15 +23,12 @@ from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
 from ..kernel_spec import make_params
 from ._util import require
-from .norms import ffn_tail_kernel
 from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
                      weight_bytes)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
-# after DOWN_ARGS (y: the MoE row; w_tail: ffn_tail's w; the tap of one row at tap_col)
-FFN_TAIL_ARGS = ("mlp", "x", "w1", "w2", "w_tail", "layer_scalar", "w_next", "a", "tap", "tap_col", "counters")
 
 
 def _units(units: int, most: int) -> int:
@@ -98,26 +92,13 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
         pfd = min(16, math.ceil(steps_d / ksd))
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
-                      make_params(nw=nw, ksd=ksd, pf=pfd, epi="store", **common),
+                      make_params(nw=nw, ksd=ksd, pf=pfd, **common),
                       grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
     return [gateup, down]
 
 
-def moe_down_ffn_tail(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
-    """The one-token MoE down (its knobs) whose last block then runs Gemma's feed-forward tail on the row, replaying
-    the ffn_tail kernel's block-size arithmetic (norm.cuh: ffn_tail_row), so that one decode launch a layer
-    replaces two with the same bits."""
-    t = spec.target
-    _, down = moe_kernels(spec, arch, 1)
-    tail = ffn_tail_kernel(t.hidden_size, t.rms_norm_eps, arch)
-    params = dict(down.param_dict, epi="ffn_tail", eps=float(t.rms_norm_eps), tail_threads=tail.threads,
-                  tail_dtype=tail.param("OUT"), tap_dtype=tail.param("TAP"))
-    return replace(down, name=down.name + "_ffn_tail", params=make_params(**params), args=DOWN_ARGS + FFN_TAIL_ARGS)
-
-
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    return (moe_kernels(spec, arch, 1) + [moe_down_ffn_tail(spec, arch)] + moe_kernels(spec, arch, 16)
-            + moe_kernels(spec, arch, MAX_BATCH))
+    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16) + moe_kernels(spec, arch, MAX_BATCH)
 
 
 def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
@@ -153,14 +134,7 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         out_rows = m * topk if m > 1 else m
         cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
                                note=note, weight_streaming=m == 1))
-        if m == 1:  # the down with the feed-forward tail folded in: + mlp, x read and written, 4 norm weights, a
-            fold = moe_down_ffn_tail(spec, arch)
-            tail = (Buf("mlp", "f32", h), Buf("x", "f32", h), *(Buf(n, "bf16", h, 0.5, 1.5) for n in ("w1", "w2", "w_tail")),
-                    Buf("layer_scalar", "bf16", 1, 0.5, 1.5), Buf("w_next", "bf16", h, 0.5, 1.5), Buf("a", "f16", h),
-                    Buf("tap", "f16", 0), Scalar("tap_col", "i32", 0), Buf("counters", "u32", 1, 0, 0))
-            cases.append(BenchCase(fold, d_args + tail, bytes_moved=n_sel * d_b + topk * ie * 2 + h * (4 + 4 + 8 + 8 + 2),
-                                   note=note + " + ffn_tail", weight_streaming=True))
     return cases
 
 
-__all__ = ["plan_moe", "bench_moe", "moe_kernels", "moe_down_ffn_tail", "STEP_BYTES"]
+__all__ = ["plan_moe", "bench_moe", "moe_kernels", "STEP_BYTES"]

@@ -120,8 +120,8 @@ __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int
 // ---- L2 prefetch hints -----------------------------------------------------------------------------------------
 // Pull the 128-B line holding ptrs[i] + col toward L2, one thread per pointer (null ones skipped). A hint, safe
 // before the data's producer has run: L2 is where global memory is coherent, so a later load still sees the write.
-// The folded tails use it: every block prefetches its own columns of the tail's row inputs before its GEMV work,
-// so the one block that runs the tail reads them from L2 rather than DRAM.
+// The o_proj GEMV with the attention tail folded in uses it: every block prefetches its own columns of the tail's
+// row inputs before its GEMV work, so the one block that runs the tail reads them from L2 rather than DRAM.
 template <int N>
 __device__ __forceinline__ void prefetch_l2_columns(const void* const (&ptrs)[N], int col_bytes) {
 #pragma unroll
