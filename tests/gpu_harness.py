@@ -91,11 +91,16 @@ class GpuRunner:
         return self.run_seq([(kernel, grid)], inputs, outputs)
 
     def run_seq(self, steps: list, inputs: dict, outputs: dict) -> dict[str, np.ndarray]:
-        """Launch [(kernel, grid or None), ...] in order over one set of named buffers (shared by arg name)."""
+        """Launch [(kernel, grid or None[, {name: array}]), ...] in order over one set of named buffers (shared by arg
+        name); a step's arrays overwrite those buffers (set by an earlier step) before it launches."""
         g = self.gpu
         bufs: dict = {}
         try:
-            for kernel, grid in steps:
+            for kernel, grid, *update in steps:
+                for name, arr in (update[0] if update else {}).items():
+                    arr = np.ascontiguousarray(arr)
+                    g.sync()  # (the earlier launches are done with it)
+                    g.cu.cuMemcpyHtoD(bufs[name].ptr, arr.ctypes.data, arr.nbytes)
                 fn = g.function(kernel, self.cubins[kernel.name])
                 g.launch(fn, kernel, self._args(kernel, inputs, outputs, bufs), grid)
             g.sync()
