@@ -1,10 +1,10 @@
 """Codegen stage: the model's forward lowered to launch lists over the planned kernels (step programs).
 
-`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) the fused q|k|v
-GEMV with rope_kv folded in, the split-K decode attention (its splits merged in the same launch), the o_proj GEMV
-with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE pair; for more rows the
-q|k|v GEMM + rope_kv (reading its rows in place), attention + a combine launch, o_proj + attn_tail and the router
-pair; for a prefill chunk the same with the prefill GEMM and attention, and the grouped MoE kernels. Kernels are
+`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
+q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the o_proj
+GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE pair; for more rows
+attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused q|k|v prefill
+GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels. Kernels are
 chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a weight, a
 KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few row
 counts per step shape and writes the launch lists into the manifest; the runtime (runtime/forward.py) only binds and
@@ -239,11 +239,26 @@ class Lower:
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         p, H = f"layers.{l}.", t.hidden_size
         hd, hkv, hq = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads
-        nq, kind, ops = hq * hd, "f" if t.is_full(l) else "s", self._qkv_rope_ops(l, rows, small)
+        nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
+        qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
+        n_qkv = nq + nk * (2 if has_v else 1)
+        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
+        base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
+        q_raw, k_raw, v_raw = base, base + 4 * nq, base + 4 * (nq + nk) if has_v else NULL
         window = t.layer_window(l) or 0
         ring = ring_slots(window, self.max_rows) if window else 0
         page = 0 if window else KV_PAGE  # full layers: paged, each row's lane a row of the page table kv_pages
         pages = A("kv_pages") if page else NULL
+        rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
+                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring, PAGE=page,
+                              THETA=t.layer_rope(l).rope_theta))
+        ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
+                                                q_norm_w=W(f"{p}self_attn.q_norm.weight"),
+                                                k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
+                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
+                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=pages,
+                                                q_stride=n_qkv,
+                                                kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, page=page, causal=True, scale=1.0,
@@ -273,34 +288,6 @@ class Lower:
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
-
-    def _qkv_rope_ops(self, l: int, rows: int, small: bool) -> list[Op]:
-        """The fused q|k|v projection, then rope_kv (q/k/v norms, RoPE; q out, K/V into the cache). One row: one
-        launch, the GEMV whose blocks count in per head and the last of a head runs its rope_kv unit (counters
-        zeroed once, left zeroed; bit-identical to the pair); more rows: the GEMM, then rope_kv reads its
-        [rows, q|k|v] rows in place (strides = the row width)."""
-        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
-        hd, hkv, hq, has_v = t.layer_head_dim(l), t.layer_kv_heads(l), t.num_attention_heads, t.layer_has_v_proj(l)
-        nq, nk, base = hq * hd, hkv * hd, f"{p}self_attn.qkv_proj"
-        n_qkv, window = nq + nk * (2 if has_v else 1), t.layer_window(l) or 0
-        page = 0 if window else KV_PAGE  # full layers: paged, each row's lane a row of the page table kv_pages
-        consts = dict(HQ=hq, HKV=hkv, D=hd, HAS_Q=True, KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True,
-                      SLOTS=ring_slots(window, self.max_rows) if window else 0, PAGE=page,
-                      THETA=t.layer_rope(l).rope_theta)
-        what = f"rope_kv layer kind {'f' if t.is_full(l) else 's'}"
-        rope = dict(q_norm_w=W(f"{p}self_attn.q_norm.weight"), k_norm_w=W(f"{p}self_attn.k_norm.weight"),
-                    positions=A("positions"), q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
-                    lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=A("kv_pages") if page else NULL)
-        if rows == 1:
-            fold = need(self.find("nvfp4_gemm.cu.j2", f"q|k|v GEMV + {what}", n=n_qkv, k=t.hidden_size, mmax=1,
-                                  epi="rope_kv", **consts))
-            args = dict(self._gemm_args(base, rows, A("a"), A("qkv")), counters=A("rope_cnt"), **rope)
-            return [Op(f"{p}qkv_rope", fold, args, rows)]
-        q_raw = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
-        rope.update(q_raw=q_raw, k_raw=q_raw + 4 * nq, v_raw=q_raw + 4 * (nq + nk) if has_v else NULL,
-                    q_stride=n_qkv, kv_stride=n_qkv, T=rows)
-        return [self._gemm_op(f"{p}qkv", base, n_qkv, t.hidden_size, rows, A("a"), A("qkv"), batched=small),
-                Op(f"{p}rope_kv", need(self.find("rope_kv.cu.j2", what, **consts)), rope, rows)]
 
     def _o_proj_tail_ops(self, l: int, rows: int, nq: int, small: bool) -> list[Op]:
         """o_proj, then Gemma's attention tail (x += norm(o) * w_post; a1, a2 = norm(x) * w_pre1, w_pre2). One row:

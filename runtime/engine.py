@@ -155,10 +155,9 @@ class Engine:
         # workspaces, sized by the planner's params (whichever kernels declare them): split-K attention's partials
         # (ws_floats) and merge counters (cnt_words: one buffer, attention launches never overlap; zeroed below,
         # kept so), the logits kernels' per-row workspace, the grouped MoE's tile list (every entry written);
-        # tail_cnt: the folded o_proj + attention tail's arrival counter (one word: o_proj launches never overlap);
-        # rope_cnt: the q|k|v GEMV + rope_kv fold's, one word a head of its row (row_heads; one buffer likewise)
-        ws, sws, acnt, tiles, rcnt = (max([int(k.params.get(n, 0)) for k in kernels] + [1])
-                                      for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles", "row_heads"))
+        # tail_cnt: the folded o_proj + attention tail's arrival counter (one word: o_proj launches never overlap)
+        ws, sws, acnt, tiles = (max([int(k.params.get(n, 0)) for k in kernels] + [1])
+                                for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles"))
         p = ArenaPlan("activations")
         for name, shape, dt in (
                 ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
@@ -173,7 +172,6 @@ class Engine:
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
                 ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
                 ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"), ("tail_cnt", (1,), "u32"),
-                ("rope_cnt", (rcnt,), "u32"),
                 # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
                 ("kv_pages", (MAX_BATCH, int(self.manifest.conventions.get(
                     "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):

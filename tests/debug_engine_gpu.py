@@ -69,7 +69,6 @@ def kv_snapshot(engine, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
 STAGES = (
     ("qkv", "q|k|v GEMM (f32)", [("qkv", "f32", "qkv")]),
     ("rope_kv", "q norm+rope (bf16)", [("q", "bf16", "q")]),
-    ("qkv_rope", "q|k|v GEMV + q norm+rope (1 row)", [("qkv", "f32", "qkv"), ("q", "bf16", "q")]),
     ("attention", "attention out (f16)", [("attn", "f16", "q")]),
     ("attn_combine", "split-K combine (f16)", [("attn", "f16", "q")]),
     ("o_proj", "o_proj (f32)", [("o", "f32", None)]),
@@ -121,7 +120,7 @@ def probed_forward(engine, ids: list[int], start: int, decode_token: int | None 
                 if label == "layers.0." + suffix:
                     engine.stream.synchronize()
                     f["stages"][suffix] = [_download(engine, b, dt, n, w) for b, dt, w in bufs]
-                    if suffix in ("rope_kv", "qkv_rope"):  # the K/V rows this forward wrote into layer 0's cache
+                    if suffix == "rope_kv":  # the K/V rows this forward wrote into layer 0's cache
                         f["stages"]["kv0"] = kv_snapshot(engine, start + n)[0]
         if label == "embed" or label.endswith("ffn_tail"):
             engine.stream.synchronize()

@@ -129,18 +129,13 @@ class KernelEmulator(LogitsKernels):
         m, N, K = a["m"], p["n"], p["k"]
         W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
         x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
-        if p["epi"] in ("store", "attn_tail", "rope_kv"):
+        if p["epi"] in ("store", "attn_tail"):
             self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
-            if p["epi"] != "store" and m != 1:
-                raise EmuError(f"the folded {p['epi']} serves one row, not {m}")
             if p["epi"] == "attn_tail":  # the last block's attn_tail on the row (bit-identical on the GPU)
+                if m != 1:
+                    raise EmuError(f"the folded attention tail serves one row, not {m}")
                 self._counters_zero(a, 1, "o_proj tail")
                 self.k_attn_tail(dict(H=N, EPS=p["eps"]), dict(a, o=a["y"], x=a["resid"], T=1), n)
-            elif p["epi"] == "rope_kv":  # each head's last block: rope_kv's units on the row (bit-identical)
-                self._counters_zero(a, p["row_heads"], "q|k|v rope")
-                q, k = a["y"], a["y"] + 4 * p["HQ"] * p["D"]
-                v = 0 if p["V_FROM_K"] else k + 4 * p["HKV"] * p["D"]
-                self.k_rope_kv(p, dict(a, q_raw=q, k_raw=k, v_raw=v, q_stride=N, kv_stride=N, T=1), n)
         else:
             g, u = L.deinterleave8(W)
             self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")

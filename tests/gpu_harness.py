@@ -91,16 +91,11 @@ class GpuRunner:
         return self.run_seq([(kernel, grid)], inputs, outputs)
 
     def run_seq(self, steps: list, inputs: dict, outputs: dict) -> dict[str, np.ndarray]:
-        """Launch [(kernel, grid or None[, {name: array}]), ...] in order over one set of named buffers (shared by arg
-        name); a step's arrays overwrite those buffers (set by an earlier step) before it launches."""
+        """Launch [(kernel, grid or None), ...] in order over one set of named buffers (shared by arg name)."""
         g = self.gpu
         bufs: dict = {}
         try:
-            for kernel, grid, *update in steps:
-                for name, arr in (update[0] if update else {}).items():
-                    arr = np.ascontiguousarray(arr)
-                    g.sync()  # (the earlier launches are done with it)
-                    g.cu.cuMemcpyHtoD(bufs[name].ptr, arr.ctypes.data, arr.nbytes)
+            for kernel, grid in steps:
                 fn = g.function(kernel, self.cubins[kernel.name])
                 g.launch(fn, kernel, self._args(kernel, inputs, outputs, bufs), grid)
             g.sync()

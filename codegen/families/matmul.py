@@ -6,8 +6,6 @@ Every target Linear shape gets these kernels on the t16x64 weight layout (runtim
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
   nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block
                                             runs attn_tail on the row (bit-identical; one launch a layer fewer)
-  nvfp4_gemv__n{N}_k{K}_rope_kv__tgt_... M = 1  the q|k|v GEMV with a target rope_kv kernel folded in: each head's
-                                            last block runs that head's rope_kv unit (bit-identical; one launch fewer)
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
   nvfp4_gemm32__n{N}_k{K}[_gelu] M <= 32    same, two 16-row tiles on each decoded weight step (batched decode of
                                             17..32 sequences; not the lm_head, which runs in 16-row slices)
@@ -28,21 +26,14 @@ from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
 from .norms import attn_tail_kernel
-from .rope_kv import plan_rope_kv
 
 W_LAYOUT = "t16x64"
 TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
-# attn_tail, rope_kv: the GEMM part stores its row as "store" does; the template adds the fold (gemv_attn_tail,
-# gemv_rope_kv)
-EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE",
-            "rope_kv": "EPI_STORE"}
+# attn_tail: the GEMM part stores o as "store" does; the template adds the tail (gemv_attn_tail)
+EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE"}
 EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
-FOLDS = ("attn_tail", "rope_kv")  # the M = 1 GEMVs with a following kernel folded in
 TAIL_ARGS = ("resid", "w_post", "w_pre1", "w_pre2", "a1", "a2", "counters")  # after GEMM_ARGS (resid: the residual x)
-# after GEMM_ARGS (y: the q|k|v row; rope_kv's arguments less its inputs, strides and row count)
-ROPE_ARGS = ("q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes", "lane_bytes", "pages",
-             "counters")
 LARGE_BM, LARGE_STAGES = 64, 3
 SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
 BATCHED_ROLES = ("qkv", "o", "gate_up", "down")  # the linears a batched decode step runs at M = SMALL_MAX_ROWS
@@ -128,27 +119,6 @@ def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec) -> KernelSpec:
                    args=GEMM_ARGS + TAIL_ARGS)
 
 
-def _qkv_width(rope: KernelSpec) -> int:
-    """Floats of the q|k|v row that target rope_kv kernel `rope` reads (q, k heads, v heads unless V_FROM_K)."""
-    p = rope.param_dict
-    return p["D"] * (p["HQ"] + p["HKV"] * (1 if p["V_FROM_K"] else 2))
-
-
-def gemv_rope_kv(n: int, k: int, rope: KernelSpec, arch: ArchSpec) -> KernelSpec:
-    """The M = 1 q|k|v GEMV (the plain one's knobs) with target rope_kv kernel `rope` folded in: the last block of
-    each head runs that head's unit of rope_kv (rope.cuh: rope_kv_last_block, the kernel's own per-unit code), so
-    that one decode launch a layer replaces two with the same bits. Params: the plain GEMV's, rope's constants (not
-    its row rule: one launch is one row) and `rope` (its name). counters: row_heads u32 (one a head of the row),
-    zero at entry, left zeroed."""
-    plain, rp = gemm_small(n, k, 1, "store", arch), rope.param_dict
-    require(rp["HAS_Q"] and n == _qkv_width(rope), f"gemv_rope_kv: {rope.name} does not read a q|k|v row of {n}")
-    consts = {key: v for key, v in rp.items() if key != "ROW_AXIS"}
-    params = dict(plain.param_dict, epi="rope_kv", epi_enum=EPI_ENUM["rope_kv"], rope=rope.name,
-                  row_heads=n // rp["D"], **consts)
-    return replace(plain, name=f"nvfp4_gemv__{_tag(n, k, 'store')}_{rope.name}", params=make_params(**params),
-                   args=GEMM_ARGS + ROPE_ARGS)
-
-
 def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
     return stages * bm * (64 + 8) * 2
 
@@ -193,13 +163,10 @@ def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
 
 def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     out: dict[str, KernelSpec] = {}
-    ropes = [r for r in plan_rope_kv(spec, arch) if r.name.startswith("rope_kv__tgt_")]
     for role, n, k, epi in target_shapes(spec):
         kernels = [gemm_small(n, k, 1, epi, arch), gemm_small(n, k, 16, epi, arch)]
         if role == "o":  # one-row steps run the o_proj with the attention tail folded in
             kernels.append(gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch))
-        if role == "qkv":  # ... and the q|k|v GEMV with rope_kv folded in (each rope kernel of this row width)
-            kernels += [gemv_rope_kv(n, k, r, arch) for r in ropes if _qkv_width(r) == n]
         if role != "lm_head":  # prefill needs logits of the last position only (the M = 1 kernel)
             kernels.append(gemm_large(n, k, epi, arch))
         if role in BATCHED_ROLES:
@@ -241,30 +208,11 @@ def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
                      note="M=1 + attn_tail", weight_streaming=True)
 
 
-def gemv_rope_kv_bench_case(kern: KernelSpec) -> BenchCase:
-    """One decode step's q|k|v GEMV + rope_kv: the weight and x, the row stored (read back from L2), q and the K / V
-    cache rows out at a position in slot range (a paged cache: the identity page table)."""
-    n, k, p = kern.param("n"), kern.param("k"), kern.param_dict
-    HQ, HKV, D, kvb = p["HQ"], p["HKV"], p["D"], 2 if p["KV"] == "bf16" else 1
-    slots = p["SLOTS"] or 4096
-    pages = Buf("pages", "i32", p["PITCH"], values=tuple(range(p["PITCH"]))) if p["PAGE"] else Buf("pages", "i32", 0)
-    args = (Buf("w", "u8", n * k // 2), Buf("s", "u8", n * k // 16, 0, 0x70), Buf("gscale", "f32", n // 8, 1e-3, 2e-3),
-            Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1), Buf("q_norm_w", "bf16", D),
-            Buf("k_norm_w", "bf16", D), Buf("positions", "i32", 1, 0, slots - 1), Buf("q_out", "bf16", HQ * D),
-            Buf("k_cache", "u8", slots * HKV * D * kvb), Buf("v_cache", "u8", slots * HKV * D * kvb),
-            Buf("lanes", "i32", 0), Scalar("lane_bytes", "i64", 0), pages,
-            Buf("counters", "u32", p["row_heads"], 0, 0))
-    return BenchCase(kern, args, bytes_moved=weight_bytes(n, k) + 2 * k + 4 * n + 2 * HQ * D + 2 * HKV * D * kvb,
-                     note="M=1 + rope_kv", weight_streaming=True)
-
-
 def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     cases = []
     for kern in plan_matmul(spec, arch):
         if kern.param("epi") == "attn_tail":
             cases.append(gemv_attn_tail_bench_case(kern))
-        elif kern.param("epi") == "rope_kv":
-            cases.append(gemv_rope_kv_bench_case(kern))
         elif kern.name.startswith("nvfp4_gemv__"):
             cases.append(gemm_bench_case(kern, 1))
         elif kern.name.startswith("nvfp4_gemm16__"):
