@@ -202,35 +202,99 @@ __device__ __forceinline__ void attn_tail_last_block(const float* o, float* x, c
 
 // Gemma feed-forward tail (norm-of-sum + residual + layer_scalar, then the next layer's input norm):
 //   h = norm(norm(mlp)*w1 + norm(moe)*w2) * w ; x = (x + h) * layer_scalar ; a = norm(x) * w_next (w_next != null)
-//   tap[row*tap_stride + tap_col + i] = x (the DFlash context feature; tap != null)
-// PAIRS = K > 0: `moe` holds the MoE's per-slot rows [T*K][H] (moe_down_pairs, moe_grouped_down) and a row's MoE
-// output is the sum of its slots with a valid expert id (ids [T][K], E experts), in slot order from 0 in f32: the
-// same operations as the combine kernel this form replaced (one launch a layer fewer).
-template <int H, int THREADS, int PAIRS, int E, typename TI>
-__device__ __forceinline__ void load_moe_row(const TI* __restrict__ moe, const int* __restrict__ ids, int row,
-                                             float (&v)[H / THREADS]) {
-  if constexpr (PAIRS == 0) {
-    load_row<H, THREADS>(moe + (long)row * H, v);
-  } else {
-    unsigned valid = 0;
+//   tap[tap_col + i] = x (the DFlash context feature; tap != null)
+// PAIRS = K > 0: `moe` holds the row's K per-slot rows [K][H] (moe_down_pairs, moe_grouped_down) and its MoE output
+// is the sum of the slots with a valid expert id (ids [K], E experts), in slot order from 0 in f32.
+// One row per block (the norms' block sums, rounded explicitly as attn_tail_row is). Every input is in flight before
+// the sums that need it: one memory round trip on the row's path instead of one per input (the one-row decode step
+// runs it on its critical path).
+template <int H, int THREADS, int PAIRS, int E, typename TI, typename TA, typename TT>
+__device__ __forceinline__ void ffn_tail_row(const TI* mlp, const TI* moe, const int* __restrict__ ids, float* x,
+                                             const __nv_bfloat16* __restrict__ w1,
+                                             const __nv_bfloat16* __restrict__ w2, const __nv_bfloat16* __restrict__ w,
+                                             float ls, const __nv_bfloat16* __restrict__ w_next, TA* a, TT* tap,
+                                             float eps, float* scratch) {
+  constexpr int VT = THREADS;
+  using R = VRow<H, VT, VT>;
+  unsigned valid = 0;  // the slots with a valid expert
 #pragma unroll
-    for (int k = 0; k < PAIRS; ++k) {
-      const int e = __ldg(ids + row * PAIRS + k);
-      if (e >= 0 && e < E) valid |= 1u << k;
+  for (int k = 0; k < PAIRS; ++k) {
+    const int e = __ldg(ids + k);
+    if (e >= 0 && e < E) valid |= 1u << k;
+  }
+  float h1[R::Q][R::PER], h2[R::Q][R::PER], xr[R::Q][R::PER];
+  __nv_bfloat16 b1[R::Q][R::PER], b2[R::Q][R::PER], bw[R::Q][R::PER], bn[R::Q][R::PER];
+  auto load_moe = [&](int i) {
+    if constexpr (PAIRS == 0) return ld(moe, i);
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < PAIRS; ++k)
+      if (valid >> k & 1u) v = __fadd_rn(v, ld(moe + (long)k * H, i));
+    return v;
+  };
+  // what the first two sums read; the rest loads after them, in flight across the third sum's barriers (one
+  // memory round trip on the row's path, about half the registers of loading it all up front)
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) {
+      const int i = t + j * VT;
+      h1[q][j] = h2[q][j] = xr[q][j] = 0.f;
+      if (t < 0) continue;
+      h1[q][j] = ld(mlp, i);
+      h2[q][j] = load_moe(i);
+      b1[q][j] = w1[i];
+      b2[q][j] = w2[i];
     }
+  }
+  const float inv1 = vrow_inv_rms<H, VT, VT>(h1, eps, scratch);
+  const float inv2 = vrow_inv_rms<H, VT, VT>(h2, eps, scratch);
 #pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) v[j] = 0.f;
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
 #pragma unroll
-    for (int k = 0; k < PAIRS; ++k) {
-      if (valid >> k & 1u) {
-        const TI* src = moe + ((long)row * PAIRS + k) * H;
-#pragma unroll
-        for (int j = 0; j < H / THREADS; ++j) v[j] += ld(src, threadIdx.x + j * THREADS);
-      }
+    for (int j = 0; j < R::PER; ++j) {
+      if (t < 0) continue;
+      const int i = t + j * VT;
+      xr[q][j] = x[i];
+      bw[q][j] = w[i];
+      if (w_next != nullptr) bn[q][j] = w_next[i];
     }
+  }
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q)
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j)
+      if (R::vt(q) >= 0)
+        h1[q][j] = __fadd_rn(__fmul_rn(__fmul_rn(h1[q][j], inv1), __bfloat162float(b1[q][j])),
+                             __fmul_rn(__fmul_rn(h2[q][j], inv2), __bfloat162float(b2[q][j])));
+  const float inv = vrow_inv_rms<H, VT, VT>(h1, eps, scratch);
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j) {
+      if (t < 0) continue;
+      const int i = t + j * VT;
+      const float h = __fmul_rn(__fmul_rn(h1[q][j], inv), __bfloat162float(bw[q][j]));
+      xr[q][j] = __fmul_rn(__fadd_rn(xr[q][j], h), ls);
+      x[i] = xr[q][j];
+      if (tap != nullptr) st(tap, i, xr[q][j]);
+    }
+  }
+  if (w_next == nullptr) return;
+  const float inv_n = vrow_inv_rms<H, VT, VT>(xr, eps, scratch);
+#pragma unroll
+  for (int q = 0; q < R::Q; ++q) {
+    const int t = R::vt(q);
+#pragma unroll
+    for (int j = 0; j < R::PER; ++j)
+      if (t >= 0) st(a, t + j * VT, __fmul_rn(__fmul_rn(xr[q][j], inv_n), __bfloat162float(bn[q][j])));
   }
 }
 
+// The ffn_tail kernel: ffn_tail_row on each of its rows (grid-stride), every thread its own virtual thread.
 template <int H, int THREADS, int PAIRS, int E, typename TI, typename TA, typename TT>
 __device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__ moe, const int* __restrict__ ids,
                               float* __restrict__ x,
@@ -238,28 +302,13 @@ __device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__
                               const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ layer_scalar,
                               const __nv_bfloat16* __restrict__ w_next, TA* __restrict__ a, TT* __restrict__ tap,
                               int tap_stride, int tap_col, int T, float eps) {
-  (void)RowShape<H, THREADS>::PER;
   __shared__ float scratch[32];
   const float ls = __bfloat162float(layer_scalar[0]);
-  for (int row = blockIdx.x; row < T; row += gridDim.x) {
-    float h1[H / THREADS], h2[H / THREADS], v[H / THREADS];
-    load_row<H, THREADS>(mlp + (long)row * H, h1);
-    norm_row<H, THREADS>(h1, w1, eps, scratch);
-    load_moe_row<H, THREADS, PAIRS, E>(moe, ids, row, h2);
-    norm_row<H, THREADS>(h2, w2, eps, scratch);
-#pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) h1[j] += h2[j];
-    norm_row<H, THREADS>(h1, w, eps, scratch);
-    load_row<H, THREADS>(x + (long)row * H, v);
-#pragma unroll
-    for (int j = 0; j < H / THREADS; ++j) v[j] = (v[j] + h1[j]) * ls;
-    store_row<H, THREADS>(x + (long)row * H, v);
-    if (tap != nullptr) store_row<H, THREADS>(tap + (long)row * tap_stride + tap_col, v);
-    if (w_next != nullptr) {
-      norm_row<H, THREADS>(v, w_next, eps, scratch);
-      store_row<H, THREADS>(a + (long)row * H, v);
-    }
-  }
+  for (int row = blockIdx.x; row < T; row += gridDim.x)
+    ffn_tail_row<H, THREADS, PAIRS, E>(
+        mlp + (long)row * H, moe + (long)row * (PAIRS ? PAIRS : 1) * H, ids + row * PAIRS, x + (long)row * H, w1, w2,
+        w, ls, w_next, a + (long)row * H, tap != nullptr ? tap + (long)row * tap_stride + tap_col : nullptr, eps,
+        scratch);
 }
 
 }  // namespace thorgen
