@@ -2,7 +2,6 @@
 // attn_pre__tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3: attention of m consecutive queries (p0 = positions[0]) over a fp8e4m3 KV cache
 // (ring of 1536 slots), head dim 256, 16 query heads / 8 KV heads,
 // causal, window 1024, scale 1.0.
-// The first key tile's rows before the step's first position load before griddepcontrol.wait (target layers).
 // Grid (32 query blocks of 16, 8, 1 key splits), 4 warps, 92032 B smem.
 #include "thorgen/attention.cuh"
 
@@ -15,6 +14,6 @@ attn_pre__tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3(const __nv_bfloat16* __restri
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<256, 2, 8, 2, 32, 1024, 1536, true,
                     thorgen::KV_FP8, 1, 512, 1, 0, 0,
-                    true>(
+                    false>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

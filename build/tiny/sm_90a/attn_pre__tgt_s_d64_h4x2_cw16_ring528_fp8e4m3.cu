@@ -2,7 +2,6 @@
 // attn_pre__tgt_s_d64_h4x2_cw16_ring528_fp8e4m3: attention of m consecutive queries (p0 = positions[0]) over a fp8e4m3 KV cache
 // (ring of 528 slots), head dim 64, 4 query heads / 2 KV heads,
 // causal, window 16, scale 1.0.
-// The first key tile's rows before the step's first position load before griddepcontrol.wait (target layers).
 // Grid (32 query blocks of 16, 2, 1 key splits), 1 warps, 27520 B smem.
 #include "thorgen/attention.cuh"
 
@@ -15,6 +14,6 @@ attn_pre__tgt_s_d64_h4x2_cw16_ring528_fp8e4m3(const __nv_bfloat16* __restrict__ 
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 16, 528, true,
                     thorgen::KV_FP8, 1, 512, 1, 0, 0,
-                    true>(
+                    false>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }
