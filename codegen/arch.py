@@ -20,6 +20,7 @@ class ArchSpec:
     warps_per_block: int      # default warps per block of the bandwidth-bound elementwise/row kernels
     prefetch_depth: int       # software prefetch depth (loads in flight per thread) of weight-streaming loops
     max_threads_per_block: int = 1024
+    has_wgmma: bool = False   # warpgroup MMA from shared memory (wgmma.mma_async): sm_90a only
 
     @property
     def compute(self) -> str:
@@ -34,7 +35,7 @@ class ArchSpec:
 # Tuning: the H200 (132 SMs, ~4.3 TB/s) wants many bytes in flight per SM; Thor (20 SMs, ~200 GB/s LPDDR5X) is
 # saturated with fewer warps, and the seed's Thor ledger found deeper unrolls neutral there.
 ARCHS: dict[str, ArchSpec] = {a.name: a for a in (
-    ArchSpec("sm_90a", (9, 0), 132, 232448, False, 4800.0, warps_per_block=8, prefetch_depth=4),
+    ArchSpec("sm_90a", (9, 0), 132, 232448, False, 4800.0, warps_per_block=8, prefetch_depth=4, has_wgmma=True),
     ArchSpec("sm_100a", (10, 0), 148, 232448, True, 8000.0, warps_per_block=8, prefetch_depth=4),
     ArchSpec("sm_110a", (11, 0), 20, 232448, True, 273.0, warps_per_block=4, prefetch_depth=2),
     ArchSpec("sm_120a", (12, 0), 170, 101376, True, 1792.0, warps_per_block=8, prefetch_depth=4),

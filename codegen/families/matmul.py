@@ -9,7 +9,8 @@ Every target Linear shape gets these kernels on the t16x64 weight layout (runtim
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
   nvfp4_gemm32__n{N}_k{K}[_gelu] M <= 32    same, two 16-row tiles on each decoded weight step (batched decode of
                                             17..32 sequences; not the lm_head, which runs in 16-row slices)
-  nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory
+  nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory; on sm_90a
+                                            (N % 128 == 0) warpgroup MMAs over 128 x 128 tiles (gemm_wgmma.cuh)
 Shapes: q / k / v / o of each layer kind, the fused q|k|v of each kind (one launch, per-projection scales in the
 per-tile gscale), dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and the tied lm_head (f32 logits).
 """
@@ -35,6 +36,9 @@ EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_S
 EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
 TAIL_ARGS = ("resid", "w_post", "w_pre1", "w_pre2", "a1", "a2", "counters")  # after GEMM_ARGS (resid: the residual x)
 LARGE_BM, LARGE_STAGES = 64, 3
+# sm_90a prefill (gemm_wgmma.cuh): 128 tokens x 128 weight rows a block, 8 warps, 4 stages of 32 KB, 4 raw weight
+# steps in flight a warp
+WGMMA_BM, WGMMA_BN, WGMMA_STAGES, WGMMA_PF, WGMMA_WARPS = 128, 128, 4, 4, 8
 SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
 BATCHED_ROLES = ("qkv", "o", "gate_up", "down")  # the linears a batched decode step runs at M = SMALL_MAX_ROWS
 
@@ -123,21 +127,33 @@ def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
     return stages * bm * (64 + 8) * 2
 
 
+def wgmma_smem(stages: int = WGMMA_STAGES) -> int:
+    """gemm_wgmma.cuh's WgmmaSmem: both 128-byte-row tiles a stage, plus 1 KB to align them."""
+    return stages * (WGMMA_BM + WGMMA_BN) * 128 + 1024
+
+
 def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None, prefix: str = "nvfp4",
                family: str = "matmul", mmax: int = MAX_STEP_TOKENS) -> KernelSpec:
-    """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit)."""
+    """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). NVFP4 weights on an
+    arch with wgmma and N a multiple of its 128-row tile take the warpgroup form."""
     kind = kind or fp4_order(arch)
     check_shape(f"{prefix} gemm", n, k)
     units = n // TILE_N
-    nwarp = next(w for w in (4, 2, 1) if units % w == 0)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     template = "nvfp4_gemm_large.cu.j2" if kind != "half" else "bf16_gemm_large.cu.j2"
     args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
+    common = dict(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
+                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch))
+    if arch.has_wgmma and kind != "half" and n % WGMMA_BN == 0:
+        return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
+                          make_params(**common, wgmma=True, bm=WGMMA_BM, bn=WGMMA_BN, stages=WGMMA_STAGES,
+                                      pf=WGMMA_PF, ROW_GRID=(1, 1, WGMMA_BM)),
+                          grid=(n // WGMMA_BN, math.ceil(mmax / WGMMA_BM), 1), block=(32 * WGMMA_WARPS, 1, 1),
+                          smem_bytes=wgmma_smem(), args=args, family=family)
+    nwarp = next(w for w in (4, 2, 1) if units % w == 0)
     return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
-                      make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, bm=LARGE_BM, nwarp=nwarp,
-                                  ROW_GRID=(1, 1, LARGE_BM),
-                                  stages=LARGE_STAGES, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
-                                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch)),
+                      make_params(**common, bm=LARGE_BM, nwarp=nwarp, ROW_GRID=(1, 1, LARGE_BM),
+                                  stages=LARGE_STAGES),
                       grid=(units // nwarp, math.ceil(mmax / LARGE_BM), 1), block=(32 * nwarp, 1, 1),
                       smem_bytes=large_smem(), args=args, family=family)
 

@@ -1,0 +1,201 @@
+// thorgen prefill GEMM on Hopper's warpgroup tensor cores (sm_90a only): y[m, n] = sum_k x[m, k] * W[n, k].
+// gemm_large (gemm_nvfp4.cuh) runs mma.sync with one warp per 16 weight rows and reached ~180 of the H200's ~790
+// bf16 TFLOP/s on the prefill shapes; this form issues wgmma.mma_async instead.
+//   Block: BM = 128 tokens (two consumer warpgroups of 64) x BN weight rows, 8 warps. Both operands are K-major in
+//   shared memory with the 128-byte swizzle: a stage holds the 64-wide k slice of BM activation rows (cp.async,
+//   STAGES - 2 steps ahead) and of BN weight rows, which the warps decode from the t16x64 NVFP4 layout into fp16
+//   (each warp UPW units, PF steps of raw weights in flight in registers, loaded before griddepcontrol.wait).
+//   Per step each warpgroup issues four m64nBNk16 wgmmas (k = 16 j) and waits only for the step before, so the
+//   tensor cores run while the warps decode the next step and copy the one after.
+// A lane's decoded t16x64 registers are 16 contiguous k of one weight row (nvfp4.cuh, b[t][j][h] = codes 4j+2h..+1
+// of row 8t + gid at k = 16 t4 ..): two 16-byte stores a row put them in natural k order, so the weight and
+// activation tiles share one smem layout and one descriptor form.
+#pragma once
+#include "thorgen/gemm_nvfp4.cuh"
+
+namespace thorgen {
+
+// ---- wgmma primitives ----------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor, K-major with the 128-byte swizzle: rows of 128 B (64 halves), 8-row groups
+// 1024 B apart (stride byte offset), the leading offset unused for this layout; start address >> 4 in bits 0-13.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy shared-memory writes (st.shared, cp.async) made visible to the async proxy that wgmma reads with.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across an in-flight wgmma.
+template <int R> __device__ __forceinline__ void wgmma_fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x BN] += A[64 x 16] * B[BN x 16]^T, fp16 inputs from shared memory (both K-major), fp32 accumulators.
+template <int BN> __device__ __forceinline__ void wgmma_f16(float (&d)[BN / 2], uint64_t da, uint64_t db);
+
+#define THORGEN_WGMMA_REGS8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+    "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+template <> __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : THORGEN_WGMMA_REGS8(0), THORGEN_WGMMA_REGS8(8), THORGEN_WGMMA_REGS8(16), THORGEN_WGMMA_REGS8(24),
+        THORGEN_WGMMA_REGS8(32), THORGEN_WGMMA_REGS8(40), THORGEN_WGMMA_REGS8(48), THORGEN_WGMMA_REGS8(56)
+      : "l"(da), "l"(db), "r"(1));
+}
+#undef THORGEN_WGMMA_REGS8
+
+// The smem byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled tile (1024-byte aligned).
+__device__ __forceinline__ uint32_t sw128_offset(int r, int c) { return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+template <int BM, int BN, int STAGES> struct WgmmaSmem {
+  static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
+  static constexpr int BYTES = STAGES * STAGE + 1024;  // + slack to align the tiles to 1024 B
+};
+
+// ---- the kernel body -----------------------------------------------------------------------------------------
+template <int KIND, int N, int K, int BN, int STAGES, int PF, int EPI, typename OutT>
+__device__ __forceinline__ void gemm_large_wgmma(const WPtr p, const float* __restrict__ gscale,
+                                                 const __half* __restrict__ x, OutT* __restrict__ y, int m) {
+  constexpr int BM = 128, WARPS = 8, THREADS = 32 * WARPS;
+  constexpr int STEPS = K / 64, UPW = BN / 16 / WARPS;
+  static_assert(BN == 128, "one wgmma shape (m64n128k16) is instantiated");
+  static_assert(N % BN == 0 && K % 64 == 0, "W must be [N % BN == 0, K % 64 == 0]");
+  static_assert(UPW >= 1 && BN % (16 * WARPS) == 0, "every warp decodes whole 16-row units");
+  static_assert(STAGES >= 3 && PF >= 1 && PF <= 8, "at least three stages (one computing, one landing, one free)");
+  static_assert(KIND != HALF, "the fp16 weights have their own prefill GEMM");
+  using Smem = WgmmaSmem<BM, BN, STAGES>;
+  extern __shared__ uint4 smem_u4[];
+  pdl_launch_dependents();
+  const int m0 = blockIdx.y * BM;
+  if (m0 >= m) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int unit0 = blockIdx.x * (BN / 16) + warp * UPW;
+  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_u4);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  auto a_tile = [&](int s) { return base + (uint32_t)((s % STAGES) * Smem::STAGE); };
+  auto b_tile = [&](int s) { return a_tile(s) + (uint32_t)Smem::A_BYTES; };
+
+  // raw weight steps in flight: ring[i][u] holds step (i mod PF) of unit unit0 + u
+  WStep<KIND> ring[PF][UPW];
+#pragma unroll
+  for (int i = 0; i < PF; ++i)
+#pragma unroll
+    for (int u = 0; u < UPW; ++u)
+      if (i < STEPS) load_step<KIND, N, K>(ring[i][u], p, unit0 + u, i, lane);
+  pdl_wait();  // the activations come from the previous kernel
+
+  auto load_a = [&](int s) {  // step s's activation slice, zero rows past m
+#pragma unroll
+    for (int q = 0; q < BM * 8 / THREADS; ++q) {
+      const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
+      const bool ok = m0 + r < m;
+      const __half* src = x + (size_t)(ok ? m0 + r : 0) * K + 64 * s + 8 * c;
+      const uint32_t dst = a_tile(s) + sw128_offset(r, c);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+    }
+  };
+  auto store_b = [&](int s, const WStep<KIND>& st, int u) {  // one unit's decoded step into the weight tile
+    uint32_t b[2][4][2];
+    decode_step<KIND>(st, b);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int r = 16 * (warp * UPW + u) + 8 * t + gid;
+      const uint32_t row = b_tile(s);
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + sw128_offset(r, 2 * t4)),
+                   "r"(b[t][0][0]), "r"(b[t][0][1]), "r"(b[t][1][0]), "r"(b[t][1][1]) : "memory");
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + sw128_offset(r, 2 * t4 + 1)),
+                   "r"(b[t][2][0]), "r"(b[t][2][1]), "r"(b[t][3][0]), "r"(b[t][3][1]) : "memory");
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < STEPS) load_a(s);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+#pragma unroll
+  for (int u = 0; u < UPW; ++u) {
+    store_b(0, ring[0][u], u);
+    if (PF < STEPS) load_step<KIND, N, K>(ring[0][u], p, unit0 + u, PF, lane);
+  }
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  for (int sb = 0; sb < STEPS; sb += PF) {
+#pragma unroll
+    for (int i = 0; i < PF; ++i) {
+      const int s = sb + i;
+      if (s < STEPS) {
+        // step s: its activations have landed (this thread's copies), its weights were stored last step
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");
+        fence_proxy_async();
+        __syncthreads();  // every thread's stage-s writes are in, and every warpgroup is done with step s - 2
+        wgmma_fence();
+        wgmma_fence_acc(acc);
+        const uint32_t a0 = a_tile(s) + (uint32_t)(wg * 64 * 128), b0 = b_tile(s);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_f16<BN>(acc, wgmma_desc_sw128(a0 + 32 * j), wgmma_desc_sw128(b0 + 32 * j));
+        wgmma_commit();
+        wgmma_fence_acc(acc);
+        // while it runs: copy step s + STAGES - 2 into the stage step s - 2 used, decode step s + 1
+        if (s + STAGES - 2 < STEPS) load_a(s + STAGES - 2);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        if (s + 1 < STEPS) {
+          const int NEXT = (i + 1) % PF;  // a constant once the loop over i is unrolled
+#pragma unroll
+          for (int u = 0; u < UPW; ++u) {
+            store_b(s + 1, ring[NEXT][u], u);
+            if (s + 1 + PF < STEPS) load_step<KIND, N, K>(ring[NEXT][u], p, unit0 + u, s + 1 + PF, lane);
+          }
+        }
+        wgmma_wait<1>();  // step s - 1's wgmmas are done: its stage may be refilled after the next barrier
+        wgmma_fence_acc(acc);
+      }
+    }
+  }
+  wgmma_wait<0>();
+  wgmma_fence_acc(acc);
+
+  // accumulator (64 x BN per warpgroup): acc[4 i + h] = (row 16 wq + gid + 8 (h >> 1), column 8 i + 2 t4 + (h & 1))
+  const int tile0 = blockIdx.x * (BN / 8);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = m0 + 64 * wg + 16 * wq + gid + 8 * h;
+    if (r >= m) continue;
+    if constexpr (EPI == EPI_STORE) {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        const float f = tile_factor<KIND>(gscale, tile0 + i);
+        OutT* dst = y + (size_t)r * N + 8 * (tile0 + i) + 2 * t4;
+        dst[0] = from_f32<OutT>(acc[4 * i + 2 * h] * f);
+        dst[1] = from_f32<OutT>(acc[4 * i + 2 * h + 1] * f);
+      }
+    } else {  // gate/up interleaved in 8-row tiles: tile 2u is unit u's gate, 2u + 1 its up
+#pragma unroll
+      for (int i = 0; i < BN / 8; i += 2) {
+        const float fg = tile_factor<KIND>(gscale, tile0 + i), fu = tile_factor<KIND>(gscale, tile0 + i + 1);
+        OutT* dst = y + (size_t)r * (N / 2) + 4 * (tile0 + i) + 2 * t4;
+        dst[0] = from_f32<OutT>(act_mul<EPI>(acc[4 * i + 2 * h] * fg, acc[4 * (i + 1) + 2 * h] * fu));
+        dst[1] = from_f32<OutT>(act_mul<EPI>(acc[4 * i + 2 * h + 1] * fg, acc[4 * (i + 1) + 2 * h + 1] * fu));
+      }
+    }
+  }
+}
+
+}  // namespace thorgen
