@@ -32,15 +32,22 @@ def _function_body(text: str, name: str) -> str | None:
 
 
 def _waiting_functions() -> set[str]:
-    """Header functions whose body calls pdl_wait() (or the waiting form of unit_steps)."""
-    out = set()
+    """Header functions whose body calls pdl_wait() (or the waiting form of unit_steps), directly or through another
+    such function (e.g. a kernel body that hands its K loop to WgmmaLoop::k_loop, which waits after the weight
+    prologue)."""
+    bodies = {}
     for h in HEADERS.glob("*.cuh"):
         text = h.read_text()
         for name in set(re.findall(r"\bvoid\s+(\w+)\s*\(", text)):
-            body = _function_body(text, name) or ""
-            if "pdl_wait()" in body or re.search(r"unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(", body):
-                out.add(name)
-    return out
+            bodies[name] = _function_body(text, name) or ""
+    out = {name for name, body in bodies.items()
+           if "pdl_wait()" in body or re.search(r"unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(", body)}
+    while True:
+        more = {name for name, body in bodies.items() if name not in out
+                and any(re.search(rf"::{w}\s*[<(]|\b{w}\s*<", body) for w in out)}
+        if not more:
+            return out
+        out |= more
 
 
 def test_pdl_convention_is_on():

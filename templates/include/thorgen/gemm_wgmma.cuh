@@ -56,123 +56,156 @@ template <> __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], uint6
         THORGEN_WGMMA_REGS8(32), THORGEN_WGMMA_REGS8(40), THORGEN_WGMMA_REGS8(48), THORGEN_WGMMA_REGS8(56)
       : "l"(da), "l"(db), "r"(1));
 }
+template <> __device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : THORGEN_WGMMA_REGS8(0), THORGEN_WGMMA_REGS8(8), THORGEN_WGMMA_REGS8(16), THORGEN_WGMMA_REGS8(24)
+      : "l"(da), "l"(db), "r"(1));
+}
 #undef THORGEN_WGMMA_REGS8
 
 // The smem byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled tile (1024-byte aligned).
 __device__ __forceinline__ uint32_t sw128_offset(int r, int c) { return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-template <int BM, int BN, int STAGES> struct WgmmaSmem {
-  static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-  static constexpr int BYTES = STAGES * STAGE + 1024;  // + slack to align the tiles to 1024 B
+
+// ---- the pipelined K loop -------------------------------------------------------------------------------------
+// Each K step (64 inputs) lands in one stage: the weight tile (WR rows: units unit0.., UPW a warp, decoded from the
+// t16x64 layout) and the token tile (TR rows, cp.async from this thread's CH fixed 16-byte chunks gp[i] + 64 step,
+// nb[i] = 16 or 0 for a zero-filled padding row). Then each warpgroup issues four wgmmas (k = 16 j) on it:
+//   W_IS_A = false (dense): A = tokens 64 wg.., B = all WR weight rows; acc = [64 tokens x WR rows].
+//   W_IS_A = true (grouped MoE, few tokens an expert): A = weight rows 64 wg.., B = all TR tokens; acc = [64 rows x TR].
+// Ordering: copies run STAGES - 2 steps ahead and the decode one step ahead, into stages whose wgmmas every
+// warpgroup has retired (wgmma_wait<1> before each barrier); raw weights are loaded PF steps ahead.
+template <int KIND, int N, int K, int WR, int TR, int NWG, int STAGES, int PF, bool W_IS_A>
+struct WgmmaLoop {
+  static constexpr int THREADS = 128 * NWG, WARPS = 4 * NWG, STEPS = K / 64, UPW = WR / 16 / WARPS;
+  static constexpr int CH = TR * 8 / THREADS;                 // 16-byte token chunks a thread copies per step
+  static constexpr int MMA_N = W_IS_A ? TR : WR, ACC = MMA_N / 2;
+  static constexpr int W_BYTES = WR * 128, STAGE = W_BYTES + TR * 128;
+  static constexpr int SMEM = STAGES * STAGE + 1024;         // + slack to align the tiles to 1024 B
+  static_assert(N % WR == 0 && K % 64 == 0, "W must be [N % WR == 0, K % 64 == 0]");
+  static_assert(UPW >= 1 && WR % (16 * WARPS) == 0, "every warp decodes whole 16-row units");
+  static_assert(CH >= 1 && (TR * 8) % THREADS == 0, "the token tile's chunks split evenly over the threads");
+  static_assert((W_IS_A ? WR : TR) == 64 * NWG, "each warpgroup owns 64 rows of the A operand");
+  static_assert(STAGES >= 3 && PF >= 1 && PF <= 8, "at least three stages (one computing, one landing, one free)");
+  static_assert(KIND != HALF, "the fp16 weights have their own GEMMs");
+
+  __device__ static void k_loop(float (&acc)[ACC], const WPtr pe, int unit0, const __half* const (&gp)[CH],
+                             const uint32_t (&nb)[CH]) {
+    extern __shared__ uint4 smem_u4[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3, wg = warp >> 2;
+    const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_u4) + 1023u) & ~1023u;
+    auto w_tile = [&](int s) { return base + (uint32_t)((s % STAGES) * STAGE); };
+    auto t_tile = [&](int s) { return w_tile(s) + (uint32_t)W_BYTES; };
+    auto copy_tokens = [&](int s) {
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        const int c = tid + i * THREADS;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(t_tile(s) + sw128_offset(c >> 3, c & 7)),
+                     "l"(gp[i] + 64 * s), "r"(nb[i]));
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    // a lane's decoded registers are 16 contiguous k of rows 8t + gid (nvfp4.cuh): two 16-byte stores a row
+    auto store_weights = [&](int s, const WStep<KIND>& st, int u) {
+      uint32_t b[2][4][2];
+      decode_step<KIND>(st, b);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int r = 16 * (warp * UPW + u) + 8 * t + gid;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(w_tile(s) + sw128_offset(r, 2 * t4)),
+                     "r"(b[t][0][0]), "r"(b[t][0][1]), "r"(b[t][1][0]), "r"(b[t][1][1]) : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(w_tile(s) + sw128_offset(r, 2 * t4 + 1)),
+                     "r"(b[t][2][0]), "r"(b[t][2][1]), "r"(b[t][3][0]), "r"(b[t][3][1]) : "memory");
+      }
+    };
+
+    WStep<KIND> ring[PF][UPW];  // ring[i] holds raw step i mod PF
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+#pragma unroll
+      for (int u = 0; u < UPW; ++u)
+        if (i < STEPS) load_step<KIND, N, K>(ring[i][u], pe, unit0 + u, i, lane);
+    pdl_wait();  // the tokens (and, for the grouped form, the caller's tile records) come from earlier kernels
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+      if (s < STEPS) copy_tokens(s);
+      else asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+#pragma unroll
+    for (int u = 0; u < UPW; ++u) {
+      store_weights(0, ring[0][u], u);
+      if (PF < STEPS) load_step<KIND, N, K>(ring[0][u], pe, unit0 + u, PF, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    for (int sb = 0; sb < STEPS; sb += PF) {
+#pragma unroll
+      for (int i = 0; i < PF; ++i) {
+        const int s = sb + i;
+        if (s < STEPS) {
+          asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");  // step s's tokens (own copies)
+          fence_proxy_async();
+          __syncthreads();  // every thread's step-s writes are in; every warpgroup is done with step s - 2
+          wgmma_fence();
+          wgmma_fence_acc(acc);
+          const uint32_t a0 = (W_IS_A ? w_tile(s) : t_tile(s)) + (uint32_t)(wg * 64 * 128);
+          const uint32_t b0 = W_IS_A ? t_tile(s) : w_tile(s);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            wgmma_f16<MMA_N>(acc, wgmma_desc_sw128(a0 + 32 * j), wgmma_desc_sw128(b0 + 32 * j));
+          wgmma_commit();
+          wgmma_fence_acc(acc);
+          if (s + STAGES - 2 < STEPS) copy_tokens(s + STAGES - 2);  // into the stage step s - 2 used
+          else asm volatile("cp.async.commit_group;\n" ::: "memory");
+          if (s + 1 < STEPS) {
+            const int next = (i + 1) % PF;  // a constant once the loop over i is unrolled
+#pragma unroll
+            for (int u = 0; u < UPW; ++u) {
+              store_weights(s + 1, ring[next][u], u);
+              if (s + 1 + PF < STEPS) load_step<KIND, N, K>(ring[next][u], pe, unit0 + u, s + 1 + PF, lane);
+            }
+          }
+          wgmma_wait<1>();  // step s - 1's wgmmas are retired: its stage may be refilled after the next barrier
+          wgmma_fence_acc(acc);
+        }
+      }
+    }
+    wgmma_wait<0>();
+    wgmma_fence_acc(acc);
+  }
 };
 
-// ---- the kernel body -----------------------------------------------------------------------------------------
+// ---- dense prefill GEMM --------------------------------------------------------------------------------------
+// Block: 128 tokens (two warpgroups of 64) x BN weight rows. acc[4 i + h] = (token 16 wq + gid + 8 (h >> 1) of the
+// warpgroup's 64, weight row 8 i + 2 t4 + (h & 1) of the block's BN).
 template <int KIND, int N, int K, int BN, int STAGES, int PF, int EPI, typename OutT>
 __device__ __forceinline__ void gemm_large_wgmma(const WPtr p, const float* __restrict__ gscale,
                                                  const __half* __restrict__ x, OutT* __restrict__ y, int m) {
-  constexpr int BM = 128, WARPS = 8, THREADS = 32 * WARPS;
-  constexpr int STEPS = K / 64, UPW = BN / 16 / WARPS;
-  static_assert(BN == 128, "one wgmma shape (m64n128k16) is instantiated");
-  static_assert(N % BN == 0 && K % 64 == 0, "W must be [N % BN == 0, K % 64 == 0]");
-  static_assert(UPW >= 1 && BN % (16 * WARPS) == 0, "every warp decodes whole 16-row units");
-  static_assert(STAGES >= 3 && PF >= 1 && PF <= 8, "at least three stages (one computing, one landing, one free)");
-  static_assert(KIND != HALF, "the fp16 weights have their own prefill GEMM");
-  using Smem = WgmmaSmem<BM, BN, STAGES>;
-  extern __shared__ uint4 smem_u4[];
+  constexpr int BM = 128;
+  using Loop = WgmmaLoop<KIND, N, K, BN, BM, 2, STAGES, PF, false>;
   pdl_launch_dependents();
   const int m0 = blockIdx.y * BM;
   if (m0 >= m) return;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;
-  const int unit0 = blockIdx.x * (BN / 16) + warp * UPW;
-  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_u4);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  auto a_tile = [&](int s) { return base + (uint32_t)((s % STAGES) * Smem::STAGE); };
-  auto b_tile = [&](int s) { return a_tile(s) + (uint32_t)Smem::A_BYTES; };
-
-  // raw weight steps in flight: ring[i][u] holds step (i mod PF) of unit unit0 + u
-  WStep<KIND> ring[PF][UPW];
+  const int tid = threadIdx.x, warp = tid >> 5, gid = (tid & 31) >> 2, t4 = tid & 3, wg = warp >> 2, wq = warp & 3;
+  const __half* gp[Loop::CH];
+  uint32_t nb[Loop::CH];
 #pragma unroll
-  for (int i = 0; i < PF; ++i)
-#pragma unroll
-    for (int u = 0; u < UPW; ++u)
-      if (i < STEPS) load_step<KIND, N, K>(ring[i][u], p, unit0 + u, i, lane);
-  pdl_wait();  // the activations come from the previous kernel
-
-  auto load_a = [&](int s) {  // step s's activation slice, zero rows past m
-#pragma unroll
-    for (int q = 0; q < BM * 8 / THREADS; ++q) {
-      const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
-      const bool ok = m0 + r < m;
-      const __half* src = x + (size_t)(ok ? m0 + r : 0) * K + 64 * s + 8 * c;
-      const uint32_t dst = a_tile(s) + sw128_offset(r, c);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-    }
-  };
-  auto store_b = [&](int s, const WStep<KIND>& st, int u) {  // one unit's decoded step into the weight tile
-    uint32_t b[2][4][2];
-    decode_step<KIND>(st, b);
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int r = 16 * (warp * UPW + u) + 8 * t + gid;
-      const uint32_t row = b_tile(s);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + sw128_offset(r, 2 * t4)),
-                   "r"(b[t][0][0]), "r"(b[t][0][1]), "r"(b[t][1][0]), "r"(b[t][1][1]) : "memory");
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + sw128_offset(r, 2 * t4 + 1)),
-                   "r"(b[t][2][0]), "r"(b[t][2][1]), "r"(b[t][3][0]), "r"(b[t][3][1]) : "memory");
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 2; ++s) {
-    if (s < STEPS) load_a(s);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  for (int i = 0; i < Loop::CH; ++i) {  // row r, chunk c of the token tile; rows past m read row 0's address, 0 B
+    const int c = tid + i * Loop::THREADS, r = c >> 3;
+    nb[i] = m0 + r < m ? 16u : 0u;
+    gp[i] = x + (size_t)(m0 + r < m ? m0 + r : 0) * K + 8 * (c & 7);
   }
-#pragma unroll
-  for (int u = 0; u < UPW; ++u) {
-    store_b(0, ring[0][u], u);
-    if (PF < STEPS) load_step<KIND, N, K>(ring[0][u], p, unit0 + u, PF, lane);
-  }
+  float acc[Loop::ACC];
+  Loop::k_loop(acc, p, blockIdx.x * (BN / 16) + warp * Loop::UPW, gp, nb);
 
-  float acc[BN / 2];
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  for (int sb = 0; sb < STEPS; sb += PF) {
-#pragma unroll
-    for (int i = 0; i < PF; ++i) {
-      const int s = sb + i;
-      if (s < STEPS) {
-        // step s: its activations have landed (this thread's copies), its weights were stored last step
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");
-        fence_proxy_async();
-        __syncthreads();  // every thread's stage-s writes are in, and every warpgroup is done with step s - 2
-        wgmma_fence();
-        wgmma_fence_acc(acc);
-        const uint32_t a0 = a_tile(s) + (uint32_t)(wg * 64 * 128), b0 = b_tile(s);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_f16<BN>(acc, wgmma_desc_sw128(a0 + 32 * j), wgmma_desc_sw128(b0 + 32 * j));
-        wgmma_commit();
-        wgmma_fence_acc(acc);
-        // while it runs: copy step s + STAGES - 2 into the stage step s - 2 used, decode step s + 1
-        if (s + STAGES - 2 < STEPS) load_a(s + STAGES - 2);
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        if (s + 1 < STEPS) {
-          const int NEXT = (i + 1) % PF;  // a constant once the loop over i is unrolled
-#pragma unroll
-          for (int u = 0; u < UPW; ++u) {
-            store_b(s + 1, ring[NEXT][u], u);
-            if (s + 1 + PF < STEPS) load_step<KIND, N, K>(ring[NEXT][u], p, unit0 + u, s + 1 + PF, lane);
-          }
-        }
-        wgmma_wait<1>();  // step s - 1's wgmmas are done: its stage may be refilled after the next barrier
-        wgmma_fence_acc(acc);
-      }
-    }
-  }
-  wgmma_wait<0>();
-  wgmma_fence_acc(acc);
-
-  // accumulator (64 x BN per warpgroup): acc[4 i + h] = (row 16 wq + gid + 8 (h >> 1), column 8 i + 2 t4 + (h & 1))
   const int tile0 = blockIdx.x * (BN / 8);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
