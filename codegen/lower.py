@@ -341,7 +341,8 @@ class Lower:
     def _router_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
         """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters
         zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows). A
-        batched step of up to MAX_BATCH rows keeps the 16-row blocking (its blocks loop over the rows)."""
+        batched step of up to MAX_BATCH rows keeps the 16-row blocking (its blocks loop over the rows); a prefill
+        chunk's logits use the tiled GEMM form."""
         t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
         E, K = t.num_experts, t.top_k_experts
         common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
@@ -350,9 +351,12 @@ class Lower:
         if rows == 1:
             rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
-        wide = rows > LM_ROWS and not batched  # a prefill chunk: the wide blocking
-        rl = need(self.find("router_logits.cu.j2", f"router logits m<={self.max_rows if wide else LM_ROWS}",
-                            H=t.hidden_size, E=E, mmax=self.max_rows if wide else LM_ROWS))
+        if rows > LM_ROWS and not batched:  # a prefill chunk: the tiled form (ceil(rows / BT) token tiles)
+            rl = need(self.find("router_logits_tiled.cu.j2", f"router logits (tiled) m<={self.max_rows}",
+                                H=t.hidden_size, E=E, mmax=self.max_rows))
+        else:
+            rl = need(self.find("router_logits.cu.j2", f"router logits m<={LM_ROWS}", H=t.hidden_size, E=E,
+                                mmax=LM_ROWS))
         tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
         return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
                 Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]

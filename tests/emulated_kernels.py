@@ -89,6 +89,8 @@ class KernelEmulator(LogitsKernels):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
             need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
+        elif t.startswith("router_logits_tiled"):
+            need = [(0, p["E"] // p["BE"]), (1, -(-rows // p["BT"]))]
         elif "bm" in p:
             need = [(0, p["n"] // (16 * p["nwarp"])), (1, -(-rows // p["bm"]))]
         elif t.startswith("nvfp4_gemm"):
@@ -330,6 +332,10 @@ class KernelEmulator(LogitsKernels):
         lg = RK.router_logits_ref(self.v(a["x"], np.float32, (T, H), "x"), self.v(a["scale"], np.uint16, H),
                                   self.v(a["proj"], np.uint16, (E, H)), p["EPS"])
         self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
+
+    def k_router_logits_tiled(self, p, a, n):
+        """The prefill chunk's GEMM-tiled logits: the same math (fp32 FMAs in another order on the GPU)."""
+        self.k_router_logits(p, a, n)
 
     def k_router_fused(self, p, a, n):
         """router_logits + router_topk in one launch (bit-identical to the pair on the GPU)."""

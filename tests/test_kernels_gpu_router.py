@@ -1,6 +1,7 @@
 """GPU tests: MoE router — logits (norm, scale, bf16 projection) and softmax / top-k / renorm / per-expert scale, as
 the unfused pair (router_logits + router_topk) and as router_fused (one launch, the top-k by each token's last
-block), which must be bit-identical to the pair and leave its arrival counters zeroed."""
+block), which must be bit-identical to the pair and leave its arrival counters zeroed; and the prefill chunk's
+GEMM-tiled logits (router_logits_tiled, ceil(T / BT) token tiles) against the reference at ragged and full T."""
 
 from __future__ import annotations
 
@@ -40,16 +41,34 @@ def _small_logits(runner):
     return lk
 
 
+def _logits_launch(lk, T):
+    """(kernel, grid) of a router_logits launch over T rows: the tiled form needs ceil(T / BT) token tiles (its
+    ROW_GRID), the grid-stride one any extent (3 here, so blocks loop over several rows)."""
+    if lk.name.startswith("router_logits_tiled__"):
+        return lk, (lk.grid[0], -(-T // lk.param("BT")), 1)
+    return lk, (lk.grid[0], min(T, 3), 1)
+
+
+def _check_topk_clear_margin(logits, ref_logits, per_expert_scale, K):
+    """The top-k of the kernel's logits equals the float64 reference's where its k-th / (k+1)-th margin is clear of
+    the logits' error."""
+    idx, _ = R.router_topk_ref(logits, K, per_expert_scale)
+    idx64, _ = R.router_topk_ref(ref_logits, K, per_expert_scale)
+    srt = np.sort(ref_logits, axis=-1)[:, ::-1]
+    clear = (srt[:, K - 1] - srt[:, K]) > 1e-3 * np.abs(srt[:, 0])
+    np.testing.assert_array_equal(idx[clear], idx64[clear])
+
+
 @pytest.mark.parametrize("T", [1, 7, 40])
 @pytest.mark.parametrize("blocking", ["small", "prefill"])
 def test_router(runner, T, blocking):
-    """Each router_logits blocking (2 experts a block up to 16 rows, 16 a block for prefill chunks) + top-k."""
+    """Each router_logits blocking (2 experts a block up to 16 rows; the tiled prefill form) + top-k."""
     rng = np.random.default_rng(21 + T)
-    (lk,) = [k for k in runner.find("router_logits__") if (k.param("mmax") == 16) == (blocking == "small")]
+    (lk,) = [_small_logits(runner)] if blocking == "small" else runner.find("router_logits_tiled__")
     (tk,) = runner.find("router_topk__")
     H, E, K = lk.param("H"), lk.param("E"), tk.param("K")
     inp = _inputs(rng, H, E, T)
-    got = runner.run_seq([(lk, (lk.grid[0], min(T, 3), 1)), (tk, (min(T, 3), 1, 1))], inp, _outputs(T, E, K))
+    got = runner.run_seq([_logits_launch(lk, T), (tk, (min(T, 3), 1, 1))], inp, _outputs(T, E, K))
     ref_logits = R.router_logits_ref(inp["x"], inp["scale"], inp["proj"], lk.param("EPS"))
     assert R.norm_err(got["logits"], ref_logits) <= R.TOL_ROUTER_LOGITS
     # indices exact against the reference applied to the kernel's own logits (no tie can differ) ...
@@ -57,10 +76,30 @@ def test_router(runner, T, blocking):
     np.testing.assert_array_equal(got["topk_idx"], idx)
     assert R.norm_err(got["topk_w"], w) <= R.TOL_ROUTER_WEIGHTS
     # ... and equal to the float64 reference's when its top-k margin is clear of the logits' error
-    idx64, _ = R.router_topk_ref(ref_logits, K, inp["per_expert_scale"])
-    srt = np.sort(ref_logits, axis=-1)[:, ::-1]
-    clear = (srt[:, K - 1] - srt[:, K]) > 1e-3 * np.abs(srt[:, 0])
-    np.testing.assert_array_equal(got["topk_idx"][clear], idx64[clear])
+    _check_topk_clear_margin(got["logits"], ref_logits, inp["per_expert_scale"], K)
+
+
+@pytest.mark.parametrize("T", [37, 300, 512])
+def test_router_logits_tiled(runner, T):
+    """The prefill chunk's tiled logits (a block: BT tokens x BE experts, H in staged chunks, the warps' K-slices
+    summed in the epilogue) against the float64 reference, at ragged T (a partial last token tile) and a full chunk.
+    The logits buffer holds a token tile more than T rows, poisoned with NaN: every row < T must be written (and
+    close), every row >= T left alone (the partial tile's padding rows are not stored)."""
+    rng = np.random.default_rng(900 + T)
+    (lk,) = runner.find("router_logits_tiled__")
+    (tk,) = runner.find("router_topk__")
+    H, E, K, BT = lk.param("H"), lk.param("E"), tk.param("K"), lk.param("BT")
+    assert T <= lk.param("mmax") and lk.param("ROW_GRID") == (1, 1, BT)
+    rows = -(-T // BT) * BT + BT
+    inp = _inputs(rng, H, E, T) | {"logits": np.full((rows, E), np.nan, np.float32)}
+    got = runner.run_seq([_logits_launch(lk, T)], inp, {"logits": ((rows, E), np.float32)})["logits"]
+    assert np.isfinite(got[:T]).all(), f"rows < {T} not all written: {np.argwhere(~np.isfinite(got[:T]))[:5]}"
+    assert np.isnan(got[T:]).all(), "a row >= T was written"
+    ref = R.router_logits_ref(inp["x"], inp["scale"], inp["proj"], lk.param("EPS"))
+    assert R.norm_err(got[:T], ref) <= R.TOL_ROUTER_LOGITS
+    per_row = np.linalg.norm(got[:T] - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert per_row.max() <= 10 * R.TOL_ROUTER_LOGITS, f"row {per_row.argmax()}: rel error {per_row.max():.3g}"
+    _check_topk_clear_margin(got[:T], ref, inp["per_expert_scale"], K)
 
 
 @pytest.mark.parametrize("T,rows_per_block", [(1, 1), (7, 1), (40, 3)])

@@ -4,13 +4,21 @@ router_fused (one launch: logits, then each token's last block runs the top-k; b
 the decode step (one row) uses; steps of more rows use the pair router_logits + router_topk, which measured faster
 at 16 rows on the H200 (graph-replayed: fused 12.7 us vs 7.2 + 4.6 us; a likely cause: the 16 tokens' counters
 share a cache line), and it is the fused kernel's GPU oracle.
-router_logits comes in two blockings (param mmax: the rows it is for). Up to 16 rows: 2 warps (2 experts) a block,
-so many blocks pull the router weight at once. A prefill chunk: 16 warps a block. Every block stages and
-normalises each of its tokens' rows one at a time (~3.5 us a token), so at 512 rows the 2-warp blocking took 116 us
-a layer (H200, 2026-12-01, eager: 3.5 of a 29.4 ms chunk) and the 16-warp one 95 (109 graph-replayed; one
-block per SM fits). Tried and removed: warps that read and normalise their own rows with no barrier, 155 us (each
-warp re-reads every token row from L2: 740 MB a layer at 512 rows). What would help: x tiles shared by many
-experts, as in a GEMM."""
+Up to 16 rows, router_logits: 2 warps (2 experts) a block, each warp's W row in registers, so many blocks pull the
+router weight at once; every block stages and normalises its tokens' rows one at a time (~3.5 us a token).
+A prefill chunk (MAX_STEP_TOKENS rows): router_logits_tiled, the logits as a small fp32 GEMM ([T, H] x [H, E], a long
+K). Why: at 512 rows the per-token staging above took 116 us a layer with 2 warps a block (H200, 2026-12-01, eager:
+3.5 of a 29.4 ms chunk) and 95 with 16 (109 graph-replayed), for 185 M FMAs; warps that read and normalise their own
+rows with no barrier were slower still, 155 us (each warp re-reads every token row from L2: 740 MB a layer).
+The tiled form: a block computes 16 tokens x 32 experts (TILE_T x TILE_E), its 8 warps each owning a K-slice of
+every 128-column chunk staged in shared memory (x * scale, W as fp32), each lane 4 tokens x 4 experts in registers;
+the token's sum of squares accumulates while x is staged, the norm scales the epilogue's sums (the warps' partial
+tiles added in a fixed order). The tile shape: at 512 rows it gives (128 / 32) x (512 / 16) = 128 blocks for the
+H200's 132 SMs, and it balances the L2 re-reads (x, fp32, is read E / TILE_E times, W, bf16, T / TILE_T times; at a
+fixed tile area their sum is least for TILE_E = 2 TILE_T): 23 + 23 MB a layer. FP32 FMAs only (no tensor cores): the
+top-k after it is sensitive to the logits' rounding. Launch: grid.y = ceil(T / TILE_T) (ROW_GRID), grid.x = E /
+TILE_E. Not yet timed when written; expected ~10 us a layer at 512 rows (22 chunks of ~700 cycles a block: 512 FMA
+issue cycles a chunk per SM sub-partition, the rest staging and two barriers; the L2 re-reads near 5 TB/s)."""
 
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
 LM_TOKENS = 16  # grid.y token groups of router_logits (a verify step's 16 tokens)
-WIDE_WARPS, WIDE_TOKENS = 16, 128  # the prefill blocking: warps (experts) a block, grid.y token groups
+TILE_T, TILE_E, TILE_THREADS = 16, 32, 256  # router_logits_tiled: tokens x experts a block (experts: at most), threads
+TILE_KC = 128  # its H chunk (router.cuh: one float4 of x per lane and token row)
 # counters: u32 [rows], zeroed once by the runtime, left zeroed by the kernel
 FUSED_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "counters", "topk_idx", "topk_w", "T")
 
@@ -44,10 +53,16 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
                         grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
                         args=("x", "scale", "proj", "logits", "T"), family="router")
-    wide = _warps(E, WIDE_WARPS)
-    prefill = KernelSpec(f"router_logits__h{H}_e{E}_m{MAX_STEP_TOKENS}{eps_tag}", "router_logits.cu.j2",
-                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=MAX_STEP_TOKENS, ROW_AXIS=1),
-                         grid=(E // wide, WIDE_TOKENS, 1), block=(32 * wide, 1, 1), args=logits.args, family="router")
+    # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them)
+    be = next((b for b in (TILE_E, TILE_E // 2, TILE_E // 4) if E % b == 0), None)
+    require(be is not None and H % TILE_KC == 0,
+            f"router: the tiled prefill logits need experts a multiple of 8 and hidden a multiple of {TILE_KC}"
+            f" ({E} / {H})")
+    prefill = KernelSpec(f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{eps_tag}", "router_logits_tiled.cu.j2",
+                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS,
+                                     ROW_GRID=(1, 1, TILE_T)),
+                         grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1), block=(TILE_THREADS, 1, 1),
+                         args=logits.args, family="router")
     threads = max(32, (E + 31) // 32 * 32)
     topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_AXIS=0),
                       grid=(MAX_STEP_TOKENS, 1, 1), block=(threads, 1, 1),
@@ -61,7 +76,7 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
 def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     t = spec.target
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
-    fu, lg, wide, tk = plan_router(spec, arch)
+    fu, lg, tiled, tk = plan_router(spec, arch)
     out = []
     for T in (1, 16):
         out.append(BenchCase(fu, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
@@ -70,11 +85,12 @@ def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
                                   Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),
                              bytes_moved=E * H * 2 + T * H * 4 + T * E * 4 + T * K * 8, grid=(fu.grid[0], T, 1),
                              note=f"fused T={T}"))
-    for k, T in ((lg, 1), (lg, 16), (wide, MAX_STEP_TOKENS)):
+    for k, T in ((lg, 1), (lg, 16), (tiled, MAX_STEP_TOKENS)):
+        # lg: grid-stride rows (min(T, grid.y) blocks on y); tiled: ceil(T / TILE_T) blocks on y (its ROW_GRID)
+        gy = min(T, k.grid[1]) if k is lg else -(-T // tiled.param("BT"))
         out.append(BenchCase(k, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
                                  Buf("logits", "f32", T * E), Scalar("T", "i32", T)),
-                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4, grid=(k.grid[0], min(T, k.grid[1]), 1),
-                             note=f"T={T}"))
+                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4, grid=(k.grid[0], gy, 1), note=f"T={T}"))
     for T in (1, 16):
         out.append(BenchCase(tk, (Buf("logits", "f32", T * E), Buf("per_expert_scale", "bf16", E),
                                   Buf("topk_idx", "i32", T * K), Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),

@@ -132,6 +132,136 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
   }
 }
 
+// router_logits_tiled (a prefill chunk): the logits as a small fp32 GEMM, [T, H] x [H, E] -> [T, E], with a long
+// K = H. A block computes BT tokens x BE experts (grid: E / BE, ceil(T / BT)); each of its warps owns a K-slice of
+// every KC-column chunk and keeps the whole BT x BE tile in registers (lane: TT = BT / 4 tokens x TE = BE / 8
+// experts), so every staged x column serves BE experts and every staged W column BT tokens, instead of the staged
+// forms' one token row per barrier. The warps' partial tiles are summed in shared memory in warp order (fixed, so
+// the result does not depend on timing). Staging folds in the rest: x * scale goes to shared memory while each token's
+// sum of squares accumulates from the raw x (one pass over x), and the norm (* H^-0.5) scales the epilogue's sums,
+// the same order of operations as router_logits. The next chunk's x / scale / W are loaded into registers while the
+// current one is computed. FP32 FMAs only: the top-k after it is sensitive to the logits' rounding.
+// Shared-memory rows are KC + 4 floats (4 banks apart mod 32): the 4 adjacent token rows or 8 adjacent expert rows
+// that a warp's float4 loads touch at one column start in distinct bank quads, so each load is one wavefront.
+template <int H, int E, int BT, int BE, int THREADS>
+__device__ void router_logits_tiled(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
+                                    const __nv_bfloat16* __restrict__ proj, float* __restrict__ logits, int T,
+                                    float eps) {
+  constexpr int KC = 128;                                  // H columns a chunk: one float4 of x per lane and row
+  constexpr int WARPS = THREADS / 32, NC = H / KC, KW = KC / WARPS;
+  constexpr int TT = BT / 4, TE = BE / 8;                  // a lane's tokens x experts (4 x 8 lanes a warp)
+  constexpr int XR = BT / WARPS;                           // token rows each warp stages a chunk
+  constexpr int WN = BE * (KC / 8), WR = (WN + THREADS - 1) / THREADS;  // 8-bf16 W pieces a chunk; a thread's (<=)
+  constexpr int SX = KC + 4;                               // shared row stride (floats), see above
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block size must be a multiple of 32, at most 1024");
+  static_assert(H % KC == 0, "hidden size must be a multiple of the 128-column chunk");
+  static_assert(E % BE == 0, "the expert tiles must cover the experts");
+  static_assert(BT % 4 == 0 && BE % 8 == 0 && TT >= 1 && TE >= 1, "the tile is 4 x 8 lanes of TT x TE outputs");
+  static_assert(KC % (4 * WARPS) == 0, "each warp takes whole float4 columns of a chunk");
+  static_assert(BT % WARPS == 0, "each warp stages whole token rows");
+  constexpr int STAGE = (BT + BE) * SX, RED = WARPS * BT * BE;
+  __shared__ __align__(16) float sm[STAGE > RED ? STAGE : RED];  // x*scale | W chunk; then the warps' partial tiles
+  __shared__ float ssum[BT];
+  float* xs = sm;
+  float* ws = sm + BT * SX;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tq = lane >> 3, eq = lane & 7;                 // this lane's tokens tq + 4 i, experts eq + 8 j
+  const int t0 = blockIdx.y * BT, e0 = blockIdx.x * BE;
+  const __nv_bfloat16* wblk = proj + (long)e0 * H;
+
+  float4 xv[XR];
+  uint2 sv;
+  uint4 wv[WR];
+  auto load_w = [&](int kc) {
+    sv = __ldg(reinterpret_cast<const uint2*>(scale + kc) + lane);
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int u = threadIdx.x + THREADS * r;
+      if (WN % THREADS == 0 || u < WN)
+        wv[r] = __ldg(reinterpret_cast<const uint4*>(wblk + (long)(u / (KC / 8)) * H + kc) + u % (KC / 8));
+    }
+  };
+  auto load_x = [&](int kc) {
+#pragma unroll
+    for (int r = 0; r < XR; ++r) {
+      const int t = t0 + warp + WARPS * r;
+      xv[r] = t < T ? reinterpret_cast<const float4*>(x + (long)t * H + kc)[lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load_w(0);
+  pdl_wait();  // PDL: the first W chunk is in flight; x comes from earlier kernels
+  load_x(0);
+
+  float acc[TT][TE] = {};
+  float ss[XR] = {};
+  for (int c = 0; c < NC; ++c) {
+    if (c > 0) __syncthreads();  // every warp is done with the previous chunk's xs / ws
+    const __nv_bfloat162* s2 = reinterpret_cast<const __nv_bfloat162*>(&sv);
+    const float2 sa = __bfloat1622float2(s2[0]), sb = __bfloat1622float2(s2[1]);
+#pragma unroll
+    for (int r = 0; r < XR; ++r) {
+      const float4 v = xv[r];
+      ss[r] = fmaf(v.x, v.x, ss[r]); ss[r] = fmaf(v.y, v.y, ss[r]);
+      ss[r] = fmaf(v.z, v.z, ss[r]); ss[r] = fmaf(v.w, v.w, ss[r]);
+      reinterpret_cast<float4*>(xs + (warp + WARPS * r) * SX)[lane] =
+          make_float4(v.x * sa.x, v.y * sa.y, v.z * sb.x, v.w * sb.y);
+    }
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int u = threadIdx.x + THREADS * r;
+      if (WN % THREADS != 0 && u >= WN) break;
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[r]);
+      const float2 a = __bfloat1622float2(w2[0]), b = __bfloat1622float2(w2[1]);
+      const float2 p = __bfloat1622float2(w2[2]), q = __bfloat1622float2(w2[3]);
+      float4* dst = reinterpret_cast<float4*>(ws + (u / (KC / 8)) * SX + 8 * (u % (KC / 8)));
+      dst[0] = make_float4(a.x, a.y, b.x, b.y);
+      dst[1] = make_float4(p.x, p.y, q.x, q.y);
+    }
+    __syncthreads();  // the chunk is staged
+    if (c + 1 < NC) {  // the next chunk's loads fly while this one is computed
+      load_w((c + 1) * KC);
+      load_x((c + 1) * KC);
+    }
+#pragma unroll
+    for (int k = warp * KW; k < warp * KW + KW; k += 4) {
+      float4 a[TT], b[TE];
+#pragma unroll
+      for (int i = 0; i < TT; ++i) a[i] = *reinterpret_cast<const float4*>(xs + (tq + 4 * i) * SX + k);
+#pragma unroll
+      for (int j = 0; j < TE; ++j) b[j] = *reinterpret_cast<const float4*>(ws + (eq + 8 * j) * SX + k);
+#pragma unroll
+      for (int i = 0; i < TT; ++i)
+#pragma unroll
+        for (int j = 0; j < TE; ++j) {
+          acc[i][j] = fmaf(a[i].x, b[j].x, acc[i][j]); acc[i][j] = fmaf(a[i].y, b[j].y, acc[i][j]);
+          acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]); acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
+        }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < XR; ++r) {
+    const float s = warp_sum(ss[r]);
+    if (lane == 0) ssum[warp + WARPS * r] = s;
+  }
+  __syncthreads();  // every warp is done with the last chunk: sm now holds the partial tiles
+  float* red = sm + warp * BT * BE;
+#pragma unroll
+  for (int i = 0; i < TT; ++i)
+#pragma unroll
+    for (int j = 0; j < TE; ++j) red[(tq + 4 * i) * BE + eq + 8 * j] = acc[i][j];
+  __syncthreads();
+  for (int o = threadIdx.x; o < BT * BE; o += THREADS) {
+    const int t = o / BE, e = o % BE;
+    if (t0 + t >= T) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += sm[w * BT * BE + o];
+    const float inv = rsqrtf(ssum[t] * (1.0f / H) + eps) * rsqrtf((float)H);
+    logits[(long)(t0 + t) * E + e0 + e] = s * inv;
+  }
+}
+
 template <int E, int K, int THREADS>
 __device__ void router_topk(const float* __restrict__ logits, const __nv_bfloat16* __restrict__ per_expert_scale,
                             int32_t* __restrict__ topk_idx, float* __restrict__ topk_w, int T) {
