@@ -92,7 +92,8 @@ class KernelEmulator(LogitsKernels):
         elif t.startswith("router_logits_tiled"):
             need = [(0, p["E"] // p["BE"]), (1, -(-rows // p["BT"]))]
         elif "bm" in p:
-            need = [(0, p["n"] // (16 * p["nwarp"])), (1, -(-rows // p["bm"]))]
+            cols = p["bn"] if p.get("wgmma") else 16 * p["nwarp"]  # weight rows a block (gemm_large_wgmma: bn)
+            need = [(0, p["n"] // cols), (1, -(-rows // p["bm"]))]
         elif t.startswith("nvfp4_gemm"):
             need = [(0, p["n"] // 16)]
         elif "ROW_AXIS" in p:

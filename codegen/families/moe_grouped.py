@@ -44,11 +44,10 @@ class GemmCfg:
     pf: int = 4
     stages: int = STAGES
     min_blocks: int = 4
-    wgmma: bool = False  # sm_90a warpgroup form (moe_wgmma.cuh): 4 warps a warpgroup, one 16-row unit a warp
 
     @property
     def tag(self) -> str:
-        return f"{'g' if self.wgmma else 'w'}{self.nwarp}u{self.upw}p{self.pf}s{self.stages}"
+        return f"w{self.nwarp}u{self.upw}p{self.pf}s{self.stages}"
 
 
 # H200, T = 512 random routing (bench_moe_grouped, graph-replayed, weights rotated past L2): 2 units per warp with
@@ -57,9 +56,6 @@ class GemmCfg:
 # MOV / IMAD.MOV = half the loop's instructions (the A fragments of the non-swapped mma need regrouping).
 GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
 DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
-# sm_90a: one warpgroup a block (64 weight rows x a tile's 64 rows, m64n64k16 wgmmas), 4 raw weight steps in flight
-# a warp, 4 stages of 16 KB (3 blocks an SM)
-WGMMA_CFG = GemmCfg(nwarp=4, upw=1, pf=4, stages=4, min_blocks=3, wgmma=True)
 
 PLAN_ARGS = ("ids", "offsets", "pairs", "tiles", "T")
 GATEUP_ARGS = ("w", "s", "gscale", "x", "pairs", "tiles", "act")
@@ -95,10 +91,8 @@ def plan_reference(ids: np.ndarray, experts: int, tile_rows: int, n_tiles: int):
     return offsets, pairs, tiles
 
 
-def _smem(tile_rows: int, cfg: GemmCfg) -> int:
-    if cfg.wgmma:  # WgmmaLoop::SMEM: weight and token tiles of 128-byte rows a stage, + 1 KB to align them
-        return cfg.stages * (16 * cfg.nwarp + tile_rows) * 128 + 1024
-    return cfg.stages * tile_rows * PITCH * 2
+def _smem(tile_rows: int, stages: int) -> int:
+    return stages * tile_rows * PITCH * 2
 
 
 def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, arch: ArchSpec, tag: str,
@@ -106,18 +100,11 @@ def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, a
     require(units % (cfg.nwarp * cfg.upw) == 0,
             f"moe_grouped {which}: {cfg.nwarp} warps per block x {cfg.upw} units per warp must divide its {units} units")
     require(cfg.stages >= 2 and cfg.pf >= 1 and 1 <= cfg.min_blocks <= 32, f"moe_grouped {which}: bad blocking {cfg}")
-    extra = {"wgmma": True} if cfg.wgmma else {}
     return KernelSpec(f"moe_grouped_{which}__{tag}_{cfg.tag}", f"moe_grouped_{which}.cu.j2",
                       make_params(nwarp=cfg.nwarp, upw=cfg.upw, pf=min(cfg.pf, steps), stages=cfg.stages,
-                                  min_blocks=cfg.min_blocks, **extra, **base),
+                                  min_blocks=cfg.min_blocks, **base),
                       grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1), block=(32 * cfg.nwarp, 1, 1),
-                      smem_bytes=_smem(base["tile_rows"], cfg), args=args, family="moe_grouped")
-
-
-def wgmma_fits(cfg: GemmCfg, units: int, tile_rows: int) -> bool:
-    """Whether the warpgroup form serves a grouped GEMM of `units` 16-row units: whole warpgroups of units, and the
-    one token-tile width it is instantiated for (m64n64k16)."""
-    return cfg.nwarp % 4 == 0 and cfg.upw == 1 and units % cfg.nwarp == 0 and tile_rows == 64
+                      smem_bytes=_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
 
 
 def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_ROWS, gateup: GemmCfg = GATEUP_CFG,
@@ -142,10 +129,6 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
                       make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
                       args=PLAN_ARGS, family="moe_grouped")
-    if arch.has_wgmma and gateup is GATEUP_CFG and wgmma_fits(WGMMA_CFG, 2 * ie // TILE_N, tile_rows):
-        gateup = WGMMA_CFG
-    if arch.has_wgmma and down is DOWN_CFG and wgmma_fits(WGMMA_CFG, h // TILE_N, tile_rows):
-        down = WGMMA_CFG
     gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag, GATEUP_ARGS)
     dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, DOWN_ARGS)
     return [plan, gu, dn]

@@ -56,19 +56,6 @@ template <> __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], uint6
         THORGEN_WGMMA_REGS8(32), THORGEN_WGMMA_REGS8(40), THORGEN_WGMMA_REGS8(48), THORGEN_WGMMA_REGS8(56)
       : "l"(da), "l"(db), "r"(1));
 }
-template <> __device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : THORGEN_WGMMA_REGS8(0), THORGEN_WGMMA_REGS8(8), THORGEN_WGMMA_REGS8(16), THORGEN_WGMMA_REGS8(24)
-      : "l"(da), "l"(db), "r"(1));
-}
 #undef THORGEN_WGMMA_REGS8
 
 // The smem byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled tile (1024-byte aligned).
@@ -77,23 +64,24 @@ __device__ __forceinline__ uint32_t sw128_offset(int r, int c) { return (uint32_
 
 // ---- the pipelined K loop -------------------------------------------------------------------------------------
 // Each K step (64 inputs) lands in one stage: the weight tile (WR rows: units unit0.., UPW a warp, decoded from the
-// t16x64 layout) and the token tile (TR rows, cp.async from this thread's CH fixed 16-byte chunks gp[i] + 64 step,
-// nb[i] = 16 or 0 for a zero-filled padding row). Then each warpgroup issues four wgmmas (k = 16 j) on it:
-//   W_IS_A = false (dense): A = tokens 64 wg.., B = all WR weight rows; acc = [64 tokens x WR rows].
-//   W_IS_A = true (grouped MoE, few tokens an expert): A = weight rows 64 wg.., B = all TR tokens; acc = [64 rows x TR].
+// t16x64 layout) and the token tile (TR = 64 NWG rows, cp.async from this thread's CH fixed 16-byte chunks
+// gp[i] + 64 step, nb[i] = 16 or 0 for a zero-filled padding row). Then each warpgroup issues four wgmmas (k = 16 j)
+// on it: A = its 64 tokens, B = all WR weight rows; acc = [64 tokens x WR rows].
 // Ordering: copies run STAGES - 2 steps ahead and the decode one step ahead, into stages whose wgmmas every
 // warpgroup has retired (wgmma_wait<1> before each barrier); raw weights are loaded PF steps ahead.
-template <int KIND, int N, int K, int WR, int TR, int NWG, int STAGES, int PF, bool W_IS_A>
+// (Tried and removed: the grouped prefill MoE through this loop, weights as the A operand of m64n64k16 over an
+// expert's <= 64 rows: no faster than its mma.sync form, 202-217 vs 191-199 us a layer for gate/up on the H200.)
+template <int KIND, int N, int K, int WR, int TR, int NWG, int STAGES, int PF>
 struct WgmmaLoop {
   static constexpr int THREADS = 128 * NWG, WARPS = 4 * NWG, STEPS = K / 64, UPW = WR / 16 / WARPS;
   static constexpr int CH = TR * 8 / THREADS;                 // 16-byte token chunks a thread copies per step
-  static constexpr int MMA_N = W_IS_A ? TR : WR, ACC = MMA_N / 2;
+  static constexpr int ACC = WR / 2;
   static constexpr int W_BYTES = WR * 128, STAGE = W_BYTES + TR * 128;
   static constexpr int SMEM = STAGES * STAGE + 1024;         // + slack to align the tiles to 1024 B
   static_assert(N % WR == 0 && K % 64 == 0, "W must be [N % WR == 0, K % 64 == 0]");
   static_assert(UPW >= 1 && WR % (16 * WARPS) == 0, "every warp decodes whole 16-row units");
   static_assert(CH >= 1 && (TR * 8) % THREADS == 0, "the token tile's chunks split evenly over the threads");
-  static_assert((W_IS_A ? WR : TR) == 64 * NWG, "each warpgroup owns 64 rows of the A operand");
+  static_assert(TR == 64 * NWG, "each warpgroup owns 64 token rows (the A operand)");
   static_assert(STAGES >= 3 && PF >= 1 && PF <= 8, "at least three stages (one computing, one landing, one free)");
   static_assert(KIND != HALF, "the fp16 weights have their own GEMMs");
 
@@ -133,7 +121,7 @@ struct WgmmaLoop {
 #pragma unroll
       for (int u = 0; u < UPW; ++u)
         if (i < STEPS) load_step<KIND, N, K>(ring[i][u], pe, unit0 + u, i, lane);
-    pdl_wait();  // the tokens (and, for the grouped form, the caller's tile records) come from earlier kernels
+    pdl_wait();  // the tokens come from the previous kernel
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
       if (s < STEPS) copy_tokens(s);
@@ -156,11 +144,9 @@ struct WgmmaLoop {
           __syncthreads();  // every thread's step-s writes are in; every warpgroup is done with step s - 2
           wgmma_fence();
           wgmma_fence_acc(acc);
-          const uint32_t a0 = (W_IS_A ? w_tile(s) : t_tile(s)) + (uint32_t)(wg * 64 * 128);
-          const uint32_t b0 = W_IS_A ? t_tile(s) : w_tile(s);
+          const uint32_t a0 = t_tile(s) + (uint32_t)(wg * 64 * 128), b0 = w_tile(s);
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            wgmma_f16<MMA_N>(acc, wgmma_desc_sw128(a0 + 32 * j), wgmma_desc_sw128(b0 + 32 * j));
+          for (int j = 0; j < 4; ++j) wgmma_f16<WR>(acc, wgmma_desc_sw128(a0 + 32 * j), wgmma_desc_sw128(b0 + 32 * j));
           wgmma_commit();
           wgmma_fence_acc(acc);
           if (s + STAGES - 2 < STEPS) copy_tokens(s + STAGES - 2);  // into the stage step s - 2 used
@@ -190,7 +176,7 @@ template <int KIND, int N, int K, int BN, int STAGES, int PF, int EPI, typename 
 __device__ __forceinline__ void gemm_large_wgmma(const WPtr p, const float* __restrict__ gscale,
                                                  const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   constexpr int BM = 128;
-  using Loop = WgmmaLoop<KIND, N, K, BN, BM, 2, STAGES, PF, false>;
+  using Loop = WgmmaLoop<KIND, N, K, BN, BM, 2, STAGES, PF>;
   pdl_launch_dependents();
   const int m0 = blockIdx.y * BM;
   if (m0 >= m) return;
