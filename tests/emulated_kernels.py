@@ -335,7 +335,7 @@ class KernelEmulator(LogitsKernels):
         self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
 
     def k_router_logits_tiled(self, p, a, n):
-        """The prefill chunk's GEMM-tiled logits: the same math (fp32 FMAs in another order on the GPU)."""
+        """The prefill chunk's GEMM-tiled logits: on the GPU bit-identical to router_logits (the same fmaf order)."""
         self.k_router_logits(p, a, n)
 
     def k_router_fused(self, p, a, n):

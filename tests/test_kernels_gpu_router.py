@@ -1,7 +1,9 @@
 """GPU tests: MoE router — logits (norm, scale, bf16 projection) and softmax / top-k / renorm / per-expert scale, as
 the unfused pair (router_logits + router_topk) and as router_fused (one launch, the top-k by each token's last
 block), which must be bit-identical to the pair and leave its arrival counters zeroed; and the prefill chunk's
-GEMM-tiled logits (router_logits_tiled, ceil(T / BT) token tiles) against the reference at ragged and full T."""
+GEMM-tiled logits (router_logits_tiled, ceil(T / BT) token tiles) against the reference at ragged and full T, and bit
+for bit against the <= 16-row router_logits on the same rows (the engine's scoring pass and its prefill must pick the
+same experts)."""
 
 from __future__ import annotations
 
@@ -81,8 +83,9 @@ def test_router(runner, T, blocking):
 
 @pytest.mark.parametrize("T", [37, 300, 512])
 def test_router_logits_tiled(runner, T):
-    """The prefill chunk's tiled logits (a block: BT tokens x BE experts, H in staged chunks, the warps' K-slices
-    summed in the epilogue) against the float64 reference, at ragged T (a partial last token tile) and a full chunk.
+    """The prefill chunk's tiled logits (a block: BT tokens x BE experts, a warp per 8 x 8, H in staged 256-column
+    chunks) against the float64 reference, at ragged T (a partial last token tile) and a full chunk, and bit for bit
+    against router_logits (the <= 16-row kernel) on the same rows.
     The logits buffer holds a token tile more than T rows, poisoned with NaN: every row < T must be written (and
     close), every row >= T left alone (the partial tile's padding rows are not stored)."""
     rng = np.random.default_rng(900 + T)
@@ -100,6 +103,20 @@ def test_router_logits_tiled(runner, T):
     per_row = np.linalg.norm(got[:T] - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert per_row.max() <= 10 * R.TOL_ROUTER_LOGITS, f"row {per_row.argmax()}: rel error {per_row.max():.3g}"
     _check_topk_clear_margin(got[:T], ref, inp["per_expert_scale"], K)
+    # bit for bit the <= 16-row router_logits (2 warps a block) on the same rows, run 16 rows at a time
+    small = _small_logits(runner)
+    assert (small.param("H"), small.param("E"), small.param("EPS")) == (H, E, lk.param("EPS"))
+    assert small.block == (64, 1, 1), "the tiled kernel follows router_logits' 2-warp (block_sum<64>) order"
+    for r0 in range(0, T, 16):
+        n = min(16, T - r0)
+        part = {"x": np.ascontiguousarray(inp["x"][r0:r0 + n]), "scale": inp["scale"], "proj": inp["proj"],
+                "T": np.int32(n)}
+        want = runner.run_seq([(small, (small.grid[0], n, 1))], part, {"logits": ((n, E), np.float32)})["logits"]
+        diff = np.argwhere(got[r0:r0 + n].view(np.uint32) != want.view(np.uint32))
+        assert not len(diff), (f"rows {r0}..{r0 + n}: {len(diff)} logits differ from router_logits, first (row, "
+                               f"expert) {diff[:3].tolist()}: {got[r0 + diff[0][0], diff[0][1]]!r} vs "
+                               f"{want[diff[0][0], diff[0][1]]!r}")
+        assert np.array_equal(got[r0:r0 + n], want)
 
 
 @pytest.mark.parametrize("T,rows_per_block", [(1, 1), (7, 1), (40, 3)])

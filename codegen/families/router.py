@@ -8,17 +8,23 @@ Up to 16 rows, router_logits: 2 warps (2 experts) a block, each warp's W row in 
 router weight at once; every block stages and normalises its tokens' rows one at a time (~3.5 us a token).
 A prefill chunk (MAX_STEP_TOKENS rows): router_logits_tiled, the logits as a small fp32 GEMM ([T, H] x [H, E], a long
 K). Why: at 512 rows the per-token staging above took 116 us a layer with 2 warps a block (H200, 2026-12-01, eager:
-3.5 of a 29.4 ms chunk) and 95 with 16 (109 graph-replayed), for 185 M FMAs; warps that read and normalise their own
-rows with no barrier were slower still, 155 us (each warp re-reads every token row from L2: 740 MB a layer).
-The tiled form: a block computes 16 tokens x 32 experts (TILE_T x TILE_E), its 8 warps each owning a K-slice of
-every 128-column chunk staged in shared memory (x * scale, W as fp32), each lane 4 tokens x 4 experts in registers;
-the token's sum of squares accumulates while x is staged, the norm scales the epilogue's sums (the warps' partial
-tiles added in a fixed order). The tile shape: at 512 rows it gives (128 / 32) x (512 / 16) = 128 blocks for the
-H200's 132 SMs, and it balances the L2 re-reads (x, fp32, is read E / TILE_E times, W, bf16, T / TILE_T times; at a
-fixed tile area their sum is least for TILE_E = 2 TILE_T): 23 + 23 MB a layer. FP32 FMAs only (no tensor cores): the
-top-k after it is sensitive to the logits' rounding. Launch: grid.y = ceil(T / TILE_T) (ROW_GRID), grid.x = E /
-TILE_E. Not yet timed when written; expected ~10 us a layer at 512 rows (22 chunks of ~700 cycles a block: 512 FMA
-issue cycles a chunk per SM sub-partition, the rest staging and two barriers; the L2 re-reads near 5 TB/s)."""
+3.5 of a 29.4 ms chunk) and 94.6 with 16 (109 graph-replayed), for 185 M FMAs; warps that read and normalise their own
+rows with no barrier were slower still, 155 us (each warp re-reads every token row from L2: 740 MB a layer). The
+first tiled form (each warp a K-slice of every 128-column chunk, lane 4 x 4 outputs, the warps' partials added in the
+epilogue) measured 26.7 us a layer at 512 rows on the H200, but it summed every logit in another order than
+router_logits, and the top-k flips an expert on near-ties: the engine's scoring pass (<= 16 / 32-row kernels) then
+disagreed with its own prefill by 0.2 nats on a prompt logprob. So the tiled form now runs router_logits' exact
+arithmetic (router.cuh): 256-column chunks, lane l of a warp takes columns 8l..8l+7 of each (router_logits' lane l
+takes chunks l, l + 32, ... of 8 columns: the same fmaf chain), a warp owns 8 tokens x 8 experts (64 accumulators a
+lane), the lanes' partials are summed in warp_sum's butterfly, and the sum of squares keeps block_sum<64>'s 64 classes
+(columns mod 64) and their combination; it is bit-identical to router_logits on the same inputs (a NumPy simulation of
+both in tests/test_router_order.py; the GPU test asserts it). A block: 16 tokens x 32 experts (TILE_T x TILE_E; 8
+warps, 256 threads). The tile shape: at 512 rows it gives (128 / 32) x (512 / 16) = 128 blocks for the H200's 132 SMs,
+and it balances the L2 re-reads (x, fp32, is read E / TILE_E times, W, bf16, T / TILE_T times; at a fixed tile area
+their sum is least for TILE_E = 2 TILE_T): 23 + 23 MB a layer. FP32 FMAs only (no tensor cores). Launch: grid.y =
+ceil(T / TILE_T) (ROW_GRID), grid.x = E / TILE_E. The bit-identical form is NOT yet timed: per 256-column chunk a warp
+issues 512 FMAs, 24 shared 16-byte loads and 64 bf16 conversions (the first tiled form: 512 FMAs, 64 loads), with
+half as many barriers, so it is expected near the 26.7 us."""
 
 from __future__ import annotations
 
@@ -29,8 +35,8 @@ from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
 LM_TOKENS = 16  # grid.y token groups of router_logits (a verify step's 16 tokens)
-TILE_T, TILE_E, TILE_THREADS = 16, 32, 256  # router_logits_tiled: tokens x experts a block (experts: at most), threads
-TILE_KC = 128  # its H chunk (router.cuh: one float4 of x per lane and token row)
+TILE_T, TILE_E = 16, 32  # router_logits_tiled: tokens x experts a block (experts: at most); a warp per 8 x 8 of them
+TILE_KC = 256  # its H chunk (router.cuh: 8 columns a lane, router_logits' order)
 # counters: u32 [rows], zeroed once by the runtime, left zeroed by the kernel
 FUSED_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "counters", "topk_idx", "topk_w", "T")
 
@@ -53,16 +59,20 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
                         grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
                         args=("x", "scale", "proj", "logits", "T"), family="router")
-    # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them)
+    # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them), a
+    # warp per 8 x 8; bit-identical to `logits` only while that one runs 2 warps (block_sum<64>'s norm order)
     be = next((b for b in (TILE_E, TILE_E // 2, TILE_E // 4) if E % b == 0), None)
-    require(be is not None and H % TILE_KC == 0,
-            f"router: the tiled prefill logits need experts a multiple of 8 and hidden a multiple of {TILE_KC}"
-            f" ({E} / {H})")
+    require(be is not None and H % TILE_KC == 0 and warps == 2,
+            f"router: the tiled prefill logits need an even number of experts, a multiple of 8, and hidden a multiple"
+            f" of {TILE_KC} ({E} / {H})")
+    # shared memory: x * scale (16 token rows of 2 x 144 floats), W (be rows of 256 bf16), the scale, the norms
+    smem = TILE_T * 288 * 4 + be * TILE_KC * 2 + H * 2 + TILE_T * 65 * 4
+    require(smem <= 48 * 1024, f"router: hidden {H} does not fit the tiled logits' static shared memory ({smem} B)")
     prefill = KernelSpec(f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{eps_tag}", "router_logits_tiled.cu.j2",
                          make_params(H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS,
                                      ROW_GRID=(1, 1, TILE_T)),
-                         grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1), block=(TILE_THREADS, 1, 1),
-                         args=logits.args, family="router")
+                         grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
+                         block=(32 * (TILE_T // 8) * (be // 8), 1, 1), args=logits.args, family="router")
     threads = max(32, (E + 31) // 32 * 32)
     topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_AXIS=0),
                       grid=(MAX_STEP_TOKENS, 1, 1), block=(threads, 1, 1),

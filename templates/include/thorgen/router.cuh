@@ -132,133 +132,162 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
   }
 }
 
-// router_logits_tiled (a prefill chunk): the logits as a small fp32 GEMM, [T, H] x [H, E] -> [T, E], with a long
-// K = H. A block computes BT tokens x BE experts (grid: E / BE, ceil(T / BT)); each of its warps owns a K-slice of
-// every KC-column chunk and keeps the whole BT x BE tile in registers (lane: TT = BT / 4 tokens x TE = BE / 8
-// experts), so every staged x column serves BE experts and every staged W column BT tokens, instead of the staged
-// forms' one token row per barrier. The warps' partial tiles are summed in shared memory in warp order (fixed, so
-// the result does not depend on timing). Staging folds in the rest: x * scale goes to shared memory while each token's
-// sum of squares accumulates from the raw x (one pass over x), and the norm (* H^-0.5) scales the epilogue's sums,
-// the same order of operations as router_logits. The next chunk's x / scale / W are loaded into registers while the
-// current one is computed. FP32 FMAs only: the top-k after it is sensitive to the logits' rounding.
-// Shared-memory rows are KC + 4 floats (4 banks apart mod 32): the 4 adjacent token rows or 8 adjacent expert rows
-// that a warp's float4 loads touch at one column start in distinct bank quads, so each load is one wavefront.
+// One step of router_logits_tiled's recursive-halving warp sum: of the 2 O live pairs (acc[0 .. 2 O)), a lane keeps
+// the half whose index bit log2(O) equals its lane's bit and adds the partner lane's partials of them (the butterfly's
+// add, a + b == b + a); then the next step on acc[0 .. O).
+template <int O>
+__device__ __forceinline__ void halve_pairs(float (&acc)[64], int lane) {
+  if constexpr (O > 0) {
+    const bool up = lane & O;
+#pragma unroll
+    for (int k = 0; k < 2 * O; ++k) {
+      const float keep = up ? acc[k + 2 * O] : acc[k], send = up ? acc[k] : acc[k + 2 * O];
+      acc[k] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    halve_pairs<O / 2>(acc, lane);
+  }
+}
+
+// router_logits_tiled (a prefill chunk): the logits as a small fp32 GEMM, [T, H] x [H, E] -> [T, E], bit-identical to
+// router_logits (the <= 16-row form, 2 warps a block) on the same inputs: the top-k after it flips an expert on a
+// near-tie if the logits' rounding differs, so every sum runs in that kernel's order.
+//  - dot products: router_logits' lane l sums, with sequential fmaf, the 8-column chunks l, l + 32, ... of H: i.e. the
+//    columns 8l..8l+7 of every KC = 256-column chunk in turn. Here too: a block computes BT tokens x BE experts
+//    (grid: E / BE, ceil(T / BT)); its warps each own 8 tokens x 8 experts (64 pairs), and lane l of every warp runs
+//    the same fmaf chain (8 columns of a chunk, chunk after chunk) for each of its warp's 64 pairs; at the end the 32
+//    lanes' partials of a pair are summed in warp_sum's butterfly (as a recursive halving: the same adds, each pair
+//    ends in one lane), then * the token's norm.
+//  - sum of squares: router_logits' block_sum<64> (thread i sums x[i], x[i + 64], ... with fmaf; warp_sum over
+//    threads 0..31, over 32..63, the two added). Here the staging thread of a token's columns 4q..4q+3 (mod 64) keeps
+//    those 4 classes (columns come chunk by chunk in increasing order); the epilogue combines the 64 the same way.
+// Staging: x * scale (fp32, as router_logits) and W (bf16) of a chunk go to shared memory; the next chunk's x / W are
+// loaded into registers while the current one is computed. The x rows are stored as two half rows (lane l's columns
+// 8l..8l+3 at floats 4l.. of the first, 8l+4..8l+7 of the second; 16 floats of padding), so a warp's float4 reads
+// and the staging's float4 writes are conflict-free; W rows stay bf16 (one 16-byte read a lane and expert).
 template <int H, int E, int BT, int BE, int THREADS>
 __device__ void router_logits_tiled(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
                                     const __nv_bfloat16* __restrict__ proj, float* __restrict__ logits, int T,
                                     float eps) {
-  constexpr int KC = 128;                                  // H columns a chunk: one float4 of x per lane and row
-  constexpr int WARPS = THREADS / 32, NC = H / KC, KW = KC / WARPS;
-  constexpr int TT = BT / 4, TE = BE / 8;                  // a lane's tokens x experts (4 x 8 lanes a warp)
-  constexpr int XR = BT / WARPS;                           // token rows each warp stages a chunk
-  constexpr int WN = BE * (KC / 8), WR = (WN + THREADS - 1) / THREADS;  // 8-bf16 W pieces a chunk; a thread's (<=)
-  constexpr int SX = KC + 4;                               // shared row stride (floats), see above
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block size must be a multiple of 32, at most 1024");
-  static_assert(H % KC == 0, "hidden size must be a multiple of the 128-column chunk");
-  static_assert(E % BE == 0, "the expert tiles must cover the experts");
-  static_assert(BT % 4 == 0 && BE % 8 == 0 && TT >= 1 && TE >= 1, "the tile is 4 x 8 lanes of TT x TE outputs");
-  static_assert(KC % (4 * WARPS) == 0, "each warp takes whole float4 columns of a chunk");
-  static_assert(BT % WARPS == 0, "each warp stages whole token rows");
-  constexpr int STAGE = (BT + BE) * SX, RED = WARPS * BT * BE;
-  __shared__ __align__(16) float sm[STAGE > RED ? STAGE : RED];  // x*scale | W chunk; then the warps' partial tiles
-  __shared__ float ssum[BT];
-  float* xs = sm;
-  float* ws = sm + BT * SX;
+  constexpr int KC = 256;                                // H columns a chunk: 8 a lane
+  constexpr int NC = H / KC, TG = BT / 8, EG = BE / 8;   // chunks; the warps' token groups x expert groups
+  constexpr int XH = KC / 2 + 16, XROW = 2 * XH;         // a staged x half row / row (floats), see above
+  constexpr int XI = BT * (KC / 16) / THREADS;           // x staging items a thread: (token, q): 4 float4, m = 0..3
+  constexpr int WI = BE * (KC / 8) / THREADS;            // W staging items a thread: 8 bf16 each
+  static_assert(H % KC == 0, "hidden size must be a multiple of the 256-column chunk (router_logits' lane order)");
+  static_assert(E % BE == 0 && BT % 8 == 0 && BE % 8 == 0, "the tile is 8 x 8 pairs a warp");
+  static_assert(THREADS == 32 * TG * EG, "a warp per 8 tokens x 8 experts of the tile");
+  static_assert(XI >= 1 && XI * THREADS == BT * (KC / 16) && WI >= 1 && WI * THREADS == BE * (KC / 8),
+                "the staging items must divide among the threads");
+  __shared__ __align__(16) float xs[BT * XROW];          // x * scale of the chunk
+  __shared__ __align__(16) uint4 ws[BE * (KC / 8)];       // W of the chunk (bf16)
+  __shared__ __align__(16) __nv_bfloat16 ssc[H];          // the scale
+  __shared__ float sq[BT * 64];                           // the tokens' 64 sum-of-squares classes
+  __shared__ float inv_s[BT];                             // the tokens' norms * H^-0.5
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int tq = lane >> 3, eq = lane & 7;                 // this lane's tokens tq + 4 i, experts eq + 8 j
+  const int tg = warp % TG, eg = warp / TG;               // this warp's tokens 8 tg + i, experts 8 eg + j
   const int t0 = blockIdx.y * BT, e0 = blockIdx.x * BE;
   const __nv_bfloat16* wblk = proj + (long)e0 * H;
 
-  float4 xv[XR];
-  uint2 sv;
-  uint4 wv[WR];
+  uint4 wv[WI];
+  float4 xv[XI][4];
   auto load_w = [&](int kc) {
-    sv = __ldg(reinterpret_cast<const uint2*>(scale + kc) + lane);
 #pragma unroll
-    for (int r = 0; r < WR; ++r) {
-      const int u = threadIdx.x + THREADS * r;
-      if (WN % THREADS == 0 || u < WN)
-        wv[r] = __ldg(reinterpret_cast<const uint4*>(wblk + (long)(u / (KC / 8)) * H + kc) + u % (KC / 8));
+    for (int r = 0; r < WI; ++r) {
+      const int u = threadIdx.x + THREADS * r;            // expert u / 32, columns 8 (u % 32) ..
+      wv[r] = __ldg(reinterpret_cast<const uint4*>(wblk + (long)(u / (KC / 8)) * H + kc) + u % (KC / 8));
     }
   };
   auto load_x = [&](int kc) {
 #pragma unroll
-    for (int r = 0; r < XR; ++r) {
-      const int t = t0 + warp + WARPS * r;
-      xv[r] = t < T ? reinterpret_cast<const float4*>(x + (long)t * H + kc)[lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = 0; r < XI; ++r) {
+      const int u = threadIdx.x + THREADS * r, t = t0 + u / 16, q = u % 16;  // columns 4q + 64m .. +3
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+        xv[r][m] = t < T ? *reinterpret_cast<const float4*>(x + (long)t * H + kc + 4 * q + 64 * m)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
   load_w(0);
-  pdl_wait();  // PDL: the first W chunk is in flight; x comes from earlier kernels
+  for (int i = threadIdx.x; i < H / 8; i += THREADS)
+    reinterpret_cast<uint4*>(ssc)[i] = __ldg(reinterpret_cast<const uint4*>(scale) + i);
+  pdl_wait();  // PDL: the first W chunk and the scale are in flight; x comes from earlier kernels
   load_x(0);
 
-  float acc[TT][TE] = {};
-  float ss[XR] = {};
+  float acc[64] = {};                                     // pair 8 i + j: token 8 tg + i, expert 8 eg + j
+  float ss[XI][4] = {};                                   // classes 4q + k of the staged token u / 16
   for (int c = 0; c < NC; ++c) {
-    if (c > 0) __syncthreads();  // every warp is done with the previous chunk's xs / ws
-    const __nv_bfloat162* s2 = reinterpret_cast<const __nv_bfloat162*>(&sv);
-    const float2 sa = __bfloat1622float2(s2[0]), sb = __bfloat1622float2(s2[1]);
+    const int kc = c * KC;
+    __syncthreads();  // every warp is done with the previous chunk's xs / ws (c == 0: ssc is written)
 #pragma unroll
-    for (int r = 0; r < XR; ++r) {
-      const float4 v = xv[r];
-      ss[r] = fmaf(v.x, v.x, ss[r]); ss[r] = fmaf(v.y, v.y, ss[r]);
-      ss[r] = fmaf(v.z, v.z, ss[r]); ss[r] = fmaf(v.w, v.w, ss[r]);
-      reinterpret_cast<float4*>(xs + (warp + WARPS * r) * SX)[lane] =
-          make_float4(v.x * sa.x, v.y * sa.y, v.z * sb.x, v.w * sb.y);
+    for (int r = 0; r < XI; ++r) {
+      const int u = threadIdx.x + THREADS * r, tt = u / 16, q = u % 16;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const float4 v = xv[r][m];
+        ss[r][0] = fmaf(v.x, v.x, ss[r][0]); ss[r][1] = fmaf(v.y, v.y, ss[r][1]);
+        ss[r][2] = fmaf(v.z, v.z, ss[r][2]); ss[r][3] = fmaf(v.w, v.w, ss[r][3]);
+        const uint2 sv = *reinterpret_cast<const uint2*>(ssc + kc + 4 * q + 64 * m);
+        const float2 sa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.x));
+        const float2 sb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.y));
+        // column 4q + 64m = 8l + 4h: lane l = q / 2 + 8m's half h = q % 2
+        reinterpret_cast<float4*>(xs + tt * XROW + (q % 2) * XH)[q / 2 + 8 * m] =
+            make_float4(v.x * sa.x, v.y * sa.y, v.z * sb.x, v.w * sb.y);
+      }
     }
 #pragma unroll
-    for (int r = 0; r < WR; ++r) {
-      const int u = threadIdx.x + THREADS * r;
-      if (WN % THREADS != 0 && u >= WN) break;
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[r]);
-      const float2 a = __bfloat1622float2(w2[0]), b = __bfloat1622float2(w2[1]);
-      const float2 p = __bfloat1622float2(w2[2]), q = __bfloat1622float2(w2[3]);
-      float4* dst = reinterpret_cast<float4*>(ws + (u / (KC / 8)) * SX + 8 * (u % (KC / 8)));
-      dst[0] = make_float4(a.x, a.y, b.x, b.y);
-      dst[1] = make_float4(p.x, p.y, q.x, q.y);
-    }
+    for (int r = 0; r < WI; ++r) ws[threadIdx.x + THREADS * r] = wv[r];
     __syncthreads();  // the chunk is staged
     if (c + 1 < NC) {  // the next chunk's loads fly while this one is computed
-      load_w((c + 1) * KC);
-      load_x((c + 1) * KC);
+      load_w(kc + KC);
+      load_x(kc + KC);
+    }
+    float4 xa[8], xb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xa[i] = reinterpret_cast<const float4*>(xs + (8 * tg + i) * XROW)[lane];
+      xb[i] = reinterpret_cast<const float4*>(xs + (8 * tg + i) * XROW + XH)[lane];
     }
 #pragma unroll
-    for (int k = warp * KW; k < warp * KW + KW; k += 4) {
-      float4 a[TT], b[TE];
+    for (int j = 0; j < 8; ++j) {
+      const uint4 wr = ws[(8 * eg + j) * (KC / 8) + lane];
+      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr.x));
+      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr.y));
+      const float2 w45 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr.z));
+      const float2 w67 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wr.w));
 #pragma unroll
-      for (int i = 0; i < TT; ++i) a[i] = *reinterpret_cast<const float4*>(xs + (tq + 4 * i) * SX + k);
-#pragma unroll
-      for (int j = 0; j < TE; ++j) b[j] = *reinterpret_cast<const float4*>(ws + (eq + 8 * j) * SX + k);
-#pragma unroll
-      for (int i = 0; i < TT; ++i)
-#pragma unroll
-        for (int j = 0; j < TE; ++j) {
-          acc[i][j] = fmaf(a[i].x, b[j].x, acc[i][j]); acc[i][j] = fmaf(a[i].y, b[j].y, acc[i][j]);
-          acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]); acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
-        }
+      for (int i = 0; i < 8; ++i) {  // router_logits' order: columns 8l .. 8l + 7 of the chunk
+        float a = acc[8 * i + j];
+        a = fmaf(xa[i].x, w01.x, a); a = fmaf(xa[i].y, w01.y, a); a = fmaf(xa[i].z, w23.x, a);
+        a = fmaf(xa[i].w, w23.y, a); a = fmaf(xb[i].x, w45.x, a); a = fmaf(xb[i].y, w45.y, a);
+        a = fmaf(xb[i].z, w67.x, a); a = fmaf(xb[i].w, w67.y, a);
+        acc[8 * i + j] = a;
+      }
     }
   }
+  // the tokens' norms: block_sum<64>'s order over the 64 classes
 #pragma unroll
-  for (int r = 0; r < XR; ++r) {
-    const float s = warp_sum(ss[r]);
-    if (lane == 0) ssum[warp + WARPS * r] = s;
+  for (int r = 0; r < XI; ++r) {
+    const int u = threadIdx.x + THREADS * r;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sq[(u / 16) * 64 + 4 * (u % 16) + k] = ss[r][k];
   }
-  __syncthreads();  // every warp is done with the last chunk: sm now holds the partial tiles
-  float* red = sm + warp * BT * BE;
-#pragma unroll
-  for (int i = 0; i < TT; ++i)
-#pragma unroll
-    for (int j = 0; j < TE; ++j) red[(tq + 4 * i) * BE + eq + 8 * j] = acc[i][j];
   __syncthreads();
-  for (int o = threadIdx.x; o < BT * BE; o += THREADS) {
-    const int t = o / BE, e = o % BE;
-    if (t0 + t >= T) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) s += sm[w * BT * BE + o];
-    const float inv = rsqrtf(ssum[t] * (1.0f / H) + eps) * rsqrtf((float)H);
-    logits[(long)(t0 + t) * E + e0 + e] = s * inv;
+  for (int tt = warp; tt < BT; tt += THREADS / 32) {
+    const float s0 = warp_sum(sq[tt * 64 + lane]), s1 = warp_sum(sq[tt * 64 + 32 + lane]);
+    const float ssum = s0 + s1;
+    if (lane == 0) inv_s[tt] = rsqrtf(ssum * (1.0f / H) + eps) * rsqrtf((float)H);
+  }
+  // warp_sum of every pair as a recursive halving: at the step of offset o a lane keeps the half of its pairs whose
+  // index has bit log2(o) equal to its lane's and adds the partner's partials of them: the butterfly's adds (a + b
+  // == b + a), 63 shuffles instead of 320; lane l ends with pairs 2l and 2l + 1
+  halve_pairs<16>(acc, lane);
+  __syncthreads();  // inv_s is written
+  const int i = lane >> 2, t = t0 + 8 * tg + i;
+  if (t < T) {
+    const float inv = inv_s[8 * tg + i];
+    *reinterpret_cast<float2*>(logits + (long)t * E + e0 + 8 * eg + 2 * (lane & 3)) =
+        make_float2(acc[0] * inv, acc[1] * inv);
   }
 }
 
