@@ -1,6 +1,7 @@
 // thorgen prefill GEMM on Hopper's warpgroup tensor cores (sm_90a only): y[m, n] = sum_k x[m, k] * W[n, k].
 // gemm_large (gemm_nvfp4.cuh) runs mma.sync with one warp per 16 weight rows and reached ~180 of the H200's ~790
-// bf16 TFLOP/s on the prefill shapes; this form issues wgmma.mma_async instead.
+// bf16 TFLOP/s on the prefill shapes; this form issues wgmma.mma_async instead: 352 TFLOP/s for the q|k|v GEMM of a
+// 512-row prefill chunk (67 against 126 us a layer on the H200, docs/BENCHMARKS.md).
 //   Block: BM = 128 tokens (two consumer warpgroups of 64) x BN weight rows, 8 warps. Both operands are K-major in
 //   shared memory with the 128-byte swizzle: a stage holds the 64-wide k slice of BM activation rows (cp.async,
 //   STAGES - 2 steps ahead) and of BN weight rows, which the warps decode from the t16x64 NVFP4 layout into fp16
