@@ -32,19 +32,21 @@ def _function_body(text: str, name: str) -> str | None:
 
 
 def _waiting_functions() -> set[str]:
-    """Header functions whose body calls pdl_wait() (or the waiting form of unit_steps), directly or through another
-    such function (e.g. a kernel body that hands its K loop to WgmmaLoop::k_loop, which waits after the weight
-    prologue)."""
-    bodies = {}
+    """Header functions whose body calls pdl_wait() (or the waiting form of unit_steps), directly or through other
+    such functions (e.g. a kernel body that hands its K loop to WgmmaLoop::k_loop, which waits after the weight
+    prologue). unit_steps_rows' own `if constexpr (kWait) pdl_wait();` does not count: its callers wait only with
+    kWait = true. A name defined in several headers counts only when every definition waits."""
+    bodies: dict[str, list[str]] = {}
     for h in HEADERS.glob("*.cuh"):
-        text = h.read_text()
+        text = re.sub(r"//[^\n]*", "", h.read_text())  # calls named in comments are not calls
         for name in set(re.findall(r"\bvoid\s+(\w+)\s*\(", text)):
-            bodies[name] = _function_body(text, name) or ""
-    out = {name for name, body in bodies.items()
-           if "pdl_wait()" in body or re.search(r"unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(", body)}
+            body = (_function_body(text, name) or "").replace("if constexpr (kWait) pdl_wait();", "")
+            bodies.setdefault(name, []).append(body)
+    direct = re.compile(r"pdl_wait\(\)|unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(")
+    out = {name for name, defs in bodies.items() if all(direct.search(b) for b in defs)}
     while True:
-        more = {name for name, body in bodies.items() if name not in out
-                and any(re.search(rf"::{w}\s*[<(]|\b{w}\s*<", body) for w in out)}
+        more = {name for name, defs in bodies.items() if name not in out and all(
+            any(re.search(rf"::{w}\s*[<(]|\b{w}\s*<", b) for w in out) for b in defs)}
         if not more:
             return out
         out |= more

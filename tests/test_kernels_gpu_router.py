@@ -116,7 +116,6 @@ def test_router_logits_tiled(runner, T):
         assert not len(diff), (f"rows {r0}..{r0 + n}: {len(diff)} logits differ from router_logits, first (row, "
                                f"expert) {diff[:3].tolist()}: {got[r0 + diff[0][0], diff[0][1]]!r} vs "
                                f"{want[diff[0][0], diff[0][1]]!r}")
-        assert np.array_equal(got[r0:r0 + n], want)
 
 
 @pytest.mark.parametrize("T,rows_per_block", [(1, 1), (7, 1), (40, 3)])

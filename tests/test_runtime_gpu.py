@@ -59,7 +59,8 @@ SCORE_TOL = 1e-2  # Engine.score vs the engine's own prefill logits (5.2e-3 meas
 # rounding differs, and where a router's 8th and 9th experts nearly tie, one path can pick the other expert. H200,
 # 2026-12-02 (the wgmma prefill GEMM): 79 of 80 positions within 5.7e-3, position 52 at 0.028 on the prompt token
 # and 0.199 on a top-3 candidate, while the prefill there is 3.6e-3 from the w4a16 reference. Such a position is
-# allowed once or twice, up to SCORE_FLIP_TOL; a wiring error (wrong row, token or rank) moves every position by nats.
+# allowed once or twice, its prompt token within PROMPT_LP_TOL and its candidates within SCORE_FLIP_TOL; a wiring
+# error (wrong row, token or rank) moves every position by nats.
 SCORE_FLIPS = 2
 SCORE_FLIP_TOL = 0.5
 TIE_TOL = 1e-2  # |reference logit gap| within which two greedy candidates count as tied (see the docstring)
@@ -288,19 +289,25 @@ def test_prompt_logprobs_match_reference(cuda, reference):
     assert len(got.prompt_logprobs) == len(ids) and got.prompt_logprobs[0] is None
     m, eng, cap = reference.target, cuda.engine, cuda.spec.target.final_logit_softcapping
     rows = m.forward(ids, m.new_cache(), last_only=False).logits
-    own_dev, worst_ref = [], 0.0
+    tok_dev, cand_dev, worst_ref = [], [], 0.0
     for i, (lp, top) in enumerate(got.prompt_logprobs[1:], start=1):
         eng.prefill(ids[:i])
         own = log_softmax(softcap(eng.logits().astype(np.float64), cap))
         third = np.sort(own)[-3]
-        own_dev.append(max(abs(lp - own[ids[i]]), *(abs(v - own[t]) for t, v in top)))
-        if own_dev[-1] <= SCORE_TOL:  # (an expert flip may reorder near-equal candidates: see SCORE_FLIPS)
-            assert len(top) == 3 and all(own[t] >= third - SCORE_TOL for t, _ in top), (i, top)
+        assert len(top) == 3, (i, top)
+        tok_dev.append(abs(lp - own[ids[i]]))
+        cand_dev.append(max(abs(v - own[t]) for t, v in top))
+        if max(tok_dev[-1], cand_dev[-1]) <= SCORE_TOL:  # (an expert flip may reorder near-equal candidates)
+            assert all(own[t] >= third - SCORE_TOL for t, _ in top), (i, top)
         worst_ref = max(worst_ref, abs(lp - log_softmax(rows[i - 1])[ids[i]]))
-    flips = [(i, round(d, 4)) for i, d in enumerate(own_dev, start=1) if d > SCORE_TOL]
-    print(f"prompt logprobs over {len(ids) - 1} tokens: max |score - engine prefill| {max(own_dev):.3g} "
+    dev = np.maximum(tok_dev, cand_dev)
+    flips = [(i, round(float(d), 4)) for i, d in enumerate(dev, start=1) if d > SCORE_TOL]
+    print(f"prompt logprobs over {len(ids) - 1} tokens: max |score - engine prefill| {dev.max():.3g} "
           f"(past {SCORE_TOL}: {flips}), max |score - w4a16 reference| {worst_ref:.3g}")
-    assert len(flips) <= SCORE_FLIPS and max(own_dev) <= SCORE_FLIP_TOL and worst_ref <= PROMPT_LP_TOL
+    # an expert flip: at most SCORE_FLIPS positions, never the first or the last row (a chunk edge), the prompt
+    # token within the reference tolerance, the candidates within SCORE_FLIP_TOL
+    assert len(flips) <= SCORE_FLIPS and all(1 < i < len(dev) for i, _ in flips), flips
+    assert max(tok_dev) <= PROMPT_LP_TOL and max(cand_dev) <= SCORE_FLIP_TOL and worst_ref <= PROMPT_LP_TOL
 
 
 def test_stop_ids_and_length(cuda, reference):

@@ -129,7 +129,7 @@ def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
 
 
 def wgmma_smem(stages: int = WGMMA_STAGES) -> int:
-    """gemm_wgmma.cuh's WgmmaSmem: both 128-byte-row tiles a stage, plus 1 KB to align them."""
+    """gemm_wgmma.cuh's WgmmaLoop::SMEM: both 128-byte-row tiles a stage, plus 1 KB to align them."""
     return stages * (WGMMA_BM + WGMMA_BN) * 128 + 1024
 
 

@@ -37,6 +37,7 @@ template <int R> __device__ __forceinline__ void wgmma_fence_acc(float (&d)[R]) 
 }
 
 // D[64 x BN] += A[64 x 16] * B[BN x 16]^T, fp16 inputs from shared memory (both K-major), fp32 accumulators.
+// Only BN = 128 is instantiated (below).
 template <int BN> __device__ __forceinline__ void wgmma_f16(float (&d)[BN / 2], uint64_t da, uint64_t db);
 
 #define THORGEN_WGMMA_REGS8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
@@ -62,18 +63,18 @@ template <> __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], uint6
 // The smem byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled tile (1024-byte aligned).
 __device__ __forceinline__ uint32_t sw128_offset(int r, int c) { return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-
 // ---- the pipelined K loop -------------------------------------------------------------------------------------
-// Each K step (64 inputs) lands in one stage: the weight tile (WR rows: units unit0.., UPW a warp, decoded from the
-// t16x64 layout) and the token tile (TR = 64 NWG rows, cp.async from this thread's CH fixed 16-byte chunks
-// gp[i] + 64 step, nb[i] = 16 or 0 for a zero-filled padding row). Then each warpgroup issues four wgmmas (k = 16 j)
-// on it: A = its 64 tokens, B = all WR weight rows; acc = [64 tokens x WR rows].
+// Block: two warpgroups (8 warps) over TR = 128 tokens x WR = 128 weight rows. Each K step (64 inputs) lands in one
+// stage: the weight tile (units unit0.., UPW a warp, decoded from the t16x64 layout) and the token tile (cp.async
+// from this thread's CH fixed 16-byte chunks gp[i] + 64 step, nb[i] = 16 or 0 for a zero-filled padding row). Then
+// each warpgroup issues four wgmmas (k = 16 j) on it: A = its 64 tokens, B = all WR weight rows; acc = [64 x WR].
 // Ordering: copies run STAGES - 2 steps ahead and the decode one step ahead, into stages whose wgmmas every
 // warpgroup has retired (wgmma_wait<1> before each barrier); raw weights are loaded PF steps ahead.
 // (Tried and removed: the grouped prefill MoE through this loop, weights as the A operand of m64n64k16 over an
 // expert's <= 64 rows: no faster than its mma.sync form, 202-217 vs 191-199 us a layer for gate/up on the H200.)
-template <int KIND, int N, int K, int WR, int TR, int NWG, int STAGES, int PF>
+template <int KIND, int N, int K, int STAGES, int PF>
 struct WgmmaLoop {
+  static constexpr int WR = 128, TR = 128, NWG = 2;            // the one wgmma shape instantiated: m64n128k16
   static constexpr int THREADS = 128 * NWG, WARPS = 4 * NWG, STEPS = K / 64, UPW = WR / 16 / WARPS;
   static constexpr int CH = TR * 8 / THREADS;                 // 16-byte token chunks a thread copies per step
   static constexpr int ACC = WR / 2;
@@ -87,7 +88,7 @@ struct WgmmaLoop {
   static_assert(KIND != HALF, "the fp16 weights have their own GEMMs");
 
   __device__ static void k_loop(float (&acc)[ACC], const WPtr pe, int unit0, const __half* const (&gp)[CH],
-                             const uint32_t (&nb)[CH]) {
+                                const uint32_t (&nb)[CH]) {
     extern __shared__ uint4 smem_u4[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3, wg = warp >> 2;
     const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_u4) + 1023u) & ~1023u;
@@ -177,7 +178,8 @@ template <int KIND, int N, int K, int BN, int STAGES, int PF, int EPI, typename 
 __device__ __forceinline__ void gemm_large_wgmma(const WPtr p, const float* __restrict__ gscale,
                                                  const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   constexpr int BM = 128;
-  using Loop = WgmmaLoop<KIND, N, K, BN, BM, 2, STAGES, PF>;
+  using Loop = WgmmaLoop<KIND, N, K, STAGES, PF>;
+  static_assert(BN == Loop::WR && BM == Loop::TR, "the planner's tile is the loop's");
   pdl_launch_dependents();
   const int m0 = blockIdx.y * BM;
   if (m0 >= m) return;
