@@ -21,7 +21,9 @@ from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_sta
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
 EXAMPLES = 80  # per operation and generation mode (9 operations; GETs without input yield few cases)
-BUDGET_S = 50  # wall-clock cap for all requests; past it, remaining examples are skipped (and the test fails)
+# wall-clock cap for all requests; past it, remaining examples are skipped (and the test fails). On the 2-core CI
+# machine (2026-12-02) the fuzzing took 37 s alone but ran past 50 s twice inside the whole suite
+BUDGET_S = 100
 # Schemathesis checks we do not run, and why. Everything else (not_a_server_error, status_code_conformance,
 # content_type_conformance, response_schema_conformance, negative_data_rejection, unsupported_method, ...) must
 # pass on every case.
