@@ -5,8 +5,9 @@
 // 128-byte-swizzled tiles (197632 B dynamic).
 #include "thorgen/gemm_wgmma.cuh"
 
-static_assert(thorgen::WgmmaLoop<thorgen::FP4_SHIFT, 256, 512, 6, 4>::SMEM == 197632,
-              "planner and header disagree on smem");
+using Loop = thorgen::WgmmaLoop<thorgen::FP4_SHIFT, 256, 512, 6, 4>;
+static_assert(Loop::SMEM == 197632 && Loop::TR == 128 && Loop::THREADS == 256,
+              "planner and header disagree on the tile");
 
 extern "C" __global__ void __launch_bounds__(256, 1)
 nvfp4_gemmL__n256_k512(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

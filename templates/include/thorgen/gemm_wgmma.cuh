@@ -177,9 +177,9 @@ struct WgmmaLoop {
 template <int KIND, int N, int K, int BN, int STAGES, int PF, int EPI, typename OutT>
 __device__ __forceinline__ void gemm_large_wgmma(const WPtr p, const float* __restrict__ gscale,
                                                  const __half* __restrict__ x, OutT* __restrict__ y, int m) {
-  constexpr int BM = 128;
   using Loop = WgmmaLoop<KIND, N, K, STAGES, PF>;
-  static_assert(BN == Loop::WR && BM == Loop::TR, "the planner's tile is the loop's");
+  constexpr int BM = Loop::TR;
+  static_assert(BN == Loop::WR, "the planner's tile is the loop's");
   pdl_launch_dependents();
   const int m0 = blockIdx.y * BM;
   if (m0 >= m) return;

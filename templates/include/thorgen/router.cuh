@@ -66,6 +66,13 @@ __device__ __forceinline__ void router_topk_warp(const float* lrow, const __nv_b
   }
 }
 
+// The logits' factor from a token's sum of squares: rmsnorm without weight, times H^-0.5. One expression for
+// router_logits and router_logits_tiled, which must round alike (the top-k flips an expert on a near-tie).
+template <int H>
+__device__ __forceinline__ float router_inv_norm(float ss, float eps) {
+  return rsqrtf(ss * (1.0f / H) + eps) * rsqrtf((float)H);
+}
+
 // K == 0: logits only. K > 0 (router_fused): also the top-k of every token, by the token's last block.
 template <int H, int E, int THREADS, int K = 0>
 __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
@@ -100,7 +107,7 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
     }
     ss = block_sum<THREADS>(ss, scratch);
     __syncthreads();  // the xs writes are visible to every warp
-    const float inv = rsqrtf(ss * (1.0f / H) + eps) * rsqrtf((float)H);
+    const float inv = router_inv_norm<H>(ss, eps);
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
@@ -276,7 +283,7 @@ __device__ void router_logits_tiled(const float* __restrict__ x, const __nv_bflo
   for (int tt = warp; tt < BT; tt += THREADS / 32) {
     const float s0 = warp_sum(sq[tt * 64 + lane]), s1 = warp_sum(sq[tt * 64 + 32 + lane]);
     const float ssum = s0 + s1;
-    if (lane == 0) inv_s[tt] = rsqrtf(ssum * (1.0f / H) + eps) * rsqrtf((float)H);
+    if (lane == 0) inv_s[tt] = router_inv_norm<H>(ssum, eps);
   }
   // warp_sum of every pair as a recursive halving: at the step of offset o a lane keeps the half of its pairs whose
   // index has bit log2(o) equal to its lane's and adds the partner's partials of them: the butterfly's adds (a + b
