@@ -3,13 +3,14 @@
 Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 32 = batched decode of 17..32
 sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
   moe_gateup__...  grid (2*Ie/16 units, m*K slots): the first slot naming an expert does that expert's fused gate|up
-                   for all m tokens (one pass over its weights) and writes act[t*K+k] for the tokens that chose it.
+                   for the tokens that chose it (8 a pass over its weights) and writes their act[t*K+k] rows.
   moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
                    their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
                    shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
   moe_down_pairs__ (16 or 32 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
                    norms.py) sums per token in slot order.
+Both run a pass's tokens as the B operand of the swapped mma (moe_small.cuh: expert_tokens).
 Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 """
 
@@ -63,7 +64,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     if mmax > 1 and arch.prefetch_depth >= 4:
         ks, un = (min(4, steps_gu), _units(units_gu, 2)) if mmax <= 16 else (ks, _units(units_gu, 4))
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
-                  w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE, swap=mmax <= 8)
+                  w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
                         make_params(ks=ks, pf=pf, un=un, ROW_GRID=(1, topk, 1), **common),
                         grid=(units_gu // un, mmax * topk, 1),
@@ -92,7 +93,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
         pfd = min(16, math.ceil(steps_d / ksd))
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
-                      make_params(nw=nw, ksd=ksd, pf=pfd, **common),
+                      make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
                       grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
     return [gateup, down]
 
