@@ -127,3 +127,38 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     keep[0, -1] = 0.0
     _, _, downs = experts.lists(ids)
     assert R.norm_err(y, R.moe_down_ref(act16, ids, keep, downs)) <= R.TOL_MOE_OUT
+
+
+def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m: int, dtype) -> np.ndarray:
+    topk = runner.spec.target.top_k_experts
+    res = runner.run(kernel, dict(common, **extra, m=np.int32(m), **{out: np.full((m * topk, width), np.nan, dtype)}),
+                     {out: ((m * topk, width), dtype)}, grid=(kernel.grid[0], m * topk, 1))
+    return res[out]
+
+
+def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
+    """A token's gate/up act rows and down pair rows are bit-identical whatever else the step holds: alone, among 5,
+    or among 32 tokens sharing its experts (passes of 16 and 8), and in the 16- and the 32-row kernel. The batched
+    engine relies on this for a sequence's output not to depend on its batch (issue 9)."""
+    rng = np.random.default_rng(24)
+    t = runner.spec.target
+    h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
+    ids, wts = R.moe_routing(rng, 32, t.num_experts, topk, pool=topk + 3)
+    x = R.act_f16(rng, 32, h)
+    act16 = R.act_f16(rng, 32 * topk, ie)
+    gu = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g}
+    dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g}
+    k16, k32 = runner.find("moe_gateup__m16_")[0], runner.find("moe_gateup__m32_")[0]
+    d16, d32 = runner.find("moe_down_pairs__m16_")[0], runner.find("moe_down_pairs__m32_")[0]
+    for a, b in ((k16, k32), (d16, d32)):
+        assert [a.param(q) for q in ("ks", "un", "pf")] == [b.param(q) for q in ("ks", "un", "pf")], (a.name, b.name)
+    full_act = _pairs_of(runner, k32, gu, {"x": x, "ids": ids}, "act", ie, 32, np.float16)
+    full_dn = _pairs_of(runner, d32, dn, {"act": act16, "ids": ids, "wts": wts}, "ypair", h, 32, np.float32)
+    for kernel, down, rows in ((k32, d32, [7]), (k32, d32, [3, 9, 17, 30, 31]), (k16, d16, list(range(16)))):
+        sub = np.array(rows)
+        pairs = (sub[:, None] * topk + np.arange(topk)).ravel()
+        act = _pairs_of(runner, kernel, gu, {"x": x[sub], "ids": ids[sub]}, "act", ie, len(rows), np.float16)
+        np.testing.assert_array_equal(act, full_act[pairs], err_msg=f"{kernel.name} rows {rows}")
+        y = _pairs_of(runner, down, dn, {"act": act16[pairs], "ids": ids[sub], "wts": wts[sub]}, "ypair", h,
+                      len(rows), np.float32)
+        np.testing.assert_array_equal(y, full_dn[pairs], err_msg=f"{down.name} rows {rows}")

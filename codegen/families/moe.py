@@ -56,13 +56,13 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     # layer vs 128.0 (fewer registers, more warps resident); 8 was no better than 4, more warps (KS) slower.
     if mmax > 1 and arch.prefetch_depth >= 4:
         pf = min(pf, 2)
-    # Units a block (a warp runs them all on each activation step it loads: the 16- and 32-row kernels are bound
-    # by re-reading the token rows from L1/L2, 90-180 KB a block, more than by the weights). H200 sweep
-    # (.gpu/moe32_sweep.py, kept out of the repo; KS 1-4 x UN 1-4, 2026-12-01): 16 rows KS 4 x UN 2 93.7 -> 77.7
-    # us a layer, 32 rows KS 2 x UN 4 192.9 -> 156.6.
+    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
+    # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
+    # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
+    # UN 1 x PF 4, the one-token blocking, 139). All m rows as A tiles (until 2026-12-02): 79.9 and 171.7 us.
     un = 1
     if mmax > 1 and arch.prefetch_depth >= 4:
-        ks, un = (min(4, steps_gu), _units(units_gu, 2)) if mmax <= 16 else (ks, _units(units_gu, 4))
+        ks, un = min(4, steps_gu), _units(units_gu, 2)
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
@@ -73,12 +73,11 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     steps_d = ie // TILE_K
     units_d = h // TILE_N
     if mmax > 1:
-        # a block per (unit, expert), like gate/up. Against moe_down with the sweep's best blocking (H200,
-        # 2026-12-01): 100.9 -> 66.8 us a layer (kernel bench), the batched 16-row step 9.02 -> 8.41 ms. Its own
-        # sweep (.gpu/pairs_sweep.py, kept out of the repo; KS 1-4 x PF 2-8): one warp a block with 2 steps in
-        # flight is fastest, 56.3 us against 71.3 for 2 warps x 4 (more blocks resident beat deeper prefetch).
-        # (the same sweep: 2 units a block 54.3 -> 51.4 us at 16 rows; at 32 rows one unit stays best, 120 us)
-        kp, upd = 1, _units(units_d, 2) if mmax <= 16 and arch.prefetch_depth >= 4 else 1
+        # a block per (unit, expert), like gate/up (against moe_down, 2026-12-01: 100.9 -> 66.8 us a layer at 16
+        # rows). One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper prefetch).
+        # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
+        # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
+        kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
                            make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, ROW_GRID=(1, topk, 1),
                                        **common),

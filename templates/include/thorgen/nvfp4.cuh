@@ -202,7 +202,8 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
 // units, weights prefetched PF steps ahead in registers. Each weight step is decoded once for all RT tiles (a
 // 32-row step reads each weight byte once, like 16 rows) and each activation step is loaded once for all UN units
 // (UN x fewer activation reads from L1/L2, which bound the 32-row MoE kernels).
-// rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros).
+// rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros). Swapped (kSwap): tile rt is a group of
+// 8 tokens, rows[2 * rt] the lane's token gid of it (rows[2 * rt + 1] unused).
 // kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
 template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false>
 __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
@@ -210,8 +211,8 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
   static_assert(PF >= 1 && PF <= 16, "prefetch depth out of range");
   static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a warp, dividing the matrix's units");
-  static_assert(!(kSwap && kTwoRows), "the swapped form holds at most 8 tokens");
-  static_assert(RT >= 1 && RT <= 2 && (RT == 1 || (kTwoRows && !kSwap)), "1 or 2 tiles; two are full 16-row tiles");
+  static_assert(!(kSwap && kTwoRows), "a swapped tile holds 8 tokens");
+  static_assert(RT >= 1 && RT <= 2 && (RT == 1 || kTwoRows || kSwap), "1 or 2 tiles: full 16-row or 8-token ones");
   const int lane = threadIdx.x & 31, t4 = lane & 3;
   WStep<KIND> ring[UN][PF];
 #pragma unroll
