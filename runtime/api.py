@@ -189,7 +189,7 @@ class EngineClient:
 
     def __init__(self, opener: Callable[[], Backend], backend_name: str = "reference", kv_dtype: str = "bf16",
                  max_queue: int = 1024, max_num_seqs: int = 8, kv_tokens: int | None = None,
-                 max_step_tokens: int = 512) -> None:
+                 max_step_tokens: int | None = None) -> None:
         self.backend_name, self.kv_dtype, self.max_queue = backend_name, kv_dtype, max_queue
         self.max_num_seqs, self.kv_tokens, self.max_step_tokens = max_num_seqs, kv_tokens, max_step_tokens
         self.backend: Backend | None = None

@@ -74,11 +74,24 @@ class _Once:
             fn()
 
 
+def default_step_tokens(runner: ModelRunner) -> int:
+    """A step's token budget: a chunked-prefill runner gets one whole prefill chunk beside every running sequence's
+    decode (or verify block). Its prefill and decode are separate forwards, so the chunk's rows are bounded by the
+    engine, not by the decodes; a budget of 512 split a 512-token prompt into 480 + 32 rows beside 32 decodes, and
+    the 32-row remainder cost a second prefill forward (all its launches, and every expert its rows touch read
+    again). A whole-prompt runner keeps 512 (a prompt waits for a step whose budget holds it)."""
+    if runner.prefill_chunk is None:
+        return 512
+    return runner.prefill_chunk + runner.max_num_seqs * runner.verify_block
+
+
 class EngineCore:
     """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int = 512, block_size: int = KV_PAGE) -> None:
+    def __init__(self, runner: ModelRunner, max_step_tokens: int | None = None, block_size: int = KV_PAGE) -> None:
         self.runner = runner
+        if max_step_tokens is None:
+            max_step_tokens = default_step_tokens(runner)
         pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
         self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
                                    runner.verify_block, runner.prefill_chunk)

@@ -83,6 +83,25 @@ def test_batched_equals_alone_with_interleaved_prefill(backend, sampling):
     assert max(s[1] for s in runner.steps if s[0] == "decode") >= 2
 
 
+def test_default_budget_prefills_a_whole_chunk_beside_every_decode(backend):
+    """The default step budget (a chunked runner) holds one whole prefill chunk beside every running sequence's
+    decode: a prompt of one chunk's length, arriving while the others decode, runs as one prefill, not as the
+    chunk minus the decodes plus a remainder forward."""
+    runner = Recording(backend.runner(max_num_seqs=4))
+    runner.prefill_chunk = 16
+    core = EngineCore(runner)
+    assert core.scheduler.max_step_tokens == 16 + 4 * runner.verify_block
+    for i in range(3):
+        core.add(f"d{i}", _prompt(6, 90 + i), 12, GREEDY)
+    for _ in range(4):
+        core.step()
+    core.add("late", _prompt(16, 95), 4, GREEDY)
+    outs = _run(core)
+    late = [s for s in runner.steps if s[0] == "prefill" and s[1] == "late"]
+    assert [(s[2], s[3]) for s in late] == [(0, 16)], late
+    assert _tokens(outs["late"]) == _alone(backend, _prompt(16, 95), 4, GREEDY)
+
+
 def test_speculative_batched_equals_plain(backend):
     prompts = {f"s{i}": _prompt(n, 40 + i) for i, n in enumerate((12, 30, 5))}
     core = EngineCore(backend.runner(max_num_seqs=3))

@@ -30,6 +30,10 @@ from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order,
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
+# An expert's pairs a pass over its weights (moe_small.cuh): 8 = one token group of the swapped mma. 16 (two groups,
+# one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
+# 2026-12-02, call 2: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
+PASS_WIDTH = 8
 
 
 def _units(units: int, most: int) -> int:
@@ -66,7 +70,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, un=un, ROW_GRID=(1, topk, 1), **common),
+                        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1), **common),
                         grid=(units_gu // un, mmax * topk, 1),
                         block=(32 * ks, 1, 1),
                         args=GATEUP_ARGS, family="moe")
@@ -79,7 +83,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
         kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, ROW_GRID=(1, topk, 1),
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1),
                                        **common),
                            grid=(units_d // upd, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
         return [gateup, pairs]

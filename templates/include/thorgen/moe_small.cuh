@@ -2,7 +2,7 @@
 // (nvfp4.cuh, gemm_nvfp4.cuh). Grid (16-row unit groups, m * TOPK slots): a block works only when its slot is the
 // first one naming its expert ("leader"), so every selected expert's weights are read once per unit, whatever the
 // step's routing, and every output row is written by exactly one block (no atomics, deterministic).
-// Gate/up and the many-row down run over the expert's own tokens only (expert_tokens), 8 or 16 at a time, as the
+// Gate/up and the many-row down run over the expert's own tokens only (expert_tokens), PW (8 or 16) a pass, as the
 // B operand of the swapped mma (the 16 weight rows are A): at 32 random tokens an expert has ~2.3 of them, and
 // the former form (all m rows as A tiles) re-read every token row from L1/L2 for each (unit, expert) block, 90-180
 // KB a block, more than the block's weights.
@@ -90,32 +90,18 @@ __device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe
     for (int g = 0; g < TG; ++g) swap_to_smem(red[u] + 8 * g, acc[u][g], gid, t4);
 }
 
-// A pass's width: 16 pairs when more than 8 remain (two token groups on each decoded weight step: 16 verify rows
-// of one sequence often share an expert), else 8. One token: always 8 (one instantiation, as before).
-template <int MMAX> __device__ __forceinline__ int pass_width(int left) { return MMAX > 8 && left > 8 ? 16 : 8; }
-
-// Both pass widths of one expert_pass call site (the wide one only where MMAX allows it).
-template <int KIND, int N, int K, int PF, int UN, int DIV, int MMAX, int PW>
-__device__ __forceinline__ void expert_pass_w(int pw, float (*red)[PW][16], const WPtr& pe, int unit0,
-                                              const __half* base, const int* pair, int c0, int n, int s0, int s1) {
-  if constexpr (MMAX > 8) {
-    if (pw == 16) return expert_pass<KIND, N, K, PF, UN, 2, DIV, PW>(red, pe, unit0, base, pair, c0, n, s0, s1);
-  }
-  expert_pass<KIND, N, K, PF, UN, 1, DIV, PW>(red, pe, unit0, base, pair, c0, n, s0, s1);
-}
-
 // Block (UN units, slot), leader only: the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
-// over its tokens, 8 or 16 a pass (pass_width; a further pass re-streams the unit's weights, from L2), KS warps
+// over its tokens, PW (8 or 16) a pass (a further pass re-streams the unit's weights, from L2), KS warps
 // splitting H: act[(t*TOPK + k)][IE] = gelu(gate) * up in fp16. A token's result depends neither on the other
 // tokens of the step nor on its column in the pass.
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1>
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8>
 __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, const int* __restrict__ ids,
                                            __half* __restrict__ act, int m) {
   static_assert((2 * IE) % 16 == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile");
   constexpr int STEPS = H / 64;
   constexpr size_t EW = (size_t)2 * IE * H / 2, ES = (size_t)2 * IE * H / 16;
-  constexpr int PW = MMAX > 8 ? 16 : 8;
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
   __shared__ float red[KS][UN][PW][16];
   __shared__ int pairs[KS][MMAX];
   pdl_launch_dependents();
@@ -128,12 +114,11 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
   const float* gs = gscale + (size_t)e * (2 * IE / 8);
-  for (int c0 = 0, pw; c0 < n; c0 += pw) {
-    pw = pass_width<MMAX>(n - c0);
-    expert_pass_w<KIND, 2 * IE, H, PF, UN, TOPK, MMAX, PW>(pw, red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
+  for (int c0 = 0; c0 < n; c0 += PW) {
+    expert_pass<KIND, 2 * IE, H, PF, UN, PW / 8, TOPK, PW>(red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
     __syncthreads();
-    for (int i = threadIdx.x; i < UN * pw * 8; i += KS * 32) {
-      const int u = i / (pw * 8), r = (i >> 3) % pw, c = i & 7, unit = unit0 + u;
+    for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
+      const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
       if (c0 + r >= n) continue;
       float g = 0.f, up = 0.f;
 #pragma unroll
@@ -255,11 +240,11 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
 }
 
 // Block (UN units, slot), leader only, as moe_gateup: the expert's down rows of these units over the act rows of
-// its pairs, 8 or 16 a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail
+// its pairs, PW a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail
 // (its PAIRS form) then sums a token's pairs in slot order, whatever else the step holds. One block per (unit,
 // expert) spreads the ~80 experts 16 tokens select over the whole GPU, where moe_down's H/16 blocks each walk all
 // of them.
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1>
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8>
 __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __restrict__ gscale,
                                                const __half* __restrict__ act, const int* __restrict__ ids,
                                                const float* __restrict__ wts, float* __restrict__ ypair, int m) {
@@ -267,7 +252,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
   constexpr int STEPS = IE / 64;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
-  constexpr int PW = MMAX > 8 ? 16 : 8;
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
   __shared__ float red[KS][UN][PW][16];
   __shared__ int pairs[KS][MMAX];
   pdl_launch_dependents();
@@ -280,12 +265,11 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
   const float* gs = gscale + (size_t)e * (H / 8);
-  for (int c0 = 0, pw; c0 < n; c0 += pw) {
-    pw = pass_width<MMAX>(n - c0);
-    expert_pass_w<KIND, H, IE, PF, UN, 1, MMAX, PW>(pw, red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
+  for (int c0 = 0; c0 < n; c0 += PW) {
+    expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
     __syncthreads();
-    for (int i = threadIdx.x; i < UN * pw * 16; i += KS * 32) {
-      const int u = i / (pw * 16), r = (i >> 4) % pw, c = i & 15, unit = unit0 + u;
+    for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
+      const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
       if (c0 + r >= n) continue;
       float v = 0.f;
 #pragma unroll
