@@ -148,7 +148,8 @@ class BlockPool:
 
 
 class Scheduler:
-    """FCFS admission under a KV budget and `max_num_seqs`; chunked prefill under `max_step_tokens` per step."""
+    """FCFS admission under a KV budget and `max_num_seqs`; chunked prefill under `max_step_tokens` per step (a
+    step's first chunk may be cut by the budget, later ones only whole: _fits_whole)."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_step_tokens: int, max_context: int,
                  verify_block: int = 1, prefill_chunk: int | None = None) -> None:
@@ -202,7 +203,7 @@ class Scheduler:
             budget -= 1
         prefills: list[Prefill] = []
         for seq in [s for s in self.running if s.num_cached < s.prefill_target]:  # admitted, prompt not done
-            if budget <= 0:
+            if budget <= 0 or (prefills and not self._fits_whole(seq, budget)):
                 break
             chunk = self._chunk(seq, budget)
             if chunk is not None:
@@ -210,6 +211,8 @@ class Scheduler:
                 budget -= chunk.end - chunk.start
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if prefills and not self._fits_whole(seq, budget):
+                break
             if not self.pool.grow(seq, min(seq.prefill_target + self.step_tokens(seq), self.max_context)):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -220,6 +223,15 @@ class Scheduler:
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
         return Schedule(tuple(prefills), tuple(decodes), tuple(preempted), tuple(exhausted))
+
+    def _fits_whole(self, seq: Sequence, budget: int) -> bool:
+        """Whether `budget` holds the sequence's next chunk whole (the rest of its prompt, or a full chunk). A
+        chunked runner runs each chunk as a forward of its own, which costs about as much for a few rows as for a
+        full chunk (all its launches; the grouped MoE reads every expert its rows touch), so a step's chunks after
+        its first are taken only whole: a step's leftover budget no longer starts the next prompt with a sliver."""
+        if self.prefill_chunk is None:
+            return True
+        return budget >= min(seq.prefill_target - seq.num_cached, self.prefill_chunk)
 
     def _chunk(self, seq: Sequence, budget: int) -> Prefill | None:
         start, target = seq.num_cached, seq.prefill_target

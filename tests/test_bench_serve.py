@@ -44,6 +44,7 @@ def test_bench_serve_levels(tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == 2 * lv["concurrency"] and lv["completion_tokens"] == 12 * lv["requests"]
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
+        assert len(lv["ttft_ms_by_send"]) == lv["requests"] and min(lv["ttft_ms_by_send"]) > 0
         assert lv["aggregate_tok_s"] > 0
         # the engine thread's own account of the level (from /health): every step sleeps `delay` somewhere
         steps = lv["engine_steps"]

@@ -102,6 +102,22 @@ def test_default_budget_prefills_a_whole_chunk_beside_every_decode(backend):
     assert _tokens(outs["late"]) == _alone(backend, _prompt(16, 95), 4, GREEDY)
 
 
+def test_a_steps_later_chunks_are_whole(backend):
+    """After a step's first prefill chunk, the leftover budget does not start the next prompt with a few rows (each
+    chunk is a forward of its own): three one-chunk prompts arriving together run as three whole chunks."""
+    runner = Recording(backend.runner(max_num_seqs=4))
+    runner.prefill_chunk = 16
+    core = EngineCore(runner, max_step_tokens=20)
+    prompts = {f"w{i}": _prompt(16, 60 + i) for i in range(3)}
+    for rid, prompt in prompts.items():
+        core.add(rid, prompt, 3, GREEDY)
+    outs = _run(core)
+    chunks = [(s[1], s[2], s[3]) for s in runner.steps if s[0] == "prefill"]
+    assert chunks == [(rid, 0, 16) for rid in prompts], chunks
+    for rid, prompt in prompts.items():
+        assert _tokens(outs[rid]) == _alone(backend, prompt, 3, GREEDY), rid
+
+
 def test_speculative_batched_equals_plain(backend):
     prompts = {f"s{i}": _prompt(n, 40 + i) for i, n in enumerate((12, 30, 5))}
     core = EngineCore(backend.runner(max_num_seqs=3))
