@@ -36,26 +36,29 @@ STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB l
 @dataclass(frozen=True)
 class GemmCfg:
     """Blocking of one grouped GEMM: warps per block, 16-column units per warp (the A fragments a warp reads from
-    shared memory serve all its units), weight prefetch depth in steps, A stages, and min_blocks (launch bounds:
-    caps registers at 64K / (min_blocks * threads))."""
+    shared memory serve all its units), weight prefetch depth in steps, A stages, min_blocks (launch bounds:
+    caps registers at 64K / (min_blocks * threads)), and swap (the decoded weights as the mma's A operand, the
+    tile's rows as B, 8 at a time: moe_grouped.cuh, grouped_mainloop)."""
 
     nwarp: int = 4
     upw: int = 1
     pf: int = 4
     stages: int = STAGES
     min_blocks: int = 4
+    swap: bool = False
 
     @property
     def tag(self) -> str:
-        return f"w{self.nwarp}u{self.upw}p{self.pf}s{self.stages}"
+        return f"w{self.nwarp}u{self.upw}p{self.pf}s{self.stages}" + ("x" if self.swap else "")
 
 
 # H200, T = 512 random routing (bench_moe_grouped, graph-replayed, weights rotated past L2): 2 units per warp with
 # prefetch 2 beat 1 unit with prefetch 4 (gate/up 198 vs 222 us, down 108 vs 123 us); 4 A stages: same; 32-row
 # tiles: slower (217 / 113 us). ~162 registers: 3 blocks of 4 warps per SM. ncu: issue-bound (51% slots busy) with
 # MOV / IMAD.MOV = half the loop's instructions (the A fragments of the non-swapped mma need regrouping).
-GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
-DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3)
+# Swapped (2026-12-02): not yet measured when this was written; see docs/BENCHMARKS.md.
+GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
+DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
 
 PLAN_ARGS = ("ids", "offsets", "pairs", "tiles", "T")
 GATEUP_ARGS = ("w", "s", "gscale", "x", "pairs", "tiles", "act")
@@ -102,7 +105,7 @@ def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, a
     require(cfg.stages >= 2 and cfg.pf >= 1 and 1 <= cfg.min_blocks <= 32, f"moe_grouped {which}: bad blocking {cfg}")
     return KernelSpec(f"moe_grouped_{which}__{tag}_{cfg.tag}", f"moe_grouped_{which}.cu.j2",
                       make_params(nwarp=cfg.nwarp, upw=cfg.upw, pf=min(cfg.pf, steps), stages=cfg.stages,
-                                  min_blocks=cfg.min_blocks, **base),
+                                  min_blocks=cfg.min_blocks, swap=cfg.swap, **base),
                       grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1), block=(32 * cfg.nwarp, 1, 1),
                       smem_bytes=_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
 
@@ -145,7 +148,8 @@ def random_routing(rng: np.random.Generator, rows: int, experts: int, topk: int)
 
 # Alternative blockings timed beside the planned one (tile_rows, gate/up cfg, down cfg): the numbers above.
 BENCH_VARIANTS: tuple[tuple[int, GemmCfg, GemmCfg], ...] = tuple(
-    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 1, 4, 3, 4)), (64, (4, 2, 2, 4, 3)), (32, (4, 2, 2, 3, 4))))
+    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 2, 2, 3, 3)), (64, (4, 1, 4, 3, 4)), (64, (4, 2, 2, 4, 3)),
+                                                 (32, (4, 2, 2, 3, 4)), (64, (4, 1, 4, 3, 4, True))))
 
 
 def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int, gcfg: GemmCfg, dcfg: GemmCfg,

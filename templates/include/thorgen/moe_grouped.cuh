@@ -120,10 +120,14 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
 // ---- grouped GEMM core ------------------------------------------------------------------------------------------
 // acc[u][mt] += rows(mt) . W[unit0 + u]^T over all K steps, u < UPW units per warp (the A fragments read from
 // shared memory once serve all of them). `src[r]` (shared) = row r's K activations, nullptr = padding (zero-filled
-// by cp.async). Only the first `mts` m-tiles (those holding real rows) issue tensor-core work.
-template <int KIND, int N, int K, int BM, int NWARP, int UPW, int STAGES, int PF>
+// by cp.async). Only the m-tiles holding real rows (`rows` of them) issue tensor-core work.
+// SWAP: the decoded weights are the mma's A operand and each 8-row half of an m-tile its B operand (mma_step_swap1;
+// acc[u][mt][h] = C[16 weight rows][rows mt*16 + 8h ..]): the activations then go to the mma as loaded, where the
+// non-swapped A operand needs its registers regrouped (ncu on the H200: half the loop's instructions were MOVs).
+template <int KIND, int N, int K, int BM, int NWARP, int UPW, int STAGES, int PF, bool SWAP = false>
 __device__ __forceinline__ void grouped_mainloop(float (&acc)[UPW][BM / 16][2][4], const WPtr pe, int unit0,
-                                                 const __half* const* src, __half* As, int mts) {
+                                                 const __half* const* src, __half* As, int rows) {
+  const int mts = (rows + 15) >> 4, halves = (rows + 7) >> 3;
   static_assert(N % (16 * NWARP * UPW) == 0 && K % 64 == 0, "N must be a multiple of 16*NWARP*UPW, K of 64");
   static_assert(BM % 16 == 0 && BM <= 128 && STAGES >= 2 && PF >= 1 && UPW >= 1, "BM in 16..128, >= 2 stages");
   constexpr int STEPS = K / 64, MT = BM / 16, THREADS = NWARP * 32, PITCH = LargeSmem<BM, STAGES>::PITCH;
@@ -189,8 +193,17 @@ __device__ __forceinline__ void grouped_mainloop(float (&acc)[UPW][BM / 16][2][4
             a.r0[1] = *reinterpret_cast<const uint4*>(r0 + 8);
             a.r1[0] = *reinterpret_cast<const uint4*>(r1);
             a.r1[1] = *reinterpret_cast<const uint4*>(r1 + 8);
+            if constexpr (SWAP) {
+              const bool second = 2 * mt + 1 < halves;  // rows mt*16 + 8 .. hold a real row
 #pragma unroll
-            for (int u = 0; u < UPW; ++u) mma_step<true>(acc[u][mt], a, b[u]);
+              for (int u = 0; u < UPW; ++u) {
+                mma_step_swap1(acc[u][mt][0], a.r0, b[u]);
+                if (second) mma_step_swap1(acc[u][mt][1], a.r1, b[u]);
+              }
+            } else {
+#pragma unroll
+              for (int u = 0; u < UPW; ++u) mma_step<true>(acc[u][mt], a, b[u]);
+            }
           }
         }
       }
@@ -205,7 +218,7 @@ __device__ __forceinline__ bool load_tile_record(const int4* __restrict__ tiles,
   return e >= 0 && e < E && rows > 0;
 }
 
-template <int KIND, int IE, int H, int E, int TOPK, int BM, int NWARP, int UPW, int STAGES, int PF>
+template <int KIND, int IE, int H, int E, int TOPK, int BM, int NWARP, int UPW, int STAGES, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __restrict__ gscale,
                                                    const __half* __restrict__ x, const int* __restrict__ pairs,
                                                    const int4* __restrict__ tiles, __half* __restrict__ act) {
@@ -224,8 +237,8 @@ __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit0 = (blockIdx.x * NWARP + warp) * UPW;
   float acc[UPW][MT][2][4] = {};
-  grouped_mainloop<KIND, N, H, BM, NWARP, UPW, STAGES, PF>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
-                                                            reinterpret_cast<__half*>(smem_u4), (rows + 15) >> 4);
+  grouped_mainloop<KIND, N, H, BM, NWARP, UPW, STAGES, PF, SWAP>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
+                                                                  reinterpret_cast<__half*>(smem_u4), rows);
   const float* gs = gscale + (size_t)e * (N / 8);
 #pragma unroll
   for (int u = 0; u < UPW; ++u) {
@@ -235,6 +248,14 @@ __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        if constexpr (SWAP) {  // c: (gate col gid, rows r, r + 1), then up
+          const float(&c)[4] = acc[u][mt][h];
+          const int r = mt * 16 + 8 * h + 2 * t4;
+          __half* dst = act + (size_t)(start + r) * IE + 8 * unit + gid;
+          if (r < rows) dst[0] = __float2half_rn(gelu_tanh_f(c[0] * fg) * (c[2] * fu));
+          if (r + 1 < rows) dst[IE] = __float2half_rn(gelu_tanh_f(c[1] * fg) * (c[3] * fu));
+          continue;
+        }
         const int r = mt * 16 + gid + 8 * h;
         if (r >= rows) continue;
         const float(&c)[2][4] = acc[u][mt];
@@ -246,7 +267,7 @@ __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __
   }
 }
 
-template <int KIND, int IE, int H, int E, int TOPK, int BM, int NWARP, int UPW, int STAGES, int PF>
+template <int KIND, int IE, int H, int E, int TOPK, int BM, int NWARP, int UPW, int STAGES, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __restrict__ gscale,
                                                  const __half* __restrict__ act, const int* __restrict__ pairs,
                                                  const int4* __restrict__ tiles, const float* __restrict__ wts,
@@ -272,8 +293,8 @@ __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __re
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit0 = (blockIdx.x * NWARP + warp) * UPW;
   float acc[UPW][MT][2][4] = {};
-  grouped_mainloop<KIND, H, IE, BM, NWARP, UPW, STAGES, PF>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
-                                                             reinterpret_cast<__half*>(smem_u4), (rows + 15) >> 4);
+  grouped_mainloop<KIND, H, IE, BM, NWARP, UPW, STAGES, PF, SWAP>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
+                                                                   reinterpret_cast<__half*>(smem_u4), rows);
   const float* gs = gscale + (size_t)e * (H / 8);
 #pragma unroll
   for (int u = 0; u < UPW; ++u) {
@@ -283,6 +304,18 @@ __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __re
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        if constexpr (SWAP) {  // c: (col gid, rows r, r + 1), then col 8 + gid
+          const float(&c)[4] = acc[u][mt][h];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int r = mt * 16 + 8 * h + 2 * t4 + q;
+            if (r >= rows) continue;
+            float* dst = ypair + (size_t)spair[r] * H + 16 * unit + gid;
+            dst[0] = c[q] * f0 * swt[r];
+            dst[8] = c[2 + q] * f1 * swt[r];
+          }
+          continue;
+        }
         const int r = mt * 16 + gid + 8 * h;
         if (r >= rows) continue;
         const float w = swt[r];

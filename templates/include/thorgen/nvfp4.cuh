@@ -198,6 +198,17 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
   }
 }
 
+// The swapped step with one accumulator chain, for callers that hold several token groups (their mma's are
+// independent already): c += the unit's 16 weight rows x 8 tokens, x = the lane's token gid (its k 16*t4 .. of the
+// step, as AStep::r0); c0 = (row gid, token 2t4), c1 = (gid, 2t4+1), c2 = (gid+8, 2t4), c3 = (gid+8, 2t4+1).
+__device__ __forceinline__ void mma_step_swap1(float (&c)[4], const uint4 (&x)[2], const uint32_t (&b)[2][4][2]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 q = x[j >> 1];
+    mma_f16(c, b[0][j][0], b[1][j][0], b[0][j][1], b[1][j][1], (j & 1) ? q.z : q.x, (j & 1) ? q.w : q.y);
+  }
+}
+
 // One warp: acc[u][rt] += the rows of 16-row tile rt x W[unit0 + u]^T over steps [s0, s1), for UN consecutive
 // units, weights prefetched PF steps ahead in registers. Each weight step is decoded once for all RT tiles (a
 // 32-row step reads each weight byte once, like 16 rows) and each activation step is loaded once for all UN units
