@@ -56,7 +56,8 @@ class GemmCfg:
 # prefetch 2 beat 1 unit with prefetch 4 (gate/up 198 vs 222 us, down 108 vs 123 us); 4 A stages: same; 32-row
 # tiles: slower (217 / 113 us). ~162 registers: 3 blocks of 4 warps per SM. ncu: issue-bound (51% slots busy) with
 # MOV / IMAD.MOV = half the loop's instructions (the A fragments of the non-swapped mma need regrouping).
-# Swapped (2026-12-02): not yet measured when this was written; see docs/BENCHMARKS.md.
+# Swapped (H200, 2026-12-02, the same harness): gate/up 200.5 -> 193.1 us, down 108.9 -> 110.6 (noise): the
+# regrouping MOVs were not what bound it; the MoE stays at ~1.5 TB/s. Other swapped blockings: 193-231 / 110-124.
 GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
 DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
 
