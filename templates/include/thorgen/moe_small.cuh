@@ -90,36 +90,6 @@ __device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe
     for (int g = 0; g < TG; ++g) swap_to_smem(red[u] + 8 * g, acc[u][g], gid, t4);
 }
 
-// The many-row kernels' shared body: the leader check, the expert's pairs, then per pass of PW pairs the warps'
-// partial sums red[w][u][i][16] over this block's UN units of the expert's [N x K] weights (KS warps split K; the
-// pass's rows of `base` are row pair / DIV); finish(e, unit0, c0, n, red, pair) writes the pass's outputs between two
-// barriers (pair: the expert's pairs in token order).
-template <int KIND, int N, int K, int E, int TOPK, int KS, int MMAX, int PF, int UN, int PW, int DIV, typename Finish>
-__device__ __forceinline__ void expert_passes(const WPtr p, const int* __restrict__ ids, int m, const __half* base,
-                                              Finish finish) {
-  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
-  static_assert(KS >= 1 && KS <= K / 64, "K split must give every warp at least one step");
-  constexpr int STEPS = K / 64;
-  constexpr size_t EW = (size_t)N * K / 2, ES = (size_t)N * K / 16;
-  __shared__ float red[KS][UN][PW][16];
-  __shared__ int pairs[KS][MMAX];
-  pdl_launch_dependents();
-  pdl_wait();  // ids, the activations (and the routing weights) come from the kernels before
-  m = m < MMAX ? m : MMAX;
-  int e;
-  if (!leads<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
-  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
-  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
-  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
-  const WPtr pe{p.w + e * EW, p.s + e * ES};
-  for (int c0 = 0; c0 < n; c0 += PW) {
-    expert_pass<KIND, N, K, PF, UN, PW / 8, DIV, PW>(red[warp], pe, unit0, base, pairs[warp], c0, n, s0, s1);
-    __syncthreads();
-    finish(e, unit0, c0, n, red, pairs[0]);
-    __syncthreads();  // red is rewritten by the next pass
-  }
-}
-
 // Block (UN units, slot), leader only: the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
 // over its tokens, PW (8 or 16) a pass (a further pass re-streams the unit's weights, from L2), KS warps
 // splitting H: act[(t*TOPK + k)][IE] = gelu(gate) * up in fp16. A token's result depends neither on the other
@@ -129,19 +99,35 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
                                            const __half* __restrict__ x, const int* __restrict__ ids,
                                            __half* __restrict__ act, int m) {
   static_assert((2 * IE) % 16 == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile");
-  expert_passes<KIND, 2 * IE, H, E, TOPK, KS, MMAX, PF, UN, PW, TOPK>(
-      p, ids, m, x, [&](int e, int unit0, int c0, int n, const float (*red)[UN][PW][16], const int* pair) {
-        const float* gs = gscale + (size_t)e * (2 * IE / 8);
-        for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
-          const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
-          if (c0 + r >= n) continue;
-          float g = 0.f, up = 0.f;
+  constexpr int STEPS = H / 64;
+  constexpr size_t EW = (size_t)2 * IE * H / 2, ES = (size_t)2 * IE * H / 16;
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
+  __shared__ float red[KS][UN][PW][16];
+  __shared__ int pairs[KS][MMAX];
+  pdl_launch_dependents();
+  pdl_wait();  // ids and x come from the router / norm kernels
+  m = m < MMAX ? m : MMAX;
+  int e;
+  if (!leads<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
+  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
+  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
+  const WPtr pe{p.w + e * EW, p.s + e * ES};
+  const float* gs = gscale + (size_t)e * (2 * IE / 8);
+  for (int c0 = 0; c0 < n; c0 += PW) {
+    expert_pass<KIND, 2 * IE, H, PF, UN, PW / 8, TOPK, PW>(red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
+    __syncthreads();
+    for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
+      const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
+      if (c0 + r >= n) continue;
+      float g = 0.f, up = 0.f;
 #pragma unroll
-          for (int w = 0; w < KS; ++w) { g += red[w][u][r][c]; up += red[w][u][r][8 + c]; }
-          const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
-          act[(size_t)pair[c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
-        }
-      });
+      for (int w = 0; w < KS; ++w) { g += red[w][u][r][c]; up += red[w][u][r][8 + c]; }
+      const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
+      act[(size_t)pairs[0][c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
+    }
+    __syncthreads();  // red is rewritten by the next pass
+  }
 }
 
 // Block = one 16-row unit of the down projections (H rows), all experts: NW warps = NG slot groups x KSD K-parts.
@@ -263,19 +249,36 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
                                                const __half* __restrict__ act, const int* __restrict__ ids,
                                                const float* __restrict__ wts, float* __restrict__ ypair, int m) {
   static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
-  expert_passes<KIND, H, IE, E, TOPK, KS, MMAX, PF, UN, PW, 1>(
-      p, ids, m, act, [&](int e, int unit0, int c0, int n, const float (*red)[UN][PW][16], const int* pair) {
-        const float* gs = gscale + (size_t)e * (H / 8);
-        for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
-          const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
-          if (c0 + r >= n) continue;
-          float v = 0.f;
+  static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
+  constexpr int STEPS = IE / 64;
+  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
+  __shared__ float red[KS][UN][PW][16];
+  __shared__ int pairs[KS][MMAX];
+  pdl_launch_dependents();
+  pdl_wait();  // ids, wts and act come from the router and gate/up kernels
+  m = m < MMAX ? m : MMAX;
+  int e;
+  if (!leads<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
+  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
+  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
+  const WPtr pe{p.w + e * EW, p.s + e * ES};
+  const float* gs = gscale + (size_t)e * (H / 8);
+  for (int c0 = 0; c0 < n; c0 += PW) {
+    expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
+    __syncthreads();
+    for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
+      const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
+      if (c0 + r >= n) continue;
+      float v = 0.f;
 #pragma unroll
-          for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
-          const int q = pair[c0 + r];
-          ypair[(size_t)q * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + q);
-        }
-      });
+      for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
+      const int pair = pairs[0][c0 + r];
+      ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
+    }
+    __syncthreads();
+  }
 }
 
 }  // namespace thorgen
