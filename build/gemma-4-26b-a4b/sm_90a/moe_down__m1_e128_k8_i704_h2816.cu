@@ -2,7 +2,7 @@
 // moe_down__m1_e128_k8_i704_h2816: grouped MoE down + routing-weighted sum for m <= 1 tokens: y[t, :] = sum_k wts[t,k] *
 // down_{ids[t,k]}(act[t*8+k]); 128 experts of [2816 x 704] shift weights. Grid (176),
 // 8 warps (8 slot groups x 1 K parts); each selected expert read once, fixed-order reduction.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_down__m1_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

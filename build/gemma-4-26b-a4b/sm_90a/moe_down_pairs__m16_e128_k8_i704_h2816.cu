@@ -3,12 +3,12 @@
 // wts[t,k] * down_{ids[t,k]}(act[t*8+k]); 128 experts of [2816 x 704] shift weights. Grid
 // (88, m * 8): block (2 units, slot) works when the slot is the first naming its expert. ffn_tail (its
 // PAIRS form) sums each token's pairs in slot order.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(32)
 moe_down_pairs__m16_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
            float* __restrict__ ypair, int m) {
   thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 1, 16,
-                          2, 2>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
+                          2, 2, 8>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
 }

@@ -2,11 +2,11 @@
 // moe_gateup__m1_e128_k8_i704_h2816: grouped MoE gate/up for m <= 1 tokens, 128 experts of [2 x 704 x 2816] shift
 // weights (gate/up interleaved in 8-row tiles), top-8. Grid (88, m * 8): block (1 units, slot)
 // works only when the slot is the first one naming its expert; writes act[(t*8+k), 704] = gelu(gate)*up.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(160)
 moe_gateup__m1_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, const int* __restrict__ ids, __half* __restrict__ act, int m) {
   thorgen::moe_gateup<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 5, 1,
-                      4, true, 1>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
+                      4, 1, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
 }

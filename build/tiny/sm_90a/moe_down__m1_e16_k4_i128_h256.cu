@@ -2,7 +2,7 @@
 // moe_down__m1_e16_k4_i128_h256: grouped MoE down + routing-weighted sum for m <= 1 tokens: y[t, :] = sum_k wts[t,k] *
 // down_{ids[t,k]}(act[t*4+k]); 16 experts of [256 x 128] shift weights. Grid (16),
 // 8 warps (4 slot groups x 2 K parts); each selected expert read once, fixed-order reduction.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_down__m1_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -3,12 +3,12 @@
 // wts[t,k] * down_{ids[t,k]}(act[t*4+k]); 16 experts of [256 x 128] shift weights. Grid
 // (8, m * 4): block (2 units, slot) works when the slot is the first naming its expert. ffn_tail (its
 // PAIRS form) sums each token's pairs in slot order.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(32)
 moe_down_pairs__m16_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ act, const int* __restrict__ ids, const float* __restrict__ wts,
            float* __restrict__ ypair, int m) {
   thorgen::moe_down_pairs<thorgen::FP4_SHIFT, 128, 256, 16, 4, 1, 16,
-                          2, 2>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
+                          2, 2, 8>(thorgen::WPtr{w, s}, gscale, act, ids, wts, ypair, m);
 }

@@ -2,11 +2,11 @@
 // moe_gateup__m16_e16_k4_i128_h256: grouped MoE gate/up for m <= 16 tokens, 16 experts of [2 x 128 x 256] shift
 // weights (gate/up interleaved in 8-row tiles), top-4. Grid (8, m * 4): block (2 units, slot)
 // works only when the slot is the first one naming its expert; writes act[(t*4+k), 128] = gelu(gate)*up.
-#include "thorgen/gemm_nvfp4.cuh"
+#include "thorgen/moe_small.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_gateup__m16_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, const int* __restrict__ ids, __half* __restrict__ act, int m) {
   thorgen::moe_gateup<thorgen::FP4_SHIFT, 128, 256, 16, 4, 4, 16,
-                      1, false, 2>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
+                      1, 2, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
 }
