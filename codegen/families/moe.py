@@ -56,17 +56,15 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
     ks = max(min(2, steps_gu), min(16, steps_gu, math.ceil(target_warps(arch) / (units_gu * leaders))))
     pf = prefetch(math.ceil(steps_gu / ks), arch)
-    # 16 rows, swept on the H200 (router-like routing, 2026-12-01): 2 steps in flight a warp beat 4, 107.8 us a
-    # layer vs 128.0 (fewer registers, more warps resident); 8 was no better than 4, more warps (KS) slower.
-    if mmax > 1 and arch.prefetch_depth >= 4:
-        pf = min(pf, 2)
+    # Many rows on a deep-prefetch arch: 2 steps in flight a warp (16 rows, H200, router-like routing, 2026-12-01:
+    # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4).
     # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
     # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
     # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
     # UN 1 x PF 4, the one-token blocking, 139). All m rows as A tiles (until 2026-12-02): 79.9 and 171.7 us.
     un = 1
     if mmax > 1 and arch.prefetch_depth >= 4:
-        ks, un = min(4, steps_gu), _units(units_gu, 2)
+        ks, un, pf = min(4, steps_gu), _units(units_gu, 2), min(pf, 2)
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
@@ -83,9 +81,10 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
         kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1),
-                                       **common),
-                           grid=(units_d // upd, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
+                                       ROW_GRID=(1, topk, 1), **common),
+                           grid=(units_d // upd, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                           family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.
