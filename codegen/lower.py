@@ -158,8 +158,14 @@ class Lower:
         for l in range(t.num_hidden_layers):
             ops += self._layer_ops(l, rows, batched, small=batched and not score)
         if last:
-            if batched:
-                for r0 in range(0, rows, LM_ROWS):  # the lm_head epilogues handle LM_ROWS rows at a time
+            if batched and not (score or ext):  # one lm_head pass over every row, then the picks per LM_ROWS rows
+                ops.append(self._gemm_op("lm_head", "lm_head", t.vocab_size, H, rows, A("a"), A("logits"),
+                                         batched=True))
+                for r0 in range(0, rows, LM_ROWS):
+                    ops += self._pick_ops(min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0)
+                return ops
+            if batched:  # processed heads and scoring passes: lm_head and epilogues LM_ROWS rows at a time
+                for r0 in range(0, rows, LM_ROWS):
                     n = min(LM_ROWS, rows - r0)
                     if score:
                         ops += [self._gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
@@ -180,20 +186,26 @@ class Lower:
         writes each row's processed, softcapped logits (logit_rows[r0..] say how) that the lm_pick kernels pick
         from, and lm_logprobs then writes each row's top-20 and picked-token logprobs from the unprocessed ones."""
         t, A = self.spec.target, self.ptr.A
-        V, ops = t.vocab_size, [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
+        ops = [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
         if ext:
             return ops + self._ext_head_ops(n, out_ids, greedy, r0)
+        return ops + self._pick_ops(n, out_ids, greedy, r0, logits_row=0)
+
+    def _pick_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int, logits_row: int | None = None) -> list[Op]:
+        """Argmax (or the sampler with params[r0..], at positions[max_rows+r0..]) of n logits rows from row
+        `logits_row` (default r0) into out_ids[0..n)."""
+        A, V = self.ptr.A, self.spec.target.vocab_size
+        logits = A("logits", r0 if logits_row is None else logits_row)
         if greedy:
             am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
-            ops.append(Op("argmax", am, dict(logits=A("logits"), capped=NULL, best=A("best"),
-                                             counters=A("counters"), out_ids=out_ids, T=n), n))
-        else:
-            common = dict(logits=A("logits"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
-                          workspace=A("workspace"), counters=A("counters"), out_ids=out_ids,
-                          status=A("status", r0), T=n)
-            for stage in ("prep", "select", "finish"):
-                k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
-                ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
+            return [Op("argmax", am, dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"),
+                                          out_ids=out_ids, T=n), n)]
+        common = dict(logits=logits, params=A("params", r0), positions=A("positions", self.max_rows + r0),
+                      workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, status=A("status", r0), T=n)
+        ops = []
+        for stage in ("prep", "select", "finish"):
+            k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
+            ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
         return ops
 
     def _ext_head_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:

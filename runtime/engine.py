@@ -166,7 +166,7 @@ class Engine:
                 ("mlp", (R, H), "f32"), ("moe_act", (MAX_BATCH * K, t.moe_intermediate_size), "f16"),
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
                 ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
-                ("lanes", (R,), "i32"), ("logits", (LM_ROWS, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
+                ("lanes", (R,), "i32"), ("logits", (MAX_BATCH, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
                 ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
                 ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),

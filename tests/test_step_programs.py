@@ -135,3 +135,20 @@ def test_the_written_manifest_keeps_its_programs(built):
     again = build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", [])
     assert manifest.programs == json.loads(json.dumps(again["programs"]))
     assert manifest.programs_missing == {"core": [], "ext": [], "speculative": []}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_batched_step_reads_the_lm_head_once(built, greedy):
+    """17..32 rows: one lm_head launch (the 32-row kernel, each weight byte read once for every row), then the picks
+    on 16-row slices of its logits; a processed head keeps its 16-row slices."""
+    spec, _, manifest, _ = built
+    fwd = Forward(spec, manifest, "bf16", manifest.conventions["max_step_tokens"])
+    fwd.ptr = Addresses()
+    ops = fwd.program(program_key(batched=True, greedy=greedy), 27)
+    heads = [o for o in ops if o.label == "lm_head"]
+    assert len(heads) == 1 and heads[0].entry.name.startswith("nvfp4_gemm32__") and heads[0].args["m"] == 27
+    picks = [o for o in ops if o.label in ("argmax", "sample_prep")]
+    assert [(o.rows, _bound(o.args["logits"])) for o in picks] == \
+        [(16, Addresses().A("logits", 0).address), (11, Addresses().A("logits", 16).address)]
+    ext = fwd.program(program_key(batched=True, greedy=greedy, ext=True), 27)
+    assert [o.args["m"] for o in ext if o.label == "lm_head"] == [16, 11]

@@ -8,7 +8,7 @@ Every target Linear shape gets these kernels on the t16x64 weight layout (runtim
                                             runs attn_tail on the row (bit-identical; one launch a layer fewer)
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
   nvfp4_gemm32__n{N}_k{K}[_gelu] M <= 32    same, two 16-row tiles on each decoded weight step (batched decode of
-                                            17..32 sequences; not the lm_head, which runs in 16-row slices)
+                                            17..32 sequences, its lm_head included: one pass over the 416 MB)
   nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory; on sm_90a
                                             (N % 128 == 0) warpgroup MMAs over 128 x 128 tiles (gemm_wgmma.cuh)
 Shapes: q / k / v / o of each layer kind, the fused q|k|v of each kind (one launch, per-projection scales in the
@@ -41,7 +41,9 @@ LARGE_BM, LARGE_STAGES = 64, 3
 # shape (q|k|v n8192: 63.3 vs 66.9 us), 3 stages 40 % slower; the prefetch depth within noise
 WGMMA_BM, WGMMA_BN, WGMMA_STAGES, WGMMA_PF, WGMMA_WARPS = 128, 128, 6, 4, 8
 SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
-BATCHED_ROLES = ("qkv", "o", "gate_up", "down")  # the linears a batched decode step runs at M = SMALL_MAX_ROWS
+# the linears a batched decode step runs at M = SMALL_MAX_ROWS (the lm_head too: one weight pass for 17..32 rows
+# instead of two 16-row slices)
+BATCHED_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def fp4_order(arch: ArchSpec) -> str:
