@@ -162,7 +162,7 @@ class Lower:
                 ops.append(self._gemm_op("lm_head", "lm_head", t.vocab_size, H, rows, A("a"), A("logits"),
                                          batched=True))
                 for r0 in range(0, rows, LM_ROWS):
-                    ops += self._pick_ops(min(LM_ROWS, rows - r0), A("out_ids", r0), greedy, r0)
+                    ops += self._pick_ops(min(LM_ROWS, rows - r0), A("logits", r0), A("out_ids", r0), greedy, r0)
                 return ops
             if batched:  # processed heads and scoring passes: lm_head and epilogues LM_ROWS rows at a time
                 for r0 in range(0, rows, LM_ROWS):
@@ -189,13 +189,12 @@ class Lower:
         ops = [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
         if ext:
             return ops + self._ext_head_ops(n, out_ids, greedy, r0)
-        return ops + self._pick_ops(n, out_ids, greedy, r0, logits_row=0)
+        return ops + self._pick_ops(n, A("logits"), out_ids, greedy, r0)
 
-    def _pick_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int, logits_row: int | None = None) -> list[Op]:
-        """Argmax (or the sampler with params[r0..], at positions[max_rows+r0..]) of n logits rows from row
-        `logits_row` (default r0) into out_ids[0..n)."""
+    def _pick_ops(self, n: int, logits: Sym, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
+        """Argmax (or the sampler with params[r0..], at positions[max_rows+r0..]) of the n logits rows from
+        `logits` into out_ids[0..n)."""
         A, V = self.ptr.A, self.spec.target.vocab_size
-        logits = A("logits", r0 if logits_row is None else logits_row)
         if greedy:
             am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
             return [Op("argmax", am, dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"),
