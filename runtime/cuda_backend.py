@@ -15,13 +15,13 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from ..model_spec.config import spec_from_configs
 from ..model_spec.conventions import KV_PAGE
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
-from .engine import MAX_LOGIT_BIAS, Engine, logprob_entry
+from .engine import MAX_LOGIT_BIAS, BatchLaunch, Engine, logprob_entry
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
 from .kv_cache import default_ctx, fit_kv, plan_kv
@@ -153,6 +153,17 @@ class _Lane:
         self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
 
 
+class _Launched(NamedTuple):
+    """A batched step launched on the device: request id -> (its row, the position it runs)."""
+
+    launch: BatchLaunch
+    rows: dict[str, tuple[int, int]]
+
+    def covers(self, seqs: list) -> bool:
+        """Whether it runs each of `seqs` at its next position (then it is their step)."""
+        return all(self.rows.get(s.request_id, (0, -1))[1] == s.num_tokens - 1 for s in seqs)
+
+
 class CudaRunner:
     """ModelRunner over the Engine: one KV lane per running sequence, chunked prefill interleaved with decode
     steps batched over every running sequence (Engine.decode_batch), or a graphed one-sequence
@@ -182,11 +193,17 @@ class CudaRunner:
         self.pool = PagePool(plan.pages) if plan.pages else None
         self.kv_tokens = plan.pages * KV_PAGE if self.pool else self.max_num_seqs * backend.max_context
         self.verify_block = BLOCK if self.engine.speculative else 1
+        self.lookahead = 1  # a batched step is launched before the one before it is read (_decode_batch)
         self._lanes = [_Lane() for _ in range(self.max_num_seqs)]
         self._lane_of: dict[str, int] = {}
         self._on_device: tuple[str, int] | None = None  # (request, position) whose input token is in out_ids[0]
         self._params_for: str | None = None  # the request whose SampleParams fill params[] (one-sequence steps)
         self._draft_lane: int | None = None  # the lane whose tokens the drafter context covers (all of them)
+        self._ahead: _Launched | None = None  # the batched step launched before the last one's tokens were read
+        # (THORGEN_AHEAD=0: every batched step is launched when scheduled, for A/B measurements)
+        self.launch_ahead = os.environ.get("THORGEN_AHEAD", "1") != "0"
+        self.ahead_steps = 0  # batched steps that were launched ahead (by the step before)
+        self._joining: list[tuple[Any, int]] = []  # (sequence, first token) of this step's sampling prefills
         self._released = 0
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
         self.copied_prefix_tokens = 0  # prefix-cache hits served by copying another lane's K/V
@@ -296,11 +313,20 @@ class CudaRunner:
         if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
             lane.pages.register(self.pool, seq.tokens, end)
         self._on_device = (seq.request_id, end) if sample else None
+        if sample:
+            self._joining.append((seq, tok))
         return tok if sample else None
 
     def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
-        if len(seqs) > 1:
-            return self._decode_batch(seqs, launched)
+        # this step's new sequences (their prefill sampled a first token the core has not committed yet)
+        joining = [(s, t) for s, t in self._joining if s.num_tokens == s.num_cached]
+        self._joining = []
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not ahead.covers(seqs):
+            self.engine.wait_batch(ahead.launch)  # (its rows run again below: same inputs, same K/V, same tokens)
+            ahead = None
+        if len(seqs) > 1 or ahead is not None:
+            return self._decode_batch(seqs, ahead, joining, launched)
         (seq,) = seqs
         i = self._lane_of[seq.request_id]
         lane, pos, tok, greedy = self._lanes[i], seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
@@ -330,23 +356,57 @@ class CudaRunner:
         self._on_device = (seq.request_id, pos + 1)
         return [([new], False)]
 
-    def _decode_batch(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
-        rows = []
-        for seq in seqs:
-            i = self._lane_of[seq.request_id]
-            self._grow(i, seq.num_tokens)
-            rows.append((i, seq.num_tokens - 1, seq.output[-1], None if seq.sampling.greedy else seq.sampling))
-            self._lanes[i].last_written = max(self._lanes[i].last_written, seq.num_tokens - 1)
-            if self._draft_lane == i:
-                self._draft_lane = None
-        ext = self._stage_logits(seqs)
-        new = self.engine.decode_batch(rows, launched, ext=ext)
+    def _decode_batch(self, seqs: list, cur: _Launched | None, joining: list, launched=None
+                      ) -> list[tuple[list[int], bool]]:
+        """A batched step. `cur`: this step, launched ahead by the step before; else it is launched now. Then, before
+        waiting for this step's tokens, the next step is launched for every sequence that goes on (its input
+        token carried on the device from this step's) and for this step's new sequences: the host's work between
+        steps (post-processing, streaming, scheduling, staging) runs while the GPU computes. A sequence that then
+        finishes wasted its row of the next step, which wrote K/V only at its own next position."""
+        ext = False
+        if cur is not None:
+            self.ahead_steps += 1
+        else:
+            rows = [(self._lane_of[s.request_id], s.num_tokens - 1, s.output[-1], s) for s in seqs]
+            ext = self._stage_logits(seqs)
+            cur = self._launch(rows, {}, ext)
+        nxt = None if ext else self._launch_next(seqs, cur, joining)
+        if launched is not None:
+            launched()
+        tokens = self.engine.wait_batch(cur.launch)
+        self._ahead = nxt
+        new = [tokens[cur.rows[s.request_id][0]] for s in seqs]
         if ext:
             self._picked(seqs, new)
-        self._on_device = None  # out_ids[0] holds row 0's token
-        if any(r[3] is not None for r in rows):
-            self._params_for = None  # the step wrote every row's parameters
         return [([t], False) for t in new]
+
+    def _launch_next(self, seqs: list, cur: _Launched, joining: list) -> _Launched | None:
+        """Launch the step after `cur`, when at least two rows go on and none needs host work between the steps
+        (logits processing: its counts and grammar mask need this step's token)."""
+        if not self.launch_ahead or any(s.sampling.extended for s in [*seqs, *(s for s, _ in joining)]):
+            return None
+        # (room 1: this step is its last; 2 or more: it may go on, unless it stops)
+        going = sorted((s for s in seqs if s.room(self.max_context) >= 2), key=lambda s: cur.rows[s.request_id][0])
+        new = [(s, t) for s, t in joining if s.room(self.max_context) >= 2]
+        if len(going) + len(new) < 2:
+            return None
+        rows = [(self._lane_of[s.request_id], s.num_tokens, 0, s) for s in going]
+        rows += [(self._lane_of[s.request_id], s.num_tokens, t, s) for s, t in new]
+        return self._launch(rows, {r: cur.rows[s.request_id][0] for r, s in enumerate(going)}, False)
+
+    def _launch(self, rows: list, carried: dict[int, int], ext: bool) -> _Launched:
+        """Launch a batched step of rows (lane, position, token, sequence): pages grown first, then the launch."""
+        for i, pos, _, _ in rows:
+            self._grow(i, pos + 1)
+            self._lanes[i].last_written = max(self._lanes[i].last_written, pos)
+            if self._draft_lane == i:
+                self._draft_lane = None  # a plain step leaves the drafter context behind
+        launch = self.engine.launch_batch([(i, pos, tok, None if s.sampling.greedy else s.sampling)
+                                           for i, pos, tok, s in rows], carried, ext=ext)
+        self._on_device = None  # out_ids[0] holds row 0's token
+        if any(not s.sampling.greedy for _, _, _, s in rows):
+            self._params_for = None  # the step wrote every row's parameters
+        return _Launched(launch, {s.request_id: (r, pos) for r, (_, pos, _, s) in enumerate(rows)})
 
     def _stage_logits(self, seqs: list) -> bool:
         """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the

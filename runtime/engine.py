@@ -12,10 +12,11 @@ the drafter's KV cache and buffers, separate q/k/v drafter weights, tap capture 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,9 @@ class Engine:
     # at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
     _SLOTS, _READ = 128, 2048
     # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
-    # then the tokens read back (the step waits for them, so the area is free again at the next step).
-    _BATCH, _BATCH_READ = 8192, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
+    # then the tokens read back. Two such slots, used in turn: a runner launches step n + 1 before it waits for
+    # step n (launch_batch / wait_batch), so a slot is rewritten only after the step that used it was waited for.
+    _BATCH, _BATCH_SLOT, _BATCH_READ = 8192, 2048, 1920  # (16 * MAX_BATCH B of int32, MAX_BATCH * 40 B of params)
 
     def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
                  weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1,
@@ -90,7 +92,10 @@ class Engine:
         self.act.buffer.zero(self.stream)
         self.kv.arena.buffer.zero(self.stream)
         self.stream.synchronize()
-        self._pinned = PinnedBuffer(self._BATCH + 4096)
+        self._pinned = PinnedBuffer(self._BATCH + 2 * self._BATCH_SLOT)
+        self._batch_events = [device.event(timing=False) for _ in range(2)]  # a batched launch's tokens landed
+        self._staged = device.event(timing=False)  # the latest batched launch's host-to-device copies ran
+        self._batch_slot = 0
         # The page table's host copy (pinned: rows are uploaded from it stream-ordered, runtime/kv_pages.py decides
         # them). Until a runner maps a lane, lane l's positions sit on pages l * P.. (P: one full context), wrapped
         # at the pool's end: what a direct caller (a benchmark, a test) gets, like one linear cache a lane.
@@ -167,6 +172,7 @@ class Engine:
                 ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
                 ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
                 ("lanes", (R,), "i32"), ("logits", (MAX_BATCH, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
+                ("carry", (MAX_BATCH,), "i32"),  # a batched step's tokens, for the next step's carried rows
                 ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
                 ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
@@ -207,8 +213,9 @@ class Engine:
         return 0 if l.paged else l.k_bytes  # (a paged layer's lanes are page-table rows)
 
     def map_pages(self, lane: int, first: int, pages: list[int]) -> None:
-        """Page-table entries first.. of `lane` = `pages` (uploaded stream-ordered before the next launches).
-        Every engine call waits for its step, so no running step reads an entry being replaced."""
+        """Page-table entries first.. of `lane` = `pages` (uploaded stream-ordered before the next launches, so a
+        step in flight still reads the entries it was launched with). The pinned source is rewritten only once the
+        copies of the latest batched launch ran: a launched-ahead step may still have its own entries to copy."""
         if not pages:
             return
         if not (0 <= lane < self.lanes and 0 <= first and first + len(pages) <= self.pitch):
@@ -218,6 +225,7 @@ class Engine:
             raise BackendError(f"page table: page ids {min(pages)}..{max(pages)} outside the pool of "
                                f"{self.kv.plan.pages}")
         at = lane * self.pitch + first
+        self._staged.synchronize()
         self._page_rows.array.view(np.int32)[at:at + len(pages)] = pages
         check(driver().cuMemcpyHtoDAsync(self.act["kv_pages"].ptr + 4 * at, self._page_rows.ptr + 4 * at,
                                          4 * len(pages), self.stream.handle), "page table entries")
@@ -401,49 +409,72 @@ class Engine:
     def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None,
                      ext: bool = False) -> list[int]:
         """One batched step: rows of (KV lane, position, token id, sampling params or None for greedy), each the
-        next token of its own sequence; returns each row's new token. The rows run the graph of the smallest
+        next token of its own sequence; returns each row's new token (launch_batch, then wait_batch)."""
+        launch = self.launch_batch(rows, ext=ext)
+        if launched is not None:
+            launched()
+        return self.wait_batch(launch)
+
+    def launch_batch(self, rows: list[tuple[int, int, int, Any]], carried: dict[int, int] | None = None,
+                     ext: bool = False) -> BatchLaunch:
+        """Stage and enqueue one batched forward without waiting for it. The rows run the graph of the smallest
         bucket holding them (17..32 rows: the M = 32 kernels, each weight byte read once for all rows); padding
-        rows repeat row 0 (they rewrite its K/V with the same values, and their tokens are dropped)."""
+        rows repeat row 0 (they rewrite its K/V with the same values, and their tokens are dropped). `carried`
+        maps a row to a row of the batched launch before this one: that row's input token is the one the previous
+        launch computes there (copied on the device; the row's own token id is ignored), so a runner can launch
+        step n + 1 before step n's tokens reach the host."""
         n = len(rows)
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
         if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
             raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}")
+        carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
-        read = self._stage_batch(rows, greedy, ext)
-        if launched is not None:
-            launched()
-        self.stream.synchronize()
-        return [int(t) for t in self._pinned.array[read:read + 4 * n].view(np.int32)]
-
-    def _stage_batch(self, rows: list, greedy: bool, ext: bool) -> int:
-        """Stage and enqueue one batched forward; returns where in the pinned area its tokens land."""
-        n = len(rows)
         B = next(b for b in DECODE_BUCKETS if b >= n)
         padded = rows + [rows[0]] * (B - n)
-        base, M = self._BATCH, MAX_BATCH
+        slot = self._batch_slot
+        self._batch_slot ^= 1
+        base, M = self._BATCH + slot * self._BATCH_SLOT, MAX_BATCH
         vals = self._pinned.array[base:base + 16 * M].view(np.int32)
         vals[:] = 0
         for i, (lane, pos, tok, _) in enumerate(padded):
             vals[i], vals[M + i], vals[2 * M + i], vals[3 * M + i] = tok, pos, pos + 1, lane
         cu, h, src = driver(), self.stream.handle, self._pinned.ptr + base
-        pos_ptr = self.act["positions"].ptr
-        check(cu.cuMemcpyHtoDAsync(self.act["ids"].ptr, src, 4 * B, h), "batch token ids")
+        ids, pos_ptr, carry = self.act["ids"].ptr, self.act["positions"].ptr, self.act["carry"].ptr
+        check(cu.cuMemcpyHtoDAsync(ids, src, 4 * B, h), "batch token ids")
         check(cu.cuMemcpyHtoDAsync(pos_ptr, src + 4 * M, 4 * B, h), "batch positions")
         check(cu.cuMemcpyHtoDAsync(pos_ptr + 4 * self.max_rows, src + 8 * M, 4 * B, h), "batch sampled positions")
         check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 12 * M, 4 * B, h), "batch KV lanes")
+        for dst, first, count in _runs(carried):  # carried ids: runs of consecutive rows, one copy each
+            check(cu.cuMemcpyDtoDAsync(ids + 4 * dst, carry + 4 * first, 4 * count, h), "carried token ids")
+        if 0 in carried:  # padding rows repeat row 0's token: doubling copies of it
+            done = n
+            while done < B:
+                count = min(done - n if done > n else 1, B - done)
+                check(cu.cuMemcpyDtoDAsync(ids + 4 * done, ids + 4 * (n if done > n else 0), 4 * count, h),
+                      "padding token ids")
+                done += count
         if not greedy:  # greedy rows of a sampled step: temperature 0 (the sampler's argmax)
             rec = self._pinned.array[base + 16 * M:base + 16 * M + B * SAMPLE_PARAMS.itemsize].view(SAMPLE_PARAMS)
             for i, (_, _, _, sp) in enumerate(padded):
                 rec[i] = sample_record(sp)
             check(cu.cuMemcpyHtoDAsync(self.act["params"].ptr, src + 16 * M, B * SAMPLE_PARAMS.itemsize, h),
                   "batch sampling params")
+        self._staged.record(self.stream)
         self._captured(f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else ""),
                        lambda: self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
                        f"decode x{B}").replay(self.stream)
+        out = self.act["out_ids"].ptr
+        check(cu.cuMemcpyDtoDAsync(carry, out, 4 * B, h), "tokens to carry")  # (a prefill may reuse out_ids next)
         read = base + self._BATCH_READ
-        check(cu.cuMemcpyDtoHAsync(self._pinned.ptr + read, self.act["out_ids"].ptr, 4 * B, h), "batch token ids")
-        return read
+        check(cu.cuMemcpyDtoHAsync(self._pinned.ptr + read, out, 4 * B, h), "batch token ids")
+        self._batch_events[slot].record(self.stream)
+        return BatchLaunch(n, read, self._batch_events[slot])
+
+    def wait_batch(self, launch: BatchLaunch) -> list[int]:
+        """The tokens of a launch_batch (waits for that launch only, not for work enqueued after it)."""
+        launch.done.synchronize()
+        return [int(t) for t in self._pinned.array[launch.read:launch.read + 4 * launch.rows].view(np.int32)]
 
     def spec_step(self, start: int, last: int, greedy: bool = True,
                   launched: Callable[[], None] | None = None, lane: int = 0) -> tuple[list[int], list[int]]:
@@ -542,6 +573,9 @@ class Engine:
 
     def close(self) -> None:
         """Free everything (idempotent), the uploaded weights included: the engine owns them."""
+        if getattr(self, "stream", None) is not None:
+            with contextlib.suppress(Exception):  # (after a device error: free what can be freed all the same)
+                self.stream.synchronize()  # a batched step launched ahead may still be running
         for g in getattr(self, "_graphs", {}).values():
             g.destroy()
         for name in ("act", "kv", "dw", "_pinned", "_page_rows"):
@@ -549,7 +583,8 @@ class Engine:
             if r is not None:
                 r.free()
         self.kernels.unload()
-        for ev in [getattr(self, "_fork_ev", None), getattr(self, "_join_ev", None)]:
+        for ev in [getattr(self, "_fork_ev", None), getattr(self, "_join_ev", None), getattr(self, "_staged", None),
+                   *getattr(self, "_batch_events", [])]:
             if ev is not None:
                 ev.destroy()
         for ev in getattr(self, "_graph_events", []):
@@ -591,3 +626,23 @@ def sample_record(sampling: Any) -> np.void:
 
 
 __all__ = ["Engine", "NULL", "SAMPLE_PARAMS", "sample_record"]
+
+
+class BatchLaunch(NamedTuple):
+    """A batched step in flight: its row count, where its tokens land in pinned memory, the event after them."""
+
+    rows: int
+    read: int
+    done: Any
+
+
+def _runs(carried: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(first row, first source row, count) for each run of consecutive rows carried from consecutive rows."""
+    runs: list[list[int]] = []
+    for dst in sorted(carried):
+        src = carried[dst]
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [tuple(r) for r in runs]

@@ -38,6 +38,9 @@ class ModelRunner(Protocol):
     max_num_seqs: int  # sequences whose K/V it can hold at once
     kv_tokens: int  # K/V entries it can hold in all (the scheduler's block budget)
     verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
+    # K/V positions past a decode step's own that it may write before the step's tokens are known (a runner that
+    # launches the next step ahead; the scheduler charges them)
+    lookahead: int
     prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
 
     def check(self, seq: Sequence) -> None:
@@ -94,7 +97,7 @@ class EngineCore:
             max_step_tokens = default_step_tokens(runner)
         pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
         self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
-                                   runner.verify_block, runner.prefill_chunk)
+                                   runner.verify_block, runner.prefill_chunk, runner.lookahead)
         self._seqs: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []  # aborted since the last step
 

@@ -152,9 +152,11 @@ class Scheduler:
     step's first chunk may be cut by the budget, later ones only whole: _fits_whole)."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_step_tokens: int, max_context: int,
-                 verify_block: int = 1, prefill_chunk: int | None = None) -> None:
+                 verify_block: int = 1, prefill_chunk: int | None = None, lookahead: int = 0) -> None:
         self.pool, self.max_num_seqs, self.max_step_tokens = pool, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
+        # K/V positions a runner may write past a step's own before the step's tokens are known (ModelRunner)
+        self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -172,12 +174,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def step_tokens(self, seq: Sequence) -> int:
-        """K/V positions a decode step of `seq` writes: its verify block when speculative, else one."""
-        return self.verify_block if seq.speculative else 1
+        """K/V positions a decode step of `seq` may write: its verify block when speculative, else one; plus the
+        runner's lookahead."""
+        return (self.verify_block if seq.speculative else 1) + self.lookahead
 
     def schedule(self) -> Schedule:
         if not self.waiting and all(s.num_cached >= s.prefill_target and s.blocks * self.pool.block_size >= min(
-                s.num_cached + (self.verify_block if s.speculative else 1), self.max_context) for s in self.running):
+                s.num_cached + self.step_tokens(s), self.max_context) for s in self.running):
             return Schedule(decodes=tuple(self.running))  # the steady state: everyone decodes in blocks it has
         budget = self.max_step_tokens
         decodes: list[Sequence] = []
@@ -186,7 +189,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_cached < seq.prefill_target:  # preempted / prefilling
                 continue
-            tokens = min(seq.num_cached + (self.verify_block if seq.speculative else 1), self.max_context)
+            tokens = min(seq.num_cached + self.step_tokens(seq), self.max_context)
             while not self.pool.grow(seq, tokens):
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
                 if victim is None:

@@ -66,6 +66,46 @@ def test_batched_decode_equals_each_request_alone(backend):
         assert len(alone) == n
 
 
+def test_steps_launched_ahead_equal_steps_launched_when_scheduled(backend):
+    """The runner launches batched step n + 1 before it reads step n's tokens (input tokens carried on the device).
+    With arrivals between steps, a stop id, an abort and the batch shrinking to one row, every request's tokens
+    equal those of the same run with each step launched only when scheduled, and each request alone."""
+    hot = SamplingParams(temperature=1.5, seed=5)  # (the tiny model's greedy tokens repeat)
+    alone_c = _serve(EngineCore(backend.runner(1)), {"c": ([2, 90, 91, 92, 93], 8, hot)})["c"]
+    stop_at = next(i for i, t in enumerate(alone_c) if i >= 2 and t not in alone_c[:i])  # (a first occurrence)
+    stop = alone_c[stop_at]
+
+    def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
+        runner = backend.runner(LANES)
+        runner.launch_ahead = ahead
+        core, out = EngineCore(runner), {}
+        reqs = _requests()
+        for rid in "ab":
+            core.add(rid, *reqs[rid])
+        core.add("c", [2, 90, 91, 92, 93], 8, hot, frozenset({stop}))
+        for step in range(200):
+            if step == 2:
+                core.add("late", [2, 77, 78], 7, SamplingParams(temperature=0.7, seed=9))
+            if step == 3:
+                core.add("gone", [2, 55], 9, GREEDY)
+            if step == 6:
+                core.abort("gone")
+            if not core.unfinished:
+                break
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out, runner.ahead_steps
+
+    ahead, launched_ahead = run(True)
+    plain, none_ahead = run(False)
+    assert launched_ahead > 3 and none_ahead == 0
+    assert ahead == plain
+    assert ahead["c"] == alone_c[:stop_at + 1]
+    for rid, (prompt, n, sp) in {"a": _requests()["a"], "late": ([2, 77, 78], 7,
+                                                                 SamplingParams(temperature=0.7, seed=9))}.items():
+        assert ahead[rid] == _serve(EngineCore(backend.runner(1)), {rid: (prompt, n, sp)})[rid]
+
+
 def test_each_lane_keeps_its_own_prefix_cache(backend):
     core = EngineCore(backend.runner(LANES))
     chats = {"x": [2] + list(range(310, 330)), "y": [2] + list(range(410, 433))}  # (past one page of 16)

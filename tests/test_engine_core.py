@@ -37,7 +37,7 @@ class Recording:
 
     def __init__(self, runner) -> None:
         self.inner, self.steps = runner, []
-        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "prefill_chunk", "check",
+        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "lookahead", "prefill_chunk", "check",
                      "admit", "release"):
             setattr(self, name, getattr(runner, name))
 

@@ -29,6 +29,7 @@ class ReferenceRunner:
         self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
         drafter = backend.drafter
         self.verify_block = drafter.block_size if drafter is not None else 1
+        self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
         self._states: dict[str, SeqState] = {}
 
