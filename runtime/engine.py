@@ -427,7 +427,8 @@ class Engine:
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
         if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
-            raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}")
+            raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, "
+                               f"in 0..{self.lanes - 1}")
         carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
         B = next(b for b in DECODE_BUCKETS if b >= n)

@@ -37,8 +37,8 @@ class Recording:
 
     def __init__(self, runner) -> None:
         self.inner, self.steps = runner, []
-        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "lookahead", "prefill_chunk", "check",
-                     "admit", "release"):
+        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "lookahead", "prefill_chunk",
+                     "check", "admit", "release"):
             setattr(self, name, getattr(runner, name))
 
     def prefill(self, seq, start, end, sample, launched=None):

@@ -272,8 +272,8 @@ class _VerifyLog:
         self.engine, self.orig, self.steps = engine, engine.spec_step, []
         engine.spec_step = self
 
-    def __call__(self, start, last, greedy=True, launched=None):
-        drafts, toks = self.orig(start, last, greedy, launched)
+    def __call__(self, start, last, greedy=True, launched=None, lane=0):
+        drafts, toks = self.orig(start, last, greedy, launched, lane=lane)
         V = self.engine.spec.target.vocab_size
         self.steps.append((start, self.engine.act["logits"].download(np.float32, (16, V))))
         return drafts, toks
