@@ -166,9 +166,9 @@ class _Launched(NamedTuple):
 
 class CudaRunner:
     """ModelRunner over the Engine: one KV lane per running sequence, chunked prefill interleaved with decode
-    steps batched over every running sequence (Engine.decode_batch), or a graphed one-sequence
-    step when one runs. A plain one-sequence step decodes the token the previous step left in out_ids[0] when it
-    follows a step of the same sequence; otherwise the input token is staged (4 bytes).
+    steps batched over every running sequence (Engine.launch_batch, each launched one step ahead: _decode_batch),
+    or a graphed one-sequence step when one runs. A plain one-sequence step decodes the token the previous step left
+    in out_ids[0] when it follows a step of the same sequence; otherwise the input token is staged (4 bytes).
 
     Prefix cache: the paged (full-attention) layers' pages are shared by content (runtime/kv_pages.py: full pages
     registered under the hash of their tokens, LRU-evicted); the per-lane rings of the sliding layers keep the K/V
