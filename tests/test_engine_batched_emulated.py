@@ -106,6 +106,49 @@ def test_steps_launched_ahead_equal_steps_launched_when_scheduled(backend):
         assert ahead[rid] == _serve(EngineCore(backend.runner(1)), {rid: (prompt, n, sp)})[rid]
 
 
+def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
+    """A KV cache of 8 pages (one full context) for 3 sequences that grow to 4 pages each: the scheduler preempts
+    (its charge includes the page a step launched ahead may write), the preempted sequence resumes by recompute,
+    and every request's tokens equal those with each step launched when scheduled, and alone."""
+    from thorgen.runtime import device as dev
+
+    before = dev._driver  # the module fixture's fake driver, which its backend closes with
+    try:
+        # (ctx 128: the emulator checks the sliding layers' whole compiled ring of a lane, which a 64-slot lane
+        # of the last lane would overrun)
+        b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=128, max_num_seqs=3)
+        one = plan_kv(b.spec, 128, "bf16", drafter=b.engine.speculative)
+        b.close()
+        shared = sum(l.nbytes for l in one.drafter())  # (the drafter context: one lane's worth in all)
+        gib = (shared + 3 * one.lane_nbytes + 8 * one.page_nbytes) / 2**30
+        b = EE.open_emulated(tiny_checkpoint, tmp_path / "small", ctx=128, max_num_seqs=3, kv_cache_gib=gib)
+        assert (b.engine.lanes, b.engine.kv.plan.pages) == (3, 8)
+        reqs = {"a": ([2] + list(range(300, 309)), 50, GREEDY),
+                "b": ([2] + list(range(500, 508)), 50, SamplingParams(temperature=1.2, seed=7)),
+                "c": ([2] + list(range(90, 99)), 50, GREEDY)}
+
+        def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
+            runner = b.runner(3)
+            runner.launch_ahead = ahead
+            core = EngineCore(runner)
+            seqs = [core.add(rid, *req) for rid, req in reqs.items()]
+            out = {rid: [] for rid in reqs}
+            while core.unfinished:
+                for o in core.step():
+                    out[o.request_id] += o.token_ids
+            return out, sum(s.preemptions for s in seqs)
+
+        ahead, preempted = run(True)
+        plain, _ = run(False)
+        assert preempted > 0 and ahead == plain
+        for rid, req in reqs.items():
+            assert len(ahead[rid]) == 50
+            assert ahead[rid] == _serve(EngineCore(b.runner(1)), {rid: req})[rid]
+        b.close()
+    finally:
+        dev.set_driver(before)
+
+
 def test_each_lane_keeps_its_own_prefix_cache(backend):
     core = EngineCore(backend.runner(LANES))
     chats = {"x": [2] + list(range(310, 330)), "y": [2] + list(range(410, 433))}  # (past one page of 16)
