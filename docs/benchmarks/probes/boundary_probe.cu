@@ -1,7 +1,8 @@
 // Probe (issue 10, "persistent kernel vs fused multi-kernel step"): what a dependency boundary between two
-// memory-bound phases costs on this GPU, as a kernel boundary inside a CUDA graph (with and without programmatic
-// dependent launch) and as a grid-wide barrier inside one persistent kernel. Not part of the engine: a measurement,
-// kept beside the numbers it produced (docs/benchmarks/NOTES.md). Build and run:
+// memory-bound phases costs on this GPU. Variants: a kernel boundary inside a CUDA graph; the same with programmatic
+// dependent launch; the same with a phase's first loads issued before it waits; a grid-wide barrier inside one
+// persistent kernel; the same with the next phase's first loads issued before the barrier; and the persistent kernel
+// without barriers (the streaming bound). Not part of the engine: a measurement for docs/benchmarks/NOTES.md.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o boundary_probe boundary_probe.cu && ./boundary_probe > probe.json
 // Each phase streams its own weight-like buffer (distinct buffers, far more bytes than L2 holds over a run) with
 // 16-byte cache-streaming loads, 4 in flight a thread, and every block writes one checksum.
@@ -23,11 +24,25 @@
 
 constexpr int THREADS = 256;
 
-__device__ __forceinline__ void stream_phase(const uint4* __restrict__ w, size_t n16, unsigned* out, int block,
-                                             int blocks) {
+// A thread's first group of loads of a phase (zeros past the end): issued before a boundary, consumed after it,
+// so they are in flight while the boundary waits (weights never depend on the phase before).
+struct First {
+  uint4 v[4];
+};
+__device__ __forceinline__ First issue_first(const uint4* __restrict__ w, size_t n16, int block, int blocks) {
+  const size_t stride = (size_t)blocks * THREADS, i = (size_t)block * THREADS + threadIdx.x;
+  First f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) f.v[k] = i + k * stride < n16 ? __ldcs(w + i + k * stride) : make_uint4(0, 0, 0, 0);
+  return f;
+}
+
+// The phase from its second group on (the first one given), 4 loads in flight a thread; one checksum a block.
+__device__ __forceinline__ void finish_phase(const uint4* __restrict__ w, size_t n16, unsigned* out, int block,
+                                             int blocks, const First& f) {
   const size_t stride = (size_t)blocks * THREADS;
-  size_t i = (size_t)block * THREADS + threadIdx.x;
-  unsigned acc = 0;
+  size_t i = (size_t)block * THREADS + threadIdx.x + 4 * stride;
+  unsigned acc = f.v[0].x ^ f.v[1].y ^ f.v[2].z ^ f.v[3].w;
   for (; i + 3 * stride < n16; i += 4 * stride) {
     const uint4 a = __ldcs(w + i), b = __ldcs(w + i + stride), c = __ldcs(w + i + 2 * stride),
                 d = __ldcs(w + i + 3 * stride);
@@ -46,21 +61,27 @@ __device__ __forceinline__ void stream_phase(const uint4* __restrict__ w, size_t
   __syncthreads();
 }
 
-// One phase a launch. pdl: let the next launch start at once, and wait for the previous one's completion (and
-// memory) before this phase's work: the kernel boundary's launch latency overlaps, its drain does not.
+// One phase a launch. pdl 1: let the next launch start at once, and wait for the previous one's completion (and
+// memory) before this phase's work: the launch latency overlaps, the drain does not. pdl 2: the same, with the
+// first group of loads issued before the wait.
 __global__ void __launch_bounds__(THREADS) phase_kernel(const uint4* w, size_t n16, unsigned* out, int pdl) {
-  if (pdl) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-  }
-  stream_phase(w, n16, out, blockIdx.x, gridDim.x);
+  if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  First f;
+  if (pdl == 2) f = issue_first(w, n16, blockIdx.x, gridDim.x);
+  if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (pdl != 2) f = issue_first(w, n16, blockIdx.x, gridDim.x);
+  finish_phase(w, n16, out, blockIdx.x, gridDim.x, f);
 }
 
-// Every phase in one launch; barrier != 0: a grid-wide barrier (monotonic device counter) between phases.
+// Every phase in one launch. barrier 1: a grid-wide barrier (monotonic device counter) between phases; 2: the
+// same, with the next phase's first group of loads issued before the barrier; 0: no barrier (the streaming bound).
 __global__ void __launch_bounds__(THREADS) persistent_kernel(const uint4* const* ws, size_t n16, unsigned* out,
                                                              int phases, unsigned* count, int barrier) {
+  First f = issue_first(ws[0], n16, blockIdx.x, gridDim.x);
   for (int p = 0; p < phases; ++p) {
-    stream_phase(ws[p], n16, out + (size_t)p * gridDim.x, blockIdx.x, gridDim.x);
+    finish_phase(ws[p], n16, out + (size_t)p * gridDim.x, blockIdx.x, gridDim.x, f);
+    const bool next = p + 1 < phases;
+    if (next && barrier == 2) f = issue_first(ws[p + 1], n16, blockIdx.x, gridDim.x);
     if (barrier) {
       if (threadIdx.x == 0) {
         __threadfence();
@@ -73,6 +94,7 @@ __global__ void __launch_bounds__(THREADS) persistent_kernel(const uint4* const*
       }
       __syncthreads();
     }
+    if (next && barrier != 2) f = issue_first(ws[p + 1], n16, blockIdx.x, gridDim.x);
   }
 }
 
@@ -112,8 +134,8 @@ int main() {
   for (size_t bytes : sizes) {
     const size_t n16 = bytes / 16;
     // graphs of PHASES launches, without and with PDL
-    cudaGraphExec_t execs[2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
+    cudaGraphExec_t execs[3];
+    for (int pdl = 0; pdl < 3; ++pdl) {
       cudaGraph_t g;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
       for (int p = 0; p < PHASES; ++p) {
@@ -125,23 +147,25 @@ int main() {
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = &attr;
-        cfg.numAttrs = pdl;
+        cfg.numAttrs = pdl ? 1 : 0;
         CK(cudaLaunchKernelEx(&cfg, phase_kernel, (const uint4*)bufs[p], n16, out + (size_t)p * blocks, pdl));
       }
       CK(cudaStreamEndCapture(s, &g));
       CK(cudaGraphInstantiate(&execs[pdl], g, 0));
       CK(cudaGraphDestroy(g));
     }
-    const char* names[] = {"graph", "graph_pdl", "persistent_barrier", "persistent_no_barrier"};
-    for (int v = 0; v < 4; ++v) {
+    const char* names[] = {"graph", "graph_pdl", "graph_pdl_prefetch", "persistent_barrier",
+                           "persistent_barrier_prefetch", "persistent_no_barrier"};
+    const int barrier_of[] = {0, 0, 0, 1, 2, 0};
+    for (int v = 0; v < 6; ++v) {
       std::vector<float> ms;
       for (int r = 0; r < REPS + 3; ++r) {
-        if (v >= 2) CK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
+        if (v >= 3) CK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
         CK(cudaEventRecord(e0, s));
-        if (v < 2) {
+        if (v < 3) {
           CK(cudaGraphLaunch(execs[v], s));
         } else {
-          persistent_kernel<<<blocks, THREADS, 0, s>>>(d_bufs, n16, out, PHASES, count, v == 2);
+          persistent_kernel<<<blocks, THREADS, 0, s>>>(d_bufs, n16, out, PHASES, count, barrier_of[v]);
           CK(cudaGetLastError());
         }
         CK(cudaEventRecord(e1, s));
