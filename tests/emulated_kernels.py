@@ -265,7 +265,9 @@ class KernelEmulator(LogitsKernels):
             sl = self._page_slots(a, page, p["pitch"], lane, pos)
             slots, lane_off = int(sl.max()) + 1, 0
         else:
-            sl, slots, lane_off = (pos % ring if ring else pos), (ring if ring else end), lane * a["lane_bytes"]
+            # (the slots the queries read: a lane planned linear because --ctx < ring is only --ctx slots long)
+            sl, lane_off = (pos % ring if ring else pos), lane * a["lane_bytes"]
+            slots = int(sl.max()) + 1
         kc = self.v(a["kc"] + lane_off, kvdt, (slots, hkv, d), "kc")
         vc = self.v(a["vc"] + lane_off, kvdt, (slots, hkv, d), "vc")
         keys, vals = np.zeros((end, hkv, d), F64), np.zeros((end, hkv, d), F64)

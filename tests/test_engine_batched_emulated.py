@@ -114,8 +114,6 @@ def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
 
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
     try:
-        # (ctx 128: the emulator checks the sliding layers' whole compiled ring of a lane, which a 64-slot lane
-        # of the last lane would overrun)
         b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=128, max_num_seqs=3)
         one = plan_kv(b.spec, 128, "bf16", drafter=b.engine.speculative)
         b.close()
