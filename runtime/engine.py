@@ -448,12 +448,12 @@ class Engine:
         check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 12 * M, 4 * B, h), "batch KV lanes")
         for dst, first, count in _runs(carried):  # carried ids: runs of consecutive rows, one copy each
             check(cu.cuMemcpyDtoDAsync(ids + 4 * dst, carry + 4 * first, 4 * count, h), "carried token ids")
-        if 0 in carried:  # padding rows repeat row 0's token: doubling copies of it
-            done = n
+        if 0 in carried and B > n:  # padding rows repeat row 0's token: copy it once, then double the copies
+            check(cu.cuMemcpyDtoDAsync(ids + 4 * n, ids, 4, h), "padding token id")
+            done = n + 1
             while done < B:
-                count = min(done - n if done > n else 1, B - done)
-                check(cu.cuMemcpyDtoDAsync(ids + 4 * done, ids + 4 * (n if done > n else 0), 4 * count, h),
-                      "padding token ids")
+                count = min(done - n, B - done)
+                check(cu.cuMemcpyDtoDAsync(ids + 4 * done, ids + 4 * n, 4 * count, h), "padding token ids")
                 done += count
         if not greedy:  # greedy rows of a sampled step: temperature 0 (the sampler's argmax)
             rec = self._pinned.array[base + 16 * M:base + 16 * M + B * SAMPLE_PARAMS.itemsize].view(SAMPLE_PARAMS)
