@@ -312,9 +312,23 @@ class KernelSet:
                 raise ModuleError(f"kernel {name} needs {entry.smem_bytes} B shared memory, GPU allows {limit} B")
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(fn, attr, entry.smem_bytes), f"set smem of {name}")
+        if entry.params.get("coresident"):
+            self._check_coresident(entry, fn)
         k = Kernel(entry, fn, _param_sizes(fn, len(entry.args)))
         self._kernels[name] = k
         return k
+
+    def _check_coresident(self, entry: KernelEntry, fn: Any) -> None:
+        """A persistent kernel whose blocks wait for each other (the planner's `coresident`) needs its whole grid
+        resident at once, or a waiting block could hold the slot of one it waits for."""
+        threads = entry.block[0] * entry.block[1] * entry.block[2]
+        per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, 0),
+                       f"occupancy of {entry.name}")
+        blocks, sms = entry.grid[0] * entry.grid[1] * entry.grid[2], self.device.info.sm_count
+        if per_sm * sms < blocks:
+            raise ModuleError(f"kernel {entry.name} runs {blocks} blocks that must all be resident at once, but GPU "
+                              f"{self.device.info.name} holds {per_sm} a multiprocessor x {sms} = {per_sm * sms}; "
+                              f"it was planned for {self.manifest.arch}'s reference GPU")
 
     def load_all(self) -> None:
         """Load every kernel now (so a missing or broken cubin fails at startup, not mid-generation)."""
