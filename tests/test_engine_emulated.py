@@ -294,9 +294,9 @@ def test_eager_forwards_create_no_events(emulated, monkeypatch):
 
 
 def test_a_gpu_that_cannot_hold_the_moe_block_grid_is_refused(tiny_checkpoint, tmp_path):
-    """The one-row MoE block's blocks wait on each other's counters, so its whole grid must be resident at once:
-    on a GPU whose multiprocessors hold none of its blocks (the occupancy query's answer) loading fails and says
-    so, instead of a step that could hang."""
+    """The one-row MoE block's blocks wait on each other's counters, so its grid must be resident at once (the
+    runtime shrinks it to what the GPU holds; the blocks loop): on a GPU whose multiprocessors hold none of its
+    blocks (the occupancy query's answer) loading fails and says so, instead of a step that could hang."""
     from thorgen.runtime import device as dev
     from thorgen.runtime.cuda_backend import open_backend
     from thorgen.runtime.repack import repack
@@ -306,7 +306,7 @@ def test_a_gpu_that_cannot_hold_the_moe_block_grid_is_refused(tiny_checkpoint, t
     drv = EE.install(kernels)
     drv.blocks_per_sm = 0
     try:
-        with pytest.raises(BackendError, match=r"moe_block__\S+ runs \d+ blocks that must all be resident"):
+        with pytest.raises(BackendError, match=r"moe_block__\S+: its blocks wait for each other.* holds none"):
             open_backend(tiny_checkpoint, ctx=256, weights_dir=repack(tiny_checkpoint, tmp_path / "w"),
                          kernels_dir=kernels)
     finally:

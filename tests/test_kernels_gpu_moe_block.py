@@ -1,7 +1,8 @@
 """GPU tests: the one-token MoE block (moe_block: router logits + top-k, the selected experts' gate|up and down in
 one persistent launch whose blocks wait on device counters) against router_logits + router_topk bit for bit and the
-NumPy MoE reference, launched twice in a row (its counters must be left zeroed) on poisoned outputs, tiny preset
-(real quantize + pack path) and full size (all 128 experts resident)."""
+NumPy MoE reference, launched twice in a row (its counters must be left zeroed) on poisoned outputs, on the planned
+grid and on fewer blocks (they loop over the work), tiny preset (real quantize + pack path) and full size (all 128
+experts resident)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def runner(request):
     return GpuRunner(request.param, ("moe", "router"))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_moe_block_equals_router_pair_and_reference(runner, seed):
+# (seed, grid): the planned grid (a block a work item), and fewer blocks than items (what a smaller GPU gets: its
+# blocks loop over router, gate|up and down items)
+@pytest.mark.parametrize("seed,blocks", [(0, None), (1, None), (2, 40)])
+def test_moe_block_equals_router_pair_and_reference(runner, seed, blocks):
     (blk,) = runner.find("moe_block__")
     (lk,) = [k for k in runner.find("router_logits__") if k.param("mmax") == 16]
     (tk,) = runner.find("router_topk__")
@@ -46,7 +49,8 @@ def test_moe_block_equals_router_pair_and_reference(runner, seed):
     poisoned = inp | {"logits": np.full((1, E), np.nan, np.float32), "topk_idx": np.full((1, K), -1, np.int32),
                       "topk_w": np.full((1, K), np.nan, np.float32), "act": np.full((K, IE), np.nan, np.float16),
                       "ypair": np.full((K, H), np.nan, np.float32), "sync": np.zeros(blk.param("sync_words"), np.uint32)}
-    got = runner.run_seq([(blk, None), (blk, None)], poisoned, outs)
+    grid = None if blocks is None else (blocks, 1, 1)
+    got = runner.run_seq([(blk, grid), (blk, grid)], poisoned, outs)
     for name in routing:  # the router blocks run router_fused's arithmetic
         np.testing.assert_array_equal(got[name].view(np.uint32), pair[name].view(np.uint32), err_msg=name)
     np.testing.assert_array_equal(got["sync"], 0)  # left zeroed: the second launch saw zeroed counters too
@@ -57,7 +61,7 @@ def test_moe_block_equals_router_pair_and_reference(runner, seed):
     y = got["ypair"].sum(axis=0, dtype=np.float32)[None]  # ffn_tail's PAIRS form: the slot rows in slot order
     err = MR.norm_err(y, MR.moe_down_ref(got["act"], ids, wts, downs))
     assert err <= MR.TOL_MOE_OUT, f"{blk.name}: output error {err:.2e}"
-    again = runner.run_seq([(blk, None)], poisoned, outs)
+    again = runner.run_seq([(blk, grid)], poisoned, outs)
     for name in ("act", "ypair"):  # deterministic: no atomics in the arithmetic
         np.testing.assert_array_equal(again[name].view(np.uint16 if name == "act" else np.uint32),
                                       got[name].view(np.uint16 if name == "act" else np.uint32), err_msg=name)

@@ -101,6 +101,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     return [gateup, down]
 
 
+BLOCK_RESIDENT = 6  # moe_block's blocks a multiprocessor (64 threads, ~13 KB shared memory, <= 170 registers)
 BLOCK_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "topk_idx", "topk_w", "xe", "gu_w", "gu_s",
               "gu_gscale", "dn_w", "dn_s", "dn_gscale", "act", "ypair", "sync")
 
@@ -120,9 +121,12 @@ def moe_block_kernel(spec: ModelSpec, arch: ArchSpec) -> KernelSpec | None:
     ud = units_d // units_gu
     pf_gu = min(16, math.ceil(math.ceil(steps_gu / ks) / 2)) if arch.prefetch_depth >= 4 else arch.prefetch_depth
     pf_d = min(16 // ud, math.ceil(steps_d / ks))
-    blocks = e // ks + units_gu * topk
+    # one block a work item (router blocks + gate|up units x slots), at most BLOCK_RESIDENT a multiprocessor of the
+    # arch's reference GPU (its registers are capped for that many; a GPU that holds fewer gets a smaller grid)
+    blocks = min(e // ks + units_gu * topk, BLOCK_RESIDENT * arch.sm_count)
     return KernelSpec(f"moe_block__m1_e{e}_k{topk}_i{ie}_h{h}", "moe_block.cu.j2",
                       make_params(H=h, IE=ie, E=e, K=topk, R=e // ks, ks=ks, pf_gu=pf_gu, pf_d=pf_d,
+                                  min_blocks=-(-blocks // arch.sm_count),
                                   EPS=float(t.rms_norm_eps), kind=fp4_order(arch), kind_enum=kind_enum(fp4_order(arch)),
                                   grid_blocks=blocks, coresident=True, sync_words=3 + topk, w_layout=W_LAYOUT,
                                   fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE),
