@@ -117,11 +117,6 @@ class Lower:
         self.missing.append(f"{what} ({template} with {params})")
         return KView(f"<missing {what}>", template, {}, ()) if self.probing else None
 
-    def find_optional(self, template: str, **params: Any) -> KView | None:
-        """The kernel as `find` would give it, or None without recording it missing (a form the plan may omit)."""
-        return next((k for k in self.kernels if k.template == template
-                     and all(k.params.get(n) == v for n, v in params.items())), None)
-
     def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KView:
         """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
         read once for all rows), else the prefill GEMM."""
@@ -291,12 +286,11 @@ class Lower:
         for op in mlp:
             op.branch = 1
         ops += mlp  # first, so the side stream starts before the router
-        block = self.find_optional("moe_block.cu.j2", E=t.num_experts, K=t.top_k_experts) if rows == 1 else None
-        ops += [self._moe_block_op(l, block)] if block else self._router_ops(l, rows, small) + self._moe_ops(l, rows, small)
+        ops += self._router_ops(l, rows, small)
+        ops += self._moe_ops(l, rows, small)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
-        # more than one row, or the one-row MoE block: the MoE wrote a row per slot, which this ffn_tail sums itself
-        # (no combine launch)
-        pairs = t.top_k_experts if rows > 1 or block else 0
+        # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
+        pairs = t.top_k_experts if rows > 1 else 0
         ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
                             EPS=t.rms_norm_eps, PAIRS=pairs))
         moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
@@ -354,19 +348,6 @@ class Lower:
                                   nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
             ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))
         return ops
-
-    def _moe_block_op(self, l: int, block: KView) -> Op:
-        """One row's router + MoE in one persistent launch (moe_block.cuh): the slot rows into moe_pair_out."""
-        A, W, p = self.ptr.A, self.ptr.W, f"layers.{l}."
-        m = f"{p}experts."
-        return Op(f"{p}moe_block", block, dict(
-            x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
-            per_expert_scale=W(f"{p}router.per_expert_scale"), logits=A("rlogits"), topk_idx=A("topk_idx"),
-            topk_w=A("topk_w"), xe=A("a2"), gu_w=W(m + "gate_up_proj.weight_packed"),
-            gu_s=W(m + "gate_up_proj.weight_scale"), gu_gscale=W(m + "gate_up_proj.weight_tile_scale"),
-            dn_w=W(m + "down_proj.weight_packed"), dn_s=W(m + "down_proj.weight_scale"),
-            dn_gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"), ypair=A("moe_pair_out"),
-            sync=A("moe_sync", l)), 1)
 
     def _router_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
         """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters

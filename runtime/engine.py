@@ -178,9 +178,6 @@ class Engine:
                 ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
                 ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
                 ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"), ("tail_cnt", (1,), "u32"),
-                # the one-row MoE block's counters: a row a layer (its launches of a step overlap under PDL)
-                ("moe_sync", (t.num_hidden_layers, max([int(k.params.get("sync_words", 0)) for k in kernels] + [1])),
-                 "u32"),
                 # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
                 ("kv_pages", (MAX_BATCH, int(self.manifest.conventions.get(
                     "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):

@@ -198,10 +198,8 @@ class PackedArgs:
 class Kernel:
     """A loaded entry point with its manifest defaults (grid, block, dynamic smem)."""
 
-    def __init__(self, entry: KernelEntry, function: Any, param_sizes: tuple[int, ...] | None,
-                 resident: int | None = None) -> None:
+    def __init__(self, entry: KernelEntry, function: Any, param_sizes: tuple[int, ...] | None) -> None:
         self.entry, self.function, self.param_sizes = entry, function, param_sizes
-        self.resident = resident  # a coresident kernel: the most blocks its launches may use
 
     @property
     def name(self) -> str:
@@ -210,11 +208,8 @@ class Kernel:
     def bind(self, args: Sequence[Any], grid: tuple[int, int, int] | None = None,
              block: tuple[int, int, int] | None = None, smem: int | None = None, pdl: bool = False) -> "Launch":
         """`pdl`: launch with programmatic stream serialization (only right after another PDL-safe kernel)."""
-        grid = tuple(grid or self.entry.grid)
-        if self.resident is not None and grid[0] > self.resident:  # (its blocks loop over the planned grid's work)
-            grid = (self.resident, *grid[1:])
         return Launch(self, PackedArgs(args, self.param_sizes, self.entry.args, self.entry.name),
-                      grid, tuple(block or self.entry.block),  # type: ignore[arg-type]
+                      tuple(grid or self.entry.grid), tuple(block or self.entry.block),  # type: ignore[arg-type]
                       self.entry.smem_bytes if smem is None else smem, pdl)
 
     def launch(self, stream: Stream, args: Sequence[Any], **kw: Any) -> None:
@@ -317,23 +312,9 @@ class KernelSet:
                 raise ModuleError(f"kernel {name} needs {entry.smem_bytes} B shared memory, GPU allows {limit} B")
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(fn, attr, entry.smem_bytes), f"set smem of {name}")
-        resident = self._resident_blocks(entry, fn) if entry.params.get("coresident") else None
-        k = Kernel(entry, fn, _param_sizes(fn, len(entry.args)), resident)
+        k = Kernel(entry, fn, _param_sizes(fn, len(entry.args)))
         self._kernels[name] = k
         return k
-
-    def _resident_blocks(self, entry: KernelEntry, fn: Any) -> int:
-        """How many blocks of a persistent kernel whose blocks wait for each other (the planner's `coresident`) the
-        GPU holds at once: its launches never use more (the kernel loops its work over any such grid); a GPU that
-        holds none is refused."""
-        threads = entry.block[0] * entry.block[1] * entry.block[2]
-        per_sm = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, entry.smem_bytes),
-                       f"occupancy of {entry.name}")
-        if per_sm < 1:
-            raise ModuleError(f"kernel {entry.name}: its blocks wait for each other, so they must be resident at "
-                              f"once, but GPU {self.device.info.name} holds none of its {threads}-thread blocks "
-                              f"({entry.smem_bytes} B shared memory); rebuild with `thorgen build`")
-        return per_sm * self.device.info.sm_count
 
     def load_all(self) -> None:
         """Load every kernel now (so a missing or broken cubin fails at startup, not mid-generation)."""

@@ -87,9 +87,6 @@ class KernelEmulator(LogitsKernels):
             need = [(0, p["h"] // 16 // p.get("un", 1)), (1, rows * p["topk"])]
         elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
-        elif t.startswith("moe_block"):  # a persistent grid: up to the planned blocks (fewer loop over the work)
-            if not (1 <= g[0] <= p["grid_blocks"] and tuple(g[1:]) == (1, 1)):
-                raise EmuError(f"grid {tuple(g)}: the persistent MoE block runs 1..{p['grid_blocks']} blocks")
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
             need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
         elif t.startswith("router_logits_tiled"):
@@ -356,21 +353,6 @@ class KernelEmulator(LogitsKernels):
         self.v(a["topk_idx"], np.int32, (T, K), "topk_idx")[:] = idx
         self.v(a["topk_w"], np.float32, (T, K), "topk_w")[:] = w
 
-    def k_moe_block(self, p, a, n):
-        """One token's router + top-k + MoE in one persistent launch: router_fused's results, then moe_gateup's and
-        moe_down_pairs' (M = 1) over the slot rows; its counters must be zero at entry, as it leaves them."""
-        cnt = self.v(a["sync"], np.uint32, p["sync_words"], "moe_block sync")
-        if cnt.any():
-            raise EmuError(f"moe_block: sync counters not zero at entry: {cnt[cnt != 0][:8]}")
-        self.k_router_logits(p, dict(a, T=1), n)
-        self.k_router_topk(p, dict(a, T=1), n)
-        moe = dict(ie=p["IE"], h=p["H"], topk=p["K"], mmax=1, experts=p["E"], fp4_order=p["fp4_order"])
-        ids, wts = a["topk_idx"], a["topk_w"]
-        self.k_moe_gateup(moe, dict(w=a["gu_w"], s=a["gu_s"], gscale=a["gu_gscale"], x=a["xe"], ids=ids,
-                                    act=a["act"], m=1), n)
-        self.k_moe_down_pairs(moe, dict(w=a["dn_w"], s=a["dn_s"], gscale=a["dn_gscale"], act=a["act"], ids=ids,
-                                        wts=wts, ypair=a["ypair"], m=1), n)
-
     def _expert(self, a, e, n_, k_, p):
         wb, sb = n_ * k_ // 2, n_ * k_ // 16
         return self.nvfp4(a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"],
@@ -458,8 +440,7 @@ class KernelEmulator(LogitsKernels):
         y = np.zeros((T, H), F64)
         for k in range(K):
             for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < experts))[0]:
-                # (kept, not popped: a profiled step replays ffn_tail alone over the same slot rows)
-                row = self._pair_rows.get(a["moe"] + 4 * H * (int(t) * K + k))
+                row = self._pair_rows.pop(a["moe"] + 4 * H * (int(t) * K + k), None)
                 if row is None or not np.array_equal(RK.store(row, "f32"), ypair[t * K + k]):
                     raise EmuError(f"ffn_tail: slot row {t * K + k} holds no row a MoE down kernel wrote")
                 y[t] += row

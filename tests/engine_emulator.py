@@ -84,7 +84,6 @@ class FakeDriver:
         self._recorded_on: dict[int, Any] = {}  # id(event) -> stream of its last record
         self.launches: list[str] = []  # kernel names, in execution order (tests may inspect)
         self.pdl_launches = 0  # launches made with programmatic stream serialization
-        self.blocks_per_sm = 8  # what cuOccupancyMaxActiveBlocksPerMultiprocessor answers (a test may lower it)
         self.emu = KernelEmulator(self)
 
     # ---- device / context ----------------------------------------------------------------------------------
@@ -245,7 +244,6 @@ class FakeDriver:
     def cuModuleLoadData(self, image): return OK, "module"
     def cuModuleUnload(self, m): return (OK,)
     def cuFuncSetAttribute(self, fn, attr, v): return (OK,)
-    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem): return OK, self.blocks_per_sm
 
     def cuModuleGetFunction(self, mod, name):
         name = name.decode() if isinstance(name, bytes) else name

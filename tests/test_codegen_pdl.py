@@ -18,8 +18,8 @@ HEADERS = ROOT / "templates" / "include" / "thorgen"
 
 
 def _function_body(text: str, name: str) -> str | None:
-    """The brace-matched body of `void name(` (or `bool name(`) in header text, or None."""
-    m = re.search(rf"\b(?:void|bool)\s+{name}\s*\(", text)
+    """The brace-matched body of `void name(` in header text, or None."""
+    m = re.search(rf"\bvoid\s+{name}\s*\(", text)
     if m is None:
         return None
     i = text.index("{", m.end())
@@ -39,7 +39,7 @@ def _waiting_functions() -> set[str]:
     bodies: dict[str, list[str]] = {}
     for h in HEADERS.glob("*.cuh"):
         text = re.sub(r"//[^\n]*", "", h.read_text())  # calls named in comments are not calls
-        for name in set(re.findall(r"\b(?:void|bool)\s+(\w+)\s*\(", text)):
+        for name in set(re.findall(r"\bvoid\s+(\w+)\s*\(", text)):
             body = (_function_body(text, name) or "").replace("if constexpr (kWait) pdl_wait();", "")
             bodies.setdefault(name, []).append(body)
     direct = re.compile(r"pdl_wait\(\)|unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(")

@@ -26,7 +26,7 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 
 from thorgen.codegen import reference_kernels as RK  # noqa: E402
 from thorgen.model_spec.nvfp4 import dequantize_nvfp4  # noqa: E402
-from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.backend import SamplingParams  # noqa: E402
 from thorgen.runtime.reference import sampling as S  # noqa: E402
 from thorgen.runtime.reference.ops import mm, rms_norm, softcap  # noqa: E402
 
@@ -81,9 +81,8 @@ class Probe:
             start = int(self.d.view(self.e.A("positions").address, np.int32, 1)[0])
             self.forwards.append(dict(start=start, n=a["T"], xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
                                       idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
-        elif t.startswith(("router_topk", "router_fused", "moe_block")):  # (the one-row MoE block: T = 1)
-            T = a.get("T", 1)
-            self.forwards[-1]["idx"].append(self.d.view(a["topk_idx"], np.int32, (T, entry["params"]["K"])).copy())
+        elif t.startswith(("router_topk", "router_fused")):
+            self.forwards[-1]["idx"].append(self.d.view(a["topk_idx"], np.int32, (a["T"], entry["params"]["K"])).copy())
         elif t.startswith("ffn_tail"):
             self.forwards[-1]["xs"].append(self.d.view(a["x"], np.float32, (a["T"], H)).copy())
 
@@ -291,23 +290,3 @@ def test_eager_forwards_create_no_events(emulated, monkeypatch):
     for n in (30, 31, 45):
         eng.prefill([2] + list(range(300, 300 + n)))
     assert made == []
-
-
-def test_a_gpu_that_cannot_hold_the_moe_block_grid_is_refused(tiny_checkpoint, tmp_path):
-    """The one-row MoE block's blocks wait on each other's counters, so its grid must be resident at once (the
-    runtime shrinks it to what the GPU holds; the blocks loop): on a GPU whose multiprocessors hold none of its
-    blocks (the occupancy query's answer) loading fails and says so, instead of a step that could hang."""
-    from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
-    from thorgen.model_spec.checkpoint import Checkpoint
-
-    kernels = EE.write_fake_manifest(Checkpoint.open(tiny_checkpoint).spec, tmp_path / "kernels")
-    drv = EE.install(kernels)
-    drv.blocks_per_sm = 0
-    try:
-        with pytest.raises(BackendError, match=r"moe_block__\S+: its blocks wait for each other.* holds none"):
-            open_backend(tiny_checkpoint, ctx=256, weights_dir=repack(tiny_checkpoint, tmp_path / "w"),
-                         kernels_dir=kernels)
-    finally:
-        dev.set_driver(None)

@@ -120,7 +120,7 @@ def test_a_program_naming_a_kernel_the_manifest_lacks_is_refused(built, tmp_path
     spec, kernels, _, _ = built
     data = build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", [])
     gone = next(op["kernel"] for op in data["programs"]["bf16"][program_key(decode=True)][0]["launches"]
-                if op["kernel"].startswith("moe_block"))
+                if op["kernel"].startswith("router_fused"))
     del data["kernels"][gone]
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     fwd = Forward(spec, load_manifest(tmp_path), "bf16", 512)

@@ -24,7 +24,6 @@ from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
 from ..kernel_spec import make_params
 from ._util import require
-from .router import router_warps
 from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
                      weight_bytes)
 
@@ -101,42 +100,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     return [gateup, down]
 
 
-BLOCK_RESIDENT = 6  # moe_block's blocks a multiprocessor (64 threads, ~13 KB shared memory, <= 170 registers)
-BLOCK_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "topk_idx", "topk_w", "xe", "gu_w", "gu_s",
-              "gu_gscale", "dn_w", "dn_s", "dn_gscale", "act", "ypair", "sync")
-
-
-def moe_block_kernel(spec: ModelSpec, arch: ArchSpec) -> KernelSpec | None:
-    """The decode step's MoE in one persistent launch (moe_block.cuh), or None where the shapes do not fit it.
-    Its blocks are router_fused's (same warps, bit-identical routing) followed by one block per (gate|up unit, slot),
-    which does that unit and the down units it leads to: ffn_tail's PAIRS form sums the slot rows, as for the
-    batched steps. Gate|up: 2 warps split K, a warp's whole share in flight in two rounds (H200: 22 steps, 11 in
-    flight); down: each warp's share of its units in flight before it waits for the slot's gate|up."""
-    t = spec.target
-    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    ks = router_warps(e)  # the router's block shape (its norm's reduction order) fixes the block
-    units_gu, units_d, steps_gu, steps_d = 2 * ie // TILE_N, h // TILE_N, h // TILE_K, ie // TILE_K
-    if units_d % units_gu or not 1 <= units_d // units_gu <= 4 or ks > steps_d:
-        return None
-    ud = units_d // units_gu
-    pf_gu = min(16, math.ceil(math.ceil(steps_gu / ks) / 2)) if arch.prefetch_depth >= 4 else arch.prefetch_depth
-    pf_d = min(16 // ud, math.ceil(steps_d / ks))
-    # one block a work item (router blocks + gate|up units x slots), at most BLOCK_RESIDENT a multiprocessor of the
-    # arch's reference GPU (its registers are capped for that many; a GPU that holds fewer gets a smaller grid)
-    blocks = min(e // ks + units_gu * topk, BLOCK_RESIDENT * arch.sm_count)
-    return KernelSpec(f"moe_block__m1_e{e}_k{topk}_i{ie}_h{h}", "moe_block.cu.j2",
-                      make_params(H=h, IE=ie, E=e, K=topk, R=e // ks, ks=ks, pf_gu=pf_gu, pf_d=pf_d,
-                                  min_blocks=-(-blocks // arch.sm_count),
-                                  EPS=float(t.rms_norm_eps), kind=fp4_order(arch), kind_enum=kind_enum(fp4_order(arch)),
-                                  grid_blocks=blocks, coresident=True, sync_words=3 + topk, w_layout=W_LAYOUT,
-                                  fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE),
-                      grid=(blocks, 1, 1), block=(32 * ks, 1, 1), args=BLOCK_ARGS, family="moe")
-
-
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    block = moe_block_kernel(spec, arch)
-    return ([block] if block else []) + moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16) \
-        + moe_kernels(spec, arch, MAX_BATCH)
+    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16) + moe_kernels(spec, arch, MAX_BATCH)
 
 
 def expert_bytes(spec: ModelSpec) -> tuple[int, int]:

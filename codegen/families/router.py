@@ -41,10 +41,8 @@ TILE_KC = 256  # its H chunk (router.cuh: 8 columns a lane, router_logits' order
 FUSED_ARGS = ("x", "scale", "proj", "per_expert_scale", "logits", "counters", "topk_idx", "topk_w", "T")
 
 
-def router_warps(experts: int, most: int = 2) -> int:
-    """Warps (one expert each) a router_logits block holds: the most, up to `most`, that divide the experts (few:
-    more blocks pull the router weight in parallel). The block's size fixes the norm's reduction order, which the
-    tiled prefill logits reproduce (block_sum<64>), so every router form uses this one."""
+def _warps(experts: int, most: int) -> int:
+    """Warps (one expert each) a router_logits block holds: the most, up to `most`, that divide the experts."""
     return max(w for w in range(1, most + 1) if experts % w == 0)
 
 
@@ -53,7 +51,7 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     require(H % 8 == 0, f"router: hidden {H} must be a multiple of 8")
     require(E <= 1024 and K <= 32, f"router: {E} experts / top-{K} exceed the kernel's limits (1024 / 32)")
-    warps = router_warps(E)
+    warps = _warps(E, 2)  # few warps per block: more blocks pull the router weight in parallel
     # shared memory: the scaled token row (H floats) + scratch
     require(H * 4 + 128 <= 48 * 1024, f"router: hidden {H} does not fit the static shared-memory row buffer")
     eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"

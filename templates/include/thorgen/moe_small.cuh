@@ -70,13 +70,9 @@ __device__ __forceinline__ int expert_tokens(const int* __restrict__ ids, int e,
 // One pass over UN units of an expert's weights for its pairs c0 .. c0 + 8 TG - 1 (fewer past n): each pair's row
 // of `base` ([pairs or tokens][K], row pair / DIV) is a token column of the swapped mma; the warp's partial sums go
 // to red[u][i][16] for pair c0 + i (the unit's 16 weight rows; for gate/up: gate 0-7, up 8-15).
-// Wait / kCg as unit_steps_rows' (a persistent kernel waits for the phase that writes `base` after the weight
-// prologue, and reads it through L2).
-template <int KIND, int N, int K, int PF, int UN, int TG, int DIV, int PW, class Wait = PdlWait, bool kWait = false,
-          bool kCg = false>
+template <int KIND, int N, int K, int PF, int UN, int TG, int DIV, int PW>
 __device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe, int unit0, const __half* base,
-                                            const int* pair, int c0, int n, int s0, int s1,
-                                            const Wait& wait = Wait{}) {
+                                            const int* pair, int c0, int n, int s0, int s1) {
   static_assert(8 * TG <= PW, "the pass must fit the reduction tile");
   const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const __half* rows[2 * TG];
@@ -87,44 +83,11 @@ __device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe
     rows[2 * g + 1] = nullptr;
   }
   float acc[UN][TG][2][4] = {};
-  unit_steps_rows<KIND, N, K, PF, TG, UN, false, kWait, true, Wait, kCg>(acc, pe, unit0, rows, s0, s1, wait);
+  unit_steps_rows<KIND, N, K, PF, TG, UN, false, false, true>(acc, pe, unit0, rows, s0, s1);
 #pragma unroll
   for (int u = 0; u < UN; ++u)
 #pragma unroll
     for (int g = 0; g < TG; ++g) swap_to_smem(red[u] + 8 * g, acc[u][g], gid, t4);
-}
-
-// A gate|up pass's outputs: the KS warps' partial sums of pairs c0 .. (fewer past n) added in warp order, then
-// act[pair][IE] = gelu(gate) * up in fp16 for the UN units from unit0.
-template <int KIND, int IE, int KS, int UN, int PW>
-__device__ __forceinline__ void gateup_out(const float (*red)[UN][PW][16], const float* __restrict__ gs,
-                                           const int* pair, int c0, int n, int unit0, __half* __restrict__ act) {
-  for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
-    const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
-    if (c0 + r >= n) continue;
-    float g = 0.f, up = 0.f;
-#pragma unroll
-    for (int w = 0; w < KS; ++w) { g += red[w][u][r][c]; up += red[w][u][r][8 + c]; }
-    const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
-    act[(size_t)pair[c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
-  }
-}
-
-// A down pass's outputs: the KS warps' partial sums added in warp order, times the tile scale and the pair's routing
-// weight wt(pair) -> ypair[pair][H] fp32 for the UN units from unit0.
-template <int KIND, int H, int KS, int UN, int PW, class Wt>
-__device__ __forceinline__ void down_pairs_out(const float (*red)[UN][PW][16], const float* __restrict__ gs,
-                                               const int* pair, int c0, int n, int unit0, const Wt& wt,
-                                               float* __restrict__ ypair) {
-  for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
-    const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
-    if (c0 + r >= n) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
-    const int pr = pair[c0 + r];
-    ypair[(size_t)pr * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * wt(pr);
-  }
 }
 
 // Block (UN units, slot), leader only: the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
@@ -154,7 +117,15 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   for (int c0 = 0; c0 < n; c0 += PW) {
     expert_pass<KIND, 2 * IE, H, PF, UN, PW / 8, TOPK, PW>(red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
     __syncthreads();
-    gateup_out<KIND, IE, KS, UN, PW>(red, gs, pairs[0], c0, n, unit0, act);
+    for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
+      const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
+      if (c0 + r >= n) continue;
+      float g = 0.f, up = 0.f;
+#pragma unroll
+      for (int w = 0; w < KS; ++w) { g += red[w][u][r][c]; up += red[w][u][r][8 + c]; }
+      const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
+      act[(size_t)pairs[0][c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
+    }
     __syncthreads();  // red is rewritten by the next pass
   }
 }
@@ -297,8 +268,15 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   for (int c0 = 0; c0 < n; c0 += PW) {
     expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
     __syncthreads();
-    down_pairs_out<KIND, H, KS, UN, PW>(red, gs, pairs[0], c0, n, unit0, [wts](int pr) { return __ldg(wts + pr); },
-                                        ypair);
+    for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
+      const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
+      if (c0 + r >= n) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
+      const int pair = pairs[0][c0 + r];
+      ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
+    }
     __syncthreads();
   }
 }

@@ -155,20 +155,14 @@ __device__ __forceinline__ void decode_step(const WStep<KIND>& st, uint32_t (&b)
 // A fragments of one step for rows (gid, gid+8): the lane's 16 contiguous activations of each row (k = 16*t4 ..)
 struct AStep { uint4 r0[2]; uint4 r1[2]; };
 
-// kCg: the rows were written by other blocks of this launch (a persistent kernel's earlier phase): read them
-// through L2 (ld.cg), never the read-only path, which may serve a stale line.
-template <bool kTwoRows, bool kCg = false>
+template <bool kTwoRows>
 __device__ __forceinline__ void load_a(AStep& a, const __half* row0, const __half* row1, int step, int t4) {
   const int off = 64 * step + 16 * t4;
   const uint4 z = make_uint4(0, 0, 0, 0);
-  auto ld = [](const __half* p) {
-    if constexpr (kCg) return __ldcg(reinterpret_cast<const uint4*>(p));
-    else return ldg_v4(p);
-  };
-  if (row0 != nullptr) { a.r0[0] = ld(row0 + off); a.r0[1] = ld(row0 + off + 8); }
+  if (row0 != nullptr) { a.r0[0] = ldg_v4(row0 + off); a.r0[1] = ldg_v4(row0 + off + 8); }
   else { a.r0[0] = z; a.r0[1] = z; }
   if constexpr (kTwoRows) {
-    if (row1 != nullptr) { a.r1[0] = ld(row1 + off); a.r1[1] = ld(row1 + off + 8); }
+    if (row1 != nullptr) { a.r1[0] = ldg_v4(row1 + off); a.r1[1] = ldg_v4(row1 + off + 8); }
     else { a.r1[0] = z; a.r1[1] = z; }
   }
 }
@@ -220,17 +214,10 @@ __device__ __forceinline__ void mma_step_swap1(float (&c)[4], const uint4 (&x)[2
 // (UN x fewer activation reads from L1/L2, which bound the 32-row MoE kernels).
 // rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros). Swapped (kSwap): tile rt is a group of
 // 8 tokens, rows[2 * rt] the lane's token gid of it (rows[2 * rt + 1] unused).
-// kWait: call wait() after the weight prologue, before the first activation load (PdlWait: the activations come
-// from the previous kernel; a persistent kernel passes a wait on the device counter of the phase that writes them,
-// with kCg for their loads).
-struct PdlWait {
-  __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false,
-          class Wait = PdlWait, bool kCg = false>
+// kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
+template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false>
 __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
-                                                const __half* const (&rows)[2 * RT], int s0, int s1,
-                                                const Wait& wait = Wait{}) {
+                                                const __half* const (&rows)[2 * RT], int s0, int s1) {
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
   static_assert(PF >= 1 && PF <= 16, "prefetch depth out of range");
   static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a warp, dividing the matrix's units");
@@ -243,7 +230,7 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
 #pragma unroll
     for (int u = 0; u < UN; ++u)
       if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
-  if constexpr (kWait) wait();
+  if constexpr (kWait) pdl_wait();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
@@ -251,7 +238,7 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
       if (s < s1) {
         AStep a[RT];
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows, kCg>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
+        for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
           const WStep<KIND> cur = ring[u][i];

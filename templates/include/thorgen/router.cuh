@@ -73,15 +73,13 @@ __device__ __forceinline__ float router_inv_norm(float ss, float eps) {
   return rsqrtf(ss * (1.0f / H) + eps) * rsqrtf((float)H);
 }
 
-// K == 0: logits only. K > 0 (router_fused): also the top-k of every token, by the token's last block; returns
-// whether this block ran one (in thread 0, which wrote the ids and weights). blk / nblk: the block's index among
-// the router's blocks and their count (a persistent kernel's router blocks; -1: blockIdx.x / gridDim.x).
+// K == 0: logits only. K > 0 (router_fused): also the top-k of every token, by the token's last block.
 template <int H, int E, int THREADS, int K = 0>
-__device__ bool router_logits(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
+__device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* __restrict__ scale,
                               const __nv_bfloat16* __restrict__ proj, float* logits, int T, float eps,
                               const __nv_bfloat16* __restrict__ per_expert_scale = nullptr,
                               unsigned int* __restrict__ counters = nullptr, int32_t* __restrict__ topk_idx = nullptr,
-                              float* __restrict__ topk_w = nullptr, int blk = -1, int nblk = -1) {
+                              float* __restrict__ topk_w = nullptr) {
   static_assert(H % 8 == 0, "hidden size must be a multiple of 8 (16-byte weight loads)");
   static_assert(THREADS % 32 == 0, "block size must be a multiple of 32");
   constexpr int WARPS = THREADS / 32, CH = H / 8, PER = (CH + 31) / 32;
@@ -90,10 +88,8 @@ __device__ bool router_logits(const float* __restrict__ x, const __nv_bfloat16* 
   __shared__ float scratch[32];
   __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (blk < 0) blk = blockIdx.x, nblk = gridDim.x;
-  const int e = blk * WARPS + warp;
+  const int e = blockIdx.x * WARPS + warp;
   const bool active = e < E;
-  bool ran_topk = false;
   uint4 w[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
@@ -131,7 +127,7 @@ __device__ bool router_logits(const float* __restrict__ x, const __nv_bfloat16* 
       __syncthreads();  // this block's logits of token t are written
       if (threadIdx.x == 0) {
         __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
-        last = atomicAdd(&counters[t], 1u) == (unsigned)nblk - 1;
+        last = atomicAdd(&counters[t], 1u) == gridDim.x - 1;
       }
       __syncthreads();
       if (last && warp == 0) {
@@ -139,10 +135,8 @@ __device__ bool router_logits(const float* __restrict__ x, const __nv_bfloat16* 
         router_topk_warp<E, K>(logits + (long)t * E, per_expert_scale, topk_idx + (long)t * K, topk_w + (long)t * K);
         if (lane == 0) counters[t] = 0u;  // every block of token t has counted: leave it zeroed
       }
-      ran_topk |= last;
     }
   }
-  return ran_topk;
 }
 
 // One step of router_logits_tiled's recursive-halving warp sum: of the 2 O live pairs (acc[0 .. 2 O)), a lane keeps
