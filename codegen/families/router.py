@@ -31,10 +31,12 @@ from __future__ import annotations
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.conventions import MAX_BATCH
 from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
-LM_TOKENS = 16  # grid.y token groups of router_logits (a verify step's 16 tokens)
+LM_TOKENS = 16  # router_logits' row capacity (a verify step's 16 tokens)
+TOPK_WARPS = 4  # router_topk: a warp a token, 4 tokens a block
 TILE_T, TILE_E = 16, 32  # router_logits_tiled: tokens x experts a block (experts: at most); a warp per 8 x 8 of them
 TILE_KC = 256  # its H chunk (router.cuh: 8 columns a lane, router_logits' order)
 # counters: u32 [rows], zeroed once by the runtime, left zeroed by the kernel
@@ -57,7 +59,7 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"
     logits = KernelSpec(f"router_logits__h{H}_e{E}{eps_tag}", "router_logits.cu.j2",
                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
-                        grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
+                        grid=(E // warps, MAX_BATCH, 1), block=(32 * warps, 1, 1),
                         args=("x", "scale", "proj", "logits", "T"), family="router")
     # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them), a
     # warp per 8 x 8; bit-identical to `logits` only while that one runs 2 warps (block_sum<64>'s norm order)
@@ -73,9 +75,9 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                                      ROW_GRID=(1, 1, TILE_T)),
                          grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
                          block=(32 * (TILE_T // 8) * (be // 8), 1, 1), args=logits.args, family="router")
-    threads = max(32, (E + 31) // 32 * 32)
-    topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_AXIS=0),
-                      grid=(MAX_STEP_TOKENS, 1, 1), block=(threads, 1, 1),
+    topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2",
+                      make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
+                      grid=(-(-MAX_STEP_TOKENS // TOPK_WARPS), 1, 1), block=(32 * TOPK_WARPS, 1, 1),
                       args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"), family="router")
     fused = KernelSpec(f"router_fused__h{H}_e{E}_k{K}{eps_tag}", "router_fused.cu.j2",
                        make_params(H=H, E=E, K=K, EPS=float(t.rms_norm_eps), ROW_AXIS=1), grid=logits.grid,
@@ -104,5 +106,5 @@ def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     for T in (1, 16):
         out.append(BenchCase(tk, (Buf("logits", "f32", T * E), Buf("per_expert_scale", "bf16", E),
                                   Buf("topk_idx", "i32", T * K), Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),
-                             bytes_moved=T * (E * 4 + K * 8), grid=(T, 1, 1), note=f"T={T}"))
+                             bytes_moved=T * (E * 4 + K * 8), grid=(-(-T // TOPK_WARPS), 1, 1), note=f"T={T}"))
     return out
