@@ -31,11 +31,12 @@ from __future__ import annotations
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
-from ...model_spec.conventions import MAX_BATCH
 from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
-LM_TOKENS = 16  # router_logits' row capacity (a verify step's 16 tokens)
+# router_logits' token groups (a verify step's 16 tokens; a 32-row batched step loops 2 a block: 32 groups, a block
+# a row, measured slower on the H200, 461 against 420 us a step, session 20 call 3)
+LM_TOKENS = 16
 TOPK_WARPS = 4  # router_topk: a warp a token, 4 tokens a block
 TILE_T, TILE_E = 16, 32  # router_logits_tiled: tokens x experts a block (experts: at most); a warp per 8 x 8 of them
 TILE_KC = 256  # its H chunk (router.cuh: 8 columns a lane, router_logits' order)
@@ -59,7 +60,7 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"
     logits = KernelSpec(f"router_logits__h{H}_e{E}{eps_tag}", "router_logits.cu.j2",
                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
-                        grid=(E // warps, MAX_BATCH, 1), block=(32 * warps, 1, 1),
+                        grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
                         args=("x", "scale", "proj", "logits", "T"), family="router")
     # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them), a
     # warp per 8 x 8; bit-identical to `logits` only while that one runs 2 warps (block_sum<64>'s norm order)
