@@ -6,7 +6,7 @@
 // the softmax denominator over all experts cancels, so only the selected logits are exponentiated.
 // router_fused (one launch instead of two on the decode critical path): router_logits with K > 0; each block bumps
 // a per-token counter after writing its logits and the token's last block runs the top-k on that row with one warp
-// (router_topk_warp: the same keys, tie rule and fp32 weight math as router_topk, so the results are bit-identical).
+// (router_topk_warp, router_topk's own per-token body, so the two give bit-identical ids and weights).
 // The counters start zeroed (the runtime zeroes them once) and the last block re-zeroes them (graph-replay safe).
 #pragma once
 #include "thorgen/common.cuh"
@@ -14,7 +14,7 @@
 namespace thorgen {
 
 // The renormalised top-k weights from the selected logits (sel_logit[0] is the largest): exp(l_k - l_0) / sum,
-// times the expert's per_expert_scale; written with the ids. One thread; shared by router_topk and the fused path.
+// times the expert's per_expert_scale; written with the ids. One thread (router_topk_warp's lane 0).
 template <int K>
 __device__ __forceinline__ void write_topk(const int* sel, const float* sel_logit,
                                            const __nv_bfloat16* __restrict__ per_expert_scale,
@@ -31,8 +31,9 @@ __device__ __forceinline__ void write_topk(const int* sel, const float* sel_logi
 }
 
 // Top-k of one token's E logits by one warp (lane l holds experts l, l+32, ...): K rounds of a warp max over
-// (logit, -id) keys, the winner's owner drops it; lane 0 writes ids and weights exactly as router_topk does. The
-// logits were written by other blocks of this launch: read through L2 (ld.cg), after the caller's fence.
+// (logit, -id) keys, the winner's owner drops it; lane 0 writes ids and weights. The body of router_topk (a warp a
+// token) and of router_fused's last block, whose logits were written by other blocks of its own launch: so they are
+// read through L2 (ld.cg), after the caller's fence.
 // (A block-wide rank count instead of the K rounds measured ~0.9 us slower on the H200: 2 warps, E^2 compares.)
 template <int E, int K>
 __device__ __forceinline__ void router_topk_warp(const float* lrow, const __nv_bfloat16* __restrict__ per_expert_scale,
