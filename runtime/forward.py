@@ -68,15 +68,15 @@ class Copy2D:
 def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, int]:
     """Launch grid for `rows` rows, by the planner's rules in the manifest (codegen/families/__init__.py): the
     manifest's grid is sized for the kernel's maximum; ROW_AXIS kernels loop rows grid-stride (no more blocks than
-    rows); ROW_GRID (axis, mul, div) kernels need ceil(rows * mul / div) blocks on that axis; a rowwise launch
-    (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2."""
+    rows); ROW_GRID (axis, mul, div[, cap]) kernels need ceil(rows * mul / div) blocks on that axis, at most cap; a
+    rowwise launch (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2."""
     g, p = list(e.grid), e.params
     if "ROW_AXIS" in p:
         g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
     rule = p.get("ROWWISE_GRID" if rowwise else "ROW_GRID")
     if rule:
-        axis, mul, div = (int(v) for v in rule)
-        g[axis] = -(-rows * mul // div)
+        axis, mul, div, *cap = (int(v) for v in rule)
+        g[axis] = min([-(-rows * mul // div), *cap])
     if rowwise and p.get("ROWWISE_SPLITS") and ROWWISE_SPLITS_ON:
         g[2] = int(p["ROWWISE_SPLITS"][rows - 1])
     return g[0], g[1], g[2]

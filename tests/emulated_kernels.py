@@ -82,9 +82,9 @@ class KernelEmulator(LogitsKernels):
         elif t.startswith("attn_combine"):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
-            need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, rows * p["topk"])]
+            need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down_pairs"):
-            need = [(0, p["h"] // 16 // p.get("un", 1)), (1, rows * p["topk"])]
+            need = [(0, p["h"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel

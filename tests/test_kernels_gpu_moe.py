@@ -72,13 +72,19 @@ def experts(runner):
 CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "pool"), (21, "pool")]
 
 
+def _rows_grid(kernel, slots: int) -> tuple[int, int, int]:
+    """The launch grid of a step's `slots` = m * top-k: a block row a slot, at most the planned rows (one per expert
+    the step may select), as runtime/forward.py's ROW_GRID rule with its cap."""
+    return kernel.grid[0], min(kernel.grid[1], slots), 1
+
+
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
     """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
     weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
     if down.name.startswith("moe_down__"):
         return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
-                       {"ypair": ((m * topk, h), np.float32)}, grid=(down.grid[0], m * topk, 1))["ypair"]
+                       {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m * topk))["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
 
 
@@ -96,7 +102,7 @@ def test_moe(runner, experts, m, pool):
     act_ref = R.moe_gateup_ref(x, ids, gates, ups)
     common = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g, "ids": ids, "m": np.int32(m)}
     act = runner.run(gateup, dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
-                     {"act": ((m * topk, ie), np.float16)}, grid=(gateup.grid[0], m * topk, 1))["act"]
+                     {"act": ((m * topk, ie), np.float16)}, grid=_rows_grid(gateup, m * topk))["act"]
     err = R.norm_err(act, act_ref)
     assert err <= R.TOL_MOE_ACT, f"{gateup.name} m={m}: act error {err:.2e}"
     # down on the reference's own f16 act (isolates the down kernel), then the chained pair
@@ -132,7 +138,7 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
 def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m: int, dtype) -> np.ndarray:
     topk = runner.spec.target.top_k_experts
     res = runner.run(kernel, dict(common, **extra, m=np.int32(m), **{out: np.full((m * topk, width), np.nan, dtype)}),
-                     {out: ((m * topk, width), dtype)}, grid=(kernel.grid[0], m * topk, 1))
+                     {out: ((m * topk, width), dtype)}, grid=_rows_grid(kernel, m * topk))
     return res[out]
 
 

@@ -384,7 +384,9 @@ def test_launch_grid_rules():
         return KernelEntry("k", Path("k.cubin"), "k", "f", grid, (128, 1, 1), 0, (), params, template)
     assert _grid(entry((512, 1, 1), {"ROW_AXIS": 0}), 3) == (3, 1, 1)
     assert _grid(entry((128, 16, 1), {"ROW_AXIS": 1}), 1) == (128, 1, 1)
-    assert _grid(entry((88, 128, 1), {"ROW_GRID": (1, 8, 1)}), 2) == (88, 16, 1)  # moe_gateup: rows x top-k
+    assert _grid(entry((88, 128, 1), {"ROW_GRID": (1, 8, 1)}), 2) == (88, 16, 1)  # rows x top-k
+    moe = entry((44, 128, 1), {"ROW_GRID": (1, 8, 1, 128)})  # moe_gateup: a block row per expert the step may select
+    assert _grid(moe, 2) == (44, 16, 1) and _grid(moe, 16) == (44, 128, 1) and _grid(moe, 32) == (44, 128, 1)
     assert _grid(entry((11, 8, 1), {"ROW_GRID": (1, 1, 64)}), 130) == (11, 3, 1)  # prefill GEMM: 64-row blocks
     attn = entry((1, 8, 32), {"ROW_GRID": (0, 1, 16), "ROWWISE_GRID": (0, 1, 1), "ROWWISE_SPLITS": (32, 16, 8, 8)})
     assert _grid(attn, 3) == (1, 8, 32) and _grid(attn, 17) == (2, 8, 32)  # query blocks of 16, every split

@@ -15,8 +15,9 @@ Shared dataflow conventions (one place, so that producer and consumer kernels ag
   lm_head logits               : f32 [T, V] (before softcap); the lm_head epilogue kernels softcap them.
 Row kernels (param ROW_AXIS = 0 or 1) take the runtime row count `T` and loop rows grid-stride along grid axis
 ROW_AXIS, so any extent 1..grid[ROW_AXIS] on that axis is correct; launch it as min(T, grid[ROW_AXIS]).
-Block-per-rows kernels (param ROW_GRID = (axis, mul, div)) launch ceil(T * mul / div) blocks on that axis: the
-prefill GEMMs (BM rows a block), moe_gateup (a block row per token and top-k slot), attention (query blocks) and
+Block-per-rows kernels (param ROW_GRID = (axis, mul, div[, cap])) launch ceil(T * mul / div) blocks on that axis, at
+most cap: the prefill GEMMs (BM rows a block), moe_gateup and moe_down_pairs (a block row per expert the step may
+select: min(E, T * top-k)), attention (query blocks) and
 its combine (a block per query and head); an attention launch with one query per block (a batched decode step)
 uses ROWWISE_GRID the same way, and ROWWISE_SPLITS[T - 1] key splits on axis 2. The manifest carries these rules,
 so the runtime sizes every launch without knowing what the kernel is.

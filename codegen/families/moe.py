@@ -2,12 +2,12 @@
 
 Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 32 = batched decode of 17..32
 sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
-  moe_gateup__...  grid (2*Ie/16 units, m*K slots): the first slot naming an expert does that expert's fused gate|up
+  moe_gateup__...  grid (2*Ie/16 units, min(E, m*K)): block row y does the step's y-th distinct expert's fused gate|up
                    for the tokens that chose it (8 a pass over its weights) and writes their act[t*K+k] rows.
   moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
                    their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
                    shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
-  moe_down_pairs__ (16 or 32 rows) grid (H/16 units, m*K slots), like gate/up: the first slot naming an expert runs its
+  moe_down_pairs__ (16 or 32 rows) grid (H/16 units, min(E, m*K)), like gate/up: block row y runs its expert's
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
                    norms.py) sums per token in slot order.
 Both run a pass's tokens as the B operand of the swapped mma (moe_small.cuh: expert_tokens).
@@ -42,7 +42,8 @@ def _units(units: int, most: int) -> int:
 
 
 def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
-    """Distinct experts a step can select (planning estimate for grid fill)."""
+    """Distinct experts a step of mmax tokens can select: the block rows of gate/up and down_pairs (a block row an
+    expert, moe_small.cuh block_expert), and the planner's estimate for grid fill."""
     return min(mmax * topk, experts)
 
 
@@ -68,8 +69,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1), **common),
-                        grid=(units_gu // un, mmax * topk, 1),
+                        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
+                        grid=(units_gu // un, leaders, 1),
                         block=(32 * ks, 1, 1),
                         args=GATEUP_ARGS, family="moe")
     steps_d = ie // TILE_K
@@ -82,8 +83,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
                            make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
-                                       ROW_GRID=(1, topk, 1), **common),
-                           grid=(units_d // upd, mmax * topk, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                                       ROW_GRID=(1, topk, 1, leaders), **common),
+                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
                            family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16

@@ -1,6 +1,6 @@
 // thorgen MoE for the small steps (decode M = 1, verify and batched decode M <= 32) on the t16x64 tile engine
-// (nvfp4.cuh, gemm_nvfp4.cuh). Grid (16-row unit groups, m * TOPK slots): a block works only when its slot is the
-// first one naming its expert ("leader"), so every selected expert's weights are read once per unit, whatever the
+// (nvfp4.cuh, gemm_nvfp4.cuh). Grid (16-row unit groups, one block row per expert the step may select): block row y
+// runs one distinct expert (block_expert), so every selected expert's weights are read once per unit, whatever the
 // step's routing, and every output row is written by exactly one block (no atomics, deterministic).
 // Gate/up and the many-row down run over the expert's own tokens only (expert_tokens), PW (8 or 16) a pass, as the
 // B operand of the swapped mma (the 16 weight rows are A): at 32 random tokens an expert has ~2.3 of them, and
@@ -21,30 +21,52 @@ __device__ __forceinline__ int slot_of(const int* __restrict__ ids, int r, int e
   return k;
 }
 
-// Whether an earlier slot than `slot` names expert e (then that slot's block does the expert): the block's threads
-// check the earlier slots together behind one barrier, where one serial scan cost ~64 dependent loads before any
-// weight load (16 tokens: 99.9 -> 85.2 us a layer of gate/up). Every thread of the block must call it.
-template <int THREADS>
-__device__ __forceinline__ bool named_earlier(const int* __restrict__ ids, int slot, int e) {
-  bool dup = false;
-  for (int i = threadIdx.x; i < slot; i += THREADS) dup |= __ldg(ids + i) == e;
-  return __syncthreads_or(dup);
+// The blockIdx.y-th distinct expert that the step's slots name, in expert-id order; false past the last. Many rows
+// launch min(E, m * TOPK) block rows (the ROW_GRID cap), one per expert a step can select, not one per slot: at 32
+// tokens the slots name ~111 distinct experts in 256 slots, and blocks that only found they led nothing cost ~20 us a
+// layer of gate/up and ~18 of down (H200, 2026-12-02: 16 experts over 32 tokens took 40 and 37 us, over 16 tokens
+// 21 and 19). The block's threads mark its slots in a shared bitmap behind one barrier. Every thread must call it.
+template <int E, int TOPK, int THREADS>
+__device__ __forceinline__ bool nth_expert(const int* __restrict__ ids, int m, int& e) {
+  constexpr int WORDS = (E + 31) / 32;
+  __shared__ unsigned present[WORDS];
+  for (int i = threadIdx.x; i < WORDS; i += THREADS) present[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < m * TOPK; i += THREADS) {
+    const int x = __ldg(ids + i);
+    if (x >= 0 && x < E) atomicOr(present + (x >> 5), 1u << (x & 31));
+  }
+  __syncthreads();
+  int n = blockIdx.y;
+#pragma unroll
+  for (int w = 0; w < WORDS; ++w) {
+    unsigned bits = present[w];
+    const int c = __popc(bits);
+    if (n < c) {
+      for (int j = 0; j < n; ++j) bits &= bits - 1u;  // drop the n lower experts of this word
+      e = 32 * w + __ffs(bits) - 1;
+      return true;
+    }
+    n -= c;
+  }
+  return false;
 }
 
-// Whether this block leads its slot's expert; e = the expert (valid only when true). One token: at most 7 earlier
-// slots, which a serial scan checks sooner than a barrier (9.6 vs 9.9 us a layer). Every thread must call it.
+// The expert this block runs, or false (nothing to do). One token: grid row = its slot, which runs its expert unless
+// an earlier slot names it (a serial scan of at most 7 slots, sooner than a barrier: 9.6 vs 9.9 us a layer). Many
+// rows: nth_expert. Every thread must call it.
 template <int E, int TOPK, int MMAX, int THREADS>
-__device__ __forceinline__ bool leads(const int* __restrict__ ids, int m, int& e) {
-  const int slot = blockIdx.y;
-  if (slot >= m * TOPK) return false;
-  e = __ldg(ids + slot);
-  if (e < 0 || e >= E) return false;
+__device__ __forceinline__ bool block_expert(const int* __restrict__ ids, int m, int& e) {
   if constexpr (MMAX == 1) {
+    const int slot = blockIdx.y;
+    if (slot >= m * TOPK) return false;
+    e = __ldg(ids + slot);
+    if (e < 0 || e >= E) return false;
     for (int i = 0; i < slot; ++i)
       if (__ldg(ids + i) == e) return false;
     return true;
   } else {
-    return !named_earlier<THREADS>(ids, slot, e);
+    return nth_expert<E, TOPK, THREADS>(ids, m, e);
   }
 }
 
@@ -90,7 +112,7 @@ __device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe
     for (int g = 0; g < TG; ++g) swap_to_smem(red[u] + 8 * g, acc[u][g], gid, t4);
 }
 
-// Block (UN units, slot), leader only: the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
+// Block (UN units, block_expert's expert): the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
 // over its tokens, PW (8 or 16) a pass (a further pass re-streams the unit's weights, from L2), KS warps
 // splitting H: act[(t*TOPK + k)][IE] = gelu(gate) * up in fp16. A token's result depends neither on the other
 // tokens of the step nor on its column in the pass.
@@ -108,7 +130,7 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   pdl_wait();  // ids and x come from the router / norm kernels
   m = m < MMAX ? m : MMAX;
   int e;
-  if (!leads<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  if (!block_expert<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
   const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
@@ -239,7 +261,7 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   }
 }
 
-// Block (UN units, slot), leader only, as moe_gateup: the expert's down rows of these units over the act rows of
+// Block (UN units, block_expert's expert), as moe_gateup: the expert's down rows of these units over the act rows of
 // its pairs, PW a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail
 // (its PAIRS form) then sums a token's pairs in slot order, whatever else the step holds. One block per (unit,
 // expert) spreads the ~80 experts 16 tokens select over the whole GPU, where moe_down's H/16 blocks each walk all
@@ -259,7 +281,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   pdl_wait();  // ids, wts and act come from the router and gate/up kernels
   m = m < MMAX ? m : MMAX;
   int e;
-  if (!leads<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  if (!block_expert<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
   const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
