@@ -95,7 +95,7 @@ class KernelEmulator(LogitsKernels):
             cols = p["bn"] if p.get("wgmma") else 16 * p["nwarp"]  # weight rows a block (gemm_large_wgmma: bn)
             need = [(0, p["n"] // cols), (1, -(-rows // p["bm"]))]
         elif t.startswith("nvfp4_gemm"):
-            need = [(0, p["n"] // 16)]
+            need = [(0, p["n"] // 16 // p.get("un", 1))]
         elif "ROW_AXIS" in p:
             need = [(int(p["ROW_AXIS"]), 1)]
         for axis, n in need:

@@ -104,6 +104,7 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     if mmax <= 8 and units >= 8 * arch.sm_count and steps >= 16:
         # very wide (lm_head): 4 warps x PF 2 measured best on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4)
         ks, pf = 4, 2
+    un = units_a_block(units, mmax, kind, arch)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
     template = "nvfp4_gemm.cu.j2" if kind != "half" else "bf16_gemm.cu.j2"
@@ -111,8 +112,20 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", template,
                       make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, ks=ks, mmax=mmax, pf=pf, epi=epi,
                                   epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
-                                  fp4_order=fp4_order(arch), swap=mmax <= 8),
-                      grid=(units, 1, 1), block=(32 * ks, 1, 1), args=args, family=family)
+                                  fp4_order=fp4_order(arch), swap=mmax <= 8, un=un),
+                      grid=(units // un, 1, 1), block=(32 * ks, 1, 1), args=args, family=family)
+
+
+def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
+    """16-row units a block of the small GEMM (gemm_nvfp4.cuh gemm_small's UN). From 16 rows on, each activation step
+    a warp loads from L1 serves UN units: 4 at the lm_head's width, 2 where the blocks still cover every SM, else 1
+    (the n2816 projections: 88 blocks would leave a third of the SMs idle)."""
+    if mmax < 16 or kind == "half":
+        return 1
+    for un in (4, 2):
+        if units % un == 0 and units // un >= (8 if un == 4 else 1) * arch.sm_count:
+            return un
+    return 1
 
 
 def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec) -> KernelSpec:

@@ -1,6 +1,6 @@
 // thorgen weight-streaming GEMMs on the t16x64 tile engine (nvfp4.cuh): y[m, n] = sum_k x[m, k] * W[n, k].
-//   gemm_small : M <= 16 (decode M = 1, verify M = 2..16). One block per 16-row unit of W, KS warps split K,
-//                each weight byte read once for all M rows (mma.m16n8k16, A = activations, B decoded in registers),
+//   gemm_small : M <= 32 (decode M = 1, verify M = 2..16, batched decode). A block per UN 16-row units of W, KS
+//                warps split K, each weight byte read once for all M rows (mma.m16n8k16, A = activations, B decoded in registers),
 //                deterministic shared-memory reduction over the KS warps, fused epilogue.
 //   gemm_large : prefill (M up to the chunk size). Block = NWARP units x BM rows; A tiles through shared memory
 //                (cp.async, STAGES deep), B decoded in registers straight from the layout.
@@ -79,11 +79,16 @@ __device__ __forceinline__ void lane_rows(const __half* (&rows)[2 * RT], const _
 }
 
 // ---- M <= 32 -----------------------------------------------------------------------------------------------
-template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false>
+// Block = UN consecutive 16-row units, KS warps splitting K. Each activation step a warp loads serves its UN units:
+// at 16-32 rows the activations are 4-8 bytes of L1 reads per weight byte, which bound the kernel at UN = 1 (the
+// 32-row q|k|v GEMM took 17.0 us against 8.1 at 16 rows on the H200). The KS partial tiles go through one shared
+// tile a unit after another, so the reduction's shared memory does not grow with UN.
+template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false, int UN = 1>
 __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   static_assert(N % 16 == 0 && K % 64 == 0, "W must be [N % 16 == 0, K % 64 == 0]");
   static_assert(KS >= 1 && KS <= 32 && KS <= K / 64, "K split must give every warp at least one step");
+  static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a block, dividing the matrix's units");
   using Tiles = RowTiles<MMAX>;
   constexpr int RT = Tiles::RT, MR = Tiles::MR;
   constexpr int STEPS = K / 64;
@@ -91,33 +96,38 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
   pdl_launch_dependents();
   m = m < MMAX ? m : MMAX;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int unit = blockIdx.x;
+  const int unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const __half* rows[2 * RT];
   lane_rows<RT, Tiles::TWO>(rows, x, K, m, gid);
-  float acc[1][RT][2][4] = {};
+  float acc[UN][RT][2][4] = {};
   static_assert(!(SWAP && Tiles::TWO), "the swapped form holds at most 8 tokens");
-  unit_steps_rows<KIND, N, K, PF, RT, 1, Tiles::TWO, true, SWAP>(acc, p, unit, rows, s0, s1);
-  tiles_to_smem<SWAP, MR>(red[warp], acc[0], gid, t4);
-  __syncthreads();
-  if constexpr (EPI == EPI_STORE) {
-    for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
-      const int r = i >> 4, c = i & 15;
-      if (r >= m) break;
-      float v = 0.f;
+  unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP>(acc, p, unit0, rows, s0, s1);
 #pragma unroll
-      for (int w = 0; w < KS; ++w) v += red[w][r][c];
-      y[(size_t)r * N + 16 * unit + c] = from_f32<OutT>(v * tile_factor<KIND>(gscale, 2 * unit + (c >> 3)));
-    }
-  } else {
-    const float fg = tile_factor<KIND>(gscale, 2 * unit), fu = tile_factor<KIND>(gscale, 2 * unit + 1);
-    for (int i = threadIdx.x; i < MR * 8; i += KS * 32) {
-      const int r = i >> 3, c = i & 7;
-      if (r >= m) break;
-      float g = 0.f, u = 0.f;
+  for (int u = 0; u < UN; ++u) {
+    if (u > 0) __syncthreads();  // the previous unit's sums have been read
+    tiles_to_smem<SWAP, MR>(red[warp], acc[u], gid, t4);
+    __syncthreads();
+    const int unit = unit0 + u;
+    if constexpr (EPI == EPI_STORE) {
+      for (int i = threadIdx.x; i < MR * 16; i += KS * 32) {
+        const int r = i >> 4, c = i & 15;
+        if (r >= m) break;
+        float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < KS; ++w) { g += red[w][r][c]; u += red[w][r][8 + c]; }
-      y[(size_t)r * (N / 2) + 8 * unit + c] = from_f32<OutT>(act_mul<EPI>(g * fg, u * fu));
+        for (int w = 0; w < KS; ++w) v += red[w][r][c];
+        y[(size_t)r * N + 16 * unit + c] = from_f32<OutT>(v * tile_factor<KIND>(gscale, 2 * unit + (c >> 3)));
+      }
+    } else {
+      const float fg = tile_factor<KIND>(gscale, 2 * unit), fu = tile_factor<KIND>(gscale, 2 * unit + 1);
+      for (int i = threadIdx.x; i < MR * 8; i += KS * 32) {
+        const int r = i >> 3, c = i & 7;
+        if (r >= m) break;
+        float g = 0.f, u2 = 0.f;
+#pragma unroll
+        for (int w = 0; w < KS; ++w) { g += red[w][r][c]; u2 += red[w][r][8 + c]; }
+        y[(size_t)r * (N / 2) + 8 * unit + c] = from_f32<OutT>(act_mul<EPI>(g * fg, u2 * fu));
+      }
     }
   }
 }
