@@ -22,7 +22,9 @@ def rope_kv_kernel(role: str, *, HQ: int, HKV: int, D: int, rot: int, theta: flo
     require(0 <= rot <= D // 2, f"rope_kv {role}: {rot} rotating pairs out of range for head_dim {D}")
     require(not (page and slots) and bool(page) == bool(pitch), f"rope_kv {role}: a paged cache is not a ring")
     units = (HQ if has_q else 0) + 2 * HKV
-    warps = max(1, min(arch.warps_per_block, units))
+    # a warp a head unit (up to 32): a decode step's one block then runs every head at once, where 8 warps ran the
+    # target's 32 units in 4 rounds of load -> norm -> RoPE -> store
+    warps = max(1, min(32, units))
     cache = f"ring{slots}" if slots else f"p{page}" if page else "lin"
     name = f"rope_kv__{role}_d{D}_q{HQ if has_q else 0}_kv{HKV}_r{rot}_t{ftag(theta)}_{cache}_{kv}"
     return KernelSpec(name, "rope_kv.cu.j2",

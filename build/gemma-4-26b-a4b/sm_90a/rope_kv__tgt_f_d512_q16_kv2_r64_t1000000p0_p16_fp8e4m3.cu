@@ -74,7 +74,7 @@ __constant__ double INV_FREQ[64] = {
 struct Cfg {
   static constexpr int HQ = 16, HKV = 2, D = 512, ROT = 64, SLOTS = 0;
   static constexpr int PAGE = 16, PITCH = 16384;
-  static constexpr int THREADS = 256;
+  static constexpr int THREADS = 640;
   static constexpr bool HAS_Q = true, V_FROM_K = true, V_NORM = true;
   static constexpr float EPS = 1e-06f;
   using QT = __nv_bfloat16;
@@ -84,13 +84,12 @@ struct Cfg {
 __device__ __forceinline__ double Cfg::inv_freq(int pair) { return INV_FREQ[pair]; }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(640)
 rope_kv__tgt_f_d512_q16_kv2_r64_t1000000p0_p16_fp8e4m3(const float* q_raw, const float* k_raw, const float* v_raw, const __nv_bfloat16* q_norm_w,
            const __nv_bfloat16* k_norm_w, const int32_t* positions, __nv_bfloat16* q_out, thorgen::fp8e4m3* k_cache,
            thorgen::fp8e4m3* v_cache, const int32_t* lanes, long long lane_bytes, const int32_t* pages, int q_stride,
            int kv_stride, int T) {
-  thorgen::pdl_launch_dependents();
-  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
+  thorgen::pdl_launch_dependents();  // (RopeKv::run waits before it reads earlier kernels' outputs)
   thorgen::RopeKv<Cfg>::run(q_raw, k_raw, v_raw, q_norm_w, k_norm_w, positions, q_out, k_cache, v_cache, lanes, lane_bytes,
                            pages, q_stride, kv_stride, T);
 }

@@ -138,7 +138,7 @@ __constant__ double INV_FREQ[128] = {
 struct Cfg {
   static constexpr int HQ = 16, HKV = 8, D = 256, ROT = 128, SLOTS = 1536;
   static constexpr int PAGE = 0, PITCH = 0;
-  static constexpr int THREADS = 256;
+  static constexpr int THREADS = 1024;
   static constexpr bool HAS_Q = true, V_FROM_K = false, V_NORM = true;
   static constexpr float EPS = 1e-06f;
   using QT = __nv_bfloat16;
@@ -148,13 +148,12 @@ struct Cfg {
 __device__ __forceinline__ double Cfg::inv_freq(int pair) { return INV_FREQ[pair]; }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
 rope_kv__tgt_s_d256_q16_kv8_r128_t10000p0_ring1536_bf16(const float* q_raw, const float* k_raw, const float* v_raw, const __nv_bfloat16* q_norm_w,
            const __nv_bfloat16* k_norm_w, const int32_t* positions, __nv_bfloat16* q_out, __nv_bfloat16* k_cache,
            __nv_bfloat16* v_cache, const int32_t* lanes, long long lane_bytes, const int32_t* pages, int q_stride,
            int kv_stride, int T) {
-  thorgen::pdl_launch_dependents();
-  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
+  thorgen::pdl_launch_dependents();  // (RopeKv::run waits before it reads earlier kernels' outputs)
   thorgen::RopeKv<Cfg>::run(q_raw, k_raw, v_raw, q_norm_w, k_norm_w, positions, q_out, k_cache, v_cache, lanes, lane_bytes,
                            pages, q_stride, kv_stride, T);
 }

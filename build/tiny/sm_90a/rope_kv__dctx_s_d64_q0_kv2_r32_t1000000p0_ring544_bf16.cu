@@ -57,8 +57,7 @@ rope_kv__dctx_s_d64_q0_kv2_r32_t1000000p0_ring544_bf16(const float* q_raw, const
            const __nv_bfloat16* k_norm_w, const int32_t* positions, __nv_bfloat16* q_out, __nv_bfloat16* k_cache,
            __nv_bfloat16* v_cache, const int32_t* lanes, long long lane_bytes, const int32_t* pages, int q_stride,
            int kv_stride, int T) {
-  thorgen::pdl_launch_dependents();
-  thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
+  thorgen::pdl_launch_dependents();  // (RopeKv::run waits before it reads earlier kernels' outputs)
   thorgen::RopeKv<Cfg>::run(q_raw, k_raw, v_raw, q_norm_w, k_norm_w, positions, q_out, k_cache, v_cache, lanes, lane_bytes,
                            pages, q_stride, kv_stride, T);
 }

@@ -2,7 +2,9 @@
 // (i, i + D/2); default or proportional: pairs >= ROT do not rotate) and the KV-cache write (bf16 or fp8 e4m3).
 // One block per token (grid-stride over T), one warp per head; lane holds elements i = lane + 32*j, so the RoPE
 // partner i + D/2 sits in the same lane (j + D/64). cos/sin are computed once per token in double precision
-// (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin).
+// (angles reach 2.6e5 rad) into shared memory, like the NumPy reference (float64 angle, float32 cos/sin); the
+// block's first token's before griddepcontrol.wait, under the q|k|v GEMM (positions are the host's staging, final
+// before a step's first kernel, as the attention's early key loads assume).
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart; token t writes lane lanes[t] (lanes null:
 // lane 0), so one launch serves a prefill chunk of one sequence and a batched decode step over many alike.
 // Paged caches (PAGE > 0): one pool of PAGE-position pages for all sequences; lanes[t] is the row of the page table
@@ -64,14 +66,21 @@ struct RopeKv {
                              int T) {
     __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      const int pos = positions[t];
-      __syncthreads();  // the previous token's cos/sin may still be in use
+    auto trig = [&](int pos) {
       for (int i = threadIdx.x; i < Cfg::ROT; i += Cfg::THREADS) {
         double s, c;
         sincos((double)pos * Cfg::inv_freq(i), &s, &c);
         cs[i] = (float)c;
         sn[i] = (float)s;
+      }
+    };
+    if (blockIdx.x < T) trig(positions[blockIdx.x]);
+    pdl_wait();  // everything below reads earlier kernels' outputs
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+      const int pos = positions[t];
+      if (t != blockIdx.x) {
+        __syncthreads();  // the previous token's cos/sin may still be in use
+        trig(pos);
       }
       __syncthreads();
       const int lane_id = lanes == nullptr ? 0 : lanes[t];
