@@ -18,10 +18,11 @@
 // Paged caches (PAGE > 0, the full-attention layers): one pool of pages of PAGE positions shared by all sequences;
 // a lane is then a row of the page table (`pages`, PITCH entries a lane) and lane_bytes is unused.
 // NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts (a rowwise launch: gridDim.z <=
-// NSPLIT parts, since a batched step's rows fill the SMs already); each block writes unnormalised
-// O and (max, sum) per row to a workspace; with `counters` the last split block of each (query block, KV head)
-// merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at entry and left zeroed; no second
-// launch), with counters == nullptr an attn_combine launch merges them (faster for 16 queries: one block per row).
+// NSPLIT parts, since a batched step's rows fill the SMs already; one query with fewer key tiles than NSPLIT: one a
+// tile); each block writes unnormalised O and (max, sum) per row to a workspace; with `counters` the last split
+// block of each (query block, KV head) merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at
+// entry and left zeroed; no second launch), with counters == nullptr an attn_combine launch merges them (faster for
+// 16 queries: one block per row).
 #pragma once
 #include <climits>
 
@@ -125,7 +126,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
   // the launch's key splits: NSPLIT (which lays out the workspace), or for a rowwise launch gridDim.z <= NSPLIT: a
   // batched step's rows already fill the SMs, and fewer, longer splits pay each block's fixed cost fewer times
-  const int nsplit = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
+  int nsplit = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
   if (split >= nsplit) return;  // (a grid with more splits than planned)
   const int qpb = rowwise ? 1 : QB;  // queries of this block
   const int q0 = qb * qpb;
@@ -150,6 +151,13 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
   const int hi = last_vis;
   const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
+  // One query whose G rows merge in one level: no more splits than key tiles. A split without keys still wrote an
+  // empty part that the merge read (a decode at 640 positions: 12 of 32 sliding-layer splits).
+  constexpr bool kFlatOne = NSPLIT > 1 && (size_t)G * D * NSPLIT * 4 <= (size_t)SPLIT_FLAT_BYTES;
+  if (kFlatOne && !rowwise && m == 1 && ntiles < nsplit) {
+    nsplit = ntiles;
+    if (split >= nsplit) return;
+  }
   const int tb = t_lo + split * ntiles / nsplit, te = t_lo + (split + 1) * ntiles / nsplit;
 
   for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
