@@ -101,12 +101,6 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
         # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
         # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
         ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
-        if mmax == 1:
-            # one token: a single round of loads, every warp's (at most PF) steps in flight at once, with up to 32
-            # warps a block as long as every block stays resident (64 warps an SM)
-            one_round = 1 << (math.ceil(steps / pf) - 1).bit_length()
-            resident = 1 << ((64 * arch.sm_count) // units).bit_length() - 1 if units <= 64 * arch.sm_count else 1
-            ks = max(ks, min(32, steps, one_round, resident))
     if mmax <= 8 and units >= 8 * arch.sm_count and steps >= 16:
         # very wide (lm_head): 4 warps x PF 2 measured best on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4)
         ks, pf = 4, 2
