@@ -1,7 +1,7 @@
 // thorgen weight-streaming GEMMs on the t16x64 tile engine (nvfp4.cuh): y[m, n] = sum_k x[m, k] * W[n, k].
 //   gemm_small : M <= 32 (decode M = 1, verify M = 2..16, batched decode). A block per UN 16-row units of W, KS
-//                warps split K, each weight byte read once for all M rows (mma.m16n8k16, A = activations, B decoded in registers),
-//                deterministic shared-memory reduction over the KS warps, fused epilogue.
+//                warps split K, each weight byte read once for all M rows (mma.m16n8k16, A = activations, B
+//                decoded in registers), deterministic shared-memory reduction over the KS warps, fused epilogue.
 //   gemm_large : prefill (M up to the chunk size). Block = NWARP units x BM rows; A tiles through shared memory
 //                (cp.async, STAGES deep), B decoded in registers straight from the layout.
 // Epilogues: STORE (y = acc * inv_global_scale), GELU_MUL / SILU_MUL (fused gate/up interleaved in 8-row tiles:
