@@ -174,62 +174,36 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   }
 }
 
-// Block = one 16-row unit of the down projections (H rows), all experts: NW warps = NG slot groups x KSD K-parts.
-// Each warp walks its slots in order, runs the leader expert's down rows over the gathered act rows of the tokens
-// that chose it, and accumulates acc * inv_scale * routing weight per token in fp32 registers; a fixed-order
-// shared-memory reduction gives y[t][H] (fp32) deterministically: no atomics, no partial buffers.
+// One token (the many-row steps run moe_down_pairs). Block = one 16-row unit of the down projections (H rows), all
+// experts: NW warps = NG slot groups x KSD K-parts. Each warp walks its slots in order, runs the leader expert's
+// down rows over the gathered act rows of the tokens that chose it, and accumulates acc * inv_scale * routing
+// weight per token in fp32 registers; a fixed-order shared-memory reduction gives y[t][H] (fp32)
+// deterministically: no atomics, no partial buffers.
 template <int KIND, int IE, int H, int E, int TOPK, int NW, int KSD, int MMAX, int PF, bool SWAP = false>
 __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__ gscale,
                                          const __half* __restrict__ act, const int* __restrict__ ids,
                                          const float* __restrict__ wts, float* __restrict__ y, int m) {
   static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
   static_assert(NW % KSD == 0 && KSD <= IE / 64, "NW must be a multiple of KSD; KSD at most the step count");
+  static_assert(MMAX == 1, "one token: its slots' leaders come from its ids in registers (slot_leads)");
   constexpr bool TWO = MMAX > 8;
   constexpr int MR = TWO ? 16 : 8;
-  constexpr int STEPS = IE / 64, NG = NW / KSD, SLOTS = MMAX * TOPK;
+  constexpr int STEPS = IE / 64, NG = NW / KSD;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
   __shared__ float red[NW][MR][16];
-  __shared__ int lead[SLOTS];
-  __shared__ int first[E];  // the first slot naming each expert
   pdl_launch_dependents();
   pdl_wait();
   m = m < MMAX ? m : MMAX;
   const int nslots = m * TOPK;
-  int id[TOPK];  // one token: its ids in registers, each warp checks its own slots (slot_leads, no barrier)
-  if constexpr (MMAX == 1) {
-    token_ids<TOPK>(ids, id);
-  } else {
-    // a slot leads when it is the first naming its expert: one shared-memory atomicMin per slot (a serial scan of
-    // the earlier slots per thread took up to 127 dependent loads before any weight load)
-    for (int i = threadIdx.x; i < E; i += NW * 32) first[i] = SLOTS;
-    __syncthreads();
-    for (int i = threadIdx.x; i < nslots; i += NW * 32) {
-      const int e = __ldg(ids + i);
-      if (e >= 0 && e < E) atomicMin(first + e, i);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < SLOTS; i += NW * 32) {
-      int ok = 0;
-      if (i < nslots) {
-        const int e = __ldg(ids + i);
-        ok = e >= 0 && e < E && first[e] == i;
-      }
-      lead[i] = ok;
-    }
-    __syncthreads();
-  }
+  int id[TOPK];  // the token's ids in registers: each warp checks its own slots (slot_leads, no barrier)
+  token_ids<TOPK>(ids, id);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x, group = warp / KSD, kp = warp % KSD;
   const int s0 = kp * STEPS / KSD, s1 = (kp + 1) * STEPS / KSD;
   float tot[2][4] = {};
   for (int slot = group; slot < nslots; slot += NG) {
     int e;
-    if constexpr (MMAX == 1) {
-      if (!slot_leads<E, TOPK>(id, slot, e)) continue;
-    } else {
-      if (!lead[slot]) continue;
-      e = __ldg(ids + slot);
-    }
+    if (!slot_leads<E, TOPK>(id, slot, e)) continue;
     const __half* row0 = nullptr;
     const __half* row1 = nullptr;
     float w0 = 0.f, w1 = 0.f;
