@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+from thorgen.runtime.forward import _grid
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
@@ -72,10 +75,9 @@ def experts(runner):
 CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "pool"), (21, "pool")]
 
 
-def _rows_grid(kernel, slots: int) -> tuple[int, int, int]:
-    """The launch grid of a step's `slots` = m * top-k: a block row a slot, at most the planned rows (one per expert
-    the step may select), as runtime/forward.py's ROW_GRID rule with its cap."""
-    return kernel.grid[0], min(kernel.grid[1], slots), 1
+def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
+    """The grid the runtime launches the kernel with for m rows (runtime/forward.py's rule: ROW_GRID with its cap)."""
+    return _grid(SimpleNamespace(grid=kernel.grid, params=kernel.param_dict), m)
 
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
@@ -84,7 +86,7 @@ def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) ->
     if down.name.startswith("moe_down__"):
         return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
-                       {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m * topk))["ypair"]
+                       {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
 
 
@@ -102,7 +104,7 @@ def test_moe(runner, experts, m, pool):
     act_ref = R.moe_gateup_ref(x, ids, gates, ups)
     common = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g, "ids": ids, "m": np.int32(m)}
     act = runner.run(gateup, dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
-                     {"act": ((m * topk, ie), np.float16)}, grid=_rows_grid(gateup, m * topk))["act"]
+                     {"act": ((m * topk, ie), np.float16)}, grid=_rows_grid(gateup, m))["act"]
     err = R.norm_err(act, act_ref)
     assert err <= R.TOL_MOE_ACT, f"{gateup.name} m={m}: act error {err:.2e}"
     # down on the reference's own f16 act (isolates the down kernel), then the chained pair
@@ -138,7 +140,7 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
 def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m: int, dtype) -> np.ndarray:
     topk = runner.spec.target.top_k_experts
     res = runner.run(kernel, dict(common, **extra, m=np.int32(m), **{out: np.full((m * topk, width), np.nan, dtype)}),
-                     {out: ((m * topk, width), dtype)}, grid=_rows_grid(kernel, m * topk))
+                     {out: ((m * topk, width), dtype)}, grid=_rows_grid(kernel, m))
     return res[out]
 
 
