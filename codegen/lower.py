@@ -47,9 +47,10 @@ class Sym:
 
 @dataclass(frozen=True)
 class LaneBytes:
-    """Bytes between two sequences' KV lanes of a target layer (the runtime's KV plan knows them)."""
+    """Bytes between two sequences' KV lanes of a target (or drafter) layer (the runtime's KV plan knows them)."""
 
     layer: int
+    model: str = "target"
 
 
 NULL = Sym("NULL")
@@ -72,6 +73,9 @@ class Symbols:
 
     def lane_bytes(self, layer: int) -> LaneBytes:
         return LaneBytes(layer)
+
+    def dlane_bytes(self, layer: int) -> LaneBytes:
+        return LaneBytes(layer, "drafter")
 
 
 @dataclass(frozen=True)

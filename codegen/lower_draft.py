@@ -41,9 +41,9 @@ class LowerDraft:
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
             q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
             k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
-            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=NULL, lane_bytes=0, pages=NULL,
-            q_stride=d.num_attention_heads * d.head_dim, kv_stride=d.num_key_value_heads * d.head_dim, T=rows),
-                  rows)  # the drafter context has one lane (the sequence that owns it)
+            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=A("lanes"),
+            lane_bytes=self.fwd.ptr.dlane_bytes(l), pages=NULL, q_stride=d.num_attention_heads * d.head_dim,
+            kv_stride=d.num_key_value_heads * d.head_dim, T=rows), rows)  # (the sequence's own drafter lane)
 
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
@@ -82,7 +82,8 @@ class LowerDraft:
                                hq=d.num_attention_heads, hkv=d.num_key_value_heads, window=w,
                                ring=ring_slots(w, f.max_rows) if w else 0, causal=d.is_causal(l),
                                scale=float(d.head_dim ** -0.5), kv_dtype="bf16", mmax=16))
-            ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"))
+            ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"),
+                                   lanes=f.ptr.dlane_bytes(l))
             ops.append(self._gemm(f"draft.{l}.o", p + "self_attn.o_proj.weight", h, nq, B, A("dattn"), A("do")))
             ops.append(Op(f"draft.{l}.post_attn_norm", add, dict(x=A("dx"), y=A("do"),
                                                                  w=W(p + "post_attention_layernorm.weight"),

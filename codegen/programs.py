@@ -4,9 +4,11 @@ Each kind (its flags: model_spec.step_program.program_key) is lowered (codegen/l
 structure does not change: one row, 2..16, 17, and more. Within a range the lowering is evaluated at 4 row counts
 (both ends, the second, the middle); the launches must be the same, and a launch argument that differs must be linear
 in the row count (a grid-stride count, a last-row pointer, a second slice's rows): it is written as
-["rows", a, b] = a * rows + b. Anything else is an error at build time. Arguments are symbols the runtime binds to its buffers (runtime/forward.py):
+["rows", a, b] = a * rows + b. Anything else is an error at build time. Arguments are symbols the runtime binds to
+its buffers (runtime/forward.py):
   ["A", activation, row, byte offset]  ["W", weight, byte offset]  ["KV" | "DKV", layer, "k" | "v", byte offset]
-  ["NULL"]  ["lane_bytes", layer]  and integers (row and offset entries may themselves be ["rows", a, b]).
+  ["NULL"]  ["lane_bytes" | "dlane_bytes", layer] (a target | drafter layer's lane stride)  and integers (row and
+  offset entries may themselves be ["rows", a, b]).
 A launch: {"label", "kernel" (a manifest kernel name), "args", "rows", "branch", "join", "rowwise"}; launch grids
 follow the kernels' planned rules (their params) at bind time. Kinds that lack a kernel are left out, their reasons
 listed under "missing" by what they serve: "core" (plain decoding), "ext" (logits processing, logprobs, prompt
@@ -92,7 +94,9 @@ def _encode(points: list[tuple[int, Any]], what: str) -> Any:
             return [first.kind, first.name, first.which, off]
         return ["NULL"]
     if isinstance(first, LaneBytes):
-        return ["lane_bytes", first.layer]
+        if any(not isinstance(v, LaneBytes) or v != first for v in vals):
+            raise ProgramError(f"{what}: another lane stride at another row count ({vals})")
+        return ["lane_bytes" if first.model == "target" else "dlane_bytes", first.layer]
     if isinstance(first, bool) or not isinstance(first, int) or not all(type(v) is type(first) for v in vals):
         raise ProgramError(f"{what}: an argument no program can hold ({vals})")
     return _fit(list(points), what)

@@ -9,8 +9,9 @@ VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kern
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)  # batched decode graphs are captured for these row counts (up to MAX_BATCH)
 KV_PAGE = 16  # positions per page of a paged KV cache (the full-attention layers); also the scheduler's block size
-MANIFEST_SCHEMA = 3  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
-# rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs
+MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runtime refuses others); 2: launch-grid
+# rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs; 4: the drafter's
+# context in a lane per sequence (its programs' "dlane_bytes")
 
 # NVFP4 byte orders of the t16x64 weight layout (runtime/layouts.py): "nat" (the checkpoint's nibbles) where the arch
 # converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the

@@ -256,6 +256,7 @@ class EngineClient:
         out = {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
         core = self.core
         if core is not None:  # the scheduler's KV blocks (the cuda runner's pages): ints, read between steps or not
+            out["steps"]["catch_up_tokens"] = core.runner.caught_up_tokens
             pool = core.scheduler.pool
             out["kv"] = {"blocks": pool.num_blocks, "used": pool.used, "block_tokens": pool.block_size}
         return out

@@ -141,6 +141,10 @@ class CudaBackend(StreamingBackend):
         self.engine.close()
 
 
+# a speculative sequence left behind by plain steps catches up when it may still decode a 16th of the positions
+CATCH_UP_RATIO = 16
+
+
 class _Lane:
     """One sequence's room in the KV cache: who holds it, and what it still caches for the next holder."""
 
@@ -151,6 +155,12 @@ class _Lane:
         self.last_written = -1  # the highest position written since they were (rejected drafts included)
         self.freed_at = 0  # when it was last released (LRU among free lanes)
         self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
+        self.draft_upto = 0  # the drafter context in this lane holds positions 0..draft_upto-1 (of those tokens)
+
+    def drafted(self, start: int, end: int, taps: bool) -> None:
+        """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
+        held every earlier position); without, it holds positions before `start` only."""
+        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)
 
 
 class _Launched(NamedTuple):
@@ -175,10 +185,14 @@ class CudaRunner:
     of the last sequence that finished in the lane. So a request starting with a cached prefix (a chat's next
     turn, a shared system prompt) prefills only the rest, as far as its pages are cached and a lane's rings still
     hold what the new positions need (KVPlan.prefix_intact), in whole pages. Admission picks the free lane with
-    the longest usable prefix, else the one freed longest ago. Speculative steps run while a speculative sequence
-    decodes alone and the drafter context (one lane's worth, runtime/kv_cache.py) is current for it; a batched or
-    plain step leaves that context behind, so the sequence continues with plain steps (its output is the same
-    either way)."""
+    the longest usable prefix, else the one freed longest ago.
+
+    Speculative steps run while a speculative sequence decodes alone (batched steps are plain: above one sequence
+    they are faster, docs/BENCHMARKS.md). Each lane holds its own sequence's drafter context (runtime/kv_cache.py)
+    and `_Lane.draft_upto` says how far it is current; a plain or batched step leaves it behind, and once the
+    sequence decodes alone again one tap prefill of the positions it missed (`_catch_up`) brings it back, when its
+    cost is small beside the tokens still to come. A speculative request reuses a cached prefix as far as the
+    drafter context of the lane it comes from covers it (its output is the same either way)."""
 
     def __init__(self, backend: CudaBackend, max_num_seqs: int | None = None) -> None:
         self.backend, self.engine = backend, backend.engine
@@ -198,7 +212,6 @@ class CudaRunner:
         self._lane_of: dict[str, int] = {}
         self._on_device: tuple[str, int] | None = None  # (request, position) whose input token is in out_ids[0]
         self._params_for: str | None = None  # the request whose SampleParams fill params[] (one-sequence steps)
-        self._draft_lane: int | None = None  # the lane whose tokens the drafter context covers (all of them)
         self._ahead: _Launched | None = None  # the batched step launched before the last one's tokens were read
         # (THORGEN_AHEAD=0: every batched step is launched when scheduled, for A/B measurements)
         self.launch_ahead = os.environ.get("THORGEN_AHEAD", "1") != "0"
@@ -207,6 +220,7 @@ class CudaRunner:
         self._released = 0
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
         self.copied_prefix_tokens = 0  # prefix-cache hits served by copying another lane's K/V
+        self.caught_up_tokens = 0  # positions whose drafter context a catch-up prefill (_catch_up) restored
 
     def check(self, seq) -> None:
         if seq.speculative and not self.engine.speculative:
@@ -235,6 +249,8 @@ class CudaRunner:
             n = 0
             while n < min(len(have), len(want), cap) and have[n] == want[n]:
                 n += 1
+            if seq.speculative:  # (the drafter context must cover the reused positions too)
+                n = min(n, lane.draft_upto)
             if shared is not None:
                 n -= n % KV_PAGE
             return n if n and intact(n, lane.last_written) else 0
@@ -245,9 +261,7 @@ class CudaRunner:
                 if n > source_n:
                     source, source_n = i, n
                 continue
-            if n and seq.speculative and self._draft_lane != i:
-                n = 0  # (a speculative sequence keeps the drafter context: only its lane's prefix is usable)
-            elif n > source_n:
+            if n > source_n:
                 source, source_n = i, n
             if n > best_n or (n == best_n and lane.freed_at < self._lanes[best].freed_at):
                 best, best_n = i, n
@@ -255,19 +269,22 @@ class CudaRunner:
             raise BackendError("cuda backend: no free KV lane (the scheduler admitted more sequences than "
                                f"--max-num-seqs {self.max_num_seqs})")
         lane, written = self._lanes[best], -1  # (-1: nothing written over its cached K/V since)
-        if source_n > best_n and not seq.speculative:
+        drafted = min(lane.draft_upto, best_n)
+        if source_n > best_n:
             # Another lane (running, or free but not chosen) holds a longer prefix, e.g. a shared system prompt or
-            # a sibling choice of an n > 1 request: copy its K/V here instead of prefilling it again. The rings
-            # come as they are, with whatever the source wrote past the prefix since.
-            self.engine.kv.copy_prefix(source, best, source_n, self.engine.stream)
-            best_n, written = source_n, self._lanes[source].last_written
+            # a sibling choice of an n > 1 request: copy its K/V here instead of prefilling it again (a speculative
+            # request's drafter context too). The rings come as they are, with whatever the source wrote past the
+            # prefix since.
+            src = self._lanes[source]
+            self.engine.kv.copy_prefix(source, best, source_n, self.engine.stream, drafter=seq.speculative)
+            best_n, written = source_n, src.last_written
+            drafted = min(src.draft_upto, source_n) if seq.speculative else 0
             self.copied_prefix_tokens += source_n
         lane.owner, lane.seq, lane.cached, lane.last_written = seq.request_id, seq, [], written
+        lane.draft_upto = drafted
         if shared is not None and best_n > 0:
             lane.pages.share(self.pool, shared[:best_n // KV_PAGE])
             self.engine.map_pages(best, 0, lane.pages.pages)
-        if self._draft_lane == best and (best_n == 0 or written >= 0):
-            self._draft_lane = None  # the drafter context covers the lane's previous tokens only
         self._lane_of[seq.request_id] = best
         return best_n
 
@@ -296,6 +313,7 @@ class CudaRunner:
             if scored > start:
                 seq.prompt_logprobs += self.engine.score(seq.tokens, start, scored, seq.sampling.prompt_logprobs, i)
                 lane.last_written = max(lane.last_written, scored - 1)
+                lane.drafted(start, scored, taps=False)
                 start = scored
             if start == end:
                 self._on_device = None
@@ -305,10 +323,7 @@ class CudaRunner:
                                   begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
         if ext:
             self._picked([seq], [tok])
-        if taps:  # the drafter context now holds this lane's positions (from 0: admit checked reuse)
-            self._draft_lane = i
-        elif self._draft_lane == i:
-            self._draft_lane = None
+        lane.drafted(start, end, taps)
         lane.last_written = max(lane.last_written, end - 1)
         if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
             lane.pages.register(self.pool, seq.tokens, end)
@@ -332,8 +347,8 @@ class CudaRunner:
         lane, pos, tok, greedy = self._lanes[i], seq.num_tokens - 1, seq.output[-1], seq.sampling.greedy
         room = seq.room(self.max_context)
         self._params(seq)
-        if (seq.speculative and self._draft_lane == i and pos + BLOCK <= self.max_context
-                and not seq.sampling.extended):  # (a processed sequence decodes without speculation)
+        if (seq.speculative and pos + BLOCK <= self.max_context and not seq.sampling.extended
+                and self._catch_up(seq, i, pos)):  # (a processed sequence decodes without speculation)
             # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
             self._grow(i, pos + BLOCK)
             drafts, target = self.engine.spec_step(pos, tok, greedy, launched, lane=i)
@@ -342,6 +357,8 @@ class CudaRunner:
             k = self.engine.emulate_acceptance  # (bench: commit K drafts + 1 whatever the drafter said)
             while len(new) < most and (drafts[len(new) - 1] == new[-1] if k is None else len(new) <= k):
                 new.append(target[len(new)])  # (the request may cap its drafts)
+            # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
+            lane.drafted(pos, pos + len(new), taps=True)
             self._on_device = None  # out_ids[0] now holds a verify row
             return [(new[:room], True)]
         staged = None if self._on_device == (seq.request_id, pos) else tok
@@ -351,10 +368,30 @@ class CudaRunner:
         if ext:
             self._picked([seq], [new])
         lane.last_written = max(lane.last_written, pos)
-        if self._draft_lane == i:
-            self._draft_lane = None  # a plain step leaves the drafter context behind
+        lane.drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
         self._on_device = (seq.request_id, pos + 1)
         return [([new], False)]
+
+    def _catch_up(self, seq, i: int, pos: int) -> bool:
+        """Whether lane i's drafter context covers positions 0..pos-1, so that a speculative step can run: at once,
+        or after one tap prefill of the positions that plain and batched steps left it behind by. That runs when
+        its cost is small beside the tokens the sequence may still decode (a prefill position costs about a 16th of
+        what a speculative step saves a token: H200, 0.04 vs ~1 ms) and the lane's rings still hold the keys before
+        them (else the sequence goes on with plain steps). It writes the target's K/V of those positions again (the
+        values a prompt's prefill gives) and never touches a page shared with another sequence: the positions
+        were decoded, so their pages are the sequence's own until it finishes."""
+        lane = self._lanes[i]
+        missing = pos - lane.draft_upto
+        if missing <= 0:
+            return True
+        if missing > CATCH_UP_RATIO * seq.room(self.max_context) or lane.draft_upto == 0 or \
+                not self.engine.kv.plan.prefix_intact(lane.draft_upto, lane.last_written):
+            return False
+        self.engine.prefill(seq.tokens[:pos], seq.sampling.greedy, taps=True, begin=lane.draft_upto, lane=i)
+        lane.drafted(lane.draft_upto, pos, taps=True)
+        self._on_device = None  # (out_ids[0] holds the prefill's token, which the sequence already has)
+        self.caught_up_tokens += missing
+        return True
 
     def _decode_batch(self, seqs: list, cur: _Launched | None, joining: list, launched=None
                       ) -> list[tuple[list[int], bool]]:
@@ -399,8 +436,7 @@ class CudaRunner:
         for i, pos, _, _ in rows:
             self._grow(i, pos + 1)
             self._lanes[i].last_written = max(self._lanes[i].last_written, pos)
-            if self._draft_lane == i:
-                self._draft_lane = None  # a plain step leaves the drafter context behind
+            self._lanes[i].drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
         launch = self.engine.launch_batch([(i, pos, tok, None if s.sampling.greedy else s.sampling)
                                            for i, pos, tok, s in rows], carried, ext=ext)
         self._on_device = None  # out_ids[0] holds row 0's token
@@ -461,8 +497,6 @@ class CudaRunner:
                 lane.pages.release(self.pool)
             self._released += 1
             lane.freed_at = self._released
-            if not finished and self._draft_lane == i:
-                self._draft_lane = None
         self.backend._peak_used = max(self.backend._peak_used, self.backend._used())
 
 

@@ -66,6 +66,9 @@ class PlannedPointers:
     def lane_bytes(self, layer: int) -> int:
         return 1 << 20
 
+    def dlane_bytes(self, layer: int) -> int:
+        return 1 << 20
+
 
 def _accesses(op: Any, regions: Regions) -> tuple[list[str], list[str]]:
     """(activation regions the launch reads, those it writes)."""

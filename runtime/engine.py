@@ -212,6 +212,9 @@ class Engine:
         l = self.kv.plan.layers[layer]  # (target layers come first in the plan)
         return 0 if l.paged else l.k_bytes  # (a paged layer's lanes are page-table rows)
 
+    def dlane_bytes(self, layer: int) -> int:
+        return self.kv.plan.drafter()[layer].k_bytes
+
     def map_pages(self, lane: int, first: int, pages: list[int]) -> None:
         """Page-table entries first.. of `lane` = `pages` (uploaded stream-ordered before the next launches, so a
         step in flight still reads the entries it was launched with). The pinned source is rewritten only once the

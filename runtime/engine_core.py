@@ -42,6 +42,7 @@ class ModelRunner(Protocol):
     # launches the next step ahead; the scheduler charges them)
     lookahead: int
     prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
+    caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
 
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""

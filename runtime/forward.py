@@ -31,6 +31,7 @@ class Pointers(Protocol):
     def KV(self, layer: int, which: str) -> Ptr: ...  # a layer's K or V cache
     def DKV(self, layer: int, which: str) -> Ptr: ...  # a drafter layer's K or V cache
     def lane_bytes(self, layer: int) -> int: ...  # bytes between two sequences' lanes of a target layer's K (or V)
+    def dlane_bytes(self, layer: int) -> int: ...  # the same for a drafter layer
 
 
 class Placeholders:
@@ -49,6 +50,9 @@ class Placeholders:
         return NULL
 
     def lane_bytes(self, layer: int) -> int:
+        return 0
+
+    def dlane_bytes(self, layer: int) -> int:
         return 0
 
 
@@ -154,6 +158,8 @@ class Forward:
             return Ptr(base.address + _int(v[3], rows))
         if kind == "lane_bytes":
             return p.lane_bytes(int(v[1]))
+        if kind == "dlane_bytes":
+            return p.dlane_bytes(int(v[1]))
         if kind == "NULL":
             return NULL
         raise BackendError(f"cuda backend: a step program argument {v!r} this runtime cannot bind; rebuild")

@@ -11,8 +11,9 @@ overwrite keys its own first queries read. Full k_eq_v layers still store V sepa
 The DFlash drafter's context cache is planned too when asked (always bf16: the drafter is precision-sensitive).
 Lanes: the target's rings hold `lanes` sequences, each layer's lanes one after another (`lane = [slot][kv_head]
 [head_dim]`, `k_bytes` apart), so a batched decode step reads and writes every sequence in the same launches; for a
-paged layer a lane is a row of the page table. The drafter context has one lane (linear): it belongs to the one
-sequence decoding speculatively.
+paged layer a lane is a row of the page table. The drafter context has a lane per sequence too (its layers are
+linear or rings, never paged): the draft state follows its sequence, so a speculative sequence keeps its context
+through batched steps and across requests (the prefix cache).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class KVPlan:
     pages: int = 0  # pages of KV_PAGE positions in the paged layers' pool (0: no paged layer)
 
     def lanes_of(self, l: LayerKV) -> int:
-        return self.lanes if l.model == "target" and not l.paged else 1
+        return 1 if l.paged else self.lanes
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +88,8 @@ class KVPlan:
 
     @property
     def lane_nbytes(self) -> int:
-        """Bytes one more lane costs (the target's rings of one sequence)."""
-        return sum(l.nbytes for l in self.target() if not l.paged)
+        """Bytes one more lane costs (the target's rings and the drafter context of one sequence)."""
+        return sum(l.nbytes for l in self.layers if not l.paged)
 
     @property
     def page_nbytes(self) -> int:
@@ -114,7 +115,7 @@ class KVPlan:
 
     def summary(self) -> str:
         t = sum(l.nbytes * self.lanes_of(l) for l in self.target())
-        d = sum(l.nbytes for l in self.drafter())
+        d = sum(l.nbytes * self.lanes_of(l) for l in self.drafter())
         pages = f", {self.pages} pages of {KV_PAGE} positions" if self.pages else ""
         return (f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s){pages}: target {t / 2**30:.2f} GiB"
                 + (f", drafter {d / 2**30:.2f} GiB" if d else "") + f", total {self.nbytes / 2**30:.2f} GiB")
@@ -186,15 +187,14 @@ def fit_kv(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float |
     else:
         budget = available * headroom
     lane, page, full = one.lane_nbytes, one.page_nbytes, one.seq_pages
-    shared = sum(l.nbytes for l in one.drafter())  # the drafter context: one lane's worth in all
     seq = lane + full * page  # one more sequence at the full context
-    lanes = min(max_num_seqs, int((budget - shared - full * page) // lane) if lane else max_num_seqs)
-    if lanes < 1 or budget < shared + seq:
+    lanes = min(max_num_seqs, int((budget - full * page) // lane) if lane else max_num_seqs)
+    if lanes < 1 or budget < seq:
         where = f"--kv-cache-gib {kv_cache_gib}" if kv_cache_gib is not None else \
             f"the {budget / gib_:.2f} GiB free beside the weights"
-        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({(shared + seq) / gib_:.2f} GiB) does not "
+        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({seq / gib_:.2f} GiB) does not "
                            f"fit {where}; lower --ctx or free GPU memory")
-    pages = min(lanes * full, int((budget - shared - lanes * lane) // page)) if page else 0
+    pages = min(lanes * full, int((budget - lanes * lane) // page)) if page else 0
     return lanes, pages
 
 
@@ -231,17 +231,17 @@ class KVCache:
     def v(self, layer: int, model: str = "target") -> DeviceBuffer:
         return self.arena[f"{model}.{layer}.v"]
 
-    def copy_prefix(self, src: int, dst: int, n: int, stream) -> int:
+    def copy_prefix(self, src: int, dst: int, n: int, stream, drafter: bool = False) -> int:
         """Stream-ordered copy of the target's K/V for positions [0, n) from lane `src` to lane `dst` (a ring
         layer: its whole ring, whose slots hold those positions' last `window`; paged layers share pages through
-        the page table instead); returns the bytes copied. The caller checks that `src` still holds them
-        (KVPlan.prefix_intact)."""
+        the page table instead), and with `drafter` the drafter context's too; returns the bytes copied. The
+        caller checks that `src` still holds them (KVPlan.prefix_intact)."""
         copied = 0
-        for l in self.plan.target():
-            if l.paged:
+        for l in self.plan.layers:
+            if l.paged or (l.model == "drafter" and not drafter):
                 continue
             nbytes = l.k_bytes if l.ring else n * l.row_bytes
-            for buf in (self.k(l.layer), self.v(l.layer)):
+            for buf in (self.k(l.layer, l.model), self.v(l.layer, l.model)):
                 check(driver().cuMemcpyDtoDAsync(buf.ptr + dst * l.k_bytes, buf.ptr + src * l.k_bytes, nbytes,
                                                  stream.handle), "KV prefix copy between lanes")
                 copied += nbytes

@@ -101,6 +101,10 @@ class Metrics:
                           "(the device wait and postprocessing).", "# TYPE thorgen_engine_step_seconds_total counter"]
                 lines += [f'thorgen_engine_step_seconds_total{{phase="{p}"}} {steps[p]:.6f}'
                           for p in ("prepare", "flush", "finish")]
+                lines += ["# HELP thorgen_drafter_catch_up_tokens_total Positions a speculative sequence's drafter "
+                          "context was brought up to date over (a tap prefill once it decodes alone after batched "
+                          "steps).", "# TYPE thorgen_drafter_catch_up_tokens_total counter",
+                          f"thorgen_drafter_catch_up_tokens_total {steps.get('catch_up_tokens', 0)}"]
             if kv:  # vLLM's kv_cache_usage_perc, and the numbers behind it
                 usage = kv["used"] / kv["blocks"] if kv["blocks"] else 0.0
                 for name, value, text in (

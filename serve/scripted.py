@@ -89,6 +89,7 @@ class ScriptedRunner:
     prefill_chunk = None
     verify_block = 1
     lookahead = 0
+    caught_up_tokens = 0
 
     def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
         self.backend, self.max_num_seqs = backend, max_num_seqs

@@ -1,7 +1,7 @@
-"""CPU tests of the cuda backend's one-slot prefix cache, on the emulated engine (tests/engine_emulator.py): a
+"""CPU tests of the cuda backend's prefix cache, on the emulated engine (tests/engine_emulator.py): a
 chat's next turn prefills only its new tokens and gets exactly the tokens a full prefill gives; the reuse is
 refused where a ring no longer holds what the new positions need, or a speculative request would lack the
-drafter context."""
+drafter context (tests/test_drafter_lanes_emulated.py: a lane's drafter context)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_prefix_intact_follows_the_rings(backend):
 def test_a_running_lane_shares_its_prefix_by_copy(backend):
     """Two requests with one long system prompt, the second admitted while the first still runs: the second's
     prompt K/V comes from the first's lane (copied, not prefilled again), and both get exactly the tokens they get
-    alone. A speculative request does not copy (it would lack the drafter context)."""
+    alone. A speculative request does not copy from a plain one's lane (it holds no drafter context for it)."""
     shared = [2] + [110 + (13 * i) % 380 for i in range(60)]
     prompts = {"a": shared + [107, 300, 301], "b": shared + [107, 400, 401, 402]}
     alone = {rid: _run(EngineCore(backend.runner(2)), rid, p, 10)[0] for rid, p in prompts.items()}

@@ -117,8 +117,7 @@ def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
         b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=128, max_num_seqs=3)
         one = plan_kv(b.spec, 128, "bf16", drafter=b.engine.speculative)
         b.close()
-        shared = sum(l.nbytes for l in one.drafter())  # (the drafter context: one lane's worth in all)
-        gib = (shared + 3 * one.lane_nbytes + 8 * one.page_nbytes) / 2**30
+        gib = (3 * one.lane_nbytes + 8 * one.page_nbytes) / 2**30  # (a lane: its rings and drafter context)
         b = EE.open_emulated(tiny_checkpoint, tmp_path / "small", ctx=128, max_num_seqs=3, kv_cache_gib=gib)
         assert (b.engine.lanes, b.engine.kv.plan.pages) == (3, 8)
         reqs = {"a": ([2] + list(range(300, 309)), 50, GREEDY),

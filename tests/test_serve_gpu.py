@@ -169,19 +169,34 @@ def test_concurrent_requests_equal_alone(server, sampling):
     assert together == alone
 
 
+def _metric(url: str, name: str) -> float:
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(name + " ")]
+    assert lines, f"/metrics has no {name}"
+    return float(lines[0].split()[-1])
+
+
 def test_speculative_server_equals_plain(server, tmp_path):
-    """A second server with DFlash on (--draft-tokens 15): greedy tokens equal the plain server's."""
+    """A second server with DFlash on (--draft-tokens 15): greedy tokens equal the plain server's, one request at
+    a time and two at once (batched plain steps; the longer one then catches its own drafter context up and
+    speculates again)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     url, model, kernels = server
     prompts = [PROMPT_IDS, [2, 105, 150, 151, 152, 107]]
     plain = [_ids(url, p, 40, temperature=0) for p in prompts]
+    short = _ids(url, prompts[1], 12, temperature=0)
     log = tmp_path / "serve-speculative.log"
     proc, spec_url = _start(model, kernels, log, "--draft-tokens", "15")
     try:
         assert [_ids(spec_url, p, 40, temperature=0) for p in prompts] == plain
-        metrics = httpx.get(spec_url + "/metrics").text
-        assert "thorgen_accepted_tokens_per_step_count" in metrics
-        count = [ln for ln in metrics.splitlines() if ln.startswith("thorgen_accepted_tokens_per_step_count")]
-        assert float(count[0].split()[-1]) > 0  # verify steps ran
+        assert _metric(spec_url, "thorgen_accepted_tokens_per_step_count") > 0  # verify steps ran
+        steps = _metric(spec_url, "thorgen_accepted_tokens_per_step_count")
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda pn: _ids(spec_url, pn[0], pn[1], temperature=0),
+                                     [(prompts[0], 200), (prompts[1], 12)]))
+        assert together[1] == short and together[0][:40] == plain[0]
+        assert _metric(spec_url, "thorgen_drafter_catch_up_tokens_total") > 0
+        assert _metric(spec_url, "thorgen_accepted_tokens_per_step_count") > steps
     finally:
         _stop(proc, log)
 

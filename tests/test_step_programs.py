@@ -47,6 +47,9 @@ class Addresses:
     def lane_bytes(self, layer):
         return 1000 + layer
 
+    def dlane_bytes(self, layer):
+        return 2000 + layer
+
 
 def _lowered(v):
     """A lowering's argument in the same integers as Addresses."""
@@ -56,7 +59,7 @@ def _lowered(v):
                 "NULL": lambda: 0}[v.kind]()
         return base + v.off
     if isinstance(v, LaneBytes):
-        return 1000 + v.layer
+        return (1000 if v.model == "target" else 2000) + v.layer
     return v
 
 

@@ -31,6 +31,7 @@ class ReferenceRunner:
         self.verify_block = drafter.block_size if drafter is not None else 1
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
+        self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
         self._states: dict[str, SeqState] = {}
 
     def check(self, seq: Sequence) -> None:
