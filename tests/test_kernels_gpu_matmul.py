@@ -101,6 +101,34 @@ def test_nvfp4_kernels(runner):
     assert not failures, "\n".join(failures)
 
 
+def test_rows_do_not_depend_on_the_row_count(runner):
+    """A row's output has the same bits from the M = 1 GEMV (the swapped form) as from the 16- and 32-row GEMMs, at
+    any row count and position: a sequence's tokens must not depend on the batch it decodes in."""
+    rng = np.random.default_rng(13)
+    forms: dict = {}
+    for kern in runner.find("nvfp4_gem"):
+        if "gemmL" not in kern.name and kern.param("epi") != "attn_tail":
+            forms.setdefault((kern.param("n"), kern.param("k"), kern.param("epi")), []).append(kern)
+    failures = []
+    for (n, k, epi), kernels in sorted(forms.items()):
+        lw = R.LayoutWeight(rng, n, k, kernels[0].param("fp4_order"))
+        x = R.act_f16(rng, 32, k)
+        w = {"w": lw.w, "s": lw.s, "gscale": lw.gscale}
+        rows = {}  # (kernel, m) -> rows 0..m-1
+        for kern in kernels:
+            width, dt = _out(kern, 1)
+            for m in ([1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]):
+                rows[(kern.name, m)] = _launch(runner, kern, dict(w, x=x[:m]), m, width, dt)
+        first = next(iter(rows.values()))[0]
+        for (name, m), y in rows.items():
+            if not np.array_equal(_bits(y[0]), _bits(first)):
+                failures.append(f"n={n} k={k} {epi}: row 0 of {name} at m={m} differs from {kernels[0].name}")
+        for (name, m), y in rows.items():  # a row at another position among other rows
+            if m >= 5 and not np.array_equal(_bits(y[:5]), _bits(rows[(name, 5)] if (name, 5) in rows else y[:5])):
+                failures.append(f"n={n} k={k} {epi}: rows 0..4 of {name} differ between m={m} and m=5")
+    assert not failures, "\n".join(failures)
+
+
 def test_fused_qkv_scales_are_per_part(runner):
     """A fused q|k|v weight with different global scales per part gives each part's own product."""
     rng = np.random.default_rng(12)

@@ -101,8 +101,9 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
         # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
         # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
         ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
-    if mmax <= 8 and units >= 8 * arch.sm_count and steps >= 16:
-        # very wide (lm_head): 4 warps x PF 2 measured best on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4)
+    if units >= 8 * arch.sm_count and steps >= 16:
+        # very wide (lm_head): 4 warps x PF 2 measured best for one row on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4);
+        # the 16- and 32-row forms split K alike, so that a row's logits do not depend on the step's row count
         ks, pf = 4, 2
     un = units_a_block(units, mmax, kind, arch)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
@@ -208,6 +209,11 @@ def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
             kernels.append(gemm_small(n, k, SMALL_MAX_ROWS, epi, arch))
         for kern in kernels:
             out.setdefault(kern.name, kern)
+        # Batch invariance: the M = 1, 16 and 32 forms of a matrix split K alike, so that with the swapped GEMV's
+        # single accumulator chain (nvfp4.cuh mma_step_swap) each output sums in one order whatever the step's row
+        # count, and a sequence's tokens do not depend on the batch it decodes in.
+        splits = {kern.param("ks") for kern in kernels if kern.template == "nvfp4_gemm.cu.j2"}
+        require(len(splits) == 1, f"matmul {role} n={n} k={k}: the small forms split K differently ({splits})")
     return list(out.values())
 
 

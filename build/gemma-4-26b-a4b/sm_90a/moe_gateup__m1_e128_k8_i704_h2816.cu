@@ -4,9 +4,9 @@
 // runs the step's y-th distinct expert (slot y, unless an earlier slot names it); writes act[(t*8+k), 704] = gelu(gate)*up.
 #include "thorgen/moe_small.cuh"
 
-extern "C" __global__ void __launch_bounds__(160)
+extern "C" __global__ void __launch_bounds__(128)
 moe_gateup__m1_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, const int* __restrict__ ids, __half* __restrict__ act, int m) {
-  thorgen::moe_gateup<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 5, 1,
-                      4, 1, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
+  thorgen::moe_gateup<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 4, 1,
+                      2, 1, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
 }

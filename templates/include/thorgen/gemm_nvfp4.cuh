@@ -38,12 +38,12 @@ __device__ __forceinline__ void frag_to_smem(float (*dst)[16], const float (&acc
   }
 }
 
-// Swapped accumulators (see mma_step_swap) -> the same [token][16 columns] smem tile as frag_to_smem.
+// Swapped accumulators (see mma_step_swap: acc[0]) -> the same [token][16 columns] smem tile as frag_to_smem.
 __device__ __forceinline__ void swap_to_smem(float (*dst)[16], const float (&acc)[2][4], int gid, int t4) {
-  dst[2 * t4][gid] = acc[0][0] + acc[1][0];
-  dst[2 * t4 + 1][gid] = acc[0][1] + acc[1][1];
-  dst[2 * t4][8 + gid] = acc[0][2] + acc[1][2];
-  dst[2 * t4 + 1][8 + gid] = acc[0][3] + acc[1][3];
+  dst[2 * t4][gid] = acc[0][0];
+  dst[2 * t4 + 1][gid] = acc[0][1];
+  dst[2 * t4][8 + gid] = acc[0][2];
+  dst[2 * t4 + 1][8 + gid] = acc[0][3];
 }
 
 template <bool SWAP, int MR>

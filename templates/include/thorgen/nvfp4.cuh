@@ -187,25 +187,27 @@ __device__ __forceinline__ void mma_step(float (&acc)[2][4], const AStep& a, con
 
 // Swapped form for <= 8 tokens: the unit's 16 weight rows are the mma A operand (16 x k16) and the tokens the B
 // operand (k16 x 8), so one mma covers 256 weights instead of 128: half the tensor instructions per byte.
-// acc[j & 1] (two chains) holds C[16 rows][8 tokens]: c0 = (row gid, token 2t4), c1 = (gid, 2t4+1),
-// c2 = (row gid+8, token 2t4), c3 = (gid+8, 2t4+1); rows 0-7 = tile 0, rows 8-15 = tile 1.
+// acc[0] holds C[16 rows][8 tokens]: c0 = (row gid, token 2t4), c1 = (gid, 2t4+1), c2 = (row gid+8, token 2t4),
+// c3 = (gid+8, 2t4+1); rows 0-7 = tile 0, rows 8-15 = tile 1 (acc[1] stays zero). One chain over the k-slices in
+// order, as mma_step's: every output sums its products in the same order in both forms, so a row gets the same
+// bits from the M = 1 GEMV as from the 16- and 32-row GEMMs (batch invariance; two chains, j & 1, summed at the
+// end, differed in the last bits).
 // k-slice j (16 k) of a swapped step: A = the unit's decoded weight rows (b), B = the tokens' k values, from q = the
 // lane's 16-byte half of its token's step row that holds slice j.
 __device__ __forceinline__ void mma_swap_k16(float (&c)[4], const uint32_t (&b)[2][4][2], int j, const uint4& q) {
   mma_f16(c, b[0][j][0], b[1][j][0], b[0][j][1], b[1][j][1], (j & 1) ? q.z : q.x, (j & 1) ? q.w : q.y);
 }
 
-__device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a, const uint32_t (&b)[2][4][2]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) mma_swap_k16(acc[j & 1], b, j, a.r0[j >> 1]);
-}
-
-// The swapped step with one accumulator chain, for callers that hold several token groups (their mma's are
-// independent already): c += the unit's 16 weight rows x 8 tokens, x = the lane's token gid (its k 16*t4 .. of the
-// step, as AStep::r0); c0 = (row gid, token 2t4), c1 = (gid, 2t4+1), c2 = (gid+8, 2t4), c3 = (gid+8, 2t4+1).
+// The swapped step on one accumulator: c += the unit's 16 weight rows x 8 tokens, x = the lane's token gid (its
+// k 16*t4 .. of the step, as AStep::r0); c0 = (row gid, token 2t4), c1 = (gid, 2t4+1), c2 = (gid+8, 2t4),
+// c3 = (gid+8, 2t4+1).
 __device__ __forceinline__ void mma_step_swap1(float (&c)[4], const uint4 (&x)[2], const uint32_t (&b)[2][4][2]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) mma_swap_k16(c, b, j, x[j >> 1]);
+}
+
+__device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a, const uint32_t (&b)[2][4][2]) {
+  mma_step_swap1(acc[0], a.r0, b);
 }
 
 // One warp: acc[u][rt] += the rows of 16-row tile rt x W[unit0 + u]^T over steps [s0, s1), for UN consecutive
