@@ -293,11 +293,13 @@ class Lower:
         ops += self._router_ops(l, rows, small)
         ops += self._moe_ops(l, rows, small)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
-        # the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
-        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail (summing the MoE's slot rows)", H=H, EPS=t.rms_norm_eps,
-                            PAIRS=t.top_k_experts))
+        # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
+        pairs = t.top_k_experts if rows > 1 else 0
+        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
+                            EPS=t.rms_norm_eps, PAIRS=pairs))
+        moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
         ops.append(Op(f"{p}ffn_tail", ft, dict(
-            mlp=A("mlp"), moe=A("moe_pair_out"), ids=A("topk_idx"), x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
@@ -412,11 +414,11 @@ class Lower:
         mmax = small_mmax(rows)
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
-        # the down per (unit, expert) into slot rows, which ffn_tail sums per token (for one row too: the same sums)
-        down = need(self.find("moe_down_pairs.cu.j2", f"MoE down m<={mmax}", **common))
+        pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
+        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
-        out = dict(ypair=A("moe_pair_out"))
+        out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))
         return [Op(f"layers.{l}.moe_gateup", up, dict(
                     w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
                     gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),

@@ -169,7 +169,7 @@ class Engine:
                 ("qkv", (R, qmax + 2 * kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
                 ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
                 ("mlp", (R, H), "f32"), ("moe_act", (MAX_BATCH * K, t.moe_intermediate_size), "f16"),
-                ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
+                ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
                 ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
                 ("lanes", (R,), "i32"), ("logits", (MAX_BATCH, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
                 ("carry", (MAX_BATCH,), "i32"),  # a batched step's tokens, for the next step's carried rows

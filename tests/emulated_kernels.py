@@ -6,6 +6,7 @@ with the reference backend's numerics="w4a16" mode token for token.
 
 from __future__ import annotations
 
+import dataclasses
 
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,7 @@ class KernelEmulator(LogitsKernels):
         self.after = None  # optional callback(name, manifest entry, args) after every kernel (debugging)
         self.taps: list[np.ndarray] = []  # the residual stream after every ffn_tail (per layer), for bisecting
         self._dense: dict[tuple, np.ndarray] = {}
-        # the MoE down kernels' float64 slot rows by device address (the ffn_tail that sums them checks that device
-        # memory still holds them: a profile replays one kernel's launches alone, over the same rows)
+        # the MoE down kernels' float64 slot rows by device address, until the ffn_tail that sums them takes them
         self._pair_rows: dict[int, np.ndarray] = {}
 
     def v(self, addr, dtype, shape, what=""):
@@ -85,6 +85,8 @@ class KernelEmulator(LogitsKernels):
             need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down_pairs"):
             need = [(0, p["h"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
+        elif t.startswith("moe_down"):
+            need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
             need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
         elif t.startswith("router_logits_tiled"):
@@ -214,7 +216,7 @@ class KernelEmulator(LogitsKernels):
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
                     [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
                 return
-            # (each query's parts are the kernel's NSPLIT, whatever blocks the launch has: batch invariance)
+            shape = dataclasses.replace(shape, nsplit=min(int(self.grid[2]), ns))  # the launch's splits
             parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
                      for i in range(m)]
             self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),
@@ -314,7 +316,8 @@ class KernelEmulator(LogitsKernels):
         bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
         x = self.v(a["x"], np.float32, (T, H), "x")
         w_next = bf("w_next") if a["w_next"] else None
-        moe = self._pair_sum(a, T, p["PAIRS"], p["EXPERTS"], H)
+        moe = (self._pair_sum(a, T, p["PAIRS"], p["EXPERTS"], H) if p.get("PAIRS")
+               else self.v(a["moe"], np.float32, (T, H), "moe"))
         xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"), moe, x, bf("w1"), bf("w2"), bf("w"),
                                   self.v(a["layer_scalar"], np.uint16, 1), w_next, p["EPS"])
         x[:] = xn
@@ -366,6 +369,17 @@ class KernelEmulator(LogitsKernels):
             for k in range(K):
                 g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
                 act[t * K + k] = RK.store(_gelu(x[t] @ g.T) * (x[t] @ u.T), "f16")
+
+    def k_moe_down(self, p, a, n):
+        m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
+        ids = self.v(a["ids"], np.int32, (m, K), "ids")
+        wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
+        act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)
+        y = np.zeros((m, h), F64)
+        for t in range(m):
+            for k in range(K):
+                y[t] += wts[t, k] * (self._expert(a, int(ids[t, k]), h, ie, p) @ act[t * K + k])
+        self.v(a["y"], np.float32, (m, h), "y")[:] = y
 
     def k_moe_down_pairs(self, p, a, n):
         """Every valid slot's routing-weighted expert output into its pair row (ffn_tail sums them)."""
@@ -426,7 +440,7 @@ class KernelEmulator(LogitsKernels):
         y = np.zeros((T, H), F64)
         for k in range(K):
             for t in np.nonzero((ids[:, k] >= 0) & (ids[:, k] < experts))[0]:
-                row = self._pair_rows.get(a["moe"] + 4 * H * (int(t) * K + k))
+                row = self._pair_rows.pop(a["moe"] + 4 * H * (int(t) * K + k), None)
                 if row is None or not np.array_equal(RK.store(row, "f32"), ypair[t * K + k]):
                     raise EmuError(f"ffn_tail: slot row {t * K + k} holds no row a MoE down kernel wrote")
                 y[t] += row

@@ -81,8 +81,10 @@ def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
 
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
-    """y [m, h] of the down kernel: moe_down_pairs writes each slot's weighted row, summed here in slot order as
-    ffn_tail does (test_kernels_gpu_norms tests that)."""
+    """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
+    weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
+    if down.name.startswith("moe_down__"):
+        return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
                        {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
@@ -95,7 +97,7 @@ def test_moe(runner, experts, m, pool):
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
     mmax = 1 if m == 1 else 16 if m <= 16 else 32
     gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
-    (down,) = runner.find(f"moe_down_pairs__m{mmax}_")
+    (down,) = runner.find("moe_down__m1_" if m == 1 else f"moe_down_pairs__m{mmax}_")
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)
     x = R.act_f16(rng, m, h)
     gates, ups, downs = experts.lists(ids)
@@ -125,17 +127,13 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk)
     bad = ids.copy()
     bad[0, -1] = t.num_experts + 1000
-    down = runner.find("moe_down_pairs__m1_")[0]
-    h = t.hidden_size
+    down = runner.find("moe_down__m1_")[0]
     act16 = R.act_f16(rng, m * topk, t.moe_intermediate_size)
     dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "wts": wts, "m": np.int32(m), "act": act16}
-    rows = runner.run(down, dict(dn, ids=bad, ypair=np.full((m * topk, h), np.nan, np.float32)),
-                      {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
-    assert np.isnan(rows[-1]).all(), "the bad slot's row was written"  # (ffn_tail skips a slot with a bad id)
+    y = runner.run(down, dict(dn, ids=bad), {"y": ((m, t.hidden_size), np.float32)})["y"]
     keep = wts.copy()
     keep[0, -1] = 0.0
     _, _, downs = experts.lists(ids)
-    y = rows[:-1].sum(axis=0, dtype=np.float32)[None]
     assert R.norm_err(y, R.moe_down_ref(act16, ids, keep, downs)) <= R.TOL_MOE_OUT
 
 
@@ -147,9 +145,9 @@ def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m
 
 
 def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
-    """A token's gate/up act rows and down pair rows are bit-identical whatever else the step holds: alone (in the
-    one-token kernels too), among 5, or among 32 tokens sharing its experts (passes of 16 and 8), and in the 16- and
-    the 32-row kernel. The batched engine relies on this for a sequence's output not to depend on its batch."""
+    """A token's gate/up act rows and down pair rows are bit-identical whatever else the step holds: alone, among 5,
+    or among 32 tokens sharing its experts (passes of 16 and 8), and in the 16- and the 32-row kernel. The batched
+    engine relies on this for a sequence's output not to depend on its batch (issue 9)."""
     rng = np.random.default_rng(24)
     t = runner.spec.target
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
@@ -160,13 +158,16 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
     dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g}
     k16, k32 = runner.find("moe_gateup__m16_")[0], runner.find("moe_gateup__m32_")[0]
     d16, d32 = runner.find("moe_down_pairs__m16_")[0], runner.find("moe_down_pairs__m32_")[0]
-    k1, d1 = runner.find("moe_gateup__m1_")[0], runner.find("moe_down_pairs__m1_")[0]
-    for a, b in ((k16, k32), (d16, d32), (k1, k32), (d1, d32)):
-        assert a.param("ks") == b.param("ks"), (a.name, b.name)  # (units a block and prefetch are free)
+    for a, b in ((k16, k32), (d16, d32)):
+        assert [a.param(q) for q in ("ks", "un", "pf")] == [b.param(q) for q in ("ks", "un", "pf")], (a.name, b.name)
     full_act = _pairs_of(runner, k32, gu, {"x": x, "ids": ids}, "act", ie, 32, np.float16)
     full_dn = _pairs_of(runner, d32, dn, {"act": act16, "ids": ids, "wts": wts}, "ypair", h, 32, np.float32)
-    for kernel, down, rows in ((k32, d32, [7]), (k32, d32, [3, 9, 17, 30, 31]), (k16, d16, list(range(16))),
-                               (k1, d1, [7]), (k1, d1, [30])):
+    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is another form, moe_down)
+    assert k1.param("ks") == k32.param("ks")
+    for r in (7, 30):
+        act = _pairs_of(runner, k1, gu, {"x": x[r:r + 1], "ids": ids[r:r + 1]}, "act", ie, 1, np.float16)
+        np.testing.assert_array_equal(act, full_act[r * topk:(r + 1) * topk], err_msg=f"{k1.name} row {r}")
+    for kernel, down, rows in ((k32, d32, [7]), (k32, d32, [3, 9, 17, 30, 31]), (k16, d16, list(range(16)))):
         sub = np.array(rows)
         pairs = (sub[:, None] * topk + np.arange(topk)).ravel()
         act = _pairs_of(runner, kernel, gu, {"x": x[sub], "ids": ids[sub]}, "act", ie, len(rows), np.float16)

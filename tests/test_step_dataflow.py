@@ -87,7 +87,7 @@ def test_full_size_step_shapes_pass(tmp_path):
                                                     ctx=65536, speculative=spec.drafter is not None))
     fwd = Forward(spec, manifest, "bf16", rows)
     fwd.ptr = ptr = PlannedPointers(plan)
-    assert ptr.regions.name(ptr.A("mlp", 7).address) == "mlp" and ptr.regions.name(ptr.W("x").address) is None
+    assert ptr.regions.name(ptr.A("moe", 7).address) == "moe" and ptr.regions.name(ptr.W("x").address) is None
     names = []
     for name, ops, inputs in _shapes(fwd, rows, spec.drafter is not None):
         check_step(ops, ptr.regions, inputs, f"full size, {name}")

@@ -4,10 +4,12 @@ Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 3
 sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
   moe_gateup__...  grid (2*Ie/16 units, min(E, m*K)): block row y does the step's y-th distinct expert's fused gate|up
                    for the tokens that chose it (8 a pass over its weights) and writes their act[t*K+k] rows.
-  moe_down_pairs__ grid (H/16 units, min(E, m*K)), like gate/up: block row y runs its expert's down rows for the
-                   tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form, norms.py) sums per
-                   token in slot order. No atomics, each expert's weights read once.
-Every row count splits K alike in both, so a token's MoE output has the same bits whatever batch it runs in.
+  moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
+                   their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
+                   shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
+  moe_down_pairs__ (16 or 32 rows) grid (H/16 units, min(E, m*K)), like gate/up: block row y runs its expert's
+                   down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
+                   norms.py) sums per token in slot order.
 Both run a pass's tokens as the B operand of the swapped mma (moe_small.cuh: expert_tokens).
 Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 """
@@ -26,6 +28,7 @@ from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order,
                      weight_bytes)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
+DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # An expert's pairs a pass over its weights (moe_small.cuh): 8 = one token group of the swapped mma. 16 (two groups,
 # one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
@@ -52,16 +55,17 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     kind = fp4_order(arch)
     leaders = _expert_leaders(mmax, topk, e)
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
-    # Batch invariance: every row count splits K alike (KS of the one-token step, whatever mmax), so that a token's
-    # act row and its slot rows sum in one order whatever else the step holds (moe_small.cuh).
+    # Every row count splits K alike (the one-token step's KS, whatever mmax), so that a token's act row sums in one
+    # order whatever else the step holds (moe_small.cuh; batch invariance of the gate/up).
     ks = max(min(2, steps_gu), min(16, steps_gu, math.ceil(target_warps(arch) / (units_gu * topk))))
     pf = prefetch(math.ceil(steps_gu / ks), arch)
-    # On a deep-prefetch arch: 4 warps, 2 steps in flight (16 rows, H200, router-like routing, 2026-12-01: 107.8 us
-    # a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4). Warps (KS) x units (UN) a
-    # block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py, kept out of the repo; 8
-    # distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a layer (2.7 TB/s; UN 1 the
-    # same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x UN 1 x PF 4, the one-token
-    # blocking until session 22, 139). All m rows as A tiles (until 2026-12-02): 79.9 and 171.7 us.
+    # Many rows on a deep-prefetch arch: 2 steps in flight a warp (16 rows, H200, router-like routing, 2026-12-01:
+    # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4).
+    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
+    # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
+    # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
+    # UN 1 x PF 4, the one-token blocking until session 22, 139; the one-token step measured the same at KS 4 x
+    # PF 2, 280.6 us a step either way).
     un = 1
     if arch.prefetch_depth >= 4:
         ks, pf = min(4, steps_gu), min(pf, 2)
@@ -73,20 +77,32 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
                         grid=(units_gu // un, leaders, 1),
                         block=(32 * ks, 1, 1),
                         args=GATEUP_ARGS, family="moe")
-    # The down: a block per (unit, expert), like gate/up (against a block per unit walking all the experts,
-    # 2026-12-01: 100.9 -> 66.8 us a layer at 16 rows), each slot's weighted row into ypair, which ffn_tail sums per
-    # token in slot order. One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper
-    # prefetch). The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit
-    # 64.3; 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us. One token runs it too (one
-    # warp, whole K: a slot row's sum in one order whatever the step's rows), where a block per unit walking the 8
-    # experts summed the slots in its warps (7.6 us a layer against 6.8-8.7 for this form, session 15).
-    steps_d, units_d = ie // TILE_K, h // TILE_N
-    upd = _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
-    pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                       make_params(ks=1, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
-                                   ROW_GRID=(1, topk, 1, leaders), **common),
-                       grid=(units_d // upd, leaders, 1), block=(32, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
-    return [gateup, pairs]
+    steps_d = ie // TILE_K
+    units_d = h // TILE_N
+    if mmax > 1:
+        # a block per (unit, expert), like gate/up (against moe_down, 2026-12-01: 100.9 -> 66.8 us a layer at 16
+        # rows). One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper prefetch).
+        # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
+        # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
+        kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
+        pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
+                                       ROW_GRID=(1, topk, 1, leaders), **common),
+                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                           family="moe")
+        return [gateup, pairs]
+    # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
+    # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.
+    groups = min(leaders, 8)
+    ksd = max(1, min(steps_d, 8 // groups, math.ceil(target_warps(arch) / (units_d * groups))))
+    nw = groups * ksd
+    pfd = prefetch(math.ceil(steps_d / ksd), arch)
+    if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
+        pfd = min(16, math.ceil(steps_d / ksd))
+    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
+                      make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
+                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
+    return [gateup, down]
 
 
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
@@ -117,11 +133,14 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
                    Buf("act", "f16", m * topk * ie), Scalar("m", "i32", m))
         d_args = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16),
                   Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3), Buf("act", "f16", m * topk * ie), ids,
-                  Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("ypair", "f32", m * topk * h), Scalar("m", "i32", m))
+                  Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("y", "f32", m * h), Scalar("m", "i32", m))
         note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
         cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
                                note=note, weight_streaming=m == 1))
-        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + m * topk * h * 4,
+        if m > 1:  # moe_down_pairs: one output row per slot
+            d_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])
+        out_rows = m * topk if m > 1 else m
+        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
                                note=note, weight_streaming=m == 1))
     return cases
 
