@@ -223,7 +223,7 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
     unit_steps<KIND, H, IE, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
     const float* gs = gscale + (size_t)e * (H / 8);
     if constexpr (SWAP) {
-      // C[row][token]: tokens 2*t4, 2*t4+1 need their own routing weights for expert e
+      // C[row][token] in acc[0] (mma_step_swap's one chain): tokens 2*t4, 2*t4+1 need their own routing weights
       float wt[2] = {0.f, 0.f};
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
@@ -233,10 +233,10 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
           if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
       }
       const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
-      tot[0][0] = fmaf((acc[0][0] + acc[1][0]) * f0, wt[0], tot[0][0]);
-      tot[0][1] = fmaf((acc[0][1] + acc[1][1]) * f0, wt[1], tot[0][1]);
-      tot[0][2] = fmaf((acc[0][2] + acc[1][2]) * f1, wt[0], tot[0][2]);
-      tot[0][3] = fmaf((acc[0][3] + acc[1][3]) * f1, wt[1], tot[0][3]);
+      tot[0][0] = fmaf(acc[0][0] * f0, wt[0], tot[0][0]);
+      tot[0][1] = fmaf(acc[0][1] * f0, wt[1], tot[0][1]);
+      tot[0][2] = fmaf(acc[0][2] * f1, wt[0], tot[0][2]);
+      tot[0][3] = fmaf(acc[0][3] * f1, wt[1], tot[0][3]);
     } else {
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
