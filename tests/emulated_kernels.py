@@ -6,8 +6,6 @@ with the reference backend's numerics="w4a16" mode token for token.
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -216,7 +214,8 @@ class KernelEmulator(LogitsKernels):
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
                     [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
                 return
-            shape = dataclasses.replace(shape, nsplit=min(int(self.grid[2]), ns))  # the launch's splits
+            # each query's parts are its own (NSPLIT over its key tiles), whatever blocks the launch has: the
+            # kernel runs them all, several a block (batch invariance)
             parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
                      for i in range(m)]
             self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),

@@ -110,10 +110,10 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
 
 
 def _parts_written(kern, m: int, p0: int) -> int:
-    """Split parts a launch writes: every split, but for one query whose G rows merge in one level (attention.cuh,
-    kFlatOne: G * D * nsplit floats within attn_split.cuh's SPLIT_FLAT_BYTES) no more than its key tiles."""
-    ns, d, tk, window = (kern.param(x) for x in ("nsplit", "d", "tk", "window"))
-    if m != 1 or kern.param("hq") // kern.param("hkv") * d * ns * 4 > 128 * 1024:
+    """Split parts a launch that merges in the kernel writes: every split, but for one query no more than its key
+    tiles (attention.cuh: a query's parts depend on its own key range only)."""
+    ns, tk, window = (kern.param(x) for x in ("nsplit", "tk", "window"))
+    if m != 1:
         return ns
     lo = max(0, p0 - window + 1) if window else 0
     return min(ns, p0 // tk - lo // tk + 1)
@@ -190,8 +190,9 @@ def test_split_merge_matches_its_partials(runner):
 def test_attention_rowwise_lanes(runner):
     """Batched decode (rowwise): query i is its own sequence's token at position p_i in KV lane lanes[i] of a
     cache holding several lanes; each row equals the reference over its own lane, at every split count the launch
-    may use (gridDim.z <= nsplit: the planner's ROWWISE_SPLITS for m rows, one, and all). The other lanes' slots and
-    each lane's unread slots are NaN, so reading another sequence's keys fails."""
+    may use (gridDim.z <= nsplit: the planner's ROWWISE_SPLITS for m rows, one, and all), bit for bit what the
+    one-query decode launch gives that row alone (batch invariance). The other lanes' slots and each lane's unread
+    slots are NaN, so reading another sequence's keys fails."""
     failures = []
     tiny = runner.spec.name == "tiny"
     for i, kern in enumerate(k for k in runner.find("attn_dec__tgt_")):
@@ -228,6 +229,14 @@ def test_attention_rowwise_lanes(runner):
                 inputs["counters"] = np.zeros(kern.param("cnt_words"), np.uint32)
                 outputs["counters"] = ((kern.param("cnt_words"),), np.uint32)
             ns = kern.param("nsplit")
+            # each row alone: the one-query decode launch (non-rowwise, its lane) that a one-row step runs
+            alone = []
+            for r, (p, lane) in enumerate(zip(positions, lanes)):
+                one = dict(inputs, q=q[r:r + 1], positions=np.asarray([p], np.int32), m=np.int32(1),
+                           lanes=np.asarray([lane], np.int32), rowwise=np.int32(0),
+                           out=np.full((1, hq, d), np.nan, np.float16))
+                alone.append(runner.run_seq([(kern, (1, hkv, ns))], one, {"out": ((1, hq, d), np.float16)})["out"])
+            alone = np.concatenate(alone)
             # every split count a launch may use: the planner's for m rows, one, and the most
             for z in sorted({1, ns, kern.param("ROWWISE_SPLITS")[m - 1]} if ns > 1 else {1}):
                 got = runner.run_seq([(kern, (m, hkv, z))], inputs, outputs)
@@ -236,4 +245,8 @@ def test_attention_rowwise_lanes(runner):
                 err = R.norm_err(got["out"], np.concatenate(refs))
                 if not err <= R.TOL_ATTN[kv]:
                     failures.append(f"{kern.name} positions={positions} lanes={lanes} splits={z}: error {err:.2e}")
+                differ = (got["out"].view(np.uint16) != alone.view(np.uint16)).any(axis=(1, 2))
+                if differ.any():  # batch invariance: a row's bits are its one-row step's
+                    failures.append(f"{kern.name} positions={positions} splits={z}: rows {np.nonzero(differ)[0]} "
+                                    f"differ from the same query launched alone")
     assert not failures, "\n".join(failures)

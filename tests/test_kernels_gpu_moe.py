@@ -162,11 +162,20 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         assert [a.param(q) for q in ("ks", "un", "pf")] == [b.param(q) for q in ("ks", "un", "pf")], (a.name, b.name)
     full_act = _pairs_of(runner, k32, gu, {"x": x, "ids": ids}, "act", ie, 32, np.float16)
     full_dn = _pairs_of(runner, d32, dn, {"act": act16, "ids": ids, "wts": wts}, "ypair", h, 32, np.float32)
-    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is another form, moe_down)
+    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is moe_down, checked below)
     assert k1.param("ks") == k32.param("ks")
     for r in (7, 30):
         act = _pairs_of(runner, k1, gu, {"x": x[r:r + 1], "ids": ids[r:r + 1]}, "act", ie, 1, np.float16)
         np.testing.assert_array_equal(act, full_act[r * topk:(r + 1) * topk], err_msg=f"{k1.name} row {r}")
+    d1 = runner.find("moe_down__m1_")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
+    for r in (7, 30):
+        y = runner.run(d1, dict(dn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
+                                m=np.int32(1), y=np.full((1, h), np.nan, np.float32)),
+                       {"y": ((1, h), np.float32)}, grid=_rows_grid(d1, 1))["y"][0]
+        want = np.zeros(h, np.float32)
+        for k in range(topk):  # from 0, slot by slot, in f32 (norm.cuh ffn_tail_row)
+            want = want + full_dn[r * topk + k]
+        np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32), err_msg=f"{d1.name} row {r}")
     for kernel, down, rows in ((k32, d32, [7]), (k32, d32, [3, 9, 17, 30, 31]), (k16, d16, list(range(16)))):
         sub = np.array(rows)
         pairs = (sub[:, None] * topk + np.arange(topk)).ravel()

@@ -142,3 +142,9 @@ def test_ffn_tail(runner, last_layer, pairs):
     assert not tap[:, [0, 2]].any()  # other tap columns untouched
     if not last_layer:
         assert R.norm_err(R.load(got["a"], out_t), ar) <= R.TOL[out_t]
+    if pairs:  # the one-row form given the slot sum (moe_down's: from 0, in slot order, in f32): the same bits
+        (one,) = [k1 for k1 in runner.find("ffn_tail__") if not k1.param("PAIRS")]
+        single = runner.run(one, dict(inputs, moe=moe), outputs, (3, 1, 1))
+        for name in outputs:
+            np.testing.assert_array_equal(single[name].view(np.uint8), got[name].view(np.uint8),
+                                          err_msg=f"{name}: the one-row and slot-row forms differ")

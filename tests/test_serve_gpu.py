@@ -151,13 +151,10 @@ def test_prompt_over_the_context_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-# Known gap (issue 9): the GEMMs and the MoE gate/up sum a row alike at every row count (session 22), but alone a
-# row still runs the one-token MoE down, ffn_tail and split attention, whose fp32 orders differ from the batched
-# forms; a near-tie can then flip a token (seen once: 1 of 32 seeded requests at its 10th token, 2026-12-01). The
-# branch `batch-invariance` makes every form bit-identical (GPU-tested) at a cost not yet paid back, so not strict.
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, pytest.param(
-    {"temperature": 1.0, "seed": 11}, marks=pytest.mark.xfail(strict=False, reason="M=1 vs M<=16 kernel rounding"))],
-    ids=["greedy", "seeded"])
+# Greedy and seeded alike are strict: since session 23 every kernel sums a row in the same fp32 order at every
+# row count (one-token and batched MoE down, ffn_tail, split attention), so a row's logits are bit-identical alone
+# and in any batch (tests/test_engine_batch_invariance_gpu.py checks the logits themselves).
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
 def test_concurrent_requests_equal_alone(server, sampling):
     """32 concurrent requests (different prompts) through the engine core: each gets its tokens alone."""
     from concurrent.futures import ThreadPoolExecutor

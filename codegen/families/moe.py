@@ -28,6 +28,9 @@ from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order,
                      weight_bytes)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
+# The down projections' K split (warps over the expert's intermediate size) at every row count: 1, one accumulator
+# chain a slot, so that one token's moe_down and the batched moe_down_pairs sum alike (batch invariance).
+DOWN_KS = 1
 DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # An expert's pairs a pass over its weights (moe_small.cuh): 8 = one token group of the swapped mma. 16 (two groups,
@@ -84,7 +87,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         # rows). One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper prefetch).
         # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
-        kp, upd = 1, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
+        kp, upd = DOWN_KS, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
                            make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
                                        ROW_GRID=(1, topk, 1, leaders), **common),
@@ -92,9 +95,12 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
                            family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
-    # units, measured 15 us); slot groups spread the selected experts, the K split fills what the groups leave.
-    groups = min(leaders, 8)
-    ksd = max(1, min(steps_d, 8 // groups, math.ceil(target_warps(arch) / (units_d * groups))))
+    # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as
+    # in moe_down_pairs (DOWN_KS), and the block adds the slots in slot order from 0, as ffn_tail adds the pair rows,
+    # so a token's MoE output has the same bits in a one-row step as in a batched one (a K split here, which the
+    # tiny preset had, summed the partials in another order).
+    groups, ksd = leaders, DOWN_KS
+    require(groups <= 8, f"moe: the one-token down runs a warp a slot, at most 8 ({leaders} slots)")
     nw = groups * ksd
     pfd = prefetch(math.ceil(steps_d / ksd), arch)
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)

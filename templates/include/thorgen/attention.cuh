@@ -17,12 +17,14 @@
 // its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
 // Paged caches (PAGE > 0, the full-attention layers): one pool of pages of PAGE positions shared by all sequences;
 // a lane is then a row of the page table (`pages`, PITCH entries a lane) and lane_bytes is unused.
-// NSPLIT > 1 (flash-decoding): the key range is cut into NSPLIT tile-aligned parts (a rowwise launch: gridDim.z <=
-// NSPLIT parts, since a batched step's rows fill the SMs already; one query with fewer key tiles than NSPLIT: one a
-// tile); each block writes unnormalised O and (max, sum) per row to a workspace; with `counters` the last split
-// block of each (query block, KV head) merges them into out (attn_split.cuh: attn_split_finish, counters zeroed at
-// entry and left zeroed; no second launch), with counters == nullptr an attn_combine launch merges them (faster for
-// 16 queries: one block per row).
+// NSPLIT > 1 (flash-decoding): a query's key range is cut into tile-aligned parts; each part's unnormalised O and
+// (max, sum) per row go to a workspace. With `counters` the block that completes a (query block, KV head) group's
+// count merges its parts into out (attn_split.cuh: attn_split_count, counters zeroed at entry and left zeroed; no
+// second launch); one query (a decode, a batched step's row) then has min(NSPLIT, its key tiles) parts, whose
+// partials and merge depend on its own key range only: a rowwise launch (a batched step, whose rows fill the SMs
+// already) has gridDim.z <= NSPLIT blocks a query, each running parts z, z + gridDim.z, ..., so a sequence's
+// attention has the same bits alone and in any batch (batch invariance). With counters == nullptr an attn_combine
+// launch merges NSPLIT parts (faster for 16 queries: one block per row).
 #pragma once
 #include <climits>
 
@@ -123,11 +125,11 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   // are the host's staging, final before the forward's first kernel).
   const bool early = EARLY && rowwise == 0;
   if (!early) pdl_wait();
-  const int qb = blockIdx.x, hkv = blockIdx.y, split = blockIdx.z;
-  // the launch's key splits: NSPLIT (which lays out the workspace), or for a rowwise launch gridDim.z <= NSPLIT: a
-  // batched step's rows already fill the SMs, and fewer, longer splits pay each block's fixed cost fewer times
-  int nsplit = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
-  if (split >= nsplit) return;  // (a grid with more splits than planned)
+  const int qb = blockIdx.x, hkv = blockIdx.y;
+  // the blocks of a query block's parts: NSPLIT, or for a rowwise launch gridDim.z <= NSPLIT (a batched step's rows
+  // already fill the SMs, and fewer blocks pay each block's fixed cost fewer times), each running several parts
+  const int nblocks = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
+  if ((int)blockIdx.z >= nblocks) return;  // (a grid with more splits than planned)
   const int qpb = rowwise ? 1 : QB;  // queries of this block
   const int q0 = qb * qpb;
   if (q0 >= m) return;
@@ -151,24 +153,18 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
   const int hi = last_vis;
   const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
-  // One query whose G rows merge in one level: no more splits than key tiles. A split without keys still wrote an
-  // empty part that the merge read (a decode at 640 positions: 12 of 32 sliding-layer splits).
-  constexpr bool kFlatOne = NSPLIT > 1 && (size_t)G * D * NSPLIT * 4 <= (size_t)SPLIT_FLAT_BYTES;
-  if (kFlatOne && !rowwise && m == 1 && ntiles < nsplit) {
-    nsplit = ntiles;
-    if (split >= nsplit) return;
-  }
-  const int tb = t_lo + split * ntiles / nsplit, te = t_lo + (split + 1) * ntiles / nsplit;
+  // The query's parts: part z holds key tiles [t_lo + z ntiles / P, t_lo + (z + 1) ntiles / P). With the merge in
+  // this launch (counters) one query (a decode, or a row of a batched step) has P = min(NSPLIT, ntiles) parts, a
+  // function of its own key range only: its partials and their merge (split_tree) are the same alone and in any
+  // batch (batch invariance), whichever blocks run them. An attn_combine launch (counters null) reads NSPLIT parts.
+  const bool merged = NSPLIT > 1 && counters != nullptr;
+  const int nparts = merged && (rowwise || m == 1) ? min(NSPLIT, ntiles) : NSPLIT;
+  int part = blockIdx.z;
+  if (part >= nparts) return;
+  auto part_begin = [&](int z) { return t_lo + z * ntiles / nparts; };
+  int tb = part_begin(part), te = part_begin(part + 1);
 
   for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
-
-  float o[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
   // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi] (the
   // others zero-filled), of the tile's rows with from <= j < to; `issue` commits the whole tile as one group.
@@ -223,172 +219,202 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       }
     }
   }
-  for (int tile = tb; tile < te; ++tile) {
-    const int it = tile - tb;
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    __syncthreads();
-    int cbuf = it & 1;
-    if constexpr (KVT == KV_FP8) {
-      // fp8 staging -> fp16 compute tile (exact: e4m3 values are fp16 values)
-      constexpr int PAIRS = D / 2;
-      for (int c = threadIdx.x; c < 2 * TK * PAIRS; c += THREADS) {
-        const int kv = c / (TK * PAIRS), rem = c % (TK * PAIRS), row = rem / PAIRS, pr = rem % PAIRS;
-        const uint16_t two = *reinterpret_cast<const uint16_t*>(stg + ((size_t)(cbuf * 2 + kv) * TK + row) * S::SPITCH + 2 * pr);
-        *reinterpret_cast<uint32_t*>(kv_t + (size_t)kv * (S::TILE / 2) + (size_t)row * S::TPITCH + 2 * pr) =
-            e4m3x2_to_half2(two);
-      }
+  // Parts one after another (a rowwise block runs parts part, part + nblocks, ...): K/V tiles double-buffered across
+  // the part boundaries too (the next part's first tile loads under this part's last), by a running tile count.
+  // With a two-level merge a part's end may merge a subgroup in the K/V tiles' shared memory, so there the next part
+  // loads after it (long contexts of the full layers only).
+  const bool tree = merged && split_tree<D, NSUB>(nparts, nq * G);
+  int it = 0, done = 0;  // tiles run by this block; parts counted into the current merge group
+  for (;;) {
+    const int next = part + nblocks < nparts ? part + nblocks : -1;  // this block's next part
+    float o[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+    for (int tile = tb; tile < te; ++tile, ++it) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
       __syncthreads();
-      cbuf = 0;
-    }
-    if (tile + 1 < te) issue(tile + 1, (it + 1) & 1);
-    const uint16_t* kt_s = kv_t + (size_t)(cbuf * 2) * (S::TILE / 2);
-    const uint16_t* vt_s = kt_s + S::TILE / 2;
-
-    // ---- partial scores over this warp's 64 columns
-    float sc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[mt][nt][i] = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int kp = 0; kp < 2; ++kp) {  // two k16 tiles per ldmatrix.x4
-        uint32_t b[4];
-        ldsm_x4(b, kt_s + (size_t)(nt * 8 + (lane & 7)) * S::TPITCH + 64 * warp + 32 * kp + 8 * (lane >> 3));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if (16 * mt >= vrows) break;
-          Mm::mma(sc[mt][nt], qa[mt][2 * kp][0], qa[mt][2 * kp][1], qa[mt][2 * kp][2], qa[mt][2 * kp][3], b[0], b[1]);
-          Mm::mma(sc[mt][nt], qa[mt][2 * kp + 1][0], qa[mt][2 * kp + 1][1], qa[mt][2 * kp + 1][2],
-                  qa[mt][2 * kp + 1][3], b[2], b[3]);
+      int cbuf = it & 1;
+      if constexpr (KVT == KV_FP8) {
+        // fp8 staging -> fp16 compute tile (exact: e4m3 values are fp16 values)
+        constexpr int PAIRS = D / 2;
+        for (int c = threadIdx.x; c < 2 * TK * PAIRS; c += THREADS) {
+          const int kv = c / (TK * PAIRS), rem = c % (TK * PAIRS), row = rem / PAIRS, pr = rem % PAIRS;
+          const uint16_t two = *reinterpret_cast<const uint16_t*>(stg + ((size_t)(cbuf * 2 + kv) * TK + row) * S::SPITCH + 2 * pr);
+          *reinterpret_cast<uint32_t*>(kv_t + (size_t)kv * (S::TILE / 2) + (size_t)row * S::TPITCH + 2 * pr) =
+              e4m3x2_to_half2(two);
         }
+        __syncthreads();
+        cbuf = 0;
       }
-    }
-    float* myred = red + (size_t)warp * R * S::RPITCH;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (16 * mt >= vrows) break;
-        *reinterpret_cast<float2*>(myred + (mt * 16 + gid) * S::RPITCH + nt * 8 + 2 * t4) =
-            make_float2(sc[mt][nt][0], sc[mt][nt][1]);
-        *reinterpret_cast<float2*>(myred + (mt * 16 + gid + 8) * S::RPITCH + nt * 8 + 2 * t4) =
-            make_float2(sc[mt][nt][2], sc[mt][nt][3]);
-      }
-    __syncthreads();
+      if (tile + 1 < te) issue(tile + 1, (it + 1) & 1);
+      else if (next >= 0 && !tree && part_begin(next) < part_begin(next + 1)) issue(part_begin(next), (it + 1) & 1);
+      const uint16_t* kt_s = kv_t + (size_t)(cbuf * 2) * (S::TILE / 2);
+      const uint16_t* vt_s = kt_s + S::TILE / 2;
 
-    // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
-    for (int r = warp; r < vrows; r += NWARP) {
-      const int qi = q0 + r / G, P = p0 + qi;
-      const int hv = CAUSAL ? P : p0 + m - 1;
-      constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
-      float s[KPL];
-      float mx = -INFINITY;
-#pragma unroll
-      for (int h = 0; h < KPL; ++h) {
-        const int kk = lane + 32 * h, j = tile * TK + kk;
-        float v = 0.f;
-        if (kk < TK) {
-#pragma unroll
-          for (int w = 0; w < NWARP; ++w) v += red[((size_t)w * R + r) * S::RPITCH + kk];
-        }
-        const bool vis = kk < TK && (r / G < nq) && j >= lo && j <= hv && (WINDOW == 0 || P - j < WINDOW);
-        s[h] = vis ? v * scale_log2 : -INFINITY;
-        mx = fmaxf(mx, s[h]);
-      }
-      mx = warp_max(mx);
-      const float m_old = st_m[r], m_new = fmaxf(m_old, mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < KPL; ++h) {
-        const float pv = s[h] == -INFINITY ? 0.f : exp2f(s[h] - m_new);
-        sum += pv;
-        if (lane + 32 * h < TK) {
-          if constexpr (KVT == KV_FP8) pbuf[r * S::PPITCH + lane + 32 * h] = __half_as_ushort(__float2half_rn(pv));
-          else pbuf[r * S::PPITCH + lane + 32 * h] = __bfloat16_as_ushort(__float2bfloat16_rn(pv));
-        }
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_old - m_new);
-        st_a[r] = alpha;
-        st_l[r] = st_l[r] * alpha + sum;
-        st_m[r] = m_new;
-      }
-    }
-    __syncthreads();
-
-    // ---- O = O * alpha + P V over this warp's 64 columns
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const float a0 = st_a[mt * 16 + gid], a1 = st_a[mt * 16 + gid + 8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        o[mt][nt][0] *= a0; o[mt][nt][1] *= a0; o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
-      }
-    }
-#pragma unroll
-    for (int kt = 0; kt < TK / 16; ++kt) {
-      uint32_t pa[MT][4];
+      // ---- partial scores over this warp's 64 columns
+      float sc[MT][NT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        if (16 * mt < vrows)
-          ldsm_x4(pa[mt], pbuf + (size_t)(mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::PPITCH + kt * 16 +
-                              8 * (lane >> 4));
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {  // pairs of n8 column tiles
-        uint32_t b[4];
-        ldsm_x4_t(b, vt_s + (size_t)(kt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::TPITCH + 64 * warp +
-                         16 * np + 8 * (lane >> 4));
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if (16 * mt >= vrows) break;
-          Mm::mma(o[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[0], b[1]);
-          Mm::mma(o[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[2], b[3]);
+          for (int i = 0; i < 4; ++i) sc[mt][nt][i] = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp) {  // two k16 tiles per ldmatrix.x4
+          uint32_t b[4];
+          ldsm_x4(b, kt_s + (size_t)(nt * 8 + (lane & 7)) * S::TPITCH + 64 * warp + 32 * kp + 8 * (lane >> 3));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            if (16 * mt >= vrows) break;
+            Mm::mma(sc[mt][nt], qa[mt][2 * kp][0], qa[mt][2 * kp][1], qa[mt][2 * kp][2], qa[mt][2 * kp][3], b[0], b[1]);
+            Mm::mma(sc[mt][nt], qa[mt][2 * kp + 1][0], qa[mt][2 * kp + 1][1], qa[mt][2 * kp + 1][2],
+                    qa[mt][2 * kp + 1][3], b[2], b[3]);
+          }
         }
       }
-    }
-  }
-  __syncthreads();
+      float* myred = red + (size_t)warp * R * S::RPITCH;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (16 * mt >= vrows) break;
+          *reinterpret_cast<float2*>(myred + (mt * 16 + gid) * S::RPITCH + nt * 8 + 2 * t4) =
+              make_float2(sc[mt][nt][0], sc[mt][nt][1]);
+          *reinterpret_cast<float2*>(myred + (mt * 16 + gid + 8) * S::RPITCH + nt * 8 + 2 * t4) =
+              make_float2(sc[mt][nt][2], sc[mt][nt][3]);
+        }
+      __syncthreads();
 
-  // ---- write out: normalised (NSPLIT == 1) or partial O + (max, sum), merged by the group's last split block
+      // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
+      for (int r = warp; r < vrows; r += NWARP) {
+        const int qi = q0 + r / G, P = p0 + qi;
+        const int hv = CAUSAL ? P : p0 + m - 1;
+        constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
+        float s[KPL];
+        float mx = -INFINITY;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+        for (int h = 0; h < KPL; ++h) {
+          const int kk = lane + 32 * h, j = tile * TK + kk;
+          float v = 0.f;
+          if (kk < TK) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = mt * 16 + gid + 8 * h;
-      if (r / G >= nq) continue;
-      const int qi = q0 + r / G, head = hkv * G + r % G;
-      const size_t row = (size_t)qi * HQ + head;
-      if constexpr (NSPLIT == 1) {
-        const float l = st_l[r], inv = l > 0.f ? 1.f / l : 0.f;
+            for (int w = 0; w < NWARP; ++w) v += red[((size_t)w * R + r) * S::RPITCH + kk];
+          }
+          const bool vis = kk < TK && (r / G < nq) && j >= lo && j <= hv && (WINDOW == 0 || P - j < WINDOW);
+          s[h] = vis ? v * scale_log2 : -INFINITY;
+          mx = fmaxf(mx, s[h]);
+        }
+        mx = warp_max(mx);
+        const float m_old = st_m[r], m_new = fmaxf(m_old, mx);
+        float sum = 0.f;
+#pragma unroll
+        for (int h = 0; h < KPL; ++h) {
+          const float pv = s[h] == -INFINITY ? 0.f : exp2f(s[h] - m_new);
+          sum += pv;
+          if (lane + 32 * h < TK) {
+            if constexpr (KVT == KV_FP8) pbuf[r * S::PPITCH + lane + 32 * h] = __half_as_ushort(__float2half_rn(pv));
+            else pbuf[r * S::PPITCH + lane + 32 * h] = __bfloat16_as_ushort(__float2bfloat16_rn(pv));
+          }
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+          const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_old - m_new);
+          st_a[r] = alpha;
+          st_l[r] = st_l[r] * alpha + sum;
+          st_m[r] = m_new;
+        }
+      }
+      __syncthreads();
+
+      // ---- O = O * alpha + P V over this warp's 64 columns
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float a0 = st_a[mt * 16 + gid], a1 = st_a[mt * 16 + gid + 8];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          __half2 v = __floats2half2_rn(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
-          *reinterpret_cast<__half2*>(out + row * D + 64 * warp + nt * 8 + 2 * t4) = v;
+          o[mt][nt][0] *= a0; o[mt][nt][1] *= a0; o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
         }
-      } else {
-        float* wo = ws + ((size_t)split * MMAX * HQ + row) * D;
+      }
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *reinterpret_cast<float2*>(wo + 64 * warp + nt * 8 + 2 * t4) = make_float2(o[mt][nt][2 * h], o[mt][nt][2 * h + 1]);
-        if (warp == 0 && t4 == 0) {
-          float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D + ((size_t)split * MMAX * HQ + row) * 2;
-          ml[0] = st_m[r];
-          ml[1] = st_l[r];
+      for (int kt = 0; kt < TK / 16; ++kt) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          if (16 * mt < vrows)
+            ldsm_x4(pa[mt], pbuf + (size_t)(mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::PPITCH + kt * 16 +
+                                8 * (lane >> 4));
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {  // pairs of n8 column tiles
+          uint32_t b[4];
+          ldsm_x4_t(b, vt_s + (size_t)(kt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S::TPITCH + 64 * warp +
+                           16 * np + 8 * (lane >> 4));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            if (16 * mt >= vrows) break;
+            Mm::mma(o[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[0], b[1]);
+            Mm::mma(o[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b[2], b[3]);
+          }
         }
       }
     }
-  }
-  if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
-    static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the K/V tiles");
-    static_assert(merge_scratch_bytes(NSPLIT, G) <= S::KV_BYTES, "a rowwise one-level merge exceeds the K/V tiles");
-    if (counters != nullptr)  // else the partials stay in ws for an attn_combine launch
-      attn_split_finish<D, HQ, G, MMAX, THREADS, NSPLIT, NSUB>(ws, counters, out, qb * HKV + hkv, split, nsplit, q0,
-                                                               nq, hkv, reinterpret_cast<int*>(st_a), smem);
+    __syncthreads();
+
+    // ---- write out: normalised (NSPLIT == 1) or partial O + (max, sum), merged by the group's last split block
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mt * 16 + gid + 8 * h;
+        if (r / G >= nq) continue;
+        const int qi = q0 + r / G, head = hkv * G + r % G;
+        const size_t row = (size_t)qi * HQ + head;
+        if constexpr (NSPLIT == 1) {
+          const float l = st_l[r], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            __half2 v = __floats2half2_rn(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
+            *reinterpret_cast<__half2*>(out + row * D + 64 * warp + nt * 8 + 2 * t4) = v;
+          }
+        } else {
+          float* wo = ws + ((size_t)part * MMAX * HQ + row) * D;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            *reinterpret_cast<float2*>(wo + 64 * warp + nt * 8 + 2 * t4) =
+                make_float2(o[mt][nt][2 * h], o[mt][nt][2 * h + 1]);
+          if (warp == 0 && t4 == 0) {
+            float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D + ((size_t)part * MMAX * HQ + row) * 2;
+            ml[0] = st_m[r];
+            ml[1] = st_l[r];
+          }
+        }
+      }
+    }
+    if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+      static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the tiles");
+      static_assert(merge_scratch_bytes(NSPLIT, G) <= S::KV_BYTES, "a one-query one-level merge exceeds the tiles");
+      // counted once a block (one level), or when the block leaves a level-1 subgroup (two levels): one fence and
+      // atomic for all its parts there, not one a part
+      constexpr int S1 = NSPLIT / NSUB;
+      ++done;
+      if (merged && (next < 0 || (tree && next / S1 != part / S1))) {
+        attn_split_count<D, HQ, G, MMAX, THREADS, NSPLIT, NSUB>(ws, counters, out, qb * HKV + hkv, nparts, part / S1,
+                                                                done, q0, nq, hkv, reinterpret_cast<int*>(st_a), smem);
+        done = 0;
+      }
+    }
+    if (next < 0) break;
+    part = next;
+    tb = part_begin(part);
+    te = part_begin(part + 1);
+    __syncthreads();  // the write-out's (max, sum) reads and any merge are done before the next part's state
+    for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
+    if (tree && tb < te) issue(tb, it & 1);  // after the subgroup merge that may have used the K/V tiles
   }
 }
 

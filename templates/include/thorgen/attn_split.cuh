@@ -2,12 +2,12 @@
 // (max, sum) per (query, head) row into a workspace; merging part z with weight e_z = 2^(m_z - M), M = the max of
 // the parts with l_z > 0, gives out = sum_z e_z O_z / sum_z e_z l_z (parts with l_z = 0 skipped, split order).
 //   attn_combine: a separate kernel, one block per row (kept for callers that launch it).
-//   merge_parts:  the same math inside attn_fwd (attn_split_finish): the last split block of a (query block, KV
+//   merge_parts:  the same math inside attn_fwd (attn_split_count): the last split block of a (query block, KV
 //                 head) group merges its rows, so decode/verify need no second launch. When a group's parts are
 //                 large (> SPLIT_FLAT_BYTES, e.g. head dim 512 or 16 queries), one block reading them all would take
 //                 microseconds, so the merge is two-level: the last block of each of NSUB subgroups of NSPLIT/NSUB
 //                 consecutive splits merges those into a level-1 part (O, M, l unnormalised, in the workspace after
-//                 the partials), and the last of those merges the NSUB level-1 parts (same formula) into out.
+//                 the partials), and the last of those merges the level-1 parts (same formula) into out.
 // Counters (u32, per group: NSUB level-1 + 1 final) start zeroed and are re-zeroed by the block that finishes them.
 #pragma once
 #include "thorgen/common.cuh"
@@ -82,8 +82,14 @@ __device__ __forceinline__ void merge_parts(const float* o_src, const float* ml_
   }
 }
 
-// The end of a split attn_fwd block (after its partial is written): count this split in; the group's last block
-// merges (one level, or two when the group's partials exceed SPLIT_FLAT_BYTES and NSUB > 1). R: the block's rows.
+// Whether a group of `nparts` parts of `nrows` rows merges in two levels: its partials exceed SPLIT_FLAT_BYTES (one
+// block reading them all would take microseconds) and the kernel has level-1 subgroups. A function of the query's
+// parts and rows only, so a query merges alike alone and in a batch.
+template <int D, int NSUB>
+__device__ __forceinline__ bool split_tree(int nparts, int nrows) {
+  return NSUB > 1 && (size_t)nrows * D * nparts * 4 > (size_t)SPLIT_FLAT_BYTES;
+}
+
 // ws: [NSPLIT][MMAX][HQ][D] O, [NSPLIT][MMAX][HQ][2] (m, l), then [NSUB][MMAX][HQ][D] + [NSUB][MMAX][HQ][2] level 1.
 // scratch: split_scratch_bytes(...) bytes of shared memory no longer in use.
 __host__ __device__ constexpr int split_scratch_bytes(int d, int r, int nsplit, int nsub) {
@@ -94,12 +100,13 @@ __host__ __device__ constexpr int split_scratch_bytes(int d, int r, int nsplit, 
   return a > b ? a : b;
 }
 
+// A split attn_fwd block counts `inc` of its finished parts (their partials written) into the group of `nparts`
+// parts (one level), or into level-1 subgroup `sub` (two levels: subgroups of NSPLIT / NSUB consecutive parts, the
+// last one shorter when nparts < NSPLIT); the block that completes a count merges (parts in order).
 template <int D, int HQ, int G, int MMAX, int THREADS, int NSPLIT, int NSUB>
-__device__ __forceinline__ void attn_split_finish(float* ws, unsigned int* counters, __half* out, int group, int split,
-                                                  int nsplit, int q0, int nq, int hkv, int* flag, uint8_t* scratch) {
-  // nsplit: the launch's splits (NSPLIT, or fewer for a rowwise launch: one query, G rows per group). Fewer than
-  // NSPLIT always merge in one level (the two-level subgroups are laid out for NSPLIT parts); the caller
-  // static_asserts that NSPLIT parts of G rows fit the scratch.
+__device__ __forceinline__ void attn_split_count(float* ws, unsigned int* counters, __half* out, int group, int nparts,
+                                                 int sub, int inc, int q0, int nq, int hkv, int* flag,
+                                                 uint8_t* scratch) {
   static_assert(NSUB >= 1 && NSPLIT % NSUB == 0, "level-1 subgroups must divide the splits");
   constexpr int S1 = NSPLIT / NSUB;
   constexpr size_t PART = (size_t)MMAX * HQ;
@@ -109,20 +116,18 @@ __device__ __forceinline__ void attn_split_finish(float* ws, unsigned int* count
   float* ml1 = o1 + NSUB * PART * D;
   unsigned int* cnt = counters + (size_t)group * (NSUB + 1);
   const int nrows = nq * G;
-  const bool tree = NSUB > 1 && nsplit == NSPLIT &&
-                    (size_t)nrows * D * NSPLIT * 4 > (size_t)SPLIT_FLAT_BYTES;  // uniform per group
-  if (!tree) {
-    if (last_arrival(cnt + NSUB, nsplit, flag))
-      merge_parts<D, HQ, G, MMAX, THREADS, true>(o_ws, ml_ws, 0, nsplit, q0, nrows, hkv, nullptr, nullptr, 0, out,
+  if (!split_tree<D, NSUB>(nparts, nrows)) {
+    if (last_arrival(cnt + NSUB, nparts, flag, inc))
+      merge_parts<D, HQ, G, MMAX, THREADS, true>(o_ws, ml_ws, 0, nparts, q0, nrows, hkv, nullptr, nullptr, 0, out,
                                                  scratch);
     return;
   }
-  const int sub = split / S1;
-  if (!last_arrival(cnt + sub, S1, flag)) return;
-  merge_parts<D, HQ, G, MMAX, THREADS, false>(o_ws, ml_ws, sub * S1, S1, q0, nrows, hkv, o1, ml1, sub, nullptr,
+  const int size = min(S1, nparts - sub * S1), nsubs = (nparts + S1 - 1) / S1;
+  if (!last_arrival(cnt + sub, size, flag, inc)) return;
+  merge_parts<D, HQ, G, MMAX, THREADS, false>(o_ws, ml_ws, sub * S1, size, q0, nrows, hkv, o1, ml1, sub, nullptr,
                                               scratch);
-  if (last_arrival(cnt + NSUB, NSUB, flag))
-    merge_parts<D, HQ, G, MMAX, THREADS, true>(o1, ml1, 0, NSUB, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
+  if (last_arrival(cnt + NSUB, nsubs, flag))
+    merge_parts<D, HQ, G, MMAX, THREADS, true>(o1, ml1, 0, nsubs, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
 }
 
 // Merge NSPLIT partial results: one block per (query, head) row, D threads.

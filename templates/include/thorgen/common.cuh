@@ -100,14 +100,14 @@ __device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v
 }
 
 // ---- cross-block completion: the last block of a launch (or of a group) merges what the others wrote --------
-// One arrival at a u32 counter of `n` arrivals by the calling block (every thread calls it); true in every thread
-// of the block that arrives last, which re-zeroes the counter and may then read what the others wrote.
+// `inc` arrivals (of `n` in all) at a u32 counter by the calling block (every thread calls it); true in every thread
+// of the block that completes the count, which re-zeroes the counter and may then read what the others wrote.
 // flag: a shared int. The caller's global writes precede the call.
-__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag) {
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag, unsigned int inc = 1u) {
   __syncthreads();  // the block's writes are done
   if (threadIdx.x == 0) {
     __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
-    const bool l = atomicAdd(counter, 1u) == n - 1;
+    const bool l = atomicAdd(counter, inc) == n - inc;
     if (l) *counter = 0u;  // all n have counted: nobody touches it again in this launch
     *flag = l;
   }

@@ -8,7 +8,7 @@
 //                       into act_sorted[sorted index][IE].
 //   moe_grouped_down    grid (H/16/NWARP, MAX_TILES): act_sorted rows x the expert's down weights, times the routing
 //                       weight -> f32 per-pair rows ypair[row*K + slot][H].
-// The ffn_tail after them sums each row's valid slots 0..K-1 in slot order (f32; norm.cuh, load_moe_row).
+// The ffn_tail after them sums each row's valid slots 0..K-1 in slot order (f32; norm.cuh, ffn_tail_row).
 // Every output element is one fixed sequence of fp32 operations on its own row's data: no atomics in the math, no
 // dependence on scheduling or on which other rows share a tile.
 #pragma once

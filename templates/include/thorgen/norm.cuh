@@ -203,45 +203,31 @@ __device__ __forceinline__ void attn_tail_last_block(const float* o, float* x, c
 // Gemma feed-forward tail (norm-of-sum + residual + layer_scalar, then the next layer's input norm):
 //   h = norm(norm(mlp)*w1 + norm(moe)*w2) * w ; x = (x + h) * layer_scalar ; a = norm(x) * w_next (w_next != null)
 //   tap[row*tap_stride + tap_col + i] = x (the DFlash context feature; tap != null)
-// PAIRS = K > 0: `moe` holds the MoE's per-slot rows [T*K][H] (moe_down_pairs, moe_grouped_down) and a row's MoE
-// output is the sum of its slots with a valid expert id (ids [T][K], E experts), in slot order from 0 in f32: the
-// same operations as the combine kernel this form replaced (one launch a layer fewer).
-template <int H, int THREADS, int PAIRS, int E, typename TI>
-__device__ __forceinline__ void load_moe_row(const TI* __restrict__ moe, const int* __restrict__ ids, int row,
-                                             float (&v)[H / THREADS]) {
-  static_assert(PAIRS > 0, "the one-row form (PAIRS = 0) is ffn_tail_row_inflight");
-  unsigned valid = 0;
-#pragma unroll
-  for (int k = 0; k < PAIRS; ++k) {
-    const int e = __ldg(ids + row * PAIRS + k);
-    if (e >= 0 && e < E) valid |= 1u << k;
-  }
-#pragma unroll
-  for (int j = 0; j < H / THREADS; ++j) v[j] = 0.f;
-#pragma unroll
-  for (int k = 0; k < PAIRS; ++k) {
-    if (valid >> k & 1u) {
-      const TI* src = moe + ((long)row * PAIRS + k) * H;
-#pragma unroll
-      for (int j = 0; j < H / THREADS; ++j) v[j] += ld(src, threadIdx.x + j * THREADS);
-    }
-  }
-}
-
-// One row, PAIRS = 0 (the one-row decode step, whose MoE writes one row): every input is in flight before the sums
-// that need it, one memory round trip on the step's critical path instead of four (H200, session 15: decode 464 ->
-// 480 tok/s), rounded explicitly (the norms' block sums as attn_tail_row's). Steps of more rows keep the loop below,
-// which loads each input just before its use: 46 registers against 116, so a 512-row prefill chunk keeps its
-// occupancy (the in-flight form in every ffn_tail: TTFT at 2,048 tokens 129.4 against 128.2 ms, within noise).
-template <int H, int THREADS, typename TI, typename TA, typename TT>
-__device__ __forceinline__ void ffn_tail_row_inflight(const TI* mlp, const TI* moe, float* x,
-                                                      const __nv_bfloat16* __restrict__ w1,
-                                                      const __nv_bfloat16* __restrict__ w2,
-                                                      const __nv_bfloat16* __restrict__ w, float ls,
-                                                      const __nv_bfloat16* __restrict__ w_next, TA* a, TT* tap,
-                                                      float eps, float* scratch) {
+// `moe`: PAIRS = 0, the row's MoE output (moe_down, the one-row step, sums its slots itself, from 0 in slot order
+// in f32); PAIRS = K > 0, the MoE's per-slot rows [T*K][H] (moe_down_pairs, moe_grouped_down), summed here over the
+// slots with a valid expert id (ids [T][K], E experts), from 0 in slot order in f32: the same operations, so a row's
+// bits do not depend on which form its step ran (batch invariance), and one launch a layer fewer than a combine.
+// One row function for both forms: every input is in flight before the sums that need it, one memory round trip on
+// the row's path instead of four (H200, session 15: decode 464 -> 480 tok/s), rounded explicitly (the norms' block
+// sums as attn_tail_row's). Until session 23 the slot-row form ran another loop (block sums in another order, so a
+// sequence's row differed in the last bits between a one-row and a batched step); the in-flight form in a 512-row
+// prefill chunk measured the same TTFT (2,048 tokens: 129.4 against 128.2 ms, within noise, session 15).
+template <int H, int THREADS, int PAIRS, int E, typename TI, typename TA, typename TT>
+__device__ __forceinline__ void ffn_tail_row(const TI* mlp, const TI* moe, const int* __restrict__ ids, float* x,
+                                             const __nv_bfloat16* __restrict__ w1,
+                                             const __nv_bfloat16* __restrict__ w2,
+                                             const __nv_bfloat16* __restrict__ w, float ls,
+                                             const __nv_bfloat16* __restrict__ w_next, TA* a, TT* tap, float eps,
+                                             float* scratch) {
+  static_assert(PAIRS >= 0 && PAIRS <= 32, "0 (one MoE row) or 1..32 slot rows a row");
   constexpr int VT = THREADS;
   using R = VRow<H, VT, VT>;
+  unsigned valid = 0;  // the slots whose ids name an expert
+#pragma unroll
+  for (int k = 0; k < PAIRS; ++k) {
+    const int e = __ldg(ids + k);
+    if (e >= 0 && e < E) valid |= 1u << k;
+  }
   float h1[R::Q][R::PER], h2[R::Q][R::PER], xr[R::Q][R::PER];
   __nv_bfloat16 b1[R::Q][R::PER], b2[R::Q][R::PER], bw[R::Q][R::PER], bn[R::Q][R::PER];
   // what the first two sums read; the rest loads after them, in flight across the third sum's barriers (one
@@ -255,7 +241,13 @@ __device__ __forceinline__ void ffn_tail_row_inflight(const TI* mlp, const TI* m
       h1[q][j] = h2[q][j] = xr[q][j] = 0.f;
       if (t < 0) continue;
       h1[q][j] = ld(mlp, i);
-      h2[q][j] = ld(moe, i);
+      if constexpr (PAIRS == 0) {
+        h2[q][j] = ld(moe, i);
+      } else {
+#pragma unroll
+        for (int k = 0; k < PAIRS; ++k)
+          if (valid >> k & 1u) h2[q][j] = __fadd_rn(h2[q][j], ld(moe + (long)k * H, i));
+      }
       b1[q][j] = w1[i];
       b2[q][j] = w2[i];
     }
@@ -313,35 +305,14 @@ __device__ void ffn_tail_rows(const TI* __restrict__ mlp, const TI* __restrict__
                               const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ layer_scalar,
                               const __nv_bfloat16* __restrict__ w_next, TA* __restrict__ a, TT* __restrict__ tap,
                               int tap_stride, int tap_col, int T, float eps) {
-  (void)RowShape<H, THREADS>::PER;
+  constexpr int K = PAIRS > 0 ? PAIRS : 1;  // MoE rows a token
   __shared__ float scratch[32];
   const float ls = __bfloat162float(layer_scalar[0]);
-  if constexpr (PAIRS == 0) {
-    for (int row = blockIdx.x; row < T; row += gridDim.x)
-      ffn_tail_row_inflight<H, THREADS>(mlp + (long)row * H, moe + (long)row * H, x + (long)row * H, w1, w2, w, ls,
-                                        w_next, a + (long)row * H,
-                                        tap != nullptr ? tap + (long)row * tap_stride + tap_col : nullptr, eps, scratch);
-  } else {
-    for (int row = blockIdx.x; row < T; row += gridDim.x) {
-      float h1[H / THREADS], h2[H / THREADS], v[H / THREADS];
-      load_row<H, THREADS>(mlp + (long)row * H, h1);
-      norm_row<H, THREADS>(h1, w1, eps, scratch);
-      load_moe_row<H, THREADS, PAIRS, E>(moe, ids, row, h2);
-      norm_row<H, THREADS>(h2, w2, eps, scratch);
-#pragma unroll
-      for (int j = 0; j < H / THREADS; ++j) h1[j] += h2[j];
-      norm_row<H, THREADS>(h1, w, eps, scratch);
-      load_row<H, THREADS>(x + (long)row * H, v);
-#pragma unroll
-      for (int j = 0; j < H / THREADS; ++j) v[j] = (v[j] + h1[j]) * ls;
-      store_row<H, THREADS>(x + (long)row * H, v);
-      if (tap != nullptr) store_row<H, THREADS>(tap + (long)row * tap_stride + tap_col, v);
-      if (w_next != nullptr) {
-        norm_row<H, THREADS>(v, w_next, eps, scratch);
-        store_row<H, THREADS>(a + (long)row * H, v);
-      }
-    }
-  }
+  for (int row = blockIdx.x; row < T; row += gridDim.x)
+    ffn_tail_row<H, THREADS, PAIRS, E>(mlp + (long)row * H, moe + (long)row * K * H, ids + (long)row * PAIRS,
+                                       x + (long)row * H, w1, w2, w, ls, w_next, a + (long)row * H,
+                                       tap != nullptr ? tap + (long)row * tap_stride + tap_col : nullptr, eps,
+                                       scratch);
 }
 
 }  // namespace thorgen
