@@ -111,12 +111,13 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
 
 def _parts_written(kern, m: int, p0: int) -> int:
     """Split parts a launch that merges in the kernel writes: every split, but for one query no more than its key
-    tiles (attention.cuh: a query's parts depend on its own key range only)."""
-    ns, tk, window = (kern.param(x) for x in ("nsplit", "tk", "window"))
+    tiles' chunks of TPP (attention.cuh: a query's parts depend on its own key range only)."""
+    ns, tk, window, tpp = (kern.param(x) for x in ("nsplit", "tk", "window", "tpp"))
     if m != 1:
         return ns
-    lo = max(0, p0 - window + 1) if window else 0
-    return min(ns, p0 // tk - lo // tk + 1)
+    t_lo = (max(0, p0 - window + 1) if window else 0) // tk
+    chunks = p0 // tk // tpp - t_lo // tpp + 1
+    return chunks if chunks <= ns else ns
 
 
 def _merge64(o: np.ndarray, ml: np.ndarray) -> np.ndarray:

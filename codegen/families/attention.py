@@ -27,6 +27,11 @@ from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots
 from ._util import require
 
 TK = 32
+# Key tiles a split part holds at least, for one query (a decode step, a batched step's row: the same partition in
+# both, for batch invariance). A batched step pays a part's fixed cost (partial write, state restart, merge) per part,
+# the one-query decode gains blocks from small parts; the full layers' parts (head dim 512, 8 query heads a KV head)
+# cost the most. Measured on the H200: docs/benchmarks/NOTES.md, session 24.
+TPP_SLIDING, TPP_FULL = 2, 4
 FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "pages", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")
 KV_ENUM = {"bf16": "KV_BF16", "fp8e4m3": "KV_FP8"}
@@ -53,14 +58,15 @@ def _mt(g: int, d: int, m: int) -> int:
 
 
 def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
-                 scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0) -> list[KernelSpec]:
+                 scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0,
+                 tpp: int = 1) -> list[KernelSpec]:
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
     g = hq // hkv
     out = []
     common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, page=page, pitch=pitch, causal=causal, kv_dtype=kv,
-                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e))
+                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e), tpp=tpp)
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
     for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):
@@ -140,7 +146,8 @@ def plan_attention(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
         for kv in KV_DTYPES:
             for k in attn_kernels("tgt_" + kind[0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window, ring=ring,
                                   causal=True, kv=kv, scale=1.0, nsplit=ns, arch=arch, page=page,
-                                  pitch=page_pitch(t.max_position_embeddings) if page else 0):
+                                  pitch=page_pitch(t.max_position_embeddings) if page else 0,
+                                  tpp=TPP_SLIDING if window else TPP_FULL):
                 out.setdefault(k.name, k)
     dr = spec.drafter
     if dr is not None:

@@ -87,18 +87,20 @@ def nvfp4_engine_weight(packed: np.ndarray, scale: np.ndarray, global_scale: flo
 @dataclass(frozen=True)
 class AttnShape:
     """The blocking of one planned attention kernel (thorgen/attention.cuh): TK-key tiles, QB queries per block,
-    NSPLIT key splits, the fp32 score factor scale * log2(e)."""
+    NSPLIT key splits, the fp32 score factor scale * log2(e), and TPP: one query's parts hold at least TPP tiles."""
 
     tk: int
     qb: int
     nsplit: int
     scale_log2: float
+    tpp: int = 1
 
     @classmethod
     def of(cls, params: dict) -> "AttnShape":
         """From an attn_fwd kernel's constants (mt, tk, nsplit, hq, hkv, scale_log2)."""
         g = int(params["hq"]) // int(params["hkv"])
-        return cls(int(params["tk"]), 16 * int(params["mt"]) // g, int(params["nsplit"]), float(params["scale_log2"]))
+        return cls(int(params["tk"]), 16 * int(params["mt"]) // g, int(params["nsplit"]), float(params["scale_log2"]),
+                   int(params.get("tpp", 1)))
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -179,11 +181,20 @@ def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int,
     return out
 
 
+def _part(z: int, t_lo: int, ntiles: int, shape: AttnShape) -> int:
+    """First key tile of split part z (attention.cuh's part_begin)."""
+    c_lo = t_lo // shape.tpp
+    if (t_lo + ntiles - 1) // shape.tpp - c_lo + 1 <= shape.nsplit:
+        return min(max(t_lo, (c_lo + z) * shape.tpp), t_lo + ntiles)
+    return t_lo + z * ntiles // shape.nsplit
+
+
 def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
                        shape: AttnShape, kv: str) -> tuple[np.ndarray, np.ndarray]:
     """The flash-decoding workspace of an attn_fwd launch with NSPLIT > 1: per split unnormalised O [NS, m, Hq, D]
     and (max, sum) [NS, m, Hq, 2] (float32; an empty split: (-inf, 0), O = 0). Splits cut each query block's tile
-    range [lo(first query) / TK, last visible key / TK] into NSPLIT parts, as the kernel does."""
+    range [lo(first query) / TK, last visible key / TK] into parts as the kernel does: its chunks of TPP tiles (chunk c
+    = tiles [c TPP, (c + 1) TPP)) when there are at most NSPLIT of them, else NSPLIT even parts."""
     m, hq, d = q.shape
     hkv, g, ns = keys.shape[1], hq // keys.shape[1], shape.nsplit
     o = np.zeros((ns, m, hq, d), F32)
@@ -196,7 +207,7 @@ def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: 
         ntiles = int(hi[-1]) // shape.tk - t_lo + 1
         rows = _as_rows(q[q0:q1], hkv, kv)
         for z in range(ns):
-            tb, te = t_lo + z * ntiles // ns, t_lo + (z + 1) * ntiles // ns
+            tb, te = _part(z, t_lo, ntiles, shape), _part(z + 1, t_lo, ntiles, shape)
             if tb >= te:
                 continue
             oz, mz, lz = _online(rows, keys, values, np.repeat(lo, g), np.repeat(hi, g), tb, te, shape, kv)

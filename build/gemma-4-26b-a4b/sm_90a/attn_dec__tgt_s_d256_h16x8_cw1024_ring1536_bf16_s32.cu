@@ -19,6 +19,6 @@ attn_dec__tgt_s_d256_h16x8_cw1024_ring1536_bf16_s32(const __nv_bfloat16* __restr
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<256, 2, 8, 2, 32, 1024, 1536, true,
                     thorgen::KV_BF16, 32, 16, 4, 0, 0,
-                    true>(
+                    true, 2>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

@@ -14,6 +14,6 @@ attn_pre__dft_f_d128_h32x8_b_lin_bf16(const __nv_bfloat16* __restrict__ q, const
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 8, 2, 32, 0, 0, false,
                     thorgen::KV_BF16, 1, 512, 1, 0, 0,
-                    false>(
+                    false, 1>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.12751743082459868f);
 }

@@ -14,6 +14,6 @@ attn_pre__dft_s_d128_h32x8_cw2048_ring2560_bf16(const __nv_bfloat16* __restrict_
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 8, 2, 32, 2048, 2560, true,
                     thorgen::KV_BF16, 1, 512, 1, 0, 0,
-                    false>(
+                    false, 1>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.12751743082459868f);
 }

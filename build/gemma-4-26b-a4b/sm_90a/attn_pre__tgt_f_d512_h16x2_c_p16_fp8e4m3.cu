@@ -14,6 +14,6 @@ attn_pre__tgt_f_d512_h16x2_c_p16_fp8e4m3(const __nv_bfloat16* __restrict__ q, co
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<512, 8, 2, 2, 32, 0, 0, true,
                     thorgen::KV_FP8, 1, 512, 1, 16, 16384,
-                    false>(
+                    false, 4>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

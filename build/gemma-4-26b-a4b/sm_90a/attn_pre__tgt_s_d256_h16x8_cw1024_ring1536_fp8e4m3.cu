@@ -14,6 +14,6 @@ attn_pre__tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3(const __nv_bfloat16* __restri
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<256, 2, 8, 2, 32, 1024, 1536, true,
                     thorgen::KV_FP8, 1, 512, 1, 0, 0,
-                    false>(
+                    false, 2>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

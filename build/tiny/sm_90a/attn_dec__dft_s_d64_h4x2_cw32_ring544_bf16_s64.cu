@@ -18,6 +18,6 @@ attn_dec__dft_s_d64_h4x2_cw32_ring544_bf16_s64(const __nv_bfloat16* __restrict__
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 32, 544, true,
                     thorgen::KV_BF16, 64, 16, 8, 0, 0,
-                    false>(
+                    false, 1>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.18033688011112042f);
 }

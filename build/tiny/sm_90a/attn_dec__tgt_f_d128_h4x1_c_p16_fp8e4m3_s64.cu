@@ -19,6 +19,6 @@ attn_dec__tgt_f_d128_h4x1_c_p16_fp8e4m3_s64(const __nv_bfloat16* __restrict__ q,
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 1, 2, 32, 0, 0, true,
                     thorgen::KV_FP8, 64, 16, 8, 16, 512,
-                    true>(
+                    true, 4>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

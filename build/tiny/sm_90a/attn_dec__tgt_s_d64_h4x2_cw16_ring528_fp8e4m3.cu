@@ -15,6 +15,6 @@ attn_dec__tgt_s_d64_h4x2_cw16_ring528_fp8e4m3(const __nv_bfloat16* __restrict__ 
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 16, 528, true,
                     thorgen::KV_FP8, 1, 16, 1, 0, 0,
-                    true>(
+                    true, 2>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

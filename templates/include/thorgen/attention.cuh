@@ -20,7 +20,7 @@
 // NSPLIT > 1 (flash-decoding): a query's key range is cut into tile-aligned parts; each part's unnormalised O and
 // (max, sum) per row go to a workspace. With `counters` the block that completes a (query block, KV head) group's
 // count merges its parts into out (attn_split.cuh: attn_split_count, counters zeroed at entry and left zeroed; no
-// second launch); one query (a decode, a batched step's row) then has min(NSPLIT, its key tiles) parts, whose
+// second launch); one query (a decode, a batched step's row) then has its chunks of TPP key tiles as parts, whose
 // partials and merge depend on its own key range only: a rowwise launch (a batched step, whose rows fill the SMs
 // already) has gridDim.z <= NSPLIT blocks a query, each running parts z, z + gridDim.z, ..., so a sequence's
 // attention has the same bits alone and in any batch (batch invariance). With counters == nullptr an attn_combine
@@ -92,7 +92,7 @@ template <> struct MmaT<KV_FP8> {
 };
 
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
-          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false>
+          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false, int TPP = 1>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
@@ -153,15 +153,24 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
   const int hi = last_vis;
   const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
-  // The query's parts: part z holds key tiles [t_lo + z ntiles / P, t_lo + (z + 1) ntiles / P). With the merge in
-  // this launch (counters) one query (a decode, or a row of a batched step) has P = min(NSPLIT, ntiles) parts, a
-  // function of its own key range only: its partials and their merge (split_tree) are the same alone and in any
-  // batch (batch invariance), whichever blocks run them. An attn_combine launch (counters null) reads NSPLIT parts.
+  // The parts: with at most NSPLIT chunks of TPP key tiles (chunk c = tiles [c TPP, (c + 1) TPP), aligned absolutely,
+  // so that every query cuts its keys at the same boundaries) part z is the range's z-th chunk; past that, part z is
+  // tiles [t_lo + z ntiles / NSPLIT, t_lo + (z + 1) ntiles / NSPLIT). With the merge in this launch (counters) one
+  // query (a decode, or a row of a batched step) has only its nonempty parts, a function of its own key range: its
+  // partials and their merge (split_tree) are the same alone and in any batch (batch invariance), whichever blocks
+  // run them; a verify row's nonempty partials are the same too (masked tiles change nothing). TPP trades the
+  // one-query decode's parallelism against a batched step's cost a part (partial write, restart, a longer merge),
+  // where the rows fill the SMs already. Other launches (attn_combine, counters null) have NSPLIT parts.
+  static_assert(TPP >= 1, "a part holds at least one key tile");
   const bool merged = NSPLIT > 1 && counters != nullptr;
-  const int nparts = merged && (rowwise || m == 1) ? min(NSPLIT, ntiles) : NSPLIT;
+  const int c_lo = t_lo / TPP, nchunks = (t_lo + ntiles - 1) / TPP - c_lo + 1;
+  const bool chunked = nchunks <= NSPLIT;
+  const int nparts = merged && (rowwise || m == 1) && chunked ? nchunks : NSPLIT;
+  auto part_begin = [&](int z) {
+    return chunked ? min(max(t_lo, (c_lo + z) * TPP), t_lo + ntiles) : t_lo + z * ntiles / NSPLIT;
+  };
   int part = blockIdx.z;
   if (part >= nparts) return;
-  auto part_begin = [&](int z) { return t_lo + z * ntiles / nparts; };
   int tb = part_begin(part), te = part_begin(part + 1);
 
   for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }

@@ -244,9 +244,14 @@ __device__ __forceinline__ void ffn_tail_row(const TI* mlp, const TI* moe, const
       if constexpr (PAIRS == 0) {
         h2[q][j] = ld(moe, i);
       } else {
+        // every slot row loads (an invalid slot's row exists, its value unused) so that the loads do not wait on
+        // the ids and all issue together; the sum takes the valid ones in slot order
+        float slot[PAIRS];
+#pragma unroll
+        for (int k = 0; k < PAIRS; ++k) slot[k] = ld(moe + (long)k * H, i);
 #pragma unroll
         for (int k = 0; k < PAIRS; ++k)
-          if (valid >> k & 1u) h2[q][j] = __fadd_rn(h2[q][j], ld(moe + (long)k * H, i));
+          if (valid >> k & 1u) h2[q][j] = __fadd_rn(h2[q][j], slot[k]);
       }
       b1[q][j] = w1[i];
       b2[q][j] = w2[i];
