@@ -214,7 +214,7 @@ class KernelEmulator(LogitsKernels):
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
                     [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
                 return
-            # each query's parts are its own (NSPLIT over its key tiles), whatever blocks the launch has: the
+            # each query's parts are its own (its chunks of TPP key tiles), whatever blocks the launch has: the
             # kernel runs them all, several a block (batch invariance)
             parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
                      for i in range(m)]

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
+from thorgen.runtime.reference import w4a16 as W4  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -112,12 +113,12 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
 def _parts_written(kern, m: int, p0: int) -> int:
     """Split parts a launch that merges in the kernel writes: every split, but for one query no more than its key
     tiles' chunks of TPP (attention.cuh: a query's parts depend on its own key range only)."""
-    ns, tk, window, tpp = (kern.param(x) for x in ("nsplit", "tk", "window", "tpp"))
+    shape, window = W4.AttnShape.of(kern.param_dict), kern.param("window")
     if m != 1:
-        return ns
-    t_lo = (max(0, p0 - window + 1) if window else 0) // tk
-    chunks = p0 // tk // tpp - t_lo // tpp + 1
-    return chunks if chunks <= ns else ns
+        return shape.nsplit
+    t_lo = (max(0, p0 - window + 1) if window else 0) // shape.tk
+    chunks = W4.split_chunks(t_lo, p0 // shape.tk - t_lo + 1, shape)
+    return chunks if chunks <= shape.nsplit else shape.nsplit
 
 
 def _merge64(o: np.ndarray, ml: np.ndarray) -> np.ndarray:

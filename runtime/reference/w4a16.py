@@ -100,7 +100,7 @@ class AttnShape:
         """From an attn_fwd kernel's constants (mt, tk, nsplit, hq, hkv, scale_log2)."""
         g = int(params["hq"]) // int(params["hkv"])
         return cls(int(params["tk"]), 16 * int(params["mt"]) // g, int(params["nsplit"]), float(params["scale_log2"]),
-                   int(params.get("tpp", 1)))
+                   int(params["tpp"]))
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -181,11 +181,16 @@ def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int,
     return out
 
 
+def split_chunks(t_lo: int, ntiles: int, shape: AttnShape) -> int:
+    """Chunks of TPP key tiles (chunk c = tiles [c TPP, (c + 1) TPP)) that tiles t_lo .. t_lo + ntiles - 1 touch:
+    one query's parts when there are at most NSPLIT (attention.cuh's nchunks)."""
+    return (t_lo + ntiles - 1) // shape.tpp - t_lo // shape.tpp + 1
+
+
 def _part(z: int, t_lo: int, ntiles: int, shape: AttnShape) -> int:
     """First key tile of split part z (attention.cuh's part_begin)."""
-    c_lo = t_lo // shape.tpp
-    if (t_lo + ntiles - 1) // shape.tpp - c_lo + 1 <= shape.nsplit:
-        return min(max(t_lo, (c_lo + z) * shape.tpp), t_lo + ntiles)
+    if split_chunks(t_lo, ntiles, shape) <= shape.nsplit:
+        return min(max(t_lo, (t_lo // shape.tpp + z) * shape.tpp), t_lo + ntiles)
     return t_lo + z * ntiles // shape.nsplit
 
 

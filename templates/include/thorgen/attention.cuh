@@ -173,7 +173,11 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   if (part >= nparts) return;
   int tb = part_begin(part), te = part_begin(part + 1);
 
-  for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
+  // a part's online-softmax state: running max, running sum, rescale factor a row
+  auto reset_state = [&] {
+    for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
+  };
+  reset_state();
 
   // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi] (the
   // others zero-filled), of the tile's rows with from <= j < to; `issue` commits the whole tile as one group.
@@ -422,7 +426,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
     tb = part_begin(part);
     te = part_begin(part + 1);
     __syncthreads();  // the write-out's (max, sum) reads and any merge are done before the next part's state
-    for (int r = threadIdx.x; r < R; r += THREADS) { st_m[r] = -INFINITY; st_l[r] = 0.f; st_a[r] = 1.f; }
+    reset_state();
     if (tree && tb < te) issue(tb, it & 1);  // after the subgroup merge that may have used the K/V tiles
   }
 }
