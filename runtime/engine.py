@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ..model_spec.conventions import KV_PAGE, SAMPLE_PARAMS, page_pitch
+from ..model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, SAMPLE_PARAMS, page_pitch
 from ..model_spec.types import ModelSpec
 from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
@@ -54,7 +54,7 @@ class Engine:
         self.ctx, self.lanes = ctx, lanes
         if not 1 <= lanes <= MAX_BATCH:
             raise BackendError(f"cuda backend: {lanes} sequences at once; batched decode steps hold 1..{MAX_BATCH}")
-        self.max_rows = int(manifest.conventions.get("max_step_tokens", 512))
+        self.max_rows = int(manifest.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
         # Programmatic dependent launch between consecutive kernels (the kernels' convention; THORGEN_PDL=0 is off)
         self.pdl = bool(manifest.conventions.get("pdl", False)) and os.environ.get("THORGEN_PDL", "1") != "0"
         # The dense MLP on a side stream beside router + MoE (THORGEN_FORK=0 runs everything on one stream)

@@ -19,7 +19,7 @@ GPU only the kernels' float32 accumulation order and attention's bf16 probabilit
   F32_LOGITS_TOL  engine (bf16 KV) vs the float32 reference (the one proven against HF) 0.2: w4a16 vs float32
                   measured 0.088-0.119 on ten 41-token random prompts (the NVFP4 lm_head alone ~0.09). With fp8 KV
                   that distance is 0.12-0.35, so the fp8 path is bounded against the fp8 w4a16 reference only.
-longctx_001 is built with filler_repeats=LONGCTX_REPEATS (24: ~3400 tokens, seven 512-row prefill chunks, fits
+longctx_001 is built with filler_repeats=LONGCTX_REPEATS (24: ~3400 tokens, two 2048-row prefill chunks, fits
 CTX 4096 with the 64 generated tokens) instead of the suite's 400 (~55k tokens, past the tiny preset's context).
 Greedy tokens must be identical except at a tie of the reference: TIE_TOL = 1e-2 (absolute, softcapped logits;
 the engine's logits differ from the w4a16 reference by ~2e-3 relative L2, measured on the H200). At a difference

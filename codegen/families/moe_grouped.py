@@ -27,7 +27,7 @@ from . import ACT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
 from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, weight_bytes
 
-TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 32 rows at T = 512; m-tiles without rows are skipped
+TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 128 rows at T = 2048; m-tiles without rows are skipped
 STAGES = 3       # cp.async depth of the A tiles
 PITCH = 64 + 8   # halves per shared-memory row (LargeSmem::PITCH in gemm_nvfp4.cuh)
 STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB limit, some slack)
@@ -125,10 +125,11 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
                 pdl=True)
     gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=kind,
                 act_dtype=ACT_DTYPE)
-    # plan block: the ids (rows*K ints) and per-warp expert counters (WARPS x (E+1) ints) in static shared memory,
-    # under the 48 KB static limit
-    plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 4 * rows * topk - 16 * (e + 1)) // (4 * (e + 1)))
-    require(plan_warps >= 1, f"moe_grouped: the plan's {rows}x{topk} ids and {e} experts exceed static shared memory")
+    # plan block: per-warp expert counters (WARPS x (E+1) ints) in static shared memory, under the 48 KB static
+    # limit; the ids stay in registers (rows*K / threads a thread)
+    plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 16 * (e + 1)) // (4 * (e + 1)))
+    require(plan_warps >= 1, f"moe_grouped: the plan's counters for {e} experts exceed static shared memory")
+    require(rows * topk <= 64 * 32 * plan_warps, f"moe_grouped: the plan's {rows}x{topk} ids exceed 64 a thread")
     tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}"
     plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
                       make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
@@ -148,9 +149,11 @@ def random_routing(rng: np.random.Generator, rows: int, experts: int, topk: int)
 
 
 # Alternative blockings timed beside the planned one (tile_rows, gate/up cfg, down cfg): the numbers above.
+# At T = 2048 an expert averages 128 rows, so 128-row tiles (each weight decoded once for twice the rows) are timed
+# too: 1 unit a warp (~160 registers, 3 blocks an SM) and 2 (~240, 2 blocks).
 BENCH_VARIANTS: tuple[tuple[int, GemmCfg, GemmCfg], ...] = tuple(
-    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 2, 2, 3, 3)), (64, (4, 1, 4, 3, 4)), (64, (4, 2, 2, 4, 3)),
-                                                 (32, (4, 2, 2, 3, 4)), (64, (4, 1, 4, 3, 4, True))))
+    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 1, 4, 3, 4, True)), (128, (4, 1, 2, 3, 3, True)),
+                                                 (128, (4, 1, 4, 3, 3, True)), (128, (4, 2, 2, 3, 2, True))))
 
 
 def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int, gcfg: GemmCfg, dcfg: GemmCfg,

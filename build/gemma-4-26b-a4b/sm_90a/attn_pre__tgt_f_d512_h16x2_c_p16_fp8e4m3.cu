@@ -2,7 +2,7 @@
 // attn_pre__tgt_f_d512_h16x2_c_p16_fp8e4m3: attention of m consecutive queries (p0 = positions[0]) over a fp8e4m3 KV cache
 // (pages of 16 positions, 16384 a sequence), head dim 512, 16 query heads / 2 KV heads,
 // causal, scale 1.0.
-// Grid (128 query blocks of 4, 2, 1 key splits), 8 warps, 178048 B smem.
+// Grid (512 query blocks of 4, 2, 1 key splits), 8 warps, 178048 B smem.
 #include "thorgen/attention.cuh"
 
 static_assert(thorgen::AttnSmem<512, 8, 2, 32, thorgen::KV_FP8>::BYTES == 178048,
@@ -13,7 +13,7 @@ attn_pre__tgt_f_d512_h16x2_c_p16_fp8e4m3(const __nv_bfloat16* __restrict__ q, co
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<512, 8, 2, 2, 32, 0, 0, true,
-                    thorgen::KV_FP8, 1, 512, 1, 16, 16384,
+                    thorgen::KV_FP8, 1, 2048, 1, 16, 16384,
                     false, 4>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

@@ -2,7 +2,7 @@
 // attn_pre__dft_f_d64_h4x2_b_lin_bf16: attention of m consecutive queries (p0 = positions[0]) over a bf16 KV cache
 // (linear), head dim 64, 4 query heads / 2 KV heads,
 // bidirectional among the new queries, scale 0.125.
-// Grid (32 query blocks of 16, 2, 1 key splits), 1 warps, 26496 B smem.
+// Grid (128 query blocks of 16, 2, 1 key splits), 1 warps, 26496 B smem.
 #include "thorgen/attention.cuh"
 
 static_assert(thorgen::AttnSmem<64, 2, 2, 32, thorgen::KV_BF16>::BYTES == 26496,
@@ -13,7 +13,7 @@ attn_pre__dft_f_d64_h4x2_b_lin_bf16(const __nv_bfloat16* __restrict__ q, const u
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<64, 2, 2, 2, 32, 0, 0, false,
-                    thorgen::KV_BF16, 1, 512, 1, 0, 0,
+                    thorgen::KV_BF16, 1, 2048, 1, 0, 0,
                     false, 1>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 0.18033688011112042f);
 }

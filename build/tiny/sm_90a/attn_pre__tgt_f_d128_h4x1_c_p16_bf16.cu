@@ -2,7 +2,7 @@
 // attn_pre__tgt_f_d128_h4x1_c_p16_bf16: attention of m consecutive queries (p0 = positions[0]) over a bf16 KV cache
 // (pages of 16 positions, 512 a sequence), head dim 128, 4 query heads / 1 KV heads,
 // causal, scale 1.0.
-// Grid (64 query blocks of 8, 1, 1 key splits), 2 warps, 48000 B smem.
+// Grid (256 query blocks of 8, 1, 1 key splits), 2 warps, 48000 B smem.
 #include "thorgen/attention.cuh"
 
 static_assert(thorgen::AttnSmem<128, 4, 2, 32, thorgen::KV_BF16>::BYTES == 48000,
@@ -13,7 +13,7 @@ attn_pre__tgt_f_d128_h4x1_c_p16_bf16(const __nv_bfloat16* __restrict__ q, const 
            const int* __restrict__ positions, int m, __half* __restrict__ out, float* ws, unsigned int* counters,
            const int* __restrict__ lanes, long long lane_bytes, const int* __restrict__ pages, int rowwise) {
   thorgen::attn_fwd<128, 4, 1, 2, 32, 0, 0, true,
-                    thorgen::KV_BF16, 1, 512, 1, 16, 512,
+                    thorgen::KV_BF16, 1, 2048, 1, 16, 512,
                     false, 4>(
       q, kc, vc, positions, m, out, ws, counters, lanes, lane_bytes, pages, rowwise, 1.4426950408889634f);
 }

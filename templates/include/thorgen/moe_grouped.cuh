@@ -52,7 +52,6 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
   constexpr int WARPS = THREADS / 32;
   __shared__ int wcnt[WARPS][E + 1];  // per chunk: a warp's count of each expert, then its base position (+1: banks)
   constexpr int PAIRS = MAX_ROWS * TOPK, PER = (PAIRS + THREADS - 1) / THREADS;
-  __shared__ int sid[PAIRS];  // the ids, loaded once with every load in flight (both passes read them twice)
   __shared__ int cnt[E], run[E], off[E + 1], toff[E + 1];
   pdl_trigger();
   pdl_wait();  // ids come from the router's top-k kernel; every write below follows the wait
@@ -61,9 +60,6 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
   int v[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) v[i] = tid + i * THREADS < n ? __ldg(ids + tid + i * THREADS) : -1;
-#pragma unroll
-  for (int i = 0; i < PER; ++i)
-    if (tid + i * THREADS < n) sid[tid + i * THREADS] = v[i];
   for (int e = tid; e < E; e += THREADS) { cnt[e] = 0; run[e] = 0; }
   __syncthreads();
   // pass 1: counts (integer shared-memory adds: the totals do not depend on their order)
@@ -73,12 +69,15 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
   __syncthreads();
   if (warp == 0) plan_scan<E, BM>(cnt, off, toff, lane);
   __syncthreads();
-  // pass 2: stable positions. Chunk of THREADS pairs in index order; lanes naming the same expert rank themselves
+  // pass 2: stable positions. Chunk i holds pairs i*THREADS + tid (each thread's ids stay in v[], registers: the
+  // loop is unrolled, so a chunk of 2048 x 8 ids needs no shared copy); lanes naming the same expert rank themselves
   // by lane order (match_any), warps by warp order (a per-expert scan over the warps), chunks by chunk order.
   const unsigned lt = (1u << lane) - 1u;
-  for (int base = 0; base < n; base += THREADS) {
-    const int p = base + tid;
-    const int e = p < n ? sid[p] : -1;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    if (i * THREADS >= n) continue;  // uniform over the block (not break: the loop must unroll to keep v[] in registers)
+    const int p = i * THREADS + tid;
+    const int e = v[i];
     const bool ok = e >= 0 && e < E;
     const unsigned same = __match_any_sync(0xffffffffu, ok ? e : -1);
     for (int i = tid; i < WARPS * (E + 1); i += THREADS) (&wcnt[0][0])[i] = 0;
