@@ -48,17 +48,17 @@ def emulated(tiny_checkpoint, tmp_path_factory):
     kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
     made = {}
 
-    def open_(kv: str):
+    def open_(kv: str, ctx: int = 1024):
         from thorgen.runtime.cuda_backend import open_backend
 
-        if kv not in made:
+        if (kv, ctx) not in made:
             drv = EE.install(kernels)
-            made[kv] = (open_backend(tiny_checkpoint, ctx=1024, kv_dtype=kv, weights_dir=weights,
-                                     kernels_dir=kernels), drv)
-        dev.set_driver(made[kv][1])
-        return made[kv]
+            made[kv, ctx] = (open_backend(tiny_checkpoint, ctx=ctx, kv_dtype=kv, weights_dir=weights,
+                                          kernels_dir=kernels), drv)
+        dev.set_driver(made[kv, ctx][1])
+        return made[kv, ctx]
 
-    yield open_, ReferenceBackend(ck, max_context=1024, prefix_slots=0).target
+    yield open_, ReferenceBackend(ck, max_context=4096, prefix_slots=0).target
     for b, drv in made.values():
         dev.set_driver(drv)
         b.close()
@@ -160,11 +160,13 @@ def _check_logits(m, backend, f: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_prefill_and_greedy_decode_layer_by_layer(emulated, kv):
-    """A prompt of two chunks (512 + 88 rows, past the 528-slot ring), then greedy decode steps."""
+    """A prompt of two chunks (max_step_tokens + 88 rows, past the window + max_step_tokens-slot ring), then greedy
+    decode steps."""
     open_, m = emulated
-    backend, drv = open_(kv)
+    backend, drv = open_(kv, 4096 if kv == "bf16" else 1024)  # bf16: room for a prompt of two whole chunks
     probe = Probe(backend, drv)
-    ids = [2] + np.random.default_rng(5).integers(256, 512, 599 if kv == "bf16" else 40).tolist()
+    chunk = backend.engine.max_rows
+    ids = [2] + np.random.default_rng(5).integers(256, 512, chunk + 87 if kv == "bf16" else 40).tolist()
     tok = backend.engine.prefill(ids)
     seq = list(ids)
     for _ in range(3):
@@ -175,7 +177,7 @@ def test_prefill_and_greedy_decode_layer_by_layer(emulated, kv):
         seq.append(tok)
         tok = backend.engine.decode(len(seq) - 1)
     starts = [(f["start"], f["n"]) for f in probe.forwards]
-    want_starts = ([(0, 512), (512, 88)] if kv == "bf16" else [(0, 41)])
+    want_starts = ([(0, chunk), (chunk, 88)] if kv == "bf16" else [(0, 41)])
     assert starts == want_starts + [(len(ids) + i, 1) for i in range(3)]
     flips = sum(_check_forward(m, f, kv) for f in probe.forwards)
     assert flips <= 0.05 * sum(f["n"] for f in probe.forwards) * m.spec.num_hidden_layers

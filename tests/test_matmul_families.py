@@ -8,7 +8,7 @@ import math
 import pytest
 
 from thorgen.codegen.arch import ARCHS
-from thorgen.codegen.families import attention, drafter_gemm, matmul, moe
+from thorgen.codegen.families import attention, drafter_gemm, matmul, moe, ring_slots
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import PRESETS
 from thorgen.runtime import layouts as L
@@ -61,7 +61,8 @@ def test_real_shapes_are_planned() -> None:
                  "moe_down_pairs__m16_e128_k8_i704_h2816", "bf16_gemm16__n11264_k2816_silu", "bf16_gemmL__n2816_k16896"):
         assert want in names, want
     att = [n for n in names if n.startswith("attn_")]
-    for frag in ("tgt_s_d256_h16x8_cw1024_ring1536_bf16", "tgt_s_d256_h16x8_cw1024_ring1536_fp8e4m3",
+    ring = ring_slots(1024)
+    for frag in (f"tgt_s_d256_h16x8_cw1024_ring{ring}_bf16", f"tgt_s_d256_h16x8_cw1024_ring{ring}_fp8e4m3",
                  "tgt_f_d512_h16x2_c_p16_bf16", "dft_s_d128_h32x8_cw2048", "dft_f_d128_h32x8_b_lin"):
         assert any(frag in n for n in att), frag
 

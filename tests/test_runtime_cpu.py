@@ -287,11 +287,11 @@ def test_pack_args_errors():
 def test_kv_plan_full_preset_bytes_by_hand():
     spec = get_preset("gemma-4-26b-a4b")
     plan = plan_kv(spec, ctx=65536, dtype="bf16")
-    # 25 sliding layers: ring of window 1024 + 512 step slots, 8 KV heads x 256 dims; 5 full layers: 65536 slots,
+    # 25 sliding layers: ring of window 1024 + 2048 step slots, 8 KV heads x 256 dims; 5 full layers: 65536 slots,
     # 2 KV heads x 512 dims; K and V each, 2 bytes per bf16 element.
-    sliding = 25 * (1024 + 512) * 8 * 256 * 2 * 2
+    sliding = 25 * (1024 + 2048) * 8 * 256 * 2 * 2
     full = 5 * 65536 * 2 * 512 * 2 * 2
-    assert plan.nbytes == sliding + full == 1_656_750_080
+    assert plan.nbytes == sliding + full == 1_971_322_880
     assert plan_kv(spec, ctx=65536, dtype="fp8").nbytes == (sliding + full) // 2
     assert [l.ring for l in plan.layers] == [not spec.target.is_full(i) for i in range(30)]
 
@@ -332,7 +332,7 @@ def test_kv_cache_allocation_checks_memory(fake):
     fake.free = GiB
     d = dev.Device.open()
     plan = plan_kv(get_preset("gemma-4-26b-a4b"), ctx=65536)
-    with pytest.raises(OutOfGpuMemory, match=r"KV cache: needed 1\.54 GiB, free 1\.00 GiB"):
+    with pytest.raises(OutOfGpuMemory, match=r"KV cache: needed 1\.84 GiB, free 1\.00 GiB"):
         KVCache(d, plan)
 
 

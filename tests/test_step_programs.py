@@ -19,6 +19,7 @@ from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E40
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge, kernel_views  # noqa: E402
 from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key  # noqa: E402
+from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
 from thorgen.runtime.backend import BackendError  # noqa: E402
 from thorgen.runtime.forward import Forward  # noqa: E402
@@ -114,7 +115,7 @@ def test_what_a_program_cannot_hold_is_a_build_error():
     with pytest.raises(ProgramError, match="not linear"):
         _fit([(2, 2), (3, 3), (9, 16)], "x")  # min(), a ceil, a table: not one launch list for the range
     spec = get_preset("tiny")
-    low = Lower(spec, kernel_views(plan(spec, get_arch("sm_90a"))), "bf16", 512)
+    low = Lower(spec, kernel_views(plan(spec, get_arch("sm_90a"))), "bf16", MAX_STEP_TOKENS)
     with pytest.raises(ProgramError, match="differ"):  # one row (M = 1 kernels) and two in one range
         _merge([(1, low.ops(1, decode=True)), (2, low.ops(2))], "decode")
 
