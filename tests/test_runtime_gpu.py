@@ -196,9 +196,12 @@ def test_greedy_prompt_suite_matches_reference(cuda, reference, tiny_checkpoint,
         _same_tokens(reference, ids, got, want, f"{pid} ({len(ids)} prompt tokens)")
 
 
-def test_prompt_longer_than_sliding_window(cuda, reference):
+@pytest.mark.parametrize("chunks", [0, 1], ids=["one-chunk", "two-chunks"])
+def test_prompt_longer_than_sliding_window(cuda, reference, chunks):
+    """3 windows of random tokens; with `chunks`, after one whole prefill chunk (max_step_tokens rows): the second
+    chunk's queries read keys the first wrote into the sliding rings, and its own keys wrap past the ring's end."""
     window = cuda.spec.target.sliding_window
-    ids = [2] + np.random.default_rng(1).integers(256, 512, 3 * window).tolist()
+    ids = [2] + np.random.default_rng(1).integers(256, 512, chunks * cuda.engine.max_rows + 3 * window).tolist()
     got = cuda.generate(ids, GEN, SamplingParams()).token_ids
     _same_tokens(reference, ids, got, reference.generate(ids, GEN, SamplingParams()).token_ids, "random prompt")
 

@@ -125,7 +125,9 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   // are the host's staging, final before the forward's first kernel).
   const bool early = EARLY && rowwise == 0;
   if (!early) pdl_wait();
-  const int qb = blockIdx.x, hkv = blockIdx.y;
+  // A prefill chunk's causal query blocks grow in keys with their position (up to the window): the last blocks run
+  // first, so that the short ones fill the last wave instead of the long ones trailing alone (blocks are independent)
+  const int qb = MMAX > 16 && !rowwise ? gridDim.x - 1 - blockIdx.x : blockIdx.x, hkv = blockIdx.y;
   // the blocks of a query block's parts: NSPLIT, or for a rowwise launch gridDim.z <= NSPLIT (a batched step's rows
   // already fill the SMs, and fewer blocks pay each block's fixed cost fewer times), each running several parts
   const int nblocks = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
