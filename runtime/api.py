@@ -43,6 +43,7 @@ class EngineConfig:
     prefix_slots: int = 4  # reference: LRU prefix-cache slots (bench passes 0 so that TTFT never hits it)
     max_num_seqs: int = 8  # sequences decoded together (cuda: KV lanes, at most forward.MAX_BATCH)
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
+    max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,8 @@ class EngineClient:
         def opener() -> Backend:
             holder["model"] = open_backend(config)
             return holder["model"].backend
-        client = cls(opener, config.backend, config.kv_dtype, max_queue, config.max_num_seqs)
+        client = cls(opener, config.backend, config.kv_dtype, max_queue, config.max_num_seqs,
+                     max_step_tokens=config.max_step_tokens)
         client.wait_ready()
         return client, holder["model"]
 

@@ -55,6 +55,10 @@ def open_model(config):
               help="cuda: GiB of KV cache: a sliding-window ring per sequence (--max-num-seqs of them, fewer if one "
                    "--ctx-token sequence would not fit beside them), the rest pages of the full-attention layers "
                    "shared by all sequences; default: 90% of what is free beside the weights.")
+@click.option("--max-num-batched-tokens", "max_step_tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens one step schedules: prompt chunks plus every running sequence's decode rows (default: "
+                   "one whole prefill chunk, 2,048 rows on the cuda backend, beside every sequence's decode). Lower "
+                   "it to shorten other streams' token gaps while prompts prefill, at the price of TTFT.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
               help="Largest request body accepted; bigger ones get a 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,
@@ -64,7 +68,7 @@ def open_model(config):
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
           model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
-          kv_cache_gib: float | None, max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
+          kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
@@ -81,7 +85,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     def loader():
         folder = ensure_demo_checkpoint() if demo else model_dir
         return open_model(EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir,
-                                       weights, kernel_dir, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib))
+                                       weights, kernel_dir, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
+                                       max_step_tokens=max_step_tokens))
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.

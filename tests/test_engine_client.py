@@ -244,3 +244,24 @@ def test_serve_cuda_backend_over_http(emulated_cuda):
 def test_open_backend_names_unknown_backend(tiny_checkpoint):
     with pytest.raises(BackendError, match="unknown backend 'tpu'"):
         open_backend(EngineConfig(tiny_checkpoint, "tpu"))
+
+
+def test_max_num_batched_tokens_reaches_the_scheduler(tiny_checkpoint):
+    """`serve --max-num-batched-tokens N` -> EngineConfig.max_step_tokens -> the scheduler's step budget; without
+    it the engine's default (a whole prefill chunk beside every decode); 0 is a usage error, not a server."""
+    from click.testing import CliRunner
+
+    from thorgen.runtime.engine_core import default_step_tokens
+    from thorgen.serve.cli import serve
+
+    for asked, want in ((40, 40), (None, None)):
+        client, _ = EngineClient.open(EngineConfig(tiny_checkpoint, "reference", ctx=256, max_num_seqs=2,
+                                                   max_step_tokens=asked))
+        try:
+            assert _collect(client, [2, 105, 200], 2)  # it ran (the core is built on the engine thread)
+            budget = client.core.scheduler.max_step_tokens
+            assert budget == (want or default_step_tokens(client.core.runner))
+        finally:
+            client.close()
+    res = CliRunner().invoke(serve, ["--max-num-batched-tokens", "0"])
+    assert res.exit_code == 2 and "--max-num-batched-tokens" in res.output
