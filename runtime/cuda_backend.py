@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ..model_spec.config import spec_from_configs
-from ..model_spec.conventions import KV_PAGE
+from ..model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
-from .engine import MAX_LOGIT_BIAS, BatchLaunch, Engine, logprob_entry
+from .engine import MAX_LOGIT_BIAS, BatchLaunch, Engine, logprob_entry, plan_activations
 from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
 from .forward import MAX_BATCH
 from .kv_cache import default_ctx, fit_kv, plan_kv
@@ -526,7 +526,10 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     if not 1 <= max_num_seqs <= MAX_BATCH:
         raise BackendError(f"--max-num-seqs {max_num_seqs}: the cuda backend decodes 1..{MAX_BATCH} sequences at "
                            "once (more requests queue)")
-    slack = 512 << 20  # activations, logits, graphs and launch slack
+    # the activations (the plan's own size, at the build's step rows, every optional part counted), then slack for
+    # graphs, the drafter's split weights and launch lists
+    rows = int(manifest.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
+    slack = plan_activations(spec, manifest, rows, ctx, True, drafter).total + (512 << 20)
     free, _ = dev.mem_info()
     one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
     lanes, pages = fit_kv(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)
