@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ..model_spec.config import spec_from_configs
-from ..model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS
+from ..model_spec.conventions import KV_PAGE
 from .backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .engine import MAX_LOGIT_BIAS, BatchLaunch, Engine, logprob_entry, plan_activations
@@ -528,8 +528,7 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
                            "once (more requests queue)")
     # the activations (the plan's own size, at the build's step rows, every optional part counted), then slack for
     # graphs, the drafter's split weights and launch lists
-    rows = int(manifest.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
-    slack = plan_activations(spec, manifest, rows, ctx, True, drafter).total + (512 << 20)
+    slack = plan_activations(spec, manifest, manifest.max_step_tokens, ctx, True, drafter).total + (512 << 20)
     free, _ = dev.mem_info()
     one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
     lanes, pages = fit_kv(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)

@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ..model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, SAMPLE_PARAMS, page_pitch
+from ..model_spec.conventions import KV_PAGE, SAMPLE_PARAMS, page_pitch
 from ..model_spec.types import ModelSpec
 from .backend import MAX_TOP_LOGPROBS, BackendError
 from .device import Device, check, driver
@@ -103,7 +103,7 @@ class Engine:
         self.ctx, self.lanes = ctx, lanes
         if not 1 <= lanes <= MAX_BATCH:
             raise BackendError(f"cuda backend: {lanes} sequences at once; batched decode steps hold 1..{MAX_BATCH}")
-        self.max_rows = int(manifest.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
+        self.max_rows = manifest.max_step_tokens
         # Programmatic dependent launch between consecutive kernels (the kernels' convention; THORGEN_PDL=0 is off)
         self.pdl = bool(manifest.conventions.get("pdl", False)) and os.environ.get("THORGEN_PDL", "1") != "0"
         # The dense MLP on a side stream beside router + MoE (THORGEN_FORK=0 runs everything on one stream)
@@ -132,7 +132,8 @@ class Engine:
         self._graph_events: list[Any] = []
         self.kv = KVCache(device, plan_kv(spec, ctx, kv_dtype, drafter=self.speculative,
                                           conventions=manifest.conventions, lanes=lanes, pages=pages))
-        self.act = Arena(device, self._plan_activations())
+        self.act = Arena(device, plan_activations(spec, manifest, self.max_rows, ctx, not self.ext_missing,
+                                                  self.speculative))
         self.pitch = self.act.plan.regions["kv_pages"].shape[1]
         self.dw = self._split_drafter_weights() if self.speculative else None
         # On self.stream, not the legacy stream: a non-blocking stream does not wait for legacy-stream work, so a
@@ -200,10 +201,6 @@ class Engine:
         return arena
 
     # ---- buffers --------------------------------------------------------------------------------------------------
-    def _plan_activations(self) -> ArenaPlan:
-        return plan_activations(self.spec, self.manifest, self.max_rows, self.ctx, not self.ext_missing,
-                                self.speculative)
-
     def W(self, name: str, byte_offset: int = 0) -> Ptr:
         if name.startswith("dsplit."):
             return Ptr(self.dw[name].ptr + byte_offset)

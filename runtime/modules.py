@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..model_spec.conventions import MANIFEST_SCHEMA
+from ..model_spec.conventions import MANIFEST_SCHEMA, MAX_STEP_TOKENS
 from .backend import BackendError
 from .device import CudaError, Device, Stream, check, driver
 from .memory import DeviceBuffer
@@ -67,6 +67,11 @@ class KernelManifest:
     # the kinds left out lack, by group ("core", "ext", "speculative")
     programs: dict = field(default_factory=dict)
     programs_missing: dict = field(default_factory=dict)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most rows one forward of this build runs (its convention; older manifests: the current default)."""
+        return int(self.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
 
     def kernel(self, name: str) -> KernelEntry:
         try:

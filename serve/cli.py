@@ -68,7 +68,8 @@ def open_model(config):
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
           model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
-          kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float, log_level: str) -> None:
+          kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float,
+          log_level: str) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig

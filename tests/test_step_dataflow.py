@@ -72,10 +72,8 @@ def test_every_step_shape_passes(engine):
 def test_full_size_step_shapes_pass(tmp_path):
     """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
     its activation plan, laid out but not allocated."""
-    from types import SimpleNamespace
-
     from thorgen.model_spec.presets import get_preset
-    from thorgen.runtime.engine import Engine
+    from thorgen.runtime.engine import plan_activations
     from thorgen.runtime.forward import Forward
     from thorgen.runtime.modules import load_manifest
 
@@ -83,8 +81,7 @@ def test_full_size_step_shapes_pass(tmp_path):
     manifest = load_manifest(EE.write_fake_manifest(spec, tmp_path) / "manifest.json")
     rows = 512
     # the engine's own activation plan, on what it reads of an engine (no device, no weights)
-    plan = Engine._plan_activations(SimpleNamespace(spec=spec, max_rows=rows, manifest=manifest, ext_missing=[],
-                                                    ctx=65536, speculative=spec.drafter is not None))
+    plan = plan_activations(spec, manifest, rows, 65536, True, spec.drafter is not None)
     fwd = Forward(spec, manifest, "bf16", rows)
     fwd.ptr = ptr = PlannedPointers(plan)
     assert ptr.regions.name(ptr.A("moe", 7).address) == "moe" and ptr.regions.name(ptr.W("x").address) is None

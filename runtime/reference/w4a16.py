@@ -32,7 +32,6 @@ import numpy as np
 
 from ...model_spec.step_program import program_key
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
-from ..kv_cache import DEFAULT_MAX_STEP_TOKENS
 from ..modules import load_manifest
 from .kv_cache import KVCache
 from .model import ForwardOutput, TargetModel
@@ -293,7 +292,7 @@ class W4A16Target(TargetModel):
                              "KernelManifest): attention is emulated with the engine's own tile and split sizes")
         manifest = kernels if hasattr(kernels, "kernels") else load_manifest(kernels)
         self._attn_shapes = attention_shapes(source.spec, manifest, kv_dtype)
-        self.max_step_tokens = int(manifest.conventions.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
+        self.max_step_tokens = manifest.max_step_tokens
         self._lm: tuple[np.ndarray, F64] | None = None
 
     # ---- lm_head ----------------------------------------------------------------------------------------------
