@@ -257,23 +257,27 @@ class Lower:
         nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
         qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
         n_qkv = nq + nk * (2 if has_v else 1)
-        ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
-        base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
-        q_raw, k_raw, v_raw = base, base + 4 * nq, base + 4 * (nq + nk) if has_v else NULL
         window = t.layer_window(l) or 0
         ring = ring_slots(window, self.max_rows) if window else 0
         page = 0 if window else KV_PAGE  # full layers: paged, each row's lane a row of the page table kv_pages
         pages = A("kv_pages") if page else NULL
-        rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", HQ=hq, HKV=hkv, D=hd, HAS_Q=True,
-                              KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True, SLOTS=ring, PAGE=page,
-                              THETA=t.layer_rope(l).rope_theta))
-        ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw,
-                                                q_norm_w=W(f"{p}self_attn.q_norm.weight"),
-                                                k_norm_w=W(f"{p}self_attn.k_norm.weight"), positions=A("positions"),
-                                                q_out=A("q"), k_cache=self.ptr.KV(l, "k"), v_cache=self.ptr.KV(l, "v"),
-                                                lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=pages,
-                                                q_stride=n_qkv,
-                                                kv_stride=n_qkv, T=rows), rows))
+        rope_params = dict(HQ=hq, HKV=hkv, D=hd, HAS_Q=True, KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True,
+                           SLOTS=ring, PAGE=page, THETA=t.layer_rope(l).rope_theta)
+        prologue = dict(q_norm_w=W(f"{p}self_attn.q_norm.weight"), k_norm_w=W(f"{p}self_attn.k_norm.weight"),
+                        positions=A("positions"), q_out=A("q"), k_cache=self.ptr.KV(l, "k"),
+                        v_cache=self.ptr.KV(l, "v"), lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=pages)
+        if rows == 1:  # one launch: the GEMV whose last block of each head runs rope_kv's warp for it (same bits)
+            fold = need(self.find("nvfp4_gemm.cu.j2", f"q|k|v GEMV + rope_kv layer kind {kind}", n=n_qkv, k=H,
+                                  mmax=1, epi="rope_kv", **rope_params))
+            ops.append(Op(f"{p}qkv_rope", fold, dict(self._gemm_args(qkv, rows, A("a"), A("qkv")), **prologue,
+                                                     counters=A("qkv_cnt")), rows))
+        else:
+            ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
+            base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
+            rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", **rope_params))
+            ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=base, k_raw=base + 4 * nq,
+                                                    v_raw=base + 4 * (nq + nk) if has_v else NULL, **prologue,
+                                                    q_stride=n_qkv, kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
                               d=hd, hq=hq, hkv=hkv, window=window, ring=ring, page=page, causal=True, scale=1.0,

@@ -44,11 +44,14 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     qmax = max(t.num_attention_heads * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
     kmax = max(t.layer_kv_heads(l) * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
+    heads = max(t.num_attention_heads + t.layer_kv_heads(l) * (2 if t.layer_has_v_proj(l) else 1)
+                for l in range(t.num_hidden_layers))
     kernels = manifest.kernels.values()
     # workspaces, sized by the planner's params (whichever kernels declare them): split-K attention's partials
     # (ws_floats) and merge counters (cnt_words: one buffer, attention launches never overlap; zeroed below,
     # kept so), the logits kernels' per-row workspace, the grouped MoE's tile list (every entry written);
-    # tail_cnt: the folded o_proj + attention tail's arrival counter (one word: o_proj launches never overlap)
+    # tail_cnt: the folded o_proj + attention tail's arrival counter (one word: o_proj launches never overlap);
+    # qkv_cnt: the folded q|k|v GEMV + rope_kv's, a word per head of the widest layer
     ws, sws, acnt, tiles = (max([int(k.params.get(n, 0)) for k in kernels] + [1])
                             for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles"))
     p = ArenaPlan("activations")
@@ -66,6 +69,7 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
             ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
             ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
             ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"), ("tail_cnt", (1,), "u32"),
+            ("qkv_cnt", (heads,), "u32"),
             # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
             ("kv_pages", (MAX_BATCH, int(manifest.conventions.get(
                 "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):

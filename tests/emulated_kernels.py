@@ -130,13 +130,19 @@ class KernelEmulator(LogitsKernels):
         m, N, K = a["m"], p["n"], p["k"]
         W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
         x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
-        if p["epi"] in ("store", "attn_tail"):
+        if p["epi"] in ("store", "attn_tail", "rope_kv"):
             self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
+            if p["epi"] != "store" and m != 1:
+                raise EmuError(f"the folded {p['epi']} serves one row, not {m}")
             if p["epi"] == "attn_tail":  # the last block's attn_tail on the row (bit-identical on the GPU)
-                if m != 1:
-                    raise EmuError(f"the folded attention tail serves one row, not {m}")
                 self._counters_zero(a, 1, "o_proj tail")
                 self.k_attn_tail(dict(H=N, EPS=p["eps"]), dict(a, o=a["y"], x=a["resid"], T=1), n)
+            if p["epi"] == "rope_kv":  # each head's last block runs rope_kv's warp for it (bit-identical)
+                nq, nk = p["HQ"] * p["D"], p["HKV"] * p["D"]
+                self._counters_zero(a, N // p["D"], "q|k|v heads")
+                self.k_rope_kv(p, dict(a, q_raw=a["y"], k_raw=a["y"] + 4 * nq,
+                                       v_raw=0 if p["V_FROM_K"] else a["y"] + 4 * (nq + nk), q_stride=N,
+                                       kv_stride=N, T=1), n)
         else:
             g, u = L.deinterleave8(W)
             self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")

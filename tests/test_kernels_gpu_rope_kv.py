@@ -1,5 +1,6 @@
 """GPU tests: Q/K norm + RoPE (default / proportional) + V norm + KV-cache write (bf16, fp8; ring, linear and paged:
-a paged cache's positions land where lane 1's row of a scrambled page table puts them, nowhere else)."""
+a paged cache's positions land where lane 1's row of a scrambled page table puts them, nowhere else), and the q|k|v
+GEMV with it folded in (the decode step's attention prologue in one launch)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
-from gpu_harness import PRESETS, GpuRunner
+import matmul_reference as MR  # noqa: E402
+from gpu_harness import PRESETS, GpuRunner, build_kernels  # noqa: E402
 from thorgen.codegen import reference_kernels as R
+from thorgen.codegen.families.matmul import gemm_small
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 
 pytestmark = pytest.mark.gpu
@@ -76,3 +79,68 @@ def test_rope_kv(runner, far):
             kn = R.rms(k_raw.reshape(T, HKV, D), R.load(k_w, "bf16"), p["EPS"])
             mid = np.r_[p["ROT"]:D // 2, D // 2 + p["ROT"]:D]
             assert R.norm_err(R.load(got["k_cache"][sl], kv_t)[..., mid], kn[..., mid]) <= R.TOL[kv_t]
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
+
+
+def test_gemv_rope_kv(runner):
+    """The q|k|v GEMV whose last block of each head runs rope_kv's warp for it (one row), on every layer kind and
+    cache dtype: bit for bit the plain GEMV then rope_kv (the two launches it replaces), q / K / V against the
+    reference on that row, the counters left zeroed, and a second launch on the same counters again the same."""
+    rng = np.random.default_rng(15)
+    folds = runner.find("nvfp4_gemv__")
+    ropes = {k.name for k in runner.find("rope_kv__tgt_")}
+    assert folds and {"rope_kv__" + f.name.split("_rope__")[1] for f in folds} == ropes, "a layer kind without fold"
+    plains = {f.name: gemm_small(f.param("n"), f.param("k"), 1, "store", runner.arch) for f in folds}
+    runner.cubins.update(build_kernels(list(plains.values()), runner.arch, runner.spec.spec_hash))
+    for kern in folds:
+        p, plain = kern.param_dict, plains[kern.name]
+        rope = runner.kernels["rope_kv__" + kern.name.split("_rope__")[1]]
+        assert (p["ks"], p["pf"], p["un"]) == (plain.param("ks"), plain.param("pf"), plain.param("un")), kern.name
+        n, k, HQ, HKV, D, slots = p["n"], p["k"], p["HQ"], p["HKV"], p["D"], p["SLOTS"]
+        nq, nk, kv_t, q_t = HQ * D, HKV * D, p["KV"], p["Q"]
+        lw = MR.LayoutWeight(rng, n, k, p["fp4_order"])
+        gemv = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": MR.act_f16(rng, 1, k), "m": np.int32(1)}
+        pos = int(rng.integers(3000, 250_000))
+        positions = np.array([pos], np.int32)
+        eb = np.dtype(R.np_dtype(kv_t)).itemsize
+        cache = {"q_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)),
+                 "k_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)), "positions": positions,
+                 "lanes": np.ones(1, np.int32)}
+        if p["PAGE"]:  # lane 1's row of a page table maps the position to a page of a small pool
+            table = np.zeros((2, p["PITCH"]), np.int32)
+            table[1, pos // p["PAGE"]] = 2
+            cap, slot = 3 * p["PAGE"], 2 * p["PAGE"] + pos % p["PAGE"]
+            cache |= {"pages": table, "lane_bytes": np.int64(0)}
+        else:  # lane 1 of two ring lanes
+            cap, slot = 2 * slots, slots + pos % slots
+            cache |= {"lane_bytes": np.int64(slots * nk * eb)}
+        outs = {"q_out": ((1, HQ, D), R.np_dtype(q_t)), "k_cache": ((cap, HKV, D), R.np_dtype(kv_t)),
+                "v_cache": ((cap, HKV, D), R.np_dtype(kv_t))}
+        fold_in = dict(gemv, **cache, counters=np.zeros(n // D, np.uint32))
+        fold_out = dict(outs, y=((1, n), np.float32), counters=((n // D,), np.uint32))
+        got = runner.run(kern, fold_in, fold_out)
+        assert not got["counters"].any(), f"{kern.name}: counters left at {got['counters']}"
+        # the pair it replaces: the plain GEMV, then rope_kv on its row (one token: one block)
+        y = runner.run(plain, gemv, {"y": ((1, n), np.float32)})["y"]
+        v_raw = np.zeros((1, nk), np.float32) if p["V_FROM_K"] else y[:, nq + nk:]
+        pair = runner.run(rope, dict(cache, q_raw=y[:, :nq], k_raw=y[:, nq:nq + nk], v_raw=v_raw,
+                                     q_stride=np.int32(nq), kv_stride=np.int32(nk), T=np.int32(1)), outs, (1, 1, 1))
+        assert np.array_equal(_bits(got["y"]), _bits(y)), f"{kern.name}: y differs from the plain GEMV's"
+        for what in outs:
+            assert np.array_equal(_bits(got[what]), _bits(pair[what])), f"{kern.name}: {what} differs from the pair's"
+        q, kr, vr = R.rope_kv_ref(y[:, :nq], y[:, nq:nq + nk], None if p["V_FROM_K"] else v_raw, cache["q_norm_w"],
+                                  cache["k_norm_w"], positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"], theta=p["THETA"],
+                                  has_q=True, v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"], eps=p["EPS"])
+        assert R.norm_err(R.load(got["q_out"], q_t), q) <= R.TOL[q_t], kern.name
+        for name, ref in (("k_cache", kr), ("v_cache", vr)):
+            assert R.norm_err(R.load(got[name][[slot]], kv_t), ref) <= R.TOL[kv_t], (kern.name, name)
+            rest = np.ones(cap, bool)
+            rest[slot] = False
+            assert not got[name][rest].any(), f"{kern.name}: {name} written outside slot {slot}"
+        twice = runner.run_seq([(kern, None), (kern, None)], fold_in, fold_out)
+        for what in outs:
+            assert np.array_equal(_bits(twice[what]), _bits(got[what])), f"{kern.name}: second launch's {what}"
+        assert not twice["counters"].any(), kern.name

@@ -44,6 +44,8 @@ struct RopeKv {
     }
   }
 
+  // (products and sums rounded explicitly, never contracted into an fma: the rope_kv kernel and a GEMV with it
+  // folded in give the same bits whatever the compiler does around them)
   static __device__ __forceinline__ void rope(float (&v)[PER], const float* cs, const float* sn) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -51,9 +53,67 @@ struct RopeKv {
       const int i = lane + 32 * j;
       if (i < Cfg::ROT) {
         const float c = cs[i], s = sn[i], x1 = v[j], x2 = v[j + HALF];
-        v[j] = x1 * c - x2 * s;
-        v[j + HALF] = x2 * c + x1 * s;
+        v[j] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+        v[j + HALF] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
       }
+    }
+  }
+
+  // cos/sin of position `pos` for the rotating pairs into shared cs / sn, by the block's threads
+  static __device__ __forceinline__ void trig(int pos, float* cs, float* sn) {
+    for (int i = threadIdx.x; i < Cfg::ROT; i += Cfg::THREADS) {
+      double s, c;
+      sincos((double)pos * Cfg::inv_freq(i), &s, &c);
+      cs[i] = (float)c;
+      sn[i] = (float)s;
+    }
+  }
+
+  // Head unit u (q heads, then k heads, then v heads) of token t at `pos`, by one warp: load, norm, RoPE, store
+  // (queries to q_out, keys and values to the caches of lane lanes[t]). cs / sn hold the position's cos/sin.
+  // CG: the inputs were written by other blocks of this launch (loads through L2, never the read-only path).
+  template <bool CG = false>
+  static __device__ __forceinline__ void unit(int t, int u, int pos, const float* __restrict__ q_raw,
+                                              const float* __restrict__ k_raw, const float* __restrict__ v_raw,
+                                              const __nv_bfloat16* __restrict__ q_w,
+                                              const __nv_bfloat16* __restrict__ k_w, const float* cs, const float* sn,
+                                              typename Cfg::QT* __restrict__ q_out, typename Cfg::KVT* k_cache,
+                                              typename Cfg::KVT* v_cache, const int32_t* __restrict__ lanes,
+                                              long long lane_bytes, const int32_t* __restrict__ pages, int q_stride,
+                                              int kv_stride) {
+    const int lane = threadIdx.x & 31;
+    const int lane_id = lanes == nullptr ? 0 : lanes[t];
+    long slot = pos;
+    if constexpr (Cfg::SLOTS > 0) slot = pos % Cfg::SLOTS;
+    else if constexpr (Cfg::PAGE > 0) slot = page_slot<Cfg::PAGE>(pages + (size_t)lane_id * Cfg::PITCH, pos);
+    const long long lane_off = Cfg::PAGE > 0 ? 0ll : (long long)lane_id * lane_bytes;
+    typename Cfg::KVT* kc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(k_cache) + lane_off);
+    typename Cfg::KVT* vc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(v_cache) + lane_off);
+    float v[PER];
+    const float* src;
+    int kind, h;  // 0 q, 1 k, 2 v
+    if (u < QH) { kind = 0; h = u; src = q_raw + (long)t * q_stride + h * D; }
+    else if (u < QH + Cfg::HKV) { kind = 1; h = u - QH; src = k_raw + (long)t * kv_stride + h * D; }
+    else { kind = 2; h = u - QH - Cfg::HKV; src = (Cfg::V_FROM_K ? k_raw : v_raw) + (long)t * kv_stride + h * D; }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) v[j] = CG ? __ldcg(src + lane + 32 * j) : src[lane + 32 * j];
+    if (kind == 2) {
+      if (Cfg::V_NORM) norm(v, nullptr);
+      typename Cfg::KVT* dst = vc + (slot * Cfg::HKV + h) * D;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
+      return;
+    }
+    norm(v, kind == 0 ? q_w : k_w);
+    rope(v, cs, sn);
+    if (kind == 0) {
+      typename Cfg::QT* dst = q_out + ((long)t * Cfg::HQ + h) * D;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
+    } else {
+      typename Cfg::KVT* dst = kc + (slot * Cfg::HKV + h) * D;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
     }
   }
 
@@ -65,59 +125,19 @@ struct RopeKv {
                              long long lane_bytes, const int32_t* __restrict__ pages, int q_stride, int kv_stride,
                              int T) {
     __shared__ float cs[Cfg::ROT > 0 ? Cfg::ROT : 1], sn[Cfg::ROT > 0 ? Cfg::ROT : 1];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    auto trig = [&](int pos) {
-      for (int i = threadIdx.x; i < Cfg::ROT; i += Cfg::THREADS) {
-        double s, c;
-        sincos((double)pos * Cfg::inv_freq(i), &s, &c);
-        cs[i] = (float)c;
-        sn[i] = (float)s;
-      }
-    };
-    if (blockIdx.x < T) trig(positions[blockIdx.x]);
+    const int warp = threadIdx.x >> 5;
+    if (blockIdx.x < T) trig(positions[blockIdx.x], cs, sn);
     pdl_wait();  // everything below reads earlier kernels' outputs
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
       const int pos = positions[t];
       if (t != blockIdx.x) {
         __syncthreads();  // the previous token's cos/sin may still be in use
-        trig(pos);
+        trig(pos, cs, sn);
       }
       __syncthreads();
-      const int lane_id = lanes == nullptr ? 0 : lanes[t];
-      long slot = pos;
-      if constexpr (Cfg::SLOTS > 0) slot = pos % Cfg::SLOTS;
-      else if constexpr (Cfg::PAGE > 0) slot = page_slot<Cfg::PAGE>(pages + (size_t)lane_id * Cfg::PITCH, pos);
-      const long long lane_off = Cfg::PAGE > 0 ? 0ll : (long long)lane_id * lane_bytes;
-      typename Cfg::KVT* kc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(k_cache) + lane_off);
-      typename Cfg::KVT* vc = reinterpret_cast<typename Cfg::KVT*>(reinterpret_cast<char*>(v_cache) + lane_off);
-      for (int u = warp; u < UNITS; u += WARPS) {
-        float v[PER];
-        const float* src;
-        int kind, h;  // 0 q, 1 k, 2 v
-        if (u < QH) { kind = 0; h = u; src = q_raw + (long)t * q_stride + h * D; }
-        else if (u < QH + Cfg::HKV) { kind = 1; h = u - QH; src = k_raw + (long)t * kv_stride + h * D; }
-        else { kind = 2; h = u - QH - Cfg::HKV; src = (Cfg::V_FROM_K ? k_raw : v_raw) + (long)t * kv_stride + h * D; }
-#pragma unroll
-        for (int j = 0; j < PER; ++j) v[j] = src[lane + 32 * j];
-        if (kind == 2) {
-          if (Cfg::V_NORM) norm(v, nullptr);
-          typename Cfg::KVT* dst = vc + (slot * Cfg::HKV + h) * D;
-#pragma unroll
-          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
-          continue;
-        }
-        norm(v, kind == 0 ? q_w : k_w);
-        rope(v, cs, sn);
-        if (kind == 0) {
-          typename Cfg::QT* dst = q_out + ((long)t * Cfg::HQ + h) * D;
-#pragma unroll
-          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
-        } else {
-          typename Cfg::KVT* dst = kc + (slot * Cfg::HKV + h) * D;
-#pragma unroll
-          for (int j = 0; j < PER; ++j) st(dst, lane + 32 * j, v[j]);
-        }
-      }
+      for (int u = warp; u < UNITS; u += WARPS)
+        unit(t, u, pos, q_raw, k_raw, v_raw, q_w, k_w, cs, sn, q_out, k_cache, v_cache, lanes, lane_bytes, pages,
+             q_stride, kv_stride);
     }
   }
 };
