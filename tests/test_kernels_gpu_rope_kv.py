@@ -103,7 +103,8 @@ def test_gemv_rope_kv(runner):
         nq, nk, kv_t, q_t = HQ * D, HKV * D, p["KV"], p["Q"]
         lw = MR.LayoutWeight(rng, n, k, p["fp4_order"])
         gemv = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": MR.act_f16(rng, 1, k), "m": np.int32(1)}
-        pos = int(rng.integers(3000, 250_000))
+        # a far position (RoPE range reduction) on the ring; within the page table's reach on the paged cache
+        pos = int(rng.integers(3000, p["PITCH"] * p["PAGE"] if p["PAGE"] else 250_000))
         positions = np.array([pos], np.int32)
         eb = np.dtype(R.np_dtype(kv_t)).itemsize
         cache = {"q_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)),

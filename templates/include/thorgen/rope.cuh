@@ -44,8 +44,10 @@ struct RopeKv {
     }
   }
 
-  // (products and sums rounded explicitly, never contracted into an fma: the rope_kv kernel and a GEMV with it
-  // folded in give the same bits whatever the compiler does around them)
+  // (the compiler contracts these into fmas alike in the rope_kv kernel and the GEMV with it folded in: the GPU test
+  // test_gemv_rope_kv checks the two give the same bits. Rounding each product explicitly, as the NumPy reference
+  // does, moved the tiny preset's greedy tokens: fact_004 of the prompt suite then crossed a reference gap of 0.0188
+  // against TIE_TOL 0.01 at token 49, so the arithmetic of the sessions before stays.)
   static __device__ __forceinline__ void rope(float (&v)[PER], const float* cs, const float* sn) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -53,8 +55,8 @@ struct RopeKv {
       const int i = lane + 32 * j;
       if (i < Cfg::ROT) {
         const float c = cs[i], s = sn[i], x1 = v[j], x2 = v[j + HALF];
-        v[j] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-        v[j + HALF] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+        v[j] = x1 * c - x2 * s;
+        v[j + HALF] = x2 * c + x1 * s;
       }
     }
   }
