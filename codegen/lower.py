@@ -1,7 +1,7 @@
 """Codegen stage: the model's forward lowered to launch lists over the planned kernels (step programs).
 
-`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) a fused
-q|k|v GEMV read in place by rope_kv, the split-K decode attention (its splits merged in the same launch), the o_proj
+`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) the fused
+q|k|v GEMV with rope_kv folded in (each head's last block runs its warp), the split-K decode attention (its splits merged in the same launch), the o_proj
 GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE pair; for more rows
 attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused q|k|v prefill
 GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels. Kernels are

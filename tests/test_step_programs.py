@@ -156,3 +156,22 @@ def test_a_batched_step_reads_the_lm_head_once(built, greedy):
         [(16, Addresses().A("logits", 0).address), (11, Addresses().A("logits", 16).address)]
     ext = fwd.program(program_key(batched=True, greedy=greedy, ext=True), 27)
     assert [o.args["m"] for o in ext if o.label == "lm_head"] == [16, 11]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gemma-4-26b-a4b"])
+def test_one_row_steps_run_the_attention_prologue_as_one_launch(preset):
+    """A one-row forward's layer starts with the q|k|v GEMV that runs rope_kv itself (one launch, its counters a
+    buffer of their own); a forward of more rows with the GEMV and rope_kv apart."""
+    spec = get_preset(preset)
+    low = Lower(spec, kernel_views(plan(spec, get_arch("sm_90a"))), "bf16", MAX_STEP_TOKENS)
+    layers = spec.target.num_hidden_layers
+    for rows, kw in ((1, dict(decode=True)), (1, dict(batched=True)), (16, dict(batched=True)), (40, {})):
+        ops = low.ops(rows, **kw)
+        labels = [op.label for op in ops]
+        folded = [op for op in ops if op.label.endswith(".qkv_rope")]
+        if rows == 1:
+            assert len(folded) == layers and not any(lb.endswith(".rope_kv") for lb in labels), kw
+            assert all(op.entry.params["epi"] == "rope_kv" and op.args["counters"] == Sym("A", "qkv_cnt")
+                       for op in folded)
+        else:
+            assert not folded and sum(lb.endswith(".rope_kv") for lb in labels) == layers, (rows, kw)
