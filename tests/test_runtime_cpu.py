@@ -432,7 +432,8 @@ def test_forward_schedule_binds_every_planned_kernel(preset, tmp_path):
             moe = [op.label.rsplit(".", 1)[-1] for op in ops if ".moe_" in op.label]
             assert moe.count("moe_down") == (t.num_hidden_layers if rows <= 16 else 0)
             assert moe.count("moe_grouped_down") == (0 if rows <= 16 else t.num_hidden_layers)
-            kv_dtypes = {op.entry.params["KV"] for op in ops if op.label.endswith("rope_kv")}
+            # the attention prologue (one row: the q|k|v GEMV with rope_kv folded in) writes the engine's KV dtype
+            kv_dtypes = {op.entry.params["KV"] for op in ops if op.label.endswith(("rope_kv", "qkv_rope"))}
             assert kv_dtypes == {kv}
 
 
