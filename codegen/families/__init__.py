@@ -25,8 +25,8 @@ PDL: every kernel calls pdl_launch_dependents() and waits in pdl_wait() before i
 writes anything (common.cuh), so the runtime may launch each kernel that follows a kernel with programmatic stream
 serialization (manifest convention "pdl"); the weight-streaming kernels load their first weight steps before the wait.
 Kernels with cross-block reductions (lm_argmax, lm_sample_finish, lm_process, lm_pick argmax / finish, the split
-decode attention, router_fused, the o_proj GEMV with the attention tail folded in) take `counters` buffers that the
-runtime zeroes once at allocation; the kernels leave them zeroed.
+decode attention, router_fused, the o_proj GEMV with the attention tail folded in, the q|k|v GEMV with rope_kv
+folded in) take `counters` buffers that the runtime zeroes once at allocation; the kernels leave them zeroed.
 """
 
 from __future__ import annotations
