@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model_spec.conventions import KV_PAGE
-from ..model_spec.conventions import MAX_STEP_TOKENS as DEFAULT_MAX_STEP_TOKENS  # a manifest's conventions win
+from ..model_spec.conventions import KV_PAGE, max_step_tokens  # (a manifest's conventions win over the defaults)
 from ..model_spec.conventions import ring_slots as default_ring_slots
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
@@ -128,7 +127,7 @@ def ring_slots(window: int, conventions: dict | None = None) -> int:
     table = conv.get("ring_slots") or {}
     if str(window) in table:
         return int(table[str(window)])
-    return default_ring_slots(window, int(conv.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS)))
+    return default_ring_slots(window, max_step_tokens(conv))
 
 
 def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..model_spec.conventions import MANIFEST_SCHEMA, MAX_STEP_TOKENS
+from ..model_spec.conventions import MANIFEST_SCHEMA, max_step_tokens
 from .backend import BackendError
 from .device import CudaError, Device, Stream, check, driver
 from .memory import DeviceBuffer
@@ -71,7 +71,7 @@ class KernelManifest:
     @property
     def max_step_tokens(self) -> int:
         """The most rows one forward of this build runs (its convention; older manifests: the current default)."""
-        return int(self.conventions.get("max_step_tokens", MAX_STEP_TOKENS))
+        return max_step_tokens(self.conventions)
 
     def kernel(self, name: str) -> KernelEntry:
         try:

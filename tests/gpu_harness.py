@@ -41,6 +41,11 @@ def require_gpu():
     return _GPU
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    """An array's raw bits (unsigned ints of its item size), for bit-for-bit comparisons of two kernels' outputs."""
+    return np.ascontiguousarray(a).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
+
+
 def build_kernels(specs: list[KernelSpec], arch: ArchSpec, spec_hash: str = "0" * 64) -> dict[str, bytes]:
     """{kernel name: cubin} for `specs`, compiled in parallel through the content-addressed cache."""
     from thorgen.codegen.builder import compile_sources

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
-from gpu_harness import PRESETS, GpuRunner  # noqa: E402
+from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 from thorgen.codegen import reference_kernels as RK
 from thorgen.codegen.families.matmul import target_shapes
 from thorgen.model_spec.nvfp4 import f32_to_bf16
@@ -121,10 +121,10 @@ def test_rows_do_not_depend_on_the_row_count(runner):
                 rows[(kern.name, m)] = _launch(runner, kern, dict(w, x=x[:m]), m, width, dt)
         first = next(iter(rows.values()))[0]
         for (name, m), y in rows.items():
-            if not np.array_equal(_bits(y[0]), _bits(first)):
+            if not np.array_equal(bits(y[0]), bits(first)):
                 failures.append(f"n={n} k={k} {epi}: row 0 of {name} at m={m} differs from {kernels[0].name}")
         for (name, m), y in rows.items():  # a row at another position among other rows
-            if m >= 5 and not np.array_equal(_bits(y[:5]), _bits(rows[(name, 5)] if (name, 5) in rows else y[:5])):
+            if m >= 5 and not np.array_equal(bits(y[:5]), bits(rows[(name, 5)] if (name, 5) in rows else y[:5])):
                 failures.append(f"n={n} k={k} {epi}: rows 0..4 of {name} differ between m={m} and m=5")
     assert not failures, "\n".join(failures)
 
@@ -150,9 +150,6 @@ def test_fused_qkv_scales_are_per_part(runner):
         err = R.norm_err(y[:, starts[i]:starts[i + 1]], R.gemm_ref(x, p.dense))
         assert err <= R.TOL_GEMM["f32"], f"part {i}: {err:.2e}"
 
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
 
 def test_gemv_attn_tail(runner):
@@ -195,12 +192,12 @@ def test_gemv_attn_tail(runner):
         pair = runner.run(tail, {"o": o, "x": resid, **norms, "T": np.int32(1)},
                           {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]}, (1, 1, 1))
         for what, theirs in (("y", o), ("resid", pair["x"]), ("a1", pair["a1"]), ("a2", pair["a2"])):
-            assert np.array_equal(_bits(got[what]), _bits(theirs)), f"{kern.name}: {what} differs from the pair's"
+            assert np.array_equal(bits(got[what]), bits(theirs)), f"{kern.name}: {what} differs from the pair's"
         # two launches on one counter: the second one's tail runs again, from the first one's residual
         twice = runner.run_seq([(kern, None), (kern, None)], fold_in, outs)
         again = runner.run(kern, dict(fold_in, resid=got["resid"]), outs)
         for what in ("resid", "a1", "a2"):
-            assert np.array_equal(_bits(twice[what]), _bits(again[what])), f"{kern.name}: second launch's {what}"
+            assert np.array_equal(bits(twice[what]), bits(again[what])), f"{kern.name}: second launch's {what}"
         assert twice["counters"][0] == 0, kern.name
 
 
@@ -214,9 +211,9 @@ def test_drafter_gemms(runner):
     for kern in kernels:
         n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
         wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-        bits = L.bf16_to_f16_bits(f32_to_bf16(wf))
-        w16 = bits.view(np.float16).astype(np.float64)
-        wl = L.pack_half(bits) if epi == "store" else L.pack_half_gate_up(bits[: n // 2], bits[n // 2:])
+        hbits = L.bf16_to_f16_bits(f32_to_bf16(wf))
+        w16 = hbits.view(np.float16).astype(np.float64)
+        wl = L.pack_half(hbits) if epi == "store" else L.pack_half_gate_up(hbits[: n // 2], hbits[n // 2:])
         for m in _ms(kern):
             width, dt = _out(kern, m)
             x = R.act_f16(rng, m, k)

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 import matmul_reference as MR  # noqa: E402
-from gpu_harness import PRESETS, GpuRunner, build_kernels  # noqa: E402
+from gpu_harness import PRESETS, GpuRunner, bits, build_kernels  # noqa: E402
 from thorgen.codegen import reference_kernels as R
 from thorgen.codegen.families.matmul import gemm_small
 from thorgen.model_spec.nvfp4 import f32_to_bf16
@@ -81,9 +81,6 @@ def test_rope_kv(runner, far):
             assert R.norm_err(R.load(got["k_cache"][sl], kv_t)[..., mid], kn[..., mid]) <= R.TOL[kv_t]
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
-
 
 def test_gemv_rope_kv(runner):
     """The q|k|v GEMV whose last block of each head runs rope_kv's warp for it (one row), on every layer kind and
@@ -129,9 +126,9 @@ def test_gemv_rope_kv(runner):
         v_raw = np.zeros((1, nk), np.float32) if p["V_FROM_K"] else y[:, nq + nk:]
         pair = runner.run(rope, dict(cache, q_raw=y[:, :nq], k_raw=y[:, nq:nq + nk], v_raw=v_raw,
                                      q_stride=np.int32(nq), kv_stride=np.int32(nk), T=np.int32(1)), outs, (1, 1, 1))
-        assert np.array_equal(_bits(got["y"]), _bits(y)), f"{kern.name}: y differs from the plain GEMV's"
+        assert np.array_equal(bits(got["y"]), bits(y)), f"{kern.name}: y differs from the plain GEMV's"
         for what in outs:
-            assert np.array_equal(_bits(got[what]), _bits(pair[what])), f"{kern.name}: {what} differs from the pair's"
+            assert np.array_equal(bits(got[what]), bits(pair[what])), f"{kern.name}: {what} differs from the pair's"
         q, kr, vr = R.rope_kv_ref(y[:, :nq], y[:, nq:nq + nk], None if p["V_FROM_K"] else v_raw, cache["q_norm_w"],
                                   cache["k_norm_w"], positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"], theta=p["THETA"],
                                   has_q=True, v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"], eps=p["EPS"])
@@ -143,5 +140,5 @@ def test_gemv_rope_kv(runner):
             assert not got[name][rest].any(), f"{kern.name}: {name} written outside slot {slot}"
         twice = runner.run_seq([(kern, None), (kern, None)], fold_in, fold_out)
         for what in outs:
-            assert np.array_equal(_bits(twice[what]), _bits(got[what])), f"{kern.name}: second launch's {what}"
+            assert np.array_equal(bits(twice[what]), bits(got[what])), f"{kern.name}: second launch's {what}"
         assert not twice["counters"].any(), kern.name

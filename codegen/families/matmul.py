@@ -32,10 +32,8 @@ W_LAYOUT = "t16x64"
 TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
 # attn_tail: the GEMM part stores o as "store" does; the template adds the tail (gemv_attn_tail)
-# rope_kv: likewise, rope_kv's heads after the q|k|v GEMV (families/rope_kv.py gemv_rope_kv)
-EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE",
-            "rope_kv": "EPI_STORE"}
-EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail", "rope_kv": "_rope"}
+EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE"}
+EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
 TAIL_ARGS = ("resid", "w_post", "w_pre1", "w_pre2", "a1", "a2", "counters")  # after GEMM_ARGS (resid: the residual x)
 LARGE_BM, LARGE_STAGES = 64, 3
 # sm_90a prefill (gemm_wgmma.cuh): 128 tokens x 128 weight rows a block, 8 warps, 6 stages of 32 KB, 4 raw weight

@@ -69,15 +69,15 @@ __device__ __forceinline__ void moe_grouped_plan(const int* __restrict__ ids, in
   __syncthreads();
   if (warp == 0) plan_scan<E, BM>(cnt, off, toff, lane);
   __syncthreads();
-  // pass 2: stable positions. Chunk i holds pairs i*THREADS + tid (each thread's ids stay in v[], registers: the
+  // pass 2: stable positions. Chunk ch holds pairs ch*THREADS + tid (each thread's ids stay in v[], registers: the
   // loop is unrolled, so a chunk of 2048 x 8 ids needs no shared copy); lanes naming the same expert rank themselves
   // by lane order (match_any), warps by warp order (a per-expert scan over the warps), chunks by chunk order.
   const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    if (i * THREADS >= n) continue;  // uniform over the block (not break: the loop must unroll to keep v[] in registers)
-    const int p = i * THREADS + tid;
-    const int e = v[i];
+  for (int ch = 0; ch < PER; ++ch) {
+    if (ch * THREADS >= n) continue;  // uniform over the block (not break: the loop must unroll to keep v[] in registers)
+    const int p = ch * THREADS + tid;
+    const int e = v[ch];
     const bool ok = e >= 0 && e < E;
     const unsigned same = __match_any_sync(0xffffffffu, ok ? e : -1);
     for (int i = tid; i < WARPS * (E + 1); i += THREADS) (&wcnt[0][0])[i] = 0;
