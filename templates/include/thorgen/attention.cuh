@@ -183,24 +183,37 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
 
   // cp.async of key tile `tile` (absolute index) into buffer `buf`: rows of K and V for keys j in [lo, hi] (the
   // others zero-filled), of the tile's rows with from <= j < to; `issue` commits the whole tile as one group.
+  // A thread keeps one 16-byte column chunk and walks rows THREADS / CH apart, loading a row's K and V chunks from
+  // one slot (a ring slot: one modulo a tile, not one a chunk). The one-query decode blocks (few warps an SM) are
+  // bound by their instruction count, and a per-chunk index computation cost ~60 instructions a cp.async (ncu,
+  // docs/benchmarks/NOTES.md, session 27).
+  constexpr int CH = D * EB / 16;  // 16-B chunks per row
+  static_assert(THREADS % CH == 0 && TK % (THREADS / CH) == 0, "a pass of the block covers whole K/V rows");
+  constexpr int RSTEP = THREADS / CH;
+  const int my_ch = threadIdx.x % CH, my_row = threadIdx.x / CH;
+  const size_t col = (size_t)hkv * D * EB + 16 * my_ch;  // this thread's chunk in a cache row
+  static_assert(RING == 0 || RING >= TK, "a key tile wraps the ring at most once");
   auto issue_rows = [&](int tile, int buf, int from, int to) {
-    constexpr int CH = D * EB / 16;  // 16-B chunks per row
-    for (int c = threadIdx.x; c < 2 * TK * CH; c += THREADS) {
-      const int kv = c / (TK * CH), rem = c % (TK * CH), row = rem / CH, ch = rem % CH;
+    const int ring0 = RING > 0 ? (tile * TK) % RING : 0;
+    uint8_t* dst0 = KVT == KV_FP8 ? stg + (size_t)(buf * 2) * TK * S::SPITCH + 16 * my_ch
+                                  : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2) * S::TILE + 16 * my_ch;
+    constexpr size_t ROW_BYTES = KVT == KV_FP8 ? S::SPITCH : S::TPITCH * 2;  // smem bytes a row
+    constexpr size_t V_OFF = KVT == KV_FP8 ? (size_t)TK * S::SPITCH : S::TILE;  // the V tile after the K tile
+#pragma unroll
+    for (int row = my_row; row < TK; row += RSTEP) {
       const int j = tile * TK + row;
       if (j < from || j >= to) continue;
       const bool ok = j >= lo && j <= hi;
       int slot = 0;
       if (ok) {
-        if constexpr (RING > 0) slot = j % RING;
+        if constexpr (RING > 0) slot = ring0 + row < RING ? ring0 + row : ring0 + row - RING;  // (RING >= TK)
         else if constexpr (PAGE > 0) slot = page_slot<PAGE>(tab, j);
         else slot = j;
       }
-      const uint8_t* src = (kv ? vc : kc) + ((size_t)slot * HKV + hkv) * D * EB + 16 * ch;
-      uint8_t* dst = KVT == KV_FP8 ? stg + ((size_t)(buf * 2 + kv) * TK + row) * S::SPITCH + 16 * ch
-                                   : reinterpret_cast<uint8_t*>(kv_t) + (size_t)(buf * 2 + kv) * S::TILE +
-                                         (size_t)row * S::TPITCH * 2 + 16 * ch;
-      cp_async16_zfill(dst, src, ok);
+      const size_t off = (size_t)slot * HKV * D * EB + col;
+      uint8_t* dst = dst0 + row * ROW_BYTES;
+      cp_async16_zfill(dst, kc + off, ok);
+      cp_async16_zfill(dst + V_OFF, vc + off, ok);
     }
   };
   auto issue = [&](int tile, int buf) {
@@ -254,13 +267,21 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       __syncthreads();
       int cbuf = it & 1;
       if constexpr (KVT == KV_FP8) {
-        // fp8 staging -> fp16 compute tile (exact: e4m3 values are fp16 values)
-        constexpr int PAIRS = D / 2;
-        for (int c = threadIdx.x; c < 2 * TK * PAIRS; c += THREADS) {
-          const int kv = c / (TK * PAIRS), rem = c % (TK * PAIRS), row = rem / PAIRS, pr = rem % PAIRS;
-          const uint16_t two = *reinterpret_cast<const uint16_t*>(stg + ((size_t)(cbuf * 2 + kv) * TK + row) * S::SPITCH + 2 * pr);
-          *reinterpret_cast<uint32_t*>(kv_t + (size_t)kv * (S::TILE / 2) + (size_t)row * S::TPITCH + 2 * pr) =
-              e4m3x2_to_half2(two);
+        // fp8 staging -> fp16 compute tile (exact: e4m3 values are fp16 values), 16 bytes a thread a pass
+        constexpr int C16 = D / 16;
+        for (int c = threadIdx.x; c < 2 * TK * C16; c += THREADS) {
+          const int row = c / C16, k = c % C16;  // row: K rows 0..TK-1, then V rows
+          const uint4 raw = *reinterpret_cast<const uint4*>(stg + ((size_t)cbuf * 2 * TK + row) * S::SPITCH + 16 * k);
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+          uint32_t h[8];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            h[2 * i] = e4m3x2_to_half2(w[i] & 0xFFFFu);
+            h[2 * i + 1] = e4m3x2_to_half2(w[i] >> 16);
+          }
+          uint4* dst = reinterpret_cast<uint4*>(kv_t + (size_t)(row / TK) * (S::TILE / 2) + (size_t)(row % TK) * S::TPITCH + 16 * k);
+          dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+          dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
         }
         __syncthreads();
         cbuf = 0;
