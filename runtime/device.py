@@ -146,19 +146,10 @@ class Device:
     def synchronize(self) -> None:
         check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
 
-    def stream(self, non_blocking: bool = True, priority: int | None = None) -> "Stream":
-        """A new stream; `priority` (None: the default) from `stream_priorities()`' range, lower runs first."""
+    def stream(self, non_blocking: bool = True) -> "Stream":
         cu = driver()
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else cu.CUstream_flags.CU_STREAM_DEFAULT
-        if priority is None:
-            return Stream(check(cu.cuStreamCreate(int(flags)), "cuStreamCreate"))
-        return Stream(check(cu.cuStreamCreateWithPriority(int(flags), int(priority)), "cuStreamCreateWithPriority"))
-
-    def stream_priorities(self) -> tuple[int, int]:
-        """(least, greatest) stream priority: the block scheduler prefers pending blocks of greater priority (a
-        numerically lower value)."""
-        least, greatest = check(driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-        return int(least), int(greatest)
+        return Stream(check(cu.cuStreamCreate(int(flags)), "cuStreamCreate"))
 
     def event(self, timing: bool = True) -> "Event":
         cu = driver()

@@ -112,11 +112,8 @@ class Engine:
         self.pdl = bool(manifest.conventions.get("pdl", False)) and os.environ.get("THORGEN_PDL", "1") != "0"
         # The dense MLP on a side stream beside router + MoE (THORGEN_FORK=0 runs everything on one stream)
         self.fork = os.environ.get("THORGEN_FORK", "1") != "0"
-        # ... at the least priority, the main stream (the critical path: attention, router, MoE) at the greatest, so
-        # that pending MoE blocks take free multiprocessors first (THORGEN_PRIORITY=0: default priorities)
-        least, greatest = device.stream_priorities() if os.environ.get("THORGEN_PRIORITY", "1") != "0" else (None, None)
-        self.side = device.stream(priority=least)
-        self.stream = device.stream(priority=greatest)
+        self.side = device.stream()
+        self.stream = device.stream()
         self.kernels = KernelSet(manifest, device)
         self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
         missing = self.fwd.probe()

@@ -39,10 +39,7 @@ class CudaGraph:
             raise
         graph = check(cu.cuStreamEndCapture(stream.handle), f"end capture of {name}")
         try:
-            # kernel nodes keep the priority of the stream they were captured from (the engine's side stream is
-            # the least urgent), as eager launches do
-            flags = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
-            exec_ = check(cu.cuGraphInstantiate(graph, int(flags)), f"instantiate {name}")
+            exec_ = check(cu.cuGraphInstantiate(graph, 0), f"instantiate {name}")
         except BackendError:
             cu.cuGraphDestroy(graph)
             raise

@@ -56,7 +56,6 @@ class FakeDriver:
     CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1, CU_STREAM_DEFAULT=0)
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0, CU_EVENT_DISABLE_TIMING=2)
-    CUgraphInstantiate_flags = SimpleNamespace(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY=8)
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="smem")
     CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
 
@@ -203,8 +202,6 @@ class FakeDriver:
 
     # ---- streams, events, graphs ------------------------------------------------------------------------------
     def cuStreamCreate(self, flags): return OK, object()
-    def cuStreamCreateWithPriority(self, flags, priority): return OK, object()
-    def cuCtxGetStreamPriorityRange(self): return OK, 0, -5
     def cuStreamDestroy(self, s): return (OK,)
     def cuStreamSynchronize(self, s): return (OK,)
     def cuEventCreate(self, flags): return OK, object()

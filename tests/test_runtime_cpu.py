@@ -451,8 +451,6 @@ def test_engine_refuses_to_start_without_needed_kernels(fake, tiny_checkpoint, t
 
     freed = []
     fake.cuStreamCreate = lambda flags: (CUresult.CUDA_SUCCESS, "stream")
-    fake.cuStreamCreateWithPriority = lambda flags, priority: (CUresult.CUDA_SUCCESS, "stream")
-    fake.cuCtxGetStreamPriorityRange = lambda: (CUresult.CUDA_SUCCESS, 0, -5)
     fake.cuStreamDestroy = lambda s: (CUresult.CUDA_SUCCESS,)
     fake.cuMemFree = lambda p: freed.append(p) or (CUresult.CUDA_SUCCESS,)
     spec = Checkpoint.open(tiny_checkpoint).spec
