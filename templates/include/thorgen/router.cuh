@@ -97,32 +97,44 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
     const int c = lane + 32 * j;
     w[j] = (active && c < CH) ? reinterpret_cast<const uint4*>(proj + (long)e * H)[c] : make_uint4(0, 0, 0, 0);
   }
-  // A thread's x columns i = threadIdx.x + k THREADS: the scale (a weight) loads before the wait, and all of the
-  // token's x loads are issued before the first is used (the loop form left three dependent L2 round trips after
-  // the wait, ncu 2026-12-03); the sum of squares keeps its order (fmaf over k), as router_logits_tiled expects.
-  constexpr int XI = (H + THREADS - 1) / THREADS;
+  // router_fused (the one-row decode step): a thread's x columns i = threadIdx.x + k THREADS, with the scale (a
+  // weight) loaded before the wait and all of the token's x loads issued before the first is used. The loop form
+  // leaves three dependent L2 round trips after the wait (ncu, session 27): the decode graph replay measured 49 us
+  // faster this way. The many-row router_logits keeps the loop (153 registers, not 220: it runs beside the dense
+  // MLP's GEMM, and the verify graph was 90 us slower with the preload there, session 27 call 3). Both keep the sum
+  // of squares' order (fmaf over the columns in turn), as router_logits_tiled expects.
+  constexpr bool PRELOAD = K > 0;
+  constexpr int XI = PRELOAD ? (H + THREADS - 1) / THREADS : 1;
   float sc[XI];
 #pragma unroll
   for (int k = 0; k < XI; ++k) {
     const int i = threadIdx.x + k * THREADS;
-    sc[k] = i < H ? __bfloat162float(scale[i]) : 0.f;
+    sc[k] = PRELOAD && i < H ? __bfloat162float(scale[i]) : 0.f;
   }
   pdl_wait();  // PDL: the weight row is in flight; x (and the counters) come from earlier kernels
   for (int t = blockIdx.y; t < T; t += gridDim.y) {  // tokens spread over grid.y
     float ss = 0.f;
     __syncthreads();  // xs of the previous token is no longer read
-    float xv[XI];
+    if constexpr (PRELOAD) {
+      float xv[XI];
 #pragma unroll
-    for (int k = 0; k < XI; ++k) {
-      const int i = threadIdx.x + k * THREADS;
-      xv[k] = i < H ? x[(long)t * H + i] : 0.f;
-    }
+      for (int k = 0; k < XI; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        xv[k] = i < H ? x[(long)t * H + i] : 0.f;
+      }
 #pragma unroll
-    for (int k = 0; k < XI; ++k) {
-      const int i = threadIdx.x + k * THREADS;
-      if (i < H) {
-        ss = fmaf(xv[k], xv[k], ss);
-        xs[i] = xv[k] * sc[k];
+      for (int k = 0; k < XI; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i < H) {
+          ss = fmaf(xv[k], xv[k], ss);
+          xs[i] = xv[k] * sc[k];
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < H; i += THREADS) {
+        const float v = x[(long)t * H + i];
+        ss = fmaf(v, v, ss);
+        xs[i] = v * __bfloat162float(scale[i]);
       }
     }
     ss = block_sum<THREADS>(ss, scratch);
