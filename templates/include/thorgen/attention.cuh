@@ -279,7 +279,8 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
             h[2 * i] = e4m3x2_to_half2(w[i] & 0xFFFFu);
             h[2 * i + 1] = e4m3x2_to_half2(w[i] >> 16);
           }
-          uint4* dst = reinterpret_cast<uint4*>(kv_t + (size_t)(row / TK) * (S::TILE / 2) + (size_t)(row % TK) * S::TPITCH + 16 * k);
+          uint4* dst = reinterpret_cast<uint4*>(kv_t + (size_t)(row / TK) * (S::TILE / 2) +
+                                                (size_t)(row % TK) * S::TPITCH + 16 * k);
           dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
           dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
         }
