@@ -1,13 +1,13 @@
 """Codegen stage: the model's forward lowered to launch lists over the planned kernels (step programs).
 
-`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) the fused
-q|k|v GEMV with rope_kv folded in (each head's last block runs its warp), the split-K decode attention (its splits merged in the same launch), the o_proj
-GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE pair; for more rows
-attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused q|k|v prefill
-GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels. Kernels are
-chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a weight, a
-KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few row
-counts per step shape and writes the launch lists into the manifest; the runtime (runtime/forward.py) only binds and
+`Lower.ops(rows, ...)` returns the launches of one forward over `rows` tokens: for one row (decode) the fused q|k|v GEMV
+with rope_kv folded in (each head's last block runs its warp), the split-K decode attention (its splits merged in the
+same launch), the o_proj GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE
+pair; for more rows attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused
+q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
+Kernels are chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a
+weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few
+row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/forward.py) only binds and
 runs them. A missing kernel aborts that forward (`Missing`) and is named in `missing`.
 """
 
