@@ -106,13 +106,12 @@ __device__ __forceinline__ void moe_mlp_gateup(const WPtr p, const float* __rest
     moe_gateup<KIND, IE, H, E, TOPK, KS, 1, PF, 1, 8, false>(p, gscale, x, ids, act, m, blockIdx.y - DY);
     return;
   }
-  pdl_launch_dependents();
+  pdl_launch_dependents();  // the MoE blocks hold the dependents back until the router is done
   const int unit = blockIdx.y * UNITS + blockIdx.x;
   if (unit >= Dense::UNITS) return;
   __shared__ typename Dense::Smem sm;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   Dense::issue(sm, dp, unit, warp, lane);
-  pdl_wait();
   Dense::compute(sm, dx, warp, lane);
   __syncthreads();
   if (threadIdx.x < 8) {  // gemm_small's GELU_MUL epilogue: gate rows 0-7, up rows 8-15 of the unit
@@ -142,7 +141,6 @@ __device__ __forceinline__ void moe_mlp_down(const WPtr p, const float* __restri
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int unit = blockIdx.x;
   Dense::issue(sm, dp, unit, warp, lane);
-  pdl_wait();
   int id[TOPK];  // the router's, done (see the header); every warp checks its own slot (slot_leads, no barrier)
   token_ids<TOPK>(ids, id);
   float t0 = 0.f, t2 = 0.f;  // token 0's routing-weighted rows gid, gid + 8 of the unit (lanes t4 == 0)
