@@ -81,13 +81,9 @@ class KernelEmulator(LogitsKernels):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
             need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
-        elif t.startswith("moe_mlp_gateup"):  # dense unit rows, then a row a slot
-            need = [(0, 2 * p["ie"] // 16), (1, p["dy"] + p["topk"])]
-            if g[0] * p["dy"] < p["dn"] // 16:
-                raise EmuError(f"grid {tuple(g)}: {p['dy']} rows of {g[0]} blocks miss dense units")
         elif t.startswith("moe_down_pairs"):
             need = [(0, p["h"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
-        elif t.startswith("moe_mlp_down"):
+        elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
             need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
@@ -379,22 +375,8 @@ class KernelEmulator(LogitsKernels):
                 g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
                 act[t * K + k] = RK.store(_gelu(x[t] @ g.T) * (x[t] @ u.T), "f16")
 
-    def _dense_half(self, p, a, epi: str, n_: int, k_: int, n):
-        """The one-token block's dense MLP half (moe_mlp_*): the GEMV on its d* arguments."""
-        gp = dict(n=n_, k=k_, epi=epi, fp4_order=p["fp4_order"])
-        self._gemm(gp, dict(w=a["dw"], s=a["ds"], gscale=a["dgscale"], x=a["dx"], y=a["dy"], m=1), n)
-
-    def k_moe_mlp_gateup(self, p, a, n):
-        if a["m"] != 1:
-            raise EmuError(f"the one-token block got m={a['m']}")
-        self._dense_half(p, a, "gelu_mul", p["dn"], p["h"], n)
-        self.k_moe_gateup(p, a, n)
-
-    def k_moe_mlp_down(self, p, a, n):
+    def k_moe_down(self, p, a, n):
         m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
-        if m != 1:
-            raise EmuError(f"the one-token block got m={m}")
-        self._dense_half(p, a, "store", h, p["dk"], n)
         ids = self.v(a["ids"], np.int32, (m, K), "ids")
         wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
         act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)

@@ -1,7 +1,6 @@
-"""GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1,
-the kernels that also run the dense MLP: its half bit for bit against the dense GEMVs) and verify (M <= 16, experts
-shared between tokens), tiny preset (real quantize + pack path) and full size (random layout bytes, all 128 experts
-resident, only the selected ones dequantized for the reference)."""
+"""GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1)
+and verify (M <= 16, experts shared between tokens), tiny preset (real quantize + pack path) and full size (random
+layout bytes, all 128 experts resident, only the selected ones dequantized for the reference)."""
 
 from __future__ import annotations
 
@@ -21,25 +20,9 @@ from gpu_harness import PRESETS, GpuRunner  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _dense_gemvs(spec) -> tuple[str, str]:
-    """The one-row dense MLP GEMVs (gate|up with GELU, down): the oracle of the one-token block's dense half."""
-    t = spec.target
-    h, di = t.hidden_size, t.intermediate_size
-    return f"nvfp4_gemv__n{2 * di}_k{h}_gelu", f"nvfp4_gemv__n{h}_k{di}"
-
-
 @pytest.fixture(scope="module", params=PRESETS)
 def runner(request):
-    return GpuRunner(request.param, ("moe",), also=_dense_gemvs)
-
-
-def _dense_inputs(runner, rng) -> tuple[dict, dict]:
-    """Random dense MLP weights and rows for the one-token block's d* arguments: (gate|up, down)."""
-    t, order = runner.spec.target, runner.find("moe_mlp_gateup__")[0].param("fp4_order")
-    h, di = t.hidden_size, t.intermediate_size
-    gu, dn = R.LayoutWeight(rng, 2 * di, h, order, gmax=0.01), R.LayoutWeight(rng, h, di, order, gmax=0.01)
-    return ({"dw": gu.w, "ds": gu.s, "dgscale": gu.gscale, "dx": R.act_f16(rng, 1, h)},
-            {"dw": dn.w, "ds": dn.s, "dgscale": dn.gscale, "dx": R.act_f16(rng, 1, di)})
+    return GpuRunner(request.param, ("moe",))
 
 
 class Experts:
@@ -84,7 +67,7 @@ class Experts:
 
 @pytest.fixture(scope="module")
 def experts(runner):
-    (k,) = runner.find("moe_gateup__m16_")
+    (k,) = runner.find("moe_gateup__m1_")
     return Experts(np.random.default_rng(21), runner.spec, k.param("fp4_order"))
 
 
@@ -98,12 +81,10 @@ def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
 
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
-    """y [m, h] of the down kernel: moe_mlp_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
+    """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
     weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
-    if down.name.startswith("moe_mlp_down__"):
-        dd = _dense_inputs(runner, np.random.default_rng(5))[1]
-        return runner.run(down, dict(dn, **dd, act=act, y=np.full((m, h), np.nan, np.float32)),
-                          {"y": ((m, h), np.float32), "dy": ((1, h), np.float32)})["y"]
+    if down.name.startswith("moe_down__"):
+        return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
                        {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
@@ -115,17 +96,15 @@ def test_moe(runner, experts, m, pool):
     t = runner.spec.target
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
     mmax = 1 if m == 1 else 16 if m <= 16 else 32
-    gateup = runner.find("moe_mlp_gateup__" if m == 1 else f"moe_gateup__m{mmax}_")[0]
-    (down,) = runner.find("moe_mlp_down__" if m == 1 else f"moe_down_pairs__m{mmax}_")
-    dgu = _dense_inputs(runner, rng)[0] if m == 1 else {}
-    dense_out = {"dy": ((1, t.intermediate_size), np.float16)} if m == 1 else {}
+    gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
+    (down,) = runner.find("moe_down__m1_" if m == 1 else f"moe_down_pairs__m{mmax}_")
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)
     x = R.act_f16(rng, m, h)
     gates, ups, downs = experts.lists(ids)
     act_ref = R.moe_gateup_ref(x, ids, gates, ups)
     common = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g, "ids": ids, "m": np.int32(m)}
-    act = runner.run(gateup, dict(common, **dgu, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
-                     {"act": ((m * topk, ie), np.float16), **dense_out}, grid=_rows_grid(gateup, m))["act"]
+    act = runner.run(gateup, dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
+                     {"act": ((m * topk, ie), np.float16)}, grid=_rows_grid(gateup, m))["act"]
     err = R.norm_err(act, act_ref)
     assert err <= R.TOL_MOE_ACT, f"{gateup.name} m={m}: act error {err:.2e}"
     # down on the reference's own f16 act (isolates the down kernel), then the chained pair
@@ -148,11 +127,10 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk)
     bad = ids.copy()
     bad[0, -1] = t.num_experts + 1000
-    down = runner.find("moe_mlp_down__")[0]
+    down = runner.find("moe_down__m1_")[0]
     act16 = R.act_f16(rng, m * topk, t.moe_intermediate_size)
     dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "wts": wts, "m": np.int32(m), "act": act16}
-    y = runner.run(down, dict(dn, **_dense_inputs(runner, rng)[1], ids=bad),
-                   {"y": ((m, t.hidden_size), np.float32), "dy": ((1, t.hidden_size), np.float32)})["y"]
+    y = runner.run(down, dict(dn, ids=bad), {"y": ((m, t.hidden_size), np.float32)})["y"]
     keep = wts.copy()
     keep[0, -1] = 0.0
     _, _, downs = experts.lists(ids)
@@ -184,18 +162,16 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         assert [a.param(q) for q in ("ks", "un", "pf")] == [b.param(q) for q in ("ks", "un", "pf")], (a.name, b.name)
     full_act = _pairs_of(runner, k32, gu, {"x": x, "ids": ids}, "act", ie, 32, np.float16)
     full_dn = _pairs_of(runner, d32, dn, {"act": act16, "ids": ids, "wts": wts}, "ypair", h, 32, np.float32)
-    k1 = runner.find("moe_mlp_gateup__")[0]  # one token: its gate/up too (its down sums the slots, checked below)
+    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is moe_down, checked below)
     assert k1.param("ks") == k32.param("ks")
-    dgu, ddn = _dense_inputs(runner, rng)
     for r in (7, 30):
-        act = runner.run(k1, dict(gu, **dgu, x=x[r:r + 1], ids=ids[r:r + 1], m=np.int32(1)),
-                         {"act": ((topk, ie), np.float16), "dy": ((1, t.intermediate_size), np.float16)})["act"]
+        act = _pairs_of(runner, k1, gu, {"x": x[r:r + 1], "ids": ids[r:r + 1]}, "act", ie, 1, np.float16)
         np.testing.assert_array_equal(act, full_act[r * topk:(r + 1) * topk], err_msg=f"{k1.name} row {r}")
-    d1 = runner.find("moe_mlp_down__")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
+    d1 = runner.find("moe_down__m1_")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
     for r in (7, 30):
-        y = runner.run(d1, dict(dn, **ddn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
+        y = runner.run(d1, dict(dn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
                                 m=np.int32(1), y=np.full((1, h), np.nan, np.float32)),
-                       {"y": ((1, h), np.float32), "dy": ((1, h), np.float32)})["y"][0]
+                       {"y": ((1, h), np.float32)}, grid=_rows_grid(d1, 1))["y"][0]
         want = np.zeros(h, np.float32)
         for k in range(topk):  # from 0, slot by slot, in f32 (norm.cuh ffn_tail_row)
             want = want + full_dn[r * topk + k]
@@ -208,31 +184,3 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         y = _pairs_of(runner, down, dn, {"act": act16[pairs], "ids": ids[sub], "wts": wts[sub]}, "ypair", h,
                       len(rows), np.float32)
         np.testing.assert_array_equal(y, full_dn[pairs], err_msg=f"{down.name} rows {rows}")
-
-
-def test_one_token_block_runs_the_dense_mlp_as_its_gemvs(runner):
-    """The one-token block's dense half (moe_mlp_gateup's dense rows, moe_mlp_down's dense parts) has the bits of the
-    one-row dense GEMVs, which the 16- and 32-row GEMMs share (batch invariance), whatever the routing."""
-    rng = np.random.default_rng(25)
-    t = runner.spec.target
-    h, di, ie, topk = t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.top_k_experts
-    gv_gu, gv_dn = (runner.kernels[n] for n in _dense_gemvs(runner.spec))
-    up, down = runner.find("moe_mlp_gateup__")[0], runner.find("moe_mlp_down__")[0]
-    assert (up.param("dparts"), down.param("dparts")) == (gv_gu.param("ks"), gv_dn.param("ks"))
-    dgu, ddn = _dense_inputs(runner, rng)
-    ids, wts = R.moe_routing(rng, 1, t.num_experts, topk)
-    lw = R.LayoutWeight(rng, 2 * ie, h, up.param("fp4_order"), experts=t.num_experts, gmax=0.01)
-    moe = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "ids": ids, "m": np.int32(1)}
-    got_up = runner.run(up, dict(moe, **dgu, x=R.act_f16(rng, 1, h)),
-                        {"act": ((topk, ie), np.float16), "dy": ((1, di), np.float16)})["dy"]
-    want_up = runner.run(gv_gu, {"w": dgu["dw"], "s": dgu["ds"], "gscale": dgu["dgscale"], "x": dgu["dx"],
-                                 "m": np.int32(1)}, {"y": ((1, di), np.float16)})["y"]
-    np.testing.assert_array_equal(got_up.view(np.uint16), want_up.view(np.uint16), err_msg=up.name)
-    ld = R.LayoutWeight(rng, h, ie, up.param("fp4_order"), experts=t.num_experts, gmax=0.01)
-    got_dn = runner.run(down, dict(ddn, w=ld.w, s=ld.s, gscale=ld.gscale, act=R.act_f16(rng, topk, ie), ids=ids,
-                                   wts=wts, m=np.int32(1)),
-                        {"y": ((1, h), np.float32), "dy": ((1, h), np.float32)})["dy"]
-    want_dn = runner.run(gv_dn, {"w": ddn["dw"], "s": ddn["ds"], "gscale": ddn["dgscale"], "x": ddn["dx"],
-                                 "m": np.int32(1)}, {"y": ((1, h), np.float32)})["y"]
-    np.testing.assert_array_equal(got_dn.view(np.uint32), want_dn.view(np.uint32), err_msg=down.name)
-    assert np.isfinite(got_dn).all() and np.abs(got_dn).max() > 0

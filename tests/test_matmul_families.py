@@ -57,7 +57,7 @@ def test_real_shapes_are_planned() -> None:
     spec, a = PRESETS["gemma-4-26b-a4b"], ARCHS["sm_90a"]
     names = {k.name for plan in FAMILY_PLANS for k in plan(spec, a)}
     for want in ("nvfp4_gemv__n4096_k2816", "nvfp4_gemm16__n2816_k4096", "nvfp4_gemv__n4224_k2816_gelu",
-                 "nvfp4_gemmL__n2816_k2112", "nvfp4_gemv__n262144_k2816", "moe_mlp_gateup__m1_e128_k8_i704_h2816_d2112",
+                 "nvfp4_gemmL__n2816_k2112", "nvfp4_gemv__n262144_k2816", "moe_gateup__m1_e128_k8_i704_h2816",
                  "moe_down_pairs__m16_e128_k8_i704_h2816", "bf16_gemm16__n11264_k2816_silu", "bf16_gemmL__n2816_k16896"):
         assert want in names, want
     att = [n for n in names if n.startswith("attn_")]

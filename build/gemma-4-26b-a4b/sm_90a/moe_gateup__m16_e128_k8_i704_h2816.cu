@@ -8,6 +8,5 @@ extern "C" __global__ void __launch_bounds__(128)
 moe_gateup__m16_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, const int* __restrict__ ids, __half* __restrict__ act, int m) {
   thorgen::moe_gateup<thorgen::FP4_SHIFT, 704, 2816, 128, 8, 4, 16,
-                      2, 2, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m,
-                                                 blockIdx.y);
+                      2, 2, 8>(thorgen::WPtr{w, s}, gscale, x, ids, act, m);
 }

@@ -6,7 +6,7 @@
 extern "C" __global__ void __launch_bounds__(64)
 router_fused__h256_e16_k4(const float* x, const __nv_bfloat16* scale, const __nv_bfloat16* proj, const __nv_bfloat16* per_expert_scale,
            float* logits, unsigned int* counters, int32_t* topk_idx, float* topk_w, int T) {
-  // router_logits lets the dependents launch after its pdl_wait (moe_mlp.cuh relies on it)
+  thorgen::pdl_launch_dependents();  // router_logits waits (pdl_wait) once its weight row is loading
   thorgen::router_logits<256, 16, 64, 4>(x, scale, proj, logits, T, 1e-06f,
                                                                   per_expert_scale, counters, topk_idx, topk_w);
 }

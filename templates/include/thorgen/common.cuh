@@ -16,8 +16,6 @@ namespace thorgen {
 // writes are visible. So every kernel calls pdl_wait() before it reads anything an earlier kernel writes
 // (activations, ids, KV, counters) and before its first global write; immutable weights may be loaded before it,
 // which is the point: the weight stream starts under the previous kernel's tail. No-ops without the attribute.
-// One exception, by construction: what was written two or more launches back may be read without a wait when the
-// launch in between calls pdl_launch_dependents() only after its own pdl_wait() (router_fused -> moe_mlp.cuh).
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { pdl_launch_dependents(); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

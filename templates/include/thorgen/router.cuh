@@ -112,9 +112,6 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
     sc[k] = PRELOAD && i < H ? __bfloat162float(scale[i]) : 0.f;
   }
   pdl_wait();  // PDL: the weight row is in flight; x (and the counters) come from earlier kernels
-  // router_fused: the dependents (moe_mlp_gateup) launch only now, so that they may read what the kernels before this
-  // one wrote without a wait of their own (moe_mlp.cuh); router_logits' template lets them launch at its start.
-  if constexpr (K > 0) pdl_launch_dependents();
   for (int t = blockIdx.y; t < T; t += gridDim.y) {  // tokens spread over grid.y
     float ss = 0.f;
     __syncthreads();  // xs of the previous token is no longer read
