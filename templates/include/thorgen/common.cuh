@@ -141,6 +141,13 @@ __device__ __forceinline__ float unordered_f32(uint32_t u) {
 __device__ __forceinline__ unsigned long long value_index_key(float value, uint32_t index) {
   return ((unsigned long long)ordered_f32(value) << 32) | (unsigned long long)(0xffffffffu - index);
 }
+// The warp's largest key (warp_max_u64's result) in two 32-bit warp reductions (redux.sync, sm_80+) instead of five
+// 64-bit shuffle rounds: the high words' maximum, then the largest low word among the lanes holding it.
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long v) {
+  const uint32_t hi = __reduce_max_sync(0xffffffffu, (uint32_t)(v >> 32));
+  const uint32_t lo = __reduce_max_sync(0xffffffffu, (uint32_t)(v >> 32) == hi ? (uint32_t)v : 0u);
+  return ((unsigned long long)hi << 32) | lo;
+}
 __device__ __forceinline__ uint32_t key_index(unsigned long long key) { return 0xffffffffu - (uint32_t)(key & 0xffffffffu); }
 __device__ __forceinline__ float key_value(unsigned long long key) { return unordered_f32((uint32_t)(key >> 32)); }
 

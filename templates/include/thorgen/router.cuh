@@ -31,9 +31,9 @@ __device__ __forceinline__ void write_topk(const int* sel, const float* sel_logi
 }
 
 // Top-k of one token's E logits by one warp (lane l holds experts l, l+32, ...): K rounds of a warp max over
-// (logit, -id) keys, the winner's owner drops it; lane 0 writes ids and weights. The body of router_topk (a warp a
-// token) and of router_fused's last block, whose logits were written by other blocks of its own launch: so they are
-// read through L2 (ld.cg), after the caller's fence.
+// (logit, -id) keys (warp_max_key: two redux.sync a round), the winner's owner drops it; lane 0 writes ids and
+// weights. The body of router_topk (a warp a token) and of router_fused's last block, whose logits were written by
+// other blocks of its own launch: so they are read through L2 (ld.cg), after the caller's fence.
 // (A block-wide rank count instead of the K rounds measured ~0.9 us slower on the H200: 2 warps, E^2 compares.)
 template <int E, int K>
 __device__ __forceinline__ void router_topk_warp(const float* lrow, const __nv_bfloat16* __restrict__ per_expert_scale,
@@ -54,7 +54,7 @@ __device__ __forceinline__ void router_topk_warp(const float* lrow, const __nv_b
     unsigned long long best = 0ull;
 #pragma unroll
     for (int j = 0; j < PER; ++j) best = key[j] > best ? key[j] : best;
-    best = warp_max_u64(best);
+    best = warp_max_key(best);
     const int e = (int)key_index(best);
 #pragma unroll
     for (int j = 0; j < PER; ++j)
