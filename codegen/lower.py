@@ -285,16 +285,15 @@ class Lower:
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
                                   lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
         ops += self._o_proj_tail_ops(l, rows, nq, small)
-        if rows > 1:
-            # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
-            # branch 1 lets it run on a side stream beside them. One row: router_fused and moe_mlp_down run it.
-            mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows,
-                                 A("a1"), A("mlp_act"), epi="gelu_mul", batched=small),
-                   self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"),
-                                 A("mlp"), batched=small)]
-            for op in mlp:
-                op.branch = 1
-            ops += mlp  # first, so the side stream starts before the router
+        # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
+        # branch 1 lets it run on a side stream beside them.
+        mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
+                             A("mlp_act"), epi="gelu_mul", batched=small),
+               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"),
+                             batched=small)]
+        for op in mlp:
+            op.branch = 1
+        ops += mlp  # first, so the side stream starts before the router
         ops += self._router_ops(l, rows, small)
         ops += self._moe_ops(l, rows, small)
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
@@ -306,8 +305,7 @@ class Lower:
         ops.append(Op(f"{p}ffn_tail", ft, dict(
             mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
-            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows,
-            join=rows > 1))
+            layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
 
     def _o_proj_tail_ops(self, l: int, rows: int, nq: int, small: bool) -> list[Op]:
@@ -361,8 +359,7 @@ class Lower:
 
     def _router_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
         """Router logits + top-k: one launch for one row (decode: each token's last block picks its top-k; counters
-        zeroed once, left zeroed; bit-identical to the pair; the dense MLP's gate|up in the same launch), the pair for
-        more (measured faster at 16 rows). A
+        zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows). A
         batched step of up to MAX_BATCH rows keeps the 16-row blocking (its blocks loop over the rows); a prefill
         chunk's logits use the tiled GEMM form."""
         t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
@@ -370,11 +367,9 @@ class Lower:
         common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
                       per_expert_scale=W(f"{p}router.per_expert_scale"), logits=A("rlogits"), topk_idx=A("topk_idx"),
                       topk_w=A("topk_w"), T=rows)
-        if rows == 1:  # with the dense MLP's gate|up as more blocks (moe_mlp.cuh)
-            rt = need(self.find("router_fused.cu.j2", "router (logits + top-k) + dense gate|up", H=t.hidden_size, E=E,
-                                K=K))
-            dense = self._dense_args(l, "gate_up_proj", A("a1"), A("mlp_act"))
-            return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt"), **dense), rows)]
+        if rows == 1:
+            rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
+            return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
         if rows > LM_ROWS and not batched:  # a prefill chunk: the tiled form (ceil(rows / BT) token tiles)
             rl = need(self.find("router_logits_tiled.cu.j2", f"router logits (tiled) m<={self.max_rows}",
                                 H=t.hidden_size, E=E, mmax=self.max_rows))
@@ -384,28 +379,6 @@ class Lower:
         tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
         return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
                 Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
-
-    def _dense_args(self, l: int, proj: str, x: Sym, y: Sym) -> dict[str, Any]:
-        """A one-row dense MLP GEMV folded into another launch (matmul.DENSE_ARGS): router_fused runs the gate|up,
-        moe_mlp_down the down (moe_mlp.cuh)."""
-        W, base = self.ptr.W, f"layers.{l}.mlp.{proj}"
-        return dict(dw=W(base + ".weight_packed"), ds=W(base + ".weight_scale"),
-                    dgscale=W(base + ".weight_tile_scale"), dx=x, dy=y)
-
-    def _moe_mlp_ops(self, l: int, common: dict) -> list[Op]:
-        """One row: the MoE gate/up, then the down of both the MoE and the dense MLP (mlp_act, from router_fused)."""
-        A, W = self.ptr.A, self.ptr.W
-        m = f"layers.{l}.experts."
-        up = need(self.find("moe_gateup.cu.j2", "MoE gate/up m<=1", **common))
-        down = need(self.find("moe_mlp_down.cu.j2", "MoE + dense down (one row)", **common))
-        return [Op(f"layers.{l}.moe_gateup", up, dict(
-                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
-                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),
-                    m=1), 1),
-                Op(f"layers.{l}.moe_mlp_down", down, dict(
-                    w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
-                    gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"), ids=A("topk_idx"),
-                    wts=A("topk_w"), y=A("moe"), m=1, **self._dense_args(l, "down_proj", A("mlp_act"), A("mlp"))), 1)]
 
     def _tap_args(self, l: int) -> dict[str, Any]:
         """ffn_tail's tap arguments: layer l's residual output into its column block of `taps` (f16 elements)."""
@@ -417,10 +390,10 @@ class Lower:
                     tap_col=list(d.target_layer_ids).index(l) * H)
 
     def _moe_ops(self, l: int, rows: int, batched: bool = False) -> list[Op]:
-        """The MoE of layer l: for one row gate/up + the down with the dense down -> moe, mlp [1, H]; up to 16 rows
-        the M=16 gate/up and the down into a row per slot, a batched step of more the M=MAX_BATCH pair; else the
-        grouped kernels: plan (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's
-        weights read once per chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
+        """The MoE of layer l: for one row the M=1 gate/up + down -> moe [1, H]; up to 16 rows the M=16 gate/up
+        and the down into a row per slot, a batched step of more the M=MAX_BATCH pair; else the grouped kernels: plan
+        (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
+        chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         m, K = f"layers.{l}.experts.", t.top_k_experts
         if rows > MOE_SLICE and not batched:
@@ -444,14 +417,12 @@ class Lower:
                     ypair=A("moe_pair_out"), **routing), rows)]
         mmax = small_mmax(rows)
         common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
-        if rows == 1:
-            return self._moe_mlp_ops(l, common)
         up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
-        # the down per (unit, expert) into slot rows, which ffn_tail sums per token
-        down = need(self.find("moe_down_pairs.cu.j2", f"MoE down m<={mmax}", **common))
+        pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
+        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
-        out = dict(ypair=A("moe_pair_out"))
+        out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))
         return [Op(f"layers.{l}.moe_gateup", up, dict(
                     w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
                     gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),

@@ -83,12 +83,10 @@ class KernelEmulator(LogitsKernels):
             need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down_pairs"):
             need = [(0, p["h"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
-        elif t.startswith("moe_mlp_down"):
+        elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel
             need = [(0, (2 * p["ie"] if "gateup" in t else p["h"]) // (16 * p["nwarp"] * p["upw"]))]
-        elif t.startswith("router_fused"):  # the router's blocks, then a block a dense gate|up unit
-            need = [(0, p["rb"] + p["dn"] // 16), (1, 1)]
         elif t.startswith("router_logits_tiled"):
             need = [(0, p["E"] // p["BE"]), (1, -(-rows // p["BT"]))]
         elif "bm" in p:
@@ -348,12 +346,10 @@ class KernelEmulator(LogitsKernels):
         self.k_router_logits(p, a, n)
 
     def k_router_fused(self, p, a, n):
-        """router_logits + router_topk in one launch (bit-identical to the pair on the GPU), and the dense MLP's
-        gate|up of row 0 in its other blocks."""
+        """router_logits + router_topk in one launch (bit-identical to the pair on the GPU)."""
         self._counters_zero(a, a["T"], "router")
         self.k_router_logits(p, a, n)
         self.k_router_topk(p, a, n)
-        self._dense_half(dict(p, fp4_order=p["kind"]), a, "gelu_mul", p["dn"], p["H"], n)
 
     def k_router_topk(self, p, a, n):
         T, E, K = a["T"], p["E"], p["K"]
@@ -379,16 +375,8 @@ class KernelEmulator(LogitsKernels):
                 g, u = L.deinterleave8(self._expert(a, int(ids[t, k]), 2 * ie, h, p))
                 act[t * K + k] = RK.store(_gelu(x[t] @ g.T) * (x[t] @ u.T), "f16")
 
-    def _dense_half(self, p, a, epi: str, n_: int, k_: int, n):
-        """A one-row dense MLP GEMV folded into another launch (router_fused, moe_mlp_down): its d* arguments."""
-        gp = dict(n=n_, k=k_, epi=epi, fp4_order=p["fp4_order"])
-        self._gemm(gp, dict(w=a["dw"], s=a["ds"], gscale=a["dgscale"], x=a["dx"], y=a["dy"], m=1), n)
-
-    def k_moe_mlp_down(self, p, a, n):
+    def k_moe_down(self, p, a, n):
         m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
-        if m != 1:
-            raise EmuError(f"the one-token block got m={m}")
-        self._dense_half(p, a, "store", h, p["dk"], n)
         ids = self.v(a["ids"], np.int32, (m, K), "ids")
         wts = self.v(a["wts"], np.float32, (m, K), "wts").astype(F64)
         act = self.v(a["act"], np.float16, (m * K, ie), "act").astype(F64)

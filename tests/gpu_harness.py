@@ -59,13 +59,11 @@ def build_kernels(specs: list[KernelSpec], arch: ArchSpec, spec_hash: str = "0" 
 class GpuRunner:
     """Kernels of one preset's plan for the local GPU; `run` launches one on NumPy inputs."""
 
-    def __init__(self, preset: str, families: tuple[str, ...], also=None):
-        """also: spec -> names of further kernels of the plan to build (e.g. an oracle of another family)."""
+    def __init__(self, preset: str, families: tuple[str, ...]):
         self.gpu = require_gpu()
         self.arch = native_arch()
         self.spec: ModelSpec = get_preset(preset)
-        extra = set(also(self.spec)) if also else set()
-        self.kernels = {k.name: k for k in plan(self.spec, self.arch) if k.family in families or k.name in extra}
+        self.kernels = {k.name: k for k in plan(self.spec, self.arch) if k.family in families}
         self.cubins = build_kernels(list(self.kernels.values()), self.arch, self.spec.spec_hash)
 
     def find(self, prefix: str) -> list[KernelSpec]:

@@ -211,8 +211,7 @@ def test_seeded_sampling_positions_and_params(emulated):
 def test_pdl_only_between_kernels(emulated):
     """A kernel is launched with PDL only right after a kernel of its own stream: never the first launch of a
     forward (it follows the host's staging copies), never right after a strided copy, never the first op of the
-    side-stream branch (dense MLP) or the op that joins it back; the MLP runs on the side stream (one row: in the MoE
-    kernels)."""
+    side-stream branch (dense MLP) or the op that joins it back; the MLP runs on the side stream."""
     from thorgen.runtime.engine import Copy2D
 
     open_, _ = emulated
@@ -233,9 +232,8 @@ def test_pdl_only_between_kernels(emulated):
                 assert flags[i] is False, op.label
             n_pdl += bool(flags[i])
         assert n_pdl > len(ops) // 2
-        # one row: the MoE kernels run the dense MLP (moe_mlp.cuh), so nothing forks
         assert {o.label.split(".")[-1] for o in ops if not isinstance(o, Copy2D) and o.branch} == \
-            (set() if rows == 1 else {"mlp_gate_up", "mlp_down"})
+            {"mlp_gate_up", "mlp_down"}
     before = drv.pdl_launches
     eng.prefill([2] + list(range(300, 339)))  # an eager 40-row chunk: its kernels reach the driver as PDL launches
     assert drv.pdl_launches > before

@@ -1,7 +1,6 @@
-"""GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1,
-whose down also runs the dense MLP's: that half bit for bit against the dense GEMV) and verify (M <= 16, experts
-shared between tokens), tiny preset (real quantize + pack path) and full size (random layout bytes, all 128 experts
-resident, only the selected ones dequantized for the reference)."""
+"""GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1)
+and verify (M <= 16, experts shared between tokens), tiny preset (real quantize + pack path) and full size (random
+layout bytes, all 128 experts resident, only the selected ones dequantized for the reference)."""
 
 from __future__ import annotations
 
@@ -21,23 +20,49 @@ from gpu_harness import PRESETS, GpuRunner  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _dense_down_gemv(spec) -> tuple[str]:
-    """The one-row dense down GEMV: the oracle of moe_mlp_down's dense half."""
-    t = spec.target
-    return (f"nvfp4_gemv__n{t.hidden_size}_k{t.intermediate_size}",)
-
-
 @pytest.fixture(scope="module", params=PRESETS)
 def runner(request):
-    return GpuRunner(request.param, ("moe",), also=_dense_down_gemv)
+    return GpuRunner(request.param, ("moe",))
 
 
-def _dense_down(runner, rng) -> dict:
-    """Random dense down weights and row for moe_mlp_down's d* arguments."""
-    t, order = runner.spec.target, runner.find("moe_mlp_down__")[0].param("fp4_order")
-    h, di = t.hidden_size, t.intermediate_size
-    dn = R.LayoutWeight(rng, h, di, order, gmax=0.01)
-    return {"dw": dn.w, "ds": dn.s, "dgscale": dn.gscale, "dx": R.act_f16(rng, 1, di)}
+class Experts:
+    """All experts' fused gate|up and down weights in the kernel layout, dense float64 on demand."""
+
+    def __init__(self, rng, spec, order: str):
+        t = spec.target
+        self.h, self.ie, self.e = t.hidden_size, t.moe_intermediate_size, t.num_experts
+        self.tiny = spec.name == "tiny"
+        if self.tiny:
+            gu, dn, gs_gu, gs_dn, self.gates, self.ups, self.downs = [], [], [], [], [], [], []
+            for _ in range(self.e):
+                g, u, (w, s, gsc) = R.gate_up_weight(rng, self.ie, self.h, order, amp=0.5)
+                d = R.Fp4Weight(rng, self.h, self.ie, order, amp=0.5)
+                gu.append((w, s)), dn.append((d.w, d.s)), gs_gu.append(gsc), gs_dn.append(d.gscale)
+                self.gates.append(g.dense), self.ups.append(u.dense), self.downs.append(d.dense)
+            self.gu_w, self.gu_s = np.concatenate([a for a, _ in gu]), np.concatenate([b for _, b in gu])
+            self.dn_w, self.dn_s = np.concatenate([a for a, _ in dn]), np.concatenate([b for _, b in dn])
+            self.gu_g, self.dn_g = np.concatenate(gs_gu), np.concatenate(gs_dn)
+        else:
+            self.gu = R.LayoutWeight(rng, 2 * self.ie, self.h, order, experts=self.e, gmax=0.01)
+            self.dn = R.LayoutWeight(rng, self.h, self.ie, order, experts=self.e, gmax=0.01)
+            self.gu_w, self.gu_s, self.gu_g = self.gu.w, self.gu.s, self.gu.gscale
+            self.dn_w, self.dn_s, self.dn_g = self.dn.w, self.dn.s, self.dn.gscale
+            self._cache: dict[int, tuple] = {}
+
+    def dense(self, e: int):
+        """(gate, up, down) float64 of expert e."""
+        if self.tiny:
+            return self.gates[e], self.ups[e], self.downs[e]
+        if e not in self._cache:
+            fused = self.gu.dense(e).reshape(-1, 2, 8, self.h)
+            self._cache[e] = (fused[:, 0].reshape(-1, self.h), fused[:, 1].reshape(-1, self.h), self.dn.dense(e))
+        return self._cache[e]
+
+    def lists(self, ids: np.ndarray):
+        gates, ups, downs = [None] * self.e, [None] * self.e, [None] * self.e
+        for e in np.unique(ids):
+            gates[e], ups[e], downs[e] = self.dense(int(e))
+        return gates, ups, downs
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +81,10 @@ def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
 
 
 def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) -> np.ndarray:
-    """y [m, h] of the down kernel: moe_mlp_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
+    """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
     weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
-    if down.name.startswith("moe_mlp_down__"):
-        dd = _dense_down(runner, np.random.default_rng(5))
-        return runner.run(down, dict(dn, **dd, act=act, y=np.full((m, h), np.nan, np.float32)),
-                          {"y": ((m, h), np.float32), "dy": ((1, h), np.float32)})["y"]
+    if down.name.startswith("moe_down__"):
+        return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
     pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
                        {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
@@ -74,7 +97,7 @@ def test_moe(runner, experts, m, pool):
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
     mmax = 1 if m == 1 else 16 if m <= 16 else 32
     gateup = runner.find(f"moe_gateup__m{mmax}_")[0]
-    (down,) = runner.find("moe_mlp_down__" if m == 1 else f"moe_down_pairs__m{mmax}_")
+    (down,) = runner.find("moe_down__m1_" if m == 1 else f"moe_down_pairs__m{mmax}_")
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk, pool=topk + 3 if pool else None)
     x = R.act_f16(rng, m, h)
     gates, ups, downs = experts.lists(ids)
@@ -104,11 +127,10 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
     ids, wts = R.moe_routing(rng, m, t.num_experts, topk)
     bad = ids.copy()
     bad[0, -1] = t.num_experts + 1000
-    down = runner.find("moe_mlp_down__")[0]
+    down = runner.find("moe_down__m1_")[0]
     act16 = R.act_f16(rng, m * topk, t.moe_intermediate_size)
     dn = {"w": experts.dn_w, "s": experts.dn_s, "gscale": experts.dn_g, "wts": wts, "m": np.int32(m), "act": act16}
-    y = runner.run(down, dict(dn, **_dense_down(runner, rng), ids=bad),
-                   {"y": ((m, t.hidden_size), np.float32), "dy": ((1, t.hidden_size), np.float32)})["y"]
+    y = runner.run(down, dict(dn, ids=bad), {"y": ((m, t.hidden_size), np.float32)})["y"]
     keep = wts.copy()
     keep[0, -1] = 0.0
     _, _, downs = experts.lists(ids)
@@ -140,17 +162,16 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         assert [a.param(q) for q in ("ks", "un", "pf")] == [b.param(q) for q in ("ks", "un", "pf")], (a.name, b.name)
     full_act = _pairs_of(runner, k32, gu, {"x": x, "ids": ids}, "act", ie, 32, np.float16)
     full_dn = _pairs_of(runner, d32, dn, {"act": act16, "ids": ids, "wts": wts}, "ypair", h, 32, np.float32)
-    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down sums the slots, checked below)
+    k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is moe_down, checked below)
     assert k1.param("ks") == k32.param("ks")
     for r in (7, 30):
         act = _pairs_of(runner, k1, gu, {"x": x[r:r + 1], "ids": ids[r:r + 1]}, "act", ie, 1, np.float16)
         np.testing.assert_array_equal(act, full_act[r * topk:(r + 1) * topk], err_msg=f"{k1.name} row {r}")
-    ddn = _dense_down(runner, rng)
-    d1 = runner.find("moe_mlp_down__")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
+    d1 = runner.find("moe_down__m1_")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
     for r in (7, 30):
-        y = runner.run(d1, dict(dn, **ddn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
+        y = runner.run(d1, dict(dn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
                                 m=np.int32(1), y=np.full((1, h), np.nan, np.float32)),
-                       {"y": ((1, h), np.float32), "dy": ((1, h), np.float32)})["y"][0]
+                       {"y": ((1, h), np.float32)}, grid=_rows_grid(d1, 1))["y"][0]
         want = np.zeros(h, np.float32)
         for k in range(topk):  # from 0, slot by slot, in f32 (norm.cuh ffn_tail_row)
             want = want + full_dn[r * topk + k]
@@ -163,23 +184,3 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         y = _pairs_of(runner, down, dn, {"act": act16[pairs], "ids": ids[sub], "wts": wts[sub]}, "ypair", h,
                       len(rows), np.float32)
         np.testing.assert_array_equal(y, full_dn[pairs], err_msg=f"{down.name} rows {rows}")
-
-
-def test_one_token_down_runs_the_dense_down_as_its_gemv(runner):
-    """moe_mlp_down's dense half has the bits of the one-row dense down GEMV, which the 16- and 32-row GEMMs share
-    (batch invariance), whatever the routing."""
-    rng = np.random.default_rng(25)
-    t = runner.spec.target
-    h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts
-    (gemv,) = (runner.kernels[n] for n in _dense_down_gemv(runner.spec))
-    down = runner.find("moe_mlp_down__")[0]
-    assert down.param("dparts") == gemv.param("ks")
-    ddn = _dense_down(runner, rng)
-    ids, wts = R.moe_routing(rng, 1, t.num_experts, topk)
-    lw = R.LayoutWeight(rng, h, ie, down.param("fp4_order"), experts=t.num_experts, gmax=0.01)
-    got = runner.run(down, dict(ddn, w=lw.w, s=lw.s, gscale=lw.gscale, act=R.act_f16(rng, topk, ie), ids=ids,
-                                wts=wts, m=np.int32(1)), {"y": ((1, h), np.float32), "dy": ((1, h), np.float32)})["dy"]
-    want = runner.run(gemv, {"w": ddn["dw"], "s": ddn["ds"], "gscale": ddn["dgscale"], "x": ddn["dx"],
-                             "m": np.int32(1)}, {"y": ((1, h), np.float32)})["y"]
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=down.name)
-    assert np.isfinite(got).all() and np.abs(got).max() > 0

@@ -428,11 +428,9 @@ def test_forward_schedule_binds_every_planned_kernel(preset, tmp_path):
                 assert all(1 <= a <= b for a, b in zip(g, op.entry.grid)), (op.label, g, op.entry.grid)
                 if "mmax" in op.entry.params:
                     assert op.rows <= op.entry.params["mmax"], (op.label, op.rows)
-            # up to 16 rows: the M=1 (with the dense MLP) / M=16 MoE pair once per layer; prefill chunks: the
-            # grouped (sorted) MoE
+            # up to 16 rows: the M=1 / M=16 MoE pair once per layer; prefill chunks: the grouped (sorted) MoE
             moe = [op.label.rsplit(".", 1)[-1] for op in ops if ".moe_" in op.label]
-            assert moe.count("moe_mlp_down" if rows == 1 else "moe_down") == (t.num_hidden_layers if rows <= 16 else 0)
-            assert any(op.label.endswith("mlp_down") for op in ops)  # the dense MLP runs at every row count
+            assert moe.count("moe_down") == (t.num_hidden_layers if rows <= 16 else 0)
             assert moe.count("moe_grouped_down") == (0 if rows <= 16 else t.num_hidden_layers)
             # the attention prologue (one row: the q|k|v GEMV with rope_kv folded in) writes the engine's KV dtype
             kv_dtypes = {op.entry.params["KV"] for op in ops if op.label.endswith(("rope_kv", "qkv_rope"))}

@@ -31,9 +31,6 @@ from .norms import attn_tail_kernel
 W_LAYOUT = "t16x64"
 TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
-# a one-row dense MLP GEMV folded into another launch (router_fused's gate|up blocks, moe_mlp_down): its weight,
-# input and output, as GEMM_ARGS' first five
-DENSE_ARGS = ("dw", "ds", "dgscale", "dx", "dy")
 # attn_tail: the GEMM part stores o as "store" does; the template adds the tail (gemv_attn_tail)
 EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE"}
 EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}

@@ -1,13 +1,12 @@
 """Codegen stage: the grouped-MoE family (gate|up -> gelu_tanh(gate) * up -> down, weighted by the router).
 
-Two kernels per token budget (mmax 1 = decode, its down with the dense MLP's; 16 = verify and batched decode; 32 =
-batched decode of 17..32 sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of
-the t16x64 NVFP4 layout:
+Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 32 = batched decode of 17..32
+sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
   moe_gateup__...  grid (2*Ie/16 units, min(E, m*K)): block row y does the step's y-th distinct expert's fused gate|up
                    for the tokens that chose it (8 a pass over its weights) and writes their act[t*K+k] rows.
-  moe_mlp_down__   (one token) grid (H/16 units): a warp a slot runs its expert's down rows on the slot's act row
-                   (routing-weighted, fp32), the block sums the slots in order -> y[H]; the same block runs the
-                   dense MLP's down of that unit. No atomics, no partial buffers, each expert's weights read once.
+  moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
+                   their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
+                   shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
   moe_down_pairs__ (16 or 32 rows) grid (H/16 units, min(E, m*K)), like gate/up: block row y runs its expert's
                    down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
                    norms.py) sums per token in slot order.
@@ -25,8 +24,8 @@ from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
 from ..kernel_spec import make_params
 from ._util import require
-from .matmul import (ACT_DTYPE, DENSE_ARGS, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, gemm_small, kind_enum,
-                     prefetch, target_warps, weight_bytes)
+from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
+                     weight_bytes)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 # The down projections' K split (warps over the expert's intermediate size) at every row count: 1, one accumulator
@@ -95,26 +94,21 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
                            grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
                            family="moe")
         return [gateup, pairs]
-    return [gateup, one_token_down(spec, arch, common)]
-
-
-def one_token_down(spec: ModelSpec, arch: ArchSpec, common: dict) -> KernelSpec:
-    """The one-token step's down (moe_mlp.cuh): a block a 16-row unit of both the MoE down and the dense MLP's down
-    (router_fused runs the dense gate|up, router.py). The dense unit splits K into its standalone GEMV's K parts
-    (matmul.gemm_small at M = 1), which give the same bits as the batched steps' GEMMs.
-    Why not the dense MLP on a side stream: left out of the decode step, the side stream's two GEMVs saved their
-    whole time alone, 236 us a step (session 26, probes/h200-s26-drop-probe.json): beside the MoE chain they took its
-    multiprocessors, not idle ones."""
-    t = spec.target
-    h, ie, e, topk, di = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts, t.intermediate_size
-    require(di % TILE_K == 0, f"moe: the dense down [{h} x {di}] does not fit the t16x64 layout")
-    require(_expert_leaders(1, topk, e) == topk and topk <= 32, f"moe: the one-token down runs a warp a slot ({topk})")
-    # the slot warps: the whole expert slab in flight a warp (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
-    steps_d = ie // TILE_K
-    pfd = min(16, steps_d) if arch.prefetch_depth >= 4 else prefetch(steps_d, arch)
-    return KernelSpec(f"moe_mlp_down__m1_e{e}_k{topk}_i{ie}_h{h}_d{di}", "moe_mlp_down.cu.j2",
-                      make_params(pf=pfd, dk=di, dparts=gemm_small(h, di, 1, "store", arch).param("ks"), **common),
-                      grid=(h // TILE_N, 1, 1), block=(32 * topk, 1, 1), args=DOWN_ARGS + DENSE_ARGS, family="moe")
+    # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
+    # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as
+    # in moe_down_pairs (DOWN_KS), and the block adds the slots in slot order from 0, as ffn_tail adds the pair rows,
+    # so a token's MoE output has the same bits in a one-row step as in a batched one (a K split here, which the
+    # tiny preset had, summed the partials in another order).
+    groups, ksd = leaders, DOWN_KS
+    require(groups <= 8, f"moe: the one-token down runs a warp a slot, at most 8 ({leaders} slots)")
+    nw = groups * ksd
+    pfd = prefetch(math.ceil(steps_d / ksd), arch)
+    if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
+        pfd = min(16, math.ceil(steps_d / ksd))
+    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
+                      make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
+                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
+    return [gateup, down]
 
 
 def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
@@ -128,13 +122,10 @@ def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
 
 
 def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
-    """M = 1 with K distinct experts (ids 0, E/K, 2E/K, ...), its down with the dense down, and M = 16 (random
-    routing, bytes an upper bound)."""
+    """M = 1 with K distinct experts (ids 0, E/K, 2E/K, ...), and M = 16 (random routing, bytes an upper bound)."""
     t = spec.target
-    h, ie, e, topk, di = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts, t.intermediate_size
+    h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     gu_b, d_b = expert_bytes(spec)
-    dense_down = (Buf("dw", "u8", h * di // 2), Buf("ds", "u8", h * di // 16), Buf("dgscale", "f32", h // 8, 1e-3, 2e-3),
-                  Buf("dx", "f16", di), Buf("dy", "f32", h))
     cases = []
     for mmax in (1, 16, MAX_BATCH):
         gateup, down = moe_kernels(spec, arch, mmax)
@@ -149,17 +140,13 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         d_args = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16),
                   Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3), Buf("act", "f16", m * topk * ie), ids,
                   Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("y", "f32", m * h), Scalar("m", "i32", m))
-        note = f"M={m}, {n_sel} experts" + (" (ids must be distinct; down: + the dense down)" if m == 1 else " (at most)")
-        extra_gu = extra_d = 0
-        if m == 1:  # moe_mlp_down: the dense MLP's down too
-            d_args = d_args + dense_down
-            extra_d = weight_bytes(h, di) + di * 2 + h * 4
-        cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2 + extra_gu,
+        note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
+        cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
                                note=note, weight_streaming=m == 1))
         if m > 1:  # moe_down_pairs: one output row per slot
             d_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])
         out_rows = m * topk if m > 1 else m
-        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4 + extra_d,
+        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
                                note=note, weight_streaming=m == 1))
     return cases
 

@@ -1,10 +1,9 @@
 """Codegen stage: the MoE router family — logits (norm, scale, bf16 projection) and softmax/top-k/renorm.
 
 router_fused (one launch: logits, then each token's last block runs the top-k; bit-identical to the pair) is what
-the decode step (one row) uses, with the dense MLP's gate|up as more blocks of its launch (moe_mlp.cuh); steps of
-more rows use the pair router_logits + router_topk, which measured faster at 16 rows on the H200 (graph-replayed:
-fused 12.7 us vs 7.2 + 4.6 us; a likely cause: the 16 tokens' counters share a cache line), and it is the fused
-kernel's GPU oracle.
+the decode step (one row) uses; steps of more rows use the pair router_logits + router_topk, which measured faster
+at 16 rows on the H200 (graph-replayed: fused 12.7 us vs 7.2 + 4.6 us; a likely cause: the 16 tokens' counters
+share a cache line), and it is the fused kernel's GPU oracle.
 Up to 16 rows, router_logits: 2 warps (2 experts) a block, each warp's W row in registers, so many blocks pull the
 router weight at once; every block stages and normalises its tokens' rows one at a time (~3.5 us a token).
 A prefill chunk (MAX_STEP_TOKENS rows): router_logits_tiled, the logits as a small fp32 GEMM ([T, H] x [H, E], a long
@@ -34,7 +33,6 @@ from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import MAX_STEP_TOKENS
 from ._util import ftag, require
-from .matmul import DENSE_ARGS, TILE_K, TILE_N, fp4_order, gemm_small, kind_enum, weight_bytes
 
 # router_logits' token groups (a verify step's 16 tokens; a 32-row batched step loops 2 a block: 32 groups, a block
 # a row, measured slower on the H200, 461 against 420 us a step, session 20 call 3)
@@ -82,16 +80,9 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                       make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
                       grid=(-(-MAX_STEP_TOKENS // TOPK_WARPS), 1, 1), block=(32 * TOPK_WARPS, 1, 1),
                       args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"), family="router")
-    # the one-token step's dense MLP gate|up as more blocks (moe_mlp.cuh dense_gateup_block), its GEMV's K split
-    di, rb = t.intermediate_size, logits.grid[0]
-    require((2 * di) % TILE_N == 0 and H % TILE_K == 0, f"router: the dense gate|up [{2 * di} x {H}] does not fit t16x64")
-    kind = fp4_order(arch)
-    dparts = gemm_small(2 * di, H, 1, "gelu_mul", arch).param("ks")
-    fused = KernelSpec(f"router_fused__h{H}_e{E}_k{K}{eps_tag}_d{di}", "router_fused.cu.j2",
-                       make_params(H=H, E=E, K=K, EPS=float(t.rms_norm_eps), ROW_AXIS=1, rb=rb, dn=2 * di,
-                                   dparts=dparts, kind=kind, kind_enum=kind_enum(kind)),
-                       grid=(rb + 2 * di // TILE_N, logits.grid[1], 1), block=logits.block,
-                       args=FUSED_ARGS + DENSE_ARGS, family="router")
+    fused = KernelSpec(f"router_fused__h{H}_e{E}_k{K}{eps_tag}", "router_fused.cu.j2",
+                       make_params(H=H, E=E, K=K, EPS=float(t.rms_norm_eps), ROW_AXIS=1), grid=logits.grid,
+                       block=logits.block, args=FUSED_ARGS, family="router")
     return [fused, logits, prefill, topk]
 
 
@@ -99,18 +90,14 @@ def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     t = spec.target
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     fu, lg, tiled, tk = plan_router(spec, arch)
-    di = t.intermediate_size
-    dense = (Buf("dw", "u8", di * H), Buf("ds", "u8", di * H // 8), Buf("dgscale", "f32", 2 * di // 8, 1e-3, 2e-3),
-             Buf("dx", "f16", H), Buf("dy", "f16", di))
-    dense_bytes = weight_bytes(2 * di, H) + H * 2 + di * 2
     out = []
     for T in (1, 16):
         out.append(BenchCase(fu, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
                                   Buf("per_expert_scale", "bf16", E), Buf("logits", "f32", T * E),
                                   Buf("counters", "u32", T, 0, 0), Buf("topk_idx", "i32", T * K),
-                                  Buf("topk_w", "f32", T * K), Scalar("T", "i32", T), *dense),
-                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4 + T * K * 8 + dense_bytes,
-                             grid=(fu.grid[0], T, 1), note=f"fused T={T} + the dense gate|up"))
+                                  Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),
+                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4 + T * K * 8, grid=(fu.grid[0], T, 1),
+                             note=f"fused T={T}"))
     for k, T in ((lg, 1), (lg, 16), (tiled, MAX_STEP_TOKENS)):
         # lg: grid-stride rows (min(T, grid.y) blocks on y); tiled: ceil(T / TILE_T) blocks on y (its ROW_GRID)
         gy = min(T, k.grid[1]) if k is lg else -(-T // tiled.param("BT"))

@@ -1,5 +1,5 @@
 // thorgen MoE for the small steps (decode M = 1, verify and batched decode M <= 32) on the t16x64 tile engine
-// (nvfp4.cuh, gemm_nvfp4.cuh); the one-token down, with the dense MLP's, is moe_mlp.cuh's. Grid (16-row unit groups, one block row per expert the step may select): block row y
+// (nvfp4.cuh, gemm_nvfp4.cuh). Grid (16-row unit groups, one block row per expert the step may select): block row y
 // runs one distinct expert (block_expert), so every selected expert's weights are read once per unit, whatever the
 // step's routing, and every output row is written by exactly one block (no atomics, deterministic).
 // Gate/up and the many-row down run over the expert's own tokens only (expert_tokens), PW (8 or 16) a pass, as the
@@ -53,8 +53,8 @@ __device__ __forceinline__ bool nth_expert(const int* __restrict__ ids, int m, i
   return false;
 }
 
-// One token's TOPK expert ids in registers, loaded together (moe_mlp_down: its warps' slots checked without the
-// shared leader table and its three barriers; H200 2026-12-02, 7.6 -> 7.5 us a layer).
+// One token's TOPK expert ids in registers, loaded together (moe_down: its warps' slots checked without the shared
+// leader table and its three barriers; H200 2026-12-02, 7.6 -> 7.5 us a layer).
 template <int TOPK>
 __device__ __forceinline__ void token_ids(const int* __restrict__ ids, int (&id)[TOPK]) {
 #pragma unroll
@@ -171,6 +171,99 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
       act[(size_t)pairs[0][c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
     }
     __syncthreads();  // red is rewritten by the next pass
+  }
+}
+
+// One token (the many-row steps run moe_down_pairs). Block = one 16-row unit of the down projections (H rows), all
+// experts: NW warps = NG slot groups x KSD K-parts. Each warp walks its slots in order, runs the leader expert's
+// down rows over the gathered act rows of the tokens that chose it, and accumulates acc * inv_scale * routing
+// weight per token in fp32 registers; a fixed-order shared-memory reduction gives y[t][H] (fp32)
+// deterministically: no atomics, no partial buffers.
+template <int KIND, int IE, int H, int E, int TOPK, int NW, int KSD, int MMAX, int PF, bool SWAP = false>
+__device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__ gscale,
+                                         const __half* __restrict__ act, const int* __restrict__ ids,
+                                         const float* __restrict__ wts, float* __restrict__ y, int m) {
+  static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
+  static_assert(NW % KSD == 0 && KSD <= IE / 64, "NW must be a multiple of KSD; KSD at most the step count");
+  static_assert(MMAX == 1, "one token: its slots' leaders come from its ids in registers (slot_leads)");
+  constexpr bool TWO = MMAX > 8;
+  constexpr int MR = TWO ? 16 : 8;
+  constexpr int STEPS = IE / 64, NG = NW / KSD;
+  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  __shared__ float red[NW][MR][16];
+  pdl_launch_dependents();
+  pdl_wait();
+  m = m < MMAX ? m : MMAX;
+  const int nslots = m * TOPK;
+  int id[TOPK];  // the token's ids in registers: each warp checks its own slots (slot_leads, no barrier)
+  token_ids<TOPK>(ids, id);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  const int unit = blockIdx.x, group = warp / KSD, kp = warp % KSD;
+  const int s0 = kp * STEPS / KSD, s1 = (kp + 1) * STEPS / KSD;
+  float tot[2][4] = {};
+  for (int slot = group; slot < nslots; slot += NG) {
+    int e;
+    if (!slot_leads<E, TOPK>(id, slot, e)) continue;
+    const __half* row0 = nullptr;
+    const __half* row1 = nullptr;
+    float w0 = 0.f, w1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < TOPK; ++k) {
+      if (gid < m && __ldg(ids + gid * TOPK + k) == e) {
+        row0 = act + (size_t)(gid * TOPK + k) * IE;
+        w0 = __ldg(wts + gid * TOPK + k);
+      }
+      if (TWO && gid + 8 < m && __ldg(ids + (gid + 8) * TOPK + k) == e) {
+        row1 = act + (size_t)((gid + 8) * TOPK + k) * IE;
+        w1 = __ldg(wts + (gid + 8) * TOPK + k);
+      }
+    }
+    const WPtr pe{p.w + e * EW, p.s + e * ES};
+    float acc[2][4] = {};
+    unit_steps<KIND, H, IE, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
+    const float* gs = gscale + (size_t)e * (H / 8);
+    if constexpr (SWAP) {
+      // C[row][token] in acc[0] (mma_step_swap's one chain): tokens 2*t4, 2*t4+1 need their own routing weights
+      float wt[2] = {0.f, 0.f};
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int tok = 2 * t4 + c;
+#pragma unroll
+        for (int k = 0; k < TOPK; ++k)
+          if (tok < m && __ldg(ids + tok * TOPK + k) == e) wt[c] = __ldg(wts + tok * TOPK + k);
+      }
+      const float f0 = tile_factor<KIND>(gs, 2 * unit), f1 = tile_factor<KIND>(gs, 2 * unit + 1);
+      tot[0][0] = fmaf(acc[0][0] * f0, wt[0], tot[0][0]);
+      tot[0][1] = fmaf(acc[0][1] * f0, wt[1], tot[0][1]);
+      tot[0][2] = fmaf(acc[0][2] * f1, wt[0], tot[0][2]);
+      tot[0][3] = fmaf(acc[0][3] * f1, wt[1], tot[0][3]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float f = tile_factor<KIND>(gs, 2 * unit + t);
+        tot[t][0] = fmaf(acc[t][0] * f, w0, tot[t][0]);
+        tot[t][1] = fmaf(acc[t][1] * f, w0, tot[t][1]);
+        tot[t][2] = fmaf(acc[t][2] * f, w1, tot[t][2]);
+        tot[t][3] = fmaf(acc[t][3] * f, w1, tot[t][3]);
+      }
+    }
+  }
+  if constexpr (SWAP) {
+    red[warp][2 * t4][gid] = tot[0][0];
+    red[warp][2 * t4 + 1][gid] = tot[0][1];
+    red[warp][2 * t4][8 + gid] = tot[0][2];
+    red[warp][2 * t4 + 1][8 + gid] = tot[0][3];
+  } else {
+    frag_to_smem<MR>(red[warp], tot, gid, t4);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MR * 16; i += NW * 32) {
+    const int r = i >> 4, c = i & 15;
+    if (r >= m) break;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += red[w][r][c];
+    y[(size_t)r * H + 16 * unit + c] = v;
   }
 }
 

@@ -159,7 +159,7 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
       __syncthreads();  // this block's logits of token t are written
       if (threadIdx.x == 0) {
         __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
-        last = atomicAdd(&counters[t], 1u) == E / WARPS - 1;  // the router's blocks (router_fused: more follow)
+        last = atomicAdd(&counters[t], 1u) == gridDim.x - 1;
       }
       __syncthreads();
       if (last && warp == 0) {
