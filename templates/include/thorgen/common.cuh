@@ -103,24 +103,18 @@ __device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v
 // `inc` arrivals (of `n` in all) at a u32 counter by the calling block (every thread calls it); true in every thread
 // of the block that completes the count, which re-zeroes the counter and may then read what the others wrote.
 // flag: a shared int. The caller's global writes precede the call.
-// fence.acq_rel.gpu: with a relaxed atomic after it, a release (cumulative: it covers the block's writes that a
-// barrier ordered before it); after one, an acquire. Lighter than __threadfence() (fence.sc.gpu), and all that a
-// count-then-read handoff needs (the PTX memory model's release and acquire patterns).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
 __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int n, int* flag, unsigned int inc = 1u) {
   __syncthreads();  // the block's writes are done
   if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();  // release: ... and visible device-wide before the count
+    __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
     const bool l = atomicAdd(counter, inc) == n - inc;
-    if (l) {
-      fence_acq_rel_gpu();  // acquire: the other blocks' writes are visible from here on (the barrier passes it on)
-      *counter = 0u;  // all n have counted: nobody touches it again in this launch
-    }
+    if (l) *counter = 0u;  // all n have counted: nobody touches it again in this launch
     *flag = l;
   }
   __syncthreads();
-  return *flag != 0;
+  const bool l = *flag != 0;
+  if (l) __threadfence();  // acquire: the other blocks' writes are visible from here on
+  return l;
 }
 
 // ---- L2 prefetch hints -----------------------------------------------------------------------------------------

@@ -158,12 +158,12 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
     if constexpr (K > 0) {
       __syncthreads();  // this block's logits of token t are written
       if (threadIdx.x == 0) {
-        fence_acq_rel_gpu();  // release: ... and visible device-wide before the count
+        __threadfence();  // ... and visible device-wide (cumulative over the block's writes) before the count
         last = atomicAdd(&counters[t], 1u) == gridDim.x - 1;
-        if (last) fence_acq_rel_gpu();  // acquire: every other block's logits of token t are visible from here on
       }
       __syncthreads();
       if (last && warp == 0) {
+        __threadfence();  // acquire: every other block's logits of token t are visible from here on
         router_topk_warp<E, K>(logits + (long)t * E, per_expert_scale, topk_idx + (long)t * K, topk_w + (long)t * K);
         if (lane == 0) counters[t] = 0u;  // every block of token t has counted: leave it zeroed
       }
