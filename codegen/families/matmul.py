@@ -68,6 +68,21 @@ def split_k(units: int, steps: int, arch: ArchSpec, blocks_per_unit: int = 1) ->
     return max(min(2, steps), min(16, steps, ks))
 
 
+# Registers a thread of the fp16-weight (drafter) small GEMM holds, about: 4 steps of 16 x 64 fp16 weights in flight
+# (16 registers each) and the tensor-core operands; ptxas reports 122-124 on sm_90a.
+HALF_REGS = 128
+
+
+def half_split_k(units: int, steps: int, arch: ArchSpec) -> int:
+    """Warps per block of the fp16-weight small GEMM: the most (a power of two, at most 16) with which every block is
+    resident at once, 65536 registers an SM at HALF_REGS a thread. target_warps' 24 warps an SM do not fit at these
+    registers, so split_k's 16 warps a block over 176 units ran in two waves, the second on a third of the SMs (ncu,
+    H200, session 29: the drafter's n2816 GEMMs at 31-33 % of DRAM peak, SMs busy 62 % of the kernel)."""
+    resident = arch.sm_count * (65536 // (32 * HALF_REGS))  # warps
+    ks = 1 << max(0, (resident // max(1, units)).bit_length() - 1)
+    return max(min(2, steps), min(16, steps, ks))
+
+
 def prefetch(steps_per_warp: int, arch: ArchSpec) -> int:
     """Software prefetch depth in 512-B steps (arch default; never past the warp's steps)."""
     return max(1, min(arch.prefetch_depth, steps_per_warp))
@@ -94,7 +109,7 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     check_shape(f"{prefix} gemm", n, k)
     require(1 <= mmax <= SMALL_MAX_ROWS, f"gemm_small: mmax {mmax} must lie in 1..{SMALL_MAX_ROWS}")
     units, steps = n // TILE_N, k // TILE_K
-    ks = split_k(units, steps, arch)
+    ks = split_k(units, steps, arch) if kind != "half" else half_split_k(units, steps, arch)
     pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
     if kind != "half" and arch.prefetch_depth >= 4:
         # H200 sweep (.gpu/knob_sweep.py, kept out of the repo; KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
