@@ -9,7 +9,7 @@ its buffers (runtime/forward.py):
   ["A", activation, row, byte offset]  ["W", weight, byte offset]  ["KV" | "DKV", layer, "k" | "v", byte offset]
   ["NULL"]  ["lane_bytes" | "dlane_bytes", layer] (a target | drafter layer's lane stride)  and integers (row and
   offset entries may themselves be ["rows", a, b]).
-A launch: {"label", "kernel" (a manifest kernel name), "args", "rows", "branch", "join", "rowwise"}; launch grids
+A launch: {"label", "kernel" (a manifest kernel name), "args", "rows", "branch", "join", "rowwise", "pdl"}; launch grids
 follow the kernels' planned rules (their params) at bind time. Kinds that lack a kernel are left out, their reasons
 listed under "missing" by what they serve: "core" (plain decoding), "ext" (logits processing, logprobs, prompt
 scoring) and "speculative" (DFlash)."""
@@ -106,14 +106,15 @@ def _merge(samples: list[tuple[int, list[Op]]], what: str) -> list[dict]:
     """The launch lists of one range at its sample row counts -> one program."""
     base = samples[0][1]
     for rows, ops in samples[1:]:
-        if [(o.label, o.entry.name, o.branch, o.join, o.rowwise, sorted(o.args)) for o in ops] != \
-                [(o.label, o.entry.name, o.branch, o.join, o.rowwise, sorted(o.args)) for o in base]:
+        if [(o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in ops] != \
+                [(o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in base]:
             raise ProgramError(f"{what}: the launches at {rows} rows differ from those at {samples[0][0]}")
     out = []
     for i, op in enumerate(base):
         at = [(rows, ops[i]) for rows, ops in samples]
         out.append({"label": op.label, "kernel": op.entry.name, "branch": op.branch, "join": op.join,
-                    "rowwise": op.rowwise, "rows": _fit([(r, o.rows) for r, o in at], f"{what} {op.label} rows"),
+                    "rowwise": op.rowwise, "pdl": op.pdl,
+                    "rows": _fit([(r, o.rows) for r, o in at], f"{what} {op.label} rows"),
                     "args": {n: _encode([(r, o.args[n]) for r, o in at], f"{what} {op.label} {n}")
                              for n in op.args}})
     return out

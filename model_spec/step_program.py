@@ -22,6 +22,7 @@ class Op:
     branch: int = 0  # 1: may run on the engine's side stream, concurrently with the branch-0 ops that follow it
     join: bool = False  # waits for the side stream's ops before it (reads what they wrote)
     rowwise: bool = False  # attention: one query per block (a batched decode step)
+    pdl: bool = True  # may launch as a programmatic dependent of the launch before it on its stream (runtime/engine)
 
 
 # One program per kind of forward, keyed by its flags, each for ranges of row counts. Flags that change nothing are

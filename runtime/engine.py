@@ -250,9 +250,9 @@ class Engine:
     def bind(self, ops: list, captured: bool = False) -> list[tuple[str, Any]]:
         """Ops -> (label, callable(stream)) pairs: prepacked kernel launches and strided copies."""
         out: list[tuple[str, Any]] = []
-        # PDL only between two kernels of one stream: a copy, the host's staging or a cross-stream join is a full
-        # dependency. Branch-1 ops run on the side stream: forked from the main stream at the first one, joined
-        # back at the next op marked `join`.
+        # PDL only between two kernels of one stream, and only where the program allows it (op.pdl): a copy, the
+        # host's staging or a cross-stream join is a full dependency. Branch-1 ops run on the side stream: forked
+        # from the main stream at the first one, joined back at the next op marked `join`.
         after = {0: False, 1: False}
         side_open = False
         for op in ops:
@@ -273,7 +273,7 @@ class Engine:
                                    "engine does not provide (kernel signature changed?)")
             k = self.kernels.kernel(op.entry.name)
             launch = k.bind([op.args[n] for n in op.entry.args], grid=_grid(op.entry, op.rows, op.rowwise),
-                            pdl=self.pdl and after[branch])
+                            pdl=self.pdl and op.pdl and after[branch])
             after[branch] = True
             out.append((op.label, self._on_branch(launch, branch, fork, join, captured)))
         if side_open:

@@ -143,7 +143,7 @@ class Forward:
                                "lacks; rebuild with `thorgen build`")
         args = {n: self._value(v, rows) for n, v in op["args"].items()}
         return Op(op["label"], entry, args, _int(op["rows"], rows), int(op.get("branch", 0)), bool(op.get("join")),
-                  bool(op.get("rowwise")))
+                  bool(op.get("rowwise")), bool(op.get("pdl", True)))
 
     def _value(self, v: Any, rows: int) -> Any:
         if not isinstance(v, list) or v[0] == "rows":

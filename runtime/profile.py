@@ -20,11 +20,11 @@ def _bind_alone(eng: Engine, *op_lists: list) -> list[list[tuple[str, Any]]]:
         eng.fork, eng.pdl = fork, pdl
 
 
-def distinct_tokens(n: int, vocab: int) -> np.ndarray:
-    """n different ordinary token ids spread over the vocabulary, for timed steps of n rows: rows of one repeated
-    token route to the same 8 experts, so a batched or verify MoE would read a fraction of the experts that
-    distinct tokens (a real batch) make it read, and time too fast."""
-    return (1000 + 7919 * np.arange(n)) % vocab
+def distinct_tokens(n: int, vocab: int, first: int = 0) -> np.ndarray:
+    """n different ordinary token ids spread over the vocabulary (entries first.. of one sequence), for timed steps
+    of n rows: rows of one repeated token route to the same 8 experts, so a batched or verify MoE would read a
+    fraction of the experts that distinct tokens (a real batch) make it read, and time too fast."""
+    return (1000 + 7919 * np.arange(first, first + n)) % vocab
 
 
 def _stage(eng: Engine, **values: np.ndarray) -> None:

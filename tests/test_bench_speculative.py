@@ -54,6 +54,7 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
         assert report["tau"] == 3 and report["verify_step_ms"] is not None and report["draft_step_ms"] is not None
         assert report["verify_step_kernels"] and report["draft_step_kernels"]
         assert b.engine.emulate_acceptance is None and b.engine.spec_timing is None  # left as it was
+        assert b.engine.draft_hook is None
     finally:
         b.close()
         dev.set_driver(None)

@@ -102,7 +102,8 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                 assert [o.label for o in got] == [o.label for o in want], (key, rows)
                 for g, w in zip(got, want):
                     assert g.entry.name == w.entry.name and g.rows == w.rows, (key, rows, g.label)
-                    assert (g.branch, g.join, g.rowwise) == (w.branch, w.join, w.rowwise), (key, rows, g.label)
+                    assert (g.branch, g.join, g.rowwise, g.pdl) == (w.branch, w.join, w.rowwise, w.pdl), \
+                        (key, rows, g.label)
                     assert {n: _bound(v) for n, v in g.args.items()} == \
                         {n: _lowered(v) for n, v in w.args.items()}, (key, rows, g.label)
                 checked += 1
