@@ -130,44 +130,59 @@ __device__ __forceinline__ void attn_split_count(float* ws, unsigned int* counte
     merge_parts<D, HQ, G, MMAX, THREADS, true>(o1, ml1, 0, nsubs, q0, nrows, hkv, nullptr, nullptr, 0, out, scratch);
 }
 
-// Merge NSPLIT partial results: one block per (query, head) row, threads over the head dim. The (m, l) pairs are
-// staged in shared memory first (a thread a part) and the O loads of up to ZB parts issue together, predicated on the
-// staged l: the loop that read l, then m, then O part after part waited on L2 about 2 NSPLIT times (ncu, session 29:
-// 7.5 us a 16-query launch, 65 % long-scoreboard stalls). Same arithmetic, in part order.
-template <int D, int HQ, int NSPLIT, int MMAX>
+// Merge NSPLIT partial results: one block per (query, head) row, THREADS threads over the head dim (C columns
+// each). The (m, l) pairs are staged in shared memory first (a thread a part); then each thread issues the O loads of
+// all its columns for up to ZB parts together, predicated on the staged l, and skips the batches of ZB parts that
+// hold no part with keys (a query's parts with keys are a range of the splits). The former loop, which read l, then
+// m, then O part after part, waited on L2 about 2 NSPLIT times (ncu, session 29: 7.5 us a 16-query launch, 65 %
+// long-scoreboard stalls). Same arithmetic, in part order.
+template <int D, int HQ, int NSPLIT, int MMAX, int THREADS>
 __device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {
-  constexpr int ZB = NSPLIT < 16 ? NSPLIT : 16;
+  constexpr int ZB = NSPLIT < 16 ? NSPLIT : 16, C = D / THREADS;
   static_assert(NSPLIT % ZB == 0, "the parts come in whole batches of ZB");
+  static_assert(D % THREADS == 0 && C <= 4, "a thread merges 1..4 whole columns");
   __shared__ float2 mls[NSPLIT];  // (m, l) of each part
   pdl_launch_dependents();
   pdl_wait();
   const int row = blockIdx.x;  // qi * HQ + head
   if (row >= m * HQ) return;
   const float* ml = ws + (size_t)NSPLIT * MMAX * HQ * D;
-  for (int z = threadIdx.x; z < NSPLIT; z += blockDim.x)
+  for (int z = threadIdx.x; z < NSPLIT; z += THREADS)
     mls[z] = *reinterpret_cast<const float2*>(ml + ((size_t)z * MMAX * HQ + row) * 2);
   __syncthreads();
   float mx = -INFINITY;
+  unsigned batches = 0;  // bit b: batch b holds a part with keys
+#pragma unroll
   for (int z = 0; z < NSPLIT; ++z)
-    if (mls[z].y > 0.f) mx = fmaxf(mx, mls[z].x);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f, lsum = 0.f;
-    for (int z0 = 0; z0 < NSPLIT; z0 += ZB) {
-      float o[ZB];
-#pragma unroll
-      for (int k = 0; k < ZB; ++k)
-        o[k] = mls[z0 + k].y > 0.f ? ws[((size_t)(z0 + k) * MMAX * HQ + row) * D + d] : 0.f;
-#pragma unroll
-      for (int k = 0; k < ZB; ++k) {
-        const float2 p = mls[z0 + k];
-        if (!(p.y > 0.f)) continue;
-        const float e = exp2f(p.x - mx);
-        lsum += p.y * e;
-        acc += o[k] * e;
-      }
+    if (mls[z].y > 0.f) {
+      mx = fmaxf(mx, mls[z].x);
+      batches |= 1u << (z / ZB);
     }
-    out[(size_t)row * D + d] = __float2half_rn(lsum > 0.f ? acc / lsum : 0.f);
+  float acc[C], lsum = 0.f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) acc[c] = 0.f;
+  for (int z0 = 0; z0 < NSPLIT; z0 += ZB) {
+    if (!(batches >> (z0 / ZB) & 1u)) continue;
+    float o[ZB][C];
+#pragma unroll
+    for (int k = 0; k < ZB; ++k)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        o[k][c] = mls[z0 + k].y > 0.f ? ws[((size_t)(z0 + k) * MMAX * HQ + row) * D + threadIdx.x + c * THREADS]
+                                      : 0.f;
+#pragma unroll
+    for (int k = 0; k < ZB; ++k) {
+      const float2 p = mls[z0 + k];
+      if (!(p.y > 0.f)) continue;
+      const float e = exp2f(p.x - mx);
+      lsum += p.y * e;
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[c] += o[k][c] * e;
+    }
   }
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+    out[(size_t)row * D + threadIdx.x + c * THREADS] = __float2half_rn(lsum > 0.f ? acc[c] / lsum : 0.f);
 }
 
 }  // namespace thorgen
