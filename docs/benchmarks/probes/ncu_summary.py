@@ -1,5 +1,6 @@
 """Device-probe helper: summarise ncu_step.py's two ncu CSVs (`--set full --page details`, and `--section
-WarpStateStats --page raw`) into the JSON beside it (h200-s27-ncu-decode.json).
+WarpStateStats --page raw`) into the JSON beside it (h200-s27-ncu-decode.json; h200-s29-ncu-spec.json from the
+sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and MemoryWorkloadAnalysis).
 
     python3 ncu_summary.py details.csv raw.csv out.json
 """
@@ -21,11 +22,17 @@ def stall_shares(raw_path):
     for r in table[2:]:  # row 1 holds the units
         counts = {}
         for h, v in zip(head, r):
+            # the sampled stall counts, or (WarpStateStats alone, session 29) the average stalled warps per issue
             if "pcsamp_warps_issue_stalled" in h and not h.endswith("not_issued"):
-                try:
-                    counts[h.replace("smsp__pcsamp_warps_issue_stalled_", "")] = float(v.replace(",", ""))
-                except ValueError:
-                    pass
+                name = h.replace("smsp__pcsamp_warps_issue_stalled_", "")
+            elif h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("_per_issue_active.ratio"):
+                name = h[len("smsp__average_warps_issue_stalled_"):-len("_per_issue_active.ratio")]
+            else:
+                continue
+            try:
+                counts[name] = float(v.replace(",", ""))
+            except ValueError:
+                pass
         total = sum(counts.values()) or 1.0
         top = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
         out[r[head.index("Kernel Name")]] = {k: round(v / total, 3) for k, v in top}
