@@ -55,6 +55,15 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
         assert report["verify_step_kernels"] and report["draft_step_kernels"]
         assert b.engine.emulate_acceptance is None and b.engine.spec_timing is None  # left as it was
         assert b.engine.draft_hook is None
+        # while it runs, the drafts are 15 distinct tokens a step (a verify routed like text), others a step later
+        from thorgen.runtime.bench_spec import _emulate
+
+        _emulate(b, 2)
+        drafts = [[int(t) for t in b.engine.draft_hook(p, 0)] for p in (20, 21)]
+        _emulate(b, None)
+        vocab = b.spec.target.vocab_size
+        assert all(len(set(d)) == 15 and all(0 <= t < vocab for t in d) for d in drafts) and drafts[0] != drafts[1]
+        assert b.engine.draft_hook is None
     finally:
         b.close()
         dev.set_driver(None)

@@ -46,6 +46,22 @@ def test_plans_render_and_fit(preset: str, arch: str) -> None:
                 assert p["nsplit"] % p["nsub"] == 0
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_the_drafter_gemms_are_resident_at_once(arch: str) -> None:
+    """The fp16-weight 16-row GEMMs take the most warps a block (a power of two) with which every block is resident at
+    once at matmul.HALF_REGS registers a thread, where the machine can hold a 2-warp block per unit (the H200's
+    drafter: 176 blocks of 16 warps ran in two waves)."""
+    spec, a = PRESETS["gemma-4-26b-a4b"], ARCHS[arch]
+    resident = a.sm_count * (65536 // (32 * matmul.HALF_REGS))
+    for k in drafter_gemm.plan_drafter_gemm(spec, a):
+        if not k.name.startswith("bf16_gemm16__"):
+            continue
+        units, ks = k.grid[0], k.param("ks")
+        if units * 2 <= resident:
+            assert units * ks <= resident and (ks == 16 or units * 2 * ks > resident), (k.name, ks)
+            assert ks & (ks - 1) == 0, k.name
+
+
 def test_fp4_order_matches_layouts() -> None:
     for a in ARCHS.values():
         assert matmul.fp4_order(a) == L.fp4_order_for(a.has_fp4_cvt)

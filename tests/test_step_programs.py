@@ -176,3 +176,15 @@ def test_one_row_steps_run_the_attention_prologue_as_one_launch(preset):
                        for op in folded)
         else:
             assert not folded and sum(lb.endswith(".rope_kv") for lb in labels) == layers, (rows, kw)
+
+
+def test_the_draft_block_launches_without_pdl_and_the_target_with_it(built):
+    """The draft block's launches carry pdl=False through the written program (its graph measured faster without
+    programmatic dependent launches on the H200); the target's steps keep the default."""
+    spec, _, manifest, _ = built
+    fwd = Forward(spec, manifest, "bf16", manifest.conventions["max_step_tokens"])
+    fwd.ptr = Addresses()
+    block = fwd.program(DRAFT_BLOCK, 16)
+    assert block and not any(op.pdl for op in block)
+    assert all(op.pdl for op in fwd.program(program_key(decode=True), 1))
+    assert all(op.pdl for op in fwd.program(program_key(taps=True, all_logits=True), 16))
