@@ -139,7 +139,7 @@ __device__ __forceinline__ void attn_split_count(float* ws, unsigned int* counte
 template <int D, int HQ, int NSPLIT, int MMAX, int THREADS>
 __device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {
   constexpr int ZB = NSPLIT < 16 ? NSPLIT : 16, C = D / THREADS;
-  static_assert(NSPLIT % ZB == 0, "the parts come in whole batches of ZB");
+  static_assert(NSPLIT % ZB == 0 && NSPLIT / ZB <= 32, "the parts come in whole batches of ZB, a bit each");
   static_assert(D % THREADS == 0 && C <= 4, "a thread merges 1..4 whole columns");
   __shared__ float2 mls[NSPLIT];  // (m, l) of each part
   pdl_launch_dependents();
