@@ -5,5 +5,5 @@
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_comb__d128_h32_s32_m16(const float* __restrict__ ws, int m, __half* __restrict__ out) {
-  thorgen::attn_combine<128, 32, 32, 16>(ws, m, out);
+  thorgen::attn_combine<128, 32, 32, 16, 128>(ws, m, out);
 }

@@ -5,5 +5,5 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_comb__d512_h16_s64_m16(const float* __restrict__ ws, int m, __half* __restrict__ out) {
-  thorgen::attn_combine<512, 16, 64, 16>(ws, m, out);
+  thorgen::attn_combine<512, 16, 64, 16, 256>(ws, m, out);
 }

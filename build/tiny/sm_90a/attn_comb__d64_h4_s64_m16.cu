@@ -5,5 +5,5 @@
 
 extern "C" __global__ void __launch_bounds__(64)
 attn_comb__d64_h4_s64_m16(const float* __restrict__ ws, int m, __half* __restrict__ out) {
-  thorgen::attn_combine<64, 4, 64, 16>(ws, m, out);
+  thorgen::attn_combine<64, 4, 64, 16, 64>(ws, m, out);
 }
