@@ -84,26 +84,33 @@ def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
         e.destroy()
     return out
 
+def replay_us(eng: Engine, launches: list[tuple[str, Any]], replays: int, what: str) -> float:
+    """GPU time (us) of one replay of `launches` captured as a graph: a warm-up replay, then `replays` back to back
+    between two events (also the device probes' graph timing, docs/benchmarks/probes/probe_common.py)."""
+    g = CudaGraph.capture(eng.stream, lambda: [l(eng.stream) for _, l in launches], what)
+    try:
+        g.replay(eng.stream)
+        a, b = eng.device.event(), eng.device.event()
+        a.record(eng.stream)
+        for _ in range(replays):
+            g.replay(eng.stream)
+        b.record(eng.stream)
+        eng.stream.synchronize()
+        us = 1e3 * b.elapsed_ms(a) / replays
+        a.destroy()
+        b.destroy()
+    finally:
+        g.destroy()
+    return us
+
+
 def _graph_profile(eng: Engine, launches: list[tuple[str, Any]], replays: int) -> list[dict]:
     groups: dict[str, list[tuple[str, Any]]] = {}
     for label, launch in launches:
         groups.setdefault(getattr(getattr(launch, "kernel", None), "name", "memcpy2d"), []).append((label, launch))
     out = []
     for name, group in groups.items():
-        g = CudaGraph.capture(eng.stream, lambda: [l(eng.stream) for _, l in group], f"profile {name}")
-        try:
-            g.replay(eng.stream)
-            a, b = eng.device.event(), eng.device.event()
-            a.record(eng.stream)
-            for _ in range(replays):
-                g.replay(eng.stream)
-            b.record(eng.stream)
-            eng.stream.synchronize()
-            per = 1e3 * b.elapsed_ms(a) / (replays * len(group))
-            a.destroy()
-            b.destroy()
-        finally:
-            g.destroy()
+        per = replay_us(eng, group, replays, f"profile {name}") / len(group)
         out += [{"op": label, "kernel": name, "us": per} for label, _ in group]
     return out
 

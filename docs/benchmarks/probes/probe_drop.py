@@ -3,12 +3,12 @@ stream. The drop in replay time is what the family costs inside the step; beside
 kernel's launches replayed as their own graph) it shows where the step's time over the kernel sum lives. Not part of
 the engine: a measurement for docs/benchmarks/NOTES.md (run as probe_step.py is; the outputs are meaningless, only
 the times count)."""
-import dataclasses, json, os, time
+import dataclasses, json, os
 from pathlib import Path
 from thorgen.runtime.bench import open_for_bench, synthetic_prompt
-from thorgen.runtime.graphs import CudaGraph
 from thorgen.runtime.profile import per_kernel, profile_step
 from thorgen.model_spec.step_program import Op
+from probe_common import graph_replay_us
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine
@@ -23,18 +23,7 @@ names = [op.entry.name for op in ops_all if isinstance(op, Op)]
 
 
 def timed(ops, n=200):
-    launches = eng.bind(ops, captured=True)
-    g = CudaGraph.capture(eng.stream, lambda: [l(eng.stream) for _, l in launches], "probe")
-    eng._stage(0, P + 1, None)
-    g.replay(eng.stream)
-    a, c = eng.device.event(), eng.device.event()
-    a.record(eng.stream)
-    for _ in range(n):
-        g.replay(eng.stream)
-    c.record(eng.stream)
-    eng.stream.synchronize()
-    g.destroy()
-    return 1e3 * c.elapsed_ms(a) / n
+    return graph_replay_us(eng, ops, n, before=lambda: eng._stage(0, P + 1, None))
 
 
 def without(fam):

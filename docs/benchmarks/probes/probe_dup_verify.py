@@ -7,13 +7,13 @@ the graph on 16 distinct tokens. Not part of the engine: a measurement for docs/
 box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with
 THORGEN_KERNELS naming a full-size build."""
 import json, os
-import numpy as np
-from thorgen.runtime.profile import distinct_tokens
 from pathlib import Path
+import numpy as np
 from thorgen.runtime.bench import open_for_bench, synthetic_prompt
-from thorgen.runtime.graphs import CudaGraph
+from thorgen.runtime.profile import distinct_tokens
 from thorgen.runtime.spec_decode import BLOCK, DraftForward
 from thorgen.model_spec.step_program import Op
+from probe_common import graph_replay_us
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine
@@ -24,7 +24,6 @@ for i in range(4):
     eng.spec_step(P + 16 * i, 1000, True)
 eng.stream.synchronize()
 # what the timed verify steps route: the block's 16 tokens (last + 15 drafts) and layer 29's experts
-eng.stream.synchronize()
 ids = eng.act["ids"].download(np.int32, (16,))
 tk = eng.act["topk_idx"].download(np.int32, (16, 8))
 route = {"ids": ids.tolist(), "distinct_tokens": int(len(set(ids.tolist()))),
@@ -38,17 +37,7 @@ IN_PLACE = ("ffn_tail", "attn_tail", "embed", "dflash")
 
 
 def timed(ops, n=N):
-    launches = eng.bind(ops, captured=True)
-    g = CudaGraph.capture(eng.stream, lambda: [l(eng.stream) for _, l in launches], "probe")
-    g.replay(eng.stream)
-    a, c = eng.device.event(), eng.device.event()
-    a.record(eng.stream)
-    for _ in range(n):
-        g.replay(eng.stream)
-    c.record(eng.stream)
-    eng.stream.synchronize()
-    g.destroy()
-    return 1e3 * c.elapsed_ms(a) / n
+    return graph_replay_us(eng, ops, n)
 
 
 def doubled(fam):

@@ -2,14 +2,14 @@
 and PDL on or off (PROBE_VARIANTS: default, nofork, nopdl, neither), and the host loop of spec_step. Not part of the
 engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU box after `thorgen synth-checkpoint --preset
 gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with THORGEN_KERNELS naming a full-size build."""
-import json, os, time
+import json, os
 from pathlib import Path
 from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from probe_common import spec_step_times
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine
 prompt = synthetic_prompt(b.spec, 512)
-P = len(prompt)
 out = {}
 ALL = {"default": (True, True), "nofork": (False, True), "nopdl": (True, False), "neither": (False, False)}
 f0, p0 = eng.fork, eng.pdl
@@ -19,26 +19,7 @@ for name in os.environ.get("PROBE_VARIANTS", "default,nofork,nopdl,default").spl
         g.destroy()
     eng._graphs.clear()
     eng.fork, eng.pdl = fork and f0, pdl and p0
-    eng.prefill(prompt, True, taps=True)
-    for i in range(3):
-        eng.spec_step(P + 16 * i, 1000, True)
-    n = 50
-    t = time.perf_counter()
-    for i in range(n):
-        eng.spec_step(P + 48 + 16 * i, 1000, True)
-    host = (time.perf_counter() - t) / n * 1e3
-    d, v = eng._spec_graph("draft", True), eng._spec_graph("verify", True)
-    e0, e1, e2 = eng.device.event(), eng.device.event(), eng.device.event()
-    eng.stream.synchronize()
-    e0.record(eng.stream)
-    for _ in range(n):
-        d.replay(eng.stream)
-    e1.record(eng.stream)
-    for _ in range(n):
-        v.replay(eng.stream)
-    e2.record(eng.stream)
-    eng.stream.synchronize()
-    r = {"spec_step_host_ms": host, "draft_replay_ms": e1.elapsed_ms(e0) / n, "verify_replay_ms": e2.elapsed_ms(e1) / n}
+    r = spec_step_times(eng, prompt)
     out.setdefault(name, []).append(r)
     print("spec", name, json.dumps(r), flush=True)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_spec.json")), "w"), indent=1)

@@ -4,9 +4,10 @@ back-to-back replays of the graph (GPU time), and stage + replay with no read (w
 then the DFlash draft and verify graphs. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on
 the GPU box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`,
 with THORGEN_KERNELS naming a full-size build (PROBE_VARIANTS, PROBE_JSON: which variants, where the JSON goes)."""
-import json, os, sys, time
+import json, os, time
 from pathlib import Path
 from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from probe_common import spec_step_times
 
 out = {}
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
@@ -75,26 +76,6 @@ for name, fork, pdl in [v for v in ALL if v[0] in want]:
     eng.fork, eng.pdl = True, bool(eng.manifest.conventions.get("pdl", False))
 
 if eng.speculative:
-    eng.prefill(prompt, True, taps=True)
-    for i in range(3):
-        eng.spec_step(P + 16 * i, 1000, True)
-    n = 50
-    t = time.perf_counter()
-    for i in range(n):
-        eng.spec_step(P + 48 + 16 * i, 1000, True)
-    out["spec_step_host_ms"] = (time.perf_counter() - t) / n * 1e3
-    d, v = eng._spec_graph("draft", True), eng._spec_graph("verify", True)
-    e0, e1, e2 = eng.device.event(), eng.device.event(), eng.device.event()
-    eng.stream.synchronize()
-    e0.record(eng.stream)
-    for _ in range(n):
-        d.replay(eng.stream)
-    e1.record(eng.stream)
-    for _ in range(n):
-        v.replay(eng.stream)
-    e2.record(eng.stream)
-    eng.stream.synchronize()
-    out["draft_replay_ms"] = e1.elapsed_ms(e0) / n
-    out["verify_replay_ms"] = e2.elapsed_ms(e1) / n
+    out.update(spec_step_times(eng, prompt))
     print("spec", json.dumps({k: out[k] for k in ("spec_step_host_ms", "draft_replay_ms", "verify_replay_ms")}))
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_step.json")), "w"), indent=1)
