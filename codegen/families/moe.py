@@ -1,19 +1,17 @@
 """Codegen stage: the grouped-MoE family (gate|up -> gelu_tanh(gate) * up -> down, weighted by the router).
 
 Two kernels per token budget (mmax 1 = decode, 16 = verify and batched decode, 32 = batched decode of 17..32
-sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout.
-An item is (one expert the step selected, UN 16-row units of its weights) over the tokens that chose it (8 a pass):
-  moe_gateup__m1   grid (2*Ie/16 units, K slots): block (unit, slot) runs the slot's expert unless an earlier slot
-                   names it, and writes act[k] = gelu(gate) * up.
-  moe_down__m1     grid (H/16 units): each block walks the selected experts (fixed order), multiplies their down rows
-                   with the act rows and the routing weights in fp32, reduces over warps in shared memory -> y[H] f32.
-  moe_gateup__m16/32  a persistent grid, one wave on the device (WALK_WARPS_PER_SM): block b walks the step's
-                   (expert, unit) items b, b + grid, ..., KS warps splitting H -> act[t*K+k] rows.
-  moe_down_pairs__ the same walk a warp at a time (its K split is 1) -> ypair[t*K+k, H] f32, which ffn_tail (its
-                   PAIRS form, norms.py) sums per token in slot order.
-All run a pass's tokens as the B operand of the swapped mma (moe_small.cuh: expert_tokens). No atomics, and each
-selected expert's weights are read once per unit. Prefill chunks (m > 16, not batched) use the grouped family
-(moe_grouped.py).
+sequences: two 16-row tensor-core tiles on each decoded weight step), on per-expert slabs of the t16x64 NVFP4 layout:
+  moe_gateup__...  grid (2*Ie/16 units, min(E, m*K)): block row y does the step's y-th distinct expert's fused gate|up
+                   for the tokens that chose it (8 a pass over its weights) and writes their act[t*K+k] rows.
+  moe_down__...    (one token) grid (H/16 units): each block walks the selected experts (fixed order), multiplies
+                   their down rows with the gathered act rows and the routing weights in fp32, reduces over warps in
+                   shared memory -> y[t, H] f32. No atomics, no partial buffers, each expert's weights read once.
+  moe_down_pairs__ (16 or 32 rows) grid (H/16 units, min(E, m*K)), like gate/up: block row y runs its expert's
+                   down rows for the tokens that chose it -> ypair[t*K+k, H] f32, which ffn_tail (its PAIRS form,
+                   norms.py) sums per token in slot order.
+Both run a pass's tokens as the B operand of the swapped mma (moe_small.cuh: expert_tokens).
+Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 """
 
 from __future__ import annotations
@@ -41,55 +39,73 @@ DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 PASS_WIDTH = 8
 
 
+def _units(units: int, most: int) -> int:
+    """Units a block: the largest power of two up to `most` that divides the matrix's units."""
+    return max(u for u in (1, 2, 4) if u <= most and units % u == 0)
+
+
+def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
+    """Distinct experts a step of mmax tokens can select: the block rows of gate/up and down_pairs (a block row an
+    expert, moe_small.cuh block_expert), and the planner's estimate for grid fill."""
+    return min(mmax * topk, experts)
+
+
 def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
             f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
     kind = fp4_order(arch)
+    leaders = _expert_leaders(mmax, topk, e)
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
     # Every row count splits K alike (the one-token step's KS, whatever mmax), so that a token's act row sums in one
     # order whatever else the step holds (moe_small.cuh; batch invariance of the gate/up).
     ks = max(min(2, steps_gu), min(16, steps_gu, math.ceil(target_warps(arch) / (units_gu * topk))))
     pf = prefetch(math.ceil(steps_gu / ks), arch)
     # Many rows on a deep-prefetch arch: 2 steps in flight a warp (16 rows, H200, router-like routing, 2026-12-01:
-    # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4). KS 4 at every row
-    # count (the one-token step measured the same at KS 4 x PF 2, 280.6 us a step, as at KS 5 x PF 4).
+    # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4).
+    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
+    # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
+    # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
+    # UN 1 x PF 4, the one-token blocking until session 22, 139; the one-token step measured the same at KS 4 x
+    # PF 2, 280.6 us a step either way).
+    un = 1
     if arch.prefetch_depth >= 4:
         ks, pf = min(4, steps_gu), min(pf, 2)
+        un = _units(units_gu, 2) if mmax > 1 else 1
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
                   w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
-    steps_d, units_d = ie // TILE_K, h // TILE_N
+    gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
+                        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
+                        grid=(units_gu // un, leaders, 1),
+                        block=(32 * ks, 1, 1),
+                        args=GATEUP_ARGS, family="moe")
+    steps_d = ie // TILE_K
+    units_d = h // TILE_N
     if mmax > 1:
-        leaders = min(e, mmax * topk)  # block rows: one per distinct expert the step may select
-        un = 2 if arch.prefetch_depth >= 4 else 1
-        gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                            make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ring=0, walk=False, ahead=False, bps=0,
-                                        ROW_GRID=(1, topk, 1, leaders), **common),
-                            grid=(units_gu // un, leaders, 1), block=(32 * ks, 1, 1), args=GATEUP_ARGS, family="moe")
-        # The down: a warp an item (DOWN_KS = 1), one warp a block.
+        # a block per (unit, expert), like gate/up (against moe_down, 2026-12-01: 100.9 -> 66.8 us a layer at 16
+        # rows). One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper prefetch).
+        # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
+        # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
+        kp, upd = DOWN_KS, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=DOWN_KS, wpb=1, bps=0, pf=min(2, prefetch(steps_d, arch)), un=un,
-                                       pw=PASS_WIDTH, ring=0, walk=False, ahead=False, ROW_GRID=(1, topk, 1, leaders),
-                                       **common),
-                           grid=(units_d // un, leaders, 1), block=(32, 1, 1), args=DOWN_PAIRS_ARGS, family="moe")
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
+                                       ROW_GRID=(1, topk, 1, leaders), **common),
+                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                           family="moe")
         return [gateup, pairs]
-    gateup = KernelSpec(f"moe_gateup__m1_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, un=1, pw=PASS_WIDTH, ring=0, walk=False, ahead=False, bps=0,
-                                    ROW_GRID=(1, topk, 1, topk), **common),
-                        grid=(units_gu, topk, 1), block=(32 * ks, 1, 1), args=GATEUP_ARGS, family="moe")
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as
     # in moe_down_pairs (DOWN_KS), and the block adds the slots in slot order from 0, as ffn_tail adds the pair rows,
     # so a token's MoE output has the same bits in a one-row step as in a batched one (a K split here, which the
     # tiny preset had, summed the partials in another order).
-    groups, ksd = topk, DOWN_KS
-    require(groups <= 8, f"moe: the one-token down runs a warp a slot, at most 8 ({topk} slots)")
+    groups, ksd = leaders, DOWN_KS
+    require(groups <= 8, f"moe: the one-token down runs a warp a slot, at most 8 ({leaders} slots)")
     nw = groups * ksd
     pfd = prefetch(math.ceil(steps_d / ksd), arch)
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
         pfd = min(16, math.ceil(steps_d / ksd))
-    down = KernelSpec(f"moe_down__m1_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
+    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
                       make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
                       grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
     return [gateup, down]

@@ -133,6 +133,13 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
 }
 
 // ---- large M (prefill) ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 template <int BM, int STAGES> struct LargeSmem {
   static constexpr int PITCH = 64 + 8;  // halves per row: +16 B keeps the lanes' 16-B reads on distinct banks
   static constexpr int BYTES = STAGES * BM * PITCH * 2;

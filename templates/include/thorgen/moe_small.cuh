@@ -1,11 +1,7 @@
 // thorgen MoE for the small steps (decode M = 1, verify and batched decode M <= 32) on the t16x64 tile engine
-// (nvfp4.cuh, gemm_nvfp4.cuh). An item is (one expert, UN consecutive 16-row units of its weights): every selected
-// expert's weights are read once per unit, whatever the step's routing, and every output row is written by exactly
-// one item (no atomics, deterministic). One token: a block a (unit, slot), the slot's expert unless an earlier slot
-// names it. Many rows: a persistent grid (one wave on the device) walks the step's items, so a launch does only the
-// work its routing needs. The former grid, a block row per expert the step might select, launched 128 rows of which
-// the verify's 16 tokens used ~32: its working blocks overflowed one wave (gate/up 1,408 blocks on 1,056 slots,
-// down_pairs 2,816 on 2,772) behind ~4,000-8,000 blocks that only found they had nothing to do.
+// (nvfp4.cuh, gemm_nvfp4.cuh). Grid (16-row unit groups, one block row per expert the step may select): block row y
+// runs one distinct expert (block_expert), so every selected expert's weights are read once per unit, whatever the
+// step's routing, and every output row is written by exactly one block (no atomics, deterministic).
 // Gate/up and the many-row down run over the expert's own tokens only (expert_tokens), PW (8 or 16) a pass, as the
 // B operand of the swapped mma (the 16 weight rows are A): at 32 random tokens an expert has ~2.3 of them, and
 // the former form (all m rows as A tiles) re-read every token row from L1/L2 for each (unit, expert) block, 90-180
@@ -25,11 +21,14 @@ __device__ __forceinline__ int slot_of(const int* __restrict__ ids, int r, int e
   return k;
 }
 
-// The step's distinct experts in expert-id order into list[0 .. n) (shared memory, E entries); returns n. The
-// block's threads mark its slots in a shared bitmap behind one barrier. Every thread must call it.
+// The blockIdx.y-th distinct expert that the step's slots name, in expert-id order; false past the last. Many rows
+// launch min(E, m * TOPK) block rows (the ROW_GRID cap), one per expert a step can select, not one per slot: at 32
+// tokens the slots name ~111 distinct experts in 256 slots, and the blocks that only found they led nothing cost, in
+// the kernel bench, ~20 us a layer of gate/up and ~18 of down (16 experts over 32 tokens took 40 and 37 us, over 16
+// tokens 21 and 19); in a 32-row step this form saved 3.2 and 6.1 us a layer (H200, 2026-12-02). The block's threads
+// mark its slots in a shared bitmap behind one barrier. Every thread must call it.
 template <int E, int TOPK, int THREADS>
-__device__ __forceinline__ int step_experts(const int* __restrict__ ids, int m, int* list) {
-  static_assert(THREADS >= 32, "a warp at least: thread b places bit b of each bitmap word");
+__device__ __forceinline__ bool nth_expert(const int* __restrict__ ids, int m, int& e) {
   constexpr int WORDS = (E + 31) / 32;
   __shared__ unsigned present[WORDS];
   for (int i = threadIdx.x; i < WORDS; i += THREADS) present[i] = 0u;
@@ -39,16 +38,19 @@ __device__ __forceinline__ int step_experts(const int* __restrict__ ids, int m, 
     if (x >= 0 && x < E) atomicOr(present + (x >> 5), 1u << (x & 31));
   }
   __syncthreads();
-  int n = 0;
+  int n = blockIdx.y;
 #pragma unroll
   for (int w = 0; w < WORDS; ++w) {
-    const unsigned bits = present[w];
-    const int b = threadIdx.x;
-    if (b < 32 && ((bits >> b) & 1u)) list[n + __popc(bits & ((1u << b) - 1u))] = 32 * w + b;
-    n += __popc(bits);
+    unsigned bits = present[w];
+    const int c = __popc(bits);
+    if (n < c) {
+      for (int j = 0; j < n; ++j) bits &= bits - 1u;  // drop the n lower experts of this word
+      e = 32 * w + __ffs(bits) - 1;
+      return true;
+    }
+    n -= c;
   }
-  __syncthreads();
-  return n;
+  return false;
 }
 
 // One token's TOPK expert ids in registers, loaded together (moe_down: its warps' slots checked without the shared
@@ -72,17 +74,22 @@ __device__ __forceinline__ bool slot_leads(const int (&id)[TOPK], int s, int& e)
   return !dup && e >= 0 && e < E;
 }
 
-// One token: the expert of grid row (slot) blockIdx.y, or false when an earlier slot names it (a scan of at most 7
-// slots; every thread loading all 8 ids instead measured 9.3 -> 9.6 us a layer on the H200, a barrier 9.9).
-template <int E, int TOPK>
-__device__ __forceinline__ bool slot_expert(const int* __restrict__ ids, int m, int& e) {
-  const int slot = blockIdx.y;
-  if (slot >= m * TOPK) return false;
-  e = __ldg(ids + slot);
-  if (e < 0 || e >= E) return false;
-  for (int i = 0; i < slot; ++i)
-    if (__ldg(ids + i) == e) return false;
-  return true;
+// The expert this block runs, or false (nothing to do). One token: grid row = its slot, which runs its expert unless
+// an earlier slot names it (a scan of at most 7 slots; every thread loading all 8 ids instead measured 9.3 -> 9.6 us a
+// layer on the H200, a barrier 9.9). Many rows: nth_expert. Every thread must call it.
+template <int E, int TOPK, int MMAX, int THREADS>
+__device__ __forceinline__ bool block_expert(const int* __restrict__ ids, int m, int& e) {
+  if constexpr (MMAX == 1) {
+    const int slot = blockIdx.y;
+    if (slot >= m * TOPK) return false;
+    e = __ldg(ids + slot);
+    if (e < 0 || e >= E) return false;
+    for (int i = 0; i < slot; ++i)
+      if (__ldg(ids + i) == e) return false;
+    return true;
+  } else {
+    return nth_expert<E, TOPK, THREADS>(ids, m, e);
+  }
 }
 
 // The step's pairs (token r, slot k) that chose expert e, compacted in token order: pair[i] = r * TOPK + k for
@@ -107,11 +114,9 @@ __device__ __forceinline__ int expert_tokens(const int* __restrict__ ids, int e,
 // One pass over UN units of an expert's weights for its pairs c0 .. c0 + 8 TG - 1 (fewer past n): each pair's row
 // of `base` ([pairs or tokens][K], row pair / DIV) is a token column of the swapped mma; the warp's partial sums go
 // to red[u][i][16] for pair c0 + i (the unit's 16 weight rows; for gate/up: gate 0-7, up 8-15).
-// RING > 0: the weight and activation steps come through the warp's shared-memory ring (unit_steps_ring), else PF
-// deep in registers (AHEAD: the activations too).
-template <int KIND, int N, int K, int PF, int RING, int UN, int TG, int DIV, int PW, bool AHEAD>
-__device__ __forceinline__ void expert_pass(float (*red)[PW][16], RingSlot<UN, TG>* ring, const WPtr& pe, int unit0,
-                                            const __half* base, const int* pair, int c0, int n, int s0, int s1) {
+template <int KIND, int N, int K, int PF, int UN, int TG, int DIV, int PW>
+__device__ __forceinline__ void expert_pass(float (*red)[PW][16], const WPtr& pe, int unit0, const __half* base,
+                                            const int* pair, int c0, int n, int s0, int s1) {
   static_assert(8 * TG <= PW, "the pass must fit the reduction tile");
   const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const __half* rows[2 * TG];
@@ -122,34 +127,39 @@ __device__ __forceinline__ void expert_pass(float (*red)[PW][16], RingSlot<UN, T
     rows[2 * g + 1] = nullptr;
   }
   float acc[UN][TG][2][4] = {};
-  if constexpr (RING > 0) unit_steps_ring<KIND, N, K, RING, TG, UN>(acc, ring, pe, unit0, rows, s0, s1);
-  else unit_steps_rows<KIND, N, K, PF, TG, UN, false, false, true, AHEAD>(acc, pe, unit0, rows, s0, s1);
+  unit_steps_rows<KIND, N, K, PF, TG, UN, false, false, true>(acc, pe, unit0, rows, s0, s1);
 #pragma unroll
   for (int u = 0; u < UN; ++u)
 #pragma unroll
     for (int g = 0; g < TG; ++g) swap_to_smem(red[u] + 8 * g, acc[u][g], gid, t4);
 }
 
-// One gate/up item: the fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles) of expert e's units
-// unit0 .. unit0 + UN - 1 over the expert's pairs, PW (8 or 16) a pass (a further pass re-streams the units' weights,
-// from L2), KS warps splitting H: act[(t*TOPK + k)][IE] = gelu(gate) * up in fp16. A token's result depends neither
-// on the other tokens of the step, nor on its column in the pass, nor on which block runs the item.
-template <int KIND, int IE, int H, int TOPK, int KS, int MMAX, int PF, int RING, int UN, int PW, bool AHEAD>
-__device__ __forceinline__ void gateup_item(float (*red)[UN][PW][16], int (*pairs)[MMAX], RingSlot<UN, PW / 8>* ring,
-                                            const WPtr& p,
-                                            const float* __restrict__ gscale, const __half* __restrict__ x,
-                                            const int* __restrict__ ids, __half* __restrict__ act, int m, int e,
-                                            int unit0) {
+// Block (UN units, block_expert's expert): the expert's fused gate|up (2*IE rows, gate/up interleaved in 8-row tiles)
+// over its tokens, PW (8 or 16) a pass (a further pass re-streams the unit's weights, from L2), KS warps
+// splitting H: act[(t*TOPK + k)][IE] = gelu(gate) * up in fp16. A token's result depends neither on the other
+// tokens of the step nor on its column in the pass.
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8>
+__device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict__ gscale,
+                                           const __half* __restrict__ x, const int* __restrict__ ids,
+                                           __half* __restrict__ act, int m) {
+  static_assert((2 * IE) % 16 == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile");
   constexpr int STEPS = H / 64;
   constexpr size_t EW = (size_t)2 * IE * H / 2, ES = (size_t)2 * IE * H / 16;
-  const int warp = threadIdx.x >> 5;
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
+  __shared__ float red[KS][UN][PW][16];
+  __shared__ int pairs[KS][MMAX];
+  pdl_launch_dependents();
+  pdl_wait();  // ids and x come from the router / norm kernels
+  m = m < MMAX ? m : MMAX;
+  int e;
+  if (!block_expert<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
   const float* gs = gscale + (size_t)e * (2 * IE / 8);
   for (int c0 = 0; c0 < n; c0 += PW) {
-    expert_pass<KIND, 2 * IE, H, PF, RING, UN, PW / 8, TOPK, PW, AHEAD>(red[warp], ring, pe, unit0, x, pairs[warp], c0, n,
-                                                                 s0, s1);
+    expert_pass<KIND, 2 * IE, H, PF, UN, PW / 8, TOPK, PW>(red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
     __syncthreads();
     for (int i = threadIdx.x; i < UN * PW * 8; i += KS * 32) {
       const int u = i / (PW * 8), r = (i >> 3) % PW, c = i & 7, unit = unit0 + u;
@@ -160,45 +170,7 @@ __device__ __forceinline__ void gateup_item(float (*red)[UN][PW][16], int (*pair
       const float fg = tile_factor<KIND>(gs, 2 * unit), fu = tile_factor<KIND>(gs, 2 * unit + 1);
       act[(size_t)pairs[0][c0 + r] * IE + 8 * unit + c] = __float2half_rn(gelu_tanh_f(g * fg) * (up * fu));
     }
-    __syncthreads();  // red and pairs are rewritten by the next pass or item
-  }
-}
-
-// Gate/up. One token: block (unit, slot). Many rows, WALK: block b of the persistent grid runs items b,
-// b + gridDim.x, .. of the step's (expert, UN units) items, expert-major (list: step_experts); else block (units x,
-// y) runs the step's y-th expert (a block row an expert the step may select). RING > 0: weights through a
-// shared-memory ring of RING steps a warp.
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8, int RING = 0,
-          bool WALK = false, bool AHEAD = false>
-__device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict__ gscale,
-                                           const __half* __restrict__ x, const int* __restrict__ ids,
-                                           __half* __restrict__ act, int m) {
-  static_assert((2 * IE) % (16 * UN) == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile and UN");
-  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
-  __shared__ float red[KS][UN][PW][16];
-  __shared__ int pairs[KS][MMAX];
-  __shared__ RingSlot<UN, PW / 8> ring[KS][RING > 0 ? RING : 1];
-  pdl_launch_dependents();
-  pdl_wait();  // ids and x come from the router / norm kernels
-  m = m < MMAX ? m : MMAX;
-  RingSlot<UN, PW / 8>* mine = ring[threadIdx.x >> 5];
-  if constexpr (MMAX == 1) {
-    int e;
-    if (!slot_expert<E, TOPK>(ids, m, e)) return;
-    gateup_item<KIND, IE, H, TOPK, KS, MMAX, PF, RING, UN, PW, AHEAD>(red, pairs, mine, p, gscale, x, ids, act, m, e,
-                                                               blockIdx.x * UN);
-  } else {
-    constexpr int U = 2 * IE / 16 / UN;
-    __shared__ int list[E];
-    const int n = step_experts<E, TOPK, KS * 32>(ids, m, list);
-    if constexpr (WALK) {
-      for (int item = blockIdx.x; item < n * U; item += gridDim.x)
-        gateup_item<KIND, IE, H, TOPK, KS, MMAX, PF, RING, UN, PW, AHEAD>(red, pairs, mine, p, gscale, x, ids, act, m,
-                                                                   list[item / U], (item % U) * UN);
-    } else if (blockIdx.y < n) {
-      gateup_item<KIND, IE, H, TOPK, KS, MMAX, PF, RING, UN, PW, AHEAD>(red, pairs, mine, p, gscale, x, ids, act, m,
-                                                                 list[blockIdx.y], blockIdx.x * UN);
-    }
+    __syncthreads();  // red is rewritten by the next pass
   }
 }
 
@@ -295,51 +267,45 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   }
 }
 
-// Many rows: the expert's down rows of UN units over the act rows of its pairs, PW a pass, each pair's
-// routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail (its PAIRS form) then sums a token's
-// pairs in slot order, whatever else the step holds. The K split is DOWN_KS = 1 (moe.py): a pair's row is one
-// accumulator chain, as in the one-token moe_down, so an item is a warp's own. WALK: each warp of the persistent grid
-// walks the step's (expert, UN units) items; else warp w of block (x, y) runs the step's y-th expert's unit group
-// x * WARPS + w. RING as moe_gateup.
-template <int KIND, int IE, int H, int E, int TOPK, int WARPS, int MMAX, int PF, int UN = 1, int PW = 8,
-          int RING = 0, bool WALK = false, bool AHEAD = false>
+// Block (UN units, block_expert's expert), as moe_gateup: the expert's down rows of these units over the act rows of
+// its pairs, PW a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail
+// (its PAIRS form) then sums a token's pairs in slot order, whatever else the step holds. One block per (unit,
+// expert) spreads the ~80 experts 16 tokens select over the whole GPU, where moe_down's H/16 blocks each walk all
+// of them.
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8>
 __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __restrict__ gscale,
                                                const __half* __restrict__ act, const int* __restrict__ ids,
                                                const float* __restrict__ wts, float* __restrict__ ypair, int m) {
-  static_assert(IE % 64 == 0 && H % (16 * UN * (WALK ? 1 : WARPS)) == 0, "expert shapes must fit the tile and grid");
-  static_assert(MMAX > 1, "one token runs moe_down");
-  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
-  constexpr int STEPS = IE / 64, U = H / 16 / UN;
+  static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
+  static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
+  constexpr int STEPS = IE / 64;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
-  __shared__ float red[WARPS][UN][PW][16];
-  __shared__ int pairs[WARPS][MMAX];
-  __shared__ int list[E];
-  __shared__ RingSlot<UN, PW / 8> ring[WARPS][RING > 0 ? RING : 1];
+  static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
+  __shared__ float red[KS][UN][PW][16];
+  __shared__ int pairs[KS][MMAX];
   pdl_launch_dependents();
   pdl_wait();  // ids, wts and act come from the router and gate/up kernels
   m = m < MMAX ? m : MMAX;
-  const int n = step_experts<E, TOPK, WARPS * 32>(ids, m, list);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first = WALK ? blockIdx.x * WARPS + warp : blockIdx.y * U + blockIdx.x * WARPS + warp;
-  const int last = WALK ? n * U : (blockIdx.y < n ? first + 1 : 0);
-  for (int item = first; item < last; item += gridDim.x * WARPS) {
-    const int e = list[item / U], unit0 = (item % U) * UN;
-    const int cnt = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
-    const WPtr pe{p.w + e * EW, p.s + e * ES};
-    const float* gs = gscale + (size_t)e * (H / 8);
-    for (int c0 = 0; c0 < cnt; c0 += PW) {
-      expert_pass<KIND, H, IE, PF, RING, UN, PW / 8, 1, PW, AHEAD>(red[warp], ring[warp], pe, unit0, act, pairs[warp], c0,
-                                                            cnt, 0, STEPS);
-      __syncwarp();
-      for (int i = lane; i < UN * PW * 16; i += 32) {
-        const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
-        if (c0 + r >= cnt) continue;
-        const float v = 0.f + red[warp][u][r][c];  // as a sum over one warp's part (the one-token form's order)
-        const int pair = pairs[warp][c0 + r];
-        ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
-      }
-      __syncwarp();  // red and pairs are rewritten by the next pass or item
+  int e;
+  if (!block_expert<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
+  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
+  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
+  const WPtr pe{p.w + e * EW, p.s + e * ES};
+  const float* gs = gscale + (size_t)e * (H / 8);
+  for (int c0 = 0; c0 < n; c0 += PW) {
+    expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
+    __syncthreads();
+    for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
+      const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
+      if (c0 + r >= n) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
+      const int pair = pairs[0][c0 + r];
+      ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
     }
+    __syncthreads();
   }
 }
 

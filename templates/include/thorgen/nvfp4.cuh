@@ -50,18 +50,6 @@ __device__ __forceinline__ uint32_t ldg_stream_u16(const void* p) {
 }
 // Activations: small, re-read by every block, so they stay cached.
 __device__ __forceinline__ uint4 ldg_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-// Global -> shared copies in flight without registers (cp.async, L2 only). valid = false zero-fills.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-// A weight copy: always valid; the L2 fetches the 256-B sector group, as ldg_stream_v4's loads do.
-__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // ---- E2M1 / E4M3 decode ------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
@@ -222,18 +210,6 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
   mma_step_swap1(acc[0], a.r0, b);
 }
 
-// One decoded weight step of one unit against the RT activation tiles of that step.
-template <int KIND, int RT, bool kTwoRows, bool kSwap>
-__device__ __forceinline__ void unit_step_mma(float (&acc)[RT][2][4], const WStep<KIND>& cur, const AStep (&a)[RT]) {
-  uint32_t b[2][4][2];
-  decode_step<KIND>(cur, b);
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-    if constexpr (kSwap) mma_step_swap(acc[rt], a[rt], b);
-    else mma_step<kTwoRows>(acc[rt], a[rt], b);
-  }
-}
-
 // One warp: acc[u][rt] += the rows of 16-row tile rt x W[unit0 + u]^T over steps [s0, s1), for UN consecutive
 // units, weights prefetched PF steps ahead in registers. Each weight step is decoded once for all RT tiles (a
 // 32-row step reads each weight byte once, like 16 rows) and each activation step is loaded once for all UN units
@@ -241,8 +217,7 @@ __device__ __forceinline__ void unit_step_mma(float (&acc)[RT][2][4], const WSte
 // rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros). Swapped (kSwap): tile rt is a group of
 // 8 tokens, rows[2 * rt] the lane's token gid of it (rows[2 * rt + 1] unused).
 // kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
-template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false,
-          bool kAheadA = false>
+template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false>
 __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
                                                 const __half* const (&rows)[2 * RT], int s0, int s1) {
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
@@ -258,16 +233,6 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
     for (int u = 0; u < UN; ++u)
       if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
   if constexpr (kWait) pdl_wait();
-  // kAheadA: the activations too, PF steps ahead (many-row MoE: a step's token rows come from L2, and loading them
-  // when the step starts put one L2 round trip a step on the warp's critical path).
-  AStep ahead[kAheadA ? PF : 1][RT];
-  if constexpr (kAheadA) {
-#pragma unroll
-    for (int i = 0; i < PF; ++i)
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-        if (s0 + i < s1) load_a<kTwoRows>(ahead[i][rt], rows[2 * rt], rows[2 * rt + 1], s0 + i, t4);
-  }
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
@@ -275,85 +240,21 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
       if (s < s1) {
         AStep a[RT];
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          if constexpr (kAheadA) {
-            a[rt] = ahead[i][rt];
-            if (s + PF < s1) load_a<kTwoRows>(ahead[i][rt], rows[2 * rt], rows[2 * rt + 1], s + PF, t4);
-          } else {
-            load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
-          }
-        }
+        for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
           const WStep<KIND> cur = ring[u][i];
           if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
-          unit_step_mma<KIND, RT, kTwoRows, kSwap>(acc[u], cur, a);
+          uint32_t b[2][4][2];
+          decode_step<KIND>(cur, b);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            if constexpr (kSwap) mma_step_swap(acc[u][rt], a[rt], b);
+            else mma_step<kTwoRows>(acc[u][rt], a[rt], b);
+          }
         }
       }
     }
-  }
-}
-
-// One step in a warp's shared-memory ring slot: the UN units' weights (the lanes' 16-byte code words, then their
-// 2-byte scales, 64 B a unit, in load_step's lane order) and the RT token groups' activations (the lanes' 32 bytes,
-// AStep::r0's).
-template <int UN, int RT> struct RingSlot {
-  uint4 w[UN][32];
-  uint16_t s[UN][32];
-  uint4 a[RT][32][2];
-};
-
-// unit_steps_rows for the swapped (token-group) form with the prefetch in shared memory: RING steps of weights and
-// activations in flight a warp, copied by cp.async, so the depth costs no registers. ring = the warp's own RING
-// slots. The same steps, products and order as unit_steps_rows: the results are bit-identical.
-template <int KIND, int N, int K, int RING, int RT, int UN>
-__device__ __forceinline__ void unit_steps_ring(float (&acc)[UN][RT][2][4], RingSlot<UN, RT>* ring, const WPtr& p,
-                                                int unit0, const __half* const (&rows)[2 * RT], int s0, int s1) {
-  static_assert(KIND != HALF, "the ring holds fp4 steps (16-byte words and 2-byte scales)");
-  static_assert(K % 64 == 0 && RING >= 2 && RING <= 16, "t16x64 steps; 2..16 ring slots");
-  static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a warp, dividing the matrix's units");
-  static_assert(RT >= 1 && RT <= 2, "1 or 2 token groups of 8");
-  constexpr int UNITS = N / 16;
-  const int lane = threadIdx.x & 31, t4 = lane & 3;
-  // Step s into slot: each lane copies its code word and its token's 32 activation bytes (zeros past the step's
-  // tokens); lanes 0-3 copy the 64 B of scales. One commit group a step, empty past s1, so that
-  // wait_group<RING - 1> always means "step s has landed".
-  auto issue = [&](int s, int slot) {
-    if (s < s1) {
-#pragma unroll
-      for (int u = 0; u < UN; ++u) {
-        const size_t idx = ((size_t)s * UNITS + unit0 + u) * 32;
-        cp_async16_stream(&ring[slot].w[u][lane], p.w + (idx + lane) * 16);
-        if (lane < 4) cp_async16_stream(&ring[slot].s[u][8 * lane], p.s + idx * 2 + 16 * lane);
-      }
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        const __half* row = rows[2 * rt];
-        const void* src = row != nullptr ? (const void*)(row + 64 * s + 16 * t4) : (const void*)p.w;
-        cp_async16(&ring[slot].a[rt][lane][0], src, row != nullptr);
-        cp_async16(&ring[slot].a[rt][lane][1], row != nullptr ? (const void*)(row + 64 * s + 16 * t4 + 8) : src,
-                   row != nullptr);
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < RING; ++i) issue(s0 + i, i);
-  int slot = 0;
-  for (int s = s0; s < s1; ++s) {
-    cp_async_wait<RING - 1>();
-    __syncwarp();  // the scales came from lanes 0-3
-    WStep<KIND> cur[UN];
-    AStep a[RT];
-#pragma unroll
-    for (int u = 0; u < UN; ++u) { cur[u].w = ring[slot].w[u][lane]; cur[u].s = ring[slot].s[u][lane]; }
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) { a[rt].r0[0] = ring[slot].a[rt][lane][0]; a[rt].r0[1] = ring[slot].a[rt][lane][1]; }
-    __syncwarp();  // every lane has read the slot before it is refilled
-    issue(s + RING, slot);
-    slot = slot + 1 == RING ? 0 : slot + 1;
-#pragma unroll
-    for (int u = 0; u < UN; ++u) unit_step_mma<KIND, RT, false, true>(acc[u], cur[u], a);
   }
 }
 
