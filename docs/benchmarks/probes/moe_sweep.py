@@ -1,0 +1,121 @@
+"""Probe (issue 10, session 30): the 16-row MoE kernels (moe_gateup, moe_down_pairs) and variants of them, timed alone
+on three routings of 16 tokens, each output checked bit for bit against the first kernel of its kind (HEAD's).
+Routings (4 of each, rotated so that consecutive launches read other experts): "pool32" (32 experts, each chosen by
+4 tokens: what the synthetic checkpoint's verify routes in probe_step), "hot" (11 experts, most chosen by more than
+8 tokens: two passes), "random" (8 distinct experts a token drawn uniformly: ~80 experts).
+Not part of the engine: a measurement for docs/benchmarks/NOTES.md. The variants' template options (ring, walk,
+ahead) exist at commit fe07606 only (reverted in the next commit).
+  prep TAG OUTDIR   (CPU, nvcc) compile this tree's 16-row pair ("old" at the baseline commit) or, with TAG new, the
+                    pair and its variants into OUTDIR (cubins + index.json)
+  run DIR... OUT    (GPU) time every indexed kernel: a CUDA graph of 64 launches over the rotated routings"""
+import dataclasses, json, pickle, sys
+from pathlib import Path
+import numpy as np
+
+def variants(tag):
+    from thorgen.codegen.arch import get_arch
+    from thorgen.codegen.families.moe import moe_kernels
+    from thorgen.codegen.kernel_spec import make_params
+    from thorgen.model_spec.presets import get_preset
+    spec, arch = get_preset("gemma-4-26b-a4b"), get_arch("sm_90a")
+    gu, dn = moe_kernels(spec, arch, 16)
+    out = [(tag, gu), (tag, dn)]
+    if tag == "new":
+        def var(k, label, grid=None, block=None, **kw):
+            p = dict(k.params); p.update(kw); p = {a: b for a, b in p.items() if b is not None}
+            return (label, dataclasses.replace(k, name=k.name + "_" + label.replace("-", "_"), params=make_params(**p),
+                                               grid=grid or k.grid, block=block or k.block))
+        g1, d1 = moe_kernels(spec, arch, 1)
+        W = dict(walk=True, ROW_GRID=(0, 0, 1, 1))
+        A = dict(ahead=True)
+        out += [var(gu, "gu-ahead", **A), var(gu, "gu-ahead-bps8", bps=8, **A), var(gu, "gu-ahead-bps6", bps=6, **A),
+                var(gu, "gu-ahead-un1", un=1, grid=(88, 128, 1), **A),
+                var(gu, "gu-r3-un2", ring=3), var(gu, "gu-r4-un2-bps6", ring=4, bps=6),
+                var(gu, "gu-r4-un1-bps8", ring=4, un=1, bps=8, grid=(88, 128, 1)),
+                var(gu, "gu-r6-un1", ring=6, un=1, grid=(88, 128, 1)),
+                var(dn, "dn-ahead", **A), var(dn, "dn-ahead-pf4", pf=4, **A), var(dn, "dn-ahead-un1", un=1, grid=(176, 128, 1), **A),
+                var(dn, "dn-r4", ring=4), var(dn, "dn-r6-un1", ring=6, un=1, grid=(176, 128, 1)),
+                var(dn, "dn-r8-un1-bps24", ring=8, un=1, bps=24, grid=(176, 128, 1)),
+                var(dn, "dn-ahead-walk-w4", wpb=4, bps=6, grid=(792, 1, 1), block=(128, 1, 1), walk=True,
+                    ROW_GRID=None, **A)]
+    return out
+
+def prep(tag, outdir):
+    from thorgen.codegen.arch import get_arch
+    from thorgen.codegen.builder import compile_sources
+    from thorgen.codegen.render import render
+    arch = get_arch("sm_90a")
+    out = Path(outdir); out.mkdir(parents=True, exist_ok=True)
+    vs = variants(tag)
+    comp = compile_sources({k.name: render(k, arch, "sweep") for _, k in vs}, arch, Path("/tmp/sweep-work-" + tag))
+    idx = []
+    for label, k in vs:
+        (out / (k.name + ".cubin")).write_bytes(comp[k.name][0])
+        idx.append(dict(label=label, kernel=pickle.dumps(k).hex(), regs=str(comp[k.name][1])[-200:]))
+    (out / "index.json").write_text(json.dumps(idx))
+
+def routing(rng, kind, m=16, e=128, k=8, shift=0):
+    ids = np.zeros((m, k), np.int32)
+    for t in range(m):
+        if kind == "pool32":   # 32 experts, each chosen by 4 of the 16 tokens (the synthetic verify routes ~32)
+            ids[t] = (shift + np.arange(k) + 8 * (t % 4)) % e
+        elif kind == "hot":    # 11 experts: several chosen by > 8 tokens (two passes)
+            ids[t] = (shift + rng.choice(11, k, replace=False)) % e
+        else:
+            ids[t] = rng.choice(e, k, replace=False)
+    return ids
+
+def run(dirs):
+    from thorgen.codegen.device import Gpu
+    gpu = Gpu(0)
+    rng = np.random.default_rng(0)
+    h, ie, e, k, m = 2816, 704, 128, 8, 16
+    gu_w = gpu.upload(rng.integers(0, 256, e * 2 * ie * h // 2, dtype=np.uint8))
+    gu_s = gpu.upload(rng.integers(0, 0x38, e * 2 * ie * h // 16, dtype=np.uint8))  # e4m3 up to ~0.9
+    gu_g = gpu.upload(rng.uniform(1e-3, 2e-3, e * 2 * ie // 8).astype(np.float32))
+    dn_w = gpu.upload(rng.integers(0, 256, e * h * ie // 2, dtype=np.uint8))
+    dn_s = gpu.upload(rng.integers(0, 0x38, e * h * ie // 16, dtype=np.uint8))
+    dn_g = gpu.upload(rng.uniform(1e-3, 2e-3, e * h // 8).astype(np.float32))
+    x = gpu.upload(rng.uniform(-1, 1, m * h).astype(np.float16))
+    act = gpu.upload(rng.uniform(-1, 1, m * k * ie).astype(np.float16))
+    wts = gpu.upload(rng.uniform(0, 0.3, m * k).astype(np.float32))
+    out_act = gpu.alloc(m * k * ie * 2); out_y = gpu.alloc(m * k * h * 4)
+    routes = {kind: [gpu.upload(routing(rng, kind, shift=32 * j)) for j in range(4)] for kind in ("pool32", "hot", "random")}
+    res, ref = [], {}
+    for d in dirs:
+        gpu._functions.clear()  # old and new kernels share names
+        for ent in json.loads((Path(d) / "index.json").read_text()):
+            ker = pickle.loads(bytes.fromhex(ent["kernel"]))
+            fn = gpu.function(ker, Path(d) / (ker.name + ".cubin"))
+            isgu = ker.name.startswith("moe_gateup")
+            grid = ker.grid
+            if "ROW_GRID" in dict(ker.params):
+                g = list(grid); ax, mul, div, *cap = dict(ker.params)["ROW_GRID"]; g[ax] = min([-(-m * mul // div), *cap]); grid = tuple(g)
+            row = dict(label=ent["label"], kernel=ker.name, grid=grid)
+            for kind, rs in routes.items():
+              try:
+                def args(r):
+                    return ([gu_w, gu_s, gu_g, x, r, out_act, np.int32(m)] if isgu else
+                            [dn_w, dn_s, dn_g, act, r, wts, out_y, np.int32(m)])
+                turn = iter(range(1 << 30))
+                t = gpu.graph_time_ms(lambda: gpu.launch(fn, ker, args(rs[next(turn) % 4]), grid), reps=64)
+                row[kind + "_us"] = round(t * 1e3, 2)
+                # bit check on routing 0
+                ob = out_act if isgu else out_y
+                gpu.cu.cuMemsetD8Async(ob.ptr, 0xFF, ob.nbytes, gpu.stream)
+                gpu.launch(fn, ker, args(rs[1]), grid)
+                got = gpu.download(ob, (ob.nbytes,), np.uint8)
+                key = ("gu" if isgu else "dn", kind)
+                if key not in ref: ref[key] = got
+                row[kind + "_same"] = bool(np.array_equal(got, ref[key]))
+              except Exception as exc:
+                row[kind + "_error"] = str(exc)[:200]
+            print(json.dumps(row), flush=True)
+            res.append(row)
+    return res
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prep":
+        prep(sys.argv[2], sys.argv[3])
+    else:
+        r = run(sys.argv[2:-1]); Path(sys.argv[-1]).write_text(json.dumps(r, indent=1))
