@@ -82,7 +82,7 @@ class KernelEmulator(LogitsKernels):
         elif t.startswith("moe_gateup"):
             need = [(0, 2 * p["ie"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down_pairs"):
-            need = [(0, p["h"] // 16 // p.get("un", 1) // p.get("wpb", 1)), (1, min(p["experts"], rows * p["topk"]))]
+            need = [(0, p["h"] // 16 // p.get("un", 1)), (1, min(p["experts"], rows * p["topk"]))]
         elif t.startswith("moe_down"):
             need = [(0, p["h"] // 16)]
         elif t.startswith("moe_grouped_gateup") or t.startswith("moe_grouped_down"):  # tiles: checked by the kernel

@@ -37,8 +37,6 @@ DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
 # 2026-12-02, call 2: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
 PASS_WIDTH = 8
-# moe_down_pairs' (unit, expert) items a block: groups of DOWN_KS warps that share the block row's expert.
-DOWN_GROUPS = 4
 
 
 def _units(units: int, most: int) -> int:
@@ -89,15 +87,12 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
         # rows). One warp a block with 2 steps in flight is fastest (more blocks resident beat deeper prefetch).
         # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
-        # Those one-warp (unit, expert) items now run DOWN_GROUPS to a block: the same sums, a quarter of the
-        # blocks, so the block rows that find no expert cost less (see moe_small.cuh).
         kp, upd = DOWN_KS, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
-        wpb = DOWN_GROUPS if (units_d // upd) % DOWN_GROUPS == 0 else 1
         pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, wpb=wpb, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
+                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
                                        ROW_GRID=(1, topk, 1, leaders), **common),
-                           grid=(units_d // (upd * wpb), leaders, 1), block=(32 * kp * wpb, 1, 1),
-                           args=DOWN_PAIRS_ARGS, family="moe")
+                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                           family="moe")
         return [gateup, pairs]
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as

@@ -267,45 +267,41 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   }
 }
 
-// Block (WPB groups of UN units, block_expert's expert), as moe_gateup: the expert's down rows of these units over
-// the act rows of its pairs, PW a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H]
-// fp32; ffn_tail (its PAIRS form) then sums a token's pairs in slot order, whatever else the step holds. One block
-// row per expert spreads the ~80 experts 16 tokens select over the whole GPU, where moe_down's H/16 blocks each walk
-// all of them. Group g (KS warps splitting K) runs units (blockIdx.x * WPB + g) * UN ..; each unit's sums are those
-// of a one-group block. WPB > 1: fewer blocks, so fewer of the block rows that find no expert (H200, session 30:
-// with one-warp blocks, the 96 empty rows of a 32-expert step cost the kernel 3.8 of its 23.7 us).
-template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8, int WPB = 1>
+// Block (UN units, block_expert's expert), as moe_gateup: the expert's down rows of these units over the act rows of
+// its pairs, PW a pass, each pair's routing-weighted part into its own row ypair[(t*TOPK + k)][H] fp32; ffn_tail
+// (its PAIRS form) then sums a token's pairs in slot order, whatever else the step holds. One block per (unit,
+// expert) spreads the ~80 experts 16 tokens select over the whole GPU, where moe_down's H/16 blocks each walk all
+// of them.
+template <int KIND, int IE, int H, int E, int TOPK, int KS, int MMAX, int PF, int UN = 1, int PW = 8>
 __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __restrict__ gscale,
                                                const __half* __restrict__ act, const int* __restrict__ ids,
                                                const float* __restrict__ wts, float* __restrict__ ypair, int m) {
-  static_assert(IE % 64 == 0 && (H / 16) % (UN * WPB) == 0, "expert shapes must fit the t16x64 tile and the block");
+  static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
   static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
-  constexpr int STEPS = IE / 64, THREADS = WPB * KS * 32;
+  constexpr int STEPS = IE / 64;
   constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
   static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
-  __shared__ float red[WPB][KS][UN][PW][16];
-  __shared__ int pairs[WPB * KS][MMAX];
+  __shared__ float red[KS][UN][PW][16];
+  __shared__ int pairs[KS][MMAX];
   pdl_launch_dependents();
   pdl_wait();  // ids, wts and act come from the router and gate/up kernels
   m = m < MMAX ? m : MMAX;
   int e;
-  if (!block_expert<E, TOPK, MMAX, THREADS>(ids, m, e)) return;
-  const int warp = threadIdx.x >> 5, group = warp / KS, kw = warp % KS;
-  const int s0 = kw * STEPS / KS, s1 = (kw + 1) * STEPS / KS;
-  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);  // the same n in every warp: one expert
+  if (!block_expert<E, TOPK, MMAX, KS * 32>(ids, m, e)) return;
+  const int warp = threadIdx.x >> 5, unit0 = blockIdx.x * UN;
+  const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
+  const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
   const float* gs = gscale + (size_t)e * (H / 8);
   for (int c0 = 0; c0 < n; c0 += PW) {
-    expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[group][kw], pe, (blockIdx.x * WPB + group) * UN, act,
-                                                    pairs[warp], c0, n, s0, s1);
+    expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
     __syncthreads();
-    for (int i = threadIdx.x; i < WPB * UN * PW * 16; i += THREADS) {
-      const int g = i / (UN * PW * 16), j = i % (UN * PW * 16);
-      const int u = j / (PW * 16), r = (j >> 4) % PW, c = j & 15, unit = (blockIdx.x * WPB + g) * UN + u;
+    for (int i = threadIdx.x; i < UN * PW * 16; i += KS * 32) {
+      const int u = i / (PW * 16), r = (i >> 4) % PW, c = i & 15, unit = unit0 + u;
       if (c0 + r >= n) continue;
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < KS; ++w) v += red[g][w][u][r][c];
+      for (int w = 0; w < KS; ++w) v += red[w][u][r][c];
       const int pair = pairs[0][c0 + r];
       ypair[(size_t)pair * H + 16 * unit + c] = v * tile_factor<KIND>(gs, 2 * unit + (c >> 3)) * __ldg(wts + pair);
     }
