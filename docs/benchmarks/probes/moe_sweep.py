@@ -1,14 +1,16 @@
 """Probe (issue 10, session 30): the 16-row MoE kernels (moe_gateup, moe_down_pairs) and variants of them, timed alone
 on three routings of 16 tokens, each output checked bit for bit against the first kernel of its kind (HEAD's).
 Routings (4 of each, rotated so that consecutive launches read other experts): "pool32" (32 experts, each chosen by
-4 tokens: what the synthetic checkpoint's verify routes in probe_step), "hot" (11 experts, most chosen by more than
+4 tokens: session 29's verify graph routed 32 on 16 distinct tokens), "hot" (11 experts, most chosen by more than
 8 tokens: two passes), "random" (8 distinct experts a token drawn uniformly: ~80 experts).
 Not part of the engine: a measurement for docs/benchmarks/NOTES.md. The variants' template options (ring, walk,
-ahead) exist at commit fe07606 only (reverted in the next commit).
+ahead) exist at commit fe07606 only (VARIANTS=c3, the default), the blocks of several one-warp items (wpb) at 2740d14
+(VARIANTS=c5); each was reverted in the next commit. GRID_Y=exact launches the block-row kernels with rows only for
+the experts the routings name (what the empty rows cost).
   prep TAG OUTDIR   (CPU, nvcc) compile this tree's 16-row pair ("old" at the baseline commit) or, with TAG new, the
                     pair and its variants into OUTDIR (cubins + index.json)
   run DIR... OUT    (GPU) time every indexed kernel: a CUDA graph of 64 launches over the rotated routings"""
-import dataclasses, json, pickle, sys
+import dataclasses, json, os, pickle, sys
 from pathlib import Path
 import numpy as np
 
@@ -25,19 +27,21 @@ def variants(tag):
             p = dict(k.params); p.update(kw); p = {a: b for a, b in p.items() if b is not None}
             return (label, dataclasses.replace(k, name=k.name + "_" + label.replace("-", "_"), params=make_params(**p),
                                                grid=grid or k.grid, block=block or k.block))
-        g1, d1 = moe_kernels(spec, arch, 1)
-        W = dict(walk=True, ROW_GRID=(0, 0, 1, 1))
-        A = dict(ahead=True)
-        out += [var(gu, "gu-ahead", **A), var(gu, "gu-ahead-bps8", bps=8, **A), var(gu, "gu-ahead-bps6", bps=6, **A),
-                var(gu, "gu-ahead-un1", un=1, grid=(88, 128, 1), **A),
-                var(gu, "gu-r3-un2", ring=3), var(gu, "gu-r4-un2-bps6", ring=4, bps=6),
-                var(gu, "gu-r4-un1-bps8", ring=4, un=1, bps=8, grid=(88, 128, 1)),
-                var(gu, "gu-r6-un1", ring=6, un=1, grid=(88, 128, 1)),
-                var(dn, "dn-ahead", **A), var(dn, "dn-ahead-pf4", pf=4, **A), var(dn, "dn-ahead-un1", un=1, grid=(176, 128, 1), **A),
-                var(dn, "dn-r4", ring=4), var(dn, "dn-r6-un1", ring=6, un=1, grid=(176, 128, 1)),
-                var(dn, "dn-r8-un1-bps24", ring=8, un=1, bps=24, grid=(176, 128, 1)),
-                var(dn, "dn-ahead-walk-w4", wpb=4, bps=6, grid=(792, 1, 1), block=(128, 1, 1), walk=True,
-                    ROW_GRID=None, **A)]
+        if os.environ.get("VARIANTS", "c3") == "c3":  # commit fe07606's options
+            A = dict(ahead=True)
+            out += [var(gu, "gu-ahead", **A), var(gu, "gu-ahead-bps8", bps=8, **A), var(gu, "gu-ahead-bps6", bps=6, **A),
+                    var(gu, "gu-ahead-un1", un=1, grid=(88, 128, 1), **A),
+                    var(gu, "gu-r3-un2", ring=3), var(gu, "gu-r4-un2-bps6", ring=4, bps=6),
+                    var(gu, "gu-r4-un1-bps8", ring=4, un=1, bps=8, grid=(88, 128, 1)),
+                    var(gu, "gu-r6-un1", ring=6, un=1, grid=(88, 128, 1)),
+                    var(dn, "dn-ahead", **A), var(dn, "dn-ahead-pf4", pf=4, **A), var(dn, "dn-ahead-un1", un=1, grid=(176, 128, 1), **A),
+                    var(dn, "dn-r4", ring=4), var(dn, "dn-r6-un1", ring=6, un=1, grid=(176, 128, 1)),
+                    var(dn, "dn-r8-un1-bps24", ring=8, un=1, bps=24, grid=(176, 128, 1)),
+                    var(dn, "dn-ahead-walk-w4", wpb=4, bps=6, grid=(792, 1, 1), block=(128, 1, 1), walk=True,
+                        ROW_GRID=None, **A)]
+        else:  # "c5": commit 2740d14's groups of one-warp items a block (wpb)
+            out += [var(dn, "dn-w2", wpb=2, grid=(44, 128, 1), block=(64, 1, 1)),
+                    var(dn, "dn-w8", wpb=8, grid=(11, 128, 1), block=(256, 1, 1))]
     return out
 
 def prep(tag, outdir):
@@ -80,7 +84,10 @@ def run(dirs):
     act = gpu.upload(rng.uniform(-1, 1, m * k * ie).astype(np.float16))
     wts = gpu.upload(rng.uniform(0, 0.3, m * k).astype(np.float32))
     out_act = gpu.alloc(m * k * ie * 2); out_y = gpu.alloc(m * k * h * 4)
-    routes = {kind: [gpu.upload(routing(rng, kind, shift=32 * j)) for j in range(4)] for kind in ("pool32", "hot", "random")}
+    host = {kind: [routing(rng, kind, shift=32 * j) for j in range(4)] for kind in ("pool32", "hot", "random")}
+    nexp = {kind: max(len(np.unique(r)) for r in rs) for kind, rs in host.items()}
+    print("experts a routing (most of 4):", nexp, flush=True)
+    routes = {kind: [gpu.upload(r) for r in rs] for kind, rs in host.items()}
     res, ref = [], {}
     for d in dirs:
         gpu._functions.clear()  # old and new kernels share names
@@ -94,6 +101,9 @@ def run(dirs):
             row = dict(label=ent["label"], kernel=ker.name, grid=grid)
             for kind, rs in routes.items():
               try:
+                exact = os.environ.get("GRID_Y") == "exact" and "ROW_GRID" in dict(ker.params)
+                if exact:  # block rows only for the experts the routings name (the empty blocks' cost)
+                    grid = (grid[0], nexp[kind], grid[2]); row["label"] = ent["label"] + "-exact"
                 def args(r):
                     return ([gu_w, gu_s, gu_g, x, r, out_act, np.int32(m)] if isgu else
                             [dn_w, dn_s, dn_g, act, r, wts, out_y, np.int32(m)])
