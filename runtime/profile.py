@@ -84,6 +84,7 @@ def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
         e.destroy()
     return out
 
+
 def replay_us(eng: Engine, launches: list[tuple[str, Any]], replays: int, what: str) -> float:
     """GPU time (us) of one replay of `launches` captured as a graph: a warm-up replay, then `replays` back to back
     between two events (also the device probes' graph timing, docs/benchmarks/probes/probe_common.py)."""

@@ -12,6 +12,7 @@ the experts the routings name (what the empty rows cost).
   run DIR... OUT    (GPU) time every indexed kernel: a CUDA graph of 64 launches over the rotated routings"""
 import dataclasses, json, os, pickle, sys
 from pathlib import Path
+from types import SimpleNamespace
 import numpy as np
 
 def variants(tag):
@@ -71,6 +72,7 @@ def routing(rng, kind, m=16, e=128, k=8, shift=0):
 
 def run(dirs):
     from thorgen.codegen.device import Gpu
+    from thorgen.runtime.forward import _grid
     gpu = Gpu(0)
     rng = np.random.default_rng(0)
     h, ie, e, k, m = 2816, 704, 128, 8, 16
@@ -95,31 +97,30 @@ def run(dirs):
             ker = pickle.loads(bytes.fromhex(ent["kernel"]))
             fn = gpu.function(ker, Path(d) / (ker.name + ".cubin"))
             isgu = ker.name.startswith("moe_gateup")
-            grid = ker.grid
-            if "ROW_GRID" in dict(ker.params):
-                g = list(grid); ax, mul, div, *cap = dict(ker.params)["ROW_GRID"]; g[ax] = min([-(-m * mul // div), *cap]); grid = tuple(g)
-            row = dict(label=ent["label"], kernel=ker.name, grid=grid)
+            # the runtime's launch grid for m rows (the block-row kernels' ROW_GRID rule)
+            grid = _grid(SimpleNamespace(grid=ker.grid, params=dict(ker.params)), m)
+            exact = os.environ.get("GRID_Y") == "exact" and "ROW_GRID" in dict(ker.params)
+            row = dict(label=ent["label"] + ("-exact" if exact else ""), kernel=ker.name, grid=grid)
+
+            def args(r):
+                return ([gu_w, gu_s, gu_g, x, r, out_act, np.int32(m)] if isgu else
+                        [dn_w, dn_s, dn_g, act, r, wts, out_y, np.int32(m)])
             for kind, rs in routes.items():
-              try:
-                exact = os.environ.get("GRID_Y") == "exact" and "ROW_GRID" in dict(ker.params)
-                if exact:  # block rows only for the experts the routings name (the empty blocks' cost)
-                    grid = (grid[0], nexp[kind], grid[2]); row["label"] = ent["label"] + "-exact"
-                def args(r):
-                    return ([gu_w, gu_s, gu_g, x, r, out_act, np.int32(m)] if isgu else
-                            [dn_w, dn_s, dn_g, act, r, wts, out_y, np.int32(m)])
-                turn = iter(range(1 << 30))
-                t = gpu.graph_time_ms(lambda: gpu.launch(fn, ker, args(rs[next(turn) % 4]), grid), reps=64)
-                row[kind + "_us"] = round(t * 1e3, 2)
-                # bit check on routing 0
-                ob = out_act if isgu else out_y
-                gpu.cu.cuMemsetD8Async(ob.ptr, 0xFF, ob.nbytes, gpu.stream)
-                gpu.launch(fn, ker, args(rs[1]), grid)
-                got = gpu.download(ob, (ob.nbytes,), np.uint8)
-                key = ("gu" if isgu else "dn", kind)
-                if key not in ref: ref[key] = got
-                row[kind + "_same"] = bool(np.array_equal(got, ref[key]))
-              except Exception as exc:
-                row[kind + "_error"] = str(exc)[:200]
+                # GRID_Y=exact: block rows only for the experts the routings name (what the empty rows cost)
+                g = (grid[0], nexp[kind], grid[2]) if exact else grid
+                try:
+                    turn = iter(range(1 << 30))
+                    t = gpu.graph_time_ms(lambda: gpu.launch(fn, ker, args(rs[next(turn) % 4]), g), reps=64)
+                    row[kind + "_us"] = round(t * 1e3, 2)
+                    # bit check on the second routing against the first kernel of this kind
+                    ob = out_act if isgu else out_y
+                    gpu.cu.cuMemsetD8Async(ob.ptr, 0xFF, ob.nbytes, gpu.stream)
+                    gpu.launch(fn, ker, args(rs[1]), g)
+                    got = gpu.download(ob, (ob.nbytes,), np.uint8)
+                    first = ref.setdefault(("gu" if isgu else "dn", kind), got)
+                    row[kind + "_same"] = bool(np.array_equal(got, first))
+                except Exception as exc:  # one failing variant must not end the sweep
+                    row[kind + "_error"] = str(exc)[:200]
             print(json.dumps(row), flush=True)
             res.append(row)
     return res
