@@ -62,6 +62,15 @@ class LowerDraft:
             ops.append(self._rope_op(l, rows, False, NULL, NULL))  # (no queries: HAS_Q false never reads them)
         return ops
 
+    def accept_ops(self) -> list[Op]:
+        """After a verify step: its committed count into spec_acc, and the next step's block (positions, sampled
+        positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda_backend.py launches that step ahead)."""
+        A, f = self.fwd.ptr.A, self.fwd
+        e = need(f.find("spec_accept.cu.j2", "DFlash acceptance on the device", B=BLOCK))
+        return [Op("draft.accept", e, dict(ids=A("ids"), out_ids=A("out_ids"), positions=A("positions"),
+                                           sampled=A("positions", f.max_rows), rule=A("spec_rule"),
+                                           accepted=A("spec_acc")), BLOCK, pdl=False)]
+
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
         d, t, A, W, f = self.spec.drafter, self.spec.target, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd

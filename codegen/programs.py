@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
-from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key
+from ..model_spec.step_program import DRAFT_ACCEPT, DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key
 from ..model_spec.types import ModelSpec
 from .kernel_spec import KernelSpec
 from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Sym
@@ -152,7 +152,8 @@ def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[st
         if drafter:
             dl = LowerDraft(low)
             jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
-                     ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, max_rows)]
+                     ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, max_rows),
+                     ("speculative", DRAFT_ACCEPT, lambda r: dl.accept_ops(), VERIFY_ROWS, VERIFY_ROWS)]
         for group, key, build, lo, hi in jobs:
             try:
                 table[key] = _program(build, lo, hi, f"{kv} {key}")

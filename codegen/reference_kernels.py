@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model_spec.conventions import accepted_count
 from ..model_spec.nvfp4 import bf16_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e4m3
 
 F32, F64 = np.float32, np.float64
@@ -61,6 +62,16 @@ def embed_ref(ids: np.ndarray, table_bf16: np.ndarray, scale: float, mask_id: in
     if mask_id >= 0:
         ids[1:] = mask_id
     return bf16_to_f32(table_bf16[ids]) * F32(scale)
+
+
+# ---- DFlash acceptance (exact: integers) -------------------------------------------------------------------------
+def spec_accept_ref(ids: np.ndarray, targets: np.ndarray, start: int, most: int, emulate: int
+                    ) -> tuple[int, np.ndarray, np.ndarray, int]:
+    """spec_accept.cu.j2 after a verify step at positions start..: ids[0..B) = [last, drafts], targets = out_ids:
+    (the committed count n, the next block's positions, its sampled positions, its ids[0] = targets[n - 1])."""
+    n = accepted_count([int(t) for t in ids[1:]], [int(t) for t in targets], most, None if emulate < 0 else emulate)
+    nxt = start + n + np.arange(len(targets), dtype=np.int32)
+    return n, nxt, nxt + 1, int(targets[n - 1])
 
 
 # ---- RMSNorm variants (plain weight; eps inside the mean) -----------------------------------------------------

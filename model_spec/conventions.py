@@ -47,3 +47,14 @@ SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<
 def max_step_tokens(conventions: dict) -> int:
     """The step rows a build's conventions record (older builds without the key: the current default)."""
     return int(conventions.get("max_step_tokens", MAX_STEP_TOKENS))
+
+
+def accepted_count(drafts: list[int], targets: list[int], most: int, emulate: int | None = None) -> int:
+    """Tokens a DFlash verify step commits (targets[0..n)): the longest run where draft i (the block's slot i + 1)
+    equals target i, plus the target's token after it, at most `most` (1 + a request's draft cap); `emulate` K:
+    exactly K + 1 (bench --emulate-acceptance). The runtime applies it on the host, spec_accept.cuh on the device
+    (its launched-ahead next step), codegen's reference for the kernel tests."""
+    most, n = min(max(most, 1), len(targets)), 1
+    while n < most and (drafts[n - 1] == targets[n - 1] if emulate is None else n <= emulate):
+        n += 1
+    return n

@@ -36,7 +36,8 @@ def program_key(decode: bool = False, last: bool = True, greedy: bool = True, ta
     return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
 
 
-DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"  # the drafter's programs (runtime/spec_decode.py)
+# the drafter's programs (runtime/spec_decode.py): the draft block, the context update, the acceptance on the device
+DRAFT_BLOCK, DRAFT_CONTEXT, DRAFT_ACCEPT = "draft.block", "draft.context", "draft.accept"
 
 
 def drafter_problem(spec: ModelSpec) -> str | None:

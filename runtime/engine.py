@@ -92,9 +92,12 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
 class Engine:
     """Device resources of one model; `prefill()` then `decode()` generate (runtime/profile.py times a step)."""
 
-    # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B); the stream is synchronised
-    # at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
-    _SLOTS, _READ = 128, 2048
+    # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B), used in turn; the stream is
+    # synchronised at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
+    _SLOTS, _READ = 128, 2048  # (one-row steps read their tokens at _READ + 4 and + 8, in turn)
+    # DFlash: the staged block at _SPEC (positions, sampled positions, last token, forced drafts, lanes, rule); the
+    # read-back (ids, out_ids, the accepted count) in two slots used in turn, as the batched steps' (launched ahead)
+    _SPEC, _SPEC_READ, _SPEC_READ_SLOT = 4096, 6144, 256
     # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
     # then the tokens read back. Two such slots, used in turn: a runner launches step n + 1 before it waits for
     # step n (launch_batch / wait_batch), so a slot is rewritten only after the step that used it was waited for.
@@ -150,6 +153,9 @@ class Engine:
         self._batch_events = [device.event(timing=False) for _ in range(2)]  # a batched launch's tokens landed
         self._staged = device.event(timing=False)  # the latest batched launch's host-to-device copies ran
         self._batch_slot = 0
+        self._one_events = [device.event(timing=False) for _ in range(2)]  # a one-row launch's token landed
+        self._spec_events = [device.event(timing=False) for _ in range(2)]  # a DFlash launch's tokens landed
+        self._one_slot = self._spec_slot = self._staged_n = 0
         # The page table's host copy (pinned: rows are uploaded from it stream-ordered, runtime/kv_pages.py decides
         # them). Until a runner maps a lane, lane l's positions sit on pages l * P.. (P: one full context), wrapped
         # at the pool's end: what a direct caller (a benchmark, a test) gets, like one linear cache a lane.
@@ -318,10 +324,11 @@ class Engine:
         return self._captured(("greedy" if greedy else "sample") + ("_ext" if ext else ""),
                               lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext), "decode step")
 
-    def _stage(self, step: int, position: int, token: int | None, lane: int = 0) -> None:
+    def _stage(self, position: int, token: int | None, lane: int = 0) -> None:
         """Async copies of the step's position (and sampled position, KV lane, and a prompt token into
-        out_ids[0])."""
-        off = 16 * (step % self._SLOTS)
+        out_ids[0]), from the next of the pinned slots in turn (a step launched ahead may still wait for its own)."""
+        off = 16 * (self._staged_n % self._SLOTS)
+        self._staged_n += 1
         vals = self._pinned.array[off:off + 16].view(np.int32)
         vals[:] = (position, position + 1, -1 if token is None else token, lane)
         cu, h, src = driver(), self.stream.handle, self._pinned.ptr + off
@@ -354,7 +361,7 @@ class Engine:
             rows = min(self.max_rows, n - start)
             last = start + rows == n
             if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])
-                self._stage(0, start, prompt[start], lane)
+                self._stage(start, prompt[start], lane)
                 self._graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
             # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
@@ -414,9 +421,24 @@ class Engine:
         """One graphed step for the token at `position` (its id is out_ids[0], or `token` when given); returns the
         new token id. `launched()` runs while the GPU works, before the wait: host work done there (streaming the
         previous step's tokens to clients) then costs no GPU time."""
-        self._stage(position, position, token, lane)
+        launch = self.launch_one(position, greedy, token, lane, ext)
+        if launched is not None:
+            launched()
+        return self.wait_batch(launch)[0]
+
+    def launch_one(self, position: int, greedy: bool = True, token: int | None = None, lane: int = 0,
+                   ext: bool = False) -> BatchLaunch:
+        """Enqueue the graphed one-row step (decode) without waiting for it: a runner may enqueue the next step of
+        the same sequence (token None: the one this step leaves in out_ids[0]) before it reads this one's token."""
+        self._stage(position, token, lane)
         self._graph(greedy, ext).replay(self.stream)
-        return self._read_token(launched)
+        slot = self._one_slot
+        self._one_slot ^= 1
+        read = self._READ + 4 * (slot + 1)
+        check(driver().cuMemcpyDtoHAsync(self._pinned.ptr + read, self.act["out_ids"].ptr, 4, self.stream.handle),
+              "token id")
+        self._one_events[slot].record(self.stream)
+        return BatchLaunch(1, read, self._one_events[slot])
 
     def decode_batch(self, rows: list[tuple[int, int, int, Any]], launched: Callable[[], None] | None = None,
                      ext: bool = False) -> list[int]:
@@ -493,19 +515,37 @@ class Engine:
                   launched: Callable[[], None] | None = None, lane: int = 0) -> tuple[list[int], list[int]]:
         """One DFlash step for `last` at position `start` (runtime/spec_decode.py): returns (15 drafts, the
         target's 16 tokens for positions start+1..start+16). Two graphs (draft; verify + context update)."""
+        launch = self.spec_launch(start, last, greedy, lane=lane)
+        if launched is not None:
+            launched()
+        drafts, target, _ = self.spec_wait(launch)
+        return drafts, target
+
+    def spec_launch(self, start: int | None, last: int = 0, greedy: bool = True, lane: int = 0,
+                    most: int = BLOCK, emulate: int | None = None) -> SpecLaunch:
+        """Enqueue one DFlash step without waiting for it. `start` None: the step after the latest one enqueued,
+        of the same sequence and rule, at the block that step's acceptance (draft.accept, on the device) chose.
+        Otherwise the block at `start` for `last` in KV lane `lane`, under the rule (at most `most` tokens a step,
+        or exactly emulate + 1): what the device's acceptance then uses."""
         if not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
-        cu, h, S, R = driver(), self.stream.handle, 4096, 6144
-        vals = self._pinned.array[S:S + 512].view(np.int32)
-        vals[:BLOCK] = np.arange(start, start + BLOCK)
-        vals[BLOCK:2 * BLOCK] = np.arange(start + 1, start + 1 + BLOCK)  # sampled positions
-        vals[2 * BLOCK] = last
-        vals[4 * BLOCK:5 * BLOCK] = lane
-        pos, ids, src = self.act["positions"].ptr, self.act["ids"].ptr, self._pinned.ptr + S
-        check(cu.cuMemcpyHtoDAsync(pos, src, 4 * BLOCK, h), "block positions")
-        check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 16 * BLOCK, 4 * BLOCK, h), "block KV lanes")
-        check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
-        check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
+        cu, h, S = driver(), self.stream.handle, self._SPEC
+        src = self._pinned.ptr + S
+        if start is not None:  # (rewritten only when no step is in flight: the runner waits for an unused one)
+            vals = self._pinned.array[S:S + 512].view(np.int32)
+            vals[:BLOCK] = np.arange(start, start + BLOCK)
+            vals[BLOCK:2 * BLOCK] = np.arange(start + 1, start + 1 + BLOCK)  # sampled positions
+            vals[2 * BLOCK] = last
+            vals[4 * BLOCK:5 * BLOCK] = lane
+            vals[5 * BLOCK:5 * BLOCK + 2] = (most, -1 if emulate is None else emulate)
+            pos, ids = self.act["positions"].ptr, self.act["ids"].ptr
+            check(cu.cuMemcpyHtoDAsync(pos, src, 4 * BLOCK, h), "block positions")
+            check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, src + 16 * BLOCK, 4 * BLOCK, h), "block KV lanes")
+            check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
+            check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
+            check(cu.cuMemcpyHtoDAsync(self.act["spec_rule"].ptr, src + 20 * BLOCK, 8, h), "acceptance rule")
+        elif self.draft_hook is not None:
+            raise BackendError("a DFlash step launched ahead has no host-known block for the draft hook")
         events = None if self.spec_timing is None else [self.device.event() for _ in range(3)]
         if events:
             events[0].record(self.stream)
@@ -516,23 +556,39 @@ class Engine:
             forced = np.asarray(self.draft_hook(start, last), np.int32)
             if forced.shape != (BLOCK - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {BLOCK - 1}")
-            vals[3 * BLOCK:4 * BLOCK - 1] = forced
-            check(cu.cuMemcpyHtoDAsync(ids + 4, src + 12 * BLOCK, 4 * (BLOCK - 1), h), "forced drafts")
+            self._pinned.array[S + 12 * BLOCK:S + 12 * BLOCK + 4 * (BLOCK - 1)].view(np.int32)[:] = forced
+            check(cu.cuMemcpyHtoDAsync(self.act["ids"].ptr + 4, src + 12 * BLOCK, 4 * (BLOCK - 1), h),
+                  "forced drafts")
         self._spec_graph("verify", greedy).replay(self.stream)
         if events:
             events[2].record(self.stream)
-        dst = self._pinned.ptr + R
-        check(cu.cuMemcpyDtoHAsync(dst, ids, 4 * BLOCK, h), "drafts")
+        slot = self._spec_slot
+        self._spec_slot ^= 1
+        read = self._SPEC_READ + slot * self._SPEC_READ_SLOT
+        dst = self._pinned.ptr + read
+        check(cu.cuMemcpyDtoHAsync(dst, self.act["ids"].ptr, 4 * BLOCK, h), "drafts")
         check(cu.cuMemcpyDtoHAsync(dst + 4 * BLOCK, self.act["out_ids"].ptr, 4 * BLOCK, h), "verified tokens")
-        if launched is not None:
-            launched()
-        self.stream.synchronize()
-        if events:
-            self.spec_timing.append((events[1].elapsed_ms(events[0]), events[2].elapsed_ms(events[1])))
-            for e in events:
-                e.destroy()
-        got = self._pinned.array[R:R + 8 * BLOCK].view(np.int32)
-        return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:]]
+        check(cu.cuMemcpyDtoHAsync(dst + 8 * BLOCK, self.act["spec_acc"].ptr, 4, h), "accepted count")
+        self._spec_events[slot].record(self.stream)
+        return SpecLaunch(read, self._spec_events[slot], events)
+
+    def spec_wait(self, launch: SpecLaunch) -> tuple[list[int], list[int], int]:
+        """A spec_launch's (15 drafts, the target's 16 tokens, the device's committed count): waits for that step
+        only, not for one enqueued after it."""
+        launch.done.synchronize()
+        if launch.timing:
+            e = launch.timing
+            self.spec_timing.append((e[1].elapsed_ms(e[0]), e[2].elapsed_ms(e[1])))
+            for ev in e:
+                ev.destroy()
+        got = self._pinned.array[launch.read:launch.read + 8 * BLOCK + 4].view(np.int32)
+        return [int(t) for t in got[1:BLOCK]], [int(t) for t in got[BLOCK:2 * BLOCK]], int(got[2 * BLOCK])
+
+    def settle(self, launch: BatchLaunch | SpecLaunch) -> None:
+        """Wait for a launched step whose tokens nobody reads (a runner's step launched ahead, then not needed)."""
+        launch.done.synchronize()
+        for ev in getattr(launch, "timing", None) or []:
+            ev.destroy()
 
     def set_logits(self, batch: Any) -> None:
         """Upload a step's logits processing (runtime/logits_params.LogitsBatch) for its rows; every row past them
@@ -567,7 +623,7 @@ class Engine:
             if which == "draft":
                 return dfw.block_ops()
             return (self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
-                    + dfw.ctx_ops(BLOCK))
+                    + dfw.ctx_ops(BLOCK) + dfw.accept_ops())
         return self._captured("draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}", ops,
                               "DFlash")
 
@@ -597,7 +653,8 @@ class Engine:
                 r.free()
         self.kernels.unload()
         for ev in [getattr(self, "_fork_ev", None), getattr(self, "_join_ev", None), getattr(self, "_staged", None),
-                   *getattr(self, "_batch_events", [])]:
+                   *getattr(self, "_batch_events", []), *getattr(self, "_one_events", []),
+                   *getattr(self, "_spec_events", [])]:
             if ev is not None:
                 ev.destroy()
         for ev in getattr(self, "_graph_events", []):
@@ -638,15 +695,25 @@ def sample_record(sampling: Any) -> np.void:
     return rec
 
 
-__all__ = ["Engine", "NULL", "SAMPLE_PARAMS", "sample_record"]
+__all__ = ["BatchLaunch", "Engine", "NULL", "SAMPLE_PARAMS", "SpecLaunch", "sample_record"]
 
 
 class BatchLaunch(NamedTuple):
-    """A batched step in flight: its row count, where its tokens land in pinned memory, the event after them."""
+    """A batched (or one-row) step in flight: its row count, where its tokens land in pinned memory, the event
+    after them."""
 
     rows: int
     read: int
     done: Any
+
+
+class SpecLaunch(NamedTuple):
+    """A DFlash step in flight: where its read-back lands in pinned memory, the event after it, and its timing
+    events (draft start, verify start, verify end) when the engine times steps."""
+
+    read: int
+    done: Any
+    timing: list | None
 
 
 def _runs(carried: dict[int, int]) -> list[tuple[int, int, int]]:

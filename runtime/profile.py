@@ -42,7 +42,7 @@ def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 1
     (launches,) = _bind_alone(eng, eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
                               eng.fwd.ops(rows, decode=False, last=True))
     if rows == 1:
-        eng._stage(0, position, 0)
+        eng._stage(position, 0)
         eng._graph(True).replay(eng.stream)  # every buffer holds the values of a real step
         return _graph_profile(eng, launches, replays)
     _stage(eng, ids=np.arange(rows), positions=np.arange(position, position + rows))

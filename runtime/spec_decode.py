@@ -11,7 +11,9 @@ Per step (MODEL_FACTS §3.3), with `last` the newest token at position `start` (
      of all 16 rows, then the context update of the same 16 positions: fc(taps) -> hidden_norm -> per drafter layer
      k/v projections -> k_norm + RoPE -> drafter cache.
   3. the host reads the 15 drafts and the 16 target tokens (the only device->host traffic), acc = longest prefix
-     with d_i == target_i-1, commits target_0..target_acc.
+     with d_i == target_i-1, commits target_0..target_acc. The verify graph ends with the same rule on the device
+     (draft.accept: the count into spec_acc, the next block's positions and ids[0]), so the runner can enqueue the
+     next step before it reads this one (CudaRunner.decode), and the GPU never waits for the host between steps.
 Rollback needs no work: the target rows and the drafter context rows beyond the committed length hold K/V of
 rejected tokens at positions start+acc+1..start+15, and the next step (block at start+acc+1..start+acc+16)
 writes every one of them again (its block K/V, then its verify K/V and context rows) before any query reads them;
@@ -22,7 +24,7 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 from __future__ import annotations
 
 from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
-from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key
+from ..model_spec.step_program import DRAFT_ACCEPT, DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .forward import Forward, Op
@@ -53,7 +55,9 @@ def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
             ("dctx_a", (rows, d.hidden_size), "f16"), ("dk_raw", (rows, nkv), "f32"), ("dv_raw", (rows, nkv), "f32"),
             ("dx", (BLOCK, d.hidden_size), "f32"), ("da", (BLOCK, d.hidden_size), "f16"),
             ("dq_raw", (BLOCK, nq), "f32"), ("dq", (BLOCK, nq), "bf16"), ("dattn", (BLOCK, nq), "f16"),
-            ("do", (BLOCK, d.hidden_size), "f32"), ("dmlp", (BLOCK, d.intermediate_size), "f16")):
+            ("do", (BLOCK, d.hidden_size), "f32"), ("dmlp", (BLOCK, d.intermediate_size), "f16"),
+            # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
+            ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):
         p.add_array(name, shape, dt)
 
 
@@ -74,10 +78,15 @@ class DraftForward:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
         return self.fwd.program(DRAFT_CONTEXT, rows)
 
+    def accept_ops(self) -> list[Op]:
+        """After the verify: the committed count into spec_acc and the next block at positions[0..16), ids[0]."""
+        return self.fwd.program(DRAFT_ACCEPT, BLOCK)
+
     def probe(self) -> list[str]:
         """What the speculative path lacks (empty: it can run)."""
         keys = [program_key(last=True, greedy=g, taps=True, all_logits=True) for g in (True, False)]
-        return self.fwd.missing("speculative", *keys, program_key(last=True, taps=True), DRAFT_BLOCK, DRAFT_CONTEXT)
+        return self.fwd.missing("speculative", *keys, program_key(last=True, taps=True), DRAFT_BLOCK, DRAFT_CONTEXT,
+                               DRAFT_ACCEPT)
 
 
 __all__ = ["BLOCK", "DraftForward", "plan_drafter_activations", "split_weights"]

@@ -120,6 +120,14 @@ class KernelEmulator(LogitsKernels):
         table = self.v(a["table"], np.uint16, (V, H), "table")
         self.v(a["out"], np.float32, (T, H), "out")[:] = RK.embed_ref(ids, table, p["SCALE"], p["MASK_ID"])
 
+    def k_spec_accept(self, p, a, n):
+        B = p["B"]
+        ids, out = self.v(a["ids"], np.int32, B, "ids"), self.v(a["out_ids"], np.int32, B, "out_ids")
+        pos, rule = self.v(a["positions"], np.int32, B, "positions"), self.v(a["rule"], np.int32, 2, "rule")
+        acc, pos[:], self.v(a["sampled"], np.int32, B, "sampled")[:], ids[0] = RK.spec_accept_ref(
+            ids, out, int(pos[0]), int(rule[0]), int(rule[1]))
+        self.v(a["accepted"], np.int32, 1, "accepted")[0] = acc
+
     def k_rmsnorm(self, p, a, n):
         T, H = a["T"], p["H"]
         x = RK.load(self.v(a["x"], RK.np_dtype(p["IN"]), (T, H), "x"), p["IN"])

@@ -64,3 +64,17 @@ def test_shared_constants_are_the_stages_own():
         assert fp4_order(arch) == repack_fp4_order(arch.name) == C.fp4_order_for(arch.has_fp4_cvt)
     assert codegen_ring_slots(1024) == runtime_ring_slots(1024) == runtime_ring_slots(1024, {}) == 1024 + C.MAX_STEP_TOKENS
     assert runtime_ring_slots(1024, {"ring_slots": {"1024": 2000}}) == 2000  # a manifest's own table wins
+
+
+def test_accepted_count():
+    """DFlash acceptance (the host's rule; spec_accept.cuh is its device form): the longest agreeing run plus the
+    target after it, capped by `most` (clamped to the block), or exactly K + 1 when emulated."""
+    from thorgen.model_spec.conventions import accepted_count
+
+    t = list(range(100, 116))
+    assert accepted_count(t[:15], t, 16) == 16
+    assert accepted_count([0] + t[1:15], t, 16) == 1
+    assert accepted_count(t[:4] + [0] + t[5:15], t, 16) == 5
+    assert accepted_count(t[:15], t, 6) == 6 and accepted_count(t[:15], t, 99) == 16
+    assert accepted_count(t[:15], t, 0) == 1
+    assert accepted_count([0] * 15, t, 16, emulate=6) == 7 and accepted_count(t[:15], t, 4, emulate=15) == 4

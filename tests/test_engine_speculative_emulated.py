@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,38 @@ def test_forced_drafts_every_acceptance_length(emu, mode):
     assert res.accepted_lengths == [j + 1 for j in log]
     assert sorted(res.accepted_lengths) == list(range(1, 17))
     _check_lengths(res)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
+    """Each DFlash step is launched before the step before it is read, at the block the device's acceptance
+    (draft.accept) picks. Tokens and acceptance lengths equal those of steps launched when scheduled: for the real
+    drafter, emulated acceptance of K drafts (bench), a request's draft cap, a stop id and the context's end."""
+    from test_engine_emulated import _run_core
+
+    open_, ck = emu
+    backend, _ = open_(ctx=160)
+    params = SamplingParams() if mode == "greedy" else SAMPLED
+    ids = [2] + np.random.default_rng(14).integers(256, 512, 30).tolist()
+    free = backend.generate(ids, 40, params).token_ids
+    stop = next(t for i, t in enumerate(free) if i >= 20 and t not in free[:i])
+    capped = replace(params, draft_tokens=5)
+    reqs = [(ids, 40, params), (ids, 200, capped), (ids[:5], 30, params)]  # (the second runs to the context's end)
+    try:
+        for k in (None, 0, 6, 15):
+            backend.engine.emulate_acceptance = k
+            ahead, used = _run_core(backend, True, reqs, speculative=True, stop_ids=frozenset({stop}))
+            plain, none = _run_core(backend, False, reqs, speculative=True, stop_ids=frozenset({stop}))
+            assert ahead == plain, f"K={k}"
+            assert none == 0 and used > 0, (k, used)
+            if k is None:  # (then most steps commit one token: all but a request's first and last few go ahead)
+                assert ahead[0][0] == free[:free.index(stop) + 1]
+                assert used >= sum(len(a) for _, a, _ in ahead) - 3 * 4, used
+            else:
+                for (_, acc, _), cap in zip(ahead, (15, 5, 15)):
+                    assert acc[:-1] == [min(k, cap) + 1] * (len(acc) - 1), (k, acc)
+    finally:
+        backend.engine.emulate_acceptance = None
 
 
 def test_draft_tokens_caps_the_accepted_drafts(emu):

@@ -1,4 +1,4 @@
-"""GPU tests: embedding, DFlash block embedding and the RMSNorm family against the NumPy references."""
+"""GPU tests: embedding, DFlash block embedding and acceptance, and the RMSNorm family against the NumPy references."""
 
 from __future__ import annotations
 
@@ -148,3 +148,26 @@ def test_ffn_tail(runner, last_layer, pairs):
         for name in outputs:
             np.testing.assert_array_equal(single[name].view(np.uint8), got[name].view(np.uint8),
                                           err_msg=f"{name}: the one-row and slot-row forms differ")
+
+
+@pytest.mark.parametrize("most, emulate, agree", [(16, -1, 0), (16, -1, 7), (16, -1, 15), (6, -1, 15),
+                                                  (16, 6, 0), (4, 15, 0), (16, 15, 3)])
+def test_dflash_accept(runner, most, emulate, agree):
+    """The acceptance on the device (exact): the first `agree` drafts equal the targets, then one differs."""
+    rng = np.random.default_rng(agree + 16 * most)
+    (k,) = runner.find("dflash_accept__")
+    B = k.param("B")
+    targets = rng.integers(0, 1000, B).astype(np.int32)
+    ids = np.concatenate([[5], targets[:B - 1]]).astype(np.int32)
+    if agree < B - 1:
+        ids[1 + agree] = targets[agree] + 1
+    start, sampled = 700, np.full(B, -9, np.int32)
+    out = runner.run(k, {"ids": ids, "out_ids": targets, "positions": np.full(B, start, np.int32),
+                         "sampled": sampled, "rule": np.array([most, emulate], np.int32)},
+                     {"ids": ((B,), np.int32), "positions": ((B,), np.int32), "sampled": ((B,), np.int32),
+                      "accepted": ((1,), np.int32)})
+    n, pos, smp, last = R.spec_accept_ref(ids, targets, start, most, emulate)
+    assert n == (min(most, agree + 1) if emulate < 0 else min(most, emulate + 1))
+    assert int(out["accepted"][0]) == n and out["ids"][0] == last and (out["ids"][1:] == ids[1:]).all()
+    np.testing.assert_array_equal(out["positions"], pos)
+    np.testing.assert_array_equal(out["sampled"], smp)

@@ -151,7 +151,7 @@ def test_grammar_makes_random_weights_write_json(backend, tiny_checkpoint):
 def test_cuda_runner_checks_extended_sampling():
     """Without the lm_logits kernels the cuda runner refuses processing / logprobs, naming them; with them it
     still refuses what the device lists cannot hold (logit_bias ids outside the vocabulary, > 300 entries)."""
-    from thorgen.runtime.cuda_backend import CudaRunner
+    from thorgen.runtime.cuda_runner import CudaRunner
     from thorgen.runtime.engine import MAX_LOGIT_BIAS
 
     def runner(missing):

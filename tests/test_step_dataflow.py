@@ -56,8 +56,8 @@ def _shapes(f, max_rows: int, speculative: bool):
         yield "prefill with DFlash taps", f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40), \
             STEP | {"ids"}
         yield "draft", dfw.block_ops(), STEP | {"ids"}
-        yield "verify", f.ops(BLOCK, decode=False, last=True, taps=True, all_logits=True) + dfw.ctx_ops(BLOCK), \
-            STEP | {"ids"}
+        yield "verify", f.ops(BLOCK, decode=False, last=True, taps=True, all_logits=True) + dfw.ctx_ops(BLOCK) \
+            + dfw.accept_ops(), STEP | {"ids", "spec_rule"}  # (the acceptance rule: staged with a fresh block)
 
 
 def test_every_step_shape_passes(engine):

@@ -1,4 +1,5 @@
-"""Codegen stage: DFlash drafter glue — the block embedding [last token, mask x (B-1)] built on the device.
+"""Codegen stage: DFlash drafter glue — the block embedding [last token, mask x (B-1)] built on the device, and the
+acceptance of a verify step on the device (spec_accept: the next step's block, so the host can launch it ahead).
 
 The rest of the drafter glue reuses other families: the DFlash taps are written by the target's ffn_tail kernel
 (tap pointer), the context `fc` is a bf16 GEMM (drafter_gemm family) and `hidden_norm` is the rmsnorm kernel.
@@ -22,4 +23,7 @@ def plan_drafter_glue(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
                        make_params(H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id,
                                    ROW_AXIS=0),
                        grid=(d.block_size, 1, 1), block=(threads, 1, 1), args=("ids", "table", "out", "T"),
-                       family="drafter_glue")]
+                       family="drafter_glue"),
+            KernelSpec(f"dflash_accept__b{d.block_size}", "spec_accept.cu.j2", make_params(B=d.block_size),
+                       grid=(1, 1, 1), block=(32, 1, 1),
+                       args=("ids", "out_ids", "positions", "sampled", "rule", "accepted"), family="drafter_glue")]

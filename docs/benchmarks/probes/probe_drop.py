@@ -23,7 +23,7 @@ names = [op.entry.name for op in ops_all if isinstance(op, Op)]
 
 
 def timed(ops, n=200):
-    return graph_replay_us(eng, ops, n, before=lambda: eng._stage(0, P + 1, None))
+    return graph_replay_us(eng, ops, n, before=lambda: eng._stage(P + 1, None))
 
 
 def without(fam):

@@ -34,7 +34,7 @@ def host_loop(n=200):
 
 def replays(n=200):
     g = eng._graph(True)
-    eng._stage(0, P + 8, None)
+    eng._stage(P + 8, None)
     g.replay(eng.stream)
     e0, e1 = eng.device.event(), eng.device.event()
     eng.stream.synchronize()
@@ -54,7 +54,7 @@ def staged_replays(n=200):
     eng.stream.synchronize()
     e0.record(eng.stream)
     for i in range(n):
-        eng._stage(i, P + 8 + i, None)
+        eng._stage(P + 8 + i, None)
         g.replay(eng.stream)
         if i % 100 == 99:
             eng.stream.synchronize()
