@@ -278,9 +278,12 @@ class CudaRunner:
             cur = self.engine.spec_launch(pos, seq.output[-1], greedy, lane=i, most=most, emulate=k)
         lane.last_written = max(lane.last_written, pos + BLOCK - 1)
         nxt = None
-        if self.launch_ahead and self.engine.draft_hook is None and room >= 2 and pos + 2 * BLOCK <= self.max_context:
+        # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
+        hook_start = None if k is None else pos + min(k + 1, most, BLOCK)
+        if self.launch_ahead and (self.engine.draft_hook is None or hook_start is not None) and room >= 2 \
+                and pos + 2 * BLOCK <= self.max_context:
             self._grow(i, pos + 2 * BLOCK)  # (its block starts at pos + 1 .. pos + BLOCK)
-            nxt = self.engine.spec_launch(None, greedy=greedy)
+            nxt = self.engine.spec_launch(None, greedy=greedy, hook_start=hook_start)
             lane.last_written = max(lane.last_written, pos + 2 * BLOCK - 1)
         if launched is not None:
             launched()

@@ -95,9 +95,10 @@ class Engine:
     # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B), used in turn; the stream is
     # synchronised at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
     _SLOTS, _READ = 128, 2048  # (one-row steps read their tokens at _READ + 4 and + 8, in turn)
-    # DFlash: the staged block at _SPEC (positions, sampled positions, last token, forced drafts, lanes, rule); the
-    # read-back (ids, out_ids, the accepted count) in two slots used in turn, as the batched steps' (launched ahead)
-    _SPEC, _SPEC_READ, _SPEC_READ_SLOT = 4096, 6144, 256
+    # DFlash: the staged block at _SPEC (positions, sampled positions, last token, lanes, rule), then at
+    # _SPEC + _SPEC_FORCED two slots of forced drafts (draft_hook); the read-back (ids, out_ids, the accepted count)
+    # in two slots; the slots used in turn, as the batched steps' (a step is launched before the one before it ran)
+    _SPEC, _SPEC_FORCED, _SPEC_READ, _SPEC_READ_SLOT = 4096, 384, 6144, 256
     # Batched steps: [ids | positions | sampled positions | lanes] (MAX_BATCH int32 each), then SampleParams rows,
     # then the tokens read back. Two such slots, used in turn: a runner launches step n + 1 before it waits for
     # step n (launch_batch / wait_batch), so a slot is rewritten only after the step that used it was waited for.
@@ -521,16 +522,19 @@ class Engine:
         drafts, target, _ = self.spec_wait(launch)
         return drafts, target
 
-    def spec_launch(self, start: int | None, last: int = 0, greedy: bool = True, lane: int = 0,
-                    most: int = BLOCK, emulate: int | None = None) -> SpecLaunch:
+    def spec_launch(self, start: int | None, last: int | None = None, greedy: bool = True, lane: int = 0,
+                    most: int = BLOCK, emulate: int | None = None, hook_start: int | None = None) -> SpecLaunch:
         """Enqueue one DFlash step without waiting for it. `start` None: the step after the latest one enqueued,
-        of the same sequence and rule, at the block that step's acceptance (draft.accept, on the device) chose.
-        Otherwise the block at `start` for `last` in KV lane `lane`, under the rule (at most `most` tokens a step,
-        or exactly emulate + 1): what the device's acceptance then uses."""
+        of the same sequence and rule, at the block that step's acceptance (draft.accept, on the device) chose
+        (`hook_start`: that block's start where the host knows it, for draft_hook). Otherwise the block at `start`
+        for `last` in KV lane `lane`, under the rule (at most `most` tokens a step, or exactly emulate + 1): what
+        the device's acceptance then uses."""
         if not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         cu, h, S = driver(), self.stream.handle, self._SPEC
         src = self._pinned.ptr + S
+        slot = self._spec_slot  # (read-back and forced drafts: a launched-ahead step's copies may still be queued)
+        self._spec_slot ^= 1
         if start is not None:  # (rewritten only when no step is in flight: the runner waits for an unused one)
             vals = self._pinned.array[S:S + 512].view(np.int32)
             vals[:BLOCK] = np.arange(start, start + BLOCK)
@@ -544,8 +548,6 @@ class Engine:
             check(cu.cuMemcpyHtoDAsync(pos + 4 * self.max_rows, src + 4 * BLOCK, 4 * BLOCK, h), "sampled positions")
             check(cu.cuMemcpyHtoDAsync(ids, src + 8 * BLOCK, 4, h), "last token")
             check(cu.cuMemcpyHtoDAsync(self.act["spec_rule"].ptr, src + 20 * BLOCK, 8, h), "acceptance rule")
-        elif self.draft_hook is not None:
-            raise BackendError("a DFlash step launched ahead has no host-known block for the draft hook")
         events = None if self.spec_timing is None else [self.device.event() for _ in range(3)]
         if events:
             events[0].record(self.stream)
@@ -553,17 +555,19 @@ class Engine:
         if events:
             events[1].record(self.stream)
         if self.draft_hook is not None:
-            forced = np.asarray(self.draft_hook(start, last), np.int32)
+            at = start if start is not None else hook_start
+            if at is None:
+                raise BackendError("draft_hook: a DFlash step launched ahead without a host-known block start")
+            forced = np.asarray(self.draft_hook(at, last), np.int32)
             if forced.shape != (BLOCK - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {BLOCK - 1}")
-            self._pinned.array[S + 12 * BLOCK:S + 12 * BLOCK + 4 * (BLOCK - 1)].view(np.int32)[:] = forced
-            check(cu.cuMemcpyHtoDAsync(self.act["ids"].ptr + 4, src + 12 * BLOCK, 4 * (BLOCK - 1), h),
+            off = S + self._SPEC_FORCED + 64 * slot
+            self._pinned.array[off:off + 4 * (BLOCK - 1)].view(np.int32)[:] = forced
+            check(cu.cuMemcpyHtoDAsync(self.act["ids"].ptr + 4, self._pinned.ptr + off, 4 * (BLOCK - 1), h),
                   "forced drafts")
         self._spec_graph("verify", greedy).replay(self.stream)
         if events:
             events[2].record(self.stream)
-        slot = self._spec_slot
-        self._spec_slot ^= 1
         read = self._SPEC_READ + slot * self._SPEC_READ_SLOT
         dst = self._pinned.ptr + read
         check(cu.cuMemcpyDtoHAsync(dst, self.act["ids"].ptr, 4 * BLOCK, h), "drafts")

@@ -152,8 +152,10 @@ def test_forced_drafts_every_acceptance_length(emu, mode):
 def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     """Each DFlash step is launched before the step before it is read, at the block the device's acceptance
     (draft.accept) picks. Tokens and acceptance lengths equal those of steps launched when scheduled: for the real
-    drafter, emulated acceptance of K drafts (bench), a request's draft cap, a stop id and the context's end."""
+    drafter, emulated acceptance of K drafts with the bench's forced drafts (its hook sees the same block starts), a
+    request's draft cap, a stop id and the context's end."""
     from test_engine_emulated import _run_core
+    from thorgen.runtime.profile import distinct_tokens
 
     open_, ck = emu
     backend, _ = open_(ctx=160)
@@ -163,12 +165,25 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     stop = next(t for i, t in enumerate(free) if i >= 20 and t not in free[:i])
     capped = replace(params, draft_tokens=5)
     reqs = [(ids, 40, params), (ids, 200, capped), (ids[:5], 30, params)]  # (the second runs to the context's end)
+    def runs(ahead: bool) -> tuple:
+        seen: list = []  # the block starts the bench's draft hook is called with (emulated acceptance only)
+        if k is not None:  # as `thorgen bench --emulate-acceptance` does: 15 distinct drafts from the block start
+            backend.engine.draft_hook = lambda start, last: seen.append(start) or distinct_tokens(15, V, start + 1)
+        out, used = _run_core(backend, ahead, reqs, speculative=True, stop_ids=frozenset({stop}))
+        backend.engine.draft_hook = None
+        return out, seen, used
+
+    V = backend.spec.target.vocab_size
     try:
         for k in (None, 0, 6, 15):
             backend.engine.emulate_acceptance = k
-            ahead, used = _run_core(backend, True, reqs, speculative=True, stop_ids=frozenset({stop}))
-            plain, none = _run_core(backend, False, reqs, speculative=True, stop_ids=frozenset({stop}))
+            ahead, seen_ahead, used = runs(True)
+            plain, seen_plain, none = runs(False)
             assert ahead == plain, f"K={k}"
+            # the same blocks, and at most one more a request: a step launched ahead that its request never needed
+            it = iter(seen_ahead)
+            assert all(any(a == b for a in it) for b in seen_plain), (seen_ahead, seen_plain)
+            assert len(seen_ahead) - len(seen_plain) <= len(reqs), (seen_ahead, seen_plain)
             assert none == 0 and used > 0, (k, used)
             if k is None:  # (then most steps commit one token: all but a request's first and last few go ahead)
                 assert ahead[0][0] == free[:free.index(stop) + 1]
@@ -177,7 +192,7 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
                 for (_, acc, _), cap in zip(ahead, (15, 5, 15)):
                     assert acc[:-1] == [min(k, cap) + 1] * (len(acc) - 1), (k, acc)
     finally:
-        backend.engine.emulate_acceptance = None
+        backend.engine.emulate_acceptance, backend.engine.draft_hook = None, None
 
 
 def test_draft_tokens_caps_the_accepted_drafts(emu):
