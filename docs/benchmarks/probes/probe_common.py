@@ -16,7 +16,8 @@ def graph_replay_us(eng, ops, n, before=None):
 
 def spec_step_times(eng, prompt, n=50):
     """A speculative generation's host loop (ms a spec_step after 3 warm-up steps) and its draft and verify graphs
-    replayed n times each (GPU ms a replay)."""
+    replayed n times each (GPU ms a replay). From session 31 the verify graph ends with the acceptance kernel, which
+    moves the staged block on by the step's count (mostly 1 here): the replays run at up to n positions later."""
     P = len(prompt)
     eng.prefill(prompt, True, taps=True)
     for i in range(3):
