@@ -38,14 +38,17 @@ class LowerDraft:
                                   SLOTS=ring_slots(w, self.fwd.max_rows) if w else 0,
                                   THETA=float(d.rope_theta)))
 
-    def _rope_op(self, l: int, rows: int, has_q: bool, q_raw, q_out) -> Op:
+    def _rope_op(self, l: int, rows: int, has_q: bool, raw, stride: int, q_out) -> Op:
+        """rope_kv over one GEMM's [rows, (q|)k|v] output `raw` (row stride `stride`): keys and values (and, with
+        `has_q`, the queries) read in place."""
         A, W, p, d = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn.", self.spec.drafter
+        nq, nkv = (d.num_attention_heads * d.head_dim if has_q else 0), d.num_key_value_heads * d.head_dim
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
-            q_raw=q_raw, k_raw=A("dk_raw"), v_raw=A("dv_raw"), q_norm_w=W(p + "q_norm.weight"),
+            q_raw=raw if has_q else NULL, k_raw=raw + 4 * nq, v_raw=raw + 4 * (nq + nkv), q_norm_w=W(p + "q_norm.weight"),
             k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
             k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=A("lanes"),
-            lane_bytes=self.fwd.ptr.dlane_bytes(l), pages=NULL, q_stride=d.num_attention_heads * d.head_dim,
-            kv_stride=d.num_key_value_heads * d.head_dim, T=rows), rows)  # (the sequence's own drafter lane)
+            lane_bytes=self.fwd.ptr.dlane_bytes(l), pages=NULL, q_stride=stride, kv_stride=stride, T=rows),
+            rows)  # (the sequence's own drafter lane; no queries: HAS_Q false never reads them)
 
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
@@ -57,9 +60,8 @@ class LowerDraft:
         ops.append(Op("draft.hidden_norm", norm, dict(x=A("dctx"), w=W("draft.hidden_norm.weight"), y=A("dctx_a"),
                                                       T=rows), rows))
         for l in range(d.num_hidden_layers):
-            ops.append(self._gemm(f"draft.{l}.ctx_k", f"dsplit.{l}.k", nkv, h, rows, A("dctx_a"), A("dk_raw")))
-            ops.append(self._gemm(f"draft.{l}.ctx_v", f"dsplit.{l}.v", nkv, h, rows, A("dctx_a"), A("dv_raw")))
-            ops.append(self._rope_op(l, rows, False, NULL, NULL))  # (no queries: HAS_Q false never reads them)
+            ops.append(self._gemm(f"draft.{l}.ctx_kv", f"dsplit.{l}.kv", 2 * nkv, h, rows, A("dctx_a"), A("dkv_raw")))
+            ops.append(self._rope_op(l, rows, False, A("dkv_raw"), 2 * nkv, NULL))
         return ops
 
     def accept_ops(self) -> list[Op]:
@@ -84,10 +86,9 @@ class LowerDraft:
                                                        y=A("da"), T=B), B))
         for l in range(d.num_hidden_layers):
             p = f"draft.layers.{l}."
-            ops.append(self._gemm(f"draft.{l}.q", f"dsplit.{l}.q", nq, h, B, A("da"), A("dq_raw")))
-            ops.append(self._gemm(f"draft.{l}.k", f"dsplit.{l}.k", nkv, h, B, A("da"), A("dk_raw")))
-            ops.append(self._gemm(f"draft.{l}.v", f"dsplit.{l}.v", nkv, h, B, A("da"), A("dv_raw")))
-            ops.append(self._rope_op(l, B, True, A("dq_raw"), A("dq")))
+            ops.append(self._gemm(f"draft.{l}.qkv", p + "self_attn.qkv_proj.weight", nq + 2 * nkv, h, B, A("da"),
+                                  A("dqkv_raw")))
+            ops.append(self._rope_op(l, B, True, A("dqkv_raw"), nq + 2 * nkv, A("dq")))
             w = d.layer_window(l) or 0
             attn = need(f.find("attn_fwd.cu.j2", f"drafter attention layer {l}", d=d.head_dim,
                                hq=d.num_attention_heads, hkv=d.num_key_value_heads, window=w,

@@ -6,7 +6,7 @@ embeds the previous step's `out_ids[0]` and reads its position from device memor
 pinned memory), so between steps only the new token id (4 bytes) crosses to the host. The launches themselves
 come from runtime/forward.py; a manifest lacking any kernel they need stops the engine at start, naming all.
 DFlash speculative decoding (runtime/spec_decode.py) adds, when the model has a drafter and its kernels are built,
-the drafter's KV cache and buffers, separate q/k/v drafter weights, tap capture in prefill, and two graphed
+the drafter's KV cache and buffers, its k|v weights cut out of the fused q|k|v, tap capture in prefill, and two graphed
 16-row graphs per step (draft; verify + drafter context update); otherwise `spec_missing` says what is absent.
 """
 
@@ -194,10 +194,10 @@ class Engine:
         return not self.spec_missing
 
     def _split_drafter_weights(self) -> Arena:
-        """The drafter's q, k and v matrices as separate half-layout weights (the repack stores q|k|v fused and the
-        GEMMs read whole matrices). In the step-major layout a row range of a matrix is, per 64-column step, one
+        """The drafter's k|v matrices as half-layout weights of their own (the repack stores q|k|v fused, the context
+        update projects keys and values only, and the GEMMs read whole matrices). In the step-major layout a row range of a matrix is, per 64-column step, one
         contiguous run of its 16-row units, so each part is one strided device copy, done once at start."""
-        plan, parts = ArenaPlan("drafter q/k/v"), split_weights(self.spec)
+        plan, parts = ArenaPlan("drafter k/v"), split_weights(self.spec)
         for name, _, _, n, k in parts:
             plan.add(name, n * k * 2, "f16", (n * k,))
         arena = Arena(self.device, plan)

@@ -33,16 +33,14 @@ from .memory import ArenaPlan
 
 
 def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
-    """(name, fused source, first row, rows, k) of the drafter q / k / v matrices cut out of the repacked q|k|v
-    (the GEMM kernels read whole matrices; see Engine._split_drafter_weights)."""
+    """(name, fused source, first row, rows, k) of the drafter's k|v matrices cut out of the repacked q|k|v: the
+    context update projects only keys and values (the block's GEMM reads the fused matrix whole; see
+    Engine._split_drafter_weights)."""
     d = spec.drafter
     assert d is not None
-    nq, nkv, out = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, []
-    for l in range(d.num_hidden_layers):
-        src = f"draft.layers.{l}.self_attn.qkv_proj.weight"
-        for part, r0, n in (("q", 0, nq), ("k", nq, nkv), ("v", nq + nkv, nkv)):
-            out.append((f"dsplit.{l}.{part}", src, r0, n, d.hidden_size))
-    return out
+    nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    return [(f"dsplit.{l}.kv", f"draft.layers.{l}.self_attn.qkv_proj.weight", nq, 2 * nkv, d.hidden_size)
+            for l in range(d.num_hidden_layers)]
 
 
 def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
@@ -52,9 +50,9 @@ def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
     nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     for name, shape, dt in (
             ("taps", (rows, len(d.target_layer_ids) * H), "f16"), ("dctx", (rows, d.hidden_size), "f32"),
-            ("dctx_a", (rows, d.hidden_size), "f16"), ("dk_raw", (rows, nkv), "f32"), ("dv_raw", (rows, nkv), "f32"),
+            ("dctx_a", (rows, d.hidden_size), "f16"), ("dkv_raw", (rows, 2 * nkv), "f32"),
             ("dx", (BLOCK, d.hidden_size), "f32"), ("da", (BLOCK, d.hidden_size), "f16"),
-            ("dq_raw", (BLOCK, nq), "f32"), ("dq", (BLOCK, nq), "bf16"), ("dattn", (BLOCK, nq), "f16"),
+            ("dqkv_raw", (BLOCK, nq + 2 * nkv), "f32"), ("dq", (BLOCK, nq), "bf16"), ("dattn", (BLOCK, nq), "f16"),
             ("do", (BLOCK, d.hidden_size), "f32"), ("dmlp", (BLOCK, d.intermediate_size), "f16"),
             # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
             ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):

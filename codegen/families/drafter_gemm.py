@@ -2,7 +2,7 @@
 
 The drafter is precision-sensitive (the seed lost acceptance with FP8/FP4 drafter weights), so its linears stay
 16-bit; they run on the same tile engine as the NVFP4 kernels (WeightKind HALF, plain row-major fp16 [N][K]):
-  bf16_gemm16__n{N}_k{K}[_silu]  the 16-slot block (q, k, v, o, fused gate|up with SiLU epilogue, down) and the
+  bf16_gemm16__n{N}_k{K}[_silu]  the 16-slot block (fused q|k|v, o, fused gate|up with SiLU epilogue, down) and the
                                  incremental context fc / context K|V of <= 16 new positions
   bf16_gemmL__n{N}_k{K}          context chunks (fc over the concatenated taps, context K|V projections)
 The shared lm_head of the draft logits is the target's NVFP4 lm_head (matmul family).
@@ -23,7 +23,8 @@ def drafter_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
     h, hd = d.hidden_size, d.head_dim
     nq, nkv = d.num_attention_heads * hd, d.num_key_value_heads * hd
     taps = len(d.target_layer_ids) * spec.target.hidden_size
-    return [("q", nq, h, "store"), ("kv", nkv, h, "store"), ("kv2", 2 * nkv, h, "store"), ("o", h, nq, "store"),
+    # the block's q|k|v as one GEMM over the repack's fused matrix; the context's k|v as one over its k|v rows
+    return [("qkv", nq + 2 * nkv, h, "store"), ("kv2", 2 * nkv, h, "store"), ("o", h, nq, "store"),
             ("gate_up", 2 * d.intermediate_size, h, "silu_mul"), ("down", h, d.intermediate_size, "store"),
             ("fc", h, taps, "store")]
 
@@ -32,7 +33,7 @@ def plan_drafter_gemm(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     out: dict[str, KernelSpec] = {}
     for role, n, k, epi in drafter_shapes(spec):
         kernels = [gemm_small(n, k, 16, epi, arch, kind="half", prefix="bf16", family="drafter_gemm")]
-        if role in ("fc", "kv", "kv2"):  # context chunks
+        if role in ("fc", "kv2"):  # context chunks
             kernels.append(gemm_large(n, k, epi, arch, kind="half", prefix="bf16", family="drafter_gemm"))
         for kern in kernels:
             out.setdefault(kern.name, kern)
