@@ -64,6 +64,20 @@ class LowerDraft:
             ops.append(self._rope_op(l, rows, False, A("dkv_raw"), 2 * nkv, NULL))
         return ops
 
+    def verify_ops(self, greedy: bool = True) -> list[Op]:
+        """The verify step over the 16-slot block at positions[0..16) (ids[0..16) = [last, drafts]): the target's
+        forward with the DFlash taps; then the drafter's context update of those 16 positions on the side stream
+        (branch 1), beside the target's lm_head and picks (every row's token into out_ids[row]), which need only the
+        last layer: the side stream is idle there (the last tap layer is earlier); then the acceptance, once both
+        are done (join)."""
+        f, A = self.fwd, self.fwd.ptr.A
+        ops = f.ops(BLOCK, last=True, greedy=greedy, taps=True, all_logits=True)
+        head = f.head_ops(A("a"), BLOCK, A("out_ids"), greedy)
+        body, tail = ops[:-len(head)], ops[-len(head):]
+        assert [(o.label, o.entry.name) for o in tail] == [(o.label, o.entry.name) for o in head], "head not last"
+        ctx = [replace(op, branch=1) for op in self.ctx_ops(BLOCK)]
+        return body + ctx + tail + [replace(op, join=True) for op in self.accept_ops()]
+
     def accept_ops(self) -> list[Op]:
         """After a verify step: its committed count into spec_acc, and the next step's block (positions, sampled
         positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda_backend.py launches that step ahead)."""

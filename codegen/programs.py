@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
-from ..model_spec.step_program import DRAFT_ACCEPT, DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key
+from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key, verify_key
 from ..model_spec.types import ModelSpec
 from .kernel_spec import KernelSpec
 from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Sym
@@ -58,10 +58,6 @@ def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, 
             for ext in (False, True):
                 flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
                 yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
-    if drafter:
-        for greedy in (True, False):
-            flags = dict(last=True, greedy=greedy, taps=True, all_logits=True)
-            yield "speculative", program_key(**flags), flags, VERIFY_ROWS, VERIFY_ROWS
 
 
 def _fit(points: list[tuple[int, int]], what: str) -> Any:
@@ -153,7 +149,8 @@ def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[st
             dl = LowerDraft(low)
             jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
                      ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, max_rows),
-                     ("speculative", DRAFT_ACCEPT, lambda r: dl.accept_ops(), VERIFY_ROWS, VERIFY_ROWS)]
+                     *(("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS,
+                        VERIFY_ROWS) for g in (True, False))]
         for group, key, build, lo, hi in jobs:
             try:
                 table[key] = _program(build, lo, hi, f"{kv} {key}")

@@ -36,8 +36,14 @@ def program_key(decode: bool = False, last: bool = True, greedy: bool = True, ta
     return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
 
 
-# the drafter's programs (runtime/spec_decode.py): the draft block, the context update, the acceptance on the device
-DRAFT_BLOCK, DRAFT_CONTEXT, DRAFT_ACCEPT = "draft.block", "draft.context", "draft.accept"
+# the drafter's programs (runtime/spec_decode.py): the draft block, the context update of a prefill's positions
+DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"
+
+
+def verify_key(greedy: bool = True) -> str:
+    """The DFlash verify step's program: the target's 16-row forward, the drafter's context update beside its head,
+    and the acceptance on the device (codegen/lower_draft.py LowerDraft.verify_ops)."""
+    return f"draft.verify greedy={int(bool(greedy))}"
 
 
 def drafter_problem(spec: ModelSpec) -> str | None:

@@ -626,8 +626,7 @@ class Engine:
             dfw = DraftForward(self.fwd)
             if which == "draft":
                 return dfw.block_ops()
-            return (self.fwd.ops(BLOCK, decode=False, last=True, greedy=greedy, taps=True, all_logits=True)
-                    + dfw.ctx_ops(BLOCK) + dfw.accept_ops())
+            return dfw.verify_ops(greedy)
         return self._captured("draft" if which == "draft" else f"verify_{'greedy' if greedy else 'sample'}", ops,
                               "DFlash")
 

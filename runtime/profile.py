@@ -64,8 +64,7 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
     from .spec_decode import BLOCK, DraftForward
 
     dfw = DraftForward(eng.fwd)
-    draft, verify = _bind_alone(eng, dfw.block_ops(), eng.fwd.ops(BLOCK, decode=False, last=True, taps=True,
-                                                                  all_logits=True) + dfw.ctx_ops(BLOCK))
+    draft, verify = _bind_alone(eng, dfw.block_ops(), dfw.verify_ops())
     _stage(eng, ids=distinct_tokens(BLOCK, eng.spec.target.vocab_size),
            positions=np.arange(position, position + BLOCK), lanes=np.zeros(BLOCK))
     return _eager_profile(eng, draft), _eager_profile(eng, verify)

@@ -24,7 +24,7 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 from __future__ import annotations
 
 from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
-from ..model_spec.step_program import DRAFT_ACCEPT, DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key
+from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key, verify_key
 from ..model_spec.types import ModelSpec
 from .backend import BackendError
 from .forward import Forward, Op
@@ -76,15 +76,14 @@ class DraftForward:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
         return self.fwd.program(DRAFT_CONTEXT, rows)
 
-    def accept_ops(self) -> list[Op]:
-        """After the verify: the committed count into spec_acc and the next block at positions[0..16), ids[0]."""
-        return self.fwd.program(DRAFT_ACCEPT, BLOCK)
+    def verify_ops(self, greedy: bool = True) -> list[Op]:
+        """The verify step: target forward (taps), drafter context update beside its head, acceptance (LowerDraft)."""
+        return self.fwd.program(verify_key(greedy), BLOCK)
 
     def probe(self) -> list[str]:
         """What the speculative path lacks (empty: it can run)."""
-        keys = [program_key(last=True, greedy=g, taps=True, all_logits=True) for g in (True, False)]
-        return self.fwd.missing("speculative", *keys, program_key(last=True, taps=True), DRAFT_BLOCK, DRAFT_CONTEXT,
-                               DRAFT_ACCEPT)
+        return self.fwd.missing("speculative", verify_key(True), verify_key(False), program_key(last=True, taps=True),
+                                DRAFT_BLOCK, DRAFT_CONTEXT)
 
 
 __all__ = ["BLOCK", "DraftForward", "plan_drafter_activations", "split_weights"]

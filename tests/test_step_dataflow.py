@@ -56,8 +56,8 @@ def _shapes(f, max_rows: int, speculative: bool):
         yield "prefill with DFlash taps", f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40), \
             STEP | {"ids"}
         yield "draft", dfw.block_ops(), STEP | {"ids"}
-        yield "verify", f.ops(BLOCK, decode=False, last=True, taps=True, all_logits=True) + dfw.ctx_ops(BLOCK) \
-            + dfw.accept_ops(), STEP | {"ids", "spec_rule"}  # (the acceptance rule: staged with a fresh block)
+        for greedy in (True, False):  # (the acceptance rule: staged with a fresh block)
+            yield f"verify greedy={greedy}", dfw.verify_ops(greedy), STEP | {"ids", "spec_rule"}
 
 
 def test_every_step_shape_passes(engine):
@@ -66,7 +66,7 @@ def test_every_step_shape_passes(engine):
     for name, ops, inputs in _shapes(engine.fwd, engine.max_rows, engine.speculative):
         check_step(ops, regions, inputs, name)
         names.append(name)
-    assert "verify" in names and "draft" in names  # the tiny checkpoint has a drafter
+    assert "verify greedy=True" in names and "draft" in names  # the tiny checkpoint has a drafter
 
 
 def test_full_size_step_shapes_pass(tmp_path):
@@ -89,7 +89,7 @@ def test_full_size_step_shapes_pass(tmp_path):
     for name, ops, inputs in _shapes(fwd, rows, spec.drafter is not None):
         check_step(ops, ptr.regions, inputs, f"full size, {name}")
         names.append(name)
-    assert len(names) == 16 and "verify" in names  # every shape of _shapes, the DFlash ones included
+    assert len(names) == 17 and "verify greedy=True" in names  # every shape of _shapes, the DFlash ones included
 
 
 def test_the_checks_catch_what_they_are_for(engine):

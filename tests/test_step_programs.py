@@ -18,7 +18,7 @@ from thorgen.codegen.lower_draft import LowerDraft  # noqa: E402
 from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E402
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge, kernel_views  # noqa: E402
-from thorgen.model_spec.step_program import DRAFT_ACCEPT, DRAFT_BLOCK, DRAFT_CONTEXT, program_key  # noqa: E402
+from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key, verify_key  # noqa: E402
 from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
 from thorgen.runtime.backend import BackendError  # noqa: E402
@@ -95,8 +95,8 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                     want = dl.block_ops()
                 elif key == DRAFT_CONTEXT:
                     want = dl.ctx_ops(rows)
-                elif key == DRAFT_ACCEPT:
-                    want = dl.accept_ops()
+                elif key.startswith("draft.verify"):
+                    want = dl.verify_ops(key == verify_key(True))
                 else:
                     flags = dict(f.split("=") for f in key.split())
                     want = low.ops(rows, **{k: v == "1" for k, v in flags.items()})
@@ -189,4 +189,5 @@ def test_the_draft_block_launches_without_pdl_and_the_target_with_it(built):
     block = fwd.program(DRAFT_BLOCK, 16)
     assert block and not any(op.pdl for op in block)
     assert all(op.pdl for op in fwd.program(program_key(decode=True), 1))
-    assert all(op.pdl for op in fwd.program(program_key(taps=True, all_logits=True), 16))
+    verify = fwd.program(verify_key(), 16)
+    assert all(op.pdl for op in verify if op.label != "draft.accept")
