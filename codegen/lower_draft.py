@@ -44,8 +44,8 @@ class LowerDraft:
         A, W, p, d = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn.", self.spec.drafter
         nq, nkv = (d.num_attention_heads * d.head_dim if has_q else 0), d.num_key_value_heads * d.head_dim
         return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
-            q_raw=raw if has_q else NULL, k_raw=raw + 4 * nq, v_raw=raw + 4 * (nq + nkv), q_norm_w=W(p + "q_norm.weight"),
-            k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
+            q_raw=raw if has_q else NULL, k_raw=raw + 4 * nq, v_raw=raw + 4 * (nq + nkv),
+            q_norm_w=W(p + "q_norm.weight"), k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
             k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=A("lanes"),
             lane_bytes=self.fwd.ptr.dlane_bytes(l), pages=NULL, q_stride=stride, kv_stride=stride, T=rows),
             rows)  # (the sequence's own drafter lane; no queries: HAS_Q false never reads them)

@@ -3,9 +3,9 @@
 Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
 against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
 naming them, when built kernels are missing. `CudaRunner` (runtime/cuda_runner.py) is the engine core's ModelRunner
-(runtime/engine_core.py holds the one stop / length / cancel loop); speculative (DFlash) steps run when the model has a drafter and its
-kernels are built (else the request is refused, naming what is missing); their output equals plain decoding
-token for token (tests/test_engine_speculative_emulated.py).
+(runtime/engine_core.py holds the one stop / length / cancel loop); speculative (DFlash) steps run when the model
+has a drafter and its kernels are built (else the request is refused, naming what is missing); their output equals
+plain decoding token for token (tests/test_engine_speculative_emulated.py).
 """
 
 from __future__ import annotations

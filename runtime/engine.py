@@ -93,7 +93,8 @@ class Engine:
     """Device resources of one model; `prefill()` then `decode()` generate (runtime/profile.py times a step)."""
 
     # Pinned staging: 128 slots of [position, sampled position, token id, pad] (16 B), used in turn; the stream is
-    # synchronised at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback at 2048.
+    # synchronised at least every 128 steps, so a slot is never rewritten before its async copy ran. Token readback
+    # at 2048.
     _SLOTS, _READ = 128, 2048  # (one-row steps read their tokens at _READ + 4 and + 8, in turn)
     # DFlash: the staged block at _SPEC (positions, sampled positions, last token, lanes, rule), then at
     # _SPEC + _SPEC_FORCED two slots of forced drafts (draft_hook); the read-back (ids, out_ids, the accepted count)
@@ -195,8 +196,9 @@ class Engine:
 
     def _split_drafter_weights(self) -> Arena:
         """The drafter's k|v matrices as half-layout weights of their own (the repack stores q|k|v fused, the context
-        update projects keys and values only, and the GEMMs read whole matrices). In the step-major layout a row range of a matrix is, per 64-column step, one
-        contiguous run of its 16-row units, so each part is one strided device copy, done once at start."""
+        update projects keys and values only, and the GEMMs read whole matrices). In the step-major layout a row
+        range of a matrix is, per 64-column step, one contiguous run of its 16-row units, so each part is one
+        strided device copy, done once at start."""
         plan, parts = ArenaPlan("drafter k/v"), split_weights(self.spec)
         for name, _, _, n, k in parts:
             plan.add(name, n * k * 2, "f16", (n * k,))

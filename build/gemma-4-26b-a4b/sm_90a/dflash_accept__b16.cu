@@ -7,5 +7,6 @@ dflash_accept__b16(int32_t* ids, const int32_t* out_ids, int32_t* positions, int
            int32_t* accepted) {
   thorgen::pdl_launch_dependents();
   thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
-  if (blockIdx.x == 0 && threadIdx.x == 0) thorgen::spec_accept<16>(ids, out_ids, positions, sampled, rule, accepted);
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    thorgen::spec_accept<16>(ids, out_ids, positions, sampled, rule, accepted);
 }

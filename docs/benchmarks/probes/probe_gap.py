@@ -42,7 +42,8 @@ for ahead in os.environ.get("PROBE_AHEAD", "0,1,0,1").split(","):
     draft = [s[1].elapsed_ms(s[0]) for s in steps]
     verify = [s[2].elapsed_ms(s[1]) for s in steps]
     gap = [n[0].elapsed_ms(p[2]) for p, n in zip(steps, steps[1:])]
-    r = {"steps": len(steps), "draft_ms_median": statistics.median(draft), "verify_ms_median": statistics.median(verify),
+    r = {"steps": len(steps), "draft_ms_median": statistics.median(draft),
+         "verify_ms_median": statistics.median(verify),
          "verify_ms_mean": statistics.fmean(verify), "gap_ms_median": statistics.median(gap),
          "gap_ms_mean": statistics.fmean(gap), "gap_ms_max": max(gap), "wall_ms_median": statistics.median(walls),
          "wall_ms_mean": statistics.fmean(walls), "gpu_span_ms_per_step": steps[-1][2].elapsed_ms(steps[0][0]) /
