@@ -233,7 +233,7 @@ class CudaRunner:
         one = self._take_one(seqs)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.covers(seqs):
-            self.engine.wait_batch(ahead.launch)  # (its rows run again below: same inputs, same K/V, same tokens)
+            self.engine.settle(ahead.launch)  # (its rows run again below: same inputs, same K/V, same tokens)
             ahead = None
         if len(seqs) > 1 or ahead is not None:
             return self._decode_batch(seqs, ahead, joining, launched)
@@ -279,7 +279,7 @@ class CudaRunner:
         lane.last_written = max(lane.last_written, pos + BLOCK - 1)
         nxt = None
         # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
-        hook_start = None if k is None else pos + min(k + 1, most, BLOCK)
+        hook_start = None if k is None else pos + accepted_count([], [0] * BLOCK, most, k)  # (needs no tokens)
         if self.launch_ahead and (self.engine.draft_hook is None or hook_start is not None) and room >= 2 \
                 and pos + 2 * BLOCK <= self.max_context:
             self._grow(i, pos + 2 * BLOCK)  # (its block starts at pos + 1 .. pos + BLOCK)

@@ -321,3 +321,23 @@ def open_emulated(checkpoint: Path, root: Path, **kwargs):
     kernels = write_fake_manifest(Checkpoint.open(checkpoint).spec, root / "kernels")
     install(kernels)
     return open_backend(checkpoint, weights_dir=weights, kernels_dir=kernels, **kwargs)
+
+
+def run_requests(backend, ahead: bool, requests: list, speculative: bool = False, stop_ids=frozenset()):
+    """Requests (prompt, max_tokens, params) one after another through the engine core on one cuda runner, its steps
+    launched ahead or not (`ahead`): (tokens, accepted lengths, finish reason) of each, and the steps launched ahead
+    that were used."""
+    from thorgen.runtime.engine_core import EngineCore
+
+    runner = backend.runner()
+    runner.launch_ahead = ahead
+    core, out = EngineCore(runner), []
+    for n, (prompt, max_tokens, params) in enumerate(requests):
+        core.add(str(n), prompt, max_tokens, params, stop_ids, speculative)
+        toks: list[int] = []
+        while core.unfinished:
+            for o in core.step():
+                toks += o.token_ids
+                if o.finished:
+                    out.append((toks, o.result.accepted_lengths, o.result.finish_reason))
+    return out, runner.ahead_steps

@@ -280,25 +280,6 @@ def test_plain_generation_stop_length_and_cancel(emulated):
     assert cut.token_ids == free.token_ids[:2] and cut.finish_reason == "cancelled"
 
 
-def _run_core(backend, ahead: bool, requests: list, speculative: bool = False, stop_ids=frozenset()):
-    """Requests (prompt, max_tokens, params) one after another on one runner: (tokens, accepted lengths, finish
-    reasons) of each, and the steps launched ahead that were used."""
-    from thorgen.runtime.engine_core import EngineCore
-
-    runner = backend.runner()
-    runner.launch_ahead = ahead
-    core, out = EngineCore(runner), []
-    for n, (prompt, max_tokens, params) in enumerate(requests):
-        core.add(str(n), prompt, max_tokens, params, stop_ids, speculative)
-        toks: list[int] = []
-        while core.unfinished:
-            for o in core.step():
-                toks += o.token_ids
-                if o.finished:
-                    out.append((toks, o.result.accepted_lengths, o.result.finish_reason))
-    return out, runner.ahead_steps
-
-
 def test_one_sequence_steps_launched_ahead(emulated):
     """A sequence decoding alone: each plain step is launched before the step before it is read (it decodes the token
     that step leaves on the device). Tokens, stops and lengths equal those of steps launched when scheduled, across
@@ -310,8 +291,8 @@ def test_one_sequence_steps_launched_ahead(emulated):
     free = backend.generate(ids, 12, hot).token_ids
     stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
     reqs = [(ids, 12, hot), ([2, 40, 41], 9, SamplingParams()), (ids, 3, SamplingParams(temperature=0.8, seed=1))]
-    ahead, used = _run_core(backend, True, reqs, stop_ids=frozenset({stop}))
-    plain, none = _run_core(backend, False, reqs, stop_ids=frozenset({stop}))
+    ahead, used = EE.run_requests(backend, True, reqs, stop_ids=frozenset({stop}))
+    plain, none = EE.run_requests(backend, False, reqs, stop_ids=frozenset({stop}))
     assert ahead == plain and none == 0, (ahead, plain)
     steps = sum(len(t) - 1 for t, _, _ in ahead)  # decode steps (a first token comes from the prefill)
     assert used == steps - len(reqs), (used, steps)  # all but each request's first

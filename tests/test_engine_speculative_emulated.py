@@ -154,7 +154,6 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     (draft.accept) picks. Tokens and acceptance lengths equal those of steps launched when scheduled: for the real
     drafter, emulated acceptance of K drafts with the bench's forced drafts (its hook sees the same block starts), a
     request's draft cap, a stop id and the context's end."""
-    from test_engine_emulated import _run_core
     from thorgen.runtime.profile import distinct_tokens
 
     open_, ck = emu
@@ -165,20 +164,21 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     stop = next(t for i, t in enumerate(free) if i >= 20 and t not in free[:i])
     capped = replace(params, draft_tokens=5)
     reqs = [(ids, 40, params), (ids, 200, capped), (ids[:5], 30, params)]  # (the second runs to the context's end)
-    def runs(ahead: bool) -> tuple:
+    V = backend.spec.target.vocab_size
+
+    def runs(ahead: bool, k: int | None) -> tuple:
         seen: list = []  # the block starts the bench's draft hook is called with (emulated acceptance only)
         if k is not None:  # as `thorgen bench --emulate-acceptance` does: 15 distinct drafts from the block start
             backend.engine.draft_hook = lambda start, last: seen.append(start) or distinct_tokens(15, V, start + 1)
-        out, used = _run_core(backend, ahead, reqs, speculative=True, stop_ids=frozenset({stop}))
+        out, used = EE.run_requests(backend, ahead, reqs, speculative=True, stop_ids=frozenset({stop}))
         backend.engine.draft_hook = None
         return out, seen, used
 
-    V = backend.spec.target.vocab_size
     try:
         for k in (None, 0, 6, 15):
             backend.engine.emulate_acceptance = k
-            ahead, seen_ahead, used = runs(True)
-            plain, seen_plain, none = runs(False)
+            ahead, seen_ahead, used = runs(True, k)
+            plain, seen_plain, none = runs(False, k)
             assert ahead == plain, f"K={k}"
             # the same blocks, and at most one more a request: a step launched ahead that its request never needed
             it = iter(seen_ahead)
