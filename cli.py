@@ -11,20 +11,20 @@ import click
 COMMANDS = {
     "synth-checkpoint": "thorgen.model_spec.synth.cli:synth_checkpoint",
     "build": "thorgen.codegen.cli:build",
-    "repack-weights": "thorgen.runtime.repack_cli:repack_weights",
+    "repack-weights": "thorgen.runtime.convert.cli:repack_weights",
     "prepare": "thorgen.prepare:prepare",
-    "generate": "thorgen.runtime.cli:generate",
-    "bench": "thorgen.runtime.bench:bench",
+    "generate": "thorgen.runtime.generate:generate",
+    "bench": "thorgen.runtime.bench.cli:bench",
     "serve": "thorgen.serve.cli:serve",
-    "chat": "thorgen.serve.cli:chat",
-    "cluster": "thorgen.serve.cluster_cli:cluster",
-    "gate": "thorgen.serve.gate:gate",
+    "chat": "thorgen.serve.tools.chat:chat",
+    "cluster": "thorgen.serve.cluster.cli:cluster",
+    "gate": "thorgen.serve.tools.gate:gate",
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
-SUBCOMMANDS = {"bench": {"serve": "thorgen.serve.bench_serve:bench_serve",
-                         "sweep": "thorgen.runtime.bench_sweep:sweep",
-                         "report": "thorgen.runtime.bench_report:report"}}
+SUBCOMMANDS = {"bench": {"serve": "thorgen.runtime.bench.serve_load:bench_serve",
+                         "sweep": "thorgen.runtime.bench.sweep:sweep",
+                         "report": "thorgen.runtime.bench.report:report"}}
 
 
 class LazyGroup(click.Group):

@@ -20,7 +20,7 @@ def prepare(ctx: click.Context, model_dir: Path, arch_name: str, jobs: int) -> N
     """Build the kernels into MODEL/thorgen-build/<arch> and repack the weights (thorgen build + repack-weights)."""
     from .codegen.arch import ArchError, get_arch, native_arch
     from .codegen.cli import build
-    from .runtime.repack_cli import repack_weights
+    from .runtime.convert.cli import repack_weights
 
     try:
         arch = native_arch() if arch_name.strip().lower() == "native" else get_arch(arch_name)

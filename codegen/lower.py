@@ -7,7 +7,7 @@ pair; for more rows attention + a combine launch, o_proj + attn_tail and the rou
 q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
 Kernels are chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a
 weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few
-row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/forward.py) only binds and
+row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/cuda/programs.py) only binds and
 runs them. A missing kernel aborts that forward (`Missing`) and is named in `missing`.
 """
 

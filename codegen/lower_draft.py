@@ -1,6 +1,6 @@
 """Codegen stage: the DFlash drafter's launches lowered onto the planned kernels (the draft block, and the context
 K/V update of committed positions), as codegen/lower.py does the target's; codegen/programs.py writes them into the
-manifest. The step itself: runtime/spec_decode.py."""
+manifest. The step itself: runtime/cuda/speculative.py."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class LowerDraft:
 
     def accept_ops(self) -> list[Op]:
         """After a verify step: its committed count into spec_acc, and the next step's block (positions, sampled
-        positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda_runner.py launches that step ahead)."""
+        positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda/runner.py launches that step ahead)."""
         A, f = self.fwd.ptr.A, self.fwd
         e = need(f.find("spec_accept.cu.j2", "DFlash acceptance on the device", B=BLOCK))
         return [Op("draft.accept", e, dict(ids=A("ids"), out_ids=A("out_ids"), positions=A("positions"),

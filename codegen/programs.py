@@ -5,7 +5,7 @@ structure does not change: one row, 2..16, 17, and more. Within a range the lowe
 (both ends, the second, the middle); the launches must be the same, and a launch argument that differs must be linear
 in the row count (a grid-stride count, a last-row pointer, a second slice's rows): it is written as
 ["rows", a, b] = a * rows + b. Anything else is an error at build time. Arguments are symbols the runtime binds to
-its buffers (runtime/forward.py):
+its buffers (runtime/cuda/programs.py):
   ["A", activation, row, byte offset]  ["W", weight, byte offset]  ["KV" | "DKV", layer, "k" | "v", byte offset]
   ["NULL"]  ["lane_bytes" | "dlane_bytes", layer] (a target | drafter layer's lane stride)  and integers (row and
   offset entries may themselves be ["rows", a, b]).

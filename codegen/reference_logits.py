@@ -2,7 +2,7 @@
 engine emulator compare against; tolerances next to each.
 
 The packed inputs are NumPy structured arrays with the field names of templates/include/thorgen/logits.cuh
-(runtime/logits_params.py builds them; codegen reads them by name only, as it may not import runtime).
+(runtime/cuda/logits_params.py builds them; codegen reads them by name only, as it may not import runtime).
 """
 
 from __future__ import annotations

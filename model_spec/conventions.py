@@ -16,7 +16,7 @@ MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runt
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs; 4: the drafter's
 # context in a lane per sequence (its programs' "dlane_bytes")
 
-# NVFP4 byte orders of the t16x64 weight layout (runtime/layouts.py): "nat" (the checkpoint's nibbles) where the arch
+# NVFP4 byte orders of the t16x64 weight layout (runtime/convert/layouts.py): "nat" (the checkpoint's nibbles) where the arch
 # converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
 # order the kernels of the target arch were built for (their param `fp4_order`).
 FP4_ORDERS = ("shift", "nat")

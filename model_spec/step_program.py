@@ -1,5 +1,5 @@
 """Model-spec stage (shared bottom): the step-program format both stages use. codegen/programs.py writes programs
-of these launches into the manifest, runtime/forward.py binds them (docs/step_programs.md)."""
+of these launches into the manifest, runtime/cuda/programs.py binds them (docs/step_programs.md)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def program_key(decode: bool = False, last: bool = True, greedy: bool = True, ta
     return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
 
 
-# the drafter's programs (runtime/spec_decode.py): the draft block, the context update of a prefill's positions
+# the drafter's programs (runtime/cuda/speculative.py): the draft block, the context update of a prefill's positions
 DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"
 
 

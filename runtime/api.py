@@ -3,7 +3,7 @@
 `generate`, `bench` and `serve` all open engines through the one registry here (`open_backend`). The server
 talks to an `EngineClient`, which owns the thread that drives the device: the backend is opened on that thread
 and every later call into it (the engine core's steps, close) runs there too, so a CUDA context made current
-while loading is current wherever CUDA is called. That thread runs runtime/engine_core.py's `EngineCore` over the
+while loading is current wherever CUDA is called. That thread runs runtime/engine/core.py's `EngineCore` over the
 backend's ModelRunner: submitted requests join the running batch between steps. Outputs come back as immutable
 `RequestOutput` values, the last of which carries the request's `GenerationResult`.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .backend import Backend, BackendError, GenerationResult, SamplingParams
-from .engine_core import EngineCore, RequestOutput
-from .kv_cache import default_ctx
+from .engine.core import EngineCore, RequestOutput
+from .cuda.kv_cache import default_ctx
 
 log = logging.getLogger("thorgen.engine")
 
@@ -67,7 +67,7 @@ def _open_reference(config: EngineConfig, ckpt: Any) -> Backend:
 
 
 def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
-    from .cuda_backend import open_backend as open_cuda
+    from .cuda.backend import open_backend as open_cuda
 
     return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
                      weights_dir=config.weights, kernels_dir=config.kernels, max_num_seqs=config.max_num_seqs,
@@ -350,7 +350,7 @@ class EngineClient:
                               job.speculative)
                 job.in_core = True
             except BackendError as exc:
-                from .device import CudaError  # a driver failure is the engine's fault, whenever it happens
+                from .cuda.device import CudaError  # a driver failure is the engine's fault, whenever it happens
 
                 self._emit(job, self._failure(exc) if isinstance(exc, CudaError) else RequestRejected(str(exc)))
             except Exception as exc:

@@ -51,7 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     draft_tokens: int | None = None  # a speculative request's drafts per step, at most (None: the drafter's block)
-    grammar: Any = None  # a runtime.constraint.Grammar
+    grammar: Any = None  # a runtime.text.grammar.Grammar
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -16,8 +16,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.api import Capabilities, EngineClient
-from ..runtime.tokenizer import Tokenizer
-from . import endpoints, openapi
+from ..runtime.text.tokenizer import Tokenizer
+from . import endpoints
+from . import openapi
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .metrics import Metrics

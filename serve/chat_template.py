@@ -8,8 +8,8 @@ from typing import Any
 
 import jinja2
 
-from ..runtime.prompts import template_environment
-from ..runtime.tokenizer import Tokenizer
+from ..runtime.text.prompts import template_environment
+from ..runtime.text.tokenizer import Tokenizer
 from .parser import ControlIds
 from .protocol import APIError
 

@@ -15,7 +15,7 @@ SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 def open_model(config):
     """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
     from ..runtime.api import EngineClient
-    from ..runtime.prompts import load_chat_template
+    from ..runtime.text.prompts import load_chat_template
     from .chat_template import ChatTemplate, load_tokenizer
 
     client, model = EngineClient.open(config)
@@ -118,17 +118,3 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
         state.close()  # cancels what still runs and closes the engine on its own thread
     if state.load_error:
         raise click.ClickException(f"the model failed to load: {state.load_error}")
-
-
-@click.command(help="Chat with a running `thorgen serve` in the terminal (streaming; /new resets, /quit exits).")
-@click.option("--url", default="http://127.0.0.1:8080", show_default=True, help="Server base URL.")
-@click.option("--think/--no-think", default=False, show_default=True, help="Enable the model's thinking.")
-@click.option("--temperature", type=click.FloatRange(0, 2), default=None, help="Sampling temperature.")
-@click.option("--max-tokens", type=click.IntRange(1), default=None)
-@click.option("--system", default=None, help="System prompt.")
-@click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
-def chat(url: str, think: bool, temperature: float | None, max_tokens: int | None, system: str | None,
-         api_key: str | None) -> None:
-    from .chat_client import run_chat
-
-    run_chat(url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key)

@@ -10,7 +10,7 @@ from typing import Callable
 import anyio
 from fastapi.responses import JSONResponse
 
-from ..runtime.tokenizer import Tokenizer
+from ..runtime.text.tokenizer import Tokenizer
 from .protocol import APIError, error_body
 
 log = logging.getLogger("thorgen.serve")

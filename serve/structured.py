@@ -8,7 +8,7 @@ from .protocol import APIError
 
 
 def response_grammar(fmt: Any, server: Any, thinking: bool) -> Any:
-    """None for text (or no response_format); else a runtime.constraint.Grammar for json_object (any JSON
+    """None for text (or no response_format); else a runtime.text.grammar.Grammar for json_object (any JSON
     object) or json_schema (valid against its `schema`; enforced whether or not `strict` is set). With thinking
     on, the grammar starts after the thought channel."""
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -26,7 +26,7 @@ def response_grammar(fmt: Any, server: Any, thinking: bool) -> Any:
             raise APIError("response_format.json_schema.strict must be true or false", param="response_format")
         schema = spec["schema"]
     try:
-        from ..runtime.constraint import Grammar, json_grammar, tokenizer
+        from ..runtime.text.grammar import Grammar, json_grammar, tokenizer
     except ImportError:  # pragma: no cover - the serve extra installs it
         raise APIError("response_format needs the llguidance package (pip install 'thorgen[serve]')",
                        param="response_format") from None

@@ -105,14 +105,14 @@ def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int,
 
 
 def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, server: Any) -> Any:
-    """A runtime.constraint.Grammar forcing the call, or None where nothing is forced or the backend cannot
+    """A runtime.text.grammar.Grammar forcing the call, or None where nothing is forced or the backend cannot
     constrain its decoding (there the call stays opened in the prompt, unconstrained)."""
     if mode not in ("required", "named") or not tools or not server.caps.constrained \
             or server.tokenizer.path is None:
         return None
     import llguidance
 
-    from ..runtime.constraint import Grammar, tokenizer
+    from ..runtime.text.grammar import Grammar, tokenizer
 
     c = server.controls
     tok = tokenizer(str(server.tokenizer.path), int(server.caps.vocab_size), tuple(sorted(server.stop_ids)))

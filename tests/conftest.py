@@ -46,7 +46,7 @@ def shared_dir() -> Path:
 def device():
     """The GPU (module-scoped); skips without a GPU, a driver or cuda-python."""
     from thorgen.runtime.backend import BackendError
-    from thorgen.runtime.device import Device
+    from thorgen.runtime.cuda.device import Device
 
     try:
         return Device.open(0)
@@ -61,7 +61,7 @@ def built(device, tiny_checkpoint, tmp_path_factory):
     import os
 
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.convert.repack import repack
 
     repack(tiny_checkpoint, arch=device.info.arch)
     pre = os.environ.get("THORGEN_KERNELS")

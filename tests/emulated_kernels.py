@@ -13,7 +13,7 @@ import numpy as np
 from thorgen.codegen import reference_kernels as RK
 from thorgen.codegen.families import moe_grouped as MG
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4
-from thorgen.runtime import layouts as L
+from thorgen.runtime.convert import layouts as L
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference import w4a16 as W4
 from thorgen.runtime.reference.sampling import sample
@@ -467,7 +467,7 @@ class KernelEmulator(LogitsKernels):
     def k_lm_sample(self, p, a, n):
         if p["STAGE"] != "finish":
             return
-        from thorgen.runtime.engine import SAMPLE_PARAMS
+        from thorgen.runtime.cuda.engine import SAMPLE_PARAMS
         T, V = a["T"], p["V"]
         recs = self.v(a["params"], np.uint8, T * SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)
         pos = self.v(a["positions"], np.int32, T, "positions")

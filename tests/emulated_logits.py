@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from thorgen.codegen import reference_logits as RL
-from thorgen.runtime.logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
+from thorgen.runtime.cuda.logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
 
 
 class LogitsKernels:

@@ -299,8 +299,8 @@ def write_fake_manifest(spec, out_dir: Path, arch_name: str = "sm_90a") -> Path:
 
 
 def install(manifest_dir: Path) -> FakeDriver:
-    """Make the runtime use a fresh FakeDriver (undo with runtime.device.set_driver(None))."""
-    from thorgen.runtime import device as dev
+    """Make the runtime use a fresh FakeDriver (undo with runtime.cuda.device.set_driver(None))."""
+    from thorgen.runtime.cuda import device as dev
 
     drv = FakeDriver(manifest_dir)
     dev.set_driver(drv)
@@ -311,11 +311,11 @@ __all__ = ["EmuError", "FakeDriver", "install", "write_fake_manifest", "bf16_to_
 
 
 def open_emulated(checkpoint: Path, root: Path, **kwargs):
-    """The cuda backend (runtime.cuda_backend.open_backend) of `checkpoint` on a freshly installed fake driver:
+    """The cuda backend (runtime.cuda.backend.open_backend) of `checkpoint` on a freshly installed fake driver:
     weights repacked and a fake manifest written under `root`."""
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.cuda.backend import open_backend
+    from thorgen.runtime.convert.repack import repack
 
     weights = repack(checkpoint, root / "weights")
     kernels = write_fake_manifest(Checkpoint.open(checkpoint).spec, root / "kernels")
@@ -327,7 +327,7 @@ def run_requests(backend, ahead: bool, requests: list, speculative: bool = False
     """Requests (prompt, max_tokens, params) one after another through the engine core on one cuda runner, its steps
     launched ahead or not (`ahead`): (tokens, accepted lengths, finish reason) of each, and the steps launched ahead
     that were used."""
-    from thorgen.runtime.engine_core import EngineCore
+    from thorgen.runtime.engine.core import EngineCore
 
     runner = backend.runner()
     runner.launch_ahead = ahead

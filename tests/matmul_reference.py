@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
-from thorgen.runtime import layouts as L
+from thorgen.runtime.convert import layouts as L
 
 F64 = np.float64
 

@@ -1,5 +1,5 @@
 """CPU test of `thorgen bench --peer hf` on the tiny checkpoint: HF transformers' Gemma4 gets the checkpoint's
-weights (runtime/peer.py), decodes the bench's prompt with a static cache, and the report carries the ratios."""
+weights (runtime/bench/peer.py), decodes the bench's prompt with a static cache, and the report carries the ratios."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_peer_greedy_tokens_equal_the_reference(tiny_checkpoint):
 
     from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime.backend import SamplingParams
-    from thorgen.runtime.peer import hf_model
+    from thorgen.runtime.bench.peer import hf_model
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     ck = Checkpoint.open(tiny_checkpoint)

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from thorgen.cli import main
-from thorgen.runtime.bench_report import build_report
+from thorgen.runtime.bench.report import build_report
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "docs" / "benchmarks"
@@ -157,7 +157,7 @@ def _sample_bench(peer: dict | None, decode: float, ttft: float) -> dict:
     return run | ({"peer": peer} if peer else {})
 
 
-SAMPLE_PEER = {  # a sample: as runtime/peer.py writes it now, with the experts implementation it picked
+SAMPLE_PEER = {  # a sample: as runtime/bench/peer.py writes it now, with the experts implementation it picked
     "peer": "hf transformers 5.17.0 Gemma4ForCausalLM", "device": "cuda", "dtype": "bfloat16", "compiled": True,
     "cache": "static", "experts": "grouped_mm",
     "experts_tried": {"grouped_mm": 95.5, "batched_mm": 61.25, "eager": "unavailable: RuntimeError: out of\n  memory"},

@@ -12,11 +12,11 @@ pytest.importorskip("fastapi")
 
 from click.testing import CliRunner  # noqa: E402
 
-from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import create_app  # noqa: E402
-from thorgen.serve.bench_serve import bench_serve, percentile  # noqa: E402
+from thorgen.runtime.bench.serve_load import bench_serve, percentile  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
-from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
+from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 

@@ -1,4 +1,4 @@
-"""`thorgen bench --speculative [--emulate-acceptance K]` (runtime/bench_spec.py) on the CPU: with emulated
+"""`thorgen bench --speculative [--emulate-acceptance K]` (runtime/bench/speculative.py) on the CPU: with emulated
 acceptance every verify step commits exactly K + 1 tokens, on the reference backend through the CLI and on the
 emulated cuda engine (tests/engine_emulator.py), whose DFlash steps also record their draft / verify event times
 and get per-kernel tables; without a drafter the option is a clear error."""
@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from thorgen.runtime.bench import bench, synthetic_prompt  # noqa: E402
+from thorgen.runtime.bench.cli import bench  # noqa: E402
+from thorgen.runtime.bench.timing import synthetic_prompt  # noqa: E402
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -36,9 +37,9 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
     import engine_emulator as EE
 
     pytest.importorskip("thorgen.codegen.plan")
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
     from thorgen.runtime.backend import GenerationResult, SamplingParams
-    from thorgen.runtime.bench_spec import measure_speculative
+    from thorgen.runtime.bench.speculative import measure_speculative
 
     b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=512)
     try:
@@ -56,7 +57,7 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
         assert b.engine.emulate_acceptance is None and b.engine.spec_timing is None  # left as it was
         assert b.engine.draft_hook is None
         # while it runs, the drafts are 15 distinct tokens a step (a verify routed like text), others a step later
-        from thorgen.runtime.bench_spec import _emulate
+        from thorgen.runtime.bench.speculative import _emulate
 
         _emulate(b, 2)
         drafts = [[int(t) for t in b.engine.draft_hook(p, 0)] for p in (20, 21)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from thorgen.runtime.prompts import FILLER_LINE, PromptRenderer, filler_for_tokens, load_suite
+from thorgen.runtime.text.prompts import FILLER_LINE, PromptRenderer, filler_for_tokens, load_suite
 
 SUITE = Path(__file__).resolve().parents[1] / "docs" / "prompt_suite.json"
 CATEGORIES = {"short_factual", "reasoning", "code_gen", "code_edit", "explanation", "multi_turn", "tool_use",
@@ -62,7 +62,7 @@ class OracleDrafter:
 
 def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
     from thorgen.runtime.backend import SamplingParams
-    from thorgen.runtime.bench_suite import run_entries
+    from thorgen.runtime.bench.suite import run_entries
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     entry = {"id": "x", "category": "short_factual", "max_tokens": 33,
@@ -81,7 +81,7 @@ def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
 def test_bench_suite_cli_on_the_reference_backend(tiny_checkpoint, tmp_path):
     from click.testing import CliRunner
 
-    from thorgen.runtime.bench import bench
+    from thorgen.runtime.bench.cli import bench
 
     suite = {"prompts": [
         {"id": "q", "category": "short_factual", "max_tokens": 6,
@@ -123,7 +123,7 @@ def test_bench_suite_cli_on_the_reference_backend(tiny_checkpoint, tmp_path):
 def test_bench_suite_rejects_a_malformed_file(tiny_checkpoint, tmp_path):
     from click.testing import CliRunner
 
-    from thorgen.runtime.bench import bench
+    from thorgen.runtime.bench.cli import bench
 
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"prompts": [{"id": "n", "_build": "needle", "needle": "x"}]}))

@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from thorgen.runtime.bench_sweep import sweep
+from thorgen.runtime.bench.sweep import sweep
 
 
 def test_sweep_rows(tiny_checkpoint, tmp_path):

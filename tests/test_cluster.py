@@ -22,11 +22,11 @@ serve = pytest.importorskip("ray.serve")
 from thorgen.runtime.api import EngineConfig  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.cli import open_model  # noqa: E402
-from thorgen.serve.cluster import APP, ENGINE, build_app  # noqa: E402
-from thorgen.serve.cluster_cli import cluster as cluster_command  # noqa: E402
-from thorgen.serve.remote import ReplicaHeaderMiddleware, _REPLICA_SLOT  # noqa: E402
-from thorgen.serve.routing import PrefixIndex, block_hashes, rank  # noqa: E402
-from thorgen.serve.scripted import running_server  # noqa: E402
+from thorgen.serve.cluster.deployment import APP, ENGINE, build_app  # noqa: E402
+from thorgen.serve.cluster.cli import cluster as cluster_command  # noqa: E402
+from thorgen.serve.cluster.remote import ReplicaHeaderMiddleware, _REPLICA_SLOT  # noqa: E402
+from thorgen.serve.cluster.routing import PrefixIndex, block_hashes, rank  # noqa: E402
+from scripted_backend import running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CTX = 1024

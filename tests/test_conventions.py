@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec import conventions as C
-from thorgen.runtime import logits_params as LP
+from thorgen.runtime.cuda import logits_params as LP
 
 INCLUDE = Path(__file__).resolve().parents[1] / "templates" / "include" / "thorgen"
 C_TYPES = {"double": "<f8", "float": "<f4", "unsigned long long": "<u8", "int": "<i4"}
@@ -55,9 +55,9 @@ def test_shared_constants_are_the_stages_own():
     from thorgen.codegen.arch import ARCHS
     from thorgen.codegen.families import ring_slots as codegen_ring_slots
     from thorgen.codegen.families.matmul import fp4_order
-    from thorgen.runtime.engine import SAMPLE_PARAMS
-    from thorgen.runtime.kv_cache import ring_slots as runtime_ring_slots
-    from thorgen.runtime.repack import fp4_order as repack_fp4_order
+    from thorgen.runtime.cuda.engine import SAMPLE_PARAMS
+    from thorgen.runtime.cuda.kv_cache import ring_slots as runtime_ring_slots
+    from thorgen.runtime.convert.plan import fp4_order as repack_fp4_order
 
     assert SAMPLE_PARAMS is C.SAMPLE_PARAMS
     for arch in ARCHS.values():  # the order codegen builds the kernels for is the order the repack writes

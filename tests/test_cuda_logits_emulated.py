@@ -20,7 +20,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")
 
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
-from thorgen.runtime.engine_core import EngineCore  # noqa: E402
+from thorgen.runtime.engine.core import EngineCore  # noqa: E402
 from thorgen.runtime.reference.logits import process, token_logprob  # noqa: E402
 from thorgen.runtime.reference.ops import softcap  # noqa: E402
 
@@ -31,7 +31,7 @@ SCORE_TOL = 1e-2
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("logits"), ctx=512, max_num_seqs=2)
     yield b
@@ -91,8 +91,8 @@ def test_processed_and_plain_rows_in_one_batch(backend):
 def test_json_schema_on_the_cuda_backend(backend, tiny_checkpoint):
     """A grammar's mask on the device: random weights still give schema-valid JSON."""
     pytest.importorskip("llguidance")
-    from thorgen.runtime.constraint import Grammar, json_grammar, tokenizer
-    from thorgen.runtime.tokenizer import Tokenizer
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
+    from thorgen.runtime.text.tokenizer import Tokenizer
 
     schema = {"type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
               "additionalProperties": False}

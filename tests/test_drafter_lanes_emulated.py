@@ -18,14 +18,14 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
-from thorgen.runtime.engine_core import EngineCore  # noqa: E402
+from thorgen.runtime.engine.core import EngineCore  # noqa: E402
 
 SEEDED = SamplingParams(temperature=1.0, seed=9)
 
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("drafter_lanes"), ctx=1024, max_num_seqs=2)
     assert b.engine.speculative, b.engine.spec_missing

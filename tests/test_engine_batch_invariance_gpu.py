@@ -39,7 +39,7 @@ def models(built):
 
 
 def test_a_step_has_the_same_bits_alone_and_in_any_batch(models):
-    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.cuda.backend import open_backend
 
     for name, model, kernels in models:
         backend = open_backend(model, kernels_dir=kernels, max_num_seqs=32, ctx=4096)

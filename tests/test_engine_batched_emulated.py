@@ -17,8 +17,8 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.engine_core import EngineCore  # noqa: E402
-from thorgen.runtime.kv_cache import fit_kv, plan_kv  # noqa: E402
+from thorgen.runtime.engine.core import EngineCore  # noqa: E402
+from thorgen.runtime.cuda.kv_cache import fit_kv, plan_kv  # noqa: E402
 
 LANES = 3
 GREEDY = SamplingParams()
@@ -26,7 +26,7 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("batched"), ctx=512, max_num_seqs=LANES)
     yield b
@@ -110,7 +110,7 @@ def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
     """A KV cache of 8 pages (one full context) for 3 sequences that grow to 4 pages each: the scheduler preempts
     (its charge includes the page a step launched ahead may write), the preempted sequence resumes by recompute,
     and every request's tokens equal those with each step launched when scheduled, and alone."""
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
     try:
@@ -194,7 +194,7 @@ def test_kv_lanes_and_pages_fit_the_budget(backend):
 def test_bench_times_each_bucket(backend):
     """`thorgen bench --batch-sizes`' measurement on the emulated engine: one row per size, the largest's
     kernels, and bytes that grow with the rows (more experts touched, more K/V)."""
-    from thorgen.runtime.bench_batched import measure_batched
+    from thorgen.runtime.bench.batched import measure_batched
 
     report = {"kv_dtype": "bf16", "lm_head": "nvfp4", "copy_gb_s": 1.0}
     measure_batched(backend, report, [1, 3], position=20, steps=1)
@@ -208,7 +208,7 @@ def test_bench_times_each_bucket(backend):
 def test_more_than_16_rows_run_the_32_row_bucket(tiny_checkpoint, tmp_path):
     """18 sequences: one step runs the 32-row graph (the M = 32 GEMMs and MoE pair; padded rows dropped); each
     request equals itself alone."""
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
     b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=64, max_num_seqs=18)

@@ -22,11 +22,11 @@ pytest.importorskip("fastapi")
 from thorgen.runtime.api import (EngineClient, EngineConfig, EngineUnavailable, RequestRejected,  # noqa: E402
                                  open_backend)
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.kv_cache import default_ctx  # noqa: E402
-from thorgen.runtime.tokenizer import Tokenizer  # noqa: E402
+from thorgen.runtime.cuda.kv_cache import default_ctx  # noqa: E402
+from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
-from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
+from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -151,7 +151,7 @@ def _fails_after(runner, exc: BaseException, steps: int):
 
 def test_http_status_of_engine_errors(tok):
     """Client mistakes stay 400; a CUDA error at submission or any failure mid-generation is a 500."""
-    from thorgen.runtime.device import CudaError
+    from thorgen.runtime.cuda.device import CudaError
 
     engine = ScriptedBackend(lambda p: tok.encode("ok"))
     state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
@@ -195,8 +195,8 @@ def emulated_cuda(tiny_checkpoint, tmp_path_factory):
     pytest.importorskip("thorgen.codegen.plan")
     import engine_emulator as EE
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime import device as dev
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.cuda import device as dev
+    from thorgen.runtime.convert.repack import repack
 
     root = tmp_path_factory.mktemp("emulated-serve")
     weights = repack(tiny_checkpoint, root / "weights")
@@ -251,7 +251,7 @@ def test_max_num_batched_tokens_reaches_the_scheduler(tiny_checkpoint):
     it the engine's default (a whole prefill chunk beside every decode); 0 is a usage error, not a server."""
     from click.testing import CliRunner
 
-    from thorgen.runtime.engine_core import default_step_tokens
+    from thorgen.runtime.engine.core import default_step_tokens
     from thorgen.serve.cli import serve
 
     for asked, want in ((40, 40), (None, None)):

@@ -38,9 +38,9 @@ ROUTER_TIE = 0.1  # router logit gap (k-th vs k+1-th) below which a top-k flip i
 @pytest.fixture(scope="module")
 def emulated(tiny_checkpoint, tmp_path_factory):
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
     from thorgen.runtime.reference.backend import ReferenceBackend
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.convert.repack import repack
 
     ck = Checkpoint.open(tiny_checkpoint)
     root = tmp_path_factory.mktemp("emulated")
@@ -49,7 +49,7 @@ def emulated(tiny_checkpoint, tmp_path_factory):
     made = {}
 
     def open_(kv: str, ctx: int = 1024):
-        from thorgen.runtime.cuda_backend import open_backend
+        from thorgen.runtime.cuda.backend import open_backend
 
         if (kv, ctx) not in made:
             drv = EE.install(kernels)
@@ -142,7 +142,7 @@ def _check_forward(m, f: dict, kv: str) -> int:
 
 def _lm_head(backend) -> np.ndarray:
     """float64 [V, H] NVFP4 lm_head exactly as repacked (what the engine multiplies with)."""
-    from thorgen.runtime.repack import unpack_linear
+    from thorgen.runtime.convert.repack import unpack_linear
 
     packed, scale, g = unpack_linear(backend.engine.art, "embed_tokens")
     return dequantize_nvfp4(packed, scale, g).astype(np.float64)
@@ -212,7 +212,7 @@ def test_pdl_only_between_kernels(emulated):
     """A kernel is launched with PDL only right after a kernel of its own stream: never the first launch of a
     forward (it follows the host's staging copies), never right after a strided copy, never the first op of the
     side-stream branch (dense MLP) or the op that joins it back; the MLP runs on the side stream."""
-    from thorgen.runtime.engine import Copy2D
+    from thorgen.runtime.cuda.engine import Copy2D
 
     open_, _ = emulated
     backend, drv = open_("bf16")
@@ -242,7 +242,7 @@ def test_pdl_only_between_kernels(emulated):
 def test_profile_step_times_every_launch(emulated):
     """`thorgen bench`'s breakdown: one row per launch of the forward (decode: per-kernel graphs; prefill chunk:
     eager), in schedule order, and the engine's fork/PDL settings are restored afterwards."""
-    from thorgen.runtime.profile import profile_step
+    from thorgen.runtime.cuda.profile import profile_step
 
     open_, _ = emulated
     backend, _ = open_("bf16")

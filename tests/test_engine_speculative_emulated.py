@@ -42,8 +42,8 @@ TIE_TOL = 1e-2  # GPU test only (see the docstring)
 def emu(tiny_checkpoint, tmp_path_factory):
     """open_(ctx, manifest_edit=None) -> (backend, driver), cached; the tiny checkpoint repacked once."""
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime import device as dev
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.cuda import device as dev
+    from thorgen.runtime.convert.repack import repack
 
     ck = Checkpoint.open(tiny_checkpoint)
     root = tmp_path_factory.mktemp("spec_emulated")
@@ -51,7 +51,7 @@ def emu(tiny_checkpoint, tmp_path_factory):
     made: dict = {}
 
     def open_(ctx: int = 1024, drop: str | None = None):
-        from thorgen.runtime.cuda_backend import open_backend
+        from thorgen.runtime.cuda.backend import open_backend
 
         key = (ctx, drop)
         if key not in made:
@@ -154,7 +154,7 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     (draft.accept) picks. Tokens and acceptance lengths equal those of steps launched when scheduled: for the real
     drafter, emulated acceptance of K drafts with the bench's forced drafts (its hook sees the same block starts), a
     request's draft cap, a stop id and the context's end."""
-    from thorgen.runtime.profile import distinct_tokens
+    from thorgen.runtime.cuda.profile import distinct_tokens
 
     open_, ck = emu
     backend, _ = open_(ctx=160)
@@ -222,7 +222,7 @@ def test_engine_drafter_matches_reference(emu):
     taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
     e = backend.engine
     from thorgen.model_spec.nvfp4 import dequantize_nvfp4
-    from thorgen.runtime.repack import unpack_linear
+    from thorgen.runtime.convert.repack import unpack_linear
 
     lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
 
@@ -362,11 +362,11 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
     import os
 
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime.cuda_backend import open_backend
-    from thorgen.runtime.device import Device
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.cuda.backend import open_backend
+    from thorgen.runtime.cuda.device import Device
+    from thorgen.runtime.convert.repack import repack
 
-    from thorgen.runtime import device as D
+    from thorgen.runtime.cuda import device as D
 
     D.set_driver(None)  # the real cuda-python driver, never the emulator the tests above install
     try:

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from thorgen.cli import main
-from thorgen.serve.gate import GateError, load_traces, margin
-from thorgen.runtime.prompts import load_suite
+from thorgen.serve.tools.gate import GateError, load_traces, margin
+from thorgen.runtime.text.prompts import load_suite
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = {"prompts": [

@@ -36,7 +36,7 @@ def test_json_ids_plain_and_speculative_agree(tiny_checkpoint, tiny_ckpt) -> Non
 
 
 def test_sampled_text_prompt_gets_bos(tiny_checkpoint, tiny_ckpt) -> None:
-    from thorgen.runtime.tokenizer import Tokenizer
+    from thorgen.runtime.text.tokenizer import Tokenizer
 
     args = [*BASE, "--model", str(tiny_checkpoint), "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
     by_text = json.loads(run(*args, "--prompt", "The model answers").output)

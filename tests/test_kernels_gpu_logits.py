@@ -15,7 +15,7 @@ import logits_cases as LC
 from gpu_harness import PRESETS, GpuRunner
 from thorgen.codegen import reference_logits as RL
 from thorgen.model_spec.conventions import SAMPLE_PARAMS
-from thorgen.runtime import logits_params as LP
+from thorgen.runtime.cuda import logits_params as LP
 
 pytestmark = pytest.mark.gpu
 

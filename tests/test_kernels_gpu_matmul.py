@@ -1,7 +1,7 @@
 """GPU tests: NVFP4 GEMV / verify GEMM / prefill GEMM (matmul family), the o_proj GEMV with the attention tail
 folded in, and the drafter's fp16 GEMMs against NumPy.
 
-Tiny preset: weights go through the real path (float -> quantize_nvfp4 -> runtime.layouts packers). Full size:
+Tiny preset: weights go through the real path (float -> quantize_nvfp4 -> runtime.convert.layouts packers). Full size:
 random layout bytes (any byte pattern is a valid code set) with a sample of units checked, so the CPU reference
 stays cheap even for the 262144 x 2816 lm_head. Outputs are poisoned (NaN) first, so unwritten rows fail.
 """
@@ -20,7 +20,7 @@ from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 from thorgen.codegen import reference_kernels as RK
 from thorgen.codegen.families.matmul import target_shapes
 from thorgen.model_spec.nvfp4 import f32_to_bf16
-from thorgen.runtime import layouts as L
+from thorgen.runtime.convert import layouts as L
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from thorgen.runtime.forward import _grid
+from thorgen.runtime.cuda.programs import _grid
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
@@ -76,7 +76,7 @@ CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "poo
 
 
 def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
-    """The grid the runtime launches the kernel with for m rows (runtime/forward.py's rule: ROW_GRID with its cap)."""
+    """The grid the runtime launches the kernel with for m rows (runtime/cuda/programs.py's rule: ROW_GRID with its cap)."""
     return _grid(SimpleNamespace(grid=kernel.grid, params=kernel.param_dict), m)
 
 

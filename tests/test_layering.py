@@ -1,63 +1,163 @@
-"""The pipeline's dependencies point one way: model_spec <- codegen, model_spec <- runtime <- serve.
+"""The package's rooms and the one way their imports point, and no import cycle anywhere.
 
-codegen never imports runtime or serve; runtime never imports codegen (it reads build artifacts: manifest.json)
-or serve; model_spec imports none of the later stages. The one sanctioned exception is `thorgen bench --kernels`,
-a developer tool that runs codegen's kernel benchmark by module name (runpy), not by import.
+model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-package (room) has one job, and
+ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
+nothing imports bench; serve reaches the runtime only through its client API (api, the request/result types in
+backend, and text). Every import counts, including ones inside functions and under TYPE_CHECKING.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"model_spec": {"codegen", "runtime", "serve"}, "codegen": {"runtime", "serve"},
-             "runtime": {"codegen", "serve"}}
+SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
+RUNTIME = {"runtime.backend", "runtime.manifest", "runtime.engine", "runtime.text", "runtime.convert",
+           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.generate"}
+CLIENT_API = {"runtime.api", "runtime.backend", "runtime.text"}
+ALLOWED = {
+    "model_spec": set(),
+    "codegen": {"model_spec"},
+    "runtime": set(),  # the package's own __init__: a docstring
+    "runtime.backend": {"model_spec"},
+    "runtime.manifest": {"model_spec", "runtime.backend"},
+    "runtime.engine": {"model_spec", "runtime.backend"},
+    "runtime.text": {"model_spec", "runtime.backend"},
+    "runtime.convert": {"model_spec", "runtime.backend"},
+    "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
+    "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert"},
+    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.reference", "runtime.cuda"},
+    "runtime.generate": {"model_spec"} | CLIENT_API,
+    "runtime.bench": {"model_spec"} | RUNTIME,
+    "serve": {"model_spec"} | CLIENT_API,
+    "serve.cluster": {"model_spec", "serve"} | CLIENT_API,
+    "serve.tools": {"model_spec", "serve"} | CLIENT_API,
+    "cli": set(),  # the command table names modules as strings, imported when a command runs
+    "prepare": {"codegen", "runtime.convert"},
+    "": set(),  # thorgen/__init__.py
+}
 
 
-def _imported_stages(path: Path, stage: str, root: Path = ROOT) -> set[str]:
-    """Top-level thorgen stages a module imports (absolute thorgen.x or relative imports resolved from its folder)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    depth_of_file = len(path.relative_to(root).parts) - 1  # folders below the package root
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] in ("runtime", "serve") and len(parts) > 1:
+        sub = parts[1]
+        if parts[0] == "runtime" or (ROOT / "serve" / sub).is_dir():
+            return f"{parts[0]}.{sub}"
+    return parts[0]
+
+
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Modules of the package (names relative to its root) that a file imports, absolute or relative."""
+    module = module_name(path, root)
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names = [a.name[len("thorgen."):] for a in node.names if a.name.startswith("thorgen.")]
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
-                names = [node.module or ""]
-            else:  # resolve `from ..x import y` against the file's folder inside the package
-                parts = list(path.relative_to(root).parts[:-1])
-                up = node.level - 1
-                if up > depth_of_file:
+                if not (node.module or "").startswith("thorgen"):
                     continue
-                base = parts[:len(parts) - up] if up else parts
-                mod = (node.module or "").split(".") if node.module else [a.name for a in node.names][:1]
-                names = [".".join(["thorgen", *base, *mod])]
+                base = (node.module or "").split(".")[1:]
+            else:
+                if node.level - 1 > len(here):
+                    continue
+                base = here[:len(here) - (node.level - 1)] + ((node.module or "").split(".") if node.module else [])
+            names = []
+            for alias in node.names:  # `from . import x` imports the module x when it exists
+                sub = [*base, alias.name]
+                is_module = (root.joinpath(*sub).with_suffix(".py").is_file() or root.joinpath(*sub).is_dir())
+                names.append(".".join(sub if is_module else base))
         else:
             continue
-        for name in names:
-            bits = name.split(".")
-            if bits[0] == "thorgen" and len(bits) > 1:
-                found.add(bits[1])
-    return found - {stage}
+        found.update(n for n in names if n)
+    return found
 
 
-@pytest.mark.parametrize("stage", sorted(FORBIDDEN))
-def test_stage_imports_point_one_way(stage: str) -> None:
+def package_files(root: Path = ROOT) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if not (set(p.relative_to(root).parts[:-1]) & SKIP)
+                  and p.relative_to(root).parts[0] not in SKIP)
+
+
+def test_every_room_is_known() -> None:
+    unknown = {room_of(module_name(p)) for p in package_files()} - set(ALLOWED)
+    assert not unknown, f"rooms without a rule in ALLOWED: {sorted(unknown)}"
+
+
+def test_rooms_import_only_what_they_may() -> None:
     bad = []
-    for path in sorted((ROOT / stage).rglob("*.py")):
-        hits = _imported_stages(path, stage) & FORBIDDEN[stage]
-        if hits:
-            bad.append(f"{path.relative_to(ROOT)} imports {sorted(hits)}")
+    for path in package_files():
+        room = room_of(module_name(path))
+        for target in imports_of(path):
+            other = room_of(target)
+            if other != room and other not in ALLOWED.get(room, set()):
+                bad.append(f"{path.relative_to(ROOT)} ({room}) imports {target} ({other})")
     assert not bad, "\n".join(bad)
 
 
-def test_the_checker_sees_relative_imports(tmp_path: Path) -> None:
-    """Guard against a checker that cannot fail: a planted relative import of codegen from runtime is caught."""
-    (tmp_path / "runtime" / "sub").mkdir(parents=True)
-    planted = tmp_path / "runtime" / "sub" / "probe.py"
-    planted.write_text("from ...codegen import plan\nimport thorgen.serve.app\nfrom . import engine\n")
-    assert _imported_stages(planted, "runtime", root=tmp_path) == {"codegen", "serve"}
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph, or None (depth-first search with an on-stack colour)."""
+    colour: dict[str, int] = defaultdict(int)  # 0 new, 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour[nxt] == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if colour[nxt] == 0 and (found := visit(nxt)):
+                return found
+        stack.pop()
+        colour[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if colour[node] == 0 and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    modules = {module_name(p): p for p in package_files()}
+    graph = {m: {t for t in imports_of(p) if t in modules and t != m} for m, p in modules.items()}
+    # a package's __init__ is imported with any of its modules; it imports none of them, so it adds no edge
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checkers_can_fail(tmp_path: Path) -> None:
+    """Guard against checkers that cannot fail: planted imports and a planted cycle are seen."""
+    (tmp_path / "runtime" / "engine").mkdir(parents=True)
+    (tmp_path / "codegen").mkdir()
+    (tmp_path / "codegen" / "plan.py").write_text("")
+    planted = tmp_path / "runtime" / "engine" / "probe.py"
+    planted.write_text("from ...codegen import plan\nimport thorgen.serve.app\nfrom . import core\n"
+                       "from ..cuda.engine import Engine\n")
+    assert imports_of(planted, root=tmp_path) == {"codegen.plan", "serve.app", "runtime.engine", "runtime.cuda.engine"}
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_room_is_flat_again() -> None:
+    """runtime/ keeps its few top-level modules; everything else lives in a room."""
+    top = sorted(p.stem for p in (ROOT / "runtime").glob("*.py"))
+    assert top == ["__init__", "api", "backend", "generate", "manifest"], top
+
+
+@pytest.mark.parametrize("room", sorted(r for r in ALLOWED if r.startswith(("runtime.", "serve.")) and
+                                        (ROOT / r.replace(".", "/")).is_dir()))
+def test_each_room_says_its_job(room: str) -> None:
+    init = ROOT / room.replace(".", "/") / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    assert doc and len(doc.split(".")[0]) > 20, f"{init.relative_to(ROOT)} opens with no sentence saying its job"

@@ -1,4 +1,4 @@
-"""Tests for runtime/layouts.py: round trips and a NumPy emulation of how the GPU kernels read the layouts."""
+"""Tests for runtime/convert/layouts.py: round trips and a NumPy emulation of how the GPU kernels read the layouts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.nvfp4 import E2M1_VALUES, dequantize_nvfp4, e4m3_to_f32, quantize_nvfp4
-from thorgen.runtime import layouts as L
+from thorgen.runtime.convert import layouts as L
 
 
 def _random_nvfp4(rng: np.random.Generator, n: int, k: int):

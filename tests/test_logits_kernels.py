@@ -1,4 +1,4 @@
-"""CPU tests of the lm_logits kernel family (issue 13): the host packing (runtime/logits_params.py) and its device
+"""CPU tests of the lm_logits kernel family (issue 13): the host packing (runtime/cuda/logits_params.py) and its device
 layouts, the NumPy references against runtime/reference/logits.py (tiny and full-size vocabularies, -inf masks,
 ties, biases on masked tokens), chunk-level models of the two kernels' algorithms, the engine-emulator stand-ins,
 and (slow) nvcc builds of the family for sm_90a."""
@@ -18,7 +18,7 @@ from thorgen.codegen import reference_logits as RL
 from thorgen.codegen.families.lm_logits import LOGPROB_CANDIDATES, PLAIN_ROW_WORDS
 from thorgen.codegen.reference_kernels import softcap_ref
 from thorgen.codegen.render import INCLUDE_DIR
-from thorgen.runtime import logits_params as LP
+from thorgen.runtime.cuda import logits_params as LP
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference.logits import token_logprob
 
@@ -188,7 +188,7 @@ class _Memory:
 
 def test_emulated_kernels_follow_the_references():
     from emulated_kernels import KernelEmulator
-    from thorgen.runtime.engine import SAMPLE_PARAMS
+    from thorgen.runtime.cuda.engine import SAMPLE_PARAMS
     from thorgen.runtime.reference.sampling import sample
 
     class Emu(KernelEmulator):  # (KernelEmulator includes LogitsKernels)

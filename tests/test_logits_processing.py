@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from thorgen.runtime.backend import BackendError, SamplingParams
-from thorgen.runtime.engine_core import EngineCore
+from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.sampling import sample
-from thorgen.runtime.scheduler import Sequence
+from thorgen.runtime.engine.scheduler import Sequence
 
 CTX = 128
 PROMPT = [2] + [110 + (11 * i) % 300 for i in range(9)]
@@ -123,8 +123,8 @@ def test_logit_bias_clamped_and_checked(backend):
 
 def test_grammar_makes_random_weights_write_json(backend, tiny_checkpoint):
     pytest.importorskip("llguidance")
-    from thorgen.runtime.constraint import Grammar, json_grammar, tokenizer
-    from thorgen.runtime.tokenizer import Tokenizer
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
+    from thorgen.runtime.text.tokenizer import Tokenizer
 
     tok_path = tiny_checkpoint / "tokenizer.json"
     vocab = backend.spec.target.vocab_size
@@ -151,8 +151,8 @@ def test_grammar_makes_random_weights_write_json(backend, tiny_checkpoint):
 def test_cuda_runner_checks_extended_sampling():
     """Without the lm_logits kernels the cuda runner refuses processing / logprobs, naming them; with them it
     still refuses what the device lists cannot hold (logit_bias ids outside the vocabulary, > 300 entries)."""
-    from thorgen.runtime.cuda_runner import CudaRunner
-    from thorgen.runtime.engine import MAX_LOGIT_BIAS
+    from thorgen.runtime.cuda.runner import CudaRunner
+    from thorgen.runtime.cuda.engine import MAX_LOGIT_BIAS
 
     def runner(missing):
         return SimpleNamespace(backend=SimpleNamespace(spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512))),
@@ -175,7 +175,7 @@ def test_cuda_runner_checks_extended_sampling():
 
 def test_grammar_starts_after_the_thought_channel(backend, tiny_checkpoint):
     pytest.importorskip("llguidance")
-    from thorgen.runtime.constraint import Grammar, json_grammar, tokenizer
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
 
     lltok = tokenizer(str(tiny_checkpoint / "tokenizer.json"), backend.spec.target.vocab_size, (1,))
     grammar = Grammar(json_grammar(None, lltok), lltok, thought=(100, 101))

@@ -11,7 +11,7 @@ from thorgen.codegen.arch import ARCHS
 from thorgen.codegen.families import attention, drafter_gemm, matmul, moe, ring_slots
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import PRESETS
-from thorgen.runtime import layouts as L
+from thorgen.runtime.convert import layouts as L
 
 FAMILY_PLANS = (matmul.plan_matmul, moe.plan_moe, attention.plan_attention, drafter_gemm.plan_drafter_gemm)
 FAMILY_BENCH = (matmul.bench_matmul, moe.bench_moe, attention.bench_attention, drafter_gemm.bench_drafter_gemm)

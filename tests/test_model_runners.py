@@ -1,4 +1,4 @@
-"""The ModelRunner contract (runtime/engine_core.py), checked the same way on every runner: the reference
+"""The ModelRunner contract (runtime/engine/core.py), checked the same way on every runner: the reference
 runner, the cuda runner on the CPU emulator and the scripted test runner. `check` refuses bad requests, `admit`
 reports a cached prefix shorter than the prompt, `prefill` samples only when asked, `decode` commits 1..room
 tokens per sequence, and each calls `launched` exactly once."""
@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.scheduler import Sequence  # noqa: E402
+from thorgen.runtime.engine.scheduler import Sequence  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["reference", "cuda-emulated", "scripted"])
@@ -23,15 +23,15 @@ def runner(request, tiny_checkpoint, tiny_ckpt, tmp_path_factory):
 
         yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_slots=0).runner(max_num_seqs=2)
     elif request.param == "scripted":
-        from thorgen.serve.scripted import ScriptedBackend
+        from scripted_backend import ScriptedBackend
 
         yield ScriptedBackend(lambda p: [200, 201, 202] * 20, max_context=256, chunk=2).runner(2)
     else:
         pytest.importorskip("thorgen.codegen.plan")
         import engine_emulator as EE
-        from thorgen.runtime import device as dev
-        from thorgen.runtime.cuda_backend import open_backend
-        from thorgen.runtime.repack import repack
+        from thorgen.runtime.cuda import device as dev
+        from thorgen.runtime.cuda.backend import open_backend
+        from thorgen.runtime.convert.repack import repack
 
         root = tmp_path_factory.mktemp("runner")
         weights = repack(tiny_checkpoint, root / "weights")

@@ -176,8 +176,8 @@ def test_bench_cases_carry_a_valid_plan():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_forward_uses_the_grouped_kernels_above_16_rows(preset, tmp_path):
     from thorgen.codegen.manifest import build_manifest
-    from thorgen.runtime.forward import Forward, _grid
-    from thorgen.runtime.modules import load_manifest
+    from thorgen.runtime.cuda.programs import Forward, _grid
+    from thorgen.runtime.manifest import load_manifest
 
     spec, arch = get_preset(preset), get_arch("sm_90a")
     (tmp_path / "manifest.json").write_text(json.dumps(build_manifest(spec, arch, plan(spec, arch), {}, "t", [])))

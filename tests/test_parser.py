@@ -9,8 +9,8 @@ import pytest
 
 from thorgen.serve.chat_template import control_ids
 from thorgen.serve.parser import Delta, OutputParser, StopMatcher, ToolSyntaxError, parse_tool_call
-from thorgen.runtime.tokenizer import Tokenizer
-from thorgen.serve.scripted import write_test_tokenizer
+from thorgen.runtime.text.tokenizer import Tokenizer
+from scripted_backend import write_test_tokenizer
 
 Q = '<|"|>'
 

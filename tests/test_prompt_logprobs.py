@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from thorgen.runtime.backend import GenerationResult, SamplingParams
-from thorgen.runtime.engine_core import EngineCore
+from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.logits import log_softmax
 

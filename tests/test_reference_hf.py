@@ -27,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_state_dict(ckpt, spec) -> dict:
-    """The checkpoint's weights under HF's names (runtime/peer.py, what `bench --peer hf` loads), float32."""
-    from thorgen.runtime.peer import hf_state_dict as peer_state
+    """The checkpoint's weights under HF's names (runtime/bench/peer.py, what `bench --peer hf` loads), float32."""
+    from thorgen.runtime.bench.peer import hf_state_dict as peer_state
 
     return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in peer_state(ckpt).items()}
 

@@ -56,10 +56,10 @@ def fake_kernels(tiny_ckpt, tmp_path_factory):
 def pair(tiny_checkpoint, tmp_path_factory, fake_kernels):
     """pair(kv) -> (emulated CUDA backend, w4a16 reference backend) for KV dtype kv ("bf16" | "fp8")."""
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime import device as dev
-    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.cuda import device as dev
+    from thorgen.runtime.cuda.backend import open_backend
     from thorgen.runtime.reference.backend import ReferenceBackend
-    from thorgen.runtime.repack import repack
+    from thorgen.runtime.convert.repack import repack
 
     ck = Checkpoint.open(tiny_checkpoint)
     root = tmp_path_factory.mktemp("w4a16")
@@ -150,7 +150,7 @@ def test_seeded_sampling_matches(pair, prompts):
 def test_lm_head_is_the_repacked_one(pair, tiny_checkpoint):
     """The w4a16 NVFP4 lm_head is bit for bit the one repack wrote (codes, block scales, global scale)."""
     from thorgen.model_spec.nvfp4 import dequantize_nvfp4
-    from thorgen.runtime.repack import unpack_linear
+    from thorgen.runtime.convert.repack import unpack_linear
 
     cuda, ref = pair("bf16")
     packed, scale, g = unpack_linear(cuda.engine.art, "embed_tokens")

@@ -13,9 +13,10 @@ from thorgen.model_spec.checkpoint import Checkpoint
 from thorgen.model_spec.nvfp4 import bf16_to_f32, quantize_nvfp4
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.tensors import TARGET_PREFIX, drafter_linears, target_layer_tensors, target_linears
-from thorgen.runtime import layouts as L
-from thorgen.runtime import repack as R
-from thorgen.runtime.weights import ArtifactError, WeightsArtifact, find_artifact
+from thorgen.runtime.convert import layouts as L
+from thorgen.runtime.convert import plan as P
+from thorgen.runtime.convert import repack as R
+from thorgen.runtime.convert.artifact import ArtifactError, WeightsArtifact, find_artifact
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_fast_shift_packing_equals_layouts():
     packed = rng.integers(0, 256, (48, 96), dtype=np.uint8)
     scale = rng.integers(0, 0x7E, (48, 12), dtype=np.uint8)
     for order in L.FP4_ORDERS:
-        w, s = R.pack_fp4(packed, scale, order)
+        w, s = P.pack_fp4(packed, scale, order)
         w_ref, s_ref = L.pack_nvfp4(packed, scale, order)
         np.testing.assert_array_equal(w, w_ref)
         np.testing.assert_array_equal(s, s_ref)
@@ -164,7 +165,7 @@ def test_mismatch_errors_name_each_field(art, tmp_path):
         WeightsArtifact.open(art.folder, spec_hash="0" * 64, layout_version=999999, arch="sm_120a")
     msg = str(info.value)
     assert "spec hash" in msg and "layout version" in msg and "arch" in msg and "repack-weights" in msg
-    WeightsArtifact.open(art.folder, spec_hash=h["spec_hash"], layout_version=R.layout_version(), arch="sm_90a")
+    WeightsArtifact.open(art.folder, spec_hash=h["spec_hash"], layout_version=L.layout_version(), arch="sm_90a")
 
 
 def test_truncated_weights_bin(art, tmp_path):
@@ -211,19 +212,19 @@ def test_failed_repack_leaves_previous_artifact_intact(tiny, art, monkeypatch):
     R.repack(tiny / "model", out, lm_head="bf16")
     before = (out / "weights.json").read_text()
     calls = {"n": 0}
-    real = R.pack_matrix
+    real = P.pack_matrix
 
     def failing(*a, **k):
         calls["n"] += 1
         if calls["n"] == 5:
             raise RuntimeError("disk on fire")
         return real(*a, **k)
-    monkeypatch.setattr(R, "pack_matrix", failing)
+    monkeypatch.setattr(P, "pack_matrix", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         R.repack(tiny / "model", out)
     assert (out / "weights.json").read_text() == before
     assert not [p for p in tiny.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
-    monkeypatch.setattr(R, "pack_matrix", real)
+    monkeypatch.setattr(P, "pack_matrix", real)
     R.repack(tiny / "model", out)  # replaces the previous artifact
     assert WeightsArtifact.open(out).lm_head == "nvfp4"
     assert not [p for p in tiny.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
@@ -247,14 +248,14 @@ def test_worker_failure_leaves_previous_artifact_intact(tiny, monkeypatch, tmp_p
     R.repack(tiny / "model", out, lm_head="bf16", jobs=2)
     before = (out / "weights.json").read_text()
     calls = {"n": 0}
-    real = R.pack_matrix
+    real = P.pack_matrix
 
     def failing(*a, **k):  # inherited by the forked workers: each fails on its 5th matrix
         calls["n"] += 1
         if calls["n"] >= 5:
             raise RuntimeError("disk on fire")
         return real(*a, **k)
-    monkeypatch.setattr(R, "pack_matrix", failing)
+    monkeypatch.setattr(P, "pack_matrix", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         R.repack(tiny / "model", out, jobs=2)
     assert (out / "weights.json").read_text() == before
@@ -264,7 +265,7 @@ def test_worker_failure_leaves_previous_artifact_intact(tiny, monkeypatch, tmp_p
 def test_repack_cli(tiny, tmp_path):
     from click.testing import CliRunner
 
-    from thorgen.runtime.repack_cli import repack_weights
+    from thorgen.runtime.convert.cli import repack_weights
 
     out = tmp_path / "cli-art"
     res = CliRunner().invoke(repack_weights, ["--model", str(tiny / "model"), "--out", str(out), "--verify",
@@ -284,7 +285,7 @@ def test_repack_cli(tiny, tmp_path):
 def test_column_chunked_packing_equals_whole(tiny, art, monkeypatch):
     """The lm_head and drafter matrices packed in one piece (lm_head quantized in 48-row blocks) give the same bytes
     as in 64-column pieces (a chunking bug would change checksums)."""
-    monkeypatch.setattr(R, "LM_HEAD_ROW_BLOCK", 48)
+    monkeypatch.setattr(P, "LM_HEAD_ROW_BLOCK", 48)
     small = WeightsArtifact.open(R.repack(tiny / "model", tiny / "art-chunks", chunk_cols=1 << 20))
     assert small.tensors.keys() == art.tensors.keys()
     differ = [n for n in art.tensors if small.entry(n).checksum != art.entry(n).checksum]

@@ -1,4 +1,4 @@
-"""Roofline arithmetic (runtime/roofline.py) against hand computations on the tiny preset, and `thorgen bench
+"""Roofline arithmetic (runtime/bench/roofline.py) against hand computations on the tiny preset, and `thorgen bench
 --roofline` on the reference backend."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.presets import get_preset
-from thorgen.runtime.roofline import (expected_experts, roofline_entry, step_cost, target_flops, target_kv_bytes,
+from thorgen.runtime.bench.roofline import (expected_experts, roofline_entry, step_cost, target_flops, target_kv_bytes,
                                       target_weight_bytes, tc_ceiling)
 
 TINY = get_preset("tiny")  # V 512, H 256, layers S S F S S F, window 16, Hq 4; sliding Hkv 2 D 64; full Hkv 1 D 128
@@ -89,7 +89,7 @@ def test_roofline_entry_fractions():
 def test_bench_roofline_on_the_reference_backend(tiny_checkpoint, tmp_path):
     from click.testing import CliRunner
 
-    from thorgen.runtime.bench import bench
+    from thorgen.runtime.bench.cli import bench
 
     out = tmp_path / "r.json"
     res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "24",

@@ -1,6 +1,6 @@
 """CPU tests of the CUDA runtime's host side: driver errors, memory checks, manifests, argument packing, KV plans.
 
-A fake driver module stands in for cuda.bindings.driver (runtime.device.set_driver), so the error paths a user
+A fake driver module stands in for cuda.bindings.driver (runtime.cuda.device.set_driver), so the error paths a user
 without a GPU (or with too small a GPU) hits are exercised on any machine.
 """
 
@@ -17,12 +17,13 @@ import pytest
 
 from thorgen.model_spec import get_preset
 from thorgen.model_spec.conventions import MANIFEST_SCHEMA
-from thorgen.runtime import device as dev
+from thorgen.runtime.cuda import device as dev
 from thorgen.runtime.backend import BackendError
-from thorgen.runtime.graphs import CudaGraph
-from thorgen.runtime.kv_cache import KVCache, check_context, plan_kv
-from thorgen.runtime.memory import ArenaPlan, OutOfGpuMemory, alloc, check_fits
-from thorgen.runtime.modules import KernelSet, ModuleError, PackedArgs, Ptr, load_manifest
+from thorgen.runtime.cuda.graphs import CudaGraph
+from thorgen.runtime.cuda.kv_cache import KVCache, check_context, plan_kv
+from thorgen.runtime.cuda.memory import ArenaPlan, OutOfGpuMemory, alloc, check_fits
+from thorgen.runtime.cuda.kernels import KernelSet, PackedArgs, Ptr
+from thorgen.runtime.manifest import ModuleError, load_manifest
 
 GiB = 2**30
 
@@ -261,7 +262,7 @@ def test_kernel_set_refuses_other_arch(fake, tmp_path):
 
 
 def test_pack_args_widths_follow_the_kernel():
-    from thorgen.runtime.memory import DeviceBuffer
+    from thorgen.runtime.cuda.memory import DeviceBuffer
     buf = DeviceBuffer(0x7F0000001000, 64, "x")
     packed = PackedArgs([buf, 5, 2.5, Ptr(0x1234), np.int64(-3), 0x7F0000002000], sizes=[8, 4, 4, 8, 8, 8])
     ptrs = (ctypes.c_void_p * 6).from_address(packed.address)
@@ -339,7 +340,7 @@ def test_kv_cache_allocation_checks_memory(fake):
 # ---- bench / engine helpers -----------------------------------------------------------------------------------
 
 def test_decode_weight_bytes_matches_the_anchor_roofline():
-    from thorgen.runtime.roofline import target_weight_bytes
+    from thorgen.runtime.bench.roofline import target_weight_bytes
     # ANCHORS.md 1.2: ~3.82e9 weights read per token; NVFP4 everything (E2M1 + one E4M3 per 16) = 2.15 GB/token,
     # NVFP4 except a bf16 lm_head = 3.21 GB/token (those tables ignore the small bf16 router/norm weights).
     spec = get_preset("gemma-4-26b-a4b")
@@ -350,7 +351,7 @@ def test_decode_weight_bytes_matches_the_anchor_roofline():
 def test_bench_reference_backend_json(tiny_checkpoint, tmp_path):
     from click.testing import CliRunner
 
-    from thorgen.runtime.bench import bench
+    from thorgen.runtime.bench.cli import bench
 
     out = tmp_path / "b.json"
     res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "6",
@@ -367,7 +368,7 @@ def test_bench_reference_backend_json(tiny_checkpoint, tmp_path):
 def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):
     from click.testing import CliRunner
 
-    from thorgen.runtime.bench import bench
+    from thorgen.runtime.bench.cli import bench
 
     fake.init = CUresult.CUDA_ERROR_NO_DEVICE
     res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "cuda", "--ctx", "1024"])
@@ -377,8 +378,8 @@ def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):
 def test_launch_grid_rules():
     from pathlib import Path
 
-    from thorgen.runtime.engine import _grid
-    from thorgen.runtime.modules import KernelEntry
+    from thorgen.runtime.cuda.engine import _grid
+    from thorgen.runtime.manifest import KernelEntry
 
     def entry(grid, params, template="x.cu.j2"):
         return KernelEntry("k", Path("k.cubin"), "k", "f", grid, (128, 1, 1), 0, (), params, template)
@@ -401,7 +402,7 @@ def test_forward_schedule_binds_every_planned_kernel(preset, tmp_path):
     codegen_plan = pytest.importorskip("thorgen.codegen.plan")  # tests may use codegen; the runtime never does
     from thorgen.codegen.arch import get_arch
     from thorgen.codegen.manifest import build_manifest
-    from thorgen.runtime.forward import Forward, _grid
+    from thorgen.runtime.cuda.programs import Forward, _grid
 
     spec, arch = get_preset(preset), get_arch("sm_90a")
     kernels = codegen_plan.plan(spec, arch)
@@ -412,7 +413,7 @@ def test_forward_schedule_binds_every_planned_kernel(preset, tmp_path):
         fwd = Forward(spec, man, kv, man.conventions["max_step_tokens"])
         assert fwd.probe() == []
         for rows in (1, 7, 16, 17, man.conventions["max_step_tokens"]):
-            from thorgen.runtime.forward import Copy2D
+            from thorgen.runtime.cuda.programs import Copy2D
 
             ops = fwd.ops(rows, decode=rows == 1, last=True, greedy=rows != 7)
             # rope_kv reads the q|k|v GEMM's rows in place: no split copies, strides = the row width
@@ -444,10 +445,10 @@ def test_engine_refuses_to_start_without_needed_kernels(fake, tiny_checkpoint, t
     from thorgen.codegen.manifest import build_manifest
     from thorgen.codegen.plan import plan
     from thorgen.model_spec.checkpoint import Checkpoint
-    from thorgen.runtime.engine import Engine
-    from thorgen.runtime.memory import DeviceBuffer
-    from thorgen.runtime.repack import repack
-    from thorgen.runtime.weights import WeightsArtifact
+    from thorgen.runtime.cuda.engine import Engine
+    from thorgen.runtime.cuda.memory import DeviceBuffer
+    from thorgen.runtime.convert.repack import repack
+    from thorgen.runtime.convert.artifact import WeightsArtifact
 
     freed = []
     fake.cuStreamCreate = lambda flags: (CUresult.CUDA_SUCCESS, "stream")

@@ -67,7 +67,7 @@ TIE_TOL = 1e-2  # |reference logit gap| within which two greedy candidates count
 
 
 def _open(built, **kw):
-    from thorgen.runtime.cuda_backend import open_backend
+    from thorgen.runtime.cuda.backend import open_backend
 
     model, kernels = built
     return open_backend(model, kernels_dir=kernels, **kw)
@@ -130,7 +130,7 @@ def _same_tokens(ref, prompt: list[int], got: list[int], want: list[int], what: 
 # ---- runtime pieces -------------------------------------------------------------------------------------------
 
 def test_device_memory_round_trip(device):
-    from thorgen.runtime.memory import OutOfGpuMemory, alloc
+    from thorgen.runtime.cuda.memory import OutOfGpuMemory, alloc
 
     data = np.arange(1 << 20, dtype=np.float32)
     buf = alloc(device, data.nbytes, "test buffer")
@@ -149,9 +149,10 @@ def test_device_memory_round_trip(device):
 def test_kernel_launch_and_graph_replay(device, built):
     """The embedding kernel through the manifest, launched eagerly and from a captured graph."""
     from thorgen.model_spec.nvfp4 import bf16_to_f32
-    from thorgen.runtime.graphs import CudaGraph
-    from thorgen.runtime.memory import alloc
-    from thorgen.runtime.modules import KernelSet, load_manifest
+    from thorgen.runtime.cuda.graphs import CudaGraph
+    from thorgen.runtime.cuda.memory import alloc
+    from thorgen.runtime.cuda.kernels import KernelSet
+    from thorgen.runtime.manifest import load_manifest
 
     model, kdir = built
     man = load_manifest(kdir)
@@ -331,7 +332,7 @@ def test_prompt_longer_than_ctx(built):
 
 
 def test_bench_cuda_report(built):
-    from thorgen.runtime.bench import run_bench
+    from thorgen.runtime.bench.cli import run_bench
 
     model, kernels = built
     r = run_bench("cuda", model, prompt_len=32, gen=16, runs=5, ctx=CTX, kv_dtype="bf16", kernel_dir=kernels)

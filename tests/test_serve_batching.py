@@ -14,9 +14,9 @@ pytest.importorskip("fastapi")
 
 from thorgen.runtime.api import EngineClient, EngineConfig, open_backend  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
-from thorgen.runtime.prompts import load_chat_template  # noqa: E402
+from thorgen.runtime.text.prompts import load_chat_template  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate, load_tokenizer  # noqa: E402
-from thorgen.serve.scripted import running_server  # noqa: E402
+from scripted_backend import running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

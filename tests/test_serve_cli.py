@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from thorgen.runtime.tokenizer import Tokenizer
+from thorgen.runtime.text.tokenizer import Tokenizer
 from thorgen.serve.app import create_app
-from thorgen.serve.chat_client import run_chat
+from thorgen.serve.tools.chat import run_chat
 from thorgen.serve.chat_template import ChatTemplate
-from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
+from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 
@@ -107,7 +107,7 @@ def test_chat_line_editor_with_history(tmp_path, monkeypatch):
     pytest.importorskip("prompt_toolkit")
     from prompt_toolkit.history import FileHistory
 
-    from thorgen.serve import chat_client
+    from thorgen.serve.tools import chat as chat_client
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setattr(sys.stdin, "isatty", lambda: False)

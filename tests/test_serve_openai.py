@@ -10,7 +10,7 @@ openai = pytest.importorskip("openai")
 from thorgen.runtime.api import EngineConfig  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.cli import open_model  # noqa: E402
-from thorgen.serve.scripted import running_server  # noqa: E402
+from scripted_backend import running_server  # noqa: E402
 from tiny_server import openai_client, tiny_server  # noqa: E402
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]

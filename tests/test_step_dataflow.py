@@ -1,4 +1,4 @@
-"""Every step shape's launch list passes the dataflow checks (runtime/dataflow.py), on the emulated tiny engine
+"""Every step shape's launch list passes the dataflow checks (runtime/cuda/dataflow.py), on the emulated tiny engine
 and on the full-size preset's plan (its launch lists over the activation plan, no device memory): no launch reads
 an activation before a launch writes it (or the engine stages it), and the side stream never races the main one.
 The checks themselves catch a dropped launch, an unstaged input, a missing join and a manifest without access."""
@@ -17,8 +17,8 @@ import engine_emulator as EE  # noqa: E402
 
 pytest.importorskip("thorgen.codegen.plan")
 
-from thorgen.runtime.dataflow import DataflowError, PlannedPointers, Regions, check_step  # noqa: E402
-from thorgen.runtime.spec_decode import BLOCK, DraftForward  # noqa: E402
+from thorgen.runtime.cuda.dataflow import DataflowError, PlannedPointers, Regions, check_step  # noqa: E402
+from thorgen.runtime.cuda.speculative import BLOCK, DraftForward  # noqa: E402
 
 STEP = {"positions", "lanes", "params", "kv_pages"}  # staged before every step (the page table by the runner)
 EXT = {"logit_rows", "logit_counts", "logit_biases", "logit_masks"}  # a processed step's per-row inputs
@@ -26,7 +26,7 @@ EXT = {"logit_rows", "logit_counts", "logit_biases", "logit_masks"}  # a process
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint, tmp_path_factory):
-    from thorgen.runtime import device as dev
+    from thorgen.runtime.cuda import device as dev
 
     b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("dataflow"), ctx=512, max_num_seqs=2)
     yield b.engine
@@ -73,9 +73,9 @@ def test_full_size_step_shapes_pass(tmp_path):
     """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
     its activation plan, laid out but not allocated."""
     from thorgen.model_spec.presets import get_preset
-    from thorgen.runtime.engine import plan_activations
-    from thorgen.runtime.forward import Forward
-    from thorgen.runtime.modules import load_manifest
+    from thorgen.runtime.cuda.engine import plan_activations
+    from thorgen.runtime.cuda.programs import Forward
+    from thorgen.runtime.manifest import load_manifest
 
     spec = get_preset("gemma-4-26b-a4b")
     manifest = load_manifest(EE.write_fake_manifest(spec, tmp_path) / "manifest.json")

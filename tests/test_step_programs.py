@@ -1,4 +1,4 @@
-"""Step programs (codegen/programs.py -> manifest -> runtime/forward.py): a program bound at any row count of its
+"""Step programs (codegen/programs.py -> manifest -> runtime/cuda/programs.py): a program bound at any row count of its
 range gives exactly the launches that lowering the forward at that row count gives; what a program cannot express
 is a build error; a manifest whose programs name a kernel it lacks is refused with that kernel's name; the
 programs survive the written manifest (programs.json.gz)."""
@@ -22,8 +22,9 @@ from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_
 from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
 from thorgen.runtime.backend import BackendError  # noqa: E402
-from thorgen.runtime.forward import Forward  # noqa: E402
-from thorgen.runtime.modules import Ptr, load_manifest  # noqa: E402
+from thorgen.runtime.cuda.programs import Forward  # noqa: E402
+from thorgen.runtime.cuda.kernels import Ptr  # noqa: E402
+from thorgen.runtime.manifest import load_manifest  # noqa: E402
 
 
 def _h(*key) -> int:

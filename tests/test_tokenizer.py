@@ -1,4 +1,4 @@
-"""Tests for the synthetic tokenizer (model_spec/synth/tokenizer.py) and the runtime wrapper (runtime/tokenizer.py)."""
+"""Tests for the synthetic tokenizer (model_spec/synth/tokenizer.py) and the runtime wrapper (runtime/text/tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from thorgen.model_spec.synth.tokenizer import SPECIAL_IDS, build_tokenizer, tokenizer_config
-from thorgen.runtime.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from thorgen.runtime.text.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 
 # MODEL_FACTS §4.2, written out here (not imported) so the test checks the table in the code.
 REAL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,

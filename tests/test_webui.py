@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from thorgen.runtime.tokenizer import Tokenizer
+from thorgen.runtime.text.tokenizer import Tokenizer
 from thorgen.serve.app import create_app
 from thorgen.serve.chat_template import ChatTemplate
-from thorgen.serve.scripted import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
+from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "model_spec" / "synth" / "chat_template.jinja"

@@ -13,7 +13,7 @@ def tiny_server(checkpoint: Path, ctx: int, speculative: bool | None = False) ->
     from thorgen.runtime.api import EngineConfig
     from thorgen.serve.app import ServerState, create_app
     from thorgen.serve.cli import open_model
-    from thorgen.serve.scripted import running_server
+    from scripted_backend import running_server
 
     state = ServerState("tiny", lambda: open_model(EngineConfig(checkpoint, "reference", ctx)), speculative=speculative)
     state.load()

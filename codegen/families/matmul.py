@@ -1,7 +1,7 @@
 """Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify and batched-decode GEMMs (M <= 16,
 M <= 32), prefill GEMM.
 
-Every target Linear shape gets these kernels on the t16x64 weight layout (runtime/layouts.py):
+Every target Linear shape gets these kernels on the t16x64 weight layout (runtime/convert/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
   nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
-from ..engine_core import generate_one
+from ..engine.core import generate_one
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .runner import ReferenceRunner
@@ -29,7 +29,7 @@ NUMERICS = ("float32", "w4a16")
 class ReferenceBackend(StreamingBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
 
-    supports_grammar = True  # its runner applies llguidance masks (runtime/constraint.py)
+    supports_grammar = True  # its runner applies llguidance masks (runtime/text/grammar.py)
 
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_slots: int = 4, embed_scale: float | None = None,

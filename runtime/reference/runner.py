@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import BackendError
-from ..scheduler import Sequence
+from ..engine.scheduler import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
 from .state import SeqState

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...model_spec.step_program import program_key
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
-from ..modules import load_manifest
+from ..manifest import load_manifest
 from .kv_cache import KVCache
 from .model import ForwardOutput, TargetModel
 from .ops import F32, F64, rope_cos_sin, softcap
@@ -238,7 +238,7 @@ def attention_combine(o: np.ndarray, ml: np.ndarray) -> np.ndarray:
 
 def attention_shapes(spec, manifest, kv_dtype: str) -> dict[str, tuple[AttnShape, AttnShape]]:
     """{layer type: (decode/verify kernel shape, prefill kernel shape)} of the attention kernels the manifest's step
-    programs launch (thorgen.runtime.modules.KernelManifest): the reference follows the blocking the engine runs."""
+    programs launch (thorgen.runtime.manifest.KernelManifest): the reference follows the blocking the engine runs."""
     t, kv = spec.target, {"bf16": "bf16", "fp8": "fp8e4m3"}[kv_dtype]
     programs = manifest.programs.get(kv, {})
     try:  # a decode step, and the widest prefill chunk range

@@ -72,7 +72,7 @@ def routing(rng, kind, m=16, e=128, k=8, shift=0):
 
 def run(dirs):
     from thorgen.codegen.device import Gpu
-    from thorgen.runtime.forward import _grid
+    from thorgen.runtime.cuda.programs import _grid
     gpu = Gpu(0)
     rng = np.random.default_rng(0)
     h, ie, e, k, m = 2816, 704, 128, 8, 16

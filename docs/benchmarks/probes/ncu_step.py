@@ -2,7 +2,7 @@
 import os
 from pathlib import Path
 from cuda.bindings import driver as cu
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine

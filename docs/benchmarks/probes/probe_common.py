@@ -2,7 +2,7 @@
 probe_dup_verify), which import it from their own folder. Not part of the engine."""
 import time
 
-from thorgen.runtime.profile import replay_us
+from thorgen.runtime.cuda.profile import replay_us
 
 
 def graph_replay_us(eng, ops, n, before=None):

@@ -5,8 +5,8 @@ the engine: a measurement for docs/benchmarks/NOTES.md (run as probe_step.py is;
 the times count)."""
 import dataclasses, json, os
 from pathlib import Path
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
-from thorgen.runtime.profile import per_kernel, profile_step
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
+from thorgen.runtime.cuda.profile import per_kernel, profile_step
 from thorgen.model_spec.step_program import Op
 from probe_common import graph_replay_us
 

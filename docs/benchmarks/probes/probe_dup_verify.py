@@ -9,9 +9,9 @@ THORGEN_KERNELS naming a full-size build."""
 import json, os
 from pathlib import Path
 import numpy as np
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
-from thorgen.runtime.profile import distinct_tokens
-from thorgen.runtime.spec_decode import BLOCK, DraftForward
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
+from thorgen.runtime.cuda.profile import distinct_tokens
+from thorgen.runtime.cuda.speculative import BLOCK, DraftForward
 from thorgen.model_spec.step_program import Op
 from probe_common import graph_replay_us
 

@@ -7,7 +7,7 @@ import json, os, statistics, time
 from pathlib import Path
 
 from thorgen.runtime.backend import SamplingParams
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine

@@ -4,7 +4,7 @@ engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU box after `th
 gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with THORGEN_KERNELS naming a full-size build."""
 import json, os
 from pathlib import Path
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from probe_common import spec_step_times
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")

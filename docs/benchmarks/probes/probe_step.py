@@ -6,7 +6,7 @@ the GPU box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/
 with THORGEN_KERNELS naming a full-size build (PROBE_VARIANTS, PROBE_JSON: which variants, where the JSON goes)."""
 import json, os, time
 from pathlib import Path
-from thorgen.runtime.bench import open_for_bench, synthetic_prompt
+from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from probe_common import spec_step_times
 
 out = {}

@@ -9,14 +9,14 @@
 //     (lm_pick.cu.j2: the same argmax / sampler code, exact on -inf entries).
 // (b) LmLogprobs: log-softmax of the softcapped logits (before processing): top TOPN ids (descending, ties ->
 //     lower id) with their logprobs, and the logprob of the id the pick wrote into out_ids, all in float64.
-// Host-side packing of the structs below: runtime/logits_params.py (its dtypes must keep these layouts).
+// Host-side packing of the structs below: runtime/cuda/logits_params.py (its dtypes must keep these layouts).
 #pragma once
 #include <stddef.h>
 #include "thorgen/sample.cuh"
 
 namespace thorgen {
 
-struct LogitRow {             // one row's processing, 48 bytes (runtime/logits_params.py LOGIT_ROW)
+struct LogitRow {             // one row's processing, 48 bytes (runtime/cuda/logits_params.py LOGIT_ROW)
   double repetition_penalty;  // 1: off
   double frequency_penalty;
   double presence_penalty;
@@ -38,11 +38,11 @@ static_assert(sizeof(LogitRow) == 48 && offsetof(LogitRow, repetition_penalty) =
               offsetof(LogitRow, frequency_penalty) == 8 && offsetof(LogitRow, presence_penalty) == 16 &&
               offsetof(LogitRow, counts_offset) == 24 && offsetof(LogitRow, n_counts) == 28 &&
               offsetof(LogitRow, bias_offset) == 32 && offsetof(LogitRow, n_bias) == 36 &&
-              offsetof(LogitRow, mask_row) == 40, "LogitRow layout differs from runtime/logits_params.py");
+              offsetof(LogitRow, mask_row) == 40, "LogitRow layout differs from runtime/cuda/logits_params.py");
 static_assert(sizeof(TokenCount) == 8 && offsetof(TokenCount, token) == 0 && offsetof(TokenCount, count) == 4,
-              "TokenCount layout differs from runtime/logits_params.py");
+              "TokenCount layout differs from runtime/cuda/logits_params.py");
 static_assert(sizeof(TokenBias) == 16 && offsetof(TokenBias, token) == 0 && offsetof(TokenBias, bias) == 8,
-              "TokenBias layout differs from runtime/logits_params.py");
+              "TokenBias layout differs from runtime/cuda/logits_params.py");
 
 template <typename E>
 __device__ __forceinline__ int lower_bound_token(const E* e, int n, int token) {

@@ -1,5 +1,5 @@
 // thorgen NVFP4 / tensor-core primitives: mma.sync wrappers, streaming loads, in-register E2M1 and E4M3 decode.
-// Hand-written; the weight layout these decoders read is documented in runtime/layouts.py ("t16x64").
+// Hand-written; the weight layout these decoders read is documented in runtime/convert/layouts.py ("t16x64").
 #pragma once
 #include "thorgen/common.cuh"
 
@@ -57,7 +57,7 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(b));
   return out;
 }
-// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/layouts.py SHIFT_POS).
+// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/convert/layouts.py SHIFT_POS).
 __device__ __forceinline__ void fp4_shift_decode(uint32_t v, uint32_t (&r)[4]) {
   r[0] = v & 0x8E008E00u;
   r[1] = (v << 3) & 0x8E008E00u;
@@ -96,7 +96,7 @@ __device__ __forceinline__ uint32_t bcast_hi(uint32_t v) { return __byte_perm(v,
 
 // ---- one 16x64 step of one lane: raw weights -> B fragments ----------------------------------------------------
 // b[tile][ktile][reg]: tile 0 = rows n0..n0+7, tile 1 = rows n0+8..n0+15; k-tile j, register h covers the lane's
-// codes 4j+2h, 4j+2h+1 (see runtime/layouts.py).
+// codes 4j+2h, 4j+2h+1 (see runtime/convert/layouts.py).
 template <int KIND> struct WStep;
 template <> struct WStep<FP4_SHIFT> { uint4 w; uint32_t s; };
 template <> struct WStep<FP4_NAT> { uint4 w; uint32_t s; };
@@ -108,7 +108,7 @@ struct WPtr {
   const uint8_t* s;  // FP4: layout scale bytes; HALF: unused
 };
 
-// Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/layouts.py).
+// Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/convert/layouts.py).
 template <int KIND, int N, int K>
 __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
   constexpr int UNITS = N / 16;

@@ -1,0 +1,50 @@
+"""Runtime stage: batched decode steps timed per bucket for `thorgen bench --batch-sizes` (issue 9's per-bucket
+bytes and bandwidth), and the per-kernel time of the largest bucket's step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from .roofline import step_cost
+
+
+def measure_batched(backend: Any, report: dict, sizes: list[int], position: int, steps: int = 20) -> None:
+    """Add `batched_decode` ([{rows, bucket, step_ms, tok_s, bytes, gb_s, frac_copy}]) and `batched_step_kernels`
+    (the largest size's step, eager launches event-timed) to a cuda `run_bench` report. Every row is its own
+    sequence in its own KV lane at `position`, with its own token (the lanes' K/V is whatever they hold: the cost
+    does not depend on it); the time is the wall time of Engine.decode_batch, host staging and the token read-back
+    included, as the server sees it."""
+    from ..cuda.programs import DECODE_BUCKETS
+    from ..cuda.profile import distinct_tokens
+
+    eng, spec = backend.engine, backend.spec
+    rows_out = []
+    for n in sizes:  # a different token per row: routed to different experts, as a real batch is
+        rows = [(lane, position, int(t), None) for lane, t in enumerate(distinct_tokens(n, spec.target.vocab_size))]
+        for _ in range(3):  # capture + warm-up
+            eng.decode_batch(rows)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.decode_batch(rows)
+            times.append(time.perf_counter() - t0)
+        ms = 1e3 * statistics.median(times)
+        nbytes = step_cost(spec, "decode", position + 1, n, report["kv_dtype"], report["lm_head"])["bytes"]
+        gbs = nbytes / ms / 1e6
+        rows_out.append({"rows": n, "bucket": next(b for b in DECODE_BUCKETS if b >= n), "step_ms": round(ms, 3),
+                         "tok_s": round(1e3 * n / ms, 1), "bytes": int(nbytes), "gb_s": round(gbs, 1),
+                         "frac_copy": round(gbs / report["copy_gb_s"], 4)})
+    report["batched_decode"] = rows_out
+    report["batched_decode_position"] = position
+    biggest = min(max(sizes), DECODE_BUCKETS[-1])  # the largest single forward
+    report["batched_step_rows"] = biggest
+    report["batched_step_kernels"] = _kernels(eng, biggest, position)
+
+
+def _kernels(eng: Any, n: int, position: int) -> list[dict]:
+    """One batched step of n rows (runtime/cuda/profile.py), summed per kernel, largest first."""
+    from ..cuda.profile import per_kernel, profile_batched
+
+    return [{**a, "us": round(a["us"], 2)} for a in per_kernel(profile_batched(eng, n, position))]

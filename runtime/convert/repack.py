@@ -1,0 +1,136 @@
+"""`repack()`: a checkpoint (memory-mapped) -> the kernels' layouts in weights.bin/.json, streamed and atomic.
+
+The plan (convert/plan.py) lists the tensors and jobs; here they run, in this process or in parallel workers
+(convert/parallel.py, byte-identical output), into `<out>.tmp-XXXX`, which is then renamed onto `<out>`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ...model_spec.checkpoint import Checkpoint
+from . import layouts as L
+from . import parallel as par
+from .artifact import DRAFT_PREFIX, ArtifactError, ArtifactWriter, default_artifact_dirs, release_pages, swap_into_place
+from .layouts import layout_version
+from .plan import DEFAULT_ARCH, Progress, plan_artifact
+
+
+def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, lm_head: str = "nvfp4",
+           arch: str | None = None, draft_dir: str | os.PathLike | None = None,
+           progress: Progress | None = None, chunk_cols: int = 256, jobs: int | None = None) -> Path:
+    """Repack a checkpoint into `out_dir` (default: see weights.default_artifact_dirs) and return that folder.
+
+    jobs: worker processes (None: default_jobs(output size)); the artifact's bytes are the same for any value."""
+    arch = arch or DEFAULT_ARCH
+    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
+        raise ArtifactError(f"--jobs must be a positive integer, got {jobs!r}")
+    ckpt = Checkpoint.open(model_dir, draft_dir)
+    _release_mappings(ckpt)
+    spec = ckpt.spec
+    out = Path(out_dir) if out_dir is not None else _default_out(model_dir, spec.spec_hash)
+    pl = plan_artifact(ckpt, lm_head, arch, chunk_cols)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(t.nbytes for t in pl.tensors)
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise ArtifactError(f"not enough disk space in {out.parent}: needed {need / 2**30:.2f} GiB, "
+                            f"free {free / 2**30:.2f} GiB")
+    jobs = jobs if jobs is not None else par.default_jobs(need)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    writer = pool = None
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the artifact is an ordinary shared folder
+        pool = par.start_pool(pl, jobs) if jobs > 1 else None  # before the writer's thread exists
+        writer = ArtifactWriter(tmp, pl.tensors)
+        if pool is not None:
+            par.run_parallel(pool, pl, writer, progress)
+        else:
+            work, done = sum(b for _, b, _ in pl.jobs), 0
+            for label, nbytes, job in pl.jobs:
+                for name, piece in job():
+                    writer.put(name, piece)
+                done += nbytes
+                if progress is not None:
+                    progress(done, work, label)
+        writer.finish({"layout_version": layout_version(), "spec_hash": spec.spec_hash, "model": spec.name,
+                       "arch": arch, "fp4_order": pl.order, "lm_head": lm_head,
+                       "source": str(Path(model_dir).resolve())}, pl.scales)
+        swap_into_place(tmp, out)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return out
+
+
+def _release_mappings(ckpt: Checkpoint) -> None:
+    """Opening validates ~12k global scales; each read maps a fault-around window of pages (~0.7 GB of RSS for the
+    full model). Drop every mapping's resident pages once (they stay in the page cache)."""
+    seen: set[object] = set()
+    for info in ckpt.target_inventory:
+        if ckpt.has_tensor(info.name) and ckpt.tensor_file(info.name) not in seen:
+            seen.add(ckpt.tensor_file(info.name))
+            release_pages(ckpt.tensor(info.name), whole_mapping=True)
+    if ckpt.drafter_inventory:
+        release_pages(ckpt.draft_tensor(ckpt.drafter_inventory[0].name), whole_mapping=True)
+
+
+def _default_out(model_dir: str | os.PathLike, spec_hash: str) -> Path:
+    first, fallback = default_artifact_dirs(model_dir, spec_hash)
+    return first if os.access(Path(model_dir), os.W_OK) else fallback
+
+
+# ---- reading back (tests, debugging): the inverse of the layouts ----------------------------------------------
+
+def _find(art, source: str) -> tuple[str, int, int]:
+    """(stored matrix base, part index, row offset) holding the checkpoint projection `source` (short prefix)."""
+    for name, e in art.tensors.items():
+        meta = dict(e.meta)
+        if name.endswith(".weight_packed") or (name.startswith(DRAFT_PREFIX) and name.endswith(".weight")):
+            row = 0
+            for idx, (src, rows) in enumerate(meta.get("parts") or ()):
+                if src == source:
+                    return name.rsplit(".", 1)[0], idx, row
+                row += rows
+    raise ArtifactError(f"{art.folder}: no stored matrix holds {source!r}")
+
+
+def unpack_linear(art, source: str, expert: int | None = None) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """Checkpoint form (packed [N,K/2], scale [N,K/16], global scale) of projection `source` (short prefix, e.g.
+    layers.0.self_attn.k_proj, layers.0.experts.up_proj with `expert`, or embed_tokens for the NVFP4 lm_head)."""
+    base, idx, row = _find(art, source)
+    entry = art.entry(base + ".weight_packed")
+    meta = dict(entry.meta)
+    w, s, g = (art.array(f"{base}.{x}") for x in ("weight_packed", "weight_scale", "weight_global_scale"))
+    if expert is not None:
+        w, s, g = w[expert], s[expert], g[expert]
+    n, k = meta["logical_shape"]
+    packed, scale = L.unpack_nvfp4(w, s, n, k, meta["order"])
+    rows = meta["parts"][idx][1]
+    if meta["fusion"] == "interleave8":
+        packed, scale = L.deinterleave8(packed)[idx], L.deinterleave8(scale)[idx]
+        row = 0
+    return packed[row:row + rows], scale[row:row + rows], np.float32(np.asarray(g).reshape(-1)[idx])
+
+
+def unpack_half(art, source: str) -> np.ndarray:
+    """fp16 bits [N, K] of drafter projection `source` (e.g. draft.layers.0.mlp.up_proj)."""
+    base, idx, row = _find(art, source)
+    meta = dict(art.entry(base + ".weight").meta)
+    n, k = meta["logical_shape"]
+    w = L.unpack_half(np.asarray(art.array(base + ".weight")).view(np.uint16), n, k)
+    rows = meta["parts"][idx][1]
+    if meta["fusion"] == "interleave8":
+        return L.deinterleave8(w)[idx]
+    return w[row:row + rows]

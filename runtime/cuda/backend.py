@@ -1,0 +1,182 @@
+"""Runtime stage: `CudaBackend`, the compiled engine behind the Backend protocol (what `--backend cuda` opens).
+
+Status (honest): chunked prefill and greedy / seeded-sampling decode (one captured CUDA graph per mode) are wired
+against codegen's kernel plan (tests/test_runtime_cpu.py checks every launch binds); the engine refuses to start,
+naming them, when built kernels are missing. `CudaRunner` (runtime/cuda/runner.py) is the engine core's ModelRunner
+(runtime/engine/core.py holds the one stop / length / cancel loop); speculative (DFlash) steps run when the model
+has a drafter and its kernels are built (else the request is refused, naming what is missing); their output equals
+plain decoding token for token (tests/test_engine_speculative_emulated.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ...model_spec.config import spec_from_configs
+from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
+from .device import Device, check, driver, gib
+from .runner import CudaRunner
+from .engine import Engine, plan_activations
+from .programs import MAX_BATCH
+from .kv_cache import default_ctx, fit_kv, plan_kv
+from .memory import alloc, check_fits, upload_artifact
+from ..manifest import KernelManifest, load_manifest
+from ..convert.layouts import layout_version
+from ..engine.core import generate_one
+from ..convert.artifact import WeightsArtifact, find_artifact
+
+
+def _spec(model_dir: Path, draft_dir: Path | None):
+    """The ModelSpec from the configs alone (cheap; the repacked artifact carries the weights)."""
+    def read(p: Path) -> dict:
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BackendError(f"{p}: cannot read the model config ({exc})") from exc
+    draft_dir = draft_dir or (model_dir / "dflash" if (model_dir / "dflash" / "config.json").is_file() else None)
+    try:
+        return spec_from_configs(read(model_dir / "config.json"),
+                                 read(draft_dir / "config.json") if draft_dir else None, name=model_dir.name)
+    except ValueError as exc:  # SpecError: a config thorgen cannot run
+        raise BackendError(f"{model_dir}: {exc}") from exc
+
+
+def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path | None) -> KernelManifest:
+    """The built kernels: --kernels DIR, $THORGEN_KERNELS, ./thorgen-build/<model>/<arch> (thorgen build's
+    default), or <model>/thorgen-build/<arch>."""
+    cands = [kernels_dir] if kernels_dir else []
+    if os.environ.get("THORGEN_KERNELS"):
+        cands.append(Path(os.environ["THORGEN_KERNELS"]))
+    cands += [Path("thorgen-build") / spec_name / arch, model_dir / "thorgen-build" / arch]
+    for c in cands:
+        if (c / "manifest.json").is_file():
+            return load_manifest(c)
+    raise BackendError(f"no built kernels for {arch} (looked in {', '.join(map(str, cands))}); run "
+                       f"`thorgen build --model {model_dir} --arch {arch}` or pass --kernels DIR")
+
+
+class CudaBackend(StreamingBackend):
+    """Backend protocol over an Engine (generate_stream: one request; the engine core batches through runner())."""
+
+    def __init__(self, engine: Engine, load_s: float = 0.0) -> None:
+        self.engine, self.spec, self.device = engine, engine.spec, engine.device
+        self.max_context = engine.ctx
+        self.lm_head = engine.art.lm_head
+        self.load_s = load_s
+        self._peak_used = self._used()
+
+    def _used(self) -> int:
+        free, total = self.device.mem_info()
+        return total - free
+
+    def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> CudaRunner:
+        """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes (its KV budget is the
+        lanes', so `kv_tokens` is not used)."""
+        return CudaRunner(self, max_num_seqs)
+
+    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+        return generate_one(self.runner(), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
+                            speculative, cancelled, GenerationResult() if result is None else result)
+
+    @property
+    def drafter(self):
+        """The drafter's DFlashSpec when speculative decoding can run, else None (what `thorgen generate` checks)."""
+        return self.spec.drafter if self.engine.speculative else None
+
+    @property
+    def supports_grammar(self) -> bool:
+        """Grammar-constrained decoding runs (the token mask is applied on the GPU by lm_process; llguidance
+        computes it)."""
+        return not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None
+
+    @property
+    def speculative_available(self) -> bool:
+        """True when generate_stream(speculative=True) can run (a drafter and its kernels are present)."""
+        return self.engine.speculative
+
+    # ---- bench hooks ------------------------------------------------------------------------------------------
+    def peak_gpu_mem_bytes(self) -> int:
+        """Peak device memory in use seen at request ends (driver view: includes the CUDA context)."""
+        return max(self._peak_used, self._used())
+
+    def copy_bandwidth_gb_s(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+        """Device-to-device copy bandwidth (read + write bytes / s), best of `repeats`, measured now."""
+        a = alloc(self.device, nbytes, "bandwidth probe")
+        b = alloc(self.device, nbytes, "bandwidth probe")
+        s, e0, e1 = self.engine.stream, self.device.event(), self.device.event()
+        best = float("inf")
+        try:
+            for _ in range(repeats):
+                e0.record(s)
+                check(driver().cuMemcpyDtoDAsync(b.ptr, a.ptr, nbytes, s.handle), "bandwidth probe")
+                e1.record(s)
+                e1.synchronize()
+                best = min(best, e1.elapsed_ms(e0) / 1e3)
+        finally:
+            a.free()
+            b.free()
+            e0.destroy()
+            e1.destroy()
+        return 2 * nbytes / best / 1e9
+
+    def kernel_breakdown(self, rows: int = 1) -> list[dict]:
+        """One decode step's (or `rows`-token prefill chunk's) launches with their GPU time, summed per kernel
+        (largest first)."""
+        from .profile import per_kernel, profile_step
+
+        return per_kernel(profile_step(self.engine, 0, rows=rows))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
+                 draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
+                 kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False,
+                 max_num_seqs: int = 1, kv_cache_gib: float | None = None) -> CudaBackend:
+    """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
+
+    Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
+    artifacts -> repack/build; too little memory -> needed vs free). The KV cache holds `max_num_seqs` sequences
+    of up to `ctx` tokens (fewer when their rings and one full context do not fit), whose paged layers share the
+    pages that fit beside them (kv_cache.fit_kv)."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
+    ctx = default_ctx(spec.target.max_position_embeddings, ctx)
+    dev = Device.open(device)
+    arch = dev.info.arch
+    manifest = find_kernels(model_dir, spec.name, arch, Path(kernels_dir) if kernels_dir else None)
+    manifest.check(spec_hash=spec.spec_hash, device_arch=arch)
+    folder = Path(weights_dir) if weights_dir else find_artifact(model_dir, spec.spec_hash)
+    art = WeightsArtifact.open(folder, spec_hash=spec.spec_hash, layout_version=layout_version(), arch=arch)
+    if verify:
+        art.verify()
+    drafter = spec.drafter is not None and "draft.fc.weight" in art.tensors  # the engine's own probe may still say no
+    if not 1 <= max_num_seqs <= MAX_BATCH:
+        raise BackendError(f"--max-num-seqs {max_num_seqs}: the cuda backend decodes 1..{MAX_BATCH} sequences at "
+                           "once (more requests queue)")
+    # the activations (the plan's own size, at the build's step rows, every optional part counted), then slack for
+    # graphs, the drafter's split weights and launch lists
+    slack = plan_activations(spec, manifest, manifest.max_step_tokens, ctx, True, drafter).total + (512 << 20)
+    free, _ = dev.mem_info()
+    one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
+    lanes, pages = fit_kv(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)
+    kv = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions, lanes=lanes, pages=pages)
+    need = art.total_bytes + kv.nbytes + slack
+    check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")
+    weights = upload_artifact(art, dev)
+    try:
+        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes, pages=pages)
+    except BaseException:
+        weights.free()
+        raise
+    return CudaBackend(engine, time.perf_counter() - t0)

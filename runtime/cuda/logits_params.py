@@ -1,0 +1,132 @@
+"""Runtime stage (cuda backend): packs a step's logits processing for the lm_process kernel — one LogitRow per row,
+the sparse token-count and logit_bias lists, and the grammar masks — as NumPy arrays in the device layouts.
+
+The dtypes mirror templates/include/thorgen/logits.cuh (its static_asserts pin the layouts; tests/test_logits_kernels.py
+checks that both sides agree). Per step the runner uploads `rows` [T] (48 B each), `counts` (8 B per distinct
+token of prompt + output), `biases` (16 B per logit_bias entry) and `masks` (V / 8 bytes per grammar row).
+`TokenCounts` keeps a sequence's counts incrementally, so a step costs O(distinct tokens) to pack, not a sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import SamplingParams
+
+LOGIT_ROW = np.dtype([("repetition_penalty", "<f8"), ("frequency_penalty", "<f8"), ("presence_penalty", "<f8"),
+                      ("counts_offset", "<i4"), ("n_counts", "<i4"), ("bias_offset", "<i4"), ("n_bias", "<i4"),
+                      ("mask_row", "<i4"), ("pad", "<i4")])  # thorgen::LogitRow, 48 bytes
+TOKEN_COUNT = np.dtype([("token", "<i4"), ("count", "<i4")])  # thorgen::TokenCount, 8 bytes
+TOKEN_BIAS = np.dtype([("token", "<i4"), ("pad", "<i4"), ("bias", "<f8")])  # thorgen::TokenBias, 16 bytes
+# lm_process status bits (per row)
+STATUS_NONE_ALLOWED = 1  # the mask allows no token: a grammar bug (the pick's id is meaningless)
+STATUS_NON_FINITE = 2    # a processed value is +inf or NaN (e.g. a tiny repetition_penalty overflowed)
+
+
+class TokenCounts:
+    """A sequence's distinct prompt + output token ids (sorted) with each one's count in the output."""
+
+    def __init__(self, prompt: list[int], vocab: int) -> None:
+        self.vocab = vocab
+        ids = np.asarray(prompt, dtype=np.int64)
+        self.ids = np.unique(ids[(ids >= 0) & (ids < vocab)]).astype(np.int32)
+        self.counts = np.zeros(self.ids.shape[0], np.int32)
+
+    def add(self, token: int) -> None:
+        """One more output token."""
+        if not 0 <= token < self.vocab:
+            return
+        i = int(np.searchsorted(self.ids, token))
+        if i < self.ids.shape[0] and self.ids[i] == token:
+            self.counts[i] += 1
+        else:
+            self.ids = np.insert(self.ids, i, np.int32(token))
+            self.counts = np.insert(self.counts, i, np.int32(1))
+
+    @classmethod
+    def of(cls, prompt: list[int], output: list[int], vocab: int) -> TokenCounts:
+        tc = cls(prompt, vocab)
+        for t in output:
+            tc.add(t)
+        return tc
+
+    def entries(self) -> np.ndarray:
+        out = np.empty(self.ids.shape[0], TOKEN_COUNT)
+        out["token"], out["count"] = self.ids, self.counts
+        return out
+
+
+def mask_words(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    """The [vocab / 32] u32 mask row (bit v % 32 of word v / 32: token v allowed) from a bool mask [>= vocab]
+    (runtime.text.grammar.Matcher.allowed) or llguidance's u32 bitmask words; ids past either are disallowed."""
+    words = np.zeros(vocab // 32, np.uint32)
+    allowed = np.asarray(allowed)
+    if allowed.dtype == np.bool_:
+        bits = np.zeros(vocab, bool)
+        n = min(vocab, allowed.shape[0])
+        bits[:n] = allowed[:n]
+        words[:] = np.packbits(bits, bitorder="little").view("<u4")
+    else:
+        src = allowed.astype("<u4", copy=False).ravel()
+        n = min(words.shape[0], src.shape[0])
+        words[:n] = src[:n]
+    return words
+
+
+@dataclass
+class LogitsBatch:
+    """One step's upload: rows [T] LOGIT_ROW, counts [n] TOKEN_COUNT, biases [m] TOKEN_BIAS, masks [k, V/32] u32."""
+
+    rows: np.ndarray
+    counts: np.ndarray
+    biases: np.ndarray
+    masks: np.ndarray
+
+
+def plain_row() -> np.ndarray:
+    """A row the kernel only softcaps (r = 1, no entries, no mask)."""
+    row = np.zeros((), LOGIT_ROW)
+    row["repetition_penalty"], row["mask_row"] = 1.0, -1
+    return row
+
+
+def pack(rows: list[tuple[SamplingParams, TokenCounts | None, np.ndarray | None] | None], vocab: int) -> LogitsBatch:
+    """The batch for rows 0..T-1: each (params, the sequence's TokenCounts, the grammar mask or None), or None
+    for a row without processing. TokenCounts may be None when no penalty is on."""
+    if vocab % 32:
+        raise ValueError(f"vocab {vocab} must be a multiple of 32")
+    out = np.empty(len(rows), LOGIT_ROW)
+    counts, biases, masks = [], [], []
+    n_counts = n_bias = 0
+    for i, item in enumerate(rows):
+        out[i] = plain_row()
+        if item is None:
+            continue
+        params, tc, mask = item
+        r = out[i]
+        r["repetition_penalty"] = params.repetition_penalty
+        r["frequency_penalty"], r["presence_penalty"] = params.frequency_penalty, params.presence_penalty
+        if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+            if tc is None:
+                raise ValueError(f"row {i}: penalties need the sequence's TokenCounts")
+            e = tc.entries()
+            if params.repetition_penalty == 1.0:
+                e = e[e["count"] > 0]  # prompt-only tokens matter to the repetition penalty alone
+            r["counts_offset"], r["n_counts"] = n_counts, e.shape[0]
+            counts.append(e)
+            n_counts += e.shape[0]
+        bias = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]  # sorted by id (SamplingParams)
+        if bias:
+            e = np.zeros(len(bias), TOKEN_BIAS)
+            e["token"], e["bias"] = [t for t, _ in bias], [b for _, b in bias]
+            r["bias_offset"], r["n_bias"] = n_bias, e.shape[0]
+            biases.append(e)
+            n_bias += e.shape[0]
+        if mask is not None:
+            r["mask_row"] = len(masks)
+            masks.append(mask_words(mask, vocab))
+    return LogitsBatch(out, np.concatenate(counts) if counts else np.zeros(0, TOKEN_COUNT),
+                       np.concatenate(biases) if biases else np.zeros(0, TOKEN_BIAS),
+                       np.stack(masks) if masks else np.zeros((0, vocab // 32), np.uint32))

@@ -1,0 +1,263 @@
+"""Runtime stage: the engine core: `step()` = schedule -> run (a backend's ModelRunner) -> postprocess.
+
+The stop, length and cancel rules live here once, for plain and speculative decoding and for every backend:
+a runner only computes tokens. Its decode step returns, per sequence, the tokens the step commits (one, or the
+accepted drafts plus the bonus token), and postprocess cuts them after a stop id and at the room left
+(max_tokens, context). Outputs are `RequestOutput` values; a finished request's last one carries its result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, NamedTuple, Protocol
+
+from ...model_spec.conventions import KV_PAGE
+from ..backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
+from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
+
+
+class RequestOutput(NamedTuple):
+    """Tokens committed by one engine step; the last output of a request has `finished` and its `result`.
+    A NamedTuple: an immutable value, and cheap enough to make one per sequence per step."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    accepted: int | None = None  # drafts accepted by a speculative step
+    finished: bool = False
+    result: GenerationResult | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in token_ids, when the request asked
+    # on the request's first token output, with sampling.prompt_logprobs: one per prompt token (None first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class ModelRunner(Protocol):
+    """What a backend gives the engine core. Every call runs on the engine thread."""
+
+    max_context: int
+    max_num_seqs: int  # sequences whose K/V it can hold at once
+    kv_tokens: int  # K/V entries it can hold in all (the scheduler's block budget)
+    verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
+    # K/V positions past a decode step's own that it may write before the step's tokens are known (a runner that
+    # launches the next step ahead; the scheduler charges them)
+    lookahead: int
+    prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
+    caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
+
+    def admit(self, seq: Sequence, limit: int) -> int:
+        """Make per-sequence state; returns how many leading tokens (at most `limit`) a prefix cache already
+        covers, and the state holds exactly those."""
+
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
+                launched: Callable[[], None] | None = None) -> int | None:
+        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
+        `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
+        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
+
+    def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
+               ) -> list[tuple[list[int], bool]]:
+        """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
+        draft + verify step). `launched()` as for prefill."""
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """Drop the sequence's state (a finished one may stay in a prefix cache)."""
+
+
+class _Once:
+    """Calls `fn` on the first call only."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+def default_step_tokens(runner: ModelRunner) -> int:
+    """A step's token budget: a chunked-prefill runner gets one whole prefill chunk beside every running sequence's
+    decode (or verify block). Its prefill and decode are separate forwards, so the chunk's rows are bounded by the
+    engine, not by the decodes; a budget of 512 split a 512-token prompt into 480 + 32 rows beside 32 decodes, and
+    the 32-row remainder cost a second prefill forward (all its launches, and every expert its rows touch read
+    again). A whole-prompt runner keeps 512 (a prompt waits for a step whose budget holds it)."""
+    if runner.prefill_chunk is None:
+        return 512
+    return runner.prefill_chunk + runner.max_num_seqs * runner.verify_block
+
+
+class EngineCore:
+    """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
+
+    def __init__(self, runner: ModelRunner, max_step_tokens: int | None = None, block_size: int = KV_PAGE) -> None:
+        self.runner = runner
+        if max_step_tokens is None:
+            max_step_tokens = default_step_tokens(runner)
+        pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
+        self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
+                                   runner.verify_block, runner.prefill_chunk, runner.lookahead)
+        self._seqs: dict[str, Sequence] = {}
+        self._cancelled: list[Sequence] = []  # aborted since the last step
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+            stop_ids: frozenset[int] = frozenset(), speculative: bool = False) -> Sequence:
+        """Queue a request; BackendError when it cannot be served as asked (checked now, before any work)."""
+        if request_id in self._seqs:
+            raise BackendError(f"request id {request_id!r} is already in the engine")
+        if not prompt:
+            raise BackendError("the prompt is empty: at least one token (e.g. <bos>) is needed")
+        if len(prompt) >= self.runner.max_context:
+            raise BackendError(f"the prompt has {len(prompt)} tokens but the context (--ctx) holds "
+                               f"{self.runner.max_context}; shorten the prompt or raise --ctx above {len(prompt)}")
+        if max_tokens < 1:
+            raise BackendError(f"max_tokens {max_tokens} must be >= 1")
+        drafts = sampling.draft_tokens
+        if speculative and drafts is not None and drafts > self.runner.verify_block - 1:
+            raise BackendError(f"draft_tokens {drafts}: the drafter proposes at most {self.runner.verify_block - 1} "
+                               "tokens a step")
+        seq = Sequence(request_id, [int(t) for t in prompt], sampling, int(max_tokens), frozenset(stop_ids),
+                       speculative)
+        self.runner.check(seq)
+        try:
+            self.scheduler.add(seq)
+        except KVExhausted as exc:
+            raise BackendError(str(exc)) from None
+        self._seqs[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._cancelled.append(seq)  # finished at the start of the next step, between steps
+        return True
+
+    @property
+    def unfinished(self) -> int:
+        return self.scheduler.unfinished
+
+    def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One engine step. `launched()` runs once, as soon as the step's first device work is enqueued (or at
+        the end of a step without any): the client streams the previous step's outputs there, beside the GPU."""
+        once = _Once(launched)
+        outputs = []
+        if self._cancelled:
+            cancelled, self._cancelled = self._cancelled, []
+            outputs = [self._finish(s, "cancelled") for s in cancelled if s.request_id in self._seqs]
+        schedule = self.scheduler.schedule()
+        for seq in schedule.preempted:
+            self.runner.release(seq, finished=False)
+        outputs += [self._finish(seq, "length") for seq in schedule.exhausted]
+        new: list[tuple[Sequence, list[int], bool]] = []
+        for p in schedule.prefills:
+            start = p.start
+            if start == 0:  # just admitted (or readmitted after a preemption)
+                # a first token needs fresh logits: the prompt's last token always runs then; a resumed sequence
+                # (its output goes on) may find its whole prefill cached; a scored prompt needs every position's
+                # logits. A hit may reach past this step's chunk: the next steps prefill from where it ends.
+                scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
+                p.seq.prompt_logprobs = [None] if scored else None
+                target = p.seq.prefill_target
+                cached = self.runner.admit(p.seq, 0 if scored else target if p.seq.output else target - 1)
+                if cached > 0:  # a prefix-cache hit: those tokens need no forward
+                    start = p.seq.num_cached = cached
+                    if p.seq.preemptions == 0:
+                        p.seq.cached_prompt_tokens = cached
+                if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
+                    continue
+            token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
+            p.seq.num_cached = p.end
+            if p.sample:
+                new.append((p.seq, [int(token)], False))
+        if schedule.decodes:
+            for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes), once)):
+                seq.num_cached = seq.num_tokens - 1 + len(chain)  # its input token plus all but the last new
+                new.append((seq, [int(t) for t in chain], verified))
+        for seq, tokens, verified in new:
+            outputs += self._commit(seq, tokens, verified)
+        once()
+        return outputs
+
+    def _commit(self, seq: Sequence, tokens: list[int], verified: bool) -> list[RequestOutput]:
+        """The stop / length rules: keep tokens up to a stop id and within the room; finish when done."""
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        room = seq.room(self.runner.max_context)
+        if len(tokens) > room:
+            tokens = tokens[:max(room, 0)]
+        stop_at = None
+        for i, t in enumerate(tokens):
+            if t in seq.stop_ids:
+                stop_at = i
+                tokens = tokens[:i + 1]
+                break
+        seq.output += tokens
+        accepted = None
+        if verified:
+            accepted = len(tokens) - 1
+            seq.accepted_lengths.append(len(tokens))
+        logprobs, seq.step_logprobs = seq.step_logprobs, None
+        if logprobs is not None:
+            logprobs = tuple(logprobs[:len(tokens)])
+        prompt_lps = None
+        if seq.prompt_logprobs is not None:  # delivered once, with the first token
+            prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
+            assert len(prompt_lps) == len(seq.prompt), (len(prompt_lps), len(seq.prompt))
+        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs,
+                             prompt_logprobs=prompt_lps)]
+        if stop_at is not None:
+            out.append(self._finish(seq, "stop"))
+        elif room - len(tokens) <= 0:
+            out.append(self._finish(seq, "length"))
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        was_running = seq.status is Status.RUNNING
+        self.scheduler.finish(seq, reason)
+        if was_running:
+            self.runner.release(seq, finished=True)
+        self._seqs.pop(seq.request_id, None)
+        first = seq.first_token_at or seq.finished_at
+        result = GenerationResult(token_ids=list(seq.output), accepted_lengths=list(seq.accepted_lengths),
+                                  finish_reason=reason, prompt_tokens=len(seq.prompt),
+                                  cached_prompt_tokens=seq.cached_prompt_tokens,
+                                  prefill_s=first - (seq.admitted_at or seq.arrived),
+                                  decode_s=seq.finished_at - first)
+        return RequestOutput(seq.request_id, finished=True, result=result)
+
+
+def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int], speculative: bool, cancelled, result: GenerationResult):
+    """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
+    BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
+    from ..backend import StepOutput
+
+    core = EngineCore(runner)
+    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative)
+    result.prompt_tokens = len(prompt)
+
+    def steps():
+        try:
+            while core.unfinished:
+                if cancelled is not None and cancelled():
+                    core.abort("generate")
+                for out in core.step():
+                    if out.finished:
+                        r = out.result
+                        result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
+                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = \
+                            r.cached_prompt_tokens, r.prefill_s, r.decode_s
+                        return
+                    result.token_ids += out.token_ids
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = list(out.prompt_logprobs)
+                    yield StepOutput(list(out.token_ids), out.accepted)
+        finally:
+            if core.unfinished:  # the consumer stopped early: finish it as cancelled, releasing its state
+                core.abort("generate")
+                core.step()
+                result.finish_reason = "cancelled"
+    return steps()

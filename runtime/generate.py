@@ -1,0 +1,130 @@
+"""Runtime stage: the `thorgen generate` command (raw-prompt generation through a Backend, text or JSON output)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .api import EngineConfig, open_backend
+from .backend import BackendError, GenerationResult, SamplingParams
+
+BOS_ID = 2
+
+def _parse_ids(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        ids = [int(p) for p in parts if p]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint="--prompt-ids")
+    if not ids:
+        raise click.BadParameter("no token ids given", param_hint="--prompt-ids")
+    return ids
+
+
+def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
+    """eos_token_id of generation_config.json (an int or a list), else the model config's eos."""
+    eos = generation_config.get("eos_token_id", spec.target.eos_token_id)
+    eos = eos if isinstance(eos, list) else [eos]
+    return frozenset(int(e) for e in eos if e is not None)
+
+
+@click.command("generate")
+@click.option("--model", "model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Checkpoint directory (target; the drafter is DIR/dflash unless --draft).")
+@click.option("--backend", type=click.Choice(["reference", "cuda"]), default="reference", show_default=True,
+              help="reference: the NumPy oracle (slow, exact); cuda: the compiled engine.")
+@click.option("--prompt", "prompt_text", default=None,
+              help="Raw text, tokenized WITHOUT a chat template and prefixed with <bos> (id 2).")
+@click.option("--prompt-ids", "prompt_ids", default=None, help="Comma-separated token ids, used verbatim.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--min-p", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampling seed; a token depends only on (seed, its position).")
+@click.option("--speculative/--no-speculative", default=False, show_default=True,
+              help="DFlash draft-then-verify (same tokens as plain decoding).")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Drafter directory (default: MODEL/dflash when present).")
+@click.option("--ctx", "--max-context", "max_context", type=click.IntRange(min=2), default=None,
+              help="Context limit in tokens (default: min(the model's max_position_embeddings, 65536)).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
+             temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
+             draft: Path | None, max_context: int | None, kv_dtype: str, as_json: bool) -> None:
+    """Generate tokens for one raw prompt (no chat template) and print them.
+
+    Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
+    streams the decoded tokens (special tokens included) to stdout and a summary line to stderr; --json prints
+    {token_ids, text, finish_reason, timings, prompt_tokens[, accepted_lengths]}.
+    """
+    if (prompt_text is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    try:
+        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1))
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    engine = opened.backend
+    from .text.tokenizer import Tokenizer, TokenizerError
+
+    try:
+        tok = Tokenizer.from_file(opened.tokenizer_path)
+    except TokenizerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if ids is None:
+        ids = [BOS_ID] + tok.encode(prompt_text or "")
+    vocab = engine.spec.target.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
+                                 param_hint="--prompt-ids")
+    if speculative and getattr(engine, "drafter", None) is None:
+        raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
+                                   "or --no-speculative")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    decoder = tok.incremental_decoder()
+    t0 = time.perf_counter()
+    result = GenerationResult()
+    try:
+        stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(opened.generation_config,
+                                                                                      engine.spec),
+                                        speculative=speculative, result=result)
+        for step in stream:
+            text = decoder.push_many(step.token_ids)
+            if not as_json and text:
+                click.echo(text, nl=False)
+                sys.stdout.flush()
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    wall = time.perf_counter() - t0
+    tail = decoder.flush()
+    n = len(result.token_ids)
+    timings = {"prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
+               "total_s": round(wall, 6),
+               "decode_tokens_per_s": round((n - 1) / result.decode_s, 3) if n > 1 and result.decode_s > 0 else None}
+    if as_json:
+        out = {"token_ids": result.token_ids, "text": decoder.text, "finish_reason": result.finish_reason,
+               "prompt_tokens": result.prompt_tokens, "timings": timings}
+        if speculative:
+            out["accepted_lengths"] = result.accepted_lengths
+        click.echo(json.dumps(out))
+        return
+    click.echo(tail)
+    summary = f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, decode {result.decode_s:.3f}s"
+    if speculative and result.accepted_lengths:
+        mean = sum(result.accepted_lengths) / len(result.accepted_lengths)
+        summary += f", mean acceptance length {mean:.2f}"
+    click.echo(summary + "]", err=True)

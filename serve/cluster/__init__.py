@@ -1,0 +1,1 @@
+"""`thorgen cluster`: engine replicas on Ray Serve behind one OpenAI endpoint, with prefix-affinity routing."""

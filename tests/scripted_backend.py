@@ -1,0 +1,178 @@
+"""Serve stage: a scripted Backend (replays given token ids) and a small byte-level tokenizer, for server tests.
+
+The scripted engine lets tests force exact outputs (tool calls, reasoning, delimiters split across steps) that a
+random-weight model would never produce; it honours max_tokens, stop ids and cancellation like a real backend.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Iterator
+
+from thorgen.runtime.backend import GenerationResult, SamplingParams, StepOutput
+
+# Gemma-4 control tokens at their real ids (MODEL_FACTS §4.2); the rest of the low ids are unused specials.
+GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 46: "<|tool>", 47: "<tool|>",
+                  48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 51: "<tool_response|>",
+                  52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>",
+                  106: "<turn|>"}
+_CHARS = [chr(c) for c in range(33, 127)] + ["▁", "\n"] + list("éüßあ")
+BYTE_BASE = 107 + len(_CHARS)  # <0xXX> = BYTE_BASE + byte; ids stay contiguous
+
+
+def write_test_tokenizer(path: str | Path) -> Path:
+    """A tokenizer.json: Gemma's special ids, one token per ASCII char, byte fallback for everything else."""
+    vocab: dict[str, int] = {}
+    for i in range(107):
+        vocab[GEMMA_SPECIALS.get(i, f"<unused{i}>")] = i
+    for i, ch in enumerate(_CHARS):
+        vocab[ch] = 107 + i
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = BYTE_BASE + b
+    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for s, i in vocab.items() if i < 107]
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+           "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+           "pre_tokenizer": None, "post_processor": None,
+           "decoder": {"type": "Sequence", "decoders": [
+               {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+               {"type": "ByteFallback"}, {"type": "Fuse"}]},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
+                     "vocab": vocab, "merges": []}}
+    path = Path(path)
+    path.write_text(json.dumps(doc, ensure_ascii=False))
+    return path
+
+
+class ScriptedBackend:
+    """Backend protocol: `script(prompt_ids) -> token ids` is replayed `chunk` tokens per step, `delay` s a step.
+    It runs through the engine core like every backend (ScriptedRunner); a script that runs out ends the
+    request with a stop id, as if the model had ended its turn."""
+
+    def __init__(self, script: Callable[[list[int]], list[int]], max_context: int = 4096, chunk: int = 1,
+                 delay: float = 0.0, vocab_size: int = BYTE_BASE + 256) -> None:
+        self.script, self.chunk, self.delay = script, chunk, delay
+        self.max_context = max_context
+        self.spec = SimpleNamespace(drafter=None, target=SimpleNamespace(vocab_size=vocab_size))
+        self.calls: list[dict] = []  # what each generation received and how it ended
+        self.lock = threading.Lock()
+
+    def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> "ScriptedRunner":
+        return ScriptedRunner(self, max_num_seqs, kv_tokens)
+
+    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+        from thorgen.runtime.engine.core import generate_one
+
+        return generate_one(self.runner(1), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
+                            speculative, cancelled, GenerationResult() if result is None else result)
+
+    def generate(self, prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False, cancelled=None):
+        result = GenerationResult()
+        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result):
+            pass
+        return result
+
+
+class ScriptedRunner:
+    """The engine core's ModelRunner for ScriptedBackend: each step commits the next `chunk` script tokens."""
+
+    prefill_chunk = None
+    verify_block = 1
+    lookahead = 0
+    caught_up_tokens = 0
+
+    def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
+        self.backend, self.max_num_seqs = backend, max_num_seqs
+        self.max_context = backend.max_context
+        self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
+        self._runs: dict[str, tuple[list[int], dict]] = {}
+
+    def check(self, seq) -> None:
+        from thorgen.runtime.backend import BackendError
+
+        if seq.sampling.extended:  # a script has no logits to process or report
+            raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the scripted backend")
+
+    def admit(self, seq, limit: int) -> int:
+        record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,
+                  "end": None, "started": time.perf_counter()}
+        with self.backend.lock:
+            self.backend.calls.append(record)
+        self._runs[seq.request_id] = (list(self.backend.script(list(seq.prompt))), record)
+        return 0
+
+    def _next(self, seq, n: int) -> list[int]:
+        tokens, _ = self._runs[seq.request_id]
+        done = len(seq.output)
+        if done >= len(tokens):  # the script ran out: end the turn
+            return [min(seq.stop_ids) if seq.stop_ids else 1]
+        return tokens[done:done + n]
+
+    def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+        if launched is not None:  # the delay stands for device time: host work may overlap it
+            launched()
+        if self.backend.delay:
+            time.sleep(self.backend.delay)
+        return self._next(seq, 1)[0] if sample else None
+
+    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+        if launched is not None:
+            launched()
+        if self.backend.delay:
+            time.sleep(self.backend.delay)
+        return [(self._next(seq, self.backend.chunk)[:max(seq.room(self.max_context), 1)], False) for seq in seqs]
+
+    def release(self, seq, finished: bool) -> None:
+        _, record = self._runs.pop(seq.request_id)
+        if finished:
+            record["end"], record["ended"] = seq.finish_reason, time.perf_counter()
+
+
+def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):
+    """A loaded ServerState around any backend, behind an EngineClient (Gemma-4's stops 1, 106, 50)."""
+    from thorgen.runtime.api import EngineClient
+    from thorgen.serve.app import ServerState
+
+    def loader():
+        client = EngineClient(lambda: backend)
+        client.wait_ready()
+        return client, tokenizer, template, {"eos_token_id": [1, 106, 50]}
+    state = ServerState(model_id, loader)
+    state.load()
+    if state.load_error:
+        raise RuntimeError(state.load_error)
+    return state
+
+
+@contextmanager
+def running_server(app, timeout: float = 10.0) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free local port in a daemon thread; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
