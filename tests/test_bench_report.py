@@ -1,7 +1,8 @@
 """Runtime tests: `thorgen bench report` regenerates docs/BENCHMARKS.md from NOTES.md and the committed JSON runs
-(byte-identical to the committed file, so a stale report fails), writes valid PNGs, appends runs NOTES.md does not
-place (a roofline run and a verify-step profile here), draws `thorgen bench --suite` runs and the `--peer hf`
-rows of the bench view from made-up sample runs, and names the file when a run or a notes line is wrong."""
+(byte-identical to the committed file, so a stale report fails; the summary first, then the topic sections), writes
+valid PNGs, appends runs NOTES.md does not place (a roofline run and a verify-step profile here), draws the summary,
+`thorgen bench --suite` runs and the `--peer hf` rows of the bench view from made-up sample runs, adds a run's
+commit and machine from NOTES.md's run lines, and names the file when a run or a notes line is wrong."""
 
 from __future__ import annotations
 
@@ -54,21 +55,35 @@ def test_committed_report_is_regenerated(tmp_path):
     sweep = json.loads((folder / "h200-context-sweep.json").read_text())
     for row in sweep["rows"]:
         assert f"| {row['kv_dtype']} | {row['prompt_len']} | {row['ttft_ms']:.1f} |" in text
-    serve = json.loads((folder / "h200-serve-p512.json").read_text())
+    serve = json.loads((folder / "h200-serve-concurrency.json").read_text())
     for level in serve["levels"]:
         assert f"| {level['concurrency']} | {level['requests']} | {level['aggregate_tok_s']:.1f} |" in text
-    kernels = json.loads((folder / "kernels-h200.json").read_text())["kernels"]
+    kernels = json.loads((folder / "h200-kernels-bandwidth.json").read_text())["kernels"]
     for k in kernels:
         assert f"| `{k['kernel']}` | {k['note']} | {k['single_us']:.1f} | {k['stream_us']:.2f} |" in text
-    decode = json.loads((folder / "h200-decode-p512.json").read_text())
+    decode = json.loads((folder / "h200-decode-spec-emulated6.json").read_text())
     assert f"{decode['decode_tok_s']:.1f} (" in text
     for k in decode["decode_step_kernels"]:
         assert f"| `{k['kernel']}` | {k['count']} |" in text
+    # the summary opens the document: the headline numbers of the runs it names, with where they came from ...
+    summary = text[text.index("## Summary"):text.index("## Decode step")]
+    assert f"| batch-1 decode | **{decode['decode_tok_s']:.1f} tok/s**" in summary
+    assert f"**{decode['speculative']['spec_tok_s']:,.1f} tok/s**" in summary and "**emulated**" in summary
+    ttft = json.loads((folder / "h200-ttft-p2048.json").read_text())
+    assert f"| TTFT, 2,048-token prompt | **{ttft['ttft_ms']:.1f} ms** |" in summary
+    assert "`docs/benchmarks/h200-decode-spec-emulated6.json`: NVIDIA H200, 2026-12-04, commit 9686a8e:" in summary
+    assert "`docs/benchmarks/h200-serve-concurrency.json`: NVIDIA H200, 2026-12-02, commit d8ba5ad:" in summary
+    assert "Published numbers for the same model" in summary
+    # ... then the sections by topic, in this order
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[:7] == ["## Summary", "## Decode step", "## Speculative step", "## Prefill", "## Batching",
+                            "## Serving", "## Kernels"] and headings[-1] == "## Ablations"
     # ... and the hand-written tables and prose of NOTES.md survive
-    for kept in ("| step | command | wall | peak process |", "| change | decode tok/s | TTFT 2048 |",
+    for kept in ("| step | command | wall | peak process |", "| tree | TTFT at 2,048 tokens |",
                  "| comparison | relative L2 error |", "| check (tiny preset, H200) | result |",
-                 "- **fp8 KV is slower than bf16 here**"):
+                 "- fp8 KV is slower than bf16 here", "| change | measured | kept |"):
         assert kept in text
+    assert "<!-- run" not in text
     assert "<!-- report" not in text and "<!-- notes" not in text and "## Other runs" not in text
     # every linked plot was written and is a PNG of a sensible size
     plots = sorted((folder / "plots").glob("*.png"))
@@ -276,6 +291,69 @@ def test_bad_notes_line_names_the_line(tmp_path):
     notes.write_text(notes.read_text() + "\n<!-- report sweep no-such-run.json -->\n<!-- report nope x.json -->\n")
     result = _report(folder)
     assert result.exit_code != 0 and "NOTES.md:" in result.output and "no-such-run.json" in result.output
-    notes.write_text("<!-- report nope kernels-h200.json -->\n")
+    notes.write_text("<!-- report nope h200-kernels-bandwidth.json -->\n")
     result = _report(folder)
     assert result.exit_code != 0 and "unknown view 'nope'" in result.output
+
+
+SAMPLE_SERVE = {  # a sample `thorgen bench serve` run; like the real ones it records no machine
+    "date": "2026-12-03T12:00:00+00:00", "command": "thorgen bench serve --concurrency 1,32", "prompt_len": 512,
+    "gen": 256, "engine_tok_s": 400.0,
+    "levels": [{"concurrency": c, "requests": 2 * c, "aggregate_tok_s": a, "request_decode_tok_s_median": r,
+                "ttft_ms_p50": t, "ttft_ms_p99": 3 * t, "itl_ms_p50": 2.5, "itl_ms_p99": 9.0}
+               for c, a, r, t in ((1, 390.0, 390.0, 20.0), (32, 3050.5, 95.0, 61.25), (64, 3100.0, 48.0, 900.0))]}
+
+
+def _sample_spec() -> dict:
+    return dict(_sample_bench(None, 496.0, 19.0), fraction_of_copy=0.25, speculative={
+        "emulated_acceptance": 6, "tau": 6.9, "spec_tok_s": 1487.125, "step_ms": 4.7, "draft_step_ms": 0.62,
+        "verify_step_ms": 3.99})
+
+
+def test_summary_view(tmp_path):
+    """The summary takes each run's role from its shape, cites every run with its machine, date, commit and command
+    (the commit and the serve run's machine from NOTES.md's run lines), and labels the peer measured in the same run."""
+    pytest.importorskip("matplotlib")
+    ttft = dict(_sample_bench(None, 450.0, 68.75), prompt_len=2048, peak_gpu_mem_gib=18.94, ctx=65536,
+                kv_dtype="bf16")
+    notes = ("<!-- run spec.json commit=abc1234 -->\n<!-- run serve.json commit=def5678 machine=\"Sample GPU 2\" -->\n"
+             "# Benchmarks\n\n<!-- report summary spec.json ttft.json serve.json peer.json -->\n")
+    folder = _sample_folder(tmp_path, notes, {"spec.json": _sample_spec(), "ttft.json": ttft,
+                                              "serve.json": SAMPLE_SERVE,
+                                              "peer.json": _sample_bench(SAMPLE_PEER, 400.0, 125.0)})
+    text, written = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    assert "<!-- run" not in text and "## Other runs" not in text
+    assert "| measure | thorgen | peer measured in the same run | run |" in text
+    assert "| batch-1 decode | **496.0 tok/s** (2.500 ms a step, 25.0% of the copy bandwidth) |  | [1] |" in text
+    assert ("| speculative decode (DFlash), **emulated** 6 drafts accepted a step | **1,487.1 tok/s** (tau 6.90) |"
+            "  | [1] |") in text
+    assert "| draft + verify step | **4.61 ms** (0.620 + 3.990) |  | [1] |" in text
+    assert "| TTFT, 2,048-token prompt | **68.8 ms** |  | [2] |" in text
+    assert "| peak GPU memory | **18.9 GiB** (context 65,536, KV bf16) |  | [2] |" in text
+    assert ("| aggregate tok/s through HTTP by concurrency (512 in, 256 out) | 1: 390, 32: 3,050, 64: 3,100 |  | [3] |"
+            in text)
+    assert "| TTFT p50 / p99 at concurrency 32 | 61.2 / 184 ms |  | [3] |" in text  # 32 over the last level
+    assert ("| batch-1 decode and TTFT (512-token prompt) against a peer | 400.0 tok/s, TTFT 125.0 ms | 93.0 tok/s, "
+            "TTFT 412.3 ms: hf transformers 5.17.0 Gemma4ForCausalLM (bfloat16, torch.compile, static cache), same GPU "
+            "and prompt | [4] |") in text
+    assert ("- [1] `docs/benchmarks/spec.json`: Sample GPU, 2026-12-03, commit abc1234: `thorgen bench --prompt-len 512`"
+            in text)
+    assert "- [2] `docs/benchmarks/ttft.json`: Sample GPU, 2026-12-03: `thorgen bench --prompt-len 512`" in text
+    assert ("- [3] `docs/benchmarks/serve.json`: Sample GPU 2, 2026-12-03, commit def5678: "
+            "`thorgen bench serve --concurrency 1,32`") in text
+    assert sorted(p.name for p in written) == ["serve-serve.png"]  # the sample spec run has no kernel table
+    assert json.loads((folder / "serve.json").read_text()) == SAMPLE_SERVE  # the JSON is left as measured
+
+
+@pytest.mark.parametrize("notes, says", [
+    ("<!-- report summary spec.json spec2.json -->\n", "spec2.json is not a run the summary has a row for"),
+    ("<!-- report summary plain.json -->\n", "plain.json is not a run the summary has a row for"),
+    ("<!-- run spec.json branch=x -->\n", "expected key=value with a key in commit, machine, found 'branch'"),
+    ("<!-- run spec.json machine=Other -->\n", "spec.json records its machine already"),
+    ("<!-- run gone.json commit=abc1234 -->\n", "no such run gone.json"),
+])
+def test_summary_and_run_lines_name_what_is_wrong(tmp_path, notes, says):
+    folder = _sample_folder(tmp_path, notes, {"spec.json": _sample_spec(), "spec2.json": _sample_spec(),
+                                              "plain.json": _sample_bench(None, 390.0, 120.0)})
+    result = _report(folder)
+    assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
