@@ -6,7 +6,7 @@ import numpy as np
 
 MAX_STEP_TOKENS = 2048  # most tokens one forward appends to a KV cache (a prefill chunk); rings add this to the window.
 # 2048, not 512: the grouped MoE streams and decodes every touched expert's weights once a chunk, so a 2,048-token
-# prompt in one chunk reads them once instead of four times (issue 10's TTFT); the price is a sliding ring of
+# prompt in one chunk reads them once instead of four times (TTFT at 2,048 tokens 86.4 -> 69.9 ms on an H200, df7f63d); the price is a sliding ring of
 # window + 2048 slots a sequence (3,072 at window 1,024) and activations for 2,048 rows.
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices

@@ -151,7 +151,7 @@ def test_prompt_over_the_context_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-# Greedy and seeded alike are strict: since session 23 every kernel sums a row in the same fp32 order at every
+# Greedy and seeded alike are strict: every kernel sums a row in the same fp32 order at every
 # row count (one-token and batched MoE down, ffn_tail, split attention), so a row's logits are bit-identical alone
 # and in any batch (tests/test_engine_batch_invariance_gpu.py checks the logits themselves).
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])

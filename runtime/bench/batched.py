@@ -1,5 +1,5 @@
-"""Runtime stage: batched decode steps timed per bucket for `thorgen bench --batch-sizes` (issue 9's per-bucket
-bytes and bandwidth), and the per-kernel time of the largest bucket's step."""
+"""Runtime stage: batched decode steps timed per bucket for `thorgen bench --batch-sizes` (the per-bucket
+step time, bytes and bandwidth), and the per-kernel time of the largest bucket's step."""
 
 from __future__ import annotations
 

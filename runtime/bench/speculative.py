@@ -11,7 +11,7 @@ With random weights no draft is ever accepted, so `--emulate-acceptance K` makes
 step's and the positions advance K + 1 a step, so tok/s is the speed at tau = K + 1. The tokens are then not the
 model's; the report says so (emulated_acceptance). On the cuda engine the drafts are then also replaced by 15
 different tokens a step (Engine.draft_hook): random weights make the drafter propose one token over and over (the
-H200's timed verify blocks were [last, 4, 4, ..., 4], session 29), 16 rows that route alike and read fewer experts
+H200's timed verify blocks were [last, 4, 4, ..., 4] before 9f16c38), 16 rows that route alike and read fewer experts
 than a block of text does (that verify graph replayed in 3.75 ms, on 16 distinct tokens in 4.04).
 """
 

@@ -44,7 +44,7 @@ def line_reader() -> Callable[[str], str]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         session = PromptSession(history=FileHistory(str(path)))
-    except OSError:  # an unwritable home: editing still works, history lasts for this session
+    except OSError:  # an unwritable home: editing still works, history lasts until the client exits
         session = PromptSession()
     return session.prompt
 

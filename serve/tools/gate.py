@@ -1,6 +1,6 @@
 """Serve stage: `thorgen gate`, greedy continuations of a checkpoint checked against reference traces.
 
-A trace is one JSON file in the shape of ../shared/seed_data/traces/ (vLLM's greedy answers on the real weights):
+A trace is one JSON file of a reference engine's greedy answer (e.g. vLLM's on the real weights):
 messages, max_tokens, per-token {token, logprob, top: [{token, logprob}]} and usage, with DFlash counters under
 "dflash". Traces this command writes (`--write-traces`) add each token's id and may carry "expect", a list of
 answer substrings. Messages a trace omits are rebuilt from `--suite`. Per trace the gate checks:
@@ -288,7 +288,7 @@ def _table(checks: list[Check]) -> str:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Checkpoint folder (the drafter in MODEL/dflash unless --draft).")
 @click.option("--traces", "traces_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder of reference traces (e.g. ../shared/seed_data/traces).")
+              help="Folder of reference traces, one JSON file each.")
 @click.option("--backend", type=click.Choice(["reference", "cuda"]), default="cuda", show_default=True)
 @click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--ctx", type=click.IntRange(min=2), default=None, help="Context (default: the model's, <= 65536).")
@@ -304,7 +304,7 @@ def _table(checks: list[Check]) -> str:
 @click.option("--min-acceptance", "min_ratio", type=click.FloatRange(min=0), default=0.8, show_default=True,
               help="Accepted drafts per verify step, as a share of the trace's.")
 @click.option("--suite", "suite_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Prompt suite (e.g. ../shared/seed_data/prompt_suite.json): rebuilds the messages a trace omits.")
+              help="Prompt suite (the JSON shape of docs/prompt_suite.json): rebuilds the messages a trace omits.")
 @click.option("--write-traces", "write_traces_", is_flag=True,
               help="Instead of gating: write this engine's traces of --suite's prompts into --traces.")
 @click.option("--filler-repeats", type=click.IntRange(min=1), default=None,

@@ -1,4 +1,4 @@
-// Probe (issue 10, "persistent kernel vs fused multi-kernel step"): what a dependency boundary between two
+// Probe ("persistent kernel vs fused multi-kernel step"): what a dependency boundary between two
 // memory-bound phases costs on this GPU. Variants: a kernel boundary inside a CUDA graph; the same with programmatic
 // dependent launch; the same with a phase's first loads issued before it waits; a grid-wide barrier inside one
 // persistent kernel; the same with the next phase's first loads issued before the barrier; and the persistent kernel
