@@ -79,7 +79,7 @@ def test_the_scan_can_fail(tmp_path):
     (tmp_path / "docs" / "notes.md").write_text("measured\nas in Sess" + "ion 12, the decode step\n")
     (tmp_path / "README.md").write_text("traces in ../sha" + "red/seed_data\n")
     (tmp_path / "tests" / "test_x.py").write_text("SEED = '../sha" + "red/seed_data'\n")
-    (tmp_path / "docs" / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0 session 3 \xff")
+    (tmp_path / "docs" / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0 sess" + b"ion 3 \xff")
     names = ["docs/notes.md", "README.md", "tests/test_x.py", "docs/plot.png", "docs/gone.md"]
     assert hits(tmp_path, names) == ["docs/notes.md:2: as in Sess" + "ion 12, the decode step",
                                      "README.md:1: traces in ../sha" + "red/seed_data"]

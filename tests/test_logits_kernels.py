@@ -1,7 +1,7 @@
 """CPU tests of the lm_logits kernel family (logits processing on the device): the host packing
 (runtime/cuda/logits_params.py) and its device layouts, the NumPy references against runtime/reference/logits.py
-(tiny and full-size vocabularies, -inf masks, ties, biases on masked tokens), chunk-level models of the two kernels' algorithms, the engine-emulator stand-ins,
-and (slow) nvcc builds of the family for sm_90a."""
+(tiny and full-size vocabularies, -inf masks, ties, biases on masked tokens), chunk-level models of the two kernels'
+algorithms, the engine-emulator stand-ins, and (slow) nvcc builds of the family for sm_90a."""
 
 from __future__ import annotations
 
