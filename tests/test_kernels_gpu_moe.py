@@ -147,7 +147,7 @@ def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m
 def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
     """A token's gate/up act rows and down pair rows are bit-identical whatever else the step holds: alone, among 5,
     or among 32 tokens sharing its experts (passes of 16 and 8), and in the 16- and the 32-row kernel. The batched
-    engine relies on this for a sequence's output not to depend on its batch (issue 9)."""
+    engine relies on this for a sequence's output not to depend on its batch (batch invariance)."""
     rng = np.random.default_rng(24)
     t = runner.spec.target
     h, ie, topk = t.hidden_size, t.moe_intermediate_size, t.top_k_experts

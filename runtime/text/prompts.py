@@ -1,4 +1,4 @@
-"""Runtime stage: prompt-suite files (the JSON shape of ../shared/seed_data/prompt_suite.json) and the checkpoint's
+"""Prompt-suite files (docs/prompt_suite.json's JSON shape) and the checkpoint's
 own jinja chat template, rendered to prompt token ids for `thorgen bench --suite`, `bench serve` and the tests.
 
 A suite entry has "id", "category", "max_tokens", optional "tools" (OpenAI function tools, passed to the template)
