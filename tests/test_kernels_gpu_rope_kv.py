@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 import matmul_reference as MR  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
-from thorgen.codegen import reference_kernels as R
+import reference_kernels as R
 from thorgen.codegen.families.matmul import gemm_small
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 
