@@ -13,6 +13,7 @@ its own copy of the inputs, with enough copies (>= ROTATE_BYTES in all) that no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -52,13 +53,15 @@ def compile_kernels(kernels: Iterable[KernelSpec], arch: ArchSpec, spec_hash: st
     return {name: cubin for name, (cubin, _) in compile_sources(sources, arch, work).items()}
 
 
-def _write_cubin(path: Path, cubin: bytes) -> None:
-    """Write through a temporary file and a rename, so a concurrent reader never sees half a cubin."""
-    if path.is_file() and path.read_bytes() == cubin:
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, path)
+def _write_cubin(folder: Path, name: str, cubin: bytes) -> Path:
+    """`folder/<name>.<content hash>.cubin`: rigs sharing the folder never overwrite each other's cubins; written
+    through a temporary file and a rename, so a concurrent reader never sees half a cubin."""
+    path = folder / f"{name}.{hashlib.blake2b(cubin, digest_size=8).hexdigest()}.cubin"
+    if not path.is_file():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+    return path
 
 
 class KernelRig:
@@ -74,7 +77,7 @@ class KernelRig:
         self.stream = device.stream(non_blocking=False)  # ordered after the synchronous copies of upload()
         self.cubin_dir = work / "cubins"
         self.cubin_dir.mkdir(parents=True, exist_ok=True)
-        self._specs: dict[str, KernelSpec] = {}
+        self._entries: dict[str, KernelEntry] = {}
         self._set: KernelSet | None = None
         self._buffers: list[DeviceBuffer] = []
 
@@ -82,18 +85,19 @@ class KernelRig:
     def add(self, kernels: Iterable[KernelSpec], cubins: Mapping[str, bytes]) -> None:
         """Make `kernels` launchable (cubins: {name: cubin}); a kernel added again under its name replaces it."""
         for k in kernels:
-            _write_cubin(self.cubin_dir / f"{k.name}.cubin", cubins[k.name])
-            self._specs[k.name] = k
-        if self._set is not None:
+            self._entries[k.name] = KernelEntry(
+                name=k.name, cubin=_write_cubin(self.cubin_dir, k.name, cubins[k.name]), entry=k.name,
+                family=k.family, grid=k.grid, block=k.block, smem_bytes=k.smem_bytes, args=k.args,
+                params=dict(k.params), template=k.template)
+        if self._set is not None:  # loaded again, with the new kernels, on the next launch
+            self.sync()
             self._set.unload()
             self._set = None
 
     def kernel(self, spec: KernelSpec) -> Kernel:
         if self._set is None:
-            entries = {k.name: KernelEntry(k.name, self.cubin_dir / f"{k.name}.cubin", k.name, k.family, k.grid,
-                                           k.block, k.smem_bytes, k.args, dict(k.params), k.template)
-                       for k in self._specs.values()}
-            manifest = KernelManifest(self.cubin_dir / "manifest.json", "", "", self.arch.name, {}, entries)
+            manifest = KernelManifest(path=self.cubin_dir / "manifest.json", model="", spec_hash="",
+                                      arch=self.arch.name, conventions={}, kernels=dict(self._entries))
             self._set = KernelSet(manifest, self.device)
         return self._set.kernel(spec.name)
 
