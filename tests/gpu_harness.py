@@ -1,6 +1,6 @@
-"""GPU test support (not a test module): build kernels of a plan through the codegen cache, run them through the
-runtime's CUDA driver wrapper (runtime/bench/kernels.py's KernelRig) on NumPy inputs. GPU tests skip cleanly
-without a GPU / cuda-python / nvcc."""
+"""GPU test support (not a test module): compile kernels of a plan through the codegen cache and run them through
+the runtime's CUDA driver wrapper (runtime/bench/kernels.py's KernelRig, which takes cubins and manifest entries)
+on NumPy inputs. GPU tests skip cleanly without a GPU / cuda-python / nvcc."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thorgen.codegen.arch import ArchSpec
+from thorgen.codegen.arch import ArchSpec, get_arch
+from thorgen.codegen.builder import compile_sources
 from thorgen.codegen.kernel_spec import KernelSpec
 from thorgen.codegen.plan import plan
+from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
 from thorgen.model_spec.types import ModelSpec
 from thorgen.runtime.backend import BackendError
+from thorgen.runtime.manifest import KernelEntry
 
 PRESETS = ("tiny", "gemma-4-26b-a4b")
 gpu = pytest.mark.gpu
@@ -48,6 +51,18 @@ def require_gpu():
     return _DEVICE
 
 
+def manifest_entry(k: KernelSpec) -> KernelEntry:
+    """The runtime's manifest entry of `k`, as `thorgen build` writes it (its cubin is passed to KernelRig.add)."""
+    return KernelEntry(name=k.name, cubin=Path(f"{k.name}.cubin"), entry=k.name, family=k.family, grid=k.grid,
+                       block=k.block, smem_bytes=k.smem_bytes, args=k.args, params=dict(k.params), template=k.template)
+
+
+def compile_kernels(kernels: list[KernelSpec], arch: ArchSpec, spec_hash: str, work: Path) -> dict[str, bytes]:
+    """{kernel name: cubin} for `kernels`, compiled in parallel through codegen's content-addressed cubin cache."""
+    sources = {k.name: render(k, arch, spec_hash) for k in kernels}
+    return {name: cubin for name, (cubin, _) in compile_sources(sources, arch, work).items()}
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     """An array's raw bits (unsigned ints of its item size), for bit-for-bit comparisons of two kernels' outputs."""
     return np.ascontiguousarray(a).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
@@ -60,16 +75,15 @@ class GpuRunner:
         from thorgen.runtime.bench.kernels import KernelRig
 
         self.rig = KernelRig(require_gpu(), work_dir() / "rig")
-        self.arch: ArchSpec = self.rig.arch
+        self.arch: ArchSpec = get_arch(self.rig.arch)
         self.spec: ModelSpec = get_preset(preset)
         self.kernels = {k.name: k for k in plan(self.spec, self.arch) if k.family in families}
         self.add(list(self.kernels.values()))
 
     def add(self, kernels: list[KernelSpec]) -> None:
         """Compile `kernels` (through the content-addressed cache) and make them launchable."""
-        from thorgen.runtime.bench.kernels import compile_kernels
-
-        self.rig.add(kernels, compile_kernels(kernels, self.arch, self.spec.spec_hash, work_dir() / self.arch.name))
+        cubins = compile_kernels(kernels, self.arch, self.spec.spec_hash, work_dir() / self.arch.name)
+        self.rig.add([manifest_entry(k) for k in kernels], cubins)
 
     def find(self, prefix: str) -> list[KernelSpec]:
         return [k for name, k in self.kernels.items() if name.startswith(prefix)]
@@ -105,7 +119,7 @@ class GpuRunner:
         bufs: dict = {}
         try:
             for kernel, grid in steps:
-                rig.launch(kernel, self._args(kernel, inputs, outputs, bufs), grid)
+                rig.launch(kernel.name, self._args(kernel, inputs, outputs, bufs), grid)
             return {name: rig.download(bufs[name], shape, dtype) for name, (shape, dtype) in outputs.items()}
         finally:
             rig.free()
