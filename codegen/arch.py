@@ -23,11 +23,6 @@ class ArchSpec:
     has_wgmma: bool = False   # warpgroup MMA from shared memory (wgmma.mma_async): sm_90a only
 
     @property
-    def compute(self) -> str:
-        """The virtual arch for -gencode, e.g. compute_90a."""
-        return "compute_" + self.name[3:]
-
-    @property
     def threads_per_block(self) -> int:
         return 32 * self.warps_per_block
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
+from .bench_cases import write_bench_cases
 from .cache import CubinCache, cache_key, headers_digest_fast
 from .kernel_spec import KernelSpec
 from .manifest import build_manifest, write_manifest
@@ -107,7 +108,7 @@ def compile_sources(sources: dict[str, str], arch: ArchSpec, work_dir: Path, job
 
 def build(spec: ModelSpec, arch: ArchSpec, out_dir: Path, jobs: int = 0, kernels: list[KernelSpec] | None = None,
           cache: CubinCache | None = None) -> BuildReport:
-    """Build every kernel of the plan into out_dir (<name>.cubin, src/<name>.cu, manifest.json)."""
+    """Build every kernel of the plan into out_dir (<name>.cubin, src/<name>.cu, manifest.json, bench_cases.json)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = plan(spec, arch) if kernels is None else kernels
@@ -122,4 +123,5 @@ def build(spec: ModelSpec, arch: ArchSpec, out_dir: Path, jobs: int = 0, kernels
         rows.append(BuildRow(k.name, info.registers, info.spills, info.smem_bytes + k.smem_bytes, res.seconds, res.cached))
     nvcc = find_nvcc()
     manifest = build_manifest(spec, arch, kernels, infos, nvcc_version(nvcc), flags(arch, INCLUDE_DIR), sources)
+    write_bench_cases(out_dir, spec, arch, kernels)
     return BuildReport(out_dir, write_manifest(out_dir, manifest), rows)

@@ -91,6 +91,10 @@ class Buf:
     high: float = 1.0
     values: tuple = ()
 
+    def to_json(self) -> dict:
+        return {"buf": self.name, "dtype": self.dtype, "count": self.count, "low": self.low, "high": self.high,
+                "values": list(self.values)}
+
 
 @dataclass(frozen=True)
 class Scalar:
@@ -99,6 +103,9 @@ class Scalar:
     name: str
     ctype: str
     value: int | float
+
+    def to_json(self) -> dict:
+        return {"scalar": self.name, "ctype": self.ctype, "value": self.value}
 
 
 @dataclass(frozen=True)
@@ -116,3 +123,9 @@ class BenchCase:
         names = tuple(a.name for a in self.args)
         if self.kernel.args and names != self.kernel.args:
             raise ValueError(f"bench case for {self.kernel.name}: args {names} != kernel args {self.kernel.args}")
+
+    def to_json(self) -> dict:
+        """Plain-JSON form used by bench_cases.json (the kernel by name: its entry is in the manifest)."""
+        return {"kernel": self.kernel.name, "args": [a.to_json() for a in self.args], "bytes_moved": self.bytes_moved,
+                "grid": None if self.grid is None else list(self.grid), "note": self.note,
+                "weight_streaming": self.weight_streaming}

@@ -79,10 +79,3 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
     tmp.replace(path)
     return path
 
-
-def read_manifest(path: Path) -> dict:
-    """Load and check a manifest (for codegen's own tools and tests)."""
-    data = json.loads(Path(path).read_text())
-    if data.get("schema") != MANIFEST_SCHEMA:
-        raise ValueError(f"{path}: manifest schema {data.get('schema')!r}, expected {MANIFEST_SCHEMA}; rebuild")
-    return data

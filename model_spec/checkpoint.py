@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -160,9 +159,6 @@ class Checkpoint:
     def tensor_file(self, name: str) -> Path:
         return self._target.file_of(name)
 
-    def tensor_dtype(self, name: str) -> str:
-        return self._target.entry(name).dtype
-
     def _to_f32(self, st: SafetensorsDir, name: str) -> np.ndarray:
         if name not in st:
             raise CheckpointError(f"{st.folder}: no tensor {name!r}")
@@ -207,9 +203,3 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model_dir}, drafter={self.draft_dir}, tensors={len(self._target.where)})"
-
-    def describe(self) -> dict[str, Any]:
-        """Small summary for logs and CLIs."""
-        return {"model_dir": str(self.model_dir), "draft_dir": str(self.draft_dir) if self.draft_dir else None,
-                "spec_hash": self.spec.spec_hash, "files": sorted(self._target.files),
-                "tensors": len(self._target.where)}

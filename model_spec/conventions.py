@@ -2,6 +2,8 @@
 them at, written once here so that neither stage copies the other's numbers (the manifest's `conventions` carry
 the ones a build was made with), and the device records both sides lay out."""
 
+from typing import Sequence
+
 import numpy as np
 
 MAX_STEP_TOKENS = 2048  # most tokens one forward appends to a KV cache (a prefill chunk); rings add this to the window.
@@ -49,11 +51,11 @@ def max_step_tokens(conventions: dict) -> int:
     return int(conventions.get("max_step_tokens", MAX_STEP_TOKENS))
 
 
-def accepted_count(drafts: list[int], targets: list[int], most: int, emulate: int | None = None) -> int:
+def accepted_count(drafts: Sequence[int], targets: Sequence[int], most: int, emulate: int | None = None) -> int:
     """Tokens a DFlash verify step commits (targets[0..n)): the longest run where draft i (the block's slot i + 1)
     equals target i, plus the target's token after it, at most `most` (1 + a request's draft cap); `emulate` K:
     exactly K + 1 (bench --emulate-acceptance). The runtime applies it on the host, spec_accept.cuh on the device
-    (its launched-ahead next step), codegen's reference for the kernel tests."""
+    (its launched-ahead next step), the reference backend on its verify block, and the kernel tests' reference."""
     most, n = min(max(most, 1), len(targets)), 1
     while n < most and (drafts[n - 1] == targets[n - 1] if emulate is None else n <= emulate):
         n += 1

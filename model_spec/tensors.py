@@ -17,10 +17,6 @@ GROUP = 16  # NVFP4 elements per E4M3 block scale
 # Tensors a multimodal checkpoint carries that the text engine does not use (validated as present-or-absent).
 IGNORED_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
-# NVFP4 parts of one quantized Linear `P`: P.weight_packed, P.weight_scale, P.weight_global_scale, P.input_global_scale.
-NVFP4_PARTS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
-OPTIONAL_PARTS = ("input_global_scale",)  # W4A16 never reads it; inferred, not confirmed, for the real checkpoint
-
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -1,7 +1,7 @@
 """Serve stage: turns generated token ids into OpenAI message parts (content, reasoning, tool calls), incrementally.
 
 Control tokens are recognised by id (never by matching decoded text), so a delimiter can never be split across
-stream chunks; ordinary text goes through an incremental UTF-8-safe decoder per segment. Streaming and
+stream chunks; ordinary text goes through the runtime's incremental UTF-8-safe decoder per segment. Streaming and
 non-streaming responses both run this one parser, so their final messages agree by construction.
 """
 
@@ -12,6 +12,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+from ..runtime.text.tokenizer import IncrementalDecoder
 
 STR_DELIM = '<|"|>'
 
@@ -50,36 +52,6 @@ class Delta:
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
-
-
-class IncrementalDecoder:
-    """Decodes a growing id list to text, holding back output while the tail is an incomplete UTF-8 sequence."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: decoding a short window keeps each push O(1) in the output length
-        self._read = 0  # ids before this index have been emitted
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        text = self._decode(self._ids[self._prefix:])
-        # A UTF-8 character spans at most 4 byte tokens: a longer undecodable tail is garbage, not a character
-        # still arriving, so it is emitted (as U+FFFD) rather than held back and re-decoded forever.
-        if len(text) > len(before) and (not text.endswith("\ufffd") or len(self._ids) - self._read > 4):
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete sequence decodes to U+FFFD), then start afresh."""
-        out = ""
-        if self._read < len(self._ids):
-            before = self._decode(self._ids[self._prefix:self._read])
-            out = self._decode(self._ids[self._prefix:])[len(before):]
-        self._ids, self._prefix, self._read = [], 0, 0
-        return out
 
 
 class StopMatcher:

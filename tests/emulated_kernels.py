@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from thorgen.codegen import reference_kernels as RK
+import reference_kernels as RK
 from thorgen.codegen.families import moe_grouped as MG
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4
 from thorgen.runtime.convert import layouts as L

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thorgen.codegen import reference_logits as RL
+import reference_logits as RL
 from thorgen.runtime.cuda.logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
 
 

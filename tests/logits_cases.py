@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thorgen.codegen.reference_kernels import softcap_ref
+from reference_kernels import softcap_ref
 from thorgen.runtime.cuda import logits_params as LP
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference.logits import process

@@ -24,7 +24,7 @@ import engine_emulator as EE  # noqa: E402
 
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
-from thorgen.codegen import reference_kernels as RK  # noqa: E402
+import reference_kernels as RK  # noqa: E402
 from thorgen.model_spec.nvfp4 import dequantize_nvfp4  # noqa: E402
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
 from thorgen.runtime.reference import sampling as S  # noqa: E402

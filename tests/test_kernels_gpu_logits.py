@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 import logits_cases as LC
 from gpu_harness import PRESETS, GpuRunner
-from thorgen.codegen import reference_logits as RL
+import reference_logits as RL
 from thorgen.model_spec.conventions import SAMPLE_PARAMS
 from thorgen.runtime.cuda import logits_params as LP
 

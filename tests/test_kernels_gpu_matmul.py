@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
-from thorgen.codegen import reference_kernels as RK
+import reference_kernels as RK
 from thorgen.codegen.families.matmul import target_shapes
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 from thorgen.runtime.convert import layouts as L

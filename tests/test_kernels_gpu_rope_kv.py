@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 import matmul_reference as MR  # noqa: E402
-from gpu_harness import PRESETS, GpuRunner, bits, build_kernels  # noqa: E402
-from thorgen.codegen import reference_kernels as R
+from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
+import reference_kernels as R
 from thorgen.codegen.families.matmul import gemm_small
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 
@@ -91,7 +91,7 @@ def test_gemv_rope_kv(runner):
     ropes = {k.name for k in runner.find("rope_kv__tgt_")}
     assert folds and {"rope_kv__" + f.name.split("_rope__")[1] for f in folds} == ropes, "a layer kind without fold"
     plains = {f.name: gemm_small(f.param("n"), f.param("k"), 1, "store", runner.arch) for f in folds}
-    runner.cubins.update(build_kernels(list(plains.values()), runner.arch, runner.spec.spec_hash))
+    runner.add(list(plains.values()))
     for kern in folds:
         p, plain = kern.param_dict, plains[kern.name]
         rope = runner.kernels["rope_kv__" + kern.name.split("_rope__")[1]]

@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 from gpu_harness import PRESETS, GpuRunner
-from thorgen.codegen import reference_kernels as R
+import reference_kernels as R
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 
 pytestmark = pytest.mark.gpu

@@ -2,8 +2,10 @@
 
 model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-package (room) has one job, and
 ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
-nothing imports bench; serve reaches the runtime only through its client API (api, the request/result types in
-backend, and text). Every import counts, including ones inside functions and under TYPE_CHECKING.
+nothing imports bench; no runtime room imports codegen (the runtime reads what `thorgen build` wrote: the kernel
+benchmark too, from manifest.json and bench_cases.json); serve reaches the runtime only through its client API
+(api, the request/result types in backend, and text). Every import
+counts, including ones inside functions and under TYPE_CHECKING.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 import logits_cases as LC
-from thorgen.codegen import reference_logits as RL
+import reference_logits as RL
 from thorgen.codegen.families.lm_logits import LOGPROB_CANDIDATES, PLAIN_ROW_WORDS
-from thorgen.codegen.reference_kernels import softcap_ref
+from reference_kernels import softcap_ref
 from thorgen.codegen.render import INCLUDE_DIR
 from thorgen.runtime.cuda import logits_params as LP
 from thorgen.runtime.backend import SamplingParams

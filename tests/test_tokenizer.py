@@ -79,7 +79,7 @@ def test_incremental_decoder_never_splits_characters(tok):
         parts.append(dec.flush())
         assert "".join(parts) == s and dec.text == s
         assert all("\ufffd" not in p for p in parts)
-    dec = IncrementalDecoder(tok)
+    dec = IncrementalDecoder(tok.decode)
     first, second, third = tok.encode("日")  # three byte-fallback ids
     assert dec.push(first) == "" and dec.push(second) == "" and dec.push(third) == "日"
 
@@ -90,6 +90,15 @@ def test_incremental_decoder_flushes_incomplete_tail(tok):
     assert dec.push(ids[0]) == "a"
     assert dec.push(ids[1]) == ""
     assert dec.flush() == "\ufffd"
+
+
+def test_incremental_decoder_emits_undecodable_tails(tok):
+    """More than 4 held byte tokens cannot be one character still arriving: they stream out as U+FFFD."""
+    dec = tok.incremental_decoder()
+    lone = tok.token_to_id("<0x80>")
+    streamed = dec.push_many([lone] * 12)
+    assert streamed == "\ufffd" * 10
+    assert dec.flush() == "\ufffd" * 2 and dec.text == "\ufffd" * 12
 
 
 def test_incremental_decoder_skips_specials(tok):

@@ -16,7 +16,6 @@ import datetime as _dt
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -217,7 +216,9 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the JSON report to this file (e.g. docs/benchmarks/<name>.json).")
-@click.option("--kernels", is_flag=True, help="Also run the per-kernel benchmark (thorgen.codegen.bench_kernels).")
+@click.option("--kernels", is_flag=True,
+              help="Also run the per-kernel benchmark (thorgen.runtime.bench.kernels) on the built kernels the cuda "
+                   "backend finds (--kernel-dir, or its default folder).")
 @click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -283,16 +284,9 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         out_file.write_text(json.dumps(report, indent=1) + "\n")
     click.echo(json.dumps(report) if as_json else _text(report))
     if kernels:
-        # bench is a dev tool: it may reach into codegen (lazily, only for --kernels); the runtime never does.
-        import runpy
+        from .kernels import format_report, run_bench as run_kernel_bench
 
-        argv, sys.argv = sys.argv, ["thorgen.codegen.bench_kernels"]  # its own defaults, not bench's options
         try:
-            runpy.run_module("thorgen.codegen.bench_kernels", run_name="__main__", alter_sys=True)
-        except ImportError as exc:
-            raise click.ClickException(f"--kernels: thorgen.codegen.bench_kernels is unavailable ({exc})") from exc
-        except SystemExit as exc:
-            if exc.code not in (0, None):
-                raise click.ClickException(f"kernel benchmark exited with {exc.code}") from exc
-        finally:
-            sys.argv = argv
+            click.echo(format_report(run_kernel_bench(kernel_dir=kernel_dir, model_dir=model)))
+        except BackendError as exc:  # no GPU, no cuda-python, no build, or a build for another GPU
+            raise click.ClickException(f"--kernels: {exc}") from exc

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from ..backend import BackendError
-from .layouts import layout_version
 
 FORMAT = "thorgen-weights"
 SCHEMA = 1  # the weights.json structure itself
@@ -57,12 +56,6 @@ class ArtifactError(BackendError):
 
 def new_hasher() -> Any:
     return hashlib.blake2b(digest_size=16)
-
-
-def artifact_layout_version() -> int:
-    """The layout version this runtime's repack writes and its kernels read (see repack.layout_version)."""
-
-    return layout_version()
 
 
 @dataclass(frozen=True)

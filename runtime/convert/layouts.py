@@ -35,7 +35,6 @@ PLAN_VERSION = 1     # bump when convert/plan.py changes which tensors it writes
 TILE_N = 16          # output rows per unit (two mma n8 tiles)
 TILE_K = 64          # inputs per step (four mma k16 tiles)
 STEP_BYTES = 512     # packed weight bytes per unit and step (32 lanes x 16 B)
-STEP_SCALE_BYTES = 64  # scale bytes per unit and step (32 lanes x 2 B)
 # (magnitude bit, sign bit) of register r inside each 16-bit half of a "shift" word.
 SHIFT_POS = ((9, 15), (6, 12), (3, 14), (0, 13))
 SHIFT_DECODE_FACTOR = 2.0 ** 14  # "shift" registers hold e2m1 * 2^-14

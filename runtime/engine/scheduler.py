@@ -70,10 +70,6 @@ class Sequence:
         """Tokens the K/V must cover before decoding: all of them, except a resumed sequence's last output."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.num_cached < self.prefill_target
-
     def prepare(self, vocab: int) -> None:
         """What every runner's check needs: BackendError for prompt or logit_bias ids outside the vocabulary, and
         the grammar's matcher made (once)."""

@@ -32,7 +32,6 @@ class TargetModel:
 
     def __init__(self, source: WeightSource, embed_scale: float | None = None,
                  expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
-        self.model_spec = source.spec
         self.spec: Gemma4TextSpec = source.spec.target
         self.w = TargetWeights(source, expert_budget_bytes)
         self.embed_scale = F32(self.spec.embed_scale if embed_scale is None else embed_scale)

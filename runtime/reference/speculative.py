@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from ...model_spec.conventions import accepted_count
 from ..backend import SamplingParams
 from .drafter import Drafter
 from .model import TargetModel
@@ -23,6 +24,25 @@ from .state import SeqState
 
 # pick(softcapped logits row [V], absolute position) -> token: the runner's per-sequence sampler
 Pick = Callable[[np.ndarray, int], int]
+
+
+class PickedInOrder:
+    """The target's tokens of a verify block as a sequence the acceptance rule reads: token i is picked on first
+    use, after tokens 0..i-1 (a pick feeds the grammar and the logprobs, so only tokens that can be committed, in
+    order, are picked)."""
+
+    def __init__(self, logits: np.ndarray, position: int, pick: Pick) -> None:
+        self.logits, self.position, self.pick = logits, position, pick
+        self.picked: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, i: int) -> int:
+        while len(self.picked) <= i:
+            j = len(self.picked)
+            self.picked.append(self.pick(self.logits[j], self.position + j))
+        return self.picked[i]
 
 
 class Decoder:
@@ -86,9 +106,8 @@ class Decoder:
             drafts = [int(d) for d in self.drafter.propose(state.draft, tok, start)][:n_drafts]
         block = [tok] + drafts
         logits = self._forward(state, block, last_only=False)
-        new = [pick(logits[0], start + 1)]
-        k = self.emulate_acceptance
-        while len(new) <= len(drafts) and (drafts[len(new) - 1] == new[-1] if k is None else len(new) <= k):
-            new.append(pick(logits[len(new)], start + 1 + len(new)))
-        self._commit(state, block, len(new))
+        targets = PickedInOrder(logits, start + 1, pick)
+        n = accepted_count(drafts, targets, len(block), self.emulate_acceptance)
+        new = [targets[i] for i in range(n)]
+        self._commit(state, block, n)
         return new

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable, Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 REPLACEMENT = "\ufffd"
+MAX_CHARACTER_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-fallback tokens
 
 
 class TokenizerError(ValueError):
@@ -62,47 +64,44 @@ class Tokenizer:
         return token_id in self.special_ids
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
-        return IncrementalDecoder(self, skip_special_tokens)
+        return IncrementalDecoder(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 class IncrementalDecoder:
     """Feed ids one at a time; each call returns only the newly completed text ('' while a character is open).
 
-    Decodes a short window [prefix, end) and emits what extends past the already-emitted part of that window;
-    text ending in U+FFFD is held back (an unfinished byte-fallback sequence) until more ids or flush().
+    Decodes a short window of ids and emits what extends past the already-emitted part of that window, so each
+    push costs the same however long the output. Text ending in U+FFFD is held back (an unfinished byte-fallback
+    sequence) until more ids or flush(), but a UTF-8 character spans at most 4 byte tokens: a longer undecodable
+    tail is garbage (random weights emit lone continuation bytes), so it is emitted as U+FFFD rather than held and
+    re-decoded forever. (`tokenizers`' DecodeStream holds such a tail forever and cannot flush, hence this class.)
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0  # ids up to here are already emitted
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []  # the window: ids before _read are emitted, the rest are held back
+        self._read = 0
         self.text = ""  # everything emitted so far
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        window = self._decode(self.ids[self._prefix:])
-        if window.endswith(REPLACEMENT):
+        self._ids.append(int(token_id))
+        text = self._decode(self._ids)
+        if text.endswith(REPLACEMENT) and len(self._ids) - self._read <= MAX_CHARACTER_TOKENS:
             return ""
-        done = self._decode(self.ids[self._prefix:self._read])
-        new = window[len(done):]
-        self._prefix, self._read = self._read, len(self.ids)
+        new = text[len(self._decode(self._ids[:self._read])):]
+        self._ids = self._ids[self._read:]
+        self._read = len(self._ids)
         self.text += new
         return new
 
-    def push_many(self, token_ids: list[int]) -> str:
+    def push_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.push(t) for t in token_ids)
 
     def flush(self) -> str:
-        """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
-        if self._read == len(self.ids):
-            return ""
-        window = self._decode(self.ids[self._prefix:])
-        new = window[len(self._decode(self.ids[self._prefix:self._read])):]
-        self._prefix = self._read = len(self.ids)
+        """Emit whatever is held back (an incomplete character decodes as U+FFFD), then start a fresh window."""
+        new = ""
+        if self._read < len(self._ids):
+            new = self._decode(self._ids)[len(self._decode(self._ids[:self._read])):]
+        self._ids, self._read = [], 0
         self.text += new
         return new

@@ -70,10 +70,17 @@ def routing(rng, kind, m=16, e=128, k=8, shift=0):
             ids[t] = rng.choice(e, k, replace=False)
     return ids
 
+def manifest_entry(ker, cubin):
+    """The runtime's manifest entry of a KernelSpec whose cubin is the file `cubin`."""
+    from thorgen.runtime.manifest import KernelEntry
+    return KernelEntry(name=ker.name, cubin=cubin, entry=ker.name, family=ker.family, grid=ker.grid, block=ker.block,
+                       smem_bytes=ker.smem_bytes, args=ker.args, params=dict(ker.params), template=ker.template)
+
 def run(dirs):
-    from thorgen.codegen.device import Gpu
+    from thorgen.runtime.bench.kernels import KernelRig
+    from thorgen.runtime.cuda.device import Device, check, driver
     from thorgen.runtime.cuda.programs import _grid
-    gpu = Gpu(0)
+    gpu = KernelRig(Device.open(0), Path("/tmp/sweep-rig"))
     rng = np.random.default_rng(0)
     h, ie, e, k, m = 2816, 704, 128, 8, 16
     gu_w = gpu.upload(rng.integers(0, 256, e * 2 * ie * h // 2, dtype=np.uint8))
@@ -92,10 +99,11 @@ def run(dirs):
     routes = {kind: [gpu.upload(r) for r in rs] for kind, rs in host.items()}
     res, ref = [], {}
     for d in dirs:
-        gpu._functions.clear()  # old and new kernels share names
-        for ent in json.loads((Path(d) / "index.json").read_text()):
-            ker = pickle.loads(bytes.fromhex(ent["kernel"]))
-            fn = gpu.function(ker, Path(d) / (ker.name + ".cubin"))
+        index = [(ent, pickle.loads(bytes.fromhex(ent["kernel"])))
+                 for ent in json.loads((Path(d) / "index.json").read_text())]
+        # old and new kernels share names: each folder's replace the previous folder's
+        gpu.add([manifest_entry(ker, Path(d) / (ker.name + ".cubin")) for _, ker in index])
+        for ent, ker in index:
             isgu = ker.name.startswith("moe_gateup")
             # the runtime's launch grid for m rows (the block-row kernels' ROW_GRID rule)
             grid = _grid(SimpleNamespace(grid=ker.grid, params=dict(ker.params)), m)
@@ -110,12 +118,12 @@ def run(dirs):
                 g = (grid[0], nexp[kind], grid[2]) if exact else grid
                 try:
                     turn = iter(range(1 << 30))
-                    t = gpu.graph_time_ms(lambda: gpu.launch(fn, ker, args(rs[next(turn) % 4]), g), reps=64)
+                    t = gpu.graph_time_ms(lambda: gpu.launch(ker.name, args(rs[next(turn) % 4]), g), reps=64)
                     row[kind + "_us"] = round(t * 1e3, 2)
                     # bit check on the second routing against the first kernel of this kind
                     ob = out_act if isgu else out_y
-                    gpu.cu.cuMemsetD8Async(ob.ptr, 0xFF, ob.nbytes, gpu.stream)
-                    gpu.launch(fn, ker, args(rs[1]), g)
+                    check(driver().cuMemsetD8Async(ob.ptr, 0xFF, ob.nbytes, gpu.stream.handle), "fill output")
+                    gpu.launch(ker.name, args(rs[1]), g)
                     got = gpu.download(ob, (ob.nbytes,), np.uint8)
                     first = ref.setdefault(("gu" if isgu else "dn", kind), got)
                     row[kind + "_same"] = bool(np.array_equal(got, first))

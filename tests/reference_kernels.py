@@ -1,4 +1,4 @@
-"""Codegen stage: NumPy references of codegen's own kernels (the GPU tests compare against them).
+"""Test support: NumPy references of codegen's kernels (the GPU tests and the engine emulator compare against them).
 
 Each reference states its tolerance next to it (TOL_*): normalised error ||out - ref|| / ||ref|| unless noted;
 indices are exact. References compute in float64 and round where the kernel stores (f16/bf16/fp8), so the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model_spec.conventions import accepted_count
-from ..model_spec.nvfp4 import bf16_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e4m3
+from thorgen.model_spec.conventions import accepted_count
+from thorgen.model_spec.nvfp4 import bf16_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e4m3
 
 F32, F64 = np.float32, np.float64
 

@@ -1,15 +1,15 @@
-"""Codegen stage: NumPy references of the lm_logits kernels (lm_process, lm_logprobs), which the GPU tests and the
+"""Test support: NumPy references of the lm_logits kernels (lm_process, lm_logprobs), which the GPU tests and the
 engine emulator compare against; tolerances next to each.
 
 The packed inputs are NumPy structured arrays with the field names of templates/include/thorgen/logits.cuh
-(runtime/cuda/logits_params.py builds them; codegen reads them by name only, as it may not import runtime).
+(runtime/cuda/logits_params.py builds them; the references read them by field name).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .reference_kernels import softcap_ref
+from reference_kernels import softcap_ref
 
 F32, F64 = np.float32, np.float64
 
