@@ -79,6 +79,24 @@ def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
 BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
 
 
+def engine_option_flags(command: Callable) -> Callable:
+    """Give a click command one `--X/--no-X` switch per EngineOptions field (--no-pdl, --no-fork,
+    --no-launch-ahead, --no-rowwise-splits); the command receives them as one `engine_options` value."""
+    import functools
+
+    import click
+
+    names = [name for name, _, _ in EngineOptions.flags()]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["engine_options"] = EngineOptions(**{n: kwargs.pop(n) for n in names})
+        return command(*args, **kwargs)
+    for name, flag, help in reversed(EngineOptions.flags()):
+        run = click.option(f"--{flag}/--no-{flag}", name, default=True, show_default=True, help=help)(run)
+    return run
+
+
 def open_backend(config: EngineConfig) -> OpenedModel:
     """Open the checkpoint and the named backend on the calling thread; BackendError says what is wrong."""
     from ..model_spec.checkpoint import Checkpoint, CheckpointError

@@ -78,7 +78,7 @@ class Probe:
     def after(self, name: str, entry: dict, a: dict) -> None:
         t, H = entry["template"], self.t.hidden_size
         if t.startswith("embed"):
-            start = int(self.d.view(self.e.A("positions").address, np.int32, 1)[0])
+            start = int(self.d.view(self.e.buffers.A("positions").address, np.int32, 1)[0])
             self.forwards.append(dict(start=start, n=a["T"], xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
                                       idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
         elif t.startswith(("router_topk", "router_fused")):
