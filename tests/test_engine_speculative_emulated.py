@@ -228,8 +228,8 @@ def test_engine_drafter_matches_reference(emu):
 
     def after(name, entry, a):
         if entry["template"].startswith("ffn_tail") and a["tap"]:
-            pos = drv.view(e.A("positions").address, np.int32, a["T"]).copy()
-            rows = drv.view(e.A("taps").address, np.float16, (a["T"], width))
+            pos = drv.view(e.buffers.A("positions").address, np.int32, a["T"]).copy()
+            rows = drv.view(e.buffers.A("taps").address, np.float16, (a["T"], width))
             for r, p in enumerate(pos):
                 taps[int(p)] = rows[r].astype(np.float32)
     drv.emu.after = after
@@ -242,11 +242,11 @@ def test_engine_drafter_matches_reference(emu):
         # head alone differs by ~9% from NVFP4); the engine feeds the lm_head f16 activations
         h = ref.block_hidden(ctx, [last] + [d.mask_token_id] * 15, start)[1:]
         want = softcap(h.astype(np.float16).astype(np.float64) @ lm_head.T, d.final_logit_softcapping)
-        got = softcap(drv.view(e.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
+        got = softcap(drv.view(e.buffers.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
             np.float64), d.final_logit_softcapping)
         err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
         assert err.max() <= DRAFT_LOGITS_TOL, f"drafter at {start}: rel errors {np.round(err, 4)}"
-        drafts = drv.view(e.A("ids", 1).address, np.int32, 15)
+        drafts = drv.view(e.buffers.A("ids", 1).address, np.int32, 15)
         top2 = -np.sort(-want, axis=1)[:, :2]
         clear = top2[:, 0] - top2[:, 1] > 0.05
         assert (drafts[clear] == want.argmax(1)[clear]).all(), f"drafter argmax at {start}"
