@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .backend import Backend, BackendError, GenerationResult, SamplingParams
 from .engine.core import EngineCore, RequestOutput
 from .cuda.kv_cache import default_ctx
+from .cuda.options import EngineOptions
 
 log = logging.getLogger("thorgen.engine")
 
@@ -44,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # sequences decoded together (cuda: KV lanes, at most forward.MAX_BATCH)
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
+    options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (all on by default)
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,28 @@ def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
 
     return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
                      weights_dir=config.weights, kernels_dir=config.kernels, max_num_seqs=config.max_num_seqs,
-                     kv_cache_gib=config.kv_cache_gib)
+                     kv_cache_gib=config.kv_cache_gib, options=config.options)
 
 
 BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
+
+
+def engine_option_flags(command: Callable) -> Callable:
+    """Give a click command one `--X/--no-X` switch per EngineOptions field (--no-pdl, --no-fork,
+    --no-launch-ahead, --no-rowwise-splits); the command receives them as one `engine_options` value."""
+    import functools
+
+    import click
+
+    names = [name for name, _, _ in EngineOptions.flags()]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["engine_options"] = EngineOptions(**{n: kwargs.pop(n) for n in names})
+        return command(*args, **kwargs)
+    for name, flag, help in reversed(EngineOptions.flags()):
+        run = click.option(f"--{flag}/--no-{flag}", name, default=True, show_default=True, help=help)(run)
+    return run
 
 
 def open_backend(config: EngineConfig) -> OpenedModel:
@@ -257,10 +277,10 @@ class EngineClient:
         running = min(self._running, live)
         out = {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
         core = self.core
-        if core is not None:  # the scheduler's KV blocks (the cuda runner's pages): ints, read between steps or not
-            out["steps"]["catch_up_tokens"] = core.runner.caught_up_tokens
-            pool = core.scheduler.pool
-            out["kv"] = {"blocks": pool.num_blocks, "used": pool.used, "block_tokens": pool.block_size}
+        if core is not None:  # ints, read between steps or not
+            report = core.health()
+            out["steps"]["catch_up_tokens"] = report.pop("catch_up_tokens")
+            out.update(report)
         return out
 
     def close(self, timeout: float = 30.0) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .api import EngineConfig, open_backend
+from .api import EngineConfig, engine_option_flags, open_backend
 from .backend import BackendError, GenerationResult, SamplingParams
 
 BOS_ID = 2
@@ -57,9 +57,10 @@ def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@engine_option_flags
 def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
-             draft: Path | None, max_context: int | None, kv_dtype: str, as_json: bool) -> None:
+             draft: Path | None, max_context: int | None, kv_dtype: str, as_json: bool, engine_options) -> None:
     """Generate tokens for one raw prompt (no chat template) and print them.
 
     Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
@@ -70,7 +71,8 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     try:
-        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1))
+        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1,
+                                           options=engine_options))
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     engine = opened.backend

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from ..runtime.api import engine_option_flags
+
 SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 
 
@@ -65,11 +67,12 @@ def open_model(config):
               help="Seconds a shutdown (Ctrl-C, SIGTERM) waits for running requests before cancelling them.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="Server log level; 'debug' also prints tracebacks of load errors.")
+@engine_option_flags
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
           model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
           kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float,
-          log_level: str) -> None:
+          log_level: str, engine_options) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
@@ -87,7 +90,7 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
         folder = ensure_demo_checkpoint() if demo else model_dir
         return open_model(EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype, draft_dir,
                                        weights, kernel_dir, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
-                                       max_step_tokens=max_step_tokens))
+                                       max_step_tokens=max_step_tokens, options=engine_options))
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.

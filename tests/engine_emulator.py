@@ -323,14 +323,31 @@ def open_emulated(checkpoint: Path, root: Path, **kwargs):
     return open_backend(checkpoint, weights_dir=weights, kernels_dir=kernels, **kwargs)
 
 
+def decode_step(engine, position: int, greedy: bool = True, token: int | None = None, lane: int = 0) -> int:
+    """One graphed one-row step of the engine, launched and then waited for: its new token."""
+    return engine.steps.wait(engine.steps.launch_one(position, greedy, token, lane))[0]
+
+
+def batch_step(engine, rows: list) -> list[int]:
+    """One batched step of rows (lane, position, token, sampling or None), launched and then waited for."""
+    return engine.steps.wait(engine.steps.launch_batch(rows))
+
+
+def spec_step(engine, start: int, last: int, greedy: bool = True, lane: int = 0) -> tuple[list[int], list[int]]:
+    """One DFlash step, launched and then waited for: (15 drafts, the target's 16 tokens)."""
+    drafts, target, _ = engine.dflash.wait(engine.dflash.launch(start, last, greedy, lane=lane))
+    return drafts, target
+
+
 def run_requests(backend, ahead: bool, requests: list, speculative: bool = False, stop_ids=frozenset()):
     """Requests (prompt, max_tokens, params) one after another through the engine core on one cuda runner, its steps
     launched ahead or not (`ahead`): (tokens, accepted lengths, finish reason) of each, and the steps launched ahead
     that were used."""
     from thorgen.runtime.engine.core import EngineCore
 
-    runner = backend.runner()
-    runner.launch_ahead = ahead
+    from thorgen.runtime.cuda.runner import CudaRunner
+
+    runner = CudaRunner(backend.engine, launch_ahead=ahead)
     core, out = EngineCore(runner), []
     for n, (prompt, max_tokens, params) in enumerate(requests):
         core.add(str(n), prompt, max_tokens, params, stop_ids, speculative)

@@ -51,11 +51,11 @@ def test_a_step_has_the_same_bits_alone_and_in_any_batch(models):
             firsts = [eng.prefill(p, lane=i) for i, p in enumerate(prompts)]
             alone = []
             for i, (p, tok) in enumerate(zip(prompts, firsts)):
-                alone.append((eng.decode(len(p), token=tok, lane=i), _logits(eng, 1)[0]))
+                alone.append((eng.steps.wait(eng.steps.launch_one(len(p), token=tok, lane=i))[0], _logits(eng, 1)[0]))
             failures = []
             for n in BUCKETS:
                 order = rng.permutation(32)[:n]  # any lanes, any rows
-                toks = eng.decode_batch([(int(i), len(prompts[i]), firsts[i], None) for i in order])
+                toks = eng.steps.wait(eng.steps.launch_batch([(int(i), len(prompts[i]), firsts[i], None) for i in order]))
                 got = _logits(eng, n)
                 for r, i in enumerate(order):
                     same = np.array_equal(got[r].view(np.uint32), alone[i][1].view(np.uint32))

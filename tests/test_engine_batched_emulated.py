@@ -19,6 +19,7 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 from thorgen.runtime.engine.core import EngineCore  # noqa: E402
 from thorgen.runtime.cuda.kv_cache import fit_kv, plan_kv  # noqa: E402
+from thorgen.runtime.cuda.runner import CudaRunner  # noqa: E402
 
 LANES = 3
 GREEDY = SamplingParams()
@@ -55,9 +56,9 @@ def _requests() -> dict[str, tuple[list[int], int, SamplingParams]]:
 
 def test_batched_decode_equals_each_request_alone(backend):
     engine = backend.engine
-    engine._graphs = {k: g for k, g in engine._graphs.items() if not k.startswith("batch")}
+    engine.launches.graphs = {k: g for k, g in engine.launches.graphs.items() if not k.startswith("batch")}
     together = _serve(EngineCore(backend.runner(LANES)), _requests())
-    buckets = sorted(k for k in engine._graphs if k.startswith("batch"))
+    buckets = sorted(k for k in engine.launches.graphs if k.startswith("batch"))
     assert any(k.startswith("batch4_sample") for k in buckets), buckets  # 3 running (+1 padding row), 2 seeded
     assert any(k.startswith("batch2") for k in buckets), buckets  # then two
     for rid, (prompt, n, sp) in _requests().items():
@@ -76,8 +77,7 @@ def test_steps_launched_ahead_equal_steps_launched_when_scheduled(backend):
     stop = alone_c[stop_at]
 
     def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
-        runner = backend.runner(LANES)
-        runner.launch_ahead = ahead
+        runner = CudaRunner(backend.engine, LANES, launch_ahead=ahead)
         core, out = EngineCore(runner), {}
         reqs = _requests()
         for rid in "ab":
@@ -125,8 +125,7 @@ def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
                 "c": ([2] + list(range(90, 99)), 50, GREEDY)}
 
         def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
-            runner = b.runner(3)
-            runner.launch_ahead = ahead
+            runner = CudaRunner(b.engine, 3, launch_ahead=ahead)
             core = EngineCore(runner)
             seqs = [core.add(rid, *req) for rid, req in reqs.items()]
             out = {rid: [] for rid in reqs}
@@ -166,11 +165,11 @@ def test_each_lane_keeps_its_own_prefix_cache(backend):
         assert out[rid + "2"] == miss
 
 
-def test_decode_batch_rejects_shared_or_unknown_lanes(backend):
+def test_launch_batch_rejects_shared_or_unknown_lanes(backend):
     with pytest.raises(BackendError, match="distinct"):
-        backend.engine.decode_batch([(0, 5, 2, None), (0, 6, 2, None)])
+        EE.batch_step(backend.engine, [(0, 5, 2, None), (0, 6, 2, None)])
     with pytest.raises(BackendError, match="distinct"):
-        backend.engine.decode_batch([(LANES, 5, 2, None)])  # (no such lane)
+        EE.batch_step(backend.engine, [(LANES, 5, 2, None)])  # (no such lane)
 
 
 def test_kv_lanes_and_pages_fit_the_budget(backend):
@@ -216,7 +215,8 @@ def test_more_than_16_rows_run_the_32_row_bucket(tiny_checkpoint, tmp_path):
         reqs = {f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
                 for i in range(18)}
         together = _serve(EngineCore(b.runner(18)), reqs)
-        assert "batch32_sample" in b.engine._graphs and not any(k.startswith("batch16") for k in b.engine._graphs)
+        graphs = b.engine.launches.graphs
+        assert "batch32_sample" in graphs and not any(k.startswith("batch16") for k in graphs)
         step = b.engine.fwd.ops(32, decode=False, last=True, greedy=False, batched=True)
         kernels = {op.entry.name for op in step}
         assert any(k.startswith("nvfp4_gemm32__") for k in kernels) and any(k.startswith("moe_gateup__m32") for k in kernels)

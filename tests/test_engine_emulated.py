@@ -78,7 +78,7 @@ class Probe:
     def after(self, name: str, entry: dict, a: dict) -> None:
         t, H = entry["template"], self.t.hidden_size
         if t.startswith("embed"):
-            start = int(self.d.view(self.e.A("positions").address, np.int32, 1)[0])
+            start = int(self.d.view(self.e.buffers.A("positions").address, np.int32, 1)[0])
             self.forwards.append(dict(start=start, n=a["T"], xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
                                       idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
         elif t.startswith(("router_topk", "router_fused")):
@@ -175,7 +175,7 @@ def test_prefill_and_greedy_decode_layer_by_layer(emulated, kv):
         capped = _check_logits(m, backend, f)
         assert tok == S.greedy(capped)
         seq.append(tok)
-        tok = backend.engine.decode(len(seq) - 1)
+        tok = EE.decode_step(backend.engine, len(seq) - 1)
     starts = [(f["start"], f["n"]) for f in probe.forwards]
     want_starts = ([(0, chunk), (chunk, 88)] if kv == "bf16" else [(0, 41)])
     assert starts == want_starts + [(len(ids) + i, 1) for i in range(3)]
@@ -202,7 +202,7 @@ def test_seeded_sampling_positions_and_params(emulated):
             assert tok == S.sample(capped, params, len(seq)), f"sampled token at position {len(seq)}"
             seq.append(tok)
             toks.append(tok)
-            tok = backend.engine.decode(len(seq) - 1, greedy=False)
+            tok = EE.decode_step(backend.engine, len(seq) - 1, greedy=False)
         for f in probe.forwards:
             _check_forward(m, f, "bf16")
         assert backend.generate(prompt, 4, params).token_ids == toks
@@ -212,15 +212,15 @@ def test_pdl_only_between_kernels(emulated):
     """A kernel is launched with PDL only right after a kernel of its own stream: never the first launch of a
     forward (it follows the host's staging copies), never right after a strided copy, never the first op of the
     side-stream branch (dense MLP) or the op that joins it back; the MLP runs on the side stream."""
-    from thorgen.runtime.cuda.engine import Copy2D
+    from thorgen.runtime.cuda.programs import Copy2D
 
     open_, _ = emulated
     backend, drv = open_("bf16")
     eng = backend.engine
-    assert eng.pdl and eng.fork, "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
+    assert eng.launches.pdl and eng.options.fork, "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
     for rows, decode in ((1, True), (40, False)):
         ops = eng.fwd.ops(rows, decode=decode, last=True)
-        flags = [getattr(l, "pdl", None) for _, l in eng.bind(ops)]
+        flags = [getattr(l, "pdl", None) for _, l in eng.launches.bind(ops)]
         assert flags[0] is False
         n_pdl = 0
         for i in range(1, len(ops)):
@@ -252,7 +252,7 @@ def test_profile_step_times_every_launch(emulated):
         got = profile_step(eng, 3, rows=rows)
         assert sorted(r["op"] for r in got) == sorted(want) and (rows == 1 or [r["op"] for r in got] == want)
         assert all(r["us"] >= 0 and r["kernel"] for r in got)
-    assert eng.fork and eng.pdl
+    assert eng.options.fork and eng.launches.pdl
 
 
 def test_plain_generation_stop_length_and_cancel(emulated):

@@ -228,8 +228,8 @@ def test_engine_drafter_matches_reference(emu):
 
     def after(name, entry, a):
         if entry["template"].startswith("ffn_tail") and a["tap"]:
-            pos = drv.view(e.A("positions").address, np.int32, a["T"]).copy()
-            rows = drv.view(e.A("taps").address, np.float16, (a["T"], width))
+            pos = drv.view(e.buffers.A("positions").address, np.int32, a["T"]).copy()
+            rows = drv.view(e.buffers.A("taps").address, np.float16, (a["T"], width))
             for r, p in enumerate(pos):
                 taps[int(p)] = rows[r].astype(np.float32)
     drv.emu.after = after
@@ -242,11 +242,11 @@ def test_engine_drafter_matches_reference(emu):
         # head alone differs by ~9% from NVFP4); the engine feeds the lm_head f16 activations
         h = ref.block_hidden(ctx, [last] + [d.mask_token_id] * 15, start)[1:]
         want = softcap(h.astype(np.float16).astype(np.float64) @ lm_head.T, d.final_logit_softcapping)
-        got = softcap(drv.view(e.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
+        got = softcap(drv.view(e.buffers.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
             np.float64), d.final_logit_softcapping)
         err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
         assert err.max() <= DRAFT_LOGITS_TOL, f"drafter at {start}: rel errors {np.round(err, 4)}"
-        drafts = drv.view(e.A("ids", 1).address, np.int32, 15)
+        drafts = drv.view(e.buffers.A("ids", 1).address, np.int32, 15)
         top2 = -np.sort(-want, axis=1)[:, :2]
         clear = top2[:, 0] - top2[:, 1] > 0.05
         assert (drafts[clear] == want.argmax(1)[clear]).all(), f"drafter argmax at {start}"
@@ -314,25 +314,30 @@ def _tie(backend, ids: list[int], got: list[int], want: list[int], params: Sampl
 
 
 class _VerifyLog:
-    """Wraps Engine.spec_step to keep each verify step's start position and its 16 rows of target logits."""
+    """Wraps the engine's DFlash launch to keep each verify step's start position and its 16 rows of target logits
+    (read right after the launch, before a step launched ahead can overwrite them)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.orig, self.steps = engine, engine.spec_step, []
-        engine.spec_step = self
+        self.engine, self.orig, self.steps = engine, engine.dflash.launch, []
+        engine.dflash.launch = self
 
-    def __call__(self, start, last, greedy=True, launched=None, lane=0):
-        drafts, toks = self.orig(start, last, greedy, launched, lane=lane)
+    def __call__(self, start, *args, **kwargs):
+        launch = self.orig(start, *args, **kwargs)
+        self.engine.stream.synchronize()
+        if start is None:  # launched ahead: its block starts where the step before it accepted up to
+            start = self.steps[-1][0] + self.steps[-1][2]
         V = self.engine.spec.target.vocab_size
-        self.steps.append((start, self.engine.act["logits"].download(np.float32, (16, V))))
-        return drafts, toks
+        rows = self.engine.act["logits"].download(np.float32, (16, V))
+        self.steps.append((start, rows, int(launch.slot.record["accepted"])))
+        return launch
 
     def logits_for(self, position: int) -> np.ndarray:
         """The verify row that produced the token at `position` (the last step starting before it)."""
-        start, rows = max((s for s in self.steps if s[0] < position), key=lambda s: s[0])
+        start, rows, _ = max((s for s in self.steps if s[0] < position), key=lambda s: s[0])
         return rows[position - start - 1]
 
     def close(self) -> None:
-        self.engine.spec_step = self.orig
+        self.engine.dflash.launch = self.orig
 
 
 def _sampled_difference(backend, ids, got, want, params, log: _VerifyLog) -> str:

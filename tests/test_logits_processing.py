@@ -155,8 +155,8 @@ def test_cuda_runner_checks_extended_sampling():
     from thorgen.runtime.cuda.engine import MAX_LOGIT_BIAS
 
     def runner(missing):
-        return SimpleNamespace(backend=SimpleNamespace(spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512))),
-                               engine=SimpleNamespace(speculative=True, ext_missing=missing))
+        return SimpleNamespace(engine=SimpleNamespace(speculative=True, ext_missing=missing,
+                                                      spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512))))
     old = runner(["logits processing (lm_process.cu.j2 with {'V': 512})"])
     CudaRunner.check(old, Sequence("a", [2, 3], SamplingParams(temperature=1.0), 4))
     for sampling, name in [(SamplingParams(logprobs=0), "logprobs"),

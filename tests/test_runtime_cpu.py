@@ -378,7 +378,7 @@ def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):
 def test_launch_grid_rules():
     from pathlib import Path
 
-    from thorgen.runtime.cuda.engine import _grid
+    from thorgen.runtime.cuda.programs import _grid
     from thorgen.runtime.manifest import KernelEntry
 
     def entry(grid, params, template="x.cu.j2"):

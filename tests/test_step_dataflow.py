@@ -73,7 +73,7 @@ def test_full_size_step_shapes_pass(tmp_path):
     """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
     its activation plan, laid out but not allocated."""
     from thorgen.model_spec.presets import get_preset
-    from thorgen.runtime.cuda.engine import plan_activations
+    from thorgen.runtime.cuda.buffers import plan_activations
     from thorgen.runtime.cuda.programs import Forward
     from thorgen.runtime.manifest import load_manifest
 

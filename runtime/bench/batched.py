@@ -14,21 +14,22 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
     """Add `batched_decode` ([{rows, bucket, step_ms, tok_s, bytes, gb_s, frac_copy}]) and `batched_step_kernels`
     (the largest size's step, eager launches event-timed) to a cuda `run_bench` report. Every row is its own
     sequence in its own KV lane at `position`, with its own token (the lanes' K/V is whatever they hold: the cost
-    does not depend on it); the time is the wall time of Engine.decode_batch, host staging and the token read-back
+    does not depend on it); the time is the wall time of a launched and waited-for batched step (DecodeSteps), host staging and the token read-back
     included, as the server sees it."""
     from ..cuda.programs import DECODE_BUCKETS
     from ..cuda.profile import distinct_tokens
 
     eng, spec = backend.engine, backend.spec
+    steps_ = eng.steps
     rows_out = []
     for n in sizes:  # a different token per row: routed to different experts, as a real batch is
         rows = [(lane, position, int(t), None) for lane, t in enumerate(distinct_tokens(n, spec.target.vocab_size))]
         for _ in range(3):  # capture + warm-up
-            eng.decode_batch(rows)
+            steps_.wait(steps_.launch_batch(rows))
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            eng.decode_batch(rows)
+            steps_.wait(steps_.launch_batch(rows))
             times.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(times)
         nbytes = step_cost(spec, "decode", position + 1, n, report["kv_dtype"], report["lm_head"])["bytes"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from ..api import EngineOptions, engine_option_flags
 from ..backend import BackendError
 from .timing import (host_copy_gb_s, open_for_bench, synthetic_prompt, timed_run,
                      timed_stream)
@@ -73,10 +74,11 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
 def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
               roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
-              speculative: bool = False, accept: int | None = None) -> dict:
+              speculative: bool = False, accept: int | None = None,
+              options: EngineOptions = EngineOptions()) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
-                                    max(batch_sizes or [1]))
+                                    max(batch_sizes or [1]), options)
     load_s = time.perf_counter() - t0
     ctx = backend.max_context
     if prompt_len + gen > ctx:
@@ -242,11 +244,12 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--batch-sizes", default=None,
               help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
                    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
+@engine_option_flags
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
           roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None,
-          speculative: bool, accept: int | None) -> None:
+          speculative: bool, accept: int | None, engine_options: EngineOptions) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -265,7 +268,9 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
                + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
                + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
-               + (f" --emulate-acceptance {accept}" if accept is not None else ""))
+               + (f" --emulate-acceptance {accept}" if accept is not None else "")
+               + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
+                         if not getattr(engine_options, name)))
     if accept is not None and not speculative:
         raise click.UsageError("--emulate-acceptance goes with --speculative")
     try:
@@ -276,7 +281,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer, speculative, accept)
+                           roofline, sizes, peer, speculative, accept, engine_options)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...model_spec.types import ModelSpec
-from ..api import EngineConfig, OpenedModel, open_backend
+from ..api import EngineConfig, EngineOptions, OpenedModel, open_backend
 from ..backend import BackendError, GenerationResult, SamplingParams
 
 
@@ -63,11 +63,13 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                         kernel_dir: Path | None = None, max_num_seqs: int = 1) -> tuple[OpenedModel, dict]:
+                         kernel_dir: Path | None = None, max_num_seqs: int = 1,
+                         options: EngineOptions = EngineOptions()) -> tuple[OpenedModel, dict]:
     """(the opened model, facts about its backend for the report), through the one backend registry."""
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
     opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                       prefix_slots=0, max_num_seqs=max_num_seqs))  # (KV lanes: cuda)
+                                       prefix_slots=0, max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
+                                       options=options))
     b = opened.backend
     if name == "cuda":
         return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head}
@@ -75,7 +77,8 @@ def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str,
 
 
 def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                   kernel_dir: Path | None = None, max_num_seqs: int = 1) -> tuple[Any, dict]:
+                   kernel_dir: Path | None = None, max_num_seqs: int = 1,
+                   options: EngineOptions = EngineOptions()) -> tuple[Any, dict]:
     """(backend, facts about it for the report)."""
-    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs)
+    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs, options)
     return opened.backend, facts

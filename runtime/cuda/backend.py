@@ -20,8 +20,10 @@ from typing import Callable, Iterator
 from ...model_spec.config import spec_from_configs
 from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
+from .buffers import plan_activations
+from .engine import Engine
+from .options import EngineOptions
 from .runner import CudaRunner
-from .engine import Engine, plan_activations
 from .programs import MAX_BATCH
 from .kv_cache import default_ctx, fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
@@ -68,16 +70,12 @@ class CudaBackend(StreamingBackend):
         self.max_context = engine.ctx
         self.lm_head = engine.art.lm_head
         self.load_s = load_s
-        self._peak_used = self._used()
-
-    def _used(self) -> int:
-        free, total = self.device.mem_info()
-        return total - free
+        self.device.used()  # (the device keeps the peak seen: at load, at each request's end)
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> CudaRunner:
         """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes (its KV budget is the
         lanes', so `kv_tokens` is not used)."""
-        return CudaRunner(self, max_num_seqs)
+        return CudaRunner(self.engine, max_num_seqs)
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
@@ -105,7 +103,7 @@ class CudaBackend(StreamingBackend):
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:
         """Peak device memory in use seen at request ends (driver view: includes the CUDA context)."""
-        return max(self._peak_used, self._used())
+        return self.device.peak_used()
 
     def copy_bandwidth_gb_s(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
         """Device-to-device copy bandwidth (read + write bytes / s), best of `repeats`, measured now."""
@@ -141,7 +139,8 @@ class CudaBackend(StreamingBackend):
 def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
                  draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
                  kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False,
-                 max_num_seqs: int = 1, kv_cache_gib: float | None = None) -> CudaBackend:
+                 max_num_seqs: int = 1, kv_cache_gib: float | None = None,
+                 options: EngineOptions = EngineOptions()) -> CudaBackend:
     """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
 
     Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
@@ -175,7 +174,7 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     check_fits(need, free, f"weights ({gib(art.total_bytes)} GiB) + KV cache ({gib(kv.nbytes)} GiB, --ctx {ctx})")
     weights = upload_artifact(art, dev)
     try:
-        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes, pages=pages)
+        engine = Engine(spec, dev, manifest, art, weights, ctx, kv_dtype, lanes=lanes, pages=pages, options=options)
     except BaseException:
         weights.free()
         raise

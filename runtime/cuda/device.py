@@ -99,6 +99,7 @@ class Device:
     def __init__(self, info: DeviceInfo, handle: Any, ctx: Any) -> None:
         self.info, self._handle, self._ctx = info, handle, ctx
         self._closed = False
+        self._peak_used = 0
 
     @classmethod
     def open(cls, ordinal: int = 0) -> "Device":
@@ -142,6 +143,17 @@ class Device:
         """(free, total) device memory in bytes, as the driver sees it now."""
         free, total = check(driver().cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
+
+    def used(self) -> int:
+        """Device memory in use now (driver view: the CUDA context and other processes included); the peak of
+        what was seen is kept for `peak_used`."""
+        free, total = self.mem_info()
+        self._peak_used = max(self._peak_used, total - free)
+        return total - free
+
+    def peak_used(self) -> int:
+        """The most memory in use that `used()` saw, including now."""
+        return max(self._peak_used, self.used())
 
     def synchronize(self) -> None:
         check(driver().cuCtxSynchronize(), "cuCtxSynchronize")

@@ -135,3 +135,21 @@ class SeqPages:
         for p in self.pages:
             pool.drop(p)
         self.pages, self.registered, self._chain = [], 0, 0
+
+
+class Lane:
+    """One sequence's room in the KV cache (a runner's KV lane): who holds it, and what it still caches for the next holder."""
+
+    def __init__(self) -> None:
+        self.owner: str | None = None  # the running sequence's request id
+        self.seq = None  # that sequence (its tokens[:num_cached] are what the lane holds while it runs)
+        self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
+        self.last_written = -1  # the highest position written since they were (rejected drafts included)
+        self.freed_at = 0  # when it was last released (LRU among free lanes)
+        self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
+        self.draft_upto = 0  # the drafter context in this lane holds positions 0..draft_upto-1 (of those tokens)
+
+    def drafted(self, start: int, end: int, taps: bool) -> None:
+        """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
+        held every earlier position); without, it holds positions before `start` only."""
+        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)

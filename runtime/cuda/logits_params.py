@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import SamplingParams
+from ..backend import BackendError, SamplingParams
 
 LOGIT_ROW = np.dtype([("repetition_penalty", "<f8"), ("frequency_penalty", "<f8"), ("presence_penalty", "<f8"),
                       ("counts_offset", "<i4"), ("n_counts", "<i4"), ("bias_offset", "<i4"), ("n_bias", "<i4"),
@@ -130,3 +130,58 @@ def pack(rows: list[tuple[SamplingParams, TokenCounts | None, np.ndarray | None]
     return LogitsBatch(out, np.concatenate(counts) if counts else np.zeros(0, TOKEN_COUNT),
                        np.concatenate(biases) if biases else np.zeros(0, TOKEN_BIAS),
                        np.stack(masks) if masks else np.zeros((0, vocab // 32), np.uint32))
+
+
+def logprob_entry(ids: np.ndarray, lps: np.ndarray, chosen: np.ndarray, row: int, top: int) -> tuple:
+    """Row `row` of Engine.read_logits' arrays as a TokenLogprob: (its token's logprob, the `top` best
+    (id, logprob))."""
+    return float(chosen[row]), tuple((int(ids[row, j]), float(lps[row, j])) for j in range(top))
+
+
+class RequestLogits:
+    """A runner's logits processing: stages a step's rows for the engine (`stage`), and after the step checks the
+    rows' status and feeds each request's grammar, token counts and logprobs (`picked`). `engine`: set_logits and
+    read_logits of runtime/cuda/engine.Engine."""
+
+    def __init__(self, engine, vocab: int) -> None:
+        self.engine, self.vocab = engine, vocab
+        self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
+
+    def stage(self, seqs: list) -> bool:
+        """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the
+        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host."""
+        if not any(s.sampling.extended for s in seqs):
+            return False
+        rows = []
+        for s in seqs:
+            sp = s.sampling
+            if not sp.processed:
+                rows.append(None)
+                continue
+            counts = None
+            if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+                counts = self._counts.get(s.request_id)
+                if counts is None:
+                    counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
+            rows.append((sp, counts, None if s.matcher is None else s.matcher.allowed(self.vocab)))
+        self.engine.set_logits(pack(rows, self.vocab))
+        return True
+
+    def picked(self, seqs: list, tokens: list[int]) -> None:
+        """After a staged step: fail on a fully masked row, feed the grammars and counts, keep the logprobs."""
+        status, ids, lps, chosen = self.engine.read_logits(len(seqs))
+        for r, (s, tok) in enumerate(zip(seqs, tokens)):
+            if status[r]:
+                what = "the grammar allows no token" if status[r] & STATUS_NONE_ALLOWED else \
+                    "a processed logit is not finite (penalties overflowed)"
+                raise BackendError(f"request {s.request_id}: {what} at position {s.num_tokens}")
+            if s.matcher is not None:
+                s.matcher.accept(tok)
+            if s.request_id in self._counts:
+                self._counts[s.request_id].add(tok)
+            k = s.sampling.logprobs
+            if k is not None:
+                s.step_logprobs = [logprob_entry(ids, lps, chosen, r, k)]
+
+    def forget(self, request_id: str) -> None:
+        self._counts.pop(request_id, None)

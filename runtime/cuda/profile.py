@@ -13,11 +13,7 @@ from .graphs import CudaGraph
 def _bind_alone(eng: Engine, *op_lists: list) -> list[list[tuple[str, Any]]]:
     """Each op list bound for one stream with no PDL overlap, so that events (and per-kernel graphs) see each
     kernel alone."""
-    fork, pdl, eng.fork, eng.pdl = eng.fork, eng.pdl, False, False
-    try:
-        return [eng.bind(ops) for ops in op_lists]
-    finally:
-        eng.fork, eng.pdl = fork, pdl
+    return [eng.launches.bind(ops, alone=True) for ops in op_lists]
 
 
 def distinct_tokens(n: int, vocab: int, first: int = 0) -> np.ndarray:
@@ -42,8 +38,8 @@ def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 1
     (launches,) = _bind_alone(eng, eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
                               eng.fwd.ops(rows, decode=False, last=True))
     if rows == 1:
-        eng._stage(position, 0)
-        eng._graph(True).replay(eng.stream)  # every buffer holds the values of a real step
+        eng.steps.stage_row(position, 0)
+        eng.steps.row_graph(True).replay(eng.stream)  # every buffer holds the values of a real step
         return _graph_profile(eng, launches, replays)
     _stage(eng, ids=np.arange(rows), positions=np.arange(position, position + rows))
     return _eager_profile(eng, launches)

@@ -8,7 +8,6 @@ here: a program names its kernels, and their grids follow the planned rules in t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,9 +20,6 @@ from ..manifest import KernelEntry, KernelManifest
 from .kernels import Ptr
 
 NULL = Ptr(0)
-# THORGEN_ROWWISE_SPLITS=0: batched (rowwise) attention launches every planned split, as before the planner's
-# per-row-count table (the ablation in docs/BENCHMARKS.md measures one against the other in one run)
-ROWWISE_SPLITS_ON = os.environ.get("THORGEN_ROWWISE_SPLITS", "1") != "0"
 
 
 class Pointers(Protocol):
@@ -70,11 +66,13 @@ class Copy2D:
     height: int
 
 
-def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, int]:
+def _grid(e: KernelEntry, rows: int, rowwise: bool = False, splits: bool = True) -> tuple[int, int, int]:
     """Launch grid for `rows` rows, by the planner's rules in the manifest (codegen/families/__init__.py): the
     manifest's grid is sized for the kernel's maximum; ROW_AXIS kernels loop rows grid-stride (no more blocks than
     rows); ROW_GRID (axis, mul, div[, cap]) kernels need ceil(rows * mul / div) blocks on that axis, at most cap; a
-    rowwise launch (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2."""
+    rowwise launch (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2 (with
+    `splits`, EngineOptions.rowwise_splits; else every planned split, as before the planner's per-row-count table:
+    the ablation in docs/BENCHMARKS.md)."""
     g, p = list(e.grid), e.params
     if "ROW_AXIS" in p:
         g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
@@ -82,7 +80,7 @@ def _grid(e: KernelEntry, rows: int, rowwise: bool = False) -> tuple[int, int, i
     if rule:
         axis, mul, div, *cap = (int(v) for v in rule)
         g[axis] = min([-(-rows * mul // div), *cap])
-    if rowwise and p.get("ROWWISE_SPLITS") and ROWWISE_SPLITS_ON:
+    if rowwise and p.get("ROWWISE_SPLITS") and splits:
         g[2] = int(p["ROWWISE_SPLITS"][rows - 1])
     return g[0], g[1], g[2]
 

@@ -4,37 +4,21 @@ processing and the prefix cache."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 from ...model_spec.conventions import KV_PAGE, accepted_count
 from ..backend import BackendError
-from .engine import MAX_LOGIT_BIAS, BatchLaunch, SpecLaunch, logprob_entry
-from .kv_pages import PagePool, SeqPages
-from .logits_params import STATUS_NONE_ALLOWED, TokenCounts, pack
+from .buffers import MAX_LOGIT_BIAS
+from .dflash import SpecLaunch
+from .engine import Engine
+from .kv_pages import Lane, PagePool
+from .logits_params import RequestLogits
 from .speculative import BLOCK
+from .steps import BatchLaunch
 
 
 # a speculative sequence left behind by plain steps catches up when it may still decode a 16th of the positions
 CATCH_UP_RATIO = 16
-
-
-class _Lane:
-    """One sequence's room in the KV cache: who holds it, and what it still caches for the next holder."""
-
-    def __init__(self) -> None:
-        self.owner: str | None = None  # the running sequence's request id
-        self.seq = None  # that sequence (its tokens[:num_cached] are what the lane holds while it runs)
-        self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
-        self.last_written = -1  # the highest position written since they were (rejected drafts included)
-        self.freed_at = 0  # when it was last released (LRU among free lanes)
-        self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
-        self.draft_upto = 0  # the drafter context in this lane holds positions 0..draft_upto-1 (of those tokens)
-
-    def drafted(self, start: int, end: int, taps: bool) -> None:
-        """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
-        held every earlier position); without, it holds positions before `start` only."""
-        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)
 
 
 class _Launched(NamedTuple):
@@ -59,7 +43,7 @@ class _OneAhead(NamedTuple):
 
 class CudaRunner:
     """ModelRunner over the Engine: one KV lane per running sequence, chunked prefill interleaved with decode
-    steps batched over every running sequence (Engine.launch_batch, each launched one step ahead: _decode_batch),
+    steps batched over every running sequence (DecodeSteps.launch_batch, each launched one step ahead: _decode_batch),
     or a graphed one-sequence step when one runs. A plain one-sequence step decodes the token the previous step left
     in out_ids[0] when it follows a step of the same sequence; otherwise the input token is staged (4 bytes). So
     each one-sequence step is launched before the step before it is read (decode, _spec_decode: a DFlash step at
@@ -74,39 +58,39 @@ class CudaRunner:
 
     Speculative steps run while a speculative sequence decodes alone (batched steps are plain: above one sequence
     they are faster, docs/BENCHMARKS.md). Each lane holds its own sequence's drafter context (runtime/cuda/kv_cache.py)
-    and `_Lane.draft_upto` says how far it is current; a plain or batched step leaves it behind, and once the
+    and `Lane.draft_upto` says how far it is current; a plain or batched step leaves it behind, and once the
     sequence decodes alone again one tap prefill of the positions it missed (`_catch_up`) brings it back, when its
     cost is small beside the tokens still to come. A speculative request reuses a cached prefix as far as the
     drafter context of the lane it comes from covers it (its output is the same either way)."""
 
-    def __init__(self, backend: Any, max_num_seqs: int | None = None) -> None:
-        self.backend, self.engine = backend, backend.engine
+    def __init__(self, engine: Engine, max_num_seqs: int | None = None, launch_ahead: bool | None = None) -> None:
+        self.engine, self.steps, self.dflash = engine, engine.steps, engine.dflash
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
         # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
         self.prefill_chunk = self.engine.max_rows
         lanes = self.engine.lanes
         self.max_num_seqs = min(lanes, max_num_seqs or lanes)
-        self.max_context = backend.max_context
+        self.max_context = engine.ctx
         plan = self.engine.kv.plan
         # the paged layers' pool (the scheduler's block budget: it charges every page a sequence may hold)
         self.pool = PagePool(plan.pages) if plan.pages else None
-        self.kv_tokens = plan.pages * KV_PAGE if self.pool else self.max_num_seqs * backend.max_context
+        self.kv_tokens = plan.pages * KV_PAGE if self.pool else self.max_num_seqs * self.max_context
         self.verify_block = BLOCK if self.engine.speculative else 1
         # a step is launched before the one before it is read (_decode_batch, decode): one more position, or for a
         # DFlash step one more verify block (its start, pos + 1 .. pos + 16, is known on the device only)
         self.lookahead = self.verify_block
-        self._lanes = [_Lane() for _ in range(self.max_num_seqs)]
+        self._lanes = [Lane() for _ in range(self.max_num_seqs)]
         self._lane_of: dict[str, int] = {}
         self._on_device: tuple[str, int] | None = None  # (request, position) whose input token is in out_ids[0]
         self._params_for: str | None = None  # the request whose SampleParams fill params[] (one-sequence steps)
         self._ahead: _Launched | None = None  # the batched step launched before the last one's tokens were read
         self._one: _OneAhead | None = None  # the same for a one-sequence step (plain or DFlash)
-        # (THORGEN_AHEAD=0: every batched step is launched when scheduled, for A/B measurements)
-        self.launch_ahead = os.environ.get("THORGEN_AHEAD", "1") != "0"
+        # (off: every step is launched when scheduled, for A/B measurements; default: the engine's options)
+        self.launch_ahead = engine.options.launch_ahead if launch_ahead is None else launch_ahead
         self.ahead_steps = 0  # steps that were launched ahead (by the step before) and used
         self._joining: list[tuple[Any, int]] = []  # (sequence, first token) of this step's sampling prefills
         self._released = 0
-        self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
+        self.logits = RequestLogits(engine, engine.spec.target.vocab_size)
         self.copied_prefix_tokens = 0  # prefix-cache hits served by copying another lane's K/V
         self.caught_up_tokens = 0  # positions whose drafter context a catch-up prefill (_catch_up) restored
 
@@ -121,7 +105,7 @@ class CudaRunner:
             if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
                                    f"{MAX_LOGIT_BIAS}")
-        seq.prepare(self.backend.spec.target.vocab_size)
+        seq.prepare(self.engine.spec.target.vocab_size)
 
     def admit(self, seq, limit: int) -> int:
         want = seq.tokens[:seq.prefill_target]
@@ -130,7 +114,7 @@ class CudaRunner:
         shared = self.pool.matched(want, limit) if self.pool else None
         cap = limit if shared is None else len(shared) * KV_PAGE
 
-        def usable(lane: _Lane) -> int:
+        def usable(lane: Lane) -> int:
             """How many of `want`'s leading tokens the lane's rings can serve (a running lane: its sequence's)
             along with the cached pages."""
             have = lane.cached if lane.owner is None else lane.seq.tokens[:lane.seq.num_cached]
@@ -209,11 +193,11 @@ class CudaRunner:
             if start == end:
                 self._on_device = None
                 return None
-        ext = sample and self._stage_logits([seq])
+        ext = sample and self.logits.stage([seq])
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched,
                                   begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
         if ext:
-            self._picked([seq], [tok])
+            self.logits.picked([seq], [tok])
         lane.drafted(start, end, taps)
         lane.last_written = max(lane.last_written, end - 1)
         if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
@@ -230,7 +214,7 @@ class CudaRunner:
         one = self._take_one(seqs)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.covers(seqs):
-            self.engine.settle(ahead.launch)  # (its rows run again below: same inputs, same K/V, same tokens)
+            self.steps.settle(ahead.launch)  # (its rows run again below: same inputs, same K/V, same tokens)
             ahead = None
         if len(seqs) > 1 or ahead is not None:
             return self._decode_batch(seqs, ahead, joining, launched)
@@ -247,20 +231,20 @@ class CudaRunner:
         if one is None:
             staged = None if self._on_device == (seq.request_id, pos) else seq.output[-1]
             self._grow(i, pos + 1)
-            ext = self._stage_logits([seq])
-            one = self.engine.launch_one(pos, greedy, token=staged, lane=i, ext=ext)
+            ext = self.logits.stage([seq])
+            one = self.steps.launch_one(pos, greedy, token=staged, lane=i, ext=ext)
         lane.last_written = max(lane.last_written, pos)
         lane.drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
         nxt = None  # the next step, launched now: it decodes the token this one leaves in out_ids[0]
         if self.launch_ahead and not (ext or seq.speculative) and seq.room(self.max_context) >= 2:
             self._grow(i, pos + 2)
-            nxt = _OneAhead(seq.request_id, pos + 1, self.engine.launch_one(pos + 1, greedy, lane=i))
+            nxt = _OneAhead(seq.request_id, pos + 1, self.steps.launch_one(pos + 1, greedy, lane=i))
             lane.last_written = max(lane.last_written, pos + 1)
         if launched is not None:
             launched()
-        (new,) = self.engine.wait_batch(one)
+        (new,) = self.steps.wait(one)
         if ext:
-            self._picked([seq], [new])
+            self.logits.picked([seq], [new])
         self._one, self._on_device = nxt, (seq.request_id, pos + 1) if nxt is None else None
         return [([new], False)]
 
@@ -272,7 +256,7 @@ class CudaRunner:
         most, k = 1 + (seq.sampling.draft_tokens or BLOCK - 1), self.engine.emulate_acceptance
         if cur is None:
             self._grow(i, pos + BLOCK)
-            cur = self.engine.spec_launch(pos, seq.output[-1], greedy, lane=i, most=most, emulate=k)
+            cur = self.dflash.launch(pos, seq.output[-1], greedy, lane=i, most=most, emulate=k)
         lane.last_written = max(lane.last_written, pos + BLOCK - 1)
         nxt = None
         # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
@@ -280,11 +264,11 @@ class CudaRunner:
         if self.launch_ahead and (self.engine.draft_hook is None or hook_start is not None) and room >= 2 \
                 and pos + 2 * BLOCK <= self.max_context:
             self._grow(i, pos + 2 * BLOCK)  # (its block starts at pos + 1 .. pos + BLOCK)
-            nxt = self.engine.spec_launch(None, greedy=greedy, hook_start=hook_start)
+            nxt = self.dflash.launch(None, greedy=greedy, hook_start=hook_start)
             lane.last_written = max(lane.last_written, pos + 2 * BLOCK - 1)
         if launched is not None:
             launched()
-        drafts, target, accepted = self.engine.spec_wait(cur)
+        drafts, target, accepted = self.dflash.wait(cur)
         # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
         new = target[:accepted_count(drafts, target, most, k)]
         # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
@@ -307,7 +291,7 @@ class CudaRunner:
         return None
 
     def _settle(self, one: _OneAhead) -> None:
-        self.engine.settle(one.launch)
+        self.steps.settle(one.launch)
         self._on_device = None  # (it wrote its token into out_ids[0])
 
     def _catch_up(self, seq, i: int, pos: int) -> bool:
@@ -343,16 +327,16 @@ class CudaRunner:
             self.ahead_steps += 1
         else:
             rows = [(self._lane_of[s.request_id], s.num_tokens - 1, s.output[-1], s) for s in seqs]
-            ext = self._stage_logits(seqs)
+            ext = self.logits.stage(seqs)
             cur = self._launch(rows, {}, ext)
         nxt = None if ext else self._launch_next(seqs, cur, joining)
         if launched is not None:
             launched()
-        tokens = self.engine.wait_batch(cur.launch)
+        tokens = self.steps.wait(cur.launch)
         self._ahead = nxt
         new = [tokens[cur.rows[s.request_id][0]] for s in seqs]
         if ext:
-            self._picked(seqs, new)
+            self.logits.picked(seqs, new)
         return [([t], False) for t in new]
 
     def _launch_next(self, seqs: list, cur: _Launched, joining: list) -> _Launched | None:
@@ -375,52 +359,15 @@ class CudaRunner:
             self._grow(i, pos + 1)
             self._lanes[i].last_written = max(self._lanes[i].last_written, pos)
             self._lanes[i].drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
-        launch = self.engine.launch_batch([(i, pos, tok, None if s.sampling.greedy else s.sampling)
+        launch = self.steps.launch_batch([(i, pos, tok, None if s.sampling.greedy else s.sampling)
                                            for i, pos, tok, s in rows], carried, ext=ext)
         self._on_device = None  # out_ids[0] holds row 0's token
         if any(not s.sampling.greedy for _, _, _, s in rows):
             self._params_for = None  # the step wrote every row's parameters
         return _Launched(launch, {s.request_id: (r, pos) for r, (_, pos, _, s) in enumerate(rows)})
 
-    def _stage_logits(self, seqs: list) -> bool:
-        """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the
-        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host."""
-        if not any(s.sampling.extended for s in seqs):
-            return False
-        vocab, rows = self.backend.spec.target.vocab_size, []
-        for s in seqs:
-            sp = s.sampling
-            if not sp.processed:
-                rows.append(None)
-                continue
-            counts = None
-            if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
-                counts = self._counts.get(s.request_id)
-                if counts is None:
-                    counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, vocab)
-            mask = None if s.matcher is None else s.matcher.allowed(vocab)
-            rows.append((sp, counts, mask))
-        self.engine.set_logits(pack(rows, vocab))
-        return True
-
-    def _picked(self, seqs: list, tokens: list[int]) -> None:
-        """After an ext step: fail on a fully masked row, feed the grammars and counts, keep the logprobs."""
-        status, ids, lps, chosen = self.engine.read_logits(len(seqs))
-        for r, (s, tok) in enumerate(zip(seqs, tokens)):
-            if status[r]:
-                what = "the grammar allows no token" if status[r] & STATUS_NONE_ALLOWED else \
-                    "a processed logit is not finite (penalties overflowed)"
-                raise BackendError(f"request {s.request_id}: {what} at position {s.num_tokens}")
-            if s.matcher is not None:
-                s.matcher.accept(tok)
-            if s.request_id in self._counts:
-                self._counts[s.request_id].add(tok)
-            k = s.sampling.logprobs
-            if k is not None:
-                s.step_logprobs = [logprob_entry(ids, lps, chosen, r, k)]
-
     def release(self, seq, finished: bool) -> None:
-        self._counts.pop(seq.request_id, None)
+        self.logits.forget(seq.request_id)
         if self._one is not None and self._one.request_id == seq.request_id:
             # it ended with its next step in flight: nobody reads that step (waited for at the next call, it wrote
             # only positions past the committed ones: of its own pages, or another holder's after them in the stream)
@@ -439,4 +386,4 @@ class CudaRunner:
                 lane.pages.release(self.pool)
             self._released += 1
             lane.freed_at = self._released
-        self.backend._peak_used = max(self.backend._peak_used, self.backend._used())
+        self.engine.device.used()  # (the device keeps the peak for bench's report)

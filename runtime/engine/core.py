@@ -139,6 +139,14 @@ class EngineCore:
     def unfinished(self) -> int:
         return self.scheduler.unfinished
 
+    def health(self) -> dict:
+        """What a health report shows of the core: the scheduler's KV blocks (the cuda runner's pages) and the
+        positions whose drafter context a catch-up prefill restored. Plain ints, safe to read between steps or
+        during one."""
+        pool = self.scheduler.pool
+        return {"kv": {"blocks": pool.num_blocks, "used": pool.used, "block_tokens": pool.block_size},
+                "catch_up_tokens": self.runner.caught_up_tokens}
+
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One engine step. `launched()` runs once, as soon as the step's first device work is enqueued (or at
         the end of a step without any): the client streams the previous step's outputs there, beside the GPU."""

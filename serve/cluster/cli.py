@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from ...runtime.api import engine_option_flags
+
 
 @click.command(help="Serve N engine replicas (one GPU each, or CPU-only with --backend reference) on Ray Serve "
                     "behind one OpenAI-compatible endpoint, routing each conversation to the replica that holds "
@@ -42,11 +44,12 @@ import click
               help="Seconds in-flight requests may take to finish on shutdown.")
 @click.option("--max-num-seqs", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests each replica's engine decodes together (as `thorgen serve`).")
+@engine_option_flags
 def cluster(model_dir: Path | None, draft_dir: Path | None, backend: str, replicas: int | None,
             ray_address: str | None, host: str, port: int, ctx: int | None, kv_dtype: str,
             draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...], model_name: str | None,
             weights: Path | None, kernel_dir: Path | None, cpus_per_replica: float, max_ongoing: int,
-            block_tokens: int, max_imbalance: int, drain_timeout: float, max_num_seqs: int) -> None:
+            block_tokens: int, max_imbalance: int, drain_timeout: float, max_num_seqs: int, engine_options) -> None:
     import ray
     from ray import serve
 
@@ -61,7 +64,8 @@ def cluster(model_dir: Path | None, draft_dir: Path | None, backend: str, replic
     demo = model_dir is None
     folder = ensure_demo_checkpoint() if demo else model_dir.resolve()
     config = EngineConfig(folder, backend, ctx if ctx or not demo else 2048, kv_dtype,
-                          draft_dir.resolve() if draft_dir else None, weights, kernel_dir, max_num_seqs=max_num_seqs)
+                          draft_dir.resolve() if draft_dir else None, weights, kernel_dir, max_num_seqs=max_num_seqs,
+                          options=engine_options)
     off = draft_tokens == 0 or (draft_tokens is None and demo)  # as `thorgen serve` (any N > 0: the full block)
     ray.init(address=ray_address, include_dashboard=False if ray_address is None else None)
     if replicas is None:

@@ -1,7 +1,7 @@
-"""Probe (issue 10, session 30): the 16-row MoE kernels (moe_gateup, moe_down_pairs) and variants of them, timed alone
+"""Probe: the 16-row MoE kernels (moe_gateup, moe_down_pairs) and variants of them, timed alone
 on three routings of 16 tokens, each output checked bit for bit against the first kernel of its kind (HEAD's).
 Routings (4 of each, rotated so that consecutive launches read other experts): "pool32" (32 experts, each chosen by
-4 tokens: session 29's verify graph routed 32 on 16 distinct tokens), "hot" (11 experts, most chosen by more than
+4 tokens: the verify graph once routed 32 on 16 distinct tokens), "hot" (11 experts, most chosen by more than
 8 tokens: two passes), "random" (8 distinct experts a token drawn uniformly: ~80 experts).
 Not part of the engine: a measurement for docs/benchmarks/NOTES.md. The variants' template options (ring, walk,
 ahead) exist at commit fe07606 only (VARIANTS=c3, the default), the blocks of several one-warp items (wpb) at 2740d14

@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 from cuda.bindings import driver as cu
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
+from probe_common import decode, spec_step
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine
@@ -11,16 +12,16 @@ P = len(prompt)
 what = os.environ.get("NCU_WHAT", "decode,spec").split(",")
 eng.prefill(prompt, True)
 for i in range(4):
-    eng.decode(P + i, True)
+    decode(eng, P + i)
 if "decode" in what:
     cu.cuProfilerStart()
-    eng.decode(P + 4, True)
+    decode(eng, P + 4)
     cu.cuProfilerStop()
 if "spec" in what and eng.speculative:
     eng.prefill(prompt, True, taps=True)
     for i in range(3):
-        eng.spec_step(P + 16 * i, 1000, True)
+        spec_step(eng, P + 16 * i, 1000)
     cu.cuProfilerStart()
-    eng.spec_step(P + 48, 1000, True)
+    spec_step(eng, P + 48, 1000)
     cu.cuProfilerStop()
 print("ncu probe done")

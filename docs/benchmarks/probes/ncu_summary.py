@@ -22,7 +22,7 @@ def stall_shares(raw_path):
     for r in table[2:]:  # row 1 holds the units
         counts = {}
         for h, v in zip(head, r):
-            # the sampled stall counts, or (WarpStateStats alone, session 29) the average stalled warps per issue
+            # the sampled stall counts, or (WarpStateStats alone) the average stalled warps per issue
             if "pcsamp_warps_issue_stalled" in h and not h.endswith("not_issued"):
                 name = h.replace("smsp__pcsamp_warps_issue_stalled_", "")
             elif h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("_per_issue_active.ratio"):

@@ -1,4 +1,4 @@
-"""Probe (issue 10): the verify (16-row) graph with every launch of one kernel family run twice (back to back, same
+"""Probe: the verify (16-row) graph with every launch of one kernel family run twice (back to back, same
 arguments), for the families whose launches are idempotent (no in-place update). The replay time added is that
 family's marginal cost inside the graph, with the step's data unchanged (leaving a family out, as probe_drop.py does
 for decode, changes the verify's routing and so the MoE's cost: drops of -443 to +932 us). The second run finds its
@@ -13,7 +13,7 @@ from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from thorgen.runtime.cuda.profile import distinct_tokens
 from thorgen.runtime.cuda.speculative import BLOCK, DraftForward
 from thorgen.model_spec.step_program import Op
-from probe_common import graph_replay_us
+from probe_common import graph_replay_us, spec_step
 
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
 eng = b.engine
@@ -21,7 +21,7 @@ prompt = synthetic_prompt(b.spec, 512)
 P = len(prompt)
 eng.prefill(prompt, True, taps=True)
 for i in range(4):
-    eng.spec_step(P + 16 * i, 1000, True)
+    spec_step(eng, P + 16 * i, 1000)
 eng.stream.synchronize()
 # what the timed verify steps route: the block's 16 tokens (last + 15 drafts) and layer 29's experts
 ids = eng.act["ids"].download(np.int32, (16,))

@@ -1,9 +1,9 @@
-"""Probe (issue 10, session 31): where a speculative step's time goes between graphs. Runs greedy DFlash
+"""Probe: where a speculative step's time goes between graphs. Runs greedy DFlash
 generations (emulated acceptance PROBE_ACCEPT, default 6) with the one-sequence steps launched ahead or not
-(THORGEN_AHEAD), keeps every step's timing events (draft start, verify start, verify end), and reports per step the
+(EngineOptions.launch_ahead), keeps every step's timing events (draft start, verify start, verify end), and reports per step the
 draft and verify GPU ms, the GPU idle gap from one step's verify end to the next step's draft start, and the wall
 ms per step the client sees. Not part of the engine; run on the GPU box like probe_spec.py."""
-import json, os, statistics, time
+import dataclasses, json, os, statistics, time
 from pathlib import Path
 
 from thorgen.runtime.backend import SamplingParams
@@ -14,10 +14,10 @@ eng = b.engine
 eng.emulate_acceptance = int(os.environ.get("PROBE_ACCEPT", "6"))
 prompt = synthetic_prompt(b.spec, 512)
 made = []
-real_launch = eng.spec_launch
+real_launch = eng.dflash.launch
 
 
-def kept_launch(*a, **k):  # each step's timing events survive spec_wait's destroy, to be read after the run
+def kept_launch(*a, **k):  # each step's timing events survive the wait's destroy, to be read after the run
     launch = real_launch(*a, **k)
     for ev in launch.timing:
         ev.destroy = lambda: None
@@ -25,10 +25,10 @@ def kept_launch(*a, **k):  # each step's timing events survive spec_wait's destr
     return launch
 
 
-eng.spec_launch = kept_launch
+eng.dflash.launch = kept_launch
 out = {}
 for ahead in os.environ.get("PROBE_AHEAD", "0,1,0,1").split(","):
-    os.environ["THORGEN_AHEAD"] = ahead
+    eng.options = dataclasses.replace(eng.options, launch_ahead=ahead == "1")  # (read by each new runner)
     made.clear()
     eng.spec_timing = []
     walls, t = [], None

@@ -1,4 +1,4 @@
-"""Probe (issue 10): where a batch-1 decode step's time goes on the GPU. Per variant (fork / PDL on or off, the
+"""Probe: where a batch-1 decode step's time goes on the GPU. Per variant (fork / PDL on or off, the
 decode graph captured again): the host loop as `thorgen bench` runs it (stage, replay, read the token, per step),
 back-to-back replays of the graph (GPU time), and stage + replay with no read (what launching ahead would leave);
 then the DFlash draft and verify graphs. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on
@@ -7,7 +7,7 @@ with THORGEN_KERNELS naming a full-size build (PROBE_VARIANTS, PROBE_JSON: which
 import json, os, time
 from pathlib import Path
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
-from probe_common import spec_step_times
+from probe_common import decode, spec_step_times, use_variant
 
 out = {}
 b, facts = open_for_bench("cuda", Path("/tmp/full"), None, "bf16")
@@ -16,25 +16,19 @@ prompt = synthetic_prompt(b.spec, 512)
 P = len(prompt)
 
 
-def reset_graphs():
-    for g in eng._graphs.values():
-        g.destroy()
-    eng._graphs.clear()
-
-
 def host_loop(n=200):
     eng.prefill(prompt, True)
     for i in range(8):
-        eng.decode(P + i, True)
+        decode(eng, P + i)
     t = time.perf_counter()
     for i in range(8, 8 + n):
-        eng.decode(P + i, True)
+        decode(eng, P + i)
     return (time.perf_counter() - t) / n * 1e3
 
 
 def replays(n=200):
-    g = eng._graph(True)
-    eng._stage(P + 8, None)
+    g = eng.steps.row_graph(True)
+    eng.steps.stage_row(P + 8, None)
     g.replay(eng.stream)
     e0, e1 = eng.device.event(), eng.device.event()
     eng.stream.synchronize()
@@ -49,12 +43,12 @@ def replays(n=200):
 
 def staged_replays(n=200):
     """Stage + replay per step, no sync (what launching ahead would leave)."""
-    g = eng._graph(True)
+    g = eng.steps.row_graph(True)
     e0, e1 = eng.device.event(), eng.device.event()
     eng.stream.synchronize()
     e0.record(eng.stream)
     for i in range(n):
-        eng._stage(P + 8 + i, None)
+        eng.steps.stage_row(P + 8 + i, None)
         g.replay(eng.stream)
         if i % 100 == 99:
             eng.stream.synchronize()
@@ -67,13 +61,11 @@ ALL = [("default", True, True), ("nofork", False, True), ("nopdl", True, False),
        ("default2", True, True)]
 want = os.environ.get("PROBE_VARIANTS", "default,nofork,nopdl,neither,default2").split(",")
 for name, fork, pdl in [v for v in ALL if v[0] in want]:
-    eng.fork, eng.pdl = fork and eng.fork, pdl and eng.pdl
-    f0, p0 = eng.fork, eng.pdl
-    reset_graphs()
+    use_variant(eng, fork, pdl)
     r = {"host_loop_ms": host_loop(), "replay_ms": replays(), "staged_replay_ms": staged_replays()}
     out[name] = r
     print(name, json.dumps(r), flush=True)
-    eng.fork, eng.pdl = True, bool(eng.manifest.conventions.get("pdl", False))
+    use_variant(eng, True, True)
 
 if eng.speculative:
     out.update(spec_step_times(eng, prompt))

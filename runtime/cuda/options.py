@@ -1,0 +1,32 @@
+"""Runtime stage: `EngineOptions`, the CUDA engine's typed switches (each on by default; off for A/B timing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def _switch(help: str) -> bool:
+    return field(default=True, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the CUDA engine launches its work. Every switch keeps the engine's output the same; turning one off
+    measures what it buys (docs/BENCHMARKS.md). The reference backend ignores them."""
+
+    pdl: bool = _switch("cuda: programmatic dependent launch between consecutive kernels, where the kernels allow it")
+    fork: bool = _switch("cuda: the dense MLP on a side stream beside router + MoE (off: one stream)")
+    launch_ahead: bool = _switch(
+        "cuda: launch each decode step (batched, one-sequence or DFlash) before the step before it is read, its "
+        "input tokens carried on the device (off: each step is launched when it is scheduled)")
+    rowwise_splits: bool = _switch(
+        "cuda: batched-decode attention over the planner's key-split count for the batch's rows (off: every "
+        "planned split)")
+
+    @staticmethod
+    def flags() -> list[tuple[str, str, str]]:
+        """(field name, command-line switch, help) of each option: `--pdl/--no-pdl` and so on."""
+        return [(f.name, f.name.replace("_", "-"), f.metadata["help"]) for f in fields(EngineOptions)]
+
+
+__all__ = ["EngineOptions"]
