@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..arch import ArchSpec
-from ..plan import PlanError
+from ..kernel_spec import PlanError
 from . import MAX_STEP_TOKENS
 
 
