@@ -1,4 +1,4 @@
-"""Codegen stage: small helpers shared by the family planners (block sizes, name tags, row-kernel grids)."""
+"""Codegen stage: small functions the families share (block sizes, name tags, row-kernel grids)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ TK = 32
 # Key tiles a split part holds at least, for one query (a decode step, a batched step's row: the same partition in
 # both, for batch invariance). A batched step pays a part's fixed cost (partial write, state restart, merge) per part,
 # the one-query decode gains blocks from small parts; the full layers' parts (head dim 512, 8 query heads a KV head)
-# cost the most. Measured on the H200: docs/benchmarks/NOTES.md, session 24.
+# cost the most. Measured on the H200 (docs/benchmarks/NOTES.md).
 TPP_SLIDING, TPP_FULL = 2, 4
 FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "pages", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")

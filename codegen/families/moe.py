@@ -35,7 +35,7 @@ DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # An expert's pairs a pass over its weights (moe_small.cuh): 8 = one token group of the swapped mma. 16 (two groups,
 # one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
-# 2026-12-02, call 2: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
+# 2026-12-02: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
 PASS_WIDTH = 8
 
 
@@ -66,10 +66,10 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     pf = prefetch(math.ceil(steps_gu / ks), arch)
     # Many rows on a deep-prefetch arch: 2 steps in flight a warp (16 rows, H200, router-like routing, 2026-12-01:
     # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4).
-    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
-    # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
+    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (8 distinct
+    # experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
     # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
-    # UN 1 x PF 4, the one-token blocking until session 22, 139; the one-token step measured the same at KS 4 x
+    # UN 1 x PF 4, the one-token step's former blocking, 139; the one-token step measured the same at KS 4 x
     # PF 2, 280.6 us a step either way).
     un = 1
     if arch.prefetch_depth >= 4:

@@ -37,7 +37,7 @@ from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
 # router_logits' token groups (a verify step's 16 tokens; a 32-row batched step loops 2 a block: 32 groups, a block
-# a row, measured slower on the H200, 461 against 420 us a step, session 20 call 3)
+# a row, measured slower on the H200, 461 against 420 us a step)
 LM_TOKENS = 16
 TOPK_WARPS = 4  # router_topk: a warp a token, 4 tokens a block
 TILE_T, TILE_E = 16, 32  # router_logits_tiled: tokens x experts a block (experts: at most); a warp per 8 x 8 of them
