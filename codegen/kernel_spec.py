@@ -9,6 +9,10 @@ from dataclasses import dataclass
 _MISSING = object()
 
 
+class PlanError(ValueError):
+    """The planner cannot size a kernel for this spec/arch (divisibility, shared memory, threads)."""
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel instance: rendered from `template` with `params`, launched with `grid` x `block`.

@@ -5,21 +5,28 @@ with rope_kv folded in (each head's last block runs its warp), the split-K decod
 same launch), the o_proj GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE
 pair; for more rows attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused
 q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
-Kernels are chosen among the planned ones by template + constants; arguments are symbols (`Sym`: an activation row, a
+Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py), and the
+plan (codegen/plan.py) is the set of kernels these forwards launch; arguments are symbols (`Sym`: an activation row, a
 weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few
-row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/cuda/programs.py) only binds and
-runs them. A missing kernel aborts that forward (`Missing`) and is named in `missing`.
+row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/cuda/programs.py) only
+binds and runs them. Lowered against a given kernel list, a kernel absent from it aborts that forward (`Missing`)
+and is named in `missing`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..model_spec.conventions import KV_PAGE, MAX_BATCH, ring_slots
+from ..model_spec.conventions import MAX_BATCH
 from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
+from .arch import ArchSpec
+from .families import embedding, lm_head, lm_logits, moe, moe_grouped, norms, rope_kv, router
+from .families.attention import attn_combine, target_attention
+from .families.matmul import gemm_large, gemv_attn_tail, target_gemm
+from .kernel_spec import KernelSpec, PlanError
 
 MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 kernels; batched steps of more, the M = MAX_BATCH ones
 
@@ -78,58 +85,48 @@ class Symbols:
         return LaneBytes(layer, "drafter")
 
 
-@dataclass(frozen=True)
-class KView:
-    """What lowering needs of a planned kernel (its manifest entry's fields)."""
-
-    name: str
-    template: str
-    params: dict = field(hash=False)
-    args: tuple[str, ...] = ()
-
-
 class Missing(Exception):
-    """A kernel lookup failed (recorded in Lower.missing); aborts lowering that forward."""
-
-
-def need(entry: KView | None) -> KView:
-    if entry is None:
-        raise Missing()
-    return entry
+    """A launch's kernel is absent from the kernel list lowered against (recorded in Lower.missing); aborts lowering
+    that forward."""
 
 
 class Lower:
-    """Lowers forwards of one model onto its planned kernels; `missing` lists kernels looked up in vain."""
+    """Lowers forwards of one model onto the kernels its families give for them (`launched`: every kernel used, in
+    order of first use). With `available` (a kernel list), a kernel not in it is recorded in `missing`."""
 
-    def __init__(self, spec: ModelSpec, kernels: list[KView], kv_dtype: str, max_rows: int) -> None:
-        self.spec, self.kernels, self.kv_dtype, self.max_rows = spec, kernels, kv_dtype, max_rows
+    def __init__(self, spec: ModelSpec, arch: ArchSpec, kv_dtype: str, max_rows: int,
+                 available: list[KernelSpec] | None = None) -> None:
+        self.spec, self.arch, self.kv_dtype, self.max_rows = spec, arch, kv_dtype, max_rows
+        self.available = None if available is None else {k.name: k for k in available}
+        self.launched: dict[str, KernelSpec] = {}
         self.missing: list[str] = []
         self.ptr = Symbols()
-        self.probing = False  # a missing kernel becomes a stub, so every other lookup still runs and is recorded
-        self._found: dict[tuple, KView | None] = {}
+        self.probing = False  # a missing kernel is still returned, so every other one is looked at and recorded
         self._taps = False
 
-    # ---- kernel lookup ----------------------------------------------------------------------------------------------
-    def find(self, template: str, what: str, **params: Any) -> KView | None:
-        """The kernel built from `template` whose constants include `params`; records `what` when absent."""
-        key = (template, tuple(sorted(params.items())))
-        if key not in self._found:  # (a forward looks up the same few kernels per layer, programs.py many forwards)
-            self._found[key] = next((k for k in self.kernels if k.template == template
-                                     and all(k.params.get(n) == v for n, v in params.items())), None)
-        if self._found[key] is not None:
-            return self._found[key]
-        self.missing.append(f"{what} ({template} with {params})")
-        return KView(f"<missing {what}>", template, {}, ()) if self.probing else None
+    # ---- kernels ----------------------------------------------------------------------------------------------------
+    def use(self, kernel: KernelSpec, what: str) -> KernelSpec:
+        """`kernel` (from its family) as a launch's kernel: recorded in `launched`; with a kernel list, Missing
+        (recorded in `missing`) when the list lacks it, PlanError when the list holds another kernel of its name."""
+        if self.available is not None:
+            have = self.available.get(kernel.name)
+            if have is None:
+                self.missing.append(f"{what} ({kernel.name})")
+                if not self.probing:
+                    raise Missing()
+            elif have != kernel:
+                raise PlanError(f"{what}: the kernel list's {kernel.name} is not the one its family gives")
+        if self.launched.setdefault(kernel.name, kernel) != kernel:
+            raise PlanError(f"{what}: two different kernels share the name {kernel.name}")
+        return kernel
 
-    def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KView:
+    def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KernelSpec:
         """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
         read once for all rows), else the prefill GEMM."""
         if rows > MOE_SLICE and not batched:
-            e = self.find("nvfp4_gemm_large.cu.j2", f"prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
-        else:
-            mmax = small_mmax(rows)
-            e = self.find("nvfp4_gemm.cu.j2", f"GEMM n={n} k={k} m<={mmax}", n=n, k=k, epi=epi, mmax=mmax)
-        return need(e)
+            return self.use(gemm_large(n, k, epi, self.arch), f"prefill GEMM n={n} k={k}")
+        mmax = small_mmax(rows)
+        return self.use(target_gemm(n, k, mmax, epi, self.arch), f"GEMM n={n} k={k} m<={mmax}")
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
@@ -152,11 +149,10 @@ class Lower:
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         H, ops = t.hidden_size, []
         self._taps = taps
-        emb = need(self.find("embed.cu.j2", "embedding", H=H, V=t.vocab_size, MASK_ID=-1, OUT="f32",
-                             SCALE=float(t.embed_scale)))
+        emb = self.use(embedding.target_embed(self.spec, self.arch), "embedding")
         ops.append(Op("embed", emb, dict(ids=A("out_ids") if decode else A("ids"), table=W("embed_tokens.weight"),
                                          out=A("x"), T=rows), rows))
-        norm = need(self.find("rmsnorm.cu.j2", "rmsnorm f32->f16", H=H, IN="f32", OUT="f16", EPS=t.rms_norm_eps))
+        norm = self.use(norms.rmsnorm_kernel(H, t.rms_norm_eps, self.arch, inp="f32"), "rmsnorm f32->f16")
         ops.append(Op("input_norm", norm, dict(x=A("x"), w=W("layers.0.input_layernorm.weight"), y=A("a"), T=rows),
                       rows))
         for l in range(t.num_hidden_layers):
@@ -198,42 +194,42 @@ class Lower:
     def _pick_ops(self, n: int, logits: Sym, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
         """Argmax (or the sampler with params[r0..], at positions[max_rows+r0..]) of the n logits rows from
         `logits` into out_ids[0..n)."""
-        A, V = self.ptr.A, self.spec.target.vocab_size
+        A = self.ptr.A
         if greedy:
-            am = need(self.find("lm_argmax.cu.j2", "greedy argmax", V=V))
+            am = self.use(lm_head.lm_argmax(self.spec, self.arch), "greedy argmax")
             return [Op("argmax", am, dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"),
                                           out_ids=out_ids, T=n), n)]
         common = dict(logits=logits, params=A("params", r0), positions=A("positions", self.max_rows + r0),
                       workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, status=A("status", r0), T=n)
         ops = []
         for stage in ("prep", "select", "finish"):
-            k = need(self.find("lm_sample.cu.j2", f"sampler {stage}", V=V, STAGE=stage))
+            k = self.use(lm_head.lm_sample(self.spec, self.arch, stage), f"sampler {stage}")
             ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
         return ops
 
     def _ext_head_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
-        A, V = self.ptr.A, self.spec.target.vocab_size
-        proc = need(self.find("lm_process.cu.j2", "logits processing", V=V))
+        A = self.ptr.A
+        proc = self.use(lm_logits.lm_process(self.spec, self.arch), "logits processing")
         ops = [Op("lm_process", proc, dict(logits=A("logits"), rows=A("logit_rows", r0), counts=A("logit_counts"),
                                            biases=A("logit_biases"), masks=A("logit_masks"), out=A("processed"),
                                            counters=A("proc_counters"), status=A("proc_status", r0), T=n), n)]
         common = dict(logits=A("processed"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
                       workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, best=A("best"),
                       status=A("status", r0), T=n)
-        stages = [("lm_pick.cu.j2", "argmax")] if greedy else \
-            [("lm_pick.cu.j2", "prep"), ("lm_sample.cu.j2", "select"), ("lm_pick.cu.j2", "finish")]
-        for template, stage in stages:
-            k = need(self.find(template, f"processed pick {stage}", V=V, STAGE=stage))
+        pick, sample = lm_logits.lm_pick, lm_head.lm_sample  # (select never reads the logits: the sampler's)
+        stages = [(pick, "argmax")] if greedy else [(pick, "prep"), (sample, "select"), (pick, "finish")]
+        for kernel, stage in stages:
+            k = self.use(kernel(self.spec, self.arch, stage), f"processed pick {stage}")
             ops.append(Op(f"pick_{stage}", k, {a: common[a] for a in k.args}, n))
         return ops + self._logprobs_ops(n, out_ids, r0)
 
     def _logprobs_ops(self, n: int, out_ids: Sym, r0: int) -> list[Op]:
         """Each row's top-20 logprobs of the softcapped logits, and the logprob of the id in out_ids[row]."""
-        A, V, ops = self.ptr.A, self.spec.target.vocab_size, []
+        A, ops = self.ptr.A, []
         lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
                   top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
         for stage in ("prep", "finish"):
-            k = need(self.find("lm_logprobs.cu.j2", f"logprobs {stage}", V=V, STAGE=stage))
+            k = self.use(lm_logits.lm_logprobs(self.spec, self.arch, stage), f"logprobs {stage}")
             ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))
         return ops
 
@@ -257,31 +253,27 @@ class Lower:
         nq, nk, has_v = hq * hd, hkv * hd, t.layer_has_v_proj(l)
         qkv, kind, ops = f"{p}self_attn.qkv_proj", "f" if t.is_full(l) else "s", []
         n_qkv = nq + nk * (2 if has_v else 1)
-        window = t.layer_window(l) or 0
-        ring = ring_slots(window, self.max_rows) if window else 0
-        page = 0 if window else KV_PAGE  # full layers: paged, each row's lane a row of the page table kv_pages
-        pages = A("kv_pages") if page else NULL
-        rope_params = dict(HQ=hq, HKV=hkv, D=hd, HAS_Q=True, KV=self.kv_dtype, V_FROM_K=not has_v, V_NORM=True,
-                           SLOTS=ring, PAGE=page, THETA=t.layer_rope(l).rope_theta)
+        # full layers: paged, each row's lane a row of the page table kv_pages
+        pages = NULL if t.layer_window(l) else A("kv_pages")
         prologue = dict(q_norm_w=W(f"{p}self_attn.q_norm.weight"), k_norm_w=W(f"{p}self_attn.k_norm.weight"),
                         positions=A("positions"), q_out=A("q"), k_cache=self.ptr.KV(l, "k"),
                         v_cache=self.ptr.KV(l, "v"), lanes=A("lanes"), lane_bytes=self.ptr.lane_bytes(l), pages=pages)
         if rows == 1:  # one launch: the GEMV whose last block of each head runs rope_kv's warp for it (same bits)
-            fold = need(self.find("nvfp4_gemm.cu.j2", f"q|k|v GEMV + rope_kv layer kind {kind}", n=n_qkv, k=H,
-                                  mmax=1, epi="rope_kv", **rope_params))
+            fold = self.use(rope_kv.target_gemv_rope_kv(self.spec, self.arch, l, self.kv_dtype),
+                            f"q|k|v GEMV + rope_kv layer kind {kind}")
             ops.append(Op(f"{p}qkv_rope", fold, dict(self._gemm_args(qkv, rows, A("a"), A("qkv")), **prologue,
                                                      counters=A("qkv_cnt")), rows))
         else:
             ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
             base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
-            rope = need(self.find("rope_kv.cu.j2", f"rope_kv layer kind {kind}", **rope_params))
+            rope = self.use(rope_kv.target_rope_kv(self.spec, self.arch, l, self.kv_dtype),
+                            f"rope_kv layer kind {kind}")
             ops.append(Op(f"{p}rope_kv", rope, dict(q_raw=base, k_raw=base + 4 * nq,
                                                     v_raw=base + 4 * (nq + nk) if has_v else NULL, **prologue,
                                                     q_stride=n_qkv, kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
-        attn = need(self.find("attn_fwd.cu.j2", f"attention layer kind {kind} m<={16 if small else 'prefill'}",
-                              d=hd, hq=hq, hkv=hkv, window=window, ring=ring, page=page, causal=True, scale=1.0,
-                              kv_dtype=self.kv_dtype, mmax=16 if small else self.max_rows))
+        attn = self.use(target_attention(self.spec, self.arch, l, self.kv_dtype, prefill=not small),
+                        f"attention layer kind {kind} m<={16 if small else 'prefill'}")
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
                                   lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
         ops += self._o_proj_tail_ops(l, rows, nq, small)
@@ -299,11 +291,11 @@ class Lower:
         nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < t.num_hidden_layers else "norm.weight"
         # more than one row: the MoE wrote a row per slot, which this ffn_tail sums itself (no combine launch)
         pairs = t.top_k_experts if rows > 1 else 0
-        ft = need(self.find("ffn_tail.cu.j2", "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""), H=H,
-                            EPS=t.rms_norm_eps, PAIRS=pairs))
-        moe = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
+        ft = self.use(norms.ffn_tail_kernel(H, t.rms_norm_eps, self.arch, pairs, t.num_experts if pairs else 0),
+                      "ffn_tail" + (" (summing the MoE's slot rows)" if pairs else ""))
+        moe_in = dict(moe=A("moe_pair_out"), ids=A("topk_idx")) if pairs else dict(moe=A("moe"), ids=NULL)
         ops.append(Op(f"{p}ffn_tail", ft, dict(
-            mlp=A("mlp"), **moe, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
+            mlp=A("mlp"), **moe_in, x=A("x"), w1=W(f"{p}post_feedforward_layernorm_1.weight"),
             w2=W(f"{p}post_feedforward_layernorm_2.weight"), w=W(f"{p}post_feedforward_layernorm.weight"),
             layer_scalar=W(f"{p}layer_scalar"), w_next=W(nxt), a=A("a"), **self._tap_args(l), T=rows), rows, join=True))
         return ops
@@ -314,18 +306,19 @@ class Lower:
         the pair: a kernel boundary less on the decode critical path); more rows: the GEMM and attn_tail."""
         t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
         H, base = t.hidden_size, f"{p}self_attn.o_proj"
-        norms = dict(w_post=W(f"{p}post_attention_layernorm.weight"), w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
-                     w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"), a2=A("a2"))
+        tail_args = dict(w_post=W(f"{p}post_attention_layernorm.weight"),
+                         w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
+                         w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"), a2=A("a2"))
         if rows == 1:
-            fold = need(self.find("nvfp4_gemm.cu.j2", f"o_proj GEMV + attn_tail n={H} k={nq}", n=H, k=nq, mmax=1,
-                                  epi="attn_tail", eps=t.rms_norm_eps))
-            args = dict(self._gemm_args(base, rows, A("attn"), A("o")), resid=A("x"), counters=A("tail_cnt"), **norms)
+            fold = self.use(gemv_attn_tail(H, nq, t.rms_norm_eps, self.arch), f"o_proj GEMV + attn_tail n={H} k={nq}")
+            args = dict(self._gemm_args(base, rows, A("attn"), A("o")), resid=A("x"), counters=A("tail_cnt"),
+                        **tail_args)
             return [Op(f"{p}o_proj_tail", fold, args, rows)]
-        tail = need(self.find("attn_tail.cu.j2", "attn_tail", H=H, EPS=t.rms_norm_eps))
+        tail = self.use(norms.attn_tail_kernel(H, t.rms_norm_eps, self.arch), "attn_tail")
         return [self._gemm_op(f"{p}o_proj", base, H, nq, rows, A("attn"), A("o"), batched=small),
-                Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), **norms, T=rows), rows)]
+                Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), **tail_args, T=rows), rows)]
 
-    def attention_ops(self, label: str, attn: KView, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,
+    def attention_ops(self, label: str, attn: KernelSpec, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,
                       lanes: int | None = None, rowwise: bool = False, pages: Sym = NULL) -> list[Op]:
         """The attention kernel over `rows` queries, and for split-K kernels the merge of their splits: in the same
         launch for one row (decode: the last split block merges; counters zeroed once, left zeroed), by an
@@ -336,12 +329,11 @@ class Lower:
         `pages`: a paged cache's page table (a lane is then its row), else NULL."""
         if rowwise and lanes is None:
             raise ValueError(f"{label}attention: a rowwise (batched) launch reads each row's KV lane: give `lanes`")
-        A, ns = self.ptr.A, int(attn.params.get("nsplit", 1))
+        A, ns = self.ptr.A, int(attn.param("nsplit", 1))
         lane_args = dict(lanes=NULL, lane_bytes=0, pages=pages, rowwise=0) if lanes is None else \
             dict(lanes=A("lanes"), lane_bytes=lanes, pages=pages, rowwise=int(rowwise))
         if rowwise:
-            pr = attn.params  # (a probe's stub for a missing kernel has none)
-            mmax, bpr = int(pr.get("mmax", LM_ROWS)), 2 * int(pr.get("hq", 1)) * int(pr.get("d", 1))
+            mmax, bpr = int(attn.param("mmax")), 2 * int(attn.param("hq")) * int(attn.param("d"))
             return [Op(f"{label}attention", attn, dict(
                 q=q + r0 * bpr, kc=kc, vc=vc, positions=A("positions", r0), m=min(mmax, rows - r0),
                 out=out + r0 * bpr, ws=A("attn_ws"), counters=A("attn_cnt") if ns > 1 else NULL,
@@ -352,8 +344,7 @@ class Lower:
                                                    ws=A("attn_ws"), counters=A("attn_cnt") if fused else NULL,
                                                    **lane_args), rows)]
         if ns > 1 and not fused:
-            comb = need(self.find("attn_combine.cu.j2", "attention combine", d=attn.params["d"], hq=attn.params["hq"],
-                                  nsplit=attn.params["nsplit"], mmax=attn.params["mmax"]))
+            comb = self.use(attn_combine(attn), "attention combine")
             ops.append(Op(f"{label}attn_combine", comb, dict(ws=A("attn_ws"), m=rows, out=out), rows))
         return ops
 
@@ -362,21 +353,18 @@ class Lower:
         zeroed once, left zeroed; bit-identical to the pair), the pair for more (measured faster at 16 rows). A
         batched step of up to MAX_BATCH rows keeps the 16-row blocking (its blocks loop over the rows); a prefill
         chunk's logits use the tiled GEMM form."""
-        t, A, W, p = self.spec.target, self.ptr.A, self.ptr.W, f"layers.{l}."
-        E, K = t.num_experts, t.top_k_experts
+        A, W, p = self.ptr.A, self.ptr.W, f"layers.{l}."
         common = dict(x=A("x"), scale=W(f"{p}router.scale"), proj=W(f"{p}router.proj.weight"),
                       per_expert_scale=W(f"{p}router.per_expert_scale"), logits=A("rlogits"), topk_idx=A("topk_idx"),
                       topk_w=A("topk_w"), T=rows)
         if rows == 1:
-            rt = need(self.find("router_fused.cu.j2", "router (logits + top-k)", H=t.hidden_size, E=E, K=K))
+            rt = self.use(router.router_fused(self.spec, self.arch), "router (logits + top-k)")
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
         if rows > LM_ROWS and not batched:  # a prefill chunk: the tiled form (ceil(rows / BT) token tiles)
-            rl = need(self.find("router_logits_tiled.cu.j2", f"router logits (tiled) m<={self.max_rows}",
-                                H=t.hidden_size, E=E, mmax=self.max_rows))
+            rl = self.use(router.router_logits_tiled(self.spec, self.arch), "router logits (tiled)")
         else:
-            rl = need(self.find("router_logits.cu.j2", f"router logits m<={LM_ROWS}", H=t.hidden_size, E=E,
-                                mmax=LM_ROWS))
-        tk = need(self.find("router_topk.cu.j2", "router top-k", E=E, K=K))
+            rl = self.use(router.router_logits(self.spec, self.arch), f"router logits m<={LM_ROWS}")
+        tk = self.use(router.router_topk(self.spec, self.arch), "router top-k")
         return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
                 Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
 
@@ -394,15 +382,10 @@ class Lower:
         and the down into a row per slot, a batched step of more the M=MAX_BATCH pair; else the grouped kernels: plan
         (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
         chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
-        t, A, W = self.spec.target, self.ptr.A, self.ptr.W
-        m, K = f"layers.{l}.experts.", t.top_k_experts
+        A, W, m = self.ptr.A, self.ptr.W, f"layers.{l}.experts."
         if rows > MOE_SLICE and not batched:
-            g = dict(experts=t.num_experts, topk=K)
-            plan = need(self.find("moe_grouped_plan.cu.j2", "grouped MoE plan", **g))
-            gu = need(self.find("moe_grouped_gateup.cu.j2", "grouped MoE gate/up", ie=t.moe_intermediate_size,
-                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
-            dn = need(self.find("moe_grouped_down.cu.j2", "grouped MoE down", ie=t.moe_intermediate_size,
-                                h=t.hidden_size, tile_rows=plan.params.get("tile_rows"), **g))
+            plan, gu, dn = (self.use(k, f"grouped MoE {what}") for k, what in
+                            zip(moe_grouped.plan_moe_grouped(self.spec, self.arch), ("plan", "gate/up", "down")))
             routing = dict(pairs=A("moe_pairs"), tiles=A("moe_tiles"))
             return [
                 Op(f"layers.{l}.moe_plan", plan, dict(ids=A("topk_idx"), offsets=A("moe_offsets"), T=rows, **routing),
@@ -416,10 +399,9 @@ class Lower:
                     gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
                     ypair=A("moe_pair_out"), **routing), rows)]
         mmax = small_mmax(rows)
-        common = dict(ie=t.moe_intermediate_size, experts=t.num_experts, topk=K, mmax=mmax)
-        up = need(self.find("moe_gateup.cu.j2", f"MoE gate/up m<={mmax}", **common))
+        gateup, down = moe.moe_kernels(self.spec, self.arch, mmax)
+        up, down = self.use(gateup, f"MoE gate/up m<={mmax}"), self.use(down, f"MoE down m<={mmax}")
         pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
-        down = need(self.find("moe_down_pairs.cu.j2" if pairs else "moe_down.cu.j2", f"MoE down m<={mmax}", **common))
         dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
                   gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
         out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))

@@ -1,4 +1,4 @@
-"""Codegen stage: the DFlash drafter's launches lowered onto the planned kernels (the draft block, and the context
+"""Codegen stage: the DFlash drafter's launches lowered onto its families' kernels (the draft block, and the context
 K/V update of committed positions), as codegen/lower.py does the target's; codegen/programs.py writes them into the
 manifest. The step itself: runtime/cuda/speculative.py."""
 
@@ -7,13 +7,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
-from ..model_spec.conventions import ring_slots
 from ..model_spec.step_program import drafter_problem
-from .lower import NULL, KView, Lower, Op, need
+from .families import drafter_glue, norms
+from .families.attention import drafter_attention
+from .families.drafter_gemm import drafter_gemm
+from .families.rope_kv import drafter_rope_kv
+from .kernel_spec import KernelSpec
+from .lower import NULL, Lower, Op
 
 
 class LowerDraft:
-    """The drafter's launches, lowered like the target's (Lower.find) onto the planned kernels."""
+    """The drafter's launches, lowered like the target's (through Lower.use)."""
 
     def __init__(self, fwd: Lower) -> None:
         self.fwd, self.spec = fwd, fwd.spec
@@ -23,20 +27,13 @@ class LowerDraft:
 
     def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
         f = self.fwd
-        if rows > BLOCK:
-            e = f.find("bf16_gemm_large.cu.j2", f"drafter prefill GEMM n={n} k={k}", n=n, k=k, epi=epi)
-        else:
-            e = f.find("bf16_gemm.cu.j2", f"drafter GEMM n={n} k={k} m<=16", n=n, k=k, epi=epi, mmax=16)
-        return Op(label, need(e), dict(w=f.ptr.W(w), x=x, y=y, m=rows), rows)
+        what = f"drafter prefill GEMM n={n} k={k}" if rows > BLOCK else f"drafter GEMM n={n} k={k} m<={BLOCK}"
+        return Op(label, f.use(drafter_gemm(n, k, rows, epi, f.arch), what), dict(w=f.ptr.W(w), x=x, y=y, m=rows),
+                  rows)
 
-    def _rope(self, l: int, has_q: bool) -> KView:
-        d = self.spec.drafter
-        w = d.layer_window(l) or 0
-        return need(self.fwd.find("rope_kv.cu.j2", f"drafter rope_kv ({'block' if has_q else 'context'}) layer {l}",
-                                  HQ=d.num_attention_heads, HKV=d.num_key_value_heads, D=d.head_dim, HAS_Q=has_q,
-                                  KV="bf16", V_FROM_K=False, V_NORM=False,
-                                  SLOTS=ring_slots(w, self.fwd.max_rows) if w else 0,
-                                  THETA=float(d.rope_theta)))
+    def _rope(self, l: int, has_q: bool) -> KernelSpec:
+        return self.fwd.use(drafter_rope_kv(self.spec, self.fwd.arch, l, has_q),
+                            f"drafter rope_kv ({'block' if has_q else 'context'}) layer {l}")
 
     def _rope_op(self, l: int, rows: int, has_q: bool, raw, stride: int, q_out) -> Op:
         """rope_kv over one GEMM's [rows, (q|)k|v] output `raw` (row stride `stride`): keys and values (and, with
@@ -56,7 +53,7 @@ class LowerDraft:
         h, nkv = d.hidden_size, d.num_key_value_heads * d.head_dim
         ops = [self._gemm("draft.fc", "draft.fc.weight", h, len(d.target_layer_ids) * self.spec.target.hidden_size,
                           rows, A("taps"), A("dctx"))]
-        norm = need(f.find("rmsnorm.cu.j2", "drafter hidden_norm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
+        norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter hidden_norm")
         ops.append(Op("draft.hidden_norm", norm, dict(x=A("dctx"), w=W("draft.hidden_norm.weight"), y=A("dctx_a"),
                                                       T=rows), rows))
         for l in range(d.num_hidden_layers):
@@ -82,20 +79,19 @@ class LowerDraft:
         """After a verify step: its committed count into spec_acc, and the next step's block (positions, sampled
         positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda/runner.py launches that step ahead)."""
         A, f = self.fwd.ptr.A, self.fwd
-        e = need(f.find("spec_accept.cu.j2", "DFlash acceptance on the device", B=BLOCK))
+        e = f.use(drafter_glue.accept(self.spec, f.arch), "DFlash acceptance on the device")
         return [Op("draft.accept", e, dict(ids=A("ids"), out_ids=A("out_ids"), positions=A("positions"),
                                            sampled=A("positions", f.max_rows), rule=A("spec_rule"),
                                            accepted=A("spec_acc")), BLOCK, pdl=False)]
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
-        d, t, A, W, f = self.spec.drafter, self.spec.target, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
+        d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
         h, nq, nkv, B = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, BLOCK
-        emb = need(f.find("embed.cu.j2", "drafter block embedding", H=t.hidden_size, V=t.vocab_size,
-                          MASK_ID=d.mask_token_id, OUT="f32", SCALE=float(d.embed_scale)))
+        emb = f.use(drafter_glue.block_embed(self.spec, f.arch), "drafter block embedding")
         ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
-        norm = need(f.find("rmsnorm.cu.j2", "drafter rmsnorm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
-        add = need(f.find("add_rmsnorm.cu.j2", "drafter add+rmsnorm", H=h, IN="f32", OUT="f16", EPS=d.rms_norm_eps))
+        norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter rmsnorm")
+        add = f.use(norms.add_rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter add+rmsnorm")
         ops.append(Op("draft.0.input_norm", norm, dict(x=A("dx"), w=W("draft.layers.0.input_layernorm.weight"),
                                                        y=A("da"), T=B), B))
         for l in range(d.num_hidden_layers):
@@ -103,11 +99,7 @@ class LowerDraft:
             ops.append(self._gemm(f"draft.{l}.qkv", p + "self_attn.qkv_proj.weight", nq + 2 * nkv, h, B, A("da"),
                                   A("dqkv_raw")))
             ops.append(self._rope_op(l, B, True, A("dqkv_raw"), nq + 2 * nkv, A("dq")))
-            w = d.layer_window(l) or 0
-            attn = need(f.find("attn_fwd.cu.j2", f"drafter attention layer {l}", d=d.head_dim,
-                               hq=d.num_attention_heads, hkv=d.num_key_value_heads, window=w,
-                               ring=ring_slots(w, f.max_rows) if w else 0, causal=d.is_causal(l),
-                               scale=float(d.head_dim ** -0.5), kv_dtype="bf16", mmax=16))
+            attn = f.use(drafter_attention(self.spec, f.arch, l), f"drafter attention layer {l}")
             ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"),
                                    lanes=f.ptr.dlane_bytes(l))
             ops.append(self._gemm(f"draft.{l}.o", p + "self_attn.o_proj.weight", h, nq, B, A("dattn"), A("do")))
@@ -123,5 +115,5 @@ class LowerDraft:
         # slots 1..15 only: the slot-0 prediction is never used, and ids[0] must keep the last token
         ops += f.head_ops(A("da", 1), B - 1, A("ids", 1), greedy=True)
         # No programmatic dependent launches in the block: its graph replayed in 0.688 ms without them against
-        # 0.765 with them (H200, session 29 call 3, .gpu/probe_spec.py; the target's decode gains 58 us from PDL)
+        # 0.765 with them (H200; the target's decode gains 58 us from PDL)
         return [replace(op, pdl=False) for op in ops]

@@ -57,7 +57,7 @@ def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], i
         if sources is not None:
             entries[k.name]["access"] = arg_access(sources[k.name], k)
     conv = conventions(spec)
-    steps = emit_programs(spec, kernels, conv["kv_dtypes"], conv["max_step_tokens"])
+    steps = emit_programs(spec, arch, kernels, conv["kv_dtypes"], conv["max_step_tokens"])
     return {"schema": MANIFEST_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
             "nvcc": nvcc, "flags": [f for f in flags if not f.startswith("-I")], "conventions": conv,
             "kernels": entries, "programs": steps["programs"], "programs_missing": steps["missing"]}

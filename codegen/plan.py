@@ -1,12 +1,13 @@
-"""Codegen stage: the planner — ModelSpec + ArchSpec -> the ordered, deduplicated list of KernelSpecs to build.
+"""Codegen stage: the planner — ModelSpec + ArchSpec -> the ordered list of KernelSpecs to build: exactly the kernels
+the step programs launch.
 
 Design (short):
 - Every kernel is specialised: shapes, head dims, rope frequency tables, eps, softcap, tile sizes, warps and
   prefetch depths are template constants, so one `KernelSpec` = one extern "C" entry = one cubin. Names encode
   the distinguishing constants (e.g. `rmsnorm__h2816_f32_f16`), so layers sharing a shape share a kernel.
-- Families (codegen/families/*.py) each return their kernels for the spec and arch; FAMILIES fixes the order
-  (roughly a forward step: embedding, norms, rope+KV write, router, lm_head epilogue, drafter glue, then the
-  matmul helper's GEMMs, MoE, attention and drafter GEMMs).
+- The lowering (codegen/lower.py, lower_draft.py) asks the kernel families (codegen/families/*.py) for the kernel of
+  each launch, for the constants that launch needs; the plan is the set of kernels some step program launches
+  (codegen/programs.py launched_kernels), in FAMILIES order, within a family in order of first use.
 - Templates in templates/kernels/*.cu.j2 are thin (constants + the extern "C" wrapper); the loops and math live
   in hand-written headers templates/include/thorgen/*.cuh whose static_asserts re-check what the planner asserts.
 - The dataflow conventions between families (dtypes, KV cache layout, ring size, row-kernel launch rule) are in
@@ -18,17 +19,17 @@ Design (short):
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
-from .families import FAMILIES, family_function, missing_families
-from .kernel_spec import KernelSpec
+from .families import FAMILIES, KV_DTYPES, MAX_STEP_TOKENS
+from .kernel_spec import KernelSpec, PlanError
+from .programs import launched_kernels
 
 PLAN_SCHEMA = 1
 
-
-class PlanError(ValueError):
-    """The planner cannot size a kernel for this spec/arch (divisibility, shared memory, threads)."""
+__all__ = ["PLAN_SCHEMA", "PlanError", "check_kernel", "plan", "plan_json"]
 
 
 def check_kernel(k: KernelSpec, arch: ArchSpec) -> None:
@@ -41,23 +42,21 @@ def check_kernel(k: KernelSpec, arch: ArchSpec) -> None:
         raise PlanError(f"{k.name}: grid {k.grid} exceeds CUDA limits")
 
 
-def plan(spec: ModelSpec, arch: ArchSpec, families: tuple[str, ...] = FAMILIES,
-         require_all: bool = False) -> list[KernelSpec]:
-    """All kernels for `spec` on `arch`, in family order, deduplicated by name (equal names must be equal specs)."""
-    if require_all and (missing := [f for f in missing_families() if f in families]):
-        raise PlanError(f"kernel families not available yet: {', '.join(missing)}")
-    out: dict[str, KernelSpec] = {}
-    for family in families:
-        fn = family_function(family, "plan")
-        if fn is None:
-            continue
-        for k in fn(spec, arch):
-            check_kernel(k, arch)
-            prev = out.get(k.name)
-            if prev is not None and prev != k:
-                raise PlanError(f"two different kernels share the name {k.name} (family {family})")
-            out.setdefault(k.name, k)
-    return list(out.values())
+@lru_cache(maxsize=16)
+def _plan(spec: ModelSpec, arch: ArchSpec) -> tuple[KernelSpec, ...]:
+    kernels = launched_kernels(spec, arch, KV_DTYPES, MAX_STEP_TOKENS)
+    for k in kernels:
+        if k.family not in FAMILIES:
+            raise PlanError(f"{k.name}: family {k.family!r} is not one of {FAMILIES}")
+        check_kernel(k, arch)
+    first_use = {k.name: i for i, k in enumerate(kernels)}
+    return tuple(sorted(kernels, key=lambda k: (FAMILIES.index(k.family), first_use[k.name])))
+
+
+def plan(spec: ModelSpec, arch: ArchSpec, families: tuple[str, ...] = FAMILIES) -> list[KernelSpec]:
+    """The kernels the step programs of `spec` on `arch` launch (of `families`), in family order, within a family in
+    order of first use; distinct names (a launch's kernel is its family's for the launch's constants)."""
+    return [k for k in _plan(spec, arch) if k.family in families]
 
 
 def plan_json(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec]) -> str:

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key, verify_key
 from ..model_spec.types import ModelSpec
+from .arch import ArchSpec
 from .kernel_spec import KernelSpec
-from .lower import MOE_SLICE, KView, LaneBytes, Lower, Missing, Sym
+from .lower import MOE_SLICE, LaneBytes, Lower, Missing, Sym
 from .lower_draft import LowerDraft
 
 
@@ -127,34 +128,51 @@ def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str) -> l
     return out
 
 
-def kernel_views(kernels: list[KernelSpec]) -> list[KView]:
-    return [KView(k.name, k.template, k.param_dict, tuple(k.args)) for k in kernels]
+def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], list[Op]], int, int]]:
+    """(group, key, lowering at a row count, lowest rows, highest rows) of every program."""
+    jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
+            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter)]
+    if drafter:
+        dl = LowerDraft(low)
+        jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
+                 ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, low.max_rows),
+                 *(("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS,
+                    VERIFY_ROWS) for g in (True, False))]
+    return jobs
 
 
-def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[str], max_rows: int) -> dict:
-    """{"programs": {kv dtype: {key: [ranges]}}, "missing": {group: [what is missing]}}."""
-    views = kernel_views(kernels)
+def launched_kernels(spec: ModelSpec, arch: ArchSpec, kv_dtypes: list[str] | tuple[str, ...], max_rows: int
+                     ) -> list[KernelSpec]:
+    """Every kernel the programs launch, in order of first use (the launches of a range are those at its first row
+    count: emit_programs checks that they are the same at the others)."""
+    launched: dict[str, KernelSpec] = {}
+    for kv in kv_dtypes:
+        low = Lower(spec, arch, kv, max_rows)
+        for _, _, build, lo, hi in _jobs(low, drafter_problem(spec) is None):
+            for a, _ in _ranges(lo, hi):
+                build(a)
+        for name, kernel in low.launched.items():
+            if launched.setdefault(name, kernel) != kernel:
+                raise ProgramError(f"two different kernels share the name {name} (KV {kv})")
+    return list(launched.values())
+
+
+def emit_programs(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], kv_dtypes: list[str], max_rows: int
+                  ) -> dict:
+    """{"programs": {kv dtype: {key: [ranges]}}, "missing": {group: [what is missing]}}: the programs lowered
+    against `kernels` (the plan: codegen/plan.py), a kind that launches a kernel absent from them left out."""
     programs: dict[str, dict] = {}
     missing: dict[str, list[str]] = {"core": [], "ext": [], "speculative": []}
     problem = drafter_problem(spec)  # no drafter, or one these programs cannot serve: plain decoding only
-    drafter = problem is None
     if problem and spec.drafter is not None:
         missing["speculative"].append(problem)
     for kv in kv_dtypes:
-        low = Lower(spec, views, kv, max_rows)
+        low = Lower(spec, arch, kv, max_rows, kernels)
         table = programs[kv] = {}
-        jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
-                for g, key, flags, lo, hi in _kinds(max_rows, drafter)]
-        if drafter:
-            dl = LowerDraft(low)
-            jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
-                     ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, max_rows),
-                     *(("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS,
-                        VERIFY_ROWS) for g in (True, False))]
-        for group, key, build, lo, hi in jobs:
+        for group, key, build, lo, hi in _jobs(low, problem is None):
             try:
                 table[key] = _program(build, lo, hi, f"{kv} {key}")
-            except Missing:  # left out; name every kernel it lacks (lowered again with stubs for them)
+            except Missing:  # left out; name every kernel it lacks (lowered again, recording each absent one)
                 low.missing, low.probing = [], True
                 try:
                     for a, _ in _ranges(lo, hi):
@@ -165,4 +183,4 @@ def emit_programs(spec: ModelSpec, kernels: list[KernelSpec], kv_dtypes: list[st
     return {"programs": programs, "missing": missing}
 
 
-__all__ = ["ProgramError", "emit_programs", "kernel_views"]
+__all__ = ["ProgramError", "emit_programs", "launched_kernels"]

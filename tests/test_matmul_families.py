@@ -1,5 +1,5 @@
-"""CPU tests of the matmul helper's kernel families (matmul, moe, attention, drafter_gemm): every preset x arch
-plans, renders, fits the arch, and the launch geometry agrees with the template constants."""
+"""CPU tests of the matrix kernel families (matmul, moe, attention, drafter_gemm): every preset x arch plans,
+renders, fits the arch, and the launch geometry agrees with the template constants."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pytest
 
 from thorgen.codegen.arch import ARCHS
 from thorgen.codegen.families import attention, drafter_gemm, matmul, moe, ring_slots
+from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import PRESETS
 from thorgen.runtime.convert import layouts as L
 
-FAMILY_PLANS = (matmul.plan_matmul, moe.plan_moe, attention.plan_attention, drafter_gemm.plan_drafter_gemm)
+MATRIX_FAMILIES = ("matmul", "moe", "attention", "drafter_gemm")
 FAMILY_BENCH = (matmul.bench_matmul, moe.bench_moe, attention.bench_attention, drafter_gemm.bench_drafter_gemm)
 
 
@@ -21,7 +22,7 @@ FAMILY_BENCH = (matmul.bench_matmul, moe.bench_moe, attention.bench_attention, d
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_plans_render_and_fit(preset: str, arch: str) -> None:
     spec, a = PRESETS[preset], ARCHS[arch]
-    kernels = [k for plan in FAMILY_PLANS for k in plan(spec, a)]
+    kernels = plan(spec, a, MATRIX_FAMILIES)
     assert len({k.name for k in kernels}) == len(kernels), "duplicate kernel names"
     for k in kernels:
         assert k.smem_bytes <= a.smem_per_block_max, k.name
@@ -53,7 +54,7 @@ def test_the_drafter_gemms_are_resident_at_once(arch: str) -> None:
     drafter: 176 blocks of 16 warps ran in two waves)."""
     spec, a = PRESETS["gemma-4-26b-a4b"], ARCHS[arch]
     resident = a.sm_count * (65536 // (32 * matmul.HALF_REGS))
-    for k in drafter_gemm.plan_drafter_gemm(spec, a):
+    for k in plan(spec, a, ("drafter_gemm",)):
         if not k.name.startswith("bf16_gemm16__"):
             continue
         units, ks = k.grid[0], k.param("ks")
@@ -68,11 +69,13 @@ def test_fp4_order_matches_layouts() -> None:
 
 
 def test_real_shapes_are_planned() -> None:
-    """The shapes the brief names: q 2816->4096, o 4096->2816, fused gate|up 2816->2x2112, down, lm_head; MoE and
-    both attention layer kinds, with bf16 and fp8 caches."""
+    """The model's shapes: q 2816->4096 (in the fused q|k|v of the sliding layers, 2816->8192; one row: folded with
+    rope_kv), o 4096->2816, fused gate|up 2816->2x2112, down, lm_head; MoE and both attention layer kinds, with bf16
+    and fp8 caches."""
     spec, a = PRESETS["gemma-4-26b-a4b"], ARCHS["sm_90a"]
-    names = {k.name for plan in FAMILY_PLANS for k in plan(spec, a)}
-    for want in ("nvfp4_gemv__n4096_k2816", "nvfp4_gemm16__n2816_k4096", "nvfp4_gemv__n4224_k2816_gelu",
+    names = {k.name for k in plan(spec, a)}
+    assert any(n.startswith("nvfp4_gemv__n8192_k2816_rope__tgt_s_d256") for n in names)
+    for want in ("nvfp4_gemm16__n8192_k2816", "nvfp4_gemmL__n8192_k2816", "nvfp4_gemm16__n2816_k4096", "nvfp4_gemv__n4224_k2816_gelu",
                  "nvfp4_gemmL__n2816_k2112", "nvfp4_gemv__n262144_k2816", "moe_gateup__m1_e128_k8_i704_h2816",
                  "moe_down_pairs__m16_e128_k8_i704_h2816", "bf16_gemm16__n11264_k2816_silu", "bf16_gemmL__n2816_k16896"):
         assert want in names, want

@@ -17,7 +17,7 @@ from thorgen.codegen.lower import LaneBytes, Lower, Sym  # noqa: E402
 from thorgen.codegen.lower_draft import LowerDraft  # noqa: E402
 from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E402
 from thorgen.codegen.plan import plan  # noqa: E402
-from thorgen.codegen.programs import ProgramError, _fit, _merge, kernel_views  # noqa: E402
+from thorgen.codegen.programs import ProgramError, _fit, _merge  # noqa: E402
 from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key, verify_key  # noqa: E402
 from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
@@ -84,7 +84,7 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
     rows_max = manifest.conventions["max_step_tokens"]
     fwd = Forward(spec, manifest, kv, rows_max)
     fwd.ptr = Addresses()
-    low = Lower(spec, kernel_views(kernels), kv, rows_max)
+    low = Lower(spec, get_arch("sm_90a"), kv, rows_max, kernels)
     dl = LowerDraft(low)
     checked = 0
     for key, ranges in fwd.programs.items():
@@ -119,7 +119,7 @@ def test_what_a_program_cannot_hold_is_a_build_error():
     with pytest.raises(ProgramError, match="not linear"):
         _fit([(2, 2), (3, 3), (9, 16)], "x")  # min(), a ceil, a table: not one launch list for the range
     spec = get_preset("tiny")
-    low = Lower(spec, kernel_views(plan(spec, get_arch("sm_90a"))), "bf16", MAX_STEP_TOKENS)
+    low = Lower(spec, get_arch("sm_90a"), "bf16", MAX_STEP_TOKENS, plan(spec, get_arch("sm_90a")))
     with pytest.raises(ProgramError, match="differ"):  # one row (M = 1 kernels) and two in one range
         _merge([(1, low.ops(1, decode=True)), (2, low.ops(2))], "decode")
 
@@ -167,7 +167,7 @@ def test_one_row_steps_run_the_attention_prologue_as_one_launch(preset):
     """A one-row forward's layer starts with the q|k|v GEMV that runs rope_kv itself (one launch, its counters a
     buffer of their own); a forward of more rows with the GEMV and rope_kv apart."""
     spec = get_preset(preset)
-    low = Lower(spec, kernel_views(plan(spec, get_arch("sm_90a"))), "bf16", MAX_STEP_TOKENS)
+    low = Lower(spec, get_arch("sm_90a"), "bf16", MAX_STEP_TOKENS, plan(spec, get_arch("sm_90a")))
     layers = spec.target.num_hidden_layers
     for rows, kw in ((1, dict(decode=True)), (1, dict(batched=True)), (16, dict(batched=True)), (40, {})):
         ops = low.ops(rows, **kw)
@@ -175,7 +175,7 @@ def test_one_row_steps_run_the_attention_prologue_as_one_launch(preset):
         folded = [op for op in ops if op.label.endswith(".qkv_rope")]
         if rows == 1:
             assert len(folded) == layers and not any(lb.endswith(".rope_kv") for lb in labels), kw
-            assert all(op.entry.params["epi"] == "rope_kv" and op.args["counters"] == Sym("A", "qkv_cnt")
+            assert all(op.entry.param("epi") == "rope_kv" and op.args["counters"] == Sym("A", "qkv_cnt")
                        for op in folded)
         else:
             assert not folded and sum(lb.endswith(".rope_kv") for lb in labels) == layers, (rows, kw)

@@ -1,4 +1,6 @@
-"""Codegen stage: the registry of kernel families; each module exposes `plan_<family>(spec, arch)`.
+"""Codegen stage: the registry of kernel families; each module has functions that return the `KernelSpec` of a
+kernel for given constants, which the lowering (codegen/lower.py) calls for every kernel it launches, and
+optionally `bench_<family>(spec, arch)`.
 
 Shared dataflow conventions (one place, so that producer and consumer kernels agree):
   residual stream x            : f32 [T, H]
@@ -32,10 +34,9 @@ folded in) take `counters` buffers that the runtime zeroes once at allocation; t
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from typing import Callable
 
-from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots  # noqa: F401  (the families import them from here)
+from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots  # noqa: F401 (the families import them from here)
 
 ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
 GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
@@ -44,27 +45,14 @@ KV_DTYPES = ("bf16", "fp8e4m3")
 PDL = True               # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
 
 
-# Order = plan order (roughly the order of a forward step); codegen's own families first, then the matmul helper's.
+# Order = plan order (roughly the order of a forward step); within a family the plan keeps the order of first use.
 FAMILIES: tuple[str, ...] = (
     "embedding", "norms", "rope_kv", "router", "lm_head", "lm_logits", "drafter_glue",
     "matmul", "moe", "moe_grouped", "attention", "drafter_gemm",
 )
 
 
-def load_family(name: str) -> ModuleType | None:
-    """The family module, or None when it does not exist yet (a helper still writing it)."""
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"{__name__}.{name}":
-            return None
-        raise
-
-
 def family_function(name: str, prefix: str) -> Callable | None:
-    mod = load_family(name)
-    return None if mod is None else getattr(mod, f"{prefix}_{name}", None)
+    """`<prefix>_<name>` of family module `name` (e.g. its bench cases), or None when it has none."""
+    return getattr(importlib.import_module(f"{__name__}.{name}"), f"{prefix}_{name}", None)
 
-
-def missing_families() -> list[str]:
-    return [f for f in FAMILIES if family_function(f, "plan") is None]

@@ -1,9 +1,9 @@
-"""Codegen stage: small helpers shared by the family planners (block sizes, name tags, row-kernel grids)."""
+"""Codegen stage: small functions the families share (block sizes, name tags, row-kernel grids)."""
 
 from __future__ import annotations
 
 from ..arch import ArchSpec
-from ..plan import PlanError
+from ..kernel_spec import PlanError
 from . import MAX_STEP_TOKENS
 
 

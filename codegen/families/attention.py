@@ -18,9 +18,10 @@ full layers paged (page > 0: pages of KV_PAGE positions, the page table `pages` 
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from ...model_spec.conventions import VERIFY_ROWS as VERIFY_M
-from ...model_spec.types import FULL, SLIDING, ModelSpec
+from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots
@@ -30,7 +31,7 @@ TK = 32
 # Key tiles a split part holds at least, for one query (a decode step, a batched step's row: the same partition in
 # both, for batch invariance). A batched step pays a part's fixed cost (partial write, state restart, merge) per part,
 # the one-query decode gains blocks from small parts; the full layers' parts (head dim 512, 8 query heads a KV head)
-# cost the most. Measured on the H200: docs/benchmarks/NOTES.md, session 24.
+# cost the most. Measured on the H200 (docs/benchmarks/NOTES.md).
 TPP_SLIDING, TPP_FULL = 2, 4
 FWD_ARGS = ("q", "kc", "vc", "positions", "m", "out", "ws", "counters", "lanes", "lane_bytes", "pages", "rowwise")
 COMBINE_ARGS = ("ws", "m", "out")
@@ -57,9 +58,11 @@ def _mt(g: int, d: int, m: int) -> int:
     return 2 if g * m >= 32 and d <= 512 else 1
 
 
+@cache
 def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
                  scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0,
-                 tpp: int = 1) -> list[KernelSpec]:
+                 tpp: int = 1) -> tuple[KernelSpec, KernelSpec]:
+    """(decode / verify kernel, prefill kernel) of one attention shape."""
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
@@ -102,13 +105,18 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
                                           cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0, **common),
                               grid=(gx, hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
                               args=FWD_ARGS, family="attention"))
-        if ns > 1:
-            threads = min(d, 256)
-            out.append(KernelSpec(f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}", "attn_combine.cu.j2",
-                                  make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads, ROW_GRID=(0, hq, 1)),
-                                  grid=(mmax * hq, 1, 1), block=(threads, 1, 1), args=COMBINE_ARGS,
-                                  family="attention"))
-    return out
+    return out[0], out[1]
+
+
+@cache
+def attn_combine(dec: KernelSpec) -> KernelSpec:
+    """The merge of a split decode kernel's partials for launches of more than one query (a block per query and
+    head)."""
+    d, hq, ns, mmax = (dec.param(p) for p in ("d", "hq", "nsplit", "mmax"))
+    threads = min(d, 256)
+    return KernelSpec(f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}", "attn_combine.cu.j2",
+                      make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads, ROW_GRID=(0, hq, 1)),
+                      grid=(mmax * hq, 1, 1), block=(threads, 1, 1), args=COMBINE_ARGS, family="attention")
 
 
 def _rowwise_splits(rows: int, hkv: int, nsplit: int, smem: int, arch: ArchSpec) -> int:
@@ -130,46 +138,41 @@ def _nsplit(blocks_per_split: int, arch: ArchSpec, max_tiles: int | None) -> int
     return min(ns, 64, max_tiles or 64)
 
 
-def plan_attention(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+@cache
+def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefill: bool) -> KernelSpec:
+    """Target layer `layer`'s attention over a `kv` cache: the decode / verify kernel (up to 16 queries, or a batched
+    step's rows), or with `prefill` the chunk kernel."""
     t = spec.target
-    out: dict[str, KernelSpec] = {}
-    for kind in (SLIDING, FULL):
-        layers = [l for l in range(t.num_hidden_layers) if t.layer_types[l] == kind]
-        if not layers:
-            continue
-        l = layers[0]
-        d, hkv, window = t.layer_head_dim(l), t.layer_kv_heads(l), t.layer_window(l) or 0
-        ring = ring_slots(window) if window else 0
-        max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
-        ns = _nsplit(hkv, arch, max_tiles)
-        page = 0 if window else KV_PAGE  # the full layers are paged
-        for kv in KV_DTYPES:
-            for k in attn_kernels("tgt_" + kind[0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window, ring=ring,
-                                  causal=True, kv=kv, scale=1.0, nsplit=ns, arch=arch, page=page,
-                                  pitch=page_pitch(t.max_position_embeddings) if page else 0,
-                                  tpp=TPP_SLIDING if window else TPP_FULL):
-                out.setdefault(k.name, k)
+    d, hkv, window = t.layer_head_dim(layer), t.layer_kv_heads(layer), t.layer_window(layer) or 0
+    max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
+    page = 0 if window else KV_PAGE  # the full layers are paged
+    dec, pre = attn_kernels("tgt_" + t.layer_types[layer][0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window,
+                            ring=ring_slots(window) if window else 0, causal=True, kv=kv, scale=1.0,
+                            nsplit=_nsplit(hkv, arch, max_tiles), arch=arch, page=page,
+                            pitch=page_pitch(t.max_position_embeddings) if page else 0,
+                            tpp=TPP_SLIDING if window else TPP_FULL)
+    return pre if prefill else dec
+
+
+@cache
+def drafter_attention(spec: ModelSpec, arch: ArchSpec, layer: int) -> KernelSpec:
+    """Drafter layer `layer`'s attention of the 16-slot block (bf16 cache; every drafter launch has <= 16 queries)."""
     dr = spec.drafter
-    if dr is not None:
-        for kind in sorted(set(dr.layer_types)):
-            layer = dr.layer_types.index(kind)
-            window = dr.layer_window(layer) or 0
-            ring = ring_slots(window) if window else 0
-            ns = _nsplit(dr.num_key_value_heads, arch, None)
-            for k in attn_kernels("dft_" + kind[0], d=dr.head_dim, hq=dr.num_attention_heads,
-                                  hkv=dr.num_key_value_heads, window=window, ring=ring, causal=dr.is_causal(layer),
-                                  kv="bf16", scale=dr.head_dim ** -0.5, nsplit=ns, arch=arch):
-                out.setdefault(k.name, k)
-    return list(out.values())
+    window = dr.layer_window(layer) or 0
+    dec, _ = attn_kernels("dft_" + dr.layer_types[layer][0], d=dr.head_dim, hq=dr.num_attention_heads,
+                          hkv=dr.num_key_value_heads, window=window, ring=ring_slots(window) if window else 0,
+                          causal=dr.is_causal(layer), kv="bf16", scale=dr.head_dim ** -0.5,
+                          nsplit=_nsplit(dr.num_key_value_heads, arch, None), arch=arch)
+    return dec
 
 
 def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     """Decode (M = 1) and verify (M = 16) at a 4096-token context over the target layers' caches."""
     cases = []
     ctx = 4096
-    for k in plan_attention(spec, arch):
-        if not k.name.startswith("attn_dec__tgt_"):
-            continue
+    t = spec.target
+    firsts = [t.layer_types.index(kind) for kind in dict.fromkeys(t.layer_types)]
+    for k in (target_attention(spec, arch, l, kv, prefill=False) for l in firsts for kv in KV_DTYPES):
         d, hq, hkv, ring = k.param("d"), k.param("hq"), k.param("hkv"), k.param("ring")
         page, pitch = k.param("page"), k.param("pitch")
         eb = 2 if k.param("kv_dtype") == "bf16" else 1

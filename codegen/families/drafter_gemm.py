@@ -10,13 +10,27 @@ The shared lm_head of the draft logits is the target's NVFP4 lm_head (matmul fam
 
 from __future__ import annotations
 
+from functools import cache
+
+from ...model_spec.conventions import VERIFY_ROWS
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, KernelSpec
 from .matmul import gemm_bench_case, gemm_large, gemm_small
 
 
+@cache
+def drafter_gemm(n: int, k: int, rows: int, epi: str, arch: ArchSpec) -> KernelSpec:
+    """The drafter linear [n, k] for a launch of `rows` rows: the 16-row GEMM, or for more (context chunks) the
+    prefill one."""
+    if rows > VERIFY_ROWS:
+        return gemm_large(n, k, epi, arch, kind="half", prefix="bf16", family="drafter_gemm")
+    return gemm_small(n, k, VERIFY_ROWS, epi, arch, kind="half", prefix="bf16", family="drafter_gemm")
+
+
 def drafter_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
+    """(role, N, K, epilogue) of the drafter's linears, each launched at up to 16 rows (fc and kv2, the context's,
+    also on prefill chunks)."""
     d = spec.drafter
     if d is None:
         return []
@@ -29,20 +43,7 @@ def drafter_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
             ("fc", h, taps, "store")]
 
 
-def plan_drafter_gemm(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    out: dict[str, KernelSpec] = {}
-    for role, n, k, epi in drafter_shapes(spec):
-        kernels = [gemm_small(n, k, 16, epi, arch, kind="half", prefix="bf16", family="drafter_gemm")]
-        if role in ("fc", "kv2"):  # context chunks
-            kernels.append(gemm_large(n, k, epi, arch, kind="half", prefix="bf16", family="drafter_gemm"))
-        for kern in kernels:
-            out.setdefault(kern.name, kern)
-    return list(out.values())
-
-
 def bench_drafter_gemm(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
-    cases = []
-    for kern in plan_drafter_gemm(spec, arch):
-        if kern.name.startswith("bf16_gemm16__"):
-            cases.append(gemm_bench_case(kern, 16))
-    return cases
+    kernels = {kern.name: kern for kern in (drafter_gemm(n, k, VERIFY_ROWS, epi, arch)
+                                            for _, n, k, epi in drafter_shapes(spec))}
+    return [gemm_bench_case(kern, 16) for kern in kernels.values()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
@@ -22,16 +23,15 @@ def embed_kernel(H: int, V: int, scale: float, out: str, arch: ArchSpec) -> Kern
                       block=(threads, 1, 1), args=("ids", "table", "out", "T"), family="embedding")
 
 
-def plan_embedding(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+@cache
+def target_embed(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """The target's token embedding (the drafter's block embedding is drafter_glue's)."""
     t = spec.target
-    ks = [embed_kernel(t.hidden_size, t.vocab_size, t.embed_scale, OUT_DTYPE, arch)]
-    if spec.drafter is not None:  # the drafter embeds its block tokens with the target's table
-        ks.append(embed_kernel(t.hidden_size, t.vocab_size, spec.drafter.embed_scale, OUT_DTYPE, arch))
-    return ks
+    return embed_kernel(t.hidden_size, t.vocab_size, t.embed_scale, OUT_DTYPE, arch)
 
 
 def bench_embedding(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
-    k = plan_embedding(spec, arch)[0]
+    k = target_embed(spec, arch)
     T, H = 16, spec.target.hidden_size
     return [BenchCase(k, (Buf("ids", "i32", T, 0, spec.target.vocab_size), Buf("table", "bf16", spec.target.vocab_size * H),
                           Buf("out", "f32", T * H), Scalar("T", "i32", T)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from ...model_spec.conventions import VERIFY_ROWS as LM_ROWS  # grid.y: rows at once (more loop grid-stride)
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
@@ -46,32 +48,45 @@ def ws_row_bytes(V: int, chunk: int, C: int) -> int:
     return off_mode + 32
 
 
-def plan_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+def _tag(spec: ModelSpec, arch: ArchSpec) -> str:
     t = spec.target
-    V, cap = t.vocab_size, float(t.final_logit_softcapping or 0.0)
-    exact = exact_softcap(arch)
-    tag = f"v{V}_c{ftag(cap)}" + ("" if exact else "_fast")
+    return f"v{t.vocab_size}_c{ftag(float(t.final_logit_softcapping or 0.0))}" + ("" if exact_softcap(arch) else "_fast")
+
+
+@cache
+def lm_argmax(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """Softcap fused with the greedy argmax of up to LM_ROWS logits rows."""
+    V, cap, exact = spec.target.vocab_size, float(spec.target.final_logit_softcapping or 0.0), exact_softcap(arch)
     chunk = vocab_chunk(V)
-    ks = [KernelSpec(f"lm_argmax__{tag}", "lm_argmax.cu.j2",
-                     make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
-                     grid=(V // chunk, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
-                     args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")]
+    return KernelSpec(f"lm_argmax__{_tag(spec, arch)}", "lm_argmax.cu.j2",
+                      make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
+                      grid=(V // chunk, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
+                      args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")
+
+
+SAMPLE_STAGES = ("prep", "select", "finish")
+
+
+@cache
+def lm_sample(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
+    """One stage of the seeded top-k / top-p / min-p sampler over softcapped logits (SAMPLE_STAGES, in order)."""
+    V, cap, exact = spec.target.vocab_size, float(spec.target.final_logit_softcapping or 0.0), exact_softcap(arch)
+    chunk = vocab_chunk(V)
     C, ws, select_smem = sampler_shape(V, chunk, arch)
     common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
-    stages = (("prep", (V // chunk, LM_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
-              ("select", (1, LM_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
-              ("finish", (V // chunk, LM_ROWS, 1), 512, 0,
-               ("logits", "params", "positions", "workspace", "counters", "out_ids", "T")))
-    for stage, grid, threads, smem, args in stages:
-        threads = min(threads, max(32, chunk))
-        ks.append(KernelSpec(f"lm_sample_{stage}__{tag}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),
-                             grid=grid, block=(threads, 1, 1), smem_bytes=smem, args=args, family="lm_head"))
-    return ks
+    grid, threads, smem, args = {
+        "prep": ((V // chunk, LM_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
+        "select": ((1, LM_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
+        "finish": ((V // chunk, LM_ROWS, 1), 512, 0,
+                   ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"))}[stage]
+    return KernelSpec(f"lm_sample_{stage}__{_tag(spec, arch)}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),
+                      grid=grid, block=(min(threads, max(32, chunk)), 1, 1), smem_bytes=smem, args=args,
+                      family="lm_head")
 
 
 def bench_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     V = spec.target.vocab_size
-    k = plan_lm_head(spec, arch)[0]
+    k = lm_argmax(spec, arch)
     out = []
     for T in (1, 16):
         out.append(BenchCase(k, (Buf("logits", "f32", T * V, -20, 20), Buf("capped", "f32", 0), Buf("best", "u64", T, 0, 0),

@@ -1,7 +1,8 @@
 """Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify and batched-decode GEMMs (M <= 16,
 M <= 32), prefill GEMM.
 
-Every target Linear shape gets these kernels on the t16x64 weight layout (runtime/convert/layouts.py):
+The kernels the step programs launch for the target's linears, on the t16x64 weight layout
+(runtime/convert/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
   nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block
@@ -11,14 +12,16 @@ Every target Linear shape gets these kernels on the t16x64 weight layout (runtim
                                             17..32 sequences, its lm_head included: one pass over the 416 MB)
   nvfp4_gemmL__n{N}_k{K}[_gelu]  any M      prefill: BM-row blocks, A tiles through shared memory; on sm_90a
                                             (N % 128 == 0) warpgroup MMAs over 128 x 128 tiles (gemm_wgmma.cuh)
-Shapes: q / k / v / o of each layer kind, the fused q|k|v of each kind (one launch, per-projection scales in the
-per-tile gscale), dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and the tied lm_head (f32 logits).
+Shapes: the fused q|k|v of each layer kind (one launch, per-projection scales in the per-tile gscale; its one-row
+GEMV folds rope_kv in: rope_kv.py), o of each kind, dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and
+the tied lm_head (f32 logits; one row, 16 or 32: prefill needs the last position's logits only).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import cache
 
 from ...model_spec.conventions import MAX_BATCH, fp4_order_for
 from ...model_spec.types import FULL, SLIDING, ModelSpec
@@ -41,9 +44,6 @@ LARGE_BM, LARGE_STAGES = 64, 3
 # shape (q|k|v n8192: 63.3 vs 66.9 us), 3 stages 40 % slower; the prefetch depth within noise
 WGMMA_BM, WGMMA_BN, WGMMA_STAGES, WGMMA_PF, WGMMA_WARPS = 128, 128, 6, 4, 8
 SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (two 16-row tensor-core tiles)
-# the linears a batched decode step runs at M = SMALL_MAX_ROWS (the lm_head too: one weight pass for 17..32 rows
-# instead of two 16-row slices)
-BATCHED_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def fp4_order(arch: ArchSpec) -> str:
@@ -77,7 +77,7 @@ def half_split_k(units: int, steps: int, arch: ArchSpec) -> int:
     """Warps per block of the fp16-weight small GEMM: the most (a power of two, at most 16) with which every block is
     resident at once, 65536 registers an SM at HALF_REGS a thread. target_warps' 24 warps an SM do not fit at these
     registers, so split_k's 16 warps a block over 176 units ran in two waves, the second on a third of the SMs (ncu,
-    H200, session 29: the drafter's n2816 GEMMs at 31-33 % of DRAM peak, SMs busy 62 % of the kernel)."""
+    H200: the drafter's n2816 GEMMs at 31-33 % of DRAM peak, SMs busy 62 % of the kernel)."""
     resident = arch.sm_count * (65536 // (32 * HALF_REGS))  # warps
     ks = 1 << max(0, (resident // max(1, units)).bit_length() - 1)
     return max(min(2, steps), min(16, steps, ks))
@@ -102,6 +102,7 @@ def _tag(n: int, k: int, epi: str) -> str:
     return f"n{n}_k{k}" + EPI_TAG[epi]
 
 
+@cache
 def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | None = None,
                prefix: str = "nvfp4", family: str = "matmul") -> KernelSpec:
     """The M <= mmax weight-streaming kernel for an [n, k] weight (kind: fp4 order or "half")."""
@@ -112,7 +113,7 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     ks = split_k(units, steps, arch) if kind != "half" else half_split_k(units, steps, arch)
     pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
     if kind != "half" and arch.prefetch_depth >= 4:
-        # H200 sweep (.gpu/knob_sweep.py, kept out of the repo; KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
+        # H200 sweep (KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
         # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
         # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
         ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
@@ -147,6 +148,7 @@ def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
     return 1
 
 
+@cache
 def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec) -> KernelSpec:
     """The M = 1 o_proj GEMV (the plain one's knobs) whose last block then runs Gemma's attention tail on the row,
     replaying the arithmetic of the attn_tail kernel's block size (norm.cuh: attn_tail_row), so that one decode
@@ -167,6 +169,7 @@ def wgmma_smem(stages: int = WGMMA_STAGES) -> int:
     return stages * (WGMMA_BM + WGMMA_BN) * 128 + 1024
 
 
+@cache
 def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None, prefix: str = "nvfp4",
                family: str = "matmul", mmax: int = MAX_STEP_TOKENS) -> KernelSpec:
     """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). NVFP4 weights on an
@@ -212,24 +215,17 @@ def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
     return shapes
 
 
-def plan_matmul(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    out: dict[str, KernelSpec] = {}
-    for role, n, k, epi in target_shapes(spec):
-        kernels = [gemm_small(n, k, 1, epi, arch), gemm_small(n, k, 16, epi, arch)]
-        if role == "o":  # one-row steps run the o_proj with the attention tail folded in
-            kernels.append(gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch))
-        if role != "lm_head":  # prefill needs logits of the last position only (the M = 1 kernel)
-            kernels.append(gemm_large(n, k, epi, arch))
-        if role in BATCHED_ROLES:
-            kernels.append(gemm_small(n, k, SMALL_MAX_ROWS, epi, arch))
-        for kern in kernels:
-            out.setdefault(kern.name, kern)
-        # Batch invariance: the M = 1, 16 and 32 forms of a matrix split K alike, so that with the swapped GEMV's
-        # single accumulator chain (nvfp4.cuh mma_step_swap) each output sums in one order whatever the step's row
-        # count, and a sequence's tokens do not depend on the batch it decodes in.
-        splits = {kern.param("ks") for kern in kernels if kern.template == "nvfp4_gemm.cu.j2"}
-        require(len(splits) == 1, f"matmul {role} n={n} k={k}: the small forms split K differently ({splits})")
-    return list(out.values())
+@cache
+def target_gemm(n: int, k: int, mmax: int, epi: str, arch: ArchSpec) -> KernelSpec:
+    """The weight-streaming kernel (M <= mmax: 1, 16 or SMALL_MAX_ROWS) of a target matrix [n, k].
+
+    Batch invariance: the M = 1, 16 and 32 forms of a matrix split K alike, so that with the swapped GEMV's single
+    accumulator chain (nvfp4.cuh mma_step_swap) each output sums in one order whatever the step's row count, and a
+    sequence's tokens do not depend on the batch it decodes in."""
+    forms = {m: gemm_small(n, k, m, epi, arch) for m in (1, 16, SMALL_MAX_ROWS)}
+    splits = {kern.param("ks") for kern in forms.values()}
+    require(len(splits) == 1, f"matmul n={n} k={k}: the small forms split K differently ({splits})")
+    return forms[mmax] if mmax in forms else gemm_small(n, k, mmax, epi, arch)
 
 
 def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
@@ -265,17 +261,26 @@ def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
 
 
 def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
-    cases = []
-    for kern in plan_matmul(spec, arch):
-        if kern.param("epi") == "attn_tail":
-            cases.append(gemv_attn_tail_bench_case(kern))
-        elif kern.name.startswith("nvfp4_gemv__"):
-            cases.append(gemm_bench_case(kern, 1))
-        elif kern.name.startswith("nvfp4_gemm16__"):
-            cases.append(gemm_bench_case(kern, 16))
-        elif kern.name.startswith("nvfp4_gemm32__"):
-            cases.append(gemm_bench_case(kern, 32))
-        elif kern.name.startswith("nvfp4_gemmL__") and kern.param("n") == spec.target.num_attention_heads * \
-                spec.target.head_dim:
-            cases.append(gemm_bench_case(kern, MAX_STEP_TOKENS, note=f"prefill M={MAX_STEP_TOKENS}"))
+    """The target linears' kernels as the step programs launch them: q and k|v run in the fused q|k|v (whose one-row
+    GEMV has rope_kv folded in: rope_kv.py), the one-row o_proj with the attention tail; one prefill GEMM, the first
+    layer kind's q|k|v."""
+    cases, seen, prefill = [], set(), True
+    for role, n, k, epi in target_shapes(spec):
+        if role in ("q", "kv"):
+            continue
+        forms: list[tuple[KernelSpec, int]] = []
+        if role == "o":
+            forms.append((gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch), 0))
+        elif role != "qkv":
+            forms.append((target_gemm(n, k, 1, epi, arch), 1))
+        forms += [(target_gemm(n, k, m, epi, arch), m) for m in (16, SMALL_MAX_ROWS)]
+        if role == "qkv" and prefill:
+            forms.append((gemm_large(n, k, epi, arch), MAX_STEP_TOKENS))
+            prefill = False
+        for kern, m in forms:
+            if kern.name in seen:
+                continue
+            seen.add(kern.name)
+            cases.append(gemv_attn_tail_bench_case(kern) if m == 0 else
+                         gemm_bench_case(kern, m, note=f"prefill M={m}" if m == MAX_STEP_TOKENS else ""))
     return cases

@@ -17,12 +17,12 @@ Prefill chunks (m > 16, not batched) use the grouped family (moe_grouped.py).
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar
-from ..kernel_spec import make_params
+from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from ._util import require
 from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
                      weight_bytes)
@@ -35,7 +35,7 @@ DOWN_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "y", "m")
 DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # An expert's pairs a pass over its weights (moe_small.cuh): 8 = one token group of the swapped mma. 16 (two groups,
 # one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
-# 2026-12-02, call 2: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
+# 2026-12-02: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
 PASS_WIDTH = 8
 
 
@@ -50,7 +50,9 @@ def _expert_leaders(mmax: int, topk: int, experts: int) -> int:
     return min(mmax * topk, experts)
 
 
-def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
+@cache
+def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec, KernelSpec]:
+    """(gate/up, down) of a step of up to `mmax` rows: the one-token down, or for more rows the down per slot."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
@@ -64,10 +66,10 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     pf = prefetch(math.ceil(steps_gu / ks), arch)
     # Many rows on a deep-prefetch arch: 2 steps in flight a warp (16 rows, H200, router-like routing, 2026-12-01:
     # 107.8 us a layer vs 128.0 with 4; fewer registers, more warps resident; 8 no better than 4).
-    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (.gpu/moe_sweep.py,
-    # kept out of the repo; 8 distinct experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
+    # Warps (KS) x units (UN) a block, over each expert's own tokens (moe_small.cuh). H200 sweep (8 distinct
+    # experts a token, 2026-12-02, kernel bench): 16 rows KS 4 x UN 2 70.7 us a
     # layer (2.7 TB/s; UN 1 the same, UN 4 or PF 4 slower), 32 rows KS 4 x UN 2 94.7 (KS 2 x UN 4 101.7, KS 5 x
-    # UN 1 x PF 4, the one-token blocking until session 22, 139; the one-token step measured the same at KS 4 x
+    # UN 1 x PF 4, the one-token step's former blocking, 139; the one-token step measured the same at KS 4 x
     # PF 2, 280.6 us a step either way).
     un = 1
     if arch.prefetch_depth >= 4:
@@ -93,7 +95,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
                                        ROW_GRID=(1, topk, 1, leaders), **common),
                            grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
                            family="moe")
-        return [gateup, pairs]
+        return gateup, pairs
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as
     # in moe_down_pairs (DOWN_KS), and the block adds the slots in slot order from 0, as ffn_tail adds the pair rows,
@@ -108,11 +110,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> list[KernelSpec]:
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
                       make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
                       grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
-    return [gateup, down]
-
-
-def plan_moe(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    return moe_kernels(spec, arch, 1) + moe_kernels(spec, arch, 16) + moe_kernels(spec, arch, MAX_BATCH)
+    return gateup, down
 
 
 def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
@@ -151,4 +149,4 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     return cases
 
 
-__all__ = ["plan_moe", "bench_moe", "moe_kernels", "STEP_BYTES"]
+__all__ = ["bench_moe", "moe_kernels", "STEP_BYTES"]

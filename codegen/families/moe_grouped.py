@@ -17,6 +17,7 @@ kernels whose grid follows the row count; these grids are fixed (the plan's tile
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -141,8 +142,10 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     return [plan, gu, dn]
 
 
-def plan_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    return moe_grouped_kernels(spec, arch)
+@cache
+def plan_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> tuple[KernelSpec, ...]:
+    """(plan, gate/up, down) of a prefill chunk: what the step programs launch for the MoE of more than 16 rows."""
+    return tuple(moe_grouped_kernels(spec, arch))
 
 
 def random_routing(rng: np.random.Generator, rows: int, experts: int, topk: int) -> np.ndarray:

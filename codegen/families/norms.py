@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -16,18 +18,21 @@ def _name(kind: str, H: int, eps: float, *dtypes: str) -> str:
     return f"{kind}__h{H}_{'_'.join(dtypes)}{eps_tag}"
 
 
+@cache
 def rmsnorm_kernel(H: int, eps: float, arch: ArchSpec, inp: str = GEMM_OUT_DTYPE, out: str = ACT_DTYPE) -> KernelSpec:
     return KernelSpec(_name("rmsnorm", H, eps, inp, out), "rmsnorm.cu.j2",
                       make_params(H=H, EPS=float(eps), IN=inp, OUT=out, ROW_AXIS=0), row_grid(),
                       (row_threads(H, arch, "rmsnorm"), 1, 1), args=("x", "w", "y", "T"), family="norms")
 
 
+@cache
 def add_rmsnorm_kernel(H: int, eps: float, arch: ArchSpec, inp: str = GEMM_OUT_DTYPE, out: str = ACT_DTYPE) -> KernelSpec:
     return KernelSpec(_name("add_rmsnorm", H, eps, inp, out), "add_rmsnorm.cu.j2",
                       make_params(H=H, EPS=float(eps), IN=inp, OUT=out, ROW_AXIS=0), row_grid(),
                       (row_threads(H, arch, "add_rmsnorm"), 1, 1), args=("x", "y", "w", "a", "T"), family="norms")
 
 
+@cache
 def attn_tail_kernel(H: int, eps: float, arch: ArchSpec) -> KernelSpec:
     return KernelSpec(_name("attn_tail", H, eps, GEMM_OUT_DTYPE, ACT_DTYPE), "attn_tail.cu.j2",
                       make_params(H=H, EPS=float(eps), IN=GEMM_OUT_DTYPE, OUT=ACT_DTYPE, ROW_AXIS=0), row_grid(),
@@ -39,6 +44,7 @@ FFN_TAIL_ARGS = ("mlp", "moe", "ids", "x", "w1", "w2", "w", "layer_scalar", "w_n
                  "tap_col", "T")
 
 
+@cache
 def ffn_tail_kernel(H: int, eps: float, arch: ArchSpec, pairs: int = 0, experts: int = 0) -> KernelSpec:
     """pairs = top-k > 0: the form that sums the MoE's slot rows itself (steps of more than one row, whose MoE
     writes a row per slot), saving the combine launch a layer."""
@@ -50,25 +56,11 @@ def ffn_tail_kernel(H: int, eps: float, arch: ArchSpec, pairs: int = 0, experts:
                       (row_threads(H, arch, "ffn_tail"), 1, 1), args=FFN_TAIL_ARGS, family="norms")
 
 
-def plan_norms(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
-    """Target: input norm of layer 0 (fp32 embedding rows), attention tail, FFN tail (which also applies the next
-    layer's input norm, or the final norm after the last layer). Drafter: hidden_norm of the fc output, its
-    input norm, and residual-add + norm between its sub-blocks."""
-    t = spec.target
-    H, eps = t.hidden_size, t.rms_norm_eps
-    ks = [rmsnorm_kernel(H, eps, arch, inp="f32"), attn_tail_kernel(H, eps, arch), ffn_tail_kernel(H, eps, arch),
-          ffn_tail_kernel(H, eps, arch, t.top_k_experts, t.num_experts)]
-    if spec.drafter is not None:
-        d = spec.drafter
-        ks += [rmsnorm_kernel(d.hidden_size, d.rms_norm_eps, arch, inp="f32"),
-               add_rmsnorm_kernel(d.hidden_size, d.rms_norm_eps, arch)]
-    return ks
-
-
 def bench_norms(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     H, T = spec.target.hidden_size, 16
     act = 2
-    ks = {k.name.split("__")[0]: k for k in plan_norms(spec, arch) if not k.param_dict.get("PAIRS")}  # one-row forms
+    eps = spec.target.rms_norm_eps
+    ks = {"attn_tail": attn_tail_kernel(H, eps, arch), "ffn_tail": ffn_tail_kernel(H, eps, arch)}  # one-row forms
     row, w = T * H, H
     out = []
     k = ks["attn_tail"]

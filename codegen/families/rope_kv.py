@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 
-from ...model_spec.types import FULL, SLIDING, ModelSpec
+from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, Q_DTYPE, page_pitch, ring_slots
@@ -26,6 +27,7 @@ FOLD_ARGS = ("q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache",
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
 
 
+@cache
 def rope_kv_kernel(role: str, *, HQ: int, HKV: int, D: int, rot: int, theta: float, slots: int, has_q: bool,
                    v_from_k: bool, v_norm: bool, kv: str, eps: float, arch: ArchSpec, page: int = 0,
                    pitch: int = 0) -> KernelSpec:
@@ -63,42 +65,45 @@ def _rot(rope, D: int) -> int:
     return D // 2 if rope.rope_type == "default" else int(rope.partial_rotary_factor * D // 2)
 
 
-def plan_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+@cache
+def target_rope_kv(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str) -> KernelSpec:
+    """rope_kv of target layer `layer` with a `kv` cache: sliding layers write their ring, full layers their pages."""
     t = spec.target
-    ks = []
-    for kind in (SLIDING, FULL):
-        layers = [l for l in range(t.num_hidden_layers) if t.layer_types[l] == kind]
-        if not layers:
-            continue
-        l = layers[0]
-        D, rope = t.layer_head_dim(l), t.layer_rope(l)
-        slots = ring_slots(t.sliding_window) if kind == SLIDING else 0
-        page = 0 if kind == SLIDING else KV_PAGE  # the full layers are paged
-        for kv in KV_DTYPES:
-            ks.append(rope_kv_kernel("tgt_" + kind[0], HQ=t.num_attention_heads, HKV=t.layer_kv_heads(l), D=D,
-                                     rot=_rot(rope, D), theta=rope.rope_theta, slots=slots, has_q=True,
-                                     v_from_k=not t.layer_has_v_proj(l), v_norm=True, kv=kv, eps=t.rms_norm_eps,
-                                     arch=arch, page=page,
-                                     pitch=page_pitch(t.max_position_embeddings) if page else 0))
-            ks.append(gemv_rope_kv(ks[-1], t.hidden_size, arch))
+    D, rope, window = t.layer_head_dim(layer), t.layer_rope(layer), t.layer_window(layer) or 0
+    page = 0 if window else KV_PAGE  # the full layers are paged
+    return rope_kv_kernel("tgt_" + t.layer_types[layer][0], HQ=t.num_attention_heads, HKV=t.layer_kv_heads(layer),
+                          D=D, rot=_rot(rope, D), theta=rope.rope_theta, slots=ring_slots(window) if window else 0,
+                          has_q=True, v_from_k=not t.layer_has_v_proj(layer), v_norm=True, kv=kv,
+                          eps=t.rms_norm_eps, arch=arch, page=page,
+                          pitch=page_pitch(t.max_position_embeddings) if page else 0)
+
+
+@cache
+def target_gemv_rope_kv(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str) -> KernelSpec:
+    """The one-row q|k|v GEMV of target layer `layer` with its rope_kv folded in."""
+    return gemv_rope_kv(target_rope_kv(spec, arch, layer, kv), spec.target.hidden_size, arch)
+
+
+@cache
+def drafter_rope_kv(spec: ModelSpec, arch: ArchSpec, layer: int, has_q: bool) -> KernelSpec:
+    """rope_kv of drafter layer `layer`: the block's (queries and K/V, `has_q`) or the context's (K/V only)."""
     d = spec.drafter
-    if d is not None:
-        for kind in sorted(set(d.layer_types)):
-            slots = ring_slots(d.sliding_window) if kind == SLIDING else 0
-            for has_q in (False, True):  # context K/V (no queries) and the block (queries + K/V)
-                ks.append(rope_kv_kernel(("dblk_" if has_q else "dctx_") + kind[0], HQ=d.num_attention_heads,
-                                         HKV=d.num_key_value_heads, D=d.head_dim, rot=d.head_dim // 2,
-                                         theta=d.rope_theta, slots=slots, has_q=has_q, v_from_k=False, v_norm=False,
-                                         kv=DRAFTER_KV_DTYPE, eps=d.rms_norm_eps, arch=arch))
-    return ks
+    window = d.layer_window(layer) or 0
+    return rope_kv_kernel(("dblk_" if has_q else "dctx_") + d.layer_types[layer][0], HQ=d.num_attention_heads,
+                          HKV=d.num_key_value_heads, D=d.head_dim, rot=d.head_dim // 2, theta=d.rope_theta,
+                          slots=ring_slots(window) if window else 0, has_q=has_q, v_from_k=False, v_norm=False,
+                          kv=DRAFTER_KV_DTYPE, eps=d.rms_norm_eps, arch=arch)
+
+
+def first_layers(layer_types) -> list[int]:
+    """The first layer of each layer kind, in layer order (the kernels' shapes follow the kind)."""
+    return [layer_types.index(kind) for kind in dict.fromkeys(layer_types)]
 
 
 def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     out = []
     T = 16
-    for k in plan_rope_kv(spec, arch):
-        if not k.name.startswith("rope_kv__tgt_"):
-            continue
+    for k in (target_rope_kv(spec, arch, l, kv) for l in first_layers(spec.target.layer_types) for kv in KV_DTYPES):
         p = k.param_dict
         HQ, HKV, D = p["HQ"], p["HKV"], p["D"]
         slots = p["SLOTS"] or 4096

@@ -28,6 +28,8 @@ ceil(T / TILE_T) (ROW_GRID), grid.x = E / TILE_E. Measured on the H200 (2026-12-
 
 from __future__ import annotations
 
+from functools import cache
+
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -35,7 +37,7 @@ from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 
 # router_logits' token groups (a verify step's 16 tokens; a 32-row batched step loops 2 a block: 32 groups, a block
-# a row, measured slower on the H200, 461 against 420 us a step, session 20 call 3)
+# a row, measured slower on the H200, 461 against 420 us a step)
 LM_TOKENS = 16
 TOPK_WARPS = 4  # router_topk: a warp a token, 4 tokens a block
 TILE_T, TILE_E = 16, 32  # router_logits_tiled: tokens x experts a block (experts: at most); a warp per 8 x 8 of them
@@ -49,7 +51,14 @@ def _warps(experts: int, most: int) -> int:
     return max(w for w in range(1, most + 1) if experts % w == 0)
 
 
-def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
+def _eps_tag(spec: ModelSpec) -> str:
+    eps = spec.target.rms_norm_eps
+    return "" if eps == 1e-6 else f"_eps{ftag(eps)}"
+
+
+@cache
+def router_logits(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """Router logits of up to LM_TOKENS rows (loops more grid-stride), a warp an expert."""
     t = spec.target
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     require(H % 8 == 0, f"router: hidden {H} must be a multiple of 8")
@@ -57,39 +66,58 @@ def plan_router(spec: ModelSpec, arch: ArchSpec) -> list[KernelSpec]:
     warps = _warps(E, 2)  # few warps per block: more blocks pull the router weight in parallel
     # shared memory: the scaled token row (H floats) + scratch
     require(H * 4 + 128 <= 48 * 1024, f"router: hidden {H} does not fit the static shared-memory row buffer")
-    eps_tag = "" if t.rms_norm_eps == 1e-6 else f"_eps{ftag(t.rms_norm_eps)}"
-    logits = KernelSpec(f"router_logits__h{H}_e{E}{eps_tag}", "router_logits.cu.j2",
-                        make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
-                        grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
-                        args=("x", "scale", "proj", "logits", "T"), family="router")
+    return KernelSpec(f"router_logits__h{H}_e{E}{_eps_tag(spec)}", "router_logits.cu.j2",
+                      make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
+                      grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
+                      args=("x", "scale", "proj", "logits", "T"), family="router")
+
+
+@cache
+def router_logits_tiled(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """Router logits of a prefill chunk, as a tiled fp32 GEMM with router_logits' arithmetic."""
+    t = spec.target
+    H, E = t.hidden_size, t.num_experts
+    logits = router_logits(spec, arch)
     # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them), a
     # warp per 8 x 8; bit-identical to `logits` only while that one runs 2 warps (block_sum<64>'s norm order)
     be = next((b for b in (TILE_E, TILE_E // 2, TILE_E // 4) if E % b == 0), None)
-    require(be is not None and H % TILE_KC == 0 and warps == 2,
+    require(be is not None and H % TILE_KC == 0 and logits.block[0] == 64,
             f"router: the tiled prefill logits need an even number of experts, a multiple of 8, and hidden a multiple"
             f" of {TILE_KC} ({E} / {H})")
     # shared memory: x * scale (16 token rows of 2 x 144 floats), W (be rows of 256 bf16), the scale, the norms
     smem = TILE_T * 288 * 4 + be * TILE_KC * 2 + H * 2 + TILE_T * 65 * 4
     require(smem <= 48 * 1024, f"router: hidden {H} does not fit the tiled logits' static shared memory ({smem} B)")
-    prefill = KernelSpec(f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{eps_tag}", "router_logits_tiled.cu.j2",
-                         make_params(H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS,
-                                     ROW_GRID=(1, 1, TILE_T)),
-                         grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
-                         block=(32 * (TILE_T // 8) * (be // 8), 1, 1), args=logits.args, family="router")
-    topk = KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2",
-                      make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
+    return KernelSpec(f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{_eps_tag(spec)}", "router_logits_tiled.cu.j2",
+                      make_params(H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS,
+                                  ROW_GRID=(1, 1, TILE_T)),
+                      grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
+                      block=(32 * (TILE_T // 8) * (be // 8), 1, 1), args=logits.args, family="router")
+
+
+@cache
+def router_topk(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """Softmax, top-k and renormalisation of the router logits, a warp a token."""
+    E, K = spec.target.num_experts, spec.target.top_k_experts
+    return KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
                       grid=(-(-MAX_STEP_TOKENS // TOPK_WARPS), 1, 1), block=(32 * TOPK_WARPS, 1, 1),
                       args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"), family="router")
-    fused = KernelSpec(f"router_fused__h{H}_e{E}_k{K}{eps_tag}", "router_fused.cu.j2",
-                       make_params(H=H, E=E, K=K, EPS=float(t.rms_norm_eps), ROW_AXIS=1), grid=logits.grid,
-                       block=logits.block, args=FUSED_ARGS, family="router")
-    return [fused, logits, prefill, topk]
+
+
+@cache
+def router_fused(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
+    """router_logits whose last block of each token runs its top-k (the one-row step's router, one launch)."""
+    t = spec.target
+    logits = router_logits(spec, arch)
+    return KernelSpec(f"router_fused__h{t.hidden_size}_e{t.num_experts}_k{t.top_k_experts}{_eps_tag(spec)}",
+                      "router_fused.cu.j2", make_params(H=t.hidden_size, E=t.num_experts, K=t.top_k_experts,
+                                                        EPS=float(t.rms_norm_eps), ROW_AXIS=1),
+                      grid=logits.grid, block=logits.block, args=FUSED_ARGS, family="router")
 
 
 def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     t = spec.target
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
-    fu, lg, tiled, tk = plan_router(spec, arch)
+    fu, lg, tiled, tk = (f(spec, arch) for f in (router_fused, router_logits, router_logits_tiled, router_topk))
     out = []
     for T in (1, 16):
         out.append(BenchCase(fu, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),

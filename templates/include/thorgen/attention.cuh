@@ -186,7 +186,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   // A thread keeps one 16-byte column chunk and walks rows THREADS / CH apart, loading a row's K and V chunks from
   // one slot (a ring slot: one modulo a tile, not one a chunk). The one-query decode blocks (few warps an SM) are
   // bound by their instruction count, and a per-chunk index computation cost ~60 instructions a cp.async (ncu,
-  // docs/benchmarks/NOTES.md, session 27).
+  // H200, docs/benchmarks/NOTES.md).
   constexpr int CH = D * EB / 16;  // 16-B chunks per row
   static_assert(THREADS % CH == 0 && TK % (THREADS / CH) == 0, "a pass of the block covers whole K/V rows");
   constexpr int RSTEP = THREADS / CH;

@@ -134,7 +134,7 @@ __device__ __forceinline__ void attn_split_count(float* ws, unsigned int* counte
 // each). The (m, l) pairs are staged in shared memory first (a thread a part); then each thread issues the O loads of
 // all its columns for up to ZB parts together, predicated on the staged l, and skips the batches of ZB parts that
 // hold no part with keys (a query's parts with keys are a range of the splits). The former loop, which read l, then
-// m, then O part after part, waited on L2 about 2 NSPLIT times (ncu, session 29: 7.5 us a 16-query launch, 65 %
+// m, then O part after part, waited on L2 about 2 NSPLIT times (ncu, H200: 7.5 us a 16-query launch, 65 %
 // long-scoreboard stalls). Same arithmetic, in part order.
 template <int D, int HQ, int NSPLIT, int MMAX, int THREADS>
 __device__ __forceinline__ void attn_combine(const float* __restrict__ ws, int m, __half* __restrict__ out) {

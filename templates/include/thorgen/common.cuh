@@ -1,4 +1,4 @@
-// thorgen common device helpers: element load/store by type, fp8 e4m3, warp/block reductions, last-block arrival,
+// thorgen common device functions: element load/store by type, fp8 e4m3, warp/block reductions, last-block arrival,
 // orderable keys.
 // Hand-written; included by the generated kernels as "thorgen/common.cuh".
 #pragma once

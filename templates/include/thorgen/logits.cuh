@@ -1,4 +1,4 @@
-// thorgen logits processing and logprobs (issue 13), between the lm_head GEMM and the token pick.
+// thorgen logits processing and logprobs, between the lm_head GEMM and the token pick.
 //
 // (a) logits_process: out = the processed *softcapped* logits, in vLLM's order on the float32 softcapped value c:
 //     repetition (c > 0 ? c / r : c * r, tokens of prompt + output), frequency * count + presence (output tokens),
@@ -13,6 +13,7 @@
 #pragma once
 #include <stddef.h>
 #include "thorgen/sample.cuh"
+#include "thorgen/sort.cuh"
 
 namespace thorgen {
 
@@ -56,24 +57,6 @@ __device__ __forceinline__ int lower_bound_token(const E* e, int n, int token) {
 
 __device__ __forceinline__ bool token_allowed(const uint32_t* mask, int v) {
   return mask == nullptr || ((mask[v >> 5] >> (v & 31)) & 1u);
-}
-
-// descending bitonic sort of n (a power of two) keys in shared memory by THREADS threads
-template <int THREADS>
-__device__ void block_sort_desc(unsigned long long* keys, int n) {
-  for (int k = 2; k <= n; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < n; i += THREADS) {
-        const int p = i ^ j;
-        if (p > i) {
-          const bool desc = (i & k) == 0;
-          const unsigned long long a = keys[i], b = keys[p];
-          if (desc ? (a < b) : (a > b)) { keys[i] = b; keys[p] = a; }
-        }
-      }
-      __syncthreads();
-    }
-  }
 }
 
 template <int THREADS>

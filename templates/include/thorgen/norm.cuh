@@ -208,10 +208,10 @@ __device__ __forceinline__ void attn_tail_last_block(const float* o, float* x, c
 // slots with a valid expert id (ids [T][K], E experts), from 0 in slot order in f32: the same operations, so a row's
 // bits do not depend on which form its step ran (batch invariance), and one launch a layer fewer than a combine.
 // One row function for both forms: every input is in flight before the sums that need it, one memory round trip on
-// the row's path instead of four (H200, session 15: decode 464 -> 480 tok/s), rounded explicitly (the norms' block
-// sums as attn_tail_row's). Until session 23 the slot-row form ran another loop (block sums in another order, so a
-// sequence's row differed in the last bits between a one-row and a batched step); the in-flight form in a 512-row
-// prefill chunk measured the same TTFT (2,048 tokens: 129.4 against 128.2 ms, within noise, session 15).
+// the row's path instead of four (H200: decode 464 -> 480 tok/s), rounded explicitly (the norms' block sums as
+// attn_tail_row's). The slot-row form once ran another loop (block sums in another order, so a sequence's row
+// differed in the last bits between a one-row and a batched step); the in-flight form in a 512-row prefill chunk
+// measured the same TTFT (2,048 tokens: 129.4 against 128.2 ms, within noise).
 template <int H, int THREADS, int PAIRS, int E, typename TI, typename TA, typename TT>
 __device__ __forceinline__ void ffn_tail_row(const TI* mlp, const TI* moe, const int* __restrict__ ids, float* x,
                                              const __nv_bfloat16* __restrict__ w1,
@@ -235,7 +235,7 @@ __device__ __forceinline__ void ffn_tail_row(const TI* mlp, const TI* moe, const
   // Slot rows: every slot of every column loads before the first sum (an invalid slot's row exists, its value
   // unused), so the loads wait neither on the ids nor on each other; the sums then take the valid slots in slot
   // order. Loading and summing a column at a time let the compiler hold one column's slots in flight: PER dependent
-  // L2 round trips, ~8 us a 16-row verify step's launch on the H200 (ncu, session 29).
+  // L2 round trips, ~8 us a 16-row verify step's launch on the H200 (ncu).
   float slot[PAIRS > 0 ? R::Q : 1][PAIRS > 0 ? R::PER : 1][PAIRS > 0 ? PAIRS : 1];
 #pragma unroll
   for (int q = 0; q < R::Q; ++q) {

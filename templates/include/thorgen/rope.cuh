@@ -47,7 +47,7 @@ struct RopeKv {
   // (the compiler contracts these into fmas alike in the rope_kv kernel and the GEMV with it folded in: the GPU test
   // test_gemv_rope_kv checks the two give the same bits. Rounding each product explicitly, as the NumPy reference
   // does, moved the tiny preset's greedy tokens: fact_004 of the prompt suite then crossed a reference gap of 0.0188
-  // against TIE_TOL 0.01 at token 49, so the arithmetic of the sessions before stays.)
+  // against TIE_TOL 0.01 at token 49, so the arithmetic stays as it was.)
   static __device__ __forceinline__ void rope(float (&v)[PER], const float* cs, const float* sn) {
     const int lane = threadIdx.x & 31;
 #pragma unroll

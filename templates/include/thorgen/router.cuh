@@ -99,9 +99,9 @@ __device__ void router_logits(const float* __restrict__ x, const __nv_bfloat16* 
   }
   // router_fused (the one-row decode step): a thread's x columns i = threadIdx.x + k THREADS, with the scale (a
   // weight) loaded before the wait and all of the token's x loads issued before the first is used. The loop form
-  // leaves three dependent L2 round trips after the wait (ncu, session 27): the decode graph replay measured 49 us
+  // leaves three dependent L2 round trips after the wait (ncu, H200): the decode graph replay measured 49 us
   // faster this way. The many-row router_logits keeps the loop (153 registers, not 220: it runs beside the dense
-  // MLP's GEMM, and the verify graph was 90 us slower with the preload there, session 27 call 3). Both keep the sum
+  // MLP's GEMM, and the verify graph was 90 us slower with the preload there). Both keep the sum
   // of squares' order (fmaf over the columns in turn), as router_logits_tiled expects.
   constexpr bool PRELOAD = K > 0;
   constexpr int XI = PRELOAD ? (H + THREADS - 1) / THREADS : 1;

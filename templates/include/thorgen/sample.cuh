@@ -9,6 +9,7 @@
 #pragma once
 #include <type_traits>
 #include "thorgen/common.cuh"
+#include "thorgen/sort.cuh"
 
 namespace thorgen {
 
@@ -115,23 +116,6 @@ struct LmSample {
     m = mm;
   }
 
-  // descending bitonic sort of n (power of two) keys in shared memory
-  static __device__ void sort_desc(unsigned long long* keys, int n) {
-    for (int k = 2; k <= n; k <<= 1) {
-      for (int j = k >> 1; j > 0; j >>= 1) {
-        for (int i = threadIdx.x; i < n; i += THREADS) {
-          const int p = i ^ j;
-          if (p > i) {
-            const bool desc = (i & k) == 0;
-            const unsigned long long a = keys[i], b = keys[p];
-            if (desc ? (a < b) : (a > b)) { keys[i] = b; keys[p] = a; }
-          }
-        }
-        __syncthreads();
-      }
-    }
-  }
-
   static __device__ void prep(const float* __restrict__ logits, const SampleParams* __restrict__ sp,
                               unsigned char* __restrict__ ws, int T, float cap) {
     __shared__ unsigned long long keys[CHUNK];
@@ -152,7 +136,7 @@ struct LmSample {
       }
       if ((threadIdx.x & 31) == 0) { red_m[threadIdx.x >> 5] = m; red_s[threadIdx.x >> 5] = s; }
       __syncthreads();
-      sort_desc(keys, CHUNK);
+      block_sort_desc<THREADS>(keys, CHUNK);
       unsigned char* w = ws + (long)row * WS_ROW_BYTES;
       unsigned long long* cand = reinterpret_cast<unsigned long long*>(w + OFF_CAND) + (long)blockIdx.x * C;
       for (int i = threadIdx.x; i < C; i += THREADS) cand[i] = keys[i];
@@ -176,7 +160,7 @@ struct LmSample {
       const unsigned long long* cand = reinterpret_cast<const unsigned long long*>(w + OFF_CAND);
       for (int i = threadIdx.x; i < NC; i += THREADS) keys[i] = cand[i];
       __syncthreads();
-      sort_desc(keys, NC);
+      block_sort_desc<THREADS>(keys, NC);
       if (threadIdx.x == 0) {
         const double temp = sp[row].temperature, top_p = sp[row].top_p, min_p = sp[row].min_p;
         const int top_k = sp[row].top_k;
