@@ -1,4 +1,4 @@
-"""GPU test: a sequence's step has the same bits alone and in any batch (issue 9's batch invariance). Sequences of
+"""GPU test: a sequence's step has the same bits alone and in any batch (batch invariance). Sequences of
 different lengths are prefilled into their own KV lanes; each one's next step runs alone (the one-row decode
 graph: GEMVs, the fused router, the split decode attention) and then inside batched steps of 2..32 rows (the 16-
 and 32-row GEMMs, rowwise attention over fewer blocks, the many-row MoE), at the same position with the same token.

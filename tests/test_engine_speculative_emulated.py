@@ -300,7 +300,7 @@ def test_missing_drafter_kernels_raise(emu):
         backend.generate([2, 300], 2, SamplingParams(), speculative=True)
 
 
-# ---- the same on the real GPU (the lead runs this on the H200) ---------------------------------------------------
+# ---- the same on a GPU (skipped without one) -----------------------------------------------------------------------
 
 def _tie(backend, ids: list[int], got: list[int], want: list[int], params: SamplingParams) -> float:
     """Greedy: gap (in logit units) between the two candidates at the first difference, from the plain engine's

@@ -11,7 +11,7 @@ the engine's storage points (fp16 GEMM inputs, bf16 Q, bf16/fp8 K/V, the repacke
 runtime/reference/w4a16.py). Against the CPU-emulated engine (the same schedule with NumPy kernels,
 tests/test_reference_w4a16.py) it is bit-equal: logits rel L2 0, every greedy and sampled token identical. On the
 GPU only the kernels' float32 accumulation order and attention's bf16 probabilities remain (per-layer error
-3e-4..2e-3, measured layer by layer in session 8), so tokens must be identical and logits close:
+3e-4..2e-3, measured layer by layer on an H200), so tokens must be identical and logits close:
   LOGITS_TOL      engine vs the w4a16 reference with the same KV type, softcapped logits of the last prompt token,
                   relative L2: bf16 KV 1e-2, fp8 KV 5e-2 (an fp8 K/V value moves by a whole e4m3 step, 6%, where
                   the GPU's input lands on the other side of a rounding boundary). Set from the emulation and the
