@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.api import Capabilities, EngineClient
+from ..runtime.client import Capabilities, EngineClient
 from ..runtime.text.tokenizer import Tokenizer
 from . import endpoints
 from . import openapi

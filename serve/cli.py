@@ -16,7 +16,7 @@ SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 
 def open_model(config):
     """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
-    from ..runtime.api import EngineClient
+    from ..runtime.client import EngineClient
     from ..runtime.text.prompts import load_chat_template
     from .chat_template import ChatTemplate, load_tokenizer
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 
-from ..runtime.api import SamplingParams
+from ..runtime.client import SamplingParams
 from .generation import Generation, Job, choices, serve_generation
 from .guards import prompt_ids
 from .parser import ControlIds, OutputParser

@@ -12,8 +12,8 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..runtime.api import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
-                           RequestRejected, RequestStream, SamplingParams)
+from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
+                              RequestRejected, RequestStream, SamplingParams)
 from .logprobs import Logprobs
 from .parser import Delta, OutputParser
 from .protocol import APIError

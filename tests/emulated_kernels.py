@@ -1,5 +1,5 @@
 """Test support (not a test module): NumPy stand-ins for every kernel template, used by the fake CUDA driver of
-tests/engine_emulator.py. Each reads its arguments from the fake device memory and writes its outputs there, as
+tests/fake_driver.py. Each reads its arguments from the fake device memory and writes its outputs there, as
 float64 references that round where the kernel stores (through float32: `RK.store`), so the emulated engine agrees
 with the reference backend's numerics="w4a16" mode token for token.
 """
@@ -17,12 +17,12 @@ from thorgen.runtime.convert import layouts as L
 from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference import w4a16 as W4
 from thorgen.runtime.reference.sampling import sample
-from emulated_logits import LogitsKernels  # (tests/ is on sys.path: engine_emulator imports this module)
+from emulated_logits import LogitsKernels  # (tests/ is on sys.path: fake_driver imports this module)
 
 import matmul_reference as MR
 
 if TYPE_CHECKING:
-    from engine_emulator import FakeDriver
+    from fake_driver import FakeDriver
 
 F64 = np.float64
 

@@ -140,7 +140,7 @@ class ScriptedRunner:
 
 def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):
     """A loaded ServerState around any backend, behind an EngineClient (Gemma-4's stops 1, 106, 50)."""
-    from thorgen.runtime.api import EngineClient
+    from thorgen.runtime.client import EngineClient
     from thorgen.serve.app import ServerState
 
     def loader():

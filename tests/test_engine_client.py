@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from thorgen.runtime.api import (EngineClient, EngineConfig, EngineUnavailable, RequestRejected,  # noqa: E402
-                                 open_backend)
+from thorgen.runtime.api import EngineConfig, open_backend  # noqa: E402
+from thorgen.runtime.client import EngineClient, EngineUnavailable, RequestRejected  # noqa: E402
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 from thorgen.runtime.cuda.kv_cache import default_ctx  # noqa: E402
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402

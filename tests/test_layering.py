@@ -4,7 +4,7 @@ model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-p
 ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
 nothing imports bench; no runtime room imports codegen (the runtime reads what `thorgen build` wrote: the kernel
 benchmark too, from manifest.json and bench_cases.json); serve reaches the runtime only through its client API
-(api, the request/result types in backend, and text). Every import
+(api, client, the request/result types in backend, and text). Every import
 counts, including ones inside functions and under TYPE_CHECKING.
 """
 
@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
 RUNTIME = {"runtime.backend", "runtime.manifest", "runtime.engine", "runtime.text", "runtime.convert",
-           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.generate"}
-CLIENT_API = {"runtime.api", "runtime.backend", "runtime.text"}
+           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate"}
+CLIENT_API = {"runtime.api", "runtime.client", "runtime.backend", "runtime.text"}
 ALLOWED = {
     "model_spec": set(),
     "codegen": {"model_spec"},
@@ -32,7 +32,8 @@ ALLOWED = {
     "runtime.convert": {"model_spec", "runtime.backend"},
     "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
     "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert"},
-    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.reference", "runtime.cuda"},
+    "runtime.api": {"model_spec", "runtime.backend", "runtime.reference", "runtime.cuda"},
+    "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
     "runtime.generate": {"model_spec"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,
     "serve": {"model_spec"} | CLIENT_API,
@@ -154,7 +155,7 @@ def test_the_checkers_can_fail(tmp_path: Path) -> None:
 def test_no_room_is_flat_again() -> None:
     """runtime/ keeps its few top-level modules; everything else lives in a room."""
     top = sorted(p.stem for p in (ROOT / "runtime").glob("*.py"))
-    assert top == ["__init__", "api", "backend", "generate", "manifest"], top
+    assert top == ["__init__", "api", "backend", "client", "generate", "manifest"], top
 
 
 @pytest.mark.parametrize("room", sorted(r for r in ALLOWED if r.startswith(("runtime.", "serve.")) and

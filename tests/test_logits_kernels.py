@@ -175,7 +175,7 @@ def test_logprobs_chunked_merge_equals_the_reference():
 
 # ---- the engine emulator's stand-ins -------------------------------------------------------------------------------
 class _Memory:
-    """Enough of tests/engine_emulator.FakeDriver for the stand-ins: named buffers as views."""
+    """Enough of tests/fake_driver.FakeDriver for the stand-ins: named buffers as views."""
 
     def __init__(self, arrays: dict) -> None:
         self.arrays = {k: np.ascontiguousarray(v).view(np.uint8).ravel() for k, v in arrays.items()}

@@ -1,16 +1,14 @@
 """CPU tests of the CUDA runtime's host side: driver errors, memory checks, manifests, argument packing, KV plans.
 
-A fake driver module stands in for cuda.bindings.driver (runtime.cuda.device.set_driver), so the error paths a user
-without a GPU (or with too small a GPU) hits are exercised on any machine.
+tests/fake_driver.py's FakeDriver stands in for cuda.bindings.driver (runtime.cuda.device.set_driver), its knobs set to
+fail, so the error paths a user without a GPU (or with too small a GPU) hits are exercised on any machine.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,88 +23,22 @@ from thorgen.runtime.cuda.memory import ArenaPlan, OutOfGpuMemory, alloc, check_
 from thorgen.runtime.cuda.kernels import KernelSet, PackedArgs, Ptr
 from thorgen.runtime.manifest import ModuleError, load_manifest
 
-GiB = 2**30
-
-
-class CUresult(enum.IntEnum):
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_OUT_OF_MEMORY = 2
-    CUDA_ERROR_NO_DEVICE = 100
-    CUDA_ERROR_NO_BINARY_FOR_GPU = 209
-    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
-
-
-class FakeDriver:
-    """Just enough of cuda.bindings.driver for Device.open / alloc / capture, with knobs for failures."""
-
-    CUresult = CUresult
-    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major",
-                                         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor",
-                                         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT="sms",
-                                         CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="smem")
-    CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
-    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1, CU_STREAM_DEFAULT=0)
-
-    def __init__(self, devices: int = 1, init: CUresult = CUresult.CUDA_SUCCESS, free: int = 80 * GiB,
-                 capability: tuple[int, int] = (9, 0), alloc_result: CUresult = CUresult.CUDA_SUCCESS) -> None:
-        self.devices, self.init, self.free, self.capability = devices, init, free, capability
-        self.alloc_result = alloc_result
-        self.calls: list[str] = []
-
-    def cuInit(self, flags):
-        return (self.init,)
-
-    def cuGetErrorString(self, err):
-        return (CUresult.CUDA_SUCCESS, f"fake description of {CUresult(err).name}".encode())
-
-    def cuDeviceGetCount(self):
-        return CUresult.CUDA_SUCCESS, self.devices
-
-    def cuDeviceGet(self, i):
-        return CUresult.CUDA_SUCCESS, i
-
-    def cuDeviceGetAttribute(self, attr, d):
-        return CUresult.CUDA_SUCCESS, {"major": self.capability[0], "minor": self.capability[1], "sms": 132,
-                                       "smem": 232448}[attr]
-
-    def cuDeviceGetName(self, n, d):
-        return CUresult.CUDA_SUCCESS, b"Fake H200\0\0"
-
-    def cuDeviceTotalMem(self, d):
-        return CUresult.CUDA_SUCCESS, 141 * GiB
-
-    def cuDevicePrimaryCtxRetain(self, d):
-        return CUresult.CUDA_SUCCESS, "ctx"
-
-    def cuCtxSetCurrent(self, c):
-        return (CUresult.CUDA_SUCCESS,)
-
-    def cuMemGetInfo(self):
-        return CUresult.CUDA_SUCCESS, self.free, 141 * GiB
-
-    def cuMemAlloc(self, n):
-        self.calls.append(f"alloc {n}")
-        return self.alloc_result, (4096 if self.alloc_result == 0 else None)
-
-    def cuStreamBeginCapture(self, s, mode):
-        self.calls.append("begin")
-        return (CUresult.CUDA_SUCCESS,)
-
-    def cuStreamEndCapture(self, s):
-        self.calls.append("end")
-        return CUresult.CUDA_SUCCESS, "graph"
-
-    def cuGraphDestroy(self, g):
-        self.calls.append("destroy graph")
-        return (CUresult.CUDA_SUCCESS,)
+from fake_driver import GiB, CUresult, install
 
 
 @pytest.fixture
 def fake():
-    drv = FakeDriver()
-    dev.set_driver(drv)
+    """The fake driver as a machine with one 80 GiB-free H200 shows it, until the test ends."""
+    drv = install(free=80 * GiB, name="Fake H200")
     yield drv
     dev.set_driver(None)
+
+
+@pytest.fixture
+def current(fake):
+    """The fake driver with a context current on this thread (what Device.open leaves)."""
+    fake.cuCtxSetCurrent("ctx")
+    return fake
 
 
 # ---- no GPU / no driver / no cuda-python ---------------------------------------------------------------------
@@ -194,14 +126,14 @@ def test_arena_plan_aligns_regions():
 
 # ---- graphs ------------------------------------------------------------------------------------------------------
 
-def test_capture_error_ends_capture_and_reraises(fake):
+def test_capture_error_ends_capture_and_reraises(current):
     stream = dev.Stream("s")
 
     def body():
         raise ValueError("kernel arguments wrong")
     with pytest.raises(ValueError, match="kernel arguments wrong"):
         CudaGraph.capture(stream, body, "decode")
-    assert fake.calls == ["begin", "end", "destroy graph"]
+    assert current.calls == ["begin", "end", "destroy graph"]
 
 
 # ---- manifest / modules ------------------------------------------------------------------------------------------

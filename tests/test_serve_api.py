@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
-from thorgen.runtime.api import EngineClient  # noqa: E402
+from thorgen.runtime.client import EngineClient  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
 from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402

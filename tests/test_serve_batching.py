@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from thorgen.runtime.api import EngineClient, EngineConfig, open_backend  # noqa: E402
+from thorgen.runtime.api import EngineConfig, open_backend  # noqa: E402
+from thorgen.runtime.client import EngineClient  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.runtime.text.prompts import load_chat_template  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate, load_tokenizer  # noqa: E402

@@ -147,7 +147,7 @@ def _engine_steps(url: str) -> dict | None:
 
 
 def _step_means(before: dict | None, after: dict | None) -> dict | None:
-    """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/api.py)."""
+    """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/client.py)."""
     if not before or not after or after["steps"] <= before["steps"]:
         return None
     n = after["steps"] - before["steps"]

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ...model_spec.conventions import KV_PAGE, accepted_count
+from ...model_spec.conventions import KV_PAGE
 from ..backend import BackendError
 from .buffers import MAX_LOGIT_BIAS
 from .dflash import SpecLaunch
 from .engine import Engine
 from .kv_pages import Lane, PagePool
 from .logits_params import RequestLogits
+from .spec_decode import SpecDecoder
 from .speculative import BLOCK
 from .steps import BatchLaunch
-
-
-# a speculative sequence left behind by plain steps catches up when it may still decode a 16th of the positions
-CATCH_UP_RATIO = 16
 
 
 class _Launched(NamedTuple):
@@ -46,7 +43,7 @@ class CudaRunner:
     steps batched over every running sequence (DecodeSteps.launch_batch, each launched one step ahead: _decode_batch),
     or a graphed one-sequence step when one runs. A plain one-sequence step decodes the token the previous step left
     in out_ids[0] when it follows a step of the same sequence; otherwise the input token is staged (4 bytes). So
-    each one-sequence step is launched before the step before it is read (decode, _spec_decode: a DFlash step at
+    each one-sequence step is launched before the step before it is read (decode; SpecDecoder.step: a DFlash step at
     the block the device's acceptance picks), and the GPU does not wait for the host between steps.
 
     Prefix cache: the paged (full-attention) layers' pages are shared by content (runtime/cuda/kv_pages.py: full pages
@@ -56,15 +53,12 @@ class CudaRunner:
     hold what the new positions need (KVPlan.prefix_intact), in whole pages. Admission picks the free lane with
     the longest usable prefix, else the one freed longest ago.
 
-    Speculative steps run while a speculative sequence decodes alone (batched steps are plain: above one sequence
-    they are faster, docs/BENCHMARKS.md). Each lane holds its own sequence's drafter context (runtime/cuda/kv_cache.py)
-    and `Lane.draft_upto` says how far it is current; a plain or batched step leaves it behind, and once the
-    sequence decodes alone again one tap prefill of the positions it missed (`_catch_up`) brings it back, when its
-    cost is small beside the tokens still to come. A speculative request reuses a cached prefix as far as the
-    drafter context of the lane it comes from covers it (its output is the same either way)."""
+    Speculative steps (runtime/cuda/spec_decode.py) run while a speculative sequence decodes alone (batched steps
+    are plain: above one sequence they are faster, docs/BENCHMARKS.md). A speculative request reuses a cached
+    prefix as far as the drafter context of the lane it comes from covers it (its output is the same either way)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int | None = None, launch_ahead: bool | None = None) -> None:
-        self.engine, self.steps, self.dflash = engine, engine.steps, engine.dflash
+        self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
         # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
         self.prefill_chunk = self.engine.max_rows
@@ -92,7 +86,12 @@ class CudaRunner:
         self._released = 0
         self.logits = RequestLogits(engine, engine.spec.target.vocab_size)
         self.copied_prefix_tokens = 0  # prefix-cache hits served by copying another lane's K/V
-        self.caught_up_tokens = 0  # positions whose drafter context a catch-up prefill (_catch_up) restored
+        self.spec = SpecDecoder(engine, self._grow, self.max_context)
+
+    @property
+    def caught_up_tokens(self) -> int:
+        """Positions whose drafter context a catch-up prefill restored."""
+        return self.spec.caught_up_tokens
 
     def check(self, seq) -> None:
         if seq.speculative and not self.engine.speculative:
@@ -222,12 +221,13 @@ class CudaRunner:
         i = self._lane_of[seq.request_id]
         pos, greedy = seq.num_tokens - 1, seq.sampling.greedy
         self._params(seq)
-        if isinstance(one, SpecLaunch) or (
-                one is None and seq.speculative and pos + BLOCK <= self.max_context and not seq.sampling.extended
-                and self._catch_up(seq, i, pos)):  # (a processed sequence decodes without speculation)
-            # (else the drafter context is behind, or a verify block would run past the cache: plain steps)
-            return self._spec_decode(seq, i, pos, one, launched)
         lane, ext = self._lanes[i], False
+        # (not ready: the drafter context is behind, or a verify block would run past the cache: plain steps)
+        if isinstance(one, SpecLaunch) or (one is None and self.spec.ready(seq, lane, i, pos)):
+            new, nxt = self.spec.step(seq, lane, i, pos, one, self.launch_ahead, launched)
+            self._on_device = None  # out_ids[0] holds a verify row
+            self._one = None if nxt is None else _OneAhead(seq.request_id, *nxt)
+            return [(new, True)]
         if one is None:
             staged = None if self._on_device == (seq.request_id, pos) else seq.output[-1]
             self._grow(i, pos + 1)
@@ -248,36 +248,6 @@ class CudaRunner:
         self._one, self._on_device = nxt, (seq.request_id, pos + 1) if nxt is None else None
         return [([new], False)]
 
-    def _spec_decode(self, seq, i: int, pos: int, cur, launched) -> list[tuple[list[int], bool]]:
-        """A DFlash step of `seq` at `pos` (`cur`: launched ahead by the step before, else launched now). The next
-        step is launched before this one's tokens are read, at the block the device's acceptance picks
-        (draft.accept), unless this step surely ends the request or that block may not fit the context."""
-        lane, room, greedy = self._lanes[i], seq.room(self.max_context), seq.sampling.greedy
-        most, k = 1 + (seq.sampling.draft_tokens or BLOCK - 1), self.engine.emulate_acceptance
-        if cur is None:
-            self._grow(i, pos + BLOCK)
-            cur = self.dflash.launch(pos, seq.output[-1], greedy, lane=i, most=most, emulate=k)
-        lane.last_written = max(lane.last_written, pos + BLOCK - 1)
-        nxt = None
-        # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
-        hook_start = None if k is None else pos + accepted_count([], [0] * BLOCK, most, k)  # (needs no tokens)
-        if self.launch_ahead and (self.engine.draft_hook is None or hook_start is not None) and room >= 2 \
-                and pos + 2 * BLOCK <= self.max_context:
-            self._grow(i, pos + 2 * BLOCK)  # (its block starts at pos + 1 .. pos + BLOCK)
-            nxt = self.dflash.launch(None, greedy=greedy, hook_start=hook_start)
-            lane.last_written = max(lane.last_written, pos + 2 * BLOCK - 1)
-        if launched is not None:
-            launched()
-        drafts, target, accepted = self.dflash.wait(cur)
-        # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
-        new = target[:accepted_count(drafts, target, most, k)]
-        # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
-        lane.drafted(pos, pos + len(new), taps=True)
-        self._on_device = None  # out_ids[0] now holds a verify row
-        # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)
-        self._one = None if nxt is None else _OneAhead(seq.request_id, pos + accepted, nxt)
-        return [(new[:room], True)]
-
     def _take_one(self, seqs: list) -> Any:
         """The launch of the one-sequence step launched ahead when it is this step's (one sequence, at the position
         it ran); else None, after waiting for any such step (nobody reads its tokens)."""
@@ -293,27 +263,6 @@ class CudaRunner:
     def _settle(self, one: _OneAhead) -> None:
         self.steps.settle(one.launch)
         self._on_device = None  # (it wrote its token into out_ids[0])
-
-    def _catch_up(self, seq, i: int, pos: int) -> bool:
-        """Whether lane i's drafter context covers positions 0..pos-1, so that a speculative step can run: at once,
-        or after one tap prefill of the positions that plain and batched steps left it behind by. That runs when
-        its cost is small beside the tokens the sequence may still decode (a prefill position costs about a 16th of
-        what a speculative step saves a token: H200, 0.04 vs ~1 ms) and the lane's rings still hold the keys before
-        them (else the sequence goes on with plain steps). It writes the target's K/V of those positions again (the
-        values a prompt's prefill gives) and never touches a page shared with another sequence: the positions
-        were decoded, so their pages are the sequence's own until it finishes."""
-        lane = self._lanes[i]
-        missing = pos - lane.draft_upto
-        if missing <= 0:
-            return True
-        if missing > CATCH_UP_RATIO * seq.room(self.max_context) or lane.draft_upto == 0 or \
-                not self.engine.kv.plan.prefix_intact(lane.draft_upto, lane.last_written):
-            return False
-        self.engine.prefill(seq.tokens[:pos], seq.sampling.greedy, taps=True, begin=lane.draft_upto, lane=i)
-        lane.drafted(lane.draft_upto, pos, taps=True)
-        self._on_device = None  # (out_ids[0] holds the prefill's token, which the sequence already has)
-        self.caught_up_tokens += missing
-        return True
 
     def _decode_batch(self, seqs: list, cur: _Launched | None, joining: list, launched=None
                       ) -> list[tuple[list[int], bool]]:

@@ -18,8 +18,9 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from ...runtime.api import (EngineBusy, EngineClient, EngineConfig, EngineFailure, EngineUnavailable,
-                           RequestRejected, SamplingParams)
+from ...runtime.api import EngineConfig
+from ...runtime.client import (EngineBusy, EngineClient, EngineFailure, EngineUnavailable, RequestRejected,
+                              SamplingParams)
 from .remote import ClusterMetrics, Failed, RemoteEngineClient, ReplicaHeaderMiddleware, Routed
 from .routing import PrefixAffinityRouter
 

@@ -19,8 +19,8 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from ...runtime.api import (Capabilities, EngineBusy, EngineFailure, EngineUnavailable, GenerationResult,
-                           OutputStream, RequestOutput, RequestRejected, SamplingParams)
+from ...runtime.client import (Capabilities, EngineBusy, EngineFailure, EngineUnavailable, GenerationResult,
+                              OutputStream, RequestOutput, RequestRejected, SamplingParams)
 from . import routing
 from ..metrics import Metrics
 

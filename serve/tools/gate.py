@@ -15,7 +15,7 @@ answer substrings. Messages a trace omits are rebuilt from `--suite`. Per trace 
 - dflash: our mean accepted drafts per verify step is at least `--min-acceptance` of the trace's
   (accepted_tokens / drafts; both exclude the bonus token), when decoding speculatively.
 
-It goes through the engine client (runtime/api.py) and the server's chat template, as a chat request would.
+It goes through the engine client (runtime/client.py) and the server's chat template, as a chat request would.
 """
 
 from __future__ import annotations
