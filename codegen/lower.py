@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..model_spec.conventions import MAX_BATCH
-from ..model_spec.conventions import VERIFY_ROWS as LM_ROWS  # rows of logits the lm_head epilogues handle
+from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
@@ -28,13 +27,12 @@ from .families.attention import attn_combine, target_attention
 from .families.matmul import gemm_large, gemv_attn_tail, target_gemm
 from .kernel_spec import KernelSpec, PlanError
 
-MOE_SLICE = 16  # steps of up to 16 rows run the M = 16 kernels; batched steps of more, the M = MAX_BATCH ones
 
 
 def small_mmax(rows: int) -> int:
     """The row capacity of the weight-streaming kernels (GEMMs and the MoE pair) that serve `rows` rows: the M = 1
     ones, the 16-row ones, else (a batched step) the MAX_BATCH-row ones."""
-    return 1 if rows == 1 else MOE_SLICE if rows <= MOE_SLICE else MAX_BATCH
+    return 1 if rows == 1 else VERIFY_ROWS if rows <= VERIFY_ROWS else MAX_BATCH
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,7 @@ class Lower:
     def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KernelSpec:
         """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
         read once for all rows), else the prefill GEMM."""
-        if rows > MOE_SLICE and not batched:
+        if rows > VERIFY_ROWS and not batched:
             return self.use(gemm_large(n, k, epi, self.arch), f"prefill GEMM n={n} k={k}")
         mmax = small_mmax(rows)
         return self.use(target_gemm(n, k, mmax, epi, self.arch), f"GEMM n={n} k={k} m<={mmax}")
@@ -135,7 +133,7 @@ class Lower:
         (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
         out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
         `taps`: the DFlash tap layers also write their residual output (f16) into `taps` [rows, n_taps*H].
-        `all_logits` (a verify block, rows <= LM_ROWS): every row's next token lands in out_ids[row], drawn at
+        `all_logits` (a verify block, rows <= VERIFY_ROWS): every row's next token lands in out_ids[row], drawn at
         sampled position positions[max_rows + row].
         `batched` (rows <= MAX_BATCH): row t is the next token ids[t] of its own sequence, at positions[t] in lane
         lanes[t]; its next token lands in out_ids[t] (sampled at positions[max_rows + t] with params[t]).
@@ -158,15 +156,15 @@ class Lower:
         for l in range(t.num_hidden_layers):
             ops += self._layer_ops(l, rows, batched, small=batched and not score)
         if last:
-            if batched and not (score or ext):  # one lm_head pass over every row, then the picks per LM_ROWS rows
+            if batched and not (score or ext):  # one lm_head pass over every row, then the picks per VERIFY_ROWS rows
                 ops.append(self._gemm_op("lm_head", "lm_head", t.vocab_size, H, rows, A("a"), A("logits"),
                                          batched=True))
-                for r0 in range(0, rows, LM_ROWS):
-                    ops += self._pick_ops(min(LM_ROWS, rows - r0), A("logits", r0), A("out_ids", r0), greedy, r0)
+                for r0 in range(0, rows, VERIFY_ROWS):
+                    ops += self._pick_ops(min(VERIFY_ROWS, rows - r0), A("logits", r0), A("out_ids", r0), greedy, r0)
                 return ops
-            if batched:  # processed heads and scoring passes: lm_head and epilogues LM_ROWS rows at a time
-                for r0 in range(0, rows, LM_ROWS):
-                    n = min(LM_ROWS, rows - r0)
+            if batched:  # processed heads and scoring passes: lm_head and epilogues VERIFY_ROWS rows at a time
+                for r0 in range(0, rows, VERIFY_ROWS):
+                    n = min(VERIFY_ROWS, rows - r0)
                     if score:
                         ops += [self._gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
                         ops += self._logprobs_ops(n, A("out_ids", r0), r0)
@@ -174,8 +172,8 @@ class Lower:
                         ops += self.head_ops(A("a", r0), n, A("out_ids", r0), greedy, r0, ext)
                 return ops
             n = rows if all_logits else 1
-            if n > LM_ROWS:
-                raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {LM_ROWS}")
+            if n > VERIFY_ROWS:
+                raise ValueError(f"all_logits over {rows} rows: the lm_head epilogues handle {VERIFY_ROWS}")
             ops += self.head_ops(A("a") if all_logits else A("a", rows - 1), n, A("out_ids"), greedy, ext=ext)
         return ops
 
@@ -273,7 +271,7 @@ class Lower:
                                                     q_stride=n_qkv, kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
         attn = self.use(target_attention(self.spec, self.arch, l, self.kv_dtype, prefill=not small),
-                        f"attention layer kind {kind} m<={16 if small else 'prefill'}")
+                        f"attention layer kind {kind} m<={VERIFY_ROWS if small else 'prefill'}")
         ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
                                   lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
         ops += self._o_proj_tail_ops(l, rows, nq, small)
@@ -360,10 +358,10 @@ class Lower:
         if rows == 1:
             rt = self.use(router.router_fused(self.spec, self.arch), "router (logits + top-k)")
             return [Op(f"{p}router", rt, dict(common, counters=A("router_cnt")), rows)]
-        if rows > LM_ROWS and not batched:  # a prefill chunk: the tiled form (ceil(rows / BT) token tiles)
+        if rows > VERIFY_ROWS and not batched:  # a prefill chunk: the tiled form (ceil(rows / BT) token tiles)
             rl = self.use(router.router_logits_tiled(self.spec, self.arch), "router logits (tiled)")
         else:
-            rl = self.use(router.router_logits(self.spec, self.arch), f"router logits m<={LM_ROWS}")
+            rl = self.use(router.router_logits(self.spec, self.arch), f"router logits m<={VERIFY_ROWS}")
         tk = self.use(router.router_topk(self.spec, self.arch), "router top-k")
         return [Op(f"{p}router", rl, {a: common[a] for a in rl.args}, rows),
                 Op(f"{p}topk", tk, {a: common[a] for a in tk.args}, rows)]
@@ -383,7 +381,7 @@ class Lower:
         (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
         chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
         A, W, m = self.ptr.A, self.ptr.W, f"layers.{l}.experts."
-        if rows > MOE_SLICE and not batched:
+        if rows > VERIFY_ROWS and not batched:
             plan, gu, dn = (self.use(k, f"grouped MoE {what}") for k, what in
                             zip(moe_grouped.plan_moe_grouped(self.spec, self.arch), ("plan", "gate/up", "down")))
             routing = dict(pairs=A("moe_pairs"), tiles=A("moe_tiles"))

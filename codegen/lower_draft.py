@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
+from ..model_spec.conventions import VERIFY_ROWS  # DFlashSpec.block_size must match
 from ..model_spec.step_program import drafter_problem
 from .families import drafter_glue, norms
 from .families.attention import drafter_attention
@@ -27,7 +27,7 @@ class LowerDraft:
 
     def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
         f = self.fwd
-        what = f"drafter prefill GEMM n={n} k={k}" if rows > BLOCK else f"drafter GEMM n={n} k={k} m<={BLOCK}"
+        what = f"drafter prefill GEMM n={n} k={k}" if rows > VERIFY_ROWS else f"drafter GEMM n={n} k={k} m<={VERIFY_ROWS}"
         return Op(label, f.use(drafter_gemm(n, k, rows, epi, f.arch), what), dict(w=f.ptr.W(w), x=x, y=y, m=rows),
                   rows)
 
@@ -68,11 +68,11 @@ class LowerDraft:
         last layer: the side stream is idle there (the last tap layer is earlier); then the acceptance, once both
         are done (join)."""
         f, A = self.fwd, self.fwd.ptr.A
-        ops = f.ops(BLOCK, last=True, greedy=greedy, taps=True, all_logits=True)
-        head = f.head_ops(A("a"), BLOCK, A("out_ids"), greedy)
+        ops = f.ops(VERIFY_ROWS, last=True, greedy=greedy, taps=True, all_logits=True)
+        head = f.head_ops(A("a"), VERIFY_ROWS, A("out_ids"), greedy)
         body, tail = ops[:-len(head)], ops[-len(head):]
         assert [(o.label, o.entry.name) for o in tail] == [(o.label, o.entry.name) for o in head], "head not last"
-        ctx = [replace(op, branch=1) for op in self.ctx_ops(BLOCK)]
+        ctx = [replace(op, branch=1) for op in self.ctx_ops(VERIFY_ROWS)]
         return body + ctx + tail + [replace(op, join=True) for op in self.accept_ops()]
 
     def accept_ops(self) -> list[Op]:
@@ -82,12 +82,12 @@ class LowerDraft:
         e = f.use(drafter_glue.accept(self.spec, f.arch), "DFlash acceptance on the device")
         return [Op("draft.accept", e, dict(ids=A("ids"), out_ids=A("out_ids"), positions=A("positions"),
                                            sampled=A("positions", f.max_rows), rule=A("spec_rule"),
-                                           accepted=A("spec_acc")), BLOCK, pdl=False)]
+                                           accepted=A("spec_acc")), VERIFY_ROWS, pdl=False)]
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
         d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
-        h, nq, nkv, B = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, BLOCK
+        h, nq, nkv, B = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, VERIFY_ROWS
         emb = f.use(drafter_glue.block_embed(self.spec, f.arch), "drafter block embedding")
         ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
         norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter rmsnorm")

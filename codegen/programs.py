@@ -23,7 +23,7 @@ from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_pr
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
 from .kernel_spec import KernelSpec
-from .lower import MOE_SLICE, LaneBytes, Lower, Missing, Sym
+from .lower import LaneBytes, Lower, Missing, Sym
 from .lower_draft import LowerDraft
 
 
@@ -36,7 +36,7 @@ def _ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     slice), 17 (a batched step's second slice of one row: the M = 1 lm_head), above (prefill kernels, or a second
     16-row slice)."""
     out = []
-    for a, b in ((1, 1), (2, MOE_SLICE), (MOE_SLICE + 1, MOE_SLICE + 1), (MOE_SLICE + 2, hi)):
+    for a, b in ((1, 1), (2, VERIFY_ROWS), (VERIFY_ROWS + 1, VERIFY_ROWS + 1), (VERIFY_ROWS + 2, hi)):
         a, b = max(a, lo), min(b, hi)
         if a <= b:
             out.append((a, b))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from ...model_spec.conventions import VERIFY_ROWS as LM_ROWS  # grid.y: rows at once (more loop grid-stride)
+from ...model_spec.conventions import VERIFY_ROWS  # grid.y: rows at once (more loop grid-stride)
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
@@ -55,12 +55,12 @@ def _tag(spec: ModelSpec, arch: ArchSpec) -> str:
 
 @cache
 def lm_argmax(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
-    """Softcap fused with the greedy argmax of up to LM_ROWS logits rows."""
+    """Softcap fused with the greedy argmax of up to VERIFY_ROWS logits rows."""
     V, cap, exact = spec.target.vocab_size, float(spec.target.final_logit_softcapping or 0.0), exact_softcap(arch)
     chunk = vocab_chunk(V)
     return KernelSpec(f"lm_argmax__{_tag(spec, arch)}", "lm_argmax.cu.j2",
                       make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
-                      grid=(V // chunk, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
+                      grid=(V // chunk, VERIFY_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
                       args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")
 
 
@@ -75,9 +75,9 @@ def lm_sample(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
     C, ws, select_smem = sampler_shape(V, chunk, arch)
     common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
     grid, threads, smem, args = {
-        "prep": ((V // chunk, LM_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
-        "select": ((1, LM_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
-        "finish": ((V // chunk, LM_ROWS, 1), 512, 0,
+        "prep": ((V // chunk, VERIFY_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
+        "select": ((1, VERIFY_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
+        "finish": ((V // chunk, VERIFY_ROWS, 1), 512, 0,
                    ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"))}[stage]
     return KernelSpec(f"lm_sample_{stage}__{_tag(spec, arch)}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),
                       grid=grid, block=(min(threads, max(32, chunk)), 1, 1), smem_bytes=smem, args=args,

@@ -16,7 +16,8 @@ from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
 from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
 from ._util import ftag, require
-from .lm_head import LM_ROWS, chunk_threads, exact_softcap, sampler_shape, vocab_chunk
+from ...model_spec.conventions import VERIFY_ROWS
+from .lm_head import chunk_threads, exact_softcap, sampler_shape, vocab_chunk
 
 TOP_LOGPROBS = 20      # TOPN: OpenAI's (and runtime.backend's MAX_TOP_LOGPROBS) most top entries per token
 LOGPROB_CANDIDATES = 32  # K: per-chunk candidates of the logprobs top-N (a power of two >= TOPN)
@@ -43,13 +44,13 @@ def _tags(spec: ModelSpec, arch: ArchSpec) -> tuple[str, str]:
 
 @cache
 def lm_process(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
-    """Penalties, logit_bias and the grammar mask over up to LM_ROWS rows -> processed, softcapped logits."""
+    """Penalties, logit_bias and the grammar mask over up to VERIFY_ROWS rows -> processed, softcapped logits."""
     V, cap = spec.target.vocab_size, float(spec.target.final_logit_softcapping or 0.0)
     chunk = vocab_chunk(V)
     require(V % 32 == 0, f"lm_logits: vocab {V} must be a multiple of 32 (grammar mask words)")
     return KernelSpec(f"lm_process__{_tags(spec, arch)[0]}", "lm_process.cu.j2",
                       make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact_softcap(arch), ROW_AXIS=1),
-                      grid=(V // chunk, LM_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
+                      grid=(V // chunk, VERIFY_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
                       args=("logits", "rows", "counts", "biases", "masks", "out", "counters", "status", "T"),
                       family="lm_logits")
 
@@ -65,7 +66,7 @@ def lm_pick(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
                      "prep": (512, ("logits", "params", "workspace", "T")),
                      "finish": (512, ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"))}[stage]
     return KernelSpec(f"lm_pick_{stage}__{_tags(spec, arch)[1]}", "lm_pick.cu.j2", make_params(STAGE=stage, **pick),
-                      grid=(V // chunk, LM_ROWS, 1), block=(min(threads, max(32, chunk)), 1, 1), args=args,
+                      grid=(V // chunk, VERIFY_ROWS, 1), block=(min(threads, max(32, chunk)), 1, 1), args=args,
                       family="lm_logits")
 
 
@@ -81,9 +82,9 @@ def lm_logprobs(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
               WS_ROW_BYTES=lp_ws, SMEM_FINISH=finish_smem, ROW_AXIS=1)
     name = f"lm_logprobs_{stage}__{_tags(spec, arch)[0]}"
     if stage == "prep":
-        return KernelSpec(name, "lm_logprobs.cu.j2", make_params(STAGE=stage, **lp), grid=(V // chunk, LM_ROWS, 1),
+        return KernelSpec(name, "lm_logprobs.cu.j2", make_params(STAGE=stage, **lp), grid=(V // chunk, VERIFY_ROWS, 1),
                           block=(min(512, chunk), 1, 1), args=("logits", "workspace", "T"), family="lm_logits")
-    return KernelSpec(name, "lm_logprobs.cu.j2", make_params(STAGE=stage, **lp), grid=(1, LM_ROWS, 1),
+    return KernelSpec(name, "lm_logprobs.cu.j2", make_params(STAGE=stage, **lp), grid=(1, VERIFY_ROWS, 1),
                       block=(min(1024, max(32, finish_smem // 16)), 1, 1), smem_bytes=finish_smem,
                       args=("logits", "workspace", "out_ids", "top_ids", "top_lps", "chosen_lp", "T"),
                       family="lm_logits")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ...model_spec.conventions import VERIFY_ROWS as BLOCK
+from ...model_spec.conventions import VERIFY_ROWS
 from ..backend import BackendError
 from .timing import timed_stream
 
@@ -33,7 +33,7 @@ def _emulate(backend: Any, k: int | None) -> None:
 
         vocab = backend.spec.target.vocab_size
         engine.draft_hook = None if k is None else \
-            (lambda start, last: distinct_tokens(BLOCK - 1, vocab, first=start + 1))
+            (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
 
 
 def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int, runs: int,

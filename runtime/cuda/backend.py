@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ...model_spec.config import spec_from_configs
+from ...model_spec.conventions import MAX_BATCH
 from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
 from .options import EngineOptions
 from .runner import CudaRunner
-from .programs import MAX_BATCH
 from .kv_cache import default_ctx, fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
 from ..manifest import KernelManifest, load_manifest

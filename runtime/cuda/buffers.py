@@ -16,7 +16,8 @@ from .kv_cache import KVCache, KVPlan
 from .launch_lists import copy2d
 from .logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
-from .programs import LM_ROWS, MAX_BATCH, Copy2D
+from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS
+from .programs import Copy2D
 from .speculative import plan_drafter_activations, split_weights
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
@@ -50,8 +51,8 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
             ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
             ("lanes", (R,), "i32"), ("logits", (MAX_BATCH, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
             ("carry", (MAX_BATCH,), "i32"),  # a batched step's tokens, for the next step's carried rows
-            ("best", (LM_ROWS,), "i64"), ("counters", (LM_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
-            ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (LM_ROWS, sws), "u8"),
+            ("best", (VERIFY_ROWS,), "i64"), ("counters", (VERIFY_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
+            ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (VERIFY_ROWS, sws), "u8"),
             ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
             ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
             ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"), ("tail_cnt", (1,), "u32"),
@@ -63,10 +64,10 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
     if ext:  # the processed head: runtime/cuda/logits_params.py packs what the rows point into
         V, M = t.vocab_size, MAX_BATCH
         for name, shape, dt in (
-                ("processed", (LM_ROWS, V), "f32"), ("logit_rows", (M, LOGIT_ROW.itemsize), "u8"),
+                ("processed", (VERIFY_ROWS, V), "f32"), ("logit_rows", (M, LOGIT_ROW.itemsize), "u8"),
                 ("logit_counts", (M * min(V, ctx), TOKEN_COUNT.itemsize), "u8"),
                 ("logit_biases", (M * MAX_LOGIT_BIAS, TOKEN_BIAS.itemsize), "u8"),
-                ("logit_masks", (M, V // 32), "u32"), ("proc_counters", (2 * LM_ROWS,), "u32"),
+                ("logit_masks", (M, V // 32), "u32"), ("proc_counters", (2 * VERIFY_ROWS,), "u32"),
                 ("proc_status", (M,), "i32"), ("lp_ids", (M, MAX_TOP_LOGPROBS), "i32"),
                 ("lp_lps", (M, MAX_TOP_LOGPROBS), "float64"), ("lp_chosen", (M,), "float64")):
             p.add_array(name, shape, dt)

@@ -15,7 +15,8 @@ import numpy as np
 from ..backend import BackendError
 from .device import check, driver
 from .graphs import CudaGraph
-from .speculative import BLOCK, DraftForward
+from ...model_spec.conventions import VERIFY_ROWS
+from .speculative import DraftForward
 from .staging import ENGINE_SLOTS, Slot
 
 
@@ -45,7 +46,7 @@ class DFlashSteps:
                               lambda: DraftForward(fwd).verify_ops(greedy), "DFlash")
 
     def launch(self, start: int | None, last: int | None = None, greedy: bool = True, lane: int = 0,
-               most: int = BLOCK, emulate: int | None = None, hook_start: int | None = None) -> SpecLaunch:
+               most: int = VERIFY_ROWS, emulate: int | None = None, hook_start: int | None = None) -> SpecLaunch:
         """Enqueue one DFlash step without waiting for it. `start` None: the step after the latest one enqueued,
         of the same sequence and rule, at the block that step's acceptance (draft.accept, on the device) chose
         (`hook_start`: that block's start where the host knows it, for draft_hook). Otherwise the block at `start`
@@ -58,14 +59,14 @@ class DFlashSteps:
         if start is not None:  # (the block is rewritten only when no step is in flight: the runner waits first)
             block = eng.staging.next("spec_block")
             rec = block.record
-            rec["positions"] = np.arange(start, start + BLOCK)
-            rec["sampled"] = np.arange(start + 1, start + 1 + BLOCK)
+            rec["positions"] = np.arange(start, start + VERIFY_ROWS)
+            rec["sampled"] = np.arange(start + 1, start + 1 + VERIFY_ROWS)
             rec["last"], rec["lanes"] = last, lane
             rec["rule"] = (most, -1 if emulate is None else emulate)
             pos = act["positions"].ptr
-            check(cu.cuMemcpyHtoDAsync(pos, block.at("positions"), 4 * BLOCK, h), "block positions")
-            check(cu.cuMemcpyHtoDAsync(act["lanes"].ptr, block.at("lanes"), 4 * BLOCK, h), "block KV lanes")
-            check(cu.cuMemcpyHtoDAsync(pos + 4 * eng.max_rows, block.at("sampled"), 4 * BLOCK, h),
+            check(cu.cuMemcpyHtoDAsync(pos, block.at("positions"), 4 * VERIFY_ROWS, h), "block positions")
+            check(cu.cuMemcpyHtoDAsync(act["lanes"].ptr, block.at("lanes"), 4 * VERIFY_ROWS, h), "block KV lanes")
+            check(cu.cuMemcpyHtoDAsync(pos + 4 * eng.max_rows, block.at("sampled"), 4 * VERIFY_ROWS, h),
                   "sampled positions")
             check(cu.cuMemcpyHtoDAsync(act["ids"].ptr, block.at("last"), 4, h), "last token")
             check(cu.cuMemcpyHtoDAsync(act["spec_rule"].ptr, block.at("rule"), 8, h), "acceptance rule")
@@ -80,15 +81,15 @@ class DFlashSteps:
             if at is None:
                 raise BackendError("draft_hook: a DFlash step launched ahead without a host-known block start")
             forced = np.asarray(eng.draft_hook(at, last), np.int32)
-            if forced.shape != (BLOCK - 1,):
-                raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {BLOCK - 1}")
+            if forced.shape != (VERIFY_ROWS - 1,):
+                raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
             slot.record["forced"] = forced
-            check(cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (BLOCK - 1), h), "forced drafts")
+            check(cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (VERIFY_ROWS - 1), h), "forced drafts")
         self.graph("verify", greedy).replay(eng.stream)
         if events:
             events[2].record(eng.stream)
-        check(cu.cuMemcpyDtoHAsync(slot.at("ids"), act["ids"].ptr, 4 * BLOCK, h), "drafts")
-        check(cu.cuMemcpyDtoHAsync(slot.at("out_ids"), act["out_ids"].ptr, 4 * BLOCK, h), "verified tokens")
+        check(cu.cuMemcpyDtoHAsync(slot.at("ids"), act["ids"].ptr, 4 * VERIFY_ROWS, h), "drafts")
+        check(cu.cuMemcpyDtoHAsync(slot.at("out_ids"), act["out_ids"].ptr, 4 * VERIFY_ROWS, h), "verified tokens")
         check(cu.cuMemcpyDtoHAsync(slot.at("accepted"), act["spec_acc"].ptr, 4, h), "accepted count")
         done = self._landed[slot.turn]
         done.record(eng.stream)

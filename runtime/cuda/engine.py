@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...model_spec.conventions import SAMPLE_PARAMS
+from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
 from ...model_spec.types import ModelSpec
 from ..backend import MAX_TOP_LOGPROBS, BackendError
 from ..convert.artifact import WeightsArtifact
@@ -33,7 +33,7 @@ from .logits_params import logprob_entry, plain_row
 from .memory import DeviceBuffer
 from .options import EngineOptions
 from .dflash import DFlashSteps
-from .programs import MAX_BATCH, Forward
+from .programs import Forward
 from .speculative import DraftForward
 from .staging import ENGINE_SLOTS, StagingRing
 from .steps import DecodeSteps, sample_record

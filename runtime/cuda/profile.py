@@ -57,12 +57,13 @@ def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
 def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[dict]]:
     """GPU time (us) per launch of one DFlash step of lane 0 at `position`: (the draft forward, the verify forward
     with its drafter-context update), eager launches on one stream, timed with events."""
-    from .speculative import BLOCK, DraftForward
+    from ...model_spec.conventions import VERIFY_ROWS
+    from .speculative import DraftForward
 
     dfw = DraftForward(eng.fwd)
     draft, verify = _bind_alone(eng, dfw.block_ops(), dfw.verify_ops())
-    _stage(eng, ids=distinct_tokens(BLOCK, eng.spec.target.vocab_size),
-           positions=np.arange(position, position + BLOCK), lanes=np.zeros(BLOCK))
+    _stage(eng, ids=distinct_tokens(VERIFY_ROWS, eng.spec.target.vocab_size),
+           positions=np.arange(position, position + VERIFY_ROWS), lanes=np.zeros(VERIFY_ROWS))
     return _eager_profile(eng, draft), _eager_profile(eng, verify)
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH  # noqa: F401  (the engine imports them from here)
-from ...model_spec.conventions import VERIFY_ROWS as LM_ROWS  # noqa: F401  (rows of logits the lm_head epilogues handle)
 from ...model_spec.step_program import Op, program_key
 from ...model_spec.types import ModelSpec
 from ..backend import BackendError

@@ -14,7 +14,7 @@ from .engine import Engine
 from .kv_pages import Lane, PagePool
 from .logits_params import RequestLogits
 from .spec_decode import SpecDecoder
-from .speculative import BLOCK
+from ...model_spec.conventions import VERIFY_ROWS
 from .steps import BatchLaunch
 
 
@@ -69,7 +69,7 @@ class CudaRunner:
         # the paged layers' pool (the scheduler's block budget: it charges every page a sequence may hold)
         self.pool = PagePool(plan.pages) if plan.pages else None
         self.kv_tokens = plan.pages * KV_PAGE if self.pool else self.max_num_seqs * self.max_context
-        self.verify_block = BLOCK if self.engine.speculative else 1
+        self.verify_block = VERIFY_ROWS if self.engine.speculative else 1
         # a step is launched before the one before it is read (_decode_batch, decode): one more position, or for a
         # DFlash step one more verify block (its start, pos + 1 .. pos + 16, is known on the device only)
         self.lookahead = self.verify_block

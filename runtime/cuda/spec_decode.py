@@ -10,7 +10,7 @@ from ...model_spec.conventions import accepted_count
 from .dflash import SpecLaunch
 from .engine import Engine
 from .kv_pages import Lane
-from .speculative import BLOCK
+from ...model_spec.conventions import VERIFY_ROWS
 
 # a speculative sequence left behind by plain steps catches up when it may still decode a 16th of the positions
 CATCH_UP_RATIO = 16
@@ -30,7 +30,7 @@ class SpecDecoder:
         """Whether `seq` (in lane i) takes a DFlash step at `pos`: it is speculative and unprocessed (a processed
         sequence decodes without speculation), a verify block fits the context, and the drafter context covers
         positions 0..pos-1, at once or after `catch_up`."""
-        return (seq.speculative and pos + BLOCK <= self.max_context and not seq.sampling.extended
+        return (seq.speculative and pos + VERIFY_ROWS <= self.max_context and not seq.sampling.extended
                 and self.catch_up(seq, lane, i, pos))
 
     def catch_up(self, seq, lane: Lane, i: int, pos: int) -> bool:
@@ -60,20 +60,20 @@ class SpecDecoder:
         one's tokens were read, at the block the device's acceptance picks (draft.accept), unless this step surely
         ends the request or that block may not fit the context. out_ids[0] then holds a verify row."""
         room, greedy = seq.room(self.max_context), seq.sampling.greedy
-        most, k = 1 + (seq.sampling.draft_tokens or BLOCK - 1), self.engine.emulate_acceptance
+        most, k = 1 + (seq.sampling.draft_tokens or VERIFY_ROWS - 1), self.engine.emulate_acceptance
         dflash = self.engine.dflash
         if cur is None:
-            self.grow(i, pos + BLOCK)
+            self.grow(i, pos + VERIFY_ROWS)
             cur = dflash.launch(pos, seq.output[-1], greedy, lane=i, most=most, emulate=k)
-        lane.last_written = max(lane.last_written, pos + BLOCK - 1)
+        lane.last_written = max(lane.last_written, pos + VERIFY_ROWS - 1)
         nxt = None
         # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
-        hook_start = None if k is None else pos + accepted_count([], [0] * BLOCK, most, k)  # (needs no tokens)
+        hook_start = None if k is None else pos + accepted_count([], [0] * VERIFY_ROWS, most, k)  # (needs no tokens)
         if launch_ahead and (self.engine.draft_hook is None or hook_start is not None) and room >= 2 \
-                and pos + 2 * BLOCK <= self.max_context:
-            self.grow(i, pos + 2 * BLOCK)  # (its block starts at pos + 1 .. pos + BLOCK)
+                and pos + 2 * VERIFY_ROWS <= self.max_context:
+            self.grow(i, pos + 2 * VERIFY_ROWS)  # (its block starts at pos + 1 .. pos + VERIFY_ROWS)
             nxt = dflash.launch(None, greedy=greedy, hook_start=hook_start)
-            lane.last_written = max(lane.last_written, pos + 2 * BLOCK - 1)
+            lane.last_written = max(lane.last_written, pos + 2 * VERIFY_ROWS - 1)
         if launched is not None:
             launched()
         drafts, target, accepted = dflash.wait(cur)

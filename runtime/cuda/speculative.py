@@ -23,7 +23,7 @@ Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids
 
 from __future__ import annotations
 
-from ...model_spec.conventions import VERIFY_ROWS as BLOCK  # DFlashSpec.block_size must match
+from ...model_spec.conventions import VERIFY_ROWS  # DFlashSpec.block_size must match
 from ...model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key, verify_key
 from ...model_spec.types import ModelSpec
 from ..backend import BackendError
@@ -44,16 +44,16 @@ def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
 
 
 def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
-    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for BLOCK rows."""
+    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for VERIFY_ROWS rows."""
     d, H = spec.drafter, spec.target.hidden_size
     assert d is not None
     nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     for name, shape, dt in (
             ("taps", (rows, len(d.target_layer_ids) * H), "f16"), ("dctx", (rows, d.hidden_size), "f32"),
             ("dctx_a", (rows, d.hidden_size), "f16"), ("dkv_raw", (rows, 2 * nkv), "f32"),
-            ("dx", (BLOCK, d.hidden_size), "f32"), ("da", (BLOCK, d.hidden_size), "f16"),
-            ("dqkv_raw", (BLOCK, nq + 2 * nkv), "f32"), ("dq", (BLOCK, nq), "bf16"), ("dattn", (BLOCK, nq), "f16"),
-            ("do", (BLOCK, d.hidden_size), "f32"), ("dmlp", (BLOCK, d.intermediate_size), "f16"),
+            ("dx", (VERIFY_ROWS, d.hidden_size), "f32"), ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
+            ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"), ("dq", (VERIFY_ROWS, nq), "bf16"), ("dattn", (VERIFY_ROWS, nq), "f16"),
+            ("do", (VERIFY_ROWS, d.hidden_size), "f32"), ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
             # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
             ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):
         p.add_array(name, shape, dt)
@@ -70,7 +70,7 @@ class DraftForward:
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
-        return self.fwd.program(DRAFT_BLOCK, BLOCK)
+        return self.fwd.program(DRAFT_BLOCK, VERIFY_ROWS)
 
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
@@ -78,7 +78,7 @@ class DraftForward:
 
     def verify_ops(self, greedy: bool = True) -> list[Op]:
         """The verify step: target forward (taps), drafter context update beside its head, acceptance (LowerDraft)."""
-        return self.fwd.program(verify_key(greedy), BLOCK)
+        return self.fwd.program(verify_key(greedy), VERIFY_ROWS)
 
     def probe(self) -> list[str]:
         """What the speculative path lacks (empty: it can run)."""
@@ -86,4 +86,4 @@ class DraftForward:
                                 DRAFT_BLOCK, DRAFT_CONTEXT)
 
 
-__all__ = ["BLOCK", "DraftForward", "plan_drafter_activations", "split_weights"]
+__all__ = ["DraftForward", "plan_drafter_activations", "split_weights"]

@@ -14,8 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
-from ...model_spec.conventions import VERIFY_ROWS as BLOCK
+from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS, VERIFY_ROWS
 from .memory import PinnedBuffer
 
 I32 = np.int32
@@ -29,10 +28,10 @@ BATCH = np.dtype([("ids", I32, (MAX_BATCH,)), ("positions", I32, (MAX_BATCH,)), 
                   ("tokens", I32, (MAX_BATCH,))])
 # a DFlash block: positions, sampled positions, the last committed token, KV lanes, the acceptance rule
 # [most tokens a step commits, emulated K or -1]
-SPEC_BLOCK = np.dtype([("positions", I32, (BLOCK,)), ("sampled", I32, (BLOCK,)), ("last", I32),
-                       ("lanes", I32, (BLOCK,)), ("rule", I32, (2,))])
+SPEC_BLOCK = np.dtype([("positions", I32, (VERIFY_ROWS,)), ("sampled", I32, (VERIFY_ROWS,)), ("last", I32),
+                       ("lanes", I32, (VERIFY_ROWS,)), ("rule", I32, (2,))])
 # a DFlash step's forced drafts (draft_hook) and its read-back: drafts, verified tokens, the device's count
-SPEC_STEP = np.dtype([("forced", I32, (BLOCK - 1,)), ("ids", I32, (BLOCK,)), ("out_ids", I32, (BLOCK,)),
+SPEC_STEP = np.dtype([("forced", I32, (VERIFY_ROWS - 1,)), ("ids", I32, (VERIFY_ROWS,)), ("out_ids", I32, (VERIFY_ROWS,)),
                       ("accepted", I32)])
 
 ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while the DMA engine reads another)

@@ -12,13 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import SAMPLE_PARAMS
+from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH, SAMPLE_PARAMS
 from ..backend import BackendError
 from .device import Device, Stream, check, driver
 from .graphs import CudaGraph
 from .launch_lists import LaunchLists
 from .memory import Arena
-from .programs import DECODE_BUCKETS, MAX_BATCH, Forward
+from .programs import Forward
 from .staging import ENGINE_SLOTS, Slot, StagingRing
 
 

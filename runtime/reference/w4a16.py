@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...model_spec.conventions import VERIFY_ROWS
 from ...model_spec.step_program import program_key
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
 from ..manifest import load_manifest
@@ -346,13 +347,13 @@ class W4A16Target(TargetModel):
     def _engine_attention(self, l: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                           start: int) -> np.ndarray:
         """The engine's attention launches for the rows q [T, Hq, D] at positions start..: prefill chunks of
-        max_step_tokens rows, each the prefill kernel (> 16 rows) or the decode/verify kernel (<= 16 rows, split-K
+        max_step_tokens rows, each the prefill kernel (> VERIFY_ROWS rows) or the decode/verify kernel (<= VERIFY_ROWS, split-K
         + combine where it has NSPLIT > 1)."""
         dec, pre = self._attn_shapes[self.spec.layer_types[l]]
         window, out = self.spec.layer_window(l), np.empty(q.shape, F64)
         for a in range(0, q.shape[0], self.max_step_tokens):
             b = min(q.shape[0], a + self.max_step_tokens)
-            shape = dec if b - a <= 16 else pre
+            shape = dec if b - a <= VERIFY_ROWS else pre
             if shape.nsplit == 1:
                 out[a:b] = attention_rows(q[a:b], keys, values, start + a, window, shape, self.kv_dtype)
             else:

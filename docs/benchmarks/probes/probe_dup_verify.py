@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from thorgen.runtime.cuda.profile import distinct_tokens
-from thorgen.runtime.cuda.speculative import BLOCK, DraftForward
+from thorgen.model_spec.conventions import VERIFY_ROWS
+from thorgen.runtime.cuda.speculative import DraftForward
 from thorgen.model_spec.step_program import Op
 from probe_common import graph_replay_us, spec_step
 
@@ -30,7 +31,7 @@ route = {"ids": ids.tolist(), "distinct_tokens": int(len(set(ids.tolist()))),
          "distinct_experts_last_layer": int(len(set(tk.ravel().tolist())))}
 print("routing of the timed verify:", route, flush=True)
 dfw = DraftForward(eng.fwd)
-ops_all = eng.fwd.ops(BLOCK, decode=False, last=True, greedy=True, taps=True, all_logits=True) + dfw.ctx_ops(BLOCK)
+ops_all = eng.fwd.ops(VERIFY_ROWS, decode=False, last=True, greedy=True, taps=True, all_logits=True) + dfw.ctx_ops(VERIFY_ROWS)
 names = [op.entry.name for op in ops_all if isinstance(op, Op)]
 N = int(os.environ.get("PROBE_N", "40"))
 IN_PLACE = ("ffn_tail", "attn_tail", "embed", "dflash")
