@@ -142,7 +142,7 @@ def _check_forward(m, f: dict, kv: str) -> int:
 
 def _lm_head(backend) -> np.ndarray:
     """float64 [V, H] NVFP4 lm_head exactly as repacked (what the engine multiplies with)."""
-    from thorgen.runtime.convert.repack import unpack_linear
+    from artifact_readback import unpack_linear
 
     packed, scale, g = unpack_linear(backend.engine.art, "embed_tokens")
     return dequantize_nvfp4(packed, scale, g).astype(np.float64)

@@ -222,7 +222,7 @@ def test_engine_drafter_matches_reference(emu):
     taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
     e = backend.engine
     from thorgen.model_spec.nvfp4 import dequantize_nvfp4
-    from thorgen.runtime.convert.repack import unpack_linear
+    from artifact_readback import unpack_linear
 
     lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
 

@@ -150,7 +150,7 @@ def test_seeded_sampling_matches(pair, prompts):
 def test_lm_head_is_the_repacked_one(pair, tiny_checkpoint):
     """The w4a16 NVFP4 lm_head is bit for bit the one repack wrote (codes, block scales, global scale)."""
     from thorgen.model_spec.nvfp4 import dequantize_nvfp4
-    from thorgen.runtime.convert.repack import unpack_linear
+    from artifact_readback import unpack_linear
 
     cuda, ref = pair("bf16")
     packed, scale, g = unpack_linear(cuda.engine.art, "embed_tokens")

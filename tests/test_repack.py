@@ -14,6 +14,7 @@ from thorgen.model_spec.nvfp4 import bf16_to_f32, quantize_nvfp4
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.tensors import TARGET_PREFIX, drafter_linears, target_layer_tensors, target_linears
 from thorgen.runtime.convert import layouts as L
+import artifact_readback as AR
 from thorgen.runtime.convert import plan as P
 from thorgen.runtime.convert import repack as R
 from thorgen.runtime.convert.artifact import ArtifactError, WeightsArtifact, find_artifact
@@ -56,9 +57,9 @@ def test_every_nvfp4_linear_round_trips(art, ckpt):
             short = lin.prefix[len(TARGET_PREFIX):]
             if ".experts." in short:
                 head, e, proj = short.rsplit(".", 2)
-                got = R.unpack_linear(art, f"{head}.{proj}", expert=int(e))
+                got = AR.unpack_linear(art, f"{head}.{proj}", expert=int(e))
             else:
-                got = R.unpack_linear(art, short)
+                got = AR.unpack_linear(art, short)
             want = ckpt.nvfp4_parts(lin.prefix)
             np.testing.assert_array_equal(got[0], want[0], err_msg=short)
             np.testing.assert_array_equal(got[1], want[1], err_msg=short)
@@ -92,7 +93,7 @@ def test_bf16_tensors_are_stored_verbatim(art, ckpt):
 def test_lm_head_is_the_embedding_quantized_at_once(art, ckpt):
     emb = bf16_to_f32(ckpt.tensor(TARGET_PREFIX + "embed_tokens.weight"))
     packed, scale, g = quantize_nvfp4(emb)  # the whole table in one call, its own global scale
-    got = R.unpack_linear(art, "embed_tokens")
+    got = AR.unpack_linear(art, "embed_tokens")
     np.testing.assert_array_equal(got[0], packed)
     np.testing.assert_array_equal(got[1], scale)
     assert got[2] == g and art.entry("lm_head.weight_global_scale").global_scale == float(g)
@@ -104,13 +105,13 @@ def test_drafter_weights_round_trip(art, ckpt):
     for layer in range(d.num_hidden_layers):
         for lin in drafter_linears(d, layer):
             raw = ckpt.draft_tensor(lin.prefix + ".weight")
-            got = R.unpack_half(art, "draft." + lin.prefix)
+            got = AR.unpack_half(art, "draft." + lin.prefix)
             np.testing.assert_array_equal(got, L.bf16_to_f16_bits(raw), err_msg=lin.prefix)
             # fp16 holds every bf16 value of the fp16 normal range exactly
             f = bf16_to_f32(raw)
             normal = np.abs(f) >= 2.0 ** -14
             np.testing.assert_array_equal(got.view(np.float16).astype(np.float32)[normal], f[normal])
-    np.testing.assert_array_equal(R.unpack_half(art, "draft.fc"), L.bf16_to_f16_bits(ckpt.draft_tensor("fc.weight")))
+    np.testing.assert_array_equal(AR.unpack_half(art, "draft.fc"), L.bf16_to_f16_bits(ckpt.draft_tensor("fc.weight")))
     for name in ("hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"):
         np.testing.assert_array_equal(art.array("draft." + name), ckpt.draft_tensor(name))
 
@@ -128,7 +129,7 @@ def test_bf16_lm_head_and_nat_order(tiny, ckpt):
     a = WeightsArtifact.open(out, arch="sm_100a")
     assert a.lm_head == "bf16" and a.header["fp4_order"] == "nat"
     assert not any(n.startswith("lm_head") for n in a.tensors)
-    got = R.unpack_linear(a, "layers.4.experts.down_proj", expert=15)
+    got = AR.unpack_linear(a, "layers.4.experts.down_proj", expert=15)
     want = ckpt.nvfp4_parts(TARGET_PREFIX + "layers.4.experts.15.down_proj")
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])

@@ -21,7 +21,6 @@ from .lm_head import chunk_threads, exact_softcap, sampler_shape, vocab_chunk
 
 TOP_LOGPROBS = 20      # TOPN: OpenAI's (and runtime.backend's MAX_TOP_LOGPROBS) most top entries per token
 LOGPROB_CANDIDATES = 32  # K: per-chunk candidates of the logprobs top-N (a power of two >= TOPN)
-PROCESS_COUNTERS = 2     # u32 counters per row of lm_process (blocks done, allowed count)
 # thorgen::LogitRow of a row without processing (r = 1, f = p = 0, no entries, mask_row -1) as 12 u32 words
 PLAIN_ROW_WORDS = struct.unpack("<12I", struct.pack("<3d6i", 1.0, 0.0, 0.0, 0, 0, 0, 0, -1, 0))
 
