@@ -6,8 +6,9 @@ same launch), the o_proj GEMV with the attention tail folded in, the router (log
 pair; for more rows attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused
 q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
 Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py), and the
-plan (codegen/plan.py) is the set of kernels these forwards launch; arguments are symbols (`Sym`: an activation row, a
-weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. codegen/programs.py evaluates this at a few
+plan (codegen/plan.py) is the set of kernels these forwards launch; arguments are symbols (codegen/symbols.py: `Sym`,
+an activation row, a weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. The head's launches
+(lm_head and its epilogues) are lowered by codegen/lower_head.py. codegen/programs.py evaluates this at a few
 row counts per step shape and writes the launch lists into the manifest; the runtime (runtime/cuda/programs.py) only
 binds and runs them. Lowered against a given kernel list, a kernel absent from it aborts that forward (`Missing`)
 and is named in `missing`.
@@ -15,72 +16,24 @@ and is named in `missing`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any
 
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
+from . import lower_head
 from .arch import ArchSpec
-from .families import embedding, lm_head, lm_logits, moe, moe_grouped, norms, rope_kv, router
+from .families import embedding, moe, moe_grouped, norms, rope_kv, router
 from .families.attention import attn_combine, target_attention
 from .families.matmul import gemm_large, gemv_attn_tail, target_gemm
 from .kernel_spec import KernelSpec, PlanError
-
+from .symbols import NULL, Sym, Symbols
 
 
 def small_mmax(rows: int) -> int:
     """The row capacity of the weight-streaming kernels (GEMMs and the MoE pair) that serve `rows` rows: the M = 1
     ones, the 16-row ones, else (a batched step) the MAX_BATCH-row ones."""
     return 1 if rows == 1 else VERIFY_ROWS if rows <= VERIFY_ROWS else MAX_BATCH
-
-
-@dataclass(frozen=True)
-class Sym:
-    """A symbolic device address: activation `name` row `row` (A), weight `name` (W), layer `name`'s K or V cache
-    (KV / DKV), or null; plus `off` bytes."""
-
-    kind: str
-    name: Any = ""
-    row: int = 0
-    off: int = 0
-    which: str = ""
-
-    def __add__(self, nbytes: int) -> "Sym":
-        return replace(self, off=self.off + nbytes)
-
-
-@dataclass(frozen=True)
-class LaneBytes:
-    """Bytes between two sequences' KV lanes of a target (or drafter) layer (the runtime's KV plan knows them)."""
-
-    layer: int
-    model: str = "target"
-
-
-NULL = Sym("NULL")
-
-
-class Symbols:
-    """The Pointers a forward is lowered against: every address a symbol."""
-
-    def W(self, name: str, byte_offset: int = 0) -> Sym:
-        return Sym("W", name, 0, byte_offset)
-
-    def A(self, name: str, row: int = 0) -> Sym:
-        return Sym("A", name, row)
-
-    def KV(self, layer: int, which: str) -> Sym:
-        return Sym("KV", layer, which=which)
-
-    def DKV(self, layer: int, which: str) -> Sym:
-        return Sym("DKV", layer, which=which)
-
-    def lane_bytes(self, layer: int) -> LaneBytes:
-        return LaneBytes(layer)
-
-    def dlane_bytes(self, layer: int) -> LaneBytes:
-        return LaneBytes(layer, "drafter")
 
 
 class Missing(Exception):
@@ -157,17 +110,18 @@ class Lower:
             ops += self._layer_ops(l, rows, batched, small=batched and not score)
         if last:
             if batched and not (score or ext):  # one lm_head pass over every row, then the picks per VERIFY_ROWS rows
-                ops.append(self._gemm_op("lm_head", "lm_head", t.vocab_size, H, rows, A("a"), A("logits"),
-                                         batched=True))
+                ops.append(self.gemm_op("lm_head", "lm_head", t.vocab_size, H, rows, A("a"), A("logits"),
+                                        batched=True))
                 for r0 in range(0, rows, VERIFY_ROWS):
-                    ops += self._pick_ops(min(VERIFY_ROWS, rows - r0), A("logits", r0), A("out_ids", r0), greedy, r0)
+                    ops += lower_head.pick_ops(self, min(VERIFY_ROWS, rows - r0), A("logits", r0), A("out_ids", r0),
+                                               greedy, r0)
                 return ops
             if batched:  # processed heads and scoring passes: lm_head and epilogues VERIFY_ROWS rows at a time
                 for r0 in range(0, rows, VERIFY_ROWS):
                     n = min(VERIFY_ROWS, rows - r0)
                     if score:
-                        ops += [self._gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
-                        ops += self._logprobs_ops(n, A("out_ids", r0), r0)
+                        ops += [self.gemm_op("lm_head", "lm_head", t.vocab_size, H, n, A("a", r0), A("logits"))]
+                        ops += lower_head.logprobs_ops(self, n, A("out_ids", r0), r0)
                     else:
                         ops += self.head_ops(A("a", r0), n, A("out_ids", r0), greedy, r0, ext)
                 return ops
@@ -179,60 +133,12 @@ class Lower:
 
     def head_ops(self, x: Sym, n: int, out_ids: Sym, greedy: bool = True, r0: int = 0, ext: bool = False
                  ) -> list[Op]:
-        """lm_head over n rows of x, then argmax (or the sampler with params[r0..], at positions[max_rows+r0..])
-        into out_ids[0..n). `ext` (requests with penalties, logit_bias, a grammar or logprobs): lm_process first
-        writes each row's processed, softcapped logits (logit_rows[r0..] say how) that the lm_pick kernels pick
-        from, and lm_logprobs then writes each row's top-20 and picked-token logprobs from the unprocessed ones."""
-        t, A = self.spec.target, self.ptr.A
-        ops = [self._gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, n, x, A("logits"))]
-        if ext:
-            return ops + self._ext_head_ops(n, out_ids, greedy, r0)
-        return ops + self._pick_ops(n, A("logits"), out_ids, greedy, r0)
+        """lm_head over n rows of x, then argmax or the sampler (or, `ext`, the processed head with logprobs) into
+        out_ids[0..n): codegen/lower_head.py's head_ops."""
+        return lower_head.head_ops(self, x, n, out_ids, greedy, r0, ext)
 
-    def _pick_ops(self, n: int, logits: Sym, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
-        """Argmax (or the sampler with params[r0..], at positions[max_rows+r0..]) of the n logits rows from
-        `logits` into out_ids[0..n)."""
-        A = self.ptr.A
-        if greedy:
-            am = self.use(lm_head.lm_argmax(self.spec, self.arch), "greedy argmax")
-            return [Op("argmax", am, dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"),
-                                          out_ids=out_ids, T=n), n)]
-        common = dict(logits=logits, params=A("params", r0), positions=A("positions", self.max_rows + r0),
-                      workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, status=A("status", r0), T=n)
-        ops = []
-        for stage in ("prep", "select", "finish"):
-            k = self.use(lm_head.lm_sample(self.spec, self.arch, stage), f"sampler {stage}")
-            ops.append(Op(f"sample_{stage}", k, {a: common[a] for a in k.args if a in common}, n))
-        return ops
-
-    def _ext_head_ops(self, n: int, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
-        A = self.ptr.A
-        proc = self.use(lm_logits.lm_process(self.spec, self.arch), "logits processing")
-        ops = [Op("lm_process", proc, dict(logits=A("logits"), rows=A("logit_rows", r0), counts=A("logit_counts"),
-                                           biases=A("logit_biases"), masks=A("logit_masks"), out=A("processed"),
-                                           counters=A("proc_counters"), status=A("proc_status", r0), T=n), n)]
-        common = dict(logits=A("processed"), params=A("params", r0), positions=A("positions", self.max_rows + r0),
-                      workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, best=A("best"),
-                      status=A("status", r0), T=n)
-        pick, sample = lm_logits.lm_pick, lm_head.lm_sample  # (select never reads the logits: the sampler's)
-        stages = [(pick, "argmax")] if greedy else [(pick, "prep"), (sample, "select"), (pick, "finish")]
-        for kernel, stage in stages:
-            k = self.use(kernel(self.spec, self.arch, stage), f"processed pick {stage}")
-            ops.append(Op(f"pick_{stage}", k, {a: common[a] for a in k.args}, n))
-        return ops + self._logprobs_ops(n, out_ids, r0)
-
-    def _logprobs_ops(self, n: int, out_ids: Sym, r0: int) -> list[Op]:
-        """Each row's top-20 logprobs of the softcapped logits, and the logprob of the id in out_ids[row]."""
-        A, ops = self.ptr.A, []
-        lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
-                  top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
-        for stage in ("prep", "finish"):
-            k = self.use(lm_logits.lm_logprobs(self.spec, self.arch, stage), f"logprobs {stage}")
-            ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))
-        return ops
-
-    def _gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
-                 batched: bool = False) -> Op:
+    def gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
+                batched: bool = False) -> Op:
         """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (the kernel by rows: Lower.gemm)."""
         return Op(label, self.gemm(n, k, rows, epi, batched), self._gemm_args(base, rows, x, y), rows)
 
@@ -262,7 +168,7 @@ class Lower:
             ops.append(Op(f"{p}qkv_rope", fold, dict(self._gemm_args(qkv, rows, A("a"), A("qkv")), **prologue,
                                                      counters=A("qkv_cnt")), rows))
         else:
-            ops.append(self._gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
+            ops.append(self.gemm_op(f"{p}qkv", qkv, n_qkv, H, rows, A("a"), A("qkv"), batched=small))
             base = A("qkv")  # rope_kv reads each [rows, q|k|v] row in place (strides = the row width)
             rope = self.use(rope_kv.target_rope_kv(self.spec, self.arch, l, self.kv_dtype),
                             f"rope_kv layer kind {kind}")
@@ -277,10 +183,10 @@ class Lower:
         ops += self._o_proj_tail_ops(l, rows, nq, small)
         # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
         # branch 1 lets it run on a side stream beside them.
-        mlp = [self._gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
-                             A("mlp_act"), epi="gelu_mul", batched=small),
-               self._gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"),
-                             batched=small)]
+        mlp = [self.gemm_op(f"{p}mlp_gate_up", f"{p}mlp.gate_up_proj", 2 * t.intermediate_size, H, rows, A("a1"),
+                            A("mlp_act"), epi="gelu_mul", batched=small),
+               self.gemm_op(f"{p}mlp_down", f"{p}mlp.down_proj", H, t.intermediate_size, rows, A("mlp_act"), A("mlp"),
+                            batched=small)]
         for op in mlp:
             op.branch = 1
         ops += mlp  # first, so the side stream starts before the router
@@ -313,7 +219,7 @@ class Lower:
                         **tail_args)
             return [Op(f"{p}o_proj_tail", fold, args, rows)]
         tail = self.use(norms.attn_tail_kernel(H, t.rms_norm_eps, self.arch), "attn_tail")
-        return [self._gemm_op(f"{p}o_proj", base, H, nq, rows, A("attn"), A("o"), batched=small),
+        return [self.gemm_op(f"{p}o_proj", base, H, nq, rows, A("attn"), A("o"), batched=small),
                 Op(f"{p}attn_tail", tail, dict(o=A("o"), x=A("x"), **tail_args, T=rows), rows)]
 
     def attention_ops(self, label: str, attn: KernelSpec, rows: int, q: Sym, kc: Sym, vc: Sym, out: Sym,

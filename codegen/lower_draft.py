@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec.conventions import VERIFY_ROWS  # DFlashSpec.block_size must match
-from ..model_spec.step_program import drafter_problem
+from ..model_spec.step_program import Op, drafter_problem
 from .families import drafter_glue, norms
 from .families.attention import drafter_attention
 from .families.drafter_gemm import drafter_gemm
 from .families.rope_kv import drafter_rope_kv
 from .kernel_spec import KernelSpec
-from .lower import NULL, Lower, Op
+from .lower import Lower
+from .symbols import NULL
 
 
 class LowerDraft:

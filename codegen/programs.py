@@ -23,8 +23,9 @@ from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_pr
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
 from .kernel_spec import KernelSpec
-from .lower import LaneBytes, Lower, Missing, Sym
+from .lower import Lower, Missing
 from .lower_draft import LowerDraft
+from .symbols import LaneBytes, Sym
 
 
 class ProgramError(ValueError):

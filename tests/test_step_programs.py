@@ -13,11 +13,12 @@ import pytest
 pytest.importorskip("thorgen.codegen.plan")
 
 from thorgen.codegen.arch import get_arch  # noqa: E402
-from thorgen.codegen.lower import LaneBytes, Lower, Sym  # noqa: E402
+from thorgen.codegen.lower import Lower  # noqa: E402
 from thorgen.codegen.lower_draft import LowerDraft  # noqa: E402
 from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E402
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge  # noqa: E402
+from thorgen.codegen.symbols import LaneBytes, Sym  # noqa: E402
 from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key, verify_key  # noqa: E402
 from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
