@@ -15,7 +15,7 @@ from thorgen.codegen.families import moe_grouped as MG
 from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4
 from thorgen.runtime.convert import layouts as L
 from thorgen.runtime.backend import SamplingParams
-from thorgen.runtime.reference import w4a16 as W4
+from thorgen.runtime.reference import engine_attention as EA
 from thorgen.runtime.reference.sampling import sample
 from emulated_logits import LogitsKernels  # (tests/ is on sys.path: fake_driver imports this module)
 
@@ -215,7 +215,7 @@ class KernelEmulator(LogitsKernels):
         m, d, hq = a["m"], p["d"], p["hq"]
         if not 1 <= m <= p["mmax"]:
             raise EmuError(f"m={m} outside 1..{p['mmax']}")
-        shape, kv = W4.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
+        shape, kv = EA.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16"
         ns, win = p["nsplit"], p["window"]
         q = bf16_to_f32(self.v(a["q"], np.uint16, (m, hq, d), "q")).astype(F64)
         if a["rowwise"]:  # a batched step: query i is its own sequence's, at positions[i] in lane lanes[i]
@@ -226,11 +226,11 @@ class KernelEmulator(LogitsKernels):
             kvs = [self._load_kv(p, a, int(pos[i]), 1, int(lanes[i])) for i in range(m)]
             if ns == 1:
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
-                    [W4.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
+                    [EA.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
                 return
             # each query's parts are its own (its chunks of TPP key tiles), whatever blocks the launch has: the
             # kernel runs them all, several a block (batch invariance)
-            parts = [W4.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
+            parts = [EA.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
                      for i in range(m)]
             self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),
                             np.concatenate([x for _, x in parts], 1))
@@ -244,18 +244,18 @@ class KernelEmulator(LogitsKernels):
             # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
             if win:
                 raise EmuError("windowed bidirectional attention is not a planned kernel")
-            part = [W4.attention_partials(q[i:i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
+            part = [EA.attention_partials(q[i:i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
             o_p, ml_p = np.concatenate([o for o, _ in part], 1), np.concatenate([x for _, x in part], 1)
             if ns == 1:
-                self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
+                self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o_p, ml_p)
                 return
             self._split_out(p, a, m, o_p, ml_p)
             return
         if ns == 1:
-            out = W4.attention_rows(q, keys, vals, p0, win or None, shape, kv)
+            out = EA.attention_rows(q, keys, vals, p0, win or None, shape, kv)
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
             return
-        o_p, ml_p = W4.attention_partials(q, keys, vals, p0, win or None, shape, kv)
+        o_p, ml_p = EA.attention_partials(q, keys, vals, p0, win or None, shape, kv)
         self._split_out(p, a, m, o_p, ml_p)
 
     def _page_slots(self, a, page: int, pitch: int, lane: int, pos: np.ndarray) -> np.ndarray:
@@ -305,14 +305,14 @@ class KernelEmulator(LogitsKernels):
         ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:z, :m] = ml_p
         if a["counters"]:
             self._counters_zero(a, p["cnt_words"], "attention")
-            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o_p, ml_p)
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o_p, ml_p)
 
     def k_attn_combine(self, p, a, n):
         m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
         ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
         o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
         ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m]
-        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = W4.attention_combine(o, ml)
+        self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o, ml)
 
     def k_attn_tail(self, p, a, n):
         T, H = a["T"], p["H"]

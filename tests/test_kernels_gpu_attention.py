@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
-from thorgen.runtime.reference import w4a16 as W4  # noqa: E402
+from thorgen.runtime.reference import engine_attention as EA  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -113,11 +113,11 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
 def _parts_written(kern, m: int, p0: int) -> int:
     """Split parts a launch that merges in the kernel writes: every split, but for one query no more than its key
     tiles' chunks of TPP (attention.cuh: a query's parts depend on its own key range only)."""
-    shape, window = W4.AttnShape.of(kern.param_dict), kern.param("window")
+    shape, window = EA.AttnShape.of(kern.param_dict), kern.param("window")
     if m != 1:
         return shape.nsplit
     t_lo = (max(0, p0 - window + 1) if window else 0) // shape.tk
-    chunks = W4.split_chunks(t_lo, p0 // shape.tk - t_lo + 1, shape)
+    chunks = EA.split_chunks(t_lo, p0 // shape.tk - t_lo + 1, shape)
     return chunks if chunks <= shape.nsplit else shape.nsplit
 
 
