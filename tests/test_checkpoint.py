@@ -1,4 +1,5 @@
-"""Tests for model_spec/safetensors_io.py and model_spec/checkpoint.py: round trip and every bad-input error."""
+"""Tests for model_spec/safetensors_io.py, safetensors_shards.py and checkpoint.py: round trip and every bad-input
+error."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from thorgen.model_spec import nvfp4
 from thorgen.model_spec.checkpoint import Checkpoint, CheckpointError
 from thorgen.model_spec.presets import get_preset
-from thorgen.model_spec.safetensors_io import (INDEX_NAME, SafetensorsFile, ShardedWriter, StreamingWriter,
-                                               write_safetensors)
+from thorgen.model_spec.safetensors_io import INDEX_NAME, SafetensorsFile, StreamingWriter, write_safetensors
+from thorgen.model_spec.safetensors_shards import ShardedWriter
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.synth.weights import LinearParts, rng_for, tensor_chunks
 from thorgen.model_spec.tensors import TARGET_PREFIX, TensorInfo, drafter_tensors, target_tensors

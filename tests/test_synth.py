@@ -13,7 +13,8 @@ from thorgen.model_spec import nvfp4
 from thorgen.model_spec.checkpoint import Checkpoint
 from thorgen.model_spec.config import drafter_config, target_config
 from thorgen.model_spec.presets import get_preset
-from thorgen.model_spec.safetensors_io import build_header, plan_shards
+from thorgen.model_spec.safetensors_io import build_header
+from thorgen.model_spec.safetensors_shards import plan_shards
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.synth.writer import FULL_SHARD_BYTES
 from thorgen.model_spec.tensors import TARGET_PREFIX, target_tensors

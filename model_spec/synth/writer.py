@@ -21,7 +21,8 @@ from typing import Callable
 
 from ..config import drafter_config, target_config
 from ..presets import get_preset
-from ..safetensors_io import PlannedTensor, ShardedWriter, preallocate_shards, pwrite_all, tensor_nbytes, unit_key
+from ..safetensors_io import tensor_nbytes
+from ..safetensors_shards import PlannedTensor, ShardedWriter, preallocate_shards, pwrite_all, unit_key
 from ..tensors import TensorInfo, drafter_tensors, target_tensors
 from ..types import ModelSpec
 from .tokenizer import build_tokenizer, tokenizer_config
