@@ -17,13 +17,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..model_spec.bench_args import BENCH_CASES_NAME, BENCH_CASES_SCHEMA
 from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
 from .families import FAMILIES, family_function
 from .kernel_spec import BenchCase, KernelSpec
 
-BENCH_CASES_NAME = "bench_cases.json"
-BENCH_CASES_SCHEMA = 1
 
 
 def built_bench_cases(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> list[BenchCase]:

@@ -6,6 +6,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from ..model_spec.bench_args import Buf, Scalar
+
 _MISSING = object()
 
 
@@ -82,36 +84,6 @@ def make_params(**kwargs: object) -> tuple[tuple[str, object], ...]:
 
 
 # ---- benchmark cases: a family module may expose `bench_<family>(spec, arch) -> list[BenchCase]` ----------------
-@dataclass(frozen=True)
-class Buf:
-    """A device buffer argument: `count` elements of `dtype` ("f32", "f16", "bf16", "u8", "i32", "u32", "u64"), filled
-    with uniform random values in [low, high) (integers for integer dtypes; raw random bytes for "u8");
-    count 0 passes a null pointer; low == high fills the constant (e.g. zeroed counters); non-empty `values` are used as given (tiled to count)."""
-
-    name: str
-    dtype: str
-    count: int
-    low: float = -1.0
-    high: float = 1.0
-    values: tuple = ()
-
-    def to_json(self) -> dict:
-        return {"buf": self.name, "dtype": self.dtype, "count": self.count, "low": self.low, "high": self.high,
-                "values": list(self.values)}
-
-
-@dataclass(frozen=True)
-class Scalar:
-    """A by-value argument: ctype "i32", "u32", "i64", "u64" or "f32"."""
-
-    name: str
-    ctype: str
-    value: int | float
-
-    def to_json(self) -> dict:
-        return {"scalar": self.name, "ctype": self.ctype, "value": self.value}
-
-
 @dataclass(frozen=True)
 class BenchCase:
     """One timed launch: `args` in the kernel's argument order; `bytes_moved` = compulsory DRAM traffic."""

@@ -23,7 +23,8 @@ from functools import cache
 from ...model_spec.conventions import VERIFY_ROWS as VERIFY_M
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots
 from ._util import require
 

@@ -7,7 +7,8 @@ from functools import cache
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import ftag, row_grid
 
 # The residual stream is fp32, so the embedding writes fp32 rows (the scale is applied in fp32, like the NumPy

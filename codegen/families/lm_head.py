@@ -7,7 +7,8 @@ from functools import cache
 from ...model_spec.conventions import VERIFY_ROWS  # grid.y: rows at once (more loop grid-stride)
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import ftag, require
 
 SAMPLE_CANDIDATES = 64  # C: exact sampling while the kept set lies within the top C (Gemma's default top_k is 64)

@@ -14,7 +14,8 @@ from functools import cache
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import ftag, require
 from ...model_spec.conventions import VERIFY_ROWS
 from .lm_head import chunk_threads, exact_softcap, sampler_shape, vocab_chunk

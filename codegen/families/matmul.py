@@ -26,7 +26,8 @@ from functools import cache
 from ...model_spec.conventions import MAX_BATCH, fp4_order_for
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
 from .norms import attn_tail_kernel

@@ -22,7 +22,8 @@ from functools import cache
 from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import require
 from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
                      weight_bytes)

@@ -23,7 +23,8 @@ import numpy as np
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
 from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, weight_bytes

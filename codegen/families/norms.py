@@ -6,7 +6,8 @@ from functools import cache
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, GEMM_OUT_DTYPE
 from ._util import ftag, row_grid, row_threads
 

@@ -32,7 +32,8 @@ from functools import cache
 
 from ...model_spec.types import ModelSpec
 from ..arch import ArchSpec
-from ..kernel_spec import BenchCase, Buf, KernelSpec, Scalar, make_params
+from ...model_spec.bench_args import Buf, Scalar
+from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import MAX_STEP_TOKENS
 from ._util import ftag, require
 

@@ -14,37 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from ...model_spec.bench_args import BENCH_CASES_NAME, BENCH_CASES_SCHEMA, Buf, Scalar, arg_from_json
 from ...model_spec.nvfp4 import f32_to_bf16
 from ..manifest import KernelManifest, ModuleError
 
-BENCH_CASES_NAME = "bench_cases.json"
-BENCH_CASES_SCHEMA = 1
 _NP = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64, "i64": np.int64}
-_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i32": 4, "u32": 4, "u64": 8, "i64": 8}
 _SCALAR = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64, "f32": np.float32, "f64": np.float64}
-
-
-@dataclass(frozen=True)
-class Buf:
-    """A device buffer argument: `count` elements of `dtype`, filled with uniform random values in [low, high)
-    (integers for integer dtypes; raw random bytes for "u8"); count 0 passes a null pointer; low == high fills the
-    constant; non-empty `values` are used as given (tiled to count)."""
-
-    name: str
-    dtype: str
-    count: int
-    low: float
-    high: float
-    values: tuple
-
-
-@dataclass(frozen=True)
-class Scalar:
-    """A by-value argument: ctype "i32", "u32", "i64", "u64", "f32" or "f64"."""
-
-    name: str
-    ctype: str
-    value: int | float
 
 
 @dataclass(frozen=True)
@@ -60,19 +35,9 @@ class BenchCase:
     weight_streaming: bool
 
 
-def _arg(raw: dict) -> Buf | Scalar:
-    if "buf" in raw:
-        if raw["dtype"] not in _SIZE:
-            raise ValueError(f"buffer {raw['buf']}: unknown dtype {raw['dtype']!r}")
-        return Buf(str(raw["buf"]), raw["dtype"], int(raw["count"]), raw["low"], raw["high"], tuple(raw["values"]))
-    if raw["ctype"] not in _SCALAR:
-        raise ValueError(f"scalar {raw['scalar']}: unknown ctype {raw['ctype']!r}")
-    return Scalar(str(raw["scalar"]), raw["ctype"], raw["value"])
-
-
 def _case(raw: dict) -> BenchCase:
     grid = raw.get("grid")
-    return BenchCase(str(raw["kernel"]), tuple(_arg(a) for a in raw["args"]), int(raw["bytes_moved"]),
+    return BenchCase(str(raw["kernel"]), tuple(arg_from_json(a) for a in raw["args"]), int(raw["bytes_moved"]),
                      None if grid is None else (int(grid[0]), int(grid[1]), int(grid[2])), str(raw.get("note", "")),
                      bool(raw.get("weight_streaming", False)))
 
