@@ -28,7 +28,8 @@ class LowerDraft:
 
     def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
         f = self.fwd
-        what = f"drafter prefill GEMM n={n} k={k}" if rows > VERIFY_ROWS else f"drafter GEMM n={n} k={k} m<={VERIFY_ROWS}"
+        what = (f"drafter prefill GEMM n={n} k={k}" if rows > VERIFY_ROWS
+                else f"drafter GEMM n={n} k={k} m<={VERIFY_ROWS}")
         return Op(label, f.use(drafter_gemm(n, k, rows, epi, f.arch), what), dict(w=f.ptr.W(w), x=x, y=y, m=rows),
                   rows)
 
@@ -88,7 +89,8 @@ class LowerDraft:
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
         d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
-        h, nq, nkv, B = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim, VERIFY_ROWS
+        h, B = d.hidden_size, VERIFY_ROWS
+        nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
         emb = f.use(drafter_glue.block_embed(self.spec, f.arch), "drafter block embedding")
         ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
         norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter rmsnorm")

@@ -8,8 +8,9 @@ import numpy as np
 
 MAX_STEP_TOKENS = 2048  # most tokens one forward appends to a KV cache (a prefill chunk); rings add this to the window.
 # 2048, not 512: the grouped MoE streams and decodes every touched expert's weights once a chunk, so a 2,048-token
-# prompt in one chunk reads them once instead of four times (TTFT at 2,048 tokens 86.4 -> 69.9 ms on an H200, df7f63d); the price is a sliding ring of
-# window + 2048 slots a sequence (3,072 at window 1,024) and activations for 2,048 rows.
+# prompt in one chunk reads them once instead of four times (TTFT at 2,048 tokens 86.4 -> 69.9 ms on an H200,
+# df7f63d); the price is a sliding ring of window + 2048 slots a sequence (3,072 at window 1,024) and activations for
+# 2,048 rows.
 VERIFY_ROWS = 16  # a DFlash draft / verify block, and the rows the M <= 16 kernels and lm_head epilogues handle
 MAX_BATCH = 32  # rows of a batched decode step (one per sequence); its lm_head runs in VERIFY_ROWS slices
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)  # batched decode graphs are captured for these row counts (up to MAX_BATCH)
@@ -18,8 +19,8 @@ MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runt
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs; 4: the drafter's
 # context in a lane per sequence (its programs' "dlane_bytes")
 
-# NVFP4 byte orders of the t16x64 weight layout (runtime/convert/layouts.py): "nat" (the checkpoint's nibbles) where the arch
-# converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
+# NVFP4 byte orders of the t16x64 weight layout (runtime/convert/layouts.py): "nat" (the checkpoint's nibbles) where
+# the arch converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
 # order the kernels of the target arch were built for (their param `fp4_order`).
 FP4_ORDERS = ("shift", "nat")
 

@@ -55,7 +55,8 @@ def test_a_step_has_the_same_bits_alone_and_in_any_batch(models):
             failures = []
             for n in BUCKETS:
                 order = rng.permutation(32)[:n]  # any lanes, any rows
-                toks = eng.steps.wait(eng.steps.launch_batch([(int(i), len(prompts[i]), firsts[i], None) for i in order]))
+                rows = [(int(i), len(prompts[i]), firsts[i], None) for i in order]
+                toks = eng.steps.wait(eng.steps.launch_batch(rows))
                 got = _logits(eng, n)
                 for r, i in enumerate(order):
                     same = np.array_equal(got[r].view(np.uint32), alone[i][1].view(np.uint32))

@@ -217,7 +217,8 @@ def test_pdl_only_between_kernels(emulated):
     open_, _ = emulated
     backend, drv = open_("bf16")
     eng = backend.engine
-    assert eng.launches.pdl and eng.options.fork, "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
+    assert eng.launches.pdl and eng.options.fork, \
+        "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
     for rows, decode in ((1, True), (40, False)):
         ops = eng.fwd.ops(rows, decode=decode, last=True)
         flags = [getattr(l, "pdl", None) for _, l in eng.launches.bind(ops)]

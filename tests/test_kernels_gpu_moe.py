@@ -76,7 +76,8 @@ CASES = [(1, None), (16, None), (16, "pool"), (5, "pool"), (32, None), (32, "poo
 
 
 def _rows_grid(kernel, m: int) -> tuple[int, int, int]:
-    """The grid the runtime launches the kernel with for m rows (runtime/cuda/programs.py's rule: ROW_GRID with its cap)."""
+    """The grid the runtime launches the kernel with for m rows (runtime/cuda/programs.py's rule: ROW_GRID with its
+    cap)."""
     return _grid(SimpleNamespace(grid=kernel.grid, params=kernel.param_dict), m)
 
 

@@ -1,5 +1,5 @@
-"""The paged layers' page pool and prefix cache (runtime/cuda/kv_pages.py), on the CPU: reference counts, registration of
-full pages only, lookups by the whole token prefix, and least-recently-released eviction."""
+"""The paged layers' page pool and prefix cache (runtime/cuda/kv_pages.py), on the CPU: reference counts,
+registration of full pages only, lookups by the whole token prefix, and least-recently-released eviction."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests for the synthetic tokenizer (model_spec/synth/tokenizer.py) and the runtime wrapper (runtime/text/tokenizer.py)."""
+"""Tests for the synthetic tokenizer (model_spec/synth/tokenizer.py) and the runtime wrapper
+(runtime/text/tokenizer.py)."""
 
 from __future__ import annotations
 

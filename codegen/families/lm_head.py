@@ -77,7 +77,8 @@ def lm_sample(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
     common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
     grid, threads, smem, args = {
         "prep": ((V // chunk, VERIFY_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
-        "select": ((1, VERIFY_ROWS, 1), 1024, select_smem, ("params", "positions", "workspace", "out_ids", "status", "T")),
+        "select": ((1, VERIFY_ROWS, 1), 1024, select_smem,
+                   ("params", "positions", "workspace", "out_ids", "status", "T")),
         "finish": ((V // chunk, VERIFY_ROWS, 1), 512, 0,
                    ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"))}[stage]
     return KernelSpec(f"lm_sample_{stage}__{_tag(spec, arch)}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),

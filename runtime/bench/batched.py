@@ -14,8 +14,8 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
     """Add `batched_decode` ([{rows, bucket, step_ms, tok_s, bytes, gb_s, frac_copy}]) and `batched_step_kernels`
     (the largest size's step, eager launches event-timed) to a cuda `run_bench` report. Every row is its own
     sequence in its own KV lane at `position`, with its own token (the lanes' K/V is whatever they hold: the cost
-    does not depend on it); the time is the wall time of a launched and waited-for batched step (DecodeSteps), host staging and the token read-back
-    included, as the server sees it."""
+    does not depend on it); the time is the wall time of a launched and waited-for batched step (DecodeSteps),
+    host staging and the token read-back included, as the server sees it."""
     from ...model_spec.conventions import DECODE_BUCKETS
     from ..cuda.profile import distinct_tokens
 

@@ -1,1 +1,2 @@
-"""Checkpoint -> weights artifact: the kernels' layouts, the repack plan, its serial and parallel writers, the artifact."""
+"""Checkpoint -> weights artifact: the kernels' layouts, the repack plan, its serial and parallel writers, the
+artifact."""

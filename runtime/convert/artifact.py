@@ -215,7 +215,7 @@ class WeightsArtifact:
         self._mm = None
 
 
-# ---- writing (used by runtime/convert/repack.py) -----------------------------------------------------------------------
+# ---- writing (used by runtime/convert/repack.py) ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class OutTensor:

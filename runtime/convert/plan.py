@@ -1,15 +1,15 @@
 """What the repack writes: every output tensor of weights.bin in file order and the jobs that produce it.
 
 What is written (names relative to `model.language_model.`; format in runtime/convert/artifact.py):
-  * NVFP4 matrices in the t16x64 tile layout of runtime/convert/layouts.py, byte order "shift" (sm_90) or "nat" (sm_100+,
+  * NVFP4 matrices in the t16x64 tile layout of convert/layouts.py, byte order "shift" (sm_90) or "nat" (sm_100+,
     hardware e2m1 cvt), fused the way the GEMM kernels read them: `self_attn.qkv_proj` (q|k|v, or q|k on k_eq_v
     layers), `self_attn.o_proj`, `mlp.gate_up_proj` (8-row tiles interleaved), `mlp.down_proj`, per layer
     `experts.gate_up_proj` / `experts.down_proj` with a leading expert axis, and `lm_head`. Each matrix M has
     M.weight_packed, M.weight_scale (e4m3), M.weight_tile_scale (f32 1/global per 8-row tile, what the kernels
     multiply by) and M.weight_global_scale (f32, the checkpoint's per-projection divisors, one per fused part).
   * The tied lm_head quantized to NVFP4 (global scale from the amax of the whole embedding, then 4096-row chunks
-    quantized with it, 256 columns at a time: identical to quantizing the table at once) unless lm_head="bf16" (kernels then read
-    `embed_tokens.weight`, which is always stored raw bf16 for the embedding lookup).
+    quantized with it, 256 columns at a time: identical to quantizing the table at once) unless lm_head="bf16"
+    (kernels then read `embed_tokens.weight`, which is always stored raw bf16 for the embedding lookup).
   * Norms, router, layer scalars: raw bf16. Drafter (`draft.` prefix): linears as fp16 in the step-major half
     layout of layouts.pack_half (qkv concat, gate/up interleaved), its norms raw bf16.
 Streaming: jobs yield (tensor, piece) to weights.ArtifactWriter, and consumed source ranges are released from the

@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...model_spec.conventions import VERIFY_ROWS
 from ..backend import BackendError
 from .device import check, driver
 from .graphs import CudaGraph
-from ...model_spec.conventions import VERIFY_ROWS
 from .speculative import DraftForward
 from .staging import ENGINE_SLOTS, Slot
 
@@ -84,7 +84,8 @@ class DFlashSteps:
             if forced.shape != (VERIFY_ROWS - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
             slot.record["forced"] = forced
-            check(cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (VERIFY_ROWS - 1), h), "forced drafts")
+            check(cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (VERIFY_ROWS - 1), h),
+                  "forced drafts")
         self.graph("verify", greedy).replay(eng.stream)
         if events:
             events[2].record(eng.stream)

@@ -138,7 +138,8 @@ class SeqPages:
 
 
 class Lane:
-    """One sequence's room in the KV cache (a runner's KV lane): who holds it, and what it still caches for the next holder."""
+    """One sequence's room in the KV cache (a runner's KV lane): who holds it, and what it still caches for the
+    next holder."""
 
     def __init__(self) -> None:
         self.owner: str | None = None  # the running sequence's request id

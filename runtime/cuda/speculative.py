@@ -52,7 +52,8 @@ def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
             ("taps", (rows, len(d.target_layer_ids) * H), "f16"), ("dctx", (rows, d.hidden_size), "f32"),
             ("dctx_a", (rows, d.hidden_size), "f16"), ("dkv_raw", (rows, 2 * nkv), "f32"),
             ("dx", (VERIFY_ROWS, d.hidden_size), "f32"), ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
-            ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"), ("dq", (VERIFY_ROWS, nq), "bf16"), ("dattn", (VERIFY_ROWS, nq), "f16"),
+            ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"), ("dq", (VERIFY_ROWS, nq), "bf16"),
+            ("dattn", (VERIFY_ROWS, nq), "f16"),
             ("do", (VERIFY_ROWS, d.hidden_size), "f32"), ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
             # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
             ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):

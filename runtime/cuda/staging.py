@@ -31,8 +31,8 @@ BATCH = np.dtype([("ids", I32, (MAX_BATCH,)), ("positions", I32, (MAX_BATCH,)), 
 SPEC_BLOCK = np.dtype([("positions", I32, (VERIFY_ROWS,)), ("sampled", I32, (VERIFY_ROWS,)), ("last", I32),
                        ("lanes", I32, (VERIFY_ROWS,)), ("rule", I32, (2,))])
 # a DFlash step's forced drafts (draft_hook) and its read-back: drafts, verified tokens, the device's count
-SPEC_STEP = np.dtype([("forced", I32, (VERIFY_ROWS - 1,)), ("ids", I32, (VERIFY_ROWS,)), ("out_ids", I32, (VERIFY_ROWS,)),
-                      ("accepted", I32)])
+SPEC_STEP = np.dtype([("forced", I32, (VERIFY_ROWS - 1,)), ("ids", I32, (VERIFY_ROWS,)),
+                      ("out_ids", I32, (VERIFY_ROWS,)), ("accepted", I32)])
 
 ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while the DMA engine reads another)
 

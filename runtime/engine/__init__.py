@@ -1,1 +1,2 @@
-"""The engine core, backend-independent: `Sequence`, `Scheduler` and `EngineCore.step()` = schedule -> run -> postprocess."""
+"""The engine core, backend-independent: `Sequence`, `Scheduler` and `EngineCore.step()` = schedule -> run ->
+postprocess."""

@@ -31,7 +31,8 @@ route = {"ids": ids.tolist(), "distinct_tokens": int(len(set(ids.tolist()))),
          "distinct_experts_last_layer": int(len(set(tk.ravel().tolist())))}
 print("routing of the timed verify:", route, flush=True)
 dfw = DraftForward(eng.fwd)
-ops_all = eng.fwd.ops(VERIFY_ROWS, decode=False, last=True, greedy=True, taps=True, all_logits=True) + dfw.ctx_ops(VERIFY_ROWS)
+ops_all = (eng.fwd.ops(VERIFY_ROWS, decode=False, last=True, greedy=True, taps=True, all_logits=True)
+           + dfw.ctx_ops(VERIFY_ROWS))
 names = [op.entry.name for op in ops_all if isinstance(op, Op)]
 N = int(os.environ.get("PROBE_N", "40"))
 IN_PLACE = ("ffn_tail", "attn_tail", "embed", "dflash")
