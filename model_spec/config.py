@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, ModelSpec, RopeSpec, SpecError
+from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, ModelSpec, RopeSpec, SpecError
 
 QUANT_FORMAT = "nvfp4-pack-quantized"
 GROUP_SIZE = 16
@@ -123,10 +123,54 @@ def drafter_spec_from_config(cfg: dict, num_target_layers: int | None = None) ->
     )
 
 
+def vision_spec_from_config(cfg: dict) -> Gemma4VisionSpec | None:
+    """The vision tower of a Gemma-4 config.json (`vision_config` + the top-level image token ids); None if absent."""
+    vc = cfg.get("vision_config")
+    if vc is None:
+        return None
+    where = "config.json vision_config"
+    if not isinstance(vc, dict):
+        raise SpecError(f"{where} is not an object")
+    heads = _require(vc, "num_attention_heads", where)
+    if vc.get("num_key_value_heads", heads) != heads:
+        raise SpecError(f"{where}: num_key_value_heads {vc['num_key_value_heads']} != num_attention_heads {heads} "
+                        "(the Gemma-4 tower has no grouped-query attention)")
+    if vc.get("use_clipped_linears", False):
+        raise SpecError(f"{where}: use_clipped_linears=true is not supported")
+    rope = vc.get("rope_parameters") or {}
+    return Gemma4VisionSpec(
+        hidden_size=_require(vc, "hidden_size", where), num_hidden_layers=_require(vc, "num_hidden_layers", where),
+        num_attention_heads=heads, head_dim=_require(vc, "head_dim", where),
+        intermediate_size=_require(vc, "intermediate_size", where),
+        image_token_id=_require(cfg, "image_token_id", "config.json"), boi_token_id=_require(cfg, "boi_token_id", "config.json"),
+        eoi_token_id=_require(cfg, "eoi_token_id", "config.json"),
+        video_token_id=_require(cfg, "video_token_id", "config.json"),
+        patch_size=vc.get("patch_size", 16), pooling_kernel_size=vc.get("pooling_kernel_size", 3),
+        position_embedding_size=vc.get("position_embedding_size", 10240), rope_theta=float(rope.get("rope_theta", 100.0)),
+        rms_norm_eps=vc.get("rms_norm_eps", 1e-6), standardize=bool(vc.get("standardize", True)),
+        default_output_length=vc.get("default_output_length", 280),
+        hidden_activation=vc.get("hidden_activation", "gelu_pytorch_tanh"))
+
+
 def spec_from_configs(target_cfg: dict, drafter_cfg: dict | None = None, name: str = "checkpoint") -> ModelSpec:
     target = text_spec_from_config(target_cfg)
     drafter = None if drafter_cfg is None else drafter_spec_from_config(drafter_cfg, target.num_hidden_layers)
-    return ModelSpec(name=name, target=target, drafter=drafter)
+    return ModelSpec(name=name, target=target, drafter=drafter, vision=vision_spec_from_config(target_cfg))
+
+
+def vision_config(spec: Gemma4VisionSpec) -> dict:
+    """The `vision_config` of a Gemma-4 config.json for this tower (the keys transformers reads)."""
+    return {
+        "attention_bias": False, "attention_dropout": 0.0, "default_output_length": spec.default_output_length,
+        "dtype": "bfloat16", "global_head_dim": spec.head_dim, "head_dim": spec.head_dim,
+        "hidden_activation": spec.hidden_activation, "hidden_size": spec.hidden_size, "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size, "max_position_embeddings": 131072, "model_type": "gemma4_vision",
+        "num_attention_heads": spec.num_attention_heads, "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_attention_heads, "patch_size": spec.patch_size,
+        "pooling_kernel_size": spec.pooling_kernel_size, "position_embedding_size": spec.position_embedding_size,
+        "rms_norm_eps": spec.rms_norm_eps, "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "standardize": spec.standardize, "use_clipped_linears": False,
+    }
 
 
 # ---- writing configs (synth-checkpoint) ------------------------------------------------------------------------
@@ -137,8 +181,8 @@ def _nvfp4_scheme(dynamic: bool | str, observer: str) -> dict:
             "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
 
 
-def target_config(spec: Gemma4TextSpec) -> dict:
-    """The `config.json` of a RedHatAI-layout NVFP4 checkpoint for this spec (text parts; vision_config null)."""
+def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None) -> dict:
+    """The `config.json` of a RedHatAI-layout NVFP4 checkpoint for this spec (vision_config null without a tower)."""
     text = {
         "attention_bias": spec.attention_bias, "attention_dropout": 0.0, "attention_k_eq_v": spec.attention_k_eq_v,
         "bos_token_id": spec.bos_token_id, "dtype": "bfloat16", "enable_moe_block": spec.enable_moe_block,
@@ -162,7 +206,11 @@ def target_config(spec: Gemma4TextSpec) -> dict:
         "vocab_size_per_layer_input": spec.vocab_size,
     }
     ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)] + ["lm_head"]
-    return {
+    images = {} if vision is None else {
+        "boi_token_id": vision.boi_token_id, "eoi_token_id": vision.eoi_token_id,
+        "image_token_id": vision.image_token_id, "video_token_id": vision.video_token_id,
+        "vision_soft_tokens_per_image": vision.default_output_length}
+    return images | {
         "architectures": ["Gemma4ForConditionalGeneration"], "audio_config": None, "dtype": "bfloat16",
         "eos_token_id": [spec.eos_token_id, 106], "initializer_range": 0.02, "model_type": "gemma4",
         "quantization_config": {
@@ -174,7 +222,7 @@ def target_config(spec: Gemma4TextSpec) -> dict:
             "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
             "transform_config": {}, "version": "0.14.1.a20260326"},
         "text_config": text, "tie_word_embeddings": spec.tie_word_embeddings, "transformers_version": "5.5.0",
-        "vision_config": None,
+        "vision_config": None if vision is None else vision_config(vision),
     }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, ModelSpec, RopeSpec, SpecError
+from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, ModelSpec, RopeSpec, SpecError
 
 S, F = SLIDING, FULL
 
@@ -19,10 +19,15 @@ GEMMA_4_26B_A4B = ModelSpec(
         hidden_size=2816, num_hidden_layers=5, layer_types=(S, S, S, S, F), num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, intermediate_size=5632, sliding_window=2048, block_size=16,
         mask_token_id=4, target_layer_ids=(1, 6, 11, 17, 22, 27), num_target_layers=30, vocab_size=262144),
+    vision=Gemma4VisionSpec(
+        hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, head_dim=72, intermediate_size=4304,
+        image_token_id=258880, boi_token_id=255999, eoi_token_id=258882, video_token_id=258884),
 )
 
 # Same architecture at small sizes: a full k_eq_v layer, a sliding window (16) shorter than the test prompts,
 # top-k (4) below the expert count (16), and a 512-token vocabulary so the real special-token ids (<= 107) exist.
+# Its vision tower keeps the real tower's awkward shapes: head_dim 72 (no attention tile of 64 divides it) and an
+# intermediate size (272) that is not a multiple of 64; the image ids take unused slots below 107.
 TINY = ModelSpec(
     name="tiny",
     target=Gemma4TextSpec(
@@ -34,6 +39,9 @@ TINY = ModelSpec(
         hidden_size=256, num_hidden_layers=2, layer_types=(S, F), num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, intermediate_size=512, sliding_window=32, block_size=16, mask_token_id=4,
         target_layer_ids=(1, 3, 4), num_target_layers=6, vocab_size=512),
+    vision=Gemma4VisionSpec(
+        hidden_size=144, num_hidden_layers=2, num_attention_heads=2, head_dim=72, intermediate_size=272,
+        image_token_id=61, boi_token_id=60, eoi_token_id=62, video_token_id=63, position_embedding_size=1024),
 )
 
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in (GEMMA_4_26B_A4B, TINY)}

@@ -193,6 +193,73 @@ class DFlashSpec:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
 
+LINEAR_FORMATS = ("nvfp4", "bf16")
+
+
+@dataclass(frozen=True)
+class LinearFormats:
+    """The storage format of the target's linears, per role, as the checkpoint ships them (or as `--quantize`
+    rewrites them): `nvfp4` (packed E2M1 + e4m3 block scales + a per-tensor multiplier) or `bf16`. The roles are
+    the attention projections (q/k/v/o), the dense MLP (gate/up/down) and the MoE experts; the router, norms,
+    embeddings (and so the tied lm_head) and the vision tower are never quantized in any supported checkpoint.
+    One format per role for every layer: a checkpoint that mixes formats within a role is refused."""
+
+    attention: str = "nvfp4"
+    dense_mlp: str = "nvfp4"
+    experts: str = "nvfp4"
+
+    def __post_init__(self) -> None:
+        for role in ("attention", "dense_mlp", "experts"):
+            if getattr(self, role) not in LINEAR_FORMATS:
+                raise SpecError(f"linear format {role}={getattr(self, role)!r}: expected one of {LINEAR_FORMATS}")
+
+    @property
+    def all_nvfp4(self) -> bool:
+        return self == LinearFormats()
+
+
+ALL_NVFP4 = LinearFormats()
+ALL_BF16 = LinearFormats("bf16", "bf16", "bf16")
+EXPERTS_ONLY_NVFP4 = LinearFormats("bf16", "bf16", "nvfp4")
+
+
+@dataclass(frozen=True)
+class Gemma4VisionSpec:
+    """The Gemma-4 vision tower (`vision_config`) and the image token ids of the top-level config: a ViT over
+    16x16 patches with x/y position tables, 2-D RoPE, 3x3 average pooling and a projection into the text model."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    intermediate_size: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    video_token_id: int
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10240
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    standardize: bool = True
+    default_output_length: int = 280
+    hidden_activation: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 4:
+            raise SpecError(f"vision head_dim {self.head_dim} must be a multiple of 4 (two rotate-half halves)")
+        if self.hidden_activation != "gelu_pytorch_tanh":
+            raise SpecError(f"vision hidden_activation {self.hidden_activation!r} not supported (gelu_pytorch_tanh)")
+        if not self.standardize:
+            raise SpecError("vision standardize=False is not supported")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: patch_size^2 RGB pixels, in (py, px, c) order."""
+        return self.patch_size * self.patch_size * 3
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A target model plus (optionally) its drafter: the unit that codegen plans and the runtime runs."""
@@ -200,6 +267,8 @@ class ModelSpec:
     name: str
     target: Gemma4TextSpec
     drafter: DFlashSpec | None = field(default=None)
+    vision: Gemma4VisionSpec | None = field(default=None)
+    linear_formats: LinearFormats = field(default=ALL_NVFP4)
 
     def __post_init__(self) -> None:
         d = self.drafter
@@ -216,6 +285,11 @@ class ModelSpec:
     def to_json(self) -> str:
         """Canonical JSON of the numerics-relevant fields (the display name is left out)."""
         body = {"target": asdict(self.target), "drafter": None if self.drafter is None else asdict(self.drafter)}
+        # Keys added later appear only when they differ from the default, so older specs keep their hashes.
+        if self.vision is not None:
+            body["vision"] = asdict(self.vision)
+        if not self.linear_formats.all_nvfp4:
+            body["linear_formats"] = asdict(self.linear_formats)
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
     @property

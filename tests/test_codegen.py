@@ -213,7 +213,7 @@ def test_model_dir_spec_matches_preset(tmp_path: Path) -> None:
 
     spec = get_preset("tiny")
     (tmp_path / "dflash").mkdir()
-    (tmp_path / "config.json").write_text(json.dumps(target_config(spec.target)))
+    (tmp_path / "config.json").write_text(json.dumps(target_config(spec.target, spec.vision)))
     (tmp_path / "dflash" / "config.json").write_text(json.dumps(drafter_config(spec.drafter)))
     assert load_model_spec(tmp_path, None).spec_hash == spec.spec_hash
     r = CliRunner().invoke(build, ["--arch", "sm_90a", "--model", str(tmp_path / "nope")])

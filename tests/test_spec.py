@@ -34,7 +34,7 @@ def test_real_config_matches_full_preset() -> None:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_config_round_trip(name: str) -> None:
     spec = PRESETS[name]
-    again = spec_from_configs(target_config(spec.target), drafter_config(spec.drafter), name=name)
+    again = spec_from_configs(target_config(spec.target, spec.vision), drafter_config(spec.drafter), name=name)
     assert again == spec
     check_quantization_config(target_config(spec.target))
 

@@ -60,7 +60,7 @@ def test_worker_count_does_not_change_bytes(tiny, tmp_path):
 
 def test_layout_and_configs(tiny):
     spec = get_preset("tiny")
-    assert json.loads((tiny / "config.json").read_text()) == json.loads(json.dumps(target_config(spec.target)))
+    assert json.loads((tiny / "config.json").read_text()) == json.loads(json.dumps(target_config(spec.target, spec.vision)))
     assert json.loads((tiny / "dflash" / "config.json").read_text()) == \
         json.loads(json.dumps(drafter_config(spec.drafter)))
     assert json.loads((tiny / "generation_config.json").read_text()) == {

@@ -191,7 +191,7 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     try:
         template = template_path.read_text()
-        _write_json(tmp / "config.json", target_config(spec.target))
+        _write_json(tmp / "config.json", target_config(spec.target, spec.vision))
         _write_json(tmp / "generation_config.json", GENERATION_CONFIG)
         tok = build_tokenizer(spec.target.vocab_size)
         (tmp / "tokenizer.json").write_text(tok.to_str(pretty=False))
