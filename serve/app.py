@@ -19,6 +19,7 @@ from ..runtime.client import Capabilities, EngineClient
 from ..runtime.text.tokenizer import Tokenizer
 from . import endpoints
 from . import openapi
+from . import render
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .metrics import Metrics
@@ -180,6 +181,8 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
         return PlainTextResponse(state.metrics.render(engine.get("steps"), engine.get("kv")),
                                  media_type="text/plain; version=0.0.4")
+
+    app.include_router(render.router)  # the web UI's markdown rendering, highlighting stylesheet and favicon
 
     @app.get("/", response_class=HTMLResponse)
     async def webui():
