@@ -239,7 +239,8 @@ def test_failed_turn_is_shown_but_never_sent_again(served):
     send(page, "echo: one", 1)
     assert page.get_by_test_id("error").text_content() == "Error: engine fell over"
     send(page, "echo: two", 2)
-    assert bodies[-1]["messages"] == [{"role": "user", "content": "echo: one"}, {"role": "user", "content": "echo: two"}]
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "echo: one"},
+                                      {"role": "user", "content": "echo: two"}]
     assert page.get_by_test_id("assistant-message").last.get_by_test_id("content").text_content() == "you said two"
     page.reload()  # the failed attempt was not saved either
     answered(page, 1)
@@ -260,7 +261,8 @@ def contrast(fg: str, bg: str) -> float:
 
 
 BACKGROUND = """e => { for (; e; e = e.parentElement) { const c = getComputedStyle(e).backgroundColor;
-                       if (c !== 'rgba(0, 0, 0, 0)' && c !== 'transparent') return c; } return 'rgb(255, 255, 255)'; }"""
+                       if (c !== 'rgba(0, 0, 0, 0)' && c !== 'transparent') return c; }
+                     return 'rgb(255, 255, 255)'; }"""  # the first opaque background up the tree
 
 
 def test_math_code_and_dark_mode_contrast_and_favicon(served):
@@ -272,8 +274,9 @@ def test_math_code_and_dark_mode_contrast_and_favicon(served):
     assert [mi.text_content() for mi in math.locator("mi").all()] == ["e", "i", "π"]
     assert math.evaluate("e => e.getBoundingClientRect().width") > 20  # the browser lays MathML out
     assert luminance(page.locator("body").evaluate("e => getComputedStyle(e).backgroundColor")) < 0.05  # dark
-    readable = {"link": reply.locator("a"), "inline code": reply.locator("p code"), "table header": reply.locator("th").first,
-                "table cell": reply.locator("td").first, "keyword": reply.locator("pre.hl span.k").first,
+    readable = {"link": reply.locator("a"), "inline code": reply.locator("p code"),
+                "table header": reply.locator("th").first, "table cell": reply.locator("td").first,
+                "keyword": reply.locator("pre.hl span.k").first,
                 "number": reply.locator("pre.hl span.mi").first}
     for what, element in readable.items():
         ratio = contrast(element.evaluate("e => getComputedStyle(e).color"), element.evaluate(BACKGROUND))
