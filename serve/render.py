@@ -71,9 +71,9 @@ def formula(latex: str, display: bool) -> str:
 
 
 def _closing(src: str, start: int, close: str) -> int:
-    """Index of `close` at or after start that is not backslash-escaped, or -1."""
+    """Index of `close` at or after start, or -1; a `\\$` is a literal dollar, not a closing one."""
     end = src.find(close, start)
-    while end > 0 and src[end - 1] == "\\" and close != "\\)" and close != "\\]":
+    while close.startswith("$") and end > 0 and src[end - 1] == "\\":
         end = src.find(close, end + 1)
     return end
 
