@@ -247,6 +247,18 @@ def test_failed_turn_is_shown_but_never_sent_again(served):
     assert page.get_by_test_id("error").count() == 0
     assert page.get_by_test_id("user-message").count() == 2
 
+    page.evaluate("""() => {  // a conversation whose answer was stopped before any output
+        const turns = [{role: 'user', content: 'echo: a'}, {role: 'assistant', content: '', stopped: true}];
+        localStorage.setItem('thorgen.conversation.stopped', JSON.stringify(turns));
+        localStorage.setItem('thorgen.conversations', JSON.stringify([{id: 'stopped', title: 'a', updated: 1}]));
+        localStorage.setItem('thorgen.current', 'stopped');
+    }""")
+    page.reload()
+    answered(page, 1)
+    assert page.get_by_test_id("stopped").text_content() == "(stopped before any output)"
+    send(page, "echo: b", 2)
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "echo: a"}, {"role": "user", "content": "echo: b"}]
+
 
 def luminance(rgb: str) -> float:
     channels = [int(c) / 255 for c in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3]]
