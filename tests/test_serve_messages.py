@@ -13,7 +13,8 @@ anthropic = pytest.importorskip("anthropic")
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
-from scripted_backend import ScriptedBackend, ScriptedRunner, running_server, scripted_state, write_test_tokenizer  # noqa: E402,E501
+from scripted_backend import (ScriptedBackend, ScriptedRunner, running_server, scripted_state,  # noqa: E402
+                             write_test_tokenizer)
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'

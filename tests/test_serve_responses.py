@@ -76,7 +76,8 @@ def test_stream_matches_whole_answer(served):
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert deltas == final.output_text == whole.output_text == "Hello!"
-    strip = lambda r: [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"} for item in r.output]  # noqa: E731
+    def strip(response) -> list[dict]:
+        return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"} for item in response.output]
     assert strip(final) == strip(whole)
     with httpx.stream("POST", url + "/v1/responses", json={**kwargs, "stream": True}, timeout=60) as r:
         types = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
@@ -106,7 +107,8 @@ def test_function_call_over_two_turns(served, stream):
 
 def test_tool_choice_and_text_format(served):
     client, _, backend, tok = served
-    client.responses.create(model="m", input="Hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
+    client.responses.create(model="m", input="Hi", tools=[TOOL],
+                            tool_choice={"type": "function", "name": "get_weather"})
     assert tok.decode(backend.calls[-1]["prompt"]).endswith("<|tool_call>call:get_weather{")
     # the format reaches the engine as a grammar, which the scripted engine refuses (it has no logits to mask)
     with pytest.raises(openai.BadRequestError, match="response_format / forced tool_choice is not supported"):
