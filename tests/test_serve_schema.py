@@ -20,7 +20,7 @@ from scripted_backend import ScriptedBackend, running_server, scripted_state, wr
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
-EXAMPLES = 60  # per operation and generation mode (12 operations, 720 cases as 9 x 80 were before; GETs without input yield few cases)
+EXAMPLES = 60  # per operation and generation mode (12 operations: 720 cases, as 9 x 80 before; GETs yield few)
 # wall-clock cap for all requests; past it, remaining examples are skipped (and the test fails). On the 2-core CI
 # machine (2026-12-02) the fuzzing took 37 s alone but ran past 50 s twice inside the whole suite
 BUDGET_S = 100
