@@ -220,6 +220,16 @@ class EngineClient:
         self._jobs.put(None)
         self._thread.join(timeout)
 
+    def end_all(self, reason: str) -> int:
+        """End every queued and running request now with EngineUnavailable(reason) (e.g. a shutdown's deadline):
+        its stream raises that next, and the engine cancels it at its next step. Returns how many were ended."""
+        with self._lock:
+            jobs = list(self._live.values())
+        for job in jobs:
+            job.cancel.set()
+            self._emit(job, EngineUnavailable(reason))
+        return len(jobs)
+
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                stop_ids: frozenset[int] = frozenset(), speculative: bool = False,

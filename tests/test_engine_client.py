@@ -224,7 +224,7 @@ def test_serve_cuda_backend_over_http(emulated_cuda):
     from thorgen.serve.cli import open_model
 
     config, _ = emulated_cuda
-    state = ServerState("tiny-cuda", lambda: open_model(config))
+    state = ServerState("tiny-cuda", lambda: open_model(config), model_names=("tiny-cuda", "m"))
     state.load()
     assert state.load_error is None, state.load_error
     assert state.caps.backend == "cuda" and state.caps.max_context == 8192
