@@ -136,7 +136,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
         if state.load_error:
             server.should_exit = True
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
-    click.echo(f"thorgen: serving {', '.join(map(repr, names))} on http://{host}:{port}/ (web UI), OpenAI API at http://{host}:{port}/v1"
+    click.echo(f"thorgen: serving {', '.join(map(repr, names))} on http://{host}:{port}/ (web UI), OpenAI API at "
+               f"http://{host}:{port}/v1"
                + ("  [demo model: random weights, output is gibberish]" if demo else ""))
     try:
         server.run()
