@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -13,6 +14,22 @@ from ..model_spec import ModelSpec
 
 class BackendError(RuntimeError):
     """A request the backend cannot serve (prompt over the context, no GPU, ...): the message says what to do."""
+
+
+class SequenceFailed(BackendError):
+    """One sequence failed while it ran (its sampling, logits processing, grammar, a device error attributable to
+    it, ...): it finishes alone with this error while the other sequences of the step go on. `request_fault`: the
+    request's own values caused it (a client error, 4xx); else the engine's (5xx). The message names no other
+    request."""
+
+    def __init__(self, request_id: str, message: str, request_fault: bool = False) -> None:
+        self.request_id, self.request_fault = request_id, request_fault
+        super().__init__(f"request {request_id}: {message}")
+
+
+class EngineStateLost(BackendError):
+    """A failure after which the engine's own state is unknown (e.g. a device error that poisons the context):
+    every sequence in it fails, and the engine must be rebuilt before it runs another step."""
 
 
 def check_token_ids(ids, vocab: int, what: str = "prompt") -> None:
@@ -104,6 +121,11 @@ def span_floor(n: int, spans: Sequence[ImageSpan]) -> int:
 
 MAX_TOP_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
+# repetition_penalty scales a seen token's logit by 1/r or r. Within [1/100, 100] a logit moves by at most 100x,
+# which float32 holds for any logit a model makes (Gemma-4's are softcapped to +-30, so +-3,000 at worst), where
+# r = 1e-300 made a non-finite value. Useful penalties lie near 1 (vLLM and HF examples use 1.0..2.0).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_LIMIT = 2.0  # presence / frequency penalties, as OpenAI bounds them
 
 # One committed token's logprob entry: (its logprob, ((token id, logprob), ...) for the top entries asked for).
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
@@ -137,6 +159,10 @@ class SamplingParams:
     grammar: Any = None  # a runtime.text.grammar.Grammar
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} {value!r} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature {self.temperature} must be >= 0")
         if self.top_k < 0:
@@ -146,10 +172,12 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p {self.min_p} must lie in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} {getattr(self, name)} must lie in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty {self.repetition_penalty} must be > 0")
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} {getattr(self, name)} must lie in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty} must lie in [{low:g}, {high:g}] (1: off; "
+                             "below 1 favours repeats, above 1 penalises them)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs {self.logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
         if self.draft_tokens is not None and not self.draft_tokens >= 1:
@@ -159,6 +187,10 @@ class SamplingParams:
         bias = dict(self.logit_bias)
         if len(bias) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
+        bad = [t for t, b in bias.items() if isinstance(b, bool) or not isinstance(b, (int, float))
+               or not math.isfinite(b)]
+        if bad:
+            raise ValueError(f"logit_bias for token {bad[0]} must be a finite number, not {bias[bad[0]]!r}")
         object.__setattr__(self, "logit_bias", tuple(
             (int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in sorted(bias.items())))
 
@@ -238,7 +270,7 @@ class StreamingBackend:
                  cancelled: Callable[[], bool] | None = None,
                  images: Sequence[ImageSpan] = ()) -> GenerationResult:
         result = GenerationResult()
-        for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative,  # type: ignore[attr-defined]
-                                      cancelled, result, images=tuple(images)):
+        stream = self.generate_stream  # type: ignore[attr-defined]
+        for _ in stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result, images=tuple(images)):
             pass
         return result

@@ -6,6 +6,12 @@ too, so a CUDA context made current while loading is current wherever CUDA is ca
 runtime/engine/core.py's `EngineCore` over the backend's ModelRunner: submitted requests join the running batch
 between steps. Outputs come back as immutable `RequestOutput` values, the last of which carries the request's
 `GenerationResult`.
+
+A fault stays with its request: a sequence the core finishes with its own error (runtime.backend.SequenceFailed)
+ends as RequestRejected (the request's fault) or EngineFailure naming that request only, beside the others. A fault
+of the engine itself (a step that fails as a whole, a device error) fails the requests in the core, each with an
+error that names only itself, and the engine rebuilds its core (after EngineStateLost: reopens the backend) while
+queued requests wait; `health()` says "recovering" meanwhile and "failed" when the rebuild failed.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .api import EngineConfig, OpenedModel, open_backend
-from .backend import Backend, BackendError, GenerationResult, ImageSpan, SamplingParams
+from .backend import Backend, BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams
 from .engine.core import EngineCore, RequestOutput
 
 log = logging.getLogger("thorgen.engine")
@@ -141,7 +147,11 @@ class EngineClient:
         # the clients, "finish" = the rest (waiting for the device, postprocessing)
         self._stats = {"steps": 0, "running": 0, "prepare": 0.0, "flush": 0.0, "finish": 0.0}
         self._closed = False
-        self._thread = threading.Thread(target=self._main, args=(opener,), name="thorgen-engine", daemon=True)
+        self._state = "ok"  # "recovering" while a fault rebuilds the engine, "failed" when that failed
+        self._failure: str | None = None  # why the engine failed for good
+        self.recoveries = 0  # engine faults recovered from
+        self._opener = opener
+        self._thread = threading.Thread(target=self._main, name="thorgen-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -166,7 +176,8 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return self._loaded.is_set() and self.load_error is None and self._thread.is_alive() and not self._closed
+        return (self._loaded.is_set() and self.load_error is None and self._thread.is_alive() and not self._closed
+                and self._state != "failed")
 
     @property
     def capabilities(self) -> Capabilities:
@@ -183,12 +194,15 @@ class EngineClient:
             return {"status": "loading"}
         if self.load_error is not None:
             return {"status": "error", "error": f"{type(self.load_error).__name__}: {self.load_error}"}
+        if self._state == "failed":
+            return {"status": "failed", "error": self._failure, "recoveries": self.recoveries}
         if self._closed or not self._thread.is_alive():
             return {"status": "error", "error": "the engine thread stopped"}
         with self._lock:
             live = len(self._live)
         running = min(self._running, live)
-        out = {"status": "ok", "running": running, "queued": live - running, "steps": dict(self._stats)}
+        out = {"status": self._state, "running": running, "queued": live - running, "recoveries": self.recoveries,
+               "steps": dict(self._stats)}
         core = self.core
         if core is not None:  # ints, read between steps or not
             report = core.health()
@@ -206,6 +220,16 @@ class EngineClient:
                 job.cancel.set()
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    def end_all(self, reason: str) -> int:
+        """End every queued and running request now with EngineUnavailable(reason) (e.g. a shutdown's deadline):
+        its stream raises that next, and the engine cancels it at its next step. Returns how many were ended."""
+        with self._lock:
+            jobs = list(self._live.values())
+        for job in jobs:
+            job.cancel.set()
+            self._emit(job, EngineUnavailable(reason))
+        return len(jobs)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
@@ -242,9 +266,9 @@ class EngineClient:
     def _new_core(self) -> EngineCore:
         return EngineCore(self.backend.runner(self.max_num_seqs, self.kv_tokens), self.max_step_tokens)
 
-    def _main(self, opener: Callable[[], Backend]) -> None:
+    def _main(self) -> None:
         try:
-            self.backend = opener()
+            self.backend = self._opener()
             self.core = self._new_core()
         except BaseException as exc:  # reported by wait_ready / health
             self.load_error = exc
@@ -252,19 +276,59 @@ class EngineClient:
             return
         self._loaded.set()
         try:
-            while self._admit(block=self.core.unfinished == 0):
-                self._abort_cancelled()
-                if self.core.unfinished:
-                    self._step()
+            while True:
+                try:
+                    if not self._admit(block=self.core.unfinished == 0):
+                        break
+                    self._abort_cancelled()
+                    if self.core.unfinished:
+                        self._step()
+                except Exception as exc:
+                    if not self._recover(exc):
+                        break
         finally:
             self._flush()
-            self._fail_all(EngineUnavailable("the engine was closed"))
-            close = getattr(self.backend, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception:
-                    log.exception("closing the backend failed")
+            self._fail_all(EngineUnavailable(self._failure or "the engine was closed"))
+            self._close_backend()
+
+    def _close_backend(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the backend failed")
+
+    def _recover(self, exc: BaseException) -> bool:
+        """An engine fault: every request in the core fails with an error naming only itself, then the core is
+        rebuilt (after EngineStateLost, or when that fails, the backend is reopened first). Queued requests wait
+        and run after. False when the engine could not be rebuilt (health: "failed")."""
+        log.error("the engine failed during a step; failing its requests and rebuilding it", exc_info=exc)
+        self._state = "recovering"
+        self._flush()
+        with self._lock:
+            jobs = [j for j in self._live.values() if j.in_core]
+        for job in jobs:
+            self._emit(job, EngineFailure(f"request {job.request_id} failed: the engine failed during a step it "
+                                          f"shared with other requests ({type(exc).__name__}); it is recovering"))
+        self._running = 0
+        self.recoveries += 1
+        reopen = isinstance(exc, EngineStateLost)
+        for attempt in ("core", "backend"):
+            if attempt == "core" and reopen:
+                continue
+            try:
+                if attempt == "backend":
+                    self._close_backend()
+                    self.backend = self._opener()
+                self.core = self._new_core()
+                self._state, self._failure = "ok", None
+                return True
+            except Exception as rebuild:
+                log.error("rebuilding the engine (%s) failed", attempt, exc_info=rebuild)
+                self._failure = f"the engine failed and could not be rebuilt: {type(rebuild).__name__}: {rebuild}"
+        self._state = "failed"
+        return False
 
     def _admit(self, block: bool) -> bool:
         """Move submitted jobs into the core (waiting for one when idle); False once close() was called."""
@@ -284,12 +348,13 @@ class EngineClient:
                 self.core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
                               job.speculative, job.images)
                 job.in_core = True
+            except EngineStateLost as exc:  # (a driver failure is the engine's fault, whenever it happens)
+                self._emit(job, self._failed(job.request_id, exc))
+                raise
             except BackendError as exc:
-                from .cuda.device import CudaError  # a driver failure is the engine's fault, whenever it happens
-
-                self._emit(job, self._failure(exc) if isinstance(exc, CudaError) else RequestRejected(str(exc)))
+                self._emit(job, RequestRejected(str(exc)))
             except Exception as exc:
-                self._emit(job, self._failure(exc))
+                self._emit(job, self._failed(job.request_id, exc))
 
     def _abort_cancelled(self) -> None:
         with self._lock:
@@ -308,18 +373,7 @@ class EngineClient:
             marks.append(time.perf_counter())
             self._flush()
             marks.append(time.perf_counter())
-        try:
-            outputs = self.core.step(launched=launched)
-        except Exception as exc:  # the engine's fault: every request in the core fails, the core starts over
-            self._flush()
-            failure = self._failure(exc)
-            with self._lock:
-                jobs = [j for j in self._live.values() if j.in_core]
-            for job in jobs:
-                self._emit(job, failure)
-            self.core = self._new_core()
-            self._running = 0
-            return
+        outputs = self.core.step(launched=launched)  # (a fault of the engine itself raises: _recover)
         self._running = len(self.core.scheduler.running)
         self._pending = outputs
         t0, enqueued, flushed = marks
@@ -338,7 +392,13 @@ class EngineClient:
             with self._lock:
                 job = self._live.get(out.request_id)
             if job is not None:
-                self._emit(job, out)
+                self._emit(job, out if out.error is None else self._error_of(out.error))
+
+    def _error_of(self, error: BackendError) -> BackendError | EngineFailure:
+        """A sequence's own failure as its stream raises it: the request's fault -> RequestRejected (4xx)."""
+        if getattr(error, "request_fault", False):
+            return RequestRejected(str(error))
+        return EngineFailure(f"generation failed: {error}")
 
     def _emit(self, job: _Job, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the job's stream; a final one (a finished output or an error) retires the job."""
@@ -361,6 +421,6 @@ class EngineClient:
                 job.stream._put(exc)
 
     @staticmethod
-    def _failure(exc: BaseException) -> EngineFailure:
-        log.error("generation failed", exc_info=exc)
-        return EngineFailure(f"generation failed: {type(exc).__name__}: {exc}")
+    def _failed(request_id: str, exc: BaseException) -> EngineFailure:
+        log.error("request %s failed", request_id, exc_info=exc)
+        return EngineFailure(f"request {request_id} failed: {type(exc).__name__}: {exc}")

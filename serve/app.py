@@ -1,13 +1,17 @@
-"""Serve stage: the FastAPI application: routes, API key, CORS, OpenAI-style errors, health and model loading."""
+"""Serve stage: the FastAPI application: routes, API key, CORS, OpenAI-style errors, health, model names, model
+loading and the graceful shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,11 +39,14 @@ class ServerState:
     """Everything a request needs; filled by `load()` (on a thread, so /health can answer 503 meanwhile).
 
     `loader()` returns (engine client, tokenizer, chat template, generation_config); the client has opened its
-    backend on its own engine thread."""
+    backend on its own engine thread. `model_names`: the names requests may give as `model` (--served-model-name;
+    default: `model_id`); answers carry the first, `model_id`."""
 
     def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
-                 speculative: bool | None = False, draft_tokens: int | None = None) -> None:
-        self.model_id = model_id
+                 speculative: bool | None = False, draft_tokens: int | None = None,
+                 model_names: Sequence[str] = ()) -> None:
+        self.model_names = tuple(dict.fromkeys(model_names or (model_id,)))
+        self.model_id = self.model_names[0]
         self.loader = loader
         self.speculative = speculative
         self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
@@ -90,9 +97,46 @@ class ServerState:
             raise APIError(f"the engine stopped ({self.client.health().get('error')}); restart the server",
                            status=503, type="server_error")
 
+    def check_model(self, name: str | None) -> None:
+        """A request's `model`: one of the served names (or none given, as this server has always accepted)."""
+        if name is not None and name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(f"the model {name!r} does not exist; this server serves {served}", status=404,
+                           param="model", type="not_found_error", code="model_not_found")
+
+    def end_requests(self, reason: str) -> int:
+        """End every running and queued request with a 503 carrying `reason` (streams: an error event, then
+        [DONE]); how many there were."""
+        return self.client.end_all(reason) if self.client is not None else 0
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server whose graceful shutdown waits up to `deadline_s` for running requests, then ends those
+    still running with an error (a stream gets an error event and its `data: [DONE]`, not a cut connection) and
+    gives them `END_GRACE_S` to send it before uvicorn cancels what is left."""
+
+    END_GRACE_S = 2.0
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, deadline_s: float) -> None:
+        config.timeout_graceful_shutdown = deadline_s + self.END_GRACE_S
+        super().__init__(config)
+        self.state, self.deadline_s = state, deadline_s
+
+    async def shutdown(self, sockets=None) -> None:
+        def end() -> None:
+            ended = self.state.end_requests(f"the server is shutting down (its --shutdown-timeout of "
+                                            f"{self.deadline_s:g} s passed)")
+            if ended:
+                log.warning("shutdown deadline: ended %d running request(s)", ended)
+        timer = asyncio.get_running_loop().call_later(self.deadline_s, end)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 class APIKeyMiddleware:
@@ -188,32 +232,32 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def webui():
         return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         ctx = state.caps.max_context if state.ready else None
-        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "thorgen",
-                "max_model_len": ctx}
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "thorgen",
+                "root": state.model_id, "max_model_len": ctx}
 
     @app.get("/v1/models", responses=openapi.errors(401))
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in state.model_names]}
 
     # `:path`: model ids may contain '/' (the openai client puts them into the URL unescaped)
     @app.get("/v1/models/{model_id:path}", responses=openapi.errors(401, 404))
     async def model(model_id: str):
-        if model_id != state.model_id:
-            raise APIError(f"the model {model_id!r} does not exist; this server serves {state.model_id!r}",
-                           status=404, param="model", type="not_found_error", code="model_not_found")
-        return model_card()
+        state.check_model(model_id)
+        return model_card(model_id)
 
-    generating = openapi.errors(400, 401, 413, 429, 500, 503)
+    generating = openapi.errors(400, 401, 404, 413, 429, 500, 503)
 
     @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        state.check_model(req.model)
         state.require_ready()
         return await endpoints.chat_completions(state, req, request)
 
     @app.post("/v1/completions", responses=generating)
     async def completions(req: CompletionRequest, request: Request):
+        state.check_model(req.model)
         state.require_ready()
         return await endpoints.completions(state, req, request)
 

@@ -14,6 +14,24 @@ from ..runtime.api import engine_option_flags
 SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 
 
+class NamesOption(click.Option):
+    """A repeatable option that also takes several values after one flag, as vLLM's `--served-model-name A B`:
+    the words up to the next option join the first (click has no nargs='+' for options)."""
+
+    def add_to_parser(self, parser, ctx) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            option = getattr(parser, "_long_opt", {}).get(name)
+            if option is None:  # (a click without this parser: one value per flag, repeatable)
+                continue
+
+            def process(value, state, one=option.process) -> None:
+                one(value, state)
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    one(state.rargs.pop(0), state)
+            option.process = process
+
+
 def open_model(config):
     """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
     from ..runtime.client import EngineClient
@@ -46,7 +64,9 @@ def open_model(config):
                    "(default: on with a drafter, 15; a request may ask for fewer with num_speculative_tokens).")
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allowed CORS origin (repeat; '*' for any).")
-@click.option("--model-name", default=None, help="Model id reported by /v1/models (default: the folder name).")
+@click.option("--served-model-name", "--model-name", "model_names", cls=NamesOption, multiple=True,
+              metavar="NAME [NAME ...]", help="The names the server answers to: requests naming another `model` get "
+              "a 404; /v1/models lists them, answers carry the first (default: the folder name).")
 @click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -64,19 +84,20 @@ def open_model(config):
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
               help="Largest request body accepted; bigger ones get a 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,
-              help="Seconds a shutdown (Ctrl-C, SIGTERM) waits for running requests before cancelling them.")
+              help="Seconds a shutdown (Ctrl-C, SIGTERM) waits for running requests; then each still running ends "
+                   "with an error (a stream: an error event, then data: [DONE]).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="Server log level; 'debug' also prints tracebacks of load errors.")
 @engine_option_flags
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
-          model_name: str | None, weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
+          model_names: tuple[str, ...], weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
           kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float,
           log_level: str, engine_options) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
-    from .app import ServerState, create_app
+    from .app import GracefulServer, ServerState, create_app
     from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
 
     if model_dir is not None and not (model_dir / "config.json").exists():
@@ -84,7 +105,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     demo = model_dir is None
     if backend == "reference" and kv_dtype != "bf16":
         raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs --backend cuda")
-    name = model_name or (DEMO_MODEL_ID if demo else model_dir.name)
+    names = model_names or (DEMO_MODEL_ID if demo else model_dir.name,)
+    name = names[0]
 
     def loader():
         folder = ensure_demo_checkpoint() if demo else model_dir
@@ -96,7 +118,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     # drafter never agrees with its random target, so there it only costs time unless asked for.
     off = draft_tokens == 0 or (draft_tokens is None and demo)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    state = ServerState(name, loader, speculative=False if off else None, draft_tokens=draft_tokens or None)
+    state = ServerState(name, loader, speculative=False if off else None, draft_tokens=draft_tokens or None,
+                        model_names=names)
     app = create_app(state, api_key=api_key, cors_origins=list(cors_origins),
                      max_body_bytes=int(max_body_mb * (1 << 20)))
     # The engine thread and the event loop share the GIL; when the loop is busy streaming, the engine thread waits
@@ -104,8 +127,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     # the H200 (full-size checkpoint, `thorgen bench serve`, 512-token prompts): 0.2 ms raises 1,130 -> 1,202 tok/s
     # at 8 streams and 1,328 -> 1,393 at 32, the engine's host time a step at 32 streams 3.5 -> 2.6 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+    # at the --shutdown-timeout deadline, running streams end with an error event and [DONE]
+    server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), state, shutdown_timeout)
     loading = state.load_in_background()
 
     def stop_if_load_fails() -> None:  # /health answers 503 while loading; a failed load ends the process
@@ -113,7 +136,8 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
         if state.load_error:
             server.should_exit = True
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
-    click.echo(f"thorgen: serving {name!r} on http://{host}:{port}/ (web UI), OpenAI API at http://{host}:{port}/v1"
+    click.echo(f"thorgen: serving {', '.join(map(repr, names))} on http://{host}:{port}/ (web UI), OpenAI API at "
+               f"http://{host}:{port}/v1"
                + ("  [demo model: random weights, output is gibberish]" if demo else ""))
     try:
         server.run()

@@ -138,8 +138,13 @@ class ScriptedRunner:
             record["end"], record["ended"] = seq.finish_reason, time.perf_counter()
 
 
+# the placeholder names server tests send as `model`; a fixture's server answers to them beside its own name
+TEST_MODEL_NAMES = ("m", "x")
+
+
 def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):
-    """A loaded ServerState around any backend, behind an EngineClient (Gemma-4's stops 1, 106, 50)."""
+    """A loaded ServerState around any backend, behind an EngineClient (Gemma-4's stops 1, 106, 50), answering to
+    `model_id` and TEST_MODEL_NAMES."""
     from thorgen.runtime.client import EngineClient
     from thorgen.serve.app import ServerState
 
@@ -147,7 +152,7 @@ def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-
         client = EngineClient(lambda: backend)
         client.wait_ready()
         return client, tokenizer, template, {"eos_token_id": [1, 106, 50]}
-    state = ServerState(model_id, loader)
+    state = ServerState(model_id, loader, model_names=(model_id, *TEST_MODEL_NAMES))
     state.load()
     if state.load_error:
         raise RuntimeError(state.load_error)

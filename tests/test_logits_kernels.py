@@ -74,7 +74,8 @@ def test_process_ref_equals_the_reference_recipe(V):
 def test_process_status_flags_overflow():
     V = 512
     logits = np.full((1, V), 5.0, np.float32)
-    b = LP.pack([(SamplingParams(repetition_penalty=1e-310), LP.TokenCounts([3], V), None)], V)
+    b = LP.pack([(SamplingParams(repetition_penalty=0.5), LP.TokenCounts([3], V), None)], V)
+    b.rows["repetition_penalty"] = 1e-310  # (SamplingParams refuses it; the kernel must still flag its overflow)
     got, status = RL.process_ref(logits, CAP, b.rows, b.counts, b.biases, b.masks)
     assert got[0, 3] == np.inf and status.tolist() == [LP.STATUS_NON_FINITE]
 

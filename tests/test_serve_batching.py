@@ -17,7 +17,7 @@ from thorgen.runtime.client import EngineClient  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.runtime.text.prompts import load_chat_template  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate, load_tokenizer  # noqa: E402
-from scripted_backend import running_server  # noqa: E402
+from scripted_backend import TEST_MODEL_NAMES, running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def server(tiny_checkpoint):
         model = holder["m"]
         source, bos = load_chat_template(model.model_dir, model.chat_template)
         return client, load_tokenizer(model.tokenizer_path), ChatTemplate(source, bos), model.generation_config
-    state = ServerState("tiny", loader)
+    state = ServerState("tiny", loader, model_names=("tiny", *TEST_MODEL_NAMES))
     state.load()
     assert state.load_error is None, state.load_error
     with running_server(create_app(state)) as url:

@@ -41,7 +41,7 @@ def _start(model, kernels, log, *extra: str):
     sock.close()
     with open(log, "w") as out:
         proc = subprocess.Popen(_thorgen("serve", "--model", str(model), "--backend", "cuda", "--port", str(port),
-                                         "--kernel-dir", str(kernels), *extra), stdout=out, stderr=subprocess.STDOUT)
+                                         "--kernel-dir", str(kernels), "--served-model-name", "m", "x", *extra), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

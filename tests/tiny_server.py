@@ -13,9 +13,10 @@ def tiny_server(checkpoint: Path, ctx: int, speculative: bool | None = False) ->
     from thorgen.runtime.api import EngineConfig
     from thorgen.serve.app import ServerState, create_app
     from thorgen.serve.cli import open_model
-    from scripted_backend import running_server
+    from scripted_backend import TEST_MODEL_NAMES, running_server
 
-    state = ServerState("tiny", lambda: open_model(EngineConfig(checkpoint, "reference", ctx)), speculative=speculative)
+    state = ServerState("tiny", lambda: open_model(EngineConfig(checkpoint, "reference", ctx)), speculative=speculative,
+                        model_names=("tiny", *TEST_MODEL_NAMES))
     state.load()
     assert state.load_error is None, state.load_error
     try:

@@ -76,8 +76,8 @@ async def run_level(url: str, concurrency: int, requests: int, prompt: list[int]
     todo = list(range(requests))
 
     async def client(http) -> None:
-        while todo:
-            body = {"model": "bench", "prompt": unique_prompt(prompt, todo.pop()), "max_tokens": gen,
+        while todo:  # (no `model`: the server answers under its own name; it refuses one it does not serve)
+            body = {"prompt": unique_prompt(prompt, todo.pop()), "max_tokens": gen,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             results.append(await _one(http, url, body, headers))
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -116,7 +116,7 @@ async def run_suite(url: str, entries: list[dict], api_key: str | None, timeout:
     rows = []
     async with httpx.AsyncClient(timeout=timeout) as http:
         for entry in entries:
-            body = {"model": "bench", "messages": build_messages(entry, filler_repeats), "temperature": 0,
+            body = {"messages": build_messages(entry, filler_repeats), "temperature": 0,
                     "max_tokens": int(entry.get("max_tokens", 128)), "stream": True,
                     "stream_options": {"include_usage": True}}
             if entry.get("tools"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import BackendError
+from ..backend import BackendError, EngineStateLost
 
 NO_GPU_HINT = "run with `--backend reference` (the NumPy backend, CPU only) instead"
 
@@ -36,8 +36,9 @@ def driver() -> Any:
     return _driver
 
 
-class CudaError(BackendError):
-    """A CUDA driver call failed; `.code` is the CUresult value and `.name` its enum name."""
+class CudaError(EngineStateLost):
+    """A CUDA driver call failed; `.code` is the CUresult value and `.name` its enum name. The device's state is
+    then unknown (many errors are sticky to the context), so the engine fails its requests and is rebuilt."""
 
     def __init__(self, what: str, code: int, name: str, detail: str = "") -> None:
         self.what, self.code, self.name = what, int(code), name

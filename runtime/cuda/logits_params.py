@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import BackendError, SamplingParams
+from ..backend import SamplingParams, SequenceFailed
 
 LOGIT_ROW = np.dtype([("repetition_penalty", "<f8"), ("frequency_penalty", "<f8"), ("presence_penalty", "<f8"),
                       ("counts_offset", "<i4"), ("n_counts", "<i4"), ("bias_offset", "<i4"), ("n_bias", "<i4"),
@@ -149,7 +149,8 @@ class RequestLogits:
 
     def stage(self, seqs: list) -> bool:
         """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the
-        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host."""
+        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host.
+        A sequence whose grammar fails raises its SequenceFailed before anything is uploaded."""
         if not any(s.sampling.extended for s in seqs):
             return False
         rows = []
@@ -163,25 +164,45 @@ class RequestLogits:
                 counts = self._counts.get(s.request_id)
                 if counts is None:
                     counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
-            rows.append((sp, counts, None if s.matcher is None else s.matcher.allowed(self.vocab)))
+            rows.append((sp, counts, None if s.matcher is None else _allowed(s, self.vocab)))
         self.engine.set_logits(pack(rows, self.vocab))
         return True
 
-    def picked(self, seqs: list, tokens: list[int]) -> None:
-        """After a staged step: fail on a fully masked row, feed the grammars and counts, keep the logprobs."""
+    def picked(self, seqs: list, tokens: list[int]) -> dict[str, SequenceFailed]:
+        """After a staged step: feed the grammars and counts and keep the logprobs of each row; a row whose status
+        is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the token comes back
+        as its request's SequenceFailed (its token is not committed; the other rows stand)."""
         status, ids, lps, chosen = self.engine.read_logits(len(seqs))
+        failed = {}
         for r, (s, tok) in enumerate(zip(seqs, tokens)):
             if status[r]:
-                what = "the grammar allows no token" if status[r] & STATUS_NONE_ALLOWED else \
-                    "a processed logit is not finite (penalties overflowed)"
-                raise BackendError(f"request {s.request_id}: {what} at position {s.num_tokens}")
+                overflow = not status[r] & STATUS_NONE_ALLOWED
+                what = "a processed logit is not finite (its penalties or logit_bias overflowed)" if overflow \
+                    else "the grammar allows no token"
+                failed[s.request_id] = SequenceFailed(s.request_id, f"{what} at position {s.num_tokens}",
+                                                      request_fault=overflow)
+                continue
             if s.matcher is not None:
-                s.matcher.accept(tok)
+                try:
+                    s.matcher.accept(tok)
+                except Exception as exc:
+                    failed[s.request_id] = SequenceFailed(s.request_id, f"the grammar failed: {type(exc).__name__}: "
+                                                                        f"{exc}")
+                    continue
             if s.request_id in self._counts:
                 self._counts[s.request_id].add(tok)
             k = s.sampling.logprobs
             if k is not None:
                 s.step_logprobs = [logprob_entry(ids, lps, chosen, r, k)]
+        return failed
 
     def forget(self, request_id: str) -> None:
         self._counts.pop(request_id, None)
+
+
+def _allowed(seq, vocab: int) -> np.ndarray:
+    """The sequence's grammar mask; its SequenceFailed when the grammar fails."""
+    try:
+        return seq.matcher.allowed(vocab)
+    except Exception as exc:
+        raise SequenceFailed(seq.request_id, f"the grammar failed: {type(exc).__name__}: {exc}") from exc

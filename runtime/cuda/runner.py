@@ -199,7 +199,7 @@ class CudaRunner:
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched,
                                   begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
         if ext:
-            self.logits.picked([seq], [tok])
+            self._raise_failed(self.logits.picked([seq], [tok]))
         lane.drafted(start, end, taps)
         lane.last_written = max(lane.last_written, end - 1)
         if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
@@ -209,7 +209,7 @@ class CudaRunner:
             self._joining.append((seq, tok))
         return tok if sample else None
 
-    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list, launched=None) -> list:
         # this step's new sequences (their prefill sampled a first token the core has not committed yet)
         joining = [(s, t) for s, t in self._joining if s.num_tokens == s.num_cached]
         self._joining = []
@@ -247,9 +247,15 @@ class CudaRunner:
             launched()
         (new,) = self.steps.wait(one)
         if ext:
-            self.logits.picked([seq], [new])
+            self._raise_failed(self.logits.picked([seq], [new]))
         self._one, self._on_device = nxt, (seq.request_id, pos + 1) if nxt is None else None
         return [([new], False)]
+
+    @staticmethod
+    def _raise_failed(failed: dict) -> None:
+        """A one-sequence step's row failure, raised (the core finishes that sequence alone)."""
+        for error in failed.values():
+            raise error
 
     def _take_one(self, seqs: list) -> Any:
         """The launch of the one-sequence step launched ahead when it is this step's (one sequence, at the position
@@ -287,9 +293,8 @@ class CudaRunner:
         tokens = self.steps.wait(cur.launch)
         self._ahead = nxt
         new = [tokens[cur.rows[s.request_id][0]] for s in seqs]
-        if ext:
-            self.logits.picked(seqs, new)
-        return [([t], False) for t in new]
+        failed = self.logits.picked(seqs, new) if ext else {}
+        return [failed.get(s.request_id) or ([t], False) for s, t in zip(seqs, new)]
 
     def _launch_next(self, seqs: list, cur: _Launched, joining: list) -> _Launched | None:
         """Launch the step after `cur`, when at least two rows go on and none needs host work between the steps
@@ -320,6 +325,7 @@ class CudaRunner:
 
     def release(self, seq, finished: bool) -> None:
         self.logits.forget(seq.request_id)
+        self._joining = [(s, t) for s, t in self._joining if s is not seq]
         if self._one is not None and self._one.request_id == seq.request_id:
             # it ended with its next step in flight: nobody reads that step (waited for at the next call, it wrote
             # only positions past the committed ones: of its own pages, or another holder's after them in the stream)

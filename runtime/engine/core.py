@@ -4,17 +4,28 @@ The stop, length and cancel rules live here once, for plain and speculative deco
 a runner only computes tokens. Its decode step returns, per sequence, the tokens the step commits (one, or the
 accepted drafts plus the bonus token), and postprocess cuts them after a stop id and at the room left
 (max_tokens, context). Outputs are `RequestOutput` values; a finished request's last one carries its result.
+
+Faults stay with their sequence: an error in one sequence's prefill, or a decode row the runner reports as failed
+(runtime.backend.SequenceFailed), finishes that sequence alone with its error while the rest of the step goes on.
+A batched decode that raises as a whole is re-run without the sequence it names, or else one sequence at a time,
+so that the culprit fails and every other row commits what it would have alone. Only EngineStateLost (or a fault
+no sequence reproduces alone) leaves step() and fails the engine.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Callable, NamedTuple, Protocol
 
 from ...model_spec.conventions import KV_PAGE
-from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, TokenLogprob
+from ..backend import (BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams,
+                       SequenceFailed, TokenLogprob)
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
+
+log = logging.getLogger("thorgen.engine")
+DecodeResult = tuple[list[int], bool]  # a decode row's tokens and whether it was a draft + verify step
 
 
 class RequestOutput(NamedTuple):
@@ -29,6 +40,7 @@ class RequestOutput(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in token_ids, when the request asked
     # on the request's first token output, with sampling.prompt_logprobs: one per prompt token (None first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    error: SequenceFailed | None = None  # on a finished output: the request failed with it (its own fault or not)
 
 
 class ModelRunner(Protocol):
@@ -58,9 +70,11 @@ class ModelRunner(Protocol):
         logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
 
     def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
-               ) -> list[tuple[list[int], bool]]:
+               ) -> list[DecodeResult | SequenceFailed]:
         """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
-        draft + verify step). `launched()` as for prefill."""
+        draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
+        Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it
+        changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
 
     def release(self, seq: Sequence, finished: bool) -> None:
         """Drop the sequence's state (a finished one may stay in a prefix cache)."""
@@ -162,33 +176,82 @@ class EngineCore:
         outputs += [self._finish(seq, "length") for seq in schedule.exhausted]
         new: list[tuple[Sequence, list[int], bool]] = []
         for p in schedule.prefills:
-            start = p.start
-            if start == 0:  # just admitted (or readmitted after a preemption)
-                # a first token needs fresh logits: the prompt's last token always runs then; a resumed sequence
-                # (its output goes on) may find its whole prefill cached; a scored prompt needs every position's
-                # logits. A hit may reach past this step's chunk: the next steps prefill from where it ends.
-                scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
-                p.seq.prompt_logprobs = [None] if scored else None
-                target = p.seq.prefill_target
-                cached = self.runner.admit(p.seq, 0 if scored else target if p.seq.output else target - 1)
-                if cached > 0:  # a prefix-cache hit: those tokens need no forward
-                    start = p.seq.num_cached = cached
-                    if p.seq.preemptions == 0:
-                        p.seq.cached_prompt_tokens = cached
-                if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
-                    continue
-            token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
-            p.seq.num_cached = p.end
-            if p.sample:
+            try:
+                token = self._prefill(p, once)
+            except Exception as exc:
+                if isinstance(exc, EngineStateLost):
+                    raise
+                outputs.append(self._fail(p.seq, exc))
+                continue
+            if token is not None:
                 new.append((p.seq, [int(token)], False))
         if schedule.decodes:
-            for seq, (chain, verified) in zip(schedule.decodes, self.runner.decode(list(schedule.decodes), once)):
+            seqs = [s for s in schedule.decodes if s.status is Status.RUNNING]
+            for seq, res in zip(seqs, self._decode(seqs, once)):
+                if isinstance(res, BaseException):
+                    outputs.append(self._fail(seq, res))
+                    continue
+                chain, verified = res
                 seq.num_cached = seq.num_tokens - 1 + len(chain)  # its input token plus all but the last new
                 new.append((seq, [int(t) for t in chain], verified))
         for seq, tokens, verified in new:
             outputs += self._commit(seq, tokens, verified)
         once()
         return outputs
+
+    def _prefill(self, p, once: _Once) -> int | None:
+        """One scheduled prefill chunk; the first token when it samples one."""
+        start = p.start
+        if start == 0:  # just admitted (or readmitted after a preemption)
+            # a first token needs fresh logits: the prompt's last token always runs then; a resumed sequence
+            # (its output goes on) may find its whole prefill cached; a scored prompt needs every position's
+            # logits. A hit may reach past this step's chunk: the next steps prefill from where it ends.
+            scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
+            p.seq.prompt_logprobs = [None] if scored else None
+            target = p.seq.prefill_target
+            cached = self.runner.admit(p.seq, 0 if scored else target if p.seq.output else target - 1)
+            if cached > 0:  # a prefix-cache hit: those tokens need no forward
+                start = p.seq.num_cached = cached
+                if p.seq.preemptions == 0:
+                    p.seq.cached_prompt_tokens = cached
+            if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
+                return None
+        token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
+        p.seq.num_cached = p.end
+        return token if p.sample else None
+
+    def _decode(self, seqs: list[Sequence], once: _Once) -> list[DecodeResult | BaseException]:
+        """The runner's decode of `seqs`, each row its result or its error. A step that fails as a whole runs
+        again without the sequence its SequenceFailed names, else each sequence alone (a sequence's tokens do not
+        depend on its batch); when no sequence runs alone either, the fault is the engine's and is raised."""
+        if not seqs:
+            return []
+        try:
+            return list(self.runner.decode(seqs, once))
+        except Exception as exc:
+            if isinstance(exc, EngineStateLost):
+                raise
+            failure = exc
+        culprit = next((s for s in seqs if isinstance(failure, SequenceFailed)
+                        and s.request_id == failure.request_id), None)
+        if culprit is not None:
+            rest = iter(self._decode([s for s in seqs if s is not culprit], once))
+            return [failure if s is culprit else next(rest) for s in seqs]
+        if len(seqs) == 1:
+            return [failure]
+        log.warning("a batched step of %d sequences failed (%s: %s); running each alone", len(seqs),
+                    type(failure).__name__, failure)
+        alone = [self._decode([s], once)[0] for s in seqs]
+        if all(isinstance(r, BaseException) for r in alone):
+            raise failure
+        return alone
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        """Finish `seq` alone with its error (an error that is not a SequenceFailed is the engine's fault)."""
+        if not isinstance(exc, SequenceFailed):
+            log.error("request %s failed", seq.request_id, exc_info=exc)
+            exc = SequenceFailed(seq.request_id, f"{type(exc).__name__}: {exc}")
+        return self._finish(seq, "error", exc)
 
     def _commit(self, seq: Sequence, tokens: list[int], verified: bool) -> list[RequestOutput]:
         """The stop / length rules: keep tokens up to a stop id and within the room; finish when done."""
@@ -223,11 +286,11 @@ class EngineCore:
             out.append(self._finish(seq, "length"))
         return out
 
-    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, error: SequenceFailed | None = None) -> RequestOutput:
         was_running = seq.status is Status.RUNNING
         self.scheduler.finish(seq, reason)
-        if was_running:
-            self.runner.release(seq, finished=True)
+        if was_running:  # a failed sequence's state may be half-written: it never goes to a prefix cache
+            self.runner.release(seq, finished=error is None)
         self._seqs.pop(seq.request_id, None)
         first = seq.first_token_at or seq.finished_at
         result = GenerationResult(token_ids=list(seq.output), accepted_lengths=list(seq.accepted_lengths),
@@ -235,7 +298,7 @@ class EngineCore:
                                   cached_prompt_tokens=seq.cached_prompt_tokens,
                                   prefill_s=first - (seq.admitted_at or seq.arrived),
                                   decode_s=seq.finished_at - first)
-        return RequestOutput(seq.request_id, finished=True, result=result)
+        return RequestOutput(seq.request_id, finished=True, result=result, error=error)
 
 
 def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
@@ -255,6 +318,8 @@ def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampli
                 if cancelled is not None and cancelled():
                     core.abort("generate")
                 for out in core.step():
+                    if out.error is not None:
+                        raise out.error
                     if out.finished:
                         r = out.result
                         result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths

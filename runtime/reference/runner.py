@@ -6,13 +6,15 @@ sequences go to the backend's LRU prefix cache, and a new sequence starts from i
 A sequence with logits processing (penalties, logit_bias, a grammar) decodes without speculation: each token's
 processing depends on the tokens before it, which a verify block does not know yet. Logprobs alone keep
 speculation (the verify logits of each committed position are that position's own logits).
+A sequence whose step fails (its processing, grammar, sampling or verify) gets its error as its row's result;
+the sequences after it in the step run as they would have alone.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BackendError, check_image_spans, span_floor
+from ..backend import BackendError, EngineStateLost, SequenceFailed, check_image_spans, span_floor
 from ..engine.scheduler import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
@@ -90,20 +92,29 @@ class ReferenceRunner:
             seq.step_logprobs = pick.logprobs
         return token
 
-    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool] | Exception]:
         if launched is not None:
             launched()
-        out = []
+        out: list[tuple[list[int], bool] | Exception] = []
         for seq in seqs:
-            state, start = self._states[seq.request_id], seq.num_tokens - 1
-            assert state.length == start, (state.length, start)
-            speculative = seq.speculative and not seq.sampling.processed
-            pick = _Pick.of(seq)
-            out.append((self.decoder.step(state, seq.output[-1], start, seq.sampling, speculative,
-                                          seq.room(self.max_context), pick), speculative))
-            if pick is not None:
-                seq.step_logprobs = pick.logprobs
+            try:
+                out.append(self._decode_one(seq))
+            except EngineStateLost:
+                raise
+            except Exception as exc:  # this sequence's own fault: its state is dropped when the core finishes it
+                out.append(exc)
         return out
+
+    def _decode_one(self, seq: Sequence) -> tuple[list[int], bool]:
+        state, start = self._states[seq.request_id], seq.num_tokens - 1
+        assert state.length == start, (state.length, start)
+        speculative = seq.speculative and not seq.sampling.processed
+        pick = _Pick.of(seq)
+        tokens = self.decoder.step(state, seq.output[-1], start, seq.sampling, speculative,
+                                   seq.room(self.max_context), pick)
+        if pick is not None:
+            seq.step_logprobs = pick.logprobs
+        return tokens, speculative
 
     def release(self, seq: Sequence, finished: bool) -> None:
         state = self._states.pop(seq.request_id, None)
@@ -130,8 +141,8 @@ class _Pick:
             allowed = None if matcher is None else matcher.allowed(row.shape[0])
             z = process(row, params, self.seq.prompt, self.seq.output + self.picked, allowed)
             if not np.all(z < np.inf):  # +inf or NaN: refused as the device's lm_process status refuses it
-                raise BackendError(f"request {self.seq.request_id}: a processed logit is not finite (penalties "
-                                   f"overflowed) at position {position}")
+                raise SequenceFailed(self.seq.request_id, "a processed logit is not finite (its penalties or "
+                                     f"logit_bias overflowed) at position {position}", request_fault=True)
         token = sample(z, params, position)
         if matcher is not None:
             matcher.accept(token)
