@@ -478,7 +478,7 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
 
     from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
     from thorgen.runtime.text.tokenizer import Tokenizer
-    from thorgen.serve import endpoints
+    from thorgen.serve import pipeline
     from thorgen.serve.app import create_app
     from thorgen.serve.chat_template import ChatTemplate
     import tempfile
@@ -491,7 +491,7 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
                              "chat_template.jinja").read_text())
     state = scripted_state(engine, tok, template)
 
-    class FaultyParser(endpoints.OutputParser):
+    class FaultyParser(pipeline.OutputParser):
         def feed(self, ids):
             if "FAULT" in (self.fault_marks or ()) and ids:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
@@ -500,7 +500,7 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
         def __init__(self, *args, **kwargs):
             self.fault_marks = kwargs.get("stop")
             super().__init__(*args, **kwargs)
-    monkeypatch.setattr(endpoints, "OutputParser", FaultyParser)
+    monkeypatch.setattr(pipeline, "OutputParser", FaultyParser)
     texts = {}
     with running_server(create_app(state)) as url:
         def one(i: int) -> None:
