@@ -140,17 +140,21 @@ class GracefulServer(uvicorn.Server):
 
 
 class APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from streaming responses)."""
+    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from streaming responses). The key
+    comes as OpenAI sends it (`Authorization: Bearer KEY`) or as Anthropic's clients do (`x-api-key: KEY`)."""
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                response = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                                   code="invalid_api_key"), status_code=401)
+            headers = dict(scope.get("headers") or [])
+            bearer = headers.get(b"authorization", b"")
+            ok = (hmac.compare_digest(bearer, b"Bearer " + self.key)
+                  or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))
+            if not ok:
+                response = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY' or "
+                                                   "'x-api-key: KEY')", code="invalid_api_key"), status_code=401)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

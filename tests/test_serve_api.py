@@ -271,3 +271,7 @@ def test_api_key_and_health_while_loading(tok):
         assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
         ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
         assert ok.chat.completions.create(model="m", messages=body["messages"]).choices[0].message.content == "ok"
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401
+        r = httpx.post(url + "/v1/chat/completions", json=body | {"model": "m"}, headers={"x-api-key": "sekrit"})
+        assert r.status_code == 200  # (Anthropic's clients send the key this way)
