@@ -18,10 +18,13 @@ from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionR
 from .sampling import max_new_tokens, sampling_params, speculation, thinking_enabled
 from .structured import response_grammar
 from .tool_grammar import tool_call_grammar
+from .tool_schemas import template_tools
+from .vllm_extras import VllmExtras, kept_prompt, legacy_functions, vllm_extras
 
 
 async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
     check_unsupported(req)
+    legacy_functions(req)
     messages = template_messages(req.messages)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
@@ -29,33 +32,54 @@ async def chat_completions(server: Any, req: ChatCompletionRequest, request: Req
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
              if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
     prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    extras = vllm_extras(req, server, thinking, requested)
+    shown_tools = template_tools(tools) if mode != "none" else None
 
     def render() -> str:
-        prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
+        prompt = server.template.render(messages, shown_tools, add_generation_prompt=True,
                                         enable_thinking=thinking, **extra)
         # force a tool call by opening it in the prompt (no constrained decoding needed)
         return prompt if prefill is None else prompt + "<|tool_call>" + prefill
-    ids = await prompt_ids(server, render)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    grammar = tool_call_grammar(tools, mode, forced, server)  # None unless a call is forced and can be constrained
-    if grammar is not None and req.response_format not in (None, {"type": "text"}):
-        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
+    ids = kept_prompt(await prompt_ids(server, render), extras.keep_prompt_tokens)
+    # the tools' grammar: None unless a call can happen and the backend can constrain it
+    grammar = tool_call_grammar(tools, mode, forced, server)
+    grammar = _one_grammar(req, server, thinking, extras, grammar, forced_call=prefill is not None)
     limit = max_new_tokens(requested, len(ids), server.caps.max_context)
 
     def make(sampling: SamplingParams) -> Generation:
-        parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
+        controls = replace(server.controls, stops=server.controls.stops | extras.stop_ids)
+        parser = OutputParser(server.decode, controls, parse_tools=mode != "none",
                               stop=stop_list(req.stop), prefill_tool=prefill,
                               max_calls=1 if req.parallel_tool_calls is False else None)
-        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
+        gen = Generation(server, Job(ids, limit, sampling, extras.stop_ids, speculative=speculative),
                          parser, "chat")
-        gen.return_ids = bool(req.return_token_ids)
+        gen.return_ids, gen.reports_prompt_logprobs = bool(req.return_token_ids), extras.prompt_logprobs is not None
         return gen
-    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                               grammar or response_grammar(req.response_format, server, thinking))
+    sampling = replace(sampling_params(req, server.generation_defaults, server.caps.vocab_size, grammar),
+                       **extras.sampling_fields())
     speculative, sampling = speculation(req, server, sampling)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await serve_generation(server, request, choices(req.n or 1, [make], sampling), bool(req.stream),
                                   include_usage)
+
+
+def _one_grammar(req: Any, server: Any, thinking: bool, extras: VllmExtras, tools_grammar: Any,
+                 forced_call: bool) -> Any:
+    """The one grammar a request decodes under: a forced call's, or the guided-decoding field's, or
+    response_format's, or an auto tool call's (the first two or three together are refused)."""
+    formatted = req.response_format not in (None, {"type": "text"})
+    forced = tools_grammar if forced_call else None
+    if forced is not None and formatted:
+        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
+    if extras.grammar is not None and (forced is not None or formatted):
+        raise APIError("guided decoding cannot be combined with response_format or a forced tool_choice",
+                       param="structured_outputs")
+    grammar = forced or extras.grammar or response_grammar(req.response_format, server, thinking) or tools_grammar
+    if req.ignore_eos and grammar is not None and grammar.trigger is None:
+        raise APIError("ignore_eos cannot be combined with a grammar (response_format, guided decoding or a forced "
+                       "tool_choice): the grammar ends the answer", param="ignore_eos")
+    return grammar
 
 
 def _prompts(prompt: str | list) -> list[tuple[str, str | list[int]]]:
@@ -94,12 +118,14 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
     if len(prompts) * n > MAX_CHOICES:  # refused before any tokenizing
         raise APIError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per "
                        "request", param="prompt")
-    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
-                          stops=server.stop_ids, hidden=server.tokenizer.special_ids)
     # max_tokens 0 still runs one token: the engine scores a prompt while it prefills for a first token
     requested = 1 if req.max_tokens == 0 else req.max_tokens
-    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                               response_grammar(req.response_format, server, False))
+    extras = vllm_extras(req, server, False, requested)
+    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
+                          stops=server.stop_ids | extras.stop_ids, hidden=server.tokenizer.special_ids)
+    grammar = _one_grammar(req, server, False, extras, None, forced_call=False)
+    sampling = replace(sampling_params(req, server.generation_defaults, server.caps.vocab_size, grammar),
+                       **extras.sampling_fields())
     speculative, sampling = speculation(req, server, sampling)
     if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
         sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
@@ -110,16 +136,19 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
 
         def make(sampling: SamplingParams) -> Generation:
             parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
+            gen = Generation(server, Job(ids, limit, sampling, extras.stop_ids, speculative=speculative),
                              parser, "completion")
             gen.return_ids, gen.echo, gen.score_only = bool(req.return_token_ids), echo, req.max_tokens == 0
+            gen.reports_prompt_logprobs = extras.prompt_logprobs is not None
             return gen
         return make
     makers = []
     for where, prompt in prompts:
-        ids = await _prompt_ids(server, where, prompt)
-        # echo: a text prompt as sent, token ids decoded (as vLLM does)
-        echo = (prompt if isinstance(prompt, str) else server.tokenizer.decode(ids)) if req.echo else None
+        sent = await _prompt_ids(server, where, prompt)
+        ids = kept_prompt(sent, extras.keep_prompt_tokens)
+        # echo: a text prompt as sent, token ids (or a truncated prompt) decoded (as vLLM does)
+        echo = (prompt if isinstance(prompt, str) and ids is sent else server.tokenizer.decode(ids)) if req.echo \
+            else None
         makers.append(maker(where, ids, echo))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await serve_generation(server, request, choices(n, makers, sampling), bool(req.stream), include_usage)

@@ -17,6 +17,7 @@ from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, Gene
 from .logprobs import Logprobs
 from .parser import Delta, OutputParser
 from .protocol import APIError
+from .vllm_extras import prompt_logprobs_json
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
@@ -115,6 +116,8 @@ class Generation:
         self.logprobs = (Logprobs(lambda t: server.tokenizer.decode([t]), kind == "chat")
                          if job.sampling.logprobs is not None else None)
         self.step_logprobs: dict | None = None  # the last fed step's logprobs object
+        self.reports_prompt_logprobs = False  # vLLM's prompt_logprobs: the answer carries the prompt's entries
+        self.prompt_scores: list | None = None  # the engine's prompt logprobs, once they arrive
 
     def record(self, status: int) -> None:
         """Count the request once in /metrics; 499 = the client went away (its tokens still count)."""
@@ -137,11 +140,14 @@ class Generation:
         if self.job.speculative and step.accepted is not None:
             metrics.observe("accepted_per_step", step.accepted + 1)
         ids = () if self.score_only else step.token_ids
+        if step.prompt_logprobs is not None:
+            self.prompt_scores = step.prompt_logprobs
         self.n_out += len(ids)
         self.token_ids += ids
         if self.logprobs is not None:
             scored: list = []
-            if step.prompt_logprobs is not None:  # echo: the prompt's entries go ahead of the first token's
+            if step.prompt_logprobs is not None and not self.reports_prompt_logprobs:  # echo: the prompt's
+                # entries go ahead of the first token's
                 scored += zip(self.job.prompt_ids, step.prompt_logprobs)
             if ids and step.logprobs is not None:
                 scored += zip(ids, step.logprobs)
@@ -395,8 +401,12 @@ async def serve_generation(server: Any, request: Request, gens: list[Generation]
         c.update(logprobs=logprobs, finish_reason=g.finish_reason())
         if g.return_ids:
             c.update(token_ids=g.token_ids, prompt_token_ids=list(g.job.prompt_ids))
+        if g.reports_prompt_logprobs and g.kind != "chat":
+            c["prompt_logprobs"] = prompt_logprobs_json(g.job.prompt_ids, g.prompt_scores, server.decode)
         choices.append(c)
     body = {"object": "chat.completion" if gen.kind == "chat" else "text_completion", **base, "choices": choices}
+    if gen.reports_prompt_logprobs and gen.kind == "chat":  # vLLM's chat answer carries them once, at the top
+        body["prompt_logprobs"] = prompt_logprobs_json(gen.job.prompt_ids, gen.prompt_scores, server.decode)
     for g in gens:
         g.record(200)
     return JSONResponse(body)
