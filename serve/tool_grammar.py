@@ -8,8 +8,8 @@ strings are a lexeme of bounded length intersected with the schema's `pattern` /
 properties in schema order, the required ones always and the optional ones possibly left out; `$ref`/`$defs`,
 `anyOf`/`oneOf`, `allOf` (merged), `enum`/`const`, type lists and OpenAPI's `nullable` are followed. A keyword
 the grammar cannot enforce is refused with a 400 that names it. Strings and arrays without an upper bound are
-bounded (MAX_STRING characters / MAX_ITEMS items beyond their minimum) and unbounded numbers get at most six
-digits, so that a weak model still closes the call.
+bounded (MAX_STRING characters / MAX_ITEMS items beyond their minimum) and numbers get at most six integer digits
+and four decimals, so that a weak model still closes the call.
 
 Forced calls (tool_choice required / named) start after the prompt's opening of the call; under tool_choice auto
 the grammar is triggered by the `<|tool_call>` token the model picks itself and covers that call only.
@@ -18,6 +18,7 @@ the grammar is triggered by the `<|tool_call>` token the model picks itself and 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .protocol import APIError
@@ -26,6 +27,7 @@ MAX_STRING = 32
 MAX_PATTERN_STRING = 256  # a pattern without maxLength: the pattern bounds the text, this only its run-away length
 MAX_ITEMS = 4
 NUMBER_SPAN = 10 ** 6  # an unbounded side of a numeric range is cut here (a subset of the valid values)
+FRACTION_STEP = 0.0001  # a bounded number's grammar writes at most four decimals
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions"}
 HANDLED = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
@@ -59,6 +61,16 @@ def _unanchored(pattern: str) -> str:
     if pattern.endswith("$") and not pattern.endswith("\\$"):
         pattern = pattern[:-1]
     return pattern.replace("/", "\\/")
+
+
+def _allows_empty(pattern: str | None, fmt: str | None) -> bool:
+    """Whether the empty string satisfies the pattern and format (as JSON Schema validators check: a search)."""
+    if fmt is not None:
+        return False
+    try:
+        return pattern is None or re.search(pattern, "") is not None
+    except re.error:
+        return False
 
 
 class _Lark:
@@ -158,7 +170,7 @@ class _Lark:
         if hi == 0:
             return self.rule(f"<[{self.quote}]> <[{self.quote}]>")
         text = self.rule(" & ".join(parts), token=True)
-        if lo == 0:  # the empty string: a lexeme never matches nothing
+        if lo == 0 and _allows_empty(pattern, fmt):  # the empty string: a lexeme never matches nothing
             return self.rule(f"{self._quoted(text)} | <[{self.quote}]> <[{self.quote}]>")
         return self.rule(self._quoted(text))
 
@@ -175,6 +187,8 @@ class _Lark:
             bounds["minimum"] = (0 if high is None else high) - NUMBER_SPAN
         if high is None:
             bounds["maximum"] = (0 if low is None else low) + NUMBER_SPAN
+        if kind == "number" and "multipleOf" not in bounds:
+            bounds["multipleOf"] = FRACTION_STEP  # at most four decimals, so that the number ends
         return self.rule("%json" + json.dumps({"type": kind, **bounds}, separators=(",", ":")))
 
     def _array(self, schema: dict, where: str) -> str:
