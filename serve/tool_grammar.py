@@ -1,4 +1,4 @@
-"""Serve stage: a tool call's arguments held to the tool's JSON schema by an llguidance grammar in Gemma-4's call syntax.
+"""Serve stage: a tool call's arguments held to its JSON schema by an llguidance grammar in Gemma-4's call syntax.
 
 Gemma writes a call as `<|tool_call>call:NAME{key:value,...}<tool_call|>` (MODEL_FACTS §4.3, read by serve/parser.py):
 bare keys, strings between `<|"|>` tokens (never escaped), bare numbers, booleans and null, `{...}` objects and
