@@ -163,7 +163,7 @@ class RequestLogits:
                 counts = self._counts.get(s.request_id)
                 if counts is None:
                     counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
-            rows.append((sp, counts, None if s.matcher is None else s.matcher.allowed(self.vocab)))
+            rows.append((sp, counts, s.allowed(self.vocab)))
         self.engine.set_logits(pack(rows, self.vocab))
         return True
 
