@@ -133,6 +133,8 @@ def test_legacy_functions_become_tools(server):
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_regex": "(?=a)b"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"json": [1]}}, "structured_outputs.json"),
     ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
