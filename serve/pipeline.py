@@ -29,7 +29,7 @@ def _render(server: Any, req: GenerationRequest, prefill: str | None) -> Callabl
         prompt = server.template.render(req.messages, template_tools(req.tools) if req.tool_mode != "none" else None,
                                         add_generation_prompt=True, enable_thinking=req.thinking,
                                         **req.template_kwargs)
-        # force a tool call by opening it in the prompt (no constrained decoding needed)
+        # force a tool call by opening it in the prompt (its arguments then follow the tools' grammar)
         return prompt if prefill is None else prompt + "<|tool_call>" + prefill
     return render
 
