@@ -138,7 +138,8 @@ class SamplingParams:
     Logits processing (all off by default, so that a plain request pays nothing) runs on the softcapped logits
     before the temperature, in vLLM's order and semantics: repetition_penalty over prompt + output tokens
     (positive logits divided, negative multiplied), then frequency_penalty * count and presence_penalty over
-    output tokens, then logit_bias (token id -> bias, clamped to +-100), then the grammar's allowed-token mask.
+    output tokens, then logit_bias (token id -> bias, clamped to +-100), then the grammar's allowed-token mask,
+    and while fewer than `min_tokens` tokens are out, the sequence's stop ids are masked off (vLLM's min_tokens).
     `logprobs` (None: off, else 0..20 top entries) come from the softcapped logits, before any processing.
     `prompt_logprobs` (None: off, else 0..20 top entries): the same for every prompt token after the first, each
     given the tokens before it (completions' `echo`; lm-eval's loglikelihood). Such a request bypasses the prefix
@@ -157,6 +158,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     draft_tokens: int | None = None  # a speculative request's drafts per step, at most (None: the drafter's block)
     grammar: Any = None  # a runtime.text.grammar.Grammar
+    min_tokens: int = 0  # no stop id may be sampled before this many output tokens (0: off)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -184,6 +186,8 @@ class SamplingParams:
             raise ValueError(f"draft_tokens {self.draft_tokens} must be >= 1 (speculative off is its own switch)")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top prompt logprobs {self.prompt_logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens {self.min_tokens} must be >= 0")
         bias = dict(self.logit_bias)
         if len(bias) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
@@ -200,9 +204,9 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether the logits are changed before sampling (a penalty, a bias or a grammar)."""
+        """Whether the logits are changed before sampling (a penalty, a bias, a grammar or min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.grammar is not None)
+                    or self.logit_bias or self.grammar is not None or self.min_tokens)
 
     @property
     def extended(self) -> bool:
@@ -216,7 +220,8 @@ class SamplingParams:
                                  ("frequency_penalty", self.frequency_penalty),
                                  ("repetition_penalty", self.repetition_penalty != 1.0),
                                  ("logit_bias", self.logit_bias), ("response_format / forced tool_choice",
-                                                                   self.grammar is not None)) if on]
+                                                                   self.grammar is not None),
+                                 ("min_tokens", self.min_tokens)) if on]
         return ", ".join(names)
 
 

@@ -21,6 +21,7 @@ from .pipeline import prepare
 from .protocol import (APIError, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn, _Body, _Open,
                        integer, stop_list, template_messages, validate_tools)
 from .request import GenerationRequest, SamplingOptions
+from .tool_schemas import template_tools
 
 log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
@@ -269,7 +270,8 @@ def router() -> APIRouter:
         state.require_ready()
         messages, tools, mode, _, _, thinking = conversation(req)
         ids = await prompt_ids(state, lambda: state.template.render(
-            messages, tools if mode != "none" else None, add_generation_prompt=True, enable_thinking=thinking))
+            messages, template_tools(tools) if mode != "none" else None, add_generation_prompt=True,
+            enable_thinking=thinking))
         return {"input_tokens": len(ids)}
 
     return routes

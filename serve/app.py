@@ -29,6 +29,7 @@ from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, pro
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        TokenizerInfo, error_body, template_messages, validate_tools)
+from .tool_schemas import template_tools
 
 log = logging.getLogger("thorgen.serve")
 WEBUI = Path(__file__).with_name("webui.html")
@@ -275,7 +276,7 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             raise APIError("give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
-            messages, tools = template_messages(req.messages), validate_tools(req.tools)
+            messages, tools = template_messages(req.messages), template_tools(validate_tools(req.tools))
             ids = await prompt_ids(state, lambda: state.template.render(
                 messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
                 enable_thinking=thinking is True))

@@ -14,24 +14,26 @@ from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionR
 from .request import GenerationRequest, Prompt
 from .sampling import sampling_options, thinking_enabled
 from .structured import output_format
+from .vllm_extras import legacy_functions, vllm_fields
 
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")
 
 
 def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     check_unsupported(req)
+    legacy_functions(req)
     messages = template_messages(req.messages)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
     thinking = thinking_enabled(req)
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerationRequest(
         messages=messages, tools=tools, tool_mode=mode, forced_tool=forced,
         parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking, template_kwargs=extra,
         sampling=sampling_options(req), output_format=output_format(req.response_format), stop=stop_list(req.stop),
-        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        n=req.n or 1, return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        max_tokens=max_tokens, n=req.n or 1, return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), **vllm_fields(req, max_tokens))
 
 
 def _prompts(prompt: str | list) -> list[Prompt]:
@@ -62,7 +64,9 @@ def completion_request(req: CompletionRequest) -> GenerationRequest:
         stop=stop_list(req.stop), max_tokens=req.max_tokens, default_max_tokens=16,  # OpenAI's default
         n=n, parse_output=False, echo=bool(req.echo), score_only=req.max_tokens == 0,
         return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        # max_tokens 0 still runs one token: the engine scores a prompt while it prefills for a first token
+        **vllm_fields(req, 1 if req.max_tokens == 0 else req.max_tokens))
 
 
 async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:

@@ -110,6 +110,8 @@ class Generation:
         self.logprobs = (Logprobs(lambda t: server.tokenizer.decode([t]), kind == "chat")
                          if job.sampling.logprobs is not None else None)
         self.step_logprobs: dict | None = None  # the last fed step's logprobs object
+        self.reports_prompt_logprobs = False  # vLLM's prompt_logprobs: the answer carries the prompt's entries
+        self.prompt_scores: list | None = None  # the engine's prompt logprobs, once they arrive
 
     def record(self, status: int) -> None:
         """Count the request once in /metrics; 499 = the client went away (its tokens still count)."""
@@ -132,11 +134,14 @@ class Generation:
         if self.job.speculative and step.accepted is not None:
             metrics.observe("accepted_per_step", step.accepted + 1)
         ids = () if self.score_only else step.token_ids
+        if step.prompt_logprobs is not None:
+            self.prompt_scores = step.prompt_logprobs
         self.n_out += len(ids)
         self.token_ids += ids
         if self.logprobs is not None:
             scored: list = []
-            if step.prompt_logprobs is not None:  # echo: the prompt's entries go ahead of the first token's
+            if step.prompt_logprobs is not None and not self.reports_prompt_logprobs:
+                # echo: the prompt's entries go ahead of the first token's
                 scored += zip(self.job.prompt_ids, step.prompt_logprobs)
             if ids and step.logprobs is not None:
                 scored += zip(ids, step.logprobs)

@@ -13,6 +13,7 @@ from .generation import ClientGone, Generation, events, sse
 from .parser import Delta
 from .pipeline import client_gone, collect, start
 from .protocol import APIError
+from .vllm_extras import prompt_logprobs_json
 
 log = logging.getLogger("thorgen.serve")
 
@@ -155,8 +156,12 @@ async def serve_generation(server: Any, request: Request, gens: list[Generation]
         c.update(logprobs=logprobs, finish_reason=g.finish_reason())
         if g.return_ids:
             c.update(token_ids=g.token_ids, prompt_token_ids=list(g.job.prompt_ids))
+        if g.reports_prompt_logprobs and g.kind != "chat":
+            c["prompt_logprobs"] = prompt_logprobs_json(g.job.prompt_ids, g.prompt_scores, server.decode)
         choices.append(c)
     body = {"object": "chat.completion" if gen.kind == "chat" else "text_completion", **base, "choices": choices}
+    if gen.reports_prompt_logprobs and gen.kind == "chat":  # vLLM's chat answer carries them once, at the top
+        body["prompt_logprobs"] = prompt_logprobs_json(gen.job.prompt_ids, gen.prompt_scores, server.decode)
     for g in gens:
         g.record(200)
     return JSONResponse(body)

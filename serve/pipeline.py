@@ -20,14 +20,16 @@ from .request import GenerationRequest, Prompt
 from .sampling import max_new_tokens, sampling_params, speculation
 from .structured import format_grammar
 from .tool_grammar import tool_call_grammar
+from .tool_schemas import template_tools
+from .vllm_extras import kept_prompt
 
 
 def _render(server: Any, req: GenerationRequest, prefill: str | None) -> Callable[[], str]:
     def render() -> str:
-        prompt = server.template.render(req.messages, req.tools if req.tool_mode != "none" else None,
+        prompt = server.template.render(req.messages, template_tools(req.tools) if req.tool_mode != "none" else None,
                                         add_generation_prompt=True, enable_thinking=req.thinking,
                                         **req.template_kwargs)
-        # force a tool call by opening it in the prompt (no constrained decoding needed)
+        # force a tool call by opening it in the prompt (its arguments then follow the tools' grammar)
         return prompt if prefill is None else prompt + "<|tool_call>" + prefill
     return render
 
@@ -55,33 +57,71 @@ def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str)
     return limit if requested is not None or req.default_max_tokens is None else min(req.default_max_tokens, limit)
 
 
+def _stop_ids(server: Any, req: GenerationRequest) -> frozenset[int]:
+    """The ids that end the answer: the checkpoint's (unless ignore_eos) and the request's stop_token_ids."""
+    vocab = server.caps.vocab_size
+    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(f"stop_token_ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}", param="stop_token_ids")
+    return (frozenset() if req.ignore_eos else server.stop_ids) | frozenset(req.stop_token_ids)
+
+
+def _one_grammar(server: Any, req: GenerationRequest, tools_grammar: Any, forced_call: bool) -> Any:
+    """The one grammar a request decodes under: a forced call's, or the guided-decoding field's, or the output
+    format's, or an auto tool call's (the first three exclude one another)."""
+    fmt, guided = req.output_format, req.guided
+    forced = tools_grammar if forced_call else None
+    if forced is not None and fmt is not None:
+        raise APIError(f"{fmt.param} cannot be combined with a forced tool_choice", param=fmt.param)
+    if guided is not None:
+        if forced is not None or fmt is not None:
+            raise APIError("guided decoding cannot be combined with response_format or a forced tool_choice",
+                           param="structured_outputs")
+        if not server.caps.constrained:
+            raise APIError(f"{guided.param} needs grammar-constrained decoding, which this engine cannot run",
+                           param=guided.param)
+    grammar = (forced or format_grammar(guided, server, req.thinking) or format_grammar(fmt, server, req.thinking)
+               or tools_grammar)
+    if req.ignore_eos and grammar is not None and grammar.trigger is None:
+        raise APIError("ignore_eos cannot be combined with a grammar (response_format, guided decoding or a forced "
+                       "tool_choice): the grammar ends the answer", param="ignore_eos")
+    return grammar
+
+
 async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Generation]:
     """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400."""
     if req.images:
         raise APIError("image inputs are not supported by this server", param="messages")
+    stop_ids = _stop_ids(server, req)
+    keep = req.truncate_prompt_tokens
+    keep = server.caps.max_context if keep == -1 else keep
     prefill = None
     if req.messages is not None:
         prefill = {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
-        ids = await prompt_ids(server, _render(server, req, prefill))
-        # None unless a call is forced and the backend can constrain it
-        grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
-        if grammar is not None and req.output_format is not None:
-            raise APIError(f"{req.output_format.param} cannot be combined with a forced tool_choice",
-                           param=req.output_format.param)
-        prompts = [("messages", ids)]
+        ids = kept_prompt(await prompt_ids(server, _render(server, req, prefill)), keep)
+        # the tools' grammar: None unless a call can happen and the backend can constrain it
+        tools_grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
+        grammar = _one_grammar(server, req, tools_grammar, forced_call=prefill is not None)
+        prompts = [("messages", ids, None)]
     else:
-        grammar = None
-        prompts = [(p.where, await _raw_prompt_ids(server, p)) for p in req.prompts]
-    sampling = sampling_params(req.sampling, server.generation_defaults, server.caps.vocab_size,
-                               grammar or format_grammar(req.output_format, server, req.thinking))
+        grammar = _one_grammar(server, req, None, forced_call=False)
+        prompts = []
+        for p in req.prompts:
+            sent = await _raw_prompt_ids(server, p)
+            ids = kept_prompt(sent, keep)
+            # echo: a text prompt as sent, token ids (or a truncated prompt) decoded (as vLLM does)
+            echo = (p.text if p.text is not None and ids is sent else server.tokenizer.decode(ids)) if req.echo \
+                else None
+            prompts.append((p.where, ids, echo))
+    sampling = sampling_params(req.sampling, server.generation_defaults, server.caps.vocab_size, grammar)
     speculative, sampling = speculation(req.sampling, server, sampling)
     if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
         sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
     if req.parse_output:
-        controls = server.controls
+        controls = replace(server.controls, stops=server.controls.stops | stop_ids)
     else:  # raw text: every special token is hidden, nothing is parsed out
         controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1,
-                              string_delim=-1, stops=server.stop_ids, hidden=server.tokenizer.special_ids)
+                              string_delim=-1, stops=server.stop_ids | stop_ids, hidden=server.tokenizer.special_ids)
     kind = "chat" if req.messages is not None else "completion"
 
     def maker(where: str, ids: list[int], echo: str | None) -> Callable[[SamplingParams], Generation]:
@@ -91,19 +131,13 @@ async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Ge
             parser = OutputParser(server.decode, controls, parse_tools=req.parse_output and req.tool_mode != "none",
                                   stop=req.stop, prefill_tool=prefill,
                                   max_calls=None if req.parallel_tool_calls else 1)
-            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative), parser,
+            gen = Generation(server, Job(ids, limit, sampling, stop_ids, speculative=speculative), parser,
                              kind, endpoint)
             gen.return_ids, gen.echo, gen.score_only = req.return_token_ids, echo, req.score_only
+            gen.reports_prompt_logprobs = req.sampling.prompt_logprobs is not None
             return gen
         return make
-    makers = []
-    for (where, ids), prompt in zip(prompts, req.prompts or [None]):
-        # echo: a text prompt as sent, token ids decoded (as vLLM does)
-        echo = None
-        if req.echo and prompt is not None:
-            echo = prompt.text if prompt.text is not None else server.tokenizer.decode(ids)
-        makers.append(maker(where, ids, echo))
-    return choices(req.n, makers, sampling)
+    return choices(req.n, [maker(*p) for p in prompts], sampling)
 
 
 def client_gone() -> JSONResponse:

@@ -168,6 +168,19 @@ class _Sampling(_Body):
     # vLLM's speculative setting, per request: at most this many drafts a step (DFlash proposes up to 15); 0 turns
     # speculative decoding off for this request; absent: the server's --draft-tokens
     num_speculative_tokens: integer(ge=0, le=15) | None = None
+    # vLLM's sampling extras (serve/vllm_extras.py turns them into engine values)
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[Integer] | None = None
+    min_tokens: integer(ge=0) | None = None
+    prompt_logprobs: integer(ge=0, le=20) | None = None
+    truncate_prompt_tokens: integer(ge=-1) | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # which library: the one grammar library here serves any
 
 
 class ChatCompletionRequest(_Sampling):
@@ -178,6 +191,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     parallel_tool_calls: StrictBool | None = None
+    functions: list[FunctionDef] | None = None  # OpenAI's deprecated form of tools / tool_choice
+    function_call: Union[str, dict[str, Any], None] = None
 
 
 class CompletionRequest(_Sampling):

@@ -28,15 +28,19 @@ class SamplingOptions:
     logit_bias: Any = None  # OpenAI's {"token id": bias}, checked against the vocabulary by serve/sampling.py
     logprobs: int | None = None  # None: off; else top entries per token (0..20)
     num_speculative_tokens: int | None = None  # None: the server's setting; 0: off
+    min_tokens: int = 0  # vLLM's: no stop id is sampled before this many output tokens
+    prompt_logprobs: int | None = None  # vLLM's: None off, else top entries for each prompt token (0..20)
 
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """Structured output: "json_object" (any JSON object) or "json_schema" (valid against `schema`)."""
+    """Structured output: "json_object" (any JSON object), "json_schema" (valid against `schema`) or "lark"
+    (matching `grammar`, in llguidance's Lark: vLLM's guided regex, choice and grammar)."""
 
     kind: str
     schema: dict | None = None
     param: str = "response_format"  # the request field its errors name
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,11 @@ class GenerationRequest:
     template_kwargs: dict = field(default_factory=dict)  # further chat-template variables
     sampling: SamplingOptions = SamplingOptions()
     output_format: OutputFormat | None = None
+    guided: OutputFormat | None = None  # vLLM's guided decoding (structured_outputs, guided_*)
     stop: list[str] = field(default_factory=list)  # stop strings (not part of the answer)
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: more stop ids (their text is left out)
+    ignore_eos: bool = False  # vLLM's: the checkpoint's EOS / end-of-turn ids do not stop the answer
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: the context length)
     max_tokens: int | None = None  # None: up to the context (or `default_max_tokens`)
     default_max_tokens: int | None = None  # the budget when max_tokens is absent (completions: 16), capped
     n: int = 1  # choices per prompt

@@ -63,7 +63,8 @@ def sampling_options(req: _Sampling) -> SamplingOptions:
                            seed=req.seed, presence_penalty=req.presence_penalty,
                            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                            logit_bias=req.logit_bias, logprobs=logprobs_count(req),
-                           num_speculative_tokens=req.num_speculative_tokens)
+                           num_speculative_tokens=req.num_speculative_tokens, min_tokens=req.min_tokens or 0,
+                           prompt_logprobs=req.prompt_logprobs)
 
 
 def sampling_params(req: SamplingOptions, defaults: dict, vocab: int = 1 << 30, grammar: Any = None
@@ -82,7 +83,7 @@ def sampling_params(req: SamplingOptions, defaults: dict, vocab: int = 1 << 30, 
                               repetition_penalty=float(1.0 if req.repetition_penalty is None
                                                        else req.repetition_penalty),
                               logit_bias=logit_bias(req.logit_bias, vocab), logprobs=req.logprobs,
-                              grammar=grammar)
+                              prompt_logprobs=req.prompt_logprobs, min_tokens=req.min_tokens, grammar=grammar)
     except ValueError as exc:
         raise APIError(str(exc)) from None
 

@@ -1,5 +1,5 @@
 """Serve stage: structured output: OpenAI's response_format -> an OutputFormat, and an OutputFormat -> the engine's
-grammar constraint (llguidance JSON), or a 400."""
+grammar constraint (llguidance JSON or Lark), or a 400."""
 
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ def output_format(fmt: Any, param: str = "response_format") -> OutputFormat | No
 
 
 def format_grammar(fmt: OutputFormat | None, server: Any, thinking: bool) -> Any:
-    """None for free text; else a runtime.text.grammar.Grammar for the format. With thinking on, the grammar
-    starts after the thought channel."""
+    """None for free text; else a runtime.text.grammar.Grammar for the format (a JSON schema, or a Lark grammar
+    checked by llguidance). With thinking on, the grammar starts after the thought channel."""
     if fmt is None:
         return None
     param = fmt.param
     try:
+        import llguidance
+
         from ..runtime.text.grammar import Grammar, json_grammar, tokenizer
     except ImportError:  # pragma: no cover - the serve extra installs it
         raise APIError(f"{param} needs the llguidance package (pip install 'thorgen[serve]')", param=param) from None
@@ -42,8 +44,14 @@ def format_grammar(fmt: OutputFormat | None, server: Any, thinking: bool) -> Any
         raise APIError(f"{param} needs the checkpoint's tokenizer.json", param=param)
     tok = tokenizer(str(server.tokenizer.path), int(server.caps.vocab_size), tuple(sorted(server.stop_ids)))
     try:
-        text = json_grammar(fmt.schema, tok)
+        if fmt.kind == "lark":
+            text = llguidance.LLMatcher.grammar_from_lark(fmt.grammar)
+        else:
+            text = json_grammar(fmt.schema, tok)
     except ValueError as exc:
         raise APIError(f"{param}: {exc}", param=param) from None
+    error = llguidance.LLMatcher.validate_grammar(text, tok) if fmt.kind == "lark" else None
+    if error and not error.startswith("WARNING"):
+        raise APIError(f"{param} is invalid or unsupported: {error.splitlines()[0]}", param=param)
     c = server.controls
     return Grammar(text, tok, (c.channel_open, c.channel_close) if thinking else None)

@@ -1,113 +1,324 @@
-"""Serve stage: a forced tool call (tool_choice required / named) -> an llguidance grammar in Gemma-4's call syntax.
+"""Serve stage: a tool call's arguments held to its JSON schema by an llguidance grammar in Gemma-4's call syntax.
 
-The prompt already opens the call (`<|tool_call>call:` or `<|tool_call>call:NAME{`); the grammar makes the rest
-a well-formed call whose arguments are valid against the tool's JSON schema, in the syntax serve/parser.py reads
-(MODEL_FACTS §4.3): `NAME{key:value,...}<tool_call|>` with bare keys, strings between `<|"|>` tokens, bare numbers
-and booleans, `{...}` objects and `[...]` arrays. Required properties come in schema order, then the optional
-ones, each of which may be left out. Strings and arrays are bounded (the schema's maxLength / maxItems, else 32
-characters / 4 items) so that a weak model still closes the call.
+Gemma writes a call as `<|tool_call>call:NAME{key:value,...}<tool_call|>` (MODEL_FACTS §4.3, read by serve/parser.py):
+bare keys, strings between `<|"|>` tokens (never escaped), bare numbers, booleans and null, `{...}` objects and
+`[...]` arrays. That is not JSON, so the grammar is written here from the schema as Lark rules: numbers with bounds
+embed llguidance's own JSON-schema number grammar (`%json{...}`: bare numbers are the same in both syntaxes);
+strings are a lexeme of bounded length intersected with the schema's `pattern` / `format`; objects list their
+properties in schema order, the required ones always and the optional ones possibly left out; `$ref`/`$defs`,
+`anyOf`/`oneOf`, `allOf` (merged), `enum`/`const`, type lists and OpenAPI's `nullable` are followed. A keyword
+the grammar cannot enforce is refused with a 400 that names it. Strings and arrays without an upper bound are
+bounded (MAX_STRING characters / MAX_ITEMS items beyond their minimum) and numbers get at most six integer digits
+and four decimals, so that a weak model still closes the call.
+
+Forced calls (tool_choice required / named) start after the prompt's opening of the call; under tool_choice auto
+the grammar is triggered by the `<|tool_call>` token the model picks itself and covers that call only.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+from .protocol import APIError
+
 MAX_STRING = 32
+MAX_PATTERN_STRING = 256  # a pattern without maxLength: the pattern bounds the text, this only its run-away length
 MAX_ITEMS = 4
+NUMBER_SPAN = 10 ** 6  # an unbounded side of a numeric range is cut here (a subset of the valid values)
+FRACTION_STEP = 0.0001  # a bounded number's grammar writes at most four decimals
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "$defs", "definitions"}
+HANDLED = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
+           "additionalProperties", "items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
+           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "nullable"}
+NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# `format` values the grammar enforces, as regular expressions over the string's text
+FORMATS = {
+    "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+    "time": r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "date-time": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+                 r"(\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "email": r"[A-Za-z0-9._%+\-]{1,32}@[A-Za-z0-9\-]{1,32}(\.[A-Za-z0-9\-]{1,16}){1,3}",
+    "ipv4": r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+    "uri": r"[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\s<>\"]{1,64}",
+}
+_INTEGER = r'/-?(0|[1-9][0-9]{0,5})/'
+_NUMBER = r'/-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?/'
+
+
+class SchemaError(ValueError):
+    """A schema the grammar cannot enforce; the message names the keyword and where it is."""
+
+
+def _unanchored(pattern: str) -> str:
+    """A JSON-schema pattern as a whole-string regex: its text must match it entirely (a subset of what a
+    search for it accepts), so leading '^' and trailing '$' anchors are dropped; '/' is escaped for Lark."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    return pattern.replace("/", "\\/")
+
+
+def _allows_empty(pattern: str | None, fmt: str | None) -> bool:
+    """Whether the empty string satisfies the pattern and format (as JSON Schema validators check: a search)."""
+    if fmt is not None:
+        return False
+    try:
+        return pattern is None or re.search(pattern, "") is not None
+    except re.error:
+        return False
 
 
 class _Lark:
-    """Collects the rules of one grammar; `value(schema)` returns the name of a rule matching that value."""
+    """Collects the rules of one grammar over one tool's parameters (the root of its `$ref`s)."""
 
     def __init__(self, quote: int) -> None:
         self.quote, self.rules, self._n = quote, {}, 0
+        self.root: dict = {}
+        self._refs: dict[tuple[int, str], str] = {}
 
-    def rule(self, body: str) -> str:
+    def rule(self, body: str, token: bool = False) -> str:
         self._n += 1
-        name = f"r{self._n}"
+        name = f"{'S' if token else 'r'}{self._n}"
         self.rules[name] = body
         return name
 
-    def _string(self, schema: dict) -> str:
-        hi = int(schema.get("maxLength", MAX_STRING))
-        lo = min(int(schema.get("minLength", 0)), hi)
-        # no '<' inside: the closing delimiter is a token of its own, and the parser ends the string at it
-        return f'<[{self.quote}]> /[^<]{{{lo},{hi}}}/ <[{self.quote}]>'
+    # --- schema plumbing -----------------------------------------------------------------------------------
+    def _target(self, ref: str, where: str) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(f"{where}: $ref {ref!r} is not a local reference ('#/$defs/...')")
+        node: Any = self.root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise SchemaError(f"{where}: $ref {ref!r} points at nothing")
+            node = node[part]
+        return node
+
+    def _merged(self, schema: dict, where: str) -> dict:
+        """allOf folded into one schema: properties and required united, any other keyword the same in each."""
+        out = {k: v for k, v in schema.items() if k != "allOf"}
+        for i, part in enumerate(schema["allOf"]):
+            part = self._deref(part, f"{where}.allOf[{i}]")
+            if "allOf" in part:
+                part = self._merged(part, f"{where}.allOf[{i}]")
+            for key, value in part.items():
+                if key == "properties":
+                    out["properties"] = {**out.get("properties", {}), **value}
+                elif key == "required":
+                    out["required"] = list(dict.fromkeys([*out.get("required", []), *value]))
+                elif key in out and out[key] != value and key not in ANNOTATIONS:
+                    raise SchemaError(f"{where}: allOf parts disagree on {key!r}")
+                else:
+                    out.setdefault(key, value)
+        return out
+
+    def _deref(self, schema: Any, where: str) -> dict:
+        if schema is True or schema is None:
+            return {}
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where}: a schema must be an object (got {json.dumps(schema)})")
+        if "$ref" in schema:
+            siblings = {k: v for k, v in schema.items() if k != "$ref"}
+            if set(siblings) - ANNOTATIONS:
+                raise SchemaError(f"{where}: $ref beside {sorted(set(siblings) - ANNOTATIONS)} is not supported")
+            return self._deref(self._target(schema["$ref"], where), where)
+        return schema
+
+    # --- values --------------------------------------------------------------------------------------------
+    def _quoted(self, body: str) -> str:
+        return f"<[{self.quote}]> {body} <[{self.quote}]>"
 
     def _literal(self, v: Any) -> str:
+        """A constant in Gemma's syntax as Lark."""
         if isinstance(v, str):
-            return f"<[{self.quote}]> {json.dumps(v)} <[{self.quote}]>"
+            return self._quoted(json.dumps(v)) if v else f"<[{self.quote}]> <[{self.quote}]>"
         if isinstance(v, bool):
             return '"true"' if v else '"false"'
         if v is None:
             return '"null"'
-        return json.dumps(json.dumps(v))  # a number, written bare
+        if isinstance(v, (int, float)):
+            return json.dumps(json.dumps(v))
+        if isinstance(v, list):
+            return " ".join(['"["', ' "," '.join(self._literal(x) for x in v), '"]"']) if v else '"[" "]"'
+        if isinstance(v, dict):
+            pairs = ' "," '.join(f'{json.dumps(k + ":")} {self._literal(x)}' for k, x in v.items())
+            return f'"{{" {pairs} "}}"' if v else '"{" "}"'
+        raise SchemaError(f"cannot write the constant {v!r}")
 
-    def value(self, schema: Any) -> str:
-        if not isinstance(schema, dict):
-            schema = {}
+    def _string(self, schema: dict, where: str) -> str:
+        lo = int(schema.get("minLength", 0))
+        pattern, fmt = schema.get("pattern"), schema.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise SchemaError(f"{where}: format {fmt!r} is not supported (supported: {', '.join(sorted(FORMATS))})")
+        default_hi = lo + (MAX_PATTERN_STRING if pattern or fmt else MAX_STRING)
+        hi = int(schema.get("maxLength", default_hi))
+        if hi < lo:
+            raise SchemaError(f"{where}: maxLength {hi} is below minLength {lo}")
+        # no '<' inside: the closing delimiter is a token of its own, and the parser ends the string at it
+        parts = [f"/(?s:[^<]{{{max(lo, 1)},{hi}}})/"]
+        if isinstance(pattern, str):
+            parts.append(f"/{_unanchored(pattern)}/")
+        elif pattern is not None:
+            raise SchemaError(f"{where}: pattern must be a string")
+        if fmt is not None:
+            parts.append(f"/{FORMATS[fmt]}/")
+        if hi == 0:
+            return self.rule(f"<[{self.quote}]> <[{self.quote}]>")
+        text = self.rule(" & ".join(parts), token=True)
+        if lo == 0 and _allows_empty(pattern, fmt):  # the empty string: a lexeme never matches nothing
+            return self.rule(f"{self._quoted(text)} | <[{self.quote}]> <[{self.quote}]>")
+        return self.rule(self._quoted(text))
+
+    def _number(self, schema: dict, kind: str) -> str:
+        bounds = {k: schema[k] for k in NUMERIC if k in schema}
+        if not bounds:
+            return self.rule(_INTEGER if kind == "integer" else _NUMBER)
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if key in bounds and (isinstance(bounds[key], bool) or not isinstance(bounds[key], (int, float))):
+                raise SchemaError(f"{key} must be a number")
+        low = next((bounds[k] for k in ("minimum", "exclusiveMinimum") if k in bounds), None)
+        high = next((bounds[k] for k in ("maximum", "exclusiveMaximum") if k in bounds), None)
+        if low is None:
+            bounds["minimum"] = (0 if high is None else high) - NUMBER_SPAN
+        if high is None:
+            bounds["maximum"] = (0 if low is None else low) + NUMBER_SPAN
+        if kind == "number" and "multipleOf" not in bounds:
+            bounds["multipleOf"] = FRACTION_STEP  # at most four decimals, so that the number ends
+        return self.rule("%json" + json.dumps({"type": kind, **bounds}, separators=(",", ":")))
+
+    def _array(self, schema: dict, where: str) -> str:
+        item = self.value(schema.get("items", {}), f"{where}.items")
+        lo = int(schema.get("minItems", 0))
+        hi = int(schema.get("maxItems", lo + MAX_ITEMS))
+        if hi < lo:
+            raise SchemaError(f"{where}: maxItems {hi} is below minItems {lo}")
+        if hi == 0:
+            return self.rule('"[" "]"')
+        more = f' ("," {item}){{{max(lo - 1, 0)},{hi - 1}}}' if hi > 1 else ""
+        body = f"{item}{more}"
+        return self.rule(f'"[" {body} "]"' if lo > 0 else f'"[" ({body})? "]"')
+
+    def value(self, schema: Any, where: str) -> str:
+        """The name of a rule matching a value valid against `schema`."""
+        if isinstance(schema, dict) and "$ref" in schema and not set(schema) - ANNOTATIONS - {"$ref"}:
+            key = (id(self.root), schema["$ref"])
+            if key not in self._refs:  # named before its body is built: recursive schemas refer to it
+                self._refs[key] = name = self.rule('""')
+                self.rules[name] = self.rules.pop(self.value(self._deref(schema, where), where))
+            return self._refs[key]
+        schema = self._deref(schema, where)
+        if "allOf" in schema:
+            schema = self._merged(schema, where)
+        unknown = sorted(set(schema) - HANDLED - ANNOTATIONS)
+        if unknown:
+            raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported in tool parameters")
+        if schema.get("nullable") is True:
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            return self.rule(f'{self.value(rest, where)} | "null"')
         if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise SchemaError(f"{where}: enum must be a non-empty list")
             return self.rule(" | ".join(self._literal(v) for v in schema["enum"]))
         if "const" in schema:
             return self.rule(self._literal(schema["const"]))
-        alts = schema.get("anyOf") or schema.get("oneOf")
-        if alts:
-            return self.rule(" | ".join(self.value(a) for a in alts))
+        for word in ("anyOf", "oneOf"):
+            if word in schema:
+                rest = {k: v for k, v in schema.items() if k != word and k not in ANNOTATIONS}
+                alts = schema[word]
+                if not isinstance(alts, list) or not alts:
+                    raise SchemaError(f"{where}: {word} must be a non-empty list")
+                if rest:  # shared keywords beside the alternatives apply to each of them
+                    alts = [{"allOf": [rest, a]} for a in alts]
+                return self.rule(" | ".join(self.value(a, f"{where}.{word}[{i}]") for i, a in enumerate(alts)))
         kind = schema.get("type")
         if isinstance(kind, list):
-            return self.rule(" | ".join(self.value({**schema, "type": k}) for k in kind))
+            if not kind:
+                raise SchemaError(f"{where}: type must not be an empty list")
+            return self.rule(" | ".join(self.value({**schema, "type": k}, where) for k in kind))
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
         if kind == "string":
-            return self.rule(self._string(schema))
-        if kind == "integer":
-            return self.rule(r'/-?(0|[1-9][0-9]{0,5})/')
-        if kind == "number":
-            return self.rule(r'/-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?/')
+            return self._string(schema, where)
+        if kind in ("integer", "number"):
+            return self._number(schema, kind)
         if kind == "boolean":
             return self.rule('"true" | "false"')
         if kind == "null":
             return self.rule('"null"')
         if kind == "object":
-            return self.rule(f'"{{" {self.members(schema)} "}}"')
+            inside = self.members(schema, where)
+            return self.rule(f'"{{" {inside} "}}"' if inside else '"{" "}"')
         if kind == "array":
-            item = self.value(schema.get("items", {}))
-            n = max(1, int(schema.get("maxItems", MAX_ITEMS)))
-            tail = ""
-            for _ in range(n - 1):  # nested optionals: at most n items
-                tail = f'("," {item} {tail})?'
-            body = f'{item} {tail}'
-            return self.rule(f'"[" {body} "]"' if int(schema.get("minItems", 0)) > 0 else f'"[" ({body})? "]"')
-        return self.rule(f'{self._string({})} | {self.value({"type": "number"})} | "true" | "false"')
+            return self._array(schema, where)
+        if kind is not None:
+            raise SchemaError(f"{where}: type {kind!r} is not a JSON schema type")
+        string, number = self._string({}, where), self.rule(_NUMBER)
+        return self.rule(f'{string} | {number} | "true" | "false" | "null"')
 
-    def members(self, schema: dict) -> str:
-        """`key:value` pairs of an object schema: the required ones, then optional ones that may be left out."""
+    def members(self, schema: dict, where: str) -> str:
+        """The Lark expression for an object's `key:value` pairs, in schema order: required ones always, optional
+        ones possibly left out, commas only between pairs; "" when the object is empty."""
         props = schema.get("properties") or {}
-        required = [k for k in schema.get("required", []) if k in props]
-        optional = [k for k in props if k not in required]
-        pair = {k: f'{json.dumps(k + ":")} {self.value(props[k])}' for k in props}
-        if required:
-            return " ".join([' "," '.join(pair[k] for k in required)] + [f'("," {pair[k]})?' for k in optional])
-        if optional:  # no required key: none, or the first optional one
-            return f"({pair[optional[0]]})?"
-        return '""'
+        if not isinstance(props, dict):
+            raise SchemaError(f"{where}.properties must be an object")
+        required = schema.get("required") or []
+        extra = schema.get("additionalProperties", True)
+        undeclared = [k for k in required if k not in props]
+        if undeclared and extra is False:
+            raise SchemaError(f"{where}: required {undeclared[0]!r} is neither a property nor allowed as an "
+                              "additional one")
+        keys = [*props, *undeclared]
+        schemas = {**{k: extra if isinstance(extra, dict) else {} for k in undeclared}, **props}
+        after_pair: str | None = None  # the rest, once some pair has been written (each then starts with ',')
+        first: str | None = None  # the rest, while none has been written
+        for key in reversed(keys):
+            pair = f'{json.dumps(key + ":")} {self.value(schemas[key], f"{where}.properties.{key}")}'
+            tail = f" {after_pair}" if after_pair else ""
+            if key in required:
+                after_pair = self.rule(f'"," {pair}{tail}')
+                first = self.rule(f"{pair}{tail}")
+            else:
+                after_pair = self.rule(f'("," {pair})?{tail}')
+                alt = f"({pair}{tail})?" if first is None else f"{pair}{tail} | {first}"
+                first = self.rule(alt)
+        return first or ""
 
 
 def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int, close: int) -> str:
-    """The Lark text for what follows the prompt's opening of a forced call (see the module docstring)."""
+    """The Lark text for a call's rest: after the prompt's `<|tool_call>call:NAME{` (named), after its
+    `<|tool_call>call:` (required), or after the model's own `<|tool_call>` (auto). SchemaError names what a
+    tool's parameters ask that the grammar cannot enforce."""
     g = _Lark(quote)
     by_name = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+    def call(name: str, params: dict, opened: bool) -> str:
+        g.root = params
+        where = f"tools[{list(by_name).index(name)}].function.parameters"
+        schema = g._deref(params, where)
+        if "allOf" in schema:
+            schema = g._merged(schema, where)
+        inside = g.members(schema, where)
+        head = "" if opened else json.dumps(name + "{") + " "
+        return f'{head}{inside} "}}" <[{close}]>' if inside else f'{head}"}}" <[{close}]>'
     if mode == "named":
-        start = f'{g.members(by_name[forced])} "}}" <[{close}]>'
+        start = call(forced, by_name[forced], True)
     else:
-        start = " | ".join(f'{json.dumps(name + "{")} {g.members(params)} "}}" <[{close}]>'
-                           for name, params in by_name.items())
+        start = " | ".join(call(name, params, False) for name, params in by_name.items())
+        if mode == "auto":
+            start = f'"call:" ({start})'
     return "\n".join([f"start: {start}"] + [f"{name}: {body}" for name, body in g.rules.items()])
 
 
 def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, server: Any) -> Any:
-    """A runtime.text.grammar.Grammar forcing the call, or None where nothing is forced or the backend cannot
-    constrain its decoding (there the call stays opened in the prompt, unconstrained)."""
-    if mode not in ("required", "named") or not tools or not server.caps.constrained \
+    """A runtime.text.grammar.Grammar holding a call's arguments to its tool's schema (forced calls from the start,
+    auto calls from the model's `<|tool_call>`), or None where no call can happen or the backend cannot
+    constrain its decoding (there a forced call stays opened in the prompt, unconstrained)."""
+    if mode not in ("required", "named", "auto") or not tools or not server.caps.constrained \
             or server.tokenizer.path is None:
         return None
     import llguidance
@@ -116,11 +327,12 @@ def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, s
 
     c = server.controls
     tok = tokenizer(str(server.tokenizer.path), int(server.caps.vocab_size), tuple(sorted(server.stop_ids)))
-    text = llguidance.LLMatcher.grammar_from_lark(tool_call_lark(tools, mode, forced, c.string_delim,
-                                                                 c.tool_call_close))
+    try:
+        lark = tool_call_lark(tools, mode, forced, c.string_delim, c.tool_call_close)
+    except SchemaError as exc:
+        raise APIError(f"tools: cannot constrain a call to this parameter schema: {exc}", param="tools") from None
+    text = llguidance.LLMatcher.grammar_from_lark(lark)
     error = llguidance.LLMatcher.validate_grammar(text, tok)
     if error and not error.startswith("WARNING"):
-        from .protocol import APIError
-
         raise APIError(f"tools: cannot constrain a call to these parameter schemas: {error}", param="tools")
-    return Grammar(text, tok, None)
+    return Grammar(text, tok, None, c.tool_call_open if mode == "auto" else None)

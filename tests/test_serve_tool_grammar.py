@@ -64,7 +64,10 @@ def test_forced_calls_are_valid_ten_of_ten(client, choice):
 
 def test_grammar_text():
     text = tool_call_lark([TOOLS[0]], "named", "get_weather", quote=52, close=49)
-    assert text.startswith('start: "city:"') and "<[49]>" in text and "<[52]> /[^<]{0,12}/ <[52]>" in text
+    rules = dict(line.split(": ", 1) for line in text.splitlines())
+    first = rules[rules["start"].split()[0]]  # the members, in schema order: the required city comes first
+    assert first.startswith('"city:"') and rules["start"].endswith('"}" <[49]>')
+    assert "/(?s:[^<]{1,12})/" in rules.values() and any("<[52]> S" in body for body in rules.values())
     assert '"metric"' in text and '("," "units:"' in text  # optional members may be left out
     either = tool_call_lark(TOOLS, "required", None, quote=52, close=49)
     assert '"get_weather{"' in either and '"search{"' in either

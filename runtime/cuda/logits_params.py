@@ -164,7 +164,7 @@ class RequestLogits:
                 counts = self._counts.get(s.request_id)
                 if counts is None:
                     counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
-            rows.append((sp, counts, None if s.matcher is None else _allowed(s, self.vocab)))
+            rows.append((sp, counts, _allowed(s, self.vocab)))
         self.engine.set_logits(pack(rows, self.vocab))
         return True
 
@@ -201,8 +201,9 @@ class RequestLogits:
 
 
 def _allowed(seq, vocab: int) -> np.ndarray:
-    """The sequence's grammar mask; its SequenceFailed when the grammar fails."""
+    """The sequence's allowed-token mask (grammar and min_tokens; None for all); its SequenceFailed when the grammar
+    fails."""
     try:
-        return seq.matcher.allowed(vocab)
+        return seq.allowed(vocab)
     except Exception as exc:
         raise SequenceFailed(seq.request_id, f"the grammar failed: {type(exc).__name__}: {exc}") from exc

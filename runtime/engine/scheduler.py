@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from typing import Any
 
+import numpy as np
+
 from ...model_spec.conventions import KV_PAGE
 from ..backend import ImageSpan, SamplingParams, check_token_ids, key_tokens, span_floor
 
@@ -86,6 +88,16 @@ class Sequence:
         check_token_ids([t for t, _ in self.sampling.logit_bias], vocab, "logit_bias")
         if self.sampling.grammar is not None and self.matcher is None:
             self.matcher = self.sampling.grammar.matcher()
+
+    def allowed(self, vocab: int, picked: int = 0) -> Any:
+        """The bool mask [vocab] of ids its next token may take, or None for all: the grammar's mask, with the stop
+        ids off while fewer than min_tokens tokens are out (`picked`: tokens chosen earlier in this step)."""
+        mask = None if self.matcher is None else self.matcher.allowed(vocab)
+        if len(self.output) + picked >= self.sampling.min_tokens or not self.stop_ids:
+            return mask
+        mask = np.ones(vocab, dtype=bool) if mask is None else mask.copy()
+        mask[[t for t in self.stop_ids if 0 <= t < vocab]] = False
+        return mask
 
     @property
     def scores_prompt(self) -> bool:

@@ -138,7 +138,7 @@ class _Pick:
         params, matcher = self.seq.sampling, self.seq.matcher
         z = row
         if params.processed:
-            allowed = None if matcher is None else matcher.allowed(row.shape[0])
+            allowed = self.seq.allowed(row.shape[0], len(self.picked))
             z = process(row, params, self.seq.prompt, self.seq.output + self.picked, allowed)
             if not np.all(z < np.inf):  # +inf or NaN: refused as the device's lm_process status refuses it
                 raise SequenceFailed(self.seq.request_id, "a processed logit is not finite (its penalties or "

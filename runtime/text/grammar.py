@@ -55,11 +55,15 @@ class Grammar:
     """An llguidance grammar (its JSON form) over an `llguidance.LLTokenizer` whose EOS tokens are the stop ids.
 
     `thought`: (channel open id, channel close id) with thinking on: the first token may open the thought
-    channel instead, which runs unconstrained until it closes, and the grammar starts after it."""
+    channel instead, which runs unconstrained until it closes, and the grammar starts after it.
+    `trigger`: a token id that starts the grammar: decoding is free until it is sampled, then the grammar
+    constrains what follows until it is complete, and decoding is free again until the next trigger (a tool
+    call that the model opens on its own under tool_choice auto)."""
 
     text: str
     tokenizer: Any = field(compare=False, repr=False)
     thought: tuple[int, int] | None = None
+    trigger: int | None = None
 
     def matcher(self) -> Matcher:
         return Matcher(self)
@@ -69,18 +73,26 @@ class Matcher:
     """One sequence's grammar state: `allowed(vocab)` -> bool mask for the next token; `accept(token)`."""
 
     def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.thought = grammar.thought
+        self._m, self._fresh = self._start(), True  # made now so that a bad grammar fails at admission
+        if grammar.trigger is not None:
+            self.state = "free"  # -> "active" at the trigger -> "free" when the grammar is complete
+        else:
+            self.state = "start" if self.thought else "active"  # -> "thinking" -> "active"
+
+    def _start(self) -> Any:
         import llguidance
 
-        self._m = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
-        if self._m.is_error():
-            raise BackendError(f"the grammar is invalid: {self._m.get_error()}")
-        self.thought = grammar.thought
-        self.state = "start" if self.thought else "active"  # -> "thinking" -> "active"
+        m = llguidance.LLMatcher(self.grammar.tokenizer, self.grammar.text, log_level=0)
+        if m.is_error():
+            raise BackendError(f"the grammar is invalid: {m.get_error()}")
+        return m
 
     def allowed(self, vocab: int) -> np.ndarray | None:
         """The allowed-token mask over `vocab` ids (ids past the tokenizer's are never allowed); None inside the
-        thought channel."""
-        if self.state == "thinking":
+        thought channel and outside a triggered grammar."""
+        if self.state in ("thinking", "free"):
             return None
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         mask = np.zeros(vocab, dtype=bool)
@@ -91,6 +103,12 @@ class Matcher:
         return mask
 
     def accept(self, token: int) -> None:
+        if self.state == "free":
+            if token == self.grammar.trigger:
+                if not self._fresh:  # each call starts the grammar afresh
+                    self._m = self._start()
+                self._fresh, self.state = False, "active"
+            return
         if self.state == "start" and token == self.thought[0]:
             self.state = "thinking"
             return
@@ -101,3 +119,5 @@ class Matcher:
         self.state = "active"
         if not self._m.consume_token(int(token)):
             raise RuntimeError(f"grammar matcher rejected token {token}: {self._m.get_error()}")
+        if self.grammar.trigger is not None and self._m.is_accepting():
+            self.state = "free"
