@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.client import Capabilities, EngineClient
 from ..runtime.text.tokenizer import Tokenizer
-from . import endpoints
+from . import anthropic_api, endpoints, responses_api
 from . import openapi
 from . import render
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
@@ -216,6 +216,9 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def completions(req: CompletionRequest, request: Request):
         state.require_ready()
         return await endpoints.completions(state, req, request)
+
+    app.include_router(anthropic_api.router())
+    app.include_router(responses_api.router())
 
     @app.post("/tokenize", responses=openapi.errors(400, 413, 503))
     async def tokenize(req: TokenizeRequest):

@@ -1,88 +1,51 @@
-"""Serve stage: the two generation endpoints, /v1/chat/completions and /v1/completions: a request -> its prompt ids,
-parser and sampling -> its choices (n per prompt; completions take several prompts, and echo them), run by
-serve/generation.py."""
+"""Serve stage: the two OpenAI generation endpoints, /v1/chat/completions and /v1/completions: each request becomes
+a GenerationRequest (serve/request.py), runs on serve/pipeline.py, and is answered by serve/openai_format.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import Request
 
-from ..runtime.client import SamplingParams
-from .generation import Generation, Job, choices, serve_generation
-from .guards import prompt_ids
-from .parser import ControlIds, OutputParser
+from .openai_format import serve_generation
+from .pipeline import prepare
 from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported,
                        stop_list, template_messages, tool_choice_mode, validate_tools)
-from .sampling import max_new_tokens, sampling_params, speculation, thinking_enabled
-from .structured import response_grammar
-from .tool_grammar import tool_call_grammar
+from .request import GenerationRequest, Prompt
+from .sampling import sampling_options, thinking_enabled
+from .structured import output_format
+
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")
 
 
-async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
+def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     check_unsupported(req)
     messages = template_messages(req.messages)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
     thinking = thinking_enabled(req)
-    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-             if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "enable_thinking")}
-    prefill = {"required": "call:", "named": f"call:{forced}{{"}.get(mode)
-
-    def render() -> str:
-        prompt = server.template.render(messages, tools if mode != "none" else None, add_generation_prompt=True,
-                                        enable_thinking=thinking, **extra)
-        # force a tool call by opening it in the prompt (no constrained decoding needed)
-        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
-    ids = await prompt_ids(server, render)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    grammar = tool_call_grammar(tools, mode, forced, server)  # None unless a call is forced and can be constrained
-    if grammar is not None and req.response_format not in (None, {"type": "text"}):
-        raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
-    limit = max_new_tokens(requested, len(ids), server.caps.max_context)
-
-    def make(sampling: SamplingParams) -> Generation:
-        parser = OutputParser(server.decode, server.controls, parse_tools=mode != "none",
-                              stop=stop_list(req.stop), prefill_tool=prefill,
-                              max_calls=1 if req.parallel_tool_calls is False else None)
-        gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
-                         parser, "chat")
-        gen.return_ids = bool(req.return_token_ids)
-        return gen
-    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                               grammar or response_grammar(req.response_format, server, thinking))
-    speculative, sampling = speculation(req, server, sampling)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, choices(req.n or 1, [make], sampling), bool(req.stream),
-                                  include_usage)
+    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+    return GenerationRequest(
+        messages=messages, tools=tools, tool_mode=mode, forced_tool=forced,
+        parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking, template_kwargs=extra,
+        sampling=sampling_options(req), output_format=output_format(req.response_format), stop=stop_list(req.stop),
+        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        n=req.n or 1, return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
-def _prompts(prompt: str | list) -> list[tuple[str, str | list[int]]]:
+def _prompts(prompt: str | list) -> list[Prompt]:
     """The request's prompts, each with the field its errors name: one text or token-id list, or a list of them."""
+    def one(where: str, p: str | list[int]) -> Prompt:
+        return Prompt(where, text=p) if isinstance(p, str) else Prompt(where, ids=tuple(p))
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        return [("prompt", prompt)]
+        return [one("prompt", prompt)]
     if not prompt:
         raise APIError("prompt must not be an empty list", param="prompt")
-    return [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+    return [one(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
 
 
-async def _prompt_ids(server: Any, where: str, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        bos = server.template.bos_token
-        ids = await prompt_ids(server, lambda: prompt if prompt.startswith(bos) else bos + prompt, param=where)
-    else:
-        ids = list(prompt)
-        vocab = server.tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"{where}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param=where)
-    if not ids:
-        raise APIError(f"{where} is empty", param=where)
-    return ids
-
-
-async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
+def completion_request(req: CompletionRequest) -> GenerationRequest:
     check_unsupported(req)
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
@@ -94,32 +57,21 @@ async def completions(server: Any, req: CompletionRequest, request: Request) -> 
     if len(prompts) * n > MAX_CHOICES:  # refused before any tokenizing
         raise APIError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per "
                        "request", param="prompt")
-    controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1, string_delim=-1,
-                          stops=server.stop_ids, hidden=server.tokenizer.special_ids)
-    # max_tokens 0 still runs one token: the engine scores a prompt while it prefills for a first token
-    requested = 1 if req.max_tokens == 0 else req.max_tokens
-    sampling = sampling_params(req, server.generation_defaults, server.caps.vocab_size,
-                               response_grammar(req.response_format, server, False))
-    speculative, sampling = speculation(req, server, sampling)
-    if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
-        sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+    return GenerationRequest(
+        prompts=prompts, sampling=sampling_options(req), output_format=output_format(req.response_format),
+        stop=stop_list(req.stop), max_tokens=req.max_tokens, default_max_tokens=16,  # OpenAI's default
+        n=n, parse_output=False, echo=bool(req.echo), score_only=req.max_tokens == 0,
+        return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
-    def maker(where: str, ids: list[int], echo: str | None) -> Callable[[SamplingParams], Generation]:
-        limit = max_new_tokens(requested, len(ids), server.caps.max_context, param=where)
-        limit = limit if requested is not None else min(16, limit)  # OpenAI's default for completions
 
-        def make(sampling: SamplingParams) -> Generation:
-            parser = OutputParser(server.decode, controls, parse_tools=False, stop=stop_list(req.stop))
-            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative),
-                             parser, "completion")
-            gen.return_ids, gen.echo, gen.score_only = bool(req.return_token_ids), echo, req.max_tokens == 0
-            return gen
-        return make
-    makers = []
-    for where, prompt in prompts:
-        ids = await _prompt_ids(server, where, prompt)
-        # echo: a text prompt as sent, token ids decoded (as vLLM does)
-        echo = (prompt if isinstance(prompt, str) else server.tokenizer.decode(ids)) if req.echo else None
-        makers.append(maker(where, ids, echo))
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve_generation(server, request, choices(n, makers, sampling), bool(req.stream), include_usage)
+async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
+    gen_req = chat_request(req)
+    gens = await prepare(server, gen_req, "/v1/chat/completions")
+    return await serve_generation(server, request, gens, gen_req.stream, gen_req.include_usage)
+
+
+async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
+    gen_req = completion_request(req)
+    gens = await prepare(server, gen_req, "/v1/completions")
+    return await serve_generation(server, request, gens, gen_req.stream, gen_req.include_usage)

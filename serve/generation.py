@@ -1,4 +1,5 @@
-"""Serve stage: runs a request's choices as engine jobs and answers with OpenAI JSON or SSE."""
+"""Serve stage: a request's choices as engine jobs: submitting, reading their outputs through the one parser,
+counting tokens and metrics, and noticing a client that went away."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
                               RequestRejected, RequestStream, SamplingParams)
 from .logprobs import Logprobs
-from .parser import Delta, OutputParser
+from .parser import Delta, Event, OutputParser
 from .protocol import APIError
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
@@ -89,15 +89,10 @@ async def next_event(job: Job, request: Request | None) -> tuple[str, Any]:
         return "tokens", out
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 class Generation:
     """One request's run: owns the parser, counts tokens, knows the finish reason."""
 
-    def __init__(self, server: Any, job: Job, parser: OutputParser, kind: str) -> None:
+    def __init__(self, server: Any, job: Job, parser: OutputParser, kind: str, endpoint: str) -> None:
         self.server, self.job, self.parser, self.kind = server, job, parser, kind
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -106,7 +101,7 @@ class Generation:
         self.n_calls = 0
         self.token_ids: list[int] = []
         self.return_ids = False  # vLLM's return_token_ids
-        self.endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        self.endpoint = endpoint  # the route /metrics counts the request under
         self.recorded = False
         self.counts_request = True  # the HTTP request's count in /metrics (its first choice only)
         self.counts_prompt = True  # usage counts its prompt (the first choice of each prompt only)
@@ -155,7 +150,9 @@ class Generation:
     def _echoed(self, delta: Delta) -> Delta:
         """The delta with the echoed prompt text ahead of it, the first time only."""
         if self.echo is not None:
-            delta.content, self.echo = self.echo + delta.content, None
+            echoed = Delta.of([Event("content", self.echo)]) if self.echo else Delta()
+            echoed.extend(delta)
+            delta, self.echo = echoed, None
         return delta
 
     def finish(self, result: GenerationResult) -> Delta:
@@ -191,53 +188,27 @@ class Generation:
         return kind, payload
 
 
-def _merge(into: Delta, more: Delta) -> None:
-    into.content += more.content
-    into.reasoning += more.reasoning
-    into.tool_calls += more.tool_calls
-
-
 async def run_to_end(gen: Generation, request: Request, first: tuple[str, Any]) -> Delta:
     total = Delta()
     kind, payload = first
     while True:
         if kind == "tokens":
-            _merge(total, gen.feed(payload))
+            total.extend(gen.feed(payload))
         elif kind == "done":
-            _merge(total, gen.finish(payload))
+            total.extend(gen.finish(payload))
             return total
         else:
             raise payload
         kind, payload = await next_event(gen.job, request)
 
 
-def chat_message(delta: Delta) -> dict:
-    msg: dict = {"role": "assistant", "content": delta.content if (delta.content or not delta.tool_calls) else None}
-    msg["reasoning_content"] = msg["reasoning"] = delta.reasoning or None
-    if delta.tool_calls:
-        msg["tool_calls"] = [c.to_openai() for c in delta.tool_calls]
-    return msg
+def sse(obj: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: `data: <JSON>` (OpenAI), with an `event:` line first when named (Anthropic)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
 
 
-def _delta_json(delta: Delta, gen: Generation) -> dict:
-    out: dict = {}
-    if delta.reasoning:
-        out["reasoning_content"] = out["reasoning"] = delta.reasoning
-    if delta.content:
-        out["content"] = delta.content
-    if delta.tool_calls:
-        out["tool_calls"] = []
-        for call in delta.tool_calls:  # every delta carries index, id, type and name (strict clients need them)
-            out["tool_calls"].append(call.to_openai(index=gen.n_calls))
-            gen.n_calls += 1
-    return out
-
-
-def sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
-async def _events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]]
+async def events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]]
                   ) -> AsyncIterator[tuple[int, str, Any]]:
     """(choice index, kind, payload) of every generation until each is done or failed. One generation is read
     directly; several through one queue fed by a task each (their tokens interleave as the engine makes them)."""
@@ -272,134 +243,6 @@ async def _events(gens: list[Generation], request: Request, firsts: list[tuple[s
     finally:
         for t in tasks:
             t.cancel()
-
-
-def total_usage(gens: list[Generation]) -> dict:
-    """Each prompt once, the completions of every choice (OpenAI's usage for n > 1 and for several prompts)."""
-    firsts = [g for g in gens if g.counts_prompt]
-    return usage(sum(len(g.job.prompt_ids) for g in firsts), sum(g.n_out for g in gens),
-                 sum(g.result.cached_prompt_tokens for g in firsts if g.result))
-
-
-async def stream_events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]],
-                        include_usage: bool) -> AsyncIterator[bytes]:
-    gen = gens[0]
-    model = gen.server.model_id
-    chat = gen.kind == "chat"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choice: dict, **extra: Any) -> bytes:
-        body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
-        body.update(extra)
-        return sse(body)
-
-    def choice(i: int, delta: Delta, finish: str | None = None, ids: tuple[int, ...] = (),
-               logprobs: dict | None = None) -> dict | None:
-        g = gens[i]
-        extra = (g.return_ids and ids) or logprobs is not None  # a chunk even without text
-        if chat:
-            d = _delta_json(delta, g)
-            if not d and finish is None and not extra:
-                return None
-            out = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            if not delta.content and finish is None and not extra:
-                return None
-            out = {"index": i, "text": delta.content, "logprobs": logprobs, "finish_reason": finish}
-        if g.return_ids:
-            out["token_ids"] = list(ids)
-        return out
-
-    try:
-        if chat:
-            for i in range(len(gens)):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-        failed = False
-        async for i, kind, payload in _events(gens, request, firsts):
-            g = gens[i]
-            if kind == "tokens":
-                delta = g.feed(payload)
-                c = choice(i, delta, ids=() if g.score_only else payload.token_ids, logprobs=g.step_logprobs)
-                g.step_logprobs = None
-                if c:
-                    yield chunk(c)
-            elif kind == "done":
-                tail = g.finish(payload)
-                c = choice(i, tail)
-                if c:
-                    yield chunk(c)
-                yield chunk(choice(i, Delta(), g.finish_reason()))
-            else:
-                err: APIError = payload
-                yield sse(err.body())
-                for other in gens:
-                    other.record(err.status)
-                failed = True
-                break
-        if not failed:
-            if include_usage:
-                yield sse({"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
-                           "usage": total_usage(gens)})
-            for g in gens:
-                g.record(200)
-        yield sse("[DONE]")
-    except ClientGone:
-        pass
-    finally:
-        # Also reached when the server cancels this generator (the client disconnected while a chunk was being
-        # sent, or shutdown): the request then still counts as aborted.
-        for g in gens:
-            g.record(499)
-            g.job.abort()  # no-op after a normal end; stops the engine when the client went away
-
-
-async def serve_generation(server: Any, request: Request, gens: list[Generation], stream: bool,
-                           include_usage: bool) -> Any:
-    """Run the request's choices (n of them, each its own engine sequence) and answer, streamed or not."""
-    firsts = []
-    try:
-        for g in gens:
-            submit(server, g.job)
-        for g in gens:
-            firsts.append(await g.first_event(request))
-    except ClientGone:
-        for g in gens:
-            g.job.abort()
-            g.record(499)
-        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    except BaseException:
-        for g in gens:
-            g.job.abort()
-        raise
-    if stream:
-        return StreamingResponse(stream_events(gens, request, firsts, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        totals = await asyncio.gather(*(run_to_end(g, request, f) for g, f in zip(gens, firsts)))
-    except ClientGone:
-        for g in gens:
-            g.record(499)
-        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    finally:
-        for g in gens:
-            g.job.abort()
-    gen = gens[0]
-    base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": total_usage(gens)}
-    choices = []
-    for i, (g, total) in enumerate(zip(gens, totals)):
-        logprobs = g.logprobs.total() if g.logprobs is not None else None
-        c = {"index": i, "message": chat_message(total)} if g.kind == "chat" else {"index": i, "text": total.content}
-        c.update(logprobs=logprobs, finish_reason=g.finish_reason())
-        if g.return_ids:
-            c.update(token_ids=g.token_ids, prompt_token_ids=list(g.job.prompt_ids))
-        choices.append(c)
-    body = {"object": "chat.completion" if gen.kind == "chat" else "text_completion", **base, "choices": choices}
-    for g in gens:
-        g.record(200)
-    return JSONResponse(body)
 
 
 def choices(n: int, makers: list[Callable[[SamplingParams], Generation]], sampling: SamplingParams

@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from pydantic import BaseModel
+
 from .protocol import ErrorResponse
 
 _WHY = {400: "Invalid request (malformed JSON, a schema violation, or a request the model cannot serve)",
@@ -16,13 +18,26 @@ _WHY = {400: "Invalid request (malformed JSON, a schema violation, or a request 
         413: "The request body is larger than the server's limit (--max-body-mb)",
         429: "The engine's queue is full; retry later",
         500: "The engine failed while generating",
-        503: "The model is still loading, failed to load, or the engine stopped"}
-SSE_PATHS = ("/v1/chat/completions", "/v1/completions")
+        503: "The model is still loading, failed to load, or the engine stopped",
+        529: "The engine's queue is full; retry later (Anthropic's 'overloaded')"}
+SSE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """`responses=` for a route: these statuses, each with the OpenAI error body."""
-    return {status: {"model": ErrorResponse, "description": _WHY[status]} for status in statuses}
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The body of every 4xx/5xx answer of the Messages API (Anthropic's shape)."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
+def errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: these statuses, each with the OpenAI error body (or `model`)."""
+    return {status: {"model": model, "description": _WHY[status]} for status in statuses}
 
 
 def install(app: FastAPI) -> None:

@@ -1,8 +1,10 @@
-"""Serve stage: turns generated token ids into OpenAI message parts (content, reasoning, tool calls), incrementally.
+"""Serve stage: the one output parser: generated token ids -> ordered events (reasoning, content, tool calls).
 
 Control tokens are recognised by id (never by matching decoded text), so a delimiter can never be split across
-stream chunks; ordinary text goes through the runtime's incremental UTF-8-safe decoder per segment. Streaming and
-non-streaming responses both run this one parser, so their final messages agree by construction.
+stream chunks; ordinary text goes through the runtime's incremental UTF-8-safe decoder per segment. Every API
+(chat, completions, Messages, Responses), streamed or not, runs this one state machine, and it yields the same
+events for any split of the tokens into steps (adjacent text events of one kind merged), so the final messages
+agree by construction.
 """
 
 from __future__ import annotations
@@ -44,14 +46,50 @@ class ToolCall:
         return out
 
 
+@dataclass(frozen=True)
+class Event:
+    """One piece of the answer, in output order: `kind` is "reasoning" or "content" (with `text`) or "tool_call"
+    (with `call`)."""
+
+    kind: str
+    text: str = ""
+    call: ToolCall | None = None
+
+
+def append_event(events: list[Event], kind: str, text: str = "", call: ToolCall | None = None) -> None:
+    """Append, merging text into the last event when it is of the same kind (so any split reads alike)."""
+    if call is None and not text:
+        return
+    if call is None and events and events[-1].kind == kind:
+        events[-1] = Event(kind, events[-1].text + text)
+    else:
+        events.append(Event(kind, text, call))
+
+
 @dataclass
 class Delta:
+    """What one step added: the text of each kind and the finished calls, and the same as ordered `events`."""
+
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
+
+    @classmethod
+    def of(cls, events: list[Event]) -> "Delta":
+        return cls("".join(e.text for e in events if e.kind == "content"),
+                   "".join(e.text for e in events if e.kind == "reasoning"),
+                   [e.call for e in events if e.call is not None], events)
+
+    def extend(self, more: "Delta") -> None:
+        self.content += more.content
+        self.reasoning += more.reasoning
+        self.tool_calls += more.tool_calls
+        for e in more.events:
+            append_event(self.events, e.kind, e.text, e.call)
 
 
 class StopMatcher:
@@ -62,6 +100,7 @@ class StopMatcher:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._buf = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         if self.hit:
@@ -69,8 +108,9 @@ class StopMatcher:
         if not self.stops:
             return text
         self._buf += text
-        cut = min((i for i in (self._buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self._buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.hit = True
             out, self._buf = self._buf[:cut], ""
             return out
@@ -181,8 +221,9 @@ def parse_tool_call(body: str) -> tuple[str, dict]:
 
 
 class OutputParser:
-    """Feed token ids (any grouping), get Deltas; `finish()` flushes. Set `prefill_tool` when the prompt already
-    opened a tool call (tool_choice required/named) so the output starts inside `call:...`."""
+    """Feed token ids (any grouping), get Deltas (their `events` in output order); `finish()` flushes. Set
+    `prefill_tool` when the prompt already opened a tool call (tool_choice required/named) so the output starts
+    inside `call:...`."""
 
     def __init__(self, decode: Callable[[list[int]], str], ids: ControlIds = ControlIds(), *,
                  parse_tools: bool = True, stop: Iterable[str] = (), prefill_tool: str | None = None,
@@ -197,10 +238,16 @@ class OutputParser:
         self._label: str | None = None  # pending channel label ("thought\n") while not yet complete
         self._prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
         self.n_calls = 0
+        self.n_reasoning_tokens = 0  # tokens inside the thought channel, its delimiters included
         self.stopped = False  # a stop string was found: the caller ends the generation
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer, if one did."""
+        return self._stop.matched
+
     # --- routing -------------------------------------------------------------------------------------------
-    def _route(self, text: str, out: Delta) -> None:
+    def _route(self, text: str, out: list[Event]) -> None:
         if not text:
             return
         if self._mode == "tool":
@@ -213,16 +260,16 @@ class OutputParser:
                     return
                 # no newline within 32 chars: it was not a channel label after all, keep it as reasoning
                 text, self._label = (self._label[nl + 1:] if nl >= 0 else self._label), None
-            out.reasoning += text
+            append_event(out, "reasoning", text)
         else:
-            out.content += self._stop.push(text)
+            append_event(out, "content", self._stop.push(text))
             self.stopped = self._stop.hit
 
-    def _switch(self, mode: str, out: Delta) -> None:
+    def _switch(self, mode: str, out: list[Event]) -> None:
         self._route(self._decoder.flush(), out)
         self._mode = mode
 
-    def _close_call(self, out: Delta) -> None:
+    def _close_call(self, out: list[Event]) -> None:
         body, self._body = self._body, ""
         self._mode = "content"
         try:
@@ -231,20 +278,23 @@ class OutputParser:
             # malformed call syntax: return what the model wrote rather than guessing arguments
             self._route("<|tool_call>" + body + "<tool_call|>", out)
             return
-        out.tool_calls.append(ToolCall(f"{self._prefix}_{self.n_calls}", name, json.dumps(args, ensure_ascii=False)))
+        call = ToolCall(f"{self._prefix}_{self.n_calls}", name, json.dumps(args, ensure_ascii=False))
+        append_event(out, "tool_call", call=call)
         self.n_calls += 1
         if self.max_calls is not None and self.n_calls >= self.max_calls:
             self.stopped = True
 
     # --- public --------------------------------------------------------------------------------------------
     def feed(self, token_ids: Iterable[int]) -> Delta:
-        out = Delta()
+        out: list[Event] = []
         ids = self.ids
         for t in token_ids:
             if self.stopped:
                 break
             if t in ids.stops:
                 continue
+            if self._mode == "thought" or t == ids.channel_open:
+                self.n_reasoning_tokens += 1
             if t == ids.channel_open:
                 self._switch("thought", out)
                 self._label = ""
@@ -268,15 +318,15 @@ class OutputParser:
                 self._route(self._decoder.flush(), out)
             else:
                 self._route(self._decoder.push(t), out)
-        return out
+        return Delta.of(out)
 
     def finish(self) -> Delta:
-        out = Delta()
+        out: list[Event] = []
         if not self.stopped:
             self._route(self._decoder.flush(), out)
             if self._mode == "tool":  # unterminated call (max_tokens): hand back the raw text as content
                 self._mode = "content"
                 self._route("<|tool_call>" + self._body, out)
                 self._body = ""
-        out.content += self._stop.flush()
-        return out
+        append_event(out, "content", self._stop.flush())
+        return Delta.of(out)

@@ -1,5 +1,6 @@
-"""Serve stage: a request's generation fields -> engine values: SamplingParams (sampler, penalties, logit_bias,
-logprobs, grammar), the token budget and the thinking switch; every bad value a 400 that names its field."""
+"""Serve stage: generation fields -> engine values: OpenAI's sampling fields -> SamplingOptions, SamplingOptions ->
+SamplingParams (sampler, penalties, logit_bias, logprobs, grammar), the token budget and the thinking switch; every
+bad value a 400 that names its field."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ..runtime.backend import MAX_TOP_LOGPROBS, SamplingParams
 from .protocol import REASONING_EFFORTS, APIError, ChatCompletionRequest, _Sampling
+from .request import SamplingOptions
 
 
 def _int(value: Any, name: str, low: int, high: int) -> int:
@@ -55,7 +57,17 @@ def logit_bias(value: Any, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def sampling_params(req: _Sampling, defaults: dict, vocab: int = 1 << 30, grammar: Any = None) -> SamplingParams:
+def sampling_options(req: _Sampling) -> SamplingOptions:
+    """The sampler fields of a chat or completions request (logprobs resolved to a count)."""
+    return SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                           seed=req.seed, presence_penalty=req.presence_penalty,
+                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                           logit_bias=req.logit_bias, logprobs=logprobs_count(req),
+                           num_speculative_tokens=req.num_speculative_tokens)
+
+
+def sampling_params(req: SamplingOptions, defaults: dict, vocab: int = 1 << 30, grammar: Any = None
+                    ) -> SamplingParams:
     """Request values over the checkpoint's generation_config defaults (as vLLM does)."""
     def pick(name: str, fallback: Any) -> Any:
         value = getattr(req, name)
@@ -69,13 +81,13 @@ def sampling_params(req: _Sampling, defaults: dict, vocab: int = 1 << 30, gramma
                               frequency_penalty=float(req.frequency_penalty or 0.0),
                               repetition_penalty=float(1.0 if req.repetition_penalty is None
                                                        else req.repetition_penalty),
-                              logit_bias=logit_bias(req.logit_bias, vocab), logprobs=logprobs_count(req),
+                              logit_bias=logit_bias(req.logit_bias, vocab), logprobs=req.logprobs,
                               grammar=grammar)
     except ValueError as exc:
         raise APIError(str(exc)) from None
 
 
-def speculation(req: _Sampling, server: Any, sampling: SamplingParams) -> tuple[bool, SamplingParams]:
+def speculation(req: SamplingOptions, server: Any, sampling: SamplingParams) -> tuple[bool, SamplingParams]:
     """(whether the request decodes speculatively, its sampling with the draft cap): the server's setting, or the
     request's num_speculative_tokens."""
     n = req.num_speculative_tokens

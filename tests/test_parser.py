@@ -127,3 +127,37 @@ def test_invalid_bytes_are_not_held_back_forever(tok):
     streamed = "".join(parser.feed([lone]).content for _ in range(40))
     assert streamed.count("\ufffd") >= 30
     assert (streamed + parser.finish().content).count("\ufffd") == 40
+
+
+def _events(tok: Tokenizer, ids: list[int], cuts: list[int]) -> list:
+    """The ordered events of one run, adjacent text of one kind merged (as a streaming client joins them)."""
+    from thorgen.serve.parser import append_event
+
+    merged: list = []
+    for d in _run(tok, ids, cuts)[1]:
+        for e in d.events:
+            append_event(merged, e.kind, e.text, e.call)
+    return [(e.kind, e.text, e.call and (e.call.id, e.call.name, e.call.arguments)) for e in merged]
+
+
+RECORDED = (f"<|channel>thought\nPlan: ∑ two calls.<channel|>Calling.<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>"
+            f" then <|tool_call>call:g{{n:2}}<tool_call|>done 🎉")
+
+
+def test_events_are_the_same_for_every_split(tok):
+    """Reasoning, content and several tool calls, in order, whatever the steps (a speculative step commits up
+    to 16 tokens): every 2-way split and random k-way splits give the same events."""
+    ids = tok.encode(RECORDED)
+    whole = _events(tok, ids, [])
+    assert [k for k, *_ in whole] == ["reasoning", "content", "tool_call", "content", "tool_call", "content"]
+    assert whole[0][1] == "Plan: ∑ two calls." and whole[3][1] == " then " and whole[5][1] == "done 🎉"
+    assert [c[1:] for *_, c in whole if c] == [("f", '{"a": "x"}'), ("g", '{"n": 2}')]
+    for cut in range(1, len(ids)):
+        assert _events(tok, ids, [cut]) == whole, cut
+    rng = random.Random(7)
+    for _ in range(60):
+        k = rng.randint(2, 24)
+        cuts = sorted(rng.sample(range(1, len(ids)), k))
+        assert _events(tok, ids, cuts) == whole, cuts
+    steps = list(range(16, len(ids), 16))  # speculative steps of 16 tokens
+    assert _events(tok, ids, steps) == whole

@@ -1,0 +1,264 @@
+"""Serve stage: Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): its request schema, its
+translation into a GenerationRequest, and its error shape; serve/anthropic_format.py writes the answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from . import openapi
+from .anthropic_format import serve_message
+from .guards import prompt_ids
+from .pipeline import prepare
+from .protocol import (APIError, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn, _Body, _Open,
+                       integer, stop_list, template_messages, validate_tools)
+from .request import GenerationRequest, SamplingOptions
+
+MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
+# Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "api_error", 529: "overloaded_error"}
+REFUSED = {"mcp_servers": "MCP servers", "container": "code-execution containers",
+           "context_management": "context management (clearing earlier turns)"}
+
+
+class Block(_Open):
+    """A content block: text, tool_use, tool_result, thinking, redacted_thinking (others are refused)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: Union[str, list["Block"], None] = None
+    is_error: StrictBool | None = None
+    thinking: str | None = None
+    signature: str | None = None
+
+
+class AnthropicMessage(_Open):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class AnthropicTool(_Open):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # absent or "custom"; Anthropic's server tools (web search, bash, ...) are refused
+
+
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Integer | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class _Conversation(_Body):
+    # unknown fields are refused: any of Anthropic's fields this server does not know could change the answer
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[Block], None] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    # refused when set (REFUSED): declared so that the 400 says what they are
+    mcp_servers: Any = None
+    container: Any = None
+    context_management: Any = None
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: integer(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: Number | None = Field(default=None, ge=0, le=1)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: integer(ge=0) | None = None
+    stream: StrictBool | None = False
+    metadata: dict[str, Any] | None = None  # accepted and ignored: it does not change the answer
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: nothing to choose
+
+
+def _text(content: str | list[Block] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for block in content:
+        if block.type != "text" or block.text is None:
+            raise APIError(f"{where}: only text blocks are supported here (got {block.type!r})", param="messages")
+        parts.append(block.text)
+    return "".join(parts)
+
+
+def _turns(m: AnthropicMessage, i: int) -> list[Message]:
+    """One Anthropic message -> chat messages: tool_result blocks become `tool` messages (ahead of the user's
+    text), tool_use blocks the assistant's tool_calls; thinking blocks are dropped (the chat template leaves
+    earlier reasoning out of the prompt, so their signatures need no checking)."""
+    where = f"messages[{i}]"
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(m.content):
+        at = f"{where}.content[{j}]"
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+            continue
+        elif block.type == "tool_use" and m.role == "assistant":
+            if not block.id or not block.name:
+                raise APIError(f"{at}: a tool_use block needs an id and a name", param="messages")
+            calls.append(ToolCallIn(id=block.id, function=FunctionCall(name=block.name, arguments=block.input or {})))
+        elif block.type == "tool_result" and m.role == "user":
+            if not block.tool_use_id:
+                raise APIError(f"{at}: a tool_result block needs its tool_use_id", param="messages")
+            text = _text(block.content, at)
+            results.append(Message(role="tool", tool_call_id=block.tool_use_id,
+                                   content=json.dumps({"error": text}) if block.is_error else text))
+        elif block.type == "image":
+            raise APIError(f"{at}: image inputs are not supported by this server", param="messages")
+        else:
+            raise APIError(f"{at}: content block type {block.type!r} is not supported in a {m.role} message",
+                           param="messages")
+    if m.role == "assistant":
+        return [Message(role="assistant", content="".join(texts) if texts or not calls else None,
+                        tool_calls=calls or None)]
+    return results + ([Message(role="user", content="".join(texts))] if texts or not results else [])
+
+
+def conversation(req: _Conversation) -> tuple[list[dict], list[dict] | None, str, str | None, bool, bool]:
+    """(template messages, tools, tool mode, forced tool, parallel calls allowed, thinking) of a request."""
+    for name, what in REFUSED.items():
+        if getattr(req, name) is not None:
+            raise APIError(f"{name}: {what} are not supported by this server", param=name)
+    if req.messages[-1].role == "assistant":
+        raise APIError("the last message is the assistant's: continuing a prefilled assistant turn is not "
+                       "supported; end with a user message", param="messages")
+    messages: list[Message] = []
+    if req.system:
+        messages.append(Message(role="system", content=_text(req.system, "system")))
+    for i, m in enumerate(req.messages):
+        messages += _turns(m, i)
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise APIError(f"tools[{i}]: Anthropic's server tool {tool.type!r} is not supported; declare custom "
+                           "tools with name, description and input_schema", param="tools")
+        tools.append(Tool(function=FunctionDef(name=tool.name, description=tool.description,
+                                               parameters=tool.input_schema)))
+    declared = validate_tools(tools)
+    mode, forced, parallel = _tool_choice(req.tool_choice, declared)
+    thinking = req.thinking is not None and req.thinking.type == "enabled"
+    return template_messages(messages), declared, mode, forced, parallel, thinking
+
+
+def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[str, str | None, bool]:
+    parallel = not (choice and choice.disable_parallel_tool_use)
+    if choice is None or choice.type == "auto":
+        return ("auto" if tools else "none"), None, parallel
+    if choice.type == "none":
+        return "none", None, parallel
+    if not tools:
+        raise APIError(f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "any":
+        return "required", None, parallel
+    names = [t["function"]["name"] for t in tools]
+    if choice.name not in names:
+        raise APIError(f"tool_choice names {choice.name!r}, which is not among the declared tools",
+                       param="tool_choice")
+    return "named", choice.name, parallel
+
+
+def messages_request(req: MessagesRequest) -> GenerationRequest:
+    messages, tools, mode, forced, parallel, thinking = conversation(req)
+    if req.thinking is not None and req.thinking.type == "enabled":
+        budget = req.thinking.budget_tokens
+        if budget is None or not MIN_THINKING_BUDGET <= budget < req.max_tokens:
+            raise APIError(f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
+                           "max_tokens", param="thinking")
+    return GenerationRequest(
+        messages=messages, tools=tools, tool_mode=mode, forced_tool=forced, parallel_tool_calls=parallel,
+        thinking=thinking, sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
+        stop=stop_list(req.stop_sequences), max_tokens=req.max_tokens, stream=bool(req.stream))
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """Anthropic's error shape, at Anthropic's status for it (a full queue is 529)."""
+    status = 529 if status == 429 else status
+    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                                    "message": message}}, status_code=status)
+
+
+def _invalid(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return "the request body is not valid JSON"
+    if errors and errors[0].get("type") == "invalid_text":
+        return errors[0]["msg"]
+    parts = []
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+class AnthropicRoute(APIRoute):
+    """A route whose errors (validation and the server's own) are answered in Anthropic's shape."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            state = request.app.state.server
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                state.metrics.request_done(request.url.path, 400)
+                return error_response(400, _invalid(exc))
+            except APIError as exc:
+                state.metrics.request_done(request.url.path, exc.status)
+                return error_response(exc.status, exc.message)
+        return route
+
+
+def router() -> APIRouter:
+    routes = APIRouter(route_class=AnthropicRoute)
+    errors = openapi.errors(400, 401, 413, 500, 503, 529, model=openapi.AnthropicError)
+
+    @routes.post("/v1/messages", responses=errors)
+    async def messages(req: MessagesRequest, request: Request):
+        state = request.app.state.server
+        state.require_ready()
+        gen_req = messages_request(req)
+        gens = await prepare(state, gen_req, "/v1/messages")
+        return await serve_message(state, request, gens[0], gen_req.stream)
+
+    @routes.post("/v1/messages/count_tokens", responses=errors)
+    async def count_tokens(req: CountTokensRequest, request: Request):
+        state = request.app.state.server
+        state.require_ready()
+        messages, tools, mode, _, _, thinking = conversation(req)
+        ids = await prompt_ids(state, lambda: state.template.render(
+            messages, tools if mode != "none" else None, add_generation_prompt=True, enable_thinking=thinking))
+        return {"input_tokens": len(ids)}
+
+    return routes

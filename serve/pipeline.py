@@ -1,0 +1,144 @@
+"""Serve stage: the one path of every generation request: a GenerationRequest -> its prompt ids (chat template or
+raw prompts), grammar, sampling and token budget -> engine jobs (n choices per prompt), started and read to the
+end; the APIs only translate their wire formats to and from it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from ..runtime.client import SamplingParams
+from .generation import ClientGone, Generation, Job, choices, run_to_end, submit
+from .guards import prompt_ids
+from .parser import ControlIds, Delta, OutputParser
+from .protocol import APIError
+from .request import GenerationRequest, Prompt
+from .sampling import max_new_tokens, sampling_params, speculation
+from .structured import format_grammar
+from .tool_grammar import tool_call_grammar
+
+
+def _render(server: Any, req: GenerationRequest, prefill: str | None) -> Callable[[], str]:
+    def render() -> str:
+        prompt = server.template.render(req.messages, req.tools if req.tool_mode != "none" else None,
+                                        add_generation_prompt=True, enable_thinking=req.thinking,
+                                        **req.template_kwargs)
+        # force a tool call by opening it in the prompt (no constrained decoding needed)
+        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
+    return render
+
+
+async def _raw_prompt_ids(server: Any, prompt: Prompt) -> list[int]:
+    where = prompt.where
+    if prompt.text is not None:
+        bos, text = server.template.bos_token, prompt.text
+        ids = await prompt_ids(server, lambda: text if text.startswith(bos) else bos + text, param=where)
+    else:
+        ids = list(prompt.ids or ())
+        vocab = server.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"{where}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param=where)
+    if not ids:
+        raise APIError(f"{where} is empty", param=where)
+    return ids
+
+
+def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
+    # max_tokens 0 (score only) still runs one token: the engine scores a prompt while it prefills for a first one
+    requested = 1 if req.score_only else req.max_tokens
+    limit = max_new_tokens(requested, n_prompt, max_context, param=param)
+    return limit if requested is not None or req.default_max_tokens is None else min(req.default_max_tokens, limit)
+
+
+async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Generation]:
+    """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400."""
+    if req.images:
+        raise APIError("image inputs are not supported by this server", param="messages")
+    prefill = None
+    if req.messages is not None:
+        prefill = {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
+        ids = await prompt_ids(server, _render(server, req, prefill))
+        # None unless a call is forced and the backend can constrain it
+        grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
+        if grammar is not None and req.output_format is not None:
+            raise APIError(f"{req.output_format.param} cannot be combined with a forced tool_choice",
+                           param=req.output_format.param)
+        prompts = [("messages", ids)]
+    else:
+        grammar = None
+        prompts = [(p.where, await _raw_prompt_ids(server, p)) for p in req.prompts]
+    sampling = sampling_params(req.sampling, server.generation_defaults, server.caps.vocab_size,
+                               grammar or format_grammar(req.output_format, server, req.thinking))
+    speculative, sampling = speculation(req.sampling, server, sampling)
+    if req.echo and sampling.logprobs is not None:  # only then: scoring the prompt costs a full-logits prefill
+        sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+    if req.parse_output:
+        controls = server.controls
+    else:  # raw text: every special token is hidden, nothing is parsed out
+        controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1,
+                              string_delim=-1, stops=server.stop_ids, hidden=server.tokenizer.special_ids)
+    kind = "chat" if req.messages is not None else "completion"
+
+    def maker(where: str, ids: list[int], echo: str | None) -> Callable[[SamplingParams], Generation]:
+        limit = _budget(req, len(ids), server.caps.max_context, where)
+
+        def make(sampling: SamplingParams) -> Generation:
+            parser = OutputParser(server.decode, controls, parse_tools=req.parse_output and req.tool_mode != "none",
+                                  stop=req.stop, prefill_tool=prefill,
+                                  max_calls=None if req.parallel_tool_calls else 1)
+            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative), parser,
+                             kind, endpoint)
+            gen.return_ids, gen.echo, gen.score_only = req.return_token_ids, echo, req.score_only
+            return gen
+        return make
+    makers = []
+    for (where, ids), prompt in zip(prompts, req.prompts or [None]):
+        # echo: a text prompt as sent, token ids decoded (as vLLM does)
+        echo = None
+        if req.echo and prompt is not None:
+            echo = prompt.text if prompt.text is not None else server.tokenizer.decode(ids)
+        makers.append(maker(where, ids, echo))
+    return choices(req.n, makers, sampling)
+
+
+def client_gone() -> JSONResponse:
+    return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+
+
+async def start(server: Any, request: Request, gens: list[Generation]) -> list[tuple[str, Any]] | None:
+    """Submit every generation and wait for each one's first event (so that an engine-side rejection can still
+    become a 4xx); None when the client left meanwhile (recorded as 499)."""
+    firsts = []
+    try:
+        for g in gens:
+            submit(server, g.job)
+        for g in gens:
+            firsts.append(await g.first_event(request))
+    except ClientGone:
+        for g in gens:
+            g.job.abort()
+            g.record(499)
+        return None
+    except BaseException:
+        for g in gens:
+            g.job.abort()
+        raise
+    return firsts
+
+
+async def collect(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]]) -> list[Delta] | None:
+    """Every generation's whole answer (non-streamed); None when the client left (recorded as 499)."""
+    try:
+        return list(await asyncio.gather(*(run_to_end(g, request, f) for g, f in zip(gens, firsts))))
+    except ClientGone:
+        for g in gens:
+            g.record(499)
+        return None
+    finally:
+        for g in gens:
+            g.job.abort()

@@ -1,0 +1,83 @@
+"""Serve stage: the one internal generation request that every API (chat, completions, Messages, Responses) is
+translated into, and that serve/pipeline.py runs.
+
+Every field is a plain value already checked by the translator that filled it (a bad value is that API's 400),
+so the pipeline needs no knowledge of any wire format. New request options are new fields here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_MODES = ("none", "auto", "required", "named")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The request's sampler settings; None takes the checkpoint's generation_config default (as vLLM does)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Any = None  # OpenAI's {"token id": bias}, checked against the vocabulary by serve/sampling.py
+    logprobs: int | None = None  # None: off; else top entries per token (0..20)
+    num_speculative_tokens: int | None = None  # None: the server's setting; 0: off
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """Structured output: "json_object" (any JSON object) or "json_schema" (valid against `schema`)."""
+
+    kind: str
+    schema: dict | None = None
+    param: str = "response_format"  # the request field its errors name
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A raw prompt (completions): text (the BOS is added when missing) or token ids; `where` names its field."""
+
+    where: str
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One request, whatever API it came from. Exactly one of `messages` (a conversation in the chat template's
+    form: role/content dicts, assistant `tool_calls`, `tool_responses`) and `prompts` (raw prompts) is set."""
+
+    messages: list[dict] | None = None
+    prompts: list[Prompt] | None = None
+    # images of each user message, in message order (empty: text only); filled by the vision path
+    images: list[list[Any]] = field(default_factory=list)
+    tools: list[dict] | None = None  # OpenAI function tools: {"type": "function", "function": {name, ...}}
+    tool_mode: str = "none"  # one of TOOL_MODES
+    forced_tool: str | None = None  # the tool a "named" tool_mode calls
+    parallel_tool_calls: bool = True  # False: the answer ends after its first call
+    thinking: bool = False  # Gemma's thought channel on
+    template_kwargs: dict = field(default_factory=dict)  # further chat-template variables
+    sampling: SamplingOptions = SamplingOptions()
+    output_format: OutputFormat | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (not part of the answer)
+    max_tokens: int | None = None  # None: up to the context (or `default_max_tokens`)
+    default_max_tokens: int | None = None  # the budget when max_tokens is absent (completions: 16), capped
+    n: int = 1  # choices per prompt
+    parse_output: bool = True  # reasoning and tool calls parsed out of the text (False: completions)
+    echo: bool = False  # completions: the prompt text ahead of the output
+    score_only: bool = False  # completions max_tokens 0: the prompt is scored, nothing is generated
+    return_token_ids: bool = False  # vLLM's: token ids along with the text
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompts is None):
+            raise ValueError("a GenerationRequest has messages or prompts, not both or neither")
+        if self.tool_mode not in TOOL_MODES:
+            raise ValueError(f"tool_mode {self.tool_mode!r} is not one of {TOOL_MODES}")
