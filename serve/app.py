@@ -22,6 +22,7 @@ from . import openapi
 from . import render
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
+from .media import MediaOptions
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        TokenizerInfo, error_body, template_messages, validate_tools)
@@ -38,8 +39,10 @@ class ServerState:
     backend on its own engine thread."""
 
     def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
-                 speculative: bool | None = False, draft_tokens: int | None = None) -> None:
+                 speculative: bool | None = False, draft_tokens: int | None = None,
+                 media: MediaOptions = MediaOptions()) -> None:
         self.model_id = model_id
+        self.media = media  # how images are taken (budget, count, which URLs are fetched)
         self.loader = loader
         self.speculative = speculative
         self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most

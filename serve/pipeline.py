@@ -11,9 +11,12 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..runtime.backend import ImageSpan
 from ..runtime.client import SamplingParams
+from ..runtime.media.prompts import expand_image_tokens
 from .generation import ClientGone, Generation, Job, choices, run_to_end, submit
 from .guards import prompt_ids
+from .media import check_count, load_images
 from .parser import ControlIds, Delta, OutputParser
 from .protocol import APIError
 from .request import GenerationRequest, Prompt
@@ -48,6 +51,26 @@ async def _raw_prompt_ids(server: Any, prompt: Prompt) -> list[int]:
     return ids
 
 
+async def _with_images(server: Any, req: GenerationRequest, ids: list[int]
+                       ) -> tuple[list[int], list[ImageSpan]]:
+    """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
+    images are read and preprocessed once, after the placeholders are known to match them."""
+    if req.images:
+        check_count(server, req.images)
+    vision = server.caps.vision
+    if vision is None:
+        return ids, []
+    found = ids.count(vision.image_token_id)
+    if found != len(req.images):
+        token = server.tokenizer.id_to_token(vision.image_token_id)
+        raise APIError(f"the prompt holds {found} image placeholder(s) but the request has {len(req.images)} "
+                       f"image(s): message text must not contain the image token {token!r}", param="messages")
+    if not req.images:
+        return ids, []
+    inputs = await load_images(server, req.images, req.image_budget)
+    return expand_image_tokens(ids, inputs, vision)
+
+
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
     # max_tokens 0 (score only) still runs one token: the engine scores a prompt while it prefills for a first one
     requested = 1 if req.score_only else req.max_tokens
@@ -57,12 +80,10 @@ def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str)
 
 async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Generation]:
     """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400."""
-    if req.images:
-        raise APIError("image inputs are not supported by this server", param="messages")
-    prefill = None
+    prefill, images = None, []
     if req.messages is not None:
         prefill = {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
-        ids = await prompt_ids(server, _render(server, req, prefill))
+        ids, images = await _with_images(server, req, await prompt_ids(server, _render(server, req, prefill)))
         # None unless a call is forced and the backend can constrain it
         grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
         if grammar is not None and req.output_format is not None:
@@ -91,8 +112,8 @@ async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Ge
             parser = OutputParser(server.decode, controls, parse_tools=req.parse_output and req.tool_mode != "none",
                                   stop=req.stop, prefill_tool=prefill,
                                   max_calls=None if req.parallel_tool_calls else 1)
-            gen = Generation(server, Job(ids, limit, sampling, server.stop_ids, speculative=speculative), parser,
-                             kind, endpoint)
+            job = Job(ids, limit, sampling, server.stop_ids, speculative=speculative, images=tuple(images))
+            gen = Generation(server, job, parser, kind, endpoint)
             gen.return_ids, gen.echo, gen.score_only = req.return_token_ids, echo, req.score_only
             return gen
         return make
