@@ -162,8 +162,8 @@ def _image_url(source: dict[str, Any] | None, at: str) -> str:
         return image_source(f"data:{media_type};base64,{data}", None, at).url
     if kind == "url":
         return image_source(source.get("url"), None, at).url
-    raise APIError(f"{at}.source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or {{'type': 'url', "
-                   "'url': ...}}", param="messages")
+    raise APIError(f"{at}: an image block's source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
+                   "{'type': 'url', 'url': ...}", param="messages")
 
 
 def conversation(req: _Conversation, images: list[ImageSource] | None = None

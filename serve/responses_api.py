@@ -85,7 +85,10 @@ def _text(content: Any, where: str, allowed: tuple[str, ...], image_fields: list
             if part.get("file_id") is not None or part.get("image_url") is None:
                 raise APIError(f"{at}: an input_image needs an image_url (a data: or http(s) URL); file_id needs "
                                "stored files, which this server does not keep", param="input")
-            source = image_source(part.get("image_url"), part.get("detail"), at, param="input")
+            try:
+                source = image_source(part.get("image_url"), part.get("detail"), at, param="input")
+            except APIError as exc:
+                raise APIError(f"{exc.message} (the input_image's image_url or detail)", param="input") from None
             parts.append(ContentPart(type="image_url", image_url={"url": source.url, "detail": part.get("detail")}))
             image_fields.append(at)
             continue

@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -125,6 +126,31 @@ def test_policy_prefers_the_prefix_holder_within_the_load_bound():
     for i in range(20):  # bounded: the least recently used blocks go
         index.record(block_hashes([i] * 16, 16), "b")
     assert len(index) == 8 and index.held["b"] == 8
+
+
+def test_affinity_key_holds_the_image_hashes():
+    from types import SimpleNamespace
+
+    from thorgen.runtime.backend import ImageInput, ImageSpan
+    from thorgen.serve.cluster.routing import prompt_ids_of
+
+    def image(name: str) -> ImageInput:
+        return ImageInput(np.zeros((36, 768), np.uint8), np.zeros((36, 2), np.int32), 4, name)
+
+    prompt = [2, 5, 255] + [99] * 4 + [256] + list(range(30))  # boi, 4 image placeholders, eoi, text
+
+    def hashes(*spans, by_keyword=False):
+        args = (prompt, 8, None, frozenset(), False, spans)
+        request = (SimpleNamespace(args=(), kwargs={"prompt_ids": prompt, "images": spans}) if by_keyword
+                   else SimpleNamespace(args=args, kwargs={}))
+        return block_hashes(prompt_ids_of(request), 16)
+    cat, dog = ImageSpan(3, image("cat")), ImageSpan(3, image("dog"))
+    assert hashes(cat) == hashes(ImageSpan(3, image("cat"))) == hashes(cat, by_keyword=True)
+    assert hashes(cat)[0] != hashes(dog)[0] != block_hashes(prompt, 16)[0]  # same ids, other image: no match
+    index = PrefixIndex(capacity=8)
+    index.record(hashes(cat), "a")
+    assert index.match(hashes(cat), {"a"}) == ("a", 2) and index.match(hashes(dog), {"a"}) == (None, 0)
+    assert prompt_ids_of(SimpleNamespace(args=(prompt, 8, None, frozenset(), False), kwargs={})) == prompt
 
 
 def test_middleware_names_the_replica_and_marks_503_retryable():

@@ -234,3 +234,14 @@ def test_long_prompt_with_an_image_across_the_prefill_chunk(served):
     ids, spans = submitted[-1]
     assert spans[0].offset < PREFILL_CHUNK < spans[0].end  # a chunk boundary would fall inside the span
     assert reply.usage.prompt_tokens == len(ids) > 2 * PREFILL_CHUNK and reply.usage.completion_tokens == 3
+
+
+def test_http_urls_are_off_without_allowed_domains():
+    import asyncio
+
+    from thorgen.serve.media import fetch
+    from thorgen.serve.protocol import APIError
+
+    with pytest.raises(APIError, match="--allowed-media-domains") as err:
+        asyncio.run(fetch("https://example.com/a.png", MediaOptions(), "messages[0].content[0]"))
+    assert err.value.status == 400 and err.value.param == "messages"
