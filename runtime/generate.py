@@ -155,7 +155,8 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
         click.echo(json.dumps(out))
         return
     click.echo(tail)
-    summary = f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, decode {result.decode_s:.3f}s"
+    summary = (f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, "
+               f"decode {result.decode_s:.3f}s")
     if speculative and result.accepted_lengths:
         mean = sum(result.accepted_lengths) / len(result.accepted_lengths)
         summary += f", mean acceptance length {mean:.2f}"

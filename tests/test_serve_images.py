@@ -245,3 +245,21 @@ def test_http_urls_are_off_without_allowed_domains():
     with pytest.raises(APIError, match="--allowed-media-domains") as err:
         asyncio.run(fetch("https://example.com/a.png", MediaOptions(), "messages[0].content[0]"))
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_chat_client_attaches_images(served, tmp_path):
+    from thorgen.serve.tools.chat import run_chat
+
+    url, state, submitted = served
+    first, second = tmp_path / "first.png", tmp_path / "second.png"
+    first.write_bytes(png(10))
+    second.write_bytes(png(11))
+    lines = iter(["what is this?", f"/image {second}", "/image nope.txt", "and this?", "/quit"])
+    out = io.StringIO()
+    before = len(submitted)
+    run_chat(url, max_tokens=2, read=lambda prompt: next(lines), out=out, images=(first,))
+    text = out.getvalue()
+    assert "1 image(s) attached" in text and "not an image file name" in text
+    hashes = [[s.image.hash for s in spans] for _, spans in submitted[before:]]
+    expected = [load_image(p.read_bytes(), state.caps.vision, 70).hash for p in (first, second)]
+    assert hashes == [expected[:1], expected]  # the first image stays in the conversation

@@ -1,8 +1,8 @@
 """Serve stage: prefix-affinity routing of engine requests across Ray Serve replicas (a custom `RequestRouter`).
 
 Policy, per request (the prompt token ids are the request's first argument, its image spans the sixth):
-1. Hash the prompt (image placeholders as ids of their image's hash) in fixed blocks of `block_tokens` ids, each hash chained over all blocks before it, so that one
-   hash names one whole prefix.
+1. Hash the prompt (image placeholders as ids of their image's hash) in fixed blocks of `block_tokens` ids, each
+   hash chained over all blocks before it, so that one hash names one whole prefix.
 2. Look the hashes up in a bounded LRU index of which replica last served each prefix. The replica with the
    longest match (at least `min_match_blocks` blocks) holds that prefix in its cache.
 3. Send the request there if its queue (Serve's count of requests ongoing at that replica) is at most
