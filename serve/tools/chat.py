@@ -168,7 +168,7 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
         try:
             session.attach(path)
         except (OSError, ValueError) as exc:
-            out.write(printable(f"cannot attach {path}: {exc}") + "\n")
+            out.write(printable(f"cannot attach an image: {exc}") + "\n")
             raise SystemExit(1) from None
     read = read or line_reader()
     try:
