@@ -4,6 +4,7 @@ translation into a GenerationRequest, and its error shape; serve/anthropic_forma
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from typing import Any, Literal, Union
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.exceptions import HTTPException
 
 from . import openapi
 from .anthropic_format import serve_message
@@ -21,6 +23,7 @@ from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer
                        _Body, _Open, image_source, integer, stop_list, template_messages, validate_tools)
 from .request import GenerationRequest, ImageSource, SamplingOptions
 
+log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
 # Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -267,12 +270,20 @@ class AnthropicRoute(APIRoute):
             except APIError as exc:
                 state.metrics.request_done(request.url.path, exc.status)
                 return error_response(exc.status, exc.message)
+            except HTTPException as exc:  # e.g. a body that is not JSON at all
+                state.metrics.request_done(request.url.path, exc.status_code)
+                return error_response(exc.status_code, str(exc.detail))
+            except Exception as exc:  # a bug: logged, and answered as Anthropic's api_error
+                log.exception("unhandled error on %s", request.url.path)
+                state.metrics.request_done(request.url.path, 500)
+                return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
         return route
 
 
 def router() -> APIRouter:
     routes = APIRouter(route_class=AnthropicRoute)
-    errors = openapi.errors(400, 401, 413, 500, 503, 529, model=openapi.AnthropicError)
+    # the API key and body-size checks run before any route, and answer in OpenAI's shape
+    errors = {**openapi.errors(401, 413), **openapi.errors(400, 500, 503, 529, model=openapi.AnthropicError)}
 
     @routes.post("/v1/messages", responses=errors)
     async def messages(req: MessagesRequest, request: Request):
