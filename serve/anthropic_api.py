@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from . import openapi
 from .anthropic_format import serve_message
 from .guards import prompt_ids
-from .pipeline import prepare
+from .pipeline import prepare, with_images
 from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn,
                        _Body, _Open, image_source, integer, stop_list, template_messages, validate_tools)
 from .request import GenerationRequest, ImageSource, SamplingOptions
@@ -297,9 +297,11 @@ def router() -> APIRouter:
     async def count_tokens(req: CountTokensRequest, request: Request):
         state = request.app.state.server
         state.require_ready()
-        messages, tools, mode, _, _, thinking = conversation(req)
+        images: list[ImageSource] = []
+        messages, tools, mode, _, _, thinking = conversation(req, images)
         ids = await prompt_ids(state, lambda: state.template.render(
             messages, tools if mode != "none" else None, add_generation_prompt=True, enable_thinking=thinking))
+        ids, _ = await with_images(state, images, None, ids)
         return {"input_tokens": len(ids)}
 
     return routes

@@ -24,6 +24,7 @@ from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_d
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
 from .media import MediaOptions
 from .metrics import Metrics
+from .pipeline import with_images
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        TokenizerInfo, error_body, template_messages, validate_tools)
 
@@ -230,10 +231,12 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             raise APIError("give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
-            messages, tools = template_messages(req.messages), validate_tools(req.tools)
+            images: list = []
+            messages, tools = template_messages(req.messages, images), validate_tools(req.tools)
             ids = await prompt_ids(state, lambda: state.template.render(
                 messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
                 enable_thinking=thinking is True))
+            ids, _ = await with_images(state, images, None, ids)  # the server's image budget
         else:
             bos = state.template.bos_token
             add = req.add_special_tokens is not False and not req.prompt.startswith(bos)

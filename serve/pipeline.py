@@ -19,7 +19,7 @@ from .guards import prompt_ids
 from .media import check_count, load_images
 from .parser import ControlIds, Delta, OutputParser
 from .protocol import APIError
-from .request import GenerationRequest, Prompt
+from .request import GenerationRequest, ImageSource, Prompt
 from .sampling import max_new_tokens, sampling_params, speculation
 from .structured import format_grammar
 from .tool_grammar import tool_call_grammar
@@ -51,24 +51,23 @@ async def _raw_prompt_ids(server: Any, prompt: Prompt) -> list[int]:
     return ids
 
 
-async def _with_images(server: Any, req: GenerationRequest, ids: list[int]
-                       ) -> tuple[list[int], list[ImageSpan]]:
+async def with_images(server: Any, images: list[ImageSource], budget: int | None, ids: list[int]
+                      ) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
     images are read and preprocessed once, after the placeholders are known to match them."""
-    if req.images:
-        check_count(server, req.images)
+    if images:
+        check_count(server, images)
     vision = server.caps.vision
     if vision is None:
         return ids, []
     found = ids.count(vision.image_token_id)
-    if found != len(req.images):
+    if found != len(images):
         token = server.tokenizer.id_to_token(vision.image_token_id)
-        raise APIError(f"the prompt holds {found} image placeholder(s) but the request has {len(req.images)} "
+        raise APIError(f"the prompt holds {found} image placeholder(s) but the request has {len(images)} "
                        f"image(s): message text must not contain the image token {token!r}", param="messages")
-    if not req.images:
+    if not images:
         return ids, []
-    inputs = await load_images(server, req.images, req.image_budget)
-    return expand_image_tokens(ids, inputs, vision)
+    return expand_image_tokens(ids, await load_images(server, images, budget), vision)
 
 
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
@@ -83,7 +82,8 @@ async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Ge
     prefill, images = None, []
     if req.messages is not None:
         prefill = {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
-        ids, images = await _with_images(server, req, await prompt_ids(server, _render(server, req, prefill)))
+        ids, images = await with_images(server, req.images, req.image_budget,
+                                        await prompt_ids(server, _render(server, req, prefill)))
         # None unless a call is forced and the backend can constrain it
         grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
         if grammar is not None and req.output_format is not None:

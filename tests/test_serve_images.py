@@ -108,6 +108,9 @@ def test_one_data_url_image(served):
     assert sent_ids == ids and [(s.offset, s.image.hash) for s in sent_spans] == [(s.offset, s.image.hash)
                                                                                   for s in spans]
     assert reply.usage.prompt_tokens == len(ids)  # the image's soft tokens, boi and eoi count
+    tokenized = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": [
+        image_part(data_url(red)), {"type": "text", "text": "What is this?"}]}]}).json()
+    assert tokenized["tokens"] == ids
     assert spans[0].image.soft_tokens > 10 and reply.choices[0].finish_reason == "length"
 
 
@@ -200,6 +203,11 @@ def test_anthropic_image_block(served):
     ids, spans = submitted[-1]
     assert spans[0].image.hash == load_image(blue, state.caps.vision, 70).hash
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == len(ids)
+    count = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(blue).decode()}},
+        {"type": "text", "text": "Describe it."}]}])
+    assert count.input_tokens == len(ids)
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!"}}]}])
