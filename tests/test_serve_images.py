@@ -271,3 +271,22 @@ def test_chat_client_attaches_images(served, tmp_path):
     hashes = [[s.image.hash for s in spans] for _, spans in submitted[before:]]
     expected = [load_image(p.read_bytes(), state.caps.vision, 70).hash for p in (first, second)]
     assert hashes == [expected[:1], expected]  # the first image stays in the conversation
+
+
+def test_a_model_without_a_vision_tower_refuses_images(tmp_path):
+    from pathlib import Path
+
+    from thorgen.runtime.text.tokenizer import Tokenizer
+    from thorgen.serve.app import create_app
+    from thorgen.serve.chat_template import ChatTemplate
+    from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer
+
+    template = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
+    tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
+    state = scripted_state(ScriptedBackend(lambda p: tok.encode("ok")), tok, ChatTemplate(template.read_text()))
+    with running_server(create_app(state)) as url:
+        message = refusal(openai_client(url), [image_part(data_url(png(1))), {"type": "text", "text": "hi"}])
+        assert "no vision tower" in message
+        assert openai_client(url).chat.completions.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).choices[0].message.content
+    state.close()
