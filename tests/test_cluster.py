@@ -205,6 +205,26 @@ def test_openai_client_answers_and_equals_single_server(cluster):
     assert c.choices[0].text == d.choices[0].text and c.usage.completion_tokens == d.usage.completion_tokens
 
 
+def test_image_through_the_cluster_equals_single_server(cluster):
+    import base64
+    import io
+
+    from PIL import Image
+
+    url, single_url = cluster
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    a, replica = _chat(_client(url), msgs, max_tokens=6, temperature=0,
+                       extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    b = _client(single_url).chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                    extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    assert replica in _replicas_up(url) and a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 20  # the image's soft tokens counted on both
+
+
 def test_bad_input_is_4xx(cluster):
     url, _ = cluster
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,
