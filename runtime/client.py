@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..model_spec.types import Gemma4VisionSpec
 from .api import EngineConfig, OpenedModel, open_backend
 from .backend import Backend, BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams
 from .engine.core import EngineCore, RequestOutput
@@ -56,6 +57,7 @@ class Capabilities:
     kv_dtype: str
     vocab_size: int
     constrained: bool = False  # grammar-constrained decoding (structured outputs, forced tool calls) works
+    vision: Gemma4VisionSpec | None = None  # the model's vision tower (what image preprocessing needs); None: none
 
 
 @dataclass
@@ -187,7 +189,8 @@ class EngineClient:
         if speculative is None:
             speculative = getattr(b, "drafter", None) is not None
         return Capabilities(self.backend_name, int(b.max_context), bool(speculative), self.kv_dtype,
-                            int(b.spec.target.vocab_size), bool(getattr(b, "supports_grammar", False)))
+                            int(b.spec.target.vocab_size), bool(getattr(b, "supports_grammar", False)),
+                            getattr(b.spec, "vision", None))
 
     def health(self) -> dict:
         if not self._loaded.is_set():

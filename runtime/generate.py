@@ -11,6 +11,8 @@ import click
 
 from .api import EngineConfig, engine_option_flags, open_backend
 from .backend import BackendError, GenerationResult, SamplingParams
+from .media.images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS, ImageError, load_image
+from .media.prompts import ImagePlaceholderError, expand_image_tokens
 
 BOS_ID = 2
 
@@ -30,6 +32,23 @@ def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
     eos = generation_config.get("eos_token_id", spec.target.eos_token_id)
     eos = eos if isinstance(eos, list) else [eos]
     return frozenset(int(e) for e in eos if e is not None)
+
+
+def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> tuple[list[int], list]:
+    """(expanded prompt ids, image spans): each image file read and preprocessed, the placeholders expanded; a
+    one-line error for a model without a tower, an unreadable image or a placeholder count mismatch."""
+    if spec.vision is None:
+        raise click.ClickException("--image: this model has no vision tower")
+    images = []
+    for path in paths:
+        try:
+            images.append(load_image(path.read_bytes(), spec.vision, budget))
+        except (ImageError, OSError) as exc:
+            raise click.ClickException(f"{path}: {exc}") from None
+    try:
+        return expand_image_tokens(ids, images, spec.vision)
+    except ImagePlaceholderError as exc:
+        raise click.ClickException(f"{exc}: write one <|image|> in --prompt for each --image") from None
 
 
 @click.command("generate")
@@ -56,12 +75,20 @@ def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
               help="Context limit in tokens (default: min(the model's max_position_embeddings, 65536)).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
+@click.option("--image", "image_paths", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="An image file (repeat for several): each one fills the prompt's next <|image|> placeholder.")
+@click.option("--image-max-tokens", type=click.Choice([str(b) for b in SOFT_TOKEN_BUDGETS]),
+              default=str(DEFAULT_BUDGET), show_default=True, help="Soft tokens an image may take.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @engine_option_flags
 def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
-             draft: Path | None, max_context: int | None, kv_dtype: str, as_json: bool, engine_options) -> None:
+             draft: Path | None, max_context: int | None, kv_dtype: str, image_paths: tuple[Path, ...],
+             image_max_tokens: str, as_json: bool, engine_options) -> None:
     """Generate tokens for one raw prompt (no chat template) and print them.
+
+    With --image, each <|image|> placeholder of the prompt (in order) becomes that image's <|image> + soft tokens
+    + <image|> span; the prompt must hold exactly one placeholder per image.
 
     Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
     streams the decoded tokens (special tokens included) to stdout and a summary line to stderr; --json prints
@@ -89,6 +116,9 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     if bad:
         raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
                                  param_hint="--prompt-ids")
+    spans: list = []
+    if image_paths:
+        ids, spans = _with_images(engine.spec, ids, image_paths, int(image_max_tokens))
     if speculative and getattr(engine, "drafter", None) is None:
         raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
                                    "or --no-speculative")
@@ -99,7 +129,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     try:
         stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(opened.generation_config,
                                                                                       engine.spec),
-                                        speculative=speculative, result=result)
+                                        speculative=speculative, result=result, images=spans)
         for step in stream:
             text = decoder.push_many(step.token_ids)
             if not as_json and text:
@@ -125,7 +155,8 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
         click.echo(json.dumps(out))
         return
     click.echo(tail)
-    summary = f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, decode {result.decode_s:.3f}s"
+    summary = (f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, "
+               f"decode {result.decode_s:.3f}s")
     if speculative and result.accepted_lengths:
         mean = sum(result.accepted_lengths) / len(result.accepted_lengths)
         summary += f", mean acceptance length {mean:.2f}"

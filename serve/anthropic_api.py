@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -17,10 +18,10 @@ from starlette.exceptions import HTTPException
 from . import openapi
 from .anthropic_format import serve_message
 from .guards import prompt_ids
-from .pipeline import prepare
-from .protocol import (APIError, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn, _Body, _Open,
-                       integer, stop_list, template_messages, validate_tools)
-from .request import GenerationRequest, SamplingOptions
+from .pipeline import prepare, with_images
+from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn,
+                       _Body, _Open, image_source, integer, stop_list, template_messages, validate_tools)
+from .request import GenerationRequest, ImageSource, SamplingOptions
 from .tool_schemas import template_tools
 
 log = logging.getLogger("thorgen.serve")
@@ -46,6 +47,7 @@ class Block(_Open):
     is_error: StrictBool | None = None
     thinking: str | None = None
     signature: str | None = None
+    source: dict[str, Any] | None = None  # an image block's: {"type": "base64", "media_type", "data"} or "url"
 
 
 class AnthropicMessage(_Open):
@@ -114,7 +116,7 @@ def _text(content: str | list[Block] | None, where: str) -> str:
     return "".join(parts)
 
 
-def _turns(m: AnthropicMessage, i: int) -> list[Message]:
+def _turns(m: AnthropicMessage, i: int, image_fields: list[str]) -> list[Message]:
     """One Anthropic message -> chat messages: tool_result blocks become `tool` messages (ahead of the user's
     text), tool_use blocks the assistant's tool_calls; thinking blocks are dropped (the chat template leaves
     earlier reasoning out of the prompt, so their signatures need no checking)."""
@@ -122,10 +124,12 @@ def _turns(m: AnthropicMessage, i: int) -> list[Message]:
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
     texts, calls, results = [], [], []
+    parts: list[ContentPart] = []  # a user message's text and image blocks in order (when it holds an image)
     for j, block in enumerate(m.content):
         at = f"{where}.content[{j}]"
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
+            parts.append(ContentPart(type="text", text=block.text))
         elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
             continue
         elif block.type == "tool_use" and m.role == "assistant":
@@ -138,19 +142,38 @@ def _turns(m: AnthropicMessage, i: int) -> list[Message]:
             text = _text(block.content, at)
             results.append(Message(role="tool", tool_call_id=block.tool_use_id,
                                    content=json.dumps({"error": text}) if block.is_error else text))
-        elif block.type == "image":
-            raise APIError(f"{at}: image inputs are not supported by this server", param="messages")
+        elif block.type == "image" and m.role == "user":
+            parts.append(ContentPart(type="image_url", image_url=_image_url(block.source, at)))
+            image_fields.append(at)
         else:
             raise APIError(f"{at}: content block type {block.type!r} is not supported in a {m.role} message",
                            param="messages")
     if m.role == "assistant":
         return [Message(role="assistant", content="".join(texts) if texts or not calls else None,
                         tool_calls=calls or None)]
+    if any(part.type == "image_url" for part in parts):
+        return results + [Message(role="user", content=parts)]
     return results + ([Message(role="user", content="".join(texts))] if texts or not results else [])
 
 
-def conversation(req: _Conversation) -> tuple[list[dict], list[dict] | None, str, str | None, bool, bool]:
-    """(template messages, tools, tool mode, forced tool, parallel calls allowed, thinking) of a request."""
+def _image_url(source: dict[str, Any] | None, at: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL; a "url" source as it is."""
+    kind = (source or {}).get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise APIError(f"{at}.source: a base64 source needs media_type and data (strings)", param="messages")
+        return image_source(f"data:{media_type};base64,{data}", None, at).url
+    if kind == "url":
+        return image_source(source.get("url"), None, at).url
+    raise APIError(f"{at}: an image block's source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
+                   "{'type': 'url', 'url': ...}", param="messages")
+
+
+def conversation(req: _Conversation, images: list[ImageSource] | None = None
+                 ) -> tuple[list[dict], list[dict] | None, str, str | None, bool, bool]:
+    """(template messages, tools, tool mode, forced tool, parallel calls allowed, thinking) of a request; its
+    images' sources go to `images` (None: images are refused)."""
     for name, what in REFUSED.items():
         if getattr(req, name) is not None:
             raise APIError(f"{name}: {what} are not supported by this server", param=name)
@@ -160,8 +183,9 @@ def conversation(req: _Conversation) -> tuple[list[dict], list[dict] | None, str
     messages: list[Message] = []
     if req.system:
         messages.append(Message(role="system", content=_text(req.system, "system")))
+    image_fields: list[str] = []  # each image block's place in this request (errors name it)
     for i, m in enumerate(req.messages):
-        messages += _turns(m, i)
+        messages += _turns(m, i, image_fields)
     tools = []
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
@@ -172,7 +196,11 @@ def conversation(req: _Conversation) -> tuple[list[dict], list[dict] | None, str
     declared = validate_tools(tools)
     mode, forced, parallel = _tool_choice(req.tool_choice, declared)
     thinking = req.thinking is not None and req.thinking.type == "enabled"
-    return template_messages(messages), declared, mode, forced, parallel, thinking
+    found: list[ImageSource] = []
+    templated = template_messages(messages, found if images is not None else None)
+    if images is not None:
+        images += [replace(source, where=where) for source, where in zip(found, image_fields)]
+    return templated, declared, mode, forced, parallel, thinking
 
 
 def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[str, str | None, bool]:
@@ -193,14 +221,16 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[s
 
 
 def messages_request(req: MessagesRequest) -> GenerationRequest:
-    messages, tools, mode, forced, parallel, thinking = conversation(req)
+    images: list[ImageSource] = []
+    messages, tools, mode, forced, parallel, thinking = conversation(req, images)
     if req.thinking is not None and req.thinking.type == "enabled":
         budget = req.thinking.budget_tokens
         if budget is None or not MIN_THINKING_BUDGET <= budget < req.max_tokens:
             raise APIError(f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
                            "max_tokens", param="thinking")
     return GenerationRequest(
-        messages=messages, tools=tools, tool_mode=mode, forced_tool=forced, parallel_tool_calls=parallel,
+        messages=messages, images=images, tools=tools, tool_mode=mode, forced_tool=forced,
+        parallel_tool_calls=parallel,
         thinking=thinking, sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
         stop=stop_list(req.stop_sequences), max_tokens=req.max_tokens, stream=bool(req.stream))
 
@@ -268,10 +298,12 @@ def router() -> APIRouter:
     async def count_tokens(req: CountTokensRequest, request: Request):
         state = request.app.state.server
         state.require_ready()
-        messages, tools, mode, _, _, thinking = conversation(req)
+        images: list[ImageSource] = []
+        messages, tools, mode, _, _, thinking = conversation(req, images)
         ids = await prompt_ids(state, lambda: state.template.render(
             messages, template_tools(tools) if mode != "none" else None, add_generation_prompt=True,
             enable_thinking=thinking))
+        ids, _ = await with_images(state, images, None, ids)
         return {"input_tokens": len(ids)}
 
     return routes

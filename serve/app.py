@@ -26,7 +26,9 @@ from . import openapi
 from . import render
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
+from .media import MediaOptions
 from .metrics import Metrics
+from .pipeline import with_images
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        TokenizerInfo, error_body, template_messages, validate_tools)
 from .tool_schemas import template_tools
@@ -45,9 +47,10 @@ class ServerState:
 
     def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
                  speculative: bool | None = False, draft_tokens: int | None = None,
-                 model_names: Sequence[str] = ()) -> None:
+                 model_names: Sequence[str] = (), media: MediaOptions = MediaOptions()) -> None:
         self.model_names = tuple(dict.fromkeys(model_names or (model_id,)))
         self.model_id = self.model_names[0]
+        self.media = media  # how images are taken (budget, count, which URLs are fetched)
         self.loader = loader
         self.speculative = speculative
         self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
@@ -276,10 +279,12 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             raise APIError("give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
-            messages, tools = template_messages(req.messages), template_tools(validate_tools(req.tools))
+            images: list = []
+            messages, tools = template_messages(req.messages, images), template_tools(validate_tools(req.tools))
             ids = await prompt_ids(state, lambda: state.template.render(
                 messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
                 enable_thinking=thinking is True))
+            ids, _ = await with_images(state, images, None, ids)  # the server's image budget
         else:
             bos = state.template.bos_token
             add = req.add_special_tokens is not False and not req.prompt.startswith(bos)

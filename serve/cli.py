@@ -83,6 +83,14 @@ def open_model(config):
                    "it to shorten other streams' token gaps while prompts prefill, at the price of TTFT.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8, show_default=True,
               help="Largest request body accepted; bigger ones get a 413.")
+@click.option("--image-max-tokens", type=click.Choice(["70", "140", "280", "560", "1120"]), default="280",
+              show_default=True, help="Soft tokens an image may take (a request may ask for another budget with "
+                                      "mm_processor_kwargs.max_soft_tokens).")
+@click.option("--limit-images-per-prompt", type=click.IntRange(0), default=16, show_default=True,
+              help="Images one prompt may hold; more get a 400.")
+@click.option("--allowed-media-domains", multiple=True,
+              help="Hosts whose http(s) image URLs are fetched (repeat, or comma-separate; 5 s timeout, no "
+                   "redirects); without it only inline data: URLs are taken.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10, show_default=True,
               help="Seconds a shutdown (Ctrl-C, SIGTERM) waits for running requests; then each still running ends "
                    "with an error (a stream: an error event, then data: [DONE]).")
@@ -92,13 +100,15 @@ def open_model(config):
 def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: str, port: int, ctx: int | None,
           kv_dtype: str, draft_tokens: int | None, api_key: str | None, cors_origins: tuple[str, ...],
           model_names: tuple[str, ...], weights: Path | None, kernel_dir: Path | None, max_num_seqs: int,
-          kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, shutdown_timeout: float,
+          kv_cache_gib: float | None, max_step_tokens: int | None, max_body_mb: float, image_max_tokens: str,
+          limit_images_per_prompt: int, allowed_media_domains: tuple[str, ...], shutdown_timeout: float,
           log_level: str, engine_options) -> None:
     import uvicorn
 
     from ..runtime.api import EngineConfig
     from .app import GracefulServer, ServerState, create_app
     from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
+    from .media import MediaOptions
 
     if model_dir is not None and not (model_dir / "config.json").exists():
         raise click.ClickException(f"{model_dir}: no config.json, not a checkpoint folder")
@@ -118,8 +128,10 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     # drafter never agrees with its random target, so there it only costs time unless asked for.
     off = draft_tokens == 0 or (draft_tokens is None and demo)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    domains = tuple(d.strip().lower() for entry in allowed_media_domains for d in entry.split(",") if d.strip())
+    media = MediaOptions(int(image_max_tokens), limit_images_per_prompt, domains)
     state = ServerState(name, loader, speculative=False if off else None, draft_tokens=draft_tokens or None,
-                        model_names=names)
+                        model_names=names, media=media)
     app = create_app(state, api_key=api_key, cors_origins=list(cors_origins),
                      max_body_bytes=int(max_body_mb * (1 << 20)))
     # The engine thread and the event loop share the GIL; when the loop is busy streaming, the engine thread waits

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
+from .media import image_budget
 from .openai_format import serve_generation
 from .pipeline import prepare
 from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported,
@@ -22,15 +23,17 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_t
 def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     check_unsupported(req)
     legacy_functions(req)
-    messages = template_messages(req.messages)
+    images: list = []
+    messages = template_messages(req.messages, images)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
     thinking = thinking_enabled(req)
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerationRequest(
-        messages=messages, tools=tools, tool_mode=mode, forced_tool=forced,
-        parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking, template_kwargs=extra,
+        messages=messages, images=images, image_budget=image_budget(req.mm_processor_kwargs), tools=tools,
+        tool_mode=mode, forced_tool=forced, parallel_tool_calls=req.parallel_tool_calls is not False,
+        thinking=thinking, template_kwargs=extra,
         sampling=sampling_options(req), output_format=output_format(req.response_format), stop=stop_list(req.stop),
         max_tokens=max_tokens, n=req.n or 1, return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage), **vllm_fields(req, max_tokens))

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
+from ..runtime.backend import ImageSpan
 from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, GenerationResult, RequestOutput,
                               RequestRejected, RequestStream, SamplingParams)
 from .logprobs import Logprobs
@@ -34,6 +35,7 @@ class Job:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     speculative: bool = False
+    images: tuple[ImageSpan, ...] = ()  # the prompt's image spans (its placeholders already expanded)
     stream: RequestStream | None = None
     arrived: float = field(default_factory=time.perf_counter)
     first_at: float | None = None
@@ -60,7 +62,7 @@ def api_error(exc: BaseException) -> APIError:
 def submit(server: Any, job: Job) -> None:
     try:
         job.stream = server.client.submit(job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
-                                          speculative=job.speculative)
+                                          speculative=job.speculative, images=job.images)
     except (EngineBusy, EngineUnavailable, RequestRejected) as exc:
         raise api_error(exc) from None
 

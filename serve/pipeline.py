@@ -11,12 +11,15 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..runtime.backend import ImageSpan
 from ..runtime.client import SamplingParams
+from ..runtime.media.prompts import expand_image_tokens
 from .generation import ClientGone, Generation, Job, choices, run_to_end, submit
 from .guards import prompt_ids
+from .media import check_count, load_images
 from .parser import ControlIds, Delta, OutputParser
 from .protocol import APIError
-from .request import GenerationRequest, Prompt
+from .request import GenerationRequest, ImageSource, Prompt
 from .sampling import max_new_tokens, sampling_params, speculation
 from .structured import format_grammar
 from .tool_grammar import tool_call_grammar
@@ -48,6 +51,25 @@ async def _raw_prompt_ids(server: Any, prompt: Prompt) -> list[int]:
     if not ids:
         raise APIError(f"{where} is empty", param=where)
     return ids
+
+
+async def with_images(server: Any, images: list[ImageSource], budget: int | None, ids: list[int]
+                      ) -> tuple[list[int], list[ImageSpan]]:
+    """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
+    images are read and preprocessed once, after the placeholders are known to match them."""
+    if images:
+        check_count(server, images)
+    vision = server.caps.vision
+    if vision is None:
+        return ids, []
+    found = ids.count(vision.image_token_id)
+    if found != len(images):
+        token = server.tokenizer.id_to_token(vision.image_token_id)
+        raise APIError(f"the prompt holds {found} image placeholder(s) but the request has {len(images)} "
+                       f"image(s): message text must not contain the image token {token!r}", param="messages")
+    if not images:
+        return ids, []
+    return expand_image_tokens(ids, await load_images(server, images, budget), vision)
 
 
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
@@ -90,15 +112,18 @@ def _one_grammar(server: Any, req: GenerationRequest, tools_grammar: Any, forced
 
 async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Generation]:
     """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400."""
-    if req.images:
-        raise APIError("image inputs are not supported by this server", param="messages")
     stop_ids = _stop_ids(server, req)
     keep = req.truncate_prompt_tokens
     keep = server.caps.max_context if keep == -1 else keep
-    prefill = None
+    prefill, images = None, []
     if req.messages is not None:
+        if req.images and keep is not None:
+            raise APIError("truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)",
+                           param="truncate_prompt_tokens")
         prefill = {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
-        ids = kept_prompt(await prompt_ids(server, _render(server, req, prefill)), keep)
+        ids, images = await with_images(server, req.images, req.image_budget,
+                                        await prompt_ids(server, _render(server, req, prefill)))
+        ids = kept_prompt(ids, keep)
         # the tools' grammar: None unless a call can happen and the backend can constrain it
         tools_grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, server)
         grammar = _one_grammar(server, req, tools_grammar, forced_call=prefill is not None)
@@ -131,8 +156,8 @@ async def prepare(server: Any, req: GenerationRequest, endpoint: str) -> list[Ge
             parser = OutputParser(server.decode, controls, parse_tools=req.parse_output and req.tool_mode != "none",
                                   stop=req.stop, prefill_tool=prefill,
                                   max_calls=None if req.parallel_tool_calls else 1)
-            gen = Generation(server, Job(ids, limit, sampling, stop_ids, speculative=speculative), parser,
-                             kind, endpoint)
+            job = Job(ids, limit, sampling, stop_ids, speculative=speculative, images=tuple(images))
+            gen = Generation(server, job, parser, kind, endpoint)
             gen.return_ids, gen.echo, gen.score_only = req.return_token_ids, echo, req.score_only
             gen.reports_prompt_logprobs = req.sampling.prompt_logprobs is not None
             return gen

@@ -9,6 +9,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..runtime.media.images import SOFT_TOKEN_BUDGETS
+from .request import ImageSource
+
 # Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
 # strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum.
 Number = StrictFloat
@@ -27,6 +30,8 @@ def integer(**bounds: int) -> Any:
 
 
 Integer = integer()
+# image_url.detail: "low" takes the smallest soft-token budget, "auto" and "high" the request's (or the server's)
+DETAIL_BUDGETS = {"auto": None, "high": None, "low": SOFT_TOKEN_BUDGETS[0]}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -102,9 +107,19 @@ class _Body(_Open):
         return data
 
 
-class TextPart(_Open):
+class ImageURL(_Open):
+    url: str
+    detail: str | None = None  # DETAIL_BUDGETS
+
+
+class ContentPart(_Open):
+    """A content part: text, image_url ({"url", "detail"?} or a URL string), or image ("url" or "image": a URL)."""
+
     type: str
     text: str | None = None
+    image_url: Union[ImageURL, str, None] = None
+    url: str | None = None
+    image: str | None = None
 
 
 class FunctionCall(_Open):
@@ -120,7 +135,7 @@ class ToolCallIn(_Open):
 
 class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -193,6 +208,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool | None = None
     functions: list[FunctionDef] | None = None  # OpenAI's deprecated form of tools / tool_choice
     function_call: Union[str, dict[str, Any], None] = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: {"max_soft_tokens": 70..1120} per image
 
 
 class CompletionRequest(_Sampling):
@@ -252,14 +268,50 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def _text_of(parts: list[TextPart], where: str) -> str:
-    texts = []
-    for part in parts:
-        if part.type != "text" or part.text is None:
-            raise APIError(f"{where}: only text content parts are supported (got type {part.type!r})",
-                           param="messages")
-        texts.append(part.text)
-    return "".join(texts)
+def image_source(url: Any, detail: Any, where: str, param: str = "messages") -> ImageSource:
+    """An image part's URL and detail, checked (its bytes are read later, once per request)."""
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{where}: the image URL must be a non-empty string", param=param)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in ("data", "http", "https"):
+        raise APIError(f"{where}: an image URL is a data: URL (data:image/png;base64,...) or an http(s) URL; got "
+                       f"{url[:40]!r}", param=param)
+    if detail is not None and detail not in DETAIL_BUDGETS:
+        raise APIError(f"{where}: detail must be one of {', '.join(DETAIL_BUDGETS)}; got {detail!r}", param=param)
+    return ImageSource(url, where, DETAIL_BUDGETS.get(detail))
+
+
+def _image_of(part: ContentPart, where: str) -> ImageSource | None:
+    """The image a part names, or None for a text part; a 400 for any other part."""
+    if part.type == "text" and part.text is not None:
+        return None
+    if part.type == "image_url" and part.image_url is not None:
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return image_source(url, None if isinstance(part.image_url, str) else part.image_url.detail, where)
+    if part.type == "image" and (part.url or part.image):
+        return image_source(part.url or part.image, None, where)
+    raise APIError(f"{where}: a content part is text ({{'type': 'text', 'text': ...}}) or an image "
+                   f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}); got type {part.type!r}",
+                   param="messages")
+
+
+def _content(m: Message, i: int, images: list[ImageSource] | None) -> str | list[dict] | None:
+    """A message's content for the template: a string, or (a user message with images) text and {"type": "image"}
+    parts in order, each image's source appended to `images` (None: images are refused here)."""
+    if not isinstance(m.content, list):
+        return m.content
+    parts = [(part, _image_of(part, f"messages[{i}].content[{j}]")) for j, part in enumerate(m.content)]
+    found = [source for _, source in parts if source is not None]
+    if not found:
+        return "".join(part.text for part, _ in parts)
+    if images is None:
+        raise APIError(f"{found[0].where}: this endpoint does not take images", param="messages")
+    if m.role != "user":
+        raise APIError(f"{found[0].where}: images are accepted in user messages only (not {m.role!r})",
+                       param="messages")
+    images += found
+    return [{"type": "image"} if source is not None else {"type": "text", "text": part.text}
+            for part, source in parts]
 
 
 def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -324,10 +376,11 @@ def _arguments(call: ToolCallIn, i: int) -> dict | str:
     return parsed
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
-    """OpenAI messages -> the dicts Gemma's template expects: text parts joined, tool-call arguments as
-    mappings, and `role: "tool"` results folded into the preceding assistant message as `tool_responses`
-    (the form Google's template renders inside the model turn)."""
+def template_messages(messages: list[Message], images: list[ImageSource] | None = None) -> list[dict]:
+    """OpenAI messages -> the dicts Gemma's template expects: text parts joined (or, in a user message with
+    images, text and {"type": "image"} parts, the images' sources appended to `images`; None refuses images),
+    tool-call arguments as mappings, and `role: "tool"` results folded into the preceding assistant message as
+    `tool_responses` (the form Google's template renders inside the model turn)."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
     out: list[dict] = []
@@ -335,7 +388,7 @@ def template_messages(messages: list[Message]) -> list[dict]:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", param="messages")
-        content = _text_of(m.content, f"messages[{i}]") if isinstance(m.content, list) else m.content
+        content = _content(m, i, images)
         if m.role == "tool":
             if owner is None:
                 raise APIError(f"messages[{i}]: a 'tool' message must follow an assistant message with tool_calls",

@@ -52,6 +52,16 @@ class Prompt:
     ids: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class ImageSource:
+    """One image of a conversation as the request gave it, not yet read: a `data:` URL or an http(s) URL;
+    `budget` its own soft-token budget (OpenAI's detail "low"), None for the request's; `where` names its field."""
+
+    url: str
+    where: str
+    budget: int | None = None
+
+
 @dataclass
 class GenerationRequest:
     """One request, whatever API it came from. Exactly one of `messages` (a conversation in the chat template's
@@ -59,8 +69,9 @@ class GenerationRequest:
 
     messages: list[dict] | None = None
     prompts: list[Prompt] | None = None
-    # images of each user message, in message order (empty: text only); filled by the vision path
-    images: list[list[Any]] = field(default_factory=list)
+    # the conversation's images in prompt order (each user message's {"type": "image"} parts, one each)
+    images: list[ImageSource] = field(default_factory=list)
+    image_budget: int | None = None  # soft tokens an image may take (vLLM's max_soft_tokens); None: the server's
     tools: list[dict] | None = None  # OpenAI function tools: {"type": "function", "function": {name, ...}}
     tool_mode: str = "none"  # one of TOOL_MODES
     forced_tool: str | None = None  # the tool a "named" tool_mode calls

@@ -4,6 +4,7 @@ response (previous_response_id, conversation, background, item references) is re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -11,9 +12,10 @@ from pydantic import ConfigDict, Field, StrictBool
 
 from . import openapi
 from .pipeline import prepare
-from .protocol import (REASONING_EFFORTS, APIError, FunctionCall, FunctionDef, Message, Number, Tool, ToolCallIn,
-                       _Body, _Open, integer, template_messages, tool_choice_mode, validate_tools)
-from .request import GenerationRequest, OutputFormat, SamplingOptions
+from .protocol import (REASONING_EFFORTS, APIError, ContentPart, FunctionCall, FunctionDef, Message, Number, Tool,
+                       ToolCallIn, _Body, _Open, image_source, integer, template_messages, tool_choice_mode,
+                       validate_tools)
+from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
 from .responses_format import serve_response
 
 # fields that need state or features this server does not have: refused when set (and not false / empty)
@@ -68,24 +70,40 @@ class ResponsesRequest(_Body):
     max_tool_calls: integer(ge=1) | None = None
 
 
-def _text(content: Any, where: str, allowed: tuple[str, ...]) -> str:
+def _text(content: Any, where: str, allowed: tuple[str, ...], image_fields: list[str] | None = None
+          ) -> str | list[ContentPart]:
+    """A message's content: its text parts joined, or (with `image_fields`, a user message) text and image parts
+    in order when it holds an input_image (whose places are appended to `image_fields`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(f"{where}.content must be a string or a list of content parts", param="input")
-    parts = []
+    parts: list[ContentPart] = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind, at = part.get("type") if isinstance(part, dict) else None, f"{where}.content[{j}]"
+        if kind == "input_image" and image_fields is not None:
+            if part.get("file_id") is not None or part.get("image_url") is None:
+                raise APIError(f"{at}: an input_image needs an image_url (a data: or http(s) URL); file_id needs "
+                               "stored files, which this server does not keep", param="input")
+            try:
+                source = image_source(part.get("image_url"), part.get("detail"), at, param="input")
+            except APIError as exc:
+                raise APIError(f"{exc.message} (the input_image's image_url or detail)", param="input") from None
+            parts.append(ContentPart(type="image_url", image_url={"url": source.url, "detail": part.get("detail")}))
+            image_fields.append(at)
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(f"{where}.content[{j}]: {kind} is not supported by this server", param="input")
-        if kind not in allowed or not isinstance(part.get("text"), str):
-            raise APIError(f"{where}.content[{j}] must be a text part ({' or '.join(allowed)} with a 'text')",
+            raise APIError(f"{at}: {kind} is not supported {'here' if kind == 'input_image' else 'by this server'}",
                            param="input")
-        parts.append(part["text"])
-    return "".join(parts)
+        if kind not in allowed or not isinstance(part.get("text"), str):
+            raise APIError(f"{at} must be a text part ({' or '.join(allowed)} with a 'text')", param="input")
+        parts.append(ContentPart(type="text", text=part["text"]))
+    if any(part.type == "image_url" for part in parts):
+        return parts
+    return "".join(part.text for part in parts)
 
 
-def _items(items: list[dict[str, Any]]) -> list[Message]:
+def _items(items: list[dict[str, Any]], image_fields: list[str]) -> list[Message]:
     """Input items -> chat messages: function_call items become the assistant's tool_calls (joined to the
     assistant message just before them), function_call_output items `tool` messages; reasoning items are
     dropped (the chat template leaves earlier reasoning out of the prompt)."""
@@ -97,7 +115,8 @@ def _items(items: list[dict[str, Any]]) -> list[Message]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"{where}.role must be user, assistant, system or developer", param="input")
             allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-            out.append(Message(role=role, content=_text(item.get("content"), where, allowed)))
+            out.append(Message(role=role, content=_text(item.get("content"), where, allowed,
+                                                        image_fields if role == "user" else None)))
         elif kind == "function_call":
             name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
@@ -177,16 +196,20 @@ def response_request(req: ResponsesRequest) -> GenerationRequest:
     for name, what in REFUSED.items():
         if getattr(req, name) not in (None, False, []):
             raise APIError(f"{name}: {what} is not supported by this server", param=name)
+    image_fields: list[str] = []  # each input_image's place in this request (errors name it)
     if isinstance(req.input, str):
         messages = [Message(role="user", content=req.input)]
     else:
-        messages = _items(req.input)
+        messages = _items(req.input, image_fields)
     if req.instructions:
         messages.insert(0, Message(role="system", content=req.instructions))
     tools = _tools(req.tools)
     mode, forced = _tool_choice(req.tool_choice, tools)
+    images: list[ImageSource] = []
+    templated = template_messages(messages, images)
+    images = [replace(source, where=where) for source, where in zip(images, image_fields)]
     return GenerationRequest(
-        messages=template_messages(messages), tools=tools, tool_mode=mode, forced_tool=forced,
+        messages=templated, images=images, tools=tools, tool_mode=mode, forced_tool=forced,
         parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking(req.reasoning),
         sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p), output_format=_format(req.text),
         max_tokens=req.max_output_tokens, stream=bool(req.stream))

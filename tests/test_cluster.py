@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -127,6 +128,31 @@ def test_policy_prefers_the_prefix_holder_within_the_load_bound():
     assert len(index) == 8 and index.held["b"] == 8
 
 
+def test_affinity_key_holds_the_image_hashes():
+    from types import SimpleNamespace
+
+    from thorgen.runtime.backend import ImageInput, ImageSpan
+    from thorgen.serve.cluster.routing import prompt_ids_of
+
+    def image(name: str) -> ImageInput:
+        return ImageInput(np.zeros((36, 768), np.uint8), np.zeros((36, 2), np.int32), 4, name)
+
+    prompt = [2, 5, 255] + [99] * 4 + [256] + list(range(30))  # boi, 4 image placeholders, eoi, text
+
+    def hashes(*spans, by_keyword=False):
+        args = (prompt, 8, None, frozenset(), False, spans)
+        request = (SimpleNamespace(args=(), kwargs={"prompt_ids": prompt, "images": spans}) if by_keyword
+                   else SimpleNamespace(args=args, kwargs={}))
+        return block_hashes(prompt_ids_of(request), 16)
+    cat, dog = ImageSpan(3, image("cat")), ImageSpan(3, image("dog"))
+    assert hashes(cat) == hashes(ImageSpan(3, image("cat"))) == hashes(cat, by_keyword=True)
+    assert hashes(cat)[0] != hashes(dog)[0] != block_hashes(prompt, 16)[0]  # same ids, other image: no match
+    index = PrefixIndex(capacity=8)
+    index.record(hashes(cat), "a")
+    assert index.match(hashes(cat), {"a"}) == ("a", 2) and index.match(hashes(dog), {"a"}) == (None, 0)
+    assert prompt_ids_of(SimpleNamespace(args=(prompt, 8, None, frozenset(), False), kwargs={})) == prompt
+
+
 def test_middleware_names_the_replica_and_marks_503_retryable():
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
@@ -177,6 +203,26 @@ def test_openai_client_answers_and_equals_single_server(cluster):
     c = got.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
     d = want.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
     assert c.choices[0].text == d.choices[0].text and c.usage.completion_tokens == d.usage.completion_tokens
+
+
+def test_image_through_the_cluster_equals_single_server(cluster):
+    import base64
+    import io
+
+    from PIL import Image
+
+    url, single_url = cluster
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    a, replica = _chat(_client(url), msgs, max_tokens=6, temperature=0,
+                       extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    b = _client(single_url).chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                    extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    assert replica in _replicas_up(url) and a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 20  # the image's soft tokens counted on both
 
 
 def test_bad_input_is_4xx(cluster):

@@ -67,3 +67,36 @@ def test_text_output_and_errors(tiny_checkpoint, tmp_path) -> None:
     assert missing.exit_code != 0 and "does not exist" in missing.output
     empty = CliRunner().invoke(main, ["generate", "--model", str(tmp_path), "--prompt-ids", "2"])
     assert empty.exit_code != 0 and "config.json" in empty.output
+
+
+def test_image_fills_the_prompts_placeholder(tiny_checkpoint, tiny_ckpt, tmp_path) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from thorgen.runtime.media.images import load_image
+    from thorgen.runtime.media.prompts import expand_image_tokens
+    from thorgen.runtime.text.tokenizer import Tokenizer
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(buf, format="PNG")
+    path = tmp_path / "photo.png"
+    path.write_bytes(buf.getvalue())
+    args = [*BASE, "--model", str(tiny_checkpoint), "--image", str(path), "--image-max-tokens", "70"]
+    out = json.loads(run(*args, "--prompt", "Look: <|image|> What is it?").output)
+    vision = tiny_ckpt.spec.vision
+    ids = [2] + Tokenizer.from_file(tiny_ckpt.tokenizer_path).encode("Look: <|image|> What is it?")
+    assert ids.count(vision.image_token_id) == 1
+    expanded, spans = expand_image_tokens(ids, [load_image(path.read_bytes(), vision, 70)], vision)
+    stops = frozenset(tiny_ckpt.generation_config["eos_token_id"])
+    direct = ReferenceBackend(tiny_ckpt).generate(expanded, 16, SamplingParams(), stop_ids=stops, images=spans)
+    assert out["prompt_tokens"] == len(expanded) and out["token_ids"] == direct.token_ids
+    for prompt, message in (("no placeholder", "placeholder"), ("<|image|><|image|>", "placeholder")):
+        r = CliRunner().invoke(main, [*args, "--prompt", prompt])
+        assert r.exit_code != 0 and message in r.output and "--image" in r.output, r.output
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    r = CliRunner().invoke(main, [*BASE, "--model", str(tiny_checkpoint), "--image", str(tmp_path / "bad.png"),
+                                  "--prompt", "<|image|>"])
+    assert r.exit_code != 0 and "bad.png" in r.output and "not an image" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)

@@ -297,6 +297,30 @@ def test_bench_reference_backend_json(tiny_checkpoint, tmp_path):
     assert json.loads(out.read_text())["ttft_ms"] == r["ttft_ms"]
 
 
+def test_bench_image_on_the_reference_backend(tiny_checkpoint, tmp_path):
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from thorgen.runtime.bench.cli import bench
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (80, 120, 3), dtype=np.uint8)).save(photo)
+    args = ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "8", "--gen", "3", "--runs",
+            "2", "--ctx", "256", "--image", str(photo), "--image-max-tokens", "70"]
+    res = CliRunner().invoke(bench, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    image = json.loads(res.output.strip().splitlines()[-1])["image"]
+    assert (image["width"], image["height"], image["budget"]) == (120, 80, 70) and 0 < image["soft_tokens"] <= 70
+    assert image["prompt_tokens"] == 8 + image["soft_tokens"] + 2  # <bos> + boi + soft tokens + eoi + 7 text
+    assert image["encode_ms"] > 0 and image["preprocess_ms"] > 0 and image["decode_tok_s"] > 0
+    assert image["ttft_ms"] > 0 and len(image["ttft_ms_runs"]) == 2  # (timed apart from encode_ms: no order)
+    text = CliRunner().invoke(bench, args)
+    assert text.exit_code == 0 and "soft tokens" in text.output and "TTFT" in text.output, text.output
+    (tmp_path / "bad.png").write_bytes(b"no picture")
+    bad = CliRunner().invoke(bench, [*args[:-4], "--image", str(tmp_path / "bad.png")])
+    assert bad.exit_code != 0 and "bad.png" in bad.output
+
+
 def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):
     from click.testing import CliRunner
 

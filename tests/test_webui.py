@@ -315,7 +315,7 @@ def test_attached_images_are_sent_as_image_url_parts(served):
     page = open_page(served)
     bodies = []
 
-    def answer(route):  # the server does not take images yet: the page's request is what is checked here
+    def answer(route):  # the scripted engine has no vision tower: the page's request is what is checked here
         bodies.append(route.request.post_data_json)
         chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Seen."}}]}
         route.fulfill(status=200, content_type="text/event-stream",
@@ -358,3 +358,36 @@ def test_attached_images_are_sent_as_image_url_parts(served):
     send(page, "and now?", 3)
     assert bodies[-1]["messages"][0] == {"role": "user", "content": "[image]\nwhat is this?"}
     assert bodies[-1]["messages"][2]["content"] == "[image]\n[image]\nand these?"
+
+
+def test_attached_image_reaches_the_model_and_the_answer_streams(served, tiny_checkpoint):
+    """The tiny checkpoint (with a vision tower) on the reference backend: the page's image part is read,
+    expanded into its soft tokens and answered as a stream."""
+    from tiny_server import tiny_server
+
+    browser = served[4]
+    with tiny_server(tiny_checkpoint, 1024) as (url, state):
+        spans = []
+        original = state.client.submit
+
+        def recording(*args, **kwargs):
+            spans.append(kwargs.get("images", ()))
+            return original(*args, **kwargs)
+        state.client.submit = recording
+        page = browser.new_context().new_page()
+        page.goto(url + "/")
+        page.get_by_test_id("model").filter(has_text="tiny").wait_for(timeout=10000)
+        page.get_by_test_id("settings-toggle").click()
+        page.get_by_test_id("max-tokens").fill("6")
+        chunks = []
+        page.on("response", lambda r: chunks.append(r.headers.get("content-type", ""))
+                if r.url.endswith("/v1/chat/completions") else None)
+        photo = png_bytes("orange")
+        page.get_by_test_id("file").set_input_files([{"name": "o.png", "mimeType": "image/png", "buffer": photo}])
+        page.get_by_test_id("thumbnail").wait_for()
+        send(page, "what is this?", 1)
+        assert len(spans) == 1 and len(spans[0]) == 1 and spans[0][0].image.soft_tokens > 0
+        assert chunks and chunks[0].startswith("text/event-stream")  # streamed
+        answer = page.get_by_test_id("assistant-message").last
+        assert answer.get_attribute("data-done") == "1" and "error" not in (answer.get_attribute("class") or "")
+        page.context.close()

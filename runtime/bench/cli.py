@@ -75,7 +75,7 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
               roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
               speculative: bool = False, accept: int | None = None,
-              options: EngineOptions = EngineOptions()) -> dict:
+              options: EngineOptions = EngineOptions(), image: Path | None = None, image_budget: int = 280) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
                                     max(batch_sizes or [1]), options)
@@ -132,6 +132,10 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         from .batched import measure_batched
 
         measure_batched(backend, report, batch_sizes, prompt_len + gen // 2)
+    if image is not None:
+        from .image import measure_image
+
+        measure_image(backend, report, image, image_budget, prompt, gen, runs)
     if peer == "hf":  # the same prompt and length on the same device, in the same run (runtime/bench/peer.py)
         from .peer import bench_peer
 
@@ -152,6 +156,10 @@ def _text(r: dict) -> str:
              f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
              f"({r['copy_gb_s']:.1f} GB/s)",
              f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB"]
+    if r.get("image"):
+        from .image import image_text
+
+        lines.append(image_text(r))
     if r.get("peer"):
         p = r["peer"]
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
@@ -244,12 +252,18 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--batch-sizes", default=None,
               help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
                    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
+@click.option("--image", "image", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Also time this image ahead of the text prompt: preprocessing, the vision tower alone, TTFT "
+                   "(encode + prefill) and decode tok/s after it.")
+@click.option("--image-max-tokens", "image_budget", type=click.Choice(["70", "140", "280", "560", "1120"]),
+              default="280", show_default=True, help="--image: soft tokens the image may take.")
 @engine_option_flags
 @click.pass_context
-def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
-          as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
-          roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None,
-          speculative: bool, accept: int | None, engine_options: EngineOptions) -> None:
+def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int,
+          ctx: int | None, kv_dtype: str, as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None,
+          kernel_dir: Path | None, roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None,
+          peer: str | None, speculative: bool, accept: int | None, image: Path | None, image_budget: str,
+          engine_options: EngineOptions) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -269,6 +283,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
                + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
                + (f" --emulate-acceptance {accept}" if accept is not None else "")
+               + (f" --image {image} --image-max-tokens {image_budget}" if image else "")
                + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
                          if not getattr(engine_options, name)))
     if accept is not None and not speculative:
@@ -281,7 +296,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer, speculative, accept, engine_options)
+                           roofline, sizes, peer, speculative, accept, engine_options, image, int(image_budget))
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...model_spec.types import ModelSpec
 from ..api import EngineConfig, EngineOptions, OpenedModel, open_backend
-from ..backend import BackendError, GenerationResult, SamplingParams
+from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams
 
 
 def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
@@ -23,15 +23,16 @@ def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
 
 
 def timed_stream(backend: Any, prompt: list[int], gen: int, speculative: bool = False,
-                 stop_ids: frozenset[int] = frozenset()) -> dict:
+                 stop_ids: frozenset[int] = frozenset(), images: Sequence[ImageSpan] = ()) -> dict:
     """One greedy generation, timed at each step's arrival: ttft_s (call -> first token), decode_s (first ->
-    last token), steps after the first token, the tokens and, for speculative decoding, the accepted lengths."""
+    last token), steps after the first token, the tokens and, for speculative decoding, the accepted lengths.
+    `images`: the prompt's image spans (their encoding counts in the TTFT)."""
     result = GenerationResult()
     t0 = time.perf_counter()
     first = last = None
     steps = 0
     for _ in backend.generate_stream(prompt, gen, SamplingParams(), stop_ids=stop_ids, speculative=speculative,
-                                     result=result):
+                                     result=result, **({"images": tuple(images)} if images else {})):
         now = time.perf_counter()
         if first is None:
             first = now

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ...runtime.api import EngineConfig
+from ...runtime.backend import ImageSpan
 from ...runtime.client import (EngineBusy, EngineClient, EngineFailure, EngineUnavailable, RequestRejected,
                               SamplingParams)
 from .remote import ClusterMetrics, Failed, RemoteEngineClient, ReplicaHeaderMiddleware, Routed
@@ -45,11 +46,11 @@ class EngineReplica:
         return self.text
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                       stop_ids: frozenset[int], speculative: bool):
+                       stop_ids: frozenset[int], speculative: bool, images: tuple[ImageSpan, ...] = ()):
         """Routed(replica), then the engine's RequestOutputs; an engine error ends the stream as Failed."""
         yield Routed(self.replica)
         try:
-            stream = self.client.submit(prompt_ids, max_tokens, sampling, stop_ids, speculative)
+            stream = self.client.submit(prompt_ids, max_tokens, sampling, stop_ids, speculative, images=images)
         except (RequestRejected, EngineBusy, EngineUnavailable) as exc:
             yield Failed(type(exc).__name__, str(exc))
             return

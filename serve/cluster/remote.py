@@ -14,11 +14,12 @@ import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from ...runtime.backend import ImageSpan
 from ...runtime.client import (Capabilities, EngineBusy, EngineFailure, EngineUnavailable, GenerationResult,
                               OutputStream, RequestOutput, RequestRejected, SamplingParams)
 from . import routing
@@ -204,11 +205,11 @@ class RemoteEngineClient:
 
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-               request_id: str | None = None) -> RemoteStream:
+               request_id: str | None = None, images: Sequence[ImageSpan] = ()) -> RemoteStream:
         if not self.ready:
             raise EngineUnavailable(self.health().get("error", "no engine replica is up"))
         request_id = request_id or f"req-{next(self._ids)}"
-        args = (list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), bool(speculative))
+        args = (list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), bool(speculative), tuple(images))
         return RemoteStream(self, request_id, args, _REPLICA_SLOT.get())
 
     def abort(self, request_id: str) -> bool:

@@ -1,8 +1,8 @@
 """Serve stage: prefix-affinity routing of engine requests across Ray Serve replicas (a custom `RequestRouter`).
 
-Policy, per request (the prompt token ids are the request's first argument):
-1. Hash the prompt in fixed blocks of `block_tokens` ids, each hash chained over all blocks before it, so that one
-   hash names one whole prefix.
+Policy, per request (the prompt token ids are the request's first argument, its image spans the sixth):
+1. Hash the prompt (image placeholders as ids of their image's hash) in fixed blocks of `block_tokens` ids, each
+   hash chained over all blocks before it, so that one hash names one whole prefix.
 2. Look the hashes up in a bounded LRU index of which replica last served each prefix. The replica with the
    longest match (at least `min_match_blocks` blocks) holds that prefix in its cache.
 3. Send the request there if its queue (Serve's count of requests ongoing at that replica) is at most
@@ -20,6 +20,8 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from ...runtime.backend import key_tokens
 
 # Routing decisions of this process's routers ("affinity" or "balance"), read by the ingress's /metrics.
 DECISIONS: Counter = Counter()
@@ -98,11 +100,16 @@ def rank(candidates: Sequence[Any], key: Callable[[Any], Hashable], load: Callab
 
 
 def prompt_ids_of(request: PendingRequest | None) -> Sequence[int]:
+    """The ids that key a request's prefix: its prompt, each image placeholder replaced by an id of its image's
+    content hash (runtime.backend.key_tokens, as the engines' prefix caches key it), so that a prefix holding one
+    image is never taken for the same prefix holding another."""
     if request is None:
         return ()
     if request.args:
-        return request.args[0]
-    return request.kwargs.get("prompt_ids", ())
+        ids, images = request.args[0], request.args[5] if len(request.args) > 5 else ()
+    else:
+        ids, images = request.kwargs.get("prompt_ids", ()), request.kwargs.get("images", ())
+    return key_tokens(ids, images) if images else ids
 
 
 class PrefixAffinityRouter(RequestRouter):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import os
 import re
 import sys
@@ -14,7 +16,8 @@ import click
 import httpx
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
-HELP = "commands: /new (reset the conversation), /quit (exit); Ctrl-C stops a reply; Up/Down recall earlier lines"
+HELP = ("commands: /image PATH (attach an image to the next message), /new (reset the conversation), /quit (exit); "
+        "Ctrl-C stops a reply; Up/Down recall earlier lines")
 # C0/C1 control characters but newline and tab, and the bidi overrides: model output (or a server) must not be able
 # to move the cursor, retitle the terminal or reorder what is shown.
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -73,6 +76,7 @@ class ChatSession:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client or httpx.Client(headers=headers, timeout=httpx.Timeout(600, connect=10))
         self.history: list[dict] = []
+        self.pending: list[dict] = []  # image parts attached to the next message
         self.model = "default"
 
     def _paint(self, style: str, text: str) -> str:
@@ -86,9 +90,21 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history.clear()
+        self.pending.clear()
+
+    def attach(self, path: str | Path) -> None:
+        """The image file goes with the next message, inline as a data: URL (OSError/ValueError if unusable)."""
+        path = Path(path).expanduser()
+        kind = mimetypes.guess_type(path.name)[0] or ""
+        if not kind.startswith("image/"):
+            raise ValueError(f"{path}: not an image file name (.png, .jpg, .webp, .gif, ...)")
+        data = base64.b64encode(path.read_bytes()).decode()
+        self.pending.append({"type": "image_url", "image_url": {"url": f"data:{kind};base64,{data}"}})
 
     def send(self, text: str) -> dict:
-        self.history.append({"role": "user", "content": text})
+        content = [*self.pending, {"type": "text", "text": text}] if self.pending else text
+        self.history.append({"role": "user", "content": content})
+        self.pending = []
         body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
                       "messages": ([{"role": "system", "content": self.system}] if self.system else []) + self.history,
                       "chat_template_kwargs": {"enable_thinking": self.think}}
@@ -146,8 +162,14 @@ class ChatSession:
 
 def run_chat(url: str, think: bool = False, temperature: float | None = None, max_tokens: int | None = None,
              system: str | None = None, api_key: str | None = None,
-             read: Callable[[str], str] | None = None, out: TextIO = sys.stdout) -> None:
+             read: Callable[[str], str] | None = None, out: TextIO = sys.stdout, images: tuple[Path, ...] = ()) -> None:
     session = ChatSession(url, think, temperature, max_tokens, system, api_key, out=out)
+    for path in images:
+        try:
+            session.attach(path)
+        except (OSError, ValueError) as exc:
+            out.write(printable(f"cannot attach an image: {exc}") + "\n")
+            raise SystemExit(1) from None
     read = read or line_reader()
     try:
         model = session.connect()
@@ -169,6 +191,13 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
             session.reset()
             out.write("(new conversation)\n")
             continue
+        if line.startswith("/image "):
+            try:
+                session.attach(line[len("/image "):].strip())
+                out.write(f"({len(session.pending)} image(s) attached to the next message)\n")
+            except (OSError, ValueError) as exc:
+                out.write(session._paint(RED, printable(f"error: {exc}")) + "\n")
+            continue
         if line.startswith("/"):
             out.write(HELP + "\n")
             continue
@@ -186,6 +215,9 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
 @click.option("--max-tokens", type=click.IntRange(1), default=None)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="An image file attached to the first message (repeat for several; /image PATH attaches later).")
 def chat(url: str, think: bool, temperature: float | None, max_tokens: int | None, system: str | None,
-         api_key: str | None) -> None:
-    run_chat(url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key)
+         api_key: str | None, images: tuple[Path, ...]) -> None:
+    run_chat(url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key,
+             images=images)
