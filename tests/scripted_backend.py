@@ -139,7 +139,7 @@ class ScriptedRunner:
 
 
 # the placeholder names server tests send as `model`; a fixture's server answers to them beside its own name
-TEST_MODEL_NAMES = ("m", "x")
+TEST_MODEL_NAMES = ("m", "x", "tiny")
 
 
 def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-engine"):
