@@ -20,7 +20,8 @@ from .anthropic_format import serve_message
 from .guards import prompt_ids
 from .pipeline import prepare, with_images
 from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn,
-                       _Body, _Open, image_source, integer, stop_list, template_messages, validate_tools)
+                       _Body, _Open, integer, stop_list)
+from .conversation import image_source, template_messages, validate_tools
 from .request import GenerationRequest, ImageSource, SamplingOptions
 from .tool_schemas import template_tools
 

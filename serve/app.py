@@ -30,7 +30,8 @@ from .media import MediaOptions
 from .metrics import Metrics
 from .pipeline import with_images
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       TokenizerInfo, error_body, template_messages, validate_tools)
+                       TokenizerInfo, error_body)
+from .conversation import template_messages, validate_tools
 from .tool_schemas import template_tools
 
 log = logging.getLogger("thorgen.serve")

@@ -10,8 +10,8 @@ from fastapi import Request
 from .media import image_budget
 from .openai_format import serve_generation
 from .pipeline import prepare
-from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported,
-                       stop_list, template_messages, tool_choice_mode, validate_tools)
+from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list
+from .conversation import template_messages, tool_choice_mode, validate_tools
 from .request import GenerationRequest, Prompt
 from .sampling import sampling_options, thinking_enabled
 from .structured import output_format

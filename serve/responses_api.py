@@ -13,8 +13,8 @@ from pydantic import ConfigDict, Field, StrictBool
 from . import openapi
 from .pipeline import prepare
 from .protocol import (REASONING_EFFORTS, APIError, ContentPart, FunctionCall, FunctionDef, Message, Number, Tool,
-                       ToolCallIn, _Body, _Open, image_source, integer, template_messages, tool_choice_mode,
-                       validate_tools)
+                       ToolCallIn, _Body, _Open, integer)
+from .conversation import image_source, template_messages, tool_choice_mode, validate_tools
 from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
 from .responses_format import serve_response
 

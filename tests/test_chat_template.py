@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from thorgen.serve.chat_template import ChatTemplate
-from thorgen.serve.protocol import APIError, Message, template_messages
+from thorgen.serve.protocol import APIError, Message
+from thorgen.serve.conversation import template_messages
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = REPO / "model_spec" / "synth" / "chat_template.jinja"

@@ -1,0 +1,164 @@
+"""Serve stage: a chat request's messages and tools checked and turned into what the chat template renders
+(content strings or text + image parts, tool calls, tool definitions), with the images' sources collected."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ..runtime.media.images import SOFT_TOKEN_BUDGETS
+from .protocol import APIError, ContentPart, Message, Tool, ToolCallIn
+from .request import ImageSource
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
+# image_url.detail: "low" takes the smallest soft-token budget, "auto" and "high" the request's (or the server's)
+DETAIL_BUDGETS = {"auto": None, "high": None, "low": SOFT_TOKEN_BUDGETS[0]}
+
+
+def image_source(url: Any, detail: Any, where: str, param: str = "messages") -> ImageSource:
+    """An image part's URL and detail, checked (its bytes are read later, once per request)."""
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{where}: the image URL must be a non-empty string", param=param)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in ("data", "http", "https"):
+        raise APIError(f"{where}: an image URL is a data: URL (data:image/png;base64,...) or an http(s) URL; got "
+                       f"{url[:40]!r}", param=param)
+    if detail is not None and detail not in DETAIL_BUDGETS:
+        raise APIError(f"{where}: detail must be one of {', '.join(DETAIL_BUDGETS)}; got {detail!r}", param=param)
+    return ImageSource(url, where, DETAIL_BUDGETS.get(detail))
+
+
+def _image_of(part: ContentPart, where: str) -> ImageSource | None:
+    """The image a part names, or None for a text part; a 400 for any other part."""
+    if part.type == "text" and part.text is not None:
+        return None
+    if part.type == "image_url" and part.image_url is not None:
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return image_source(url, None if isinstance(part.image_url, str) else part.image_url.detail, where)
+    if part.type == "image" and (part.url or part.image):
+        return image_source(part.url or part.image, None, where)
+    raise APIError(f"{where}: a content part is text ({{'type': 'text', 'text': ...}}) or an image "
+                   f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}); got type {part.type!r}",
+                   param="messages")
+
+
+def _content(m: Message, i: int, images: list[ImageSource] | None) -> str | list[dict] | None:
+    """A message's content for the template: a string, or (a user message with images) text and {"type": "image"}
+    parts in order, each image's source appended to `images` (None: images are refused here)."""
+    if not isinstance(m.content, list):
+        return m.content
+    parts = [(part, _image_of(part, f"messages[{i}].content[{j}]")) for j, part in enumerate(m.content)]
+    found = [source for _, source in parts if source is not None]
+    if not found:
+        return "".join(part.text for part, _ in parts)
+    if images is None:
+        raise APIError(f"{found[0].where}: this endpoint does not take images", param="messages")
+    if m.role != "user":
+        raise APIError(f"{found[0].where}: images are accepted in user messages only (not {m.role!r})",
+                       param="messages")
+    images += found
+    return [{"type": "image"} if source is not None else {"type": "text", "text": part.text}
+            for part, source in parts]
+
+
+def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    seen = set()
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if tool.type != "function":
+            raise APIError(f"tools[{i}].type must be 'function'", param="tools")
+        if not _TOOL_NAME.fullmatch(fn.name):
+            raise APIError(f"tools[{i}].function.name {fn.name!r} must match [A-Za-z0-9_.-]{{1,64}}", param="tools")
+        if fn.name in seen:
+            raise APIError(f"tool name {fn.name!r} is declared twice", param="tools")
+        seen.add(fn.name)
+        params = fn.parameters
+        if params is not None:
+            if params.get("type", "object") != "object":
+                raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type 'object'",
+                               param="tools")
+            if not isinstance(params.get("properties", {}), dict):
+                raise APIError(f"tools[{i}].function.parameters.properties must be an object", param="tools")
+        d = {"name": fn.name, "description": fn.description or ""}
+        if params is not None:
+            d["parameters"] = params
+        out.append({"type": "function", "function": d})
+    return out
+
+
+def tool_choice_mode(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, str | None]:
+    """-> (mode, forced name) with mode in none/auto/required/named."""
+    names = [t["function"]["name"] for t in tools or []]
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError("tool_choice must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+        if choice == "required" and not names:
+            raise APIError("tool_choice 'required' needs tools", param="tool_choice")
+        return (choice if names else "none"), None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in names:
+        raise APIError(f"tool_choice names {name!r}, which is not among the declared tools", param="tool_choice")
+    return "named", name
+
+
+def _arguments(call: ToolCallIn, i: int) -> dict | str:
+    args = call.function.arguments
+    if isinstance(args, dict):
+        return args
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+    except ValueError:
+        raise APIError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid JSON",
+                       param="messages") from None
+    if not isinstance(parsed, dict):
+        raise APIError(f"messages[{i}].tool_calls: arguments must be a JSON object", param="messages")
+    return parsed
+
+
+def template_messages(messages: list[Message], images: list[ImageSource] | None = None) -> list[dict]:
+    """OpenAI messages -> the dicts Gemma's template expects: text parts joined (or, in a user message with
+    images, text and {"type": "image"} parts, the images' sources appended to `images`; None refuses images),
+    tool-call arguments as mappings, and `role: "tool"` results folded into the preceding assistant message as
+    `tool_responses` (the form Google's template renders inside the model turn)."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    out: list[dict] = []
+    owner: dict | None = None  # the assistant message that tool results attach to
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", param="messages")
+        content = _content(m, i, images)
+        if m.role == "tool":
+            if owner is None:
+                raise APIError(f"messages[{i}]: a 'tool' message must follow an assistant message with tool_calls",
+                               param="messages")
+            name = m.name or "unknown"
+            for call in owner.get("_ids", []):
+                if m.tool_call_id is not None and call[0] == m.tool_call_id:
+                    name = call[1]
+            owner.setdefault("tool_responses", []).append({"name": name, "response": content or ""})
+            continue
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(f"messages[{i}].content is required for role {m.role!r}", param="messages")
+        d: dict = {"role": m.role, "content": content}
+        owner = None
+        if m.role == "assistant" and m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c, i)}}
+                               for c in m.tool_calls]
+            d["_ids"] = [(c.id, c.function.name) for c in m.tool_calls]
+            owner = d
+        out.append(d)
+    for d in out:
+        d.pop("_ids", None)
+    return out
