@@ -62,8 +62,8 @@ def _mt(g: int, d: int, m: int) -> int:
 @cache
 def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
                  scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0,
-                 tpp: int = 1) -> tuple[KernelSpec, KernelSpec]:
-    """(decode / verify kernel, prefill kernel) of one attention shape."""
+                 tpp: int = 1, pre_mmax: int = MAX_STEP_TOKENS) -> tuple[KernelSpec, KernelSpec]:
+    """(decode / verify kernel, prefill kernel of up to `pre_mmax` queries) of one attention shape."""
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
@@ -73,7 +73,7 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
                   kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e), tpp=tpp)
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
-    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):
+    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", pre_mmax, 1)):
         # 32-key tiles (measured on the H200); where they do not fit (sm_120a: 99 KB per block at head dim 512),
         # one m-tile and 16-key tiles.
         mt, tk = _mt(g, d, mmax), TK
