@@ -17,7 +17,7 @@ import numpy as np
 from .config import check_quantization_config, spec_from_configs
 from .nvfp4 import bf16_to_f32, dequantize_nvfp4
 from .safetensors_io import CheckpointError, SafetensorsDir
-from .tensors import IGNORED_PREFIXES, TensorInfo, drafter_tensors, target_tensors
+from .tensors import TensorInfo, drafter_tensors, ignored_prefixes, target_tensors, vision_tensors
 from .types import ModelSpec, SpecError
 
 __all__ = ["Checkpoint", "CheckpointError"]
@@ -42,16 +42,17 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: str) -> None:
+def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: str,
+                        ignored: tuple[str, ...] = ()) -> None:
     """Missing / extra / wrong dtype / wrong shape, every problem at once, each naming file and tensor."""
     want = {t.name: t for t in expected}
     missing = [t.name for t in expected if not t.optional and t.name not in st]
-    extra = [n for n in st.where if n not in want and not n.startswith(IGNORED_PREFIXES)]
+    extra = [n for n in st.where if n not in want and not n.startswith(ignored)]
     wrong = []
     for t in expected:
         if t.name in st:
             e = st.entry(t.name)
-            if e.dtype != t.dtype or e.shape != tuple(t.shape):
+            if not t.accepts(e.dtype) or e.shape != tuple(t.shape):
                 wrong.append(f"{st.file_of(t.name)}: tensor {t.name!r} is {e.dtype}{list(e.shape)}, "
                              f"expected {t.dtype}{list(t.shape)}")
     problems = []
@@ -78,6 +79,8 @@ class Checkpoint:
         self._target, self._drafter = target, drafter
         self.target_inventory = target_tensors(spec.target)
         self.drafter_inventory = drafter_tensors(spec.drafter) if spec.drafter is not None else []
+        self.vision_inventory = ([] if spec.vision is None
+                                 else vision_tensors(spec.vision, spec.target.hidden_size))
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None) -> "Checkpoint":
@@ -105,7 +108,9 @@ class Checkpoint:
             raise CheckpointError(f"{tokenizer_path}: missing (the tokenizer)")
         chat_template = cls._find_chat_template(model_dir)
         target = SafetensorsDir(model_dir)
-        _validate_inventory(target, target_tensors(spec.target), f"{model_dir} (target)")
+        vision = [] if spec.vision is None else vision_tensors(spec.vision, spec.target.hidden_size)
+        _validate_inventory(target, target_tensors(spec.target) + vision, f"{model_dir} (target)",
+                            ignored_prefixes(spec.vision))
         drafter = None
         if draft_dir is not None:
             drafter = SafetensorsDir(draft_dir)

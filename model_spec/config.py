@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, ModelSpec, RopeSpec, SpecError
+from .tensors import quantization_ignore
 
 QUANT_FORMAT = "nvfp4-pack-quantized"
 GROUP_SIZE = 16
@@ -173,6 +174,19 @@ def vision_config(spec: Gemma4VisionSpec) -> dict:
     }
 
 
+def preprocessor_config(spec: Gemma4VisionSpec) -> dict:
+    """The `preprocessor_config.json` of a Gemma-4 checkpoint (Gemma4ImageProcessor: no normalisation, the model
+    maps [0, 1] to [-1, 1] itself; bicubic resize; the default soft-token budget)."""
+    return {
+        "do_convert_rgb": True, "do_normalize": False, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.0, 0.0, 0.0], "image_processor_type": "Gemma4ImageProcessor",
+        "image_seq_length": spec.default_output_length, "image_std": [1.0, 1.0, 1.0],
+        "max_soft_tokens": spec.default_output_length, "patch_size": spec.patch_size,
+        "pooling_kernel_size": spec.pooling_kernel_size, "processor_class": "Gemma4Processor", "resample": 3,
+        "rescale_factor": 1.0 / 255.0,
+    }
+
+
 # ---- writing configs (synth-checkpoint) ------------------------------------------------------------------------
 
 def _nvfp4_scheme(dynamic: bool | str, observer: str) -> dict:
@@ -205,7 +219,8 @@ def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None) 
         "use_double_wide_mlp": spec.use_double_wide_mlp, "vocab_size": spec.vocab_size,
         "vocab_size_per_layer_input": spec.vocab_size,
     }
-    ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)] + ["lm_head"]
+    ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)]
+    ignore += quantization_ignore(vision) + ["lm_head"]
     images = {} if vision is None else {
         "boi_token_id": vision.boi_token_id, "eoi_token_id": vision.eoi_token_id,
         "image_token_id": vision.image_token_id, "video_token_id": vision.video_token_id,

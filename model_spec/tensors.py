@@ -1,21 +1,31 @@
 """Model spec stage: the tensor inventory (name, dtype, shape, role) of the target and drafter checkpoints.
 
 One table serves checkpoint validation, synthetic checkpoints, repack and codegen. Names follow the
-RedHatAI NVFP4 layout (`model.language_model.` prefix, experts stored unfused per expert) and the z-lab
-DFlash layout (no prefix, bf16).
+RedHatAI NVFP4 layout (`model.language_model.` prefix, experts stored unfused per expert, the vision tower
+`model.vision_tower.` and its projection `model.embed_vision.` in bf16) and the z-lab DFlash layout (no prefix, bf16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .types import DFlashSpec, Gemma4TextSpec
+from .types import DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec
 
 TARGET_PREFIX = "model.language_model."
+VISION_PREFIX = "model.vision_tower."
+VISION_PROJECTION = "model.embed_vision.embedding_projection"
 GROUP = 16  # NVFP4 elements per E4M3 block scale
 
-# Tensors a multimodal checkpoint carries that the text engine does not use (validated as present-or-absent).
-IGNORED_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+# Tensors a multimodal checkpoint carries that thorgen does not use (validated as present-or-absent); the vision
+# tower's are only ignored when the spec has no tower (a config without vision_config).
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
+VISION_PREFIXES = (VISION_PREFIX, "model.embed_vision.")
+IGNORED_PREFIXES = VISION_PREFIXES + AUDIO_PREFIXES
+
+
+def ignored_prefixes(vision: Gemma4VisionSpec | None) -> tuple[str, ...]:
+    """Name prefixes whose tensors may be present or absent: audio always, the vision tower without a spec."""
+    return AUDIO_PREFIXES if vision is not None else IGNORED_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     role: str  # "bf16" for plain weights, or the NVFP4 part name
     optional: bool = False
+    also_f32: bool = False  # the file may store it as F32 instead (the tower's std_bias / std_scale buffers)
+
+    def accepts(self, dtype: str) -> bool:
+        return dtype == self.dtype or (self.also_f32 and dtype == "F32")
 
     @property
     def nbytes(self) -> int:
@@ -126,3 +140,48 @@ def drafter_tensors(spec: DFlashSpec) -> list[TensorInfo]:
                 TensorInfo(f"layers.{layer}.post_attention_layernorm.weight", "BF16", (h,), "bf16")]
     out.append(TensorInfo("norm.weight", "BF16", (h,), "bf16"))
     return out
+
+
+VISION_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
+
+
+def vision_linears(spec: Gemma4VisionSpec, layer: int) -> list[Linear]:
+    """The bf16 projections of one vision encoder layer (q, k, v, o, gate, up, down; no grouped-query attention)."""
+    p = f"{VISION_PREFIX}encoder.layers.{layer}."
+    h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    inner = spec.num_attention_heads * hd
+    return [Linear(f"{p}self_attn.q_proj.linear", inner, h, False),
+            Linear(f"{p}self_attn.k_proj.linear", inner, h, False),
+            Linear(f"{p}self_attn.v_proj.linear", inner, h, False),
+            Linear(f"{p}self_attn.o_proj.linear", h, inner, False),
+            Linear(f"{p}mlp.gate_proj.linear", i, h, False), Linear(f"{p}mlp.up_proj.linear", i, h, False),
+            Linear(f"{p}mlp.down_proj.linear", h, i, False)]
+
+
+def vision_tensors(spec: Gemma4VisionSpec, text_hidden: int) -> list[TensorInfo]:
+    """Every tensor of the vision tower and its projection into the text model (bf16, never quantized):
+    13 per encoder layer, the patch projection and x/y position tables, the standardize buffers, the projection."""
+    h = spec.hidden_size
+    out = [t for lin in (Linear(f"{VISION_PREFIX}patch_embedder.input_proj", h, spec.patch_dim, False),)
+           for t in lin.tensors()]
+    out.append(TensorInfo(f"{VISION_PREFIX}patch_embedder.position_embedding_table", "BF16",
+                          (2, spec.position_embedding_size, h), "bf16"))
+    for layer in range(spec.num_hidden_layers):
+        p = f"{VISION_PREFIX}encoder.layers.{layer}."
+        out += [t for lin in vision_linears(spec, layer) for t in lin.tensors()]
+        out += [TensorInfo(f"{p}self_attn.{n}.weight", "BF16", (spec.head_dim,), "bf16") for n in ("q_norm", "k_norm")]
+        out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in VISION_LAYER_NORMS]
+    out += [TensorInfo(f"{VISION_PREFIX}std_bias", "BF16", (h,), "bf16", also_f32=True),
+            TensorInfo(f"{VISION_PREFIX}std_scale", "BF16", (h,), "bf16", also_f32=True)]
+    out += Linear(VISION_PROJECTION, text_hidden, h, False).tensors()
+    return out
+
+
+def quantization_ignore(vision: Gemma4VisionSpec | None) -> list[str]:
+    """The vision Linears the real config's quantization `ignore` list names (module paths, no `.weight`)."""
+    if vision is None:
+        return []
+    names = [f"{VISION_PREFIX}patch_embedder.input_proj"]
+    names += [lin.prefix for layer in range(vision.num_hidden_layers) for lin in vision_linears(vision, layer)]
+    return names + [VISION_PROJECTION]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
 
 from ..model_spec import ModelSpec
 
@@ -17,6 +20,86 @@ def check_token_ids(ids, vocab: int, what: str = "prompt") -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise BackendError(f"{what} token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One preprocessed image (runtime.media.images): its patches in (py, px, c) order, row-major over the patch
+    grid, as uint8 pixels (or float32 in [0, 1]) [L, patch_dim]; each patch's (x, y) grid position i32 [L, 2];
+    the soft tokens it becomes (L / pool^2); and a content hash (sha256 of the decoded pixels and the budget) that
+    keys the encoder and prefix caches. Identity is the hash: two inputs with one hash are the same image."""
+
+    patches: np.ndarray
+    positions: np.ndarray
+    soft_tokens: int
+    hash: str
+
+    def pixel_values(self) -> np.ndarray:
+        """The patches as float32 in [0, 1] (uint8 / 255 rounded once from float64, as the HF processor does)."""
+        if self.patches.dtype == np.uint8:
+            return (self.patches.astype(np.float64) * (1 / 255)).astype(np.float32)
+        return self.patches.astype(np.float32)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImageInput) and other.hash == self.hash
+
+    def __hash__(self) -> int:
+        return hash(self.hash)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where an image sits in a prompt: its soft-token placeholders are prompt positions offset .. offset+N-1."""
+
+    offset: int
+    image: ImageInput
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.image.soft_tokens
+
+
+def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_token_id: int) -> None:
+    """BackendError unless the spans are in order, disjoint, inside the prompt, and cover exactly the prompt's
+    image placeholder ids."""
+    at = -1
+    covered = 0
+    for span in spans:
+        if span.offset <= at or span.end > len(ids):
+            raise BackendError(f"image span {span.offset}..{span.end} is out of order or outside the "
+                               f"{len(ids)}-token prompt")
+        if any(ids[i] != image_token_id for i in range(span.offset, span.end)):
+            raise BackendError(f"image span {span.offset}..{span.end} does not hold {span.image.soft_tokens} "
+                               f"image placeholder tokens ({image_token_id})")
+        at = span.end - 1
+        covered += span.image.soft_tokens
+    placeholders = sum(1 for t in ids if t == image_token_id)
+    if placeholders != covered:
+        raise BackendError(f"the prompt has {placeholders} image placeholder tokens but its images take {covered}")
+
+
+def image_key(image_hash: str, index: int) -> int:
+    """A negative id standing for soft token `index` of an image in cache keys (never a real token id)."""
+    digest = hashlib.blake2b(f"{image_hash}:{index}".encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "little") >> 2)
+
+
+def key_tokens(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
+    """The ids that key prefix caches: each image placeholder becomes image_key(hash, index), so two different
+    images never share cached K/V and the same image at the same place does."""
+    out = list(ids)
+    for span in spans:
+        out[span.offset:span.end] = [image_key(span.image.hash, i) for i in range(span.image.soft_tokens)]
+    return out
+
+
+def span_floor(n: int, spans: Sequence[ImageSpan]) -> int:
+    """The largest m <= n such that the first m positions end outside every image span (a span is all or
+    nothing: its tokens attend to each other both ways, so a chunk or cache hit never ends inside one)."""
+    for span in spans:
+        if span.offset < n < span.end:
+            return span.offset
+    return n
 
 
 MAX_TOP_LOGPROBS = 20
@@ -133,7 +216,8 @@ class Backend(Protocol):
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+                        result: GenerationResult | None = None,
+                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
         """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
         Fills the caller's `result` as it goes (the caller keeps it: a value per request, never backend state).
         Request mistakes raise BackendError from this call itself, before any work."""
@@ -141,7 +225,8 @@ class Backend(Protocol):
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+                 cancelled: Callable[[], bool] | None = None,
+                 images: Sequence[ImageSpan] = ()) -> GenerationResult:
         ...
 
 

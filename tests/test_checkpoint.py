@@ -194,9 +194,47 @@ def test_input_global_scale_is_optional_and_ignored_prefixes_allowed(copy):
     for shard in sorted({p.name for p in copy.glob("model-*.safetensors")}):
         _rewrite(copy, shard, lambda a: [a.pop(n) for n in list(a) if n.endswith("input_global_scale")])
     first = _shard_of(copy, P + "embed_tokens.weight")
-    _rewrite(copy, first, lambda a: a.update({"model.vision_tower.encoder.w": ("BF16", np.zeros(4, np.uint16))}))
+    _rewrite(copy, first, lambda a: a.update({"model.audio_tower.encoder.w": ("BF16", np.zeros(4, np.uint16))}))
     ck = Checkpoint.open(copy)
     assert not ck.has_tensor(P + "layers.0.mlp.up_proj.input_global_scale")
+
+
+V = "model.vision_tower."
+
+
+def test_vision_tensors_are_validated_with_a_tower(copy):
+    """With vision_config the tower's 13 x layers + 5 tensors are part of the inventory: an unknown one is refused."""
+    ck = Checkpoint.open(copy)
+    vision = ck.spec.vision
+    assert len(ck.vision_inventory) == 13 * vision.num_hidden_layers + 5
+    assert ck.weight_f32(V + "encoder.layers.1.mlp.down_proj.linear.weight").shape == (144, 272)
+    first = _shard_of(copy, P + "embed_tokens.weight")
+    _rewrite(copy, first, lambda a: a.update({V + "encoder.w": ("BF16", np.zeros(4, np.uint16))}))
+    with pytest.raises(CheckpointError, match="unexpected") as exc:
+        Checkpoint.open(copy)
+    assert V + "encoder.w" in str(exc.value)
+
+
+def test_vision_standardize_buffers_may_be_f32_and_missing_tower_tensors_are_named(copy):
+    name = V + "std_scale"
+    _rewrite(copy, _shard_of(copy, name), lambda a: a.update({name: ("F32", np.full(144, 0.1, np.float32))}))
+    ck = Checkpoint.open(copy)
+    assert ck.weight_f32(name).dtype == np.float32 and np.allclose(ck.weight_f32(name), 0.1)
+    gone = V + "encoder.layers.0.self_attn.q_norm.weight"
+    _rewrite(copy, _shard_of(copy, gone), lambda a: a.pop(gone))
+    with pytest.raises(CheckpointError, match="missing") as exc:
+        Checkpoint.open(copy)
+    assert gone in str(exc.value)
+
+
+def test_vision_tensors_are_ignored_without_a_tower(copy):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["vision_config"] = None
+    (copy / "config.json").write_text(json.dumps(cfg))
+    first = _shard_of(copy, P + "embed_tokens.weight")
+    _rewrite(copy, first, lambda a: a.update({V + "encoder.w": ("BF16", np.zeros(4, np.uint16))}))
+    ck = Checkpoint.open(copy)
+    assert ck.spec.vision is None and ck.vision_inventory == []
 
 
 # ---- bad checkpoints ------------------------------------------------------------------------------------------------

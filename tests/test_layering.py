@@ -4,7 +4,8 @@ model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-p
 ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
 nothing imports bench; no runtime room imports codegen (the runtime reads what `thorgen build` wrote: the kernel
 benchmark too, from manifest.json and bench_cases.json); serve reaches the runtime only through its client API
-(api, client, the request/result types in backend, and text). Every import
+(api, client, the request/result types in backend, and text) and the media room (image preprocessing), which
+generate and bench use too and which imports only model_spec and the request types. Every import
 counts, including ones inside functions and under TYPE_CHECKING.
 """
 
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
 RUNTIME = {"runtime.backend", "runtime.manifest", "runtime.engine", "runtime.text", "runtime.convert",
-           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate"}
+           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate", "runtime.media"}
 CLIENT_API = {"runtime.api", "runtime.client", "runtime.backend", "runtime.text"}
 ALLOWED = {
     "model_spec": set(),
@@ -29,16 +30,17 @@ ALLOWED = {
     "runtime.manifest": {"model_spec", "runtime.backend"},
     "runtime.engine": {"model_spec", "runtime.backend"},
     "runtime.text": {"model_spec", "runtime.backend"},
+    "runtime.media": {"model_spec", "runtime.backend"},
     "runtime.convert": {"model_spec", "runtime.backend"},
     "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
     "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert"},
     "runtime.api": {"model_spec", "runtime.backend", "runtime.reference", "runtime.cuda"},
     "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
-    "runtime.generate": {"model_spec"} | CLIENT_API,
+    "runtime.generate": {"model_spec", "runtime.media"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,
-    "serve": {"model_spec"} | CLIENT_API,
-    "serve.cluster": {"model_spec", "serve"} | CLIENT_API,
-    "serve.tools": {"model_spec", "serve"} | CLIENT_API,
+    "serve": {"model_spec", "runtime.media"} | CLIENT_API,
+    "serve.cluster": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
+    "serve.tools": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
     "cli": set(),  # the command table names modules as strings, imported when a command runs
     "prepare": {"codegen", "runtime.convert"},
     "": set(),  # thorgen/__init__.py

@@ -17,7 +17,7 @@ from thorgen.model_spec.safetensors_io import build_header
 from thorgen.model_spec.safetensors_shards import plan_shards
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.synth.writer import FULL_SHARD_BYTES
-from thorgen.model_spec.tensors import TARGET_PREFIX, target_tensors
+from thorgen.model_spec.tensors import TARGET_PREFIX, target_tensors, vision_tensors
 from thorgen.model_spec.types import ModelSpec
 
 P = TARGET_PREFIX
@@ -167,8 +167,12 @@ def test_full_preset_streaming_plan():
     infos = target_tensors(spec.target)
     # 4 tensors per NVFP4 Linear (sliding layers: q k v o + 3 dense + 128*3 experts; full layers have no v),
     # 13 plain tensors per layer, embedding + final norm. The seed loader counted 47648 for the real file,
-    # 356 more: that matches the ignored vision tower (27 ViT layers), which this inventory leaves out.
+    # 356 more: the vision tower (27 ViT layers x 13 + patch projection, position table, std_bias, std_scale)
+    # and its projection into the text model, which vision_tensors lists.
     assert len(infos) == 4 * (25 * (4 + 3 + 384) + 5 * (3 + 3 + 384)) + 30 * 13 + 2
+    vision = vision_tensors(spec.vision, spec.target.hidden_size)
+    assert len(vision) == 356 and len(infos) + len(vision) == 47648
+    assert 1.14e9 < sum(t.nbytes for t in vision) < 1.15e9  # 572.8 M bf16 parameters
     header, entries = build_header(infos, {"format": "pt"})
     assert len(header) % 8 == 0 and len(header) < 100 << 20
     assert entries[0].begin == 0 and all(a.end == b.begin for a, b in zip(entries, entries[1:]))
@@ -204,3 +208,33 @@ def test_cli(tmp_path):
     assert _digest(tmp_path / "j") == _digest(tmp_path / "c")
     res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "k"), "--jobs", "0"])
     assert res.exit_code != 0 and "--jobs" in res.output and not (tmp_path / "k").exists()
+
+
+def test_vision_quantization_ignore_matches_the_real_config(shared_dir):
+    """target_config's quantization ignore list names the tower's Linears as the RedHatAI config does."""
+    real = json.loads((shared_dir / "seed_data/reference/redhatai_nvfp4_config.json").read_text())
+    spec = get_preset("gemma-4-26b-a4b")
+    ours = target_config(spec.target, spec.vision)["quantization_config"]["ignore"]
+    assert ours == real["quantization_config"]["ignore"]
+
+
+def test_tiny_synth_has_image_tokens_and_a_preprocessor_config(tiny_checkpoint):
+    from tokenizers import Tokenizer
+
+    vision = get_preset("tiny").vision
+    tok = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("<|image>", "<|image|>", "<image|>", "<|video|>")] == \
+        [vision.boi_token_id, vision.image_token_id, vision.eoi_token_id, vision.video_token_id] == [60, 61, 62, 63]
+    assert tok.encode("a<|image|>b").ids.count(61) == 1
+    pre = json.loads((tiny_checkpoint / "preprocessor_config.json").read_text())
+    assert pre["image_processor_type"] == "Gemma4ImageProcessor" and pre["max_soft_tokens"] == 280
+    assert (pre["patch_size"], pre["pooling_kernel_size"], pre["do_normalize"]) == (16, 3, False)
+
+
+def test_full_synth_tokenizer_puts_image_tokens_at_the_real_ids():
+    from thorgen.model_spec.synth.tokenizer import build_tokenizer, media_special_ids
+
+    vision = get_preset("gemma-4-26b-a4b").vision
+    tok = build_tokenizer(262144, media_special_ids(vision))
+    assert tok.token_to_id("<|image|>") == 258880 and tok.token_to_id("<|image>") == 255999
+    assert tok.token_to_id("<image|>") == 258882 and tok.token_to_id("<|video|>") == 258884

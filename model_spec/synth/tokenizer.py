@@ -17,6 +17,8 @@ from collections import Counter
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers
 from tokenizers.models import BPE
 
+from ..types import Gemma4VisionSpec
+
 SPECIAL_IDS: dict[int, str] = {
     0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
     46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>",
@@ -115,8 +117,30 @@ def _train_merges(corpus: str, max_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_vocab(vocab_size: int, max_merges: int = 3000) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The (vocab, merges) of the synthetic tokenizer; vocab has exactly vocab_size entries."""
+def media_special_ids(vision: Gemma4VisionSpec | None) -> dict[int, str]:
+    """The image/video special tokens at the ids the vision spec names (none without a tower)."""
+    if vision is None:
+        return {}
+    return {vision.boi_token_id: "<|image>", vision.image_token_id: "<|image|>", vision.eoi_token_id: "<image|>",
+            vision.video_token_id: "<|video|>"}
+
+
+def _place_specials(vocab: dict[str, int], extra: dict[int, str]) -> dict[str, int]:
+    """The vocab with each extra special token taking over the never-produced filler entry at its id."""
+    by_id = {i: t for t, i in vocab.items()}
+    for i, text in extra.items():
+        old = by_id.get(i)
+        if old is None or not old.startswith("<unused") or text in vocab:
+            raise ValueError(f"synthetic tokenizer: id {i} ({old!r}) cannot hold the special token {text!r}")
+        by_id[i] = text
+        vocab = {t: j for j, t in by_id.items()}
+    return vocab
+
+
+def build_vocab(vocab_size: int, max_merges: int = 3000,
+                extra_specials: dict[int, str] | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The (vocab, merges) of the synthetic tokenizer; vocab has exactly vocab_size entries. extra_specials
+    (id -> text, e.g. the image tokens) take the filler slots at their ids."""
     base = FIRST_BYTE_ID + 256 + len(CHARS)
     if vocab_size < base:
         raise ValueError(f"vocab_size {vocab_size} is below the {base} ids the special/byte/char layout needs")
@@ -144,18 +168,21 @@ def build_vocab(vocab_size: int, max_merges: int = 3000) -> tuple[dict[str, int]
     while len(vocab) < vocab_size:  # ids that BPE never produces, so every id still decodes to some text
         vocab[f"<unused{n}>"] = len(vocab)
         n += 1
+    vocab = _place_specials(vocab, extra_specials or {})
     assert sorted(vocab.values()) == list(range(vocab_size))
     return vocab, merges
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    vocab, merges = build_vocab(vocab_size)
+def build_tokenizer(vocab_size: int, extra_specials: dict[int, str] | None = None) -> Tokenizer:
+    extra = extra_specials or {}
+    vocab, merges = build_vocab(vocab_size, extra_specials=extra)
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    specials = [tok_str for tok_str, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i < NEWLINE_ID]
+    specials = [tok_str for tok_str, i in sorted(vocab.items(), key=lambda kv: kv[1])
+                if i < NEWLINE_ID or i in extra]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    for i, s in SPECIAL_IDS.items():
+    for i, s in (SPECIAL_IDS | extra).items():
         assert tok.token_to_id(s) == i, (s, i, tok.token_to_id(s))
     return tok
 

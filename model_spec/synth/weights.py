@@ -11,6 +11,10 @@ or chunking. Scale choices (why activations stay finite and non-degenerate throu
     sqrt(D) (one-hot attention); D^-1/4 each makes q.k ~ N(0, 1).
   * router.proj ~ N(0, 1), router.scale ~ 1 +- 10%, per_expert_scale in [0.8, 1.2]: the router input is
     rmsnorm(x) * scale / sqrt(H), so logits have std ~1 and the top-k spreads over all experts.
+  * vision tower: projections and norms as above; the x/y position tables ~ N(0, 0.5) (patch embeddings stay
+    O(1)); the standardize buffers match what the pooled, x sqrt(Hv) features look like (per channel a spread of
+    ~sqrt(Hv) around a mean of the same order): std_bias ~ N(0, sqrt(Hv)/2), std_scale ~ U(0.5, 1.5)/sqrt(Hv),
+    so (pooled - std_bias) * std_scale is O(1) before the weightless RMSNorm.
 NVFP4 projections, two methods (same distribution):
   * "quantize" (tiny preset, default below QUANTIZE_LIMIT elements): float weights through quantize_nvfp4.
   * "direct" (full preset): codes and block scales sampled straight from the statistics of a quantized unit
@@ -60,6 +64,12 @@ def _bf16_rule(name: str, shape: tuple[int, ...], hidden: int) -> tuple[str, flo
         return "normal", 1.0, 0.1
     if name.endswith("router.per_expert_scale"):
         return "uniform", 0.8, 1.2
+    if name.endswith("position_embedding_table"):
+        return "normal", 0.0, 0.5
+    if name.endswith("std_bias"):
+        return "normal", 0.0, 0.5 * shape[0] ** 0.5
+    if name.endswith("std_scale"):
+        return "uniform", 0.5 * shape[0] ** -0.5, 1.5 * shape[0] ** -0.5
     if name.endswith("layer_scalar"):
         return "uniform", 0.8, 1.0
     if name.endswith(".weight") and len(shape) == 2:  # drafter projections and fc

@@ -1,0 +1,125 @@
+"""Runtime stage: one image's bytes -> an ImageInput (Gemma4ImageProcessor's steps, bit-exact, on Pillow + NumPy).
+
+Decode (Pillow), composite any transparency onto white, resize preserving the aspect ratio to the largest
+multiple-of-(pool x patch) sides within the soft-token budget (PIL BICUBIC on uint8; small images are upscaled),
+cut into patches in (py, px, c) order, row-major over the patch grid, with (x, y) grid positions. Pixels stay
+uint8 (ImageInput.pixel_values gives /255 as float32). Anything Pillow cannot turn into pixels, a decompression
+bomb or a zero-size image raises ImageError with a message fit for a 400.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ...model_spec.types import Gemma4VisionSpec
+from ..backend import ImageInput
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+DEFAULT_BUDGET = 280
+MAX_PIXELS = 50_000_000  # decoded pixels an image may have (a 7071 x 7071 photo); Pillow checks it from the header
+MAX_BYTES = 64 << 20
+
+
+class ImageError(ValueError):
+    """An image that cannot be used (undecodable, truncated, too large, empty, a bad budget): the message says why."""
+
+
+def check_budget(budget: int) -> int:
+    if budget not in SOFT_TOKEN_BUDGETS:
+        raise ImageError(f"image soft-token budget {budget!r} must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}")
+    return budget
+
+
+def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """The image in `data` (any format Pillow reads; the first frame of an animation), fully decoded."""
+    if not data:
+        raise ImageError("the image is empty (0 bytes)")
+    if len(data) > MAX_BYTES:
+        raise ImageError(f"the image is {len(data)} bytes; at most {MAX_BYTES} are accepted")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            w, h = image.size
+            if w * h > max_pixels:
+                raise ImageError(f"the image is {w}x{h} = {w * h} pixels; at most {max_pixels} are accepted")
+            image.load()
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"the image is too large to decode safely: {exc}") from None
+    except UnidentifiedImageError:
+        raise ImageError("the data is not an image in a format this server reads (PNG, JPEG, GIF, WebP, BMP, ...)"
+                         ) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated or corrupt data
+        raise ImageError(f"the image cannot be decoded: {exc}") from None
+    if image.width == 0 or image.height == 0:
+        raise ImageError(f"the image has no pixels ({image.width}x{image.height})")
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency (an alpha band or a transparent palette entry) composited onto white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) -> tuple[int, int]:
+    """The largest (H', W'), each a multiple of pool x patch, with H' x W' within budget x pool^2 patches, that
+    keeps the aspect ratio; a strip too thin for that gets one side of pool x patch and the other as long as the
+    ratio allows (capped to the budget)."""
+    patch, pool = vision.patch_size, vision.pooling_kernel_size
+    max_patches = budget * pool * pool
+    target_px = max_patches * patch * patch
+    factor = math.sqrt(target_px / (height * width))
+    side = pool * patch
+    th = int(math.floor(factor * height / side)) * side
+    tw = int(math.floor(factor * width / side)) * side
+    longest = budget * side
+    if th == 0 and tw == 0:
+        raise ImageError(f"the image ({width}x{height}) cannot be resized to a multiple of {side} pixels")
+    if th == 0:
+        th, tw = side, min(int(math.floor(width / height)) * side, longest)
+    elif tw == 0:
+        th, tw = min(int(math.floor(height / width)) * side, longest), side
+    return th, tw
+
+
+def content_hash(rgb: np.ndarray, budget: int) -> str:
+    """sha256 over the decoded RGB pixels, their shape and the budget: equal exactly when the patches are."""
+    h = hashlib.sha256(f"{rgb.shape[0]}x{rgb.shape[1]}:{budget}:".encode())
+    h.update(np.ascontiguousarray(rgb).tobytes())
+    return h.hexdigest()
+
+
+def preprocess(image: Image.Image, vision: Gemma4VisionSpec, budget: int = DEFAULT_BUDGET) -> ImageInput:
+    """A decoded image -> its patches (uint8), positions and soft-token count."""
+    check_budget(budget)
+    rgb_image = to_rgb(image)
+    rgb = np.asarray(rgb_image)
+    th, tw = target_size(rgb.shape[0], rgb.shape[1], budget, vision)
+    if (th, tw) != rgb.shape[:2]:
+        rgb_image = rgb_image.resize((tw, th), resample=Image.Resampling.BICUBIC)
+    pixels = np.asarray(rgb_image)  # [H', W', 3] uint8
+    p = vision.patch_size
+    gh, gw = th // p, tw // p
+    patches = pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
+    gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
+    positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
+    soft = gh * gw // (vision.pooling_kernel_size ** 2)
+    return ImageInput(np.ascontiguousarray(patches), positions, soft, content_hash(rgb, budget))
+
+
+def load_image(data: bytes, vision: Gemma4VisionSpec, budget: int = DEFAULT_BUDGET,
+               max_pixels: int = MAX_PIXELS) -> ImageInput:
+    """Bytes of an image file -> its ImageInput; ImageError for anything unusable."""
+    check_budget(budget)
+    return preprocess(decode(data, max_pixels), vision, budget)
