@@ -134,7 +134,8 @@ class VisionKernels:
         T, H, HP = a["T"], p["H"], p["HP"]
         x = self.v(a["x"], np.float32, (T, H), "x")
         w_next = self.v(a["w_next"], np.uint16, H, "w_next") if a["w_next"] else None
-        x[:], act = sandwich_ref(x, self.v(a["y"], np.float32, (T, H), "y"), self.v(a["w_post"], np.uint16, H, "w_post"),
+        x[:], act = sandwich_ref(x, self.v(a["y"], np.float32, (T, H), "y"),
+                                 self.v(a["w_post"], np.uint16, H, "w_post"),
                                  w_next, p["EPS"], HP)
         if act is not None:
             self.v(a["a"], np.float16, (T, HP), "a")[:] = act
@@ -142,7 +143,8 @@ class VisionKernels:
     def k_vis_qkv_rope(self, p, a, n):
         T, NH, D, DP = a["T"], p["NH"], p["D"], p["DP"]
         outs = qkv_rope_ref(self.v(a["qkv"], np.float32, (T, 3 * NH * D), "qkv"),
-                            self.v(a["q_norm_w"], np.uint16, D, "q_norm_w"), self.v(a["k_norm_w"], np.uint16, D, "k_norm_w"),
+                            self.v(a["q_norm_w"], np.uint16, D, "q_norm_w"),
+                            self.v(a["k_norm_w"], np.uint16, D, "k_norm_w"),
                             self.v(a["pos"], np.int32, (T, 2), "pos"), NH, D, DP, p["THETA"], p["EPS"])
         for name, val in zip("qkv", outs):
             self.v(a[name], np.uint16, (T, NH, DP), name)[:] = val

@@ -76,7 +76,8 @@ def tower_f64(spec, ck, patches: np.ndarray, pos: np.ndarray) -> np.ndarray:
         o = np.einsum("hqk,khd->qhd", pr / pr.sum(-1, keepdims=True), vv).reshape(L, -1)
         x = x + rms(o @ _w(ck, p + "self_attn.o_proj.linear.weight").T, _w(ck, p + "post_attention_layernorm.weight"))
         h2 = rms(x, _w(ck, p + "pre_feedforward_layernorm.weight"))
-        m = gelu_tanh(h2 @ _w(ck, p + "mlp.gate_proj.linear.weight").T) * (h2 @ _w(ck, p + "mlp.up_proj.linear.weight").T)
+        gate, up = (h2 @ _w(ck, f"{p}mlp.{n}_proj.linear.weight").T for n in ("gate", "up"))
+        m = gelu_tanh(gate) * up
         x = x + rms(m @ _w(ck, p + "mlp.down_proj.linear.weight").T, _w(ck, p + "post_feedforward_layernorm.weight"))
     gw = int(pos[-1, 0]) + 1
     cells = x.reshape(L // gw // 3, 3, gw // 3, 3, -1).mean(axis=(1, 3)).reshape(-1, x.shape[1])

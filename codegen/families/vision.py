@@ -59,7 +59,8 @@ def sandwich(d: VisionDims, arch: ArchSpec) -> KernelSpec:
 
 @cache
 def qkv_rope(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    require(32 * d.heads <= arch.max_threads_per_block, f"vision qkv_rope: {d.heads} heads, a warp each, exceed a block")
+    require(32 * d.heads <= arch.max_threads_per_block,
+            f"vision qkv_rope: {d.heads} heads, a warp each, exceed a block")
     return KernelSpec(f"vis_qkv_rope__h{d.heads}x{d.head_dim}_dp{d.dp}_th{ftag(d.theta)}{_eps_tag(d.eps)}",
                       "vis_qkv_rope.cu.j2", make_params(ROW_AXIS=0, NH=d.heads, D=d.head_dim, DP=d.dp,
                                                         THETA=float(d.theta), EPS=float(d.eps)),
