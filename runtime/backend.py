@@ -235,9 +235,10 @@ class StreamingBackend:
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+                 cancelled: Callable[[], bool] | None = None,
+                 images: Sequence[ImageSpan] = ()) -> GenerationResult:
         result = GenerationResult()
         for _ in self.generate_stream(prompt_ids, max_tokens, sampling, stop_ids, speculative,  # type: ignore[attr-defined]
-                                      cancelled, result):
+                                      cancelled, result, images=tuple(images)):
             pass
         return result

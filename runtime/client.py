@@ -17,10 +17,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from .api import EngineConfig, OpenedModel, open_backend
-from .backend import Backend, BackendError, GenerationResult, SamplingParams
+from .backend import Backend, BackendError, GenerationResult, ImageSpan, SamplingParams
 from .engine.core import EngineCore, RequestOutput
 
 log = logging.getLogger("thorgen.engine")
@@ -61,6 +61,7 @@ class _Job:
     stop_ids: frozenset[int]
     speculative: bool
     stream: "RequestStream"
+    images: tuple[ImageSpan, ...] = ()
     cancel: threading.Event = field(default_factory=threading.Event)
     in_core: bool = False  # handed to the engine core (else still in the submission queue)
     aborted: bool = False  # the core was told
@@ -209,14 +210,16 @@ class EngineClient:
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request; call from a running event loop. The returned stream yields its outputs."""
+               request_id: str | None = None, images: Sequence[ImageSpan] = ()) -> RequestStream:
+        """Queue a request; call from a running event loop. The returned stream yields its outputs. `images`:
+        the prompt's image spans (runtime.media.prompts.expand_image_tokens makes the prompt and the spans)."""
         if not self.ready:
             health = self.health()
             raise EngineUnavailable(health.get("error") or f"the engine is {health['status']}")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        job = _Job(request_id, list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), speculative, stream)
+        job = _Job(request_id, list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), speculative, stream,
+                   tuple(images))
         with self._lock:
             if request_id in self._live:
                 raise RequestRejected(f"request id {request_id!r} is already running")
@@ -279,7 +282,7 @@ class EngineClient:
                 continue
             try:
                 self.core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
-                              job.speculative)
+                              job.speculative, job.images)
                 job.in_core = True
             except BackendError as exc:
                 from .cuda.device import CudaError  # a driver failure is the engine's fault, whenever it happens

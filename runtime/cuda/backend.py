@@ -15,11 +15,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from ...model_spec.config import spec_from_configs
 from ...model_spec.conventions import MAX_BATCH
-from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
+from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
@@ -80,9 +80,10 @@ class CudaBackend(StreamingBackend):
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+                        result: GenerationResult | None = None,
+                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
         return generate_one(self.runner(), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
-                            speculative, cancelled, GenerationResult() if result is None else result)
+                            speculative, cancelled, GenerationResult() if result is None else result, tuple(images))
 
     @property
     def drafter(self):

@@ -104,6 +104,9 @@ class CudaRunner:
             if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
                                    f"{MAX_LOGIT_BIAS}")
+        if seq.images:  # the encoder and the image-aware prefill and cache keys run with the vision kernels
+            raise BackendError("cuda backend: images need the vision kernels (the vision_encode program), which "
+                               "this engine does not run yet; use --backend reference for image input")
         seq.prepare(self.engine.spec.target.vocab_size)
 
     def admit(self, seq, limit: int) -> int:

@@ -13,7 +13,7 @@ import time
 from typing import Callable, NamedTuple, Protocol
 
 from ...model_spec.conventions import KV_PAGE
-from ..backend import BackendError, GenerationResult, SamplingParams, TokenLogprob
+from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, TokenLogprob
 from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
 
 
@@ -103,7 +103,8 @@ class EngineCore:
         self._cancelled: list[Sequence] = []  # aborted since the last step
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-            stop_ids: frozenset[int] = frozenset(), speculative: bool = False) -> Sequence:
+            stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+            images: tuple[ImageSpan, ...] = ()) -> Sequence:
         """Queue a request; BackendError when it cannot be served as asked (checked now, before any work)."""
         if request_id in self._seqs:
             raise BackendError(f"request id {request_id!r} is already in the engine")
@@ -119,7 +120,7 @@ class EngineCore:
             raise BackendError(f"draft_tokens {drafts}: the drafter proposes at most {self.runner.verify_block - 1} "
                                "tokens a step")
         seq = Sequence(request_id, [int(t) for t in prompt], sampling, int(max_tokens), frozenset(stop_ids),
-                       speculative)
+                       speculative, images=tuple(images))
         self.runner.check(seq)
         try:
             self.scheduler.add(seq)
@@ -238,13 +239,14 @@ class EngineCore:
 
 
 def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int], speculative: bool, cancelled, result: GenerationResult):
+                 stop_ids: frozenset[int], speculative: bool, cancelled, result: GenerationResult,
+                 images: tuple[ImageSpan, ...] = ()):
     """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
     BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
     from ..backend import StepOutput
 
     core = EngineCore(runner)
-    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative)
+    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative, images)
     result.prompt_tokens = len(prompt)
 
     def steps():

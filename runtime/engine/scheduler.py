@@ -20,7 +20,7 @@ from typing import NamedTuple
 from typing import Any
 
 from ...model_spec.conventions import KV_PAGE
-from ..backend import SamplingParams, check_token_ids
+from ..backend import ImageSpan, SamplingParams, check_token_ids, key_tokens, span_floor
 
 
 class Status(enum.Enum):
@@ -56,6 +56,15 @@ class Sequence:
     # with sampling.prompt_logprobs, until the first token: None for token 0, then the runner's TokenLogprob of
     # each prompt token its prefill chunks predict (tokens start+1 .. end-1 of a chunk, and `end` inside the prompt)
     prompt_logprobs: list | None = None
+    images: tuple[ImageSpan, ...] = ()  # its prompt's image spans (kept through preemption: recompute re-encodes)
+    _keys: list[int] | None = None
+
+    @property
+    def prompt_keys(self) -> list[int]:
+        """The prompt as prefix caches key it: image placeholders as ids of (image hash, index) (key_tokens)."""
+        if self._keys is None:
+            self._keys = key_tokens(self.prompt, self.images) if self.images else self.prompt
+        return self._keys
 
     @property
     def tokens(self) -> list[int]:
@@ -242,6 +251,9 @@ class Scheduler:
             end = target
         else:
             end = min(target, start + min(budget, self.prefill_chunk))
+        if seq.images and end < target:  # never end inside an image span: stop before it, or take it whole
+            floor = span_floor(end, seq.images)
+            end = floor if floor > start else next(s.end for s in seq.images if s.offset < end < s.end)
         return Prefill(seq, start, end, sample=end == target and not seq.output)
 
     def _preempt(self, seq: Sequence) -> None:

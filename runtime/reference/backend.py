@@ -11,15 +11,16 @@ rounds where the CUDA engine stores (fp16 GEMM inputs, bf16 queries, `kv_dtype` 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-from ..backend import BackendError, GenerationResult, SamplingParams, StepOutput, StreamingBackend
+from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
 from ..engine.core import generate_one
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .runner import ReferenceRunner
 from .speculative import Decoder
 from .state import PrefixCache
+from .vision import EncoderCache
 from .w4a16 import W4A16Target
 from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
 
@@ -34,7 +35,8 @@ class ReferenceBackend(StreamingBackend):
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_slots: int = 4, embed_scale: float | None = None,
                  expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
-                 kv_dtype: str | None = None, lm_head: str | None = None, kernels=None) -> None:
+                 kv_dtype: str | None = None, lm_head: str | None = None, kernels=None,
+                 encoder_slots: int = 8) -> None:
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         limit = self.spec.target.max_position_embeddings
@@ -63,6 +65,7 @@ class ReferenceBackend(StreamingBackend):
         self.drafter = drafter
         self.decoder = Decoder(self.target, drafter)
         self.prefix_cache = PrefixCache(prefix_slots)
+        self.encoder_cache = EncoderCache(checkpoint, encoder_slots) if self.spec.vision is not None else None
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
         """The engine core's ModelRunner over this backend (shares its model, drafter and prefix cache)."""
@@ -71,8 +74,9 @@ class ReferenceBackend(StreamingBackend):
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
                         cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+                        result: GenerationResult | None = None,
+                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
         """Yield committed tokens step by step, filling `result` as they come (one request, engine core)."""
         return generate_one(self.runner(1, self.max_context), list(prompt_ids), max_tokens, sampling,
                             frozenset(stop_ids), speculative, cancelled,
-                            GenerationResult() if result is None else result)
+                            GenerationResult() if result is None else result, tuple(images))

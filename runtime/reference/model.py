@@ -4,6 +4,11 @@ One `forward` call serves prefill (any T), one-token decode and multi-token veri
 positions cache.length .. cache.length+T-1 and returns logits plus the residual-stream outputs of the
 requested decoder layers (after layer_scalar), which are the DFlash taps.
 
+Images: `images=[(row, emb [N, H])]` replaces the embeddings of rows row..row+N-1 of this call by the image's
+soft-token rows (unscaled: the sqrt(H) normaliser belongs to the token table), and makes each such span one
+bidirectional block on the sliding layers: (causal OR same image) AND window. Full layers stay causal. A span
+must lie inside one call (its tokens attend to each other both ways).
+
 Embedding normaliser: the table rows are multiplied by float32(sqrt(hidden_size)). HF's float32 forward does
 the same (its buffer is cast to the weight dtype, float32 in tests); a bf16 HF/vLLM run rounds it to bf16
 (53.0 for H=2816) instead. Pass `embed_scale=` to pick another value. For the tiny preset (H=256) both are 16.
@@ -12,6 +17,7 @@ the same (its buffer is cast to the weight dtype, float32 in tests); a bf16 HF/v
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -19,6 +25,8 @@ from ...model_spec.types import Gemma4TextSpec
 from .kv_cache import KVCache
 from .ops import F32, F64, apply_rope, attend, gelu_tanh, mm, rms_norm, rope_cos_sin, softcap, window_visible
 from .weights import DEFAULT_EXPERT_BUDGET, TargetWeights, WeightSource
+
+ImageRows = Sequence[tuple[int, np.ndarray]]  # (first row in this call, the image's embeddings [N, H])
 
 
 @dataclass
@@ -58,7 +66,8 @@ class TargetModel:
     def _norm(self, layer: int, name: str, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.w.plain(f"layers.{layer}.{name}.weight"), self.spec.rms_norm_eps)
 
-    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int,
+                   blocks: np.ndarray | None = None) -> np.ndarray:
         s, t = self.spec, x.shape[0]
         d, nq, nkv = s.layer_head_dim(layer), s.num_attention_heads, s.layer_kv_heads(layer)
         p = f"layers.{layer}.self_attn."
@@ -74,7 +83,12 @@ class TargetModel:
         v = rms_norm(vp, None, eps)
         cache.write(layer, start, k, v)
         end = start + t
-        vis = window_visible(pos, np.arange(end), causal=True, window=s.layer_window(layer))
+        window = s.layer_window(layer)
+        if blocks is not None and window is not None:  # the image overlay: sliding layers only
+            keys = np.concatenate([np.full(start, -1, dtype=np.int64), blocks])
+            vis = window_visible(pos, np.arange(end), True, window, blocks, keys)
+        else:
+            vis = window_visible(pos, np.arange(end), causal=True, window=window)
         o = attend(q, cache.keys(layer, end), cache.values(layer, end), vis, scale=1.0)
         return mm(o, self.w.linear(p + "o_proj"))
 
@@ -117,8 +131,9 @@ class TargetModel:
         h2 = self._norm(layer, "post_feedforward_layernorm_2", h2)
         return self._norm(layer, "post_feedforward_layernorm", h1 + h2)
 
-    def layer(self, layer: int, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
-        h = self._attention(layer, self._norm(layer, "input_layernorm", x), cache, start)
+    def layer(self, layer: int, x: np.ndarray, cache: KVCache, start: int,
+              blocks: np.ndarray | None = None) -> np.ndarray:
+        h = self._attention(layer, self._norm(layer, "input_layernorm", x), cache, start, blocks)
         x = x + self._norm(layer, "post_attention_layernorm", h)
         x = x + self._feed_forward(layer, x)
         return (x * self.w.plain(f"layers.{layer}.layer_scalar")).astype(F32)
@@ -133,15 +148,29 @@ class TargetModel:
             raise ValueError(f"token id out of range 0..{self.spec.vocab_size - 1}")
         return ids
 
+    def with_images(self, ids: np.ndarray, images: ImageRows) -> tuple[np.ndarray, np.ndarray | None]:
+        """(embeddings [T, H], block id per row or None): image rows replaced, each image its own block."""
+        x = self.embed(ids)
+        if not images:
+            return x, None
+        blocks = np.full(ids.size, -1, dtype=np.int64)
+        for b, (row, emb) in enumerate(images):
+            n = emb.shape[0]
+            if row < 0 or row + n > ids.size or (blocks[row:row + n] >= 0).any():
+                raise ValueError(f"image rows {row}..{row + n} overlap another image or leave the {ids.size} rows")
+            x[row:row + n] = emb
+            blocks[row:row + n] = b
+        return x, blocks
+
     def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
-                last_only: bool = False) -> ForwardOutput:
+                last_only: bool = False, images: ImageRows = ()) -> ForwardOutput:
         """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
         ids = self.check_ids(ids)
         start = cache.length
-        x = self.embed(ids)
+        x, blocks = self.with_images(ids, images)
         out_taps: dict[int, np.ndarray] = {}
         for l in range(self.spec.num_hidden_layers):
-            x = self.layer(l, x, cache, start)
+            x = self.layer(l, x, cache, start, blocks)
             if l in taps:
                 out_taps[l] = x
         cache.set_length(start + ids.size)

@@ -106,12 +106,19 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, sca
     return out.reshape(tq, -1)
 
 
-def window_visible(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
-    """Visibility [Tq, Tk]: causal -> j <= i; window W -> i - j < W (inclusive of self: W keys)."""
+def window_visible(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int | None,
+                   q_block: np.ndarray | None = None, k_block: np.ndarray | None = None) -> np.ndarray:
+    """Visibility [Tq, Tk]: causal -> j <= i; window W -> i - j < W (inclusive of self: W keys).
+
+    q_block / k_block (block id per position, -1 for text): a query also sees the later keys of its own block
+    (an image's tokens see each other both ways), still subject to the window: (causal OR same block) AND window.
+    """
     diff = q_pos[:, None] - k_pos[None, :]
     vis = np.ones(diff.shape, dtype=bool)
     if causal:
         vis &= diff >= 0
+        if q_block is not None and k_block is not None:
+            vis |= (q_block[:, None] == k_block[None, :]) & (q_block[:, None] >= 0)
     if window is not None:
         vis &= diff < window
     return vis

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BackendError
+from ..backend import BackendError, check_image_spans, span_floor
 from ..engine.scheduler import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
@@ -38,12 +38,38 @@ class ReferenceRunner:
         if seq.speculative and self.backend.drafter is None:
             raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
         seq.prepare(self.backend.spec.target.vocab_size)
+        vision = self.backend.spec.vision
+        if seq.images and vision is None:
+            raise BackendError(f"{self.backend.spec.name} has no vision tower: it cannot take images")
+        if seq.images and self.backend.numerics != "float32":
+            raise BackendError(f"images run on the reference's float32 numerics, not {self.backend.numerics!r}")
+        if vision is not None:  # placeholders and images must agree (a typed `<|image|>` has no image)
+            check_image_spans(seq.prompt, seq.images, vision.image_token_id)
+
+    def _keys(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache keys of tokens start..end-1: the prompt's (images keyed by content), then the output's ids."""
+        keys = seq.prompt_keys
+        return keys[start:end] + seq.output[max(start - len(keys), 0):max(end - len(keys), 0)]
 
     def admit(self, seq: Sequence, limit: int) -> int:
         # lookup() keeps at least the last token it is given to run: give it one past the limit
-        state, reused = self.backend.prefix_cache.lookup(seq.tokens[:limit + 1])
+        state, reused = self.backend.prefix_cache.lookup(self._keys(seq, 0, limit + 1))
+        floor = span_floor(reused, seq.images)  # a hit never ends inside an image: its span runs whole
+        if state is not None and floor < reused:
+            state.truncate(floor)
+            reused = floor
         self._states[seq.request_id] = state if state is not None else self.decoder.new_state()
         return reused
+
+    def _image_rows(self, seq: Sequence, start: int, end: int) -> list:
+        """(row in the chunk, embeddings) of the images in prompt positions start..end-1; never a part of one."""
+        rows = []
+        for span in seq.images:
+            if span.offset < end and span.end > start:
+                if span.offset < start or span.end > end:
+                    raise BackendError(f"prefill chunk {start}..{end} splits image span {span.offset}..{span.end}")
+                rows.append((span.offset - start, self.backend.encoder_cache.rows(span.image)))
+        return rows
 
     def prefill(self, seq: Sequence, start: int, end: int, sample: bool, launched=None) -> int | None:
         if launched is not None:  # NumPy computes on this thread: nothing runs beside it
@@ -58,7 +84,8 @@ class ReferenceRunner:
             def score(logits: np.ndarray) -> None:
                 seq.prompt_logprobs.extend(token_logprob(logits[i], t, top) for i, t in enumerate(targets))
         token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick,
-                                     score)
+                                     score, self._image_rows(seq, start, end) if seq.images else (),
+                                     self._keys(seq, start, end) if seq.images else None)
         if pick is not None:
             seq.step_logprobs = pick.logprobs
         return token

@@ -18,7 +18,7 @@ import numpy as np
 from ...model_spec.conventions import accepted_count
 from ..backend import SamplingParams
 from .drafter import Drafter
-from .model import TargetModel
+from .model import ImageRows, TargetModel
 from .sampling import sample
 from .state import SeqState
 
@@ -59,8 +59,9 @@ class Decoder:
     def new_state(self) -> SeqState:
         return SeqState([], self.target.new_cache(), None if self.drafter is None else self.drafter.new_context())
 
-    def _forward(self, state: SeqState, ids: list[int], last_only: bool) -> np.ndarray:
-        out = self.target.forward(ids, state.kv, taps=self.tap_layers, last_only=last_only)
+    def _forward(self, state: SeqState, ids: list[int], last_only: bool, images: ImageRows = ()) -> np.ndarray:
+        extra = {"images": images} if images else {}
+        out = self.target.forward(ids, state.kv, taps=self.tap_layers, last_only=last_only, **extra)
         self._pending_taps = (np.concatenate([out.taps[l] for l in self.tap_layers], axis=-1)
                               if self.tap_layers else np.zeros((len(ids), 0), dtype=np.float32))
         return out.logits
@@ -74,14 +75,16 @@ class Decoder:
 
     def prefill(self, state: SeqState, ids: list[int], sampling: SamplingParams,
                 sample_at: int | None, pick: Pick | None = None,
-                score: Callable[[np.ndarray], None] | None = None) -> int | None:
+                score: Callable[[np.ndarray], None] | None = None, images: ImageRows = (),
+                keys: list[int] | None = None) -> int | None:
         """Forward `ids` after what `state` covers and keep them; with `sample_at` (the new token's position),
         sample the token that follows them (with `pick` where given, else the plain sampler). `score` is given
-        every row's softcapped logits [len(ids), V] (prompt logprobs)."""
-        logits = self._forward(state, ids, last_only=score is None)
+        every row's softcapped logits [len(ids), V] (prompt logprobs). `images` (row, embeddings) replace rows;
+        `keys` (the cache keys of ids, image placeholders keyed by image) are what the state records."""
+        logits = self._forward(state, ids, last_only=score is None, images=images)
         if score is not None:
             score(logits)
-        self._commit(state, ids, len(ids))
+        self._commit(state, ids if keys is None else keys, len(ids))
         if sample_at is None:
             return None
         return sample(logits[-1], sampling, sample_at) if pick is None else pick(logits[-1], sample_at)
