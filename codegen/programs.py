@@ -48,8 +48,9 @@ def _ranges(lo: int, hi: int, key: str = "") -> list[tuple[int, int]]:
     return out
 
 
-def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, int]]:
-    """(group, key, Lower.ops flags, lowest rows, highest rows) of every forward the engine asks for."""
+def _kinds(max_rows: int, drafter: bool, images: bool = False) -> Iterator[tuple[str, str, dict, int, int]]:
+    """(group, key, Lower.ops flags, lowest rows, highest rows) of every forward the engine asks for; `images`
+    (a model with a vision tower): also the prefill chunks that hold image spans (group "vision")."""
     for greedy in (True, False):
         for ext in (False, True):
             flags = dict(decode=True, last=True, greedy=greedy, ext=ext)
@@ -64,6 +65,14 @@ def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, 
             for ext in (False, True):
                 flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
                 yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
+    if images:  # the same prefill chunks holding image spans (after every text kind: those keep their order)
+        for taps in (False, True) if drafter else (False,):
+            flags = dict(last=False, taps=taps, images=True)
+            yield "vision", program_key(**flags), flags, 1, max_rows
+            for greedy in (True, False):
+                for ext in (False, True):
+                    flags = dict(last=True, greedy=greedy, taps=taps, ext=ext, images=True)
+                    yield "vision", program_key(**flags), flags, 1, max_rows
 
 
 def _fit(points: list[tuple[int, int]], what: str) -> Any:
@@ -136,7 +145,7 @@ def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str, key:
 def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], list[Op]], int, int]]:
     """(group, key, lowering at a row count, lowest rows, highest rows) of every program."""
     jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
-            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter)]
+            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter, low.spec.vision is not None)]
     if drafter:
         dl = LowerDraft(low)
         jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),

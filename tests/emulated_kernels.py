@@ -254,6 +254,15 @@ class KernelEmulator(LogitsKernels, VisionKernels):
                 return
             self._split_out(p, a, m, o_p, ml_p)
             return
+        if p.get("kv_hi"):  # per-query upper key bounds (an image span's queries see the whole span)
+            if not (p["causal"] and ns == 1):
+                raise EmuError("per-query key bounds are for causal prefill kernels")
+            hi = self.v(a["kv_hi"], np.int32, m, "kv_hi").astype(np.int64)
+            if (hi > end - 1).any():
+                raise EmuError(f"kv_hi {hi.max()} past the chunk's last position {end - 1}")
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_rows(q, keys, vals, p0, win or None,
+                                                                                   shape, kv, hi)
+            return
         if ns == 1:
             out = EA.attention_rows(q, keys, vals, p0, win or None, shape, kv)
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = out
