@@ -82,7 +82,8 @@ class VisionModel:
         o = mm(attend(q, k, v, every, scale=1.0), self.w(p + "self_attn.o_proj.linear.weight"))
         x = (x + rms_norm(o, self.w(p + "post_attention_layernorm.weight"), eps)).astype(F32)
         h2 = rms_norm(x, self.w(p + "pre_feedforward_layernorm.weight"), eps)
-        m = gelu_tanh(mm(h2, self.w(p + "mlp.gate_proj.linear.weight"))) * mm(h2, self.w(p + "mlp.up_proj.linear.weight"))
+        gate = gelu_tanh(mm(h2, self.w(p + "mlp.gate_proj.linear.weight")))
+        m = gate * mm(h2, self.w(p + "mlp.up_proj.linear.weight"))
         m = mm(m.astype(F32), self.w(p + "mlp.down_proj.linear.weight"))
         return (x + rms_norm(m, self.w(p + "post_feedforward_layernorm.weight"), eps)).astype(F32)
 
