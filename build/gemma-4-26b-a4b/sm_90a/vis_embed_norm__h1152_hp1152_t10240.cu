@@ -6,5 +6,6 @@ extern "C" __global__ void __launch_bounds__(256)
 vis_embed_norm__h1152_hp1152_t10240(float* x, const __nv_bfloat16* table, const int* pos, const __nv_bfloat16* w, __half* a, int T) {
   thorgen::pdl_launch_dependents();
   thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
-  thorgen::vis_embed_norm_rows<1152, 1152, 10240, 256>(x, table, pos, w, a, T, 1e-06f);
+  thorgen::vis_embed_norm_rows<1152, 1152, 10240, 256>(x, table, pos, w, a, T,
+                                                                          1e-06f);
 }

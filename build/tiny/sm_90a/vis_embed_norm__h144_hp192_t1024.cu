@@ -6,5 +6,6 @@ extern "C" __global__ void __launch_bounds__(160)
 vis_embed_norm__h144_hp192_t1024(float* x, const __nv_bfloat16* table, const int* pos, const __nv_bfloat16* w, __half* a, int T) {
   thorgen::pdl_launch_dependents();
   thorgen::pdl_wait();  // PDL: everything below reads earlier kernels' outputs
-  thorgen::vis_embed_norm_rows<144, 192, 1024, 160>(x, table, pos, w, a, T, 1e-06f);
+  thorgen::vis_embed_norm_rows<144, 192, 1024, 160>(x, table, pos, w, a, T,
+                                                                          1e-06f);
 }

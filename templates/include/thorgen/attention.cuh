@@ -439,7 +439,8 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
         }
       }
     }
-    if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+    // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+    if constexpr (NSPLIT > 1) {
       static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the tiles");
       static_assert(merge_scratch_bytes(NSPLIT, G) <= S::KV_BYTES, "a one-query one-level merge exceeds the tiles");
       // counted once a block (one level), or when the block leaves a level-1 subgroup (two levels): one fence and

@@ -87,8 +87,8 @@ __device__ void vis_sandwich_rows(float* __restrict__ x, const float* __restrict
       v[j] = x[(long)row * H + R::at(j)] + d[j] * inv * __bfloat162float(w_post[R::at(j)]);
       x[(long)row * H + R::at(j)] = v[j];
     }
-    if (w_next != nullptr) vis_store_act<H, HP, THREADS>(a + (long)row * HP, v, vis_inv_rms<H, THREADS>(v, eps, scratch),
-                                                         w_next);
+    if (w_next != nullptr)
+      vis_store_act<H, HP, THREADS>(a + (long)row * HP, v, vis_inv_rms<H, THREADS>(v, eps, scratch), w_next);
   }
 }
 
