@@ -104,7 +104,6 @@ class CudaRunner:
             if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
                                    f"{MAX_LOGIT_BIAS}")
-        vision = self.engine.spec.vision
         if seq.images:
             if self.engine.vision is None:
                 raise BackendError("cuda backend: images need the vision tower on the device: "
@@ -116,8 +115,8 @@ class CudaRunner:
             if max(s.end - s.offset for s in seq.images) > self.prefill_chunk:
                 raise BackendError(f"cuda backend: an image of more than {self.prefill_chunk} soft tokens does "
                                    "not fit one prefill chunk")
-        if vision is not None:  # placeholders and images must agree (a typed `<|image|>` has no image)
-            check_image_spans(seq.prompt, seq.images, vision.image_token_id)
+            # the placeholders and the images must agree (a prompt without images keeps its ids as text, as before)
+            check_image_spans(seq.prompt, seq.images, self.engine.spec.vision.image_token_id)
         seq.prepare(self.engine.spec.target.vocab_size)
 
     @staticmethod

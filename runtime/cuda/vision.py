@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ...model_spec.step_program import program_key
 from ...model_spec.types import ModelSpec
 from ...model_spec.vision_layout import (MAX_SOFT_TOKENS, PATCH_ACTS, TOKEN_ACTS, VISION_ENCODE, act_width,
                                          vision_dims, vision_tensors)
@@ -41,7 +42,8 @@ def vision_missing(spec: ModelSpec, engine: Any) -> list[str]:
     lacking = [n for n in vision_tensors(spec) if n not in engine.art.tensors]
     if lacking:
         return [f"the repacked weights hold no vision tower ({lacking[0]} ...): repack them again"]
-    return engine.fwd.missing("vision", VISION_ENCODE)
+    keys = [program_key(last=False, images=True)] + [program_key(greedy=g, images=True) for g in (True, False)]
+    return engine.fwd.missing("vision", VISION_ENCODE, *keys)
 
 
 class _Pointers:
