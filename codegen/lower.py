@@ -53,7 +53,7 @@ class Lower:
         self.missing: list[str] = []
         self.ptr = Symbols()
         self.probing = False  # a missing kernel is still returned, so every other one is looked at and recorded
-        self._taps = False
+        self._taps = self._images = False
 
     # ---- kernels ----------------------------------------------------------------------------------------------------
     def use(self, kernel: KernelSpec, what: str) -> KernelSpec:
@@ -81,7 +81,8 @@ class Lower:
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> list[Op]:
+            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False,
+            images: bool = False) -> list[Op]:
         """Launches of one forward over `rows` tokens at positions[0..rows) of the sequence in KV lane lanes[0]
         (lanes[t] = that lane for every row t): token ids from `ids` (or, `decode`, from the previous step's
         out_ids[0]); with `last`, the next token of the last row lands in out_ids[0].
@@ -94,9 +95,15 @@ class Lower:
         `score` (with `batched`; prompt logprobs): the rows are consecutive positions of one sequence in one lane
         (rowwise attention is causal: every row's K/V is written before any row attends), and the head writes
         each row's top-20 logprobs and the logprob of out_ids[row] (the next prompt token, staged by the caller)
-        instead of picking a token."""
+        instead of picking a token.
+        `images` (a prefill chunk holding image spans; not decode, batched or score): the sliding layers run the
+        chunk attention kernel at any row count, with per-query upper key bounds kv_hi (i32 [rows]: an image's
+        queries see its whole span); the runtime copies the image rows into x after the embed launch."""
         if batched and rows > MAX_BATCH:
             raise ValueError(f"a batched decode step of {rows} rows: at most {MAX_BATCH}")
+        if images and (decode or batched or score or all_logits):
+            raise ValueError("image spans run in prefill chunks only")
+        self._images = images
         t, A, W = self.spec.target, self.ptr.A, self.ptr.W
         H, ops = t.hidden_size, []
         self._taps = taps
@@ -176,10 +183,17 @@ class Lower:
                                                     v_raw=base + 4 * (nq + nk) if has_v else NULL, **prologue,
                                                     q_stride=n_qkv, kv_stride=n_qkv, T=rows), rows))
         small = rows <= 16 or batched  # a batched step runs the split decode kernel on 16-row slices
-        attn = self.use(target_attention(self.spec, self.arch, l, self.kv_dtype, prefill=not small),
-                        f"attention layer kind {kind} m<={VERIFY_ROWS if small else 'prefill'}")
-        ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"), A("attn"),
-                                  lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
+        if self._images and t.layer_window(l):
+            attn = self.use(target_attention(self.spec, self.arch, l, self.kv_dtype, prefill=True, kv_hi=True),
+                            f"attention layer kind {kind} with image key bounds")
+            ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"),
+                                      A("attn"), lanes=self.ptr.lane_bytes(l), pages=pages)
+            ops[-1].args["kv_hi"] = A("kv_hi")
+        else:
+            attn = self.use(target_attention(self.spec, self.arch, l, self.kv_dtype, prefill=not small),
+                            f"attention layer kind {kind} m<={VERIFY_ROWS if small else 'prefill'}")
+            ops += self.attention_ops(f"{p}", attn, rows, A("q"), self.ptr.KV(l, "k"), self.ptr.KV(l, "v"),
+                                      A("attn"), lanes=self.ptr.lane_bytes(l), rowwise=batched, pages=pages)
         ops += self._o_proj_tail_ops(l, rows, nq, small)
         # The dense MLP (reads a1, writes mlp) is independent of the router + MoE (a2 -> moe) until ffn_tail:
         # branch 1 lets it run on a side stream beside them.

@@ -12,7 +12,7 @@ its buffers (runtime/cuda/programs.py):
 A launch: {"label", "kernel" (a manifest kernel name), "args", "rows", "branch", "join", "rowwise", "pdl"}; launch grids
 follow the kernels' planned rules (their params) at bind time. Kinds that lack a kernel are left out, their reasons
 listed under "missing" by what they serve: "core" (plain decoding), "ext" (logits processing, logprobs, prompt
-scoring) and "speculative" (DFlash)."""
+scoring), "speculative" (DFlash) and, with a vision tower, "vision" (the image encoder: codegen/lower_vision.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from typing import Any, Callable, Iterator
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key, verify_key
 from ..model_spec.types import ModelSpec
+from ..model_spec.vision_layout import MAX_SOFT_TOKENS, VISION_ENCODE
 from .arch import ArchSpec
 from .kernel_spec import KernelSpec
 from .lower import Lower, Missing
 from .lower_draft import LowerDraft
+from .lower_vision import LowerVision
 from .symbols import LaneBytes, Sym
 
 
@@ -32,10 +34,12 @@ class ProgramError(ValueError):
     """A lowering whose structure or arguments change inside a row range in a way a program cannot express."""
 
 
-def _ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+def _ranges(lo: int, hi: int, key: str = "") -> list[tuple[int, int]]:
     """[lo, hi] cut where the launch structure changes: 1 row (the M = 1 kernels), up to 16 (the M = 16 ones, one
     slice), 17 (a batched step's second slice of one row: the M = 1 lm_head), above (prefill kernels, or a second
-    16-row slice)."""
+    16-row slice). The vision tower's program (rows: soft tokens) runs the same kernels at every row count."""
+    if key == VISION_ENCODE:
+        return [(lo, hi)]
     out = []
     for a, b in ((1, 1), (2, VERIFY_ROWS), (VERIFY_ROWS + 1, VERIFY_ROWS + 1), (VERIFY_ROWS + 2, hi)):
         a, b = max(a, lo), min(b, hi)
@@ -44,8 +48,9 @@ def _ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, int]]:
-    """(group, key, Lower.ops flags, lowest rows, highest rows) of every forward the engine asks for."""
+def _kinds(max_rows: int, drafter: bool, images: bool = False) -> Iterator[tuple[str, str, dict, int, int]]:
+    """(group, key, Lower.ops flags, lowest rows, highest rows) of every forward the engine asks for; `images`
+    (a model with a vision tower): also the prefill chunks that hold image spans (group "vision")."""
     for greedy in (True, False):
         for ext in (False, True):
             flags = dict(decode=True, last=True, greedy=greedy, ext=ext)
@@ -60,6 +65,14 @@ def _kinds(max_rows: int, drafter: bool) -> Iterator[tuple[str, str, dict, int, 
             for ext in (False, True):
                 flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
                 yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
+    if images:  # the same prefill chunks holding image spans (after every text kind: those keep their order)
+        for taps in (False, True) if drafter else (False,):
+            flags = dict(last=False, taps=taps, images=True)
+            yield "vision", program_key(**flags), flags, 1, max_rows
+            for greedy in (True, False):
+                for ext in (False, True):
+                    flags = dict(last=True, greedy=greedy, taps=taps, ext=ext, images=True)
+                    yield "vision", program_key(**flags), flags, 1, max_rows
 
 
 def _fit(points: list[tuple[int, int]], what: str) -> Any:
@@ -118,10 +131,10 @@ def _merge(samples: list[tuple[int, list[Op]]], what: str) -> list[dict]:
     return out
 
 
-def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str) -> list[dict]:
+def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str, key: str = "") -> list[dict]:
     """[{"lo", "hi", "launches"}] for each structural range of [lo, hi]."""
     out = []
-    for a, b in _ranges(lo, hi):
+    for a, b in _ranges(lo, hi, key):
         # the ends, the second row count and the middle: the structure changes only at the cuts above (row
         # counts against 1 and the 16-row slices), and 4 points pin a linear argument and catch most slips
         points = sorted({a, min(a + 1, b), (a + b) // 2, b})
@@ -132,13 +145,15 @@ def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str) -> l
 def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], list[Op]], int, int]]:
     """(group, key, lowering at a row count, lowest rows, highest rows) of every program."""
     jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
-            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter)]
+            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter, low.spec.vision is not None)]
     if drafter:
         dl = LowerDraft(low)
         jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
                  ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, low.max_rows),
                  *(("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS,
                     VERIFY_ROWS) for g in (True, False))]
+    if low.spec.vision is not None:
+        jobs.append(("vision", VISION_ENCODE, LowerVision(low).encode_ops, 1, MAX_SOFT_TOKENS))
     return jobs
 
 
@@ -149,8 +164,8 @@ def launched_kernels(spec: ModelSpec, arch: ArchSpec, kv_dtypes: list[str] | tup
     launched: dict[str, KernelSpec] = {}
     for kv in kv_dtypes:
         low = Lower(spec, arch, kv, max_rows)
-        for _, _, build, lo, hi in _jobs(low, drafter_problem(spec) is None):
-            for a, _ in _ranges(lo, hi):
+        for _, key, build, lo, hi in _jobs(low, drafter_problem(spec) is None):
+            for a, _ in _ranges(lo, hi, key):
                 build(a)
         for name, kernel in low.launched.items():
             if launched.setdefault(name, kernel) != kernel:
@@ -164,6 +179,8 @@ def emit_programs(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], kv
     against `kernels` (the plan: codegen/plan.py), a kind that launches a kernel absent from them left out."""
     programs: dict[str, dict] = {}
     missing: dict[str, list[str]] = {"core": [], "ext": [], "speculative": []}
+    if spec.vision is not None:
+        missing["vision"] = []
     problem = drafter_problem(spec)  # no drafter, or one these programs cannot serve: plain decoding only
     if problem and spec.drafter is not None:
         missing["speculative"].append(problem)
@@ -172,11 +189,11 @@ def emit_programs(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], kv
         table = programs[kv] = {}
         for group, key, build, lo, hi in _jobs(low, problem is None):
             try:
-                table[key] = _program(build, lo, hi, f"{kv} {key}")
+                table[key] = _program(build, lo, hi, f"{kv} {key}", key)
             except Missing:  # left out; name every kernel it lacks (lowered again, recording each absent one)
                 low.missing, low.probing = [], True
                 try:
-                    for a, _ in _ranges(lo, hi):
+                    for a, _ in _ranges(lo, hi, key):
                         build(a)
                 finally:
                     low.probing = False

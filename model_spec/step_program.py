@@ -27,13 +27,17 @@ class Op:
 
 # One program per kind of forward, keyed by its flags, each for ranges of row counts. Flags that change nothing are
 # folded, so that codegen and the runtime name a kind alike.
+# `images` (a prefill chunk holding image spans: the sliding layers' attention takes per-query key bounds) is named
+# only when set, so the text-only kinds keep their keys.
 def program_key(decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> str:
+                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False,
+                images: bool = False) -> str:
     if not last or score:  # no token is picked: how it would be is moot
         greedy, ext = True, False
     flags = dict(decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext,
                  score=score)
-    return " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
+    key = " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
+    return key + " images=1" if images else key
 
 
 # the drafter's programs (runtime/cuda/speculative.py): the draft block, the context update of a prefill's positions

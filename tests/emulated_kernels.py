@@ -18,6 +18,7 @@ from thorgen.runtime.backend import SamplingParams
 from thorgen.runtime.reference import engine_attention as EA
 from thorgen.runtime.reference.sampling import sample
 from emulated_logits import LogitsKernels  # (tests/ is on sys.path: fake_driver imports this module)
+from emulated_vision import VisionKernels
 
 import matmul_reference as MR
 
@@ -37,7 +38,7 @@ def _gelu(x):
     return MR.gelu_tanh(x)
 
 
-class KernelEmulator(LogitsKernels):
+class KernelEmulator(LogitsKernels, VisionKernels):
     """NumPy stand-ins for each kernel template, reading and writing the fake driver's memory."""
 
     def __init__(self, drv: FakeDriver) -> None:
@@ -159,7 +160,8 @@ class KernelEmulator(LogitsKernels):
     k_nvfp4_gemm_large = _gemm
 
     def _half_gemm(self, p, a, n):
-        """The drafter's fp16 GEMMs (layouts.pack_half weights): store f32, or silu(gate)*up f16 (interleave8)."""
+        """The fp16 GEMMs of the drafter and the vision tower (layouts.pack_half weights): store f32, or
+        silu(gate) * up / gelu_tanh(gate) * up f16 (interleave8)."""
         m, N, K = a["m"], p["n"], p["k"]
         key = ("half", a["w"], N, K)
         if key not in self._dense:
@@ -172,7 +174,8 @@ class KernelEmulator(LogitsKernels):
         else:
             g, u = L.deinterleave8(W)
             gx = x @ g.T
-            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(gx / (1.0 + np.exp(-gx)) * (x @ u.T), "f16")
+            act = _gelu(gx) if p["epi"] == "gelu_mul" else gx / (1.0 + np.exp(-gx))
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(act * (x @ u.T), "f16")
 
     k_bf16_gemm = _half_gemm
     k_bf16_gemm_large = _half_gemm
@@ -250,6 +253,15 @@ class KernelEmulator(LogitsKernels):
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o_p, ml_p)
                 return
             self._split_out(p, a, m, o_p, ml_p)
+            return
+        if p.get("kv_hi"):  # per-query upper key bounds (an image span's queries see the whole span)
+            if not (p["causal"] and ns == 1):
+                raise EmuError("per-query key bounds are for causal prefill kernels")
+            hi = self.v(a["kv_hi"], np.int32, m, "kv_hi").astype(np.int64)
+            if (hi > end - 1).any():
+                raise EmuError(f"kv_hi {hi.max()} past the chunk's last position {end - 1}")
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_rows(q, keys, vals, p0, win or None,
+                                                                                   shape, kv, hi)
             return
         if ns == 1:
             out = EA.attention_rows(q, keys, vals, p0, win or None, shape, kv)

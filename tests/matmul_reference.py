@@ -123,8 +123,9 @@ def kv_load(bits: np.ndarray, kv: str) -> np.ndarray:
 
 
 def attention_ref(q_bits: np.ndarray, kc: np.ndarray, vc: np.ndarray, kv: str, p0: int, ring: int, window: int,
-                  causal: bool, scale: float) -> np.ndarray:
-    """out [m, Hq, D] (float64) for queries at p0..p0+m-1 over cache slots (pos % ring, or pos when ring == 0)."""
+                  causal: bool, scale: float, kv_hi: np.ndarray | None = None) -> np.ndarray:
+    """out [m, Hq, D] (float64) for queries at p0..p0+m-1 over cache slots (pos % ring, or pos when ring == 0);
+    `kv_hi` (causal): query i sees keys up to max(its position, kv_hi[i]) (an image span's queries see the span)."""
     q = bf16_to_f32(q_bits).astype(F64)
     m, hq, d = q.shape
     hkv = kc.shape[1]
@@ -134,7 +135,8 @@ def attention_ref(q_bits: np.ndarray, kc: np.ndarray, vc: np.ndarray, kv: str, p
     lo = max(0, p0 - window + 1) if window else 0
     pos = np.arange(lo, end)
     slots = pos % ring if ring else pos
-    vis = pos[None, :] <= (qpos[:, None] if causal else end - 1)
+    hi = qpos if kv_hi is None else np.maximum(qpos, kv_hi)
+    vis = pos[None, :] <= (hi[:, None] if causal else end - 1)
     if window:
         vis &= qpos[:, None] - pos[None, :] < window
     out = np.zeros((m, hq, d), F64)

@@ -116,6 +116,25 @@ def test_drafter_weights_round_trip(art, ckpt):
         np.testing.assert_array_equal(art.array("draft." + name), ckpt.draft_tensor(name))
 
 
+def test_vision_tower_is_written_in_its_layout(art, ckpt):
+    """Every tower tensor of vision_layout is in the artifact with its shape, and holds vision_arrays' bytes (the
+    padded fp16 GEMM weights: a padding column of o_proj is zero, a real one is the checkpoint's value)."""
+    from thorgen.model_spec.vision_layout import vision_dims, vision_tensors
+    from thorgen.runtime.convert.vision import vision_arrays
+    spec = ckpt.spec
+    want = vision_arrays(spec, ckpt.tensor, lambda n: P.bf16_or_f32(ckpt.tensor(n)))
+    for name, (shape, _) in vision_tensors(spec).items():
+        got = art.array(name)
+        assert tuple(got.shape) == tuple(shape), name
+        np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want[name].reshape(-1).view(np.uint8), name)
+    d = vision_dims(spec)
+    o = L.unpack_half(art.array("vision.layers.1.o").reshape(-1).view(np.uint16), d.hidden, d.heads * d.dp)
+    o = o.reshape(d.hidden, d.heads, d.dp)
+    assert (o[:, :, d.head_dim:] == 0).all()
+    raw = ckpt.tensor("model.vision_tower.encoder.layers.1.self_attn.o_proj.linear.weight")
+    np.testing.assert_array_equal(o[:, 1, :d.head_dim], L.bf16_to_f16_bits(raw)[:, d.head_dim:2 * d.head_dim])
+
+
 def test_layout_and_alignment(art):
     assert all(t.offset % 256 == 0 for t in art.tensors.values())
     spans = sorted((t.offset, t.offset + t.nbytes) for t in art.tensors.values())

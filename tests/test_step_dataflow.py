@@ -52,6 +52,13 @@ def _shapes(f, max_rows: int, speculative: bool):
     yield "batched x32 processed", f.ops(32, decode=False, last=True, batched=True, ext=True), STEP | {"ids"} | EXT
     yield "prompt scoring x32", f.ops(32, decode=False, last=True, batched=True, score=True), \
         STEP | {"ids", "out_ids"}
+    if f.spec.vision is not None:  # chunks holding images (their key bounds staged with them)
+        for rows in (1, 40):
+            yield f"prefill {rows} with images", f.ops(rows, last=True, images=True), STEP | {"ids", "kv_hi"}
+        yield "prefill chunk with images (not the last)", f.ops(40, last=False, images=True), STEP | {"ids", "kv_hi"}
+        if speculative:
+            yield "prefill with images and DFlash taps", f.ops(40, taps=True, images=True) + dfw.ctx_ops(40), \
+                STEP | {"ids", "kv_hi"}
     if speculative:
         yield "prefill with DFlash taps", f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40), \
             STEP | {"ids"}
@@ -89,7 +96,8 @@ def test_full_size_step_shapes_pass(tmp_path):
     for name, ops, inputs in _shapes(fwd, rows, spec.drafter is not None):
         check_step(ops, ptr.regions, inputs, f"full size, {name}")
         names.append(name)
-    assert len(names) == 17 and "verify greedy=True" in names  # every shape of _shapes, the DFlash ones included
+    # every shape of _shapes, the DFlash and image ones included
+    assert len(names) == 17 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
 
 
 def test_the_checks_catch_what_they_are_for(engine):

@@ -15,6 +15,8 @@ pytest.importorskip("thorgen.codegen.plan")
 from thorgen.codegen.arch import get_arch  # noqa: E402
 from thorgen.codegen.lower import Lower  # noqa: E402
 from thorgen.codegen.lower_draft import LowerDraft  # noqa: E402
+from thorgen.codegen.lower_vision import LowerVision  # noqa: E402
+from thorgen.model_spec.vision_layout import VISION_ENCODE  # noqa: E402
 from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E402
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge  # noqa: E402
@@ -99,6 +101,8 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                     want = dl.ctx_ops(rows)
                 elif key.startswith("draft.verify"):
                     want = dl.verify_ops(key == verify_key(True))
+                elif key == VISION_ENCODE:
+                    want = LowerVision(low).encode_ops(rows)
                 else:
                     flags = dict(f.split("=") for f in key.split())
                     want = low.ops(rows, **{k: v == "1" for k, v in flags.items()})
@@ -143,7 +147,8 @@ def test_the_written_manifest_keeps_its_programs(built):
     assert (out / "programs.json.gz").is_file() and "programs" not in json.loads((out / "manifest.json").read_text())
     again = build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", [])
     assert manifest.programs == json.loads(json.dumps(again["programs"]))
-    assert manifest.programs_missing == {"core": [], "ext": [], "speculative": []}
+    assert manifest.programs_missing == {"core": [], "ext": [], "speculative": []} | (
+        {"vision": []} if spec.vision is not None else {})
 
 
 @pytest.mark.parametrize("greedy", [True, False])

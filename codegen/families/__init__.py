@@ -48,7 +48,7 @@ PDL = True               # every template is PDL-safe (see above; tests/test_cod
 # Order = plan order (roughly the order of a forward step); within a family the plan keeps the order of first use.
 FAMILIES: tuple[str, ...] = (
     "embedding", "norms", "rope_kv", "router", "lm_head", "lm_logits", "drafter_glue",
-    "matmul", "moe", "moe_grouped", "attention", "drafter_gemm",
+    "matmul", "moe", "moe_grouped", "attention", "drafter_gemm", "vision",
 )
 
 

@@ -62,18 +62,20 @@ def _mt(g: int, d: int, m: int) -> int:
 @cache
 def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
                  scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0,
-                 tpp: int = 1) -> tuple[KernelSpec, KernelSpec]:
-    """(decode / verify kernel, prefill kernel) of one attention shape."""
+                 tpp: int = 1, pre_mmax: int = MAX_STEP_TOKENS, kv_hi: bool = False) -> tuple[KernelSpec, KernelSpec]:
+    """(decode / verify kernel, prefill kernel of up to `pre_mmax` queries) of one attention shape. `kv_hi`: the
+    prefill kernel takes per-query upper key bounds (kv_hi, i32 [m]: an image span's queries see the whole span)."""
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
+    require(not kv_hi or causal, f"attention {role}: per-query key bounds extend a causal mask")
     g = hq // hkv
     out = []
     common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, page=page, pitch=pitch, causal=causal, kv_dtype=kv,
                   kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e), tpp=tpp)
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
-    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", MAX_STEP_TOKENS, 1)):
+    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", pre_mmax, 1)):
         # 32-key tiles (measured on the H200); where they do not fit (sm_120a: 99 KB per block at head dim 512),
         # one m-tile and 16-key tiles.
         mt, tk = _mt(g, d, mmax), TK
@@ -85,7 +87,7 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         smem = attn_smem(d, mt, tk, kv)
         require(smem <= arch.smem_per_block_max, f"attention {role}: {smem} B shared memory exceeds {arch.name}")
         name = (f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}" + (f"_s{ns}" if ns > 1 else "")
-                + (f"_t{tk}" if tk != TK else ""))
+                + (f"_t{tk}" if tk != TK else "") + ("_kvhi" if kv_hi and what == "pre" else ""))
         gx, nsub = math.ceil(mmax / qb), nsub_for(ns)
         # a batched decode step (rowwise: a block per query) of r rows launches ROWWISE_SPLITS[r - 1] <= ns splits
         rowwise = tuple(_rowwise_splits(r, hkv, ns, smem, arch) for r in range(1, mmax + 1)) if what == "dec" else ()
@@ -97,15 +99,17 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         # them); prefill chunks keep the plain order (with it and the row skip there, TTFT at 2,048 tokens was 130.5 ms
         # on the H200 against 128.4 without)
         early = role.startswith("tgt_") and what == "dec"
+        bounds = dict(kv_hi=True) if kv_hi and what == "pre" else {}
         out.append(KernelSpec(name, "attn_fwd.cu.j2",
                               make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx, early=early,
                                           **rules,
                                           ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
                                           # one merge group per (query block, KV head); rowwise (batched
                                           # decode) launches have a block per query, up to mmax of them
-                                          cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0, **common),
+                                          cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0, **common,
+                                          **bounds),
                               grid=(gx, hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
-                              args=FWD_ARGS, family="attention"))
+                              args=FWD_ARGS + (("kv_hi",) if bounds else ()), family="attention"))
     return out[0], out[1]
 
 
@@ -140,9 +144,11 @@ def _nsplit(blocks_per_split: int, arch: ArchSpec, max_tiles: int | None) -> int
 
 
 @cache
-def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefill: bool) -> KernelSpec:
+def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefill: bool,
+                     kv_hi: bool = False) -> KernelSpec:
     """Target layer `layer`'s attention over a `kv` cache: the decode / verify kernel (up to 16 queries, or a batched
-    step's rows), or with `prefill` the chunk kernel."""
+    step's rows), or with `prefill` the chunk kernel; `kv_hi` (a sliding layer's chunk holding an image): the chunk
+    kernel with per-query upper key bounds."""
     t = spec.target
     d, hkv, window = t.layer_head_dim(layer), t.layer_kv_heads(layer), t.layer_window(layer) or 0
     max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
@@ -151,8 +157,8 @@ def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefi
                             ring=ring_slots(window) if window else 0, causal=True, kv=kv, scale=1.0,
                             nsplit=_nsplit(hkv, arch, max_tiles), arch=arch, page=page,
                             pitch=page_pitch(t.max_position_embeddings) if page else 0,
-                            tpp=TPP_SLIDING if window else TPP_FULL)
-    return pre if prefill else dec
+                            tpp=TPP_SLIDING if window else TPP_FULL, kv_hi=kv_hi)
+    return pre if prefill or kv_hi else dec
 
 
 @cache

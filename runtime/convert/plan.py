@@ -10,6 +10,8 @@ What is written (names relative to `model.language_model.`; format in runtime/co
   * The tied lm_head quantized to NVFP4 (global scale from the amax of the whole embedding, then 4096-row chunks
     quantized with it, 256 columns at a time: identical to quantizing the table at once) unless lm_head="bf16"
     (kernels then read `embed_tokens.weight`, which is always stored raw bf16 for the embedding lookup).
+  * The vision tower (when the spec has one): `vision.*` in model_spec/vision_layout.py's layout, written by
+    convert/vision.py's vision_arrays (fp16 GEMM weights in the half layout, zero-padded to the tiles).
   * Norms, router, layer scalars: raw bf16. Drafter (`draft.` prefix): linears as fp16 in the step-major half
     layout of layouts.pack_half (qkv concat, gate/up interleaved), its norms raw bf16.
 Streaming: jobs yield (tensor, piece) to weights.ArtifactWriter, and consumed source ranges are released from the
@@ -29,6 +31,7 @@ from ...model_spec.checkpoint import Checkpoint
 from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, quantize_nvfp4, unpack_e2m1
 from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_tensors
 from ...model_spec.types import ModelSpec
+from ...model_spec.vision_layout import vision_tensors
 from . import layouts as L
 from .artifact import (DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages)
 
@@ -241,6 +244,19 @@ class Planner:
             if info.name not in done:
                 self.raw(info.name, DRAFT_PREFIX + info.name, draft=True)
 
+    def vision(self) -> None:
+        """The tower's tensors (one job: vision_arrays rewrites the whole tower, ~1.2 GB on the full model)."""
+        from .vision import vision_arrays  # (convert/vision.py imports layouts, which this module imports too)
+        dtypes = {"half": "f16", "bf16": "bf16", "f32": "f32"}
+        out = [self._add(name, dtypes[dt], shape, HALF_LAYOUT if dt == "half" else "raw")
+               for name, (shape, dt) in vision_tensors(self.ck.spec).items()]
+
+        def job() -> Iterator[tuple[str, np.ndarray]]:
+            arrays = vision_arrays(self.ck.spec, self.ck.tensor, lambda n: bf16_or_f32(self.ck.tensor(n)))
+            for t in out:
+                yield from chunks(t.name, arrays.pop(t.name))
+        self.jobs.append(("vision tower", sum(t.nbytes for t in out), job))
+
     def _half(self, base: str, fusion: str, parts: tuple[tuple[str, int], ...], k: int) -> None:
         n = sum(r for _, r in parts)
         t = self._add(DRAFT_PREFIX + base + ".weight", "f16", (n * k,), HALF_LAYOUT, logical_shape=[n, k],
@@ -279,4 +295,11 @@ def plan_artifact(ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_
         pl.lm_head_nvfp4()
     if spec.drafter is not None:
         pl.drafter()
+    if spec.vision is not None:
+        pl.vision()
     return pl
+
+
+def bf16_or_f32(arr: np.ndarray) -> np.ndarray:
+    """A checkpoint tensor stored BF16 (uint16 bits) or F32, as float32."""
+    return bf16_to_f32(arr) if arr.dtype == np.uint16 else np.asarray(arr, np.float32)

@@ -25,6 +25,7 @@ from .buffers import plan_activations
 from .engine import Engine
 from .options import EngineOptions
 from .runner import CudaRunner
+from .vision import plan_vision
 from .kv_cache import default_ctx, fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
 from ..manifest import KernelManifest, load_manifest
@@ -167,6 +168,8 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     # the activations (the plan's own size, at the build's step rows, every optional part counted), then slack for
     # graphs, the drafter's split weights and launch lists
     slack = plan_activations(spec, manifest, manifest.max_step_tokens, ctx, True, drafter).total + (512 << 20)
+    if spec.vision is not None and "vision.patch_proj" in art.tensors:  # the tower's activations (VisionEncoder)
+        slack += plan_vision(spec).total
     free, _ = dev.mem_info()
     one = plan_kv(spec, ctx, kv_dtype, drafter=drafter, conventions=manifest.conventions)
     lanes, pages = fit_kv(one, max_num_seqs, free - art.total_bytes - slack, kv_cache_gib)

@@ -61,6 +61,9 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
             ("kv_pages", (MAX_BATCH, int(manifest.conventions.get(
                 "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):
         p.add_array(name, shape, dt)
+    if spec.vision is not None:  # a prefill chunk's image rows (staged, copied into x) and its key bounds
+        p.add_array("img_rows", (R, H), "f32")
+        p.add_array("kv_hi", (R,), "i32")
     if ext:  # the processed head: runtime/cuda/logits_params.py packs what the rows point into
         V, M = t.vocab_size, MAX_BATCH
         for name, shape, dt in (

@@ -15,7 +15,7 @@ q|k|v, tap capture in prefill, and two 16-row graphs per step; otherwise `spec_m
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .programs import Forward
 from .speculative import DraftForward
 from .staging import ENGINE_SLOTS, StagingRing
 from .steps import DecodeSteps, sample_record
+from .vision import VisionEncoder, chunk_images, stage_images, vision_missing
 
 
 class Engine:
@@ -78,6 +79,9 @@ class Engine:
         self.steps = DecodeSteps(device, self.stream, self.act, self.fwd, self.launches, self.staging,
                                  self.max_rows, lanes)
         self.dflash = DFlashSteps(self) if self.speculative else None
+        # Image input is optional too: without the tower's weights or programs, requests with images are refused
+        self.vision_missing = vision_missing(spec, self)
+        self.vision = None if self.vision_missing else VisionEncoder(self)
         # Test and bench hooks of the DFlash steps. draft_hook: callable(start, last_token) -> 15 drafts that
         # replace the drafter's (written into ids[1..15] between the draft and the verify graphs), so tests can
         # force long acceptances and rollbacks. emulate_acceptance: see CudaRunner.decode (thorgen bench
@@ -142,11 +146,15 @@ class Engine:
 
     # ---- prefill and scoring --------------------------------------------------------------------------------------
     def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
-                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0, ext: bool = False) -> int:
+                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0, ext: bool = False,
+                images: Sequence[tuple[int, np.ndarray]] = ()) -> int:
         """Run the prompt (positions begin..P-1; the K/V of 0..begin-1 is already cached) in chunks of
         max_step_tokens rows; returns the first new token. `taps`: also capture the DFlash taps and project them
         into the drafter's context cache (speculative). `launched()` runs once everything is enqueued, before
-        the wait for the token: host work done there (streaming the previous step's tokens) costs no GPU time."""
+        the wait for the token: host work done there (streaming the previous step's tokens) costs no GPU time.
+        `images`: (prompt position, float32 rows [N, H]) of the images (VisionEncoder.encode) replacing those
+        positions' embeddings; a chunk holding one runs the image program (its sliding layers' keys bounded per
+        query, runtime/cuda/vision.py stage_images) and must hold it whole."""
         if taps and not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
         ids_buf, n = self.act["ids"], len(prompt)
@@ -155,7 +163,8 @@ class Engine:
         for start in range(begin, n, self.max_rows):
             rows = min(self.max_rows, n - start)
             last = start + rows == n
-            if rows == 1 and not taps:  # the graphed step handles a single row (it embeds out_ids[0])
+            spans = chunk_images(images, start, start + rows) if images else []
+            if rows == 1 and not taps and not spans:  # the graphed step handles a single row (it embeds out_ids[0])
                 self.steps.stage_row(start, prompt[start], lane)
                 self.steps.row_graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
@@ -168,6 +177,12 @@ class Engine:
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
             self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
+            if spans:
+                copies = stage_images(self, spans, start, rows)
+                self.launches.run(self.launches.eager(
+                    (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans)),
+                    lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies)))
+                continue
             self.launches.run(self.launches.eager((rows, last, greedy, taps, ext and last), lambda: self.fwd.ops(
                 rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
                 + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])))
@@ -178,6 +193,14 @@ class Engine:
             launched()
         self.stream.synchronize()
         return int(slot.record["tokens"][0])
+
+    def _image_ops(self, rows: int, last: bool, greedy: bool, taps: bool, ext: bool, copies: list) -> list:
+        """A chunk holding images: the image program, the image rows copied into x right after the embed."""
+        ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext, images=True)
+        if not ops or ops[0].label != "embed":
+            raise BackendError("cuda backend: the image prefill program does not start with the embed launch; "
+                               "rebuild with `thorgen build`")
+        return ops[:1] + copies + ops[1:] + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
 
     def score(self, tokens: list[int], start: int, stop: int, top: int, lane: int = 0) -> list:
         """Prompt logprobs: run positions start..stop-1 of `tokens` (the K/V of 0..start-1 cached) and return,
@@ -223,7 +246,7 @@ class Engine:
         if getattr(self, "stream", None) is not None:
             with contextlib.suppress(Exception):  # (after a device error: free what can be freed all the same)
                 self.stream.synchronize()  # a batched step launched ahead may still be running
-        for part in ("dflash", "steps", "launches"):
+        for part in ("vision", "dflash", "steps", "launches"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).destroy()
                 setattr(self, part, None)

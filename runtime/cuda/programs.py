@@ -118,9 +118,10 @@ class Forward:
         return self.missing("ext", program_key(decode=True, ext=True), program_key(batched=True, score=True))
 
     def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False) -> list[Op]:
+            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False,
+            images: bool = False) -> list[Op]:
         """The launches of one forward over `rows` tokens (codegen/lower.py documents each kind's flags)."""
-        return self.program(program_key(decode, last, greedy, taps, all_logits, batched, ext, score), rows)
+        return self.program(program_key(decode, last, greedy, taps, all_logits, batched, ext, score, images), rows)
 
     def program(self, key: str, rows: int) -> list[Op]:
         ranges = self.programs.get(key)

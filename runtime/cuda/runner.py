@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ...model_spec.conventions import KV_PAGE
-from ..backend import BackendError
+from ..backend import BackendError, check_image_spans, span_floor
 from .buffers import MAX_LOGIT_BIAS
 from .dflash import SpecLaunch
 from .engine import Engine
@@ -104,13 +104,29 @@ class CudaRunner:
             if len(seq.sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(seq.sampling.logit_bias)} entries; at most "
                                    f"{MAX_LOGIT_BIAS}")
-        if seq.images:  # the encoder and the image-aware prefill and cache keys run with the vision kernels
-            raise BackendError("cuda backend: images need the vision kernels (the vision_encode program), which "
-                               "this engine does not run yet; use --backend reference for image input")
+        if seq.images:
+            if self.engine.vision is None:
+                raise BackendError("cuda backend: images need the vision tower on the device: "
+                                   + "; ".join(self.engine.vision_missing))
+            if seq.sampling.prompt_logprobs is not None:
+                raise BackendError("cuda backend: prompt logprobs of a prompt with images are not supported")
+            for span in seq.images:
+                self.engine.vision.check(span.image)
+            if max(s.end - s.offset for s in seq.images) > self.prefill_chunk:
+                raise BackendError(f"cuda backend: an image of more than {self.prefill_chunk} soft tokens does "
+                                   "not fit one prefill chunk")
+            # the placeholders and the images must agree (a prompt without images keeps its ids as text, as before)
+            check_image_spans(seq.prompt, seq.images, self.engine.spec.vision.image_token_id)
         seq.prepare(self.engine.spec.target.vocab_size)
 
+    @staticmethod
+    def _keys(seq, upto: int | None = None) -> list[int]:
+        """The ids that key the prefix cache (image placeholders by image: Sequence.prompt_keys), first `upto`."""
+        keys = seq.prompt_keys + seq.output if seq.images else seq.tokens
+        return keys if upto is None else keys[:upto]
+
     def admit(self, seq, limit: int) -> int:
-        want = seq.tokens[:seq.prefill_target]
+        want = self._keys(seq, seq.prefill_target)
         intact = self.engine.kv.plan.prefix_intact
         # the paged layers serve whole cached pages, wherever they are
         shared = self.pool.matched(want, limit) if self.pool else None
@@ -119,14 +135,17 @@ class CudaRunner:
         def usable(lane: Lane) -> int:
             """How many of `want`'s leading tokens the lane's rings can serve (a running lane: its sequence's)
             along with the cached pages."""
-            have = lane.cached if lane.owner is None else lane.seq.tokens[:lane.seq.num_cached]
+            have = lane.cached if lane.owner is None else self._keys(lane.seq, lane.seq.num_cached)
             n = 0
             while n < min(len(have), len(want), cap) and have[n] == want[n]:
                 n += 1
             if seq.speculative:  # (the drafter context must cover the reused positions too)
                 n = min(n, lane.draft_upto)
-            if shared is not None:
-                n -= n % KV_PAGE
+            while True:  # whole pages, and never a part of an image (its span runs whole)
+                m = span_floor(n - n % KV_PAGE if shared is not None else n, seq.images)
+                if m == n:
+                    break
+                n = m
             return n if n and intact(n, lane.last_written) else 0
         best, best_n, source, source_n = None, -1, None, 0
         for i, lane in enumerate(self._lanes):
@@ -196,14 +215,17 @@ class CudaRunner:
                 self._on_device = None
                 return None
         ext = sample and self.logits.stage([seq])
+        images = [(s.offset, self.engine.vision.encode(s.image)) for s in seq.images
+                  if s.offset < end and s.end > start]
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched,
-                                  begin=start, lane=i, ext=ext)  # (start < end: the core skips a cached chunk)
+                                  begin=start, lane=i, ext=ext, images=images)  # (start < end: the core skips a
+        # cached chunk)
         if ext:
             self._raise_failed(self.logits.picked([seq], [tok]))
         lane.drafted(start, end, taps)
         lane.last_written = max(lane.last_written, end - 1)
         if self.pool is not None:  # the prompt's full pages are final: other requests may share them now
-            lane.pages.register(self.pool, seq.tokens, end)
+            lane.pages.register(self.pool, self._keys(seq), end)
         self._on_device = (seq.request_id, end) if sample else None
         if sample:
             self._joining.append((seq, tok))
@@ -337,7 +359,7 @@ class CudaRunner:
             lane = self._lanes[i]
             # the positions whose K/V a committed token wrote (a step's tokens after a stop id wrote some too)
             lane.owner, lane.seq = None, None
-            lane.cached = seq.tokens[:min(seq.num_cached, len(seq.tokens))] if finished else []
+            lane.cached = self._keys(seq, seq.num_cached) if finished else []
             if self.pool is not None:  # its final full pages stay cached (LRU) for whoever starts the same way
                 if finished:
                     lane.pages.register(self.pool, lane.cached, len(lane.cached))

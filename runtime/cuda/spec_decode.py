@@ -48,6 +48,8 @@ class SpecDecoder:
         if missing > CATCH_UP_RATIO * seq.room(self.max_context) or lane.draft_upto == 0 or \
                 not self.engine.kv.plan.prefix_intact(lane.draft_upto, lane.last_written):
             return False
+        if any(s.offset < pos and s.end > lane.draft_upto for s in seq.images):
+            return False  # (a prompt's images run in its own tap prefill; decoded positions hold none)
         self.engine.prefill(seq.tokens[:pos], seq.sampling.greedy, taps=True, begin=lane.draft_upto, lane=i)
         lane.drafted(lane.draft_upto, pos, taps=True)
         self.caught_up_tokens += missing

@@ -99,15 +99,18 @@ def _from_rows(x: np.ndarray, m: int, hq: int) -> np.ndarray:
 
 
 def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
-                   shape: AttnShape, kv: str) -> np.ndarray:
+                   shape: AttnShape, kv: str, kv_hi: np.ndarray | None = None) -> np.ndarray:
     """Output [m, Hq, D] (fp16 values, float64) of an attn_fwd launch with NSPLIT == 1 for causal queries q
-    [m, Hq, D] at positions p0.. over keys/values [n, Hkv, D] of positions 0..n-1: O * (1/l) in fp32, then fp16."""
+    [m, Hq, D] at positions p0.. over keys/values [n, Hkv, D] of positions 0..n-1: O * (1/l) in fp32, then fp16.
+    `kv_hi` (the KV_HI kernel: a chunk holding image spans): query i sees keys up to max(p0 + i, kv_hi[i])."""
     m, hq, d = q.shape
     hkv, g = keys.shape[1], hq // keys.shape[1]
     out = np.empty((m, hq, d), F64)
     for a in range(0, m, ATTN_CHUNK):
         b = min(m, a + ATTN_CHUNK)
         lo, hi = _bounds(p0 + np.arange(a, b), window)
+        if kv_hi is not None:
+            hi = np.maximum(hi, np.asarray(kv_hi[a:b], np.int64))
         o, _, l = _online(_as_rows(q[a:b], hkv, kv), keys, values, np.repeat(lo, g), np.repeat(hi, g),
                           int(lo.min()) // shape.tk, int(hi.max()) // shape.tk + 1, shape, kv)
         with np.errstate(divide="ignore"):

@@ -17,7 +17,10 @@ like with like, token for token:
     manifest.json);
   - the tied lm_head is the bf16 embedding quantised to NVFP4 with `quantize_nvfp4` exactly as repack does
     (`lm_head="nvfp4"`, the engine's path), or the bf16 embedding itself (`lm_head="bf16"`);
-  - the embedding is scaled by float32(sqrt(H)) and the sampler sees softcapped float32 logits, as before.
+  - the embedding is scaled by float32(sqrt(H)) and the sampler sees softcapped float32 logits, as before;
+  - image rows (float32, unscaled) replace their placeholders' embeddings, and a chunk holding image spans runs
+    the sliding layers' attention as the engine's image programs do: the chunk kernel at any row count, each query
+    of a span seeing keys up to the span's last position (`key_bounds`); full layers stay causal.
 Between two rounding points everything is float64 (the kernels accumulate in float32: ~1e-7 relative, far below
 one fp16 rounding). Where a rounded value is both stored and reused inside the same kernel (attn_tail, ffn_tail)
 the unrounded float64 value feeds the fused norm, as in the kernel references. A float32 value is rounded to
@@ -35,7 +38,7 @@ from ...model_spec.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from ..manifest import load_manifest
 from .engine_attention import attention_combine, attention_partials, attention_rows, attention_shapes
 from .kv_cache import KVCache
-from .model import ForwardOutput, TargetModel
+from .model import ForwardOutput, ImageRows, TargetModel
 from .ops import F32, F64, rope_cos_sin, softcap
 from .rounding import round_to
 from .weights import DEFAULT_EXPERT_BUDGET, TargetWeights, WeightSource
@@ -68,6 +71,16 @@ def nvfp4_engine_weight(packed: np.ndarray, scale: np.ndarray, global_scale: flo
     """float64 [N, K] weight as the NVFP4 kernels apply it: e2m1 * e4m3 times float32(1 / global)."""
     inv = F32(1.0) / F32(global_scale)
     return dequantize_nvfp4(packed, scale, 1.0).astype(F64) * F64(inv)
+
+
+def key_bounds(start: int, blocks: np.ndarray) -> np.ndarray:
+    """The image programs' kv_hi of a chunk at positions start..: each row's own position, or for a row of an
+    image span (blocks[row] >= 0) the span's last position."""
+    hi = start + np.arange(blocks.size)
+    for b in np.unique(blocks[blocks >= 0]):
+        rows = np.nonzero(blocks == b)[0]
+        hi[rows] = start + rows.max()
+    return hi
 
 
 class EngineWeights(TargetWeights):
@@ -129,8 +142,8 @@ class W4A16Target(TargetModel):
     def _gemm(self, x: np.ndarray, prefix: str) -> np.ndarray:
         return round_to(x @ self.w.linear(prefix).T, "f32")
 
-    def _attention_block(self, l: int, x: np.ndarray, a: np.ndarray, cache: KVCache,
-                         start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _attention_block(self, l: int, x: np.ndarray, a: np.ndarray, cache: KVCache, start: int,
+                         kv_hi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """qkv GEMM, rope_kv, attention, o_proj, attn_tail -> (residual x f32, a1 f16, a2 f16)."""
         s, t = self.spec, x.shape[0]
         eps, d, nq, nkv = s.rms_norm_eps, s.layer_head_dim(l), s.num_attention_heads, s.layer_kv_heads(l)
@@ -144,7 +157,7 @@ class W4A16Target(TargetModel):
         v = rms(v_raw, None, eps)
         cache.write(l, start, round_to(k, self.kv_dtype).astype(F32), round_to(v, self.kv_dtype).astype(F32))
         end = start + t
-        o = self._engine_attention(l, q, cache.keys(l, end), cache.values(l, end), start)
+        o = self._engine_attention(l, q, cache.keys(l, end), cache.values(l, end), start, kv_hi)
         o = self._gemm(round_to(o, "f16").reshape(t, nq * d), p + "o_proj")
         xn = x + rms(o, self.w.plain(f"layers.{l}.post_attention_layernorm.weight"), eps)
         n = rms(xn, None, eps)
@@ -153,12 +166,18 @@ class W4A16Target(TargetModel):
         return round_to(xn, "f32"), a1, a2
 
     def _engine_attention(self, l: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                          start: int) -> np.ndarray:
+                          start: int, kv_hi: np.ndarray | None = None) -> np.ndarray:
         """The engine's attention launches for the rows q [T, Hq, D] at positions start..: prefill chunks of
         max_step_tokens rows, each the prefill kernel (> VERIFY_ROWS rows) or the decode/verify kernel
-        (<= VERIFY_ROWS, split-K + combine where it has NSPLIT > 1)."""
+        (<= VERIFY_ROWS, split-K + combine where it has NSPLIT > 1). `kv_hi` (a chunk holding images): a sliding
+        layer runs the prefill kernel with those per-query key bounds (one chunk: the caller's)."""
         dec, pre = self._attn_shapes[self.spec.layer_types[l]]
         window, out = self.spec.layer_window(l), np.empty(q.shape, F64)
+        if kv_hi is not None and window:
+            if q.shape[0] > self.max_step_tokens:
+                raise ValueError(f"a chunk holding images has {q.shape[0]} rows; the engine runs at most "
+                                 f"{self.max_step_tokens}")
+            return attention_rows(q, keys, values, start, window, pre, self.kv_dtype, kv_hi)
         for a in range(0, q.shape[0], self.max_step_tokens):
             b = min(q.shape[0], a + self.max_step_tokens)
             shape = dec if b - a <= VERIFY_ROWS else pre
@@ -213,16 +232,19 @@ class W4A16Target(TargetModel):
 
     # ---- whole model ------------------------------------------------------------------------------------------
     def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
-                last_only: bool = False) -> ForwardOutput:
-        """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
+                last_only: bool = False, images: ImageRows = ()) -> ForwardOutput:
+        """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps). `images`:
+        (row, float32 rows [N, H]) replacing those rows' embeddings, each span one block (key_bounds)."""
         ids = self.check_ids(ids)
         s, start = self.spec, cache.length
-        x = self.embed(ids).astype(F64)  # float32 product, as the embed kernel
+        x, blocks = self.with_images(ids, images)  # float32 product, as the embed kernel; image rows as copied
+        x = x.astype(F64)
+        kv_hi = None if blocks is None else key_bounds(start, blocks)
         a = round_to(rms(x, self.w.plain("layers.0.input_layernorm.weight"), s.rms_norm_eps), "f16")
         out_taps: dict[int, np.ndarray] = {}
         for l in range(s.num_hidden_layers):
             nxt = f"layers.{l + 1}.input_layernorm.weight" if l + 1 < s.num_hidden_layers else "norm.weight"
-            x, a1, a2 = self._attention_block(l, x, a, cache, start)
+            x, a1, a2 = self._attention_block(l, x, a, cache, start, kv_hi)
             x, a = self._ffn_block(l, x, a1, a2, self.w.plain(nxt))
             if l in taps:
                 out_taps[l] = x.astype(F32)

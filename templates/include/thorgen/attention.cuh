@@ -12,6 +12,8 @@
 // Only the block's valid rows (its queries x G heads) run mma tiles and softmax rows. EARLY (the target's layers):
 // a one-sequence launch loads its first key tile's rows older than the step before griddepcontrol.wait.
 // Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
+// KV_HI (a prefill chunk holding an image on a sliding layer): query i's upper key bound is max(P, kv_hi[i])
+// instead, kv_hi[i] >= P the last position of the image span holding it (the span sees itself both ways).
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
 // queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
 // its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
@@ -92,12 +94,13 @@ template <> struct MmaT<KV_FP8> {
 };
 
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
-          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false, int TPP = 1>
+          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false, int TPP = 1, bool KV_HI = false>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
                                          const int* __restrict__ lanes, long long lane_bytes,
-                                         const int* __restrict__ pages, int rowwise, float scale_log2) {
+                                         const int* __restrict__ pages, int rowwise, float scale_log2,
+                                         const int* __restrict__ kv_hi = nullptr) {
   using S = AttnSmem<D, G, MT, TK, KVT>;
   using Mm = MmaT<KVT>;
   static_assert(D % 64 == 0 && D <= 512, "head dim must be a multiple of 64, at most 512");
@@ -153,7 +156,11 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int last_vis = CAUSAL ? p0 + q0 + nq - 1 : p0 + m - 1;
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
-  const int hi = last_vis;
+  int hi = last_vis;
+  if constexpr (KV_HI) {
+    static_assert(CAUSAL && NSPLIT == 1, "per-query key bounds are for causal prefill kernels");
+    for (int i = 0; i < nq; ++i) hi = max(hi, __ldg(kv_hi + q0 + i));
+  }
   const int t_lo = lo / TK, ntiles = hi / TK - t_lo + 1;
   // The parts: with at most NSPLIT chunks of TPP key tiles (chunk c = tiles [c TPP, (c + 1) TPP), aligned absolutely,
   // so that every query cuts its keys at the same boundaries) part z is the range's z-th chunk; past that, part z is
@@ -331,7 +338,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
       for (int r = warp; r < vrows; r += NWARP) {
         const int qi = q0 + r / G, P = p0 + qi;
-        const int hv = CAUSAL ? P : p0 + m - 1;
+        const int hv = KV_HI ? (qi < m ? max(P, __ldg(kv_hi + qi)) : P) : CAUSAL ? P : p0 + m - 1;
         constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
         float s[KPL];
         float mx = -INFINITY;
@@ -432,7 +439,8 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
         }
       }
     }
-    if constexpr (NSPLIT > 1) {  // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+    // st_a (the rescale factors) now holds the arrival flag, the K/V tiles the merge scratch
+    if constexpr (NSPLIT > 1) {
       static_assert(split_scratch_bytes(D, R, NSPLIT, NSUB) <= S::KV_BYTES, "split merge scratch exceeds the tiles");
       static_assert(merge_scratch_bytes(NSPLIT, G) <= S::KV_BYTES, "a one-query one-level merge exceeds the tiles");
       // counted once a block (one level), or when the block leaves a level-1 subgroup (two levels): one fence and

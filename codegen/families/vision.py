@@ -1,0 +1,99 @@
+"""Codegen stage: the vision tower's kernels — its row kernels (patch input, position tables + first norm, q/k/v
+norm + 2-D RoPE, sandwich norms, the pool tail), its fp16 GEMMs and its bidirectional attention.
+
+  vis_patch_prep__pd{PD}                     2 * (p - 0.5) -> f16 patch rows
+  vis_embed_norm__h{H}                       x += table[0][x] + table[1][y]; a = rmsnorm(x) * w (f16, pitch HP)
+  vis_qkv_rope__h{NH}x{D}                    q|k|v f32 -> q, k (RMSNorm + 2-D RoPE), v (RMSNorm) bf16 [NH][DP]
+  vis_sandwich__h{H}                         x += rmsnorm(y) * w_post; a = rmsnorm(x) * w_next
+  vis_pool__h{H}_p{POOL}                     3x3 mean, x sqrt(H), standardize, weightless RMSNorm (fp32) -> f16
+  vis_gemmL__n{N}_k{K}[_gelu]                the tower's linears on the drafter's fp16 tile engine (WeightKind HALF)
+  attn_pre__vis_d{DP}_h{NH}x{NH}_b_lin_bf16  one image's patches attending each other (scale 1, no mask, G = 1)
+Widths are padded to the tiles (model_spec/vision_layout.py); the GEMMs and the attention run on those.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from ...model_spec.types import ModelSpec
+from ...model_spec.vision_layout import VisionDims, vision_dims
+from ..arch import ArchSpec
+from ..kernel_spec import KernelSpec, make_params
+from ._util import ftag, require, row_grid
+from .attention import attn_kernels
+from .matmul import gemm_large
+
+
+def _threads(width: int, arch: ArchSpec) -> int:
+    """A row kernel's block: up to the arch's block size, no more warps than the row has 32-wide chunks."""
+    return min(arch.threads_per_block, 32 * -(-width // 32))
+
+
+def _row_kernel(name: str, template: str, width: int, arch: ArchSpec, args: tuple[str, ...], **params) -> KernelSpec:
+    return KernelSpec(name, template, make_params(ROW_AXIS=0, **params), row_grid(), (_threads(width, arch), 1, 1),
+                      args=args, family="vision")
+
+
+def _eps_tag(eps: float) -> str:
+    return "" if eps == 1e-6 else f"_eps{ftag(eps)}"
+
+
+@cache
+def patch_prep(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    return _row_kernel(f"vis_patch_prep__pd{d.patch_dim}", "vis_patch_prep.cu.j2", d.patch_dim, arch,
+                       ("p", "out", "T"), PD=d.patch_dim)
+
+
+@cache
+def embed_norm(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    return _row_kernel(f"vis_embed_norm__h{d.hidden}_hp{d.hp}_t{d.table}{_eps_tag(d.eps)}", "vis_embed_norm.cu.j2",
+                       d.hidden, arch, ("x", "table", "pos", "w", "a", "T"), H=d.hidden, HP=d.hp, P=d.table,
+                       EPS=float(d.eps))
+
+
+@cache
+def sandwich(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    return _row_kernel(f"vis_sandwich__h{d.hidden}_hp{d.hp}{_eps_tag(d.eps)}", "vis_sandwich.cu.j2", d.hidden, arch,
+                       ("x", "y", "w_post", "w_next", "a", "T"), H=d.hidden, HP=d.hp, EPS=float(d.eps))
+
+
+@cache
+def qkv_rope(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    require(32 * d.heads <= arch.max_threads_per_block,
+            f"vision qkv_rope: {d.heads} heads, a warp each, exceed a block")
+    return KernelSpec(f"vis_qkv_rope__h{d.heads}x{d.head_dim}_dp{d.dp}_th{ftag(d.theta)}{_eps_tag(d.eps)}",
+                      "vis_qkv_rope.cu.j2", make_params(ROW_AXIS=0, NH=d.heads, D=d.head_dim, DP=d.dp,
+                                                        THETA=float(d.theta), EPS=float(d.eps)),
+                      row_grid(), (32 * d.heads, 1, 1),
+                      args=("qkv", "q_norm_w", "k_norm_w", "pos", "q", "k", "v", "T"), family="vision")
+
+
+@cache
+def pool(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    return _row_kernel(f"vis_pool__h{d.hidden}_hp{d.hp}_p{d.pool}{_eps_tag(d.eps)}", "vis_pool.cu.j2", d.hidden, arch,
+                       ("x", "pos", "std_bias", "std_scale", "out", "T"), H=d.hidden, HP=d.hp, POOL=d.pool,
+                       EPS=float(d.eps), ROOT_H=float(d.hidden) ** 0.5)
+
+
+@cache
+def gemm(n: int, k: int, epi: str, d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    """A tower linear [n, k] over up to max_patches rows (fp16 weights, f32 out; gelu_mul: f16 gelu(gate) * up)."""
+    return gemm_large(n, k, epi, arch, kind="half", prefix="vis", family="vision", mmax=d.max_patches)
+
+
+@cache
+def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
+    """Every patch of one image attends every other: the prefill kernel over a linear bf16 "cache" of the image's
+    own k / v rows (slot = patch), non-causal (key bound p0 + m - 1 = the last patch), scale 1, one KV head a query
+    head."""
+    _, pre = attn_kernels("vis", d=d.dp, hq=d.heads, hkv=d.heads, window=0, ring=0, causal=False, kv="bf16",
+                          scale=1.0, nsplit=1, arch=arch, pre_mmax=d.max_patches)
+    return pre
+
+
+def vision_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
+    """(role, N, K, epilogue) of the tower's GEMMs on their padded widths."""
+    d = vision_dims(spec)
+    return [("patch", d.hidden, d.patch_dim, "store"), ("qkv", 3 * d.hidden, d.hp, "store"),
+            ("o", d.hidden, d.heads * d.dp, "store"), ("gate_up", 2 * d.ip, d.hp, "gelu_mul"),
+            ("down", d.hidden, d.ip, "store"), ("projection", d.text_hidden, d.hp, "store")]

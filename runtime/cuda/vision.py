@@ -1,0 +1,163 @@
+"""Runtime stage: `VisionEncoder`, the vision tower on the device: its activations, the vision.encode step program
+bound to them, and the soft-token rows of recently encoded images by content hash.
+
+The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) eagerly, its launch list
+kept per N; the rows come back to the host (f32 [N, text hidden], 3.2 MB for a 280-token image on the full model),
+which keeps them across steps and preemption, and the engine stages them into a prefill chunk's residual rows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from ...model_spec.step_program import program_key
+from ...model_spec.types import ModelSpec
+from ...model_spec.vision_layout import (MAX_SOFT_TOKENS, PATCH_ACTS, TOKEN_ACTS, VISION_ENCODE, act_width,
+                                         vision_dims, vision_tensors)
+from ..backend import BackendError, ImageInput
+from .kernels import Ptr
+from .memory import Arena, ArenaPlan
+from .programs import Copy2D, Forward
+
+ENCODER_SLOTS = 8  # images whose rows are kept (LRU)
+
+
+def plan_vision(spec: ModelSpec) -> ArenaPlan:
+    """The tower's activations, sized for the largest image (MAX_SOFT_TOKENS soft tokens, 9x as many patches):
+    ~0.56 GB on the full model."""
+    d, p = vision_dims(spec), ArenaPlan("vision activations")
+    for acts, rows in ((PATCH_ACTS, d.max_patches), (TOKEN_ACTS, MAX_SOFT_TOKENS)):
+        for name, (width, dtype) in acts.items():
+            p.add_array(name, (rows, act_width(d, width)), dtype)
+    return p
+
+
+def vision_missing(spec: ModelSpec, engine: Any) -> list[str]:
+    """Why `engine` cannot encode images (empty: it can)."""
+    if spec.vision is None:
+        return [f"model {spec.name} has no vision tower"]
+    lacking = [n for n in vision_tensors(spec) if n not in engine.art.tensors]
+    if lacking:
+        return [f"the repacked weights hold no vision tower ({lacking[0]} ...): repack them again"]
+    keys = [program_key(last=False, images=True)] + [program_key(greedy=g, images=True) for g in (True, False)]
+    return engine.fwd.missing("vision", VISION_ENCODE, *keys)
+
+
+class _Pointers:
+    """The vision program's symbols: weights in the engine's upload, activations in the tower's arena."""
+
+    def __init__(self, buffers: Any, arena: Arena) -> None:
+        self.buffers, self.arena = buffers, arena
+
+    def W(self, name: str, byte_offset: int = 0) -> Ptr:
+        return self.buffers.W(name, byte_offset)
+
+    def A(self, name: str, row: int = 0) -> Ptr:
+        r = self.arena.plan.regions[name]
+        return Ptr(self.arena[name].ptr + row * (r.nbytes // r.shape[0]))
+
+    def KV(self, layer: int, which: str) -> Ptr:
+        raise BackendError("cuda backend: the vision program addresses no KV cache; rebuild with `thorgen build`")
+
+    DKV = KV
+
+    def lane_bytes(self, layer: int) -> int:
+        return 0
+
+    def dlane_bytes(self, layer: int) -> int:
+        return 0
+
+
+class VisionEncoder:
+    """encode(image) -> its soft-token rows float32 [N, text hidden], through the device (or the cache)."""
+
+    def __init__(self, engine: Any, slots: int = ENCODER_SLOTS) -> None:
+        self.engine, self.spec, self.slots = engine, engine.spec, slots
+        self.dims = vision_dims(engine.spec)
+        self.arena = Arena(engine.device, plan_vision(engine.spec))
+        self.fwd = Forward(engine.spec, engine.manifest, engine.fwd.kv_dtype, engine.max_rows)
+        self.fwd.ptr = _Pointers(engine.buffers, self.arena)
+        stream = engine.stream
+        self.arena.buffer.zero(stream)
+        # the attention's key positions 0, 1, ...: staged once (no kernel writes them)
+        self.arena["vis_kpos"].upload(np.arange(self.dims.max_patches, dtype=np.int32), stream=stream)
+        stream.synchronize()
+        self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.encoded = 0  # images run through the tower (cache misses)
+
+    def check(self, image: ImageInput) -> None:
+        """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens)."""
+        d, n = self.dims, image.soft_tokens
+        patches, positions = np.asarray(image.patches), np.asarray(image.positions)
+        if not 1 <= n <= MAX_SOFT_TOKENS:
+            raise BackendError(f"image of {n} soft tokens: the vision program runs 1..{MAX_SOFT_TOKENS}")
+        if patches.shape != (d.pool_rows * n, d.patch_dim) or positions.shape != (d.pool_rows * n, 2):
+            raise BackendError(f"image patches {patches.shape} / positions {positions.shape}: expected "
+                               f"[{d.pool_rows * n}, {d.patch_dim}] / [{d.pool_rows * n}, 2] for {n} soft tokens")
+        if positions.min() < 0 or positions.max() >= d.table:
+            raise BackendError(f"image patch positions {positions.min()}..{positions.max()} leave the position "
+                               f"table of {d.table}")
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        hit = self._rows.get(image.hash)
+        if hit is not None:
+            self._rows.move_to_end(image.hash)
+            return hit
+        rows = self._run(image)
+        self.encoded += 1
+        if self.slots > 0:
+            self._rows[image.hash] = rows
+            while len(self._rows) > self.slots:
+                self._rows.popitem(last=False)
+        return rows
+
+    def _run(self, image: ImageInput) -> np.ndarray:
+        self.check(image)
+        e, n = self.engine, image.soft_tokens
+        stream = e.stream
+        self.arena["vis_patches"].upload(np.ascontiguousarray(image.pixel_values(), np.float32), stream=stream)
+        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
+        e.launches.run(e.launches.eager(("vision", n), lambda: self.fwd.program(VISION_ENCODE, n)))
+        stream.synchronize()
+        return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
+
+    def destroy(self) -> None:
+        self._rows.clear()
+        self.arena.free()
+
+
+def chunk_images(images: Any, start: int, end: int) -> list[tuple[int, np.ndarray]]:
+    """(row in the chunk, rows [N, H]) of the images (prompt position, rows) inside positions start..end-1;
+    BackendError for one the chunk would split (its tokens attend to each other both ways)."""
+    out = []
+    for pos, rows in images:
+        if pos < end and pos + len(rows) > start:
+            if pos < start or pos + len(rows) > end:
+                raise BackendError(f"cuda backend: a prefill chunk {start}..{end} splits the image at positions "
+                                   f"{pos}..{pos + len(rows)}")
+            out.append((pos - start, rows))
+    return out
+
+
+def stage_images(engine: Any, spans: list[tuple[int, np.ndarray]], start: int, rows: int) -> list[Copy2D]:
+    """Upload a chunk's image rows (into img_rows at their chunk rows) and its key bounds (kv_hi: each row's
+    position, an image row's the last position of its image), stream-ordered before the chunk; returns the
+    copies of the image rows into x that follow the embed launch."""
+    act, buffers, stream = engine.act, engine.buffers, engine.stream
+    width = engine.spec.target.hidden_size * 4
+    kv_hi = np.arange(start, start + rows, dtype=np.int32)
+    copies = []
+    for r, emb in spans:
+        n = len(emb)
+        act["img_rows"].view(r * width, n * width).upload(np.ascontiguousarray(emb, np.float32), stream=stream)
+        kv_hi[r:r + n] = start + r + n - 1
+        copies.append(Copy2D(f"image rows {r}..{r + n}", buffers.A("img_rows", r), n * width, buffers.A("x", r),
+                             n * width, n * width, 1))
+    act["kv_hi"].view(0, 4 * rows).upload(kv_hi, stream=stream)
+    return copies
+
+
+__all__ = ["ENCODER_SLOTS", "VisionEncoder", "chunk_images", "plan_vision", "stage_images", "vision_missing"]

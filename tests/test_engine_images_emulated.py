@@ -1,0 +1,204 @@
+"""CPU tests of images on the CUDA engine: the real engine (repacked tower, vision.encode program, image prefill
+programs, engine core and CudaRunner) on the emulated GPU (tests/engine_emulator.py) against the reference backend's
+engine-precision mode (numerics="w4a16").
+
+The tower is checked on its own: the engine's encode equals the vision.encode program run launch by launch on the
+same kernel stand-ins (tests/test_vision_program.py's run_encode) bit for bit, and the float32 NumPy tower
+(runtime/reference/vision.py) within the program's tolerance. The text side is then checked token for token with
+the same image rows on both sides (the reference's encoder replaced by the engine's, since the fp16 tower and the
+float32 one differ by ~1e-2): rows replaced after the embed, the sliding layers' image blocks (kv_hi), the prefix
+cache's image keys and DFlash after an image.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+import engine_emulator as EE
+
+pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
+PIL = pytest.importorskip("PIL.Image")
+
+from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.media.images import load_image  # noqa: E402
+from thorgen.runtime.media.prompts import expand_image_tokens  # noqa: E402
+
+GEN = 8
+
+
+def image_bytes(seed: int, size=(60, 90)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    PIL.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def prompt(spec, *seeds, text=(30, 31, 32), size=(60, 90)):
+    """(ids, image spans): text, then each image's placeholder followed by a token, then more text."""
+    vision = spec.vision
+    imgs = [load_image(image_bytes(s, size), vision, 70) for s in seeds]
+    ids = [2, 105, *text]
+    for _ in imgs:
+        ids += [vision.image_token_id, 45]
+    return expand_image_tokens(ids + [106, 105, 40, 41], imgs, vision)
+
+
+class EngineRows:
+    """The reference encoder cache's model replaced by the engine's tower (same rows on both sides)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def encode(self, image):
+        return self.engine.vision.encode(image)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, tmp_path_factory):
+    """(emulated cuda backend, w4a16 reference backend sharing its image rows, checkpoint)."""
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime.cuda import device as dev
+    from thorgen.runtime.cuda.backend import open_backend
+    from thorgen.runtime.convert.repack import repack
+    from thorgen.runtime.reference.backend import ReferenceBackend
+
+    ck = Checkpoint.open(tiny_checkpoint)
+    root = tmp_path_factory.mktemp("images")
+    weights = repack(tiny_checkpoint, root / "weights")
+    kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
+    drv = EE.install(kernels)
+    cuda = open_backend(tiny_checkpoint, ctx=1024, weights_dir=weights, kernels_dir=kernels, max_num_seqs=2)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref.encoder_cache.model = EngineRows(cuda.engine)
+    yield cuda, ref, ck
+    dev.set_driver(drv)
+    cuda.close()
+    dev.set_driver(None)
+
+
+def test_encode_is_the_program_and_near_the_float32_tower(pair):
+    from test_vision_program import run_encode
+
+    from thorgen.model_spec.tensors import vision_tensors
+    from thorgen.runtime.convert.plan import bf16_or_f32
+    from thorgen.runtime.reference.vision import VisionModel
+
+    cuda, _, ck = pair
+    spec = ck.spec
+    img = load_image(image_bytes(1), spec.vision, 70)
+    got = cuda.engine.vision.encode(img)
+    assert got.shape == (img.soft_tokens, spec.target.hidden_size) and np.isfinite(got).all()
+    tensors = {t.name: np.asarray(ck.tensor(t.name)) for t in vision_tensors(spec.vision, spec.target.hidden_size)}
+    for name in ("model.vision_tower.std_bias", "model.vision_tower.std_scale"):  # (run_encode's are float32)
+        tensors[name] = bf16_or_f32(tensors[name])
+    lowered = run_encode(spec, tensors, img.pixel_values(), np.asarray(img.positions, np.int32))
+    np.testing.assert_array_equal(got, lowered.astype(np.float32))
+    want = VisionModel(ck).encode(img).astype(np.float64)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 3e-2, err  # the fp16 GEMMs and bf16 q/k/v (tests/test_vision_program.py)
+    # the encoder cache: the same image again is not run again
+    n = cuda.engine.vision.encoded
+    assert cuda.engine.vision.encode(load_image(image_bytes(1), spec.vision, 70)) is got
+    assert cuda.engine.vision.encoded == n
+
+
+@pytest.mark.parametrize("seeds", [(1,), (1, 2)])
+def test_greedy_with_images_equals_w4a16_reference(pair, seeds):
+    cuda, ref, ck = pair
+    ids, spans = prompt(ck.spec, *seeds)
+    assert all(s.image.soft_tokens > 1 for s in spans)
+    got = cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    want = ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    assert len(want) == GEN and got == want
+
+
+def test_image_rows_and_block_mask_change_the_output(pair):
+    """The check has teeth: the engine's first-token logits equal the reference's (relative L2 <= 1e-5, as
+    tests/test_reference_w4a16.py), while without the image rows (placeholder embeddings) or with a causal-only
+    mask on the sliding layers the reference moves by far more."""
+    from thorgen.runtime.reference import w4a16 as W
+    from thorgen.runtime.reference.ops import softcap
+
+    cuda, ref, ck = pair
+    ids, spans = prompt(ck.spec, 1)
+    rows = [(s.offset, cuda.engine.vision.encode(s.image)) for s in spans]
+    cuda.generate(ids, 1, SamplingParams(), images=spans)
+    got = softcap(cuda.engine.logits(), ck.spec.target.final_logit_softcapping).astype(np.float64)
+    m = ref.target
+
+    def first_logits(images, bounds=None):
+        saved = W.key_bounds
+        W.key_bounds = bounds or saved
+        try:
+            return m.forward(ids, m.new_cache(), last_only=True, images=images).logits[-1].astype(np.float64)
+        finally:
+            W.key_bounds = saved
+
+    def rel(a, b):
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    want = first_logits(rows)
+    assert rel(got, want) <= 1e-5, rel(got, want)
+    causal = first_logits(rows, lambda start, blocks: start + np.arange(blocks.size))
+    assert rel(causal, want) > 1e-3, rel(causal, want)
+    assert rel(first_logits(()), want) > 1e-3
+
+
+def test_prefix_cache_keys_images_by_content(pair):
+    """The same image again hits past its span; then a different image of the same size (same placeholders, other
+    content) shares nothing from its span on; every output equals the reference's, which caches nothing."""
+    from thorgen.runtime.engine.core import EngineCore
+    from thorgen.runtime.cuda.runner import CudaRunner
+
+    cuda, ref, ck = pair
+    a_ids, a_spans = prompt(ck.spec, 3, text=tuple(range(30, 60)))
+    b_ids, b_spans = prompt(ck.spec, 4, text=tuple(range(30, 60)))
+    assert a_ids == b_ids and a_spans[0].image.hash != b_spans[0].image.hash
+    runner = CudaRunner(cuda.engine, max_num_seqs=1)
+    core = EngineCore(runner)
+
+    def run(ids, spans):
+        core.add(str(len(core_runs)), ids, GEN, SamplingParams(), images=tuple(spans))
+        toks, cached = [], None
+        while core.unfinished:
+            for o in core.step():
+                toks += o.token_ids
+                if o.finished:
+                    cached = o.result.cached_prompt_tokens
+        core_runs.append(toks)
+        return toks, cached
+
+    core_runs: list = []
+    a, _ = run(a_ids, a_spans)
+    a2, a2_hit = run(a_ids, a_spans)
+    b, b_hit = run(b_ids, b_spans)
+    offset, end = a_spans[0].offset, a_spans[0].end
+    assert a2_hit >= end, (a2_hit, end)
+    assert b_hit <= offset, (b_hit, offset)
+    assert a2 == a
+    for toks, (ids, spans) in ((a, (a_ids, a_spans)), (b, (b_ids, b_spans))):
+        assert toks == ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+
+
+def test_speculative_after_an_image_equals_plain(pair):
+    cuda, _, ck = pair
+    if not cuda.engine.speculative:
+        pytest.skip("no DFlash drafter in this build: " + "; ".join(cuda.engine.spec_missing))
+    ids, spans = prompt(ck.spec, 1, 2)
+    plain = cuda.generate(ids, 24, SamplingParams(), images=spans).token_ids
+    spec = cuda.generate(ids, 24, SamplingParams(), speculative=True, images=spans)
+    assert spec.token_ids == plain
+    assert spec.accepted_lengths  # it did take DFlash steps
+
+
+def test_bad_image_requests_are_refused(pair):
+    cuda, _, ck = pair
+    ids, spans = prompt(ck.spec, 1)
+    with pytest.raises(BackendError, match="placeholder"):
+        at = spans[0].offset
+        cuda.generate(ids[:at] + ids[at + 1:], 2, SamplingParams(), images=spans)  # one placeholder fewer
+    with pytest.raises(BackendError, match="prompt logprobs"):
+        cuda.generate(ids, 2, SamplingParams(prompt_logprobs=1), images=spans)

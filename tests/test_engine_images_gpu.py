@@ -1,0 +1,63 @@
+"""GPU tests of images on the cuda engine (tiny model, kernels built for the local GPU): the device tower's rows
+against the float32 NumPy tower, greedy tokens with one and two images against the reference's engine-precision
+mode fed the engine's own image rows (as tests/test_engine_images_emulated.py does on the emulator), and DFlash
+after images equal to plain decoding. Skip without a GPU / cuda-python / nvcc."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_engine_images_emulated import GEN, EngineRows, image_bytes, prompt
+
+pytestmark = pytest.mark.gpu
+PIL = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def pair(built):
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.runtime.cuda.backend import open_backend
+    from thorgen.runtime.reference.backend import ReferenceBackend
+
+    model, kernels = built
+    ck = Checkpoint.open(model)
+    cuda = open_backend(model, ctx=1024, kernels_dir=kernels, max_num_seqs=2)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref.encoder_cache.model = EngineRows(cuda.engine)
+    yield cuda, ref, ck
+    cuda.close()
+
+
+def test_device_tower_near_the_float32_tower(pair):
+    from thorgen.runtime.media.images import load_image
+    from thorgen.runtime.reference.vision import VisionModel
+
+    cuda, _, ck = pair
+    img = load_image(image_bytes(1), ck.spec.vision, 70)
+    got = cuda.engine.vision.encode(img).astype(np.float64)
+    want = VisionModel(ck).encode(img).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
+
+
+@pytest.mark.parametrize("seeds", [(1,), (1, 2)])
+def test_greedy_with_images_equals_w4a16_reference(pair, seeds):
+    from thorgen.runtime.backend import SamplingParams
+
+    cuda, ref, ck = pair
+    ids, spans = prompt(ck.spec, *seeds)
+    got = cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    want = ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    assert got == want
+
+
+def test_speculative_after_images_equals_plain(pair):
+    from thorgen.runtime.backend import SamplingParams
+
+    cuda, _, ck = pair
+    if not cuda.engine.speculative:
+        pytest.skip("; ".join(cuda.engine.spec_missing))
+    ids, spans = prompt(ck.spec, 1, 2)
+    plain = cuda.generate(ids, 24, SamplingParams(), images=spans).token_ids
+    assert cuda.generate(ids, 24, SamplingParams(), speculative=True, images=spans).token_ids == plain
