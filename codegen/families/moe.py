@@ -120,8 +120,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     pfd = prefetch(math.ceil(steps_d / ksd), arch)
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
         pfd = min(16, math.ceil(steps_d / ksd))
-    if kind == "half":
-        pfd = min(pfd, HALF_PF)
+    if kind == "half":  # (the whole slab of the tiny preset's 2 steps in flight spilled 4 B on sm_90a)
+        pfd = max(1, min(pfd, HALF_PF, steps_d - 1))
     down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_down.cu.j2",
                       make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
                       grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=weight_args(DOWN_ARGS, kind), family="moe")

@@ -126,8 +126,9 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     require(tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16")
     require(1 <= e <= 1024 and 1 <= topk <= 32, f"moe_grouped: {e} experts / top-{topk} out of range")
     kind, suffix = expert_kind(spec, arch)
-    if kind == "half":  # fp16 steps are 4x the registers of NVFP4 ones (moe.HALF_PF)
-        gateup, down = (replace(c, pf=min(c.pf, HALF_PF)) for c in (gateup, down))
+    if kind == "half":  # fp16 steps are 4x the registers of NVFP4 ones (moe.HALF_PF): two blocks an SM's registers
+        # (3, at most 170 a thread, spilled 300 B in the gate/up with 2 units a warp)
+        gateup, down = (replace(c, pf=min(c.pf, HALF_PF), min_blocks=min(c.min_blocks, 2)) for c in (gateup, down))
     base = dict(experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows),
                 pdl=True)
     gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=fp4_order(arch),
