@@ -5,7 +5,8 @@ with rope_kv folded in (each head's last block runs its warp), the split-K decod
 same launch), the o_proj GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE
 pair; for more rows attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused
 q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
-Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py), and the
+Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py; a target
+linear's checkpoint format, `linear_format`, picks the NVFP4 or the fp16-weight form of its kernel), and the
 plan (codegen/plan.py) is the set of kernels these forwards launch; arguments are symbols (codegen/symbols.py: `Sym`,
 an activation row, a weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. The head's launches
 (lm_head and its epilogues) are lowered by codegen/lower_head.py. codegen/programs.py evaluates this at a few

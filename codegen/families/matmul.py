@@ -299,7 +299,8 @@ def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
     """One decode step's o_proj + attention tail: the weight, o and the residual row, the two f16 rows out."""
     n, k = kern.param("n"), kern.param("k")
     kind = kern.param("kind")
-    args = (*weight_bufs(kind, n, k), Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1), Buf("resid", "f32", n),
+    args = (*weight_bufs(kind, n, k), Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1),
+            Buf("resid", "f32", n),
             Buf("w_post", "bf16", n, 0.5, 1.5), Buf("w_pre1", "bf16", n, 0.5, 1.5), Buf("w_pre2", "bf16", n, 0.5, 1.5),
             Buf("a1", "f16", n), Buf("a2", "f16", n), Buf("counters", "u32", 1, 0, 0))
     # DRAM: weight, x, o stored, residual read and written, three bf16 norm weights, a1 and a2 (o is read back

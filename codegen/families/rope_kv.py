@@ -22,7 +22,8 @@ from .matmul import target_gemm
 # q_stride / kv_stride: floats between two tokens' q (k, v) inputs (the target passes its fused q|k|v row width)
 ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes",
         "lane_bytes", "pages", "q_stride", "kv_stride", "T")
-# the folded GEMV's arguments after the GEMM's (matmul.gemm_args) (y: the q|k|v row; counters: a u32 a head, zero at entry, left zeroed)
+# the folded GEMV's arguments after the GEMM's (matmul.gemm_args; y: the q|k|v row; counters: a u32 a head, zero at
+# entry, left zeroed)
 FOLD_ARGS = ("q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes", "lane_bytes", "pages",
              "counters")
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
