@@ -1,6 +1,8 @@
-"""Model spec stage (synthetic checkpoints): write a preset as a RedHatAI-layout target + z-lab DFlash drafter.
+"""Model spec stage (synthetic checkpoints): write a preset as a target checkpoint in one source format (RedHatAI's
+compressed-tensors NVFP4, NVIDIA's ModelOpt NVFP4 in its experts-only or all-linear variant, Google's bf16) plus a
+z-lab DFlash drafter.
 
-Output folder: config.json, generation_config.json, model.safetensors (or shards + model.safetensors.index.json),
+Output folder: config.json (+ hf_quant_config.json for ModelOpt), generation_config.json, model.safetensors (or shards + model.safetensors.index.json),
 tokenizer.json, tokenizer_config.json, chat_template.jinja, synth_info.json, and dflash/{config.json,
 model.safetensors}. Written into a sibling temp folder and renamed into place, so a crash never leaves a
 half-written checkpoint under the requested name. Tensors stream one at a time (peak memory ~ one tensor), or,
@@ -19,12 +21,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..config import drafter_config, target_config
+from ..config import drafter_config, hf_quant_config, target_config
 from ..presets import get_preset
 from ..safetensors_io import tensor_nbytes
 from ..safetensors_shards import PlannedTensor, ShardedWriter, preallocate_shards, pwrite_all, unit_key
 from ..tensors import TensorInfo, drafter_tensors, target_tensors
-from ..types import ModelSpec
+from ..types import ALL_BF16, ALL_NVFP4, EXPERTS_ONLY_NVFP4, LinearFormats, ModelSpec
 from .tokenizer import build_tokenizer, tokenizer_config
 from .weights import QUANTIZE_LIMIT, LinearParts, set_unit_tables, tensor_chunks, unit_tables
 
@@ -36,6 +38,14 @@ MIN_PARALLEL_BYTES = 256 << 20  # below this the default is one process
 MAX_DEFAULT_JOBS = 16
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, bytes done, bytes total)
+# Synthetic formats: name -> (source format, per-role linear formats).
+SYNTH_FORMATS: dict[str, tuple[str, LinearFormats]] = {
+    "compressed-tensors": ("compressed-tensors", ALL_NVFP4),
+    "modelopt": ("modelopt", EXPERTS_ONLY_NVFP4),  # NVIDIA's Gemma-4 export: experts NVFP4, the rest bf16
+    "modelopt-all-linear": ("modelopt", ALL_NVFP4),
+    "bf16": ("bf16", ALL_BF16),
+}
+MODELOPT_VARIANTS = {"experts-only": "modelopt", "all-linear": "modelopt-all-linear"}
 
 
 class StderrProgress:
@@ -155,7 +165,8 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
                                progress: bool | ProgressFn = True, *, method: str = "auto",
                                shard_bytes: int | None = None, force: bool = False,
                                chat_template_path: str | os.PathLike | None = None,
-                               jobs: int | None = None) -> Path:
+                               jobs: int | None = None, source_format: str = "compressed-tensors",
+                               kv_scales: bool = True) -> Path:
     """Write a random-weight checkpoint of a preset (or any ModelSpec) to out_dir; returns out_dir.
 
     method: "quantize" (float weights through quantize_nvfp4), "direct" (codes sampled directly) or "auto"
@@ -163,7 +174,12 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
     shard_bytes: target shard size; default 4 GiB for big models, and half the model for small ones so the
     index path is exercised. A non-empty out_dir is refused unless force.
     jobs: worker processes (None: default_jobs(size)); the bytes written are the same for any value.
+    source_format: a SYNTH_FORMATS name (compressed-tensors, modelopt = experts-only, modelopt-all-linear, bf16);
+    every format holds the same model (see synth/weights.py). kv_scales: ModelOpt's optional k/v_scale tensors.
     """
+    if source_format not in SYNTH_FORMATS:
+        raise ValueError(f"synth: format {source_format!r}: choose one of {', '.join(SYNTH_FORMATS)}")
+    source, formats = SYNTH_FORMATS[source_format]
     spec = get_preset(preset_name) if isinstance(preset_name, str) else preset_name
     out_dir = Path(out_dir)
     template_path = Path(chat_template_path) if chat_template_path is not None else CHAT_TEMPLATE
@@ -173,7 +189,7 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
         raise FileExistsError(f"{out_dir} exists and is not empty (use force to replace it)")
     report: ProgressFn | None = StderrProgress() if progress is True else (progress or None)
 
-    t_infos = target_tensors(spec.target)
+    t_infos = [t for t in target_tensors(spec.target, source, formats) if kv_scales or t.role != "kv_scale"]
     d_infos = drafter_tensors(spec.drafter) if spec.drafter is not None else []
     n_fp4 = sum(t.shape[0] * t.shape[1] * 2 for t in t_infos if t.role == "weight_packed")
     if method == "auto":
@@ -191,14 +207,17 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     try:
         template = template_path.read_text()
-        _write_json(tmp / "config.json", target_config(spec.target, spec.vision))
+        _write_json(tmp / "config.json", target_config(spec.target, spec.vision, source, formats))
+        if source == "modelopt":
+            _write_json(tmp / "hf_quant_config.json", hf_quant_config(spec.target, formats))
         _write_json(tmp / "generation_config.json", GENERATION_CONFIG)
         tok = build_tokenizer(spec.target.vocab_size)
         (tmp / "tokenizer.json").write_text(tok.to_str(pretty=False))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(template, spec.target.max_position_embeddings))
         (tmp / "chat_template.jinja").write_text(template)
         _write_json(tmp / "synth_info.json", {"preset": spec.name, "seed": seed, "nvfp4_method": method,
-                                              "spec_hash": spec.spec_hash, "generator": "thorgen synth-checkpoint"})
+                                              "format": source_format, "spec_hash": spec.spec_hash,
+                                              "generator": "thorgen synth-checkpoint"})
         _write_tensors(tmp, t_infos, seed, spec.target.hidden_size, method, shard_bytes, "target", report, jobs)
         if spec.drafter is not None:
             (tmp / "dflash").mkdir()

@@ -51,8 +51,8 @@ def target_weight_bytes(spec: ModelSpec, rows: int, lm_head: str = "nvfp4") -> f
     t = spec.target
     share = expected_experts(t.num_experts, t.top_k_experts, rows) / t.num_experts
     total = 0.0
-    for ti in target_tensors(t):
-        if ti.role == "input_global_scale":
+    for ti in target_tensors(t, formats=spec.linear_formats):
+        if ti.role in ("input_global_scale", "input_scale", "kv_scale"):
             continue
         if ti.name.endswith("embed_tokens.weight"):
             total += min(rows, t.vocab_size) * t.hidden_size * 2

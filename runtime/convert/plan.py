@@ -5,8 +5,10 @@ What is written (names relative to `model.language_model.`; format in runtime/co
     hardware e2m1 cvt), fused the way the GEMM kernels read them: `self_attn.qkv_proj` (q|k|v, or q|k on k_eq_v
     layers), `self_attn.o_proj`, `mlp.gate_up_proj` (8-row tiles interleaved), `mlp.down_proj`, per layer
     `experts.gate_up_proj` / `experts.down_proj` with a leading expert axis, and `lm_head`. Each matrix M has
-    M.weight_packed, M.weight_scale (e4m3), M.weight_tile_scale (f32 1/global per 8-row tile, what the kernels
-    multiply by) and M.weight_global_scale (f32, the checkpoint's per-projection divisors, one per fused part).
+    M.weight_packed, M.weight_scale (e4m3), M.weight_tile_scale (f32 global multiplier per 8-row tile, what the
+    kernels multiply by) and M.weight_multiplier (f32, each fused part's multiplier as Checkpoint.nvfp4_parts hands
+    it out: compressed-tensors' float32(1)/weight_global_scale, ModelOpt's weight_scale_2), so the conversion of
+    one checkpoint into the other repacks to the same bytes.
   * The tied lm_head quantized to NVFP4 (global scale from the amax of the whole embedding, then 4096-row chunks
     quantized with it, 256 columns at a time: identical to quantizing the table at once) unless lm_head="bf16"
     (kernels then read `embed_tokens.weight`, which is always stored raw bf16 for the embedding lookup).
@@ -26,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ...model_spec.checkpoint import Checkpoint
-from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, quantize_nvfp4, unpack_e2m1
+from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, multiplier_of_divisor, quantize_nvfp4, unpack_e2m1
 from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_tensors
 from ...model_spec.types import ModelSpec
 from . import layouts as L
@@ -118,13 +120,13 @@ def _src(m: Matrix, part: str, e: int) -> str:
 
 def pack_matrix(m: Matrix, parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(weights, scales, tile scales) of one matrix (one expert) from its parts' checkpoint arrays."""
+    """(weights, scales, tile multipliers) of one matrix (one expert) from its parts' (packed, scale, multiplier)."""
     if m.fusion == "interleave8":
-        (gp, gs, gg), (up, us, ug) = parts
+        (gp, gs, gm), (up, us, um) = parts
         w, s = pack_fp4(L.interleave8(gp, up), L.interleave8(gs, us), order)
         tiles = np.empty(2 * gp.shape[0] // 8, np.float32)
-        tiles[0::2] = np.float32(1.0) / np.float32(gg)
-        tiles[1::2] = np.float32(1.0) / np.float32(ug)
+        tiles[0::2] = np.float32(gm)
+        tiles[1::2] = np.float32(um)
         return w, s, tiles
     packed = parts[0][0] if len(parts) == 1 else np.concatenate([p for p, _, _ in parts])
     scale = parts[0][1] if len(parts) == 1 else np.concatenate([s for _, s, _ in parts])
@@ -163,7 +165,7 @@ class Planner:
         return (self._add(m.base + ".weight_packed", "u8", lead + (n * k // 2,), LAYOUT, **meta),
                 self._add(m.base + ".weight_scale", "e4m3", lead + (n * k // 16,), LAYOUT, **meta),
                 self._add(m.base + ".weight_tile_scale", "f32", lead + (n // 8,)),
-                self._add(m.base + ".weight_global_scale", "f32", lead + (len(m.parts),)))
+                self._add(m.base + ".weight_multiplier", "f32", lead + (len(m.parts),)))
 
     def matrix(self, m: Matrix) -> None:
         tp, ts, tt, tg = self._matrix_tensors(m, m.n, m.k)
@@ -204,7 +206,8 @@ class Planner:
             if amax_bits >= 0x7F80:
                 raise ArtifactError(f"{self.ck.tensor_file(emb_name)}: {emb_name} holds inf/NaN; cannot quantize it")
             g = global_scale_for(float(bf16_to_f32(np.array([amax_bits], np.uint16))[0]))
-            self.scales[tg.name] = float(g)
+            mul = multiplier_of_divisor(g)
+            self.scales[tg.name] = float(mul)
             for c in range(0, k, cols):
                 width = min(cols, k - c)
                 packed = np.empty((n, width // 2), np.uint8)
@@ -216,8 +219,8 @@ class Planner:
                 w, s = pack_fp4(packed, scale, self.order)
                 yield tp.name, w
                 yield ts.name, s
-            yield tt.name, L.tile_gscales([(n, float(g))])
-            yield tg.name, np.array([g], np.float32)
+            yield tt.name, L.tile_gscales([(n, float(mul))])
+            yield tg.name, np.array([mul], np.float32)
         self.jobs.append(("lm_head (quantize)", tp.nbytes + ts.nbytes, job))
 
     def drafter(self) -> None:
