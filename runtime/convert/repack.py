@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 
-from ...model_spec.checkpoint import Checkpoint
+from ...model_spec.checkpoint import Checkpoint, CheckpointError
 from ...model_spec.types import ALL_NVFP4, ModelSpec
 from . import parallel as par
 from .artifact import ArtifactError, ArtifactWriter, default_artifact_dirs, release_pages, swap_into_place
@@ -82,6 +82,15 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
 
 
 QUANT_REPORT = "quantization_report.json"
+
+
+def preflight(model_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None) -> None:
+    """Open and validate a checkpoint (configs, format, every tensor) without writing; ArtifactError names what is
+    wrong, so a command that does more before repacking (prepare builds kernels first) fails fast."""
+    try:
+        Checkpoint.open(model_dir, draft_dir)
+    except CheckpointError as exc:
+        raise ArtifactError(str(exc)) from exc
 
 
 def artifact_spec(spec: ModelSpec, quantize: str) -> ModelSpec:
