@@ -54,7 +54,7 @@ def _matches(pattern: str, name: str, source: str) -> bool:
 
 
 def role_of(prefix: str) -> str:
-    """The LinearFormats role of a target linear prefix (…self_attn.q_proj, …mlp.up_proj, …experts.3.down_proj)."""
+    """The LinearFormats role of a target linear prefix (...self_attn.q_proj, ...mlp.up_proj, ...experts.3.down_proj)."""
     if ".experts." in prefix:
         return "experts"
     if ".self_attn." in prefix:

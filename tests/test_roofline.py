@@ -128,6 +128,7 @@ def test_format_footprint_by_hand_and_against_the_facts():
     # full size: facts/MODELOPT_NVFP4.md's 4.09 GB (bf16 attention + MLP, 8 of 128 experts) and 1.73 GB (all FP4),
     # both without the lm_head
     full = get_preset("gemma-4-26b-a4b")
-    no_head = lambda f: sum(format_footprint(full, f)["decode"][k] for k in ("attention", "dense_mlp", "experts"))  # noqa
+    def no_head(formats):
+        return sum(format_footprint(full, formats)["decode"][k] for k in ("attention", "dense_mlp", "experts"))
     assert no_head(EXPERTS_ONLY_NVFP4) / 1e9 == pytest.approx(4.09, abs=0.01)
     assert no_head(ALL_NVFP4) / 1e9 == pytest.approx(1.73, abs=0.01)

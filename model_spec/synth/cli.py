@@ -30,8 +30,9 @@ from .writer import MODELOPT_VARIANTS
 def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: bool, jobs: int | None,
                      source_format: str, modelopt_variant: str) -> None:
     """Write a synthetic checkpoint: random but numerically sane weights in the exact on-disk layout of the chosen
-    format (the same model in every format), a z-lab-layout DFlash drafter in OUT/dflash, a byte-fallback BPE tokenizer with Gemma-4's special ids,
-    the chat template and generation config. Written to a temp folder and renamed into place."""
+    format (the same model in every format), a z-lab-layout DFlash drafter in OUT/dflash, a byte-fallback BPE
+    tokenizer with Gemma-4's special ids, the chat template and generation config. Written to a temp folder and
+    renamed into place."""
     from . import write_synthetic_checkpoint
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:

@@ -117,7 +117,8 @@ class W4A16Target(TargetModel):
                 self._lm = (emb, F64(1.0))
             else:
                 packed, scale, g = quantize_nvfp4(emb)
-                self._lm = (dequantize_nvfp4(packed, scale, 1.0), F64(multiplier_of_divisor(g)))  # e2m1*e4m3: exact in f32
+                # e2m1 * e4m3 is exact in float32; the multiplier is what repack stores for the lm_head
+                self._lm = (dequantize_nvfp4(packed, scale, 1.0), F64(multiplier_of_divisor(g)))
         return self._lm
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
