@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
+from thorgen.model_spec.nvfp4 import (bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3,
+                                     multiplier_of_divisor, quantize_nvfp4)
 from thorgen.runtime.convert import layouts as L
 
 F64 = np.float64
@@ -60,7 +61,8 @@ class Fp4Weight:
         self.n, self.k = n, k
         self.dense = dequantize_nvfp4(self.packed, self.scale, self.gs).astype(F64)
         self.w, self.s = L.pack_nvfp4(self.packed, self.scale, order)
-        self.gscale = L.tile_gscales([(n, float(self.gs))])
+        self.mul = multiplier_of_divisor(self.gs)  # the global multiplier Checkpoint.nvfp4_parts hands out
+        self.gscale = L.tile_gscales([(n, float(self.mul))])
 
 
 # ---- bf16 checkpoint weights (the fp16-weight kernels: runtime/convert/linears.py) -----------------------------------
@@ -80,7 +82,7 @@ class Bf16Weight:
 def gate_up_weight(rng: np.random.Generator, n: int, k: int, order: str, amp: float = 1.0):
     """(gate, up, (w, s, gscale) of the interleaved fused layout)."""
     g, u = Fp4Weight(rng, n, k, order, amp), Fp4Weight(rng, n, k, order, amp)
-    fused = L.pack_nvfp4_gate_up((g.packed, g.scale, g.gs), (u.packed, u.scale, u.gs), order)
+    fused = L.pack_nvfp4_gate_up((g.packed, g.scale, g.mul), (u.packed, u.scale, u.mul), order)
     return g, u, fused
 
 

@@ -144,7 +144,7 @@ def test_fused_qkv_scales_are_per_part(runner):
     n, order = kern.param("n"), kern.param("fp4_order")
     sizes = (n // 2, n // 4, n // 4)
     parts = [R.Fp4Weight(rng, rows, h, order, amp=a) for rows, a in zip(sizes, (1.0, 0.01, 30.0))]
-    w, s, gsc = L.pack_nvfp4_concat([(p.packed, p.scale, p.gs) for p in parts], order)
+    w, s, gsc = L.pack_nvfp4_concat([(p.packed, p.scale, p.mul) for p in parts], order)
     x = R.act_f16(rng, 16, h)
     y = _launch(runner, kern, {"w": w, "s": s, "gscale": gsc, "x": x}, 16, n, np.float32)
     starts = np.cumsum((0,) + sizes)

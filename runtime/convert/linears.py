@@ -1,4 +1,6 @@
-"""Runtime stage: a target linear the checkpoint stores as bf16, packed into the layout of the fp16-weight GEMMs.
+"""Runtime stage: the repack of target linears that the checkpoint stores bf16: packed for the fp16-weight GEMMs
+(`pack_bf16_linear`), or quantized to NVFP4 with thorgen's compressed-tensors quantizer (`quantize_linear`, for
+`--quantize nvfp4`) together with the quantization error of each matrix.
 
 Artifact tensor (one per stored matrix, beside the NVFP4 ones of the other roles): `<base>.weight_half`, dtype f16,
 layout `half_t16x64` (layouts.pack_half: step-major 16 x 64 tiles, 64 B a lane), shape [N * K] or, for the
@@ -20,9 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
+from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, multiplier_of_divisor, quantize_nvfp4
 from . import layouts as L
 
 HALF_SUFFIX = ".weight_half"
+HALF_LAYOUT = "half_t16x64"  # fp16 in the step-major tiling of layouts.pack_half (the drafter's linears too)
 FUSIONS = ("single", "concat", "interleave8")
 
 
@@ -51,4 +55,17 @@ def pack_bf16_linear(parts: Sequence[np.ndarray], fusion: str) -> np.ndarray:
     return L.pack_half(halves[0] if len(halves) == 1 else np.concatenate(halves))
 
 
-__all__ = ["FUSIONS", "HALF_SUFFIX", "pack_bf16_linear"]
+def quantize_linear(w_bf16: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray, np.float32], dict]:
+    """bf16 bits [N, K] -> ((packed, block scales, global multiplier), error) in the layout RedHatAI's
+    compressed-tensors checkpoint gives (global = 2688/amax, one per linear); error = {"max_rel": max|Wq - W| /
+    max|W|, "rms_rel": ||Wq - W|| / ||W||} of the dequantized weight against the bf16 one."""
+    w = bf16_to_f32(w_bf16)
+    packed, scale, g = quantize_nvfp4(w)
+    diff = (dequantize_nvfp4(packed, scale, g) - w).astype(np.float64)
+    amax, norm = float(np.abs(w).max()), float(np.linalg.norm(w.astype(np.float64)))
+    error = {"max_rel": float(np.abs(diff).max()) / amax if amax else 0.0,
+             "rms_rel": float(np.linalg.norm(diff)) / norm if norm else 0.0}
+    return (packed, scale, multiplier_of_divisor(g)), error
+
+
+__all__ = ["FUSIONS", "HALF_LAYOUT", "HALF_SUFFIX", "pack_bf16_linear", "quantize_linear"]
