@@ -15,11 +15,13 @@ An excluded (or bf16-checkpoint) linear is P.weight BF16 [N, K] in every format.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass
 
-from .types import ALL_BF16, LinearFormats, SpecError
+from .tensors import target_linears
+from .types import ALL_BF16, LinearFormats, ModelSpec, SpecError
 
 SOURCE_FORMATS = ("compressed-tensors", "modelopt", "bf16")
 CT_FORMAT = "nvfp4-pack-quantized"
@@ -150,3 +152,13 @@ def linear_formats_of(fmt: CheckpointFormat, prefixes: list[str]) -> LinearForma
             raise SpecError(f"{role} linears mix formats: {kinds['nvfp4']!r} is NVFP4 but {kinds['bf16']!r} is "
                             "excluded (bf16); thorgen serves one format per role")
     return LinearFormats(**{role: next(iter(kinds), "nvfp4") for role, kinds in seen.items()})
+
+
+def with_checkpoint_formats(spec: ModelSpec, config: dict, hf_quant_config: dict | None) -> ModelSpec:
+    """`spec` with the per-role linear formats its checkpoint's config.json (and hf_quant_config.json) declare, from
+    the configs alone (SpecError as detect_format / linear_formats_of): the formats `thorgen build --model` plans
+    kernels for and the cuda backend expects (Checkpoint.open derives the same from the same configs)."""
+    fmt = detect_format(config, hf_quant_config)
+    prefixes = [lin.prefix for layer in range(spec.target.num_hidden_layers)
+                for lin in target_linears(spec.target, layer)]
+    return dataclasses.replace(spec, linear_formats=linear_formats_of(fmt, prefixes))
