@@ -141,7 +141,8 @@ def test_emulated_half_o_proj_with_the_attention_tail(kernels):
         ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
         dev = Device()
         a = dict(w=dev.put(pack_bf16_linear([wt.bits], "single")), x=dev.put(x),
-                 y=dev.put(np.zeros((1, n), np.float32)), m=1, resid=dev.put(resid), w_post=dev.put(ws[0]), w_pre1=dev.put(ws[1]), w_pre2=dev.put(ws[2]),
+                 y=dev.put(np.zeros((1, n), np.float32)), m=1, resid=dev.put(resid), w_post=dev.put(ws[0]),
+                 w_pre1=dev.put(ws[1]), w_pre2=dev.put(ws[2]),
                  a1=dev.put(np.zeros((1, n), np.float16)), a2=dev.put(np.zeros((1, n), np.float16)),
                  counters=dev.put(np.zeros(1, np.uint32)))
         dev.run(kern, a)
