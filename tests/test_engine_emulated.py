@@ -144,8 +144,8 @@ def _lm_head(backend) -> np.ndarray:
     """float64 [V, H] NVFP4 lm_head exactly as repacked (what the engine multiplies with)."""
     from artifact_readback import unpack_linear
 
-    packed, scale, g = unpack_linear(backend.engine.art, "embed_tokens")
-    return dequantize_nvfp4(packed, scale, g).astype(np.float64)
+    packed, scale, mul = unpack_linear(backend.engine.art, "embed_tokens")  # (the artifact stores the multiplier)
+    return dequantize_nvfp4(packed, scale, 1.0).astype(np.float64) * np.float64(mul)
 
 
 def _check_logits(m, backend, f: dict) -> np.ndarray:

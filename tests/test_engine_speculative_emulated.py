@@ -224,7 +224,8 @@ def test_engine_drafter_matches_reference(emu):
     from thorgen.model_spec.nvfp4 import dequantize_nvfp4
     from artifact_readback import unpack_linear
 
-    lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
+    packed, scale, mul = unpack_linear(e.art, "embed_tokens")  # (the artifact stores the global multiplier)
+    lm_head = dequantize_nvfp4(packed, scale, 1.0).astype(np.float64) * np.float64(mul)
 
     def after(name, entry, a):
         if entry["template"].startswith("ffn_tail") and a["tap"]:
