@@ -49,12 +49,14 @@ def test_every_planned_kernel_is_launched_in_every_linear_format(preset: str, fo
     a = get_arch(arch)
     kernels = plan(spec, a)
     assert kernels and not plan_problems(spec, a, kernels)
-    half = {k.name for k in kernels if k.param("kind", None) == "half" and k.family != "drafter_gemm"}
+    half = {k.name for k in kernels if k.param("kind", None) == "half" and k.family not in ("drafter_gemm", "vision")}
     experts_half = {n for n in half if n.startswith("moe_")}
     assert half and bool(experts_half) == (spec.linear_formats.experts == "bf16")
     assert all(n.startswith(("half_", "moe_")) for n in half)
     nvfp4 = {k.name for k in kernels if k.family in ("matmul", "rope_kv") and k.param("kind", "half") != "half"}
     assert all(f"_n{spec.target.vocab_size}_" in n for n in nvfp4), nvfp4  # only the lm_head stays NVFP4
+    tower = {k for k in kernels if k.family == "vision"}  # the vision tower is bf16 whatever the text linears are
+    assert tower and tower == {k for k in plan(get_preset(preset), a) if k.family == "vision"}
 
 
 def test_the_check_catches_an_unlaunched_kernel() -> None:
