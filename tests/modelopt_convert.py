@@ -1,7 +1,7 @@
 """Rewriting a compressed-tensors checkpoint as ModelOpt NVFP4 (the exact oracle of the ModelOpt reader and repack):
 the same packed bytes and block scales, weight_scale_2 = float32(1)/weight_global_scale as a 0-d F32, input_scale =
 float32(1)/input_global_scale, roles the variant leaves bf16 written as the bf16 of the dequantized weight, and the
-config.json quantization_config + hf_quant_config.json of a ModelOpt export."""
+config.json quantization_config + hf_quant_config.json of a ModelOpt export; the vision tower copied as it is."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def convert_ct_to_modelopt(src: Path, dst: Path, variant: str = "all-linear",
             arrays[prefix + ".weight_scale_2"] = ("F32", np.array(s2, np.float32))
         else:
             arrays[prefix + ".input_scale"] = ("F32", np.array(multiplier_of_divisor(ck.tensor(name)[0])))
+    for info in ck.vision_inventory:  # the tower is bf16 in every format (its standardize buffers may be F32)
+        tower = np.array(ck.tensor(info.name))
+        arrays[info.name] = ("F32" if tower.dtype == np.float32 else info.dtype, tower)
     write_safetensors(dst / "model.safetensors", arrays)
     (dst / "config.json").write_text(json.dumps(target_config(spec.target, spec.vision, "modelopt", formats)))
     (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(spec.target, formats), indent=4))
