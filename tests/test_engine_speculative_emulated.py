@@ -221,11 +221,10 @@ def test_engine_drafter_matches_reference(emu):
     width = len(d.target_layer_ids) * H
     taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
     e = backend.engine
-    from thorgen.model_spec.nvfp4 import dequantize_nvfp4
+    from thorgen.model_spec.nvfp4 import dequantize_nvfp4_mul
     from artifact_readback import unpack_linear
 
-    packed, scale, mul = unpack_linear(e.art, "embed_tokens")  # (the artifact stores the global multiplier)
-    lm_head = dequantize_nvfp4(packed, scale, 1.0).astype(np.float64) * np.float64(mul)
+    lm_head = dequantize_nvfp4_mul(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
 
     def after(name, entry, a):
         if entry["template"].startswith("ffn_tail") and a["tap"]:
