@@ -170,3 +170,29 @@ def test_detect_format_config_rules():
                                                             "kv_cache_quant_algo": None, "exclude_modules": []}})
     with pytest.raises(SpecError, match="compressed-tensors checkpoint quantizes every linear"):
         target_config(spec, None, "compressed-tensors", LinearFormats(experts="bf16"))
+
+
+def test_every_format_carries_the_bf16_vision_tower(formats_root, tiny_ckpt, tmp_path):
+    """The tower is validated and read the same in every format (bf16, excluded from quantization); one stored as
+    NVFP4 (a quantized tower linear) is refused, naming the tensor."""
+    tower = [t.name for t in tiny_ckpt.vision_inventory]
+    assert tower and tiny_ckpt.spec.vision is not None
+    ignore = json.loads((tiny_ckpt.model_dir / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear" in ignore
+    for name in ("modelopt", "modelopt-all-linear", "bf16", "converted", "converted-experts"):
+        ck = Checkpoint.open(formats_root / name)
+        assert ck.spec.vision == tiny_ckpt.spec.vision and [t.name for t in ck.vision_inventory] == tower, name
+        for t in tower:
+            np.testing.assert_array_equal(ck.tensor(t), tiny_ckpt.tensor(t), err_msg=f"{name} {t}")
+    bad = tmp_path / "bad"
+    shutil.copytree(formats_root / "converted-experts", bad)  # (one model.safetensors)
+    f = SafetensorsFile(bad / "model.safetensors")
+    arrays = {n: (e.dtype, np.array(f.array(n))) for n, e in f.entries.items()}
+    del f
+    q = "model.vision_tower.encoder.layers.1.self_attn.q_proj.linear"
+    out, k = arrays.pop(q + ".weight")[1].shape
+    arrays |= {q + ".weight": ("U8", np.zeros((out, k // 2), np.uint8)),
+               q + ".weight_scale": ("F8_E4M3", np.zeros((out, k // 16), np.uint8))}
+    write_safetensors(bad / "model.safetensors", arrays)
+    with pytest.raises(CheckpointError, match=rf"tensor '{q}.weight' is U8\[{out}, {k // 2}\], expected BF16"):
+        Checkpoint.open(bad)

@@ -98,3 +98,15 @@ def test_quantize_nvfp4_is_the_compressed_tensors_layout_with_a_report(arts, tin
     # the synthetic bf16 weight is an NVFP4 grid rounded to bf16, so quantizing it again loses little (0.3% here)
     assert 0 < err["rms_rel"] < 0.02 and 0 < err["max_rel"] < 0.1
     assert report["worst"]["rms_rel"] == max(e["rms_rel"] for e in report["linears"].values())
+
+
+def test_the_vision_tower_is_the_same_in_every_format(arts):
+    """The tower is bf16 in every checkpoint format and never quantized (not by --quantize nvfp4 either): each
+    artifact's `vision.*` tensors are the compressed-tensors artifact's bytes."""
+    tower = [n for n in arts["ct"].tensors if n.startswith("vision.")]
+    assert tower and any(arts["ct"].entry(n).layout == HALF_LAYOUT for n in tower)
+    for key in ("mo", "mo-experts", "bf16", "bf16-q"):
+        art = arts[key]
+        assert [n for n in art.tensors if n.startswith("vision.")] == tower, key
+        for name in tower:
+            assert _bytes(art, name) == _bytes(arts["ct"], name), (key, name)
