@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
-from ..model_spec.types import ModelSpec, SpecError
+from ..model_spec.types import ALL_NVFP4, ModelSpec, SpecError
 
 
-def load_model_spec(model_dir: Path | None, preset: str | None) -> ModelSpec:
-    """The spec of `--preset NAME` or of a checkpoint folder (config.json [+ dflash/config.json])."""
+def load_model_spec(model_dir: Path | None, preset: str | None, quantize: str = "none") -> ModelSpec:
+    """The spec of `--preset NAME` or of a checkpoint folder (config.json [+ dflash/config.json], the linear
+    formats its quantization config declares; all NVFP4 with `quantize` "nvfp4", as `repack-weights --quantize
+    nvfp4` writes them)."""
     if (model_dir is None) == (preset is None):
         raise click.UsageError("give exactly one of --model DIR or --preset NAME")
     if preset is not None:
@@ -19,6 +22,7 @@ def load_model_spec(model_dir: Path | None, preset: str | None) -> ModelSpec:
 
         return get_preset(preset)
     from ..model_spec.config import spec_from_configs
+    from ..model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
 
     cfg_path = Path(model_dir) / "config.json"
     if not cfg_path.is_file():
@@ -27,9 +31,14 @@ def load_model_spec(model_dir: Path | None, preset: str | None) -> ModelSpec:
         target = json.loads(cfg_path.read_text())
         draft_path = Path(model_dir) / "dflash" / "config.json"
         draft = json.loads(draft_path.read_text()) if draft_path.is_file() else None
+        quant_path = Path(model_dir) / HF_QUANT_CONFIG
+        quant = json.loads(quant_path.read_text()) if quant_path.is_file() else None
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"invalid JSON in {model_dir}: {exc}", param_hint="--model") from exc
-    return spec_from_configs(target, draft, name=Path(model_dir).name)
+    spec = spec_from_configs(target, draft, name=Path(model_dir).name)
+    if quantize == "nvfp4":
+        return dataclasses.replace(spec, linear_formats=ALL_NVFP4)
+    return with_checkpoint_formats(spec, target, quant)
 
 
 def format_table(rows: list) -> str:
@@ -48,7 +57,11 @@ def format_table(rows: list) -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="output folder (default: ./thorgen-build/<model>/<arch>)")
 @click.option("-j", "--jobs", default=0, type=int, help="parallel nvcc processes (default: all cores)")
-def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int) -> None:
+@click.option("--quantize", type=click.Choice(["none", "nvfp4"]), default="none", show_default=True,
+              help="nvfp4: kernels for weights repacked with --quantize nvfp4 (every linear NVFP4); none: each "
+                   "linear in the format the checkpoint stores it (NVFP4 or bf16)")
+def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int,
+          quantize: str = "none") -> None:
     """Render the model's specialised CUDA kernels and compile them to cubins for one GPU architecture.
 
     Only changed kernels are recompiled (content-addressed cache in THORGEN_CACHE_DIR, default ~/.cache/thorgen).
@@ -63,7 +76,7 @@ def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: P
 
     try:
         arch = native_arch() if arch_name.strip().lower() == "native" else get_arch(arch_name)
-        spec = load_model_spec(model_dir, preset)
+        spec = load_model_spec(model_dir, preset, quantize)
         out = out_dir or Path("thorgen-build") / spec.name / arch.name
         report = run_build(spec, arch, out, jobs=jobs)
     except (ArchError, SpecError, PlanError, RenderError, NvccNotFound) as exc:

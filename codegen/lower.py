@@ -5,7 +5,8 @@ with rope_kv folded in (each head's last block runs its warp), the split-K decod
 same launch), the o_proj GEMV with the attention tail folded in, the router (logits + top-k in one launch), the M=1 MoE
 pair; for more rows attention + a combine launch, o_proj + attn_tail and the router pair; for a prefill chunk the fused
 q|k|v prefill GEMM (rope_kv reads its [T, q|k|v] rows in place), the prefill attention, and the grouped MoE kernels.
-Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py), and the
+Each kernel comes from its family's function for the constants the launch needs (codegen/families/*.py; a target
+linear's checkpoint format, `linear_format`, picks the NVFP4 or the fp16-weight form of its kernel), and the
 plan (codegen/plan.py) is the set of kernels these forwards launch; arguments are symbols (codegen/symbols.py: `Sym`,
 an activation row, a weight, a KV cache; `LaneBytes`), which the runtime binds to its buffers. The head's launches
 (lm_head and its epilogues) are lowered by codegen/lower_head.py. codegen/programs.py evaluates this at a few
@@ -25,7 +26,7 @@ from . import lower_head
 from .arch import ArchSpec
 from .families import embedding, moe, moe_grouped, norms, rope_kv, router
 from .families.attention import attn_combine, target_attention
-from .families.matmul import gemm_large, gemv_attn_tail, target_gemm
+from .families.matmul import gemv_attn_tail, target_gemm, target_gemm_large
 from .kernel_spec import KernelSpec, PlanError
 from .symbols import NULL, Sym, Symbols
 
@@ -71,13 +72,20 @@ class Lower:
             raise PlanError(f"{what}: two different kernels share the name {kernel.name}")
         return kernel
 
-    def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False) -> KernelSpec:
+    def gemm(self, n: int, k: int, rows: int, epi: str = "store", batched: bool = False, fmt: str = "nvfp4"
+             ) -> KernelSpec:
         """The GEMV (1 row), the 16-row GEMM, for a batched step of more rows the MAX_BATCH-row one (each weight byte
-        read once for all rows), else the prefill GEMM."""
+        read once for all rows), else the prefill GEMM; of the weight kind of checkpoint format `fmt`."""
         if rows > VERIFY_ROWS and not batched:
-            return self.use(gemm_large(n, k, epi, self.arch), f"prefill GEMM n={n} k={k}")
+            return self.use(target_gemm_large(n, k, epi, self.arch, fmt), f"prefill GEMM n={n} k={k} {fmt}")
         mmax = small_mmax(rows)
-        return self.use(target_gemm(n, k, mmax, epi, self.arch), f"GEMM n={n} k={k} m<={mmax}")
+        return self.use(target_gemm(n, k, mmax, epi, self.arch, fmt), f"GEMM n={n} k={k} m<={mmax} {fmt}")
+
+    def linear_format(self, base: str) -> str:
+        """The checkpoint format of stored matrix `base` (ModelSpec.linear_formats by role; the lm_head is the tied
+        embedding quantized to NVFP4 at repack)."""
+        f, role = self.spec.linear_formats, base.split(".")[2] if base.startswith("layers.") else ""
+        return {"self_attn": f.attention, "mlp": f.dense_mlp, "experts": f.experts}.get(role, "nvfp4")
 
     # ---- the forward ------------------------------------------------------------------------------------------------
     def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
@@ -147,12 +155,19 @@ class Lower:
     def gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
                 batched: bool = False) -> Op:
         """y[rows, n] = x[rows, k] . W^T for stored matrix `base` (the kernel by rows: Lower.gemm)."""
-        return Op(label, self.gemm(n, k, rows, epi, batched), self._gemm_args(base, rows, x, y), rows)
+        return Op(label, self.gemm(n, k, rows, epi, batched, self.linear_format(base)),
+                  self._gemm_args(base, rows, x, y), rows)
+
+    def _weight_args(self, base: str) -> dict[str, Any]:
+        """The weight arguments of stored matrix `base`: NVFP4 (w, s, gscale: codes, e4m3 block scales, f32 tile
+        factors) or, stored bf16, the fp16 weights in the half layout (w: `base`.weight_half)."""
+        W = self.ptr.W
+        if self.linear_format(base) == "bf16":
+            return dict(w=W(base + ".weight_half"))
+        return dict(w=W(base + ".weight_packed"), s=W(base + ".weight_scale"), gscale=W(base + ".weight_tile_scale"))
 
     def _gemm_args(self, base: str, rows: int, x: Sym, y: Sym) -> dict[str, Any]:
-        W = self.ptr.W
-        return dict(w=W(base + ".weight_packed"), s=W(base + ".weight_scale"), gscale=W(base + ".weight_tile_scale"),
-                    x=x, y=y, m=rows)
+        return dict(self._weight_args(base), x=x, y=y, m=rows)
 
     def _layer_ops(self, l: int, rows: int, batched: bool = False, small: bool = False) -> list[Op]:
         """Layer l over `rows` tokens; `batched`: one per sequence (rowwise attention over their lanes); `small`:
@@ -228,7 +243,8 @@ class Lower:
                          w_pre1=W(f"{p}pre_feedforward_layernorm.weight"),
                          w_pre2=W(f"{p}pre_feedforward_layernorm_2.weight"), a1=A("a1"), a2=A("a2"))
         if rows == 1:
-            fold = self.use(gemv_attn_tail(H, nq, t.rms_norm_eps, self.arch), f"o_proj GEMV + attn_tail n={H} k={nq}")
+            fold = self.use(gemv_attn_tail(H, nq, t.rms_norm_eps, self.arch, self.linear_format(base)),
+                            f"o_proj GEMV + attn_tail n={H} k={nq}")
             args = dict(self._gemm_args(base, rows, A("attn"), A("o")), resid=A("x"), counters=A("tail_cnt"),
                         **tail_args)
             return [Op(f"{p}o_proj_tail", fold, args, rows)]
@@ -300,7 +316,7 @@ class Lower:
         and the down into a row per slot, a batched step of more the M=MAX_BATCH pair; else the grouped kernels: plan
         (pairs grouped by expert, tile list), gate/up and down over the tiles (each expert's weights read once per
         chunk). Both of those write moe_pair_out [rows * K, H], which ffn_tail sums per row."""
-        A, W, m = self.ptr.A, self.ptr.W, f"layers.{l}.experts."
+        A, m = self.ptr.A, f"layers.{l}.experts."
         if rows > VERIFY_ROWS and not batched:
             plan, gu, dn = (self.use(k, f"grouped MoE {what}") for k, what in
                             zip(moe_grouped.plan_moe_grouped(self.spec, self.arch), ("plan", "gate/up", "down")))
@@ -309,22 +325,17 @@ class Lower:
                 Op(f"layers.{l}.moe_plan", plan, dict(ids=A("topk_idx"), offsets=A("moe_offsets"), T=rows, **routing),
                    rows),
                 Op(f"layers.{l}.moe_grouped_gateup", gu, dict(
-                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
-                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), act=A("moe_act_sorted"), **routing),
-                   rows),
+                    self._weight_args(m + "gate_up_proj"), x=A("a2"), act=A("moe_act_sorted"), **routing), rows),
                 Op(f"layers.{l}.moe_grouped_down", dn, dict(
-                    w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
-                    gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act_sorted"), wts=A("topk_w"),
+                    self._weight_args(m + "down_proj"), act=A("moe_act_sorted"), wts=A("topk_w"),
                     ypair=A("moe_pair_out"), **routing), rows)]
         mmax = small_mmax(rows)
         gateup, down = moe.moe_kernels(self.spec, self.arch, mmax)
         up, down = self.use(gateup, f"MoE gate/up m<={mmax}"), self.use(down, f"MoE down m<={mmax}")
         pairs = mmax > 1  # the down per (unit, expert) into slot rows, which ffn_tail sums per token
-        dw = dict(w=W(m + "down_proj.weight_packed"), s=W(m + "down_proj.weight_scale"),
-                  gscale=W(m + "down_proj.weight_tile_scale"), act=A("moe_act"))
+        dw = dict(self._weight_args(m + "down_proj"), act=A("moe_act"))
         out = dict(ypair=A("moe_pair_out")) if pairs else dict(y=A("moe"))
         return [Op(f"layers.{l}.moe_gateup", up, dict(
-                    w=W(m + "gate_up_proj.weight_packed"), s=W(m + "gate_up_proj.weight_scale"),
-                    gscale=W(m + "gate_up_proj.weight_tile_scale"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),
+                    self._weight_args(m + "gate_up_proj"), x=A("a2"), ids=A("topk_idx"), act=A("moe_act"),
                     m=rows), rows),
                 Op(f"layers.{l}.moe_down", down, dict(dw, ids=A("topk_idx"), wts=A("topk_w"), m=rows, **out), rows)]

@@ -1,28 +1,34 @@
-"""Model spec stage: open and validate a RedHatAI-layout NVFP4 checkpoint (+ z-lab DFlash drafter), memory-mapped.
+"""Model spec stage: open and validate a Gemma-4 checkpoint (+ z-lab DFlash drafter), memory-mapped.
 
-`Checkpoint.open(model_dir)` reads the configs into a ModelSpec, checks the quantization scheme, and validates
-the whole tensor inventory (names, dtypes, shapes, file sizes, global scales) against model_spec.tensors before
-anything runs. Tensor data is only touched on request: opening the 16 GB checkpoint reads its headers and the
-~12k scalar global scales, nothing else.
+`Checkpoint.open(model_dir)` reads the configs into a ModelSpec, detects the checkpoint's format (RedHatAI's
+compressed-tensors NVFP4, NVIDIA's ModelOpt NVFP4, or Google's bf16: model_spec/formats.py) and the per-role
+linear formats that follow, and validates the whole tensor inventory (names, dtypes, shapes, file sizes, global
+scales) against model_spec.tensors before anything runs. Tensor data is only touched on request: opening the
+16 GB checkpoint reads its headers and the ~12k scalar global scales, nothing else.
+Every NVFP4 scale leaves this module as a MULTIPLIER (`nvfp4_parts`): compressed-tensors' divisor g becomes
+float32(1)/float32(g) here, ModelOpt's weight_scale_2 is one already; nothing downstream inverts a scale.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .config import check_quantization_config, spec_from_configs
-from .nvfp4 import bf16_to_f32, dequantize_nvfp4
+from .config import spec_from_configs
+from .formats import HF_QUANT_CONFIG, detect_format, linear_formats_of
+from .nvfp4 import bf16_to_f32, dequantize_nvfp4, dequantize_nvfp4_mul, multiplier_of_divisor
 from .safetensors_io import CheckpointError, SafetensorsDir
-from .tensors import TensorInfo, drafter_tensors, ignored_prefixes, target_tensors, vision_tensors
+from .tensors import TensorInfo, drafter_tensors, ignored_prefixes, target_linears, target_tensors, vision_tensors
 from .types import ModelSpec, SpecError
 
 __all__ = ["Checkpoint", "CheckpointError"]
 
 MAX_LISTED = 8  # names listed in an error before "... and N more"
+SCALAR_ROLES = ("weight_global_scale", "input_global_scale", "weight_scale_2", "input_scale", "kv_scale")
 
 
 def _listing(names: list[str]) -> str:
@@ -67,17 +73,36 @@ def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: s
         raise CheckpointError("\n".join(problems))
 
 
+def _check_bf16_where_quantized(st: SafetensorsDir, inventory: list[TensorInfo], source: str) -> None:
+    """A bf16 weight where the config says NVFP4 (a layer missing from the exclusions): one line naming it."""
+    for t in inventory:
+        if t.role == "weight_packed" and t.name in st and st.entry(t.name).dtype == "BF16":
+            config = "hf_quant_config.json / config.json" if source == "modelopt" else "config.json"
+            raise CheckpointError(f"{st.file_of(t.name)}: tensor {t.name!r} is BF16 but {config} says "
+                                  f"{t.name.rsplit('.', 1)[0]!r} is NVFP4 ({source}); add it to the exclusion list")
+        if t.role == "weight_packed" and source == "compressed-tensors":
+            plain = t.name.rsplit(".", 1)[0] + ".weight"
+            if plain in st and st.entry(plain).dtype == "BF16":
+                raise CheckpointError(f"{st.file_of(plain)}: tensor {plain!r} is BF16 but config.json says "
+                                      f"{plain.rsplit('.', 1)[0]!r} is NVFP4 (compressed-tensors); add it to "
+                                      "quantization_config.ignore")
+
+
 class Checkpoint:
     """A validated, memory-mapped checkpoint. Construct with `Checkpoint.open(model_dir, draft_dir=None)`."""
 
     def __init__(self, model_dir: Path, draft_dir: Path | None, spec: ModelSpec, config: dict,
                  draft_config: dict | None, generation_config: dict, tokenizer_path: Path,
-                 chat_template: str | None, target: SafetensorsDir, drafter: SafetensorsDir | None) -> None:
+                 chat_template: str | None, target: SafetensorsDir, drafter: SafetensorsDir | None,
+                 source_format: str = "compressed-tensors") -> None:
         self.model_dir, self.draft_dir, self.spec = model_dir, draft_dir, spec
         self.config, self.draft_config, self.generation_config = config, draft_config, generation_config
         self.tokenizer_path, self.chat_template = tokenizer_path, chat_template
         self._target, self._drafter = target, drafter
-        self.target_inventory = target_tensors(spec.target)
+        self.source_format = source_format  # "compressed-tensors" | "modelopt" | "bf16"
+        self.target_inventory = target_tensors(spec.target, source_format, spec.linear_formats)
+        self._storage = {lin.prefix: lin.storage for layer in range(spec.target.num_hidden_layers)
+                         for lin in target_linears(spec.target, layer, source_format, spec.linear_formats)}
         self.drafter_inventory = drafter_tensors(spec.drafter) if spec.drafter is not None else []
         self.vision_inventory = ([] if spec.vision is None
                                  else vision_tensors(spec.vision, spec.target.hidden_size))
@@ -92,15 +117,20 @@ class Checkpoint:
         draft_dir = Path(draft_dir) if draft_dir is not None else None
         config = _read_json(model_dir / "config.json", "model config")
         draft_config = _read_json(draft_dir / "config.json", "drafter config") if draft_dir is not None else None
-        try:
-            check_quantization_config(config)
-        except SpecError as exc:
-            raise CheckpointError(f"{model_dir / 'config.json'}: {exc}") from exc
+        hf_quant = model_dir / HF_QUANT_CONFIG
+        hf_quant_config = _read_json(hf_quant, "ModelOpt quantization config") if hf_quant.exists() else None
         try:
             spec = spec_from_configs(config, draft_config, name=model_dir.name)
         except SpecError as exc:  # SpecError names the file ("config.json" / "drafter config.json") and the key
             where = str(model_dir) + (f" + drafter {draft_dir}" if draft_dir else "")
             raise CheckpointError(f"{where}: {exc}") from exc
+        try:  # SpecError names config.json / hf_quant_config.json and the field
+            fmt = detect_format(config, hf_quant_config)
+            prefixes = [lin.prefix for layer in range(spec.target.num_hidden_layers)
+                        for lin in target_linears(spec.target, layer)]
+            spec = dataclasses.replace(spec, linear_formats=linear_formats_of(fmt, prefixes))
+        except SpecError as exc:
+            raise CheckpointError(f"{model_dir}: {exc}") from exc
         gen_path = model_dir / "generation_config.json"
         generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
         tokenizer_path = model_dir / "tokenizer.json"
@@ -108,15 +138,16 @@ class Checkpoint:
             raise CheckpointError(f"{tokenizer_path}: missing (the tokenizer)")
         chat_template = cls._find_chat_template(model_dir)
         target = SafetensorsDir(model_dir)
+        inventory = target_tensors(spec.target, fmt.source, spec.linear_formats)
+        _check_bf16_where_quantized(target, inventory, fmt.source)
         vision = [] if spec.vision is None else vision_tensors(spec.vision, spec.target.hidden_size)
-        _validate_inventory(target, target_tensors(spec.target) + vision, f"{model_dir} (target)",
-                            ignored_prefixes(spec.vision))
+        _validate_inventory(target, inventory + vision, f"{model_dir} (target)", ignored_prefixes(spec.vision))
         drafter = None
         if draft_dir is not None:
             drafter = SafetensorsDir(draft_dir)
             _validate_inventory(drafter, drafter_tensors(spec.drafter), f"{draft_dir} (drafter)")
         ckpt = cls(model_dir, draft_dir, spec, config, draft_config, generation_config, tokenizer_path,
-                   chat_template, target, drafter)
+                   chat_template, target, drafter, fmt.source)
         ckpt._check_global_scales()
         return ckpt
 
@@ -138,7 +169,7 @@ class Checkpoint:
     def _check_global_scales(self) -> None:
         bad = []
         for t in self.target_inventory:
-            if t.role in ("weight_global_scale", "input_global_scale") and t.name in self._target:
+            if t.role in SCALAR_ROLES and t.name in self._target:
                 v = self._target.array(t.name)
                 if not (np.isfinite(v).all() and (v > 0).all()):
                     bad.append(f"{self._target.file_of(t.name)}: tensor {t.name!r} = {v.tolist()} "
@@ -185,9 +216,22 @@ class Checkpoint:
             raise CheckpointError(f"{self.model_dir}: this checkpoint has no drafter (tensor {name!r})")
         return self._to_f32(self._drafter, name)
 
-    def nvfp4_parts(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.float32]:
-        """(packed u8 [out, in/2], block scales u8 [out, in/16], global scale) of one Linear, scales checked."""
-        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_global_scale"]
+    def linear_storage(self, prefix: str) -> str:
+        """How a target linear is stored: "compressed-tensors" or "modelopt" (NVFP4), or "bf16"."""
+        storage = self._storage.get(prefix)
+        if storage is None:
+            raise CheckpointError(f"{self.model_dir}: {prefix!r} is not a target linear of this checkpoint")
+        return storage
+
+    def _nvfp4_raw(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.float32, str]:
+        """(packed, block scales, the stored scalar, storage) of one NVFP4 linear, block scales checked."""
+        storage = self.linear_storage(prefix)
+        if storage == "bf16":
+            raise CheckpointError(f"{self.model_dir}: {prefix!r} is a bf16 linear in this checkpoint, not NVFP4 "
+                                  "(read it with linear_bf16)")
+        suffixes = ("weight", "weight_scale", "weight_scale_2") if storage == "modelopt" else (
+            "weight_packed", "weight_scale", "weight_global_scale")
+        names = [f"{prefix}.{s}" for s in suffixes]
         for n in names:
             if n not in self._target:
                 raise CheckpointError(f"{self.model_dir}: no tensor {n!r} (is {prefix!r} an NVFP4 Linear?)")
@@ -199,12 +243,32 @@ class Checkpoint:
             kind = "NaN" if nan.any() else "negative"
             raise CheckpointError(f"{self._target.file_of(names[1])}: tensor {names[1]!r} holds {int(nan.sum())} NaN "
                                   f"and {int(neg.sum())} negative E4M3 block scales (first {kind} at [{row}, {col}])")
-        return packed, scale, np.float32(gs.reshape(-1)[0])
+        return packed, scale, np.float32(gs.reshape(-1)[0]), storage
+
+    def nvfp4_parts(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        """(packed u8 [out, in/2], block scales u8 [out, in/16], global MULTIPLIER f32) of one NVFP4 Linear:
+        w = e2m1 * e4m3(scale) * multiplier. compressed-tensors: float32(1) / weight_global_scale (what the
+        kernels multiply by); ModelOpt: weight_scale_2 as stored. Each part keeps its own (gate and up too)."""
+        packed, scale, stored, storage = self._nvfp4_raw(prefix)
+        return packed, scale, stored if storage == "modelopt" else multiplier_of_divisor(stored)
+
+    def linear_bf16(self, prefix: str) -> np.ndarray:
+        """Raw bf16 bits (uint16 [out, in]) of a target linear stored bf16 (e.g. ...layers.0.self_attn.q_proj)."""
+        if self.linear_storage(prefix) != "bf16":
+            raise CheckpointError(f"{self.model_dir}: {prefix!r} is an NVFP4 linear in this checkpoint, not bf16 "
+                                  "(read it with nvfp4_parts)")
+        return self._target.array(prefix + ".weight")
 
     def linear_f32(self, prefix: str) -> np.ndarray:
-        """float32 [out, in] dequantized NVFP4 weight of a target Linear prefix (e.g. ...layers.0.self_attn.q_proj)."""
-        packed, scale, gs = self.nvfp4_parts(prefix)
-        return dequantize_nvfp4(packed, scale, gs)
+        """float32 [out, in] weight of a target Linear prefix (e.g. ...layers.0.self_attn.q_proj): bf16 widened,
+        or NVFP4 dequantized as its format defines it (compressed-tensors e2m1 * (e4m3 / g), ModelOpt
+        e2m1 * (e4m3 * weight_scale_2))."""
+        if self.linear_storage(prefix) == "bf16":
+            return bf16_to_f32(self.linear_bf16(prefix))
+        packed, scale, stored, storage = self._nvfp4_raw(prefix)
+        if storage == "modelopt":
+            return dequantize_nvfp4_mul(packed, scale, stored)
+        return dequantize_nvfp4(packed, scale, stored)
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model_dir}, drafter={self.draft_dir}, tensors={len(self._target.where)})"

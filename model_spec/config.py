@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, ModelSpec, RopeSpec, SpecError
+from .types import (ALL_NVFP4, FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, LinearFormats, ModelSpec,
+                    RopeSpec, SpecError)
 from .tensors import quantization_ignore
 
 QUANT_FORMAT = "nvfp4-pack-quantized"
 GROUP_SIZE = 16
+MODELOPT_VERSION = "0.47.0"  # the producer version written into synthetic ModelOpt configs
 
 
 def _require(cfg: dict, key: str, where: str) -> Any:
@@ -75,23 +77,6 @@ def text_spec_from_config(cfg: dict) -> Gemma4TextSpec:
         use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
     )
-
-
-def check_quantization_config(cfg: dict) -> None:
-    """Accept only the compressed-tensors NVFP4 (tensor_group, group 16, float 4-bit) weight scheme."""
-    q = cfg.get("quantization_config")
-    if q is None:
-        raise SpecError("config.json: no quantization_config; thorgen reads NVFP4 (compressed-tensors) checkpoints")
-    if q.get("quant_method") != "compressed-tensors":
-        raise SpecError(f"config.json: quant_method {q.get('quant_method')!r} is not supported (compressed-tensors)")
-    if q.get("format") != QUANT_FORMAT:
-        raise SpecError(f"config.json: quantization format {q.get('format')!r} is not supported ({QUANT_FORMAT})")
-    for name, group in q.get("config_groups", {}).items():
-        w = group.get("weights") or {}
-        got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy"))
-        if got != (4, "float", GROUP_SIZE, "tensor_group"):
-            raise SpecError(f"config.json: quantization group {name} weights {got} are not NVFP4 "
-                            f"(4, 'float', {GROUP_SIZE}, 'tensor_group')")
 
 
 def drafter_spec_from_config(cfg: dict, num_target_layers: int | None = None) -> DFlashSpec:
@@ -195,8 +180,57 @@ def _nvfp4_scheme(dynamic: bool | str, observer: str) -> dict:
             "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
 
 
-def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None) -> dict:
-    """The `config.json` of a RedHatAI-layout NVFP4 checkpoint for this spec (vision_config null without a tower)."""
+def modelopt_exclusions(spec: Gemma4TextSpec, formats: LinearFormats) -> list[str]:
+    """ModelOpt's exclude_modules for these per-role formats: per layer `self_attn*` / `mlp*` when that role is
+    bf16, always `router*`, then lm_head and the vision tower (the exporter's shortest wildcards)."""
+    out = []
+    for i in range(spec.num_hidden_layers):
+        p = f"model.language_model.layers.{i}."
+        out += [p + "self_attn*"] if formats.attention == "bf16" else []
+        out += [p + "mlp*"] if formats.dense_mlp == "bf16" else []
+        out.append(p + "router*")
+    return out + ["lm_head", "model.embed_vision*", "model.vision_tower*"]
+
+
+def _modelopt_quantization(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
+    scheme = {"dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4, "type": "float"}
+    return {"config_groups": {"group_0": {"input_activations": scheme, "targets": ["Linear"], "weights": scheme}},
+            "ignore": modelopt_exclusions(spec, formats), "kv_cache_scheme": {"dynamic": False, "num_bits": 8,
+                                                                              "type": "float"},
+            "producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quant_algo": "NVFP4",
+            "quant_method": "modelopt"}
+
+
+def hf_quant_config(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
+    """The `hf_quant_config.json` a ModelOpt NVFP4 export of this spec carries."""
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": GROUP_SIZE,
+                             "exclude_modules": modelopt_exclusions(spec, formats)}}
+
+
+def _ct_quantization(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None) -> dict:
+    ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)]
+    ignore += quantization_ignore(vision) + ["lm_head"]
+    return {"config_groups": {"group_0": {"format": QUANT_FORMAT,
+                                          "input_activations": _nvfp4_scheme("local", "static_minmax"),
+                                          "output_activations": None, "targets": ["Linear"],
+                                          "weights": _nvfp4_scheme(False, "memoryless_minmax")}},
+            "format": QUANT_FORMAT, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
+            "transform_config": {}, "version": "0.14.1.a20260326"}
+
+
+def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None, source: str = "compressed-tensors",
+                  formats: LinearFormats = ALL_NVFP4) -> dict:
+    """The `config.json` of a checkpoint of this spec (vision_config null without a tower) in one source format:
+    RedHatAI's compressed-tensors NVFP4 (every linear), NVIDIA's ModelOpt NVFP4 (`formats` says which roles stay
+    bf16; hf_quant_config() is its second file) or Google's bf16 (no quantization_config)."""
+    if source == "compressed-tensors" and not formats.all_nvfp4:
+        raise SpecError(f"a compressed-tensors checkpoint quantizes every linear, not {formats}")
+    quantization = {"compressed-tensors": lambda: _ct_quantization(spec, vision), "bf16": lambda: None,
+                    "modelopt": lambda: _modelopt_quantization(spec, formats)}.get(source)
+    if quantization is None:
+        raise SpecError(f"source format {source!r}: expected compressed-tensors, modelopt or bf16")
     text = {
         "attention_bias": spec.attention_bias, "attention_dropout": 0.0, "attention_k_eq_v": spec.attention_k_eq_v,
         "bos_token_id": spec.bos_token_id, "dtype": "bfloat16", "enable_moe_block": spec.enable_moe_block,
@@ -219,8 +253,6 @@ def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None) 
         "use_double_wide_mlp": spec.use_double_wide_mlp, "vocab_size": spec.vocab_size,
         "vocab_size_per_layer_input": spec.vocab_size,
     }
-    ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)]
-    ignore += quantization_ignore(vision) + ["lm_head"]
     images = {} if vision is None else {
         "boi_token_id": vision.boi_token_id, "eoi_token_id": vision.eoi_token_id,
         "image_token_id": vision.image_token_id, "video_token_id": vision.video_token_id,
@@ -228,14 +260,7 @@ def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None) 
     return images | {
         "architectures": ["Gemma4ForConditionalGeneration"], "audio_config": None, "dtype": "bfloat16",
         "eos_token_id": [spec.eos_token_id, 106], "initializer_range": 0.02, "model_type": "gemma4",
-        "quantization_config": {
-            "config_groups": {"group_0": {"format": QUANT_FORMAT,
-                                          "input_activations": _nvfp4_scheme("local", "static_minmax"),
-                                          "output_activations": None, "targets": ["Linear"],
-                                          "weights": _nvfp4_scheme(False, "memoryless_minmax")}},
-            "format": QUANT_FORMAT, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
-            "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
-            "transform_config": {}, "version": "0.14.1.a20260326"},
+    } | ({} if source == "bf16" else {"quantization_config": quantization()}) | {
         "text_config": text, "tie_word_embeddings": spec.tie_word_embeddings, "transformers_version": "5.5.0",
         "vision_config": None if vision is None else vision_config(vision),
     }

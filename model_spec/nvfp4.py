@@ -1,4 +1,4 @@
-"""Model spec stage: NumPy NVFP4 (compressed-tensors `nvfp4-pack-quantized`) and bf16 / fp8-e4m3 bit conversions.
+"""Model spec stage: NumPy NVFP4 (compressed-tensors `nvfp4-pack-quantized` and ModelOpt) and bf16 / fp8-e4m3 bits.
 
 Convention (compressed-tensors 0.20, checked against its own functions in tests/test_nvfp4.py):
   * E2M1 code: sign = bit 3, magnitude index bits 0-2 into [0, .5, 1, 1.5, 2, 3, 4, 6].
@@ -6,6 +6,8 @@ Convention (compressed-tensors 0.20, checked against its own functions in tests/
   * One E4M3 (e4m3fn) block scale per 16 consecutive inputs (K), row-major [N, K/16].
   * One float32 global scale per projection, stored as a DIVISOR: global = 448*6 / amax(W).
   * Dequant: w = e2m1 * (e4m3(scale) / global), the quotient formed first in float32 as compressed-tensors does.
+ModelOpt (NVFP4QTensor) differs only in its scalars: weight_scale_2 = amax/2688 is a MULTIPLIER, block scales are
+clamped to [2^-9, 448] (an all-zero block gets 1.0), and w = e2m1 * (e4m3(scale) * weight_scale_2).
 All conversions are vectorised (lookup tables and integer bit operations): they run over ~25e9 values for the
 full model, so nothing here loops in Python over elements.
 """
@@ -21,6 +23,8 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 # compressed-tensors replaces an all-zero block's scale (which would divide by zero) with this e4m3 value.
 ZERO_BLOCK_SCALE = 0.125
+MODELOPT_MIN_BLOCK_SCALE = 2.0 ** -9  # ModelOpt clamps block scales to [2^-9, 448] before the e4m3 cast
+MODELOPT_ZERO_BLOCK_SCALE = 1.0
 
 
 # ---- bf16 ---------------------------------------------------------------------------------------------------------
@@ -159,19 +163,65 @@ def quantize_nvfp4(w: np.ndarray, global_scale: float | None = None) -> tuple[np
     return pack_e2m1(codes), scale_u8, np.float32(g)
 
 
+def multiplier_of_divisor(global_scale: float) -> np.float32:
+    """The multiplier a compressed-tensors divisor global scale stands for: float32(1) / float32(g), the one place
+    where thorgen turns a divisor into the per-part multiplier the kernels and ModelOpt use."""
+    return np.float32(np.float32(1.0) / np.float32(global_scale))
+
+
 def dequantize_nvfp4(packed: np.ndarray, scale_u8: np.ndarray, global_scale: float) -> np.ndarray:
     """(packed u8 [N, K/2], scale u8 [N, K/16], global f32) -> float32 W [N, K] = e2m1 * (e4m3 / global)."""
+    return _dequantize_with(packed, scale_u8, lambda s: (s / np.float32(global_scale)).astype(np.float32))
+
+
+def dequantize_nvfp4_mul(packed: np.ndarray, scale_u8: np.ndarray, multiplier: float) -> np.ndarray:
+    """(packed u8 [N, K/2], scale u8 [N, K/16], multiplier f32) -> float32 W = e2m1 * (e4m3 * multiplier), the
+    ModelOpt dequantization (and the kernels' arithmetic: they multiply by a per-tile multiplier)."""
+    return _dequantize_with(packed, scale_u8, lambda s: (s * np.float32(multiplier)).astype(np.float32))
+
+
+def _dequantize_with(packed: np.ndarray, scale_u8: np.ndarray, effective) -> np.ndarray:
     packed = np.asarray(packed, dtype=np.uint8)
     scale_u8 = np.asarray(scale_u8, dtype=np.uint8)
     n, half = packed.shape
     k = half * 2
     if scale_u8.shape != (n, k // GROUP):
         raise ValueError(f"dequantize_nvfp4: scale shape {scale_u8.shape} does not match packed {packed.shape}")
-    eff = (e4m3_to_f32(scale_u8) / np.float32(global_scale)).astype(np.float32)
+    eff = effective(e4m3_to_f32(scale_u8))
     # byte -> (low value, high value) as one 8-byte table entry: a single flat gather decodes both nibbles.
     vals = np.take(_PAIR_TABLE, packed).view(np.float32).reshape(n, k // GROUP, GROUP)
     vals *= eff[:, :, None]
     return vals.reshape(n, k)
+
+
+def modelopt_scale_2(amax: float) -> np.float32:
+    """ModelOpt's weight_scale_2 of a tensor with this absolute max: amax / (6 * 448) in float32."""
+    return np.float32(np.float32(abs(amax)) / np.float32(E4M3_MAX * E2M1_MAX))
+
+
+def quantize_nvfp4_modelopt(w: np.ndarray, scale_2: float | None = None
+                            ) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """float32 W [N, K] -> (packed u8 [N, K/2], scale e4m3 u8 [N, K/16], weight_scale_2 f32), ModelOpt's
+    NVFP4QTensor arithmetic: scale_2 = amax/2688 (or the one given: gate and up share one);
+    block scale = e4m3(clamp(block_amax / (6 * scale_2), 2^-9, 448)), an all-zero block 1.0;
+    codes = rne_e2m1(w / (e4m3(block scale) * scale_2))."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % GROUP:
+        raise ValueError(f"quantize_nvfp4_modelopt: expected [N, K] with K a multiple of {GROUP}, got {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_nvfp4_modelopt: weight contains NaN or inf")
+    s2 = modelopt_scale_2(float(np.abs(w).max()) if w.size else 0.0) if scale_2 is None else np.float32(scale_2)
+    if not (np.isfinite(s2) and s2 > 0):
+        raise ValueError(f"quantize_nvfp4_modelopt: weight_scale_2 {s2} must be finite and > 0 (an all-zero weight?)")
+    n, k = w.shape
+    blocks = w.reshape(n, k // GROUP, GROUP)
+    amax = np.abs(blocks).max(axis=2)
+    raw = (amax / (np.float32(E2M1_MAX) * s2)).astype(np.float32)
+    scale = f32_to_e4m3(np.clip(raw, np.float32(MODELOPT_MIN_BLOCK_SCALE), np.float32(E4M3_MAX)))
+    scale = np.where(amax == 0, f32_to_e4m3(np.float32(MODELOPT_ZERO_BLOCK_SCALE)), scale).astype(np.uint8)
+    eff = (e4m3_to_f32(scale) * s2).astype(np.float32)
+    codes = round_e2m1(np.clip(blocks / eff[:, :, None], -E2M1_MAX, E2M1_MAX).reshape(n, k))
+    return pack_e2m1(codes), scale, np.float32(s2)
 
 
 _PAIR_TABLE = np.ascontiguousarray(np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]],

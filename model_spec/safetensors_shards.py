@@ -13,10 +13,15 @@ import numpy as np
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, StreamingWriter, TensorLike, build_header, tensor_nbytes
 
 
+NVFP4_PART_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
+                       "weight", "weight_scale_2", "input_scale")
+
+
 def unit_key(name: str) -> str:
-    """Tensors sharing this key are kept in one shard: the parts of one NVFP4 Linear (P.weight_packed, ...)."""
+    """Tensors sharing this key are kept in one shard: the parts of one NVFP4 Linear (compressed-tensors
+    P.weight_packed, ... or ModelOpt P.weight, P.weight_scale, P.weight_scale_2, P.input_scale)."""
     prefix, _, last = name.rpartition(".")
-    return prefix if last in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale") else name
+    return prefix if last in NVFP4_PART_SUFFIXES else name
 
 
 def plan_shards(tensors: list[TensorLike], max_shard_bytes: int) -> list[list[TensorLike]]:

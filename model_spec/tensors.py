@@ -1,15 +1,16 @@
 """Model spec stage: the tensor inventory (name, dtype, shape, role) of the target and drafter checkpoints.
 
-One table serves checkpoint validation, synthetic checkpoints, repack and codegen. Names follow the
-RedHatAI NVFP4 layout (`model.language_model.` prefix, experts stored unfused per expert, the vision tower
-`model.vision_tower.` and its projection `model.embed_vision.` in bf16) and the z-lab DFlash layout (no prefix, bf16).
+One table serves checkpoint validation, synthetic checkpoints, repack and codegen. Names follow the HF Gemma-4
+layout (`model.language_model.` prefix, experts stored unfused per expert), each linear in its checkpoint's storage
+(compressed-tensors or ModelOpt NVFP4, or bf16; see model_spec/formats.py), the vision tower `model.vision_tower.`
+and its projection `model.embed_vision.` (bf16 in every format), and the z-lab DFlash layout (no prefix, bf16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .types import DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec
+from .types import ALL_NVFP4, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, LinearFormats
 
 TARGET_PREFIX = "model.language_model."
 VISION_PREFIX = "model.vision_tower."
@@ -33,7 +34,7 @@ class TensorInfo:
     name: str
     dtype: str  # safetensors dtype string: BF16, U8, F8_E4M3, F32
     shape: tuple[int, ...]
-    role: str  # "bf16" for plain weights, or the NVFP4 part name
+    role: str  # "bf16" plain weight, "linear_bf16" a target linear kept bf16, "kv_scale", or the NVFP4 part role
     optional: bool = False
     also_f32: bool = False  # the file may store it as F32 instead (the tower's std_bias / std_scale buffers)
 
@@ -48,19 +49,39 @@ class TensorInfo:
         return n * {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4}[self.dtype]
 
 
+STORAGES = ("compressed-tensors", "modelopt", "bf16")
+
+
 @dataclass(frozen=True)
 class Linear:
-    """One projection `y = x @ W.T` with W [out_features, in_features]."""
+    """One projection `y = x @ W.T` with W [out_features, in_features], stored as `storage`: bf16, or NVFP4 in
+    the compressed-tensors (divisor global scale [1]) or ModelOpt (0-d multiplier weight_scale_2) naming."""
 
     prefix: str  # full tensor-name prefix, e.g. model.language_model.layers.0.self_attn.q_proj
     out_features: int
     in_features: int
-    quantized: bool
+    storage: str = "compressed-tensors"
+    target: bool = True  # a target linear (its bf16 form has role linear_bf16); False for the drafter's
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ValueError(f"linear storage {self.storage!r}: expected one of {STORAGES}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.storage != "bf16"
 
     def tensors(self) -> list[TensorInfo]:
-        if not self.quantized:
-            return [TensorInfo(f"{self.prefix}.weight", "BF16", (self.out_features, self.in_features), "bf16")]
         o, i = self.out_features, self.in_features
+        if self.storage == "bf16":
+            return [TensorInfo(f"{self.prefix}.weight", "BF16", (o, i), "linear_bf16" if self.target else "bf16")]
+        if self.storage == "modelopt":
+            return [
+                TensorInfo(f"{self.prefix}.weight", "U8", (o, i // 2), "weight_packed"),
+                TensorInfo(f"{self.prefix}.weight_scale", "F8_E4M3", (o, i // GROUP), "weight_scale"),
+                TensorInfo(f"{self.prefix}.weight_scale_2", "F32", (), "weight_scale_2"),
+                TensorInfo(f"{self.prefix}.input_scale", "F32", (), "input_scale", optional=True),
+            ]
         return [
             TensorInfo(f"{self.prefix}.weight_packed", "U8", (o, i // 2), "weight_packed"),
             TensorInfo(f"{self.prefix}.weight_scale", "F8_E4M3", (o, i // GROUP), "weight_scale"),
@@ -73,21 +94,25 @@ def layer_prefix(layer: int) -> str:
     return f"{TARGET_PREFIX}layers.{layer}."
 
 
-def target_linears(spec: Gemma4TextSpec, layer: int) -> list[Linear]:
-    """Every NVFP4 projection of one decoder layer, in dataflow order (attention, dense MLP, experts)."""
+def target_linears(spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors",
+                   formats: LinearFormats = ALL_NVFP4) -> list[Linear]:
+    """Every projection of one decoder layer, in dataflow order (attention, dense MLP, experts), each stored as
+    its role's format says (`source` names the NVFP4 layout; a bf16 role is plain bf16 in any source)."""
     p, h = layer_prefix(layer), spec.hidden_size
     hd, nq, nkv = spec.layer_head_dim(layer), spec.num_attention_heads, spec.layer_kv_heads(layer)
-    out = [Linear(f"{p}self_attn.q_proj", nq * hd, h, True), Linear(f"{p}self_attn.k_proj", nkv * hd, h, True)]
+    nvfp4 = "compressed-tensors" if source == "bf16" else source
+    att, mlp, exp = (nvfp4 if f == "nvfp4" else "bf16" for f in (formats.attention, formats.dense_mlp, formats.experts))
+    out = [Linear(f"{p}self_attn.q_proj", nq * hd, h, att), Linear(f"{p}self_attn.k_proj", nkv * hd, h, att)]
     if spec.layer_has_v_proj(layer):
-        out.append(Linear(f"{p}self_attn.v_proj", nkv * hd, h, True))
-    out.append(Linear(f"{p}self_attn.o_proj", h, nq * hd, True))
+        out.append(Linear(f"{p}self_attn.v_proj", nkv * hd, h, att))
+    out.append(Linear(f"{p}self_attn.o_proj", h, nq * hd, att))
     i = spec.intermediate_size
-    out += [Linear(f"{p}mlp.gate_proj", i, h, True), Linear(f"{p}mlp.up_proj", i, h, True),
-            Linear(f"{p}mlp.down_proj", h, i, True)]
+    out += [Linear(f"{p}mlp.gate_proj", i, h, mlp), Linear(f"{p}mlp.up_proj", i, h, mlp),
+            Linear(f"{p}mlp.down_proj", h, i, mlp)]
     ie = spec.moe_intermediate_size
     for e in range(spec.num_experts):
-        out += [Linear(f"{p}experts.{e}.gate_proj", ie, h, True), Linear(f"{p}experts.{e}.up_proj", ie, h, True),
-                Linear(f"{p}experts.{e}.down_proj", h, ie, True)]
+        out += [Linear(f"{p}experts.{e}.gate_proj", ie, h, exp), Linear(f"{p}experts.{e}.up_proj", ie, h, exp),
+                Linear(f"{p}experts.{e}.down_proj", h, ie, exp)]
     return out
 
 
@@ -96,9 +121,14 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
                "post_feedforward_layernorm_2")
 
 
-def target_layer_tensors(spec: Gemma4TextSpec, layer: int) -> list[TensorInfo]:
+def target_layer_tensors(spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors",
+                         formats: LinearFormats = ALL_NVFP4) -> list[TensorInfo]:
     p, h, hd = layer_prefix(layer), spec.hidden_size, spec.layer_head_dim(layer)
-    out = [t for lin in target_linears(spec, layer) for t in lin.tensors()]
+    out = [t for lin in target_linears(spec, layer, source, formats) for t in lin.tensors()]
+    if source == "modelopt":  # FP8 KV-cache scales a ModelOpt export may carry (k_eq_v layers have no v_proj)
+        out.append(TensorInfo(f"{p}self_attn.k_proj.k_scale", "F32", (), "kv_scale", optional=True))
+        if spec.layer_has_v_proj(layer):
+            out.append(TensorInfo(f"{p}self_attn.v_proj.v_scale", "F32", (), "kv_scale", optional=True))
     out += [TensorInfo(f"{p}self_attn.q_norm.weight", "BF16", (hd,), "bf16"),
             TensorInfo(f"{p}self_attn.k_norm.weight", "BF16", (hd,), "bf16")]
     out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in LAYER_NORMS]
@@ -109,11 +139,13 @@ def target_layer_tensors(spec: Gemma4TextSpec, layer: int) -> list[TensorInfo]:
     return out
 
 
-def target_tensors(spec: Gemma4TextSpec) -> list[TensorInfo]:
-    """Every tensor of the text model in a RedHatAI NVFP4 checkpoint (tied lm_head: no lm_head tensor)."""
+def target_tensors(spec: Gemma4TextSpec, source: str = "compressed-tensors",
+                   formats: LinearFormats = ALL_NVFP4) -> list[TensorInfo]:
+    """Every tensor of the text model in a checkpoint of this source format and per-role linear formats (default:
+    RedHatAI's compressed-tensors NVFP4); tied lm_head: no lm_head tensor."""
     out = [TensorInfo(f"{TARGET_PREFIX}embed_tokens.weight", "BF16", (spec.vocab_size, spec.hidden_size), "bf16")]
     for layer in range(spec.num_hidden_layers):
-        out += target_layer_tensors(spec, layer)
+        out += target_layer_tensors(spec, layer, source, formats)
     out.append(TensorInfo(f"{TARGET_PREFIX}norm.weight", "BF16", (spec.hidden_size,), "bf16"))
     return out
 
@@ -121,10 +153,9 @@ def target_tensors(spec: Gemma4TextSpec) -> list[TensorInfo]:
 def drafter_linears(spec: DFlashSpec, layer: int) -> list[Linear]:
     p, h = f"layers.{layer}.", spec.hidden_size
     hd, nq, nkv, i = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads, spec.intermediate_size
-    return [Linear(f"{p}self_attn.q_proj", nq * hd, h, False), Linear(f"{p}self_attn.k_proj", nkv * hd, h, False),
-            Linear(f"{p}self_attn.v_proj", nkv * hd, h, False), Linear(f"{p}self_attn.o_proj", h, nq * hd, False),
-            Linear(f"{p}mlp.gate_proj", i, h, False), Linear(f"{p}mlp.up_proj", i, h, False),
-            Linear(f"{p}mlp.down_proj", h, i, False)]
+    shapes = (("self_attn.q_proj", nq * hd, h), ("self_attn.k_proj", nkv * hd, h), ("self_attn.v_proj", nkv * hd, h),
+              ("self_attn.o_proj", h, nq * hd), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i))
+    return [Linear(p + name, o, k, "bf16", target=False) for name, o, k in shapes]
 
 
 def drafter_tensors(spec: DFlashSpec) -> list[TensorInfo]:
@@ -151,20 +182,16 @@ def vision_linears(spec: Gemma4VisionSpec, layer: int) -> list[Linear]:
     p = f"{VISION_PREFIX}encoder.layers.{layer}."
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     inner = spec.num_attention_heads * hd
-    return [Linear(f"{p}self_attn.q_proj.linear", inner, h, False),
-            Linear(f"{p}self_attn.k_proj.linear", inner, h, False),
-            Linear(f"{p}self_attn.v_proj.linear", inner, h, False),
-            Linear(f"{p}self_attn.o_proj.linear", h, inner, False),
-            Linear(f"{p}mlp.gate_proj.linear", i, h, False), Linear(f"{p}mlp.up_proj.linear", i, h, False),
-            Linear(f"{p}mlp.down_proj.linear", h, i, False)]
+    shapes = (("self_attn.q_proj", inner, h), ("self_attn.k_proj", inner, h), ("self_attn.v_proj", inner, h),
+              ("self_attn.o_proj", h, inner), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i))
+    return [Linear(f"{p}{name}.linear", o, k, "bf16", target=False) for name, o, k in shapes]
 
 
 def vision_tensors(spec: Gemma4VisionSpec, text_hidden: int) -> list[TensorInfo]:
     """Every tensor of the vision tower and its projection into the text model (bf16, never quantized):
     13 per encoder layer, the patch projection and x/y position tables, the standardize buffers, the projection."""
     h = spec.hidden_size
-    out = [t for lin in (Linear(f"{VISION_PREFIX}patch_embedder.input_proj", h, spec.patch_dim, False),)
-           for t in lin.tensors()]
+    out = Linear(f"{VISION_PREFIX}patch_embedder.input_proj", h, spec.patch_dim, "bf16", target=False).tensors()
     out.append(TensorInfo(f"{VISION_PREFIX}patch_embedder.position_embedding_table", "BF16",
                           (2, spec.position_embedding_size, h), "bf16"))
     for layer in range(spec.num_hidden_layers):
@@ -174,7 +201,7 @@ def vision_tensors(spec: Gemma4VisionSpec, text_hidden: int) -> list[TensorInfo]
         out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in VISION_LAYER_NORMS]
     out += [TensorInfo(f"{VISION_PREFIX}std_bias", "BF16", (h,), "bf16", also_f32=True),
             TensorInfo(f"{VISION_PREFIX}std_scale", "BF16", (h,), "bf16", also_f32=True)]
-    out += Linear(VISION_PROJECTION, text_hidden, h, False).tensors()
+    out += Linear(VISION_PROJECTION, text_hidden, h, "bf16", target=False).tensors()
     return out
 
 

@@ -23,12 +23,12 @@ def _find(art, source: str) -> tuple[str, int, int]:
 
 
 def unpack_linear(art, source: str, expert: int | None = None) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """Checkpoint form (packed [N,K/2], scale [N,K/16], global scale) of projection `source` (short prefix, e.g.
+    """Checkpoint form (packed [N,K/2], scale [N,K/16], global multiplier) of projection `source` (short prefix, e.g.
     layers.0.self_attn.k_proj, layers.0.experts.up_proj with `expert`, or embed_tokens for the NVFP4 lm_head)."""
     base, idx, row = _find(art, source)
     entry = art.entry(base + ".weight_packed")
     meta = dict(entry.meta)
-    w, s, g = (art.array(f"{base}.{x}") for x in ("weight_packed", "weight_scale", "weight_global_scale"))
+    w, s, g = (art.array(f"{base}.{x}") for x in ("weight_packed", "weight_scale", "weight_multiplier"))
     if expert is not None:
         w, s, g = w[expert], s[expert], g[expert]
     n, k = meta["logical_shape"]

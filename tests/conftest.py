@@ -34,6 +34,17 @@ def tiny_ckpt(tiny_checkpoint: Path):
 
 
 @pytest.fixture(scope="session")
+def tiny_format_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same tiny model (seed 0, as tiny_checkpoint) in the other formats: {"bf16", "modelopt" (experts-only),
+    "modelopt-all-linear"} -> folder, built once."""
+    from thorgen.model_spec.synth import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_formats")
+    return {fmt: write_synthetic_checkpoint("tiny", root / fmt, seed=0, progress=False, source_format=fmt)
+            for fmt in ("bf16", "modelopt", "modelopt-all-linear")}
+
+
+@pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """`<repo>/../shared` (facts, seed data); tests that need it skip when it is absent."""
     path = REPO.parent / "shared"

@@ -135,9 +135,28 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         y = RK.rmsnorm_ref(x, self.v(a["w"], np.uint16, H, "w"), p["EPS"])
         self.v(a["y"], RK.np_dtype(p["OUT"]), (T, H), "y")[:] = RK.store(y, p["OUT"])
 
+    def half(self, w, n, k, what):
+        """float64 [n, k] of an fp16 weight in the half layout (layouts.pack_half) at w; cached by address."""
+        key = ("half", w, n, k)
+        if key in self.overrides:
+            return self.overrides[key]
+        if key not in self._dense:
+            bits = self.v(w, np.uint16, n * k, what)
+            self._dense[key] = L.unpack_half(bits, n, k).view(np.float16).astype(F64)
+        return self._dense[key]
+
+    def weight(self, p, a, n, k, what="weight"):
+        """The launch's [n, k] weight by the kernel's weight kind: NVFP4 (w, s, gscale) or fp16 (w)."""
+        if p["kind"] == "half":
+            return self.half(a["w"], n, k, what)
+        return self.nvfp4(a["w"], a["s"], a["gscale"], n, k, p["fp4_order"], what)
+
     def _gemm(self, p, a, n):
+        """Every GEMM form (NVFP4 or fp16 weights): store f32 (and the folded attn_tail / rope_kv of one row), or
+        act(gate) * up in f16 over 8-row-interleaved gate/up weights (gelu for the target and the vision tower, silu
+        for the drafter)."""
         m, N, K = a["m"], p["n"], p["k"]
-        W = self.nvfp4(a["w"], a["s"], a["gscale"], N, K, p["fp4_order"], "weight")
+        W = self.weight(p, a, N, K)
         x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
         if p["epi"] in ("store", "attn_tail", "rope_kv"):
             self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
@@ -152,33 +171,16 @@ class KernelEmulator(LogitsKernels, VisionKernels):
                 self.k_rope_kv(p, dict(a, q_raw=a["y"], k_raw=a["y"] + 4 * nq,
                                        v_raw=0 if p["V_FROM_K"] else a["y"] + 4 * (nq + nk), q_stride=N,
                                        kv_stride=N, T=1), n)
-        else:
+        elif p["epi"] == "gelu_mul":
             g, u = L.deinterleave8(W)
             self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
-
-    k_nvfp4_gemm = _gemm
-    k_nvfp4_gemm_large = _gemm
-
-    def _half_gemm(self, p, a, n):
-        """The fp16 GEMMs of the drafter and the vision tower (layouts.pack_half weights): store f32, or
-        silu(gate) * up / gelu_tanh(gate) * up f16 (interleave8)."""
-        m, N, K = a["m"], p["n"], p["k"]
-        key = ("half", a["w"], N, K)
-        if key not in self._dense:
-            bits = self.v(a["w"], np.uint16, N * K, "weight")
-            self._dense[key] = L.unpack_half(bits, N, K).view(np.float16).astype(F64)
-        W = self._dense[key]
-        x = self.v(a["x"], np.float16, (m, K), "x").astype(F64)
-        if p["epi"] == "store":
-            self.v(a["y"], np.float32, (m, N), "y")[:] = x @ W.T
         else:
             g, u = L.deinterleave8(W)
             gx = x @ g.T
-            act = _gelu(gx) if p["epi"] == "gelu_mul" else gx / (1.0 + np.exp(-gx))
-            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(act * (x @ u.T), "f16")
+            self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(gx / (1.0 + np.exp(-gx)) * (x @ u.T), "f16")
 
-    k_bf16_gemm = _half_gemm
-    k_bf16_gemm_large = _half_gemm
+    k_nvfp4_gemm = _gemm
+    k_nvfp4_gemm_large = _gemm
 
     def k_add_rmsnorm(self, p, a, n):
         T, H = a["T"], p["H"]
@@ -379,6 +381,8 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         self.v(a["topk_w"], np.float32, (T, K), "topk_w")[:] = w
 
     def _expert(self, a, e, n_, k_, p):
+        if p["kind"] == "half":  # fp16 experts: [E][n_ * k_] halves, no scales
+            return self.half(a["w"] + e * n_ * k_ * 2, n_, k_, f"expert {e}")
         wb, sb = n_ * k_ // 2, n_ * k_ // 16
         return self.nvfp4(a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"],
                           f"expert {e}")

@@ -4,6 +4,7 @@ on NumPy inputs. GPU tests skip cleanly without a GPU / cuda-python / nvcc."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ from thorgen.codegen.kernel_spec import KernelSpec
 from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
+from thorgen.model_spec import types
 from thorgen.model_spec.types import ModelSpec
 from thorgen.runtime.backend import BackendError
 from thorgen.runtime.manifest import KernelEntry
@@ -71,12 +73,14 @@ def bits(a: np.ndarray) -> np.ndarray:
 class GpuRunner:
     """Kernels of one preset's plan for the local GPU; `run` launches one on NumPy inputs."""
 
-    def __init__(self, preset: str, families: tuple[str, ...]):
+    def __init__(self, preset: str, families: tuple[str, ...], linear_formats: str = "ALL_NVFP4"):
+        """`linear_formats`: the name of a model_spec.types LinearFormats preset (ALL_BF16: fp16-weight kernels)."""
         from thorgen.runtime.bench.kernels import KernelRig
 
         self.rig = KernelRig(require_gpu(), work_dir() / "rig")
         self.arch: ArchSpec = get_arch(self.rig.arch)
-        self.spec: ModelSpec = get_preset(preset)
+        self.spec: ModelSpec = dataclasses.replace(get_preset(preset),
+                                                   linear_formats=getattr(types, linear_formats))
         self.kernels = {k.name: k for k in plan(self.spec, self.arch) if k.family in families}
         self.add(list(self.kernels.values()))
 

@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from thorgen.model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3, quantize_nvfp4
+from thorgen.model_spec.nvfp4 import (bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3,
+                                     multiplier_of_divisor, quantize_nvfp4)
 from thorgen.runtime.convert import layouts as L
 
 F64 = np.float64
@@ -60,13 +61,28 @@ class Fp4Weight:
         self.n, self.k = n, k
         self.dense = dequantize_nvfp4(self.packed, self.scale, self.gs).astype(F64)
         self.w, self.s = L.pack_nvfp4(self.packed, self.scale, order)
-        self.gscale = L.tile_gscales([(n, float(self.gs))])
+        self.mul = multiplier_of_divisor(self.gs)  # the global multiplier Checkpoint.nvfp4_parts hands out
+        self.gscale = L.tile_gscales([(n, float(self.mul))])
+
+
+# ---- bf16 checkpoint weights (the fp16-weight kernels: runtime/convert/linears.py) -----------------------------------
+# The kernels read the bf16 weight converted to fp16 once (exact from 2^-14 up), so the references multiply by the
+# bf16 values themselves and the fp16-weight kernels share TOL_GEMM / TOL_MOE_* with the NVFP4 ones.
+class Bf16Weight:
+    """A random bf16 weight [n, k]: the checkpoint's raw bits and their float64 values (rows of different size)."""
+
+    def __init__(self, rng: np.random.Generator, n: int, k: int, amp: float = 0.05):
+        w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(amp)
+        w *= rng.uniform(0.25, 1.0, size=(n, 1)).astype(np.float32)
+        self.bits = f32_to_bf16(w)
+        self.dense = bf16_to_f32(self.bits).astype(F64)
+        self.n, self.k = n, k
 
 
 def gate_up_weight(rng: np.random.Generator, n: int, k: int, order: str, amp: float = 1.0):
     """(gate, up, (w, s, gscale) of the interleaved fused layout)."""
     g, u = Fp4Weight(rng, n, k, order, amp), Fp4Weight(rng, n, k, order, amp)
-    fused = L.pack_nvfp4_gate_up((g.packed, g.scale, g.gs), (u.packed, u.scale, u.gs), order)
+    fused = L.pack_nvfp4_gate_up((g.packed, g.scale, g.mul), (u.packed, u.scale, u.mul), order)
     return g, u, fused
 
 

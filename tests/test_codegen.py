@@ -236,3 +236,31 @@ def test_batched_attention_splits_fill_one_wave() -> None:
             assert ns & (ns - 1) == 0 and (blocks <= arch.sm_count * resident or ns == 1)
             assert ns == k.param("nsplit") or 2 * blocks > arch.sm_count * resident
         assert k.param("ROWWISE_GRID") == (0, 1, 1)  # a block per query
+
+
+@pytest.mark.parametrize("source,formats", [("bf16", "ALL_BF16"), ("modelopt", "EXPERTS_ONLY_NVFP4")])
+def test_model_dir_spec_has_the_checkpoints_linear_formats(tmp_path: Path, source: str, formats: str) -> None:
+    """`thorgen build --model` plans for the formats the checkpoint's configs declare (bf16 linears: the fp16-weight
+    kernels), and with --quantize nvfp4 for the all-NVFP4 artifact that repack then writes; the cuda backend's
+    spec follows the artifact it serves."""
+    import dataclasses
+
+    from thorgen.codegen.cli import load_model_spec
+    from thorgen.model_spec import types
+    from thorgen.model_spec.config import hf_quant_config, target_config
+    from thorgen.runtime.cuda.backend import _served_spec, _spec
+
+    spec = dataclasses.replace(get_preset("tiny"), linear_formats=getattr(types, formats))
+    (tmp_path / "config.json").write_text(json.dumps(target_config(spec.target, spec.vision, source,
+                                                                   spec.linear_formats)))
+    if source == "modelopt":
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(spec.target, spec.linear_formats)))
+    assert load_model_spec(tmp_path, None).linear_formats == spec.linear_formats
+    assert load_model_spec(tmp_path, None, "nvfp4").linear_formats == types.ALL_NVFP4
+    found = _spec(tmp_path, None)
+    assert found.linear_formats == spec.linear_formats
+    art = tmp_path / "weights"
+    art.mkdir()
+    (art / "weights.json").write_text(json.dumps({"linear_formats": dataclasses.asdict(types.ALL_NVFP4)}))
+    assert _served_spec(found, tmp_path, art).linear_formats == types.ALL_NVFP4  # a --quantize nvfp4 artifact
+    assert _served_spec(found, tmp_path, None) == found  # no artifact: the checkpoint's own formats

@@ -25,7 +25,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 import reference_kernels as RK  # noqa: E402
-from thorgen.model_spec.nvfp4 import dequantize_nvfp4  # noqa: E402
+from thorgen.model_spec.nvfp4 import dequantize_nvfp4_mul  # noqa: E402
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
 from thorgen.runtime.reference import sampling as S  # noqa: E402
 from thorgen.runtime.reference.ops import mm, rms_norm, softcap  # noqa: E402
@@ -144,8 +144,8 @@ def _lm_head(backend) -> np.ndarray:
     """float64 [V, H] NVFP4 lm_head exactly as repacked (what the engine multiplies with)."""
     from artifact_readback import unpack_linear
 
-    packed, scale, g = unpack_linear(backend.engine.art, "embed_tokens")
-    return dequantize_nvfp4(packed, scale, g).astype(np.float64)
+    packed, scale, multiplier = unpack_linear(backend.engine.art, "embed_tokens")
+    return dequantize_nvfp4_mul(packed, scale, multiplier).astype(np.float64)
 
 
 def _check_logits(m, backend, f: dict) -> np.ndarray:

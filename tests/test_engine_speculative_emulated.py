@@ -221,10 +221,10 @@ def test_engine_drafter_matches_reference(emu):
     width = len(d.target_layer_ids) * H
     taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
     e = backend.engine
-    from thorgen.model_spec.nvfp4 import dequantize_nvfp4
+    from thorgen.model_spec.nvfp4 import dequantize_nvfp4_mul
     from artifact_readback import unpack_linear
 
-    lm_head = dequantize_nvfp4(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
+    lm_head = dequantize_nvfp4_mul(*unpack_linear(e.art, "embed_tokens")).astype(np.float64)
 
     def after(name, entry, a):
         if entry["template"].startswith("ffn_tail") and a["tap"]:

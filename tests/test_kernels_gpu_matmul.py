@@ -1,5 +1,6 @@
 """GPU tests: NVFP4 GEMV / verify GEMM / prefill GEMM (matmul family), the o_proj GEMV with the attention tail
-folded in, and the drafter's fp16 GEMMs against NumPy.
+folded in, their fp16-weight forms for bf16 target linears (ALL_BF16 plans), and the drafter's fp16 GEMMs against
+NumPy.
 
 Tiny preset: weights go through the real path (float -> quantize_nvfp4 -> runtime.convert.layouts packers). Full size:
 random layout bytes (any byte pattern is a valid code set) with a sample of units checked, so the CPU reference
@@ -18,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers unde
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 import reference_kernels as RK  # noqa: E402
-from thorgen.codegen.families.matmul import gemm_small, target_shapes
+from thorgen.codegen.families.matmul import gemm_small, target_gemm, target_shapes
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 from thorgen.runtime.convert import layouts as L
+from thorgen.runtime.convert.linears import pack_bf16_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -142,7 +144,7 @@ def test_fused_qkv_scales_are_per_part(runner):
     n, order = kern.param("n"), kern.param("fp4_order")
     sizes = (n // 2, n // 4, n // 4)
     parts = [R.Fp4Weight(rng, rows, h, order, amp=a) for rows, a in zip(sizes, (1.0, 0.01, 30.0))]
-    w, s, gsc = L.pack_nvfp4_concat([(p.packed, p.scale, p.gs) for p in parts], order)
+    w, s, gsc = L.pack_nvfp4_concat([(p.packed, p.scale, p.mul) for p in parts], order)
     x = R.act_f16(rng, 16, h)
     y = _launch(runner, kern, {"w": w, "s": s, "gscale": gsc, "x": x}, 16, n, np.float32)
     starts = np.cumsum((0,) + sizes)
@@ -226,3 +228,94 @@ def test_drafter_gemms(runner):
             if not err <= R.TOL_GEMM[kern.param("out_dtype")]:
                 failures.append(f"{kern.name} m={m}: error {err:.2e}")
     assert not failures, "\n".join(failures)
+
+
+# ---- bf16 target linears: the fp16-weight forms of the same kernels (ALL_BF16 plans) --------------------------------
+@pytest.fixture(scope="module", params=PRESETS)
+def half_runner(request):
+    return GpuRunner(request.param, ("matmul", "norms"), "ALL_BF16")
+
+
+def _half_weight(rng, n: int, k: int, epi: str):
+    """(layout uint8, float64 [n, k] as the kernel reads it) of a random fp16-weight matrix (gate/up interleaved for
+    the gated epilogues). Full size: random fp16 bit patterns of 2^-8 .. 2^-5 with random signs, in the layout."""
+    if n * k <= 64 * 1024 * 1024 // 2:
+        parts = [R.Bf16Weight(rng, n, k)] if epi == "store" else [R.Bf16Weight(rng, n // 2, k) for _ in range(2)]
+        flat = pack_bf16_linear([p.bits for p in parts], "single" if epi == "store" else "interleave8")
+    else:
+        flat = (rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (rng.integers(0, 2, n * k, dtype=np.uint16)
+                                                                        << 15)).astype(np.uint16)
+    return flat.view(np.uint8), L.unpack_half(flat, n, k).view(np.float16).astype(np.float64)
+
+
+def test_half_kernels(half_runner):
+    """Every fp16-weight GEMV / GEMM / prefill GEMM of the target (store and gelu) against the float64 reference."""
+    runner, rng, failures = half_runner, np.random.default_rng(31), []
+    kernels = [k for k in runner.find("half_") if k.param("epi") in ("store", "gelu_mul")]
+    assert {k.name.split("__")[0] for k in kernels} == {"half_gemv", "half_gemm16", "half_gemm32", "half_gemmL"}
+    for kern in kernels:
+        n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
+        w, dense = _half_weight(rng, n, k, epi)
+        for m in _ms(kern):
+            width, dt = _out(kern, m)
+            x = R.act_f16(rng, m, k)
+            if epi == "store":
+                ref = R.gemm_ref(x, dense)
+            else:
+                g, u = L.deinterleave8(dense)
+                ref = R.gated_ref(x, g, u, epi)
+            err = R.norm_err(_launch(runner, kern, {"w": w, "x": x}, m, width, dt), ref)
+            if not err <= R.TOL_GEMM[kern.param("out_dtype")]:
+                failures.append(f"{kern.name} m={m}: error {err:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_half_rows_do_not_depend_on_the_row_count(half_runner):
+    """Batch invariance of the fp16-weight forms: a row has the same bits from the GEMV and the 16- / 32-row GEMMs."""
+    runner, rng, failures = half_runner, np.random.default_rng(32), []
+    forms: dict = {}
+    for kern in runner.find("half_gem"):
+        if "gemmL" not in kern.name and kern.param("epi") != "attn_tail":
+            forms.setdefault((kern.param("n"), kern.param("k"), kern.param("epi")), []).append(kern)
+    assert forms
+    for (n, k, epi), kernels in sorted(forms.items()):
+        w, _ = _half_weight(rng, n, k, epi)
+        x = R.act_f16(rng, 32, k)
+        rows = {}
+        for kern in kernels:
+            width, dt = _out(kern, 1)
+            for m in ([1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]):
+                rows[(kern.name, m)] = _launch(runner, kern, {"w": w, "x": x[:m]}, m, width, dt)
+        first = next(iter(rows.values()))[0]
+        failures += [f"n={n} k={k} {epi}: row 0 of {name} at m={m} differs" for (name, m), y in rows.items()
+                     if not np.array_equal(bits(y[0]), bits(first))]
+    assert not failures, "\n".join(failures)
+
+
+def test_half_gemv_attn_tail(half_runner):
+    """The fp16-weight o_proj GEMV with the attention tail folded in: bit for bit the plain fp16 GEMV then attn_tail,
+    and its counter left zeroed."""
+    runner, rng = half_runner, np.random.default_rng(33)
+    folds = [k for k in runner.find("half_gemv__") if k.param("epi") == "attn_tail"]
+    (tail,) = runner.find("attn_tail__")
+    assert folds
+    plains = {f.name: target_gemm(f.param("n"), f.param("k"), 1, "store", runner.arch, "bf16") for f in folds}
+    runner.add([p for p in plains.values() if p.name not in runner.kernels])
+    for kern in folds:
+        n, k = kern.param("n"), kern.param("k")
+        w, dense = _half_weight(rng, n, k, "store")
+        ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
+        gemv = {"w": w, "x": R.act_f16(rng, 1, k), "m": np.int32(1), "y": _poison((1, n), np.float32)}
+        resid = rng.normal(0, 2, (1, n)).astype(np.float32)
+        norms = {"w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "a1": _poison((1, n), np.float16),
+                 "a2": _poison((1, n), np.float16)}
+        outs = {"y": ((1, n), np.float32), "resid": ((1, n), np.float32), "a1": ((1, n), np.float16),
+                "a2": ((1, n), np.float16), "counters": ((1,), np.uint32)}
+        got = runner.run(kern, dict(gemv, **norms, resid=resid, counters=np.zeros(1, np.uint32)), outs)
+        assert R.norm_err(got["y"], R.gemm_ref(gemv["x"], dense)) <= R.TOL_GEMM["f32"], kern.name
+        o = runner.run(plains[kern.name], gemv, {"y": ((1, n), np.float32)})["y"]
+        pair = runner.run(tail, {"o": o, "x": resid, **norms, "T": np.int32(1)},
+                          {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]}, (1, 1, 1))
+        for what, theirs in (("y", o), ("resid", pair["x"]), ("a1", pair["a1"]), ("a2", pair["a2"])):
+            assert np.array_equal(bits(got[what]), bits(theirs)), f"{kern.name}: {what} differs from the pair's"
+        assert got["counters"][0] == 0, kern.name

@@ -1,6 +1,7 @@
 """GPU tests: grouped MoE gate|up (GELU-tanh) and down (routing-weighted, no atomics) against NumPy, decode (M = 1)
 and verify (M <= 16, experts shared between tokens), tiny preset (real quantize + pack path) and full size (random
-layout bytes, all 128 experts resident, only the selected ones dequantized for the reference)."""
+layout bytes, all 128 experts resident, only the selected ones dequantized for the reference); NVFP4 experts and
+fp16 ones (bf16 checkpoint experts, ALL_BF16)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,50 @@ from thorgen.runtime.cuda.programs import _grid
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers under --import-mode=importlib
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
+from thorgen.runtime.convert import layouts as L  # noqa: E402
+from thorgen.runtime.convert.linears import pack_bf16_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+# every test on NVFP4 experts and on fp16 ones (bf16 checkpoint experts: ALL_BF16)
+@pytest.fixture(scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")],
+                ids=lambda pf: "-".join(pf))
 def runner(request):
-    return GpuRunner(request.param, ("moe",))
+    return GpuRunner(request.param[0], ("moe",), request.param[1])
+
+
+class HalfExperts:
+    """All experts' fp16 weights (gate|up interleaved) in the half layout: bf16 checkpoint weights through the
+    repack's packer on the tiny preset, random fp16 bit patterns (2^-8 .. 2^-5, random signs) at full size."""
+
+    def __init__(self, rng, spec):
+        t = spec.target
+        self.h, self.ie, self.e = h, ie, e = t.hidden_size, t.moe_intermediate_size, t.num_experts
+        self.gu_s = self.gu_g = self.dn_s = self.dn_g = None  # (fp16 weights: no scales)
+        if spec.name == "tiny":
+            gu = [pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits, R.Bf16Weight(rng, ie, h).bits], "interleave8")
+                  for _ in range(e)]
+            dn = [pack_bf16_linear([R.Bf16Weight(rng, h, ie).bits], "single") for _ in range(e)]
+            self.gu_bits, self.dn_bits = np.concatenate(gu), np.concatenate(dn)
+        else:
+            self.gu_bits, self.dn_bits = (
+                rng.integers(0x1C00, 0x2800, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
+                for n in (e * 2 * ie * h, e * h * ie))
+        self.gu_w, self.dn_w = self.gu_bits.view(np.uint8), self.dn_bits.view(np.uint8)
+
+    def dense(self, e: int):
+        h, ie = self.h, self.ie
+        fused = L.unpack_half(self.gu_bits[e * 2 * ie * h:(e + 1) * 2 * ie * h], 2 * ie, h).view(np.float16)
+        gate, up = L.deinterleave8(fused.astype(np.float64))
+        down = L.unpack_half(self.dn_bits[e * h * ie:(e + 1) * h * ie], h, ie).view(np.float16).astype(np.float64)
+        return gate, up, down
+
+    def lists(self, ids: np.ndarray):
+        gates, ups, downs = [None] * self.e, [None] * self.e, [None] * self.e
+        for e in np.unique(ids):
+            gates[e], ups[e], downs[e] = self.dense(int(e))
+        return gates, ups, downs
 
 
 class Experts:
@@ -68,6 +106,8 @@ class Experts:
 @pytest.fixture(scope="module")
 def experts(runner):
     (k,) = runner.find("moe_gateup__m1_")
+    if k.param("kind") == "half":
+        return HalfExperts(np.random.default_rng(21), runner.spec)
     return Experts(np.random.default_rng(21), runner.spec, k.param("fp4_order"))
 
 

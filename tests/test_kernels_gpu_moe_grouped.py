@@ -3,7 +3,8 @@ plan must equal its NumPy contract exactly; gate/up and down are checked against
 weights and the same f16 activations (tiny: real quantize + pack path, every column; full size: random layout bytes
 for all 128 experts, a sample of 16-row units dequantized); unwritten slot rows must stay poisoned. Rows 17 / 100 /
 512, random, skewed (one expert in every row, most experts empty) and corrupt ids; a row's output must not change
-bit for bit when other rows are added in front of it (other tiles, other positions inside its tile)."""
+bit for bit when other rows are added in front of it (other tiles, other positions inside its tile). Every test runs
+on NVFP4 experts and on fp16 ones (bf16 checkpoint experts, ALL_BF16)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers unde
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner  # noqa: E402
 from thorgen.codegen.families import moe_grouped as MG  # noqa: E402
+from thorgen.runtime.convert import layouts as L  # noqa: E402
+from thorgen.runtime.convert.linears import pack_bf16_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+# every test on NVFP4 experts and on fp16 ones (bf16 checkpoint experts: ALL_BF16)
+@pytest.fixture(scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")],
+                ids=lambda pf: "-".join(pf))
 def runner(request):
-    return GpuRunner(request.param, ("moe_grouped",))
+    return GpuRunner(request.param[0], ("moe_grouped",), request.param[1])
+
+
+class HalfExperts:
+    """All experts' fp16 weights (gate|up interleaved) in the half layout (test_kernels_gpu_moe.HalfExperts); every
+    column checked on the tiny preset, the first, last and random units at full size."""
+
+    def __init__(self, rng, spec):
+        t = spec.target
+        self.h, self.ie, self.e, self.k = h, ie, e, _ = (t.hidden_size, t.moe_intermediate_size, t.num_experts,
+                                                         t.top_k_experts)
+        self.gu_s = self.gu_g = self.dn_s = self.dn_g = None  # (fp16 weights: no scales)
+        if spec.name == "tiny":
+            self.gu_bits = np.concatenate([pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits,
+                                                             R.Bf16Weight(rng, ie, h).bits], "interleave8")
+                                           for _ in range(e)])
+            self.dn_bits = np.concatenate([pack_bf16_linear([R.Bf16Weight(rng, h, ie).bits], "single")
+                                           for _ in range(e)])
+            self.gu_units, self.dn_units = np.arange(ie // 8), np.arange(h // 16)
+        else:
+            self.gu_bits, self.dn_bits = (
+                rng.integers(0x1C00, 0x2800, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
+                for n in (e * 2 * ie * h, e * h * ie))
+            nu_gu, nu_dn = 2 * ie // 16, h // 16
+            self.gu_units = np.unique(np.r_[0, nu_gu - 1, rng.choice(nu_gu, 6, replace=False)])
+            self.dn_units = np.unique(np.r_[0, nu_dn - 1, rng.choice(nu_dn, 10, replace=False)])
+        self.gu_w, self.dn_w = self.gu_bits.view(np.uint8), self.dn_bits.view(np.uint8)
+        self.act_cols = (8 * self.gu_units[:, None] + np.arange(8)).reshape(-1)
+        self.y_cols = (16 * self.dn_units[:, None] + np.arange(16)).reshape(-1)
+        self._cache: dict = {}
+
+    def weights(self, e: int):
+        """(gate [cols, H], up [cols, H], down [y_cols, Ie]) float64 for the checked columns of expert e."""
+        if e not in self._cache:
+            h, ie = self.h, self.ie
+            fused = L.unpack_half(self.gu_bits[e * 2 * ie * h:(e + 1) * 2 * ie * h], 2 * ie, h)
+            fused = fused.view(np.float16).astype(np.float64).reshape(-1, 2, 8, h)[self.gu_units]
+            down = L.unpack_half(self.dn_bits[e * h * ie:(e + 1) * h * ie], h, ie).view(np.float16)
+            self._cache[e] = (fused[:, 0].reshape(-1, h), fused[:, 1].reshape(-1, h),
+                              down.astype(np.float64)[self.y_cols])
+        return self._cache[e]
 
 
 class Experts:
@@ -71,6 +116,8 @@ class Experts:
 @pytest.fixture(scope="module")
 def experts(runner):
     k = runner.find("moe_grouped_gateup__")[0]
+    if k.param("kind") == "half":
+        return HalfExperts(np.random.default_rng(31), runner.spec)
     return Experts(np.random.default_rng(31), runner.spec, k.param("fp4_order"))
 
 

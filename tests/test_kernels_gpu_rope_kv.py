@@ -1,6 +1,6 @@
 """GPU tests: Q/K norm + RoPE (default / proportional) + V norm + KV-cache write (bf16, fp8; ring, linear and paged:
 a paged cache's positions land where lane 1's row of a scrambled page table puts them, nowhere else), and the q|k|v
-GEMV with it folded in (the decode step's attention prologue in one launch)."""
+GEMV with it folded in (the decode step's attention prologue in one launch), NVFP4 and fp16-weight (bf16 attention)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a pack
 import matmul_reference as MR  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 import reference_kernels as R
-from thorgen.codegen.families.matmul import gemm_small
+from thorgen.codegen.families.matmul import target_gemm
 from thorgen.model_spec.nvfp4 import f32_to_bf16
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +24,12 @@ T = 5
 @pytest.fixture(scope="module", params=PRESETS)
 def runner(request):
     return GpuRunner(request.param, ("rope_kv",))
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def half_runner(request):
+    """bf16 attention weights (ALL_BF16): the folded GEMV's fp16-weight form."""
+    return GpuRunner(request.param, ("rope_kv",), "ALL_BF16")
 
 
 @pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
@@ -86,11 +92,31 @@ def test_gemv_rope_kv(runner):
     """The q|k|v GEMV whose last block of each head runs rope_kv's warp for it (one row), on every layer kind and
     cache dtype: bit for bit the plain GEMV then rope_kv (the two launches it replaces), q / K / V against the
     reference on that row, the counters left zeroed, and a second launch on the same counters again the same."""
+    check_gemv_rope_kv(runner, "nvfp4")
+
+
+def test_half_gemv_rope_kv(half_runner):
+    """The same for the fp16-weight fold (bf16 attention weights)."""
+    check_gemv_rope_kv(half_runner, "bf16")
+
+
+def _weights(rng, kern, n: int, k: int) -> dict:
+    """The fold's weight arguments: random NVFP4 layout bytes, or random fp16 weights (2^-8 .. 2^-5) in the half
+    layout."""
+    if kern.param("kind") == "half":
+        bits16 = rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (rng.integers(0, 2, n * k, dtype=np.uint16)
+                                                                         << 15)
+        return {"w": bits16.view(np.uint8)}
+    lw = MR.LayoutWeight(rng, n, k, kern.param("fp4_order"))
+    return {"w": lw.w, "s": lw.s, "gscale": lw.gscale}
+
+
+def check_gemv_rope_kv(runner, fmt: str):
     rng = np.random.default_rng(15)
-    folds = runner.find("nvfp4_gemv__")
+    folds = runner.find("nvfp4_gemv__" if fmt == "nvfp4" else "half_gemv__")
     ropes = {k.name for k in runner.find("rope_kv__tgt_")}
     assert folds and {"rope_kv__" + f.name.split("_rope__")[1] for f in folds} == ropes, "a layer kind without fold"
-    plains = {f.name: gemm_small(f.param("n"), f.param("k"), 1, "store", runner.arch) for f in folds}
+    plains = {f.name: target_gemm(f.param("n"), f.param("k"), 1, "store", runner.arch, fmt) for f in folds}
     runner.add(list(plains.values()))
     for kern in folds:
         p, plain = kern.param_dict, plains[kern.name]
@@ -98,8 +124,7 @@ def test_gemv_rope_kv(runner):
         assert (p["ks"], p["pf"], p["un"]) == (plain.param("ks"), plain.param("pf"), plain.param("un")), kern.name
         n, k, HQ, HKV, D, slots = p["n"], p["k"], p["HQ"], p["HKV"], p["D"], p["SLOTS"]
         nq, nk, kv_t, q_t = HQ * D, HKV * D, p["KV"], p["Q"]
-        lw = MR.LayoutWeight(rng, n, k, p["fp4_order"])
-        gemv = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": MR.act_f16(rng, 1, k), "m": np.int32(1)}
+        gemv = dict(_weights(rng, kern, n, k), x=MR.act_f16(rng, 1, k), m=np.int32(1))
         # a far position (RoPE range reduction) on the ring; within the page table's reach on the paged cache
         pos = int(rng.integers(3000, p["PITCH"] * p["PAGE"] if p["PAGE"] else 250_000))
         positions = np.array([pos], np.int32)

@@ -79,7 +79,7 @@ def test_emulated_kernel_matches_dequantized_matvec(order: str) -> None:
     packed, scale, g = _random_nvfp4(rng, n, k)
     x = rng.standard_normal((m, k))
     w_lay, s_lay = L.pack_nvfp4(packed, scale, order)
-    inv = L.tile_gscales([(n, float(g))])
+    inv = L.tile_gscales([(n, float(np.float32(1) / g))])
     wl = w_lay.reshape(k // 64, n // 16, 32, 16).transpose(1, 0, 2, 3)  # -> [unit, step, lane, 16]
     sl = s_lay.reshape(k // 64, n // 16, 32, 2).transpose(1, 0, 2, 3)
     out = np.zeros((m, n))
@@ -105,23 +105,30 @@ def test_emulated_kernel_matches_dequantized_matvec(order: str) -> None:
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
 
 
+def _as_multiplier(parts):
+    """(packed, scale, divisor g) -> (packed, scale, float32(1)/g), the form Checkpoint.nvfp4_parts hands out."""
+    packed, scale, g = parts
+    return packed, scale, np.float32(1) / np.float32(g)
+
+
 def test_gate_up_interleave_and_scales() -> None:
     rng = np.random.default_rng(3)
     gate = _random_nvfp4(rng, 32, 64)
     up = _random_nvfp4(rng, 32, 64)
-    w, s, inv = L.pack_nvfp4_gate_up(gate, up, "shift")
+    w, s, inv = L.pack_nvfp4_gate_up(_as_multiplier(gate), _as_multiplier(up), "shift")
     p, sc = L.unpack_nvfp4(w, s, 64, 64, "shift")
     gp, upp = L.deinterleave8(p)
     np.testing.assert_array_equal(gp, gate[0])
     np.testing.assert_array_equal(upp, up[0])
     np.testing.assert_allclose(inv[0::2], 1.0 / gate[2], rtol=1e-7)
     np.testing.assert_allclose(inv[1::2], 1.0 / up[2], rtol=1e-7)
+    assert inv[0] != inv[1]  # each part keeps its own multiplier
 
 
 def test_concat_scales_follow_parts() -> None:
     rng = np.random.default_rng(4)
     parts = [_random_nvfp4(rng, 16, 64), _random_nvfp4(rng, 32, 64)]
-    _, _, inv = L.pack_nvfp4_concat(parts, "nat")
+    _, _, inv = L.pack_nvfp4_concat([_as_multiplier(p) for p in parts], "nat")
     assert inv.shape == (6,)
     np.testing.assert_allclose(inv[:2], 1.0 / parts[0][2], rtol=1e-7)
     np.testing.assert_allclose(inv[2:], 1.0 / parts[1][2], rtol=1e-7)

@@ -3,6 +3,7 @@ renders, fits the arch, and the launch geometry agrees with the template constan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from thorgen.codegen.arch import ARCHS
 from thorgen.codegen.families import attention, drafter_gemm, matmul, moe, ring_slots
 from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
+from thorgen.model_spec import types
 from thorgen.model_spec.presets import PRESETS
 from thorgen.runtime.convert import layouts as L
 
@@ -21,7 +23,23 @@ FAMILY_BENCH = (matmul.bench_matmul, moe.bench_moe, attention.bench_attention, d
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_plans_render_and_fit(preset: str, arch: str) -> None:
-    spec, a = PRESETS[preset], ARCHS[arch]
+    check_plan(PRESETS[preset], ARCHS[arch])
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("formats", ["ALL_BF16", "EXPERTS_ONLY_NVFP4"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_mixed_precision_plans_render_and_fit(preset: str, formats: str, arch: str) -> None:
+    """bf16 linears: the fp16-weight kernels render with one weight argument, and the geometry checks hold."""
+    spec = dataclasses.replace(PRESETS[preset], linear_formats=getattr(types, formats))
+    kernels = check_plan(spec, ARCHS[arch])
+    half = [k for k in kernels if k.param("kind", None) == "half" and k.family != "drafter_gemm"]
+    assert half and all(k.args[:2] == ("w", "x") or k.args[:2] == ("w", "act") for k in half)
+    assert all("const uint8_t* __restrict__ s" not in render(k, ARCHS[arch], spec.spec_hash) for k in half)
+
+
+def check_plan(spec, a) -> list:
+    """The matrix families' kernels of `spec` on `a` render, fit the arch and agree with their launch geometry."""
     kernels = plan(spec, a, MATRIX_FAMILIES)
     assert len({k.name for k in kernels}) == len(kernels), "duplicate kernel names"
     for k in kernels:
@@ -29,14 +47,18 @@ def test_plans_render_and_fit(preset: str, arch: str) -> None:
         src = render(k, a, spec.spec_hash)
         assert f"{k.name}(" in src and "extern \"C\" __global__" in src, k.name
         p = k.param_dict
-        if k.template in ("nvfp4_gemm.cu.j2", "bf16_gemm.cu.j2"):
+        if k.template == "nvfp4_gemm.cu.j2":
             un = p.get("un", 1)  # units a block: 1 below 16 rows and for the drafter's fp16 GEMMs
             assert un == 1 or (p["mmax"] >= 16 and p["kind"] != "half" and (p["n"] // 16) % un == 0), k.name
             assert k.grid == (p["n"] // 16 // un, 1, 1) and k.block == (32 * p["ks"], 1, 1), k.name
             assert 1 <= p["ks"] <= p["k"] // 64 and 1 <= p["pf"] <= 16, k.name
             assert p["swap"] == (p["mmax"] <= 8), k.name
         if k.template.startswith("nvfp4") or k.template.startswith("moe"):
-            assert p["fp4_order"] == L.fp4_order_for(a.has_fp4_cvt) == p["kind"], k.name
+            assert p["fp4_order"] == L.fp4_order_for(a.has_fp4_cvt), k.name
+            # fp16 weights exactly where the checkpoint is bf16: the drafter (always), the roles linear_formats names
+            fmt = _expected_format(spec, k)
+            if fmt is not None:
+                assert p["kind"] == ("half" if fmt == "bf16" else L.fp4_order_for(a.has_fp4_cvt)), k.name
         if k.template == "attn_fwd.cu.j2":
             g = p["hq"] // p["hkv"]
             assert k.smem_bytes == attention.attn_smem(p["d"], p["mt"], p["tk"], p["kv_dtype"]), k.name
@@ -45,6 +67,20 @@ def test_plans_render_and_fit(preset: str, arch: str) -> None:
                 # partials of every split, plus the merge subgroups' partials (two-level in-kernel merge)
                 assert p["ws_floats"] == (p["nsplit"] + p["nsub"]) * p["mmax"] * p["hq"] * (p["d"] + 2)
                 assert p["nsplit"] % p["nsub"] == 0
+    return kernels
+
+
+def _expected_format(spec, k) -> str | None:
+    """The checkpoint format kernel k's weights come from (None: a target GEMM whose shape two roles of different
+    formats could share, e.g. the tiny preset's q|k|v and lm_head, both 512 wide)."""
+    f = spec.linear_formats
+    if k.family == "drafter_gemm":
+        return "bf16"
+    if k.family.startswith("moe"):
+        return f.experts
+    if k.param("n") == spec.target.vocab_size:  # the lm_head: the tied embedding quantized at repack
+        return "nvfp4" if f.all_nvfp4 else None
+    return f.attention if f.attention == f.dense_mlp else None
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

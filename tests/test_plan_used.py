@@ -3,6 +3,8 @@ kernel is left unlaunched (it would be compiled and shipped for nothing) and no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from thorgen.codegen.arch import ARCHS, get_arch
@@ -11,6 +13,7 @@ from thorgen.codegen.families.matmul import gemm_small
 from thorgen.codegen.kernel_spec import KernelSpec
 from thorgen.codegen.plan import plan
 from thorgen.codegen.programs import emit_programs
+from thorgen.model_spec import types
 from thorgen.model_spec.presets import PRESETS, get_preset
 
 
@@ -35,6 +38,25 @@ def test_every_planned_kernel_is_launched(preset: str, arch: str) -> None:
     spec, a = get_preset(preset), get_arch(arch)
     kernels = plan(spec, a)
     assert kernels and not plan_problems(spec, a, kernels)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("formats", ["ALL_BF16", "EXPERTS_ONLY_NVFP4"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_planned_kernel_is_launched_in_every_linear_format(preset: str, formats: str, arch: str) -> None:
+    """bf16 linears plan fp16-weight kernels in place of the NVFP4 ones of their role, and nothing else."""
+    spec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, formats))
+    a = get_arch(arch)
+    kernels = plan(spec, a)
+    assert kernels and not plan_problems(spec, a, kernels)
+    half = {k.name for k in kernels if k.param("kind", None) == "half" and k.family not in ("drafter_gemm", "vision")}
+    experts_half = {n for n in half if n.startswith("moe_")}
+    assert half and bool(experts_half) == (spec.linear_formats.experts == "bf16")
+    assert all(n.startswith(("half_", "moe_")) for n in half)
+    nvfp4 = {k.name for k in kernels if k.family in ("matmul", "rope_kv") and k.param("kind", "half") != "half"}
+    assert all(f"_n{spec.target.vocab_size}_" in n for n in nvfp4), nvfp4  # only the lm_head stays NVFP4
+    tower = {k for k in kernels if k.family == "vision"}  # the vision tower is bf16 whatever the text linears are
+    assert tower and tower == {k for k in plan(get_preset(preset), a) if k.family == "vision"}
 
 
 def test_the_check_catches_an_unlaunched_kernel() -> None:

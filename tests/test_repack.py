@@ -66,20 +66,22 @@ def test_every_nvfp4_linear_round_trips(art, ckpt):
             assert got[2] == want[2], short
 
 
-def test_tile_scales_are_inverse_global_scales_per_part(art, ckpt):
+def test_tile_scales_are_the_parts_multipliers(art, ckpt):
     qkv = art.array("layers.2.self_attn.qkv_proj.weight_tile_scale")  # full layer: q | k (k_eq_v, no v)
     q = ckpt.nvfp4_parts(TARGET_PREFIX + "layers.2.self_attn.q_proj")[2]
     k = ckpt.nvfp4_parts(TARGET_PREFIX + "layers.2.self_attn.k_proj")[2]
     t = ckpt.spec.target
     q_tiles = t.num_attention_heads * t.global_head_dim // 8
     assert qkv.shape == (q_tiles + t.num_global_key_value_heads * t.global_head_dim // 8,)
-    np.testing.assert_array_equal(qkv[:q_tiles], np.float32(1) / q)
-    np.testing.assert_array_equal(qkv[q_tiles:], np.float32(1) / k)
+    np.testing.assert_array_equal(qkv[:q_tiles], q)
+    np.testing.assert_array_equal(qkv[q_tiles:], k)
+    gs = ckpt.tensor(TARGET_PREFIX + "layers.2.self_attn.q_proj.weight_global_scale")[0]
+    assert q == np.float32(1) / gs  # compressed-tensors stores the divisor; the reader hands out its inverse
     gu = art.array("layers.1.experts.gate_up_proj.weight_tile_scale")[5]  # expert 5: gate, up tiles alternate
     g = ckpt.nvfp4_parts(TARGET_PREFIX + "layers.1.experts.5.gate_proj")[2]
     u = ckpt.nvfp4_parts(TARGET_PREFIX + "layers.1.experts.5.up_proj")[2]
-    np.testing.assert_array_equal(gu[0::2], np.float32(1) / g)
-    np.testing.assert_array_equal(gu[1::2], np.float32(1) / u)
+    np.testing.assert_array_equal(gu[0::2], g)
+    np.testing.assert_array_equal(gu[1::2], u)
 
 
 def test_bf16_tensors_are_stored_verbatim(art, ckpt):
@@ -96,7 +98,7 @@ def test_lm_head_is_the_embedding_quantized_at_once(art, ckpt):
     got = AR.unpack_linear(art, "embed_tokens")
     np.testing.assert_array_equal(got[0], packed)
     np.testing.assert_array_equal(got[1], scale)
-    assert got[2] == g and art.entry("lm_head.weight_global_scale").global_scale == float(g)
+    assert got[2] == np.float32(1) / g and art.entry("lm_head.weight_multiplier").multiplier == float(got[2])
     assert art.lm_head == "nvfp4"
 
 

@@ -108,3 +108,27 @@ def test_bench_roofline_on_the_reference_backend(tiny_checkpoint, tmp_path):
     assert rl["prefill"]["flops"] == int(step_cost(TINY, "prefill", 24, 24, "bf16", "bf16")["flops"])
     assert 1.0 <= r["speculative_tau"] <= 16
     assert "roofline prefill" in res.output
+
+
+def test_format_footprint_by_hand_and_against_the_facts():
+    from thorgen.runtime.bench.roofline import format_footprint
+    from thorgen.model_spec.types import ALL_BF16, ALL_NVFP4, EXPERTS_ONLY_NVFP4
+
+    fp4 = format_footprint(TINY, ALL_NVFP4)
+    assert fp4["decode"]["total"] == pytest.approx(target_weight_bytes(TINY, 1))  # the decode roofline's bytes
+    h, i, ie = 256, 256, 128
+    bf = lambda o, k: 2 * o * k  # noqa: E731
+    attn = 4 * (bf(256, h) + 2 * bf(128, h) + bf(h, 256)) + 2 * (bf(512, h) + bf(128, h) + bf(h, 512))
+    exp_only = format_footprint(TINY, EXPERTS_ONLY_NVFP4)
+    assert exp_only["decode"]["attention"] == attn and exp_only["memory"]["attention"] == attn
+    assert exp_only["decode"]["dense_mlp"] == 6 * 3 * bf(i, h)
+    assert exp_only["decode"]["experts"] == fp4["decode"]["experts"] == 6 * 4 * (2 * nv(ie, h) + nv(h, ie))
+    assert fp4["memory"]["experts"] == 4 * fp4["decode"]["experts"]  # 16 experts resident, top-4 read
+    assert format_footprint(TINY, ALL_BF16)["decode"]["experts"] == 6 * 4 * 3 * bf(ie, h)
+    # full size: facts/MODELOPT_NVFP4.md's 4.09 GB (bf16 attention + MLP, 8 of 128 experts) and 1.73 GB (all FP4),
+    # both without the lm_head
+    full = get_preset("gemma-4-26b-a4b")
+    def no_head(formats):
+        return sum(format_footprint(full, formats)["decode"][k] for k in ("attention", "dense_mlp", "experts"))
+    assert no_head(EXPERTS_ONLY_NVFP4) / 1e9 == pytest.approx(4.09, abs=0.01)
+    assert no_head(ALL_NVFP4) / 1e9 == pytest.approx(1.73, abs=0.01)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from thorgen.model_spec import PRESETS, SpecError, get_preset, spec_from_configs
-from thorgen.model_spec.config import check_quantization_config, drafter_config, target_config
+from thorgen.model_spec.config import drafter_config, target_config
+from thorgen.model_spec.formats import detect_format
 from thorgen.model_spec.tensors import drafter_tensors, target_tensors
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "seed_data" / "reference"
@@ -26,7 +27,7 @@ def _real_configs() -> tuple[dict, dict]:
 
 def test_real_config_matches_full_preset() -> None:
     target, drafter = _real_configs()
-    check_quantization_config(target)
+    assert detect_format(target, None).source == "compressed-tensors"
     spec = spec_from_configs(target, drafter)
     assert spec.spec_hash == get_preset("gemma-4-26b-a4b").spec_hash
 
@@ -36,7 +37,7 @@ def test_preset_config_round_trip(name: str) -> None:
     spec = PRESETS[name]
     again = spec_from_configs(target_config(spec.target, spec.vision), drafter_config(spec.drafter), name=name)
     assert again == spec
-    check_quantization_config(target_config(spec.target))
+    assert detect_format(target_config(spec.target), None).source == "compressed-tensors"
 
 
 def test_full_preset_geometry() -> None:
@@ -95,10 +96,12 @@ def test_unsupported_quantization_is_rejected() -> None:
     cfg = target_config(get_preset("tiny").target)
     cfg["quantization_config"]["format"] = "int4-pack-quantized"
     with pytest.raises(SpecError, match="int4-pack-quantized"):
-        check_quantization_config(cfg)
-    del cfg["quantization_config"]
-    with pytest.raises(SpecError, match="quantization_config"):
-        check_quantization_config(cfg)
+        detect_format(cfg, None)
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    with pytest.raises(SpecError, match="gptq"):
+        detect_format(cfg, None)
+    del cfg["quantization_config"]  # no quantization_config: Google's bf16 checkpoint
+    assert detect_format(cfg, None).source == "bf16"
 
 
 def test_full_inventory_matches_the_published_shapes() -> None:

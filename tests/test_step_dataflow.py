@@ -76,15 +76,12 @@ def test_every_step_shape_passes(engine):
     assert "verify greedy=True" in names and "draft" in names  # the tiny checkpoint has a drafter
 
 
-def test_full_size_step_shapes_pass(tmp_path):
-    """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
-    its activation plan, laid out but not allocated."""
-    from thorgen.model_spec.presets import get_preset
+def _planned_step_shapes(spec, tmp_path, what: str) -> list[str]:
+    """Every step shape of `spec`'s plan checked over its activation plan, laid out but not allocated; the names."""
     from thorgen.runtime.cuda.buffers import plan_activations
     from thorgen.runtime.cuda.programs import Forward
     from thorgen.runtime.manifest import load_manifest
 
-    spec = get_preset("gemma-4-26b-a4b")
     manifest = load_manifest(EE.write_fake_manifest(spec, tmp_path) / "manifest.json")
     rows = 512
     # the engine's own activation plan, on what it reads of an engine (no device, no weights)
@@ -94,10 +91,33 @@ def test_full_size_step_shapes_pass(tmp_path):
     assert ptr.regions.name(ptr.A("moe", 7).address) == "moe" and ptr.regions.name(ptr.W("x").address) is None
     names = []
     for name, ops, inputs in _shapes(fwd, rows, spec.drafter is not None):
-        check_step(ops, ptr.regions, inputs, f"full size, {name}")
+        check_step(ops, ptr.regions, inputs, f"{what}, {name}")
         names.append(name)
+    return names
+
+
+def test_full_size_step_shapes_pass(tmp_path):
+    """The full-size model's plan (other kernel forms: grouped prefill MoE, 16-row MoE, split-K attention...) over
+    its activation plan, laid out but not allocated."""
+    from thorgen.model_spec.presets import get_preset
+
+    names = _planned_step_shapes(get_preset("gemma-4-26b-a4b"), tmp_path, "full size")
     # every shape of _shapes, the DFlash and image ones included
     assert len(names) == 17 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+
+
+@pytest.mark.parametrize("formats", ["ALL_BF16", "EXPERTS_ONLY_NVFP4"])
+@pytest.mark.parametrize("preset", ["tiny", "gemma-4-26b-a4b"])
+def test_step_shapes_pass_in_every_linear_format(preset, formats, tmp_path):
+    """bf16 target linears run the fp16-weight kernels (one weight argument where NVFP4 has three, the same fused
+    epilogues): every step shape of both presets, the image ones included, still passes, with every linear bf16 and
+    with NVFP4 experts only."""
+    from thorgen.model_spec import types
+    from thorgen.model_spec.presets import get_preset
+
+    spec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, formats))
+    names = _planned_step_shapes(spec, tmp_path, f"{preset} {formats}")
+    assert len(names) == 17 + 4 and "prefill 40 with images" in names
 
 
 def test_the_checks_catch_what_they_are_for(engine):

@@ -1,5 +1,5 @@
-"""Codegen stage: the NVFP4 W4A16 matrix family — decode GEMV (M = 1), verify and batched-decode GEMMs (M <= 16,
-M <= 32), prefill GEMM.
+"""Codegen stage: the target-linear matrix family (NVFP4 W4A16 or fp16-weight) — decode GEMV (M = 1), verify and
+batched-decode GEMMs (M <= 16, M <= 32), prefill GEMM.
 
 The kernels the step programs launch for the target's linears, on the t16x64 weight layout
 (runtime/convert/layouts.py):
@@ -15,6 +15,11 @@ The kernels the step programs launch for the target's linears, on the t16x64 wei
 Shapes: the fused q|k|v of each layer kind (one launch, per-projection scales in the per-tile gscale; its one-row
 GEMV folds rope_kv in: rope_kv.py), o of each kind, dense gate|up (fused, GELU-tanh epilogue -> f16) and down, and
 the tied lm_head (f32 logits; one row, 16 or 32: prefill needs the last position's logits only).
+A linear whose checkpoint format is bf16 (ModelSpec.linear_formats) runs the same kernels with WeightKind HALF: fp16
+weights (bf16 converted once at repack, runtime/convert/linears.py) in the step-major half layout, named
+half_gemv__, half_gemm16__, half_gemm32__, half_gemmL__ (args w, x, y, m: no scales), with the same fused
+epilogues (gelu, the attention tail, rope_kv). Their prefill GEMM runs mma.sync on every arch (the wgmma loop
+decodes NVFP4 only).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from .norms import attn_tail_kernel
 W_LAYOUT = "t16x64"
 TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
+HALF_GEMM_ARGS = ("w", "x", "y", "m")  # fp16 weights: no block scales, no tile factors
+WEIGHT_PREFIX = {"nvfp4": "nvfp4", "bf16": "half"}  # kernel-name prefix of a target linear by checkpoint format
 # attn_tail: the GEMM part stores o as "store" does; the template adds the tail (gemv_attn_tail)
 EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_SILU_MUL", "attn_tail": "EPI_STORE"}
 EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
@@ -50,6 +57,24 @@ SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (t
 def fp4_order(arch: ArchSpec) -> str:
     """Byte order of the NVFP4 layout for `arch` (model_spec/conventions.py)."""
     return fp4_order_for(arch.has_fp4_cvt)
+
+
+def weight_kind(fmt: str, arch: ArchSpec) -> str:
+    """The kernels' weight kind of a linear stored in checkpoint format `fmt`: the arch's fp4 byte order for nvfp4,
+    "half" for bf16 (fp16 weights)."""
+    require(fmt in WEIGHT_PREFIX, f"linear format {fmt!r}: expected one of {tuple(WEIGHT_PREFIX)}")
+    return "half" if fmt == "bf16" else fp4_order(arch)
+
+
+def gemm_args(kind: str) -> tuple[str, ...]:
+    """The GEMM kernels' leading arguments for weight kind `kind`."""
+    return HALF_GEMM_ARGS if kind == "half" else GEMM_ARGS
+
+
+def weight_args(args: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    """A weight-streaming kernel's arguments for weight kind `kind`: fp16 weights have no block scales ("s") and no
+    per-tile factors ("gscale")."""
+    return tuple(a for a in args if kind != "half" or a not in ("s", "gscale"))
 
 
 def kind_enum(kind: str) -> str:
@@ -125,13 +150,11 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     un = units_a_block(units, mmax, kind, arch)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
-    template = "nvfp4_gemm.cu.j2" if kind != "half" else "bf16_gemm.cu.j2"
-    args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
-    return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", template,
+    return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", "nvfp4_gemm.cu.j2",
                       make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, ks=ks, mmax=mmax, pf=pf, epi=epi,
                                   epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
                                   fp4_order=fp4_order(arch), swap=mmax <= 8, un=un),
-                      grid=(units // un, 1, 1), block=(32 * ks, 1, 1), args=args, family=family)
+                      grid=(units // un, 1, 1), block=(32 * ks, 1, 1), args=gemm_args(kind), family=family)
 
 
 def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
@@ -150,15 +173,15 @@ def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
 
 
 @cache
-def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec) -> KernelSpec:
+def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec, fmt: str = "nvfp4") -> KernelSpec:
     """The M = 1 o_proj GEMV (the plain one's knobs) whose last block then runs Gemma's attention tail on the row,
     replaying the arithmetic of the attn_tail kernel's block size (norm.cuh: attn_tail_row), so that one decode
     launch a layer replaces two with the same bits. counters: one u32, zero at entry, left zeroed."""
-    plain, tail = gemm_small(n, k, 1, "store", arch), attn_tail_kernel(n, eps, arch)
+    plain, tail = target_gemm(n, k, 1, "store", arch, fmt), attn_tail_kernel(n, eps, arch)
     params = dict(plain.param_dict, epi="attn_tail", epi_enum=EPI_ENUM["attn_tail"], eps=float(eps),
                   tail_threads=tail.threads, tail_dtype=tail.param("OUT"))
-    return replace(plain, name=f"nvfp4_gemv__{_tag(n, k, 'attn_tail')}", params=make_params(**params),
-                   args=GEMM_ARGS + TAIL_ARGS)
+    return replace(plain, name=f"{WEIGHT_PREFIX[fmt]}_gemv__{_tag(n, k, 'attn_tail')}", params=make_params(**params),
+                   args=plain.args + TAIL_ARGS)
 
 
 def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
@@ -179,8 +202,7 @@ def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None
     check_shape(f"{prefix} gemm", n, k)
     units = n // TILE_N
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
-    template = "nvfp4_gemm_large.cu.j2" if kind != "half" else "bf16_gemm_large.cu.j2"
-    args = GEMM_ARGS if kind != "half" else ("w", "x", "y", "m")
+    template, args = "nvfp4_gemm_large.cu.j2", gemm_args(kind)
     common = dict(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
                   act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch))
     if arch.has_wgmma and kind != "half" and n % WGMMA_BN == 0:
@@ -216,31 +238,56 @@ def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
     return shapes
 
 
+def shape_format(spec: ModelSpec, role: str) -> str:
+    """The checkpoint format of a target_shapes role (the lm_head is the tied embedding quantized at repack)."""
+    f = spec.linear_formats
+    return {"q": f.attention, "kv": f.attention, "o": f.attention, "qkv": f.attention, "gate_up": f.dense_mlp,
+            "down": f.dense_mlp}.get(role, "nvfp4")
+
+
 @cache
-def target_gemm(n: int, k: int, mmax: int, epi: str, arch: ArchSpec) -> KernelSpec:
-    """The weight-streaming kernel (M <= mmax: 1, 16 or SMALL_MAX_ROWS) of a target matrix [n, k].
+def target_gemm(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, fmt: str = "nvfp4") -> KernelSpec:
+    """The weight-streaming kernel (M <= mmax: 1, 16 or SMALL_MAX_ROWS) of a target matrix [n, k] stored as `fmt`.
 
     Batch invariance: the M = 1, 16 and 32 forms of a matrix split K alike, so that with the swapped GEMV's single
     accumulator chain (nvfp4.cuh mma_step_swap) each output sums in one order whatever the step's row count, and a
     sequence's tokens do not depend on the batch it decodes in."""
-    forms = {m: gemm_small(n, k, m, epi, arch) for m in (1, 16, SMALL_MAX_ROWS)}
+    kind, prefix = weight_kind(fmt, arch), WEIGHT_PREFIX[fmt]
+    forms = {m: gemm_small(n, k, m, epi, arch, kind, prefix) for m in (1, 16, SMALL_MAX_ROWS)}
     splits = {kern.param("ks") for kern in forms.values()}
     require(len(splits) == 1, f"matmul n={n} k={k}: the small forms split K differently ({splits})")
-    return forms[mmax] if mmax in forms else gemm_small(n, k, mmax, epi, arch)
+    return forms[mmax] if mmax in forms else gemm_small(n, k, mmax, epi, arch, kind, prefix)
+
+
+@cache
+def target_gemm_large(n: int, k: int, epi: str, arch: ArchSpec, fmt: str = "nvfp4") -> KernelSpec:
+    """The prefill kernel of a target matrix [n, k] stored as `fmt`."""
+    return gemm_large(n, k, epi, arch, weight_kind(fmt, arch), WEIGHT_PREFIX[fmt])
+
+
+def weight_bufs(kind: str, n: int, k: int, experts: int = 1) -> tuple[Buf, ...]:
+    """Bench buffers of `experts` stacked [n, k] weights of weight kind `kind` (NVFP4: codes, e4m3 scales without
+    NaN codes, tile factors; fp16: the weights)."""
+    e = experts
+    if kind == "half":
+        return (Buf("w", "f16", e * n * k, -0.05, 0.05),)
+    return (Buf("w", "u8", e * n * k // 2), Buf("s", "u8", e * n * k // 16, 0, 0x70),
+            Buf("gscale", "f32", e * n // 8, 1e-3, 2e-3))
+
+
+def layout_bytes(kind: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] weight of weight kind `kind` in its layout."""
+    return n * k * 2 if kind == "half" else weight_bytes(n, k)
 
 
 def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
     n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
     out_n = n if epi == "store" else n // 2
     out_b = 4 if kern.param("out_dtype") == "f32" else 2
-    if kern.param("kind") == "half":
-        args = (Buf("w", "f16", n * k, -0.05, 0.05), Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n),
-                Scalar("m", "i32", m))
-        wbytes = n * k * 2
-    else:
-        args = (Buf("w", "u8", n * k // 2), Buf("s", "u8", n * k // 16, 0, 0x70), Buf("gscale", "f32", n // 8, 1e-3, 2e-3),
-                Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n), Scalar("m", "i32", m))
-        wbytes = weight_bytes(n, k)
+    kind = kern.param("kind")
+    args = (*weight_bufs(kind, n, k), Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n),
+            Scalar("m", "i32", m))
+    wbytes = layout_bytes(kind, n, k)
     grid = None
     if kern.template.endswith("_large.cu.j2"):
         grid = (kern.grid[0], math.ceil(m / kern.param("bm")), 1)
@@ -251,13 +298,14 @@ def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
 def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
     """One decode step's o_proj + attention tail: the weight, o and the residual row, the two f16 rows out."""
     n, k = kern.param("n"), kern.param("k")
-    args = (Buf("w", "u8", n * k // 2), Buf("s", "u8", n * k // 16, 0, 0x70), Buf("gscale", "f32", n // 8, 1e-3, 2e-3),
-            Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1), Buf("resid", "f32", n),
+    kind = kern.param("kind")
+    args = (*weight_bufs(kind, n, k), Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1),
+            Buf("resid", "f32", n),
             Buf("w_post", "bf16", n, 0.5, 1.5), Buf("w_pre1", "bf16", n, 0.5, 1.5), Buf("w_pre2", "bf16", n, 0.5, 1.5),
             Buf("a1", "f16", n), Buf("a2", "f16", n), Buf("counters", "u32", 1, 0, 0))
     # DRAM: weight, x, o stored, residual read and written, three bf16 norm weights, a1 and a2 (o is read back
     # from L2)
-    return BenchCase(kern, args, bytes_moved=weight_bytes(n, k) + 2 * k + n * (4 + 2 * 4 + 3 * 2 + 2 * 2),
+    return BenchCase(kern, args, bytes_moved=layout_bytes(kind, n, k) + 2 * k + n * (4 + 2 * 4 + 3 * 2 + 2 * 2),
                      note="M=1 + attn_tail", weight_streaming=True)
 
 
@@ -269,14 +317,15 @@ def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     for role, n, k, epi in target_shapes(spec):
         if role in ("q", "kv"):
             continue
+        fmt = shape_format(spec, role)
         forms: list[tuple[KernelSpec, int]] = []
         if role == "o":
-            forms.append((gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch), 0))
+            forms.append((gemv_attn_tail(n, k, spec.target.rms_norm_eps, arch, fmt), 0))
         elif role != "qkv":
-            forms.append((target_gemm(n, k, 1, epi, arch), 1))
-        forms += [(target_gemm(n, k, m, epi, arch), m) for m in (16, SMALL_MAX_ROWS)]
+            forms.append((target_gemm(n, k, 1, epi, arch, fmt), 1))
+        forms += [(target_gemm(n, k, m, epi, arch, fmt), m) for m in (16, SMALL_MAX_ROWS)]
         if role == "qkv" and prefill:
-            forms.append((gemm_large(n, k, epi, arch), MAX_STEP_TOKENS))
+            forms.append((target_gemm_large(n, k, epi, arch, fmt), MAX_STEP_TOKENS))
             prefill = False
         for kern, m in forms:
             if kern.name in seen:

@@ -26,7 +26,7 @@ from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import require
 from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
-                     weight_bytes)
+                     layout_bytes, weight_args, weight_bufs, weight_kind)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 # The down projections' K split (warps over the expert's intermediate size) at every row count: 1, one accumulator
@@ -38,6 +38,15 @@ DOWN_PAIRS_ARGS = ("w", "s", "gscale", "act", "ids", "wts", "ypair", "m")
 # one pass where 16 verify rows share an expert) was slower on router-like routing in its first form (H200,
 # 2026-12-02: the batched 16-row step 5.94 -> 6.78 ms, verify gate/up 39 -> 45 us a layer).
 PASS_WIDTH = 8
+# fp16 experts (ModelSpec.linear_formats.experts == "bf16"): a raw weight step is 64 B a lane (16 registers) against
+# 16 + 2 B for NVFP4, so a warp holds at most this many steps in flight (the one-token down's 16 would spill)
+HALF_PF = 4
+
+
+def expert_kind(spec: ModelSpec, arch: ArchSpec) -> tuple[str, str]:
+    """(weight kind, kernel-name suffix) of the experts: NVFP4 in the arch's byte order, or fp16 ("_half")."""
+    kind = weight_kind(spec.linear_formats.experts, arch)
+    return kind, "_half" if kind == "half" else ""
 
 
 def _units(units: int, most: int) -> int:
@@ -58,7 +67,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
             f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
-    kind = fp4_order(arch)
+    kind, suffix = expert_kind(spec, arch)
     leaders = _expert_leaders(mmax, topk, e)
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
     # Every row count splits K alike (the one-token step's KS, whatever mmax), so that a token's act row sums in one
@@ -76,13 +85,15 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     if arch.prefetch_depth >= 4:
         ks, pf = min(4, steps_gu), min(pf, 2)
         un = _units(units_gu, 2) if mmax > 1 else 1
+    if kind == "half":
+        pf = min(pf, HALF_PF)
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
-                  w_layout=W_LAYOUT, fp4_order=kind, act_dtype=ACT_DTYPE)
-    gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_gateup.cu.j2",
+                  w_layout=W_LAYOUT, fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE)
+    gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_gateup.cu.j2",
                         make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
                         grid=(units_gu // un, leaders, 1),
                         block=(32 * ks, 1, 1),
-                        args=GATEUP_ARGS, family="moe")
+                        args=weight_args(GATEUP_ARGS, kind), family="moe")
     steps_d = ie // TILE_K
     units_d = h // TILE_N
     if mmax > 1:
@@ -91,10 +102,11 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
         # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
         kp, upd = DOWN_KS, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
-        pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down_pairs.cu.j2",
+        pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_down_pairs.cu.j2",
                            make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
                                        ROW_GRID=(1, topk, 1, leaders), **common),
-                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1), args=DOWN_PAIRS_ARGS,
+                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1),
+                           args=weight_args(DOWN_PAIRS_ARGS, kind),
                            family="moe")
         return gateup, pairs
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
@@ -108,23 +120,27 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     pfd = prefetch(math.ceil(steps_d / ksd), arch)
     if arch.prefetch_depth >= 4:  # a warp's whole expert slab in flight (H200 sweep: 11 steps 7.6 us, 4 steps 10.1)
         pfd = min(16, math.ceil(steps_d / ksd))
-    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}", "moe_down.cu.j2",
+    if kind == "half":  # (the whole slab of the tiny preset's 2 steps in flight spilled 4 B on sm_90a)
+        pfd = max(1, min(pfd, HALF_PF, steps_d - 1))
+    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_down.cu.j2",
                       make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
-                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=DOWN_ARGS, family="moe")
+                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=weight_args(DOWN_ARGS, kind), family="moe")
     return gateup, down
 
 
-def expert_bytes(spec: ModelSpec) -> tuple[int, int]:
+def expert_bytes(spec: ModelSpec, kind: str = "nvfp4") -> tuple[int, int]:
+    """Layout bytes of one expert's gate|up and down for weight kind `kind`."""
     t = spec.target
     h, ie = t.hidden_size, t.moe_intermediate_size
-    return weight_bytes(2 * ie, h), weight_bytes(h, ie)
+    return layout_bytes(kind, 2 * ie, h), layout_bytes(kind, h, ie)
 
 
 def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     """M = 1 with K distinct experts (ids 0, E/K, 2E/K, ...), and M = 16 (random routing, bytes an upper bound)."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    gu_b, d_b = expert_bytes(spec)
+    kind = expert_kind(spec, arch)[0]
+    gu_b, d_b = expert_bytes(spec, kind)
     cases = []
     for mmax in (1, 16, MAX_BATCH):
         gateup, down = moe_kernels(spec, arch, mmax)
@@ -133,17 +149,15 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         # M = 1: distinct experts spread over the table (the counted bytes); M = 16: random routing (repeats)
         ids = (Buf("ids", "i32", m * topk, values=tuple(range(0, e, max(1, e // topk)))[:topk]) if m == 1
                else Buf("ids", "i32", m * topk, 0, e))
-        gu_args = (Buf("w", "u8", e * 2 * ie * h // 2), Buf("s", "u8", e * 2 * ie * h // 16),
-                   Buf("gscale", "f32", e * 2 * ie // 8, 1e-3, 2e-3), Buf("x", "f16", m * h), ids,
+        gu_args = (*weight_bufs(kind, 2 * ie, h, e), Buf("x", "f16", m * h), ids,
                    Buf("act", "f16", m * topk * ie), Scalar("m", "i32", m))
-        d_args = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16),
-                  Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3), Buf("act", "f16", m * topk * ie), ids,
+        d_args = (*weight_bufs(kind, h, ie, e), Buf("act", "f16", m * topk * ie), ids,
                   Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("y", "f32", m * h), Scalar("m", "i32", m))
         note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
         cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
                                note=note, weight_streaming=m == 1))
         if m > 1:  # moe_down_pairs: one output row per slot
-            d_args = d_args[:6] + (Buf("ypair", "f32", m * topk * h), d_args[7])
+            d_args = d_args[:-2] + (Buf("ypair", "f32", m * topk * h), d_args[-1])
         out_rows = m * topk if m > 1 else m
         cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
                                note=note, weight_streaming=m == 1))

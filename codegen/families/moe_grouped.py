@@ -16,7 +16,7 @@ kernels whose grid follows the row count; these grids are fixed (the plan's tile
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -27,7 +27,8 @@ from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
-from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, weight_bytes
+from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, layout_bytes, weight_args, weight_bufs
+from .moe import HALF_PF, expert_kind
 
 TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 128 rows at T = 2048; m-tiles without rows are skipped
 STAGES = 3       # cp.async depth of the A tiles
@@ -124,22 +125,26 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
             f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
     require(tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16")
     require(1 <= e <= 1024 and 1 <= topk <= 32, f"moe_grouped: {e} experts / top-{topk} out of range")
-    kind = fp4_order(arch)
+    kind, suffix = expert_kind(spec, arch)
+    if kind == "half":  # fp16 steps are 4x the registers of NVFP4 ones (moe.HALF_PF): two blocks an SM's registers
+        # (3, at most 170 a thread, spilled 300 B in the gate/up with 2 units a warp)
+        gateup, down = (replace(c, pf=min(c.pf, HALF_PF), min_blocks=min(c.min_blocks, 2)) for c in (gateup, down))
     base = dict(experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows),
                 pdl=True)
-    gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=kind,
+    gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=fp4_order(arch),
                 act_dtype=ACT_DTYPE)
     # plan block: per-warp expert counters (WARPS x (E+1) ints) in static shared memory, under the 48 KB static
     # limit; the ids stay in registers (rows*K / threads a thread)
     plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 16 * (e + 1)) // (4 * (e + 1)))
     require(plan_warps >= 1, f"moe_grouped: the plan's counters for {e} experts exceed static shared memory")
     require(rows * topk <= 64 * 32 * plan_warps, f"moe_grouped: the plan's {rows}x{topk} ids exceed 64 a thread")
-    tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}"
+    tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}{suffix}"
     plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
                       make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
                       args=PLAN_ARGS, family="moe_grouped")
-    gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag, GATEUP_ARGS)
-    dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, DOWN_ARGS)
+    gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag,
+                      weight_args(GATEUP_ARGS, kind))
+    dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, weight_args(DOWN_ARGS, kind))
     return [plan, gu, dn]
 
 
@@ -176,12 +181,9 @@ def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int,
     pairs_buf = Buf("pairs", "i32", npair, values=tuple(int(v) for v in pairs))
     tiles_buf = Buf("tiles", "i32", n_tiles * 4, values=tuple(int(v) for v in tiles.reshape(-1)))
     ids_buf = Buf("ids", "i32", npair, values=tuple(int(v) for v in ids.reshape(-1)))
-    scale = dict(low=0, high=0x70)  # e4m3 block scales without NaN codes
-    gu_w = (Buf("w", "u8", e * 2 * ie * h // 2), Buf("s", "u8", e * 2 * ie * h // 16, **scale),
-            Buf("gscale", "f32", e * 2 * ie // 8, 1e-3, 2e-3))
-    dn_w = (Buf("w", "u8", e * h * ie // 2), Buf("s", "u8", e * h * ie // 16, **scale),
-            Buf("gscale", "f32", e * h // 8, 1e-3, 2e-3))
-    gu_b, d_b = weight_bytes(2 * ie, h), weight_bytes(h, ie)
+    kind = gateup.param("kind")
+    gu_w, dn_w = weight_bufs(kind, 2 * ie, h, e), weight_bufs(kind, h, ie, e)
+    gu_b, d_b = layout_bytes(kind, 2 * ie, h), layout_bytes(kind, h, ie)
     tf = f"{2 * npair * ie * h * 2 / 1e9:.1f}+{2 * npair * ie * h / 1e9:.1f} GFLOP"
     what = f"{note} T={rows} {used} tiles"
     return [

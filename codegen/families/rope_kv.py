@@ -3,7 +3,7 @@
   rope_kv__{role}_d{D}_...         any rows: a block per token, a warp per head unit (reads the q|k|v GEMM rows)
   nvfp4_gemv__n{N}_k{K}_rope__...  one row (decode): the q|k|v GEMV whose last block of each head runs that head's
                                    rope_kv warp (thorgen/rope.cuh RopeKv::unit: the same bits; one launch a layer
-                                   fewer on the decode critical path)
+                                   fewer on the decode critical path); half_gemv__... for bf16 attention weights
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, Q_DTYPE, page_pitch, ring_slots
 from ._util import ftag, require
-from .matmul import GEMM_ARGS, gemm_small
+from .matmul import target_gemm
 
 # q_stride / kv_stride: floats between two tokens' q (k, v) inputs (the target passes its fused q|k|v row width)
 ARGS = ("q_raw", "k_raw", "v_raw", "q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes",
         "lane_bytes", "pages", "q_stride", "kv_stride", "T")
-# the folded GEMV's arguments after GEMM_ARGS (y: the q|k|v row; counters: a u32 a head, zero at entry, left zeroed)
+# the folded GEMV's arguments after the GEMM's (matmul.gemm_args; y: the q|k|v row; counters: a u32 a head, zero at
+# entry, left zeroed)
 FOLD_ARGS = ("q_norm_w", "k_norm_w", "positions", "q_out", "k_cache", "v_cache", "lanes", "lane_bytes", "pages",
              "counters")
 DRAFTER_KV_DTYPE = "bf16"  # the drafter is precision-sensitive (seed ledger: quantizing it lost acceptance)
@@ -49,17 +50,18 @@ def rope_kv_kernel(role: str, *, HQ: int, HKV: int, D: int, rot: int, theta: flo
                       grid=(MAX_STEP_TOKENS, 1, 1), block=(32 * warps, 1, 1), args=ARGS, family="rope_kv")
 
 
-def gemv_rope_kv(rope: KernelSpec, k: int, arch: ArchSpec) -> KernelSpec:
-    """The M = 1 q|k|v GEMV (the plain one's knobs) folded with the target rope_kv kernel `rope` (K = hidden size):
-    each head's rows come from D / 16 blocks, and the last of them to finish runs rope_kv's warp for the head."""
+def gemv_rope_kv(rope: KernelSpec, k: int, arch: ArchSpec, fmt: str = "nvfp4") -> KernelSpec:
+    """The M = 1 q|k|v GEMV (the plain one's knobs, weights stored as `fmt`) folded with the target rope_kv kernel
+    `rope` (K = hidden size): each head's rows come from D / 16 blocks, and the last of them to finish runs
+    rope_kv's warp for the head."""
     p = rope.param_dict
     n = (p["HQ"] + p["HKV"] * (1 if p["V_FROM_K"] else 2)) * p["D"]
-    plain = gemm_small(n, k, 1, "store", arch)
+    plain = target_gemm(n, k, 1, "store", arch, fmt)
     require(p["D"] % (16 * plain.param("un")) == 0, f"{rope.name}: a block would straddle two heads")
     rope_params = {key: v for key, v in p.items() if key != "ROW_AXIS"}
     return replace(plain, name=f"{plain.name}_rope__{rope.name.removeprefix('rope_kv__')}",
                    params=make_params(**dict(plain.param_dict, epi="rope_kv"), **rope_params),
-                   args=GEMM_ARGS + FOLD_ARGS, family="rope_kv")
+                   args=plain.args + FOLD_ARGS, family="rope_kv")
 
 
 def _rot(rope, D: int) -> int:
@@ -82,7 +84,8 @@ def target_rope_kv(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str) -> Kern
 @cache
 def target_gemv_rope_kv(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str) -> KernelSpec:
     """The one-row q|k|v GEMV of target layer `layer` with its rope_kv folded in."""
-    return gemv_rope_kv(target_rope_kv(spec, arch, layer, kv), spec.target.hidden_size, arch)
+    return gemv_rope_kv(target_rope_kv(spec, arch, layer, kv), spec.target.hidden_size, arch,
+                        spec.linear_formats.attention)
 
 
 @cache

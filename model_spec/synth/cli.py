@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..presets import PRESETS
+from .writer import MODELOPT_VARIANTS
 
 
 @click.command("synth-checkpoint")
@@ -20,19 +21,29 @@ from ..presets import PRESETS
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Worker processes (default: the usable cores, at most 16; 1 for models under 256 MB). "
                    "The output bytes do not depend on it.")
-def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: bool, jobs: int | None) -> None:
-    """Write a synthetic checkpoint: random but numerically sane weights in the exact RedHatAI NVFP4 layout,
-    a z-lab-layout DFlash drafter in OUT/dflash, a byte-fallback BPE tokenizer with Gemma-4's special ids,
-    the chat template and generation config. Written to a temp folder and renamed into place."""
+@click.option("--format", "source_format", type=click.Choice(["compressed-tensors", "modelopt", "bf16"]),
+              default="compressed-tensors", show_default=True,
+              help="Checkpoint format: RedHatAI's compressed-tensors NVFP4, NVIDIA's ModelOpt NVFP4, Google's bf16.")
+@click.option("--modelopt-variant", type=click.Choice(sorted(MODELOPT_VARIANTS)), default="experts-only",
+              show_default=True, help="ModelOpt only: NVFP4 experts with bf16 attention and dense MLP (NVIDIA's "
+                                      "Gemma-4 export), or every linear NVFP4.")
+def synth_checkpoint(preset: str, out_dir: Path, seed: int, force: bool, quiet: bool, jobs: int | None,
+                     source_format: str, modelopt_variant: str) -> None:
+    """Write a synthetic checkpoint: random but numerically sane weights in the exact on-disk layout of the chosen
+    format (the same model in every format), a z-lab-layout DFlash drafter in OUT/dflash, a byte-fallback BPE
+    tokenizer with Gemma-4's special ids, the chat template and generation config. Written to a temp folder and
+    renamed into place."""
     from . import write_synthetic_checkpoint
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise click.ClickException(f"{out_dir} exists and is not empty; pass --force to replace it")
     t0 = time.monotonic()
     try:
-        write_synthetic_checkpoint(preset, out_dir, seed=seed, progress=not quiet, force=force, jobs=jobs)
+        fmt = MODELOPT_VARIANTS[modelopt_variant] if source_format == "modelopt" else source_format
+        write_synthetic_checkpoint(preset, out_dir, seed=seed, progress=not quiet, force=force, jobs=jobs,
+                                   source_format=fmt)
     except (OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
-    click.echo(f"wrote {preset} checkpoint (seed {seed}) to {out_dir}: {size / 1e9:.2f} GB in "
+    click.echo(f"wrote {preset} {source_format} checkpoint (seed {seed}) to {out_dir}: {size / 1e9:.2f} GB in "
                f"{time.monotonic() - t0:.1f} s", err=True)

@@ -21,6 +21,10 @@ NVFP4 projections, two methods (same distribution):
     Gaussian (computed once), and the global scale set to 2688/(A*sigma) exactly as the quantizer would for a
     tensor of std sigma and absolute max A*sigma, so the dequantized weight has std ~sigma. No float weight is
     ever materialised: the 16 GB preset streams at disk speed.
+Other formats are the same model: a bf16 linear (a bf16 checkpoint, or a role ModelOpt leaves bf16) is the bf16 of
+the dequantized compressed-tensors weight; a ModelOpt NVFP4 linear is quantized with ModelOpt's arithmetic from the
+same float weight, gate and up sharing one weight_scale_2 (the larger amax of the two), as ModelOpt exports them
+("direct": the compressed-tensors bytes with weight_scale_2 = 1/global, which gate and up share already).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..nvfp4 import E2M1_VALUES, e4m3_to_f32, f32_to_bf16, quantize_nvfp4
+from ..nvfp4 import (E2M1_VALUES, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, modelopt_scale_2, quantize_nvfp4,
+                     quantize_nvfp4_modelopt)
 from ..tensors import GROUP, TensorInfo
 
 QUANTIZE_LIMIT = 50_000_000  # total NVFP4 elements below which "auto" quantizes real float weights
@@ -149,13 +154,37 @@ def direct_nvfp4(rng: np.random.Generator, out_f: int, in_f: int, std: float) ->
     return packed, scale, np.float32(g_unit / np.float32(std))
 
 
-def quantized_nvfp4(rng: np.random.Generator, out_f: int, in_f: int, std: float) -> Nvfp4Parts:
-    w = rng.standard_normal((out_f, in_f), dtype=np.float32) * np.float32(std)
-    return quantize_nvfp4(w)
+def float_weight(seed: int, prefix: str, out_f: int, in_f: int) -> np.ndarray:
+    """The float32 weight the "quantize" method draws for one linear (std 1/sqrt(in_f))."""
+    return rng_for(seed, prefix).standard_normal((out_f, in_f), dtype=np.float32) * np.float32(in_f ** -0.5)
+
+
+def ct_parts(seed: int, method: str, prefix: str, out_f: int, in_f: int) -> Nvfp4Parts:
+    """The compressed-tensors (packed, scale, divisor global) of one linear."""
+    if method == "direct":
+        return direct_nvfp4(rng_for(seed, prefix), out_f, in_f, in_f ** -0.5)
+    return quantize_nvfp4(float_weight(seed, prefix, out_f, in_f))
+
+
+GATE_UP_PARTNER = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+
+
+def modelopt_parts(seed: int, method: str, prefix: str, out_f: int, in_f: int) -> Nvfp4Parts:
+    """ModelOpt (packed, scale, weight_scale_2 multiplier) of one linear; gate and up share weight_scale_2."""
+    if method == "direct":  # gate and up have the same fan-in, so the same sampled global scale
+        packed, scale, g = ct_parts(seed, method, prefix, out_f, in_f)
+        return packed, scale, np.float32(1.0) / g
+    w = float_weight(seed, prefix, out_f, in_f)
+    head, proj = prefix.rsplit(".", 1)
+    amax = float(np.abs(w).max())
+    if proj in GATE_UP_PARTNER:
+        amax = max(amax, float(np.abs(float_weight(seed, f"{head}.{GATE_UP_PARTNER[proj]}", out_f, in_f)).max()))
+    return quantize_nvfp4_modelopt(w, modelopt_scale_2(amax))
 
 
 class LinearParts:
-    """Produces the four NVFP4 tensors of each Linear once (they are written consecutively)."""
+    """Produces the tensors of each Linear once (its NVFP4 parts are written consecutively): compressed-tensors or
+    ModelOpt NVFP4 parts, or the bf16 weight of a linear the format keeps bf16."""
 
     def __init__(self, seed: int, method: str) -> None:
         if method not in ("quantize", "direct"):
@@ -165,22 +194,31 @@ class LinearParts:
         self._parts: dict[str, np.ndarray] = {}
 
     def part(self, info: TensorInfo) -> np.ndarray:
-        prefix, role = info.name.rsplit(".", 1)
+        if info.role == "kv_scale":  # ModelOpt's FP8 KV scales: 1.0, as its fp8_cast KV recipe writes them
+            return np.array(1.0, np.float32)
+        prefix, suffix = info.name.rsplit(".", 1)
+        if info.role == "linear_bf16":
+            out_f, in_f = info.shape
+            return f32_to_bf16(dequantize_nvfp4(*ct_parts(self.seed, self.method, prefix, out_f, in_f)))
         if prefix != self._prefix:
-            out_f, in_f = info.shape[0], info.shape[1] * (2 if role == "weight_packed" else GROUP)
-            if role not in ("weight_packed", "weight_scale"):
-                raise ValueError(f"synth: {info.name} must follow its weight_packed/weight_scale")
-            make = direct_nvfp4 if self.method == "direct" else quantized_nvfp4
-            packed, scale, g = make(rng_for(self.seed, prefix), out_f, in_f, in_f ** -0.5)
+            if info.role != "weight_packed":
+                raise ValueError(f"synth: {info.name} must follow its packed weight")
+            out_f, in_f = info.shape[0], info.shape[1] * 2
             self._prefix = prefix
-            self._parts = {"weight_packed": packed, "weight_scale": scale,
-                           "weight_global_scale": np.array([g], np.float32),
-                           "input_global_scale": np.array([INPUT_GLOBAL_SCALE], np.float32)}
-        return self._parts[role]
+            if suffix == "weight":  # ModelOpt names the packed weight plainly `weight`
+                packed, scale, s2 = modelopt_parts(self.seed, self.method, prefix, out_f, in_f)
+                self._parts = {"weight_packed": packed, "weight_scale": scale, "weight_scale_2": np.array(s2),
+                               "input_scale": np.array(np.float32(1.0) / INPUT_GLOBAL_SCALE)}
+            else:
+                packed, scale, g = ct_parts(self.seed, self.method, prefix, out_f, in_f)
+                self._parts = {"weight_packed": packed, "weight_scale": scale,
+                               "weight_global_scale": np.array([g], np.float32),
+                               "input_global_scale": np.array([INPUT_GLOBAL_SCALE], np.float32)}
+        return self._parts[info.role]
 
 
 def tensor_chunks(info: TensorInfo, seed: int, hidden: int, linears: LinearParts) -> Iterator[np.ndarray]:
-    """The bytes of one inventory tensor (bf16 as uint16 chunks, NVFP4 parts whole)."""
+    """The bytes of one inventory tensor (bf16 as uint16 chunks, linear parts whole)."""
     if info.role == "bf16":
         yield from bf16_chunks(info, seed, hidden)
     else:

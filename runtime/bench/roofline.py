@@ -15,7 +15,7 @@ with probability (1 - k/E)^R, so E * (1 - (1 - k/E)^R) are touched on average (e
 from __future__ import annotations
 
 from ...model_spec.tensors import drafter_tensors, target_tensors
-from ...model_spec.types import ModelSpec
+from ...model_spec.types import LinearFormats, ModelSpec
 from ..cuda.kv_cache import kv_dtype
 
 NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # e2m1 nibble + one e4m3 scale per 16
@@ -51,8 +51,8 @@ def target_weight_bytes(spec: ModelSpec, rows: int, lm_head: str = "nvfp4") -> f
     t = spec.target
     share = expected_experts(t.num_experts, t.top_k_experts, rows) / t.num_experts
     total = 0.0
-    for ti in target_tensors(t):
-        if ti.role == "input_global_scale":
+    for ti in target_tensors(t, formats=spec.linear_formats):
+        if ti.role in ("input_global_scale", "input_scale", "kv_scale"):
             continue
         if ti.name.endswith("embed_tokens.weight"):
             total += min(rows, t.vocab_size) * t.hidden_size * 2
@@ -61,6 +61,40 @@ def target_weight_bytes(spec: ModelSpec, rows: int, lm_head: str = "nvfp4") -> f
         else:
             total += ti.nbytes
     return total + lm_head_bytes(spec, lm_head)
+
+
+LINEAR_ROLES = ("weight_packed", "weight_scale", "weight_global_scale", "linear_bf16")
+
+
+def _category(name: str, role: str) -> str:
+    if role not in LINEAR_ROLES:
+        return "other"  # norms, router, layer scalars, the embedding
+    return "experts" if ".experts." in name else "attention" if ".self_attn." in name else "dense_mlp"
+
+
+def format_footprint(spec: ModelSpec, formats: LinearFormats, lm_head: str = "nvfp4") -> dict:
+    """Weight bytes of the target served with these per-role linear formats: `memory` (every weight resident: all
+    experts, the bf16 embedding for lookups and the lm_head as stored) and `decode` (bytes read for one decode
+    token, by part: attention, dense_mlp, the top_k active experts, lm_head, other = norms, router, one embedding
+    row; and their total). NVFP4 linears count nibbles, E4M3 block scales and the F32 global scale; bf16 two
+    bytes a weight. KV cache and the drafter are left out."""
+    t = spec.target
+    memory = {"attention": 0.0, "dense_mlp": 0.0, "experts": 0.0, "other": 0.0}
+    decode = dict(memory)
+    for ti in target_tensors(t, formats=formats):
+        if ti.role in ("input_global_scale", "input_scale", "kv_scale"):
+            continue
+        part = _category(ti.name, ti.role)
+        memory[part] += ti.nbytes
+        if ti.name.endswith("embed_tokens.weight"):
+            decode[part] += t.hidden_size * 2
+        else:
+            decode[part] += ti.nbytes * (t.top_k_experts / t.num_experts if part == "experts" else 1)
+    memory["lm_head"] = decode["lm_head"] = lm_head_bytes(spec, lm_head) if lm_head == "nvfp4" else 0.0
+    if lm_head == "bf16":  # the kernels then read the bf16 embedding itself
+        decode["lm_head"] = t.vocab_size * t.hidden_size * 2
+    memory["total"], decode["total"] = sum(memory.values()), sum(decode.values())
+    return {"memory": memory, "decode": decode}
 
 
 def _visible(window: int | None, position: int) -> int:

@@ -2,10 +2,12 @@
 
 Format (written by runtime/convert/repack.py): `weights.bin` holds every tensor at a 256-byte aligned offset;
 `weights.json` = {"format": "thorgen-weights", "schema", "layout_version", "spec_hash", "model", "arch" (null when
-the layout does not depend on it), "lm_head": "nvfp4"|"bf16", "checksum": "blake2b-128", "total_bytes",
-"tensors": {name: {"offset", "nbytes", "dtype", "shape", "layout", "checksum", optional "global_scale", and for
-matrices in a kernel layout "logical_shape" [N, K], "fusion" (single|concat|interleave8), "parts" [[source, rows]],
-"order" (the fp4 byte order)}}}.
+the layout does not depend on it), "lm_head": "nvfp4"|"bf16", "source_format" (the checkpoint's: compressed-tensors |
+modelopt | bf16), "linear_formats" ({attention, dense_mlp, experts}: nvfp4 | bf16, as stored in this artifact),
+"checksum": "blake2b-128", "total_bytes", "tensors": {name: {"offset", "nbytes", "dtype", "shape", "layout",
+"checksum", optional "multiplier" (a one-part NVFP4 matrix's global multiplier), and for matrices in a kernel layout
+"logical_shape" [N, K], "fusion" (single|concat|interleave8), "parts" [[source, rows]], "order" (the fp4 byte
+order)}}}.
 Target tensor names drop the `model.language_model.` prefix; drafter tensors get a `draft.` prefix; stacked
 experts are `layers.L.experts.{gate,up,down}_proj.*` with a leading expert axis.
 Opening checks the header against what the runtime expects (spec hash, layout version, arch) and the file size;
@@ -67,14 +69,14 @@ class TensorEntry:
     shape: tuple[int, ...]
     layout: str
     checksum: str
-    global_scale: float | None = None
+    multiplier: float | None = None
     meta: tuple[tuple[str, Any], ...] = ()  # layout extras: logical_shape, fusion, parts, order
 
     def to_json(self) -> dict:
         out = {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape),
                "layout": self.layout, "checksum": self.checksum}
-        if self.global_scale is not None:
-            out["global_scale"] = self.global_scale
+        if self.multiplier is not None:
+            out["multiplier"] = self.multiplier
         out.update(dict(self.meta))
         return out
 
@@ -149,7 +151,7 @@ class WeightsArtifact:
         try:
             tensors = {n: TensorEntry(n, int(t["offset"]), int(t["nbytes"]), str(t["dtype"]),
                                       tuple(int(d) for d in t["shape"]), str(t["layout"]), str(t["checksum"]),
-                                      None if t.get("global_scale") is None else float(t["global_scale"]),
+                                      None if t.get("multiplier") is None else float(t["multiplier"]),
                                       tuple((k, v) for k, v in t.items() if k in _META_KEYS))
                        for n, t in header["tensors"].items()}
             total = int(header["total_bytes"])

@@ -16,8 +16,9 @@ NVFP4 tile layout "t16x64" (the NVFP4 GEMM / GEMV / MoE kernels; KernelSpec para
               bits (9, 15), (6, 12), (3, 14), (0, 13) for r = 0..3, so sm_90 decodes with one mask (r=0), a shift and
               a mask (r=1) or two shifts and a LOP3 (r=2, 3) into fp16 bits whose value is e2m1 * 2^-14 (exact).
   Scales: [K/64][N/16][32 lanes][2 B] = (scale of tile-0 row, scale of tile-1 row) for the lane's 16-block.
-  Global scales: f32 per 8-row tile, 1/weight_global_scale (compressed-tensors stores a divisor); fused weights
-  (q|k|v, interleaved gate/up) carry each part's own scale, so nothing is rescaled.
+  Global scales: f32 per 8-row tile, the part's global MULTIPLIER as Checkpoint.nvfp4_parts hands it out
+  (compressed-tensors: float32(1)/weight_global_scale; ModelOpt: weight_scale_2); fused weights (q|k|v, interleaved
+  gate/up) carry each part's own multiplier, so nothing is rescaled and nothing here inverts a scale.
 Half-precision tile layout (drafter bf16 linears): fp16 (converted from bf16 once) in the same step-major tiling,
 [K/64][N/16][32 lanes][64 B]: lane L's 64 B = row 16u+gid, inputs 64s+16*t4 .. +16 (32 B), then row 16u+8+gid. Gate/up pairs of both kinds are fused by
 interleaving 8-row tiles (gate tile i, up tile i, ...), so one 16-row unit yields gate and up of the same 8 outputs.
@@ -31,7 +32,7 @@ from ...model_spec.conventions import FP4_ORDERS, fp4_order_for  # noqa: F401  (
 from ...model_spec.nvfp4 import GROUP, bf16_to_f32, pack_e2m1, unpack_e2m1
 
 LAYOUT_VERSION = 2   # bump on any change of the bytes these packers produce (2: step-major units)
-PLAN_VERSION = 1     # bump when convert/plan.py changes which tensors it writes or how it fuses them
+PLAN_VERSION = 3     # bump when convert/plan.py changes which tensors it writes or how it fuses them
 TILE_N = 16          # output rows per unit (two mma n8 tiles)
 TILE_K = 64          # inputs per step (four mma k16 tiles)
 STEP_BYTES = 512     # packed weight bytes per unit and step (32 lanes x 16 B)
@@ -122,14 +123,14 @@ def unpack_nvfp4(w: np.ndarray, s: np.ndarray, n: int, k: int, order: str) -> tu
 
 
 def tile_gscales(parts: list[tuple[int, float]]) -> np.ndarray:
-    """Per-8-row-tile inverse global scales for a weight made of consecutive parts [(rows, global_scale), ...]."""
+    """Per-8-row-tile global multipliers for a weight made of consecutive parts [(rows, multiplier), ...]."""
     out = []
-    for rows, g in parts:
+    for rows, m in parts:
         if rows % 8:
             raise LayoutError(f"a fused part of {rows} rows is not a multiple of 8")
-        if not np.isfinite(g) or g <= 0:
-            raise LayoutError(f"global scale {g} must be a positive finite divisor")
-        out.append(np.full(rows // 8, np.float32(1.0) / np.float32(g), dtype=np.float32))
+        if not np.isfinite(m) or m <= 0:
+            raise LayoutError(f"global multiplier {m} must be positive and finite")
+        out.append(np.full(rows // 8, np.float32(m), dtype=np.float32))
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
@@ -155,19 +156,21 @@ def deinterleave8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def pack_nvfp4_gate_up(gate: tuple[np.ndarray, np.ndarray, float], up: tuple[np.ndarray, np.ndarray, float],
                        order: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fused gate/up weight (gate tile, up tile, ...) -> (weights, scales, per-tile inverse global scales)."""
-    (gp, gs, gg), (up_, us, ug) = gate, up
+    """Fused gate/up weight (gate tile, up tile, ...) from (packed, scale, multiplier) parts -> (weights, scales,
+    per-tile multipliers: gate's and up's alternating)."""
+    (gp, gs, gm), (up_, us, um) = gate, up
     w, s = pack_nvfp4(interleave8(gp, up_), interleave8(gs, us), order)
     n = np.asarray(gp).shape[0]
-    inv = np.empty(n // 4, dtype=np.float32)
-    inv[0::2] = np.float32(1.0) / np.float32(gg)
-    inv[1::2] = np.float32(1.0) / np.float32(ug)
-    return w, s, inv
+    tiles = np.empty(n // 4, dtype=np.float32)
+    tiles[0::2] = np.float32(gm)
+    tiles[1::2] = np.float32(um)
+    return w, s, tiles
 
 
 def pack_nvfp4_concat(parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Several projections of one input stacked along N (e.g. q|k|v) -> (weights, scales, inverse tile scales)."""
+    """Several projections of one input stacked along N (e.g. q|k|v), each (packed, scale, multiplier) ->
+    (weights, scales, per-tile multipliers)."""
     packed = np.concatenate([np.asarray(p) for p, _, _ in parts], axis=0)
     scale = np.concatenate([np.asarray(s) for _, s, _ in parts], axis=0)
     w, s = pack_nvfp4(packed, scale, order)

@@ -36,9 +36,9 @@ _OFFSETS: dict[str, int] = {}
 _FD: dict[str, int] = {}
 
 
-def _worker_job(task: tuple[str, int]) -> tuple[dict[str, tuple[int, str]], dict[str, float]]:
+def _worker_job(task: tuple[str, int]) -> tuple[dict[str, tuple[int, str]], dict[str, float], dict[str, dict]]:
     """Run plan job `index` in a worker: pwrite its pieces at their offsets, hash each tensor it produces.
-    Returns ({tensor: (bytes, blake2b hex)}, global scales it recorded)."""
+    Returns ({tensor: (bytes, blake2b hex)}, global multipliers it recorded, quantization errors it measured)."""
     bin_path, index = task
     pl, offsets = _PLAN, _OFFSETS
     if pl is None:
@@ -47,6 +47,7 @@ def _worker_job(task: tuple[str, int]) -> tuple[dict[str, tuple[int, str]], dict
     if fd is None:
         fd = _FD[bin_path] = os.open(bin_path, os.O_WRONLY)
     pl.scales.clear()
+    pl.quant_errors.clear()
     done: dict[str, int] = {}
     hashers: dict[str, object] = {}
     for name, piece in pl.jobs[index][2]():
@@ -59,7 +60,8 @@ def _worker_job(task: tuple[str, int]) -> tuple[dict[str, tuple[int, str]], dict
         hashers.setdefault(name, new_hasher()).update(buf)  # type: ignore[attr-defined]
         done[name] = done.get(name, 0) + buf.nbytes
         release_pages(piece)
-    return {n: (done[n], h.hexdigest()) for n, h in hashers.items()}, dict(pl.scales)  # type: ignore[attr-defined]
+    return ({n: (done[n], h.hexdigest()) for n, h in hashers.items()},  # type: ignore[attr-defined]
+            dict(pl.scales), dict(pl.quant_errors))
 
 
 class _Digest:
@@ -103,13 +105,14 @@ def run_parallel(pool: "multiprocessing.pool.Pool", pl: Planner, writer: Artifac
     order = sorted(range(len(pl.jobs)), key=lambda i: -pl.jobs[i][1])
     work, done = sum(b for _, b, _ in pl.jobs), 0
     results = pool.imap_unordered(_worker_job, [(bin_path, i) for i in order], chunksize=1)
-    for i, (tensors, scales) in zip(order, results):
+    for i, (tensors, scales, errors) in zip(order, results):
         for name, (nbytes, hexdigest) in tensors.items():
             if isinstance(writer.hashers.get(name), _Digest):
                 raise ArtifactError(f"tensor {name} produced by two jobs")
             writer.done[name] = nbytes
             writer.hashers[name] = _Digest(hexdigest)
         pl.scales.update(scales)
+        pl.quant_errors.update(errors)
         done += pl.jobs[i][1]
         if progress is not None:
             progress(done, work, pl.jobs[i][0])

@@ -5,8 +5,14 @@ What is written (names relative to `model.language_model.`; format in runtime/co
     hardware e2m1 cvt), fused the way the GEMM kernels read them: `self_attn.qkv_proj` (q|k|v, or q|k on k_eq_v
     layers), `self_attn.o_proj`, `mlp.gate_up_proj` (8-row tiles interleaved), `mlp.down_proj`, per layer
     `experts.gate_up_proj` / `experts.down_proj` with a leading expert axis, and `lm_head`. Each matrix M has
-    M.weight_packed, M.weight_scale (e4m3), M.weight_tile_scale (f32 1/global per 8-row tile, what the kernels
-    multiply by) and M.weight_global_scale (f32, the checkpoint's per-projection divisors, one per fused part).
+    M.weight_packed, M.weight_scale (e4m3), M.weight_tile_scale (f32 global multiplier per 8-row tile, what the
+    kernels multiply by) and M.weight_multiplier (f32, each fused part's multiplier as Checkpoint.nvfp4_parts hands
+    it out: compressed-tensors' float32(1)/weight_global_scale, ModelOpt's weight_scale_2), so the conversion of
+    one checkpoint into the other repacks to the same bytes.
+  * Linears the checkpoint stores bf16 (a ModelOpt or bf16 checkpoint), fused the same way: `M.weight_half`, fp16
+    (converted once) in the "half_t16x64" layout (convert/linears.py pack_bf16_linear), which the fp16-weight
+    GEMMs read, or, with quantize="nvfp4", quantized to NVFP4
+    by thorgen's quantizer into the NVFP4 tensors above (each source linear's error kept in `quant_errors`).
   * The tied lm_head quantized to NVFP4 (global scale from the amax of the whole embedding, then 4096-row chunks
     quantized with it, 256 columns at a time: identical to quantizing the table at once) unless lm_head="bf16"
     (kernels then read `embed_tokens.weight`, which is always stored raw bf16 for the embedding lookup).
@@ -28,17 +34,18 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ...model_spec.checkpoint import Checkpoint
-from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, quantize_nvfp4, unpack_e2m1
+from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, multiplier_of_divisor, quantize_nvfp4, unpack_e2m1
 from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_tensors
-from ...model_spec.types import ModelSpec
+from ...model_spec.formats import role_of
+from ...model_spec.types import ALL_NVFP4, LinearFormats, ModelSpec
 from ...model_spec.vision_layout import vision_tensors
 from . import layouts as L
+from .linears import HALF_LAYOUT, HALF_SUFFIX, pack_bf16_linear, quantize_linear
 from .artifact import (DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages)
 
 DEFAULT_ARCH = "sm_90a"  # the H200; the artifact records the arch because the fp4 byte order depends on it
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current item)
 LAYOUT = "t16x64"
-HALF_LAYOUT = "half_t16x64"
 LM_HEAD_ROW_BLOCK = 16384  # embedding rows quantized at a time (bounds fp32 temporaries and resident pages)
 
 
@@ -121,13 +128,13 @@ def _src(m: Matrix, part: str, e: int) -> str:
 
 def pack_matrix(m: Matrix, parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(weights, scales, tile scales) of one matrix (one expert) from its parts' checkpoint arrays."""
+    """(weights, scales, tile multipliers) of one matrix (one expert) from its parts' (packed, scale, multiplier)."""
     if m.fusion == "interleave8":
-        (gp, gs, gg), (up, us, ug) = parts
+        (gp, gs, gm), (up, us, um) = parts
         w, s = pack_fp4(L.interleave8(gp, up), L.interleave8(gs, us), order)
         tiles = np.empty(2 * gp.shape[0] // 8, np.float32)
-        tiles[0::2] = np.float32(1.0) / np.float32(gg)
-        tiles[1::2] = np.float32(1.0) / np.float32(ug)
+        tiles[0::2] = np.float32(gm)
+        tiles[1::2] = np.float32(um)
         return w, s, tiles
     packed = parts[0][0] if len(parts) == 1 else np.concatenate([p for p, _, _ in parts])
     scale = parts[0][1] if len(parts) == 1 else np.concatenate([s for _, s, _ in parts])
@@ -143,12 +150,15 @@ Job = Callable[[], Iterator[tuple[str, np.ndarray]]]
 class Planner:
     """The output tensors in file order plus the jobs that produce them (jobs run later, in order)."""
 
-    def __init__(self, ckpt: Checkpoint, lm_head: str, arch: str, chunk_cols: int) -> None:
+    def __init__(self, ckpt: Checkpoint, lm_head: str, arch: str, chunk_cols: int,
+                 formats: LinearFormats | None = None) -> None:
         self.ck, self.lm_head, self.arch, self.chunk_cols = ckpt, lm_head, arch, chunk_cols
+        self.formats = formats or ckpt.spec.linear_formats  # what the artifact stores per role
         self.order = fp4_order(arch)
         self.tensors: list[OutTensor] = []
         self.jobs: list[tuple[str, int, Job]] = []  # (label, bytes, job)
         self.scales: dict[str, float] = {}
+        self.quant_errors: dict[str, dict] = {}  # source linear -> {max_rel, rms_rel} of --quantize nvfp4
 
     def _add(self, name: str, dtype: str, shape: tuple[int, ...], layout: str = "raw", **meta: object) -> OutTensor:
         t = OutTensor(name, dtype, tuple(int(d) for d in shape), layout, tuple(meta.items()))
@@ -166,15 +176,30 @@ class Planner:
         return (self._add(m.base + ".weight_packed", "u8", lead + (n * k // 2,), LAYOUT, **meta),
                 self._add(m.base + ".weight_scale", "e4m3", lead + (n * k // 16,), LAYOUT, **meta),
                 self._add(m.base + ".weight_tile_scale", "f32", lead + (n // 8,)),
-                self._add(m.base + ".weight_global_scale", "f32", lead + (len(m.parts),)))
+                self._add(m.base + ".weight_multiplier", "f32", lead + (len(m.parts),)))
 
-    def matrix(self, m: Matrix) -> None:
+    def stored_matrix(self, m: Matrix) -> None:
+        """One matrix in the format its role has in the artifact: NVFP4 (as stored, or quantized from bf16) or bf16."""
+        role = role_of(TARGET_PREFIX + m.parts[0][0])
+        if getattr(self.formats, role) == "bf16":
+            self.bf16_matrix(m)
+        else:
+            self.matrix(m, quantize=getattr(self.ck.spec.linear_formats, role) == "bf16")
+
+    def _nvfp4_parts(self, src: str, quantize: bool) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        if not quantize:
+            return self.ck.nvfp4_parts(src)
+        parts, error = quantize_linear(self.ck.linear_bf16(src))
+        self.quant_errors[src[len(TARGET_PREFIX):]] = error
+        return parts
+
+    def matrix(self, m: Matrix, quantize: bool = False) -> None:
         tp, ts, tt, tg = self._matrix_tensors(m, m.n, m.k)
 
         def job() -> Iterator[tuple[str, np.ndarray]]:
             gss = np.empty((max(m.experts, 1), len(m.parts)), np.float32)
             for e in range(max(m.experts, 1)):
-                parts = [self.ck.nvfp4_parts(_src(m, p, e)) for p, _ in m.parts]
+                parts = [self._nvfp4_parts(_src(m, p, e), quantize) for p, _ in m.parts]
                 w, s, tiles = pack_matrix(m, parts, self.order)
                 gss[e] = [g for _, _, g in parts]
                 yield tp.name, w
@@ -184,7 +209,19 @@ class Planner:
             if not m.experts and len(m.parts) == 1:
                 self.scales[tg.name] = float(gss[0, 0])
             yield tg.name, gss if m.experts else gss[0]
-        self.jobs.append((m.base, tp.nbytes + ts.nbytes, job))
+        self.jobs.append((m.base + (" (quantize)" if quantize else ""), tp.nbytes + ts.nbytes, job))
+
+    def bf16_matrix(self, m: Matrix) -> None:
+        lead = (m.experts,) if m.experts else ()
+        t = self._add(m.base + HALF_SUFFIX, "f16", lead + (m.n * m.k,), HALF_LAYOUT, logical_shape=[m.n, m.k],
+                      fusion=m.fusion, parts=[list(p) for p in m.parts])
+
+        def job() -> Iterator[tuple[str, np.ndarray]]:
+            for e in range(max(m.experts, 1)):
+                parts = [self.ck.linear_bf16(_src(m, p, e)) for p, _ in m.parts]
+                yield t.name, pack_bf16_linear(parts, m.fusion)
+                release_pages(*parts)
+        self.jobs.append((t.name, t.nbytes, job))
 
     def lm_head_nvfp4(self) -> None:
         t = self.ck.spec.target
@@ -207,7 +244,8 @@ class Planner:
             if amax_bits >= 0x7F80:
                 raise ArtifactError(f"{self.ck.tensor_file(emb_name)}: {emb_name} holds inf/NaN; cannot quantize it")
             g = global_scale_for(float(bf16_to_f32(np.array([amax_bits], np.uint16))[0]))
-            self.scales[tg.name] = float(g)
+            mul = multiplier_of_divisor(g)
+            self.scales[tg.name] = float(mul)
             for c in range(0, k, cols):
                 width = min(cols, k - c)
                 packed = np.empty((n, width // 2), np.uint8)
@@ -219,8 +257,8 @@ class Planner:
                 w, s = pack_fp4(packed, scale, self.order)
                 yield tp.name, w
                 yield ts.name, s
-            yield tt.name, L.tile_gscales([(n, float(g))])
-            yield tg.name, np.array([g], np.float32)
+            yield tt.name, L.tile_gscales([(n, float(mul))])
+            yield tg.name, np.array([mul], np.float32)
         self.jobs.append(("lm_head (quantize)", tp.nbytes + ts.nbytes, job))
 
     def drafter(self) -> None:
@@ -276,20 +314,26 @@ class Planner:
         self.jobs.append((t.name, t.nbytes, job))
 
 
+QUANTIZE = ("none", "nvfp4")
+
+
 def plan_artifact(ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_ARCH,
-                  chunk_cols: int = 256) -> Planner:
-    """Every output tensor (in file order) and the jobs that produce them."""
+                  chunk_cols: int = 256, quantize: str = "none") -> Planner:
+    """Every output tensor (in file order) and the jobs that produce them. quantize="nvfp4": every linear the
+    checkpoint stores bf16 is quantized to NVFP4 (the artifact is then all-NVFP4); "none" keeps them as shipped."""
     if lm_head not in ("nvfp4", "bf16"):
         raise ArtifactError(f"--lm-head {lm_head!r}: choose nvfp4 or bf16")
+    if quantize not in QUANTIZE:
+        raise ArtifactError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
     spec = ckpt.spec
-    pl = Planner(ckpt, lm_head, arch, chunk_cols)
+    pl = Planner(ckpt, lm_head, arch, chunk_cols, ALL_NVFP4 if quantize == "nvfp4" else spec.linear_formats)
     pl.raw(TARGET_PREFIX + "embed_tokens.weight", "embed_tokens.weight")
     for layer in range(spec.target.num_hidden_layers):
         for info in target_layer_tensors(spec.target, layer):
             if info.role == "bf16":
                 pl.raw(info.name, info.name[len(TARGET_PREFIX):])
         for m in target_matrices(spec, layer):
-            pl.matrix(m)
+            pl.stored_matrix(m)
     pl.raw(TARGET_PREFIX + "norm.weight", "norm.weight")
     if lm_head == "nvfp4":
         pl.lm_head_nvfp4()

@@ -6,13 +6,16 @@ The plan (convert/plan.py) lists the tensors and jobs; here they run, in this pr
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 
-from ...model_spec.checkpoint import Checkpoint
+from ...model_spec.checkpoint import Checkpoint, CheckpointError
+from ...model_spec.types import ALL_NVFP4, ModelSpec
 from . import parallel as par
 from .artifact import ArtifactError, ArtifactWriter, default_artifact_dirs, release_pages, swap_into_place
 from .layouts import layout_version
@@ -21,18 +24,21 @@ from .plan import DEFAULT_ARCH, Progress, plan_artifact
 
 def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, lm_head: str = "nvfp4",
            arch: str | None = None, draft_dir: str | os.PathLike | None = None,
-           progress: Progress | None = None, chunk_cols: int = 256, jobs: int | None = None) -> Path:
+           progress: Progress | None = None, chunk_cols: int = 256, jobs: int | None = None,
+           quantize: str = "none") -> Path:
     """Repack a checkpoint into `out_dir` (default: see weights.default_artifact_dirs) and return that folder.
 
-    jobs: worker processes (None: default_jobs(output size)); the artifact's bytes are the same for any value."""
+    jobs: worker processes (None: default_jobs(output size)); the artifact's bytes are the same for any value.
+    quantize: "nvfp4" quantizes every bf16 linear to NVFP4 (the artifact's spec is then all-NVFP4, and
+    QUANT_REPORT in the artifact folder holds each linear's error); "none" serves the checkpoint as shipped."""
     arch = arch or DEFAULT_ARCH
     if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
         raise ArtifactError(f"--jobs must be a positive integer, got {jobs!r}")
     ckpt = Checkpoint.open(model_dir, draft_dir)
     _release_mappings(ckpt)
-    spec = ckpt.spec
+    pl = plan_artifact(ckpt, lm_head, arch, chunk_cols, quantize)
+    spec = artifact_spec(ckpt.spec, quantize)
     out = Path(out_dir) if out_dir is not None else _default_out(model_dir, spec.spec_hash)
-    pl = plan_artifact(ckpt, lm_head, arch, chunk_cols)
     out.parent.mkdir(parents=True, exist_ok=True)
     need = sum(t.nbytes for t in pl.tensors)
     free = shutil.disk_usage(out.parent).free
@@ -58,7 +64,10 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
                     progress(done, work, label)
         writer.finish({"layout_version": layout_version(), "spec_hash": spec.spec_hash, "model": spec.name,
                        "arch": arch, "fp4_order": pl.order, "lm_head": lm_head,
-                       "source": str(Path(model_dir).resolve())}, pl.scales)
+                       "source": str(Path(model_dir).resolve()), "source_format": ckpt.source_format,
+                       "linear_formats": dataclasses.asdict(spec.linear_formats)}, pl.scales)
+        if quantize != "none":
+            (tmp / QUANT_REPORT).write_text(json.dumps(quant_report(pl.quant_errors), indent=1) + "\n")
         swap_into_place(tmp, out)
     except BaseException:
         if writer is not None:
@@ -70,6 +79,31 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
             pool.terminate()
             pool.join()
     return out
+
+
+QUANT_REPORT = "quantization_report.json"
+
+
+def preflight(model_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None) -> None:
+    """Open and validate a checkpoint (configs, format, every tensor) without writing; ArtifactError names what is
+    wrong, so a command that does more before repacking (prepare builds kernels first) fails fast."""
+    try:
+        Checkpoint.open(model_dir, draft_dir)
+    except CheckpointError as exc:
+        raise ArtifactError(str(exc)) from exc
+
+
+def artifact_spec(spec: ModelSpec, quantize: str) -> ModelSpec:
+    """The spec the artifact serves: the checkpoint's, or all-NVFP4 once --quantize nvfp4 rewrote its bf16 linears."""
+    return dataclasses.replace(spec, linear_formats=ALL_NVFP4) if quantize == "nvfp4" else spec
+
+
+def quant_report(errors: dict[str, dict]) -> dict:
+    """The saved report: every quantized linear's {max_rel, rms_rel}, and the worst of each over all of them."""
+    linears = dict(sorted(errors.items()))
+    worst = {k: max((e[k] for e in linears.values()), default=0.0) for k in ("max_rel", "rms_rel")}
+    return {"quantizer": "thorgen compressed-tensors NVFP4 (global 2688/amax, e4m3 block scales per 16)",
+            "worst": worst, "linears": linears}
 
 
 def _release_mappings(ckpt: Checkpoint) -> None:

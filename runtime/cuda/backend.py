@@ -10,6 +10,7 @@ plain decoding token for token (tests/test_engine_speculative_emulated.py).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ...model_spec.config import spec_from_configs
+from ...model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
+from ...model_spec.types import ALL_NVFP4
 from ...model_spec.conventions import MAX_BATCH
 from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
@@ -31,22 +34,42 @@ from .memory import alloc, check_fits, upload_artifact
 from ..manifest import KernelManifest, load_manifest
 from ..convert.layouts import layout_version
 from ..engine.core import generate_one
-from ..convert.artifact import WeightsArtifact, find_artifact
+from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_dirs, find_artifact
 
 
 def _spec(model_dir: Path, draft_dir: Path | None):
-    """The ModelSpec from the configs alone (cheap; the repacked artifact carries the weights)."""
+    """The ModelSpec from the configs alone (cheap; the repacked artifact carries the weights), with the linear
+    formats the checkpoint's quantization config declares."""
     def read(p: Path) -> dict:
         try:
             return json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise BackendError(f"{p}: cannot read the model config ({exc})") from exc
     draft_dir = draft_dir or (model_dir / "dflash" if (model_dir / "dflash" / "config.json").is_file() else None)
+    config = read(model_dir / "config.json")
+    quant = read(model_dir / HF_QUANT_CONFIG) if (model_dir / HF_QUANT_CONFIG).is_file() else None
     try:
-        return spec_from_configs(read(model_dir / "config.json"),
-                                 read(draft_dir / "config.json") if draft_dir else None, name=model_dir.name)
+        spec = spec_from_configs(config, read(draft_dir / "config.json") if draft_dir else None, name=model_dir.name)
+        return with_checkpoint_formats(spec, config, quant)
     except ValueError as exc:  # SpecError: a config thorgen cannot run
         raise BackendError(f"{model_dir}: {exc}") from exc
+
+
+def _served_spec(spec, model_dir: Path, weights_dir: Path | None):
+    """The spec the repacked weights serve: the checkpoint's linear formats, or all NVFP4 where `repack-weights
+    --quantize nvfp4` rewrote its bf16 linears (the artifact header's linear_formats; the kernels must match)."""
+    if spec.linear_formats == ALL_NVFP4:
+        return spec
+    quantized = dataclasses.replace(spec, linear_formats=ALL_NVFP4)
+    dirs = [weights_dir] if weights_dir else [d for s in (spec, quantized)
+                                              for d in default_artifact_dirs(model_dir, s.spec_hash)]
+    for d in dirs:
+        try:
+            formats = json.loads((d / WEIGHTS_JSON).read_text()).get("linear_formats")
+        except (OSError, json.JSONDecodeError):
+            continue  # (no artifact there: find_artifact / WeightsArtifact.open say so below)
+        return quantized if formats == dataclasses.asdict(ALL_NVFP4) else spec
+    return spec
 
 
 def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path | None) -> KernelManifest:
@@ -151,7 +174,8 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     pages that fit beside them (kv_cache.fit_kv)."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    spec = _spec(model_dir, Path(draft_dir) if draft_dir else None)
+    spec = _served_spec(_spec(model_dir, Path(draft_dir) if draft_dir else None), model_dir,
+                        Path(weights_dir) if weights_dir else None)
     ctx = default_ctx(spec.target.max_position_embeddings, ctx)
     dev = Device.open(device)
     arch = dev.info.arch

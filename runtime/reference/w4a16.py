@@ -7,8 +7,10 @@ like with like, token for token:
   - every GEMM input is fp16: the norm outputs (input / pre-FFN norms, final norm), gelu(gate) * up of the dense
     MLP and of every expert, the attention output;
   - GEMM outputs, the residual stream and the router's logits and top-k weights are float32;
-  - NVFP4 weights are applied as the kernels apply them: e2m1 * e4m3 scaled by the float32 inverse global scale
-    (1/g rounded to float32, where the checkpoint path divides by g);
+  - NVFP4 weights are applied as the kernels apply them: e2m1 * e4m3 times the part's float32 global multiplier
+    (Checkpoint.nvfp4_parts: compressed-tensors' float32(1)/g, ModelOpt's weight_scale_2), where the checkpoint
+    path of compressed-tensors divides by g; bf16 linears (a ModelOpt or bf16 checkpoint) are their fp16 values,
+    as the fp16-weight kernels read them (converted once at repack: runtime/convert/linears.py);
   - queries are bf16 and the K/V cache holds bf16 or fp8 e4m3 values (`kv_dtype` "bf16" | "fp8");
   - attention is attn_fwd's tiled online softmax (engine_attention.py's `attention_rows` / `attention_partials` +
     `attention_combine`, shared with the emulator): fp32 scores and exp2, probabilities rounded to bf16 (fp16 with
@@ -34,7 +36,7 @@ import math
 import numpy as np
 
 from ...model_spec.conventions import VERIFY_ROWS
-from ...model_spec.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, multiplier_of_divisor, quantize_nvfp4
 from ..manifest import load_manifest
 from .engine_attention import attention_combine, attention_partials, attention_rows, attention_shapes
 from .kv_cache import KVCache
@@ -67,10 +69,9 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos.astype(F64)[:, None, :] + rot * sin.astype(F64)[:, None, :]
 
 
-def nvfp4_engine_weight(packed: np.ndarray, scale: np.ndarray, global_scale: float) -> np.ndarray:
-    """float64 [N, K] weight as the NVFP4 kernels apply it: e2m1 * e4m3 times float32(1 / global)."""
-    inv = F32(1.0) / F32(global_scale)
-    return dequantize_nvfp4(packed, scale, 1.0).astype(F64) * F64(inv)
+def nvfp4_engine_weight(packed: np.ndarray, scale: np.ndarray, multiplier: float) -> np.ndarray:
+    """float64 [N, K] weight as the NVFP4 kernels apply it: e2m1 * e4m3 times the float32 global multiplier."""
+    return dequantize_nvfp4(packed, scale, 1.0).astype(F64) * F64(F32(multiplier))
 
 
 def key_bounds(start: int, blocks: np.ndarray) -> np.ndarray:
@@ -84,7 +85,8 @@ def key_bounds(start: int, blocks: np.ndarray) -> np.ndarray:
 
 
 class EngineWeights(TargetWeights):
-    """TargetWeights whose NVFP4 Linears are float64 in the kernels' form (`nvfp4_engine_weight`)."""
+    """TargetWeights whose NVFP4 Linears are float64 in the kernels' form (`nvfp4_engine_weight`); bf16 linears
+    are their fp16 values (the bf16 weight rounded to nearest even, as the repack stores it)."""
 
     def __init__(self, source: WeightSource, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
         if not callable(getattr(source, "nvfp4_parts", None)):
@@ -93,6 +95,10 @@ class EngineWeights(TargetWeights):
         super().__init__(source, expert_budget_bytes)
 
     def load_linear(self, prefix: str) -> np.ndarray:
+        storage = getattr(self.source, "linear_storage", None)
+        if storage is not None and storage(prefix) == "bf16":
+            w = bf16_to_f32(self.source.linear_bf16(prefix))  # type: ignore[attr-defined]
+            return w.astype(np.float16).astype(F64)
         return nvfp4_engine_weight(*self.source.nvfp4_parts(prefix))  # type: ignore[attr-defined]
 
 
@@ -126,7 +132,8 @@ class W4A16Target(TargetModel):
                 self._lm = (emb, F64(1.0))
             else:
                 packed, scale, g = quantize_nvfp4(emb)
-                self._lm = (dequantize_nvfp4(packed, scale, 1.0), F64(F32(1.0) / F32(g)))  # e2m1*e4m3: exact in f32
+                # e2m1 * e4m3 is exact in float32; the multiplier is what repack stores for the lm_head
+                self._lm = (dequantize_nvfp4(packed, scale, 1.0), F64(multiplier_of_divisor(g)))
         return self._lm
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:

@@ -49,7 +49,7 @@ class TargetWeights:
         return w
 
     def linear(self, short_prefix: str) -> np.ndarray:
-        """A dequantized NVFP4 Linear weight [out, in]."""
+        """A Linear weight [out, in] as float32 (NVFP4 dequantized, or bf16 widened: `linear_f32` of the source)."""
         key = "linear:" + short_prefix
         w = self._cache.get(key)
         if w is None:
@@ -58,7 +58,7 @@ class TargetWeights:
         return w
 
     def load_linear(self, prefix: str) -> np.ndarray:
-        """One dequantized NVFP4 Linear by full prefix (a subclass may dequantize differently)."""
+        """One Linear by full prefix as float32 (a subclass may dequantize differently)."""
         return np.ascontiguousarray(self.source.linear_f32(prefix), dtype=np.float32)
 
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

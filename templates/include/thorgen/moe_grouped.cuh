@@ -222,7 +222,7 @@ __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __
                                                    const __half* __restrict__ x, const int* __restrict__ pairs,
                                                    const int4* __restrict__ tiles, __half* __restrict__ act) {
   constexpr int N = 2 * IE, MT = BM / 16;
-  constexpr size_t EW = (size_t)N * H / 2, ES = (size_t)N * H / 16;
+  constexpr size_t EW = layout_weight_bytes<KIND>(N, H), ES = layout_scale_bytes<KIND>(N, H);
   extern __shared__ uint4 smem_u4[];
   __shared__ const __half* src[BM];
   pdl_trigger();
@@ -238,7 +238,7 @@ __device__ __forceinline__ void moe_grouped_gateup(const WPtr p, const float* __
   float acc[UPW][MT][2][4] = {};
   grouped_mainloop<KIND, N, H, BM, NWARP, UPW, STAGES, PF, SWAP>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
                                                                   reinterpret_cast<__half*>(smem_u4), rows);
-  const float* gs = gscale + (size_t)e * (N / 8);
+  const float* gs = gscale + (KIND == HALF ? (size_t)0 : (size_t)e) * (N / 8);
 #pragma unroll
   for (int u = 0; u < UPW; ++u) {
     const int unit = unit0 + u;
@@ -272,7 +272,7 @@ __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __re
                                                  const int4* __restrict__ tiles, const float* __restrict__ wts,
                                                  float* __restrict__ ypair) {
   constexpr int MT = BM / 16;
-  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  constexpr size_t EW = layout_weight_bytes<KIND>(H, IE), ES = layout_scale_bytes<KIND>(H, IE);
   extern __shared__ uint4 smem_u4[];
   __shared__ const __half* src[BM];
   __shared__ int spair[BM];
@@ -294,7 +294,7 @@ __device__ __forceinline__ void moe_grouped_down(const WPtr p, const float* __re
   float acc[UPW][MT][2][4] = {};
   grouped_mainloop<KIND, H, IE, BM, NWARP, UPW, STAGES, PF, SWAP>(acc, WPtr{p.w + e * EW, p.s + e * ES}, unit0, src,
                                                                    reinterpret_cast<__half*>(smem_u4), rows);
-  const float* gs = gscale + (size_t)e * (H / 8);
+  const float* gs = gscale + (KIND == HALF ? (size_t)0 : (size_t)e) * (H / 8);
 #pragma unroll
   for (int u = 0; u < UPW; ++u) {
     const int unit = unit0 + u;

@@ -144,7 +144,7 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
                                            __half* __restrict__ act, int m) {
   static_assert((2 * IE) % 16 == 0 && H % 64 == 0, "expert shapes must fit the t16x64 tile");
   constexpr int STEPS = H / 64;
-  constexpr size_t EW = (size_t)2 * IE * H / 2, ES = (size_t)2 * IE * H / 16;
+  constexpr size_t EW = layout_weight_bytes<KIND>(2 * IE, H), ES = layout_scale_bytes<KIND>(2 * IE, H);
   static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
   __shared__ float red[KS][UN][PW][16];
   __shared__ int pairs[KS][MMAX];
@@ -157,7 +157,7 @@ __device__ __forceinline__ void moe_gateup(const WPtr p, const float* __restrict
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
-  const float* gs = gscale + (size_t)e * (2 * IE / 8);
+  const float* gs = gscale + (KIND == HALF ? (size_t)0 : (size_t)e) * (2 * IE / 8);
   for (int c0 = 0; c0 < n; c0 += PW) {
     expert_pass<KIND, 2 * IE, H, PF, UN, PW / 8, TOPK, PW>(red[warp], pe, unit0, x, pairs[warp], c0, n, s0, s1);
     __syncthreads();
@@ -189,7 +189,7 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
   constexpr bool TWO = MMAX > 8;
   constexpr int MR = TWO ? 16 : 8;
   constexpr int STEPS = IE / 64, NG = NW / KSD;
-  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  constexpr size_t EW = layout_weight_bytes<KIND>(H, IE), ES = layout_scale_bytes<KIND>(H, IE);
   __shared__ float red[NW][MR][16];
   pdl_launch_dependents();
   pdl_wait();
@@ -221,7 +221,7 @@ __device__ __forceinline__ void moe_down(const WPtr p, const float* __restrict__
     const WPtr pe{p.w + e * EW, p.s + e * ES};
     float acc[2][4] = {};
     unit_steps<KIND, H, IE, PF, TWO, false, SWAP>(acc, pe, unit, row0, row1, s0, s1);
-    const float* gs = gscale + (size_t)e * (H / 8);
+    const float* gs = gscale + (KIND == HALF ? (size_t)0 : (size_t)e) * (H / 8);
     if constexpr (SWAP) {
       // C[row][token] in acc[0] (mma_step_swap's one chain): tokens 2*t4, 2*t4+1 need their own routing weights
       float wt[2] = {0.f, 0.f};
@@ -279,7 +279,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   static_assert(IE % 64 == 0 && H % 16 == 0, "expert shapes must fit the t16x64 tile");
   static_assert(KS >= 1 && KS <= IE / 64, "K split must give every warp at least one step");
   constexpr int STEPS = IE / 64;
-  constexpr size_t EW = (size_t)H * IE / 2, ES = (size_t)H * IE / 16;
+  constexpr size_t EW = layout_weight_bytes<KIND>(H, IE), ES = layout_scale_bytes<KIND>(H, IE);
   static_assert(PW == 8 || (PW == 16 && MMAX > 8), "a pass holds 8 pairs, or 16 (two token groups)");
   __shared__ float red[KS][UN][PW][16];
   __shared__ int pairs[KS][MMAX];
@@ -292,7 +292,7 @@ __device__ __forceinline__ void moe_down_pairs(const WPtr p, const float* __rest
   const int s0 = warp * STEPS / KS, s1 = (warp + 1) * STEPS / KS;
   const int n = expert_tokens<TOPK, MMAX>(ids, e, m, pairs[warp]);
   const WPtr pe{p.w + e * EW, p.s + e * ES};
-  const float* gs = gscale + (size_t)e * (H / 8);
+  const float* gs = gscale + (KIND == HALF ? (size_t)0 : (size_t)e) * (H / 8);
   for (int c0 = 0; c0 < n; c0 += PW) {
     expert_pass<KIND, H, IE, PF, UN, PW / 8, 1, PW>(red[warp], pe, unit0, act, pairs[warp], c0, n, s0, s1);
     __syncthreads();

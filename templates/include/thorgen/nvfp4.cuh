@@ -108,6 +108,15 @@ struct WPtr {
   const uint8_t* s;  // FP4: layout scale bytes; HALF: unused
 };
 
+// Bytes of one [N, K] matrix in its layout, weights and block scales (an expert's stride in a stacked slab):
+// NVFP4 4 bits a weight and an e4m3 scale a 16-block; fp16 2 bytes a weight and no scales.
+template <int KIND> __host__ __device__ constexpr size_t layout_weight_bytes(size_t n, size_t k) {
+  return KIND == HALF ? n * k * 2 : n * k / 2;
+}
+template <int KIND> __host__ __device__ constexpr size_t layout_scale_bytes(size_t n, size_t k) {
+  return KIND == HALF ? 0 : n * k / 16;
+}
+
 // Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/convert/layouts.py).
 template <int KIND, int N, int K>
 __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
