@@ -62,11 +62,12 @@ def open_model(config):
 @click.option("--draft-tokens", type=click.IntRange(0, 15), default=None,
               help="Speculative (DFlash) drafts per step, at most: 1..15; 0 turns speculative decoding off "
                    "(default: on with a drafter, 15; a request may ask for fewer with num_speculative_tokens).")
-@click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+@click.option("--api-key", default=None, envvar="THORGEN_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1.")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allowed CORS origin (repeat; '*' for any).")
 @click.option("--served-model-name", "--model-name", "model_names", cls=NamesOption, multiple=True,
               metavar="NAME [NAME ...]", help="The names the server answers to: requests naming another `model` get "
-              "a 404; /v1/models lists them, answers carry the first (default: the folder name).")
+              "a 404; /v1/models lists them, answers carry the first (default: the folder name, and `thorgen`, the "
+              "name the README's examples send).")
 @click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -115,7 +116,7 @@ def serve(model_dir: Path | None, draft_dir: Path | None, backend: str, host: st
     demo = model_dir is None
     if backend == "reference" and kv_dtype != "bf16":
         raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs --backend cuda")
-    names = model_names or (DEMO_MODEL_ID if demo else model_dir.name,)
+    names = model_names or (DEMO_MODEL_ID if demo else model_dir.name, "thorgen")
     name = names[0]
 
     def loader():
