@@ -57,12 +57,16 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(b));
   return out;
 }
-// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/convert/layouts.py SHIFT_POS).
+// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/convert/layouts.py SHIFT_POS):
+// 8 codes in 9 integer instructions. r[2] = ((v << 6) & 0x0E000E00) | ((v << 1) & 0x80008000) and r[3] likewise
+// with shifts 9 and 2, each as one multiply of the masked word (x * 66 = (x << 6) + (x << 1)): the two shifted
+// copies land on disjoint kept bits, and their only overlap (bits 20-22 of r[2]) carries no further than bit 23,
+// which the final mask drops (tests/test_fp4_decode.py checks every value of the bits that reach the result).
 __device__ __forceinline__ void fp4_shift_decode(uint32_t v, uint32_t (&r)[4]) {
   r[0] = v & 0x8E008E00u;
   r[1] = (v << 3) & 0x8E008E00u;
-  r[2] = ((v << 6) & 0x0E000E00u) | ((v << 1) & 0x80008000u);
-  r[3] = ((v << 9) & 0x0E000E00u) | ((v << 2) & 0x80008000u);
+  r[2] = ((v & 0x40384038u) * 66u) & 0x8E008E00u;
+  r[3] = ((v & 0x20072007u) * 516u) & 0x8E008E00u;
 }
 
 // checkpoint-order word (4 bytes, each = two e2m1 codes, low nibble first) -> 4 half2 registers (exact e2m1).
@@ -118,20 +122,30 @@ template <int KIND> __host__ __device__ constexpr size_t layout_scale_bytes(size
 }
 
 // Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/convert/layouts.py).
-template <int KIND, int N, int K>
-__device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
-  constexpr int UNITS = N / 16;
-  const size_t idx = ((size_t)step * UNITS + unit) * 32 + lane;
+// lane_ptr: a lane's bytes of step 0 of a unit; load_step_at then adds step * a compile-time stride, so a loop
+// that keeps the lane pointers pays one address add a load instead of the 64-bit index arithmetic of each step.
+template <int KIND, int N>
+__device__ __forceinline__ WPtr lane_ptr(const WPtr& p, int unit, int lane) {
+  const size_t idx = (size_t)unit * 32 + lane;
+  return WPtr{p.w + idx * (KIND == HALF ? 64 : 16), KIND == HALF ? p.s : p.s + idx * 2};
+}
+template <int KIND, int N>
+__device__ __forceinline__ void load_step_at(WStep<KIND>& st, const WPtr& lp, int step) {
+  constexpr size_t UNITS = N / 16;
   if constexpr (KIND == HALF) {
-    const uint8_t* b = p.w + idx * 64;
+    const uint8_t* b = lp.w + (size_t)step * (UNITS * 32 * 64);
     st.q[0] = ldg_stream_v4(b);
     st.q[1] = ldg_stream_v4(b + 16);
     st.q[2] = ldg_stream_v4(b + 32);
     st.q[3] = ldg_stream_v4(b + 48);
   } else {
-    st.w = ldg_stream_v4(p.w + idx * 16);
-    st.s = ldg_stream_u16(p.s + idx * 2);
+    st.w = ldg_stream_v4(lp.w + (size_t)step * (UNITS * 32 * 16));
+    st.s = ldg_stream_u16(lp.s + (size_t)step * (UNITS * 32 * 2));
   }
+}
+template <int KIND, int N, int K>
+__device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
+  load_step_at<KIND, N>(st, lane_ptr<KIND, N>(p, unit, lane), step);
 }
 
 template <int KIND>
@@ -236,11 +250,14 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   static_assert(RT >= 1 && RT <= 2 && (RT == 1 || kTwoRows || kSwap), "1 or 2 tiles: full 16-row or 8-token ones");
   const int lane = threadIdx.x & 31, t4 = lane & 3;
   WStep<KIND> ring[UN][PF];
+  WPtr lp[UN];
+#pragma unroll
+  for (int u = 0; u < UN; ++u) lp[u] = lane_ptr<KIND, N>(p, unit0 + u, lane);
 #pragma unroll
   for (int i = 0; i < PF; ++i)
 #pragma unroll
     for (int u = 0; u < UN; ++u)
-      if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
+      if (s0 + i < s1) load_step_at<KIND, N>(ring[u][i], lp[u], s0 + i);
   if constexpr (kWait) pdl_wait();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
@@ -253,7 +270,7 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
           const WStep<KIND> cur = ring[u][i];
-          if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
+          if (s + PF < s1) load_step_at<KIND, N>(ring[u][i], lp[u], s + PF);
           uint32_t b[2][4][2];
           decode_step<KIND>(cur, b);
 #pragma unroll
