@@ -75,10 +75,10 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
               roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
               speculative: bool = False, accept: int | None = None,
-              options: EngineOptions = EngineOptions()) -> dict:
+              options: EngineOptions = EngineOptions(), sms: int | None = None) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
-                                    max(batch_sizes or [1]), options)
+                                    max(batch_sizes or [1]), options, sms)
     load_s = time.perf_counter() - t0
     ctx = backend.max_context
     if prompt_len + gen > ctx:
@@ -113,6 +113,8 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         "ready_s": round(ready_s, 3),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
+    if sms is not None:  # decode and the copy probe both ran on the green context's multiprocessors
+        report.update(sms_requested=sms, sms=facts["sms"], device_sms=facts["device_sms"])
     if backend_name == "cuda" and hasattr(backend, "kernel_breakdown"):
         # decode: each kernel's launches replayed as a graph; prefill chunk: eager launches timed with events.
         report["decode_step_kernels"] = backend.kernel_breakdown()
@@ -152,6 +154,9 @@ def _text(r: dict) -> str:
              f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
              f"({r['copy_gb_s']:.1f} GB/s)",
              f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB"]
+    if r.get("sms") is not None:
+        lines.insert(1, f"  multiprocessors {r['sms']} of {r['device_sms']} (--sms {r['sms_requested']}: a green "
+                        "context; decode and the copy probe both ran on them)")
     if r.get("peer"):
         p = r["peer"]
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
@@ -244,12 +249,15 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--batch-sizes", default=None,
               help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
                    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
+@click.option("--sms", type=click.IntRange(min=1), default=None,
+              help="Run on this many multiprocessors only (a CUDA green context; e.g. 20, Jetson AGX Thor's count): "
+                   "decode and the copy probe both, so fraction_of_copy is against the SM-limited copy rate.")
 @engine_option_flags
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int, ctx: int | None, kv_dtype: str,
           as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None, kernel_dir: Path | None,
           roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None, peer: str | None,
-          speculative: bool, accept: int | None, engine_options: EngineOptions) -> None:
+          speculative: bool, accept: int | None, sms: int | None, engine_options: EngineOptions) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -269,6 +277,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
                + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
                + (f" --emulate-acceptance {accept}" if accept is not None else "")
+               + (f" --sms {sms}" if sms is not None else "")
                + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
                          if not getattr(engine_options, name)))
     if accept is not None and not speculative:
@@ -281,7 +290,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer, speculative, accept, engine_options)
+                           roofline, sizes, peer, speculative, accept, engine_options, sms)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:
