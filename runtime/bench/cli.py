@@ -265,8 +265,8 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     if model is None:
         raise click.UsageError("--model DIR is required (or run `thorgen bench serve` against a server)")
     if suite_file is not None:
-        if roofline or kernels:
-            raise click.UsageError("--suite runs on its own: drop --roofline / --kernels")
+        if roofline or kernels or sms is not None:
+            raise click.UsageError("--suite runs on its own: drop --roofline / --kernels / --sms")
         return _bench_suite(model, backend, suite_file, runs, ctx, kv_dtype, ignore_eos, as_json, out_file,
                             weights, kernel_dir)
     if ctx is not None and prompt_len + gen > ctx:
@@ -280,6 +280,8 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                + (f" --sms {sms}" if sms is not None else "")
                + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
                          if not getattr(engine_options, name)))
+    if kernels and sms is not None:
+        raise click.UsageError("--kernels times each kernel on the whole GPU: drop --sms")
     if accept is not None and not speculative:
         raise click.UsageError("--emulate-acceptance goes with --speculative")
     try:

@@ -122,30 +122,20 @@ template <int KIND> __host__ __device__ constexpr size_t layout_scale_bytes(size
 }
 
 // Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/convert/layouts.py).
-// lane_ptr: a lane's bytes of step 0 of a unit; load_step_at then adds step * a compile-time stride, so a loop
-// that keeps the lane pointers pays one address add a load instead of the 64-bit index arithmetic of each step.
-template <int KIND, int N>
-__device__ __forceinline__ WPtr lane_ptr(const WPtr& p, int unit, int lane) {
-  const size_t idx = (size_t)unit * 32 + lane;
-  return WPtr{p.w + idx * (KIND == HALF ? 64 : 16), KIND == HALF ? p.s : p.s + idx * 2};
-}
-template <int KIND, int N>
-__device__ __forceinline__ void load_step_at(WStep<KIND>& st, const WPtr& lp, int step) {
-  constexpr size_t UNITS = N / 16;
+template <int KIND, int N, int K>
+__device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
+  constexpr int UNITS = N / 16;
+  const size_t idx = ((size_t)step * UNITS + unit) * 32 + lane;
   if constexpr (KIND == HALF) {
-    const uint8_t* b = lp.w + (size_t)step * (UNITS * 32 * 64);
+    const uint8_t* b = p.w + idx * 64;
     st.q[0] = ldg_stream_v4(b);
     st.q[1] = ldg_stream_v4(b + 16);
     st.q[2] = ldg_stream_v4(b + 32);
     st.q[3] = ldg_stream_v4(b + 48);
   } else {
-    st.w = ldg_stream_v4(lp.w + (size_t)step * (UNITS * 32 * 16));
-    st.s = ldg_stream_u16(lp.s + (size_t)step * (UNITS * 32 * 2));
+    st.w = ldg_stream_v4(p.w + idx * 16);
+    st.s = ldg_stream_u16(p.s + idx * 2);
   }
-}
-template <int KIND, int N, int K>
-__device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
-  load_step_at<KIND, N>(st, lane_ptr<KIND, N>(p, unit, lane), step);
 }
 
 template <int KIND>
@@ -250,14 +240,11 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   static_assert(RT >= 1 && RT <= 2 && (RT == 1 || kTwoRows || kSwap), "1 or 2 tiles: full 16-row or 8-token ones");
   const int lane = threadIdx.x & 31, t4 = lane & 3;
   WStep<KIND> ring[UN][PF];
-  WPtr lp[UN];
-#pragma unroll
-  for (int u = 0; u < UN; ++u) lp[u] = lane_ptr<KIND, N>(p, unit0 + u, lane);
 #pragma unroll
   for (int i = 0; i < PF; ++i)
 #pragma unroll
     for (int u = 0; u < UN; ++u)
-      if (s0 + i < s1) load_step_at<KIND, N>(ring[u][i], lp[u], s0 + i);
+      if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
   if constexpr (kWait) pdl_wait();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
@@ -270,7 +257,7 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
           const WStep<KIND> cur = ring[u][i];
-          if (s + PF < s1) load_step_at<KIND, N>(ring[u][i], lp[u], s + PF);
+          if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
           uint32_t b[2][4][2];
           decode_step<KIND>(cur, b);
 #pragma unroll
