@@ -36,9 +36,6 @@ ALLOWED: dict[str, dict[str, tuple[int, str]]] = {
         "lm_pick_prep__v262144": (8, "as lm_sample_prep"),
     },
     "sm_120a": {
-        "moe_down_pairs__m16_e128_k8_i704_h2816": (16, "a two-word local array written and read once a pass of 8 "
-                                                       "pairs, before the weight loop"),
-        "moe_down_pairs__m32_e128_k8_i704_h2816": (16, "as m16"),
         "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3": (24, "prefill attention with fp8 KV, not examined"),
     },
 }
