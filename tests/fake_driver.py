@@ -24,6 +24,7 @@ import numpy as np
 from emulated_kernels import EmuError, KernelEmulator
 
 GiB = 2**30
+IGNORE_SM_COSCHEDULING = 1  # CUdevSmResourceSplit_flags' value
 INT_ARGS = {"T", "m", "tap_stride", "tap_col"}  # kernel arguments passed as 32-bit ints (the rest: 64-bit)
 
 
@@ -65,7 +66,7 @@ class FakeDriver:
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="smem")
     CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
     CUdevResourceType = SimpleNamespace(CU_DEV_RESOURCE_TYPE_SM=1)
-    CUdevSmResourceSplit_flags = SimpleNamespace(CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING=1)
+    CUdevSmResourceSplit_flags = SimpleNamespace(CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING=IGNORE_SM_COSCHEDULING)
     CUgreenCtxCreate_flags = SimpleNamespace(CU_GREEN_CTX_DEFAULT_STREAM=1)
 
     class CUDA_MEMCPY2D(SimpleNamespace):
@@ -143,7 +144,7 @@ class FakeDriver:
     def cuDevSmResourceSplitByCount(self, nb_groups, whole, flags, min_count):
         """The driver's granularity on compute capability 9.0+: 8 SMs, or 2 when co-scheduling is ignored; a
         request the device cannot hold gives no group."""
-        step = 2 if flags & self.CUdevSmResourceSplit_flags.CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING else 8
+        step = 2 if flags & IGNORE_SM_COSCHEDULING else 8
         count = max(step, -(-int(min_count) // step) * step)
         total = whole.sm.smCount
         if nb_groups < 1 or count > total:

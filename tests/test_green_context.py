@@ -58,6 +58,19 @@ def test_a_split_the_driver_cannot_make_is_refused(fake):
         dev.Device.open(0, sms=21)  # rounds up to 22 SMs, one more than the device has
 
 
+def test_bindings_without_green_contexts_are_refused(fake, monkeypatch):
+    monkeypatch.delattr(type(fake), "cuGreenCtxCreate")
+    with pytest.raises(BackendError, match="needs green contexts"):
+        dev.Device.open(0, sms=20)
+
+
+def test_bindings_without_the_split_flag_get_the_default_granularity(fake, monkeypatch):
+    monkeypatch.delattr(type(fake), "CUdevSmResourceSplit_flags")
+    d = dev.Device.open(0, sms=20)
+    assert d.sms == 24  # 8-SM granularity on compute capability 9.0
+    d.close()
+
+
 def test_engine_runs_in_the_green_context(tiny_checkpoint, tmp_path):
     prompt, params = [2, 17, 33, 5, 9], SamplingParams(temperature=0.0)
     try:

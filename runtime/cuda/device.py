@@ -202,9 +202,12 @@ def _green_context(dev: Any, sms: int, total: int) -> tuple[Any, Any, int]:
     if not 1 <= sms <= total:
         raise BackendError(f"--sms {sms}: this GPU has {total} multiprocessors (1..{total})")
     cu = driver()
+    if not hasattr(cu, "cuGreenCtxCreate") or not hasattr(cu, "cuCtxFromGreenCtx"):
+        raise BackendError(f"--sms {sms} needs green contexts: cuda-python >= 12.6 and a CUDA 12.4+ driver")
     whole = check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
                   "cuDeviceGetDevResource")
-    flags = int(cu.CUdevSmResourceSplit_flags.CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING)
+    split_flags = getattr(cu, "CUdevSmResourceSplit_flags", None)  # (older bindings: the default 8-SM granularity)
+    flags = int(getattr(split_flags, "CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING", 0))
     groups, count, _rest = check(cu.cuDevSmResourceSplitByCount(1, whole, flags, sms),
                                  "cuDevSmResourceSplitByCount")
     if count < 1:
