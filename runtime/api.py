@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
     options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (all on by default)
+    sms: int | None = None  # cuda: run on this many multiprocessors (a green context; None: the whole GPU)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
 
     return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
                      weights_dir=config.weights, kernels_dir=config.kernels, max_num_seqs=config.max_num_seqs,
-                     kv_cache_gib=config.kv_cache_gib, options=config.options)
+                     kv_cache_gib=config.kv_cache_gib, options=config.options, sms=config.sms)
 
 
 BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}

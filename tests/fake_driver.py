@@ -24,6 +24,7 @@ import numpy as np
 from emulated_kernels import EmuError, KernelEmulator
 
 GiB = 2**30
+IGNORE_SM_COSCHEDULING = 1  # CUdevSmResourceSplit_flags' value
 INT_ARGS = {"T", "m", "tap_stride", "tap_col"}  # kernel arguments passed as 32-bit ints (the rest: 64-bit)
 
 
@@ -44,7 +45,8 @@ INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 # Calls that need no current context, as in the real driver; every other cu* call fails without one.
 CONTEXT_FREE = {"cuInit", "cuGetErrorString", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetAttribute",
                 "cuDeviceGetName", "cuDeviceTotalMem", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
-                "cuCtxSetCurrent"}
+                "cuCtxSetCurrent", "cuDeviceGetDevResource", "cuDevSmResourceSplitByCount", "cuDevResourceGenerateDesc",
+                "cuGreenCtxCreate"}
 
 
 class FakeDriver:
@@ -63,6 +65,9 @@ class FakeDriver:
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0, CU_EVENT_DISABLE_TIMING=2)
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="smem")
     CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+    CUdevResourceType = SimpleNamespace(CU_DEV_RESOURCE_TYPE_SM=1)
+    CUdevSmResourceSplit_flags = SimpleNamespace(CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING=IGNORE_SM_COSCHEDULING)
+    CUgreenCtxCreate_flags = SimpleNamespace(CU_GREEN_CTX_DEFAULT_STREAM=1)
 
     class CUDA_MEMCPY2D(SimpleNamespace):
         pass
@@ -93,6 +98,9 @@ class FakeDriver:
         self._capture: dict[Any, list] = {}
         self._joined: dict[Any, Any] = {}  # side stream -> the capturing stream it forked from
         self._recorded_on: dict[int, Any] = {}  # id(event) -> stream of its last record
+        self.sms = 132  # multiprocessors of the device
+        self.green_contexts: list[SimpleNamespace] = []  # created by cuGreenCtxCreate (sms, ctx, destroyed)
+        self.launch_contexts: set[Any] = set()  # the contexts current at kernel and graph launches
         self.launches: list[str] = []  # kernel names, in execution order (tests may inspect)
         self.pdl_launches = 0  # launches made with programmatic stream serialization
         self.emu = KernelEmulator(self)
@@ -108,7 +116,7 @@ class FakeDriver:
 
     def cuDeviceGetAttribute(self, attr, d):
         major, minor = self.capability
-        return OK, {"major": major, "minor": minor, "sms": 132, "smem": 232448}[attr]
+        return OK, {"major": major, "minor": minor, "sms": self.sms, "smem": 232448}[attr]
 
     def cuDeviceGetName(self, n, d): return OK, self.name.encode() + b"\0\0"
     def cuDeviceTotalMem(self, d): return OK, 141 * GiB
@@ -126,6 +134,38 @@ class FakeDriver:
                 and getattr(object.__getattribute__(self, "_ctx"), "current", None) is None:
             return lambda *args, **kwargs: (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         return attr
+
+    # ---- green contexts: an SM partition of the device (kernels run as before; tests read what was asked) -------
+    def cuDeviceGetDevResource(self, d, kind):
+        if kind != self.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM:
+            return INVALID_VALUE, None
+        return OK, SimpleNamespace(type=kind, sm=SimpleNamespace(smCount=self.sms))
+
+    def cuDevSmResourceSplitByCount(self, nb_groups, whole, flags, min_count):
+        """The driver's granularity on compute capability 9.0+: 8 SMs, or 2 when co-scheduling is ignored; a
+        request the device cannot hold gives no group."""
+        step = 2 if flags & IGNORE_SM_COSCHEDULING else 8
+        count = max(step, -(-int(min_count) // step) * step)
+        total = whole.sm.smCount
+        if nb_groups < 1 or count > total:
+            return OK, [], 0, whole
+        part = SimpleNamespace(type=whole.type, sm=SimpleNamespace(smCount=count))
+        return OK, [part], 1, SimpleNamespace(type=whole.type, sm=SimpleNamespace(smCount=total - count))
+
+    def cuDevResourceGenerateDesc(self, resources, n):
+        return OK, SimpleNamespace(resources=tuple(resources[:n]))
+
+    def cuGreenCtxCreate(self, desc, d, flags):
+        green = SimpleNamespace(sms=sum(r.sm.smCount for r in desc.resources), destroyed=False, ctx=None)
+        green.ctx = ("green", len(self.green_contexts))
+        self.green_contexts.append(green)
+        return OK, green
+
+    def cuCtxFromGreenCtx(self, green): return OK, green.ctx
+
+    def cuGreenCtxDestroy(self, green):
+        green.destroyed = True
+        return (OK,)
 
     def cuCtxSynchronize(self): return (OK,)
     def cuMemGetInfo(self): return OK, self.free, 141 * GiB
@@ -263,6 +303,7 @@ class FakeDriver:
     def cuGraphExecDestroy(self, g): return (OK,)
 
     def cuGraphLaunch(self, g, s):
+        self.launch_contexts.add(self._ctx.current)
         for fn in g:
             fn()
         return (OK,)
@@ -294,6 +335,7 @@ class FakeDriver:
                                    cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, params, extra)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.launch_contexts.add(self._ctx.current)
         names = self.entries[fn]["args"]
         slots = (ctypes.c_void_p * len(names)).from_address(params)
         vals = {}

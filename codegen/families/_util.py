@@ -7,10 +7,10 @@ from ..kernel_spec import PlanError
 from . import MAX_STEP_TOKENS
 
 
-def row_threads(width: int, arch: ArchSpec, what: str) -> int:
-    """Largest multiple of 32 <= the arch's block size that divides `width` (one row per block, registers hold
-    width/threads elements each)."""
-    for t in range(arch.threads_per_block, 31, -32):
+def row_threads(width: int, arch: ArchSpec, what: str, at_least: int = 0) -> int:
+    """Largest multiple of 32 <= the arch's block size (or `at_least`, when larger) that divides `width` (one row
+    per block, registers hold width/threads elements each)."""
+    for t in range(max(arch.threads_per_block, at_least), 31, -32):
         if width % t == 0:
             return t
     raise PlanError(f"{what}: width {width} has no block size (multiple of 32) dividing it")

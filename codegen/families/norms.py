@@ -41,6 +41,11 @@ def attn_tail_kernel(H: int, eps: float, arch: ArchSpec) -> KernelSpec:
                       args=("o", "x", "w_post", "w_pre1", "w_pre2", "a1", "a2", "T"), family="norms")
 
 
+# ffn_tail holds five row vectors in registers (and its slot form PAIRS of the MoE's rows more): at 128 threads
+# (sm_110a's row block) a 2816-wide row took 252 registers, and 255 with 808 bytes of spills for 8 slot rows;
+# 256 threads hold 11 columns a thread, as on sm_90a (114 and 196 registers, no spills).
+FFN_TAIL_MIN_THREADS = 256
+
 FFN_TAIL_ARGS = ("mlp", "moe", "ids", "x", "w1", "w2", "w", "layer_scalar", "w_next", "a", "tap", "tap_stride",
                  "tap_col", "T")
 
@@ -54,7 +59,7 @@ def ffn_tail_kernel(H: int, eps: float, arch: ArchSpec, pairs: int = 0, experts:
     return KernelSpec(name, "ffn_tail.cu.j2",
                       make_params(H=H, EPS=float(eps), IN=GEMM_OUT_DTYPE, OUT=ACT_DTYPE, TAP=ACT_DTYPE, PAIRS=pairs,
                                   EXPERTS=experts, ROW_AXIS=0), row_grid(),
-                      (row_threads(H, arch, "ffn_tail"), 1, 1), args=FFN_TAIL_ARGS, family="norms")
+                      (row_threads(H, arch, "ffn_tail", FFN_TAIL_MIN_THREADS), 1, 1), args=FFN_TAIL_ARGS, family="norms")
 
 
 def bench_norms(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:

@@ -75,10 +75,11 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
               kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
               roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
               speculative: bool = False, accept: int | None = None,
-              options: EngineOptions = EngineOptions(), image: Path | None = None, image_budget: int = 280) -> dict:
+              options: EngineOptions = EngineOptions(), image: Path | None = None, image_budget: int = 280,
+              sms: int | None = None) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
-                                    max(batch_sizes or [1]), options)
+                                    max(batch_sizes or [1]), options, sms)
     load_s = time.perf_counter() - t0
     ctx = backend.max_context
     if prompt_len + gen > ctx:
@@ -113,6 +114,8 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         "ready_s": round(ready_s, 3),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
+    if sms is not None:  # decode and the copy probe both ran on the green context's multiprocessors
+        report.update(sms_requested=sms, sms=facts["sms"], device_sms=facts["device_sms"])
     if backend_name == "cuda" and hasattr(backend, "kernel_breakdown"):
         # decode: each kernel's launches replayed as a graph; prefill chunk: eager launches timed with events.
         report["decode_step_kernels"] = backend.kernel_breakdown()
@@ -160,6 +163,9 @@ def _text(r: dict) -> str:
         from .image import image_text
 
         lines.append(image_text(r))
+    if r.get("sms") is not None:
+        lines.insert(1, f"  multiprocessors {r['sms']} of {r['device_sms']} (--sms {r['sms_requested']}: a green "
+                        "context; decode and the copy probe both ran on them)")
     if r.get("peer"):
         p = r["peer"]
         lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
@@ -257,13 +263,16 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
                    "(encode + prefill) and decode tok/s after it.")
 @click.option("--image-max-tokens", "image_budget", type=click.Choice(["70", "140", "280", "560", "1120"]),
               default="280", show_default=True, help="--image: soft tokens the image may take.")
+@click.option("--sms", type=click.IntRange(min=1), default=None,
+              help="Run on this many multiprocessors only (a CUDA green context; e.g. 20, Jetson AGX Thor's count): "
+                   "decode and the copy probe both, so fraction_of_copy is against the SM-limited copy rate.")
 @engine_option_flags
 @click.pass_context
 def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int,
           ctx: int | None, kv_dtype: str, as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None,
           kernel_dir: Path | None, roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None,
           peer: str | None, speculative: bool, accept: int | None, image: Path | None, image_budget: str,
-          engine_options: EngineOptions) -> None:
+          sms: int | None, engine_options: EngineOptions) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -271,8 +280,8 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     if model is None:
         raise click.UsageError("--model DIR is required (or run `thorgen bench serve` against a server)")
     if suite_file is not None:
-        if roofline or kernels:
-            raise click.UsageError("--suite runs on its own: drop --roofline / --kernels")
+        if roofline or kernels or sms is not None:
+            raise click.UsageError("--suite runs on its own: drop --roofline / --kernels / --sms")
         return _bench_suite(model, backend, suite_file, runs, ctx, kv_dtype, ignore_eos, as_json, out_file,
                             weights, kernel_dir)
     if ctx is not None and prompt_len + gen > ctx:
@@ -284,8 +293,11 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
                + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
                + (f" --emulate-acceptance {accept}" if accept is not None else "")
                + (f" --image {image} --image-max-tokens {image_budget}" if image else "")
+               + (f" --sms {sms}" if sms is not None else "")
                + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
                          if not getattr(engine_options, name)))
+    if kernels and sms is not None:
+        raise click.UsageError("--kernels times each kernel on the whole GPU: drop --sms")
     if accept is not None and not speculative:
         raise click.UsageError("--emulate-acceptance goes with --speculative")
     try:
@@ -296,7 +308,7 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
         report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer, speculative, accept, engine_options, image, int(image_budget))
+                           roofline, sizes, peer, speculative, accept, engine_options, image, int(image_budget), sms)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -65,21 +65,27 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
                          kernel_dir: Path | None = None, max_num_seqs: int = 1,
-                         options: EngineOptions = EngineOptions()) -> tuple[OpenedModel, dict]:
-    """(the opened model, facts about its backend for the report), through the one backend registry."""
+                         options: EngineOptions = EngineOptions(), sms: int | None = None
+                         ) -> tuple[OpenedModel, dict]:
+    """(the opened model, facts about its backend for the report), through the one backend registry. `sms`: the
+    cuda backend runs on that many multiprocessors (a green context)."""
+    if sms is not None and name != "cuda":
+        raise BackendError("--sms restricts the cuda backend's GPU (use --backend cuda)")
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
     opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
                                        prefix_slots=0, max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
-                                       options=options))
+                                       options=options, sms=sms))
     b = opened.backend
     if name == "cuda":
-        return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head}
+        return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head, "sms": b.device.sms,
+                        "device_sms": b.device.info.sm_count}
     return opened, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
 
 
 def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
                    kernel_dir: Path | None = None, max_num_seqs: int = 1,
-                   options: EngineOptions = EngineOptions()) -> tuple[Any, dict]:
+                   options: EngineOptions = EngineOptions(), sms: int | None = None) -> tuple[Any, dict]:
     """(backend, facts about it for the report)."""
-    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs, options)
+    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs, options,
+                                         sms)
     return opened.backend, facts

@@ -158,26 +158,29 @@ class CudaBackend(StreamingBackend):
         return per_kernel(profile_step(self.engine, 0, rows=rows))
 
     def close(self) -> None:
+        """Free the engine, then release the contexts open_backend took (its green context, if any)."""
         self.engine.close()
+        self.device.close()
 
 
 def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
                  draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
                  kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False,
                  max_num_seqs: int = 1, kv_cache_gib: float | None = None,
-                 options: EngineOptions = EngineOptions()) -> CudaBackend:
+                 options: EngineOptions = EngineOptions(), sms: int | None = None) -> CudaBackend:
     """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
 
     Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
     artifacts -> repack/build; too little memory -> needed vs free). The KV cache holds `max_num_seqs` sequences
     of up to `ctx` tokens (fewer when their rings and one full context do not fit), whose paged layers share the
-    pages that fit beside them (kv_cache.fit_kv)."""
+    pages that fit beside them (kv_cache.fit_kv). `sms`: every kernel runs on that many multiprocessors (Device.open's
+    green context), the copy probe too."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     spec = _served_spec(_spec(model_dir, Path(draft_dir) if draft_dir else None), model_dir,
                         Path(weights_dir) if weights_dir else None)
     ctx = default_ctx(spec.target.max_position_embeddings, ctx)
-    dev = Device.open(device)
+    dev = Device.open(device, sms)
     arch = dev.info.arch
     manifest = find_kernels(model_dir, spec.name, arch, Path(kernels_dir) if kernels_dir else None)
     manifest.check(spec_hash=spec.spec_hash, device_arch=arch)

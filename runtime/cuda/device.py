@@ -97,14 +97,18 @@ class DeviceInfo:
 class Device:
     """One GPU with its primary context made current on this thread. Use `Device.open()`."""
 
-    def __init__(self, info: DeviceInfo, handle: Any, ctx: Any) -> None:
+    def __init__(self, info: DeviceInfo, handle: Any, ctx: Any, green: Any = None, sms: int | None = None) -> None:
         self.info, self._handle, self._ctx = info, handle, ctx
+        self._green = green  # the green context the work runs in (None: the whole GPU)
+        self.sms = info.sm_count if sms is None else sms  # multiprocessors the kernels may run on
         self._closed = False
         self._peak_used = 0
 
     @classmethod
-    def open(cls, ordinal: int = 0) -> "Device":
-        """Initialise the driver and retain GPU `ordinal`'s primary context; BackendError with a remedy if none."""
+    def open(cls, ordinal: int = 0, sms: int | None = None) -> "Device":
+        """Initialise the driver and retain GPU `ordinal`'s primary context; BackendError with a remedy if none.
+        `sms`: run every kernel on that many multiprocessors only, through a green context made current instead
+        (the driver may round the count up: `Device.sms` is what it granted)."""
         cu = driver()
         try:
             ret = cu.cuInit(0)
@@ -137,7 +141,15 @@ class Device:
             smem_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
         ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        return cls(info, dev, ctx)
+        if sms is None:
+            return cls(info, dev, ctx)
+        try:
+            green, green_ctx, granted = _green_context(dev, sms, info.sm_count)
+        except BaseException:
+            check(cu.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")
+            raise
+        check(cu.cuCtxSetCurrent(green_ctx), "cuCtxSetCurrent")
+        return cls(info, dev, green_ctx, green, granted)
 
     # ---- queries ---------------------------------------------------------------------------------------------
     def mem_info(self) -> tuple[int, int]:
@@ -170,9 +182,11 @@ class Device:
         return Event(check(cu.cuEventCreate(int(flags)), "cuEventCreate"))
 
     def close(self) -> None:
-        """Release the primary context (idempotent). Buffers must be freed before."""
+        """Release the green and the primary context (idempotent). Buffers must be freed before."""
         if not self._closed:
             self._closed = True
+            if self._green is not None:
+                check(driver().cuGreenCtxDestroy(self._green), "cuGreenCtxDestroy")
             check(driver().cuDevicePrimaryCtxRelease(self._handle), "cuDevicePrimaryCtxRelease")
 
     def __enter__(self) -> "Device":
@@ -180,6 +194,34 @@ class Device:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _green_context(dev: Any, sms: int, total: int) -> tuple[Any, Any, int]:
+    """(green context, its CUcontext, SMs granted) of `sms` of the device's multiprocessors. The split ignores SM
+    co-scheduling (no kernel here launches clusters), which lowers the driver's granularity from 8 SMs to 2 on
+    Hopper, so a 20-SM request gets 20 rather than 24."""
+    if not 1 <= sms <= total:
+        raise BackendError(f"--sms {sms}: this GPU has {total} multiprocessors (1..{total})")
+    cu = driver()
+    if not hasattr(cu, "cuGreenCtxCreate") or not hasattr(cu, "cuCtxFromGreenCtx"):
+        raise BackendError(f"--sms {sms} needs green contexts: cuda-python >= 12.6 and a CUDA 12.4+ driver")
+    whole = check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+                  "cuDeviceGetDevResource")
+    split_flags = getattr(cu, "CUdevSmResourceSplit_flags", None)  # (older bindings: the default 8-SM granularity)
+    flags = int(getattr(split_flags, "CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING", 0))
+    groups, count, _rest = check(cu.cuDevSmResourceSplitByCount(1, whole, flags, sms),
+                                 "cuDevSmResourceSplitByCount")
+    if count < 1:
+        raise BackendError(f"--sms {sms}: the driver cannot split that many multiprocessors off this GPU")
+    part = groups[0]
+    desc = check(cu.cuDevResourceGenerateDesc([part], 1), "cuDevResourceGenerateDesc")
+    green = check(cu.cuGreenCtxCreate(desc, dev, int(cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)),
+                  "cuGreenCtxCreate")
+    try:
+        return green, check(cu.cuCtxFromGreenCtx(green), "cuCtxFromGreenCtx"), int(part.sm.smCount)
+    except BaseException:
+        check(cu.cuGreenCtxDestroy(green), "cuGreenCtxDestroy")
+        raise
 
 
 class Stream:

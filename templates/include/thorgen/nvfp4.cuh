@@ -57,12 +57,16 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(b));
   return out;
 }
-// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/convert/layouts.py SHIFT_POS).
+// "shift" word -> 4 half2 registers holding e2m1 * 2^-14 (exact; layout in runtime/convert/layouts.py SHIFT_POS):
+// 8 codes in 9 integer instructions. r[2] = ((v << 6) & 0x0E000E00) | ((v << 1) & 0x80008000) and r[3] likewise
+// with shifts 9 and 2, each as one multiply of the masked word (x * 66 = (x << 6) + (x << 1)): the two shifted
+// copies land on disjoint kept bits, and their only overlap (bits 20-22 of r[2]) carries no further than bit 23,
+// which the final mask drops (tests/test_fp4_decode.py checks every value of the bits that reach the result).
 __device__ __forceinline__ void fp4_shift_decode(uint32_t v, uint32_t (&r)[4]) {
   r[0] = v & 0x8E008E00u;
   r[1] = (v << 3) & 0x8E008E00u;
-  r[2] = ((v << 6) & 0x0E000E00u) | ((v << 1) & 0x80008000u);
-  r[3] = ((v << 9) & 0x0E000E00u) | ((v << 2) & 0x80008000u);
+  r[2] = ((v & 0x40384038u) * 66u) & 0x8E008E00u;
+  r[3] = ((v & 0x20072007u) * 516u) & 0x8E008E00u;
 }
 
 // checkpoint-order word (4 bytes, each = two e2m1 codes, low nibble first) -> 4 half2 registers (exact e2m1).
@@ -235,6 +239,10 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   static_assert(!(kSwap && kTwoRows), "a swapped tile holds 8 tokens");
   static_assert(RT >= 1 && RT <= 2 && (RT == 1 || kTwoRows || kSwap), "1 or 2 tiles: full 16-row or 8-token ones");
   const int lane = threadIdx.x & 31, t4 = lane & 3;
+  // Decoding a step before its ring slot is refilled saves the slot's copy (sm_110a's hot loops 8-32 % fewer
+  // instructions); with the integer decode (sm_90a) or two row tiles it pushed the 32-row GEMMs and the one-row
+  // GELU GEMV into spills, so those refill first.
+  constexpr bool kDecodeFirst = KIND == FP4_NAT && RT == 1;
   WStep<KIND> ring[UN][PF];
 #pragma unroll
   for (int i = 0; i < PF; ++i)
@@ -252,10 +260,15 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
         for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
-          const WStep<KIND> cur = ring[u][i];
-          if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
           uint32_t b[2][4][2];
-          decode_step<KIND>(cur, b);
+          if constexpr (kDecodeFirst) {  // decode, then refill the slot: no copy of the raw step
+            decode_step<KIND>(ring[u][i], b);
+            if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
+          } else {  // refill first, from a copy: fewer live registers where the decoded tiles are many
+            const WStep<KIND> cur = ring[u][i];
+            if (s + PF < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s + PF, lane);
+            decode_step<KIND>(cur, b);
+          }
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt) {
             if constexpr (kSwap) mma_step_swap(acc[u][rt], a[rt], b);
