@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -74,6 +75,32 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.offset + self.image.soft_tokens
+
+
+class ImageRowCache:
+    """The soft-token rows of recently encoded images, by content hash: an LRU of `slots` images in front of a
+    tower (`model.encode(image) -> float32 [N, text hidden]`), shared by both backends' engines. `encoded` counts
+    the images the tower ran (misses); `slots = 0` turns the cache off (the bench times every encode)."""
+
+    def __init__(self, model: Any, slots: int = 8) -> None:
+        self.model, self.slots, self.encoded = model, slots, 0
+        self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def rows(self, image: ImageInput) -> np.ndarray:
+        hit = self._rows.get(image.hash)
+        if hit is not None:
+            self._rows.move_to_end(image.hash)
+            return hit
+        rows = self.model.encode(image)
+        self.encoded += 1
+        if self.slots > 0:
+            self._rows[image.hash] = rows
+            while len(self._rows) > self.slots:
+                self._rows.popitem(last=False)
+        return rows
+
+    def clear(self) -> None:
+        self._rows.clear()
 
 
 def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_token_id: int) -> None:

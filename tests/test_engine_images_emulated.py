@@ -89,7 +89,7 @@ def test_encode_is_the_program_and_near_the_float32_tower(pair):
     cuda, _, ck = pair
     spec = ck.spec
     img = load_image(image_bytes(1), spec.vision, 70)
-    got = cuda.engine.vision.encode(img)
+    got = cuda.engine.encoder_cache.rows(img)
     assert got.shape == (img.soft_tokens, spec.target.hidden_size) and np.isfinite(got).all()
     tensors = {t.name: np.asarray(ck.tensor(t.name)) for t in vision_tensors(spec.vision, spec.target.hidden_size)}
     for name in ("model.vision_tower.std_bias", "model.vision_tower.std_scale"):  # (run_encode's are float32)
@@ -100,9 +100,9 @@ def test_encode_is_the_program_and_near_the_float32_tower(pair):
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < 3e-2, err  # the fp16 GEMMs and bf16 q/k/v (tests/test_vision_program.py)
     # the encoder cache: the same image again is not run again
-    n = cuda.engine.vision.encoded
-    assert cuda.engine.vision.encode(load_image(image_bytes(1), spec.vision, 70)) is got
-    assert cuda.engine.vision.encoded == n
+    n = cuda.engine.encoder_cache.encoded
+    assert cuda.engine.encoder_cache.rows(load_image(image_bytes(1), spec.vision, 70)) is got
+    assert cuda.engine.encoder_cache.encoded == n
 
 
 @pytest.mark.parametrize("seeds", [(1,), (1, 2)])
@@ -124,7 +124,7 @@ def test_image_rows_and_block_mask_change_the_output(pair):
 
     cuda, ref, ck = pair
     ids, spans = prompt(ck.spec, 1)
-    rows = [(s.offset, cuda.engine.vision.encode(s.image)) for s in spans]
+    rows = [(s.offset, cuda.engine.encoder_cache.rows(s.image)) for s in spans]
     cuda.generate(ids, 1, SamplingParams(), images=spans)
     got = softcap(cuda.engine.logits(), ck.spec.target.final_logit_softcapping).astype(np.float64)
     m = ref.target

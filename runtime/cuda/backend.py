@@ -157,6 +157,11 @@ class CudaBackend(StreamingBackend):
 
         return per_kernel(profile_step(self.engine, 0, rows=rows))
 
+    @property
+    def encoder_cache(self):
+        """The engine's encoded-image rows in front of the device tower (None without one): what the bench times."""
+        return self.engine.encoder_cache
+
     def close(self) -> None:
         """Free the engine, then release the contexts open_backend took (its green context, if any)."""
         self.engine.close()

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
 from ...model_spec.types import ModelSpec
-from ..backend import MAX_TOP_LOGPROBS, BackendError
+from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
 from .buffers import MAX_LOGIT_BIAS, EngineBuffers, plan_activations
@@ -82,6 +82,7 @@ class Engine:
         # Image input is optional too: without the tower's weights or programs, requests with images are refused
         self.vision_missing = vision_missing(spec, self)
         self.vision = None if self.vision_missing else VisionEncoder(self)
+        self.encoder_cache = None if self.vision is None else ImageRowCache(self.vision)
         # Test and bench hooks of the DFlash steps. draft_hook: callable(start, last_token) -> 15 drafts that
         # replace the drafter's (written into ids[1..15] between the draft and the verify graphs), so tests can
         # force long acceptances and rollbacks. emulate_acceptance: see CudaRunner.decode (thorgen bench

@@ -215,7 +215,7 @@ class CudaRunner:
                 self._on_device = None
                 return None
         ext = sample and self.logits.stage([seq])
-        images = [(s.offset, self.engine.vision.encode(s.image)) for s in seq.images
+        images = [(s.offset, self.engine.encoder_cache.rows(s.image)) for s in seq.images
                   if s.offset < end and s.end > start]
         tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched,
                                   begin=start, lane=i, ext=ext, images=images)  # (start < end: the core skips a

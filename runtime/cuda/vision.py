@@ -1,5 +1,5 @@
-"""Runtime stage: `VisionEncoder`, the vision tower on the device: its activations, the vision.encode step program
-bound to them, and the soft-token rows of recently encoded images by content hash.
+"""Runtime stage: `VisionEncoder`, the vision tower on the device: its activations and the vision.encode step program
+bound to them (the engine keeps recently encoded images' rows in an ImageRowCache in front of it).
 
 The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) eagerly, its launch list
 kept per N; the rows come back to the host (f32 [N, text hidden], 3.2 MB for a 280-token image on the full model),
@@ -8,7 +8,6 @@ which keeps them across steps and preemption, and the engine stages them into a 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,6 @@ from .kernels import Ptr
 from .memory import Arena, ArenaPlan
 from .programs import Copy2D, Forward
 
-ENCODER_SLOTS = 8  # images whose rows are kept (LRU)
 
 
 def plan_vision(spec: ModelSpec) -> ArenaPlan:
@@ -74,8 +72,8 @@ class _Pointers:
 class VisionEncoder:
     """encode(image) -> its soft-token rows float32 [N, text hidden], through the device (or the cache)."""
 
-    def __init__(self, engine: Any, slots: int = ENCODER_SLOTS) -> None:
-        self.engine, self.spec, self.slots = engine, engine.spec, slots
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.spec = engine, engine.spec
         self.dims = vision_dims(engine.spec)
         self.arena = Arena(engine.device, plan_vision(engine.spec))
         self.fwd = Forward(engine.spec, engine.manifest, engine.fwd.kv_dtype, engine.max_rows)
@@ -85,8 +83,6 @@ class VisionEncoder:
         # the attention's key positions 0, 1, ...: staged once (no kernel writes them)
         self.arena["vis_kpos"].upload(np.arange(self.dims.max_patches, dtype=np.int32), stream=stream)
         stream.synchronize()
-        self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.encoded = 0  # images run through the tower (cache misses)
 
     def check(self, image: ImageInput) -> None:
         """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens)."""
@@ -102,19 +98,7 @@ class VisionEncoder:
                                f"table of {d.table}")
 
     def encode(self, image: ImageInput) -> np.ndarray:
-        hit = self._rows.get(image.hash)
-        if hit is not None:
-            self._rows.move_to_end(image.hash)
-            return hit
-        rows = self._run(image)
-        self.encoded += 1
-        if self.slots > 0:
-            self._rows[image.hash] = rows
-            while len(self._rows) > self.slots:
-                self._rows.popitem(last=False)
-        return rows
-
-    def _run(self, image: ImageInput) -> np.ndarray:
+        """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
         self.check(image)
         e, n = self.engine, image.soft_tokens
         stream = e.stream
@@ -125,7 +109,6 @@ class VisionEncoder:
         return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
 
     def destroy(self) -> None:
-        self._rows.clear()
         self.arena.free()
 
 
@@ -160,4 +143,4 @@ def stage_images(engine: Any, spans: list[tuple[int, np.ndarray]], start: int, r
     return copies
 
 
-__all__ = ["ENCODER_SLOTS", "VisionEncoder", "chunk_images", "plan_vision", "stage_images", "vision_missing"]
+__all__ = ["VisionEncoder", "chunk_images", "plan_vision", "stage_images", "vision_missing"]

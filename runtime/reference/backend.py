@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
+from ..backend import (BackendError, GenerationResult, ImageRowCache, ImageSpan, SamplingParams, StepOutput,
+                       StreamingBackend)
 from ..engine.core import generate_one
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .runner import ReferenceRunner
 from .speculative import Decoder
 from .state import PrefixCache
-from .vision import EncoderCache
+from .vision import VisionModel
 from .w4a16 import W4A16Target
 from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
 
@@ -65,7 +66,8 @@ class ReferenceBackend(StreamingBackend):
         self.drafter = drafter
         self.decoder = Decoder(self.target, drafter)
         self.prefix_cache = PrefixCache(prefix_slots)
-        self.encoder_cache = EncoderCache(checkpoint, encoder_slots) if self.spec.vision is not None else None
+        self.encoder_cache = (ImageRowCache(VisionModel(checkpoint), encoder_slots) if self.spec.vision is not None
+                              else None)
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
         """The engine core's ModelRunner over this backend (shares its model, drafter and prefix cache)."""

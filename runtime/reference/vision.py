@@ -8,8 +8,6 @@ tail (3x3 average pool, x sqrt(hidden), standardize, weightless RMSNorm) runs in
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from ...model_spec.tensors import VISION_PREFIX, VISION_PROJECTION
@@ -112,26 +110,3 @@ class VisionModel:
     def encode(self, image: ImageInput) -> np.ndarray:
         """One image -> its soft-token embeddings in the text model's hidden size [N, H] float32."""
         return mm(self.features(image), self.w(VISION_PROJECTION + ".weight"))
-
-
-class EncoderCache:
-    """The soft-token rows of recently encoded images, by content hash (LRU of `slots` images)."""
-
-    def __init__(self, source: WeightSource, slots: int = 8) -> None:
-        self.model = VisionModel(source)
-        self.slots = slots
-        self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.encoded = 0  # images run through the tower (misses)
-
-    def rows(self, image: ImageInput) -> np.ndarray:
-        hit = self._rows.get(image.hash)
-        if hit is not None:
-            self._rows.move_to_end(image.hash)
-            return hit
-        rows = self.model.encode(image)
-        self.encoded += 1
-        if self.slots > 0:
-            self._rows[image.hash] = rows
-            while len(self._rows) > self.slots:
-                self._rows.popitem(last=False)
-        return rows
