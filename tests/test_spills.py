@@ -37,6 +37,8 @@ ALLOWED: dict[str, dict[str, tuple[int, str]]] = {
     },
     "sm_120a": {
         "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3": (24, "prefill attention with fp8 KV, not examined"),
+        "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3_kvhi": (24, "its image-block twin (the per-query key "
+                                                                       "bound): the same spill"),
     },
 }
 
