@@ -83,8 +83,10 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
     """out [m, Hq, D] fp16 (and, `partials`, the split kernel's (O, (max, sum)) parts [nsplit, m, Hq, ...]);
     split kernels merge in the kernel (`fused`) or through the attn_comb kernel."""
     d, hq, ns = kern.param("d"), kern.param("hq"), kern.param("nsplit")
-    inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.arange(p0, p0 + m, dtype=np.int32), "m": np.int32(m),
-              "out": np.full((m, hq, d), np.nan, np.float16)}
+    positions = np.arange(p0, p0 + m, dtype=np.int32)
+    # one sequence (no rowwise lanes); an image-block variant's key bound at each query's own position is causal
+    inputs = {"q": q, "kc": kc, "vc": vc, "positions": positions, "m": np.int32(m), "kv_hi": positions,
+              "out": np.full((m, hq, d), np.nan, np.float16), "rowwise": 0, "lane_bytes": 0}
     if kern.param("page"):
         inputs |= _paged(kern, [kc], [vc], np.random.default_rng(p0 + m))
     outputs = {"out": ((m, hq, d), np.float16)}

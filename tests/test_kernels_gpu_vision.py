@@ -51,7 +51,7 @@ def encode_on_gpu(r: GpuRunner, ck: dict, patches: np.ndarray, pos: np.ndarray) 
             if v.kind == "NULL":
                 return None
             return Ptr((weights if v.kind == "W" else acts)[v.name].ptr + v.off)
-        return np.int32(v) if isinstance(v, int) else v
+        return v  # (a plain int: the launch sizes it as the kernel declares, as the runtime's binding does)
 
     try:
         ops = LowerVision(Lower(spec, r.arch, "bf16", MAX_STEP_TOKENS)).encode_ops(N)
@@ -104,5 +104,6 @@ def test_image_bounded_chunk_attention(runner):
 def _run_bounded(runner, kern, q, kc, vc, m: int, p0: int, kv_hi: np.ndarray) -> np.ndarray:
     d, hq = kern.param("d"), kern.param("hq")
     inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.arange(p0, p0 + m, dtype=np.int32), "m": np.int32(m),
-              "out": np.full((m, hq, d), np.nan, np.float16), "kv_hi": np.asarray(kv_hi, np.int32)}
+              "out": np.full((m, hq, d), np.nan, np.float16), "kv_hi": np.asarray(kv_hi, np.int32),
+              "rowwise": 0, "lane_bytes": 0}  # (one sequence: no rowwise lanes)
     return runner.run_seq([(kern, None)], inputs, {"out": ((m, hq, d), np.float16)})["out"]
