@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .generation import ClientGone, Generation, events, sse
+from .generation import ClientGone, Generation, deltas, sse
 from .parser import Event, ToolCall
 from .pipeline import client_gone, collect, start
 from .protocol import APIError
@@ -130,14 +130,13 @@ async def stream_message(server: Any, request: Request, gen: Generation, first: 
             "id": message_id(gen), "type": "message", "role": "assistant", "model": server.model_id, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": start_usage}}, "message_start")
         yield sse({"type": "ping"}, "ping")
-        async for _, kind, payload in events([gen], request, [first]):
+        async for _, kind, payload, delta in deltas([gen], request, [first]):
             if kind == "error":
                 err: APIError = payload
                 yield sse({"type": "error", "error": {"type": "overloaded_error" if err.status == 429 else
                                                       "api_error", "message": err.message}}, "error")
                 gen.record(err.status)
                 return
-            delta = gen.feed(payload) if kind == "tokens" else gen.finish(payload)
             for event in delta.events:
                 for chunk in blocks.add(event):
                     yield chunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,8 @@ from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, Gene
 from .logprobs import Logprobs
 from .parser import Delta, Event, OutputParser
 from .protocol import APIError
+
+log = logging.getLogger("thorgen.serve")
 
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
@@ -250,6 +253,24 @@ async def events(gens: list[Generation], request: Request, firsts: list[tuple[st
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def deltas(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]]
+                 ) -> AsyncIterator[tuple[int, str, Any, Delta | None]]:
+    """events() with each generation's output parsed as it comes: (choice index, kind, payload, its Delta). A failure
+    while decoding one generation's output (detokenizing, parsing) is that generation's own 500, reported as an
+    "error" event, so every API's stream ends it with its error event instead of a cut connection."""
+    async for i, kind, payload in events(gens, request, firsts):
+        delta = None
+        if kind != "error":
+            g = gens[i]
+            try:
+                delta = g.feed(payload) if kind == "tokens" else g.finish(payload)
+            except Exception as exc:
+                log.error("request %s: its output could not be decoded", g.id, exc_info=exc)
+                kind, payload = "error", APIError(f"generation failed: {type(exc).__name__} while decoding the "
+                                                  f"output: {exc}", status=500, type="server_error")
+        yield i, kind, payload, delta
 
 
 def choices(n: int, makers: list[Callable[[SamplingParams], Generation]], sampling: SamplingParams

@@ -3,19 +3,16 @@ with OpenAI's usage."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .generation import ClientGone, Generation, events, sse
+from .generation import ClientGone, Generation, deltas, sse
 from .parser import Delta
 from .pipeline import client_gone, collect, start
 from .protocol import APIError
 from .vllm_extras import prompt_logprobs_json
-
-log = logging.getLogger("thorgen.serve")
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -89,35 +86,25 @@ async def stream_events(gens: list[Generation], request: Request, firsts: list[t
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
         failed = False
-
-        def chunks_of(i: int, kind: str, payload: Any) -> list[bytes]:
+        async for i, kind, payload, delta in deltas(gens, request, firsts):
             g = gens[i]
             if kind == "tokens":
-                delta = g.feed(payload)
                 c = choice(i, delta, ids=() if g.score_only else payload.token_ids, logprobs=g.step_logprobs)
                 g.step_logprobs = None
-                return [chunk(c)] if c else []
-            tail = g.finish(payload)
-            c = choice(i, tail)
-            return ([chunk(c)] if c else []) + [chunk(choice(i, Delta(), g.finish_reason()))]
-        async for i, kind, payload in events(gens, request, firsts):
-            if kind != "error":
-                try:  # (this request's own output handling: detokenizing, parsing)
-                    parts = chunks_of(i, kind, payload)
-                except Exception as exc:
-                    log.error("request %s: its output could not be decoded", gen.id, exc_info=exc)
-                    payload = APIError(f"generation failed: {type(exc).__name__} while decoding the output: {exc}",
-                                       status=500, type="server_error")
-                else:
-                    for part in parts:
-                        yield part
-                    continue
-            err: APIError = payload
-            yield sse(err.body())
-            for other in gens:
-                other.record(err.status)
-            failed = True
-            break
+                if c:
+                    yield chunk(c)
+            elif kind == "done":
+                c = choice(i, delta)
+                if c:
+                    yield chunk(c)
+                yield chunk(choice(i, Delta(), g.finish_reason()))
+            else:
+                err: APIError = payload
+                yield sse(err.body())
+                for other in gens:
+                    other.record(err.status)
+                failed = True
+                break
         if not failed:
             if include_usage:
                 yield sse({"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .generation import ClientGone, Generation, events, sse
+from .generation import ClientGone, Generation, deltas, sse
 from .parser import Event
 from .pipeline import client_gone, collect, start
 from .protocol import APIError
@@ -152,13 +152,12 @@ async def stream_response(response: _Response, request: Request, first: tuple[st
     try:
         yield items.emit("response.created", response=response.body("in_progress"))
         yield items.emit("response.in_progress", response=response.body("in_progress"))
-        async for _, kind, payload in events([gen], request, [first]):
+        async for _, kind, payload, delta in deltas([gen], request, [first]):
             if kind == "error":
                 err: APIError = payload
                 yield items.emit("error", code=err.code or err.type, message=err.message, param=err.param)
                 gen.record(err.status)
                 return
-            delta = gen.feed(payload) if kind == "tokens" else gen.finish(payload)
             for event in delta.events:
                 for chunk in items.add(event):
                     yield chunk

@@ -511,6 +511,14 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
             t.start()
         for t in threads:
             t.join(30)
+        # the same fault in an Anthropic stream: it ends with Messages' error event
+        import httpx
+
+        body = {"model": "m", "stream": True, "max_tokens": 16, "stop_sequences": ["FAULT"],
+                "messages": [{"role": "user", "content": "req9"}]}
+        with httpx.stream("POST", url + "/v1/messages", json=body, timeout=60) as r:
+            streamed = "".join(r.iter_text())
+        assert "event: error" in streamed and "UnicodeDecodeError" in streamed, streamed[-500:]
         assert state.client.health()["status"] == "ok"
     state.close()
     for i, text in texts.items():
