@@ -61,3 +61,58 @@ def test_speculative_after_images_equals_plain(pair):
     ids, spans = prompt(ck.spec, 1, 2)
     plain = cuda.generate(ids, 24, SamplingParams(), images=spans).token_ids
     assert cuda.generate(ids, 24, SamplingParams(), speculative=True, images=spans).token_ids == plain
+
+
+# ---- the full-size tower (27 layers, hidden 1152, 16 heads of 72) in front of the tiny text model -------------------
+@pytest.fixture(scope="module")
+def full_tower_pair(device, tmp_path_factory):
+    """(cuda backend, w4a16 reference sharing its image rows, checkpoint) of the tiny text model with the real
+    model's vision tower: synthesised, repacked and built for this GPU as `thorgen prepare` does."""
+    import dataclasses
+
+    from thorgen.codegen.arch import get_arch
+    from thorgen.codegen.builder import build
+    from thorgen.model_spec.checkpoint import Checkpoint
+    from thorgen.model_spec.presets import get_preset
+    from thorgen.model_spec.synth import write_synthetic_checkpoint
+    from thorgen.runtime.convert.repack import repack
+    from thorgen.runtime.cuda.backend import open_backend
+    from thorgen.runtime.reference.backend import ReferenceBackend
+
+    tiny, full = get_preset("tiny"), get_preset("gemma-4-26b-a4b")
+    ids = {n: getattr(tiny.vision, n) for n in ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id")}
+    spec = dataclasses.replace(tiny, name="tiny-full-tower", vision=dataclasses.replace(full.vision, **ids))
+    root = tmp_path_factory.mktemp("full_tower")
+    model = write_synthetic_checkpoint(spec, root / "model", seed=0, progress=False)
+    repack(model, arch=device.info.arch)
+    ck = Checkpoint.open(model)
+    kernels = root / "kernels"
+    build(ck.spec, get_arch(device.info.arch), kernels)
+    cuda = open_backend(model, ctx=1024, kernels_dir=kernels, max_num_seqs=2)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref.encoder_cache.model = EngineRows(cuda.engine)
+    yield cuda, ref, ck
+    cuda.close()
+
+
+@pytest.mark.parametrize("budget", [70])
+def test_full_size_device_tower_near_the_float32_tower(full_tower_pair, budget):
+    from thorgen.runtime.media.images import load_image
+    from thorgen.runtime.reference.vision import VisionModel
+
+    cuda, _, ck = full_tower_pair
+    img = load_image(image_bytes(3, (360, 640)), ck.spec.vision, budget)  # a 16:9 photo's shape
+    got = cuda.engine.vision.encode(img).astype(np.float64)
+    want = VisionModel(ck).encode(img).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # (tests/test_vision_program.py's TOL_ENCODE
+    # is against float64 on an image of 54 patches; the float32 NumPy tower adds its own rounding)
+
+
+def test_full_size_tower_greedy_equals_w4a16_reference(full_tower_pair):
+    from thorgen.runtime.backend import SamplingParams
+
+    cuda, ref, ck = full_tower_pair
+    ids, spans = prompt(ck.spec, 1, 2)
+    assert cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids == \
+        ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids

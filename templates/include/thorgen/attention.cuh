@@ -367,6 +367,9 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
           }
         }
         sum = warp_sum(sum);
+        // every lane has read st_m[r] above before lane 0 rewrites it (shuffles order no shared memory access:
+        // compute-sanitizer's racecheck flagged this pair in every prefill and vision attention launch)
+        __syncwarp();
         if (lane == 0) {
           const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_old - m_new);
           st_a[r] = alpha;
