@@ -1,6 +1,6 @@
 """Codegen stage: the DFlash drafter's launches lowered onto its families' kernels (the draft block, and the context
 K/V update of committed positions), as codegen/lower.py does the target's; codegen/programs.py writes them into the
-manifest. The step itself: runtime/cuda/speculative.py."""
+manifest. The step itself: runtime/cuda/dflash.py."""
 
 from __future__ import annotations
 

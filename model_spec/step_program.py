@@ -40,7 +40,7 @@ def program_key(decode: bool = False, last: bool = True, greedy: bool = True, ta
     return key + " images=1" if images else key
 
 
-# the drafter's programs (runtime/cuda/speculative.py): the draft block, the context update of a prefill's positions
+# the drafter's programs (runtime/cuda/dflash.py): the draft block, the context update of a prefill's positions
 DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"
 
 

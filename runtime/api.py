@@ -26,7 +26,7 @@ class EngineConfig:
     draft: Path | None = None
     weights: Path | None = None  # cuda: repacked weights folder (default: found from the model)
     kernels: Path | None = None  # cuda: built kernels folder (default: $THORGEN_KERNELS, ./thorgen-build/...)
-    prefix_slots: int = 4  # reference: LRU prefix-cache slots (bench passes 0 so that TTFT never hits it)
+    prefix_cache: bool = True  # reference: finished sequences serve prefix-cache hits (bench: off, so TTFT never hits)
     max_num_seqs: int = 8  # sequences decoded together (cuda: KV lanes, at most forward.MAX_BATCH)
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
@@ -51,7 +51,7 @@ def _open_reference(config: EngineConfig, ckpt: Any) -> Backend:
     from .reference.backend import ReferenceBackend
 
     ctx = default_ctx(ckpt.spec.target.max_position_embeddings, config.ctx)
-    return ReferenceBackend(ckpt, max_context=ctx, prefix_slots=config.prefix_slots)
+    return ReferenceBackend(ckpt, max_context=ctx, prefix_cache=config.prefix_cache)
 
 
 def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:

@@ -92,9 +92,12 @@ class ScriptedRunner:
     caught_up_tokens = 0
 
     def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
+        from thorgen.runtime.engine.kv_manager import KVGeometry
+
         self.backend, self.max_num_seqs = backend, max_num_seqs
         self.max_context = backend.max_context
-        self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
+        tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
+        self.kv_geometry = KVGeometry(max_num_seqs, backend.max_context, -(-tokens // 16), prefix_cache=False)
         self._runs: dict[str, tuple[list[int], dict]] = {}
 
     def check(self, seq) -> None:
@@ -103,13 +106,19 @@ class ScriptedRunner:
         if seq.sampling.extended:  # a script has no logits to process or report
             raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the scripted backend")
 
-    def admit(self, seq, limit: int) -> int:
+    def draft_context(self, lane: int) -> int:
+        return 0
+
+    def apply(self, ops) -> None:
+        pass  # (a script holds no K/V)
+
+    def _start(self, seq) -> None:
+        """A sequence's first prefill (or its first after a preemption): its script, and a record of the call."""
         record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,
                   "end": None, "started": time.perf_counter()}
         with self.backend.lock:
             self.backend.calls.append(record)
         self._runs[seq.request_id] = (list(self.backend.script(list(seq.prompt))), record)
-        return 0
 
     def _next(self, seq, n: int) -> list[int]:
         tokens, _ = self._runs[seq.request_id]
@@ -119,6 +128,8 @@ class ScriptedRunner:
         return tokens[done:done + n]
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+        if seq.request_id not in self._runs:
+            self._start(seq)
         if launched is not None:  # the delay stands for device time: host work may overlap it
             launched()
         if self.backend.delay:
@@ -133,6 +144,8 @@ class ScriptedRunner:
         return [(self._next(seq, self.backend.chunk)[:max(seq.room(self.max_context), 1)], False) for seq in seqs]
 
     def release(self, seq, finished: bool) -> None:
+        if seq.request_id not in self._runs:  # (finished before its first prefill ran)
+            return
         _, record = self._runs.pop(seq.request_id)
         if finished:
             record["end"], record["ended"] = seq.finish_reason, time.perf_counter()

@@ -44,27 +44,27 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
     b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=512)
     try:
         prompt = synthetic_prompt(b.spec, 20)
-        b.engine.emulate_acceptance = 5
+        b.engine.dflash.emulate_acceptance = 5
         res = GenerationResult()
         for _ in b.generate_stream(prompt, 1 + 6 * 4, SamplingParams(), speculative=True, result=res):
             pass
         assert res.accepted_lengths == [6] * 4
-        b.engine.emulate_acceptance = None
+        b.engine.dflash.emulate_acceptance = None
         report: dict = {}
         measure_speculative(b, report, prompt, 13, 1, 2)
         assert report["tau"] == 3 and report["verify_step_ms"] is not None and report["draft_step_ms"] is not None
         assert report["verify_step_kernels"] and report["draft_step_kernels"]
-        assert b.engine.emulate_acceptance is None and b.engine.spec_timing is None  # left as it was
-        assert b.engine.draft_hook is None
+        assert b.engine.dflash.emulate_acceptance is None and b.engine.dflash.timing is None  # left as it was
+        assert b.engine.dflash.draft_hook is None
         # while it runs, the drafts are 15 distinct tokens a step (a verify routed like text), others a step later
         from thorgen.runtime.bench.speculative import _emulate
 
         _emulate(b, 2)
-        drafts = [[int(t) for t in b.engine.draft_hook(p, 0)] for p in (20, 21)]
+        drafts = [[int(t) for t in b.engine.dflash.draft_hook(p, 0)] for p in (20, 21)]
         _emulate(b, None)
         vocab = b.spec.target.vocab_size
         assert all(len(set(d)) == 15 and all(0 <= t < vocab for t in d) for d in drafts) and drafts[0] != drafts[1]
-        assert b.engine.draft_hook is None
+        assert b.engine.dflash.draft_hook is None
     finally:
         b.close()
         dev.set_driver(None)

@@ -69,8 +69,8 @@ def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
              "messages": [{"role": "user", "content": "Count to ten."}]}
     renderer = PromptRenderer(tiny_checkpoint)
     ids = renderer.entry_ids(entry)
-    plain = ReferenceBackend(tiny_ckpt, prefix_slots=0).generate(ids, 33, SamplingParams()).token_ids
-    backend = ReferenceBackend(tiny_ckpt, drafter=OracleDrafter(ids + plain, 16), prefix_slots=0)
+    plain = ReferenceBackend(tiny_ckpt, prefix_cache=False).generate(ids, 33, SamplingParams()).token_ids
+    backend = ReferenceBackend(tiny_ckpt, drafter=OracleDrafter(ids + plain, 16), prefix_cache=False)
     [row] = run_entries(backend, renderer, [entry], 1, frozenset(), True)
     assert row["plain"]["tau"] == 1.0 and row["plain"]["steps"] == 32
     # 1 token from the prefill, then two fully accepted blocks of 16

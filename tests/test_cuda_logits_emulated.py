@@ -117,7 +117,7 @@ def test_prompt_logprobs_on_the_cuda_backend(backend, tiny_checkpoint, tmp_path)
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     kernels = Path(backend.engine.manifest.path).parent
-    ref = ReferenceBackend(Checkpoint.open(tiny_checkpoint), max_context=512, prefix_slots=0, numerics="w4a16",
+    ref = ReferenceBackend(Checkpoint.open(tiny_checkpoint), max_context=512, prefix_cache=False, numerics="w4a16",
                            kernels=kernels)
     prompt = [2] + [110 + (7 * i) % 390 for i in range(70)]  # 71 tokens: passes of 32, 32 and 6 + the last row
     runner = backend.runner(1)

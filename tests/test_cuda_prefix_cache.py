@@ -74,7 +74,8 @@ def test_prefix_intact_follows_the_rings(backend):
     rings = [l for l in plan.layers if l.ring]
     assert rings, "the tiny preset has sliding layers"
     margin = min(l.slots - l.window for l in rings)
-    assert plan.prefix_intact(100, 100 + margin - 1) and not plan.prefix_intact(100, 100 + margin)
+    geometry = plan.geometry()
+    assert geometry.prefix_intact(100, 100 + margin - 1) and not geometry.prefix_intact(100, 100 + margin)
 
 
 def test_a_running_lane_shares_its_prefix_by_copy(backend):
@@ -98,7 +99,7 @@ def test_a_running_lane_shares_its_prefix_by_copy(backend):
                 if o.result is not None:
                     results[o.request_id] = o.result
             if not core.unfinished:
-                return out, results, runner.copied_prefix_tokens
+                return out, results, core.kv.copied_tokens
         raise AssertionError("did not finish")
     out, results, copied = together(False)
     assert out == alone
@@ -114,15 +115,14 @@ def test_pages_in_any_order_give_the_same_tokens(backend):
 
     prompt = [2] + [120 + (7 * i) % 300 for i in range(70)]  # 71 tokens: five pages, the last partial
     ordered = _run(EngineCore(backend.runner()), "o", prompt, 12)[0]
-    runner = backend.runner()
-    random.Random(3).shuffle(runner.pool.empty)
-    core = EngineCore(runner)
+    core = EngineCore(backend.runner())
+    random.Random(3).shuffle(core.kv.pool.empty)
     core.add("s", prompt, 12, SEEDED)
     out, pages = [], None
     while core.unfinished:
         for o in core.step():
             out += o.token_ids
-        lane = next((l for l in runner._lanes if l.owner == "s"), None)
+        lane = next((l for l in core.kv.lanes if l.seq is not None and l.seq.request_id == "s"), None)
         pages = list(lane.pages.pages) if lane is not None else pages
     assert out == ordered
     assert pages != sorted(pages) and len(pages) == -(-(71 + 11) // 16)
@@ -132,24 +132,24 @@ def test_a_shared_prefix_is_held_once_and_survives_until_evicted(backend):
     """Requests with one system prompt hold its full pages once (referenced by both page-table rows), the pages
     stay cached after both finish, and once evicted the next request prefills it again, with the same tokens."""
     shared = [2] + [50 + (11 * i) % 400 for i in range(40)]  # 41 tokens: two full pages
-    runner = backend.runner(2)
-    core = EngineCore(runner)
+    core = EngineCore(backend.runner(2))
+    pool = core.kv.pool
     core.add("a", shared + [300, 301], 6, SEEDED)
     core.add("b", shared + [302], 6, SEEDED)
     held = None
     while core.unfinished:
         core.step()
-        running = [l for l in runner._lanes if l.owner is not None]
+        running = [l for l in core.kv.lanes if l.seq is not None]
         if len(running) == 2 and all(len(l.pages.pages) >= 2 for l in running):
             held = [l.pages.pages[:2] for l in running]
     assert held is not None and held[0] == held[1]  # the second request was admitted on the first's pages
-    assert all(runner.pool.refs[p] == 0 for p in held[0]) and set(held[0]) <= set(runner.pool.cached)
+    assert all(pool.refs[p] == 0 for p in held[0]) and set(held[0]) <= set(pool.cached)
     again = _run(core, "c", shared + [303], 4)
     assert again[1].cached_prompt_tokens == 32
-    taken = [runner.pool.take() for _ in range(runner.pool.free)]  # what new sequences' pages would do
-    assert not runner.pool.cached and runner.pool.evicted >= 2
+    taken = [pool.take() for _ in range(pool.free)]  # what new sequences' pages would do
+    assert not pool.cached and pool.evicted >= 2
     for p in taken:
-        runner.pool.drop(p)
+        pool.drop(p)
     cold = _run(core, "d", shared + [303], 4)
     assert cold[1].cached_prompt_tokens == 0 and cold[0] == again[0]
 

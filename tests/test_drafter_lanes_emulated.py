@@ -96,8 +96,7 @@ def test_a_copied_prefix_brings_the_drafter_context(backend):
     drafter context from that lane, and both get the tokens they get alone."""
     shared = [2] + [110 + (13 * i) % 380 for i in range(60)]
     prompts = {"a": shared + [107, 300, 301], "b": shared + [107, 400, 401, 402]}
-    runner = backend.runner(2)
-    out, results = _drive(EngineCore(runner), {0: [("a", prompts["a"], 40, True)],
-                                                 2: [("b", prompts["b"], 10, True)]})
-    assert runner.copied_prefix_tokens == results["b"].cached_prompt_tokens == (len(shared) + 1) // 16 * 16
+    core = EngineCore(backend.runner(2))
+    out, results = _drive(core, {0: [("a", prompts["a"], 40, True)], 2: [("b", prompts["b"], 10, True)]})
+    assert core.kv.copied_tokens == results["b"].cached_prompt_tokens == (len(shared) + 1) // 16 * 16
     assert out == {rid: _plain(backend, p, n) for (rid, p), n in zip(prompts.items(), (40, 10))}

@@ -18,7 +18,7 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt):
-    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0)
+    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=False)
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -37,8 +37,8 @@ class Recording:
 
     def __init__(self, runner) -> None:
         self.inner, self.steps = runner, []
-        for name in ("max_context", "max_num_seqs", "kv_tokens", "verify_block", "lookahead", "prefill_chunk",
-                     "check", "admit", "release"):
+        for name in ("max_context", "max_num_seqs", "kv_geometry", "verify_block", "lookahead", "prefill_chunk",
+                     "caught_up_tokens", "check", "draft_context", "apply", "release"):
             setattr(self, name, getattr(runner, name))
 
     def prefill(self, seq, start, end, sample, launched=None):
@@ -132,7 +132,7 @@ def test_speculative_batched_equals_plain(backend):
 def test_preemption_resumes_to_the_same_tokens(backend):
     """A KV budget for about two sequences forces the later ones out and back in (recompute)."""
     reqs = {f"p{i}": _prompt(30 + 5 * i, 70 + i) for i in range(4)}
-    core = EngineCore(backend.runner(max_num_seqs=4, kv_tokens=112), max_step_tokens=64, block_size=16)
+    core = EngineCore(backend.runner(max_num_seqs=4, kv_tokens=112), max_step_tokens=64)
     seqs = {rid: core.add(rid, p, 24, SEEDED) for rid, p in reqs.items()}
     outs = _run(core)
     assert sum(s.preemptions for s in seqs.values()) > 0
@@ -141,8 +141,8 @@ def test_preemption_resumes_to_the_same_tokens(backend):
 
 
 def test_kv_exhaustion_is_a_clear_error(backend):
-    core = EngineCore(backend.runner(max_num_seqs=2, kv_tokens=64), block_size=16)
-    with pytest.raises(BackendError, match=r"needs 7 KV blocks of 16 tokens, but the whole KV cache holds 4"):
+    core = EngineCore(backend.runner(max_num_seqs=2, kv_tokens=64))
+    with pytest.raises(BackendError, match=r"needs 7 KV pages of 16 tokens, but the whole KV cache holds 4 pages"):
         core.add("big", _prompt(100, 1), 4, GREEDY)
     core.add("grows", _prompt(40, 2), 100, GREEDY)  # fits, then outgrows the whole cache alone
     outs = _run(core)
@@ -160,7 +160,7 @@ def test_abort_in_every_phase(backend):
     assert core.abort("queued") and core.abort("running")
     outs = {o.request_id: o for o in core.step()}
     assert {r: o.result.finish_reason for r, o in outs.items()} == {"running": "cancelled", "queued": "cancelled"}
-    assert core.unfinished == 0 and core.scheduler.pool.used == 0
+    assert core.unfinished == 0 and core.kv.used_pages == 0
     core.add("decoding", _prompt(6, 5), 50, GREEDY)
     got = []
     while len(got) < 3:
@@ -207,7 +207,7 @@ def test_launched_hook_runs_once_per_step_before_the_wait(backend):
 def test_resumed_sequence_fully_covered_by_the_prefix_cache(tiny_ckpt):
     """A preempted sequence whose every token is in the prefix cache (the same request ran alone before) resumes
     without a forward and continues to the same tokens (CI once hit a state one token longer than the chunk)."""
-    backend = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=4)
+    backend = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=True)
     prompt = _prompt(12, 9)
     core = EngineCore(backend.runner(max_num_seqs=2))
     core.add("alone", prompt, 10, SEEDED)

@@ -58,7 +58,7 @@ def emulated(tiny_checkpoint, tmp_path_factory):
         dev.set_driver(made[kv, ctx][1])
         return made[kv, ctx]
 
-    yield open_, ReferenceBackend(ck, max_context=4096, prefix_slots=0).target
+    yield open_, ReferenceBackend(ck, max_context=4096, prefix_cache=False).target
     for b, drv in made.values():
         dev.set_driver(drv)
         b.close()

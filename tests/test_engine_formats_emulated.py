@@ -46,7 +46,7 @@ def pair(request, tiny_format_checkpoints, tmp_path_factory):
     kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
     drv = EE.install(kernels)
     cuda = open_backend(path, ctx=1024, kv_dtype="bf16", weights_dir=weights, kernels_dir=kernels)
-    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kv_dtype="bf16",
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype="bf16",
                            kernels=kernels)
     yield request.param, cuda, ref, drv
     dev.set_driver(drv)

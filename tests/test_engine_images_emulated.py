@@ -71,7 +71,7 @@ def pair(tiny_checkpoint, tmp_path_factory):
     kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
     drv = EE.install(kernels)
     cuda = open_backend(tiny_checkpoint, ctx=1024, weights_dir=weights, kernels_dir=kernels, max_num_seqs=2)
-    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kernels=kernels)
     ref.encoder_cache.model = EngineRows(cuda.engine)
     yield cuda, ref, ck
     dev.set_driver(drv)

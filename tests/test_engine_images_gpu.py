@@ -23,7 +23,7 @@ def pair(built):
     model, kernels = built
     ck = Checkpoint.open(model)
     cuda = open_backend(model, ctx=1024, kernels_dir=kernels, max_num_seqs=2)
-    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kernels=kernels)
     ref.encoder_cache.model = EngineRows(cuda.engine)
     yield cuda, ref, ck
     cuda.close()
@@ -89,7 +89,7 @@ def full_tower_pair(device, tmp_path_factory):
     kernels = root / "kernels"
     build(ck.spec, get_arch(device.info.arch), kernels)
     cuda = open_backend(model, ctx=1024, kernels_dir=kernels, max_num_seqs=2)
-    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kernels=kernels)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kernels=kernels)
     ref.encoder_cache.model = EngineRows(cuda.engine)
     yield cuda, ref, ck
     cuda.close()

@@ -63,7 +63,8 @@ def emu(tiny_checkpoint, tmp_path_factory):
             drv = EE.install(kernels)
             made[key] = (open_backend(tiny_checkpoint, ctx=ctx, weights_dir=weights, kernels_dir=kernels), drv)
         dev.set_driver(made[key][1])
-        made[key][0].engine.draft_hook = None
+        if made[key][0].engine.dflash is not None:  # (None: the drafter's kernels were dropped)
+            made[key][0].engine.dflash.draft_hook = None
         return made[key]
 
     yield open_, ck
@@ -140,7 +141,7 @@ def test_forced_drafts_every_acceptance_length(emu, mode):
     n = 1 + sum(j + 1 for j in schedule)  # prefill token + one full pass over the schedule
     plain = backend.generate(ids, n + 16, params).token_ids
     log: list[int] = []
-    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log)
+    backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log)
     res = backend.generate(ids, n, params, speculative=True)
     assert res.token_ids == plain[:n]
     assert res.accepted_lengths == [j + 1 for j in log]
@@ -169,14 +170,14 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     def runs(ahead: bool, k: int | None) -> tuple:
         seen: list = []  # the block starts the bench's draft hook is called with (emulated acceptance only)
         if k is not None:  # as `thorgen bench --emulate-acceptance` does: 15 distinct drafts from the block start
-            backend.engine.draft_hook = lambda start, last: seen.append(start) or distinct_tokens(15, V, start + 1)
+            backend.engine.dflash.draft_hook = lambda start, last: seen.append(start) or distinct_tokens(15, V, start + 1)
         out, used = EE.run_requests(backend, ahead, reqs, speculative=True, stop_ids=frozenset({stop}))
-        backend.engine.draft_hook = None
+        backend.engine.dflash.draft_hook = None
         return out, seen, used
 
     try:
         for k in (None, 0, 6, 15):
-            backend.engine.emulate_acceptance = k
+            backend.engine.dflash.emulate_acceptance = k
             ahead, seen_ahead, used = runs(True, k)
             plain, seen_plain, none = runs(False, k)
             assert ahead == plain, f"K={k}"
@@ -192,7 +193,7 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
                 for (_, acc, _), cap in zip(ahead, (15, 5, 15)):
                     assert acc[:-1] == [min(k, cap) + 1] * (len(acc) - 1), (k, acc)
     finally:
-        backend.engine.emulate_acceptance, backend.engine.draft_hook = None, None
+        backend.engine.dflash.emulate_acceptance, backend.engine.dflash.draft_hook = None, None
 
 
 def test_draft_tokens_caps_the_accepted_drafts(emu):
@@ -202,7 +203,7 @@ def test_draft_tokens_caps_the_accepted_drafts(emu):
     ids = [2] + np.random.default_rng(13).integers(256, 512, 30).tolist()
     plain = backend.generate(ids, 40, SamplingParams()).token_ids
     log: list[int] = []
-    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
+    backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
     res = backend.generate(ids, 25, SamplingParams(draft_tokens=5), speculative=True)
     assert res.token_ids == plain[:25] and res.accepted_lengths == [6] * 4
     _check_lengths(res)
@@ -216,7 +217,7 @@ def test_engine_drafter_matches_reference(emu):
 
     open_, ck = emu
     backend, drv = open_()
-    ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0).drafter
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False).drafter
     d, H = backend.spec.drafter, backend.spec.target.hidden_size
     width = len(d.target_layer_ids) * H
     taps: dict[int, np.ndarray] = {}  # position -> f16 tap row of the latest forward that covered it
@@ -256,7 +257,7 @@ def test_engine_drafter_matches_reference(emu):
         ids = [2] + np.random.default_rng(4).integers(256, 512, 45).tolist()
         plain = backend.generate(ids, 40, SAMPLED).token_ids
         log: list[int] = []
-        e.draft_hook = _forced_hook(backend, len(ids), plain, [3, 15, 0, 9, 1], log, check)
+        e.dflash.draft_hook = _forced_hook(backend, len(ids), plain, [3, 15, 0, 9, 1], log, check)
         res = backend.generate(ids, 32, SAMPLED, speculative=True)
     finally:
         drv.emu.after = None
@@ -272,7 +273,7 @@ def test_budget_stop_and_context_end(emu):
     ids = [2] + np.random.default_rng(8).integers(256, 512, 20).tolist()
     plain = backend.generate(ids, 40, SAMPLED).token_ids
     log: list[int] = []
-    backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
+    backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain, [15], log)
     res = backend.generate(ids, 7, SAMPLED, speculative=True)  # one 16-token step cut to the 6 left
     assert res.token_ids == plain[:7] and res.accepted_lengths == [6] and res.finish_reason == "length"
     k = next(i for i in range(2, len(plain)) if plain[i] not in plain[:i])  # a stop id first produced mid-run
@@ -426,13 +427,13 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
         n = 1 + sum(j + 1 for j in schedule)
         plain = backend.generate(ids, n + 16, params).token_ids
         log: list[int] = []
-        backend.engine.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log, strict=False)
+        backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain, schedule, log, strict=False)
         vlog = _VerifyLog(backend.engine)
         try:
             res = backend.generate(ids, n, params, speculative=True)
         finally:
             vlog.close()
-            backend.engine.draft_hook = None
+            backend.engine.dflash.draft_hook = None
         if res.token_ids == plain[:n]:
             assert res.accepted_lengths == [j + 1 for j in log]
         elif params.greedy:

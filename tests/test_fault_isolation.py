@@ -67,7 +67,7 @@ def _check_isolated(runner_for: Callable[[int], object], inject: Callable[[objec
     for rid in requests:
         if rid != VICTIM:
             assert tokens[rid] == alone[rid], f"{rid}: {tokens[rid]} beside the fault, {alone[rid]} alone"
-    assert core.unfinished == 0 and core.scheduler.pool.used == 0  # the victim's blocks came back too
+    assert core.unfinished == 0 and core.kv.used_pages == 0  # the victim's pages came back too
     # the engine is healthy: the same runner, its fault taken out, serves the victim's plain request as if alone
     vars(runner).clear()
     vars(runner).update(before)
@@ -128,7 +128,7 @@ def _with_victim(sampling_of: Callable[[SamplingParams], SamplingParams]) -> dic
 def reference(tiny_ckpt):
     from thorgen.runtime.reference.backend import ReferenceBackend
 
-    backend = ReferenceBackend(tiny_ckpt, max_context=128, prefix_slots=0)
+    backend = ReferenceBackend(tiny_ckpt, max_context=128, prefix_cache=False)
     return backend, _alone(backend.runner, _requests())
 
 

@@ -1,4 +1,4 @@
-"""The paged layers' page pool and prefix cache (runtime/cuda/kv_pages.py), on the CPU: reference counts,
+"""The paged layers' page pool and prefix cache (runtime/engine/kv_pages.py), on the CPU: reference counts,
 registration of full pages only, lookups by the whole token prefix, and least-recently-released eviction."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from thorgen.runtime.backend import BackendError
-from thorgen.runtime.cuda.kv_pages import PagePool, SeqPages, page_keys
+from thorgen.runtime.engine.kv_pages import PagePool, SeqPages, page_keys
 
 P = 4  # positions a page (small, so that a few tokens make several pages)
 

@@ -90,8 +90,10 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
 
 
 def package_files(root: Path = ROOT) -> list[Path]:
+    """The package's modules (hidden folders such as a .venv in the checkout are none of them)."""
     return sorted(p for p in root.rglob("*.py") if not (set(p.relative_to(root).parts[:-1]) & SKIP)
-                  and p.relative_to(root).parts[0] not in SKIP)
+                  and p.relative_to(root).parts[0] not in SKIP
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def test_every_room_is_known() -> None:

@@ -22,7 +22,7 @@ PROMPT = [2] + [110 + (11 * i) % 300 for i in range(9)]
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt):
-    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0)
+    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=False)
 
 
 def _run(backend, sampling: SamplingParams, n: int, speculative: bool = False, prompt=PROMPT):

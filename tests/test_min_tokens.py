@@ -22,7 +22,7 @@ def backend(request, tiny_ckpt, tiny_checkpoint, tmp_path_factory):
     if request.param == "reference":
         from thorgen.runtime.reference.backend import ReferenceBackend
 
-        yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_slots=0)
+        yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_cache=False)
         return
     pytest.importorskip("thorgen.codegen.plan")
     import engine_emulator as EE

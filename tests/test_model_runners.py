@@ -1,7 +1,8 @@
 """The ModelRunner contract (runtime/engine/core.py), checked the same way on every runner: the reference
-runner, the cuda runner on the CPU emulator and the scripted test runner. `check` refuses bad requests, `admit`
-reports a cached prefix shorter than the prompt, `prefill` samples only when asked, `decode` commits 1..room
-tokens per sequence, and each calls `launched` exactly once."""
+runner, the cuda runner on the CPU emulator and the scripted test runner. `check` refuses bad requests, a KV
+manager over its `kv_geometry` admits a sequence (a cached prefix shorter than the prompt) whose instructions it
+executes, `prefill` samples only when asked, `decode` commits 1..room tokens per sequence, and each calls
+`launched` exactly once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.engine.scheduler import Sequence  # noqa: E402
+from thorgen.runtime.engine.kv_manager import KVManager  # noqa: E402
+from thorgen.runtime.engine.sequence import Sequence  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["reference", "cuda-emulated", "scripted"])
@@ -21,7 +23,7 @@ def runner(request, tiny_checkpoint, tiny_ckpt, tmp_path_factory):
     if request.param == "reference":
         from thorgen.runtime.reference.backend import ReferenceBackend
 
-        yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_slots=0).runner(max_num_seqs=2)
+        yield ReferenceBackend(tiny_ckpt, max_context=256, prefix_cache=False).runner(max_num_seqs=2)
     elif request.param == "scripted":
         from scripted_backend import ScriptedBackend
 
@@ -48,11 +50,15 @@ def _calls():
 
 
 def test_runner_contract(runner):
-    assert runner.max_num_seqs >= 1 and runner.kv_tokens >= runner.max_context >= 2 and runner.verify_block >= 1
+    g = runner.kv_geometry
+    assert runner.max_num_seqs >= 1 and g.lanes >= 1 and runner.max_context >= 2 and runner.verify_block >= 1
+    assert not g.pages or g.pages * g.page >= runner.max_context  # one sequence of the whole context fits
     seq = Sequence("r", [2] + list(range(300, 310)), SamplingParams(), max_tokens=6, stop_ids=frozenset({1}))
     runner.check(seq)
-    cached = runner.admit(seq, len(seq.prompt) - 1)
-    assert 0 <= cached < len(seq.prompt)
+    kv = KVManager(g, runner.draft_context)
+    cached = kv.admit(seq, len(seq.prompt) - 1, len(seq.prompt) + runner.verify_block + runner.lookahead)
+    assert cached is not None and 0 <= cached < len(seq.prompt) and seq.lane is not None
+    runner.apply(kv.take_ops())
     log, launched = _calls()
     first = runner.prefill(seq, cached, len(seq.prompt), True, launched)
     assert isinstance(first, int) and log == [1]
@@ -61,6 +67,7 @@ def test_runner_contract(runner):
     ((tokens, verified),) = runner.decode([seq], launched)
     assert 1 <= len(tokens) <= seq.room(runner.max_context) and isinstance(verified, bool) and log == [1]
     seq.num_cached, seq.output = seq.num_tokens - 1 + len(tokens), seq.output + tokens
+    kv.release(seq, finished=True)
     runner.release(seq, finished=True)
 
 

@@ -20,7 +20,7 @@ LP_TOL = 1e-9  # the same float64 log-softmax of the same logits: only summation
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt):
-    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=4)
+    return ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=True)
 
 
 def _prompt(n: int, salt: int) -> list[int]:

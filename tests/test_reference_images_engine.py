@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from thorgen.model_spec.conventions import KV_PAGE
 from thorgen.runtime.backend import BackendError, SamplingParams
 from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.media.images import load_image
@@ -30,13 +31,13 @@ def backend(tiny_ckpt):
     return ReferenceBackend(tiny_ckpt, max_context=512)
 
 
-def prompt(tiny_ckpt, *seeds, text=(30, 31, 32)):
+def prompt(tiny_ckpt, *seeds, text=(30, 31, 32), tail=()):
     vision = tiny_ckpt.spec.vision
     imgs = [load_image(image(s), vision, 70) for s in seeds]
     ids = [2, 105, *text]
     for _ in imgs:
         ids += [vision.image_token_id, 45]
-    return expand_image_tokens(ids + [106, 105], imgs, vision)
+    return expand_image_tokens(ids + [*tail, 106, 105], imgs, vision)
 
 
 def run(core: EngineCore, requests: dict, max_tokens: int = 6) -> dict:
@@ -74,51 +75,51 @@ def test_no_chunk_splits_an_image_span(tiny_ckpt, backend) -> None:
     assert tokens["a"] == whole.token_ids  # chunked == one prefill
 
 
+def one(core: EngineCore, rid: str, ids, spans, max_tokens: int = 6):
+    """One request through a long-lived engine core (a server's): its result."""
+    return run(core, {rid: (ids, spans)}, max_tokens)[1][rid]
+
+
 def test_prefix_cache_keys_images_by_content(tiny_ckpt) -> None:
     backend = ReferenceBackend(tiny_ckpt, max_context=512)
-    ids_a, spans_a = prompt(tiny_ckpt, 1)
-    ids_b, spans_b = prompt(tiny_ckpt, 2)
+    core = EngineCore(backend.runner(2))
+    tail = tuple(range(200, 220))  # (text after the image: whole pages past its span)
+    ids_a, spans_a = prompt(tiny_ckpt, 1, tail=tail)
+    ids_b, spans_b = prompt(tiny_ckpt, 2, tail=tail)
     assert ids_a == ids_b and spans_a[0].image.hash != spans_b[0].image.hash  # same size, same placeholders
-    first = backend.generate(ids_a, 6, SamplingParams(), images=spans_a)
-    other = backend.generate(ids_b, 6, SamplingParams(), images=spans_b)
+    first = one(core, "first", ids_a, spans_a)
+    other = one(core, "other", ids_b, spans_b)
     # the other image reuses only the text before its span, never the first image's K/V
     assert other.cached_prompt_tokens <= spans_b[0].offset
     fresh = ReferenceBackend(tiny_ckpt, max_context=512).generate(ids_b, 6, SamplingParams(), images=spans_b)
     assert other.token_ids == fresh.token_ids
-    again = backend.generate(ids_a, 6, SamplingParams(), images=spans_a)
+    again = one(core, "again", ids_a, spans_a)
     assert again.cached_prompt_tokens > spans_a[0].end and again.token_ids == first.token_ids
     assert backend.encoder_cache.encoded == 2  # each image through the tower once
 
 
 def test_a_cache_hit_never_ends_inside_a_span(tiny_ckpt) -> None:
-    backend = ReferenceBackend(tiny_ckpt, max_context=512)
-    ids, spans = prompt(tiny_ckpt, 3)
-    cut = spans[0].offset + 5
-    backend.prefix_cache.store(_state_after(backend, ids[:cut], spans))  # a cached state ending mid-span
-    result = backend.generate(ids, 4, SamplingParams(), images=spans)
-    assert result.cached_prompt_tokens == spans[0].offset
-    fresh = ReferenceBackend(tiny_ckpt, max_context=512).generate(ids, 4, SamplingParams(), images=spans)
-    assert result.token_ids == fresh.token_ids
-
-
-def _state_after(backend, ids, spans):
-    from thorgen.runtime.backend import key_tokens
-
-    state = backend.decoder.new_state()
-    span = spans[0]
-    n = len(ids) - span.offset
-    part = type(span.image)(span.image.patches, span.image.positions, n, span.image.hash)  # its first n keys
-    rows = [(span.offset, backend.encoder_cache.rows(span.image)[:n])]
-    backend.decoder.prefill(state, ids, SamplingParams(), None, images=rows,
-                            keys=key_tokens(ids, [type(span)(span.offset, part)]))
-    return state
+    """The same image again where the last whole page before the prompt's last token ends inside the image: the
+    hit stops at the page boundary before the image (its span runs whole), and the tokens are a full prefill's."""
+    for n in range(14, 80):
+        ids, spans = prompt(tiny_ckpt, 3, text=tuple(range(200, 200 + n)))
+        last_page = (len(ids) - 1) // KV_PAGE * KV_PAGE
+        if spans[0].offset >= KV_PAGE and spans[0].offset < last_page < spans[0].end:
+            break
+    else:
+        raise AssertionError("no prompt puts a page boundary inside the image")
+    core = EngineCore(ReferenceBackend(tiny_ckpt, max_context=512).runner(2))
+    first = one(core, "first", ids, spans, 4)
+    result = one(core, "again", ids, spans, 4)
+    assert result.cached_prompt_tokens == spans[0].offset // KV_PAGE * KV_PAGE > 0
+    assert result.token_ids == first.token_ids
 
 
 def test_preemption_with_images_gives_the_same_tokens(tiny_ckpt) -> None:
     reqs = {f"r{k}": prompt(tiny_ckpt, 10 + k, text=(30 + k, 31)) for k in range(3)}
     alone = {rid: ReferenceBackend(tiny_ckpt, max_context=512).generate(ids, 24, SamplingParams(), images=sp).token_ids
              for rid, (ids, sp) in reqs.items()}
-    backend = ReferenceBackend(tiny_ckpt, max_context=512, prefix_slots=0)
+    backend = ReferenceBackend(tiny_ckpt, max_context=512, prefix_cache=False)
     longest = max(len(ids) for ids, _ in reqs.values())
     blocks = 2 * -(-(longest + 1) // 16) + 1  # two prompts and a block: growing to 24 tokens each preempts
     runner = backend.runner(3, kv_tokens=16 * blocks)
@@ -131,7 +132,7 @@ def test_preemption_with_images_gives_the_same_tokens(tiny_ckpt) -> None:
         release(seq, finished)
 
     runner.release = spy
-    tokens, _ = run(EngineCore(runner, max_step_tokens=64, block_size=16), reqs, 24)
+    tokens, _ = run(EngineCore(runner, max_step_tokens=64), reqs, 24)
     assert preempted  # the KV budget forced a recompute
     assert tokens == alone
 

@@ -71,7 +71,7 @@ def pair(tiny_checkpoint, tmp_path_factory, fake_kernels):
         if kv not in made:
             drv = EE.install(kernels)
             cuda = open_backend(tiny_checkpoint, ctx=1024, kv_dtype=kv, weights_dir=weights, kernels_dir=kernels)
-            ref = ReferenceBackend(ck, max_context=1024, prefix_slots=0, numerics="w4a16", kv_dtype=kv,
+            ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype=kv,
                                   kernels=kernels)
             made[kv] = (cuda, ref, drv)
         dev.set_driver(made[kv][2])
@@ -192,11 +192,11 @@ def test_w4a16_differs_from_float32_only_by_engine_rounding(tiny_ckpt, fake_kern
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     ids = [2] + np.random.default_rng(4).integers(256, 512, 12).tolist()
-    f32 = ReferenceBackend(tiny_ckpt, prefix_slots=0).target
+    f32 = ReferenceBackend(tiny_ckpt, prefix_cache=False).target
     want = f32.forward(ids, f32.new_cache(), last_only=True).logits[-1]
     errs = {}
     for head in ("bf16", "nvfp4"):
-        m = ReferenceBackend(tiny_ckpt, prefix_slots=0, numerics="w4a16", lm_head=head,
+        m = ReferenceBackend(tiny_ckpt, prefix_cache=False, numerics="w4a16", lm_head=head,
                              kernels=fake_kernels).target
         errs[head] = _rel_l2(m.forward(ids, m.new_cache(), last_only=True).logits[-1], want)
     assert 0 < errs["bf16"] <= 2e-2, errs

@@ -90,7 +90,7 @@ def references(tiny_ckpt, built):
     def get(kind: str):
         if kind not in made:
             kw = {} if kind == "f32" else dict(numerics="w4a16", kv_dtype=kind, kernels=built[1])
-            made[kind] = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_slots=0, **kw)
+            made[kind] = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=False, **kw)
         return made[kind]
     return get
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from thorgen.model_spec.conventions import KV_PAGE
 from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
+from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.drafter import DraftContext
 
@@ -23,7 +25,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt) -> ReferenceBackend:
-    return ReferenceBackend(tiny_ckpt, prefix_slots=0)
+    return ReferenceBackend(tiny_ckpt, prefix_cache=False)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
@@ -77,7 +79,7 @@ def test_scripted_drafter_covers_every_acceptance_count(tiny_ckpt, backend: Refe
     n_new = 1 + sum(a + 1 for a in plan)
     plain = backend.generate(ids, n_new, sampling).token_ids
     drafter = ScriptedDrafter(ids + plain, plan, 16, tiny_ckpt.spec.target.vocab_size)
-    spec_backend = ReferenceBackend(tiny_ckpt, drafter=drafter, prefix_slots=0)
+    spec_backend = ReferenceBackend(tiny_ckpt, drafter=drafter, prefix_cache=False)
     result = GenerationResult()
     steps = list(spec_backend.generate_stream(ids, n_new, sampling, speculative=True, result=result))
     assert [t for s in steps for t in s.token_ids] == result.token_ids == plain
@@ -91,7 +93,7 @@ def test_stop_and_max_tokens_truncate_mid_block(tiny_ckpt, backend: ReferenceBac
     ids = prompt(10, 8)
     plain = backend.generate(ids, 40, SamplingParams()).token_ids
     full = ids + plain
-    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(full, [15] * 8, 16, 512), prefix_slots=0)
+    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(full, [15] * 8, 16, 512), prefix_cache=False)
     # max_tokens inside the second block: 1 (prefill) + 16 (15 drafts + bonus) + 4
     r = all_right.generate(ids, 21, SamplingParams(), speculative=True)
     assert r.token_ids == plain[:21] and r.finish_reason == "length"
@@ -101,35 +103,47 @@ def test_stop_and_max_tokens_truncate_mid_block(tiny_ckpt, backend: ReferenceBac
     stop = frozenset({plain[k]})
     want = backend.generate(ids, 40, SamplingParams(), stop_ids=stop)
     assert want.token_ids == plain[: k + 1] and want.finish_reason == "stop"
-    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(full, [15] * 8, 16, 512), prefix_slots=0)
+    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(full, [15] * 8, 16, 512), prefix_cache=False)
     got = all_right.generate(ids, 40, SamplingParams(), stop_ids=stop, speculative=True)
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
 
 
+def _served(core: EngineCore, rid: str, ids: list[int], n: int, sampling: SamplingParams,
+            speculative: bool = False) -> GenerationResult:
+    """One request through a long-lived engine core (a server's): its result."""
+    core.add(rid, ids, n, sampling, speculative=speculative)
+    while core.unfinished:
+        for out in core.step():
+            if out.finished:
+                return out.result
+    raise AssertionError("the request did not finish")
+
+
 def test_prefix_cache_reuse_gives_identical_output(tiny_ckpt, backend: ReferenceBackend) -> None:
-    cached = ReferenceBackend(tiny_ckpt, prefix_slots=2)
-    a = prompt(20, 9)
-    first = cached.generate(a, 8, SamplingParams())
-    assert first.cached_prompt_tokens == 0 and first.prompt_tokens == 20
-    again = cached.generate(a, 8, SamplingParams(), speculative=True)
-    assert again.cached_prompt_tokens == 19  # at least one prompt token is always re-run
+    """Requests through one engine core reuse the K/V earlier ones left, in whole pages of KV_PAGE positions (the
+    KV manager's rule for every backend), and get the tokens a full prefill gives."""
+    core = EngineCore(ReferenceBackend(tiny_ckpt).runner(2))
+    a = prompt(40, 9)
+    first = _served(core, "first", a, 8, SamplingParams())
+    assert first.cached_prompt_tokens == 0 and first.prompt_tokens == 40
+    again = _served(core, "again", a, 8, SamplingParams(), speculative=True)
+    assert again.cached_prompt_tokens == 32  # the pages before the last prompt token, which always runs again
     assert again.token_ids == first.token_ids
-    # a follow-up turn that extends prompt + answer reuses everything the first state covered
+    # a follow-up turn that extends prompt + answer reuses the whole pages the first state covered (47 positions)
     b = a + first.token_ids + [300, 301]
-    follow = cached.generate(b, 8, SAMPLED, speculative=True)
-    assert follow.cached_prompt_tokens == 20 + 8 - 1
+    follow = _served(core, "follow", b, 8, SAMPLED, speculative=True)
+    assert follow.cached_prompt_tokens == (40 + 8 - 1) // KV_PAGE * KV_PAGE
     assert follow.token_ids == backend.generate(b, 8, SAMPLED).token_ids
-    # a diverging prompt reuses only the common prefix; LRU keeps at most 2 slots
-    c = a[:12] + [7, 8, 9]
-    div = cached.generate(c, 6, SamplingParams())
-    assert div.cached_prompt_tokens == 12
+    # a diverging prompt reuses only the whole pages of the common prefix (36 tokens)
+    c = a[:36] + [7, 8, 9]
+    div = _served(core, "div", c, 6, SamplingParams())
+    assert div.cached_prompt_tokens == 32
     assert div.token_ids == backend.generate(c, 6, SamplingParams()).token_ids
-    assert len(cached.prefix_cache) <= 2
     assert first.prefill_s > 0 and first.decode_s > 0
 
 
 def test_cancel_and_bad_requests(tiny_ckpt) -> None:
-    b = ReferenceBackend(tiny_ckpt, max_context=64, prefix_slots=0)
+    b = ReferenceBackend(tiny_ckpt, max_context=64, prefix_cache=False)
     calls = []
     r = b.generate(prompt(6, 10), 30, SamplingParams(), cancelled=lambda: len(calls.append(1) or calls) > 3)
     # polled before every engine step, the prefill included: three steps ran (prefill + 2 decodes)
@@ -151,7 +165,7 @@ def test_draft_tokens_caps_each_step(tiny_ckpt, backend: ReferenceBackend) -> No
 
     ids = prompt(10, 9)
     plain = backend.generate(ids, 30, SamplingParams()).token_ids
-    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(ids + plain, [15] * 12, 16, 512), prefix_slots=0)
+    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(ids + plain, [15] * 12, 16, 512), prefix_cache=False)
     r = all_right.generate(ids, 29, SamplingParams(draft_tokens=3), speculative=True)
     assert r.token_ids == plain[:29] and r.accepted_lengths == [4] * 7
     with pytest.raises(BackendError, match="draft_tokens 16: the drafter proposes at most 15"):

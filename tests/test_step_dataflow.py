@@ -18,7 +18,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")
 
 from thorgen.runtime.cuda.dataflow import DataflowError, PlannedPointers, Regions, check_step  # noqa: E402
-from thorgen.runtime.cuda.speculative import DraftForward  # noqa: E402
+from thorgen.runtime.cuda.dflash import DraftForward  # noqa: E402
 
 STEP = {"positions", "lanes", "params", "kv_pages"}  # staged before every step (the page table by the runner)
 EXT = {"logit_rows", "logit_counts", "logit_biases", "logit_masks"}  # a processed step's per-row inputs

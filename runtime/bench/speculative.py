@@ -3,14 +3,14 @@
 Each of `runs` greedy speculative generations of the bench's prompt is timed like plain decoding (runtime/bench/cli.py):
 spec tok/s = (tokens - 1) / (last - first token), step ms = that time / verify steps, tau = the mean tokens a verify
 step commits. On the cuda backend every DFlash step also records CUDA events around its draft graph and its
-verify graph (Engine.spec_timing), giving draft_step_ms and verify_step_ms, and one draft and one verify forward
+verify graph (DFlashSteps.timing), giving draft_step_ms and verify_step_ms, and one draft and one verify forward
 are profiled per kernel.
 
 With random weights no draft is ever accepted, so `--emulate-acceptance K` makes every verify step commit K drafts
 + 1 whatever the drafter proposed (CudaRunner.decode; the reference's Decoder.step): the work per step is a real
 step's and the positions advance K + 1 a step, so tok/s is the speed at tau = K + 1. The tokens are then not the
 model's; the report says so (emulated_acceptance). On the cuda engine the drafts are then also replaced by 15
-different tokens a step (Engine.draft_hook): random weights make the drafter propose one token over and over (the
+different tokens a step (DFlashSteps.draft_hook): random weights make the drafter propose one token over and over (the
 H200's timed verify blocks were [last, 4, 4, ..., 4] before 9f16c38), 16 rows that route alike and read fewer experts
 than a block of text does (that verify graph replayed in 3.75 ms, on 16 distinct tokens in 4.04).
 """
@@ -25,14 +25,20 @@ from ..backend import BackendError
 from .timing import timed_stream
 
 
-def _emulate(backend: Any, k: int | None) -> None:
+def _dflash(backend: Any) -> Any:
+    """The cuda engine's DFlash steps (their hooks), or None for the reference backend."""
     engine = getattr(backend, "engine", None)
-    (engine if engine is not None else backend.decoder).emulate_acceptance = k
-    if engine is not None:
+    return None if engine is None else engine.dflash
+
+
+def _emulate(backend: Any, k: int | None) -> None:
+    steps = _dflash(backend)
+    (steps if steps is not None else backend.decoder).emulate_acceptance = k
+    if steps is not None:
         from ..cuda.profile import distinct_tokens  # (the cuda engine's module: not for the reference backend)
 
         vocab = backend.spec.target.vocab_size
-        engine.draft_hook = None if k is None else \
+        steps.draft_hook = None if k is None else \
             (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
 
 
@@ -46,26 +52,26 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
     block = backend.spec.drafter.block_size
     if accept is not None and not 0 <= accept < block:
         raise BackendError(f"--emulate-acceptance {accept}: 0..{block - 1} drafts a step")
-    engine = getattr(backend, "engine", None)
+    steps = _dflash(backend)
     _emulate(backend, accept)
     try:
         timed_stream(backend, prompt, min(gen, 2 * block), speculative=True)  # warm-up: the DFlash graphs
         rates, step_ms, taus, timing = [], [], [], []
         for _ in range(runs):
-            if engine is not None:
-                engine.spec_timing = []
+            if steps is not None:
+                steps.timing = []
             r = timed_stream(backend, prompt, gen, speculative=True)
             n, lengths = len(r["token_ids"]), r["accepted_lengths"]
             if n > 1 and r["decode_s"] > 0 and lengths:
                 rates.append((n - 1) / r["decode_s"])
                 step_ms.append(1e3 * r["decode_s"] / len(lengths))
                 taus.append(statistics.mean(lengths))
-            if engine is not None:
-                timing += engine.spec_timing
+            if steps is not None:
+                timing += steps.timing
     finally:
         _emulate(backend, None)
-        if engine is not None:
-            engine.spec_timing = None
+        if steps is not None:
+            steps.timing = None
     if not rates:
         raise BackendError("the speculative runs made no verify step (raise --gen)")
     out = {"emulated_acceptance": accept, "tau": round(statistics.median(taus), 4),
@@ -75,6 +81,7 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
            "spec_tok_s_runs": [round(x, 3) for x in rates]}
     if accept is not None:
         out["note"] = f"emulated: every verify step committed {accept} drafts + 1; the tokens are not the model's"
+    engine = getattr(backend, "engine", None)
     if engine is not None and "verify_step_kernels" not in report:  # (--roofline took them at this position)
         from ..cuda.profile import per_kernel, profile_speculative
 

@@ -73,7 +73,7 @@ def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str,
         raise BackendError("--sms restricts the cuda backend's GPU (use --backend cuda)")
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
     opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                       prefix_slots=0, max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
+                                       prefix_cache=False, max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
                                        options=options, sms=sms))
     b = opened.backend
     if name == "cuda":

@@ -18,7 +18,7 @@ from .logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
 from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from .programs import Copy2D
-from .speculative import plan_drafter_activations, split_weights
+from .dflash import plan_drafter_activations, split_weights
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
 
@@ -148,7 +148,7 @@ class EngineBuffers:
 
 
 class PageTable:
-    """The paged layers' page table: a pinned host copy, rows uploaded stream-ordered (runtime/cuda/kv_pages.py
+    """The paged layers' page table: a pinned host copy, rows uploaded stream-ordered (runtime/engine/kv_manager.py
     decides them). Until a runner maps a lane, lane l's positions sit on pages l * P.. (P: one full context),
     wrapped at the pool's end: what a direct caller (a benchmark, a test) gets, like one linear cache a lane."""
 

@@ -1,23 +1,100 @@
-"""Runtime stage: `DFlashSteps`, the engine's speculative (DFlash) steps: the draft and verify graphs, launch, wait.
+"""Runtime stage: DFlash speculative decoding on the CUDA engine, all of it: the drafter's programs and buffers
+(DraftForward), its steps on the device (DFlashSteps: the draft and verify graphs, launch, wait) and the stepping of
+a speculative sequence for CudaRunner (DFlashDecoder: launch-ahead, the drafter context of each lane, catch-up).
 
-One step for `last` at position `start` (runtime/cuda/speculative.py describes the programs): the block is staged
-(positions, sampled positions, the last token, KV lanes, the acceptance rule), the draft graph proposes 15 tokens,
-an optional test hook overwrites them, the verify graph runs the target over the block and the device's acceptance
-picks the next block; the drafts, the verified tokens and the accepted count are copied back into a staging slot.
+Per step (MODEL_FACTS §3.3), with `last` the newest token at position `start` (not yet in any cache):
+  1. draft graph: block embedding of [last, mask x15] (x embed scale) at positions start..start+15, the drafter
+     layers (Qwen3, hybrid mask: sliding layers causal within the block, the full layer bidirectional) over the
+     persistent drafter KV cache (context K/V of every committed position) plus the block's own K/V, final norm,
+     the shared NVFP4 lm_head + argmax of slots 1..15 straight into ids[1..15] (ids[0] = last, staged by the host);
+  2. verify graph: the target forward over ids[0..15] at start..start+15 (the M=16 kernels) with every row's
+     token into out_ids[0..15] (argmax, or the seeded sampler at absolute position start+1+i) and the DFlash taps
+     of all 16 rows, then the context update of the same 16 positions: fc(taps) -> hidden_norm -> per drafter layer
+     k/v projections -> k_norm + RoPE -> drafter cache.
+  3. the host reads the 15 drafts and the 16 target tokens (the only device->host traffic), acc = longest prefix
+     with d_i == target_i-1, commits target_0..target_acc. The verify graph ends with the same rule on the device
+     (draft.accept: the count into spec_acc, the next block's positions and ids[0]), so the runner can enqueue the
+     next step before it reads this one (CudaRunner.decode), and the GPU never waits for the host between steps.
+Rollback needs no work: the target rows and the drafter context rows beyond the committed length hold K/V of
+rejected tokens at positions start+acc+1..start+15, and the next step (block at start+acc+1..start+acc+16)
+writes every one of them again (its block K/V, then its verify K/V and context rows) before any query reads them;
+rings have window + 512 >= window + 16 slots, so a block never overwrites a key its own queries still need.
+Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids[0] change between steps.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import VERIFY_ROWS
+from ...model_spec.conventions import VERIFY_ROWS, accepted_count  # DFlashSpec.block_size must match VERIFY_ROWS
+from ...model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key, verify_key
+from ...model_spec.types import ModelSpec
 from ..backend import BackendError
 from .device import check, driver
 from .graphs import CudaGraph
-from .speculative import DraftForward
+from .memory import ArenaPlan
+from .programs import Forward, Op
 from .staging import ENGINE_SLOTS, Slot
+from ..engine.kv_manager import KVGeometry
+from .steps import StepParts
+
+
+def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
+    """(name, fused source, first row, rows, k) of the drafter's k|v matrices cut out of the repacked q|k|v: the
+    context update projects only keys and values (the block's GEMM reads the fused matrix whole; see
+    Engine._split_drafter_weights)."""
+    d = spec.drafter
+    assert d is not None
+    nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    return [(f"dsplit.{l}.kv", f"draft.layers.{l}.self_attn.qkv_proj.weight", nq, 2 * nkv, d.hidden_size)
+            for l in range(d.num_hidden_layers)]
+
+
+def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
+    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for VERIFY_ROWS rows."""
+    d, H = spec.drafter, spec.target.hidden_size
+    assert d is not None
+    nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    for name, shape, dt in (
+            ("taps", (rows, len(d.target_layer_ids) * H), "f16"), ("dctx", (rows, d.hidden_size), "f32"),
+            ("dctx_a", (rows, d.hidden_size), "f16"), ("dkv_raw", (rows, 2 * nkv), "f32"),
+            ("dx", (VERIFY_ROWS, d.hidden_size), "f32"), ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
+            ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"), ("dq", (VERIFY_ROWS, nq), "bf16"),
+            ("dattn", (VERIFY_ROWS, nq), "f16"),
+            ("do", (VERIFY_ROWS, d.hidden_size), "f32"), ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
+            # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
+            ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):
+        p.add_array(name, shape, dt)
+
+
+class DraftForward:
+    """The drafter's step programs (codegen/lower_draft.py lowers them), bound like the target's."""
+
+    def __init__(self, fwd: Forward) -> None:
+        self.fwd, self.spec = fwd, fwd.spec
+        problem = drafter_problem(self.spec)
+        if problem:
+            raise BackendError(problem)
+
+    def block_ops(self) -> list[Op]:
+        """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
+        return self.fwd.program(DRAFT_BLOCK, VERIFY_ROWS)
+
+    def ctx_ops(self, rows: int) -> list[Op]:
+        """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
+        return self.fwd.program(DRAFT_CONTEXT, rows)
+
+    def verify_ops(self, greedy: bool = True) -> list[Op]:
+        """The verify step: target forward (taps), drafter context update beside its head, acceptance (LowerDraft)."""
+        return self.fwd.program(verify_key(greedy), VERIFY_ROWS)
+
+    def probe(self) -> list[str]:
+        """What the speculative path lacks (empty: it can run)."""
+        return self.fwd.missing("speculative", verify_key(True), verify_key(False), program_key(last=True, taps=True),
+                                DRAFT_BLOCK, DRAFT_CONTEXT)
 
 
 class SpecLaunch(NamedTuple):
@@ -30,16 +107,22 @@ class SpecLaunch(NamedTuple):
 
 
 class DFlashSteps:
-    """The DFlash steps of an engine with a drafter. The engine's hooks (draft_hook, emulate_acceptance,
-    spec_timing) are read at each launch."""
+    """The DFlash steps of an engine with a drafter, over the engine's step parts. Test and bench hooks, read at
+    each launch: `draft_hook` (callable(start, last_token) -> 15 drafts that replace the drafter's, written into
+    ids[1..15] between the draft and the verify graphs, so tests can force long acceptances and rollbacks),
+    `emulate_acceptance` (K: every step commits K drafts + 1, `thorgen bench --emulate-acceptance`), `timing` (a
+    list: each step appends its (draft ms, verify ms))."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self._landed = [engine.device.event(timing=False) for _ in range(ENGINE_SLOTS["spec_step"][1])]
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+        self._landed = [parts.device.event(timing=False) for _ in range(ENGINE_SLOTS["spec_step"][1])]
+        self.draft_hook: Callable[[int, int], Any] | None = None
+        self.emulate_acceptance: int | None = None
+        self.timing: list | None = None
 
     def graph(self, which: str, greedy: bool = True) -> CudaGraph:
         """The draft graph, or the verify graph (+ the drafter's context update and the acceptance) of a mode."""
-        fwd, lists = self.engine.fwd, self.engine.launches
+        fwd, lists = self.parts.fwd, self.parts.launches
         if which == "draft":
             return lists.captured("draft", lambda: DraftForward(fwd).block_ops(), "DFlash")
         return lists.captured(f"verify_{'greedy' if greedy else 'sample'}",
@@ -52,7 +135,7 @@ class DFlashSteps:
         (`hook_start`: that block's start where the host knows it, for draft_hook). Otherwise the block at `start`
         for `last` in KV lane `lane`, under the rule (at most `most` tokens a step, or exactly emulate + 1): what
         the device's acceptance then uses."""
-        eng = self.engine
+        eng = self.parts
         cu, h, act = driver(), eng.stream.handle, eng.act
         # (forced drafts and read-back: a launched-ahead step's copies may still be queued)
         slot = eng.staging.next("spec_step")
@@ -70,17 +153,17 @@ class DFlashSteps:
                   "sampled positions")
             check(cu.cuMemcpyHtoDAsync(act["ids"].ptr, block.at("last"), 4, h), "last token")
             check(cu.cuMemcpyHtoDAsync(act["spec_rule"].ptr, block.at("rule"), 8, h), "acceptance rule")
-        events = None if eng.spec_timing is None else [eng.device.event() for _ in range(3)]
+        events = None if self.timing is None else [eng.device.event() for _ in range(3)]
         if events:
             events[0].record(eng.stream)
         self.graph("draft").replay(eng.stream)
         if events:
             events[1].record(eng.stream)
-        if eng.draft_hook is not None:
+        if self.draft_hook is not None:
             at = start if start is not None else hook_start
             if at is None:
                 raise BackendError("draft_hook: a DFlash step launched ahead without a host-known block start")
-            forced = np.asarray(eng.draft_hook(at, last), np.int32)
+            forced = np.asarray(self.draft_hook(at, last), np.int32)
             if forced.shape != (VERIFY_ROWS - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
             slot.record["forced"] = forced
@@ -102,7 +185,8 @@ class DFlashSteps:
         launch.done.synchronize()
         if launch.timing:
             e = launch.timing
-            self.engine.spec_timing.append((e[1].elapsed_ms(e[0]), e[2].elapsed_ms(e[1])))
+            if self.timing is not None:
+                self.timing.append((e[1].elapsed_ms(e[0]), e[2].elapsed_ms(e[1])))
             for ev in e:
                 ev.destroy()
         rec = launch.slot.record
@@ -114,4 +198,111 @@ class DFlashSteps:
         self._landed = []
 
 
-__all__ = ["DFlashSteps", "SpecLaunch"]
+# a speculative sequence left behind by plain steps catches up when it may still decode a 16th of the positions
+CATCH_UP_RATIO = 16
+
+
+@dataclass
+class DraftLane:
+    """What a KV lane's drafter context holds: positions 0..draft_upto-1 (of the tokens its K/V holds), and the
+    highest position written in the lane since (its rings keep a position until one `slots` later is written)."""
+
+    draft_upto: int = 0
+    last_written: int = -1
+
+    def drafted(self, start: int, end: int, taps: bool) -> None:
+        """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
+        held every earlier position); without, it holds positions before `start` only."""
+        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)
+        self.last_written = max(self.last_written, end - 1)
+
+
+class DFlashDecoder:
+    """DFlash steps for CudaRunner. Each lane holds its own sequence's drafter context (runtime/cuda/kv_cache.py)
+    and `lanes[i].draft_upto` says how far it is current; a plain or batched step leaves it behind, and once the
+    sequence decodes alone again one tap prefill of the positions it missed (`catch_up`) brings it back, when its
+    cost is small beside the tokens still to come."""
+
+    def __init__(self, steps: DFlashSteps | None, prefill: Callable[..., int], geometry: KVGeometry,
+                 max_context: int, lanes: int) -> None:
+        """`steps`: the engine's DFlash steps (None without a drafter: no sequence is then speculative);
+        `prefill`: Engine.prefill (the catch-up's tap prefill); `geometry`: the KV cache's (its rings)."""
+        self.steps, self.prefill, self.geometry, self.max_context = steps, prefill, geometry, max_context
+        self.lanes = [DraftLane() for _ in range(lanes)]
+        self.caught_up_tokens = 0  # positions whose drafter context a catch-up prefill restored
+
+    def claim(self, lane: int, keep: int) -> None:
+        """Lane `lane` holds a new sequence whose first `keep` positions are what the lane held."""
+        d = self.lanes[lane]
+        d.draft_upto, d.last_written = min(d.draft_upto, keep), -1
+
+    def copied(self, src: int, dst: int, tokens: int, drafter: bool) -> None:
+        """Lane `dst` got lane `src`'s K/V of positions [0, tokens) (its drafter context too with `drafter`)."""
+        s, d = self.lanes[src], self.lanes[dst]
+        d.draft_upto, d.last_written = (min(s.draft_upto, tokens) if drafter else 0), s.last_written
+
+    def ready(self, seq, lane: int, pos: int) -> bool:
+        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and unprocessed (a processed
+        sequence decodes without speculation), a verify block fits the context, and the drafter context covers
+        positions 0..pos-1, at once or after `catch_up`."""
+        return (seq.speculative and pos + VERIFY_ROWS <= self.max_context and not seq.sampling.extended
+                and self.catch_up(seq, lane, pos))
+
+    def catch_up(self, seq, lane: int, pos: int) -> bool:
+        """Whether the lane's drafter context covers positions 0..pos-1, so that a speculative step can run: at
+        once, or after one tap prefill of the positions that plain and batched steps left it behind by. That runs
+        when its cost is small beside the tokens the sequence may still decode (a prefill position costs about a
+        16th of what a speculative step saves a token: H200, 0.04 vs ~1 ms) and the lane's rings still hold the
+        keys before them (else the sequence goes on with plain steps). It writes the target's K/V of those
+        positions again (the values a prompt's prefill gives) and never touches a page shared with another
+        sequence: the positions were decoded, so their pages are the sequence's own until it finishes.
+        (out_ids[0] then holds the prefill's token, which the sequence already has.)"""
+        d = self.lanes[lane]
+        missing = pos - d.draft_upto
+        if missing <= 0:
+            return True
+        if missing > CATCH_UP_RATIO * seq.room(self.max_context) or d.draft_upto == 0 or \
+                not self.geometry.prefix_intact(d.draft_upto, d.last_written):
+            return False
+        if any(s.offset < pos and s.end > d.draft_upto for s in seq.images):
+            return False  # (a prompt's images run in its own tap prefill; decoded positions hold none)
+        self.prefill(seq.tokens[:pos], seq.sampling.greedy, taps=True, begin=d.draft_upto, lane=lane)
+        d.drafted(d.draft_upto, pos, taps=True)
+        self.caught_up_tokens += missing
+        return True
+
+    def step(self, seq, lane: int, pos: int, cur: SpecLaunch | None, launch_ahead: bool,
+             launched=None) -> tuple[list[int], tuple[int, SpecLaunch] | None]:
+        """A DFlash step of `seq` at `pos` (`cur`: launched ahead by the step before, else launched now): its
+        committed tokens, and (position, launch) of the next step when `launch_ahead` launched it before this
+        one's tokens were read, at the block the device's acceptance picks (draft.accept), unless this step surely
+        ends the request or that block may not fit the context (the scheduler granted the pages of both blocks).
+        out_ids[0] then holds a verify row."""
+        room, greedy = seq.room(self.max_context), seq.sampling.greedy
+        dflash = self.steps
+        assert dflash is not None, "a DFlash step without a drafter"
+        most, k = 1 + (seq.sampling.draft_tokens or VERIFY_ROWS - 1), dflash.emulate_acceptance
+        d = self.lanes[lane]
+        if cur is None:
+            cur = dflash.launch(pos, seq.output[-1], greedy, lane=lane, most=most, emulate=k)
+        d.last_written = max(d.last_written, pos + VERIFY_ROWS - 1)
+        nxt = None
+        # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
+        hook_start = None if k is None else pos + accepted_count([], [0] * VERIFY_ROWS, most, k)  # (needs no tokens)
+        if launch_ahead and (dflash.draft_hook is None or hook_start is not None) and room >= 2 \
+                and pos + 2 * VERIFY_ROWS <= self.max_context:
+            nxt = dflash.launch(None, greedy=greedy, hook_start=hook_start)  # (its block: pos + 1 .. pos + 16)
+            d.last_written = max(d.last_written, pos + 2 * VERIFY_ROWS - 1)
+        if launched is not None:
+            launched()
+        drafts, target, accepted = dflash.wait(cur)
+        # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
+        new = target[:accepted_count(drafts, target, most, k)]
+        # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
+        d.drafted(pos, pos + len(new), taps=True)
+        # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)
+        return new[:room], None if nxt is None else (pos + accepted, nxt)
+
+
+__all__ = ["DFlashDecoder", "DFlashSteps", "DraftForward", "DraftLane", "SpecLaunch", "plan_drafter_activations",
+           "split_weights"]

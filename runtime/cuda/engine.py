@@ -21,7 +21,7 @@ import numpy as np
 
 from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
 from ...model_spec.types import ModelSpec
-from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache
+from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache, check_image_spans
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
 from .buffers import MAX_LOGIT_BIAS, EngineBuffers, plan_activations
@@ -32,11 +32,10 @@ from .launch_lists import LaunchLists
 from .logits_params import logprob_entry, plain_row
 from .memory import DeviceBuffer
 from .options import EngineOptions
-from .dflash import DFlashSteps
+from .dflash import DFlashSteps, DraftForward
 from .programs import Forward
-from .speculative import DraftForward
 from .staging import ENGINE_SLOTS, StagingRing
-from .steps import DecodeSteps, sample_record
+from .steps import DecodeSteps, StepParts, sample_record
 from .vision import VisionEncoder, chunk_images, stage_images, vision_missing
 
 
@@ -76,20 +75,13 @@ class Engine:
                                      not self.ext_missing, self.speculative)
         self.fwd.ptr = self.buffers  # the programs bind real buffers from now on
         self.staging = StagingRing(ENGINE_SLOTS)
-        self.steps = DecodeSteps(device, self.stream, self.act, self.fwd, self.launches, self.staging,
-                                 self.max_rows, lanes)
-        self.dflash = DFlashSteps(self) if self.speculative else None
+        parts = StepParts(device, self.stream, self.act, self.fwd, self.launches, self.staging, self.max_rows)
+        self.steps = DecodeSteps(parts, lanes)
+        self.dflash = DFlashSteps(parts) if self.speculative else None  # (its test and bench hooks live there)
         # Image input is optional too: without the tower's weights or programs, requests with images are refused
-        self.vision_missing = vision_missing(spec, self)
-        self.vision = None if self.vision_missing else VisionEncoder(self)
+        self.vision_missing = vision_missing(spec, artifact, self.fwd)
+        self.vision = None if self.vision_missing else VisionEncoder(parts, spec, manifest, self.buffers)
         self.encoder_cache = None if self.vision is None else ImageRowCache(self.vision)
-        # Test and bench hooks of the DFlash steps. draft_hook: callable(start, last_token) -> 15 drafts that
-        # replace the drafter's (written into ids[1..15] between the draft and the verify graphs), so tests can
-        # force long acceptances and rollbacks. emulate_acceptance: see CudaRunner.decode (thorgen bench
-        # --emulate-acceptance). spec_timing: a list: each DFlash step appends its (draft ms, verify ms).
-        self.draft_hook: Any = None
-        self.emulate_acceptance: int | None = None
-        self.spec_timing: list | None = None
 
     def _probe_speculative(self) -> list[str]:
         if self.spec.drafter is None:
@@ -116,6 +108,36 @@ class Engine:
     @property
     def pitch(self) -> int:
         return self.buffers.pages.pitch
+
+    def check_request(self, seq: Any) -> None:
+        """BackendError for a sequence (runtime/engine/sequence.py) this engine cannot run: speculative without a
+        drafter, logits processing without its kernels, images without the tower or larger than a prefill chunk,
+        prompt ids or logit_bias ids outside the vocabulary; makes its grammar's matcher."""
+        sampling = seq.sampling
+        if seq.speculative and not self.speculative:
+            raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
+                               + "; ".join(self.spec_missing) + "; use --no-speculative")
+        if sampling.extended or sampling.prompt_logprobs is not None:
+            if self.ext_missing:
+                raise BackendError(f"{sampling.describe_extended()} needs kernels this build lacks ("
+                                   + "; ".join(self.ext_missing) + "); rebuild with `thorgen build`")
+            if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+                raise BackendError(f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        if seq.images:
+            if self.vision is None:
+                raise BackendError("cuda backend: images need the vision tower on the device: "
+                                   + "; ".join(self.vision_missing))
+            if sampling.prompt_logprobs is not None:
+                raise BackendError("cuda backend: prompt logprobs of a prompt with images are not supported")
+            for span in seq.images:
+                self.vision.check(span.image)
+            if max(s.end - s.offset for s in seq.images) > self.max_rows:
+                raise BackendError(f"cuda backend: an image of more than {self.max_rows} soft tokens does not fit "
+                                   "one prefill chunk")
+            # the placeholders and the images must agree (a prompt without images keeps its ids as text, as before)
+            assert self.spec.vision is not None
+            check_image_spans(seq.prompt, seq.images, self.spec.vision.image_token_id)
+        seq.prepare(self.spec.target.vocab_size)
 
     def map_pages(self, lane: int, first: int, pages: list[int]) -> None:
         """Page-table entries first.. of `lane` = `pages` (buffers.PageTable.map)."""
@@ -179,7 +201,7 @@ class Engine:
             pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
             self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
             if spans:
-                copies = stage_images(self, spans, start, rows)
+                copies = stage_images(self.buffers, self.stream, spans, start, rows)
                 self.launches.run(self.launches.eager(
                     (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans)),
                     lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies)))

@@ -3,17 +3,17 @@
 Layout (the kernels' convention, copied into the kernel manifest as `conventions`): per layer a K cache and a V
 cache, each `[slot][kv_head][head_dim]`. The target's full-attention layers are paged: one pool of `pages` pages of
 KV_PAGE positions that every sequence draws from (slot = page table[lane][pos / KV_PAGE] * KV_PAGE + pos % KV_PAGE;
-the engine owns the page table, runtime/cuda/kv_pages.py the pages), so a long context costs only what it uses and a
-shared prefix is held once. Sliding layers are rings (slot = position % slots) of `window + max_step_tokens` slots: one forward step (a
-prefill chunk of up to max_step_tokens, or a 16-token verify block) writes all its keys before its queries read
-the `window - 1` older keys they still need, so the ring holds both; a plain 1024-slot ring would let a chunk
-overwrite keys its own first queries read. Full k_eq_v layers still store V separately (V = v_norm(k) is not K).
-The DFlash drafter's context cache is planned too when asked (always bf16: the drafter is precision-sensitive).
-Lanes: the target's rings hold `lanes` sequences, each layer's lanes one after another (`lane = [slot][kv_head]
-[head_dim]`, `k_bytes` apart), so a batched decode step reads and writes every sequence in the same launches; for a
-paged layer a lane is a row of the page table. The drafter context has a lane per sequence too (its layers are
-linear or rings, never paged): the draft state follows its sequence, so a speculative sequence keeps its context
-through batched steps and across requests (the prefix cache).
+the engine owns the page table, the engine core's KV manager (runtime/engine/kv_manager.py) the pages), so a long
+context costs only what it uses and a shared prefix is held once. Sliding layers are rings (slot = position % slots)
+of `window + max_step_tokens` slots: one forward step (a prefill chunk of up to max_step_tokens, or a 16-token
+verify block) writes all its keys before its queries read the `window - 1` older keys they still need, so the ring
+holds both; a plain 1024-slot ring would let a chunk overwrite keys its own first queries read. Full k_eq_v layers
+still store V separately (V = v_norm(k) is not K). The DFlash drafter's context cache is planned too when asked
+(always bf16: the drafter is precision-sensitive). Lanes: the target's rings hold `lanes` sequences, each layer's
+lanes one after another (`lane = [slot][kv_head] [head_dim]`, `k_bytes` apart), so a batched decode step reads and
+writes every sequence in the same launches; for a paged layer a lane is a row of the page table. The drafter context
+has a lane per sequence too (its layers are linear or rings, never paged): the draft state follows its sequence, so
+a speculative sequence keeps its context through batched steps and across requests (the prefix cache).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...model_spec.conventions import KV_PAGE, max_step_tokens  # (a manifest's 
 from ...model_spec.conventions import ring_slots as default_ring_slots
 from ...model_spec.types import ModelSpec
 from ..backend import BackendError
+from ..engine.kv_manager import KVGeometry
 from .device import check, driver
 from .memory import Arena, ArenaPlan, DeviceBuffer
 
@@ -106,11 +107,10 @@ class KVPlan:
     def drafter(self) -> list[LayerKV]:
         return [l for l in self.layers if l.model == "drafter"]
 
-    def prefix_intact(self, n: int, last_written: int) -> bool:
-        """Whether the K/V of positions [0, n) can still serve a continuation from position n, when positions up
-        to `last_written` were written since: a ring slot keeps a position until one `slots` later is written,
-        and the continuation's queries need the `window` positions before n (those that exist)."""
-        return all(last_written < max(0, n - l.window) + l.slots for l in self.layers if l.ring)
+    def geometry(self, lanes: int | None = None) -> KVGeometry:
+        """The cache as the engine core's KV manager sees it (`lanes`: a runner's, at most the plan's)."""
+        rings = tuple((l.window, l.slots) for l in self.layers if l.ring and l.window is not None)
+        return KVGeometry(min(lanes or self.lanes, self.lanes), self.ctx, self.pages, rings, KV_PAGE)
 
     def summary(self) -> str:
         t = sum(l.nbytes * self.lanes_of(l) for l in self.target())

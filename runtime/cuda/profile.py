@@ -58,7 +58,7 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
     """GPU time (us) per launch of one DFlash step of lane 0 at `position`: (the draft forward, the verify forward
     with its drafter-context update), eager launches on one stream, timed with events."""
     from ...model_spec.conventions import VERIFY_ROWS
-    from .speculative import DraftForward
+    from .dflash import DraftForward
 
     dfw = DraftForward(eng.fwd)
     draft, verify = _bind_alone(eng, dfw.block_ops(), dfw.verify_ops())

@@ -8,6 +8,7 @@ the host between steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,6 +23,21 @@ from .programs import Forward
 from .staging import ENGINE_SLOTS, Slot, StagingRing
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What every step class of the engine launches with (decode, DFlash, vision), made once by the Engine and
+    passed explicitly: the device and the stream steps run on, the activation arena, the bound forward programs,
+    the launch lists (graphs), the pinned staging ring and the step rows."""
+
+    device: Device
+    stream: Stream
+    act: Arena
+    fwd: Forward
+    launches: LaunchLists
+    staging: StagingRing
+    max_rows: int
+
+
 class BatchLaunch(NamedTuple):
     """A batched (or one-row) step in flight: its row count, the staging slot its tokens land in, the event after
     them."""
@@ -34,12 +50,12 @@ class BatchLaunch(NamedTuple):
 class DecodeSteps:
     """Graphed one-row and batched decode steps over the engine's buffers and streams."""
 
-    def __init__(self, device: Device, stream: Stream, act: Arena, fwd: Forward, launches: LaunchLists,
-                 staging: StagingRing, max_rows: int, lanes: int) -> None:
-        self.stream, self.act, self.fwd, self.launches, self.staging = stream, act, fwd, launches, staging
-        self.max_rows, self.lanes = max_rows, lanes
+    def __init__(self, parts: StepParts, lanes: int) -> None:
+        self.stream, self.act, self.fwd, self.launches, self.staging = (parts.stream, parts.act, parts.fwd,
+                                                                        parts.launches, parts.staging)
+        self.max_rows, self.lanes = parts.max_rows, lanes
         # a launch's tokens landed in its staging slot: an event per slot of each read-back kind
-        self._landed = {kind: [device.event(timing=False) for _ in range(ENGINE_SLOTS[kind][1])]
+        self._landed = {kind: [parts.device.event(timing=False) for _ in range(ENGINE_SLOTS[kind][1])]
                         for kind in ("row_token", "batch")}
 
     def row_graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
@@ -174,4 +190,4 @@ def _runs(carried: dict[int, int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-__all__ = ["BatchLaunch", "DecodeSteps", "sample_record"]
+__all__ = ["BatchLaunch", "DecodeSteps", "StepParts", "sample_record"]

@@ -8,7 +8,7 @@ which keeps them across steps and preemption, and the engine stages them into a 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -17,9 +17,15 @@ from ...model_spec.types import ModelSpec
 from ...model_spec.vision_layout import (MAX_SOFT_TOKENS, PATCH_ACTS, TOKEN_ACTS, VISION_ENCODE, act_width,
                                          vision_dims, vision_tensors)
 from ..backend import BackendError, ImageInput
+from ..convert.artifact import WeightsArtifact
+from ..manifest import KernelManifest
 from .kernels import Ptr
 from .memory import Arena, ArenaPlan
 from .programs import Copy2D, Forward
+from .steps import StepParts
+
+if TYPE_CHECKING:
+    from .buffers import EngineBuffers
 
 
 
@@ -33,21 +39,21 @@ def plan_vision(spec: ModelSpec) -> ArenaPlan:
     return p
 
 
-def vision_missing(spec: ModelSpec, engine: Any) -> list[str]:
-    """Why `engine` cannot encode images (empty: it can)."""
+def vision_missing(spec: ModelSpec, artifact: WeightsArtifact, fwd: Forward) -> list[str]:
+    """Why an engine with these weights and programs cannot encode images (empty: it can)."""
     if spec.vision is None:
         return [f"model {spec.name} has no vision tower"]
-    lacking = [n for n in vision_tensors(spec) if n not in engine.art.tensors]
+    lacking = [n for n in vision_tensors(spec) if n not in artifact.tensors]
     if lacking:
         return [f"the repacked weights hold no vision tower ({lacking[0]} ...): repack them again"]
     keys = [program_key(last=False, images=True)] + [program_key(greedy=g, images=True) for g in (True, False)]
-    return engine.fwd.missing("vision", VISION_ENCODE, *keys)
+    return fwd.missing("vision", VISION_ENCODE, *keys)
 
 
 class _Pointers:
     """The vision program's symbols: weights in the engine's upload, activations in the tower's arena."""
 
-    def __init__(self, buffers: Any, arena: Arena) -> None:
+    def __init__(self, buffers: EngineBuffers, arena: Arena) -> None:
         self.buffers, self.arena = buffers, arena
 
     def W(self, name: str, byte_offset: int = 0) -> Ptr:
@@ -72,13 +78,13 @@ class _Pointers:
 class VisionEncoder:
     """encode(image) -> its soft-token rows float32 [N, text hidden], through the device (or the cache)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.spec = engine, engine.spec
-        self.dims = vision_dims(engine.spec)
-        self.arena = Arena(engine.device, plan_vision(engine.spec))
-        self.fwd = Forward(engine.spec, engine.manifest, engine.fwd.kv_dtype, engine.max_rows)
-        self.fwd.ptr = _Pointers(engine.buffers, self.arena)
-        stream = engine.stream
+    def __init__(self, parts: StepParts, spec: ModelSpec, manifest: KernelManifest, buffers: EngineBuffers) -> None:
+        self.parts, self.spec = parts, spec
+        self.dims = vision_dims(spec)
+        self.arena = Arena(parts.device, plan_vision(spec))
+        self.fwd = Forward(spec, manifest, parts.fwd.kv_dtype, parts.max_rows)  # (its own program, its own pointers)
+        self.fwd.ptr = _Pointers(buffers, self.arena)
+        stream = parts.stream
         self.arena.buffer.zero(stream)
         # the attention's key positions 0, 1, ...: staged once (no kernel writes them)
         self.arena["vis_kpos"].upload(np.arange(self.dims.max_patches, dtype=np.int32), stream=stream)
@@ -100,11 +106,10 @@ class VisionEncoder:
     def encode(self, image: ImageInput) -> np.ndarray:
         """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
         self.check(image)
-        e, n = self.engine, image.soft_tokens
-        stream = e.stream
+        n, stream, launches = image.soft_tokens, self.parts.stream, self.parts.launches
         self.arena["vis_patches"].upload(np.ascontiguousarray(image.pixel_values(), np.float32), stream=stream)
         self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
-        e.launches.run(e.launches.eager(("vision", n), lambda: self.fwd.program(VISION_ENCODE, n)))
+        launches.run(launches.eager(("vision", n), lambda: self.fwd.program(VISION_ENCODE, n)))
         stream.synchronize()
         return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
 
@@ -112,7 +117,7 @@ class VisionEncoder:
         self.arena.free()
 
 
-def chunk_images(images: Any, start: int, end: int) -> list[tuple[int, np.ndarray]]:
+def chunk_images(images: Sequence[tuple[int, np.ndarray]], start: int, end: int) -> list[tuple[int, np.ndarray]]:
     """(row in the chunk, rows [N, H]) of the images (prompt position, rows) inside positions start..end-1;
     BackendError for one the chunk would split (its tokens attend to each other both ways)."""
     out = []
@@ -125,12 +130,13 @@ def chunk_images(images: Any, start: int, end: int) -> list[tuple[int, np.ndarra
     return out
 
 
-def stage_images(engine: Any, spans: list[tuple[int, np.ndarray]], start: int, rows: int) -> list[Copy2D]:
+def stage_images(buffers: EngineBuffers, stream, spans: list[tuple[int, np.ndarray]], start: int, rows: int
+                 ) -> list[Copy2D]:
     """Upload a chunk's image rows (into img_rows at their chunk rows) and its key bounds (kv_hi: each row's
     position, an image row's the last position of its image), stream-ordered before the chunk; returns the
     copies of the image rows into x that follow the embed launch."""
-    act, buffers, stream = engine.act, engine.buffers, engine.stream
-    width = engine.spec.target.hidden_size * 4
+    act = buffers.act
+    width = buffers.spec.target.hidden_size * 4
     kv_hi = np.arange(start, start + rows, dtype=np.int32)
     copies = []
     for r, emb in spans:

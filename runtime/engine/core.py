@@ -15,14 +15,14 @@ no sequence reproduces alone) leaves step() and fails the engine.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable, NamedTuple, Protocol
 
-from ...model_spec.conventions import KV_PAGE
 from ..backend import (BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams,
                        SequenceFailed, TokenLogprob)
-from .scheduler import BlockPool, KVExhausted, Scheduler, Sequence, Status
+from .kv_manager import KVGeometry, KVManager, KVOp
+from .scheduler import KVExhausted, Prefill, Scheduler
+from .sequence import Sequence, Status
 
 log = logging.getLogger("thorgen.engine")
 DecodeResult = tuple[list[int], bool]  # a decode row's tokens and whether it was a draft + verify step
@@ -44,14 +44,15 @@ class RequestOutput(NamedTuple):
 
 
 class ModelRunner(Protocol):
-    """What a backend gives the engine core. Every call runs on the engine thread."""
+    """What a backend gives the engine core: it executes schedules and decides nothing about the KV cache (the
+    scheduler's KV manager does, over `kv_geometry`). Every call runs on the engine thread."""
 
     max_context: int
-    max_num_seqs: int  # sequences whose K/V it can hold at once
-    kv_tokens: int  # K/V entries it can hold in all (the scheduler's block budget)
+    max_num_seqs: int  # sequences whose K/V it can hold at once (its KV lanes)
+    kv_geometry: KVGeometry  # its KV cache: lanes, pages, rings
     verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
-    # K/V positions past a decode step's own that it may write before the step's tokens are known (a runner that
-    # launches the next step ahead; the scheduler charges them)
+    # decode steps a sequence may have launched before the step before them is read (0, or 1 for a runner that
+    # launches the next step ahead): each writes the positions of one more step, which the scheduler grants
     lookahead: int
     prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
     caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
@@ -59,9 +60,13 @@ class ModelRunner(Protocol):
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
 
-    def admit(self, seq: Sequence, limit: int) -> int:
-        """Make per-sequence state; returns how many leading tokens (at most `limit`) a prefix cache already
-        covers, and the state holds exactly those."""
+    def draft_context(self, lane: int) -> int:
+        """Positions 0.. of KV lane `lane` whose drafter context is current (what a speculative sequence may reuse)."""
+
+    def apply(self, ops: tuple[KVOp, ...]) -> None:
+        """Execute the KV manager's instructions (page-table rows, lane-to-lane prefix copies), in order, before
+        anything of the step they came with runs. A sequence's KV lane is `seq.lane`; a newly admitted one's
+        first `seq.num_cached` positions hold its cached prefix."""
 
     def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
                 launched: Callable[[], None] | None = None) -> int | None:
@@ -77,7 +82,8 @@ class ModelRunner(Protocol):
         changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
 
     def release(self, seq: Sequence, finished: bool) -> None:
-        """Drop the sequence's state (a finished one may stay in a prefix cache)."""
+        """Drop what the runner keeps of the sequence (its KV is the KV manager's, released already: seq.lane is
+        no longer set)."""
 
 
 class _Once:
@@ -106,12 +112,12 @@ def default_step_tokens(runner: ModelRunner) -> int:
 class EngineCore:
     """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int | None = None, block_size: int = KV_PAGE) -> None:
+    def __init__(self, runner: ModelRunner, max_step_tokens: int | None = None) -> None:
         self.runner = runner
         if max_step_tokens is None:
             max_step_tokens = default_step_tokens(runner)
-        pool = BlockPool(max(1, math.ceil(runner.kv_tokens / block_size)), block_size)  # a last partial block counts
-        self.scheduler = Scheduler(pool, runner.max_num_seqs, max_step_tokens, runner.max_context,
+        self.kv = KVManager(runner.kv_geometry, runner.draft_context)
+        self.scheduler = Scheduler(self.kv, runner.max_num_seqs, max_step_tokens, runner.max_context,
                                    runner.verify_block, runner.prefill_chunk, runner.lookahead)
         self._seqs: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []  # aborted since the last step
@@ -155,11 +161,10 @@ class EngineCore:
         return self.scheduler.unfinished
 
     def health(self) -> dict:
-        """What a health report shows of the core: the scheduler's KV blocks (the cuda runner's pages) and the
-        positions whose drafter context a catch-up prefill restored. Plain ints, safe to read between steps or
-        during one."""
-        pool = self.scheduler.pool
-        return {"kv": {"blocks": pool.num_blocks, "used": pool.used, "block_tokens": pool.block_size},
+        """What a health report shows of the core: the KV manager's pages and the positions whose drafter context a
+        catch-up prefill restored. Plain ints, safe to read between steps or during one."""
+        kv = self.kv
+        return {"kv": {"blocks": kv.total_pages, "used": kv.used_pages, "block_tokens": kv.geometry.page},
                 "catch_up_tokens": self.runner.caught_up_tokens}
 
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -173,11 +178,13 @@ class EngineCore:
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             self.runner.release(seq, finished=False)
+        if schedule.kv_ops:
+            self.runner.apply(schedule.kv_ops)
         outputs += [self._finish(seq, "length") for seq in schedule.exhausted]
         new: list[tuple[Sequence, list[int], bool]] = []
-        for p in schedule.prefills:
+        for n, p in enumerate(schedule.prefills):
             try:
-                token = self._prefill(p, once)
+                token = self._prefill(p, once, rebind=n > 0)
             except Exception as exc:
                 if isinstance(exc, EngineStateLost):
                     raise
@@ -199,25 +206,21 @@ class EngineCore:
         once()
         return outputs
 
-    def _prefill(self, p, once: _Once) -> int | None:
-        """One scheduled prefill chunk; the first token when it samples one."""
+    def _prefill(self, p: Prefill, once: _Once, rebind: bool) -> int | None:
+        """One scheduled prefill chunk (it starts where the sequence's K/V ends: a prefix-cache hit made at
+        admission counts); the first token when it samples one. `rebind`: prefills ran before it in this step,
+        so a sequence admitted in it may find more of its prefix cached now (KVManager.rebind)."""
         start = p.start
-        if start == 0:  # just admitted (or readmitted after a preemption)
-            # a first token needs fresh logits: the prompt's last token always runs then; a resumed sequence
-            # (its output goes on) may find its whole prefill cached; a scored prompt needs every position's
-            # logits. A hit may reach past this step's chunk: the next steps prefill from where it ends.
-            scored = p.seq.sampling.prompt_logprobs is not None and not p.seq.output
-            p.seq.prompt_logprobs = [None] if scored else None
-            target = p.seq.prefill_target
-            cached = self.runner.admit(p.seq, 0 if scored else target if p.seq.output else target - 1)
-            if cached > 0:  # a prefix-cache hit: those tokens need no forward
-                start = p.seq.num_cached = cached
-                if p.seq.preemptions == 0:
-                    p.seq.cached_prompt_tokens = cached
-            if start >= p.end:  # (never a sampling chunk: that one keeps its last token to run)
+        if p.admitted and rebind:
+            start = self.kv.rebind(p.seq, p.seq.reuse_limit())
+            ops = self.kv.take_ops()
+            if ops:
+                self.runner.apply(ops)
+            if start >= p.end:  # (never a sampling chunk: the prompt's last token always runs)
                 return None
         token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
         p.seq.num_cached = p.end
+        self.kv.prefilled(p.seq, p.end)
         return token if p.sample else None
 
     def _decode(self, seqs: list[Sequence], once: _Once) -> list[DecodeResult | BaseException]:
@@ -288,8 +291,9 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, error: SequenceFailed | None = None) -> RequestOutput:
         was_running = seq.status is Status.RUNNING
-        self.scheduler.finish(seq, reason)
-        if was_running:  # a failed sequence's state may be half-written: it never goes to a prefix cache
+        # a failed sequence's K/V may be half written: it never serves a prefix-cache hit
+        self.scheduler.finish(seq, reason, cacheable=error is None)
+        if was_running:
             self.runner.release(seq, finished=error is None)
         self._seqs.pop(seq.request_id, None)
         first = seq.first_token_at or seq.finished_at

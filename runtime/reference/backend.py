@@ -1,8 +1,9 @@
 """Runtime stage (reference backend): `ReferenceBackend`, the NumPy implementation of the Backend protocol.
 
 It is the numerical oracle for the CUDA runtime: float32 weights dequantized from the NVFP4 checkpoint,
-float64-accumulated reductions, exact DFlash draft-then-verify, counter-based sampling, and an LRU prefix
-cache (default 4 slots) of target K/V + drafter context keyed by token ids.
+float64-accumulated reductions, exact DFlash draft-then-verify, counter-based sampling, and prefix reuse decided by
+the engine core's KV manager as for the cuda backend (runtime/engine/kv_manager.py; `prefix_cache=False` turns it
+off, as the bench's TTFT runs need).
 
 `numerics="float32"` (default) is the model's own math (checked against HF transformers); `numerics="w4a16"`
 rounds where the CUDA engine stores (fp16 GEMM inputs, bf16 queries, `kv_dtype` "bf16" | "fp8" K/V cache,
@@ -20,7 +21,6 @@ from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .runner import ReferenceRunner
 from .speculative import Decoder
-from .state import PrefixCache
 from .vision import VisionModel
 from .w4a16 import W4A16Target
 from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
@@ -34,7 +34,7 @@ class ReferenceBackend(StreamingBackend):
     supports_grammar = True  # its runner applies llguidance masks (runtime/text/grammar.py)
 
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
-                 prefix_slots: int = 4, embed_scale: float | None = None,
+                 prefix_cache: bool = True, embed_scale: float | None = None,
                  expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
                  kv_dtype: str | None = None, lm_head: str | None = None, kernels=None,
                  encoder_slots: int = 8) -> None:
@@ -65,12 +65,13 @@ class ReferenceBackend(StreamingBackend):
             drafter = DFlashDrafter(checkpoint, self.target)
         self.drafter = drafter
         self.decoder = Decoder(self.target, drafter)
-        self.prefix_cache = PrefixCache(prefix_slots)
+        self.prefix_cache = prefix_cache
         self.encoder_cache = (ImageRowCache(VisionModel(checkpoint), encoder_slots) if self.spec.vision is not None
                               else None)
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
-        """The engine core's ModelRunner over this backend (shares its model, drafter and prefix cache)."""
+        """The engine core's ModelRunner over this backend (shares its model and drafter; the KV lanes are its own,
+        so a prefix cache lives as long as the engine core driving the runner)."""
         return ReferenceRunner(self, max_num_seqs, kv_tokens)
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,

@@ -1,8 +1,10 @@
 """Runtime stage (reference backend): `ReferenceRunner`, the engine core's ModelRunner over the NumPy model.
 
-Each sequence has its own SeqState (target K/V + drafter context); a step runs the sequences one after another,
-which is what batching means for a CPU oracle: the same tokens as one at a time, by construction. Finished
-sequences go to the backend's LRU prefix cache, and a new sequence starts from its longest cached prefix.
+Each KV lane holds a SeqState (target K/V of every position + drafter context); a step runs the sequences one after
+another, which is what batching means for a CPU oracle: the same tokens as one at a time, by construction. The
+engine core's KV manager decides prefix reuse exactly as for the cuda backend (the same lanes, pages and rings, so
+both report the same cached tokens for the same traffic): a finished sequence's state stays in its lane, a new one
+keeps the first positions its admission reuses and drops the rest, and a lane copy copies the state.
 A sequence with logits processing (penalties, logit_bias, a grammar) decodes without speculation: each token's
 processing depends on the tokens before it, which a verify block does not know yet. Logprobs alone keep
 speculation (the verify logits of each committed position are that position's own logits).
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BackendError, EngineStateLost, SequenceFailed, check_image_spans, span_floor
-from ..engine.scheduler import Sequence
+from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, ring_slots
+from ..backend import BackendError, EngineStateLost, SequenceFailed, check_image_spans
+from ..engine.kv_manager import ClaimLane, CopyPrefix, KVGeometry, KVOp, keys_of
+from ..engine.sequence import Sequence
 from .logits import process, token_logprob
 from .sampling import sample
 from .state import SeqState
@@ -28,13 +32,14 @@ class ReferenceRunner:
                  prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.backend, self.decoder = backend, backend.decoder
         self.max_context, self.max_num_seqs = backend.max_context, max_num_seqs
-        self.kv_tokens = kv_tokens if kv_tokens is not None else max_num_seqs * backend.max_context
         drafter = backend.drafter
         self.verify_block = drafter.block_size if drafter is not None else 1
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
         self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
-        self._states: dict[str, SeqState] = {}
+        self.kv_geometry = reference_geometry(backend.spec, max_num_seqs, self.max_context, kv_tokens,
+                                              backend.prefix_cache)
+        self._lanes: list[SeqState | None] = [None] * max_num_seqs
 
     def check(self, seq: Sequence) -> None:
         if seq.speculative and self.backend.drafter is None:
@@ -46,20 +51,31 @@ class ReferenceRunner:
         if vision is not None:  # placeholders and images must agree (a typed `<|image|>` has no image)
             check_image_spans(seq.prompt, seq.images, vision.image_token_id)
 
-    def _keys(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache keys of tokens start..end-1: the prompt's (images keyed by content), then the output's ids."""
-        keys = seq.prompt_keys
-        return keys[start:end] + seq.output[max(start - len(keys), 0):max(end - len(keys), 0)]
+    def draft_context(self, lane: int) -> int:
+        state = self._lanes[lane]
+        return 0 if state is None or state.draft is None else state.draft.length
 
-    def admit(self, seq: Sequence, limit: int) -> int:
-        # lookup() keeps at least the last token it is given to run: give it one past the limit
-        state, reused = self.backend.prefix_cache.lookup(self._keys(seq, 0, limit + 1))
-        floor = span_floor(reused, seq.images)  # a hit never ends inside an image: its span runs whole
-        if state is not None and floor < reused:
-            state.truncate(floor)
-            reused = floor
-        self._states[seq.request_id] = state if state is not None else self.decoder.new_state()
-        return reused
+    def apply(self, ops: tuple[KVOp, ...]) -> None:
+        for op in ops:  # (page-table rows: the reference keeps every position of a lane in its own state)
+            if isinstance(op, ClaimLane):
+                state = self._lanes[op.lane]
+                if state is None:
+                    self._lanes[op.lane] = self.decoder.new_state()
+                elif state.length > op.keep:
+                    state.truncate(op.keep)
+            elif isinstance(op, CopyPrefix):
+                src = self._lanes[op.src]
+                assert src is not None and src.length >= op.tokens, "a lane copy from a lane without that prefix"
+                state = src.copy()
+                state.truncate(op.tokens)
+                self._lanes[op.dst] = state
+
+    def _state(self, seq: Sequence, covered: int) -> SeqState:
+        """The state of `seq`'s lane, which covers its first `covered` positions."""
+        assert seq.lane is not None, f"{seq.request_id} holds no lane"
+        state = self._lanes[seq.lane]
+        assert state is not None and state.length == covered, (None if state is None else state.length, covered)
+        return state
 
     def _image_rows(self, seq: Sequence, start: int, end: int) -> list:
         """(row in the chunk, embeddings) of the images in prompt positions start..end-1; never a part of one."""
@@ -74,8 +90,7 @@ class ReferenceRunner:
     def prefill(self, seq: Sequence, start: int, end: int, sample: bool, launched=None) -> int | None:
         if launched is not None:  # NumPy computes on this thread: nothing runs beside it
             launched()
-        state = self._states[seq.request_id]
-        assert state.length == start, (state.length, start)
+        state = self._state(seq, start)
         pick = _Pick.of(seq) if sample else None
         score = None
         if seq.scores_prompt:
@@ -85,7 +100,7 @@ class ReferenceRunner:
                 seq.prompt_logprobs.extend(token_logprob(logits[i], t, top) for i, t in enumerate(targets))
         token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick,
                                      score, self._image_rows(seq, start, end) if seq.images else (),
-                                     self._keys(seq, start, end) if seq.images else None)
+                                     keys_of(seq, end)[start:] if seq.images else None)
         if pick is not None:
             seq.step_logprobs = pick.logprobs
         return token
@@ -104,8 +119,8 @@ class ReferenceRunner:
         return out
 
     def _decode_one(self, seq: Sequence) -> tuple[list[int], bool]:
-        state, start = self._states[seq.request_id], seq.num_tokens - 1
-        assert state.length == start, (state.length, start)
+        start = seq.num_tokens - 1
+        state = self._state(seq, start)
         speculative = seq.speculative and not seq.sampling.processed
         pick = _Pick.of(seq)
         tokens = self.decoder.step(state, seq.output[-1], start, seq.sampling, speculative,
@@ -115,9 +130,23 @@ class ReferenceRunner:
         return tokens, speculative
 
     def release(self, seq: Sequence, finished: bool) -> None:
-        state = self._states.pop(seq.request_id, None)
-        if state is not None and finished and state.length >= len(seq.prompt):
-            self.backend.prefix_cache.store(state)  # reusable for any prompt it is a prefix of
+        pass  # (its state stays in its lane: the KV manager says whether anyone reuses it)
+
+
+def reference_geometry(spec, lanes: int, max_context: int, kv_tokens: int | None, prefix_cache: bool) -> KVGeometry:
+    """The KV geometry the cuda engine would have for this model (runtime/cuda/kv_cache.py plan_kv, at the default
+    build's step rows): `lanes` lanes, pages of KV_PAGE positions for the full-attention layers (`kv_tokens` of
+    them, default every lane's whole context), and a ring per sliding layer shorter than the context (the
+    drafter's too)."""
+    t = spec.target
+    windows = [t.layer_window(l) for l in range(t.num_hidden_layers)]
+    paged = any(w is None for w in windows)
+    if spec.drafter is not None:
+        windows += [spec.drafter.layer_window(l) for l in range(spec.drafter.num_hidden_layers)]
+    rings = tuple((w, ring_slots(w, MAX_STEP_TOKENS)) for w in windows
+                  if w is not None and ring_slots(w, MAX_STEP_TOKENS) < max_context)
+    tokens = lanes * max_context if kv_tokens is None else kv_tokens
+    return KVGeometry(lanes, max_context, -(-tokens // KV_PAGE) if paged else 0, rings, KV_PAGE, prefix_cache)
 
 
 class _Pick:

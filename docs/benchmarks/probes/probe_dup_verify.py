@@ -12,7 +12,7 @@ import numpy as np
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from thorgen.runtime.cuda.profile import distinct_tokens
 from thorgen.model_spec.conventions import VERIFY_ROWS
-from thorgen.runtime.cuda.speculative import DraftForward
+from thorgen.runtime.cuda.dflash import DraftForward
 from thorgen.model_spec.step_program import Op
 from probe_common import graph_replay_us, spec_step
 

@@ -1,13 +1,14 @@
-"""Runtime stage: the pages of the paged KV layers: a pool with reference counts, and a prefix cache of full pages
-addressed by the hash of the tokens up to their end (vLLM's automatic prefix caching, at page granularity).
+"""Runtime stage (engine core): the pages of the paged KV layers (the KV manager's pool): a pool with reference counts,
+and a prefix cache of full pages addressed by the hash of the tokens up to their end (vLLM's automatic prefix
+caching, at page granularity).
 
-A page holds the K/V of KV_PAGE consecutive positions in every paged layer. A running sequence holds its pages
-(refs > 0); a page that nobody holds is free: "empty" if its contents are nobody's, "cached" if it is registered
-under the key of the tokens it covers, and then reusable by any sequence whose tokens start the same way, until it is
-taken for new contents (least recently released first). Only full pages whose K/V is final are registered: every
-position of them is below the sequence's committed length, which later steps never rewrite (a verify block's
-rejected drafts lie above it). The key of page i is (the chain hash of pages 0..i-1, page i's tokens): its tokens
-compare exactly, the earlier ones by a 64-bit hash.
+A page holds the K/V of KV_PAGE consecutive positions in every paged layer. A running sequence holds its pages (refs
+> 0); a page that nobody holds is free: "empty" if its contents are nobody's, "cached" if it is registered under the
+key of the tokens it covers, and then reusable by any sequence whose tokens start the same way, until it is taken
+for new contents (least recently released first). Only full pages whose K/V is final are registered: every position
+of them is below the sequence's committed length, which later steps never rewrite (a verify block's rejected drafts
+lie above it). The key of page i is (the chain hash of pages 0..i-1, page i's tokens): its tokens compare exactly,
+the earlier ones by a 64-bit hash.
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ class SeqPages:
         self.registered = len(pages)  # they are registered already
         self._chain = hash(pool.key_of[pages[-1]]) if pages else 0
 
+    def adopt(self, pool: PagePool, pages: list[int]) -> None:
+        """Hold the cached `pages` for the leading positions instead of the pages held there (the sequence's own,
+        nothing written in them yet), which go back to the pool."""
+        for i, p in enumerate(pages):
+            if self.pages[i] != p:
+                pool.hold(p)
+                pool.drop(self.pages[i])
+                self.pages[i] = p
+        if len(pages) > self.registered:
+            self.registered = len(pages)
+            self._chain = hash(pool.key_of[pages[-1]])
+
     def register(self, pool: PagePool, tokens: list[int], upto: int) -> None:
         """Register the full pages below position `upto` (their K/V final) under their tokens' keys."""
         n = min(upto, len(tokens)) // pool.page
@@ -135,22 +148,3 @@ class SeqPages:
         for p in self.pages:
             pool.drop(p)
         self.pages, self.registered, self._chain = [], 0, 0
-
-
-class Lane:
-    """One sequence's room in the KV cache (a runner's KV lane): who holds it, and what it still caches for the
-    next holder."""
-
-    def __init__(self) -> None:
-        self.owner: str | None = None  # the running sequence's request id
-        self.seq = None  # that sequence (its tokens[:num_cached] are what the lane holds while it runs)
-        self.cached: list[int] = []  # tokens at positions 0.. whose K/V it holds (a finished sequence's)
-        self.last_written = -1  # the highest position written since they were (rejected drafts included)
-        self.freed_at = 0  # when it was last released (LRU among free lanes)
-        self.pages = SeqPages()  # the running sequence's pages of the paged layers (its page-table row)
-        self.draft_upto = 0  # the drafter context in this lane holds positions 0..draft_upto-1 (of those tokens)
-
-    def drafted(self, start: int, end: int, taps: bool) -> None:
-        """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
-        held every earlier position); without, it holds positions before `start` only."""
-        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)
