@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .backend import Backend, BackendError
+from .backend import BackendError
+from .engine.interface import Backend
 from .cuda.kv_cache import default_ctx
 from .cuda.options import EngineOptions
 

@@ -1,4 +1,5 @@
-"""Runtime stage: the one backend interface that `generate`, `bench` and the server drive (reference or cuda)."""
+"""Runtime stage: the values every backend and its users share: requests (SamplingParams, images), results, the
+errors a request can meet, and what a backend can run (BackendFeatures); the interfaces: runtime/engine/interface.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -273,25 +274,12 @@ class GenerationResult:
     prompt_logprobs: list | None = None
 
 
-class Backend(Protocol):
-    spec: ModelSpec
-    max_context: int
+@dataclass(frozen=True)
+class BackendFeatures:
+    """What a backend can run beyond plain decoding (runtime/engine/interface.py's Backend.features)."""
 
-    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None,
-                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
-        """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
-        Fills the caller's `result` as it goes (the caller keeps it: a value per request, never backend state).
-        Request mistakes raise BackendError from this call itself, before any work."""
-        ...
-
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None,
-                 images: Sequence[ImageSpan] = ()) -> GenerationResult:
-        ...
+    speculative: bool = False  # DFlash draft + verify (a drafter, and on the GPU its kernels)
+    grammar: bool = False  # grammar-constrained decoding (llguidance masks: structured outputs, forced tool calls)
 
 
 class StreamingBackend:

@@ -27,8 +27,9 @@ from typing import Callable, Sequence
 
 from ..model_spec.types import Gemma4VisionSpec
 from .api import EngineConfig, OpenedModel, open_backend
-from .backend import Backend, BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams
+from .backend import BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams
 from .engine.core import EngineCore, RequestOutput
+from .engine.interface import Backend
 
 log = logging.getLogger("thorgen.engine")
 
@@ -185,12 +186,10 @@ class EngineClient:
     def capabilities(self) -> Capabilities:
         self.wait_ready(0)
         b = self.backend
-        speculative = getattr(b, "speculative_available", None)
-        if speculative is None:
-            speculative = getattr(b, "drafter", None) is not None
-        return Capabilities(self.backend_name, int(b.max_context), bool(speculative), self.kv_dtype,
-                            int(b.spec.target.vocab_size), bool(getattr(b, "supports_grammar", False)),
-                            getattr(b.spec, "vision", None))
+        assert b is not None
+        features = b.features
+        return Capabilities(self.backend_name, b.max_context, features.speculative, self.kv_dtype,
+                            b.spec.target.vocab_size, features.grammar, b.spec.vision)
 
     def health(self) -> dict:
         if not self._loaded.is_set():
@@ -295,10 +294,9 @@ class EngineClient:
             self._close_backend()
 
     def _close_backend(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if close is not None:
+        if self.backend is not None:
             try:
-                close()
+                self.backend.close()
             except Exception:
                 log.exception("closing the backend failed")
 

@@ -119,7 +119,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     spans: list = []
     if image_paths:
         ids, spans = _with_images(engine.spec, ids, image_paths, int(image_max_tokens))
-    if speculative and getattr(engine, "drafter", None) is None:
+    if speculative and not engine.features.speculative:
         raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
                                    "or --no-speculative")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
@@ -138,9 +138,7 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
     wall = time.perf_counter() - t0
     tail = decoder.flush()
     n = len(result.token_ids)

@@ -60,9 +60,18 @@ class ScriptedBackend:
                  delay: float = 0.0, vocab_size: int = BYTE_BASE + 256) -> None:
         self.script, self.chunk, self.delay = script, chunk, delay
         self.max_context = max_context
-        self.spec = SimpleNamespace(drafter=None, target=SimpleNamespace(vocab_size=vocab_size))
+        self.spec = SimpleNamespace(drafter=None, vision=None, target=SimpleNamespace(vocab_size=vocab_size))
         self.calls: list[dict] = []  # what each generation received and how it ended
         self.lock = threading.Lock()
+
+    @property
+    def features(self):
+        from thorgen.runtime.backend import BackendFeatures
+
+        return BackendFeatures()  # (a script: no drafter, no logits to constrain)
+
+    def close(self) -> None:
+        pass
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> "ScriptedRunner":
         return ScriptedRunner(self, max_num_seqs, kv_tokens)

@@ -51,7 +51,7 @@ class ThreadBoundBackend(ScriptedBackend):
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None):
         runner = super().runner(max_num_seqs, kv_tokens)
-        for name in ("check", "admit", "prefill", "decode", "release"):
+        for name in ("check", "apply", "prefill", "decode", "release"):
             method = getattr(runner, name)
             setattr(runner, name, lambda *a, _m=method, **k: (self.here(), _m(*a, **k))[1])
         return runner

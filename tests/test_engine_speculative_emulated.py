@@ -399,7 +399,7 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
     params = SamplingParams() if mode == "greedy" else SAMPLED
     shared = _shared()
     try:
-        assert backend.speculative_available, backend.engine.spec_missing
+        assert backend.features.speculative, backend.engine.spec_missing
         lengths: list[int] = []
         differing = []
         for pid, ids in _prompts(ck, shared):

@@ -34,7 +34,7 @@ ALLOWED = {
     "runtime.convert": {"model_spec", "runtime.backend"},
     "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
     "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert"},
-    "runtime.api": {"model_spec", "runtime.backend", "runtime.reference", "runtime.cuda"},
+    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.reference", "runtime.cuda"},
     "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
     "runtime.generate": {"model_spec", "runtime.media"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,

@@ -14,7 +14,7 @@ from thorgen.runtime.backend import BackendError, SamplingParams
 from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
 from thorgen.runtime.reference.sampling import sample
-from thorgen.runtime.engine.scheduler import Sequence
+from thorgen.runtime.engine.sequence import Sequence
 
 CTX = 128
 PROMPT = [2] + [110 + (11 * i) % 300 for i in range(9)]
@@ -148,29 +148,28 @@ def test_grammar_makes_random_weights_write_json(backend, tiny_checkpoint):
         assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3) and set(value) == {"ok", "n"}
 
 
-def test_cuda_runner_checks_extended_sampling():
-    """Without the lm_logits kernels the cuda runner refuses processing / logprobs, naming them; with them it
+def test_cuda_engine_checks_extended_sampling():
+    """Without the lm_logits kernels the cuda engine refuses processing / logprobs, naming them; with them it
     still refuses what the device lists cannot hold (logit_bias ids outside the vocabulary, > 300 entries)."""
-    from thorgen.runtime.cuda.runner import CudaRunner
-    from thorgen.runtime.cuda.engine import MAX_LOGIT_BIAS
+    from thorgen.runtime.cuda.engine import MAX_LOGIT_BIAS, Engine
 
-    def runner(missing):
-        return SimpleNamespace(engine=SimpleNamespace(speculative=True, ext_missing=missing,
-                                                      spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512))))
-    old = runner(["logits processing (lm_process.cu.j2 with {'V': 512})"])
-    CudaRunner.check(old, Sequence("a", [2, 3], SamplingParams(temperature=1.0), 4))
+    def engine(missing):
+        return SimpleNamespace(speculative=True, ext_missing=missing,
+                               spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512)))
+    old = engine(["logits processing (lm_process.cu.j2 with {'V': 512})"])
+    Engine.check_request(old, Sequence("a", [2, 3], SamplingParams(temperature=1.0), 4))
     for sampling, name in [(SamplingParams(logprobs=0), "logprobs"),
                            (SamplingParams(presence_penalty=0.5), "presence_penalty"),
                            (SamplingParams(logit_bias=((3, 1.0),)), "logit_bias")]:
         with pytest.raises(BackendError, match=f"{name}.* needs kernels this build lacks .*lm_process"):
-            CudaRunner.check(old, Sequence("a", [2, 3], sampling, 4))
-    new = runner([])
-    CudaRunner.check(new, Sequence("a", [2, 3], SamplingParams(logit_bias=((3, 1.0),), logprobs=2), 4))
+            Engine.check_request(old, Sequence("a", [2, 3], sampling, 4))
+    new = engine([])
+    Engine.check_request(new, Sequence("a", [2, 3], SamplingParams(logit_bias=((3, 1.0),), logprobs=2), 4))
     with pytest.raises(BackendError, match="outside the vocabulary"):
-        CudaRunner.check(new, Sequence("a", [2, 3], SamplingParams(logit_bias=((600, 1.0),)), 4))
+        Engine.check_request(new, Sequence("a", [2, 3], SamplingParams(logit_bias=((600, 1.0),)), 4))
     many = tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))
     with pytest.raises(BackendError, match=f"at most {MAX_LOGIT_BIAS}"):
-        CudaRunner.check(new, Sequence("a", [2, 3], SamplingParams(logit_bias=many), 4))
+        Engine.check_request(new, Sequence("a", [2, 3], SamplingParams(logit_bias=many), 4))
 
 
 def test_grammar_starts_after_the_thought_channel(backend, tiny_checkpoint):

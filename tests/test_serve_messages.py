@@ -24,9 +24,10 @@ TOOL = {"name": "get_weather", "description": "Weather of a city",
 
 
 class CachingRunner(ScriptedRunner):
-    def admit(self, seq, limit: int) -> int:
-        super().admit(seq, limit)
-        return min(CACHED, limit)
+    def prefill(self, seq, start, end, sample, launched=None):
+        if start == 0:  # (what a prefix-cache hit of CACHED tokens reports; a script holds no K/V to reuse)
+            seq.cached_prompt_tokens = min(CACHED, len(seq.prompt) - 1)
+        return super().prefill(seq, start, end, sample, launched)
 
 
 class CachingBackend(ScriptedBackend):

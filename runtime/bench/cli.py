@@ -43,7 +43,7 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
     else:
         rows, ms = report["prompt_len"], report["ttft_ms"]
     rl["prefill"] = roofline_entry(step_cost(spec, "prefill", rows, rows, kv, lm), ms, copy, tc)
-    if getattr(backend, "drafter", None) is not None:
+    if backend.features.speculative:
         step_ms, taus = [], []
         for _ in range(runs):
             r = timed_stream(backend, prompt, gen, speculative=True)

@@ -46,8 +46,7 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
                         accept: int | None) -> None:
     """Add `speculative` (and its headline keys verify_step_ms, draft_step_ms, tau, emulated_acceptance,
     spec_tok_s) to a run_bench report."""
-    drafter = getattr(backend, "drafter", None)
-    if drafter is None:
+    if not backend.features.speculative:
         raise BackendError("--speculative needs a checkpoint with a DFlash drafter (MODEL/dflash or --draft DIR)")
     block = backend.spec.drafter.block_size
     if accept is not None and not 0 <= accept < block:

@@ -90,12 +90,10 @@ def run_suite(backend_name: str, model: Path, suite_file: Path, runs: int, ctx: 
         except (FileNotFoundError, ValueError) as exc:
             raise BackendError(f"{model}: {exc}") from None
         stop_ids = frozenset() if ignore_eos else _stop_ids(opened.generation_config, backend.spec)
-        spec_on = speculative and getattr(backend, "drafter", None) is not None
+        spec_on = speculative and backend.features.speculative
         rows = run_entries(backend, renderer, entries, runs, stop_ids, spec_on, progress)
     finally:
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()  # frees the device
+        backend.close()  # frees the device
     ran = [r for r in rows if "plain" in r]
 
     def median_of(mode: str, key: str) -> float | None:

@@ -40,9 +40,7 @@ def run_sweep(backend_name: str, model: Path, lengths: list[int], kv_dtypes: lis
                              "decode_tok_s": round(statistics.median(rates), 2) if rates else None,
                              "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts]})
         finally:
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()  # frees the device before the next KV dtype's cache
+            backend.close()  # frees the device before the next KV dtype's cache
     return {"gpu": gpu, "backend": backend_name, "model": str(model), "gen": gen, "runs": runs,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows}
 

@@ -22,7 +22,7 @@ from ...model_spec.config import spec_from_configs
 from ...model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
 from ...model_spec.types import ALL_NVFP4
 from ...model_spec.conventions import MAX_BATCH
-from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
+from ..backend import BackendError, BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
@@ -110,20 +110,12 @@ class CudaBackend(StreamingBackend):
                             speculative, cancelled, GenerationResult() if result is None else result, tuple(images))
 
     @property
-    def drafter(self):
-        """The drafter's DFlashSpec when speculative decoding can run, else None (what `thorgen generate` checks)."""
-        return self.spec.drafter if self.engine.speculative else None
-
-    @property
-    def supports_grammar(self) -> bool:
-        """Grammar-constrained decoding runs (the token mask is applied on the GPU by lm_process; llguidance
-        computes it)."""
-        return not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None
-
-    @property
-    def speculative_available(self) -> bool:
-        """True when generate_stream(speculative=True) can run (a drafter and its kernels are present)."""
-        return self.engine.speculative
+    def features(self) -> BackendFeatures:
+        """Speculative decoding when a drafter and its kernels are present; grammars when the logits-processing
+        kernels are built (lm_process applies the mask on the GPU) and llguidance, which computes it, is
+        installed."""
+        return BackendFeatures(speculative=self.engine.speculative,
+                               grammar=not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None)
 
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 from ..backend import (BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams,
                        SequenceFailed, TokenLogprob)
-from .kv_manager import KVGeometry, KVManager, KVOp
+from .interface import DecodeResult, ModelRunner
+from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
 from .sequence import Sequence, Status
 
 log = logging.getLogger("thorgen.engine")
-DecodeResult = tuple[list[int], bool]  # a decode row's tokens and whether it was a draft + verify step
 
 
 class RequestOutput(NamedTuple):
@@ -41,49 +41,6 @@ class RequestOutput(NamedTuple):
     # on the request's first token output, with sampling.prompt_logprobs: one per prompt token (None first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: SequenceFailed | None = None  # on a finished output: the request failed with it (its own fault or not)
-
-
-class ModelRunner(Protocol):
-    """What a backend gives the engine core: it executes schedules and decides nothing about the KV cache (the
-    scheduler's KV manager does, over `kv_geometry`). Every call runs on the engine thread."""
-
-    max_context: int
-    max_num_seqs: int  # sequences whose K/V it can hold at once (its KV lanes)
-    kv_geometry: KVGeometry  # its KV cache: lanes, pages, rings
-    verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
-    # decode steps a sequence may have launched before the step before them is read (0, or 1 for a runner that
-    # launches the next step ahead): each writes the positions of one more step, which the scheduler grants
-    lookahead: int
-    prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
-    caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
-
-    def check(self, seq: Sequence) -> None:
-        """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
-
-    def draft_context(self, lane: int) -> int:
-        """Positions 0.. of KV lane `lane` whose drafter context is current (what a speculative sequence may reuse)."""
-
-    def apply(self, ops: tuple[KVOp, ...]) -> None:
-        """Execute the KV manager's instructions (page-table rows, lane-to-lane prefix copies), in order, before
-        anything of the step they came with runs. A sequence's KV lane is `seq.lane`; a newly admitted one's
-        first `seq.num_cached` positions hold its cached prefix."""
-
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
-                launched: Callable[[], None] | None = None) -> int | None:
-        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
-        `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
-        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
-
-    def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
-               ) -> list[DecodeResult | SequenceFailed]:
-        """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
-        draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
-        Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it
-        changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
-
-    def release(self, seq: Sequence, finished: bool) -> None:
-        """Drop what the runner keeps of the sequence (its KV is the KV manager's, released already: seq.lane is
-        no longer set)."""
 
 
 class _Once:

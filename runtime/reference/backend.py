@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from ..backend import (BackendError, GenerationResult, ImageRowCache, ImageSpan, SamplingParams, StepOutput,
+from ..backend import (BackendError, BackendFeatures, GenerationResult, ImageRowCache, ImageSpan, SamplingParams, StepOutput,
                        StreamingBackend)
 from ..engine.core import generate_one
 from .drafter import DFlashDrafter, Drafter
@@ -30,8 +30,6 @@ NUMERICS = ("float32", "w4a16")
 
 class ReferenceBackend(StreamingBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
-
-    supports_grammar = True  # its runner applies llguidance masks (runtime/text/grammar.py)
 
     def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
                  prefix_cache: bool = True, embed_scale: float | None = None,
@@ -68,6 +66,14 @@ class ReferenceBackend(StreamingBackend):
         self.prefix_cache = prefix_cache
         self.encoder_cache = (ImageRowCache(VisionModel(checkpoint), encoder_slots) if self.spec.vision is not None
                               else None)
+
+    @property
+    def features(self) -> BackendFeatures:
+        """Speculative decoding with a drafter; grammars always (its runner applies llguidance masks)."""
+        return BackendFeatures(speculative=self.drafter is not None, grammar=True)
+
+    def close(self) -> None:
+        pass  # (NumPy arrays: nothing to release)
 
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
         """The engine core's ModelRunner over this backend (shares its model and drafter; the KV lanes are its own,

@@ -1,0 +1,93 @@
+"""Runtime stage (engine core): the two interfaces a backend implements: `ModelRunner`, what the engine core
+drives, and `Backend`, what the engine client, `thorgen generate` and `thorgen bench` open (runtime/api.py)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Protocol, Sequence as Seq
+
+from ...model_spec.types import ModelSpec
+from ..backend import (BackendFeatures, GenerationResult, ImageSpan, SamplingParams, SequenceFailed, StepOutput)
+from .kv_manager import KVGeometry, KVOp
+from .sequence import Sequence
+
+DecodeResult = tuple[list[int], bool]  # a decode row's tokens and whether it was a draft + verify step
+
+
+class ModelRunner(Protocol):
+    """What a backend gives the engine core: it executes schedules and decides nothing about the KV cache (the
+    scheduler's KV manager does, over `kv_geometry`). Every call runs on the engine thread."""
+
+    max_context: int
+    max_num_seqs: int  # sequences whose K/V it can hold at once (its KV lanes)
+    kv_geometry: KVGeometry  # its KV cache: lanes, pages, rings
+    verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
+    # decode steps a sequence may have launched before the step before them is read (0, or 1 for a runner that
+    # launches the next step ahead): each writes the positions of one more step, which the scheduler grants
+    lookahead: int
+    prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
+    caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
+
+    def draft_context(self, lane: int) -> int:
+        """Positions 0.. of KV lane `lane` whose drafter context is current (what a speculative sequence may reuse)."""
+
+    def apply(self, ops: tuple[KVOp, ...]) -> None:
+        """Execute the KV manager's instructions (page-table rows, lane-to-lane prefix copies), in order, before
+        anything of the step they came with runs. A sequence's KV lane is `seq.lane`; a newly admitted one's
+        first `seq.num_cached` positions hold its cached prefix."""
+
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
+                launched: Callable[[], None] | None = None) -> int | None:
+        """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
+        `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
+        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
+
+    def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
+               ) -> list[DecodeResult | SequenceFailed]:
+        """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
+        draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
+        Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it
+        changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """Drop what the runner keeps of the sequence (its KV is the KV manager's, released already: seq.lane is
+        no longer set)."""
+
+
+class Backend(Protocol):
+    """A model opened on one backend (reference or cuda): everything its users call, and what it can run."""
+
+    spec: ModelSpec
+    max_context: int
+
+    @property
+    def features(self) -> BackendFeatures:
+        """What it can run beyond plain decoding (typed: no caller probes for attributes)."""
+        ...
+
+    def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> ModelRunner:
+        """A ModelRunner over up to `max_num_seqs` of its KV lanes (`kv_tokens`: the paged layers' positions, on
+        a backend that sizes them itself), for an engine core."""
+        ...
+
+    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                        cancelled: Callable[[], bool] | None = None,
+                        result: GenerationResult | None = None,
+                        images: Seq[ImageSpan] = ()) -> Iterator[StepOutput]:
+        """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
+        Fills the caller's `result` as it goes (the caller keeps it: a value per request, never backend state).
+        Request mistakes raise BackendError from this call itself, before any work."""
+        ...
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
+                 cancelled: Callable[[], bool] | None = None,
+                 images: Seq[ImageSpan] = ()) -> GenerationResult:
+        ...
+
+    def close(self) -> None:
+        """Release what it holds (the device, its memory); nothing runs on it afterwards."""
+        ...
