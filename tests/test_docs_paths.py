@@ -1,6 +1,7 @@
 """Every repository path, module and relative link the docs name exists: README.md, docs/*.md and
 docs/benchmarks/NOTES.md (paths such as `probes/x.json` there, and in the BENCHMARKS.md made from it, are relative
-to docs/benchmarks; a `*` pattern must match a file)."""
+to docs/benchmarks; a `*` pattern must match a file). The files under docs/ are named by what they hold, never by a
+run's place in a series of work (`-s28-`, `-c3-`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ REPO_PATH = re.compile(rf"(?<![\w/.-]){ROOTS}/[\w/.*-]*\w")
 BENCH_PATH = re.compile(r"(?<![\w/.-])(?:probes/[\w.*-]+|h[0-9]+-[\w.*-]+\.json)")
 MODULE = re.compile(r"(?<![\w/.-])(?:thorgen\.)?(?:model_spec|codegen|runtime|serve)(?:\.\w+)+")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+SERIES_TAG = re.compile(r"(?:^|[-_])(?:s[0-9]{2}|c[0-9])(?=[-_.])")
 # named on purpose though not here: a file of sgl-project/sgl-cookbook the benchmarks cite, and the module the
 # committed kernel runs were measured with (thorgen.runtime.bench.kernels now)
 ELSEWHERE = {"docs/autoregressive/Google/Gemma4.md", "thorgen.codegen.bench_kernels"}
@@ -61,6 +63,13 @@ def test_docs_name_only_what_exists():
 def test_pending_paths_are_still_pending():
     landed = sorted(p for p in PENDING if (REPO / p).exists())
     assert not landed, f"{landed} exist now: drop them from PENDING in tests/test_docs_paths.py"
+
+
+def test_docs_files_are_named_by_what_they_hold():
+    tagged = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*") if SERIES_TAG.search(p.name))
+    assert not tagged, f"name these by what they measure: {tagged}"
+    assert SERIES_TAG.search("h200-s28-c3-probe-fold.json") and SERIES_TAG.search("run-c2.json")
+    assert not SERIES_TAG.search("h200-step-probe-dense-fold-racy-f4ed264.json")
 
 
 def test_the_scan_finds_what_is_missing(tmp_path):
