@@ -62,7 +62,7 @@ class GemmCfg:
 # Swapped (H200, 2026-12-02, the same harness): gate/up 200.5 -> 193.1 us, down 108.9 -> 110.6 (noise): the
 # regrouping MOVs were not what bound it; the MoE stays at ~1.5 TB/s. Other swapped blockings: 193-231 / 110-124.
 # T = 2048 (H200, 2026-12-03, bench_kernels --family moe_grouped): this blocking 549 / 311 us a layer; 128-row tiles
-# 593-696 / 337-387 (docs/benchmarks/h200-s25-moe-grouped-t2048.json).
+# 593-696 / 337-387 (docs/benchmarks/h200-kernels-moe-grouped-t2048.json).
 GATEUP_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
 DOWN_CFG = GemmCfg(nwarp=4, upw=2, pf=2, stages=3, min_blocks=3, swap=True)
 

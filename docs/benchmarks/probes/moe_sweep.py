@@ -4,9 +4,9 @@ Routings (4 of each, rotated so that consecutive launches read other experts): "
 4 tokens: the verify graph once routed 32 on 16 distinct tokens), "hot" (11 experts, most chosen by more than
 8 tokens: two passes), "random" (8 distinct experts a token drawn uniformly: ~80 experts).
 Not part of the engine: a measurement for docs/benchmarks/NOTES.md. The variants' template options (ring, walk,
-ahead) exist at commit fe07606 only (VARIANTS=c3, the default), the blocks of several one-warp items (wpb) at 2740d14
-(VARIANTS=c5); each was reverted in the next commit. GRID_Y=exact launches the block-row kernels with rows only for
-the experts the routings name (what the empty rows cost).
+ahead) exist at commit fe07606 only (VARIANTS=fe07606, the default), the blocks of several one-warp items (wpb) at
+2740d14 (VARIANTS=2740d14); each was reverted in the next commit. GRID_Y=exact launches the block-row kernels with
+rows only for the experts the routings name (what the empty rows cost).
   prep TAG OUTDIR   (CPU, nvcc) compile this tree's 16-row pair ("old" at the baseline commit) or, with TAG new, the
                     pair and its variants into OUTDIR (cubins + index.json)
   run DIR... OUT    (GPU) time every indexed kernel: a CUDA graph of 64 launches over the rotated routings"""
@@ -28,7 +28,7 @@ def variants(tag):
             p = dict(k.params); p.update(kw); p = {a: b for a, b in p.items() if b is not None}
             return (label, dataclasses.replace(k, name=k.name + "_" + label.replace("-", "_"), params=make_params(**p),
                                                grid=grid or k.grid, block=block or k.block))
-        if os.environ.get("VARIANTS", "c3") == "c3":  # commit fe07606's options
+        if os.environ.get("VARIANTS", "fe07606") == "fe07606":  # that commit's options
             A = dict(ahead=True)
             out += [var(gu, "gu-ahead", **A), var(gu, "gu-ahead-bps8", bps=8, **A), var(gu, "gu-ahead-bps6", bps=6, **A),
                     var(gu, "gu-ahead-un1", un=1, grid=(88, 128, 1), **A),
@@ -40,7 +40,7 @@ def variants(tag):
                     var(dn, "dn-r8-un1-bps24", ring=8, un=1, bps=24, grid=(176, 128, 1)),
                     var(dn, "dn-ahead-walk-w4", wpb=4, bps=6, grid=(792, 1, 1), block=(128, 1, 1), walk=True,
                         ROW_GRID=None, **A)]
-        else:  # "c5": commit 2740d14's groups of one-warp items a block (wpb)
+        else:  # "2740d14": that commit's groups of one-warp items a block (wpb)
             out += [var(dn, "dn-w2", wpb=2, grid=(44, 128, 1), block=(64, 1, 1)),
                     var(dn, "dn-w8", wpb=8, grid=(11, 128, 1), block=(256, 1, 1))]
     return out

@@ -1,5 +1,5 @@
 """Device-probe helper: summarise ncu_step.py's two ncu CSVs (`--set full --page details`, and `--section
-WarpStateStats --page raw`) into the JSON beside it (h200-s27-ncu-decode.json; h200-s29-ncu-spec.json from the
+WarpStateStats --page raw`) into the JSON beside it (h200-ncu-decode-step.json; h200-ncu-speculative-step.json from the
 sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and MemoryWorkloadAnalysis).
 
     python3 ncu_summary.py details.csv raw.csv out.json
