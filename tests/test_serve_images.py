@@ -92,7 +92,8 @@ def expected_prompt(state, messages: list[dict], images: list[bytes], budget: in
     """The prompt the server should submit: the template with {"type": "image"} parts, tokenized, expanded."""
     from thorgen.runtime.media.prompts import expand_image_tokens
 
-    ids = state.tokenizer.encode(state.template.render(messages, add_generation_prompt=True, enable_thinking=False))
+    ctx = state.context
+    ids = ctx.tokenizer.encode(ctx.template.render(messages, add_generation_prompt=True, enable_thinking=False))
     vision = state.caps.vision
     return expand_image_tokens(ids, [load_image(b, vision, budget) for b in images], vision)
 
