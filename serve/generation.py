@@ -120,14 +120,16 @@ class Generation:
         if status == 499:
             if self.counts_request:
                 self.metrics.aborted(self.endpoint)
-            if self.result is None:  # finish() never ran
+            if self.result is None:  # _finish() never ran
                 self.metrics.add(prompt_tokens=len(self.job.prompt_ids), generation_tokens=self.n_out)
 
-    def take(self, out: RequestOutput) -> list[Event]:
+    def to_events(self, out: RequestOutput) -> list[Event]:
         """The events of one engine output: a step's, or (finished) the flushed end of the answer."""
-        if out.finished:
-            return self._finish(out.result if out.result is not None else GenerationResult())
-        return self._feed(out)
+        if not out.finished:
+            return self._feed(out)
+        if out.result is None:
+            raise ValueError("the engine finished the request without its result")
+        return self._finish(out.result)
 
     def _feed(self, step: RequestOutput) -> list[Event]:
         if self.n_out == 0 and step.token_ids:
@@ -241,7 +243,7 @@ async def events(gens: list[Generation], request: Request, firsts: list[RequestO
             yield i, Error(out)
             continue
         try:
-            taken = gens[i].take(out)
+            taken = gens[i].to_events(out)
         except Exception as exc:
             log.error("request %s: its output could not be decoded", out.request_id, exc_info=exc)
             taken = [Error(APIError(f"generation failed: {type(exc).__name__} while decoding the output: {exc}",

@@ -129,6 +129,19 @@ def test_forced_tool_call_prefill(tok):
     assert [(c.name, json.loads(c.arguments)) for c in total.tool_calls] == [("pick", {"x": "1"})]
 
 
+def test_a_call_comes_whole_as_neutral_events(tok):
+    """Text and reasoning as deltas; a call as begin, its arguments' JSON, end, once its closing token arrives;
+    call ids carry no API's prefix."""
+    from thorgen.serve.events import ReasoningDelta, TextDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
+
+    parser = OutputParser(tok.decode, control_ids(tok, frozenset({1, 106, 50})), call_id_prefix="t")
+    ids = tok.encode(f"<|channel>thought\nhm<channel|>Hi<|tool_call>call:f{{a:{Q}x{Q}}}")
+    assert parser.feed(ids) == [ReasoningDelta("hm"), TextDelta("Hi")]
+    call = [ToolCallBegin("t_0", "f"), ToolCallArguments("t_0", '{"a": "x"}'), ToolCallEnd("t_0")]
+    assert parser.feed(tok.encode("<tool_call|>")) == call
+    assert parser.finish() == []
+
+
 def test_tools_off_keeps_text(tok):
     total, _ = _run(tok, tok.encode("<|tool_call>call:f{}<tool_call|>"), [], parse_tools=False)
     assert total.tool_calls == [] and "call:f{}" in total.content
