@@ -10,20 +10,20 @@ from typing import Any, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.exceptions import HTTPException
 
 from . import openapi
-from .anthropic_format import serve_message
-from .guards import prompt_ids
-from .pipeline import prepare, with_images
+from .anthropic_format import MessagesAdapter
+from .answer import answer
+from .conversation import image_source, template_messages, validate_tools
+from .pipeline import conversation_prompt, prepare
 from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn,
                        _Body, _Open, integer, stop_list)
-from .conversation import image_source, template_messages, validate_tools
 from .request import GenerationRequest, ImageSource, SamplingOptions
-from .tool_schemas import template_tools
+from .state import server_state
 
 log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
@@ -171,10 +171,9 @@ def _image_url(source: dict[str, Any] | None, at: str) -> str:
                    "{'type': 'url', 'url': ...}", param="messages")
 
 
-def conversation(req: _Conversation, images: list[ImageSource] | None = None
-                 ) -> tuple[list[dict], list[dict] | None, str, str | None, bool, bool]:
-    """(template messages, tools, tool mode, forced tool, parallel calls allowed, thinking) of a request; its
-    images' sources go to `images` (None: images are refused)."""
+def conversation_request(req: _Conversation) -> GenerationRequest:
+    """What a request's prompt is made of (messages and their images, tools, tool choice, thinking), with none of
+    its generation settings: /v1/messages adds them, /v1/messages/count_tokens renders it as it is."""
     for name, what in REFUSED.items():
         if getattr(req, name) is not None:
             raise APIError(f"{name}: {what} are not supported by this server", param=name)
@@ -196,12 +195,12 @@ def conversation(req: _Conversation, images: list[ImageSource] | None = None
                                                parameters=tool.input_schema)))
     declared = validate_tools(tools)
     mode, forced, parallel = _tool_choice(req.tool_choice, declared)
-    thinking = req.thinking is not None and req.thinking.type == "enabled"
     found: list[ImageSource] = []
-    templated = template_messages(messages, found if images is not None else None)
-    if images is not None:
-        images += [replace(source, where=where) for source, where in zip(found, image_fields)]
-    return templated, declared, mode, forced, parallel, thinking
+    templated = template_messages(messages, found)
+    return GenerationRequest(
+        messages=templated, images=[replace(source, where=where) for source, where in zip(found, image_fields)],
+        tools=declared, tool_mode=mode, forced_tool=forced, parallel_tool_calls=parallel,
+        thinking=req.thinking is not None and req.thinking.type == "enabled")
 
 
 def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[str, str | None, bool]:
@@ -222,18 +221,14 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[s
 
 
 def messages_request(req: MessagesRequest) -> GenerationRequest:
-    images: list[ImageSource] = []
-    messages, tools, mode, forced, parallel, thinking = conversation(req, images)
+    prompt = conversation_request(req)
     if req.thinking is not None and req.thinking.type == "enabled":
         budget = req.thinking.budget_tokens
         if budget is None or not MIN_THINKING_BUDGET <= budget < req.max_tokens:
             raise APIError(f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
                            "max_tokens", param="thinking")
-    return GenerationRequest(
-        messages=messages, images=images, tools=tools, tool_mode=mode, forced_tool=forced,
-        parallel_tool_calls=parallel,
-        thinking=thinking, sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
-        stop=stop_list(req.stop_sequences), max_tokens=req.max_tokens, stream=bool(req.stream))
+    return replace(prompt, sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
+                   stop=stop_list(req.stop_sequences), max_tokens=req.max_tokens, stream=bool(req.stream))
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -262,22 +257,22 @@ class AnthropicRoute(APIRoute):
     def get_route_handler(self):
         handler = super().get_route_handler()
 
-        async def route(request: Request):
-            state = request.app.state.server
+        async def route(request: Request) -> Response:
+            metrics = server_state(request).metrics
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                state.metrics.request_done(request.url.path, 400)
+                metrics.request_done(request.url.path, 400)
                 return error_response(400, _invalid(exc))
             except APIError as exc:
-                state.metrics.request_done(request.url.path, exc.status)
+                metrics.request_done(request.url.path, exc.status)
                 return error_response(exc.status, exc.message)
             except HTTPException as exc:  # e.g. a body that is not JSON at all
-                state.metrics.request_done(request.url.path, exc.status_code)
+                metrics.request_done(request.url.path, exc.status_code)
                 return error_response(exc.status_code, str(exc.detail))
             except Exception as exc:  # a bug: logged, and answered as Anthropic's api_error
                 log.exception("unhandled error on %s", request.url.path)
-                state.metrics.request_done(request.url.path, 500)
+                metrics.request_done(request.url.path, 500)
                 return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
         return route
 
@@ -289,22 +284,15 @@ def router() -> APIRouter:
 
     @routes.post("/v1/messages", responses=errors)
     async def messages(req: MessagesRequest, request: Request):
-        state = request.app.state.server
-        state.require_ready()
+        ctx = server_state(request).require_ready()
         gen_req = messages_request(req)
-        gens = await prepare(state, gen_req, "/v1/messages")
-        return await serve_message(state, request, gens[0], gen_req.stream)
+        gens = await prepare(ctx, gen_req, "/v1/messages")
+        return await answer(ctx, request, MessagesAdapter(ctx, gens[0], gen_req.stream))
 
     @routes.post("/v1/messages/count_tokens", responses=errors)
     async def count_tokens(req: CountTokensRequest, request: Request):
-        state = request.app.state.server
-        state.require_ready()
-        images: list[ImageSource] = []
-        messages, tools, mode, _, _, thinking = conversation(req, images)
-        ids = await prompt_ids(state, lambda: state.template.render(
-            messages, template_tools(tools) if mode != "none" else None, add_generation_prompt=True,
-            enable_thinking=thinking))
-        ids, _ = await with_images(state, images, None, ids)
+        # the very prompt /v1/messages would generate from (so a forced tool_choice's opened call counts too)
+        ids, _ = await conversation_prompt(server_state(request).require_ready(), conversation_request(req))
         return {"input_tokens": len(ids)}
 
     return routes

@@ -1,23 +1,26 @@
-"""Serve stage: Anthropic Messages answers: the parser's events as content blocks (thinking, text, tool_use), whole
-or as Anthropic's event stream (message_start, ping, content_block_start/delta/stop, message_delta, message_stop),
-with stop_reason and usage (cache_read_input_tokens from the engine's prefix cache)."""
+"""Serve stage: Anthropic's Messages shapes over the answer skeleton (serve/answer.py): the blocks of serve/blocks.py
+as content blocks (thinking, text, tool_use), whole or as Anthropic's event stream (message_start, ping,
+content_block_start/delta/stop, message_delta, message_stop), with stop_reason and usage (cache_read_input_tokens
+from the engine's prefix cache)."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
-from typing import Any, AsyncIterator
+import uuid
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from .generation import ClientGone, Generation, deltas, sse
-from .parser import Event, ToolCall
-from .pipeline import client_gone, collect, start
+from .answer import Adapter, sse
+from .blocks import Block, BlockChange, BlockKind, Blocks, Change
+from .context import ServerContext
+from .events import Event, Finish, FinishReason, Usage
+from .generation import Generation
 from .protocol import APIError
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+                FinishReason.TOOL_CALLS: "tool_use", FinishReason.STOP_SEQUENCE: "stop_sequence",
+                FinishReason.CANCELLED: "end_turn"}
 
 
 def signature(thinking: str) -> str:
@@ -26,129 +29,84 @@ def signature(thinking: str) -> str:
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
-def tool_use_id(call: ToolCall) -> str:
-    return "toolu_" + call.id.removeprefix("call_")
+def content_block(block: Block, started: bool = False) -> dict[str, Any]:
+    """The content block (`started`: as content_block_start announces it, before any of its text)."""
+    if block.kind is BlockKind.REASONING:
+        return {"type": "thinking", "thinking": block.text, "signature": signature(block.text)}
+    if block.kind is BlockKind.TEXT:
+        return {"type": "text", "text": block.text}
+    return {"type": "tool_use", "id": "toolu_" + block.call_id, "name": block.name,
+            "input": {} if started else json.loads(block.text)}
 
 
-def block(event: Event) -> dict:
-    if event.kind == "reasoning":
-        return {"type": "thinking", "thinking": event.text, "signature": signature(event.text)}
-    if event.kind == "content":
-        return {"type": "text", "text": event.text}
-    call = event.call
-    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": json.loads(call.arguments)}
+def _delta(block: Block, text: str) -> dict[str, Any]:
+    if block.kind is BlockKind.REASONING:
+        return {"type": "thinking_delta", "thinking": text}
+    if block.kind is BlockKind.TEXT:
+        return {"type": "text_delta", "text": text}
+    return {"type": "input_json_delta", "partial_json": text}
 
 
-def stop_reason(gen: Generation) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) in Anthropic's words."""
-    reason = gen.finish_reason()
-    if reason == "tool_calls":
-        return "tool_use", None
-    if reason == "length":
-        return "max_tokens", None
-    matched = gen.parser.stop_sequence
-    return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
-
-
-def usage(gen: Generation) -> dict:
+def usage_json(used: Usage) -> dict[str, Any]:
     """Anthropic counts the prompt tokens served from the cache apart from the rest: input_tokens are those that
     were not. The engine's prefix cache fills itself, so nothing counts as an explicit cache write."""
-    cached = gen.result.cached_prompt_tokens if gen.result is not None else 0
-    return {"input_tokens": len(gen.job.prompt_ids) - cached, "output_tokens": gen.n_out,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {"input_tokens": used.prompt_tokens - used.cached_tokens, "output_tokens": used.completion_tokens,
+            "cache_read_input_tokens": used.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def message_id(gen: Generation) -> str:
-    return "msg_" + gen.id.split("-", 1)[1]
+class MessagesAdapter(Adapter):
+    """One Messages answer (one generation)."""
 
+    def __init__(self, ctx: ServerContext, gen: Generation, streaming: bool) -> None:
+        super().__init__([gen], streaming)
+        self.id, self.model = "msg_" + uuid.uuid4().hex, ctx.model_id
+        self.blocks = Blocks()
+        self.usage = Usage(len(gen.job.prompt_ids), 0, 0, 0)  # as message_start reports it
+        self.finish = Finish(FinishReason.STOP)
 
-async def serve_message(server: Any, request: Request, gen: Generation, stream: bool) -> Any:
-    firsts = await start(server, request, [gen])
-    if firsts is None:
-        return client_gone()
-    if stream:
-        return StreamingResponse(stream_message(server, request, gen, firsts[0]), media_type="text/event-stream",
-                                 headers=STREAM_HEADERS)
-    totals = await collect([gen], request, firsts)
-    if totals is None:
-        return client_gone()
-    reason, matched = stop_reason(gen)
-    gen.record(200)
-    return JSONResponse({"id": message_id(gen), "type": "message", "role": "assistant", "model": server.model_id,
-                         "content": [block(e) for e in totals[0].events], "stop_reason": reason,
-                         "stop_sequence": matched, "usage": usage(gen)})
-
-
-class _Blocks:
-    """The streamed content blocks: each kind change (and each tool call) closes one block and opens the next."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.kind: str | None = None
-        self.thinking = ""
-
-    def close(self) -> list[bytes]:
-        if self.kind is None:
-            return []
+    def _event(self, change: BlockChange) -> list[bytes]:
+        block = change.block
+        if change.change is Change.OPEN:
+            return [sse({"type": "content_block_start", "index": block.index,
+                         "content_block": content_block(block, started=True)}, "content_block_start")]
+        if change.change is Change.DELTA:
+            return [sse({"type": "content_block_delta", "index": block.index, "delta": _delta(block, change.delta)},
+                        "content_block_delta")]
         out = []
-        if self.kind == "reasoning":
-            out.append(sse({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": "signature_delta", "signature": signature(self.thinking)}},
+        if block.kind is BlockKind.REASONING:
+            out.append(sse({"type": "content_block_delta", "index": block.index,
+                            "delta": {"type": "signature_delta", "signature": signature(block.text)}},
                            "content_block_delta"))
-        self.kind, self.thinking = None, ""
-        return out + [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+        return out + [sse({"type": "content_block_stop", "index": block.index}, "content_block_stop")]
 
-    def add(self, event: Event) -> list[bytes]:
-        out = []
-        if event.kind != self.kind or event.call is not None:
-            out += self.close()
-            self.index += 1
-            self.kind = event.kind
-            start = block(Event(event.kind, "", event.call))
-            if event.call is not None:
-                start["input"] = {}
-            out.append(sse({"type": "content_block_start", "index": self.index, "content_block": start},
-                           "content_block_start"))
-        if event.kind == "reasoning":
-            self.thinking += event.text
-            delta = {"type": "thinking_delta", "thinking": event.text}
-        elif event.kind == "content":
-            delta = {"type": "text_delta", "text": event.text}
-        else:
-            delta = {"type": "input_json_delta", "partial_json": event.call.arguments}
-        out.append(sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta"))
-        return out
+    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None
+                 ) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_json(self.usage)}
 
+    def opening(self) -> list[bytes]:
+        return [sse({"type": "message_start", "message": self._message([], None, None)}, "message_start"),
+                sse({"type": "ping"}, "ping")]
 
-async def stream_message(server: Any, request: Request, gen: Generation, first: tuple[str, Any]
-                         ) -> AsyncIterator[bytes]:
-    blocks = _Blocks()
-    try:
-        start_usage = {"input_tokens": len(gen.job.prompt_ids), "output_tokens": 0,
-                       "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
-        yield sse({"type": "message_start", "message": {
-            "id": message_id(gen), "type": "message", "role": "assistant", "model": server.model_id, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": start_usage}}, "message_start")
-        yield sse({"type": "ping"}, "ping")
-        async for _, kind, payload, delta in deltas([gen], request, [first]):
-            if kind == "error":
-                err: APIError = payload
-                yield sse({"type": "error", "error": {"type": "overloaded_error" if err.status == 429 else
-                                                      "api_error", "message": err.message}}, "error")
-                gen.record(err.status)
-                return
-            for event in delta.events:
-                for chunk in blocks.add(event):
-                    yield chunk
-        for chunk in blocks.close():
-            yield chunk
-        reason, matched = stop_reason(gen)
-        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
-                   "usage": usage(gen)}, "message_delta")
-        yield sse({"type": "message_stop"}, "message_stop")
-        gen.record(200)
-    except ClientGone:
-        pass
-    finally:
-        gen.record(499)
-        gen.job.abort()
+    def add(self, choice: int, event: Event) -> list[bytes]:
+        if isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, Finish):
+            self.finish = event
+        changes = self.blocks.add(event)
+        return [chunk for change in changes for chunk in self._event(change)] if self.streaming else []
+
+    def closing(self) -> list[bytes]:
+        out = [chunk for change in self.blocks.close() for chunk in self._event(change)]
+        delta = {"stop_reason": STOP_REASONS[self.finish.reason], "stop_sequence": self.finish.stop_sequence}
+        return out + [sse({"type": "message_delta", "delta": delta, "usage": usage_json(self.usage)}, "message_delta"),
+                      sse({"type": "message_stop"}, "message_stop")]
+
+    def failure(self, error: APIError) -> list[bytes]:
+        kind = "overloaded_error" if error.status == 429 else "api_error"
+        return [sse({"type": "error", "error": {"type": kind, "message": error.message}}, "error")]
+
+    def body(self) -> dict[str, Any]:
+        self.blocks.close()
+        return self._message([content_block(b) for b in self.blocks.closed], STOP_REASONS[self.finish.reason],
+                             self.finish.stop_sequence)

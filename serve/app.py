@@ -1,15 +1,13 @@
-"""Serve stage: the FastAPI application: routes, API key, CORS, OpenAI-style errors, health, model names, model
-loading and the graceful shutdown."""
+"""Serve stage: the FastAPI application: routes, API key, CORS, OpenAI-style errors, health, model names and the
+graceful shutdown (the model's loading: serve/state.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-import threading
-import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any
 
 import uvicorn
 
@@ -19,104 +17,19 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.client import Capabilities, EngineClient
-from ..runtime.text.tokenizer import Tokenizer
-from . import anthropic_api, endpoints, responses_api
-from . import openapi
-from . import render
-from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
-from .guards import BodyLimitMiddleware, BugMiddleware, longest_token_chars, prompt_ids
-from .media import MediaOptions
-from .metrics import Metrics
+from . import anthropic_api, endpoints, openapi, render, responses_api
+from .conversation import template_messages, validate_tools
+from .guards import BodyLimitMiddleware, BugMiddleware, prompt_ids
 from .pipeline import with_images
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        TokenizerInfo, error_body)
-from .conversation import template_messages, validate_tools
+from .request import ImageSource
+from .state import ServerState
 from .tool_schemas import template_tools
 
 log = logging.getLogger("thorgen.serve")
 WEBUI = Path(__file__).with_name("webui.html")
 DEFAULT_MAX_BODY = 8 << 20  # bytes; a full 64k-token conversation is well under 1 MB of JSON
-
-
-class ServerState:
-    """Everything a request needs; filled by `load()` (on a thread, so /health can answer 503 meanwhile).
-
-    `loader()` returns (engine client, tokenizer, chat template, generation_config); the client has opened its
-    backend on its own engine thread. `model_names`: the names requests may give as `model` (--served-model-name;
-    default: `model_id`); answers carry the first, `model_id`."""
-
-    def __init__(self, model_id: str, loader: Callable[[], tuple[EngineClient, Tokenizer, ChatTemplate, dict]],
-                 speculative: bool | None = False, draft_tokens: int | None = None,
-                 model_names: Sequence[str] = (), media: MediaOptions = MediaOptions()) -> None:
-        self.model_names = tuple(dict.fromkeys(model_names or (model_id,)))
-        self.model_id = self.model_names[0]
-        self.media = media  # how images are taken (budget, count, which URLs are fetched)
-        self.loader = loader
-        self.speculative = speculative
-        self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
-        self.metrics = Metrics()
-        self.ready = False
-        self.load_error: str | None = None
-        self.created = int(time.time())
-        self.client: EngineClient | None = None
-        self.caps: Capabilities | None = None
-
-    def load(self) -> None:
-        try:
-            client, tokenizer, template, gen_cfg = self.loader()
-            self.client, self.tokenizer, self.template = client, tokenizer, template
-            self.caps = client.capabilities
-            has_drafter = self.caps.speculative
-            if self.speculative is None:
-                self.speculative = has_drafter
-            elif self.speculative and not has_drafter:
-                raise ValueError("speculative decoding was asked for but the engine cannot run it (no drafter, "
-                                 "or its kernels are missing)")
-            eos = gen_cfg.get("eos_token_id", [1, 106, 50])
-            self.stop_ids = frozenset([eos] if isinstance(eos, int) else eos)
-            self.controls = control_ids(tokenizer, self.stop_ids)
-            self.decode = safe_decoder(tokenizer)
-            self.max_token_chars = longest_token_chars(tokenizer)
-            self.generation_defaults = {k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
-                                        if k in gen_cfg}
-            self.tokenizer_info = describe_tokenizer(tokenizer, template, gen_cfg, self.caps.max_context)
-            self.ready = True
-        except Exception as exc:  # reported by /health and by every request instead of killing the process
-            # one line for the operator (`thorgen serve` prints it); the traceback only under --log-level debug
-            log.debug("model loading failed", exc_info=True)
-            self.load_error = f"{type(exc).__name__}: {exc}"
-
-    def load_in_background(self) -> threading.Thread:
-        t = threading.Thread(target=self.load, name="thorgen-load", daemon=True)
-        t.start()
-        return t
-
-    def require_ready(self) -> None:
-        if self.load_error:
-            raise APIError(f"the model failed to load: {self.load_error}", status=503, type="server_error")
-        if not self.ready:
-            raise APIError("the model is still loading; retry shortly (GET /health turns 200 when ready)",
-                           status=503, type="server_error")
-        if not self.client.ready:
-            raise APIError(f"the engine stopped ({self.client.health().get('error')}); restart the server",
-                           status=503, type="server_error")
-
-    def check_model(self, name: str | None) -> None:
-        """A request's `model`: one of the served names (or none given, as this server has always accepted)."""
-        if name is not None and name not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
-            raise APIError(f"the model {name!r} does not exist; this server serves {served}", status=404,
-                           param="model", type="not_found_error", code="model_not_found")
-
-    def end_requests(self, reason: str) -> int:
-        """End every running and queued request with a 503 carrying `reason` (streams: an error event, then
-        [DONE]); how many there were."""
-        return self.client.end_all(reason) if self.client is not None else 0
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
 
 
 class GracefulServer(uvicorn.Server):
@@ -221,9 +134,9 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def health():
         if state.load_error:
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
-        if not state.ready:
+        if state.context is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        engine = state.client.health()
+        engine = state.context.client.health()
         if engine["status"] != "ok":
             return JSONResponse(engine, status_code=503)
         return engine
@@ -241,10 +154,9 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def webui():
         return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
 
-    def model_card(name: str) -> dict:
-        ctx = state.caps.max_context if state.ready else None
+    def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "thorgen",
-                "root": state.model_id, "max_model_len": ctx}
+                "root": state.model_id, "max_model_len": state.caps.max_context if state.caps else None}
 
     @app.get("/v1/models", responses=openapi.errors(401))
     async def models():
@@ -261,49 +173,46 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         state.check_model(req.model)
-        state.require_ready()
-        return await endpoints.chat_completions(state, req, request)
+        return await endpoints.chat_completions(state.require_ready(), req, request)
 
     @app.post("/v1/completions", responses=generating)
     async def completions(req: CompletionRequest, request: Request):
         state.check_model(req.model)
-        state.require_ready()
-        return await endpoints.completions(state, req, request)
+        return await endpoints.completions(state.require_ready(), req, request)
 
     app.include_router(anthropic_api.router())
     app.include_router(responses_api.router())
 
     @app.post("/tokenize", responses=openapi.errors(400, 413, 503))
     async def tokenize(req: TokenizeRequest):
-        state.require_ready()
+        ctx = state.require_ready()
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
-            images: list = []
+            images: list[ImageSource] = []
             messages, tools = template_messages(req.messages, images), template_tools(validate_tools(req.tools))
-            ids = await prompt_ids(state, lambda: state.template.render(
+            ids = await prompt_ids(ctx, lambda: ctx.template.render(
                 messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
                 enable_thinking=thinking is True))
-            ids, _ = await with_images(state, images, None, ids)  # the server's image budget
+            ids, _ = await with_images(ctx, images, None, ids)  # the server's image budget
         else:
-            bos = state.template.bos_token
-            add = req.add_special_tokens is not False and not req.prompt.startswith(bos)
-            ids = await prompt_ids(state, lambda: (bos if add else "") + req.prompt, param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.caps.max_context}
+            bos, prompt = ctx.template.bos_token, req.prompt
+            add = req.add_special_tokens is not False and not prompt.startswith(bos)
+            ids = await prompt_ids(ctx, lambda: (bos if add else "") + prompt, param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.caps.max_context}
 
     @app.post("/detokenize", responses=openapi.errors(400, 413, 503))
     async def detokenize(req: DetokenizeRequest):
-        state.require_ready()
-        bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
+        ctx = state.require_ready()
+        bad = [t for t in req.tokens if not 0 <= t < ctx.tokenizer.vocab_size]
         if bad:
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary 0..{state.tokenizer.vocab_size - 1}",
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary 0..{ctx.tokenizer.vocab_size - 1}",
                            param="tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return {"prompt": ctx.tokenizer.decode(req.tokens)}
 
     @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=openapi.errors(503))
     async def tokenizer_info():
-        state.require_ready()
-        return state.tokenizer_info
+        return state.require_ready().tokenizer_info
 
     return app

@@ -1,18 +1,22 @@
 """Serve stage: the two OpenAI generation endpoints, /v1/chat/completions and /v1/completions: each request becomes
-a GenerationRequest (serve/request.py), runs on serve/pipeline.py, and is answered by serve/openai_format.py."""
+a GenerationRequest (serve/request.py), runs on serve/pipeline.py, and is answered by serve/answer.py in the shapes
+of serve/openai_format.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
+from .answer import answer
+from .context import ServerContext
 from .media import image_budget
-from .openai_format import serve_generation
+from .openai_format import OpenAIAdapter
 from .pipeline import prepare
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list
 from .conversation import template_messages, tool_choice_mode, validate_tools
-from .request import GenerationRequest, Prompt
+from .request import GenerationRequest, ImageSource, Prompt
 from .sampling import sampling_options, thinking_enabled
 from .structured import output_format
 from .vllm_extras import legacy_functions, vllm_fields
@@ -23,7 +27,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_t
 def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     check_unsupported(req)
     legacy_functions(req)
-    images: list = []
+    images: list[ImageSource] = []
     messages = template_messages(req.messages, images)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
@@ -39,7 +43,7 @@ def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage), **vllm_fields(req, max_tokens))
 
 
-def _prompts(prompt: str | list) -> list[Prompt]:
+def _prompts(prompt: str | list[Any]) -> list[Prompt]:
     """The request's prompts, each with the field its errors name: one text or token-id list, or a list of them."""
     def one(where: str, p: str | list[int]) -> Prompt:
         return Prompt(where, text=p) if isinstance(p, str) else Prompt(where, ids=tuple(p))
@@ -72,13 +76,13 @@ def completion_request(req: CompletionRequest) -> GenerationRequest:
         **vllm_fields(req, 1 if req.max_tokens == 0 else req.max_tokens))
 
 
-async def chat_completions(server: Any, req: ChatCompletionRequest, request: Request) -> Any:
+async def chat_completions(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
     gen_req = chat_request(req)
-    gens = await prepare(server, gen_req, "/v1/chat/completions")
-    return await serve_generation(server, request, gens, gen_req.stream, gen_req.include_usage)
+    gens = await prepare(ctx, gen_req, "/v1/chat/completions")
+    return await answer(ctx, request, OpenAIAdapter(ctx, gens, gen_req))
 
 
-async def completions(server: Any, req: CompletionRequest, request: Request) -> Any:
+async def completions(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
     gen_req = completion_request(req)
-    gens = await prepare(server, gen_req, "/v1/completions")
-    return await serve_generation(server, request, gens, gen_req.stream, gen_req.include_usage)
+    gens = await prepare(ctx, gen_req, "/v1/completions")
+    return await answer(ctx, request, OpenAIAdapter(ctx, gens, gen_req))

@@ -11,6 +11,7 @@ import anyio
 from fastapi.responses import JSONResponse
 
 from ..runtime.text.tokenizer import Tokenizer
+from .context import ServerContext
 from .protocol import APIError, error_body
 
 log = logging.getLogger("thorgen.serve")
@@ -125,18 +126,18 @@ def longest_token_chars(tokenizer: Tokenizer) -> int:
     return longest
 
 
-def _bounded_ids(server, build: Callable[[], str], param: str) -> list[int]:
+def _bounded_ids(ctx: ServerContext, build: Callable[[], str], param: str) -> list[int]:
     text = build()
-    ctx = server.caps.max_context
-    if len(text) > ctx * server.max_token_chars:
-        raise APIError(f"this model's maximum context length is {ctx} tokens, and the prompt's {len(text)} "
+    limit = ctx.caps.max_context
+    if len(text) > limit * ctx.max_token_chars:
+        raise APIError(f"this model's maximum context length is {limit} tokens, and the prompt's {len(text)} "
                        f"characters are more than that many tokens can hold; shorten the {param}", param=param,
                        code="context_length_exceeded")
-    return server.tokenizer.encode( text)
+    return ctx.tokenizer.encode(text)
 
 
-async def prompt_ids(server, build: Callable[[], str], param: str = "messages") -> list[int]:
+async def prompt_ids(ctx: ServerContext, build: Callable[[], str], param: str = "messages") -> list[int]:
     """Token ids of the prompt `build()` renders. Rendering and tokenizing run on a worker thread so that one
     large request cannot stall other streams or /health; a prompt longer than the context could ever hold is
     refused before it is tokenized."""
-    return await anyio.to_thread.run_sync(_bounded_ids, server, build, param)
+    return await anyio.to_thread.run_sync(_bounded_ids, ctx, build, param)

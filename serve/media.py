@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 
+from ..model_spec.types import Gemma4VisionSpec
 from ..runtime.backend import ImageInput
 from ..runtime.media.images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS, ImageError, load_image
 from .protocol import APIError
@@ -41,7 +42,7 @@ def check_budget(value: Any, param: str) -> int:
     return value
 
 
-def image_budget(kwargs: dict | None) -> int | None:
+def image_budget(kwargs: dict[str, Any] | None) -> int | None:
     """vLLM's mm_processor_kwargs: {"max_soft_tokens": N} (the only key taken here) -> N, checked."""
     if not kwargs:
         return None
@@ -102,25 +103,28 @@ async def fetch(url: str, options: MediaOptions, where: str) -> bytes:
                        param=_param(where)) from None
 
 
-def check_count(server: Any, sources: list[ImageSource]) -> None:
-    """400 unless the model reads images and the prompt holds no more than the server allows."""
-    if server.caps.vision is None:
+def check_count(vision: Gemma4VisionSpec | None, options: MediaOptions, sources: list[ImageSource]
+                ) -> Gemma4VisionSpec:
+    """The vision tower, or a 400 unless the model has one and the prompt holds no more images than allowed."""
+    if vision is None:
         raise APIError("this model has no vision tower: image inputs are not supported", param=_param(
             sources[0].where))
-    if len(sources) > server.media.max_images:
-        raise APIError(f"the prompt holds {len(sources)} images; at most {server.media.max_images} are accepted "
+    if len(sources) > options.max_images:
+        raise APIError(f"the prompt holds {len(sources)} images; at most {options.max_images} are accepted "
                        "(thorgen serve --limit-images-per-prompt)", param=_param(sources[0].where))
+    return vision
 
 
-async def load_images(server: Any, sources: list[ImageSource], budget: int | None) -> list[ImageInput]:
-    """Each source read (data URL or fetch) and preprocessed once; the decoding runs on a worker thread."""
-    check_count(server, sources)
-    vision, default = server.caps.vision, budget or server.media.budget
+async def load_images(vision: Gemma4VisionSpec | None, options: MediaOptions, sources: list[ImageSource],
+                      budget: int | None) -> list[ImageInput]:
+    """Each source read (data URL or fetch) and preprocessed once for the `vision` tower; the decoding runs on a
+    worker thread."""
+    tower, default = check_count(vision, options, sources), budget or options.budget
     raw: dict[str, bytes] = {}
     for source in sources:
         if source.url not in raw:
             raw[source.url] = (data_url_bytes(source.url, source.where) if source.url[:5].lower() == "data:"
-                               else await fetch(source.url, server.media, source.where))
+                               else await fetch(source.url, options, source.where))
 
     def decode_all() -> list[ImageInput]:
         done: dict[tuple[str, int], ImageInput] = {}
@@ -128,7 +132,7 @@ async def load_images(server: Any, sources: list[ImageSource], budget: int | Non
             key = (source.url, source.budget or default)
             if key not in done:
                 try:
-                    done[key] = load_image(raw[source.url], vision, key[1])
+                    done[key] = load_image(raw[source.url], tower, key[1])
                 except ImageError as exc:
                     raise APIError(f"{source.where}: {exc}", param=_param(source.where)) from None
         return [done[(s.url, s.budget or default)] for s in sources]

@@ -1,154 +1,181 @@
-"""Serve stage: OpenAI's chat and completions answers: a request's generations as one JSON body or as SSE chunks,
-with OpenAI's usage."""
+"""Serve stage: OpenAI's chat and completions shapes over the answer skeleton (serve/answer.py): a request's choices
+as one JSON body or as SSE chunks (one per engine step and choice, then each choice's finish), with OpenAI's ids,
+finish reasons, tool calls, logprobs (and vLLM's token ids and prompt logprobs) and usage."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from .generation import ClientGone, Generation, deltas, sse
-from .parser import Delta
-from .pipeline import client_gone, collect, start
+from ..runtime.backend import TokenLogprob
+from .answer import Adapter, sse
+from .context import ServerContext
+from .events import (Event, Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta, ToolCallArguments,
+                     ToolCallBegin, ToolCallEnd, Tokens, Usage)
+from .generation import Generation
+from .logprobs import Logprobs
 from .protocol import APIError
+from .request import GenerationRequest
 from .vllm_extras import prompt_logprobs_json
 
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls",
+                  FinishReason.STOP_SEQUENCE: "stop", FinishReason.CANCELLED: "stop"}
 
-def usage(prompt: int, completion: int, cached: int) -> dict:
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_message(delta: Delta) -> dict:
-    msg: dict = {"role": "assistant", "content": delta.content if (delta.content or not delta.tool_calls) else None}
-    msg["reasoning_content"] = msg["reasoning"] = delta.reasoning or None
-    if delta.tool_calls:
-        msg["tool_calls"] = [c.to_openai() for c in delta.tool_calls]
-    return msg
+@dataclass
+class _Choice:
+    """One choice as it comes: its output events (streamed: those of the step not yet sent; whole: all), its
+    calls (id -> (index among its calls, name)), token ids, logprobs, and how it ended."""
+
+    logprobs: Logprobs | None
+    events: list[OutputEvent] = field(default_factory=list)
+    calls: dict[str, tuple[int, str]] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    prompt_scores: Sequence[TokenLogprob | None] | None = None
+    usage: Usage = Usage(0, 0, 0, 0)
+    finish: Finish = Finish(FinishReason.STOP)
+
+    def take(self) -> tuple[str, str, list[tuple[int, dict[str, Any]]]]:
+        """(text, reasoning, [(index, tool call)]) of the events held, which it lets go."""
+        text, reasoning, args = "", "", {}
+        for e in self.events:
+            if isinstance(e, TextDelta):
+                text += e.text
+            elif isinstance(e, ReasoningDelta):
+                reasoning += e.text
+            elif isinstance(e, ToolCallBegin):
+                self.calls[e.id] = (len(self.calls), e.name)
+                args[e.id] = ""
+            elif isinstance(e, ToolCallArguments):
+                args[e.id] = args.get(e.id, "") + e.delta
+        self.events = []
+        calls = [(self.calls[call_id][0], {"id": "call_" + call_id, "type": "function",
+                                           "function": {"name": self.calls[call_id][1], "arguments": arguments}})
+                 for call_id, arguments in args.items()]
+        return text, reasoning, calls
 
 
-def _delta_json(delta: Delta, gen: Generation) -> dict:
-    out: dict = {}
-    if delta.reasoning:
-        out["reasoning_content"] = out["reasoning"] = delta.reasoning
-    if delta.content:
-        out["content"] = delta.content
-    if delta.tool_calls:
-        out["tool_calls"] = []
-        for call in delta.tool_calls:  # every delta carries index, id, type and name (strict clients need them)
-            out["tool_calls"].append(call.to_openai(index=gen.n_calls))
-            gen.n_calls += 1
-    return out
+class OpenAIAdapter(Adapter):
+    """Chat (`/v1/chat/completions`) or completions (`/v1/completions`) answers of a request's choices."""
 
+    def __init__(self, ctx: ServerContext, gens: list[Generation], req: GenerationRequest) -> None:
+        super().__init__(gens, req.stream)
+        self.chat = req.messages is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created, self.model, self.decode = int(time.time()), ctx.model_id, ctx.decode
+        self.include_usage, self.return_ids = req.include_usage, req.return_token_ids
+        self.reports_prompt_logprobs = req.sampling.prompt_logprobs is not None
 
-def total_usage(gens: list[Generation]) -> dict:
-    """Each prompt once, the completions of every choice (OpenAI's usage for n > 1 and for several prompts)."""
-    firsts = [g for g in gens if g.counts_prompt]
-    return usage(sum(len(g.job.prompt_ids) for g in firsts), sum(g.n_out for g in gens),
-                 sum(g.result.cached_prompt_tokens for g in firsts if g.result))
+        def token_text(token: int) -> str:
+            return ctx.tokenizer.decode([token])
+        self.choices = [_Choice(Logprobs(token_text, self.chat) if g.job.sampling.logprobs is not None else None)
+                        for g in gens]
 
-
-async def stream_events(gens: list[Generation], request: Request, firsts: list[tuple[str, Any]],
-                        include_usage: bool) -> AsyncIterator[bytes]:
-    gen = gens[0]
-    model = gen.server.model_id
-    chat = gen.kind == "chat"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choice: dict, **extra: Any) -> bytes:
-        body = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [choice]}
-        if include_usage:
+    # --- streamed ----------------------------------------------------------------------------------------------
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
             body["usage"] = None
-        body.update(extra)
         return sse(body)
 
-    def choice(i: int, delta: Delta, finish: str | None = None, ids: tuple[int, ...] = (),
-               logprobs: dict | None = None) -> dict | None:
-        g = gens[i]
-        extra = (g.return_ids and ids) or logprobs is not None  # a chunk even without text
-        if chat:
-            d = _delta_json(delta, g)
-            if not d and finish is None and not extra:
-                return None
-            out = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+    def _step(self, i: int, finish: str | None = None, ids: tuple[int, ...] = (),
+              logprobs: dict[str, Any] | None = None) -> list[bytes]:
+        """The chunk of choice i's held events (none when there is nothing to say)."""
+        text, reasoning, calls = self.choices[i].take()
+        forced = (self.return_ids and ids) or logprobs is not None  # a chunk even without text
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
+            if text:
+                delta["content"] = text
+            if calls:  # every delta carries index, id, type and name (strict clients need them)
+                delta["tool_calls"] = [{**call, "index": index} for index, call in calls]
+            if not delta and finish is None and not forced:
+                return []
+            out = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            if not delta.content and finish is None and not extra:
-                return None
-            out = {"index": i, "text": delta.content, "logprobs": logprobs, "finish_reason": finish}
-        if g.return_ids:
+            if not text and finish is None and not forced:
+                return []
+            out = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.return_ids:
             out["token_ids"] = list(ids)
-        return out
+        return [self._chunk(out)]
 
-    try:
-        if chat:
-            for i in range(len(gens)):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-        failed = False
-        async for i, kind, payload, delta in deltas(gens, request, firsts):
-            g = gens[i]
-            if kind == "tokens":
-                c = choice(i, delta, ids=() if g.score_only else payload.token_ids, logprobs=g.step_logprobs)
-                g.step_logprobs = None
-                if c:
-                    yield chunk(c)
-            elif kind == "done":
-                c = choice(i, delta)
-                if c:
-                    yield chunk(c)
-                yield chunk(choice(i, Delta(), g.finish_reason()))
+    def opening(self) -> list[bytes]:
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(len(self.gens))]
+
+    def add(self, choice: int, event: Event) -> list[bytes]:
+        c = self.choices[choice]
+        if isinstance(event, (TextDelta, ReasoningDelta, ToolCallBegin, ToolCallArguments, ToolCallEnd)):
+            c.events.append(event)
+        elif isinstance(event, Tokens):
+            c.token_ids += event.ids
+            if event.prompt_scores is not None:
+                c.prompt_scores = event.prompt_scores
+            logprobs = c.logprobs.add(event.scored) if c.logprobs is not None and event.scored else None
+            if self.streaming:
+                return self._step(choice, ids=event.ids, logprobs=logprobs)
+        elif isinstance(event, Usage):
+            c.usage = event
+        elif isinstance(event, Finish):
+            c.finish = event
+            if self.streaming:
+                return self._step(choice) + self._step(choice, FINISH_REASONS[event.reason])
+        return []
+
+    def closing(self) -> list[bytes]:
+        tail = []
+        if self.include_usage:
+            tail.append(sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                             "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}))
+        return tail + [sse("[DONE]")]
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [sse(error.body()), sse("[DONE]")]
+
+    # --- whole -------------------------------------------------------------------------------------------------
+    def _usage(self) -> dict[str, Any]:
+        """Each prompt once, the completions of every choice (OpenAI's usage for n > 1 and for several prompts)."""
+        firsts = [c.usage for g, c in zip(self.gens, self.choices) if g.counts_prompt]
+        return usage(sum(u.prompt_tokens for u in firsts), sum(c.usage.completion_tokens for c in self.choices),
+                     sum(u.cached_tokens for u in firsts))
+
+    def _prompt_logprobs(self, g: Generation, c: _Choice) -> list[dict[str, Any] | None] | None:
+        return prompt_logprobs_json(g.job.prompt_ids, c.prompt_scores, self.decode)
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for i, (g, c) in enumerate(zip(self.gens, self.choices)):
+            text, reasoning, calls = c.take()
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+                message["reasoning_content"] = message["reasoning"] = reasoning or None
+                if calls:
+                    message["tool_calls"] = [call for _, call in calls]
+                out: dict[str, Any] = {"index": i, "message": message}
             else:
-                err: APIError = payload
-                yield sse(err.body())
-                for other in gens:
-                    other.record(err.status)
-                failed = True
-                break
-        if not failed:
-            if include_usage:
-                yield sse({"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [],
-                           "usage": total_usage(gens)})
-            for g in gens:
-                g.record(200)
-        yield sse("[DONE]")
-    except ClientGone:
-        pass
-    finally:
-        # Also reached when the server cancels this generator (the client disconnected while a chunk was being
-        # sent, or shutdown): the request then still counts as aborted.
-        for g in gens:
-            g.record(499)
-            g.job.abort()  # no-op after a normal end; stops the engine when the client went away
-
-
-async def serve_generation(server: Any, request: Request, gens: list[Generation], stream: bool,
-                           include_usage: bool) -> Any:
-    """Run the request's choices (n of them, each its own engine sequence) and answer, streamed or not."""
-    firsts = await start(server, request, gens)
-    if firsts is None:
-        return client_gone()
-    if stream:
-        return StreamingResponse(stream_events(gens, request, firsts, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    totals = await collect(gens, request, firsts)
-    if totals is None:
-        return client_gone()
-    gen = gens[0]
-    base = {"id": gen.id, "created": gen.created, "model": server.model_id, "usage": total_usage(gens)}
-    choices = []
-    for i, (g, total) in enumerate(zip(gens, totals)):
-        logprobs = g.logprobs.total() if g.logprobs is not None else None
-        c = {"index": i, "message": chat_message(total)} if g.kind == "chat" else {"index": i, "text": total.content}
-        c.update(logprobs=logprobs, finish_reason=g.finish_reason())
-        if g.return_ids:
-            c.update(token_ids=g.token_ids, prompt_token_ids=list(g.job.prompt_ids))
-        if g.reports_prompt_logprobs and g.kind != "chat":
-            c["prompt_logprobs"] = prompt_logprobs_json(g.job.prompt_ids, g.prompt_scores, server.decode)
-        choices.append(c)
-    body = {"object": "chat.completion" if gen.kind == "chat" else "text_completion", **base, "choices": choices}
-    if gen.reports_prompt_logprobs and gen.kind == "chat":  # vLLM's chat answer carries them once, at the top
-        body["prompt_logprobs"] = prompt_logprobs_json(gen.job.prompt_ids, gen.prompt_scores, server.decode)
-    for g in gens:
-        g.record(200)
-    return JSONResponse(body)
+                out = {"index": i, "text": text}
+            out.update(logprobs=c.logprobs.total() if c.logprobs is not None else None,
+                       finish_reason=FINISH_REASONS[c.finish.reason])
+            if self.return_ids:
+                out.update(token_ids=c.token_ids, prompt_token_ids=list(g.job.prompt_ids))
+            if self.reports_prompt_logprobs and not self.chat:
+                out["prompt_logprobs"] = self._prompt_logprobs(g, c)
+            choices.append(out)
+        body: dict[str, Any] = {"object": "chat.completion" if self.chat else "text_completion", "id": self.id,
+                "created": self.created, "model": self.model, "usage": self._usage(), "choices": choices}
+        if self.reports_prompt_logprobs and self.chat:  # vLLM's chat answer carries them once, at the top
+            body["prompt_logprobs"] = self._prompt_logprobs(self.gens[0], self.choices[0])
+        return body

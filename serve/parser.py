@@ -1,4 +1,4 @@
-"""Serve stage: the one output parser: generated token ids -> ordered events (reasoning, content, tool calls).
+"""Serve stage: the one output parser: generated token ids -> ordered neutral events (text, reasoning, tool calls).
 
 Control tokens are recognised by id (never by matching decoded text), so a delimiter can never be split across
 stream chunks; ordinary text goes through the runtime's incremental UTF-8-safe decoder per segment. Every API
@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 from ..runtime.text.tokenizer import IncrementalDecoder
+from .events import OutputEvent, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
 
 STR_DELIM = '<|"|>'
 
@@ -33,63 +34,15 @@ class ControlIds:
     hidden: frozenset[int] = frozenset()
 
 
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-    def to_openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-@dataclass(frozen=True)
-class Event:
-    """One piece of the answer, in output order: `kind` is "reasoning" or "content" (with `text`) or "tool_call"
-    (with `call`)."""
-
-    kind: str
-    text: str = ""
-    call: ToolCall | None = None
-
-
-def append_event(events: list[Event], kind: str, text: str = "", call: ToolCall | None = None) -> None:
-    """Append, merging text into the last event when it is of the same kind (so any split reads alike)."""
-    if call is None and not text:
+def _add_text(out: list[OutputEvent], event: TextDelta | ReasoningDelta) -> None:
+    """Append, merging into the last event when it is text of the same kind (so any split reads alike)."""
+    if not event.text:
         return
-    if call is None and events and events[-1].kind == kind:
-        events[-1] = Event(kind, events[-1].text + text)
+    last = out[-1] if out else None
+    if isinstance(last, (TextDelta, ReasoningDelta)) and type(last) is type(event):
+        out[-1] = type(event)(last.text + event.text)
     else:
-        events.append(Event(kind, text, call))
-
-
-@dataclass
-class Delta:
-    """What one step added: the text of each kind and the finished calls, and the same as ordered `events`."""
-
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
-
-    @classmethod
-    def of(cls, events: list[Event]) -> "Delta":
-        return cls("".join(e.text for e in events if e.kind == "content"),
-                   "".join(e.text for e in events if e.kind == "reasoning"),
-                   [e.call for e in events if e.call is not None], events)
-
-    def extend(self, more: "Delta") -> None:
-        self.content += more.content
-        self.reasoning += more.reasoning
-        self.tool_calls += more.tool_calls
-        for e in more.events:
-            append_event(self.events, e.kind, e.text, e.call)
+        out.append(event)
 
 
 class StopMatcher:
@@ -141,7 +94,7 @@ def _skip_ws(s: str, i: int) -> int:
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-def _bare(token: str):
+def _bare(token: str) -> bool | int | float | str | None:
     """A value written without delimiters: booleans, null, numbers; anything else is kept as a string."""
     low = token.lower()
     if low in ("true", "false"):
@@ -156,7 +109,8 @@ def _bare(token: str):
     return token
 
 
-def _parse_value(s: str, i: int):
+def _parse_value(s: str, i: int) -> tuple[Any, int]:
+    """The value (JSON-like: str, number, bool, None, dict, list) starting at s[i], and where it ends."""
     i = _skip_ws(s, i)
     if s.startswith(STR_DELIM, i):
         end = s.find(STR_DELIM, i + len(STR_DELIM))
@@ -165,7 +119,7 @@ def _parse_value(s: str, i: int):
         return s[i + len(STR_DELIM):end], end + len(STR_DELIM)
     if i < len(s) and s[i] in "{[":
         closer = "}" if s[i] == "{" else "]"
-        out: dict | list = {} if closer == "}" else []
+        out: dict[str, Any] | list[Any] = {} if closer == "}" else []
         i = _skip_ws(s, i + 1)
         if i < len(s) and s[i] == closer:
             return out, i + 1
@@ -183,7 +137,7 @@ def _parse_value(s: str, i: int):
                 if i >= len(s) or s[i] != ":" or not key:
                     raise ToolSyntaxError("bad object key")
                 value, i = _parse_value(s, i + 1)
-                out[key] = value  # type: ignore[index]
+                out[key] = value
             else:
                 value, i = _parse_value(s, i)
                 out.append(value)  # type: ignore[union-attr]
@@ -203,7 +157,7 @@ def _parse_value(s: str, i: int):
     return _bare(token), j
 
 
-def parse_tool_call(body: str) -> tuple[str, dict]:
+def parse_tool_call(body: str) -> tuple[str, dict[str, Any]]:
     """`call:NAME{k:v,...}` (the text between <|tool_call> and <tool_call|>) -> (NAME, arguments dict)."""
     body = body.strip()
     if not body.startswith("call:"):
@@ -221,9 +175,9 @@ def parse_tool_call(body: str) -> tuple[str, dict]:
 
 
 class OutputParser:
-    """Feed token ids (any grouping), get Deltas (their `events` in output order); `finish()` flushes. Set
-    `prefill_tool` when the prompt already opened a tool call (tool_choice required/named) so the output starts
-    inside `call:...`."""
+    """Feed token ids (any grouping), get the events they complete, in output order; `finish()` flushes. A tool
+    call comes whole (begin, its arguments as JSON, end) once its closing token arrives. Set `prefill_tool` when
+    the prompt already opened a tool call (tool_choice required/named) so the output starts inside `call:...`."""
 
     def __init__(self, decode: Callable[[list[int]], str], ids: ControlIds = ControlIds(), *,
                  parse_tools: bool = True, stop: Iterable[str] = (), prefill_tool: str | None = None,
@@ -236,7 +190,7 @@ class OutputParser:
         self._mode = "tool" if prefill_tool is not None else "content"
         self._body = prefill_tool or ""
         self._label: str | None = None  # pending channel label ("thought\n") while not yet complete
-        self._prefix = call_id_prefix or f"call_{uuid.uuid4().hex[:16]}"
+        self._prefix = call_id_prefix or uuid.uuid4().hex[:16]  # call ids: f"{prefix}_{n}"
         self.n_calls = 0
         self.n_reasoning_tokens = 0  # tokens inside the thought channel, its delimiters included
         self.stopped = False  # a stop string was found: the caller ends the generation
@@ -247,7 +201,7 @@ class OutputParser:
         return self._stop.matched
 
     # --- routing -------------------------------------------------------------------------------------------
-    def _route(self, text: str, out: list[Event]) -> None:
+    def _route(self, text: str, out: list[OutputEvent]) -> None:
         if not text:
             return
         if self._mode == "tool":
@@ -260,16 +214,16 @@ class OutputParser:
                     return
                 # no newline within 32 chars: it was not a channel label after all, keep it as reasoning
                 text, self._label = (self._label[nl + 1:] if nl >= 0 else self._label), None
-            append_event(out, "reasoning", text)
+            _add_text(out, ReasoningDelta(text))
         else:
-            append_event(out, "content", self._stop.push(text))
+            _add_text(out, TextDelta(self._stop.push(text)))
             self.stopped = self._stop.hit
 
-    def _switch(self, mode: str, out: list[Event]) -> None:
+    def _switch(self, mode: str, out: list[OutputEvent]) -> None:
         self._route(self._decoder.flush(), out)
         self._mode = mode
 
-    def _close_call(self, out: list[Event]) -> None:
+    def _close_call(self, out: list[OutputEvent]) -> None:
         body, self._body = self._body, ""
         self._mode = "content"
         try:
@@ -278,15 +232,16 @@ class OutputParser:
             # malformed call syntax: return what the model wrote rather than guessing arguments
             self._route("<|tool_call>" + body + "<tool_call|>", out)
             return
-        call = ToolCall(f"{self._prefix}_{self.n_calls}", name, json.dumps(args, ensure_ascii=False))
-        append_event(out, "tool_call", call=call)
+        call_id = f"{self._prefix}_{self.n_calls}"
+        out += [ToolCallBegin(call_id, name), ToolCallArguments(call_id, json.dumps(args, ensure_ascii=False)),
+                ToolCallEnd(call_id)]
         self.n_calls += 1
         if self.max_calls is not None and self.n_calls >= self.max_calls:
             self.stopped = True
 
     # --- public --------------------------------------------------------------------------------------------
-    def feed(self, token_ids: Iterable[int]) -> Delta:
-        out: list[Event] = []
+    def feed(self, token_ids: Iterable[int]) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
         ids = self.ids
         for t in token_ids:
             if self.stopped:
@@ -318,15 +273,15 @@ class OutputParser:
                 self._route(self._decoder.flush(), out)
             else:
                 self._route(self._decoder.push(t), out)
-        return Delta.of(out)
+        return out
 
-    def finish(self) -> Delta:
-        out: list[Event] = []
+    def finish(self) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
         if not self.stopped:
             self._route(self._decoder.flush(), out)
             if self._mode == "tool":  # unterminated call (max_tokens): hand back the raw text as content
                 self._mode = "content"
                 self._route("<|tool_call>" + self._body, out)
                 self._body = ""
-        append_event(out, "content", self._stop.flush())
-        return Delta.of(out)
+        _add_text(out, TextDelta(self._stop.flush()))
+        return out

@@ -11,12 +11,14 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool
 
 from . import openapi
+from .answer import answer
 from .pipeline import prepare
 from .protocol import (REASONING_EFFORTS, APIError, ContentPart, FunctionCall, FunctionDef, Message, Number, Tool,
                        ToolCallIn, _Body, _Open, integer)
 from .conversation import image_source, template_messages, tool_choice_mode, validate_tools
 from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
-from .responses_format import serve_response
+from .responses_format import ResponsesAdapter
+from .state import server_state
 
 # fields that need state or features this server does not have: refused when set (and not false / empty)
 REFUSED = {"previous_response_id": "stored responses (this server keeps none; send the whole conversation)",
@@ -232,11 +234,10 @@ def router() -> APIRouter:
 
     @routes.post("/v1/responses", responses=openapi.errors(400, 401, 413, 429, 500, 503))
     async def responses(req: ResponsesRequest, request: Request):
-        state = request.app.state.server
-        state.require_ready()
+        ctx = server_state(request).require_ready()
         gen_req = response_request(req)
-        gens = await prepare(state, gen_req, "/v1/responses")
-        return await serve_response(state, request, gens[0], gen_req.stream, echoed(req))
+        gens = await prepare(ctx, gen_req, "/v1/responses")
+        return await answer(ctx, request, ResponsesAdapter(ctx, gens[0], gen_req.stream, echoed(req)))
 
     return routes
 

@@ -1,173 +1,128 @@
-"""Serve stage: Responses API answers: the parser's events as output items (reasoning, message, function_call),
-whole or as the Responses event stream (response.created, response.in_progress, output_item.added,
-content_part.added, output_text.delta, ..., response.completed), with the Responses usage."""
+"""Serve stage: the Responses API's shapes over the answer skeleton (serve/answer.py): the blocks of serve/blocks.py
+as output items (reasoning, message, function_call), whole or as the Responses event stream (response.created,
+response.in_progress, output_item.added, content_part.added, output_text.delta, ..., response.completed), with the
+Responses usage."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+import uuid
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from .generation import ClientGone, Generation, deltas, sse
-from .parser import Event
-from .pipeline import client_gone, collect, start
+from .answer import Adapter, sse
+from .blocks import Block, BlockChange, BlockKind, Blocks, Change
+from .context import ServerContext
+from .events import Event, Finish, FinishReason, Usage
+from .generation import Generation
 from .protocol import APIError
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-PART = {"reasoning": "reasoning_text", "content": "output_text"}  # the content part each text kind fills
+ITEM_PREFIXES = {BlockKind.REASONING: "rs", BlockKind.TEXT: "msg", BlockKind.TOOL_CALL: "fc"}
 
 
-def item(event: Event, item_id: str, done: bool = True) -> dict:
-    """The output item of one event (`done` False: as announced, before its text)."""
-    status = "completed" if done else "in_progress"
-    if event.call is not None:
-        return {"id": item_id, "type": "function_call", "call_id": event.call.id, "name": event.call.name,
-                "arguments": event.call.arguments if done else "", "status": status}
-    if event.kind == "reasoning":
-        return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-                "content": [part(event)] if done else []}
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [part(event)] if done else []}
+def part(block: Block) -> dict[str, Any]:
+    """The content part a text or reasoning block fills."""
+    if block.kind is BlockKind.REASONING:
+        return {"type": "reasoning_text", "text": block.text}
+    return {"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}
 
 
-def part(event: Event, text: str | None = None) -> dict:
-    text = event.text if text is None else text
-    if event.kind == "reasoning":
-        return {"type": "reasoning_text", "text": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def usage_json(used: Usage) -> dict[str, Any]:
+    return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": used.cached_tokens},
+            "output_tokens": used.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": used.reasoning_tokens},
+            "total_tokens": used.prompt_tokens + used.completion_tokens}
 
 
-def usage(gen: Generation) -> dict:
-    cached = gen.result.cached_prompt_tokens if gen.result is not None else 0
-    prompt = len(gen.job.prompt_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": gen.n_out,
-            "output_tokens_details": {"reasoning_tokens": gen.parser.n_reasoning_tokens},
-            "total_tokens": prompt + gen.n_out}
+class ResponsesAdapter(Adapter):
+    """One response object (one generation), from its first snapshot (in progress, no output) to the final one;
+    `settings`: the request's settings, which the response object repeats."""
 
+    def __init__(self, ctx: ServerContext, gen: Generation, streaming: bool, settings: dict[str, Any]) -> None:
+        super().__init__([gen], streaming)
+        self.settings = settings
+        self.hex = uuid.uuid4().hex
+        self.id, self.model, self.created = "resp_" + self.hex, ctx.model_id, int(time.time())
+        self.blocks = Blocks()
+        self.usage: Usage | None = None
+        self.finish = Finish(FinishReason.STOP)
+        self.seq = 0  # the stream's next sequence_number
 
-class _Response:
-    """The response object, from its first snapshot (in progress, no output) to the final one."""
+    def item(self, block: Block, done: bool = True) -> dict[str, Any]:
+        """The output item of a block (`done` False: as announced, before its text)."""
+        item_id, status = self.item_id(block), "completed" if done else "in_progress"
+        if block.kind is BlockKind.TOOL_CALL:
+            return {"id": item_id, "type": "function_call", "call_id": "call_" + block.call_id, "name": block.name,
+                    "arguments": block.text if done else "", "status": status}
+        if block.kind is BlockKind.REASONING:
+            return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+                    "content": [part(block)] if done else []}
+        return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+                "content": [part(block)] if done else []}
 
-    def __init__(self, server: Any, gen: Generation, settings: dict) -> None:
-        self.gen, self.settings = gen, settings
-        self.id = "resp_" + gen.id.split("-", 1)[1]
-        self.model, self.created = server.model_id, int(time.time())
-        self.output: list[dict] = []
-        self.n_items = 0
+    def item_id(self, block: Block) -> str:
+        return f"{ITEM_PREFIXES[block.kind]}_{self.hex}_{block.index + 1}"
 
-    def item_id(self, event: Event) -> str:
-        self.n_items += 1
-        prefix = {"reasoning": "rs", "content": "msg", "tool_call": "fc"}[event.kind]
-        return f"{prefix}_{self.id[5:]}_{self.n_items}"
-
-    def body(self, status: str) -> dict:
+    def response(self, status: str) -> dict[str, Any]:
         incomplete = status == "incomplete"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": self.output, "error": None,
+                "model": self.model, "output": [self.item(b) for b in self.blocks.closed], "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": usage(self.gen) if status != "in_progress" else None, **self.settings}
+                "usage": usage_json(self.usage) if self.usage is not None and status != "in_progress" else None,
+                **self.settings}
 
-    def final_status(self) -> str:
-        return "incomplete" if self.gen.finish_reason() == "length" else "completed"
+    def _status(self) -> str:
+        return "incomplete" if self.finish.reason is FinishReason.LENGTH else "completed"
 
-
-async def serve_response(server: Any, request: Request, gen: Generation, stream: bool, settings: dict) -> Any:
-    firsts = await start(server, request, [gen])
-    if firsts is None:
-        return client_gone()
-    response = _Response(server, gen, settings)
-    if stream:
-        return StreamingResponse(stream_response(response, request, firsts[0]), media_type="text/event-stream",
-                                 headers=STREAM_HEADERS)
-    totals = await collect([gen], request, firsts)
-    if totals is None:
-        return client_gone()
-    response.output = [item(e, response.item_id(e)) for e in totals[0].events]
-    gen.record(200)
-    return JSONResponse(response.body(response.final_status()))
-
-
-class _Items:
-    """The streamed output items: each kind change (and each function call) finishes one item and adds the next."""
-
-    def __init__(self, response: _Response) -> None:
-        self.response = response
-        self.open: Event | None = None  # the open item's event so far (its whole text)
-        self.open_id = ""
-        self.seq = 0
-
-    def emit(self, kind: str, **fields: Any) -> bytes:
+    def _emit(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return sse(body, kind)
 
-    def close(self) -> list[bytes]:
-        event, self.open = self.open, None
-        if event is None:
-            return []
-        index, at = len(self.response.output), {"item_id": self.open_id, "output_index": len(self.response.output)}
-        done = item(event, self.open_id)
-        out = []
-        if event.call is not None:
-            out.append(self.emit("response.function_call_arguments.done", **at, arguments=event.call.arguments,
-                                 name=event.call.name))
-        else:
-            kind = "response.output_text.done" if event.kind == "content" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if event.kind == "content" else {}
-            out.append(self.emit(kind, **at, content_index=0, text=event.text, **extra))
-            out.append(self.emit("response.content_part.done", **at, content_index=0, part=part(event)))
-        self.response.output.append(done)
-        out.append(self.emit("response.output_item.done", output_index=index, item=done))
-        return out
-
-    def add(self, event: Event) -> list[bytes]:
-        out = []
-        if self.open is None or event.kind != self.open.kind or event.call is not None:
-            out += self.close()
-            self.open_id = self.response.item_id(event)
-            self.open = Event(event.kind, "", event.call)
-            index = len(self.response.output)
-            out.append(self.emit("response.output_item.added", output_index=index,
-                                 item=item(self.open, self.open_id, done=False)))
-            if event.call is None:
-                out.append(self.emit("response.content_part.added", item_id=self.open_id, output_index=index,
-                                     content_index=0, part=part(event, "")))
-        at = {"item_id": self.open_id, "output_index": len(self.response.output)}
-        if event.call is not None:
-            out.append(self.emit("response.function_call_arguments.delta", **at, delta=event.call.arguments))
+    def _events(self, change: BlockChange) -> list[bytes]:
+        block = change.block
+        at = {"item_id": self.item_id(block), "output_index": block.index}
+        call = block.kind is BlockKind.TOOL_CALL
+        if change.change is Change.OPEN:
+            out = [self._emit("response.output_item.added", output_index=block.index, item=self.item(block, False))]
+            if not call:
+                out.append(self._emit("response.content_part.added", **at, content_index=0, part=part(block)))
             return out
-        self.open = Event(event.kind, self.open.text + event.text)
-        if event.kind == "content":
-            out.append(self.emit("response.output_text.delta", **at, content_index=0, delta=event.text,
-                                 logprobs=[]))
+        if change.change is Change.DELTA:
+            if call:
+                return [self._emit("response.function_call_arguments.delta", **at, delta=change.delta)]
+            if block.kind is BlockKind.TEXT:
+                return [self._emit("response.output_text.delta", **at, content_index=0, delta=change.delta,
+                                   logprobs=[])]
+            return [self._emit("response.reasoning_text.delta", **at, content_index=0, delta=change.delta)]
+        if call:
+            out = [self._emit("response.function_call_arguments.done", **at, arguments=block.text, name=block.name)]
         else:
-            out.append(self.emit("response.reasoning_text.delta", **at, content_index=0, delta=event.text))
-        return out
+            text = block.kind is BlockKind.TEXT
+            out = [self._emit("response.output_text.done" if text else "response.reasoning_text.done", **at,
+                              content_index=0, text=block.text, **({"logprobs": []} if text else {})),
+                   self._emit("response.content_part.done", **at, content_index=0, part=part(block))]
+        return out + [self._emit("response.output_item.done", output_index=block.index, item=self.item(block))]
 
+    def opening(self) -> list[bytes]:
+        return [self._emit("response.created", response=self.response("in_progress")),
+                self._emit("response.in_progress", response=self.response("in_progress"))]
 
-async def stream_response(response: _Response, request: Request, first: tuple[str, Any]) -> AsyncIterator[bytes]:
-    gen, items = response.gen, _Items(response)
-    try:
-        yield items.emit("response.created", response=response.body("in_progress"))
-        yield items.emit("response.in_progress", response=response.body("in_progress"))
-        async for _, kind, payload, delta in deltas([gen], request, [first]):
-            if kind == "error":
-                err: APIError = payload
-                yield items.emit("error", code=err.code or err.type, message=err.message, param=err.param)
-                gen.record(err.status)
-                return
-            for event in delta.events:
-                for chunk in items.add(event):
-                    yield chunk
-        for chunk in items.close():
-            yield chunk
-        status = response.final_status()
-        yield items.emit(f"response.{status}", response=response.body(status))
-        gen.record(200)
-    except ClientGone:
-        pass
-    finally:
-        gen.record(499)
-        gen.job.abort()
+    def add(self, choice: int, event: Event) -> list[bytes]:
+        if isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, Finish):
+            self.finish = event
+        changes = self.blocks.add(event)
+        return [chunk for change in changes for chunk in self._events(change)] if self.streaming else []
+
+    def closing(self) -> list[bytes]:
+        out = [chunk for change in self.blocks.close() for chunk in self._events(change)]
+        status = self._status()
+        return out + [self._emit(f"response.{status}", response=self.response(status))]
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [self._emit("error", code=error.code or error.type, message=error.message, param=error.param)]
+
+    def body(self) -> dict[str, Any]:
+        self.blocks.close()
+        return self.response(self._status())

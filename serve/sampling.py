@@ -9,6 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..runtime.backend import MAX_TOP_LOGPROBS, SamplingParams
+from ..runtime.text.grammar import Grammar
+from .context import ServerContext
 from .protocol import REASONING_EFFORTS, APIError, ChatCompletionRequest, _Sampling
 from .request import SamplingOptions
 
@@ -67,8 +69,8 @@ def sampling_options(req: _Sampling) -> SamplingOptions:
                            prompt_logprobs=req.prompt_logprobs)
 
 
-def sampling_params(req: SamplingOptions, defaults: dict, vocab: int = 1 << 30, grammar: Any = None
-                    ) -> SamplingParams:
+def sampling_params(req: SamplingOptions, defaults: dict[str, float], vocab: int = 1 << 30,
+                    grammar: Grammar | None = None) -> SamplingParams:
     """Request values over the checkpoint's generation_config defaults (as vLLM does)."""
     def pick(name: str, fallback: Any) -> Any:
         value = getattr(req, name)
@@ -88,15 +90,15 @@ def sampling_params(req: SamplingOptions, defaults: dict, vocab: int = 1 << 30, 
         raise APIError(str(exc)) from None
 
 
-def speculation(req: SamplingOptions, server: Any, sampling: SamplingParams) -> tuple[bool, SamplingParams]:
+def speculation(req: SamplingOptions, ctx: ServerContext, sampling: SamplingParams) -> tuple[bool, SamplingParams]:
     """(whether the request decodes speculatively, its sampling with the draft cap): the server's setting, or the
     request's num_speculative_tokens."""
     n = req.num_speculative_tokens
     if n is None:
-        return bool(server.speculative), replace(sampling, draft_tokens=server.draft_tokens)
+        return ctx.speculative, replace(sampling, draft_tokens=ctx.draft_tokens)
     if n == 0:
         return False, sampling
-    if not server.caps.speculative:
+    if not ctx.caps.speculative:
         raise APIError("num_speculative_tokens > 0 needs speculative decoding, which this model cannot run (no "
                        "drafter, or its kernels are missing)", param="num_speculative_tokens")
     return True, replace(sampling, draft_tokens=n)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.text.grammar import Grammar
+from .context import ServerContext
 from .protocol import APIError
 from .request import OutputFormat
 
@@ -28,7 +30,7 @@ def output_format(fmt: Any, param: str = "response_format") -> OutputFormat | No
     return OutputFormat("json_schema", spec["schema"], param)
 
 
-def format_grammar(fmt: OutputFormat | None, server: Any, thinking: bool) -> Any:
+def format_grammar(fmt: OutputFormat | None, ctx: ServerContext, thinking: bool) -> Grammar | None:
     """None for free text; else a runtime.text.grammar.Grammar for the format (a JSON schema, or a Lark grammar
     checked by llguidance). With thinking on, the grammar starts after the thought channel."""
     if fmt is None:
@@ -37,12 +39,12 @@ def format_grammar(fmt: OutputFormat | None, server: Any, thinking: bool) -> Any
     try:
         import llguidance
 
-        from ..runtime.text.grammar import Grammar, json_grammar, tokenizer
+        from ..runtime.text.grammar import json_grammar, tokenizer
     except ImportError:  # pragma: no cover - the serve extra installs it
         raise APIError(f"{param} needs the llguidance package (pip install 'thorgen[serve]')", param=param) from None
-    if server.tokenizer.path is None:
+    if ctx.tokenizer.path is None:
         raise APIError(f"{param} needs the checkpoint's tokenizer.json", param=param)
-    tok = tokenizer(str(server.tokenizer.path), int(server.caps.vocab_size), tuple(sorted(server.stop_ids)))
+    tok = tokenizer(str(ctx.tokenizer.path), int(ctx.caps.vocab_size), tuple(sorted(ctx.stop_ids)))
     try:
         if fmt.kind == "lark":
             text = llguidance.LLMatcher.grammar_from_lark(fmt.grammar)
@@ -53,5 +55,5 @@ def format_grammar(fmt: OutputFormat | None, server: Any, thinking: bool) -> Any
     error = llguidance.LLMatcher.validate_grammar(text, tok) if fmt.kind == "lark" else None
     if error and not error.startswith("WARNING"):
         raise APIError(f"{param} is invalid or unsupported: {error.splitlines()[0]}", param=param)
-    c = server.controls
+    c = ctx.controls
     return Grammar(text, tok, (c.channel_open, c.channel_close) if thinking else None)

@@ -21,6 +21,8 @@ import json
 import re
 from typing import Any
 
+from ..runtime.text.grammar import Grammar
+from .context import ServerContext
 from .protocol import APIError
 
 MAX_STRING = 32
@@ -314,19 +316,20 @@ def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int,
     return "\n".join([f"start: {start}"] + [f"{name}: {body}" for name, body in g.rules.items()])
 
 
-def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, server: Any) -> Any:
+def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, ctx: ServerContext
+                      ) -> Grammar | None:
     """A runtime.text.grammar.Grammar holding a call's arguments to its tool's schema (forced calls from the start,
     auto calls from the model's `<|tool_call>`), or None where no call can happen or the backend cannot
     constrain its decoding (there a forced call stays opened in the prompt, unconstrained)."""
-    if mode not in ("required", "named", "auto") or not tools or not server.caps.constrained \
-            or server.tokenizer.path is None:
+    if mode not in ("required", "named", "auto") or not tools or not ctx.caps.constrained \
+            or ctx.tokenizer.path is None:
         return None
     import llguidance
 
-    from ..runtime.text.grammar import Grammar, tokenizer
+    from ..runtime.text.grammar import tokenizer
 
-    c = server.controls
-    tok = tokenizer(str(server.tokenizer.path), int(server.caps.vocab_size), tuple(sorted(server.stop_ids)))
+    c = ctx.controls
+    tok = tokenizer(str(ctx.tokenizer.path), int(ctx.caps.vocab_size), tuple(sorted(ctx.stop_ids)))
     try:
         lark = tool_call_lark(tools, mode, forced, c.string_delim, c.tool_call_close)
     except SchemaError as exc:

@@ -12,8 +12,9 @@ response_format's), truncate_prompt_tokens (the prompt's last N tokens) and the 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, Sequence
 
+from ..runtime.backend import TokenLogprob
 from .protocol import APIError, ChatCompletionRequest, Tool, _Sampling
 from .request import OutputFormat
 
@@ -74,7 +75,7 @@ def guided_format(req: _Sampling) -> OutputFormat | None:
     return OutputFormat("lark", param=field, grammar=value)
 
 
-def vllm_fields(req: _Sampling, max_tokens: int | None) -> dict:
+def vllm_fields(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     """The GenerationRequest fields of the request's vLLM extras (`max_tokens`: its own token limit, if it gave
     one); the checks that need the server (token ids in the vocabulary) are the pipeline's."""
     stop_ids = tuple(sorted(set(req.stop_token_ids or ())))
@@ -119,13 +120,14 @@ def legacy_functions(req: ChatCompletionRequest) -> None:
         req.tool_choice = call
 
 
-def prompt_logprobs_json(prompt_ids: list[int], entries: list | None, decode: Any) -> list | None:
+def prompt_logprobs_json(prompt_ids: list[int], entries: Sequence[TokenLogprob | None] | None,
+                         decode: Callable[[list[int]], str]) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
     holding the prompt's own token and the top entries asked for (rank: 1-based among the model's choices, None
     when the token lies outside the top entries reported)."""
     if entries is None:
         return None
-    out: list = []
+    out: list[dict[str, Any] | None] = []
     for token, entry in zip(prompt_ids, entries):
         if entry is None:
             out.append(None)

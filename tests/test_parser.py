@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from thorgen.serve.blocks import BlockKind, Blocks
 from thorgen.serve.chat_template import control_ids
-from thorgen.serve.parser import Delta, OutputParser, StopMatcher, ToolSyntaxError, parse_tool_call
+from thorgen.serve.parser import OutputParser, StopMatcher, ToolSyntaxError, parse_tool_call
 from thorgen.runtime.text.tokenizer import Tokenizer
 from scripted_backend import write_test_tokenizer
 
@@ -41,21 +43,40 @@ CORPUS = [
 ]
 
 
-def _run(tok: Tokenizer, ids: list[int], cuts: list[int], **kw) -> tuple[Delta, list[Delta]]:
+KINDS = {BlockKind.REASONING: "reasoning", BlockKind.TEXT: "content", BlockKind.TOOL_CALL: "tool_call"}
+
+
+def _blocks(events: list) -> list:
+    """The events as the blocks every API's answer is made of (adjacent text of one kind merged)."""
+    blocks = Blocks()
+    for e in events:
+        blocks.add(e)
+    blocks.close()
+    return blocks.closed
+
+
+def _fold(events: list) -> SimpleNamespace:
+    """Events -> the text of each kind and the whole calls (each with id, name and JSON arguments)."""
+    blocks = _blocks(events)
+    return SimpleNamespace(
+        content="".join(b.text for b in blocks if b.kind is BlockKind.TEXT),
+        reasoning="".join(b.text for b in blocks if b.kind is BlockKind.REASONING),
+        tool_calls=[SimpleNamespace(id=b.call_id, name=b.name, arguments=b.text)
+                    for b in blocks if b.kind is BlockKind.TOOL_CALL])
+
+
+def _run(tok: Tokenizer, ids: list[int], cuts: list[int], **kw) -> tuple[SimpleNamespace, list[list]]:
+    """(the whole output folded, the events of each feed and of the finish)."""
     parser = OutputParser(tok.decode, control_ids(tok, frozenset({1, 106, 50})), call_id_prefix="call_t", **kw)
-    total, deltas = Delta(), []
+    steps = []
     bounds = [0] + cuts + [len(ids)]
     for a, b in zip(bounds, bounds[1:]):
-        deltas.append(parser.feed(ids[a:b]))
-    deltas.append(parser.finish())
-    for d in deltas:
-        total.content += d.content
-        total.reasoning += d.reasoning
-        total.tool_calls += d.tool_calls
-    return total, deltas
+        steps.append(parser.feed(ids[a:b]))
+    steps.append(parser.finish())
+    return _fold([e for step in steps for e in step]), steps
 
 
-def _key(d: Delta):
+def _key(d: SimpleNamespace):
     return d.content, d.reasoning, [(c.id, c.name, c.arguments) for c in d.tool_calls]
 
 
@@ -79,8 +100,8 @@ def test_every_chunking_gives_the_same_message(tok, case):
 
 def test_streamed_pieces_never_hold_delimiters_or_broken_utf8(tok):
     text, *_ = CORPUS[4]
-    _, deltas = _run(tok, tok.encode(text), list(range(1, len(tok.encode(text)))))
-    for d in deltas:
+    _, steps = _run(tok, tok.encode(text), list(range(1, len(tok.encode(text)))))
+    for d in map(_fold, steps):
         for piece in (d.content, d.reasoning):
             assert "\ufffd" not in piece and Q not in piece and "<|tool_call>" not in piece
         for call in d.tool_calls:  # each call arrives whole: id, name and complete JSON arguments
@@ -108,6 +129,19 @@ def test_forced_tool_call_prefill(tok):
     assert [(c.name, json.loads(c.arguments)) for c in total.tool_calls] == [("pick", {"x": "1"})]
 
 
+def test_a_call_comes_whole_as_neutral_events(tok):
+    """Text and reasoning as deltas; a call as begin, its arguments' JSON, end, once its closing token arrives;
+    call ids carry no API's prefix."""
+    from thorgen.serve.events import ReasoningDelta, TextDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
+
+    parser = OutputParser(tok.decode, control_ids(tok, frozenset({1, 106, 50})), call_id_prefix="t")
+    ids = tok.encode(f"<|channel>thought\nhm<channel|>Hi<|tool_call>call:f{{a:{Q}x{Q}}}")
+    assert parser.feed(ids) == [ReasoningDelta("hm"), TextDelta("Hi")]
+    call = [ToolCallBegin("t_0", "f"), ToolCallArguments("t_0", '{"a": "x"}'), ToolCallEnd("t_0")]
+    assert parser.feed(tok.encode("<tool_call|>")) == call
+    assert parser.finish() == []
+
+
 def test_tools_off_keeps_text(tok):
     total, _ = _run(tok, tok.encode("<|tool_call>call:f{}<tool_call|>"), [], parse_tools=False)
     assert total.tool_calls == [] and "call:f{}" in total.content
@@ -124,20 +158,16 @@ def test_invalid_bytes_are_not_held_back_forever(tok):
     """Random weights emit lone UTF-8 continuation bytes; they stream out as U+FFFD instead of piling up."""
     lone = tok.token_to_id("<0x80>")
     parser = OutputParser(tok.decode, control_ids(tok, frozenset({1, 106, 50})))
-    streamed = "".join(parser.feed([lone]).content for _ in range(40))
+    streamed = "".join(_fold(parser.feed([lone])).content for _ in range(40))
     assert streamed.count("\ufffd") >= 30
-    assert (streamed + parser.finish().content).count("\ufffd") == 40
+    assert (streamed + _fold(parser.finish()).content).count("\ufffd") == 40
 
 
 def _events(tok: Tokenizer, ids: list[int], cuts: list[int]) -> list:
     """The ordered events of one run, adjacent text of one kind merged (as a streaming client joins them)."""
-    from thorgen.serve.parser import append_event
-
-    merged: list = []
-    for d in _run(tok, ids, cuts)[1]:
-        for e in d.events:
-            append_event(merged, e.kind, e.text, e.call)
-    return [(e.kind, e.text, e.call and (e.call.id, e.call.name, e.call.arguments)) for e in merged]
+    blocks = _blocks([e for step in _run(tok, ids, cuts)[1] for e in step])
+    return [(KINDS[b.kind], "" if b.kind is BlockKind.TOOL_CALL else b.text,
+             (b.call_id, b.name, b.text) if b.kind is BlockKind.TOOL_CALL else None) for b in blocks]
 
 
 RECORDED = (f"<|channel>thought\nPlan: ∑ two calls.<channel|>Calling.<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>"

@@ -56,13 +56,13 @@ def test_echo_puts_the_prompt_ahead_of_the_completion(server):
     assert complete(server, prompt=TEXT, max_tokens=5, temperature=0, echo=True)["choices"][0]["text"] == TEXT + plain
     ids = ids_of(server, TEXT)
     echoed = complete(server, prompt=ids, max_tokens=5, temperature=0, echo=True)["choices"][0]["text"]
-    assert echoed == server[1].tokenizer.decode(ids) + plain  # token ids come back decoded (with the <bos>)
+    assert echoed == server[1].context.tokenizer.decode(ids) + plain  # token ids come back decoded (with the <bos>)
 
 
 def test_echo_logprobs_are_the_models_own(server, oracle):
     """lm-eval's request: echo, logprobs, a list of token-id prompts. Per prompt one entry per prompt token (none
     for the first) and then the generated token's, each the log-softmax of the logits that predict it."""
-    tok, top_n = server[1].tokenizer, 3
+    tok, top_n = server[1].context.tokenizer, 3
     prompts = [ids_of(server, TEXT), ids_of(server, "The sky is")]
     body = complete(server, prompt=prompts, max_tokens=1, temperature=0, logprobs=top_n, echo=True,
                     return_token_ids=True)
@@ -106,7 +106,8 @@ def test_max_tokens_0_scores_the_prompt_only(server):
     one = complete(server, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True)["choices"][0]
     body = complete(server, prompt=[ids], max_tokens=0, logprobs=1, echo=True, return_token_ids=True)
     c = body["choices"][0]
-    assert c["text"] == server[1].tokenizer.decode(ids) and c["finish_reason"] == "length" and c["token_ids"] == []
+    assert c["text"] == server[1].context.tokenizer.decode(ids)
+    assert c["finish_reason"] == "length" and c["token_ids"] == []
     assert {k: v[:len(ids)] for k, v in one["logprobs"].items()} == c["logprobs"]
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
     texts = []
@@ -163,12 +164,12 @@ def test_tokenizer_info_serves_lm_evals_remote_tokenizer(server):
     info = httpx.get(url + "/tokenizer_info").json()
     assert {k: info[k] for k in ("bos_token", "eos_token", "pad_token")} == {"bos_token": "<bos>",
                                                                           "eos_token": "<eos>", "pad_token": "<pad>"}
-    assert info["chat_template"] == state.template.source and info["model_max_length"] == CTX
-    assert info["tokenizer_class"] and info["vocab_size"] == state.tokenizer.vocab_size
+    assert info["chat_template"] == state.context.template.source and info["model_max_length"] == CTX
+    assert info["tokenizer_class"] and info["vocab_size"] == state.context.tokenizer.vocab_size
     assert "/tokenizer_info" in httpx.get(url + "/openapi.json").json()["paths"]
     utils = pytest.importorskip("lm_eval.utils")
     assert utils.check_remote_tokenizer_support(url + "/v1/completions")
     remote = utils.RemoteTokenizer(url + "/v1/completions")
     ids = remote.encode(TEXT)
-    assert ids == state.tokenizer.encode(TEXT) and remote.decode(ids) == TEXT  # no <bos> added
+    assert ids == state.context.tokenizer.encode(TEXT) and remote.decode(ids) == TEXT  # no <bos> added
     assert (remote.bos_token_id, remote.eos_token_id) == (2, 1)

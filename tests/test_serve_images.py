@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import json
 import threading
 import time
 
@@ -92,7 +93,8 @@ def expected_prompt(state, messages: list[dict], images: list[bytes], budget: in
     """The prompt the server should submit: the template with {"type": "image"} parts, tokenized, expanded."""
     from thorgen.runtime.media.prompts import expand_image_tokens
 
-    ids = state.tokenizer.encode(state.template.render(messages, add_generation_prompt=True, enable_thinking=False))
+    ctx = state.context
+    ids = ctx.tokenizer.encode(ctx.template.render(messages, add_generation_prompt=True, enable_thinking=False))
     vision = state.caps.vision
     return expand_image_tokens(ids, [load_image(b, vision, budget) for b in images], vision)
 
@@ -215,6 +217,43 @@ def test_anthropic_image_block(served):
     with pytest.raises(anthropic.BadRequestError):  # the url source follows the same domain rule
         client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+
+
+def _image_block(data: bytes) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+WEATHER = {"name": "get_weather", "description": "Weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# request shapes with images whose prompt count_tokens must count exactly as /v1/messages charges it
+COUNTED_IMAGES = {
+    "one image": {"messages": [{"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "It?"}]}]},
+    "two images, system, tools": {"system": "Be brief.", "tools": [WEATHER], "messages": [{"role": "user", "content": [
+        _image_block(png(5)), {"type": "text", "text": "and"}, _image_block(png(6))]}]},
+    "a url image, forced tool": {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"},
+                                 "messages": [{"role": "user", "content": [
+                                     {"type": "image", "source": {"type": "url", "url": "FILES/red.png"}},
+                                     {"type": "text", "text": "Where?"}]}]},
+    "an image in an earlier turn": {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "Weather there?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain"},
+                                     _image_block(png(6))]}]},
+}
+
+
+@pytest.mark.parametrize("shape", COUNTED_IMAGES)
+def test_count_tokens_counts_images_as_messages_charges(served, files_url, shape):
+    anthropic = pytest.importorskip("anthropic")
+    url, _, submitted = served
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    body = json.loads(json.dumps({"model": "tiny", **COUNTED_IMAGES[shape]}).replace("FILES/", files_url + "/"))
+    counted = client.messages.count_tokens(**body).input_tokens
+    msg = client.messages.create(max_tokens=2, **body)
+    ids, spans = submitted[-1]
+    assert spans and counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens == len(ids)
 
 
 def test_responses_input_image(served):

@@ -170,3 +170,56 @@ def test_errors_in_anthropic_shape(served, body, names):
             client.messages.create(model="m", max_tokens=body["max_tokens"], messages=body["messages"],
                                    extra_body=rest)
         assert caught.value.body["error"]["type"] == "invalid_request_error"
+
+
+HI = {"role": "user", "content": "Hi"}
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+CALLED = {"role": "assistant", "content": [
+    {"type": "thinking", "thinking": "A tool will know.", "signature": "c2ln"}, {"type": "text", "text": "Looking."},
+    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
+ANSWERED = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                        {"type": "text", "text": "And tomorrow?"}]}
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+# request shapes whose prompt count_tokens must count exactly as /v1/messages charges it
+COUNTED = {
+    "plain": {"messages": [HI]},
+    "system": {"system": "Be brief.", "messages": [HI]},
+    "system blocks": {"system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                      "messages": [HI]},
+    "tools": {"tools": [TOOL], "messages": [ASK]},
+    "tool_choice auto": {"tools": [TOOL], "tool_choice": {"type": "auto"}, "messages": [ASK]},
+    "tool_choice any": {"tools": [TOOL], "tool_choice": {"type": "any"}, "messages": [HI]},
+    "tool_choice tool": {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [HI]},
+    "tool_choice tool, no parallel calls": {"tools": [TOOL], "messages": [HI], "tool_choice": {
+        "type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}},
+    "tool_choice none": {"tools": [TOOL], "tool_choice": {"type": "none"}, "messages": [HI]},
+    "thinking on": {"thinking": THINKING, "messages": [HI]},
+    "thinking off": {"thinking": {"type": "disabled"}, "messages": [HI]},
+    "thinking, system, forced tool": {"thinking": THINKING, "system": "Be brief.", "tools": [TOOL],
+                                      "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [HI]},
+    "tool turns": {"tools": [TOOL], "system": "Be brief.", "messages": [ASK, CALLED, ANSWERED]},
+    "tool turns, thinking": {"tools": [TOOL], "thinking": THINKING, "messages": [ASK, CALLED, ANSWERED]},
+    "several turns": {"messages": [HI, {"role": "assistant", "content": "Hello."}, HI]},
+}
+
+
+@pytest.mark.parametrize("shape", COUNTED)
+def test_count_tokens_counts_what_messages_charges(served, shape):
+    """count_tokens renders the prompt with the very function /v1/messages generates from: the count equals the
+    input the answer reports (its cache reads included) and the prompt the engine got."""
+    client, _, backend, _ = served
+    body = {"model": "m", **COUNTED[shape]}
+    counted = client.messages.count_tokens(**body).input_tokens
+    msg = client.messages.create(max_tokens=2048 if "thinking" in body else 64, **body)
+    assert msg.usage.cache_read_input_tokens == CACHED
+    assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens == len(backend.calls[-1]["prompt"])
+
+
+def test_count_tokens_refuses_what_messages_refuses(served):
+    """A final assistant message (a prefilled turn) is not continued: both endpoints answer the same 400."""
+    _, url, _, _ = served
+    body = {"model": "m", "messages": [HI, {"role": "assistant", "content": "Su"}]}
+    counted = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=30)
+    answered = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 8}, timeout=30)
+    assert counted.status_code == answered.status_code == 400
+    assert counted.json() == answered.json() and "prefilled" in counted.json()["error"]["message"]

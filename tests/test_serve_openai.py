@@ -92,7 +92,7 @@ def test_speculative_decoding_is_lossless(tiny_checkpoint, client):
     state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
                         speculative=None)
     state.load()
-    assert state.speculative is True  # the tiny checkpoint carries a drafter
+    assert state.context.speculative is True  # the tiny checkpoint carries a drafter
     with running_server(create_app(state)) as url:
         spec = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         r = spec.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)

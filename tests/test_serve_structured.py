@@ -56,7 +56,7 @@ def test_json_schema_from_random_weights(client):
 def test_json_object_and_thinking(client, server):
     # Free-form keys let random weights ramble inside a string; a bias toward the closing quote and brace
     # (which the grammar only allows where they are valid) ends the object within the budget.
-    tok = server[1].tokenizer
+    tok = server[1].context.tokenizer
     bias = {str(t): 6 for t in tok.encode('"') + tok.encode("}")}
     for thinking in (False, True):
         r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=200, temperature=1.0, seed=4,
@@ -91,7 +91,7 @@ def test_chat_logprobs_are_the_reference_softmax(client, server):
     for i, (tok, entry) in enumerate(zip(ids, content)):
         ref = _log_softmax(rows[i])
         assert entry.logprob == pytest.approx(ref[tok], abs=1e-4)
-        assert entry.token == state.tokenizer.decode([tok]) and len(entry.top_logprobs) == 3
+        assert entry.token == state.context.tokenizer.decode([tok]) and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(ref.max(), abs=1e-4)
     streamed = [e.logprob for ch in client.chat.completions.create(
         model="tiny", messages=MSGS, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)

@@ -100,7 +100,7 @@ def test_a_call_opened_under_auto_satisfies_its_schema(server):
     """A strong bias makes the model open calls on its own; the arguments of each are held to the schema."""
     client, state = server
     schema = KEYWORDS["maximum"]
-    opener = state.controls.tool_call_open
+    opener = state.context.controls.tool_call_open
     for i in range(6):
         finish, calls = _calls(client, [tool("act", schema)], "auto", seed=500 + i, stream=i % 2 == 1,
                                logit_bias={str(opener): 100}, parallel_tool_calls=False)

@@ -33,7 +33,7 @@ def _chat(client, **kw):
 
 
 def _end_of_turn(state) -> int:
-    return state.tokenizer.token_to_id("<turn|>")
+    return state.context.tokenizer.token_to_id("<turn|>")
 
 
 def test_ignore_eos_runs_to_max_tokens(server):
