@@ -20,8 +20,6 @@ SERIES_TAG = re.compile(r"(?:^|[-_])(?:s[0-9]{2}|c[0-9])(?=[-_.])")
 # named on purpose though not here: a file of sgl-project/sgl-cookbook the benchmarks cite, and the module the
 # committed kernel runs were measured with (thorgen.runtime.bench.kernels now)
 ELSEWHERE = {"docs/autoregressive/Google/Gemma4.md", "thorgen.codegen.bench_kernels"}
-# described ahead of the code moving there; once the file exists this test says to drop it from here
-PENDING = {"runtime/engine/kv_manager.py"}
 
 
 def _exists(base: Path, name: str) -> bool:
@@ -55,14 +53,8 @@ def missing_names(doc: Path) -> list[str]:
 
 def test_docs_name_only_what_exists():
     found = {str(doc.relative_to(REPO)): missing_names(doc) for doc in DOCS}
-    stale = {doc: [n for n in names if n not in PENDING] for doc, names in found.items()}
-    stale = {doc: names for doc, names in stale.items() if names}
+    stale = {doc: names for doc, names in found.items() if names}
     assert not stale, f"docs name paths, modules or links that do not exist: {stale}"
-
-
-def test_pending_paths_are_still_pending():
-    landed = sorted(p for p in PENDING if (REPO / p).exists())
-    assert not landed, f"{landed} exist now: drop them from PENDING in tests/test_docs_paths.py"
 
 
 def test_docs_files_are_named_by_what_they_hold():
