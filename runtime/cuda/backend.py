@@ -97,9 +97,9 @@ class CudaBackend(StreamingBackend):
         self.device.used()  # (the device keeps the peak seen: at load, at each request's end)
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> CudaRunner:
-        """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes (its KV budget is the
-        lanes', so `kv_tokens` is not used)."""
-        return CudaRunner(self.engine, max_num_seqs)
+        """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes and `kv_tokens`
+        positions of its pages (default: all of them)."""
+        return CudaRunner(self.engine, max_num_seqs, kv_tokens=kv_tokens)
 
     def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                         stop_ids: frozenset[int] = frozenset(), speculative: bool = False,

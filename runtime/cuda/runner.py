@@ -9,7 +9,7 @@ embeds the token it leaves in out_ids[0]."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple
 
 from ...model_spec.conventions import VERIFY_ROWS
@@ -47,22 +47,27 @@ class Pipeline:
 
 
 class CudaRunner:
-    """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes. `launch_ahead` off: every step is
-    launched when scheduled (A/B measurements; default: the engine's options)."""
+    """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes and `kv_tokens` positions of its pages
+    (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements; default: the
+    engine's options)."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int | None = None, launch_ahead: bool | None = None) -> None:
+    def __init__(self, engine: Engine, max_num_seqs: int | None = None, launch_ahead: bool | None = None,
+                 kv_tokens: int | None = None) -> None:
         self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
         # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
         self.prefill_chunk = engine.max_rows
         self.max_num_seqs = min(engine.lanes, max_num_seqs or engine.lanes)
         self.max_context = engine.ctx
-        self.kv_geometry = engine.kv.plan.geometry(self.max_num_seqs)
+        geometry = engine.kv.plan.geometry(self.max_num_seqs)
+        if kv_tokens is not None and geometry.pages:
+            geometry = replace(geometry, pages=min(geometry.pages, geometry.pages_for(kv_tokens)))
+        self.kv_geometry = geometry
         self.verify_block = VERIFY_ROWS if engine.speculative else 1
+        self.launch_ahead = engine.options.launch_ahead if launch_ahead is None else launch_ahead
         # a step is launched before the one before it is read: one more position, or for a DFlash step one more
         # verify block (its start, pos + 1 .. pos + 16, is known on the device only)
-        self.lookahead = 1
-        self.launch_ahead = engine.options.launch_ahead if launch_ahead is None else launch_ahead
+        self.lookahead = 1 if self.launch_ahead else 0
         self.ahead_steps = 0  # steps that were launched ahead (by the step before) and used
         self.pipe = Pipeline()
         self.logits = RequestLogits(engine, engine.spec.target.vocab_size)
