@@ -42,7 +42,7 @@ ALLOWED = {
     "serve.cluster": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
     "serve.tools": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
     "cli": set(),  # the command table names modules as strings, imported when a command runs
-    "prepare": {"codegen", "runtime.convert"},
+    "prepare": {"model_spec", "codegen", "runtime.convert"},
     "": set(),  # thorgen/__init__.py
 }
 
