@@ -26,12 +26,12 @@ from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams,
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
-from .options import EngineOptions
 from .runner import CudaRunner
 from .vision import plan_vision
-from .kv_cache import default_ctx, fit_kv, plan_kv
+from .kv_cache import fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
 from ..manifest import find_kernels
+from ..options import EngineOptions, default_ctx
 from ..convert.layouts import layout_version
 from ..engine.core import generate_one
 from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_dirs, find_artifact
