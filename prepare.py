@@ -22,6 +22,7 @@ def prepare(ctx: click.Context, model_dir: Path, arch_name: str, jobs: int, quan
     """Build the kernels into MODEL/thorgen-build/<arch> and repack the weights (thorgen build + repack-weights)."""
     from .codegen.arch import ArchError, get_arch, native_arch
     from .codegen.cli import build
+    from .model_spec.paths import model_build_dir
     from .runtime.convert.artifact import ArtifactError
     from .runtime.convert.cli import repack_weights
     from .runtime.convert.repack import preflight
@@ -35,7 +36,7 @@ def prepare(ctx: click.Context, model_dir: Path, arch_name: str, jobs: int, quan
     except ArchError as exc:
         raise click.ClickException(str(exc)) from exc
     ctx.invoke(build, arch_name=arch.name, model_dir=model_dir, preset=None,
-               out_dir=model_dir / "thorgen-build" / arch.name, jobs=jobs, quantize=quantize)
+               out_dir=model_build_dir(model_dir, arch.name), jobs=jobs, quantize=quantize)
     ctx.invoke(repack_weights, model_dir=model_dir, draft_dir=None, out_dir=None, lm_head="nvfp4", arch=arch.name,
                verify=False, quiet=True, jobs=None, quantize=quantize)
     click.echo(f"ready: thorgen serve --model {model_dir} --backend cuda")

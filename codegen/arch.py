@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model_spec.weight_layout import fp4_order_for
+
 
 class ArchError(ValueError):
     """An architecture thorgen cannot build for: names it and lists the supported ones."""
@@ -15,7 +17,6 @@ class ArchSpec:
     compute_capability: tuple[int, int]
     sm_count: int             # of the reference device of that arch (H200, B200, Jetson AGX Thor, RTX 5090)
     smem_per_block_max: int   # opt-in dynamic shared memory per block, bytes
-    has_fp4_cvt: bool         # hardware E2M1 <-> half conversion (cvt.rn.f16x2.e2m1x2), sm_100a and later
     dram_gbps: float          # nominal DRAM bandwidth of the reference device (planning only, not a measurement)
     warps_per_block: int      # default warps per block of the bandwidth-bound elementwise/row kernels
     prefetch_depth: int       # software prefetch depth (loads in flight per thread) of weight-streaming loops
@@ -26,14 +27,20 @@ class ArchSpec:
     def threads_per_block(self) -> int:
         return 32 * self.warps_per_block
 
+    @property
+    def has_fp4_cvt(self) -> bool:
+        """Hardware E2M1 -> half conversion (cvt.rn.f16x2.e2m1x2): the arch's kernels and weights use the "nat" fp4
+        byte order (model_spec/weight_layout.py decides it from the name, as the repack does)."""
+        return fp4_order_for(self.name) == "nat"
+
 
 # Tuning: the H200 (132 SMs, ~4.3 TB/s) wants many bytes in flight per SM; Thor (20 SMs, ~200 GB/s LPDDR5X) is
 # saturated with fewer warps, and the seed's Thor ledger found deeper unrolls neutral there.
 ARCHS: dict[str, ArchSpec] = {a.name: a for a in (
-    ArchSpec("sm_90a", (9, 0), 132, 232448, False, 4800.0, warps_per_block=8, prefetch_depth=4, has_wgmma=True),
-    ArchSpec("sm_100a", (10, 0), 148, 232448, True, 8000.0, warps_per_block=8, prefetch_depth=4),
-    ArchSpec("sm_110a", (11, 0), 20, 232448, True, 273.0, warps_per_block=4, prefetch_depth=2),
-    ArchSpec("sm_120a", (12, 0), 170, 101376, True, 1792.0, warps_per_block=8, prefetch_depth=4),
+    ArchSpec("sm_90a", (9, 0), 132, 232448, 4800.0, warps_per_block=8, prefetch_depth=4, has_wgmma=True),
+    ArchSpec("sm_100a", (10, 0), 148, 232448, 8000.0, warps_per_block=8, prefetch_depth=4),
+    ArchSpec("sm_110a", (11, 0), 20, 232448, 273.0, warps_per_block=4, prefetch_depth=2),
+    ArchSpec("sm_120a", (12, 0), 170, 101376, 1792.0, warps_per_block=8, prefetch_depth=4),
 )}
 
 

@@ -9,13 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..model_spec.paths import cache_dir
+
 SCHEMA_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """THORGEN_CACHE_DIR, else ~/.cache/thorgen."""
-    env = os.environ.get("THORGEN_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "thorgen"
 
 
 def headers_digest(include_dir: Path) -> str:

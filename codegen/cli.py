@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..model_spec.paths import build_dir
 from ..model_spec.types import ALL_NVFP4, ModelSpec, SpecError
 
 
@@ -77,7 +78,7 @@ def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: P
     try:
         arch = native_arch() if arch_name.strip().lower() == "native" else get_arch(arch_name)
         spec = load_model_spec(model_dir, preset, quantize)
-        out = out_dir or Path("thorgen-build") / spec.name / arch.name
+        out = out_dir or build_dir(spec.name, arch.name)
         report = run_build(spec, arch, out, jobs=jobs)
     except (ArchError, SpecError, PlanError, RenderError, NvccNotFound) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -22,6 +22,7 @@ from typing import Any
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..model_spec.step_program import Op
 from ..model_spec.types import ModelSpec
+from ..model_spec.weight_layout import HALF_SUFFIX, PACKED_SUFFIX, SCALE_SUFFIX, TILE_SCALE_SUFFIX
 from . import lower_head
 from .arch import ArchSpec
 from .families import embedding, moe, moe_grouped, norms, rope_kv, router
@@ -163,8 +164,8 @@ class Lower:
         factors) or, stored bf16, the fp16 weights in the half layout (w: `base`.weight_half)."""
         W = self.ptr.W
         if self.linear_format(base) == "bf16":
-            return dict(w=W(base + ".weight_half"))
-        return dict(w=W(base + ".weight_packed"), s=W(base + ".weight_scale"), gscale=W(base + ".weight_tile_scale"))
+            return dict(w=W(base + HALF_SUFFIX))
+        return dict(w=W(base + PACKED_SUFFIX), s=W(base + SCALE_SUFFIX), gscale=W(base + TILE_SCALE_SUFFIX))
 
     def _gemm_args(self, base: str, rows: int, x: Sym, y: Sym) -> dict[str, Any]:
         return dict(self._weight_args(base), x=x, y=y, m=rows)

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from ..model_spec.conventions import KV_PAGE, MANIFEST_SCHEMA, page_pitch
+from ..model_spec.paths import MANIFEST_NAME
 from ..model_spec.types import ModelSpec
 from . import families
 from .arch import ArchSpec
@@ -29,7 +30,6 @@ from .nvcc import PtxasInfo
 from .programs import emit_programs
 from .render import arg_access
 
-MANIFEST_NAME = "manifest.json"
 PROGRAMS_NAME = "programs.json.gz"
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from .types import (ALL_NVFP4, FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, LinearFormats, ModelSpec,
                     RopeSpec, SpecError)
+from .formats import CT_FORMAT
 from .tensors import quantization_ignore
+from .weight_layout import GROUP
 
-QUANT_FORMAT = "nvfp4-pack-quantized"
-GROUP_SIZE = 16
 MODELOPT_VERSION = "0.47.0"  # the producer version written into synthetic ModelOpt configs
 
 
@@ -175,7 +175,7 @@ def preprocessor_config(spec: Gemma4VisionSpec) -> dict:
 # ---- writing configs (synth-checkpoint) ------------------------------------------------------------------------
 
 def _nvfp4_scheme(dynamic: bool | str, observer: str) -> dict:
-    return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": GROUP_SIZE, "num_bits": 4,
+    return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": GROUP, "num_bits": 4,
             "observer": observer, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
             "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
 
@@ -193,7 +193,7 @@ def modelopt_exclusions(spec: Gemma4TextSpec, formats: LinearFormats) -> list[st
 
 
 def _modelopt_quantization(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
-    scheme = {"dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4, "type": "float"}
+    scheme = {"dynamic": False, "group_size": GROUP, "num_bits": 4, "type": "float"}
     return {"config_groups": {"group_0": {"input_activations": scheme, "targets": ["Linear"], "weights": scheme}},
             "ignore": modelopt_exclusions(spec, formats), "kv_cache_scheme": {"dynamic": False, "num_bits": 8,
                                                                               "type": "float"},
@@ -204,18 +204,18 @@ def _modelopt_quantization(spec: Gemma4TextSpec, formats: LinearFormats) -> dict
 def hf_quant_config(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
     """The `hf_quant_config.json` a ModelOpt NVFP4 export of this spec carries."""
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": GROUP_SIZE,
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": GROUP,
                              "exclude_modules": modelopt_exclusions(spec, formats)}}
 
 
 def _ct_quantization(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None) -> dict:
     ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)]
     ignore += quantization_ignore(vision) + ["lm_head"]
-    return {"config_groups": {"group_0": {"format": QUANT_FORMAT,
+    return {"config_groups": {"group_0": {"format": CT_FORMAT,
                                           "input_activations": _nvfp4_scheme("local", "static_minmax"),
                                           "output_activations": None, "targets": ["Linear"],
                                           "weights": _nvfp4_scheme(False, "memoryless_minmax")}},
-            "format": QUANT_FORMAT, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
+            "format": CT_FORMAT, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
             "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
             "transform_config": {}, "version": "0.14.1.a20260326"}
 

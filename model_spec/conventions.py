@@ -19,16 +19,6 @@ MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runt
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs; 4: the drafter's
 # context in a lane per sequence (its programs' "dlane_bytes")
 
-# NVFP4 byte orders of the t16x64 weight layout (runtime/convert/layouts.py): "nat" (the checkpoint's nibbles) where
-# the arch converts e2m1 in hardware (sm_100a and later), "shift" (sm_90a's integer decode) elsewhere. The repack writes the
-# order the kernels of the target arch were built for (their param `fp4_order`).
-FP4_ORDERS = ("shift", "nat")
-
-
-def fp4_order_for(has_fp4_cvt: bool) -> str:
-    return "nat" if has_fp4_cvt else "shift"
-
-
 def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
     """Slots of a sliding layer's KV ring: a step writes up to max_step_tokens new keys before its queries have read
     the `window - 1` older keys they need, so the ring holds both."""

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from .tensors import target_linears
 from .types import ALL_BF16, LinearFormats, ModelSpec, SpecError
+from .weight_layout import GROUP
 
 SOURCE_FORMATS = ("compressed-tensors", "modelopt", "bf16")
 CT_FORMAT = "nvfp4-pack-quantized"
 MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
-GROUP_SIZE = 16
 ROLES = ("attention", "dense_mlp", "experts")
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -72,9 +72,9 @@ def _check_ct(q: dict) -> CheckpointFormat:
     for name, group in q.get("config_groups", {}).items():
         w = group.get("weights") or {}
         got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy"))
-        if got != (4, "float", GROUP_SIZE, "tensor_group"):
+        if got != (4, "float", GROUP, "tensor_group"):
             raise SpecError(f"config.json: quantization group {name} weights {got} are not NVFP4 "
-                            f"(4, 'float', {GROUP_SIZE}, 'tensor_group')")
+                            f"(4, 'float', {GROUP}, 'tensor_group')")
     ignore = q.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise SpecError("config.json: quantization_config.ignore must be a list of module names")
@@ -101,8 +101,8 @@ def _check_modelopt(q: dict, where: str, exclusions_key: str, need: tuple[str, .
     if algo not in MODELOPT_ALGOS:
         raise SpecError(f"{where}: quant_algo {algo!r} is not supported ({', '.join(MODELOPT_ALGOS)})")
     group = _modelopt_group_size(q, where)
-    if group != GROUP_SIZE:
-        raise SpecError(f"{where}: group_size {group!r} is not NVFP4's {GROUP_SIZE}")
+    if group != GROUP:
+        raise SpecError(f"{where}: group_size {group!r} is not NVFP4's {GROUP}")
     patterns = q.get(exclusions_key, [])
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise SpecError(f"{where}: {exclusions_key} must be a list of module patterns")

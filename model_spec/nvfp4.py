@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP = 16
+from .weight_layout import GROUP
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

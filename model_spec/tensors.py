@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .types import ALL_NVFP4, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, LinearFormats
+from .weight_layout import GROUP
 
 TARGET_PREFIX = "model.language_model."
 VISION_PREFIX = "model.vision_tower."
 VISION_PROJECTION = "model.embed_vision.embedding_projection"
-GROUP = 16  # NVFP4 elements per E4M3 block scale
 
 # Tensors a multimodal checkpoint carries that thorgen does not use (validated as present-or-absent); the vision
 # tower's are only ignored when the spec has no tower (a config without vision_config).

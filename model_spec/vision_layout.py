@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .types import ModelSpec
+from .weight_layout import TILE_K
 
-TILE = 64
+TILE = TILE_K  # widths pad to the GEMMs' step, a multiple of the tile's rows too and the attention's head-dim tile
 # The largest soft-token budget an image may take (HF Gemma4ImageProcessor's max_soft_tokens choices: 70 .. 1120),
 # so at most 9 * 1120 = 10080 patches an image. The vision_encode program runs one image of N soft tokens.
 MAX_SOFT_TOKENS = 1120

@@ -1,7 +1,8 @@
 """Runtime stage: opening engines: what to open (`EngineConfig`), the one backend registry (`open_backend`) that
 `generate`, `bench` and `serve` all open engines through, and the engine option flags of their commands.
 
-runtime/client.py's `EngineClient` opens a backend through it on the thread that then drives the device.
+runtime/client.py's `EngineClient` opens a backend through it on the thread that then drives the device. Importing
+this module loads no backend: each opener imports its own when it runs (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from typing import Any, Callable
 
 from .backend import BackendError
 from .engine.interface import Backend
-from .cuda.kv_cache import default_ctx
-from .cuda.options import EngineOptions
+from .options import EngineOptions, default_ctx
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What to open. `ctx` None: min(the model's max_position_embeddings, 65536)."""
+    """What to open. `ctx` None: min(the model's max_position_embeddings, DEFAULT_CTX) (runtime/options.py)."""
 
     model: Path
     backend: str = "reference"

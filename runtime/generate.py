@@ -13,6 +13,7 @@ from .api import EngineConfig, engine_option_flags, open_backend
 from .backend import BackendError, GenerationResult, SamplingParams
 from .media.images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS, ImageError, load_image
 from .media.prompts import ImagePlaceholderError, expand_image_tokens
+from .options import DEFAULT_CTX
 
 BOS_ID = 2
 
@@ -72,7 +73,7 @@ def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> 
 @click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Drafter directory (default: MODEL/dflash when present).")
 @click.option("--ctx", "--max-context", "max_context", type=click.IntRange(min=2), default=None,
-              help="Context limit in tokens (default: min(the model's max_position_embeddings, 65536)).")
+              help=f"Context limit in tokens (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
 @click.option("--image", "image_paths", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),

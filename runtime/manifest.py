@@ -1,4 +1,5 @@
-"""The kernel manifest that `thorgen build` writes, read as plain JSON: kernels, conventions and step programs.
+"""The kernel manifest that `thorgen build` writes, read as plain JSON: kernels, conventions and step programs, and
+the one lookup of the build folder that holds it (`find_kernels`).
 
 The schema is codegen/manifest.py's; the runtime never imports codegen, so the fields it relies on are re-checked
 here. Both the cuda engine and the reference's engine-precision mode read it.
@@ -8,14 +9,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..model_spec.conventions import MANIFEST_SCHEMA, max_step_tokens
+from ..model_spec.paths import MANIFEST_NAME, build_dir, model_build_dir
 from .backend import BackendError
 
-MANIFEST_NAME = "manifest.json"
+KERNELS_ENV = "THORGEN_KERNELS"
 
 
 class ModuleError(BackendError):
@@ -80,6 +83,33 @@ class KernelManifest:
         if diffs:
             raise ModuleError(f"{self.path} does not match: " + "; ".join(diffs)
                               + f". Rebuild with `thorgen build --arch {device_arch or self.arch}`")
+
+
+def kernel_dirs(arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None
+                ) -> list[Path]:
+    """Where the built kernels of `model_name` for `arch` are looked for, in order: `kernels_dir` (--kernels DIR),
+    $THORGEN_KERNELS, `thorgen build`'s default folder ./thorgen-build/<model>/<arch>, and with a checkpoint folder
+    `thorgen prepare`'s <model>/thorgen-build/<arch>."""
+    dirs = [Path(kernels_dir)] if kernels_dir else []
+    if os.environ.get(KERNELS_ENV):
+        dirs.append(Path(os.environ[KERNELS_ENV]))
+    dirs.append(build_dir(model_name, arch))
+    if model_dir is not None:
+        dirs.append(model_build_dir(model_dir, arch))
+    return dirs
+
+
+def find_kernels(arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None,
+                 option: str = "--kernels") -> KernelManifest:
+    """The manifest in the first of kernel_dirs(...) that holds one; ModuleError naming where it looked, the build
+    command (of the checkpoint, else of the preset `model_name`) and `option`, the caller's flag for a folder."""
+    dirs = kernel_dirs(arch, model_name, model_dir, kernels_dir)
+    for d in dirs:
+        if (d / MANIFEST_NAME).is_file():
+            return load_manifest(d)
+    source = f"--model {model_dir}" if model_dir is not None else f"--preset {model_name}"
+    raise ModuleError(f"no built kernels for {arch} (looked in {', '.join(map(str, dirs))}); run "
+                      f"`thorgen build {source} --arch {arch}` or pass {option} DIR")
 
 
 def load_manifest(path: str | Path) -> KernelManifest:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec import conventions as C
+from thorgen.model_spec.weight_layout import fp4_order_for
 from thorgen.runtime.cuda import logits_params as LP
 
 INCLUDE = Path(__file__).resolve().parents[1] / "templates" / "include" / "thorgen"
@@ -61,7 +62,7 @@ def test_shared_constants_are_the_stages_own():
 
     assert SAMPLE_PARAMS is C.SAMPLE_PARAMS
     for arch in ARCHS.values():  # the order codegen builds the kernels for is the order the repack writes
-        assert fp4_order(arch) == repack_fp4_order(arch.name) == C.fp4_order_for(arch.has_fp4_cvt)
+        assert fp4_order(arch) == repack_fp4_order(arch.name) == fp4_order_for(arch.name)
     assert codegen_ring_slots(1024) == runtime_ring_slots(1024) == runtime_ring_slots(1024, {}) == 1024 + C.MAX_STEP_TOKENS
     assert runtime_ring_slots(1024, {"ring_slots": {"1024": 2000}}) == 2000  # a manifest's own table wins
 

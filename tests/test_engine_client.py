@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 from thorgen.runtime.api import EngineConfig, open_backend  # noqa: E402
 from thorgen.runtime.client import EngineClient, EngineUnavailable, RequestRejected  # noqa: E402
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.cuda.kv_cache import default_ctx  # noqa: E402
+from thorgen.runtime.options import default_ctx  # noqa: E402
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402

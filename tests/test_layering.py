@@ -4,14 +4,18 @@ model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-p
 ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
 nothing imports bench; no runtime room imports codegen (the runtime reads what `thorgen build` wrote: the kernel
 benchmark too, from manifest.json and bench_cases.json); serve reaches the runtime only through its client API
-(api, client, the request/result types in backend, and text) and the media room (image preprocessing), which
-generate and bench use too and which imports only model_spec and the request types. Every import
-counts, including ones inside functions and under TYPE_CHECKING.
+(api, client, the engine options, the request/result types in backend, and text) and the media room (image
+preprocessing), which generate and bench use too and which imports only model_spec and the request types. Every
+import counts, including ones inside functions and under TYPE_CHECKING.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,21 +24,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
 RUNTIME = {"runtime.backend", "runtime.manifest", "runtime.engine", "runtime.text", "runtime.convert",
-           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate", "runtime.media"}
-CLIENT_API = {"runtime.api", "runtime.client", "runtime.backend", "runtime.text"}
+           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate", "runtime.media",
+           "runtime.options"}
+CLIENT_API = {"runtime.api", "runtime.client", "runtime.options", "runtime.backend", "runtime.text"}
 ALLOWED = {
     "model_spec": set(),
     "codegen": {"model_spec"},
     "runtime": set(),  # the package's own __init__: a docstring
     "runtime.backend": {"model_spec"},
+    "runtime.options": set(),  # backend-neutral: what api and the engines share without loading a cuda module
     "runtime.manifest": {"model_spec", "runtime.backend"},
     "runtime.engine": {"model_spec", "runtime.backend"},
     "runtime.text": {"model_spec", "runtime.backend"},
     "runtime.media": {"model_spec", "runtime.backend"},
     "runtime.convert": {"model_spec", "runtime.backend"},
     "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
-    "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert"},
-    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.reference", "runtime.cuda"},
+    "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert",
+                     "runtime.options"},
+    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.options", "runtime.reference",
+                    "runtime.cuda"},
     "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
     "runtime.generate": {"model_spec", "runtime.media"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,
@@ -42,7 +50,7 @@ ALLOWED = {
     "serve.cluster": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
     "serve.tools": {"model_spec", "serve", "runtime.media"} | CLIENT_API,
     "cli": set(),  # the command table names modules as strings, imported when a command runs
-    "prepare": {"codegen", "runtime.convert"},
+    "prepare": {"model_spec", "codegen", "runtime.convert"},
     "": set(),  # thorgen/__init__.py
 }
 
@@ -159,7 +167,7 @@ def test_the_checkers_can_fail(tmp_path: Path) -> None:
 def test_no_room_is_flat_again() -> None:
     """runtime/ keeps its few top-level modules; everything else lives in a room."""
     top = sorted(p.stem for p in (ROOT / "runtime").glob("*.py"))
-    assert top == ["__init__", "api", "backend", "client", "generate", "manifest"], top
+    assert top == ["__init__", "api", "backend", "client", "generate", "manifest", "options"], top
 
 
 @pytest.mark.parametrize("room", sorted(r for r in ALLOWED if r.startswith(("runtime.", "serve.")) and
@@ -168,3 +176,27 @@ def test_each_room_says_its_job(room: str) -> None:
     init = ROOT / room.replace(".", "/") / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text()))
     assert doc and len(doc.split(".")[0]) > 20, f"{init.relative_to(ROOT)} opens with no sentence saying its job"
+
+
+def loaded_by(modules: list[str]) -> list[str]:
+    """The package's modules and cuda-python's that importing `modules` loads, in a fresh interpreter."""
+    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('thorgen', 'cuda'))))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+BACKEND_MODULES = ("thorgen.runtime.cuda", "thorgen.runtime.convert", "cuda")
+
+
+def test_the_client_api_loads_no_backend() -> None:
+    """Importing the client API (what serve, generate and the cluster load) pulls in no cuda module, cuda-python or
+    the repack: a backend is imported only when an engine of that kind is opened."""
+    loaded = loaded_by(["thorgen.runtime.api", "thorgen.runtime.client"])
+    assert "thorgen.runtime.api" in loaded and "thorgen.runtime.client" in loaded
+    backend = [m for m in loaded if m == "cuda" or m.startswith(tuple(p + "." for p in BACKEND_MODULES))]
+    assert not backend, f"importing the client API loads {backend}"
+    # the check sees such a module where one is loaded
+    assert "thorgen.runtime.cuda.kv_cache" in loaded_by(["thorgen.runtime.cuda.kv_cache"])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.nvfp4 import E2M1_VALUES, dequantize_nvfp4, e4m3_to_f32, quantize_nvfp4
+from thorgen.model_spec.weight_layout import FP4_ORDERS, SHIFT_DECODE_FACTOR
 from thorgen.runtime.convert import layouts as L
 
 
@@ -14,7 +15,7 @@ def _random_nvfp4(rng: np.random.Generator, n: int, k: int):
     return quantize_nvfp4(w)
 
 
-@pytest.mark.parametrize("order", L.FP4_ORDERS)
+@pytest.mark.parametrize("order", FP4_ORDERS)
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (32, 704)])
 def test_nvfp4_round_trip(order: str, n: int, k: int) -> None:
     rng = np.random.default_rng(n * 1000 + k)
@@ -66,12 +67,12 @@ def test_shift_decode_is_exact_for_every_code() -> None:
             group[:, 2 * r] = a
             group[:, 2 * r + 1] = codes
             regs = _shift_decode(L._shift_words(group))
-            vals = _half2_values(regs[r]) * L.SHIFT_DECODE_FACTOR
+            vals = _half2_values(regs[r]) * SHIFT_DECODE_FACTOR
             np.testing.assert_array_equal(vals[:, 0], np.full(16, E2M1_VALUES[a]))
             np.testing.assert_array_equal(vals[:, 1], E2M1_VALUES[codes])
 
 
-@pytest.mark.parametrize("order", L.FP4_ORDERS)
+@pytest.mark.parametrize("order", FP4_ORDERS)
 def test_emulated_kernel_matches_dequantized_matvec(order: str) -> None:
     """Emulate the GEMM's per-lane view (units, steps, lanes, k permutation, scales) and compare to W @ x."""
     rng = np.random.default_rng(7)
@@ -96,7 +97,7 @@ def test_emulated_kernel_matches_dequantized_matvec(order: str) -> None:
                     else:
                         words = chunk.view(np.uint32)
                         vals = np.concatenate([_half2_values(np.array(r)).reshape(2) for wd in words
-                                               for r in _shift_decode(wd)]) * L.SHIFT_DECODE_FACTOR
+                                               for r in _shift_decode(wd)]) * SHIFT_DECODE_FACTOR
                     vals = vals * e4m3_to_f32(sl[u, s, lane, tile])
                     kk = 64 * s + 16 * t4 + np.arange(16)  # e = 4j + 2h + {0,1}: the lane's 16-block in order
                     col = 16 * u + 8 * tile + gid

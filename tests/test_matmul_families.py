@@ -14,7 +14,7 @@ from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
 from thorgen.model_spec import types
 from thorgen.model_spec.presets import PRESETS
-from thorgen.runtime.convert import layouts as L
+from thorgen.model_spec.weight_layout import fp4_order_for
 
 MATRIX_FAMILIES = ("matmul", "moe", "attention", "drafter_gemm")
 FAMILY_BENCH = (matmul.bench_matmul, moe.bench_moe, attention.bench_attention, drafter_gemm.bench_drafter_gemm)
@@ -54,11 +54,11 @@ def check_plan(spec, a) -> list:
             assert 1 <= p["ks"] <= p["k"] // 64 and 1 <= p["pf"] <= 16, k.name
             assert p["swap"] == (p["mmax"] <= 8), k.name
         if k.template.startswith("nvfp4") or k.template.startswith("moe"):
-            assert p["fp4_order"] == L.fp4_order_for(a.has_fp4_cvt), k.name
+            assert p["fp4_order"] == fp4_order_for(a.name), k.name
             # fp16 weights exactly where the checkpoint is bf16: the drafter (always), the roles linear_formats names
             fmt = _expected_format(spec, k)
             if fmt is not None:
-                assert p["kind"] == ("half" if fmt == "bf16" else L.fp4_order_for(a.has_fp4_cvt)), k.name
+                assert p["kind"] == ("half" if fmt == "bf16" else fp4_order_for(a.name)), k.name
         if k.template == "attn_fwd.cu.j2":
             g = p["hq"] // p["hkv"]
             assert k.smem_bytes == attention.attn_smem(p["d"], p["mt"], p["tk"], p["kv_dtype"]), k.name
@@ -101,7 +101,7 @@ def test_the_drafter_gemms_are_resident_at_once(arch: str) -> None:
 
 def test_fp4_order_matches_layouts() -> None:
     for a in ARCHS.values():
-        assert matmul.fp4_order(a) == L.fp4_order_for(a.has_fp4_cvt)
+        assert matmul.fp4_order(a) == fp4_order_for(a.name)
 
 
 def test_real_shapes_are_planned() -> None:

@@ -17,6 +17,7 @@ import matmul_reference as R  # noqa: E402
 
 from thorgen.codegen.arch import ARCHS, get_arch
 from thorgen.codegen.families import MAX_STEP_TOKENS
+from thorgen.codegen.families import matmul as MM
 from thorgen.codegen.families import moe_grouped as MG
 from thorgen.codegen.plan import PlanError, plan
 from thorgen.model_spec.presets import get_preset
@@ -142,7 +143,7 @@ def test_planner_kernels(preset, arch_name):
         assert "bm" not in k.param_dict and not k.template.startswith("moe_gateup")  # runtime grid rules (forward._grid)
         assert k.param("mmax") == MAX_STEP_TOKENS and k.param("tile_rows") == MG.TILE_ROWS
     for k in (gu, dn):
-        assert k.smem_bytes == k.param("stages") * MG.TILE_ROWS * MG.PITCH * 2
+        assert k.smem_bytes == k.param("stages") * MG.TILE_ROWS * MM.LARGE_PITCH * 2
     names = [k.name for k in plan(spec, arch)]
     assert all(k.name in names for k in ks.values()) and len(names) == len(set(names))
 

@@ -13,6 +13,7 @@ from thorgen.model_spec.checkpoint import Checkpoint
 from thorgen.model_spec.nvfp4 import bf16_to_f32, quantize_nvfp4
 from thorgen.model_spec.synth import write_synthetic_checkpoint
 from thorgen.model_spec.tensors import TARGET_PREFIX, drafter_linears, target_layer_tensors, target_linears
+from thorgen.model_spec.weight_layout import FP4_ORDERS
 from thorgen.runtime.convert import layouts as L
 import artifact_readback as AR
 from thorgen.runtime.convert import plan as P
@@ -43,7 +44,7 @@ def test_fast_shift_packing_equals_layouts():
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (48, 96), dtype=np.uint8)
     scale = rng.integers(0, 0x7E, (48, 12), dtype=np.uint8)
-    for order in L.FP4_ORDERS:
+    for order in FP4_ORDERS:
         w, s = P.pack_fp4(packed, scale, order)
         w_ref, s_ref = L.pack_nvfp4(packed, scale, order)
         np.testing.assert_array_equal(w, w_ref)

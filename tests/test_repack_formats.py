@@ -15,7 +15,7 @@ from thorgen.model_spec.tensors import TARGET_PREFIX, target_linears
 from thorgen.runtime.convert import layouts as L
 from thorgen.runtime.convert import repack as R
 from thorgen.runtime.convert.artifact import WeightsArtifact
-from thorgen.runtime.convert.linears import HALF_LAYOUT
+from thorgen.model_spec.weight_layout import HALF_LAYOUT
 
 P = TARGET_PREFIX
 

@@ -2,7 +2,7 @@
 batched-decode GEMMs (M <= 16, M <= 32), prefill GEMM.
 
 The kernels the step programs launch for the target's linears, on the t16x64 weight layout
-(runtime/convert/layouts.py):
+(model_spec/weight_layout.py, packed by runtime/convert/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
                                             "swap" form: weights are the 16-row mma A operand (half the mma count)
   nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block
@@ -28,7 +28,8 @@ import math
 from dataclasses import replace
 from functools import cache
 
-from ...model_spec.conventions import MAX_BATCH, fp4_order_for
+from ...model_spec.conventions import MAX_BATCH
+from ...model_spec.weight_layout import TILE_K, TILE_N, W_LAYOUT, fits_tile, fp4_order_for, nvfp4_sizes, tile_params
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
 from ...model_spec.bench_args import Buf, Scalar
@@ -37,8 +38,6 @@ from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
 from .norms import attn_tail_kernel
 
-W_LAYOUT = "t16x64"
-TILE_N, TILE_K, STEP_BYTES = 16, 64, 512
 GEMM_ARGS = ("w", "s", "gscale", "x", "y", "m")
 HALF_GEMM_ARGS = ("w", "x", "y", "m")  # fp16 weights: no block scales, no tile factors
 WEIGHT_PREFIX = {"nvfp4": "nvfp4", "bf16": "half"}  # kernel-name prefix of a target linear by checkpoint format
@@ -47,6 +46,7 @@ EPI_ENUM = {"store": "EPI_STORE", "gelu_mul": "EPI_GELU_MUL", "silu_mul": "EPI_S
 EPI_TAG = {"store": "", "gelu_mul": "_gelu", "silu_mul": "_silu", "attn_tail": "_attn_tail"}
 TAIL_ARGS = ("resid", "w_post", "w_pre1", "w_pre2", "a1", "a2", "counters")  # after GEMM_ARGS (resid: the residual x)
 LARGE_BM, LARGE_STAGES = 64, 3
+LARGE_PITCH = TILE_K + 8  # halves a shared-memory activation row holds (LargeSmem::PITCH): a step, padded by 8
 # sm_90a prefill (gemm_wgmma.cuh): 128 tokens x 128 weight rows a block, 8 warps, 6 stages of 32 KB, 4 raw weight
 # steps in flight a warp. H200 sweep at 512 rows (stages 3-6 x prefetch 2-8): 6 stages 5 % faster than 4 on every
 # shape (q|k|v n8192: 63.3 vs 66.9 us), 3 stages 40 % slower; the prefetch depth within noise
@@ -55,8 +55,8 @@ SMALL_MAX_ROWS = MAX_BATCH  # the weight-streaming kernels' largest row count (t
 
 
 def fp4_order(arch: ArchSpec) -> str:
-    """Byte order of the NVFP4 layout for `arch` (model_spec/conventions.py)."""
-    return fp4_order_for(arch.has_fp4_cvt)
+    """Byte order of the NVFP4 layout for `arch` (model_spec/weight_layout.py)."""
+    return fp4_order_for(arch.name)
 
 
 def weight_kind(fmt: str, arch: ArchSpec) -> str:
@@ -115,13 +115,14 @@ def prefetch(steps_per_warp: int, arch: ArchSpec) -> int:
 
 
 def check_shape(what: str, n: int, k: int) -> None:
-    require(n % TILE_N == 0 and k % TILE_K == 0,
-            f"{what}: weight [{n} x {k}] does not fit the t16x64 layout (N % 16 == 0 and K % 64 == 0 needed)")
+    require(fits_tile(n, k), f"{what}: weight [{n} x {k}] does not fit the {W_LAYOUT} layout (N % {TILE_N} == 0 and "
+            f"K % {TILE_K} == 0 needed)")
 
 
 def weight_bytes(n: int, k: int) -> int:
     """NVFP4 bytes of an [n, k] weight: packed codes + e4m3 scales + per-tile f32 global scales."""
-    return n * k // 2 + n * k // 16 + (n // 8) * 4
+    codes, scales, tiles = nvfp4_sizes(n, k)
+    return codes + scales + 4 * tiles
 
 
 def _tag(n: int, k: int, epi: str) -> str:
@@ -153,7 +154,7 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", "nvfp4_gemm.cu.j2",
                       make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, ks=ks, mmax=mmax, pf=pf, epi=epi,
                                   epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
-                                  fp4_order=fp4_order(arch), swap=mmax <= 8, un=un),
+                                  fp4_order=fp4_order(arch), swap=mmax <= 8, un=un, **tile_params()),
                       grid=(units // un, 1, 1), block=(32 * ks, 1, 1), args=gemm_args(kind), family=family)
 
 
@@ -185,7 +186,7 @@ def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec, fmt: str = "nvfp4
 
 
 def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
-    return stages * bm * (64 + 8) * 2
+    return stages * bm * LARGE_PITCH * 2
 
 
 def wgmma_smem(stages: int = WGMMA_STAGES) -> int:
@@ -204,7 +205,7 @@ def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     template, args = "nvfp4_gemm_large.cu.j2", gemm_args(kind)
     common = dict(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
-                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch))
+                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch), **tile_params())
     if arch.has_wgmma and kind != "half" and n % WGMMA_BN == 0:
         return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
                           make_params(**common, wgmma=True, bm=WGMMA_BM, bn=WGMMA_BN, stages=WGMMA_STAGES,
@@ -271,8 +272,8 @@ def weight_bufs(kind: str, n: int, k: int, experts: int = 1) -> tuple[Buf, ...]:
     e = experts
     if kind == "half":
         return (Buf("w", "f16", e * n * k, -0.05, 0.05),)
-    return (Buf("w", "u8", e * n * k // 2), Buf("s", "u8", e * n * k // 16, 0, 0x70),
-            Buf("gscale", "f32", e * n // 8, 1e-3, 2e-3))
+    codes, scales, tiles = nvfp4_sizes(n, k)
+    return (Buf("w", "u8", e * codes), Buf("s", "u8", e * scales, 0, 0x70), Buf("gscale", "f32", e * tiles, 1e-3, 2e-3))
 
 
 def layout_bytes(kind: str, n: int, k: int) -> int:

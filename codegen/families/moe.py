@@ -21,12 +21,13 @@ from functools import cache
 
 from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.types import ModelSpec
+from ...model_spec.weight_layout import TILE_K, TILE_N, W_LAYOUT, fits_tile, tile_params
 from ..arch import ArchSpec
 from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import require
-from .matmul import (ACT_DTYPE, STEP_BYTES, TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, prefetch, target_warps,
-                     layout_bytes, weight_args, weight_bufs, weight_kind)
+from .matmul import (ACT_DTYPE, fp4_order, kind_enum, prefetch, target_warps, layout_bytes, weight_args, weight_bufs,
+                     weight_kind)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 # The down projections' K split (warps over the expert's intermediate size) at every row count: 1, one accumulator
@@ -65,8 +66,8 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     """(gate/up, down) of a step of up to `mmax` rows: the one-token down, or for more rows the down per slot."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
-            f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
+    require(fits_tile(2 * ie, h) and fits_tile(h, ie),
+            f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout")
     kind, suffix = expert_kind(spec, arch)
     leaders = _expert_leaders(mmax, topk, e)
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
@@ -88,7 +89,7 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     if kind == "half":
         pf = min(pf, HALF_PF)
     common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
-                  w_layout=W_LAYOUT, fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE)
+                  w_layout=W_LAYOUT, fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE, **tile_params())
     gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_gateup.cu.j2",
                         make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
                         grid=(units_gu // un, leaders, 1),
@@ -164,4 +165,4 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     return cases
 
 
-__all__ = ["bench_moe", "moe_kernels", "STEP_BYTES"]
+__all__ = ["bench_moe", "moe_kernels"]

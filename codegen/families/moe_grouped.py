@@ -22,17 +22,17 @@ from functools import cache
 import numpy as np
 
 from ...model_spec.types import ModelSpec
+from ...model_spec.weight_layout import TILE_K, TILE_N, W_LAYOUT, fits_tile, tile_params
 from ..arch import ArchSpec
 from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, MAX_STEP_TOKENS
 from ._util import require
-from .matmul import TILE_K, TILE_N, W_LAYOUT, fp4_order, kind_enum, layout_bytes, weight_args, weight_bufs
+from .matmul import fp4_order, kind_enum, large_smem, layout_bytes, weight_args, weight_bufs
 from .moe import HALF_PF, expert_kind
 
 TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 128 rows at T = 2048; m-tiles without rows are skipped
 STAGES = 3       # cp.async depth of the A tiles
-PITCH = 64 + 8   # halves per shared-memory row (LargeSmem::PITCH in gemm_nvfp4.cuh)
 STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB limit, some slack)
 
 
@@ -100,10 +100,6 @@ def plan_reference(ids: np.ndarray, experts: int, tile_rows: int, n_tiles: int):
     return offsets, pairs, tiles
 
 
-def _smem(tile_rows: int, stages: int) -> int:
-    return stages * tile_rows * PITCH * 2
-
-
 def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, arch: ArchSpec, tag: str,
                  args: tuple[str, ...]) -> KernelSpec:
     require(units % (cfg.nwarp * cfg.upw) == 0,
@@ -113,7 +109,7 @@ def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, a
                       make_params(nwarp=cfg.nwarp, upw=cfg.upw, pf=min(cfg.pf, steps), stages=cfg.stages,
                                   min_blocks=cfg.min_blocks, swap=cfg.swap, **base),
                       grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1), block=(32 * cfg.nwarp, 1, 1),
-                      smem_bytes=_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
+                      smem_bytes=large_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
 
 
 def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_ROWS, gateup: GemmCfg = GATEUP_CFG,
@@ -121,8 +117,8 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     """[plan, gateup, down] for `rows`-row chunks with tiles of `tile_rows` rows."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    require((2 * ie) % TILE_N == 0 and h % TILE_K == 0 and ie % TILE_K == 0 and h % TILE_N == 0,
-            f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the t16x64 layout")
+    require(fits_tile(2 * ie, h) and fits_tile(h, ie),
+            f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout")
     require(tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16")
     require(1 <= e <= 1024 and 1 <= topk <= 32, f"moe_grouped: {e} experts / top-{topk} out of range")
     kind, suffix = expert_kind(spec, arch)
@@ -132,7 +128,7 @@ def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_R
     base = dict(experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows),
                 pdl=True)
     gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=fp4_order(arch),
-                act_dtype=ACT_DTYPE)
+                act_dtype=ACT_DTYPE, **tile_params())
     # plan block: per-warp expert counters (WARPS x (E+1) ints) in static shared memory, under the 48 KB static
     # limit; the ids stay in registers (rows*K / threads a thread)
     plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 16 * (e + 1)) // (4 * (e + 1)))

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..nvfp4 import (E2M1_VALUES, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, modelopt_scale_2, quantize_nvfp4,
                      quantize_nvfp4_modelopt)
-from ..tensors import GROUP, TensorInfo
+from ..tensors import TensorInfo
+from ..weight_layout import GROUP
 
 QUANTIZE_LIMIT = 50_000_000  # total NVFP4 elements below which "auto" quantizes real float weights
 CHUNK_ELEMENTS = 1 << 22  # bf16 tensors are generated in row chunks of at most this many elements

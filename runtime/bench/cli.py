@@ -24,6 +24,7 @@ import click
 
 from ..api import EngineOptions, engine_option_flags
 from ..backend import BackendError
+from ..options import DEFAULT_CTX
 from .timing import (host_copy_gb_s, open_for_bench, synthetic_prompt, timed_run,
                      timed_stream)
 from .roofline import COPY_GBS_SEEN, roofline_entry, step_cost, target_weight_bytes, tc_ceiling
@@ -227,7 +228,7 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 @click.option("--gen", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per run.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Back-to-back timed runs.")
 @click.option("--ctx", type=click.IntRange(min=2), default=None,
-              help="KV cache context (default: min(the model's max_position_embeddings, 65536)).")
+              help=f"KV cache context (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -26,14 +26,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import click
 import numpy as np
 
+from ...model_spec.paths import MANIFEST_NAME
 from ...model_spec.presets import get_preset
 from ..backend import BackendError
-from ..cuda.backend import find_kernels
 from ..cuda.device import Device, check, driver
 from ..cuda.graphs import CudaGraph
 from ..cuda.kernels import Kernel, KernelSet, Ptr
 from ..cuda.memory import DeviceBuffer, alloc
-from ..manifest import KernelEntry, KernelManifest, load_manifest
+from ..manifest import KernelEntry, KernelManifest, find_kernels
 from .cases import host_args, load_bench_cases
 
 TARGET_FRACTION = 0.70
@@ -87,7 +87,7 @@ class KernelRig:
 
     def kernel(self, name: str) -> Kernel:
         if self._set is None:
-            manifest = KernelManifest(path=self.cubin_dir / "manifest.json", model="", spec_hash="",
+            manifest = KernelManifest(path=self.cubin_dir / MANIFEST_NAME, model="", spec_hash="",
                                       arch=self.arch, conventions={}, kernels=dict(self._entries))
             self._set = KernelSet(manifest, self.device)
         return self._set.kernel(name)
@@ -186,21 +186,12 @@ class KernelRig:
 
 def find_build(device_arch: str, kernel_dir: Path | None = None, model_dir: Path | None = None,
                preset: str | None = None) -> KernelManifest:
-    """The manifest of the build to benchmark. With a checkpoint folder: the cuda backend's lookup (--kernel-dir,
-    $THORGEN_KERNELS, ./thorgen-build/<model>/<arch>, <model>/thorgen-build/<arch>); else --kernel-dir,
-    $THORGEN_KERNELS or `thorgen build --preset`'s default folder ./thorgen-build/<preset>/<arch>."""
+    """The manifest of the build to benchmark, found as the cuda backend finds its kernels (runtime/manifest.py
+    find_kernels: --kernel-dir, $THORGEN_KERNELS, ./thorgen-build/<model>/<arch>, <model>/thorgen-build/<arch>),
+    of the checkpoint folder, else of the preset."""
     if model_dir is not None:
-        return find_kernels(model_dir, model_dir.name, device_arch, kernel_dir)
-    cands = [kernel_dir] if kernel_dir else []
-    if os.environ.get("THORGEN_KERNELS"):
-        cands.append(Path(os.environ["THORGEN_KERNELS"]))
-    name = get_preset(preset or DEFAULT_PRESET).name
-    cands.append(Path("thorgen-build") / name / device_arch)
-    for c in cands:
-        if (c / "manifest.json").is_file():
-            return load_manifest(c)
-    raise BackendError(f"no built kernels for {device_arch} (looked in {', '.join(map(str, cands))}); run "
-                       f"`thorgen build --preset {name} --arch {device_arch}` or pass --kernel-dir DIR")
+        return find_kernels(device_arch, model_dir.name, model_dir, kernel_dir, option="--kernel-dir")
+    return find_kernels(device_arch, get_preset(preset or DEFAULT_PRESET).name, None, kernel_dir, option="--kernel-dir")
 
 
 def run_bench(kernel_dir: Path | None = None, model_dir: Path | None = None, preset: str | None = None,

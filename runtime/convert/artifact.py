@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from ...model_spec.paths import cache_dir
 from ..backend import BackendError
 
 FORMAT = "thorgen-weights"
@@ -83,10 +84,10 @@ class TensorEntry:
 
 def default_artifact_dirs(model_dir: str | os.PathLike, spec_hash: str) -> list[Path]:
     """Where `repack-weights` writes by default, in lookup order: <model>/thorgen-<hash12>, then (for a read-only
-    model folder) ~/.cache/thorgen/weights/<model-name>-<hash12> ($THORGEN_CACHE_DIR overrides ~/.cache/thorgen)."""
+    model folder) <cache>/weights/<model-name>-<hash12> (model_spec/paths.py cache_dir: ~/.cache/thorgen unless
+    $THORGEN_CACHE_DIR or $XDG_CACHE_HOME says otherwise)."""
     model_dir = Path(model_dir).resolve()
-    cache = Path(os.environ.get("THORGEN_CACHE_DIR", Path.home() / ".cache" / "thorgen"))
-    return [model_dir / f"thorgen-{spec_hash[:12]}", cache / "weights" / f"{model_dir.name}-{spec_hash[:12]}"]
+    return [model_dir / f"thorgen-{spec_hash[:12]}", cache_dir() / "weights" / f"{model_dir.name}-{spec_hash[:12]}"]
 
 
 def find_artifact(model_dir: str | os.PathLike, spec_hash: str) -> Path:

@@ -1,6 +1,7 @@
 """Runtime stage: NumPy packers from checkpoint weights into the GPU kernels' weight layouts (and unpackers).
 
-NVFP4 tile layout "t16x64" (the NVFP4 GEMM / GEMV / MoE kernels; KernelSpec param `w_layout`):
+NVFP4 tile layout "t16x64" (the NVFP4 GEMM / GEMV / MoE kernels; KernelSpec param `w_layout`; its sizes and byte
+orders are model_spec/weight_layout.py's, which codegen renders into the kernels too):
   A weight W [N, K] (checkpoint: packed u8 [N, K/2], element 2k in the low nibble; e4m3 scales u8 [N, K/16]) is
   cut into units of 16 output rows x 64 inputs ("steps"). Unit u, step s is 512 contiguous bytes: 32 lanes x 16 B,
   stored step-major ([K/64][N/16][32][16 B]): warps of neighbouring units run at about the same step, so together they
@@ -20,25 +21,21 @@ NVFP4 tile layout "t16x64" (the NVFP4 GEMM / GEMV / MoE kernels; KernelSpec para
   (compressed-tensors: float32(1)/weight_global_scale; ModelOpt: weight_scale_2); fused weights (q|k|v, interleaved
   gate/up) carry each part's own multiplier, so nothing is rescaled and nothing here inverts a scale.
 Half-precision tile layout (drafter bf16 linears): fp16 (converted from bf16 once) in the same step-major tiling,
-[K/64][N/16][32 lanes][64 B]: lane L's 64 B = row 16u+gid, inputs 64s+16*t4 .. +16 (32 B), then row 16u+8+gid. Gate/up pairs of both kinds are fused by
-interleaving 8-row tiles (gate tile i, up tile i, ...), so one 16-row unit yields gate and up of the same 8 outputs.
+[K/64][N/16][32 lanes][64 B]: lane L's 64 B = row 16u+gid, inputs 64s+16*t4 .. +16 (32 B), then row 16u+8+gid.
+Gate/up pairs of both kinds are fused by interleaving 8-row tiles (gate tile i, up tile i, ...), so one 16-row unit
+yields gate and up of the same 8 outputs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...model_spec.conventions import FP4_ORDERS, fp4_order_for  # noqa: F401  (the byte orders, written once)
-from ...model_spec.nvfp4 import GROUP, bf16_to_f32, pack_e2m1, unpack_e2m1
+from ...model_spec.nvfp4 import bf16_to_f32, pack_e2m1, unpack_e2m1
+from ...model_spec.weight_layout import (FP4_ORDERS, GROUP, GSCALE_ROWS, SHIFT_POS, TILE_K, TILE_N, W_LAYOUT,
+                                         fits_tile)
 
 LAYOUT_VERSION = 2   # bump on any change of the bytes these packers produce (2: step-major units)
 PLAN_VERSION = 3     # bump when convert/plan.py changes which tensors it writes or how it fuses them
-TILE_N = 16          # output rows per unit (two mma n8 tiles)
-TILE_K = 64          # inputs per step (four mma k16 tiles)
-STEP_BYTES = 512     # packed weight bytes per unit and step (32 lanes x 16 B)
-# (magnitude bit, sign bit) of register r inside each 16-bit half of a "shift" word.
-SHIFT_POS = ((9, 15), (6, 12), (3, 14), (0, 13))
-SHIFT_DECODE_FACTOR = 2.0 ** 14  # "shift" registers hold e2m1 * 2^-14
 
 
 def layout_version() -> int:
@@ -61,8 +58,8 @@ def _check_nvfp4(packed: np.ndarray, scale: np.ndarray, order: str) -> tuple[int
     n, k = packed.shape[0], packed.shape[1] * 2
     if scale.shape != (n, k // GROUP):
         raise LayoutError(f"scale shape {scale.shape} does not match packed {packed.shape} (want {(n, k // GROUP)})")
-    if n % TILE_N or k % TILE_K:
-        raise LayoutError(f"NVFP4 layout t16x64 needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got N={n} K={k}")
+    if not fits_tile(n, k):
+        raise LayoutError(f"NVFP4 layout {W_LAYOUT} needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got N={n} K={k}")
     return n, k
 
 
@@ -107,8 +104,8 @@ def unpack_nvfp4(w: np.ndarray, s: np.ndarray, n: int, k: int, order: str) -> tu
     """Inverse of pack_nvfp4: (weights, scales) of an [N, K] matrix -> (packed u8 [N, K/2], scale u8 [N, K/16])."""
     if order not in FP4_ORDERS:
         raise LayoutError(f"unknown fp4 order {order!r} (expected one of {FP4_ORDERS})")
-    if n % TILE_N or k % TILE_K:
-        raise LayoutError(f"N={n} K={k} not divisible by the t16x64 tile")
+    if not fits_tile(n, k):
+        raise LayoutError(f"N={n} K={k} not divisible by the {W_LAYOUT} tile")
     w = np.asarray(w, dtype=np.uint8).reshape(-1)
     s = np.asarray(s, dtype=np.uint8).reshape(-1)
     if w.size != n * k // 2 or s.size != n * k // GROUP:
@@ -126,11 +123,11 @@ def tile_gscales(parts: list[tuple[int, float]]) -> np.ndarray:
     """Per-8-row-tile global multipliers for a weight made of consecutive parts [(rows, multiplier), ...]."""
     out = []
     for rows, m in parts:
-        if rows % 8:
-            raise LayoutError(f"a fused part of {rows} rows is not a multiple of 8")
+        if rows % GSCALE_ROWS:
+            raise LayoutError(f"a fused part of {rows} rows is not a multiple of {GSCALE_ROWS}")
         if not np.isfinite(m) or m <= 0:
             raise LayoutError(f"global multiplier {m} must be positive and finite")
-        out.append(np.full(rows // 8, np.float32(m), dtype=np.float32))
+        out.append(np.full(rows // GSCALE_ROWS, np.float32(m), dtype=np.float32))
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
@@ -195,16 +192,16 @@ def pack_half(w_bits: np.ndarray) -> np.ndarray:
     if w.ndim != 2 or w.dtype != np.uint16:
         raise LayoutError(f"expected uint16 [N, K] fp16 bits, got {w.dtype}{w.shape}")
     n, k = w.shape
-    if n % TILE_N or k % TILE_K:
+    if not fits_tile(n, k):
         raise LayoutError(f"half layout needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got {w.shape}")
     # [unit, tile, gid, step, t4, 16 halves] -> [step, unit, gid, t4, tile, 16 halves]
-    t = w.reshape(n // 16, 2, 8, k // 64, 4, 16).transpose(3, 0, 2, 4, 1, 5)
+    t = w.reshape(n // TILE_N, 2, 8, k // TILE_K, 4, 16).transpose(3, 0, 2, 4, 1, 5)
     return np.ascontiguousarray(t).reshape(-1)
 
 
 def unpack_half(flat: np.ndarray, n: int, k: int) -> np.ndarray:
     """Inverse of pack_half -> fp16 bits [N, K]."""
-    t = np.asarray(flat, dtype=np.uint16).reshape(k // 64, n // 16, 8, 4, 2, 16).transpose(1, 4, 2, 0, 3, 5)
+    t = np.asarray(flat, dtype=np.uint16).reshape(k // TILE_K, n // TILE_N, 8, 4, 2, 16).transpose(1, 4, 2, 0, 3, 5)
     return np.ascontiguousarray(t).reshape(n, k)
 
 

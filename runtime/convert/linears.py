@@ -3,9 +3,10 @@
 `--quantize nvfp4`) together with the quantization error of each matrix.
 
 Artifact tensor (one per stored matrix, beside the NVFP4 ones of the other roles): `<base>.weight_half`, dtype f16,
-layout `half_t16x64` (layouts.pack_half: step-major 16 x 64 tiles, 64 B a lane), shape [N * K] or, for the
-experts, [E, N * K]; fused as the NVFP4 matrices are (q|k|v concatenated, gate/up interleaved in 8-row tiles), so
-the lowering (codegen/lower.py `_weight_args`) and the kernels read one weight pointer where NVFP4 has three.
+layout `half_t16x64` (names: model_spec/weight_layout.py; layouts.pack_half: step-major 16 x 64 tiles, 64 B a lane),
+shape [N * K] or, for the experts, [E, N * K]; fused as the NVFP4 matrices are (q|k|v concatenated, gate/up
+interleaved in 8-row tiles), so the lowering (codegen/lower.py `_weight_args`) and the kernels read one weight
+pointer where NVFP4 has three.
 
 Why fp16 and not bf16 kernels: every GEMM activation is fp16 (codegen/families ACT_DTYPE) and mma.sync / wgmma
 multiply two operands of one type; bf16 weights would need the activations rounded to bf16 (3 mantissa bits
@@ -25,8 +26,6 @@ import numpy as np
 from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, multiplier_of_divisor, quantize_nvfp4
 from . import layouts as L
 
-HALF_SUFFIX = ".weight_half"
-HALF_LAYOUT = "half_t16x64"  # fp16 in the step-major tiling of layouts.pack_half (the drafter's linears too)
 FUSIONS = ("single", "concat", "interleave8")
 
 
@@ -68,4 +67,4 @@ def quantize_linear(w_bf16: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray, n
     return (packed, scale, multiplier_of_divisor(g)), error
 
 
-__all__ = ["FUSIONS", "HALF_LAYOUT", "HALF_SUFFIX", "pack_bf16_linear", "quantize_linear"]
+__all__ = ["FUSIONS", "pack_bf16_linear", "quantize_linear"]

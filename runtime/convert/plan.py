@@ -39,22 +39,23 @@ from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_t
 from ...model_spec.formats import role_of
 from ...model_spec.types import ALL_NVFP4, LinearFormats, ModelSpec
 from ...model_spec.vision_layout import vision_tensors
+from ...model_spec.weight_layout import (GROUP, GSCALE_ROWS, HALF_LAYOUT, HALF_SUFFIX, PACKED_SUFFIX, SCALE_SUFFIX,
+                                         TILE_K, TILE_SCALE_SUFFIX, W_LAYOUT, fp4_order_for, nvfp4_sizes)
 from . import layouts as L
-from .linears import HALF_LAYOUT, HALF_SUFFIX, pack_bf16_linear, quantize_linear
+from .linears import pack_bf16_linear, quantize_linear
 from .artifact import (DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages)
 
 DEFAULT_ARCH = "sm_90a"  # the H200; the artifact records the arch because the fp4 byte order depends on it
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current item)
-LAYOUT = "t16x64"
 LM_HEAD_ROW_BLOCK = 16384  # embedding rows quantized at a time (bounds fp32 temporaries and resident pages)
 
 
 def fp4_order(arch: str) -> str:
     """The fp4 byte order of the kernels built for `arch` (sm_100a and later decode e2m1 in hardware)."""
-    digits = "".join(ch for ch in arch if ch.isdigit())
-    if not arch.lower().startswith("sm_") or not digits:
-        raise ArtifactError(f"--arch {arch!r} is not an arch name such as sm_90a or sm_100a")
-    return L.fp4_order_for(int(digits) >= 100)
+    try:
+        return fp4_order_for(arch)
+    except ValueError as exc:
+        raise ArtifactError(f"--arch {exc}") from None
 
 
 def _shift_luts() -> np.ndarray | None:
@@ -132,7 +133,7 @@ def pack_matrix(m: Matrix, parts: list[tuple[np.ndarray, np.ndarray, float]], or
     if m.fusion == "interleave8":
         (gp, gs, gm), (up, us, um) = parts
         w, s = pack_fp4(L.interleave8(gp, up), L.interleave8(gs, us), order)
-        tiles = np.empty(2 * gp.shape[0] // 8, np.float32)
+        tiles = np.empty(2 * gp.shape[0] // GSCALE_ROWS, np.float32)
         tiles[0::2] = np.float32(gm)
         tiles[1::2] = np.float32(um)
         return w, s, tiles
@@ -173,9 +174,10 @@ class Planner:
     def _matrix_tensors(self, m: Matrix, n: int, k: int) -> tuple[OutTensor, ...]:
         lead = (m.experts,) if m.experts else ()
         meta = {"logical_shape": [n, k], "fusion": m.fusion, "parts": [list(p) for p in m.parts], "order": self.order}
-        return (self._add(m.base + ".weight_packed", "u8", lead + (n * k // 2,), LAYOUT, **meta),
-                self._add(m.base + ".weight_scale", "e4m3", lead + (n * k // 16,), LAYOUT, **meta),
-                self._add(m.base + ".weight_tile_scale", "f32", lead + (n // 8,)),
+        codes, scales, tiles = nvfp4_sizes(n, k)
+        return (self._add(m.base + PACKED_SUFFIX, "u8", lead + (codes,), W_LAYOUT, **meta),
+                self._add(m.base + SCALE_SUFFIX, "e4m3", lead + (scales,), W_LAYOUT, **meta),
+                self._add(m.base + TILE_SCALE_SUFFIX, "f32", lead + (tiles,)),
                 self._add(m.base + ".weight_multiplier", "f32", lead + (len(m.parts),)))
 
     def stored_matrix(self, m: Matrix) -> None:
@@ -230,7 +232,7 @@ class Planner:
         tp, ts, tt, tg = self._matrix_tensors(m, n, k)
         # The layout is step-major ([K/64][N/16][...]): packing the columns of whole 64-input steps gives a
         # contiguous piece of the output, and quantizing by columns (16-input blocks, one global scale) is exact.
-        cols = max(L.TILE_K, self.chunk_cols // L.TILE_K * L.TILE_K)
+        cols = max(TILE_K, self.chunk_cols // TILE_K * TILE_K)
         emb_name = TARGET_PREFIX + "embed_tokens.weight"
 
         def job() -> Iterator[tuple[str, np.ndarray]]:
@@ -249,7 +251,7 @@ class Planner:
             for c in range(0, k, cols):
                 width = min(cols, k - c)
                 packed = np.empty((n, width // 2), np.uint8)
-                scale = np.empty((n, width // 16), np.uint8)
+                scale = np.empty((n, width // GROUP), np.uint8)
                 for r in range(0, n, rows):  # row blocks bound the resident pages and fp32 temporaries
                     packed[r:r + rows], scale[r:r + rows], _ = quantize_nvfp4(bf16_to_f32(emb[r:r + rows, c:c + width]),
                                                                              global_scale=g)
@@ -300,7 +302,7 @@ class Planner:
         t = self._add(DRAFT_PREFIX + base + ".weight", "f16", (n * k,), HALF_LAYOUT, logical_shape=[n, k],
                       fusion=fusion, parts=[[DRAFT_PREFIX + src, rows] for src, rows in parts])
 
-        cols = max(L.TILE_K, self.chunk_cols // L.TILE_K * L.TILE_K)
+        cols = max(TILE_K, self.chunk_cols // TILE_K * TILE_K)
 
         def job() -> Iterator[tuple[str, np.ndarray]]:
             # Column pieces of whole 64-input steps are contiguous in the step-major half layout, so converting

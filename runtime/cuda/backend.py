@@ -26,12 +26,12 @@ from ..backend import BackendError, BackendFeatures, GenerationResult, ImageSpan
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
-from .options import EngineOptions
 from .runner import CudaRunner
 from .vision import plan_vision
-from .kv_cache import default_ctx, fit_kv, plan_kv
+from .kv_cache import fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
-from ..manifest import KernelManifest, load_manifest
+from ..manifest import find_kernels
+from ..options import EngineOptions, default_ctx
 from ..convert.layouts import layout_version
 from ..engine.core import generate_one
 from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_dirs, find_artifact
@@ -70,20 +70,6 @@ def _served_spec(spec, model_dir: Path, weights_dir: Path | None):
             continue  # (no artifact there: find_artifact / WeightsArtifact.open say so below)
         return quantized if formats == dataclasses.asdict(ALL_NVFP4) else spec
     return spec
-
-
-def find_kernels(model_dir: Path, spec_name: str, arch: str, kernels_dir: Path | None) -> KernelManifest:
-    """The built kernels: --kernels DIR, $THORGEN_KERNELS, ./thorgen-build/<model>/<arch> (thorgen build's
-    default), or <model>/thorgen-build/<arch>."""
-    cands = [kernels_dir] if kernels_dir else []
-    if os.environ.get("THORGEN_KERNELS"):
-        cands.append(Path(os.environ["THORGEN_KERNELS"]))
-    cands += [Path("thorgen-build") / spec_name / arch, model_dir / "thorgen-build" / arch]
-    for c in cands:
-        if (c / "manifest.json").is_file():
-            return load_manifest(c)
-    raise BackendError(f"no built kernels for {arch} (looked in {', '.join(map(str, cands))}); run "
-                       f"`thorgen build --model {model_dir} --arch {arch}` or pass --kernels DIR")
 
 
 class CudaBackend(StreamingBackend):
@@ -179,7 +165,7 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     ctx = default_ctx(spec.target.max_position_embeddings, ctx)
     dev = Device.open(device, sms)
     arch = dev.info.arch
-    manifest = find_kernels(model_dir, spec.name, arch, Path(kernels_dir) if kernels_dir else None)
+    manifest = find_kernels(arch, spec.name, model_dir, Path(kernels_dir) if kernels_dir else None)
     manifest.check(spec_hash=spec.spec_hash, device_arch=arch)
     folder = Path(weights_dir) if weights_dir else find_artifact(model_dir, spec.spec_hash)
     art = WeightsArtifact.open(folder, spec_hash=spec.spec_hash, layout_version=layout_version(), arch=arch)

@@ -7,6 +7,7 @@ import numpy as np
 
 from ...model_spec.conventions import SAMPLE_PARAMS, page_pitch
 from ...model_spec.types import ModelSpec
+from ...model_spec.weight_layout import HALF_LANE_BYTES, LANES, TILE_K, TILE_N
 from ..backend import MAX_TOP_LOGPROBS, BackendError
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
@@ -108,11 +109,11 @@ class EngineBuffers:
         for name, _, _, n, k in parts:
             plan.add(name, n * k * 2, "f16", (n * k,))
         arena = Arena(self.device, plan)
-        unit = 16 * 64 * 2  # bytes of one 16-row x 64-column unit of fp16
+        unit = LANES * HALF_LANE_BYTES  # bytes of one unit's step of fp16
         for name, src, r0, n, k in parts:
             rows = int(np.prod(self.art.entry(src).shape)) // k
-            op = Copy2D(f"split {name}", self.W(src, r0 // 16 * unit), rows // 16 * unit, Ptr(arena[name].ptr),
-                        n // 16 * unit, n // 16 * unit, k // 64)
+            op = Copy2D(f"split {name}", self.W(src, r0 // TILE_N * unit), rows // TILE_N * unit,
+                        Ptr(arena[name].ptr), n // TILE_N * unit, n // TILE_N * unit, k // TILE_K)
             copy2d(op)(stream)
         stream.synchronize()
         return arena

@@ -31,7 +31,7 @@ from .kv_cache import plan_kv
 from .launch_lists import LaunchLists
 from .logits_params import logprob_entry, plain_row
 from .memory import DeviceBuffer
-from .options import EngineOptions
+from ..options import EngineOptions
 from .dflash import DFlashSteps, DraftForward
 from .programs import Forward
 from .staging import ENGINE_SLOTS, StagingRing

@@ -25,10 +25,10 @@ from ...model_spec.conventions import ring_slots as default_ring_slots
 from ...model_spec.types import ModelSpec
 from ..backend import BackendError
 from ..engine.kv_manager import KVGeometry
+from ..options import DEFAULT_CTX
 from .device import check, driver
 from .memory import Arena, ArenaPlan, DeviceBuffer
 
-DEFAULT_CTX = 65536  # every command's --ctx default is min(max_position_embeddings, DEFAULT_CTX)
 KV_DTYPES = {"bf16": ("bf16", 2), "fp8": ("fp8e4m3", 1), "fp8e4m3": ("fp8e4m3", 1), "e4m3": ("fp8e4m3", 1)}
 
 
@@ -195,11 +195,6 @@ def fit_kv(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float |
                            f"fit {where}; lower --ctx or free GPU memory")
     pages = min(lanes * full, int((budget - lanes * lane) // page)) if page else 0
     return lanes, pages
-
-
-def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
-    """`ctx` when given, else min(the model's max_position_embeddings, DEFAULT_CTX)."""
-    return min(max_position_embeddings, DEFAULT_CTX) if ctx is None else int(ctx)
 
 
 def check_context(prompt_len: int, ctx: int) -> None:

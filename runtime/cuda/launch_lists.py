@@ -14,7 +14,7 @@ from ..backend import BackendError
 from .device import Device, Stream, check, driver
 from .graphs import CudaGraph
 from .kernels import KernelSet
-from .options import EngineOptions
+from ..options import EngineOptions
 from .programs import Copy2D, _grid
 
 BOUND_KEEP = 64  # eager launch lists kept (a few MB of packed parameters)

@@ -3,6 +3,8 @@
 // layout, epilogue store. Grid: one block per 1 16-row unit(s) (176), 8 warps split K.
 // fp16 weights: the bf16 checkpoint weight converted once at repack (runtime/convert/linears.py), no scales.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(256)
 bf16_gemm16__n2816_k4096(const uint8_t* __restrict__ w,

@@ -3,6 +3,8 @@
 // down_{ids[t,k]}(act[t*8+k]); 128 experts of [2816 x 704] shift weights. Grid (176),
 // 8 warps (8 slot groups x 1 K parts); each selected expert read once, fixed-order reduction.
 #include "thorgen/moe_small.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_down__m1_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -4,6 +4,8 @@
 // (88, min(128, m * 8)): block (2 units, y) runs the step's y-th distinct expert (expert-id
 // order). ffn_tail (its PAIRS form) sums each token's pairs in slot order.
 #include "thorgen/moe_small.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(32)
 moe_down_pairs__m32_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -3,6 +3,8 @@
 // weights (gate/up interleaved in 8-row tiles), top-8. Grid (44, min(128, m * 8)): block (2 units, y)
 // runs the step's y-th distinct expert (in expert-id order); writes act[(t*8+k), 704] = gelu(gate)*up.
 #include "thorgen/moe_small.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_gateup__m16_e128_k8_i704_h2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -4,6 +4,8 @@
 // ypair[row*8+slot][2816]. Grid (22, 382), 4 warps x 2 units, 3-stage
 // cp.async A tiles (27648 B dynamic); blocks without a tile exit at once.
 #include "thorgen/moe_grouped.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 static_assert(thorgen::LargeSmem<64, 3>::BYTES == 27648, "planner and header disagree on smem");
 

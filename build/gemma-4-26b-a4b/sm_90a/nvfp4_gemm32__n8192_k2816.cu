@@ -2,6 +2,8 @@
 // nvfp4_gemm32__n8192_k2816: y[m, :] = x[m, :] . W^T for m < 32 rows; W [8192 x 2816] shift weights in the t16x64
 // layout, epilogue store. Grid: one block per 2 16-row unit(s) (256), 8 warps split K.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(256)
 nvfp4_gemm32__n8192_k2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

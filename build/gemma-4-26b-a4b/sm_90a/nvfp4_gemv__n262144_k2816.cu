@@ -2,6 +2,8 @@
 // nvfp4_gemv__n262144_k2816: y[m, :] = x[m, :] . W^T for m < 1 rows; W [262144 x 2816] shift weights in the t16x64
 // layout, epilogue store. Grid: one block per 1 16-row unit(s) (16384), 4 warps split K.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(128)
 nvfp4_gemv__n262144_k2816(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -2,6 +2,8 @@
 // nvfp4_gemv__n2816_k2112: y[m, :] = x[m, :] . W^T for m < 1 rows; W [2816 x 2112] shift weights in the t16x64
 // layout, epilogue store. Grid: one block per 1 16-row unit(s) (176), 16 warps split K.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(512)
 nvfp4_gemv__n2816_k2112(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

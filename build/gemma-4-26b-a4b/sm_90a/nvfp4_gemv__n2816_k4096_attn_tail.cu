@@ -4,6 +4,8 @@
 // Then Gemma's attention tail on the row (y = o): resid += rmsnorm(o) * w_post ; a1, a2 = rmsnorm(resid) * w_pre1,
 // w_pre2, by the last block to finish (counters[0]), in the arithmetic of attn_tail's 256-thread block.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 #include "thorgen/norm.cuh"
 
 extern "C" __global__ void __launch_bounds__(512)

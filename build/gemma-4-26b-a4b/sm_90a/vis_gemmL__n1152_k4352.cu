@@ -4,6 +4,8 @@
 // A tiles through 3-stage cp.async shared memory (27648 B dynamic).
 // fp16 weights: the bf16 checkpoint weight converted once at repack (runtime/convert/linears.py), no scales.
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 static_assert(thorgen::LargeSmem<64, 3>::BYTES == 27648, "planner and header disagree on smem");
 

@@ -3,6 +3,8 @@
 // down_{ids[t,k]}(act[t*4+k]); 16 experts of [256 x 128] shift weights. Grid (16),
 // 4 warps (4 slot groups x 1 K parts); each selected expert read once, fixed-order reduction.
 #include "thorgen/moe_small.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_down__m1_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

@@ -3,6 +3,8 @@
 // weights (gate/up interleaved in 8-row tiles), top-4. Grid (16, min(16, m * 4)): block (1 units, y)
 // runs the step's y-th distinct expert (slot y, unless an earlier slot names it); writes act[(t*4+k), 128] = gelu(gate)*up.
 #include "thorgen/moe_small.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_gateup__m1_e16_k4_i128_h256(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,

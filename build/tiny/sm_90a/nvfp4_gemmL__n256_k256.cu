@@ -4,6 +4,8 @@
 // sm_90a warpgroup MMAs: grid (2, ceil(m / 128)), 256 threads, 6 stages of
 // 128-byte-swizzled tiles (197632 B dynamic).
 #include "thorgen/gemm_wgmma.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 
 using Loop = thorgen::WgmmaLoop<thorgen::FP4_SHIFT, 256, 256, 6, 4>;
 static_assert(Loop::SMEM == 197632 && Loop::TR == 128 && Loop::THREADS == 256,

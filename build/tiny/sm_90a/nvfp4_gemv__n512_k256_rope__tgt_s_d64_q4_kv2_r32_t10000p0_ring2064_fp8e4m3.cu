@@ -5,6 +5,8 @@
 // them to finish (counters[head]) runs rope_kv's warp for that head (q / k norm + RoPE, V norm, KV-cache write;
 // v heads are their own), with rope_kv's arithmetic (thorgen/rope.cuh RopeKv::unit).
 #include "thorgen/gemm_nvfp4.cuh"
+static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
+              "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 #include "thorgen/rope.cuh"
 namespace {
 // 1 / theta^(2j / D) for the rotating pairs j < ROT (the exponent's denominator is the full head_dim)

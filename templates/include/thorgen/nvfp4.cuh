@@ -1,5 +1,6 @@
 // thorgen NVFP4 / tensor-core primitives: mma.sync wrappers, streaming loads, in-register E2M1 and E4M3 decode.
-// Hand-written; the weight layout these decoders read is documented in runtime/convert/layouts.py ("t16x64").
+// Hand-written; the weight layout these decoders read is documented in runtime/convert/layouts.py ("t16x64"), its
+// sizes are model_spec/weight_layout.py's.
 #pragma once
 #include "thorgen/common.cuh"
 
@@ -10,6 +11,15 @@ namespace thorgen {
 // FP4_NAT  : NVFP4, checkpoint nibble order, hardware cvt.rn.f16x2.e2m1x2 (sm_100a and later, family-specific).
 // HALF     : fp16 weights, plain row-major [N][K] (the drafter's bf16 linears converted once at load).
 enum WeightKind : int { FP4_SHIFT = 0, FP4_NAT = 1, HALF = 2 };
+
+// ---- the t16x64 tile (model_spec/weight_layout.py): every kernel on it static_asserts its rendered params tile_n and
+// tile_k against W_TILE_N and W_TILE_K, so the repack's packing and these loads cannot disagree --------------------
+constexpr int W_TILE_N = 16;  // output rows a unit: mma.m16n8k16's two n8 tiles
+constexpr int W_TILE_K = 64;  // inputs a step: four k16 tiles
+constexpr int W_LANES = 32;   // a warp's lanes split a unit's step
+constexpr int FP4_LANE_BYTES = W_TILE_N * W_TILE_K / 2 / W_LANES;     // 16: e2m1 codes
+constexpr int SCALE_LANE_BYTES = W_TILE_N * W_TILE_K / 16 / W_LANES;  // 2: e4m3 block scales (one per 16 inputs)
+constexpr int HALF_LANE_BYTES = W_TILE_N * W_TILE_K * 2 / W_LANES;    // 64: fp16 weights
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
 #define THORGEN_HAS_FP4_CVT 1
@@ -121,20 +131,23 @@ template <int KIND> __host__ __device__ constexpr size_t layout_scale_bytes(size
   return KIND == HALF ? 0 : n * k / 16;
 }
 
-// Step-major layout: unit u, step s at ((s * UNITS + u) * 32 + lane) * bytes-per-lane (runtime/convert/layouts.py).
+// Step-major layout: unit u, step s at ((s * UNITS + u) * W_LANES + lane) * bytes-per-lane
+// (runtime/convert/layouts.py).
 template <int KIND, int N, int K>
 __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
-  constexpr int UNITS = N / 16;
-  const size_t idx = ((size_t)step * UNITS + unit) * 32 + lane;
+  static_assert(FP4_LANE_BYTES == sizeof(uint4) && SCALE_LANE_BYTES == 2 && HALF_LANE_BYTES == 4 * sizeof(uint4),
+                "a lane's step is one 16-byte load of codes and one u16 of scales, or four 16-byte loads of fp16");
+  constexpr int UNITS = N / W_TILE_N;
+  const size_t idx = ((size_t)step * UNITS + unit) * W_LANES + lane;
   if constexpr (KIND == HALF) {
-    const uint8_t* b = p.w + idx * 64;
+    const uint8_t* b = p.w + idx * HALF_LANE_BYTES;
     st.q[0] = ldg_stream_v4(b);
     st.q[1] = ldg_stream_v4(b + 16);
     st.q[2] = ldg_stream_v4(b + 32);
     st.q[3] = ldg_stream_v4(b + 48);
   } else {
-    st.w = ldg_stream_v4(p.w + idx * 16);
-    st.s = ldg_stream_u16(p.s + idx * 2);
+    st.w = ldg_stream_v4(p.w + idx * FP4_LANE_BYTES);
+    st.s = ldg_stream_u16(p.s + idx * SCALE_LANE_BYTES);
   }
 }
 

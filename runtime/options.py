@@ -1,8 +1,16 @@
-"""Runtime stage: `EngineOptions`, the CUDA engine's typed switches (each on by default; off for A/B timing)."""
+"""Runtime stage: how an engine is opened, backend-neutral (no cuda module behind it): the context default every
+command shares and `EngineOptions`, the CUDA engine's typed switches (each on by default; off for A/B timing)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+DEFAULT_CTX = 65536  # every command's --ctx default is min(max_position_embeddings, DEFAULT_CTX)
+
+
+def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
+    """`ctx` when given, else min(the model's max_position_embeddings, DEFAULT_CTX)."""
+    return min(max_position_embeddings, DEFAULT_CTX) if ctx is None else int(ctx)
 
 
 def _switch(help: str) -> bool:
@@ -29,4 +37,4 @@ class EngineOptions:
         return [(f.name, f.name.replace("_", "-"), f.metadata["help"]) for f in fields(EngineOptions)]
 
 
-__all__ = ["EngineOptions"]
+__all__ = ["DEFAULT_CTX", "EngineOptions", "default_ctx"]
