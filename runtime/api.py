@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .backend import BackendError
 from .engine.interface import Backend
 from .options import EngineOptions, default_ctx
+
+if TYPE_CHECKING:
+    from ..model_spec.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,11 @@ class OpenedModel:
     backend: Backend
     tokenizer_path: Path
     chat_template: str | None
-    generation_config: dict
+    generation_config: dict[str, Any]
     model_dir: Path
 
 
-def _open_reference(config: EngineConfig, ckpt: Any) -> Backend:
+def _open_reference(config: EngineConfig, ckpt: Checkpoint) -> Backend:
     if config.kv_dtype != "bf16":
         raise BackendError("--kv-dtype fp8 needs --backend cuda (the reference backend keeps K/V in float32)")
     from .reference.backend import ReferenceBackend
@@ -55,7 +58,7 @@ def _open_reference(config: EngineConfig, ckpt: Any) -> Backend:
     return ReferenceBackend(ckpt, max_context=ctx, prefix_cache=config.prefix_cache)
 
 
-def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
+def _open_cuda(config: EngineConfig, ckpt: Checkpoint) -> Backend:
     from .cuda.backend import open_backend as open_cuda
 
     return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
@@ -63,10 +66,10 @@ def _open_cuda(config: EngineConfig, ckpt: Any) -> Backend:
                      kv_cache_gib=config.kv_cache_gib, options=config.options, sms=config.sms)
 
 
-BACKENDS: dict[str, Callable[[EngineConfig, Any], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
+BACKENDS: dict[str, Callable[[EngineConfig, Checkpoint], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
 
 
-def engine_option_flags(command: Callable) -> Callable:
+def engine_option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """Give a click command one `--X/--no-X` switch per EngineOptions field (--no-pdl, --no-fork,
     --no-launch-ahead, --no-rowwise-splits); the command receives them as one `engine_options` value."""
     import functools

@@ -7,11 +7,10 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from ..model_spec import ModelSpec
 
 
 class BackendError(RuntimeError):
@@ -34,7 +33,7 @@ class EngineStateLost(BackendError):
     every sequence in it fails, and the engine must be rebuilt before it runs another step."""
 
 
-def check_token_ids(ids, vocab: int, what: str = "prompt") -> None:
+def check_token_ids(ids: Iterable[int], vocab: int, what: str = "prompt") -> None:
     """BackendError naming the first ids outside 0..vocab-1."""
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
@@ -78,12 +77,18 @@ class ImageSpan:
         return self.offset + self.image.soft_tokens
 
 
+class ImageEncoder(Protocol):
+    """A vision tower: an image's soft-token rows float32 [N, text hidden]."""
+
+    def encode(self, image: ImageInput) -> np.ndarray: ...
+
+
 class ImageRowCache:
     """The soft-token rows of recently encoded images, by content hash: an LRU of `slots` images in front of a
     tower (`model.encode(image) -> float32 [N, text hidden]`), shared by both backends' engines. `encoded` counts
     the images the tower ran (misses); `slots = 0` turns the cache off (the bench times every encode)."""
 
-    def __init__(self, model: Any, slots: int = 8) -> None:
+    def __init__(self, model: ImageEncoder, slots: int = 8) -> None:
         self.model, self.slots, self.encoded = model, slots, 0
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
 
@@ -271,7 +276,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..model_spec.types import Gemma4VisionSpec
 from .api import EngineConfig, OpenedModel, open_backend
-from .backend import BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams
+from .backend import BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams, SequenceFailed
 from .engine.core import EngineCore, RequestOutput
 from .engine.interface import Backend
 
@@ -83,7 +83,7 @@ class OutputStream:
     request_id: str
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.done = False
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
@@ -191,7 +191,7 @@ class EngineClient:
         return Capabilities(self.backend_name, b.max_context, features.speculative, self.kv_dtype,
                             b.spec.target.vocab_size, features.grammar, b.spec.vision)
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         if not self._loaded.is_set():
             return {"status": "loading"}
         if self.load_error is not None:
@@ -203,7 +203,7 @@ class EngineClient:
         with self._lock:
             live = len(self._live)
         running = min(self._running, live)
-        out = {"status": self._state, "running": running, "queued": live - running, "recoveries": self.recoveries,
+        out: dict[str, Any] = {"status": self._state, "running": running, "queued": live - running, "recoveries": self.recoveries,
                "steps": dict(self._stats)}
         core = self.core
         if core is not None:  # ints, read between steps or not
@@ -266,7 +266,14 @@ class EngineClient:
 
     # -- the engine thread ------------------------------------------------------------------------------------
     def _new_core(self) -> EngineCore:
+        assert self.backend is not None, "no backend is open"
         return EngineCore(self.backend.runner(self.max_num_seqs, self.kv_tokens), self.max_step_tokens)
+
+    @property
+    def _core(self) -> EngineCore:
+        """The engine core the engine thread drives (there is one whenever it runs a step)."""
+        assert self.core is not None, "no engine core"
+        return self.core
 
     def _main(self) -> None:
         try:
@@ -346,7 +353,7 @@ class EngineClient:
                 self._emit(job, RequestOutput(job.request_id, finished=True, result=result))
                 continue
             try:
-                self.core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
+                self._core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
                               job.speculative, job.images)
                 job.in_core = True
             except EngineStateLost as exc:  # (a driver failure is the engine's fault, whenever it happens)
@@ -362,7 +369,7 @@ class EngineClient:
             jobs = [j for j in self._live.values() if j.in_core and not j.aborted and j.cancel.is_set()]
         for job in jobs:
             job.aborted = True
-            self.core.abort(job.request_id)
+            self._core.abort(job.request_id)
 
     def _step(self) -> None:
         """One core step. The previous step's outputs go to the clients while this step's device work runs
@@ -374,8 +381,9 @@ class EngineClient:
             marks.append(time.perf_counter())
             self._flush()
             marks.append(time.perf_counter())
-        outputs = self.core.step(launched=launched)  # (a fault of the engine itself raises: _recover)
-        self._running = len(self.core.scheduler.running)
+        core = self._core
+        outputs = core.step(launched=launched)  # (a fault of the engine itself raises: _recover)
+        self._running = len(core.scheduler.running)
         self._pending = outputs
         t0, enqueued, flushed = marks
         st = self._stats  # (read by health() on other threads: a glimpse, not a snapshot)
@@ -384,7 +392,7 @@ class EngineClient:
         st["prepare"] += enqueued - t0
         st["flush"] += flushed - enqueued
         st["finish"] += time.perf_counter() - flushed
-        if not self.core.unfinished:  # no next step to hide them behind
+        if not core.unfinished:  # no next step to hide them behind
             self._flush()
 
     def _flush(self) -> None:
@@ -397,7 +405,7 @@ class EngineClient:
 
     def _error_of(self, error: BackendError) -> BackendError | EngineFailure:
         """A sequence's own failure as its stream raises it: the request's fault -> RequestRejected (4xx)."""
-        if getattr(error, "request_fault", False):
+        if isinstance(error, SequenceFailed) and error.request_fault:
             return RequestRejected(str(error))
         return EngineFailure(f"generation failed: {error}")
 
@@ -415,13 +423,18 @@ class EngineClient:
             self._emit(job, exc)
         while True:
             try:
-                job = self._jobs.get_nowait()
+                queued = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                job.stream._put(exc)
+            if queued is not None:
+                queued.stream._put(exc)
 
     @staticmethod
     def _failed(request_id: str, exc: BaseException) -> EngineFailure:
         log.error("request %s failed", request_id, exc_info=exc)
         return EngineFailure(f"request {request_id} failed: {type(exc).__name__}: {exc}")
+
+
+# what the serve stage imports from here (RequestOutput and GenerationResult are the engine's and the backend's)
+__all__ = ["Capabilities", "EngineBusy", "EngineClient", "EngineFailure", "EngineUnavailable", "GenerationResult",
+           "OutputStream", "RequestOutput", "RequestRejected"]

@@ -38,7 +38,7 @@ class OutputFormat:
     (matching `grammar`, in llguidance's Lark: vLLM's guided regex, choice and grammar)."""
 
     kind: str
-    schema: dict | None = None
+    schema: dict[str, Any] | None = None
     param: str = "response_format"  # the request field its errors name
     grammar: str | None = None
 
@@ -67,17 +67,17 @@ class GenerationRequest:
     """One request, whatever API it came from. Exactly one of `messages` (a conversation in the chat template's
     form: role/content dicts, assistant `tool_calls`, `tool_responses`) and `prompts` (raw prompts) is set."""
 
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] | None = None
     # the conversation's images in prompt order (each user message's {"type": "image"} parts, one each)
     images: list[ImageSource] = field(default_factory=list)
     image_budget: int | None = None  # soft tokens an image may take (vLLM's max_soft_tokens); None: the server's
-    tools: list[dict] | None = None  # OpenAI function tools: {"type": "function", "function": {name, ...}}
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools: {"type": "function", "function": {name, ...}}
     tool_mode: str = "none"  # one of TOOL_MODES
     forced_tool: str | None = None  # the tool a "named" tool_mode calls
     parallel_tool_calls: bool = True  # False: the answer ends after its first call
     thinking: bool = False  # Gemma's thought channel on
-    template_kwargs: dict = field(default_factory=dict)  # further chat-template variables
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # further chat-template variables
     sampling: SamplingOptions = SamplingOptions()
     output_format: OutputFormat | None = None
     guided: OutputFormat | None = None  # vLLM's guided decoding (structured_outputs, guided_*)

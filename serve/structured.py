@@ -47,6 +47,7 @@ def format_grammar(fmt: OutputFormat | None, ctx: ServerContext, thinking: bool)
     tok = tokenizer(str(ctx.tokenizer.path), int(ctx.caps.vocab_size), tuple(sorted(ctx.stop_ids)))
     try:
         if fmt.kind == "lark":
+            assert fmt.grammar is not None  # (a lark format always carries its grammar)
             text = llguidance.LLMatcher.grammar_from_lark(fmt.grammar)
         else:
             text = json_grammar(fmt.schema, tok)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from ..backend import (BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams,
-                       SequenceFailed, TokenLogprob)
+                       SequenceFailed, StepOutput, TokenLogprob)
 from .interface import DecodeResult, ModelRunner
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
@@ -117,7 +117,7 @@ class EngineCore:
     def unfinished(self) -> int:
         return self.scheduler.unfinished
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """What a health report shows of the core: the KV manager's pages and the positions whose drafter context a
         catch-up prefill restored. Plain ints, safe to read between steps or during one."""
         kv = self.kv
@@ -231,9 +231,8 @@ class EngineCore:
         if verified:
             accepted = len(tokens) - 1
             seq.accepted_lengths.append(len(tokens))
-        logprobs, seq.step_logprobs = seq.step_logprobs, None
-        if logprobs is not None:
-            logprobs = tuple(logprobs[:len(tokens)])
+        step_lps, seq.step_logprobs = seq.step_logprobs, None
+        logprobs = None if step_lps is None else tuple(step_lps[:len(tokens)])
         prompt_lps = None
         if seq.prompt_logprobs is not None:  # delivered once, with the first token
             prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
@@ -253,6 +252,7 @@ class EngineCore:
         if was_running:
             self.runner.release(seq, finished=error is None)
         self._seqs.pop(seq.request_id, None)
+        assert seq.finished_at is not None  # (scheduler.finish set it)
         first = seq.first_token_at or seq.finished_at
         result = GenerationResult(token_ids=list(seq.output), accepted_lengths=list(seq.accepted_lengths),
                                   finish_reason=reason, prompt_tokens=len(seq.prompt),
@@ -263,17 +263,15 @@ class EngineCore:
 
 
 def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int], speculative: bool, cancelled, result: GenerationResult,
-                 images: tuple[ImageSpan, ...] = ()):
+                 stop_ids: frozenset[int], speculative: bool, cancelled: Callable[[], bool] | None,
+                 result: GenerationResult, images: tuple[ImageSpan, ...] = ()) -> Iterator[StepOutput]:
     """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
     BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
-    from ..backend import StepOutput
-
     core = EngineCore(runner)
     core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative, images)
     result.prompt_tokens = len(prompt)
 
-    def steps():
+    def steps() -> Iterator[StepOutput]:
         try:
             while core.unfinished:
                 if cancelled is not None and cancelled():
@@ -283,6 +281,7 @@ def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampli
                         raise out.error
                     if out.finished:
                         r = out.result
+                        assert r is not None
                         result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
                         result.cached_prompt_tokens, result.prefill_s, result.decode_s = \
                             r.cached_prompt_tokens, r.prefill_s, r.decode_s

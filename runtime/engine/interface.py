@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Protocol, Sequence as Seq
 
 from ...model_spec.types import ModelSpec
-from ..backend import (BackendFeatures, GenerationResult, ImageSpan, SamplingParams, SequenceFailed, StepOutput)
+from ..backend import (BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput)
 from .kv_manager import KVGeometry, KVOp
 from .sequence import Sequence
 
@@ -17,15 +17,33 @@ class ModelRunner(Protocol):
     """What a backend gives the engine core: it executes schedules and decides nothing about the KV cache (the
     scheduler's KV manager does, over `kv_geometry`). Every call runs on the engine thread."""
 
-    max_context: int
-    max_num_seqs: int  # sequences whose K/V it can hold at once (its KV lanes)
-    kv_geometry: KVGeometry  # its KV cache: lanes, pages, rings
-    verify_block: int  # K/V positions one speculative step writes (1 without a drafter)
-    # decode steps a sequence may have launched before the step before them is read (0, or 1 for a runner that
-    # launches the next step ahead): each writes the positions of one more step, which the scheduler grants
-    lookahead: int
-    prefill_chunk: int | None  # prompt tokens per prefill call; None: whole prompts
-    caught_up_tokens: int  # positions whose drafter context a catch-up prefill restored (0: never behind)
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences whose K/V it can hold at once (its KV lanes)."""
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        """Its KV cache: lanes, pages, rings."""
+
+    @property
+    def verify_block(self) -> int:
+        """K/V positions one speculative step writes (1 without a drafter)."""
+
+    @property
+    def lookahead(self) -> int:
+        """Decode steps a sequence may have launched before the step before them is read (0, or 1 for a runner that
+        launches the next step ahead): each writes the positions of one more step, which the scheduler grants."""
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Prompt tokens per prefill call; None: whole prompts."""
+
+    @property
+    def caught_up_tokens(self) -> int:
+        """Positions whose drafter context a catch-up prefill restored (0: never behind)."""
 
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
@@ -45,7 +63,7 @@ class ModelRunner(Protocol):
         logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
 
     def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
-               ) -> list[DecodeResult | SequenceFailed]:
+               ) -> list[DecodeResult | Exception]:
         """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
         draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
         Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import ImageSpan, SamplingParams, check_token_ids, key_tokens
+from ..backend import ImageSpan, SamplingParams, TokenLogprob, check_token_ids, key_tokens
 
 
 class Status(enum.Enum):
@@ -42,10 +42,10 @@ class Sequence:
     finished_at: float | None = None
     admitted_at: float | None = None
     matcher: Any = None  # its grammar's runtime.text.grammar.Matcher (made by prepare(), in the runner's check)
-    step_logprobs: list | None = None  # the runner's TokenLogprob per token of the step just run
+    step_logprobs: list[TokenLogprob] | None = None  # the runner's logprob entry per token of the step just run
     # with sampling.prompt_logprobs, until the first token: None for token 0, then the runner's TokenLogprob of
     # each prompt token its prefill chunks predict (tokens start+1 .. end-1 of a chunk, and `end` inside the prompt)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     images: tuple[ImageSpan, ...] = ()  # its prompt's image spans (kept through preemption: recompute re-encodes)
     _keys: list[int] | None = None
 

@@ -10,7 +10,11 @@ rows only for the experts the routings name (what the empty rows cost).
   prep TAG OUTDIR   (CPU, nvcc) compile this tree's 16-row pair ("old" at the baseline commit) or, with TAG new, the
                     pair and its variants into OUTDIR (cubins + index.json)
   run DIR... OUT    (GPU) time every indexed kernel: a CUDA graph of 64 launches over the rotated routings"""
-import dataclasses, json, os, pickle, sys
+import dataclasses
+import json
+import os
+import pickle
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 import numpy as np

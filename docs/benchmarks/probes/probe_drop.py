@@ -3,7 +3,9 @@ stream. The drop in replay time is what the family costs inside the step; beside
 kernel's launches replayed as their own graph) it shows where the step's time over the kernel sum lives. Not part of
 the engine: a measurement for docs/benchmarks/NOTES.md (run as probe_step.py is; the outputs are meaningless, only
 the times count)."""
-import dataclasses, json, os
+import dataclasses
+import json
+import os
 from pathlib import Path
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from thorgen.runtime.cuda.profile import per_kernel, profile_step

@@ -6,7 +6,8 @@ weights in L2, so for weight-streaming kernels it is a lower bound. Also: the ro
 the graph on 16 distinct tokens. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU
 box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with
 THORGEN_KERNELS naming a full-size build."""
-import json, os
+import json
+import os
 from pathlib import Path
 import numpy as np
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt

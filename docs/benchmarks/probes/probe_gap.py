@@ -3,7 +3,11 @@ generations (emulated acceptance PROBE_ACCEPT, default 6) with the one-sequence 
 (EngineOptions.launch_ahead), keeps every step's timing events (draft start, verify start, verify end), and reports per step the
 draft and verify GPU ms, the GPU idle gap from one step's verify end to the next step's draft start, and the wall
 ms per step the client sees. Not part of the engine; run on the GPU box like probe_spec.py."""
-import dataclasses, json, os, statistics, time
+import dataclasses
+import json
+import os
+import statistics
+import time
 from pathlib import Path
 
 from thorgen.runtime.backend import SamplingParams

@@ -2,7 +2,8 @@
 and PDL on or off (PROBE_VARIANTS: default, nofork, nopdl, neither), and the host loop of a DFlash step. Not part of the
 engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU box after `thorgen synth-checkpoint --preset
 gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with THORGEN_KERNELS naming a full-size build."""
-import json, os
+import json
+import os
 from pathlib import Path
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from probe_common import spec_step_times, use_variant

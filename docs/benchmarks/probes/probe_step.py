@@ -4,7 +4,9 @@ back-to-back replays of the graph (GPU time), and stage + replay with no read (w
 then the DFlash draft and verify graphs. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on
 the GPU box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`,
 with THORGEN_KERNELS naming a full-size build (PROBE_VARIANTS, PROBE_JSON: which variants, where the JSON goes)."""
-import json, os, time
+import json
+import os
+import time
 from pathlib import Path
 from thorgen.runtime.bench.timing import open_for_bench, synthetic_prompt
 from probe_common import decode, spec_step_times, use_variant
