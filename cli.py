@@ -22,9 +22,13 @@ COMMANDS = {
 }
 
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
-SUBCOMMANDS = {"bench": {"serve": "thorgen.runtime.bench.serve_load:bench_serve",
-                         "sweep": "thorgen.runtime.bench.sweep:sweep",
-                         "report": "thorgen.runtime.bench.report:report"}}
+SUBCOMMANDS = {
+    "bench": {
+        "serve": "thorgen.runtime.bench.serve_load:bench_serve",
+        "sweep": "thorgen.runtime.bench.sweep:sweep",
+        "report": "thorgen.runtime.bench.report:report",
+    }
+}
 
 
 class LazyGroup(click.Group):
@@ -51,6 +55,7 @@ class LazyGroup(click.Group):
             @click.command(name=name, help=f"(unavailable: {reason})")
             def unavailable() -> None:
                 raise click.ClickException(f"`thorgen {name}` is unavailable: {reason}")
+
             return unavailable
 
 

@@ -24,7 +24,6 @@ from .families import FAMILIES, family_function
 from .kernel_spec import BenchCase, KernelSpec
 
 
-
 def built_bench_cases(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> list[BenchCase]:
     """Every family's bench cases whose kernel is one of `kernels`, as given; a case for any other kernel (a tuning
     variant the plan does not pick) is dropped: the build has no cubin for it."""
@@ -38,8 +37,13 @@ def built_bench_cases(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelS
 
 
 def bench_cases_json(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> dict:
-    return {"schema": BENCH_CASES_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
-            "cases": [c.to_json() for c in built_bench_cases(spec, arch, kernels)]}
+    return {
+        "schema": BENCH_CASES_SCHEMA,
+        "model": spec.name,
+        "spec_hash": spec.spec_hash,
+        "arch": arch.name,
+        "cases": [c.to_json() for c in built_bench_cases(spec, arch, kernels)],
+    }
 
 
 def write_bench_cases(out_dir: Path, spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> Path:

@@ -55,8 +55,9 @@ def _write_if_changed(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def compile_sources(sources: dict[str, str], arch: ArchSpec, work_dir: Path, jobs: int = 0,
-                    cache: CubinCache | None = None) -> dict[str, tuple[bytes, CompileResult]]:
+def compile_sources(
+    sources: dict[str, str], arch: ArchSpec, work_dir: Path, jobs: int = 0, cache: CubinCache | None = None
+) -> dict[str, tuple[bytes, CompileResult]]:
     """Compile {kernel name: source} (one cubin each) through the cache; returns {name: (cubin, result)}.
 
     Sources are written to work_dir/<name>.cu (kept on failure beside <name>.log)."""
@@ -88,8 +89,17 @@ def compile_sources(sources: dict[str, str], arch: ArchSpec, work_dir: Path, job
             tmp_cubin.unlink(missing_ok=True)
         seconds = time.perf_counter() - start
         info = parse_ptxas(log)
-        cache.put(key, cubin, {"kernel": name, "arch": arch.name, "nvcc": version, "seconds": seconds,
-                               "ptxas": {k: vars(v) for k, v in info.items()}})
+        cache.put(
+            key,
+            cubin,
+            {
+                "kernel": name,
+                "arch": arch.name,
+                "nvcc": version,
+                "seconds": seconds,
+                "ptxas": {k: vars(v) for k, v in info.items()},
+            },
+        )
         return cubin, CompileResult(name, seconds, False, info)
 
     results: dict[str, tuple[bytes, CompileResult]] = {}
@@ -106,8 +116,14 @@ def compile_sources(sources: dict[str, str], arch: ArchSpec, work_dir: Path, job
     return results
 
 
-def build(spec: ModelSpec, arch: ArchSpec, out_dir: Path, jobs: int = 0, kernels: list[KernelSpec] | None = None,
-          cache: CubinCache | None = None) -> BuildReport:
+def build(
+    spec: ModelSpec,
+    arch: ArchSpec,
+    out_dir: Path,
+    jobs: int = 0,
+    kernels: list[KernelSpec] | None = None,
+    cache: CubinCache | None = None,
+) -> BuildReport:
     """Build every kernel of the plan into out_dir (<name>.cubin, src/<name>.cu, manifest.json, bench_cases.json)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +136,9 @@ def build(spec: ModelSpec, arch: ArchSpec, out_dir: Path, jobs: int = 0, kernels
         _write_if_changed(out_dir / f"{k.name}.cubin", cubin)
         info = res.info.get(k.name, PtxasInfo())
         infos[k.name] = info
-        rows.append(BuildRow(k.name, info.registers, info.spills, info.smem_bytes + k.smem_bytes, res.seconds, res.cached))
+        rows.append(
+            BuildRow(k.name, info.registers, info.spills, info.smem_bytes + k.smem_bytes, res.seconds, res.cached)
+        )
     nvcc = find_nvcc()
     manifest = build_manifest(spec, arch, kernels, infos, nvcc_version(nvcc), flags(arch, INCLUDE_DIR), sources)
     write_bench_cases(out_dir, spec, arch, kernels)

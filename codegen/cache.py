@@ -29,7 +29,9 @@ def _headers_digest_cached(include_dir: str, stamp: tuple) -> str:
 
 def headers_digest_fast(include_dir: Path) -> str:
     """headers_digest memoised on (path, mtimes, sizes): one digest per build, not one per kernel."""
-    stamp = tuple(sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in include_dir.rglob("*") if p.is_file()))
+    stamp = tuple(
+        sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in include_dir.rglob("*") if p.is_file())
+    )
     return _headers_digest_cached(str(include_dir), stamp)
 
 
@@ -37,8 +39,17 @@ def cache_key(source: str, headers: str, nvcc_version: str, flags: list[str], ar
     # Flags carry the include path, which differs between checkouts: key on the flags without -I (the header
     # *contents* are keyed through `headers`).
     portable_flags = [f for f in flags if not f.startswith("-I")]
-    body = json.dumps({"schema": SCHEMA_VERSION, "source": source, "headers": headers, "nvcc": nvcc_version,
-                       "flags": portable_flags, "arch": arch}, sort_keys=True)
+    body = json.dumps(
+        {
+            "schema": SCHEMA_VERSION,
+            "source": source,
+            "headers": headers,
+            "nvcc": nvcc_version,
+            "flags": portable_flags,
+            "arch": arch,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(body.encode()).hexdigest()
 
 

@@ -52,17 +52,30 @@ def format_table(rows: list) -> str:
 
 
 @click.command("build")
-@click.option("--arch", "arch_name", required=True, help="sm_90a | sm_100a | sm_110a | sm_120a | native (the local GPU)")
+@click.option(
+    "--arch", "arch_name", required=True, help="sm_90a | sm_100a | sm_110a | sm_120a | native (the local GPU)"
+)
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), help="checkpoint folder")
 @click.option("--preset", help="a shipped preset (tiny, gemma-4-26b-a4b)")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="output folder (default: ./thorgen-build/<model>/<arch>)")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="output folder (default: ./thorgen-build/<model>/<arch>)",
+)
 @click.option("-j", "--jobs", default=0, type=int, help="parallel nvcc processes (default: all cores)")
-@click.option("--quantize", type=click.Choice(["none", "nvfp4"]), default="none", show_default=True,
-              help="nvfp4: kernels for weights repacked with --quantize nvfp4 (every linear NVFP4); none: each "
-                   "linear in the format the checkpoint stores it (NVFP4 or bf16)")
-def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int,
-          quantize: str = "none") -> None:
+@click.option(
+    "--quantize",
+    type=click.Choice(["none", "nvfp4"]),
+    default="none",
+    show_default=True,
+    help="nvfp4: kernels for weights repacked with --quantize nvfp4 (every linear NVFP4); none: each "
+    "linear in the format the checkpoint stores it (NVFP4 or bf16)",
+)
+def build(
+    arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int, quantize: str = "none"
+) -> None:
     """Render the model's specialised CUDA kernels and compile them to cubins for one GPU architecture.
 
     Only changed kernels are recompiled (content-addressed cache in THORGEN_CACHE_DIR, default ~/.cache/thorgen).
@@ -85,5 +98,7 @@ def build(arch_name: str, model_dir: Path | None, preset: str | None, out_dir: P
     except BuildError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(report.rows))
-    click.echo(f"{len(report.rows)} kernels for {spec.name} on {arch.name}: {report.compiled} compiled, "
-               f"{len(report.rows) - report.compiled} from cache -> {report.manifest}")
+    click.echo(
+        f"{len(report.rows)} kernels for {spec.name} on {arch.name}: {report.compiled} compiled, "
+        f"{len(report.rows) - report.compiled} from cache -> {report.manifest}"
+    )

@@ -42,8 +42,9 @@ class KernelSpec:
         for key, value in self.params:
             table = isinstance(value, tuple) and all(isinstance(v, int) for v in value)  # (a grid rule's table)
             if not (table or isinstance(value, (int, float, bool, str))):
-                raise ValueError(f"kernel {self.name}: param {key}={value!r} is not an int, float, bool, str or "
-                                 "tuple of ints")
+                raise ValueError(
+                    f"kernel {self.name}: param {key}={value!r} is not an int, float, bool, str or tuple of ints"
+                )
         if len(self.grid) != 3 or len(self.block) != 3 or min(self.grid + self.block) < 1:
             raise ValueError(f"kernel {self.name}: grid {self.grid} / block {self.block} must be 3 positive ints")
         threads = self.block[0] * self.block[1] * self.block[2]
@@ -69,9 +70,16 @@ class KernelSpec:
 
     def to_json(self) -> dict:
         """Plain-JSON form used by plan.json and the manifest."""
-        return {"name": self.name, "template": self.template, "family": self.family,
-                "params": {k: v for k, v in self.params}, "grid": list(self.grid), "block": list(self.block),
-                "smem_bytes": self.smem_bytes, "args": list(self.args)}
+        return {
+            "name": self.name,
+            "template": self.template,
+            "family": self.family,
+            "params": {k: v for k, v in self.params},
+            "grid": list(self.grid),
+            "block": list(self.block),
+            "smem_bytes": self.smem_bytes,
+            "args": list(self.args),
+        }
 
     @property
     def digest(self) -> str:
@@ -102,6 +110,11 @@ class BenchCase:
 
     def to_json(self) -> dict:
         """Plain-JSON form used by bench_cases.json (the kernel by name: its entry is in the manifest)."""
-        return {"kernel": self.kernel.name, "args": [a.to_json() for a in self.args], "bytes_moved": self.bytes_moved,
-                "grid": None if self.grid is None else list(self.grid), "note": self.note,
-                "weight_streaming": self.weight_streaming}
+        return {
+            "kernel": self.kernel.name,
+            "args": [a.to_json() for a in self.args],
+            "bytes_moved": self.bytes_moved,
+            "grid": None if self.grid is None else list(self.grid),
+            "note": self.note,
+            "weight_streaming": self.weight_streaming,
+        }

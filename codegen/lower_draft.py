@@ -28,36 +28,69 @@ class LowerDraft:
 
     def _gemm(self, label: str, w: str, n: int, k: int, rows: int, x, y, epi: str = "store") -> Op:
         f = self.fwd
-        what = (f"drafter prefill GEMM n={n} k={k}" if rows > VERIFY_ROWS
-                else f"drafter GEMM n={n} k={k} m<={VERIFY_ROWS}")
-        return Op(label, f.use(drafter_gemm(n, k, rows, epi, f.arch), what), dict(w=f.ptr.W(w), x=x, y=y, m=rows),
-                  rows)
+        what = (
+            f"drafter prefill GEMM n={n} k={k}" if rows > VERIFY_ROWS else f"drafter GEMM n={n} k={k} m<={VERIFY_ROWS}"
+        )
+        return Op(label, f.use(drafter_gemm(n, k, rows, epi, f.arch), what), dict(w=f.ptr.W(w), x=x, y=y, m=rows), rows)
 
     def _rope(self, l: int, has_q: bool) -> KernelSpec:
-        return self.fwd.use(drafter_rope_kv(self.spec, self.fwd.arch, l, has_q),
-                            f"drafter rope_kv ({'block' if has_q else 'context'}) layer {l}")
+        return self.fwd.use(
+            drafter_rope_kv(self.spec, self.fwd.arch, l, has_q),
+            f"drafter rope_kv ({'block' if has_q else 'context'}) layer {l}",
+        )
 
     def _rope_op(self, l: int, rows: int, has_q: bool, raw, stride: int, q_out) -> Op:
         """rope_kv over one GEMM's [rows, (q|)k|v] output `raw` (row stride `stride`): keys and values (and, with
         `has_q`, the queries) read in place."""
         A, W, p, d = self.fwd.ptr.A, self.fwd.ptr.W, f"draft.layers.{l}.self_attn.", self.spec.drafter
         nq, nkv = (d.num_attention_heads * d.head_dim if has_q else 0), d.num_key_value_heads * d.head_dim
-        return Op(f"draft.{l}.rope_kv", self._rope(l, has_q), dict(
-            q_raw=raw if has_q else NULL, k_raw=raw + 4 * nq, v_raw=raw + 4 * (nq + nkv),
-            q_norm_w=W(p + "q_norm.weight"), k_norm_w=W(p + "k_norm.weight"), positions=A("positions"), q_out=q_out,
-            k_cache=self.fwd.ptr.DKV(l, "k"), v_cache=self.fwd.ptr.DKV(l, "v"), lanes=A("lanes"),
-            lane_bytes=self.fwd.ptr.dlane_bytes(l), pages=NULL, q_stride=stride, kv_stride=stride, T=rows),
-            rows)  # (the sequence's own drafter lane; no queries: HAS_Q false never reads them)
+        return Op(
+            f"draft.{l}.rope_kv",
+            self._rope(l, has_q),
+            dict(
+                q_raw=raw if has_q else NULL,
+                k_raw=raw + 4 * nq,
+                v_raw=raw + 4 * (nq + nkv),
+                q_norm_w=W(p + "q_norm.weight"),
+                k_norm_w=W(p + "k_norm.weight"),
+                positions=A("positions"),
+                q_out=q_out,
+                k_cache=self.fwd.ptr.DKV(l, "k"),
+                v_cache=self.fwd.ptr.DKV(l, "v"),
+                lanes=A("lanes"),
+                lane_bytes=self.fwd.ptr.dlane_bytes(l),
+                pages=NULL,
+                q_stride=stride,
+                kv_stride=stride,
+                T=rows,
+            ),
+            rows,
+        )  # (the sequence's own drafter lane; no queries: HAS_Q false never reads them)
 
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
         d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
         h, nkv = d.hidden_size, d.num_key_value_heads * d.head_dim
-        ops = [self._gemm("draft.fc", "draft.fc.weight", h, len(d.target_layer_ids) * self.spec.target.hidden_size,
-                          rows, A("taps"), A("dctx"))]
+        ops = [
+            self._gemm(
+                "draft.fc",
+                "draft.fc.weight",
+                h,
+                len(d.target_layer_ids) * self.spec.target.hidden_size,
+                rows,
+                A("taps"),
+                A("dctx"),
+            )
+        ]
         norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter hidden_norm")
-        ops.append(Op("draft.hidden_norm", norm, dict(x=A("dctx"), w=W("draft.hidden_norm.weight"), y=A("dctx_a"),
-                                                      T=rows), rows))
+        ops.append(
+            Op(
+                "draft.hidden_norm",
+                norm,
+                dict(x=A("dctx"), w=W("draft.hidden_norm.weight"), y=A("dctx_a"), T=rows),
+                rows,
+            )
+        )
         for l in range(d.num_hidden_layers):
             ops.append(self._gemm(f"draft.{l}.ctx_kv", f"dsplit.{l}.kv", 2 * nkv, h, rows, A("dctx_a"), A("dkv_raw")))
             ops.append(self._rope_op(l, rows, False, A("dkv_raw"), 2 * nkv, NULL))
@@ -72,7 +105,7 @@ class LowerDraft:
         f, A = self.fwd, self.fwd.ptr.A
         ops = f.ops(VERIFY_ROWS, last=True, greedy=greedy, taps=True, all_logits=True)
         head = f.head_ops(A("a"), VERIFY_ROWS, A("out_ids"), greedy)
-        body, tail = ops[:-len(head)], ops[-len(head):]
+        body, tail = ops[: -len(head)], ops[-len(head) :]
         assert [(o.label, o.entry.name) for o in tail] == [(o.label, o.entry.name) for o in head], "head not last"
         ctx = [replace(op, branch=1) for op in self.ctx_ops(VERIFY_ROWS)]
         return body + ctx + tail + [replace(op, join=True) for op in self.accept_ops()]
@@ -82,9 +115,22 @@ class LowerDraft:
         positions, ids[0]) from it, under the rule in spec_rule (runtime/cuda/runner.py launches that step ahead)."""
         A, f = self.fwd.ptr.A, self.fwd
         e = f.use(drafter_glue.accept(self.spec, f.arch), "DFlash acceptance on the device")
-        return [Op("draft.accept", e, dict(ids=A("ids"), out_ids=A("out_ids"), positions=A("positions"),
-                                           sampled=A("positions", f.max_rows), rule=A("spec_rule"),
-                                           accepted=A("spec_acc")), VERIFY_ROWS, pdl=False)]
+        return [
+            Op(
+                "draft.accept",
+                e,
+                dict(
+                    ids=A("ids"),
+                    out_ids=A("out_ids"),
+                    positions=A("positions"),
+                    sampled=A("positions", f.max_rows),
+                    rule=A("spec_rule"),
+                    accepted=A("spec_acc"),
+                ),
+                VERIFY_ROWS,
+                pdl=False,
+            )
+        ]
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
@@ -95,24 +141,57 @@ class LowerDraft:
         ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
         norm = f.use(norms.rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter rmsnorm")
         add = f.use(norms.add_rmsnorm_kernel(h, d.rms_norm_eps, f.arch, inp="f32"), "drafter add+rmsnorm")
-        ops.append(Op("draft.0.input_norm", norm, dict(x=A("dx"), w=W("draft.layers.0.input_layernorm.weight"),
-                                                       y=A("da"), T=B), B))
+        ops.append(
+            Op(
+                "draft.0.input_norm",
+                norm,
+                dict(x=A("dx"), w=W("draft.layers.0.input_layernorm.weight"), y=A("da"), T=B),
+                B,
+            )
+        )
         for l in range(d.num_hidden_layers):
             p = f"draft.layers.{l}."
-            ops.append(self._gemm(f"draft.{l}.qkv", p + "self_attn.qkv_proj.weight", nq + 2 * nkv, h, B, A("da"),
-                                  A("dqkv_raw")))
+            ops.append(
+                self._gemm(
+                    f"draft.{l}.qkv", p + "self_attn.qkv_proj.weight", nq + 2 * nkv, h, B, A("da"), A("dqkv_raw")
+                )
+            )
             ops.append(self._rope_op(l, B, True, A("dqkv_raw"), nq + 2 * nkv, A("dq")))
             attn = f.use(drafter_attention(self.spec, f.arch, l), f"drafter attention layer {l}")
-            ops += f.attention_ops(f"draft.{l}.", attn, B, A("dq"), f.ptr.DKV(l, "k"), f.ptr.DKV(l, "v"), A("dattn"),
-                                   lanes=f.ptr.dlane_bytes(l))
+            ops += f.attention_ops(
+                f"draft.{l}.",
+                attn,
+                B,
+                A("dq"),
+                f.ptr.DKV(l, "k"),
+                f.ptr.DKV(l, "v"),
+                A("dattn"),
+                lanes=f.ptr.dlane_bytes(l),
+            )
             ops.append(self._gemm(f"draft.{l}.o", p + "self_attn.o_proj.weight", h, nq, B, A("dattn"), A("do")))
-            ops.append(Op(f"draft.{l}.post_attn_norm", add, dict(x=A("dx"), y=A("do"),
-                                                                 w=W(p + "post_attention_layernorm.weight"),
-                                                                 a=A("da"), T=B), B))
-            ops.append(self._gemm(f"draft.{l}.gate_up", p + "mlp.gate_up_proj.weight", 2 * d.intermediate_size, h,
-                                  B, A("da"), A("dmlp"), epi="silu_mul"))
-            ops.append(self._gemm(f"draft.{l}.down", p + "mlp.down_proj.weight", h, d.intermediate_size, B,
-                                  A("dmlp"), A("do")))
+            ops.append(
+                Op(
+                    f"draft.{l}.post_attn_norm",
+                    add,
+                    dict(x=A("dx"), y=A("do"), w=W(p + "post_attention_layernorm.weight"), a=A("da"), T=B),
+                    B,
+                )
+            )
+            ops.append(
+                self._gemm(
+                    f"draft.{l}.gate_up",
+                    p + "mlp.gate_up_proj.weight",
+                    2 * d.intermediate_size,
+                    h,
+                    B,
+                    A("da"),
+                    A("dmlp"),
+                    epi="silu_mul",
+                )
+            )
+            ops.append(
+                self._gemm(f"draft.{l}.down", p + "mlp.down_proj.weight", h, d.intermediate_size, B, A("dmlp"), A("do"))
+            )
             nxt = f"draft.layers.{l + 1}.input_layernorm.weight" if l + 1 < d.num_hidden_layers else "draft.norm.weight"
             ops.append(Op(f"draft.{l}.ffn_norm", add, dict(x=A("dx"), y=A("do"), w=W(nxt), a=A("da"), T=B), B))
         # slots 1..15 only: the slot-0 prediction is never used, and ids[0] must keep the last token

@@ -24,12 +24,23 @@ class Lowering(Protocol):
 
     def use(self, kernel: KernelSpec, what: str) -> KernelSpec: ...
 
-    def gemm_op(self, label: str, base: str, n: int, k: int, rows: int, x: Sym, y: Sym, epi: str = "store",
-                batched: bool = False) -> Op: ...
+    def gemm_op(
+        self,
+        label: str,
+        base: str,
+        n: int,
+        k: int,
+        rows: int,
+        x: Sym,
+        y: Sym,
+        epi: str = "store",
+        batched: bool = False,
+    ) -> Op: ...
 
 
-def head_ops(low: Lowering, x: Sym, n: int, out_ids: Sym, greedy: bool = True, r0: int = 0, ext: bool = False
-             ) -> list[Op]:
+def head_ops(
+    low: Lowering, x: Sym, n: int, out_ids: Sym, greedy: bool = True, r0: int = 0, ext: bool = False
+) -> list[Op]:
     """lm_head over n rows of x, then argmax (or the sampler with params[r0..], at positions[max_rows+r0..])
     into out_ids[0..n). `ext` (requests with penalties, logit_bias, a grammar or logprobs): lm_process first
     writes each row's processed, softcapped logits (logit_rows[r0..] say how) that the lm_pick kernels pick
@@ -47,10 +58,24 @@ def pick_ops(low: Lowering, n: int, logits: Sym, out_ids: Sym, greedy: bool, r0:
     A = low.ptr.A
     if greedy:
         am = low.use(lm_head.lm_argmax(low.spec, low.arch), "greedy argmax")
-        return [Op("argmax", am, dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"),
-                                      out_ids=out_ids, T=n), n)]
-    common = dict(logits=logits, params=A("params", r0), positions=A("positions", low.max_rows + r0),
-                  workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, status=A("status", r0), T=n)
+        return [
+            Op(
+                "argmax",
+                am,
+                dict(logits=logits, capped=NULL, best=A("best"), counters=A("counters"), out_ids=out_ids, T=n),
+                n,
+            )
+        ]
+    common = dict(
+        logits=logits,
+        params=A("params", r0),
+        positions=A("positions", low.max_rows + r0),
+        workspace=A("workspace"),
+        counters=A("counters"),
+        out_ids=out_ids,
+        status=A("status", r0),
+        T=n,
+    )
     ops = []
     for stage in ("prep", "select", "finish"):
         k = low.use(lm_head.lm_sample(low.spec, low.arch, stage), f"sampler {stage}")
@@ -61,12 +86,35 @@ def pick_ops(low: Lowering, n: int, logits: Sym, out_ids: Sym, greedy: bool, r0:
 def _ext_head_ops(low: Lowering, n: int, out_ids: Sym, greedy: bool, r0: int) -> list[Op]:
     A = low.ptr.A
     proc = low.use(lm_logits.lm_process(low.spec, low.arch), "logits processing")
-    ops = [Op("lm_process", proc, dict(logits=A("logits"), rows=A("logit_rows", r0), counts=A("logit_counts"),
-                                       biases=A("logit_biases"), masks=A("logit_masks"), out=A("processed"),
-                                       counters=A("proc_counters"), status=A("proc_status", r0), T=n), n)]
-    common = dict(logits=A("processed"), params=A("params", r0), positions=A("positions", low.max_rows + r0),
-                  workspace=A("workspace"), counters=A("counters"), out_ids=out_ids, best=A("best"),
-                  status=A("status", r0), T=n)
+    ops = [
+        Op(
+            "lm_process",
+            proc,
+            dict(
+                logits=A("logits"),
+                rows=A("logit_rows", r0),
+                counts=A("logit_counts"),
+                biases=A("logit_biases"),
+                masks=A("logit_masks"),
+                out=A("processed"),
+                counters=A("proc_counters"),
+                status=A("proc_status", r0),
+                T=n,
+            ),
+            n,
+        )
+    ]
+    common = dict(
+        logits=A("processed"),
+        params=A("params", r0),
+        positions=A("positions", low.max_rows + r0),
+        workspace=A("workspace"),
+        counters=A("counters"),
+        out_ids=out_ids,
+        best=A("best"),
+        status=A("status", r0),
+        T=n,
+    )
     pick, sample = lm_logits.lm_pick, lm_head.lm_sample  # (select never reads the logits: the sampler's)
     stages = [(pick, "argmax")] if greedy else [(pick, "prep"), (sample, "select"), (pick, "finish")]
     for kernel, stage in stages:
@@ -78,8 +126,15 @@ def _ext_head_ops(low: Lowering, n: int, out_ids: Sym, greedy: bool, r0: int) ->
 def logprobs_ops(low: Lowering, n: int, out_ids: Sym, r0: int) -> list[Op]:
     """Each row's top-20 logprobs of the softcapped logits, and the logprob of the id in out_ids[row]."""
     A, ops = low.ptr.A, []
-    lp = dict(logits=A("logits"), workspace=A("workspace"), out_ids=out_ids, top_ids=A("lp_ids", r0),
-              top_lps=A("lp_lps", r0), chosen_lp=A("lp_chosen", r0), T=n)
+    lp = dict(
+        logits=A("logits"),
+        workspace=A("workspace"),
+        out_ids=out_ids,
+        top_ids=A("lp_ids", r0),
+        top_lps=A("lp_lps", r0),
+        chosen_lp=A("lp_chosen", r0),
+        T=n,
+    )
     for stage in ("prep", "finish"):
         k = low.use(lm_logits.lm_logprobs(low.spec, low.arch, stage), f"logprobs {stage}")
         ops.append(Op(f"logprobs_{stage}", k, {a: lp[a] for a in k.args}, n))

@@ -35,32 +35,64 @@ PROGRAMS_NAME = "programs.json.gz"
 
 def conventions(spec: ModelSpec) -> dict:
     windows = {spec.target.sliding_window} | ({spec.drafter.sliding_window} if spec.drafter else set())
-    return {"act_dtype": families.ACT_DTYPE, "gemm_out_dtype": families.GEMM_OUT_DTYPE, "q_dtype": families.Q_DTYPE,
-            "kv_dtypes": list(families.KV_DTYPES), "max_step_tokens": families.MAX_STEP_TOKENS,
-            "pdl": families.PDL,
-            "kv_layout": "[slot][kv_head][head_dim], K and V separate",
-            "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)},
-            # the target's full-attention layers: pages of kv_page positions, page_pitch entries a sequence
-            "kv_page": KV_PAGE, "page_pitch": page_pitch(spec.target.max_position_embeddings)}
+    return {
+        "act_dtype": families.ACT_DTYPE,
+        "gemm_out_dtype": families.GEMM_OUT_DTYPE,
+        "q_dtype": families.Q_DTYPE,
+        "kv_dtypes": list(families.KV_DTYPES),
+        "max_step_tokens": families.MAX_STEP_TOKENS,
+        "pdl": families.PDL,
+        "kv_layout": "[slot][kv_head][head_dim], K and V separate",
+        "ring_slots": {str(w): families.ring_slots(w) for w in sorted(windows)},
+        # the target's full-attention layers: pages of kv_page positions, page_pitch entries a sequence
+        "kv_page": KV_PAGE,
+        "page_pitch": page_pitch(spec.target.max_position_embeddings),
+    }
 
 
-def build_manifest(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], infos: dict[str, PtxasInfo],
-                   nvcc: str, flags: list[str], sources: dict[str, str] | None = None) -> dict:
+def build_manifest(
+    spec: ModelSpec,
+    arch: ArchSpec,
+    kernels: list[KernelSpec],
+    infos: dict[str, PtxasInfo],
+    nvcc: str,
+    flags: list[str],
+    sources: dict[str, str] | None = None,
+) -> dict:
     """`sources` (name -> rendered .cu): each entry also gets its args' access (render.arg_access)."""
     entries = {}
     for k in kernels:
         info = infos.get(k.name, PtxasInfo())
-        entries[k.name] = {"cubin": f"{k.name}.cubin", "entry": k.name, "family": k.family, "template": k.template,
-                           "grid": list(k.grid), "block": list(k.block), "smem_bytes": k.smem_bytes,
-                           "args": list(k.args), "params": dict(k.params), "registers": info.registers,
-                           "spills": info.spills, "static_smem_bytes": info.smem_bytes}
+        entries[k.name] = {
+            "cubin": f"{k.name}.cubin",
+            "entry": k.name,
+            "family": k.family,
+            "template": k.template,
+            "grid": list(k.grid),
+            "block": list(k.block),
+            "smem_bytes": k.smem_bytes,
+            "args": list(k.args),
+            "params": dict(k.params),
+            "registers": info.registers,
+            "spills": info.spills,
+            "static_smem_bytes": info.smem_bytes,
+        }
         if sources is not None:
             entries[k.name]["access"] = arg_access(sources[k.name], k)
     conv = conventions(spec)
     steps = emit_programs(spec, arch, kernels, conv["kv_dtypes"], conv["max_step_tokens"])
-    return {"schema": MANIFEST_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
-            "nvcc": nvcc, "flags": [f for f in flags if not f.startswith("-I")], "conventions": conv,
-            "kernels": entries, "programs": steps["programs"], "programs_missing": steps["missing"]}
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "model": spec.name,
+        "spec_hash": spec.spec_hash,
+        "arch": arch.name,
+        "nvcc": nvcc,
+        "flags": [f for f in flags if not f.startswith("-I")],
+        "conventions": conv,
+        "kernels": entries,
+        "programs": steps["programs"],
+        "programs_missing": steps["missing"],
+    }
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> Path:
@@ -78,4 +110,3 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
     return path
-

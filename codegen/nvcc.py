@@ -24,9 +24,11 @@ ARCH_FLAGS: dict[str, tuple[str, ...]] = {
     "sm_120a": ("-gencode=arch=compute_120a,code=sm_120a",),
 }
 
-NVCC_HELP = ("nvcc (the CUDA compiler, 12.9 or later for sm_110a) was not found. Install a CUDA toolkit "
-             "(https://developer.nvidia.com/cuda-downloads) and put its bin/ on PATH, or `pip install "
-             "nvidia-cuda-nvcc` (the wheel), or point THORGEN_NVCC at an nvcc binary.")
+NVCC_HELP = (
+    "nvcc (the CUDA compiler, 12.9 or later for sm_110a) was not found. Install a CUDA toolkit "
+    "(https://developer.nvidia.com/cuda-downloads) and put its bin/ on PATH, or `pip install "
+    "nvidia-cuda-nvcc` (the wheel), or point THORGEN_NVCC at an nvcc binary."
+)
 
 
 class NvccNotFound(RuntimeError):
@@ -128,8 +130,9 @@ def parse_ptxas(log: str) -> dict[str, PtxasInfo]:
     return infos
 
 
-def compile_cubin(kernel: str, source: Path, cubin: Path, arch: ArchSpec, include_dir: Path,
-                  nvcc: str | None = None) -> tuple[float, str]:
+def compile_cubin(
+    kernel: str, source: Path, cubin: Path, arch: ArchSpec, include_dir: Path, nvcc: str | None = None
+) -> tuple[float, str]:
     """Compile `source` to `cubin`; returns (seconds, ptxas log). CompileError (source + log kept) on failure."""
     nvcc = nvcc or find_nvcc()
     cmd = [nvcc, *flags(arch, include_dir), "-o", str(cubin), str(source)]

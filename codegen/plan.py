@@ -34,8 +34,10 @@ __all__ = ["PLAN_SCHEMA", "PlanError", "check_kernel", "plan", "plan_json"]
 
 def check_kernel(k: KernelSpec, arch: ArchSpec) -> None:
     if k.smem_bytes > arch.smem_per_block_max:
-        raise PlanError(f"{k.name}: {k.smem_bytes} B dynamic shared memory exceeds {arch.name}'s "
-                        f"{arch.smem_per_block_max} B per block")
+        raise PlanError(
+            f"{k.name}: {k.smem_bytes} B dynamic shared memory exceeds {arch.name}'s "
+            f"{arch.smem_per_block_max} B per block"
+        )
     if k.threads > arch.max_threads_per_block:
         raise PlanError(f"{k.name}: {k.threads} threads per block exceeds {arch.max_threads_per_block}")
     if k.grid[1] > 65535 or k.grid[2] > 65535 or k.grid[0] > 2**31 - 1:
@@ -61,6 +63,11 @@ def plan(spec: ModelSpec, arch: ArchSpec, families: tuple[str, ...] = FAMILIES) 
 
 def plan_json(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec]) -> str:
     """Deterministic JSON of a plan (committed as build/<preset>/<arch>/plan.json)."""
-    body = {"schema": PLAN_SCHEMA, "model": spec.name, "spec_hash": spec.spec_hash, "arch": arch.name,
-            "kernels": [k.to_json() for k in kernels]}
+    body = {
+        "schema": PLAN_SCHEMA,
+        "model": spec.name,
+        "spec_hash": spec.spec_hash,
+        "arch": arch.name,
+        "kernels": [k.to_json() for k in kernels],
+    }
     return json.dumps(body, indent=1, sort_keys=True) + "\n"

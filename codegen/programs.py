@@ -57,7 +57,13 @@ def _kinds(max_rows: int, drafter: bool, images: bool = False) -> Iterator[tuple
             yield ("ext" if ext else "core"), program_key(**flags), flags, 1, 1
             flags = dict(last=True, greedy=greedy, batched=True, ext=ext)
             yield ("ext" if ext else "core"), program_key(**flags), flags, 1, MAX_BATCH
-    yield "ext", program_key(last=True, batched=True, score=True), dict(last=True, batched=True, score=True), 1, MAX_BATCH
+    yield (
+        "ext",
+        program_key(last=True, batched=True, score=True),
+        dict(last=True, batched=True, score=True),
+        1,
+        MAX_BATCH,
+    )
     for taps in (False, True) if drafter else (False,):
         group = "speculative" if taps else "core"
         yield group, program_key(last=False, taps=taps), dict(last=False, taps=taps), 1, max_rows
@@ -92,8 +98,9 @@ def _encode(points: list[tuple[int, Any]], what: str) -> Any:
     vals = [v for _, v in points]
     first = vals[0]
     if isinstance(first, Sym):
-        if any(not isinstance(v, Sym) or (v.kind, v.name, v.which) != (first.kind, first.name, first.which)
-               for v in vals):
+        if any(
+            not isinstance(v, Sym) or (v.kind, v.name, v.which) != (first.kind, first.name, first.which) for v in vals
+        ):
             raise ProgramError(f"{what}: another buffer at another row count ({vals})")
         row = _fit([(r, v.row) for r, v in points], what)
         off = _fit([(r, v.off) for r, v in points], what)
@@ -117,17 +124,25 @@ def _merge(samples: list[tuple[int, list[Op]]], what: str) -> list[dict]:
     """The launch lists of one range at its sample row counts -> one program."""
     base = samples[0][1]
     for rows, ops in samples[1:]:
-        if [(o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in ops] != \
-                [(o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in base]:
+        if [(o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in ops] != [
+            (o.label, o.entry.name, o.branch, o.join, o.rowwise, o.pdl, sorted(o.args)) for o in base
+        ]:
             raise ProgramError(f"{what}: the launches at {rows} rows differ from those at {samples[0][0]}")
     out = []
     for i, op in enumerate(base):
         at = [(rows, ops[i]) for rows, ops in samples]
-        out.append({"label": op.label, "kernel": op.entry.name, "branch": op.branch, "join": op.join,
-                    "rowwise": op.rowwise, "pdl": op.pdl,
-                    "rows": _fit([(r, o.rows) for r, o in at], f"{what} {op.label} rows"),
-                    "args": {n: _encode([(r, o.args[n]) for r, o in at], f"{what} {op.label} {n}")
-                             for n in op.args}})
+        out.append(
+            {
+                "label": op.label,
+                "kernel": op.entry.name,
+                "branch": op.branch,
+                "join": op.join,
+                "rowwise": op.rowwise,
+                "pdl": op.pdl,
+                "rows": _fit([(r, o.rows) for r, o in at], f"{what} {op.label} rows"),
+                "args": {n: _encode([(r, o.args[n]) for r, o in at], f"{what} {op.label} {n}") for n in op.args},
+            }
+        )
     return out
 
 
@@ -144,21 +159,28 @@ def _program(build: Callable[[int], list[Op]], lo: int, hi: int, what: str, key:
 
 def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], list[Op]], int, int]]:
     """(group, key, lowering at a row count, lowest rows, highest rows) of every program."""
-    jobs = [(g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
-            for g, key, flags, lo, hi in _kinds(low.max_rows, drafter, low.spec.vision is not None)]
+    jobs = [
+        (g, key, (lambda f: lambda r: low.ops(r, **f))(flags), lo, hi)
+        for g, key, flags, lo, hi in _kinds(low.max_rows, drafter, low.spec.vision is not None)
+    ]
     if drafter:
         dl = LowerDraft(low)
-        jobs += [("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
-                 ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, low.max_rows),
-                 *(("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS,
-                    VERIFY_ROWS) for g in (True, False))]
+        jobs += [
+            ("speculative", DRAFT_BLOCK, lambda r: dl.block_ops(), VERIFY_ROWS, VERIFY_ROWS),
+            ("speculative", DRAFT_CONTEXT, dl.ctx_ops, 1, low.max_rows),
+            *(
+                ("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS, VERIFY_ROWS)
+                for g in (True, False)
+            ),
+        ]
     if low.spec.vision is not None:
         jobs.append(("vision", VISION_ENCODE, LowerVision(low).encode_ops, 1, MAX_SOFT_TOKENS))
     return jobs
 
 
-def launched_kernels(spec: ModelSpec, arch: ArchSpec, kv_dtypes: list[str] | tuple[str, ...], max_rows: int
-                     ) -> list[KernelSpec]:
+def launched_kernels(
+    spec: ModelSpec, arch: ArchSpec, kv_dtypes: list[str] | tuple[str, ...], max_rows: int
+) -> list[KernelSpec]:
     """Every kernel the programs launch, in order of first use (the launches of a range are those at its first row
     count: emit_programs checks that they are the same at the others)."""
     launched: dict[str, KernelSpec] = {}
@@ -173,8 +195,9 @@ def launched_kernels(spec: ModelSpec, arch: ArchSpec, kv_dtypes: list[str] | tup
     return list(launched.values())
 
 
-def emit_programs(spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], kv_dtypes: list[str], max_rows: int
-                  ) -> dict:
+def emit_programs(
+    spec: ModelSpec, arch: ArchSpec, kernels: list[KernelSpec], kv_dtypes: list[str], max_rows: int
+) -> dict:
     """{"programs": {kv dtype: {key: [ranges]}}, "missing": {group: [what is missing]}}: the programs lowered
     against `kernels` (the plan: codegen/plan.py), a kind that launches a kernel absent from them left out."""
     programs: dict[str, dict] = {}

@@ -37,8 +37,10 @@ REPRESENTATIVES: dict[str, str] = {
     "lm_head": "nvfp4_gemv__n262144_k2816",
 }
 PRESET = "gemma-4-26b-a4b"
-CUOBJDUMP_HELP = ("cuobjdump was not found: put the CUDA toolkit's bin/ on PATH or `pip install "
-                  "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (the wheels)")
+CUOBJDUMP_HELP = (
+    "cuobjdump was not found: put the CUDA toolkit's bin/ on PATH or `pip install "
+    "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (the wheels)"
+)
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
@@ -51,8 +53,8 @@ class SassToolMissing(RuntimeError):
 @dataclass(frozen=True)
 class LoopCount:
     kernel: str
-    instructions: int   # in the hot loop's body, NOPs left out
-    weight_loads: int   # 16-byte streaming weight loads in it
+    instructions: int  # in the hot loop's body, NOPs left out
+    weight_loads: int  # 16-byte streaming weight loads in it
 
     @property
     def per_16b(self) -> float:
@@ -112,8 +114,9 @@ def hot_loop(kernel: str, sass: str) -> LoopCount:
     return best
 
 
-def count_families(arch: ArchSpec, work_dir: Path, families: dict[str, str] = REPRESENTATIVES,
-                   jobs: int = 2) -> dict[str, LoopCount]:
+def count_families(
+    arch: ArchSpec, work_dir: Path, families: dict[str, str] = REPRESENTATIVES, jobs: int = 2
+) -> dict[str, LoopCount]:
     """{family: its representative's hot-loop count} for `arch` (compiled through the cubin cache)."""
     spec = get_preset(PRESET)
     kernels = {k.name: k for k in plan(spec, arch)}
@@ -136,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         counts = {a.name: count_families(a, Path(tmp) / a.name) for a in archs}
     for fam, name in REPRESENTATIVES.items():
-        cells = [f"{counts[a.name][fam].per_16b:>6.1f} ({counts[a.name][fam].instructions:>3}/"
-                 f"{counts[a.name][fam].weight_loads})" for a in archs]
+        cells = [
+            f"{counts[a.name][fam].per_16b:>6.1f} ({counts[a.name][fam].instructions:>3}/"
+            f"{counts[a.name][fam].weight_loads})"
+            for a in archs
+        ]
         print(f"{fam:<16} {name:<40} " + " ".join(f"{c:>14}" for c in cells))
     return 0
 

@@ -4,5 +4,15 @@ from .config import spec_from_configs
 from .presets import PRESETS, get_preset
 from .types import FULL, SLIDING, DFlashSpec, Gemma4TextSpec, ModelSpec, RopeSpec, SpecError
 
-__all__ = ["FULL", "SLIDING", "PRESETS", "DFlashSpec", "Gemma4TextSpec", "ModelSpec", "RopeSpec", "SpecError",
-           "get_preset", "spec_from_configs"]
+__all__ = [
+    "FULL",
+    "SLIDING",
+    "PRESETS",
+    "DFlashSpec",
+    "Gemma4TextSpec",
+    "ModelSpec",
+    "RopeSpec",
+    "SpecError",
+    "get_preset",
+    "spec_from_configs",
+]

@@ -29,8 +29,14 @@ class Buf:
     values: tuple = ()
 
     def to_json(self) -> dict:
-        return {"buf": self.name, "dtype": self.dtype, "count": self.count, "low": self.low, "high": self.high,
-                "values": list(self.values)}
+        return {
+            "buf": self.name,
+            "dtype": self.dtype,
+            "count": self.count,
+            "low": self.low,
+            "high": self.high,
+            "values": list(self.values),
+        }
 
 
 @dataclass(frozen=True)

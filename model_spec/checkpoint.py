@@ -48,8 +48,9 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: str,
-                        ignored: tuple[str, ...] = ()) -> None:
+def _validate_inventory(
+    st: SafetensorsDir, expected: list[TensorInfo], where: str, ignored: tuple[str, ...] = ()
+) -> None:
     """Missing / extra / wrong dtype / wrong shape, every problem at once, each naming file and tensor."""
     want = {t.name: t for t in expected}
     missing = [t.name for t in expected if not t.optional and t.name not in st]
@@ -59,16 +60,21 @@ def _validate_inventory(st: SafetensorsDir, expected: list[TensorInfo], where: s
         if t.name in st:
             e = st.entry(t.name)
             if not t.accepts(e.dtype) or e.shape != tuple(t.shape):
-                wrong.append(f"{st.file_of(t.name)}: tensor {t.name!r} is {e.dtype}{list(e.shape)}, "
-                             f"expected {t.dtype}{list(t.shape)}")
+                wrong.append(
+                    f"{st.file_of(t.name)}: tensor {t.name!r} is {e.dtype}{list(e.shape)}, "
+                    f"expected {t.dtype}{list(t.shape)}"
+                )
     problems = []
     if missing:
         problems.append(f"{where}: {len(missing)} tensor(s) missing: {_listing(missing)}")
     if extra:
-        problems.append(f"{where}: {len(extra)} unexpected tensor(s) (in "
-                        f"{_listing(sorted({st.file_of(n).name for n in extra}))}): {_listing(extra)}")
-    problems += wrong[:MAX_LISTED] + ([f"... and {len(wrong) - MAX_LISTED} more dtype/shape errors"]
-                                      if len(wrong) > MAX_LISTED else [])
+        problems.append(
+            f"{where}: {len(extra)} unexpected tensor(s) (in "
+            f"{_listing(sorted({st.file_of(n).name for n in extra}))}): {_listing(extra)}"
+        )
+    problems += wrong[:MAX_LISTED] + (
+        [f"... and {len(wrong) - MAX_LISTED} more dtype/shape errors"] if len(wrong) > MAX_LISTED else []
+    )
     if problems:
         raise CheckpointError("\n".join(problems))
 
@@ -78,34 +84,50 @@ def _check_bf16_where_quantized(st: SafetensorsDir, inventory: list[TensorInfo],
     for t in inventory:
         if t.role == "weight_packed" and t.name in st and st.entry(t.name).dtype == "BF16":
             config = "hf_quant_config.json / config.json" if source == "modelopt" else "config.json"
-            raise CheckpointError(f"{st.file_of(t.name)}: tensor {t.name!r} is BF16 but {config} says "
-                                  f"{t.name.rsplit('.', 1)[0]!r} is NVFP4 ({source}); add it to the exclusion list")
+            raise CheckpointError(
+                f"{st.file_of(t.name)}: tensor {t.name!r} is BF16 but {config} says "
+                f"{t.name.rsplit('.', 1)[0]!r} is NVFP4 ({source}); add it to the exclusion list"
+            )
         if t.role == "weight_packed" and source == "compressed-tensors":
             plain = t.name.rsplit(".", 1)[0] + ".weight"
             if plain in st and st.entry(plain).dtype == "BF16":
-                raise CheckpointError(f"{st.file_of(plain)}: tensor {plain!r} is BF16 but config.json says "
-                                      f"{plain.rsplit('.', 1)[0]!r} is NVFP4 (compressed-tensors); add it to "
-                                      "quantization_config.ignore")
+                raise CheckpointError(
+                    f"{st.file_of(plain)}: tensor {plain!r} is BF16 but config.json says "
+                    f"{plain.rsplit('.', 1)[0]!r} is NVFP4 (compressed-tensors); add it to "
+                    "quantization_config.ignore"
+                )
 
 
 class Checkpoint:
     """A validated, memory-mapped checkpoint. Construct with `Checkpoint.open(model_dir, draft_dir=None)`."""
 
-    def __init__(self, model_dir: Path, draft_dir: Path | None, spec: ModelSpec, config: dict,
-                 draft_config: dict | None, generation_config: dict, tokenizer_path: Path,
-                 chat_template: str | None, target: SafetensorsDir, drafter: SafetensorsDir | None,
-                 source_format: str = "compressed-tensors") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        draft_dir: Path | None,
+        spec: ModelSpec,
+        config: dict,
+        draft_config: dict | None,
+        generation_config: dict,
+        tokenizer_path: Path,
+        chat_template: str | None,
+        target: SafetensorsDir,
+        drafter: SafetensorsDir | None,
+        source_format: str = "compressed-tensors",
+    ) -> None:
         self.model_dir, self.draft_dir, self.spec = model_dir, draft_dir, spec
         self.config, self.draft_config, self.generation_config = config, draft_config, generation_config
         self.tokenizer_path, self.chat_template = tokenizer_path, chat_template
         self._target, self._drafter = target, drafter
         self.source_format = source_format  # "compressed-tensors" | "modelopt" | "bf16"
         self.target_inventory = target_tensors(spec.target, source_format, spec.linear_formats)
-        self._storage = {lin.prefix: lin.storage for layer in range(spec.target.num_hidden_layers)
-                         for lin in target_linears(spec.target, layer, source_format, spec.linear_formats)}
+        self._storage = {
+            lin.prefix: lin.storage
+            for layer in range(spec.target.num_hidden_layers)
+            for lin in target_linears(spec.target, layer, source_format, spec.linear_formats)
+        }
         self.drafter_inventory = drafter_tensors(spec.drafter) if spec.drafter is not None else []
-        self.vision_inventory = ([] if spec.vision is None
-                                 else vision_tensors(spec.vision, spec.target.hidden_size))
+        self.vision_inventory = [] if spec.vision is None else vision_tensors(spec.vision, spec.target.hidden_size)
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None) -> "Checkpoint":
@@ -126,8 +148,11 @@ class Checkpoint:
             raise CheckpointError(f"{where}: {exc}") from exc
         try:  # SpecError names config.json / hf_quant_config.json and the field
             fmt = detect_format(config, hf_quant_config)
-            prefixes = [lin.prefix for layer in range(spec.target.num_hidden_layers)
-                        for lin in target_linears(spec.target, layer)]
+            prefixes = [
+                lin.prefix
+                for layer in range(spec.target.num_hidden_layers)
+                for lin in target_linears(spec.target, layer)
+            ]
             spec = dataclasses.replace(spec, linear_formats=linear_formats_of(fmt, prefixes))
         except SpecError as exc:
             raise CheckpointError(f"{model_dir}: {exc}") from exc
@@ -146,8 +171,19 @@ class Checkpoint:
         if draft_dir is not None:
             drafter = SafetensorsDir(draft_dir)
             _validate_inventory(drafter, drafter_tensors(spec.drafter), f"{draft_dir} (drafter)")
-        ckpt = cls(model_dir, draft_dir, spec, config, draft_config, generation_config, tokenizer_path,
-                   chat_template, target, drafter, fmt.source)
+        ckpt = cls(
+            model_dir,
+            draft_dir,
+            spec,
+            config,
+            draft_config,
+            generation_config,
+            tokenizer_path,
+            chat_template,
+            target,
+            drafter,
+            fmt.source,
+        )
         ckpt._check_global_scales()
         return ckpt
 
@@ -172,11 +208,15 @@ class Checkpoint:
             if t.role in SCALAR_ROLES and t.name in self._target:
                 v = self._target.array(t.name)
                 if not (np.isfinite(v).all() and (v > 0).all()):
-                    bad.append(f"{self._target.file_of(t.name)}: tensor {t.name!r} = {v.tolist()} "
-                               "(a global scale must be finite and > 0)")
+                    bad.append(
+                        f"{self._target.file_of(t.name)}: tensor {t.name!r} = {v.tolist()} "
+                        "(a global scale must be finite and > 0)"
+                    )
         if bad:
-            raise CheckpointError("\n".join(bad[:MAX_LISTED]) + (f"\n... and {len(bad) - MAX_LISTED} more"
-                                                                if len(bad) > MAX_LISTED else ""))
+            raise CheckpointError(
+                "\n".join(bad[:MAX_LISTED])
+                + (f"\n... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
+            )
 
     # ---- tensors ----------------------------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:
@@ -227,10 +267,15 @@ class Checkpoint:
         """(packed, block scales, the stored scalar, storage) of one NVFP4 linear, block scales checked."""
         storage = self.linear_storage(prefix)
         if storage == "bf16":
-            raise CheckpointError(f"{self.model_dir}: {prefix!r} is a bf16 linear in this checkpoint, not NVFP4 "
-                                  "(read it with linear_bf16)")
-        suffixes = ("weight", "weight_scale", "weight_scale_2") if storage == "modelopt" else (
-            "weight_packed", "weight_scale", "weight_global_scale")
+            raise CheckpointError(
+                f"{self.model_dir}: {prefix!r} is a bf16 linear in this checkpoint, not NVFP4 "
+                "(read it with linear_bf16)"
+            )
+        suffixes = (
+            ("weight", "weight_scale", "weight_scale_2")
+            if storage == "modelopt"
+            else ("weight_packed", "weight_scale", "weight_global_scale")
+        )
         names = [f"{prefix}.{s}" for s in suffixes]
         for n in names:
             if n not in self._target:
@@ -241,8 +286,10 @@ class Checkpoint:
         if nan.any() or neg.any():
             row, col = np.argwhere(nan | neg)[0]
             kind = "NaN" if nan.any() else "negative"
-            raise CheckpointError(f"{self._target.file_of(names[1])}: tensor {names[1]!r} holds {int(nan.sum())} NaN "
-                                  f"and {int(neg.sum())} negative E4M3 block scales (first {kind} at [{row}, {col}])")
+            raise CheckpointError(
+                f"{self._target.file_of(names[1])}: tensor {names[1]!r} holds {int(nan.sum())} NaN "
+                f"and {int(neg.sum())} negative E4M3 block scales (first {kind} at [{row}, {col}])"
+            )
         return packed, scale, np.float32(gs.reshape(-1)[0]), storage
 
     def nvfp4_parts(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.float32]:
@@ -255,8 +302,10 @@ class Checkpoint:
     def linear_bf16(self, prefix: str) -> np.ndarray:
         """Raw bf16 bits (uint16 [out, in]) of a target linear stored bf16 (e.g. ...layers.0.self_attn.q_proj)."""
         if self.linear_storage(prefix) != "bf16":
-            raise CheckpointError(f"{self.model_dir}: {prefix!r} is an NVFP4 linear in this checkpoint, not bf16 "
-                                  "(read it with nvfp4_parts)")
+            raise CheckpointError(
+                f"{self.model_dir}: {prefix!r} is an NVFP4 linear in this checkpoint, not bf16 "
+                "(read it with nvfp4_parts)"
+            )
         return self._target.array(prefix + ".weight")
 
     def linear_f32(self, prefix: str) -> np.ndarray:

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .types import (ALL_NVFP4, FULL, SLIDING, DFlashSpec, Gemma4TextSpec, Gemma4VisionSpec, LinearFormats, ModelSpec,
-                    RopeSpec, SpecError)
+from .types import (
+    ALL_NVFP4,
+    FULL,
+    SLIDING,
+    DFlashSpec,
+    Gemma4TextSpec,
+    Gemma4VisionSpec,
+    LinearFormats,
+    ModelSpec,
+    RopeSpec,
+    SpecError,
+)
 from .formats import CT_FORMAT
 from .tensors import quantization_ignore
 from .weight_layout import GROUP
@@ -37,13 +47,29 @@ def text_spec_from_config(cfg: dict) -> Gemma4TextSpec:
         raise SpecError(f"{where}: rope_parameters must map layer types to rope settings")
     rope_specs = []
     for layer_type, params in sorted(rope.items()):
-        rope_specs.append((layer_type, RopeSpec(rope_type=params.get("rope_type", "default"),
-                                                rope_theta=float(_require(params, "rope_theta", f"{where} rope")),
-                                                partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)))))
+        rope_specs.append(
+            (
+                layer_type,
+                RopeSpec(
+                    rope_type=params.get("rope_type", "default"),
+                    rope_theta=float(_require(params, "rope_theta", f"{where} rope")),
+                    partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+                ),
+            )
+        )
     eos = cfg.get("eos_token_id", 1)
     eos = eos[0] if isinstance(eos, list) else eos
-    required = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "sliding_window",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "layer_types",
+        "sliding_window",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+    )
     for key in required:
         _require(cfg, key, where)
     return Gemma4TextSpec(
@@ -119,23 +145,32 @@ def vision_spec_from_config(cfg: dict) -> Gemma4VisionSpec | None:
         raise SpecError(f"{where} is not an object")
     heads = _require(vc, "num_attention_heads", where)
     if vc.get("num_key_value_heads", heads) != heads:
-        raise SpecError(f"{where}: num_key_value_heads {vc['num_key_value_heads']} != num_attention_heads {heads} "
-                        "(the Gemma-4 tower has no grouped-query attention)")
+        raise SpecError(
+            f"{where}: num_key_value_heads {vc['num_key_value_heads']} != num_attention_heads {heads} "
+            "(the Gemma-4 tower has no grouped-query attention)"
+        )
     if vc.get("use_clipped_linears", False):
         raise SpecError(f"{where}: use_clipped_linears=true is not supported")
     rope = vc.get("rope_parameters") or {}
     return Gemma4VisionSpec(
-        hidden_size=_require(vc, "hidden_size", where), num_hidden_layers=_require(vc, "num_hidden_layers", where),
-        num_attention_heads=heads, head_dim=_require(vc, "head_dim", where),
+        hidden_size=_require(vc, "hidden_size", where),
+        num_hidden_layers=_require(vc, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        head_dim=_require(vc, "head_dim", where),
         intermediate_size=_require(vc, "intermediate_size", where),
-        image_token_id=_require(cfg, "image_token_id", "config.json"), boi_token_id=_require(cfg, "boi_token_id", "config.json"),
+        image_token_id=_require(cfg, "image_token_id", "config.json"),
+        boi_token_id=_require(cfg, "boi_token_id", "config.json"),
         eoi_token_id=_require(cfg, "eoi_token_id", "config.json"),
         video_token_id=_require(cfg, "video_token_id", "config.json"),
-        patch_size=vc.get("patch_size", 16), pooling_kernel_size=vc.get("pooling_kernel_size", 3),
-        position_embedding_size=vc.get("position_embedding_size", 10240), rope_theta=float(rope.get("rope_theta", 100.0)),
-        rms_norm_eps=vc.get("rms_norm_eps", 1e-6), standardize=bool(vc.get("standardize", True)),
+        patch_size=vc.get("patch_size", 16),
+        pooling_kernel_size=vc.get("pooling_kernel_size", 3),
+        position_embedding_size=vc.get("position_embedding_size", 10240),
+        rope_theta=float(rope.get("rope_theta", 100.0)),
+        rms_norm_eps=vc.get("rms_norm_eps", 1e-6),
+        standardize=bool(vc.get("standardize", True)),
         default_output_length=vc.get("default_output_length", 280),
-        hidden_activation=vc.get("hidden_activation", "gelu_pytorch_tanh"))
+        hidden_activation=vc.get("hidden_activation", "gelu_pytorch_tanh"),
+    )
 
 
 def spec_from_configs(target_cfg: dict, drafter_cfg: dict | None = None, name: str = "checkpoint") -> ModelSpec:
@@ -147,15 +182,28 @@ def spec_from_configs(target_cfg: dict, drafter_cfg: dict | None = None, name: s
 def vision_config(spec: Gemma4VisionSpec) -> dict:
     """The `vision_config` of a Gemma-4 config.json for this tower (the keys transformers reads)."""
     return {
-        "attention_bias": False, "attention_dropout": 0.0, "default_output_length": spec.default_output_length,
-        "dtype": "bfloat16", "global_head_dim": spec.head_dim, "head_dim": spec.head_dim,
-        "hidden_activation": spec.hidden_activation, "hidden_size": spec.hidden_size, "initializer_range": 0.02,
-        "intermediate_size": spec.intermediate_size, "max_position_embeddings": 131072, "model_type": "gemma4_vision",
-        "num_attention_heads": spec.num_attention_heads, "num_hidden_layers": spec.num_hidden_layers,
-        "num_key_value_heads": spec.num_attention_heads, "patch_size": spec.patch_size,
-        "pooling_kernel_size": spec.pooling_kernel_size, "position_embedding_size": spec.position_embedding_size,
-        "rms_norm_eps": spec.rms_norm_eps, "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
-        "standardize": spec.standardize, "use_clipped_linears": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "default_output_length": spec.default_output_length,
+        "dtype": "bfloat16",
+        "global_head_dim": spec.head_dim,
+        "head_dim": spec.head_dim,
+        "hidden_activation": spec.hidden_activation,
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": 131072,
+        "model_type": "gemma4_vision",
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_attention_heads,
+        "patch_size": spec.patch_size,
+        "pooling_kernel_size": spec.pooling_kernel_size,
+        "position_embedding_size": spec.position_embedding_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "standardize": spec.standardize,
+        "use_clipped_linears": False,
     }
 
 
@@ -163,21 +211,41 @@ def preprocessor_config(spec: Gemma4VisionSpec) -> dict:
     """The `preprocessor_config.json` of a Gemma-4 checkpoint (Gemma4ImageProcessor: no normalisation, the model
     maps [0, 1] to [-1, 1] itself; bicubic resize; the default soft-token budget)."""
     return {
-        "do_convert_rgb": True, "do_normalize": False, "do_rescale": True, "do_resize": True,
-        "image_mean": [0.0, 0.0, 0.0], "image_processor_type": "Gemma4ImageProcessor",
-        "image_seq_length": spec.default_output_length, "image_std": [1.0, 1.0, 1.0],
-        "max_soft_tokens": spec.default_output_length, "patch_size": spec.patch_size,
-        "pooling_kernel_size": spec.pooling_kernel_size, "processor_class": "Gemma4Processor", "resample": 3,
+        "do_convert_rgb": True,
+        "do_normalize": False,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.0, 0.0, 0.0],
+        "image_processor_type": "Gemma4ImageProcessor",
+        "image_seq_length": spec.default_output_length,
+        "image_std": [1.0, 1.0, 1.0],
+        "max_soft_tokens": spec.default_output_length,
+        "patch_size": spec.patch_size,
+        "pooling_kernel_size": spec.pooling_kernel_size,
+        "processor_class": "Gemma4Processor",
+        "resample": 3,
         "rescale_factor": 1.0 / 255.0,
     }
 
 
 # ---- writing configs (synth-checkpoint) ------------------------------------------------------------------------
 
+
 def _nvfp4_scheme(dynamic: bool | str, observer: str) -> dict:
-    return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": GROUP, "num_bits": 4,
-            "observer": observer, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-            "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": dynamic,
+        "group_size": GROUP,
+        "num_bits": 4,
+        "observer": observer,
+        "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn",
+        "strategy": "tensor_group",
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
+    }
 
 
 def modelopt_exclusions(spec: Gemma4TextSpec, formats: LinearFormats) -> list[str]:
@@ -194,76 +262,143 @@ def modelopt_exclusions(spec: Gemma4TextSpec, formats: LinearFormats) -> list[st
 
 def _modelopt_quantization(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
     scheme = {"dynamic": False, "group_size": GROUP, "num_bits": 4, "type": "float"}
-    return {"config_groups": {"group_0": {"input_activations": scheme, "targets": ["Linear"], "weights": scheme}},
-            "ignore": modelopt_exclusions(spec, formats), "kv_cache_scheme": {"dynamic": False, "num_bits": 8,
-                                                                              "type": "float"},
-            "producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quant_algo": "NVFP4",
-            "quant_method": "modelopt"}
+    return {
+        "config_groups": {"group_0": {"input_activations": scheme, "targets": ["Linear"], "weights": scheme}},
+        "ignore": modelopt_exclusions(spec, formats),
+        "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+        "quant_algo": "NVFP4",
+        "quant_method": "modelopt",
+    }
 
 
 def hf_quant_config(spec: Gemma4TextSpec, formats: LinearFormats) -> dict:
     """The `hf_quant_config.json` a ModelOpt NVFP4 export of this spec carries."""
-    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": GROUP,
-                             "exclude_modules": modelopt_exclusions(spec, formats)}}
+    return {
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": "FP8",
+            "group_size": GROUP,
+            "exclude_modules": modelopt_exclusions(spec, formats),
+        },
+    }
 
 
 def _ct_quantization(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None) -> dict:
     ignore = [f"model.language_model.layers.{i}.router.proj" for i in range(spec.num_hidden_layers)]
     ignore += quantization_ignore(vision) + ["lm_head"]
-    return {"config_groups": {"group_0": {"format": CT_FORMAT,
-                                          "input_activations": _nvfp4_scheme("local", "static_minmax"),
-                                          "output_activations": None, "targets": ["Linear"],
-                                          "weights": _nvfp4_scheme(False, "memoryless_minmax")}},
-            "format": CT_FORMAT, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
-            "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
-            "transform_config": {}, "version": "0.14.1.a20260326"}
+    return {
+        "config_groups": {
+            "group_0": {
+                "format": CT_FORMAT,
+                "input_activations": _nvfp4_scheme("local", "static_minmax"),
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": _nvfp4_scheme(False, "memoryless_minmax"),
+            }
+        },
+        "format": CT_FORMAT,
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.14.1.a20260326",
+    }
 
 
-def target_config(spec: Gemma4TextSpec, vision: Gemma4VisionSpec | None = None, source: str = "compressed-tensors",
-                  formats: LinearFormats = ALL_NVFP4) -> dict:
+def target_config(
+    spec: Gemma4TextSpec,
+    vision: Gemma4VisionSpec | None = None,
+    source: str = "compressed-tensors",
+    formats: LinearFormats = ALL_NVFP4,
+) -> dict:
     """The `config.json` of a checkpoint of this spec (vision_config null without a tower) in one source format:
     RedHatAI's compressed-tensors NVFP4 (every linear), NVIDIA's ModelOpt NVFP4 (`formats` says which roles stay
     bf16; hf_quant_config() is its second file) or Google's bf16 (no quantization_config)."""
     if source == "compressed-tensors" and not formats.all_nvfp4:
         raise SpecError(f"a compressed-tensors checkpoint quantizes every linear, not {formats}")
-    quantization = {"compressed-tensors": lambda: _ct_quantization(spec, vision), "bf16": lambda: None,
-                    "modelopt": lambda: _modelopt_quantization(spec, formats)}.get(source)
+    quantization = {
+        "compressed-tensors": lambda: _ct_quantization(spec, vision),
+        "bf16": lambda: None,
+        "modelopt": lambda: _modelopt_quantization(spec, formats),
+    }.get(source)
     if quantization is None:
         raise SpecError(f"source format {source!r}: expected compressed-tensors, modelopt or bf16")
     text = {
-        "attention_bias": spec.attention_bias, "attention_dropout": 0.0, "attention_k_eq_v": spec.attention_k_eq_v,
-        "bos_token_id": spec.bos_token_id, "dtype": "bfloat16", "enable_moe_block": spec.enable_moe_block,
-        "eos_token_id": spec.eos_token_id, "final_logit_softcapping": spec.final_logit_softcapping,
-        "global_head_dim": spec.global_head_dim, "head_dim": spec.head_dim,
-        "hidden_activation": spec.hidden_activation, "hidden_size": spec.hidden_size,
-        "hidden_size_per_layer_input": spec.hidden_size_per_layer_input, "initializer_range": 0.02,
-        "intermediate_size": spec.intermediate_size, "layer_types": list(spec.layer_types),
-        "max_position_embeddings": spec.max_position_embeddings, "model_type": "gemma4_text",
-        "moe_intermediate_size": spec.moe_intermediate_size, "num_attention_heads": spec.num_attention_heads,
-        "num_experts": spec.num_experts, "num_global_key_value_heads": spec.num_global_key_value_heads,
-        "num_hidden_layers": spec.num_hidden_layers, "num_key_value_heads": spec.num_key_value_heads,
-        "num_kv_shared_layers": spec.num_kv_shared_layers, "pad_token_id": spec.pad_token_id,
+        "attention_bias": spec.attention_bias,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": spec.attention_k_eq_v,
+        "bos_token_id": spec.bos_token_id,
+        "dtype": "bfloat16",
+        "enable_moe_block": spec.enable_moe_block,
+        "eos_token_id": spec.eos_token_id,
+        "final_logit_softcapping": spec.final_logit_softcapping,
+        "global_head_dim": spec.global_head_dim,
+        "head_dim": spec.head_dim,
+        "hidden_activation": spec.hidden_activation,
+        "hidden_size": spec.hidden_size,
+        "hidden_size_per_layer_input": spec.hidden_size_per_layer_input,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "layer_types": list(spec.layer_types),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "model_type": "gemma4_text",
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_experts": spec.num_experts,
+        "num_global_key_value_heads": spec.num_global_key_value_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "num_kv_shared_layers": spec.num_kv_shared_layers,
+        "pad_token_id": spec.pad_token_id,
         "rms_norm_eps": spec.rms_norm_eps,
-        "rope_parameters": {t: ({"partial_rotary_factor": r.partial_rotary_factor} if r.rope_type == "proportional"
-                                else {}) | {"rope_theta": r.rope_theta, "rope_type": r.rope_type}
-                            for t, r in spec.rope_parameters},
-        "sliding_window": spec.sliding_window, "tie_word_embeddings": spec.tie_word_embeddings,
-        "top_k_experts": spec.top_k_experts, "use_bidirectional_attention": "vision", "use_cache": True,
-        "use_double_wide_mlp": spec.use_double_wide_mlp, "vocab_size": spec.vocab_size,
+        "rope_parameters": {
+            t: ({"partial_rotary_factor": r.partial_rotary_factor} if r.rope_type == "proportional" else {})
+            | {"rope_theta": r.rope_theta, "rope_type": r.rope_type}
+            for t, r in spec.rope_parameters
+        },
+        "sliding_window": spec.sliding_window,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "top_k_experts": spec.top_k_experts,
+        "use_bidirectional_attention": "vision",
+        "use_cache": True,
+        "use_double_wide_mlp": spec.use_double_wide_mlp,
+        "vocab_size": spec.vocab_size,
         "vocab_size_per_layer_input": spec.vocab_size,
     }
-    images = {} if vision is None else {
-        "boi_token_id": vision.boi_token_id, "eoi_token_id": vision.eoi_token_id,
-        "image_token_id": vision.image_token_id, "video_token_id": vision.video_token_id,
-        "vision_soft_tokens_per_image": vision.default_output_length}
-    return images | {
-        "architectures": ["Gemma4ForConditionalGeneration"], "audio_config": None, "dtype": "bfloat16",
-        "eos_token_id": [spec.eos_token_id, 106], "initializer_range": 0.02, "model_type": "gemma4",
-    } | ({} if source == "bf16" else {"quantization_config": quantization()}) | {
-        "text_config": text, "tie_word_embeddings": spec.tie_word_embeddings, "transformers_version": "5.5.0",
-        "vision_config": None if vision is None else vision_config(vision),
-    }
+    images = (
+        {}
+        if vision is None
+        else {
+            "boi_token_id": vision.boi_token_id,
+            "eoi_token_id": vision.eoi_token_id,
+            "image_token_id": vision.image_token_id,
+            "video_token_id": vision.video_token_id,
+            "vision_soft_tokens_per_image": vision.default_output_length,
+        }
+    )
+    return (
+        images
+        | {
+            "architectures": ["Gemma4ForConditionalGeneration"],
+            "audio_config": None,
+            "dtype": "bfloat16",
+            "eos_token_id": [spec.eos_token_id, 106],
+            "initializer_range": 0.02,
+            "model_type": "gemma4",
+        }
+        | ({} if source == "bf16" else {"quantization_config": quantization()})
+        | {
+            "text_config": text,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "transformers_version": "5.5.0",
+            "vision_config": None if vision is None else vision_config(vision),
+        }
+    )
 
 
 def drafter_config(spec: DFlashSpec, bos: int = 2, eos: int = 1, pad: int = 0) -> dict:
@@ -272,16 +407,36 @@ def drafter_config(spec: DFlashSpec, bos: int = 2, eos: int = 1, pad: int = 0) -
     if spec.input_embedding_scale is not None:
         dflash["input_embedding_scale"] = spec.input_embedding_scale
     return {
-        "architectures": ["DFlashDraftModel"], "attention_bias": spec.attention_bias, "attention_dropout": 0.0,
-        "block_size": spec.block_size, "bos_token_id": bos, "dflash_config": dflash, "dtype": "bfloat16",
-        "eos_token_id": eos, "final_logit_softcapping": spec.final_logit_softcapping, "head_dim": spec.head_dim,
-        "hidden_act": spec.hidden_act, "hidden_size": spec.hidden_size, "initializer_range": 0.02,
-        "intermediate_size": spec.intermediate_size, "layer_types": list(spec.layer_types),
-        "max_position_embeddings": 262144, "max_window_layers": spec.num_hidden_layers, "model_type": "qwen3",
-        "num_attention_heads": spec.num_attention_heads, "num_hidden_layers": spec.num_hidden_layers,
-        "num_key_value_heads": spec.num_key_value_heads, "num_target_layers": spec.num_target_layers,
-        "pad_token_id": pad, "rms_norm_eps": spec.rms_norm_eps, "sliding_window": spec.sliding_window,
-        "tie_word_embeddings": False, "transformers_version": "5.6.0", "use_cache": True,
-        "use_sliding_window": True, "vocab_size": spec.vocab_size, "rope_theta": spec.rope_theta,
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": spec.attention_bias,
+        "attention_dropout": 0.0,
+        "block_size": spec.block_size,
+        "bos_token_id": bos,
+        "dflash_config": dflash,
+        "dtype": "bfloat16",
+        "eos_token_id": eos,
+        "final_logit_softcapping": spec.final_logit_softcapping,
+        "head_dim": spec.head_dim,
+        "hidden_act": spec.hidden_act,
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "layer_types": list(spec.layer_types),
+        "max_position_embeddings": 262144,
+        "max_window_layers": spec.num_hidden_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "num_target_layers": spec.num_target_layers,
+        "pad_token_id": pad,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "sliding_window": spec.sliding_window,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.6.0",
+        "use_cache": True,
+        "use_sliding_window": True,
+        "vocab_size": spec.vocab_size,
+        "rope_theta": spec.rope_theta,
         "rope_scaling": None,
     }

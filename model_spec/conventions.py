@@ -19,6 +19,7 @@ MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runt
 # rules (ROW_GRID, ROWWISE_GRID, ROWWISE_SPLITS) in the kernels' params; 3: the step programs; 4: the drafter's
 # context in a lane per sequence (its programs' "dlane_bytes")
 
+
 def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
     """Slots of a sliding layer's KV ring: a step writes up to max_step_tokens new keys before its queries have read
     the `window - 1` older keys they need, so the ring holds both."""
@@ -33,8 +34,9 @@ def page_pitch(max_position_embeddings: int) -> int:
 
 # thorgen::SampleParams (templates/include/thorgen/sample.cuh): one row's sampling, in device memory so that a
 # captured graph samples each request its own way. tests/test_conventions.py checks it against the C struct.
-SAMPLE_PARAMS = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"),
-                          ("top_k", "<i4"), ("pad", "<i4")])
+SAMPLE_PARAMS = np.dtype(
+    [("temperature", "<f8"), ("top_p", "<f8"), ("min_p", "<f8"), ("seed", "<u8"), ("top_k", "<i4"), ("pad", "<i4")]
+)
 
 
 def max_step_tokens(conventions: dict) -> int:

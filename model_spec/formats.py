@@ -56,7 +56,8 @@ def _matches(pattern: str, name: str, source: str) -> bool:
 
 
 def role_of(prefix: str) -> str:
-    """The LinearFormats role of a target linear prefix (...self_attn.q_proj, ...mlp.up_proj, ...experts.3.down_proj)."""
+    """The LinearFormats role of a target linear prefix (...self_attn.q_proj, ...mlp.up_proj,
+    ...experts.3.down_proj)."""
     if ".experts." in prefix:
         return "experts"
     if ".self_attn." in prefix:
@@ -73,8 +74,10 @@ def _check_ct(q: dict) -> CheckpointFormat:
         w = group.get("weights") or {}
         got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy"))
         if got != (4, "float", GROUP, "tensor_group"):
-            raise SpecError(f"config.json: quantization group {name} weights {got} are not NVFP4 "
-                            f"(4, 'float', {GROUP}, 'tensor_group')")
+            raise SpecError(
+                f"config.json: quantization group {name} weights {got} are not NVFP4 "
+                f"(4, 'float', {GROUP}, 'tensor_group')"
+            )
     ignore = q.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise SpecError("config.json: quantization_config.ignore must be a list of module names")
@@ -116,14 +119,21 @@ def detect_format(config: dict, hf_quant_config: dict | None) -> CheckpointForma
         producer = (hf_quant_config.get("producer") or {}).get("name")
         quant = hf_quant_config.get("quantization")
         if producer != "modelopt" or not isinstance(quant, dict):
-            raise SpecError(f"{HF_QUANT_CONFIG}: producer {producer!r} with no 'quantization' object is not a "
-                            "ModelOpt export")
-        fmt = _check_modelopt(quant, f"{HF_QUANT_CONFIG} quantization",
-                              "exclude_modules", ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules"))
+            raise SpecError(
+                f"{HF_QUANT_CONFIG}: producer {producer!r} with no 'quantization' object is not a ModelOpt export"
+            )
+        fmt = _check_modelopt(
+            quant,
+            f"{HF_QUANT_CONFIG} quantization",
+            "exclude_modules",
+            ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules"),
+        )
         if q is not None and (q.get("quant_method") != "modelopt" or q.get("quant_algo") != quant["quant_algo"]):
-            raise SpecError(f"config.json: quantization_config (quant_method {q.get('quant_method')!r}, quant_algo "
-                            f"{q.get('quant_algo')!r}) disagrees with {HF_QUANT_CONFIG} (modelopt, "
-                            f"{quant['quant_algo']!r})")
+            raise SpecError(
+                f"config.json: quantization_config (quant_method {q.get('quant_method')!r}, quant_algo "
+                f"{q.get('quant_algo')!r}) disagrees with {HF_QUANT_CONFIG} (modelopt, "
+                f"{quant['quant_algo']!r})"
+            )
         return fmt
     if q is None:
         return CheckpointFormat("bf16")
@@ -135,8 +145,10 @@ def detect_format(config: dict, hf_quant_config: dict | None) -> CheckpointForma
     if method == "modelopt":
         key = "ignore" if "ignore" in q else "exclude_modules"
         return _check_modelopt(q, "config.json quantization_config", key, ("quant_algo", key))
-    raise SpecError(f"config.json: quant_method {method!r} is not supported ({', '.join(SOURCE_FORMATS[:2])}, "
-                    "or no quantization_config for bf16)")
+    raise SpecError(
+        f"config.json: quant_method {method!r} is not supported ({', '.join(SOURCE_FORMATS[:2])}, "
+        "or no quantization_config for bf16)"
+    )
 
 
 def linear_formats_of(fmt: CheckpointFormat, prefixes: list[str]) -> LinearFormats:
@@ -149,8 +161,10 @@ def linear_formats_of(fmt: CheckpointFormat, prefixes: list[str]) -> LinearForma
         seen[role_of(prefix)].setdefault(fmt.linear_format(prefix), prefix)
     for role, kinds in seen.items():
         if len(kinds) > 1:
-            raise SpecError(f"{role} linears mix formats: {kinds['nvfp4']!r} is NVFP4 but {kinds['bf16']!r} is "
-                            "excluded (bf16); thorgen serves one format per role")
+            raise SpecError(
+                f"{role} linears mix formats: {kinds['nvfp4']!r} is NVFP4 but {kinds['bf16']!r} is "
+                "excluded (bf16); thorgen serves one format per role"
+            )
     return LinearFormats(**{role: next(iter(kinds), "nvfp4") for role, kinds in seen.items()})
 
 
@@ -159,6 +173,7 @@ def with_checkpoint_formats(spec: ModelSpec, config: dict, hf_quant_config: dict
     the configs alone (SpecError as detect_format / linear_formats_of): the formats `thorgen build --model` plans
     kernels for and the cuda backend expects (Checkpoint.open derives the same from the same configs)."""
     fmt = detect_format(config, hf_quant_config)
-    prefixes = [lin.prefix for layer in range(spec.target.num_hidden_layers)
-                for lin in target_linears(spec.target, layer)]
+    prefixes = [
+        lin.prefix for layer in range(spec.target.num_hidden_layers) for lin in target_linears(spec.target, layer)
+    ]
     return dataclasses.replace(spec, linear_formats=linear_formats_of(fmt, prefixes))

@@ -17,17 +17,20 @@ from __future__ import annotations
 import numpy as np
 
 from .weight_layout import GROUP
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
+)
 # compressed-tensors replaces an all-zero block's scale (which would divide by zero) with this e4m3 value.
 ZERO_BLOCK_SCALE = 0.125
-MODELOPT_MIN_BLOCK_SCALE = 2.0 ** -9  # ModelOpt clamps block scales to [2^-9, 448] before the e4m3 cast
+MODELOPT_MIN_BLOCK_SCALE = 2.0**-9  # ModelOpt clamps block scales to [2^-9, 448] before the e4m3 cast
 MODELOPT_ZERO_BLOCK_SCALE = 1.0
 
 
 # ---- bf16 ---------------------------------------------------------------------------------------------------------
+
 
 def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32 (exact)."""
@@ -47,10 +50,11 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 # ---- fp8 e4m3fn ---------------------------------------------------------------------------------------------------
 
+
 def _e4m3_table() -> np.ndarray:
     codes = np.arange(256)
     exp, man, sign = (codes >> 3) & 0xF, codes & 7, np.where(codes & 0x80, -1.0, 1.0)
-    mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
     table = (sign * mag).astype(np.float32)
     table[[0x7F, 0xFF]] = np.nan  # e4m3fn has no infinities; only S.1111.111 is NaN
     return table
@@ -75,9 +79,9 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
     ab = a.view(np.uint32)
     r = (ab + (np.uint32(0x7FFFF) + ((ab >> np.uint32(20)) & np.uint32(1)))) & np.uint32(0xFFF00000)
     e = (r >> np.uint32(23)).astype(np.int32) - 127 + 7
-    normal = ((e << 3) | ((r >> np.uint32(20)) & np.uint32(7)).astype(np.int32))
+    normal = (e << 3) | ((r >> np.uint32(20)) & np.uint32(7)).astype(np.int32)
     # Subnormal range: multiples of 2^-9; rint is round-half-even, and q == 8 is exactly the code of 2^-6.
-    small = a < np.float32(2.0 ** -6)
+    small = a < np.float32(2.0**-6)
     sub = np.rint(np.where(small, a, 0) * np.float32(512.0)).astype(np.int32)
     code = np.where(small, sub, normal)
     code = np.where(a > np.float32(E4M3_MAX), 0x7E, code)  # satfinite (also catches +-inf)
@@ -86,6 +90,7 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
 
 
 # ---- E2M1 ---------------------------------------------------------------------------------------------------------
+
 
 def round_e2m1(v: np.ndarray) -> np.ndarray:
     """float32 -> 4-bit E2M1 codes (uint8 0..15), round-to-nearest-even, clamped to +-6.
@@ -97,8 +102,7 @@ def round_e2m1(v: np.ndarray) -> np.ndarray:
     """
     v = np.asarray(v, dtype=np.float32)
     m = np.abs(v)
-    idx = ((m > 0.25).astype(np.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) + (m >= 3.5)
-           + (m > 5.0))
+    idx = (m > 0.25).astype(np.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) + (m >= 3.5) + (m > 5.0)
     return idx.astype(np.uint8) | ((v < 0).astype(np.uint8) << 3)
 
 
@@ -120,6 +124,7 @@ def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
 
 
 # ---- NVFP4 --------------------------------------------------------------------------------------------------------
+
 
 def global_scale_for(amax: float) -> np.float32:
     """compressed-tensors `generate_gparam`: 448*6/amax in float32 (1.0 when it is not finite, e.g. amax 0)."""
@@ -199,8 +204,7 @@ def modelopt_scale_2(amax: float) -> np.float32:
     return np.float32(np.float32(abs(amax)) / np.float32(E4M3_MAX * E2M1_MAX))
 
 
-def quantize_nvfp4_modelopt(w: np.ndarray, scale_2: float | None = None
-                            ) -> tuple[np.ndarray, np.ndarray, np.float32]:
+def quantize_nvfp4_modelopt(w: np.ndarray, scale_2: float | None = None) -> tuple[np.ndarray, np.ndarray, np.float32]:
     """float32 W [N, K] -> (packed u8 [N, K/2], scale e4m3 u8 [N, K/16], weight_scale_2 f32), ModelOpt's
     NVFP4QTensor arithmetic: scale_2 = amax/2688 (or the one given: gate and up share one);
     block scale = e4m3(clamp(block_amax / (6 * scale_2), 2^-9, 448)), an all-zero block 1.0;
@@ -224,5 +228,8 @@ def quantize_nvfp4_modelopt(w: np.ndarray, scale_2: float | None = None
     return pack_e2m1(codes), scale, np.float32(s2)
 
 
-_PAIR_TABLE = np.ascontiguousarray(np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]],
-                                            axis=1)).view(np.uint64).reshape(256)
+_PAIR_TABLE = (
+    np.ascontiguousarray(np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]], axis=1))
+    .view(np.uint64)
+    .reshape(256)
+)

@@ -21,11 +21,21 @@ import numpy as np
 
 # safetensors dtype -> (numpy dtype of the raw array we hand out, bytes per element)
 DTYPES: dict[str, tuple[np.dtype, int]] = {
-    "BF16": (np.dtype(np.uint16), 2), "F16": (np.dtype(np.float16), 2), "F32": (np.dtype(np.float32), 4),
-    "F64": (np.dtype(np.float64), 8), "F8_E4M3": (np.dtype(np.uint8), 1), "F8_E5M2": (np.dtype(np.uint8), 1),
-    "U8": (np.dtype(np.uint8), 1), "I8": (np.dtype(np.int8), 1), "I16": (np.dtype(np.int16), 2),
-    "U16": (np.dtype(np.uint16), 2), "I32": (np.dtype(np.int32), 4), "U32": (np.dtype(np.uint32), 4),
-    "I64": (np.dtype(np.int64), 8), "U64": (np.dtype(np.uint64), 8), "BOOL": (np.dtype(np.bool_), 1),
+    "BF16": (np.dtype(np.uint16), 2),
+    "F16": (np.dtype(np.float16), 2),
+    "F32": (np.dtype(np.float32), 4),
+    "F64": (np.dtype(np.float64), 8),
+    "F8_E4M3": (np.dtype(np.uint8), 1),
+    "F8_E5M2": (np.dtype(np.uint8), 1),
+    "U8": (np.dtype(np.uint8), 1),
+    "I8": (np.dtype(np.int8), 1),
+    "I16": (np.dtype(np.int16), 2),
+    "U16": (np.dtype(np.uint16), 2),
+    "I32": (np.dtype(np.int32), 4),
+    "U32": (np.dtype(np.uint32), 4),
+    "I64": (np.dtype(np.int64), 8),
+    "U64": (np.dtype(np.uint64), 8),
+    "BOOL": (np.dtype(np.bool_), 1),
 }
 MAX_HEADER_BYTES = 100 << 20  # the official reader's limit
 INDEX_NAME = "model.safetensors.index.json"
@@ -86,7 +96,7 @@ class SafetensorsFile:
             return np.zeros(e.shape, dtype=np_dtype)
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._mm[self.data_start + e.begin:self.data_start + e.end]
+        raw = self._mm[self.data_start + e.begin : self.data_start + e.end]
         return raw.view(np_dtype).reshape(e.shape)
 
 
@@ -100,8 +110,10 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict, int]:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
             (hlen,) = struct.unpack("<Q", head)
             if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-                raise CheckpointError(f"{path}: header length {hlen} does not fit the {size}-byte file "
-                                      "(truncated or not a safetensors file)")
+                raise CheckpointError(
+                    f"{path}: header length {hlen} does not fit the {size}-byte file "
+                    "(truncated or not a safetensors file)"
+                )
             raw = f.read(hlen)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc}") from exc
@@ -123,16 +135,21 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict, int]:
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r}")
         if end - begin != tensor_nbytes(dtype, shape) or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name!r}: offsets [{begin}, {end}] do not match "
-                                  f"{dtype}{list(shape)} ({tensor_nbytes(dtype, shape)} bytes)")
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: offsets [{begin}, {end}] do not match "
+                f"{dtype}{list(shape)} ({tensor_nbytes(dtype, shape)} bytes)"
+            )
         if end > data_size:
-            raise CheckpointError(f"{path}: tensor {name!r} needs data bytes up to {end} but the file holds only "
-                                  f"{data_size} after its header (file truncated?)")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} needs data bytes up to {end} but the file holds only "
+                f"{data_size} after its header (file truncated?)"
+            )
         entries[name] = Entry(name, dtype, shape, begin, end)
     return entries, metadata, data_start
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
+
 
 def build_header(tensors: Iterable[TensorLike], metadata: dict | None = None) -> tuple[bytes, list[Entry]]:
     """Header bytes (length prefix + JSON padded to 8 bytes) and the contiguous offset plan, in the given order."""
@@ -211,8 +228,9 @@ class _T:
     shape: tuple[int, ...]
 
 
-def write_safetensors(path: str | os.PathLike, arrays: dict[str, tuple[str, np.ndarray]],
-                      metadata: dict | None = None) -> None:
+def write_safetensors(
+    path: str | os.PathLike, arrays: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None
+) -> None:
     """Small-file convenience: {name: (safetensors dtype, raw array)} -> one file."""
     infos = [_T(n, dt, tuple(a.shape)) for n, (dt, a) in arrays.items()]
     with StreamingWriter(path, infos, metadata if metadata is not None else {"format": "pt"}) as w:
@@ -221,6 +239,7 @@ def write_safetensors(path: str | os.PathLike, arrays: dict[str, tuple[str, np.n
 
 
 # ---- reading a checkpoint folder ----------------------------------------------------------------------------------
+
 
 class SafetensorsDir:
     """All tensors of a model folder: `model.safetensors.index.json` + shards, or a single `model.safetensors`."""
@@ -243,8 +262,9 @@ class SafetensorsDir:
                 self.files[fname] = SafetensorsFile(self.folder / fname)
             for name, fname in weight_map.items():
                 if name not in self.files[fname]:
-                    raise CheckpointError(f"{self.folder / fname}: tensor {name!r} listed in {INDEX_NAME} is not "
-                                          "in this shard")
+                    raise CheckpointError(
+                        f"{self.folder / fname}: tensor {name!r} listed in {INDEX_NAME} is not in this shard"
+                    )
         elif (self.folder / SINGLE_NAME).is_file():
             self.files[SINGLE_NAME] = SafetensorsFile(self.folder / SINGLE_NAME)
         else:

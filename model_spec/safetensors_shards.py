@@ -13,8 +13,15 @@ import numpy as np
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, StreamingWriter, TensorLike, build_header, tensor_nbytes
 
 
-NVFP4_PART_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
-                       "weight", "weight_scale_2", "input_scale")
+NVFP4_PART_SUFFIXES = (
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "input_global_scale",
+    "weight",
+    "weight_scale_2",
+    "input_scale",
+)
 
 
 def unit_key(name: str) -> str:
@@ -54,8 +61,7 @@ def write_index(out_dir: Path, files: list[str], shards: list[list[TensorLike]])
     """The HF `model.safetensors.index.json` of a multi-shard checkpoint (nothing for a single file)."""
     if len(files) > 1:
         total = sum(tensor_nbytes(t.dtype, t.shape) for s in shards for t in s)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t.name: f for f, s in zip(files, shards) for t in s}}
+        index = {"metadata": {"total_size": total}, "weight_map": {t.name: f for f, s in zip(files, shards) for t in s}}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -68,8 +74,9 @@ class PlannedTensor:
     info: TensorLike
 
 
-def preallocate_shards(out_dir: str | os.PathLike, tensors: list[TensorLike], max_shard_bytes: int,
-                       metadata: dict | None = None) -> list[list[PlannedTensor]]:
+def preallocate_shards(
+    out_dir: str | os.PathLike, tensors: list[TensorLike], max_shard_bytes: int, metadata: dict | None = None
+) -> list[list[PlannedTensor]]:
     """Random-access alternative to ShardedWriter (parallel writers): writes every shard's header and sizes the
     file (sparse), writes the index, and returns each shard's tensors with absolute offsets. The bytes equal
     ShardedWriter's once every tensor has been written at its offset (e.g. os.pwrite from worker processes)."""
@@ -105,8 +112,9 @@ def pwrite_all(fd: int, data: np.ndarray | bytes, offset: int) -> int:
 class ShardedWriter:
     """Writes `model.safetensors` (one shard) or `model-0000i-of-0000n.safetensors` + the HF index, streaming."""
 
-    def __init__(self, out_dir: str | os.PathLike, tensors: list[TensorLike], max_shard_bytes: int,
-                 metadata: dict | None = None) -> None:
+    def __init__(
+        self, out_dir: str | os.PathLike, tensors: list[TensorLike], max_shard_bytes: int, metadata: dict | None = None
+    ) -> None:
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(list(tensors), max_shard_bytes)
         n = len(self.shards)
@@ -138,7 +146,7 @@ class ShardedWriter:
             self._writer.close()  # raises: a tensor is missing
             self._next()
             if self._k < len(self.shards):
-                raise ValueError(f"{self.out_dir}: shards {self.files[self._k:]} were never written")
+                raise ValueError(f"{self.out_dir}: shards {self.files[self._k :]} were never written")
         write_index(self.out_dir, self.files, self.shards)
 
     def __enter__(self) -> "ShardedWriter":

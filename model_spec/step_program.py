@@ -29,13 +29,22 @@ class Op:
 # folded, so that codegen and the runtime name a kind alike.
 # `images` (a prefill chunk holding image spans: the sliding layers' attention takes per-query key bounds) is named
 # only when set, so the text-only kinds keep their keys.
-def program_key(decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-                all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False,
-                images: bool = False) -> str:
+def program_key(
+    decode: bool = False,
+    last: bool = True,
+    greedy: bool = True,
+    taps: bool = False,
+    all_logits: bool = False,
+    batched: bool = False,
+    ext: bool = False,
+    score: bool = False,
+    images: bool = False,
+) -> str:
     if not last or score:  # no token is picked: how it would be is moot
         greedy, ext = True, False
-    flags = dict(decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext,
-                 score=score)
+    flags = dict(
+        decode=decode, last=last, greedy=greedy, taps=taps, all_logits=all_logits, batched=batched, ext=ext, score=score
+    )
     key = " ".join(f"{k}={int(bool(v))}" for k, v in flags.items())
     return key + " images=1" if images else key
 

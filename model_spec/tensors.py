@@ -94,8 +94,9 @@ def layer_prefix(layer: int) -> str:
     return f"{TARGET_PREFIX}layers.{layer}."
 
 
-def target_linears(spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors",
-                   formats: LinearFormats = ALL_NVFP4) -> list[Linear]:
+def target_linears(
+    spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors", formats: LinearFormats = ALL_NVFP4
+) -> list[Linear]:
     """Every projection of one decoder layer, in dataflow order (attention, dense MLP, experts), each stored as
     its role's format says (`source` names the NVFP4 layout; a bf16 role is plain bf16 in any source)."""
     p, h = layer_prefix(layer), spec.hidden_size
@@ -107,40 +108,58 @@ def target_linears(spec: Gemma4TextSpec, layer: int, source: str = "compressed-t
         out.append(Linear(f"{p}self_attn.v_proj", nkv * hd, h, att))
     out.append(Linear(f"{p}self_attn.o_proj", h, nq * hd, att))
     i = spec.intermediate_size
-    out += [Linear(f"{p}mlp.gate_proj", i, h, mlp), Linear(f"{p}mlp.up_proj", i, h, mlp),
-            Linear(f"{p}mlp.down_proj", h, i, mlp)]
+    out += [
+        Linear(f"{p}mlp.gate_proj", i, h, mlp),
+        Linear(f"{p}mlp.up_proj", i, h, mlp),
+        Linear(f"{p}mlp.down_proj", h, i, mlp),
+    ]
     ie = spec.moe_intermediate_size
     for e in range(spec.num_experts):
-        out += [Linear(f"{p}experts.{e}.gate_proj", ie, h, exp), Linear(f"{p}experts.{e}.up_proj", ie, h, exp),
-                Linear(f"{p}experts.{e}.down_proj", h, ie, exp)]
+        out += [
+            Linear(f"{p}experts.{e}.gate_proj", ie, h, exp),
+            Linear(f"{p}experts.{e}.up_proj", ie, h, exp),
+            Linear(f"{p}experts.{e}.down_proj", h, ie, exp),
+        ]
     return out
 
 
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-               "pre_feedforward_layernorm_2", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
-               "post_feedforward_layernorm_2")
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm",
+    "post_feedforward_layernorm_1",
+    "post_feedforward_layernorm_2",
+)
 
 
-def target_layer_tensors(spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors",
-                         formats: LinearFormats = ALL_NVFP4) -> list[TensorInfo]:
+def target_layer_tensors(
+    spec: Gemma4TextSpec, layer: int, source: str = "compressed-tensors", formats: LinearFormats = ALL_NVFP4
+) -> list[TensorInfo]:
     p, h, hd = layer_prefix(layer), spec.hidden_size, spec.layer_head_dim(layer)
     out = [t for lin in target_linears(spec, layer, source, formats) for t in lin.tensors()]
     if source == "modelopt":  # FP8 KV-cache scales a ModelOpt export may carry (k_eq_v layers have no v_proj)
         out.append(TensorInfo(f"{p}self_attn.k_proj.k_scale", "F32", (), "kv_scale", optional=True))
         if spec.layer_has_v_proj(layer):
             out.append(TensorInfo(f"{p}self_attn.v_proj.v_scale", "F32", (), "kv_scale", optional=True))
-    out += [TensorInfo(f"{p}self_attn.q_norm.weight", "BF16", (hd,), "bf16"),
-            TensorInfo(f"{p}self_attn.k_norm.weight", "BF16", (hd,), "bf16")]
+    out += [
+        TensorInfo(f"{p}self_attn.q_norm.weight", "BF16", (hd,), "bf16"),
+        TensorInfo(f"{p}self_attn.k_norm.weight", "BF16", (hd,), "bf16"),
+    ]
     out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in LAYER_NORMS]
-    out += [TensorInfo(f"{p}router.proj.weight", "BF16", (spec.num_experts, h), "bf16"),
-            TensorInfo(f"{p}router.scale", "BF16", (h,), "bf16"),
-            TensorInfo(f"{p}router.per_expert_scale", "BF16", (spec.num_experts,), "bf16"),
-            TensorInfo(f"{p}layer_scalar", "BF16", (1,), "bf16")]
+    out += [
+        TensorInfo(f"{p}router.proj.weight", "BF16", (spec.num_experts, h), "bf16"),
+        TensorInfo(f"{p}router.scale", "BF16", (h,), "bf16"),
+        TensorInfo(f"{p}router.per_expert_scale", "BF16", (spec.num_experts,), "bf16"),
+        TensorInfo(f"{p}layer_scalar", "BF16", (1,), "bf16"),
+    ]
     return out
 
 
-def target_tensors(spec: Gemma4TextSpec, source: str = "compressed-tensors",
-                   formats: LinearFormats = ALL_NVFP4) -> list[TensorInfo]:
+def target_tensors(
+    spec: Gemma4TextSpec, source: str = "compressed-tensors", formats: LinearFormats = ALL_NVFP4
+) -> list[TensorInfo]:
     """Every tensor of the text model in a checkpoint of this source format and per-role linear formats (default:
     RedHatAI's compressed-tensors NVFP4); tied lm_head: no lm_head tensor."""
     out = [TensorInfo(f"{TARGET_PREFIX}embed_tokens.weight", "BF16", (spec.vocab_size, spec.hidden_size), "bf16")]
@@ -153,28 +172,43 @@ def target_tensors(spec: Gemma4TextSpec, source: str = "compressed-tensors",
 def drafter_linears(spec: DFlashSpec, layer: int) -> list[Linear]:
     p, h = f"layers.{layer}.", spec.hidden_size
     hd, nq, nkv, i = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads, spec.intermediate_size
-    shapes = (("self_attn.q_proj", nq * hd, h), ("self_attn.k_proj", nkv * hd, h), ("self_attn.v_proj", nkv * hd, h),
-              ("self_attn.o_proj", h, nq * hd), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i))
+    shapes = (
+        ("self_attn.q_proj", nq * hd, h),
+        ("self_attn.k_proj", nkv * hd, h),
+        ("self_attn.v_proj", nkv * hd, h),
+        ("self_attn.o_proj", h, nq * hd),
+        ("mlp.gate_proj", i, h),
+        ("mlp.up_proj", i, h),
+        ("mlp.down_proj", h, i),
+    )
     return [Linear(p + name, o, k, "bf16", target=False) for name, o, k in shapes]
 
 
 def drafter_tensors(spec: DFlashSpec) -> list[TensorInfo]:
     """Every tensor of a z-lab DFlash drafter (bf16; embedding and lm_head are shared from the target)."""
     h = spec.hidden_size
-    out = [TensorInfo("fc.weight", "BF16", (h, len(spec.target_layer_ids) * h), "bf16"),
-           TensorInfo("hidden_norm.weight", "BF16", (h,), "bf16")]
+    out = [
+        TensorInfo("fc.weight", "BF16", (h, len(spec.target_layer_ids) * h), "bf16"),
+        TensorInfo("hidden_norm.weight", "BF16", (h,), "bf16"),
+    ]
     for layer in range(spec.num_hidden_layers):
         out += [t for lin in drafter_linears(spec, layer) for t in lin.tensors()]
-        out += [TensorInfo(f"layers.{layer}.self_attn.q_norm.weight", "BF16", (spec.head_dim,), "bf16"),
-                TensorInfo(f"layers.{layer}.self_attn.k_norm.weight", "BF16", (spec.head_dim,), "bf16"),
-                TensorInfo(f"layers.{layer}.input_layernorm.weight", "BF16", (h,), "bf16"),
-                TensorInfo(f"layers.{layer}.post_attention_layernorm.weight", "BF16", (h,), "bf16")]
+        out += [
+            TensorInfo(f"layers.{layer}.self_attn.q_norm.weight", "BF16", (spec.head_dim,), "bf16"),
+            TensorInfo(f"layers.{layer}.self_attn.k_norm.weight", "BF16", (spec.head_dim,), "bf16"),
+            TensorInfo(f"layers.{layer}.input_layernorm.weight", "BF16", (h,), "bf16"),
+            TensorInfo(f"layers.{layer}.post_attention_layernorm.weight", "BF16", (h,), "bf16"),
+        ]
     out.append(TensorInfo("norm.weight", "BF16", (h,), "bf16"))
     return out
 
 
-VISION_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm")
+VISION_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 def vision_linears(spec: Gemma4VisionSpec, layer: int) -> list[Linear]:
@@ -182,8 +216,15 @@ def vision_linears(spec: Gemma4VisionSpec, layer: int) -> list[Linear]:
     p = f"{VISION_PREFIX}encoder.layers.{layer}."
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     inner = spec.num_attention_heads * hd
-    shapes = (("self_attn.q_proj", inner, h), ("self_attn.k_proj", inner, h), ("self_attn.v_proj", inner, h),
-              ("self_attn.o_proj", h, inner), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i))
+    shapes = (
+        ("self_attn.q_proj", inner, h),
+        ("self_attn.k_proj", inner, h),
+        ("self_attn.v_proj", inner, h),
+        ("self_attn.o_proj", h, inner),
+        ("mlp.gate_proj", i, h),
+        ("mlp.up_proj", i, h),
+        ("mlp.down_proj", h, i),
+    )
     return [Linear(f"{p}{name}.linear", o, k, "bf16", target=False) for name, o, k in shapes]
 
 
@@ -192,15 +233,23 @@ def vision_tensors(spec: Gemma4VisionSpec, text_hidden: int) -> list[TensorInfo]
     13 per encoder layer, the patch projection and x/y position tables, the standardize buffers, the projection."""
     h = spec.hidden_size
     out = Linear(f"{VISION_PREFIX}patch_embedder.input_proj", h, spec.patch_dim, "bf16", target=False).tensors()
-    out.append(TensorInfo(f"{VISION_PREFIX}patch_embedder.position_embedding_table", "BF16",
-                          (2, spec.position_embedding_size, h), "bf16"))
+    out.append(
+        TensorInfo(
+            f"{VISION_PREFIX}patch_embedder.position_embedding_table",
+            "BF16",
+            (2, spec.position_embedding_size, h),
+            "bf16",
+        )
+    )
     for layer in range(spec.num_hidden_layers):
         p = f"{VISION_PREFIX}encoder.layers.{layer}."
         out += [t for lin in vision_linears(spec, layer) for t in lin.tensors()]
         out += [TensorInfo(f"{p}self_attn.{n}.weight", "BF16", (spec.head_dim,), "bf16") for n in ("q_norm", "k_norm")]
         out += [TensorInfo(f"{p}{n}.weight", "BF16", (h,), "bf16") for n in VISION_LAYER_NORMS]
-    out += [TensorInfo(f"{VISION_PREFIX}std_bias", "BF16", (h,), "bf16", also_f32=True),
-            TensorInfo(f"{VISION_PREFIX}std_scale", "BF16", (h,), "bf16", also_f32=True)]
+    out += [
+        TensorInfo(f"{VISION_PREFIX}std_bias", "BF16", (h,), "bf16", also_f32=True),
+        TensorInfo(f"{VISION_PREFIX}std_scale", "BF16", (h,), "bf16", also_f32=True),
+    ]
     out += Linear(VISION_PROJECTION, text_hidden, h, "bf16", target=False).tensors()
     return out
 

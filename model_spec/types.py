@@ -78,7 +78,9 @@ class Gemma4TextSpec:
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
-            raise SpecError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+            raise SpecError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
         bad = sorted(set(self.layer_types) - {SLIDING, FULL})
         if bad:
             raise SpecError(f"layer_types {bad} not supported (sliding_attention, full_attention)")
@@ -88,7 +90,11 @@ class Gemma4TextSpec:
             "use_double_wide_mlp": (self.use_double_wide_mlp, False, "double-wide MLP"),
             "attention_bias": (self.attention_bias, False, "attention biases"),
             "enable_moe_block": (self.enable_moe_block, True, "a model without the MoE block"),
-            "hidden_activation": (self.hidden_activation, "gelu_pytorch_tanh", "activations other than gelu_pytorch_tanh"),
+            "hidden_activation": (
+                self.hidden_activation,
+                "gelu_pytorch_tanh",
+                "activations other than gelu_pytorch_tanh",
+            ),
             "tie_word_embeddings": (self.tie_word_embeddings, True, "an untied lm_head"),
         }
         for key, (value, want, what) in unsupported.items():
@@ -99,8 +105,10 @@ class Gemma4TextSpec:
         for name in ("hidden_size", "intermediate_size", "moe_intermediate_size"):
             if getattr(self, name) % 16:
                 raise SpecError(f"{name}={getattr(self, name)} must be a multiple of 16 (the NVFP4 group size)")
-        for layer_type, (heads, kv) in {SLIDING: (self.num_attention_heads, self.num_key_value_heads),
-                                        FULL: (self.num_attention_heads, self.num_global_key_value_heads)}.items():
+        for layer_type, (heads, kv) in {
+            SLIDING: (self.num_attention_heads, self.num_key_value_heads),
+            FULL: (self.num_attention_heads, self.num_global_key_value_heads),
+        }.items():
             if kv <= 0 or heads % kv:
                 raise SpecError(f"{layer_type}: {heads} query heads are not a multiple of {kv} KV heads")
         types = dict(self.rope_parameters)
@@ -137,7 +145,7 @@ class Gemma4TextSpec:
 
     @property
     def embed_scale(self) -> float:
-        return self.hidden_size ** 0.5
+        return self.hidden_size**0.5
 
 
 @dataclass(frozen=True)
@@ -166,8 +174,10 @@ class DFlashSpec:
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
-            raise SpecError(f"drafter layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
-                            f"{self.num_hidden_layers}")
+            raise SpecError(
+                f"drafter layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
         if set(self.layer_types) - {SLIDING, FULL}:
             raise SpecError(f"drafter layer_types {sorted(set(self.layer_types))} not supported")
         if self.hidden_act != "silu":
@@ -183,7 +193,7 @@ class DFlashSpec:
 
     @property
     def embed_scale(self) -> float:
-        return self.hidden_size ** 0.5 if self.input_embedding_scale is None else self.input_embedding_scale
+        return self.hidden_size**0.5 if self.input_embedding_scale is None else self.input_embedding_scale
 
     def is_causal(self, layer: int) -> bool:
         """Hybrid DFlash: sliding layers are causal within the block, the full layer is bidirectional."""

@@ -70,15 +70,30 @@ def vision_dims(spec: ModelSpec) -> VisionDims:
         raise ValueError(f"model {spec.name} has no vision tower")
     if v.num_attention_heads * v.head_dim != v.hidden_size:
         raise ValueError(f"vision: {v.num_attention_heads} heads x {v.head_dim} != hidden {v.hidden_size}")
-    return VisionDims(v.hidden_size, v.num_attention_heads, v.head_dim, v.intermediate_size, v.num_hidden_layers,
-                      v.patch_dim, v.pooling_kernel_size, v.position_embedding_size, spec.target.hidden_size,
-                      v.rms_norm_eps, v.rope_theta)
+    return VisionDims(
+        v.hidden_size,
+        v.num_attention_heads,
+        v.head_dim,
+        v.intermediate_size,
+        v.num_hidden_layers,
+        v.patch_dim,
+        v.pooling_kernel_size,
+        v.position_embedding_size,
+        spec.target.hidden_size,
+        v.rms_norm_eps,
+        v.rope_theta,
+    )
 
 
 # Artifact tensors (name -> (shape, dtype)). "half": fp16 in layouts.pack_half's GEMM layout (gate|up interleaved in
 # 8-row tiles, layouts.pack_half_gate_up); "bf16" / "f32": plain row-major.
-PATCH_PROJ, POS_TABLE, STD_BIAS, STD_SCALE, PROJECTION = ("vision.patch_proj", "vision.pos_table", "vision.std_bias",
-                                                         "vision.std_scale", "vision.projection")
+PATCH_PROJ, POS_TABLE, STD_BIAS, STD_SCALE, PROJECTION = (
+    "vision.patch_proj",
+    "vision.pos_table",
+    "vision.std_bias",
+    "vision.std_scale",
+    "vision.projection",
+)
 LAYER_NORMS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm")
 
 
@@ -91,26 +106,51 @@ def vision_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {PATCH_PROJ: ((d.hidden, d.patch_dim), "half"), POS_TABLE: ((2, d.table, d.hidden), "bf16")}
     for l in range(d.layers):
         p = layer_prefix(l)
-        out.update({p + "qkv": ((3 * d.hidden, d.hp), "half"), p + "o": ((d.hidden, d.heads * d.dp), "half"),
-                    p + "gate_up": ((2 * d.ip, d.hp), "half"), p + "down": ((d.hidden, d.ip), "half"),
-                    p + "q_norm": ((d.head_dim,), "bf16"), p + "k_norm": ((d.head_dim,), "bf16")})
+        out.update(
+            {
+                p + "qkv": ((3 * d.hidden, d.hp), "half"),
+                p + "o": ((d.hidden, d.heads * d.dp), "half"),
+                p + "gate_up": ((2 * d.ip, d.hp), "half"),
+                p + "down": ((d.hidden, d.ip), "half"),
+                p + "q_norm": ((d.head_dim,), "bf16"),
+                p + "k_norm": ((d.head_dim,), "bf16"),
+            }
+        )
         out.update({p + n: ((d.hidden,), "bf16") for n in LAYER_NORMS})
-    out.update({STD_BIAS: ((d.hidden,), "f32"), STD_SCALE: ((d.hidden,), "f32"),
-                PROJECTION: ((d.text_hidden, d.hp), "half")})
+    out.update(
+        {STD_BIAS: ((d.hidden,), "f32"), STD_SCALE: ((d.hidden,), "f32"), PROJECTION: ((d.text_hidden, d.hp), "half")}
+    )
     return out
 
 
 # Activations of the program (name -> (row width, dtype) per patch row, or per soft-token row for the pooled ones):
 # the runtime sizes them for max_patches / MAX_SOFT_TOKENS rows. vis_kpos: i32 0, 1, 2, ... (the attention's key
 # positions, staged once).
-PATCH_ACTS = {"vis_patches": ("patch_dim", "f32"), "vis_pos": (2, "i32"), "vis_kpos": (1, "i32"),
-              "vis_pin": ("patch_dim", "f16"), "vis_x": ("hidden", "f32"), "vis_y": ("hidden", "f32"),
-              "vis_a": ("hp", "f16"), "vis_qkv": ("3hidden", "f32"), "vis_q": ("heads_dp", "bf16"),
-              "vis_k": ("heads_dp", "bf16"), "vis_v": ("heads_dp", "bf16"), "vis_attn": ("heads_dp", "f16"),
-              "vis_act": ("ip", "f16")}
+PATCH_ACTS = {
+    "vis_patches": ("patch_dim", "f32"),
+    "vis_pos": (2, "i32"),
+    "vis_kpos": (1, "i32"),
+    "vis_pin": ("patch_dim", "f16"),
+    "vis_x": ("hidden", "f32"),
+    "vis_y": ("hidden", "f32"),
+    "vis_a": ("hp", "f16"),
+    "vis_qkv": ("3hidden", "f32"),
+    "vis_q": ("heads_dp", "bf16"),
+    "vis_k": ("heads_dp", "bf16"),
+    "vis_v": ("heads_dp", "bf16"),
+    "vis_attn": ("heads_dp", "f16"),
+    "vis_act": ("ip", "f16"),
+}
 TOKEN_ACTS = {"vis_pooled": ("hp", "f16"), "vis_out": ("text_hidden", "f32")}
 
 
 def act_width(d: VisionDims, width) -> int:
-    return {"patch_dim": d.patch_dim, "hidden": d.hidden, "hp": d.hp, "3hidden": 3 * d.hidden,
-            "heads_dp": d.heads * d.dp, "ip": d.ip, "text_hidden": d.text_hidden}.get(width, width)
+    return {
+        "patch_dim": d.patch_dim,
+        "hidden": d.hidden,
+        "hp": d.hp,
+        "3hidden": 3 * d.hidden,
+        "heads_dp": d.heads * d.dp,
+        "ip": d.ip,
+        "text_hidden": d.text_hidden,
+    }.get(width, width)

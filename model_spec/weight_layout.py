@@ -29,7 +29,7 @@ FP4_CVT_SM = 100  # the first sm_ number with the hardware e2m1 conversion
 # "shift" order: (magnitude bit, sign bit) of register r inside each 16-bit half of a little-endian word, so that
 # sm_90a decodes with masks and shifts (nvfp4.cuh fp4_shift_decode) into fp16 bits worth e2m1 * 2^-14 ...
 SHIFT_POS = ((9, 15), (6, 12), (3, 14), (0, 13))
-SHIFT_DECODE_FACTOR = 2.0 ** 14  # ... which the kernels multiply back (nvfp4.cuh DecodeFactor<FP4_SHIFT>)
+SHIFT_DECODE_FACTOR = 2.0**14  # ... which the kernels multiply back (nvfp4.cuh DecodeFactor<FP4_SHIFT>)
 
 # The artifact's tensors of a stored matrix `base`: the repack writes them under these names, the step programs
 # bind the weight kernels' arguments to them by name (NVFP4: codes, block scales, tile multipliers; bf16: fp16).

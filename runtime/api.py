@@ -61,9 +61,18 @@ def _open_reference(config: EngineConfig, ckpt: Checkpoint) -> Backend:
 def _open_cuda(config: EngineConfig, ckpt: Checkpoint) -> Backend:
     from .cuda.backend import open_backend as open_cuda
 
-    return open_cuda(ckpt.model_dir, ctx=config.ctx, kv_dtype=config.kv_dtype, draft_dir=ckpt.draft_dir,
-                     weights_dir=config.weights, kernels_dir=config.kernels, max_num_seqs=config.max_num_seqs,
-                     kv_cache_gib=config.kv_cache_gib, options=config.options, sms=config.sms)
+    return open_cuda(
+        ckpt.model_dir,
+        ctx=config.ctx,
+        kv_dtype=config.kv_dtype,
+        draft_dir=ckpt.draft_dir,
+        weights_dir=config.weights,
+        kernels_dir=config.kernels,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_gib=config.kv_cache_gib,
+        options=config.options,
+        sms=config.sms,
+    )
 
 
 BACKENDS: dict[str, Callable[[EngineConfig, Checkpoint], Backend]] = {"reference": _open_reference, "cuda": _open_cuda}
@@ -82,6 +91,7 @@ def engine_option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         kwargs["engine_options"] = EngineOptions(**{n: kwargs.pop(n) for n in names})
         return command(*args, **kwargs)
+
     for name, flag, help in reversed(EngineOptions.flags()):
         run = click.option(f"--{flag}/--no-{flag}", name, default=True, show_default=True, help=help)(run)
     return run
@@ -98,5 +108,10 @@ def open_backend(config: EngineConfig) -> OpenedModel:
         ckpt = Checkpoint.open(config.model, config.draft)
     except CheckpointError as exc:
         raise BackendError(str(exc)) from exc
-    return OpenedModel(opener(config, ckpt), Path(ckpt.tokenizer_path), ckpt.chat_template,
-                       dict(ckpt.generation_config or {}), Path(ckpt.model_dir))
+    return OpenedModel(
+        opener(config, ckpt),
+        Path(ckpt.tokenizer_path),
+        ckpt.chat_template,
+        dict(ckpt.generation_config or {}),
+        Path(ckpt.model_dir),
+    )

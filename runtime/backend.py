@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 
-
 class BackendError(RuntimeError):
     """A request the backend cannot serve (prompt over the context, no GPU, ...): the message says what to do."""
 
@@ -116,11 +115,14 @@ def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_toke
     covered = 0
     for span in spans:
         if span.offset <= at or span.end > len(ids):
-            raise BackendError(f"image span {span.offset}..{span.end} is out of order or outside the "
-                               f"{len(ids)}-token prompt")
+            raise BackendError(
+                f"image span {span.offset}..{span.end} is out of order or outside the {len(ids)}-token prompt"
+            )
         if any(ids[i] != image_token_id for i in range(span.offset, span.end)):
-            raise BackendError(f"image span {span.offset}..{span.end} does not hold {span.image.soft_tokens} "
-                               f"image placeholder tokens ({image_token_id})")
+            raise BackendError(
+                f"image span {span.offset}..{span.end} does not hold {span.image.soft_tokens} "
+                f"image placeholder tokens ({image_token_id})"
+            )
         at = span.end - 1
         covered += span.image.soft_tokens
     placeholders = sum(1 for t in ids if t == image_token_id)
@@ -139,7 +141,7 @@ def key_tokens(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
     images never share cached K/V and the same image at the same place does."""
     out = list(ids)
     for span in spans:
-        out[span.offset:span.end] = [image_key(span.image.hash, i) for i in range(span.image.soft_tokens)]
+        out[span.offset : span.end] = [image_key(span.image.hash, i) for i in range(span.image.soft_tokens)]
     return out
 
 
@@ -211,8 +213,10 @@ class SamplingParams:
                 raise ValueError(f"{name} {getattr(self, name)} must lie in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
-            raise ValueError(f"repetition_penalty {self.repetition_penalty} must lie in [{low:g}, {high:g}] (1: off; "
-                             "below 1 favours repeats, above 1 penalises them)")
+            raise ValueError(
+                f"repetition_penalty {self.repetition_penalty} must lie in [{low:g}, {high:g}] (1: off; "
+                "below 1 favours repeats, above 1 penalises them)"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs {self.logprobs} must lie in 0..{MAX_TOP_LOGPROBS}")
         if self.draft_tokens is not None and not self.draft_tokens >= 1:
@@ -224,12 +228,16 @@ class SamplingParams:
         bias = dict(self.logit_bias)
         if len(bias) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
-        bad = [t for t, b in bias.items() if isinstance(b, bool) or not isinstance(b, (int, float))
-               or not math.isfinite(b)]
+        bad = [
+            t for t, b in bias.items() if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+        ]
         if bad:
             raise ValueError(f"logit_bias for token {bad[0]} must be a finite number, not {bias[bad[0]]!r}")
-        object.__setattr__(self, "logit_bias", tuple(
-            (int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in sorted(bias.items())))
+        object.__setattr__(
+            self,
+            "logit_bias",
+            tuple((int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in sorted(bias.items())),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -238,8 +246,14 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (a penalty, a bias, a grammar or min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.grammar is not None or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.grammar is not None
+            or self.min_tokens
+        )
 
     @property
     def extended(self) -> bool:
@@ -247,14 +261,20 @@ class SamplingParams:
         return self.processed or self.logprobs is not None
 
     def describe_extended(self) -> str:
-        names = [n for n, on in (("logprobs", self.logprobs is not None),
-                                 ("prompt logprobs (echo)", self.prompt_logprobs is not None),
-                                 ("presence_penalty", self.presence_penalty),
-                                 ("frequency_penalty", self.frequency_penalty),
-                                 ("repetition_penalty", self.repetition_penalty != 1.0),
-                                 ("logit_bias", self.logit_bias), ("response_format / forced tool_choice",
-                                                                   self.grammar is not None),
-                                 ("min_tokens", self.min_tokens)) if on]
+        names = [
+            n
+            for n, on in (
+                ("logprobs", self.logprobs is not None),
+                ("prompt logprobs (echo)", self.prompt_logprobs is not None),
+                ("presence_penalty", self.presence_penalty),
+                ("frequency_penalty", self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("logit_bias", self.logit_bias),
+                ("response_format / forced tool_choice", self.grammar is not None),
+                ("min_tokens", self.min_tokens),
+            )
+            if on
+        ]
         return ", ".join(names)
 
 
@@ -290,12 +310,20 @@ class BackendFeatures:
 class StreamingBackend:
     """The part every backend shares: `generate` drains `generate_stream` into one GenerationResult."""
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None,
-                 images: Sequence[ImageSpan] = ()) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> GenerationResult:
         result = GenerationResult()
         stream = self.generate_stream  # type: ignore[attr-defined]
-        for _ in stream(prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result, images=tuple(images)):
+        for _ in stream(
+            prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result, images=tuple(images)
+        ):
             pass
         return result

@@ -130,9 +130,16 @@ class EngineClient:
     """Owns the engine thread, which runs an EngineCore over the backend's ModelRunner (continuous batching
     up to `max_num_seqs`). `opener` runs on that thread and returns the backend (or raises: the load error)."""
 
-    def __init__(self, opener: Callable[[], Backend], backend_name: str = "reference", kv_dtype: str = "bf16",
-                 max_queue: int = 1024, max_num_seqs: int = 8, kv_tokens: int | None = None,
-                 max_step_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        opener: Callable[[], Backend],
+        backend_name: str = "reference",
+        kv_dtype: str = "bf16",
+        max_queue: int = 1024,
+        max_num_seqs: int = 8,
+        kv_tokens: int | None = None,
+        max_step_tokens: int | None = None,
+    ) -> None:
         self.backend_name, self.kv_dtype, self.max_queue = backend_name, kv_dtype, max_queue
         self.max_num_seqs, self.kv_tokens, self.max_step_tokens = max_num_seqs, kv_tokens, max_step_tokens
         self.backend: Backend | None = None
@@ -165,8 +172,15 @@ class EngineClient:
         def opener() -> Backend:
             holder["model"] = open_backend(config)
             return holder["model"].backend
-        client = cls(opener, config.backend, config.kv_dtype, max_queue, config.max_num_seqs,
-                     max_step_tokens=config.max_step_tokens)
+
+        client = cls(
+            opener,
+            config.backend,
+            config.kv_dtype,
+            max_queue,
+            config.max_num_seqs,
+            max_step_tokens=config.max_step_tokens,
+        )
         client.wait_ready()
         return client, holder["model"]
 
@@ -179,8 +193,13 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return (self._loaded.is_set() and self.load_error is None and self._thread.is_alive() and not self._closed
-                and self._state != "failed")
+        return (
+            self._loaded.is_set()
+            and self.load_error is None
+            and self._thread.is_alive()
+            and not self._closed
+            and self._state != "failed"
+        )
 
     @property
     def capabilities(self) -> Capabilities:
@@ -188,8 +207,15 @@ class EngineClient:
         b = self.backend
         assert b is not None
         features = b.features
-        return Capabilities(self.backend_name, b.max_context, features.speculative, self.kv_dtype,
-                            b.spec.target.vocab_size, features.grammar, b.spec.vision)
+        return Capabilities(
+            self.backend_name,
+            b.max_context,
+            features.speculative,
+            self.kv_dtype,
+            b.spec.target.vocab_size,
+            features.grammar,
+            b.spec.vision,
+        )
 
     def health(self) -> dict[str, Any]:
         if not self._loaded.is_set():
@@ -203,8 +229,13 @@ class EngineClient:
         with self._lock:
             live = len(self._live)
         running = min(self._running, live)
-        out: dict[str, Any] = {"status": self._state, "running": running, "queued": live - running, "recoveries": self.recoveries,
-               "steps": dict(self._stats)}
+        out: dict[str, Any] = {
+            "status": self._state,
+            "running": running,
+            "queued": live - running,
+            "recoveries": self.recoveries,
+            "steps": dict(self._stats),
+        }
         core = self.core
         if core is not None:  # ints, read between steps or not
             report = core.health()
@@ -234,9 +265,16 @@ class EngineClient:
         return len(jobs)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-               stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-               request_id: str | None = None, images: Sequence[ImageSpan] = ()) -> RequestStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        request_id: str | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> RequestStream:
         """Queue a request; call from a running event loop. The returned stream yields its outputs. `images`:
         the prompt's image spans (runtime.media.prompts.expand_image_tokens makes the prompt and the spans)."""
         if not self.ready:
@@ -244,8 +282,16 @@ class EngineClient:
             raise EngineUnavailable(health.get("error") or f"the engine is {health['status']}")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        job = _Job(request_id, list(prompt_ids), int(max_tokens), sampling, frozenset(stop_ids), speculative, stream,
-                   tuple(images))
+        job = _Job(
+            request_id,
+            list(prompt_ids),
+            int(max_tokens),
+            sampling,
+            frozenset(stop_ids),
+            speculative,
+            stream,
+            tuple(images),
+        )
         with self._lock:
             if request_id in self._live:
                 raise RequestRejected(f"request id {request_id!r} is already running")
@@ -317,8 +363,13 @@ class EngineClient:
         with self._lock:
             jobs = [j for j in self._live.values() if j.in_core]
         for job in jobs:
-            self._emit(job, EngineFailure(f"request {job.request_id} failed: the engine failed during a step it "
-                                          f"shared with other requests ({type(exc).__name__}); it is recovering"))
+            self._emit(
+                job,
+                EngineFailure(
+                    f"request {job.request_id} failed: the engine failed during a step it "
+                    f"shared with other requests ({type(exc).__name__}); it is recovering"
+                ),
+            )
         self._running = 0
         self.recoveries += 1
         reopen = isinstance(exc, EngineStateLost)
@@ -353,8 +404,15 @@ class EngineClient:
                 self._emit(job, RequestOutput(job.request_id, finished=True, result=result))
                 continue
             try:
-                self._core.add(job.request_id, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
-                              job.speculative, job.images)
+                self._core.add(
+                    job.request_id,
+                    job.prompt_ids,
+                    job.max_tokens,
+                    job.sampling,
+                    job.stop_ids,
+                    job.speculative,
+                    job.images,
+                )
                 job.in_core = True
             except EngineStateLost as exc:  # (a driver failure is the engine's fault, whenever it happens)
                 self._emit(job, self._failed(job.request_id, exc))
@@ -381,6 +439,7 @@ class EngineClient:
             marks.append(time.perf_counter())
             self._flush()
             marks.append(time.perf_counter())
+
         core = self._core
         outputs = core.step(launched=launched)  # (a fault of the engine itself raises: _recover)
         self._running = len(core.scheduler.running)
@@ -436,5 +495,14 @@ class EngineClient:
 
 
 # what the serve stage imports from here (RequestOutput and GenerationResult are the engine's and the backend's)
-__all__ = ["Capabilities", "EngineBusy", "EngineClient", "EngineFailure", "EngineUnavailable", "GenerationResult",
-           "OutputStream", "RequestOutput", "RequestRejected"]
+__all__ = [
+    "Capabilities",
+    "EngineBusy",
+    "EngineClient",
+    "EngineFailure",
+    "EngineUnavailable",
+    "GenerationResult",
+    "OutputStream",
+    "RequestOutput",
+    "RequestRejected",
+]

@@ -17,6 +17,7 @@ from .options import DEFAULT_CTX
 
 BOS_ID = 2
 
+
 def _parse_ids(text: str) -> list[int]:
     parts = [p.strip() for p in text.split(",")]
     try:
@@ -53,39 +54,102 @@ def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> 
 
 
 @click.command("generate")
-@click.option("--model", "model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Checkpoint directory (target; the drafter is DIR/dflash unless --draft).")
-@click.option("--backend", type=click.Choice(["reference", "cuda"]), default="reference", show_default=True,
-              help="reference: the NumPy oracle (slow, exact); cuda: the compiled engine.")
-@click.option("--prompt", "prompt_text", default=None,
-              help="Raw text, tokenized WITHOUT a chat template and prefixed with <bos> (id 2).")
+@click.option(
+    "--model",
+    "model",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Checkpoint directory (target; the drafter is DIR/dflash unless --draft).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["reference", "cuda"]),
+    default="reference",
+    show_default=True,
+    help="reference: the NumPy oracle (slow, exact); cuda: the compiled engine.",
+)
+@click.option(
+    "--prompt",
+    "prompt_text",
+    default=None,
+    help="Raw text, tokenized WITHOUT a chat template and prefixed with <bos> (id 2).",
+)
 @click.option("--prompt-ids", "prompt_ids", default=None, help="Comma-separated token ids, used verbatim.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-              help="0 = greedy.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--min-p", type=click.FloatRange(min=0.0, max=1.0), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Sampling seed; a token depends only on (seed, its position).")
-@click.option("--speculative/--no-speculative", default=False, show_default=True,
-              help="DFlash draft-then-verify (same tokens as plain decoding).")
-@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Drafter directory (default: MODEL/dflash when present).")
-@click.option("--ctx", "--max-context", "max_context", type=click.IntRange(min=2), default=None,
-              help=f"Context limit in tokens (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
-              help="KV-cache dtype of the cuda backend (fp8 = e4m3).")
-@click.option("--image", "image_paths", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="An image file (repeat for several): each one fills the prompt's next <|image|> placeholder.")
-@click.option("--image-max-tokens", type=click.Choice([str(b) for b in SOFT_TOKEN_BUDGETS]),
-              default=str(DEFAULT_BUDGET), show_default=True, help="Soft tokens an image may take.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Sampling seed; a token depends only on (seed, its position).",
+)
+@click.option(
+    "--speculative/--no-speculative",
+    default=False,
+    show_default=True,
+    help="DFlash draft-then-verify (same tokens as plain decoding).",
+)
+@click.option(
+    "--draft",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Drafter directory (default: MODEL/dflash when present).",
+)
+@click.option(
+    "--ctx",
+    "--max-context",
+    "max_context",
+    type=click.IntRange(min=2),
+    default=None,
+    help=f"Context limit in tokens (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).",
+)
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(["bf16", "fp8"]),
+    default="bf16",
+    show_default=True,
+    help="KV-cache dtype of the cuda backend (fp8 = e4m3).",
+)
+@click.option(
+    "--image",
+    "image_paths",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="An image file (repeat for several): each one fills the prompt's next <|image|> placeholder.",
+)
+@click.option(
+    "--image-max-tokens",
+    type=click.Choice([str(b) for b in SOFT_TOKEN_BUDGETS]),
+    default=str(DEFAULT_BUDGET),
+    show_default=True,
+    help="Soft tokens an image may take.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @engine_option_flags
-def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str | None, max_tokens: int,
-             temperature: float, top_k: int, top_p: float, min_p: float, seed: int, speculative: bool,
-             draft: Path | None, max_context: int | None, kv_dtype: str, image_paths: tuple[Path, ...],
-             image_max_tokens: str, as_json: bool, engine_options) -> None:
+def generate(
+    model: Path,
+    backend: str,
+    prompt_text: str | None,
+    prompt_ids: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    seed: int,
+    speculative: bool,
+    draft: Path | None,
+    max_context: int | None,
+    kv_dtype: str,
+    image_paths: tuple[Path, ...],
+    image_max_tokens: str,
+    as_json: bool,
+    engine_options,
+) -> None:
     """Generate tokens for one raw prompt (no chat template) and print them.
 
     With --image, each <|image|> placeholder of the prompt (in order) becomes that image's <|image> + soft tokens
@@ -99,8 +163,9 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     try:
-        opened = open_backend(EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1,
-                                           options=engine_options))
+        opened = open_backend(
+            EngineConfig(model, backend, max_context, kv_dtype, draft, max_num_seqs=1, options=engine_options)
+        )
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     engine = opened.backend
@@ -115,22 +180,30 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     vocab = engine.spec.target.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise click.BadParameter(f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}",
-                                 param_hint="--prompt-ids")
+        raise click.BadParameter(
+            f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}", param_hint="--prompt-ids"
+        )
     spans: list = []
     if image_paths:
         ids, spans = _with_images(engine.spec, ids, image_paths, int(image_max_tokens))
     if speculative and not engine.features.speculative:
-        raise click.ClickException(f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR "
-                                   "or --no-speculative")
+        raise click.ClickException(
+            f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR or --no-speculative"
+        )
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     decoder = tok.incremental_decoder()
     t0 = time.perf_counter()
     result = GenerationResult()
     try:
-        stream = engine.generate_stream(ids, max_tokens, sampling, stop_ids=_stop_ids(opened.generation_config,
-                                                                                      engine.spec),
-                                        speculative=speculative, result=result, images=spans)
+        stream = engine.generate_stream(
+            ids,
+            max_tokens,
+            sampling,
+            stop_ids=_stop_ids(opened.generation_config, engine.spec),
+            speculative=speculative,
+            result=result,
+            images=spans,
+        )
         for step in stream:
             text = decoder.push_many(step.token_ids)
             if not as_json and text:
@@ -143,19 +216,28 @@ def generate(model: Path, backend: str, prompt_text: str | None, prompt_ids: str
     wall = time.perf_counter() - t0
     tail = decoder.flush()
     n = len(result.token_ids)
-    timings = {"prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
-               "total_s": round(wall, 6),
-               "decode_tokens_per_s": round((n - 1) / result.decode_s, 3) if n > 1 and result.decode_s > 0 else None}
+    timings = {
+        "prefill_s": round(result.prefill_s, 6),
+        "decode_s": round(result.decode_s, 6),
+        "total_s": round(wall, 6),
+        "decode_tokens_per_s": round((n - 1) / result.decode_s, 3) if n > 1 and result.decode_s > 0 else None,
+    }
     if as_json:
-        out = {"token_ids": result.token_ids, "text": decoder.text, "finish_reason": result.finish_reason,
-               "prompt_tokens": result.prompt_tokens, "timings": timings}
+        out = {
+            "token_ids": result.token_ids,
+            "text": decoder.text,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "timings": timings,
+        }
         if speculative:
             out["accepted_lengths"] = result.accepted_lengths
         click.echo(json.dumps(out))
         return
     click.echo(tail)
-    summary = (f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, "
-               f"decode {result.decode_s:.3f}s")
+    summary = (
+        f"[{n} tokens, finish={result.finish_reason}, prefill {result.prefill_s:.3f}s, decode {result.decode_s:.3f}s"
+    )
     if speculative and result.accepted_lengths:
         mean = sum(result.accepted_lengths) / len(result.accepted_lengths)
         summary += f", mean acceptance length {mean:.2f}"

@@ -70,23 +70,31 @@ class KernelManifest:
         try:
             return self.kernels[name]
         except KeyError:
-            raise ModuleError(f"{self.path}: no kernel {name!r} in the manifest ({len(self.kernels)} kernels); "
-                              "rebuild with `thorgen build`") from None
+            raise ModuleError(
+                f"{self.path}: no kernel {name!r} in the manifest ({len(self.kernels)} kernels); "
+                "rebuild with `thorgen build`"
+            ) from None
 
     def check(self, spec_hash: str | None = None, device_arch: str | None = None) -> None:
         """ModuleError naming every field where the manifest and the model/device disagree."""
         diffs = []
         if spec_hash is not None and spec_hash != self.spec_hash:
-            diffs.append(f"spec hash: kernels built for {self.spec_hash[:12]} ({self.model}), model is {spec_hash[:12]}")
+            diffs.append(
+                f"spec hash: kernels built for {self.spec_hash[:12]} ({self.model}), model is {spec_hash[:12]}"
+            )
         if device_arch is not None and device_arch != self.arch:
             diffs.append(f"arch: kernels built for {self.arch}, this GPU is {device_arch}")
         if diffs:
-            raise ModuleError(f"{self.path} does not match: " + "; ".join(diffs)
-                              + f". Rebuild with `thorgen build --arch {device_arch or self.arch}`")
+            raise ModuleError(
+                f"{self.path} does not match: "
+                + "; ".join(diffs)
+                + f". Rebuild with `thorgen build --arch {device_arch or self.arch}`"
+            )
 
 
-def kernel_dirs(arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None
-                ) -> list[Path]:
+def kernel_dirs(
+    arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None
+) -> list[Path]:
     """Where the built kernels of `model_name` for `arch` are looked for, in order: `kernels_dir` (--kernels DIR),
     $THORGEN_KERNELS, `thorgen build`'s default folder ./thorgen-build/<model>/<arch>, and with a checkpoint folder
     `thorgen prepare`'s <model>/thorgen-build/<arch>."""
@@ -99,8 +107,13 @@ def kernel_dirs(arch: str, model_name: str, model_dir: Path | None = None, kerne
     return dirs
 
 
-def find_kernels(arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None,
-                 option: str = "--kernels") -> KernelManifest:
+def find_kernels(
+    arch: str,
+    model_name: str,
+    model_dir: Path | None = None,
+    kernels_dir: Path | None = None,
+    option: str = "--kernels",
+) -> KernelManifest:
     """The manifest in the first of kernel_dirs(...) that holds one; ModuleError naming where it looked, the build
     command (of the checkpoint, else of the preset `model_name`) and `option`, the caller's flag for a folder."""
     dirs = kernel_dirs(arch, model_name, model_dir, kernels_dir)
@@ -108,8 +121,10 @@ def find_kernels(arch: str, model_name: str, model_dir: Path | None = None, kern
         if (d / MANIFEST_NAME).is_file():
             return load_manifest(d)
     source = f"--model {model_dir}" if model_dir is not None else f"--preset {model_name}"
-    raise ModuleError(f"no built kernels for {arch} (looked in {', '.join(map(str, dirs))}); run "
-                      f"`thorgen build {source} --arch {arch}` or pass {option} DIR")
+    raise ModuleError(
+        f"no built kernels for {arch} (looked in {', '.join(map(str, dirs))}); run "
+        f"`thorgen build {source} --arch {arch}` or pass {option} DIR"
+    )
 
 
 def load_manifest(path: str | Path) -> KernelManifest:
@@ -130,10 +145,18 @@ def load_manifest(path: str | Path) -> KernelManifest:
     for name, k in (data.get("kernels") or {}).items():
         try:
             kernels[name] = KernelEntry(
-                name=name, cubin=p.parent / k["cubin"], entry=k.get("entry", name), family=k.get("family", ""),
-                grid=tuple(int(v) for v in k["grid"]), block=tuple(int(v) for v in k["block"]),  # type: ignore[arg-type]
-                smem_bytes=int(k.get("smem_bytes", 0)), args=tuple(k.get("args", ())), params=dict(k.get("params", {})),
-                template=str(k.get("template", "")), access=dict(k.get("access") or {}))
+                name=name,
+                cubin=p.parent / k["cubin"],
+                entry=k.get("entry", name),
+                family=k.get("family", ""),
+                grid=tuple(int(v) for v in k["grid"]),
+                block=tuple(int(v) for v in k["block"]),  # type: ignore[arg-type]
+                smem_bytes=int(k.get("smem_bytes", 0)),
+                args=tuple(k.get("args", ())),
+                params=dict(k.get("params", {})),
+                template=str(k.get("template", "")),
+                access=dict(k.get("access") or {}),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModuleError(f"{p}: kernel {name!r} entry is malformed ({exc!r}); rebuild") from exc
     for key in ("spec_hash", "arch"):
@@ -147,6 +170,13 @@ def load_manifest(path: str | Path) -> KernelManifest:
             raise ModuleError(f"{p}: unreadable step programs {data['programs_file']} ({exc}); rebuild") from exc
     if not isinstance(programs, dict):
         raise ModuleError(f"{p}: manifest has no step programs; rebuild with `thorgen build`")
-    return KernelManifest(p, str(data.get("model", "")), data["spec_hash"], data["arch"],
-                          dict(data.get("conventions") or {}), kernels, programs,
-                          dict(data.get("programs_missing") or {}))
+    return KernelManifest(
+        p,
+        str(data.get("model", "")),
+        data["spec_hash"],
+        data["arch"],
+        dict(data.get("conventions") or {}),
+        kernels,
+        programs,
+        dict(data.get("programs_missing") or {}),
+    )

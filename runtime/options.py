@@ -26,10 +26,12 @@ class EngineOptions:
     fork: bool = _switch("cuda: the dense MLP on a side stream beside router + MoE (off: one stream)")
     launch_ahead: bool = _switch(
         "cuda: launch each decode step (batched, one-sequence or DFlash) before the step before it is read, its "
-        "input tokens carried on the device (off: each step is launched when it is scheduled)")
+        "input tokens carried on the device (off: each step is launched when it is scheduled)"
+    )
     rowwise_splits: bool = _switch(
         "cuda: batched-decode attention over the planner's key-split count for the batch's rows (off: every "
-        "planned split)")
+        "planned split)"
+    )
 
     @staticmethod
     def flags() -> list[tuple[str, str, str]]:

@@ -86,8 +86,9 @@ async def answer(ctx: ServerContext, request: Request, adapter: Adapter) -> Resp
     if firsts is None:
         return client_gone()
     if adapter.streaming:
-        return StreamingResponse(_stream(adapter, request, firsts), media_type="text/event-stream",
-                                 headers=STREAM_HEADERS)
+        return StreamingResponse(
+            _stream(adapter, request, firsts), media_type="text/event-stream", headers=STREAM_HEADERS
+        )
     try:
         async for choice, event in events(gens, request, firsts):
             if isinstance(event, Error):

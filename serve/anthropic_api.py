@@ -20,19 +20,43 @@ from .anthropic_format import MessagesAdapter
 from .answer import answer
 from .conversation import image_source, template_messages, validate_tools
 from .pipeline import conversation_prompt, prepare
-from .protocol import (APIError, ContentPart, FunctionCall, FunctionDef, Integer, Message, Number, Tool, ToolCallIn,
-                       _Body, _Open, integer, stop_list)
+from .protocol import (
+    APIError,
+    ContentPart,
+    FunctionCall,
+    FunctionDef,
+    Integer,
+    Message,
+    Number,
+    Tool,
+    ToolCallIn,
+    _Body,
+    _Open,
+    integer,
+    stop_list,
+)
 from .request import GenerationRequest, ImageSource, SamplingOptions
 from .state import server_state
 
 log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
 # Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               503: "api_error", 529: "overloaded_error"}
-REFUSED = {"mcp_servers": "MCP servers", "container": "code-execution containers",
-           "context_management": "context management (clearing earlier turns)"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    529: "overloaded_error",
+}
+REFUSED = {
+    "mcp_servers": "MCP servers",
+    "container": "code-execution containers",
+    "context_management": "context management (clearing earlier turns)",
+}
 
 
 class Block(_Open):
@@ -141,17 +165,24 @@ def _turns(m: AnthropicMessage, i: int, image_fields: list[str]) -> list[Message
             if not block.tool_use_id:
                 raise APIError(f"{at}: a tool_result block needs its tool_use_id", param="messages")
             text = _text(block.content, at)
-            results.append(Message(role="tool", tool_call_id=block.tool_use_id,
-                                   content=json.dumps({"error": text}) if block.is_error else text))
+            results.append(
+                Message(
+                    role="tool",
+                    tool_call_id=block.tool_use_id,
+                    content=json.dumps({"error": text}) if block.is_error else text,
+                )
+            )
         elif block.type == "image" and m.role == "user":
             parts.append(ContentPart(type="image_url", image_url=_image_url(block.source, at)))
             image_fields.append(at)
         else:
-            raise APIError(f"{at}: content block type {block.type!r} is not supported in a {m.role} message",
-                           param="messages")
+            raise APIError(
+                f"{at}: content block type {block.type!r} is not supported in a {m.role} message", param="messages"
+            )
     if m.role == "assistant":
-        return [Message(role="assistant", content="".join(texts) if texts or not calls else None,
-                        tool_calls=calls or None)]
+        return [
+            Message(role="assistant", content="".join(texts) if texts or not calls else None, tool_calls=calls or None)
+        ]
     if any(part.type == "image_url" for part in parts):
         return results + [Message(role="user", content=parts)]
     return results + ([Message(role="user", content="".join(texts))] if texts or not results else [])
@@ -167,8 +198,11 @@ def _image_url(source: dict[str, Any] | None, at: str) -> str:
         return image_source(f"data:{media_type};base64,{data}", None, at).url
     if kind == "url":
         return image_source(source.get("url"), None, at).url
-    raise APIError(f"{at}: an image block's source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
-                   "{'type': 'url', 'url': ...}", param="messages")
+    raise APIError(
+        f"{at}: an image block's source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
+        "{'type': 'url', 'url': ...}",
+        param="messages",
+    )
 
 
 def conversation_request(req: _Conversation) -> GenerationRequest:
@@ -178,8 +212,11 @@ def conversation_request(req: _Conversation) -> GenerationRequest:
         if getattr(req, name) is not None:
             raise APIError(f"{name}: {what} are not supported by this server", param=name)
     if req.messages[-1].role == "assistant":
-        raise APIError("the last message is the assistant's: continuing a prefilled assistant turn is not "
-                       "supported; end with a user message", param="messages")
+        raise APIError(
+            "the last message is the assistant's: continuing a prefilled assistant turn is not "
+            "supported; end with a user message",
+            param="messages",
+        )
     messages: list[Message] = []
     if req.system:
         messages.append(Message(role="system", content=_text(req.system, "system")))
@@ -189,18 +226,27 @@ def conversation_request(req: _Conversation) -> GenerationRequest:
     tools = []
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
-            raise APIError(f"tools[{i}]: Anthropic's server tool {tool.type!r} is not supported; declare custom "
-                           "tools with name, description and input_schema", param="tools")
-        tools.append(Tool(function=FunctionDef(name=tool.name, description=tool.description,
-                                               parameters=tool.input_schema)))
+            raise APIError(
+                f"tools[{i}]: Anthropic's server tool {tool.type!r} is not supported; declare custom "
+                "tools with name, description and input_schema",
+                param="tools",
+            )
+        tools.append(
+            Tool(function=FunctionDef(name=tool.name, description=tool.description, parameters=tool.input_schema))
+        )
     declared = validate_tools(tools)
     mode, forced, parallel = _tool_choice(req.tool_choice, declared)
     found: list[ImageSource] = []
     templated = template_messages(messages, found)
     return GenerationRequest(
-        messages=templated, images=[replace(source, where=where) for source, where in zip(found, image_fields)],
-        tools=declared, tool_mode=mode, forced_tool=forced, parallel_tool_calls=parallel,
-        thinking=req.thinking is not None and req.thinking.type == "enabled")
+        messages=templated,
+        images=[replace(source, where=where) for source, where in zip(found, image_fields)],
+        tools=declared,
+        tool_mode=mode,
+        forced_tool=forced,
+        parallel_tool_calls=parallel,
+        thinking=req.thinking is not None and req.thinking.type == "enabled",
+    )
 
 
 def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[str, str | None, bool]:
@@ -215,8 +261,7 @@ def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[s
         return "required", None, parallel
     names = [t["function"]["name"] for t in tools]
     if choice.name not in names:
-        raise APIError(f"tool_choice names {choice.name!r}, which is not among the declared tools",
-                       param="tool_choice")
+        raise APIError(f"tool_choice names {choice.name!r}, which is not among the declared tools", param="tool_choice")
     return "named", choice.name, parallel
 
 
@@ -225,17 +270,26 @@ def messages_request(req: MessagesRequest) -> GenerationRequest:
     if req.thinking is not None and req.thinking.type == "enabled":
         budget = req.thinking.budget_tokens
         if budget is None or not MIN_THINKING_BUDGET <= budget < req.max_tokens:
-            raise APIError(f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
-                           "max_tokens", param="thinking")
-    return replace(prompt, sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
-                   stop=stop_list(req.stop_sequences), max_tokens=req.max_tokens, stream=bool(req.stream))
+            raise APIError(
+                f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than max_tokens",
+                param="thinking",
+            )
+    return replace(
+        prompt,
+        sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
+        stop=stop_list(req.stop_sequences),
+        max_tokens=req.max_tokens,
+        stream=bool(req.stream),
+    )
 
 
 def error_response(status: int, message: str) -> JSONResponse:
     """Anthropic's error shape, at Anthropic's status for it (a full queue is 529)."""
     status = 529 if status == 429 else status
-    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                    "message": message}}, status_code=status)
+    return JSONResponse(
+        {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}},
+        status_code=status,
+    )
 
 
 def _invalid(exc: RequestValidationError) -> str:
@@ -274,6 +328,7 @@ class AnthropicRoute(APIRoute):
                 log.exception("unhandled error on %s", request.url.path)
                 metrics.request_done(request.url.path, 500)
                 return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
         return route
 
 

@@ -21,8 +21,15 @@ from . import anthropic_api, endpoints, openapi, render, responses_api
 from .conversation import template_messages, validate_tools
 from .guards import BodyLimitMiddleware, BugMiddleware, prompt_ids
 from .pipeline import with_images
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       TokenizerInfo, error_body)
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    TokenizerInfo,
+    error_body,
+)
 from .request import ImageSource
 from .state import ServerState
 from .tool_schemas import template_tools
@@ -46,10 +53,12 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         def end() -> None:
-            ended = self.state.end_requests(f"the server is shutting down (its --shutdown-timeout of "
-                                            f"{self.deadline_s:g} s passed)")
+            ended = self.state.end_requests(
+                f"the server is shutting down (its --shutdown-timeout of {self.deadline_s:g} s passed)"
+            )
             if ended:
                 log.warning("shutdown deadline: ended %d running request(s)", ended)
+
         timer = asyncio.get_running_loop().call_later(self.deadline_s, end)
         try:
             await super().shutdown(sockets)
@@ -68,11 +77,17 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             headers = dict(scope.get("headers") or [])
             bearer = headers.get(b"authorization", b"")
-            ok = (hmac.compare_digest(bearer, b"Bearer " + self.key)
-                  or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key))
+            ok = hmac.compare_digest(bearer, b"Bearer " + self.key) or hmac.compare_digest(
+                headers.get(b"x-api-key", b""), self.key
+            )
             if not ok:
-                response = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY' or "
-                                                   "'x-api-key: KEY')", code="invalid_api_key"), status_code=401)
+                response = JSONResponse(
+                    error_body(
+                        "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                        code="invalid_api_key",
+                    ),
+                    status_code=401,
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -86,10 +101,15 @@ def _param(loc: tuple) -> str | None:
     return path or None
 
 
-def create_app(state: ServerState, api_key: str | None = None, cors_origins: list[str] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
-    app = FastAPI(title="thorgen", version="0.1.0",
-                  description="OpenAI-compatible server for Gemma-4 on the thorgen engine.")
+def create_app(
+    state: ServerState,
+    api_key: str | None = None,
+    cors_origins: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+) -> FastAPI:
+    app = FastAPI(
+        title="thorgen", version="0.1.0", description="OpenAI-compatible server for Gemma-4 on the thorgen engine."
+    )
     app.state.server = state
     openapi.install(app)
     # add_middleware puts each new one outside the previous: bug handler innermost, then the body limit (the
@@ -100,9 +120,13 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # added last = outermost: CORS headers also reach 401 answers, and preflights skip the key check
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
-                           allow_credentials="*" not in cors_origins)
-
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in cors_origins,
+        )
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -120,15 +144,23 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
         parts = [f"{param or 'body'}: {err.get('msg', 'invalid')}" for param, err in zip(params, errors[:5])]
         if errors and errors[0].get("type") == "invalid_text":
             parts = [errors[0]["msg"]]
-        return JSONResponse(error_body("invalid request: " + "; ".join(parts), param=params[0] if params else None,
-                                       code=errors[0].get("type") if errors else None), status_code=400)
+        return JSONResponse(
+            error_body(
+                "invalid request: " + "; ".join(parts),
+                param=params[0] if params else None,
+                code=errors[0].get("type") if errors else None,
+            ),
+            status_code=400,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         # exc.headers carries e.g. Allow on a 405
-        return JSONResponse(error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404
-                                       else "invalid_request_error"), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.get("/health")
     async def health():
@@ -145,8 +177,9 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
     async def metrics():
         engine = state.client.health() if state.client is not None else {}
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
-        return PlainTextResponse(state.metrics.render(engine.get("steps"), engine.get("kv")),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            state.metrics.render(engine.get("steps"), engine.get("kv")), media_type="text/plain; version=0.0.4"
+        )
 
     app.include_router(render.router)  # the web UI's markdown rendering, highlighting stylesheet and favicon
 
@@ -155,8 +188,14 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
         return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "thorgen",
-                "root": state.model_id, "max_model_len": state.caps.max_context if state.caps else None}
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "thorgen",
+            "root": state.model_id,
+            "max_model_len": state.caps.max_context if state.caps else None,
+        }
 
     @app.get("/v1/models", responses=openapi.errors(401))
     async def models():
@@ -192,9 +231,15 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
             images: list[ImageSource] = []
             messages, tools = template_messages(req.messages, images), template_tools(validate_tools(req.tools))
-            ids = await prompt_ids(ctx, lambda: ctx.template.render(
-                messages, tools, add_generation_prompt=req.add_generation_prompt is not False,
-                enable_thinking=thinking is True))
+            ids = await prompt_ids(
+                ctx,
+                lambda: ctx.template.render(
+                    messages,
+                    tools,
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                    enable_thinking=thinking is True,
+                ),
+            )
             ids, _ = await with_images(ctx, images, None, ids)  # the server's image budget
         else:
             bos, prompt = ctx.template.bos_token, req.prompt
@@ -207,8 +252,9 @@ def create_app(state: ServerState, api_key: str | None = None, cors_origins: lis
         ctx = state.require_ready()
         bad = [t for t in req.tokens if not 0 <= t < ctx.tokenizer.vocab_size]
         if bad:
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary 0..{ctx.tokenizer.vocab_size - 1}",
-                           param="tokens")
+            raise APIError(
+                f"token ids {bad[:5]} are outside the vocabulary 0..{ctx.tokenizer.vocab_size - 1}", param="tokens"
+            )
         return {"prompt": ctx.tokenizer.decode(req.tokens)}
 
     @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=openapi.errors(503))

@@ -26,9 +26,16 @@ class Engine(Protocol):
 
     def health(self) -> dict[str, Any]: ...
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-               stop_ids: frozenset[int] = frozenset(), speculative: bool = False, request_id: str | None = None,
-               images: Sequence[ImageSpan] = ()) -> OutputStream: ...
+    def submit(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        request_id: str | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> OutputStream: ...
 
     def close(self) -> None: ...
 

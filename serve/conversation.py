@@ -23,8 +23,10 @@ def image_source(url: Any, detail: Any, where: str, param: str = "messages") -> 
         raise APIError(f"{where}: the image URL must be a non-empty string", param=param)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme not in ("data", "http", "https"):
-        raise APIError(f"{where}: an image URL is a data: URL (data:image/png;base64,...) or an http(s) URL; got "
-                       f"{url[:40]!r}", param=param)
+        raise APIError(
+            f"{where}: an image URL is a data: URL (data:image/png;base64,...) or an http(s) URL; got {url[:40]!r}",
+            param=param,
+        )
     if detail is not None and detail not in DETAIL_BUDGETS:
         raise APIError(f"{where}: detail must be one of {', '.join(DETAIL_BUDGETS)}; got {detail!r}", param=param)
     return ImageSource(url, where, DETAIL_BUDGETS.get(detail))
@@ -39,9 +41,11 @@ def _image_of(part: ContentPart, where: str) -> ImageSource | None:
         return image_source(url, None if isinstance(part.image_url, str) else part.image_url.detail, where)
     if part.type == "image" and (part.url or part.image):
         return image_source(part.url or part.image, None, where)
-    raise APIError(f"{where}: a content part is text ({{'type': 'text', 'text': ...}}) or an image "
-                   f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}); got type {part.type!r}",
-                   param="messages")
+    raise APIError(
+        f"{where}: a content part is text ({{'type': 'text', 'text': ...}}) or an image "
+        f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}); got type {part.type!r}",
+        param="messages",
+    )
 
 
 def _content(m: Message, i: int, images: list[ImageSource] | None) -> str | list[dict] | None:
@@ -56,11 +60,11 @@ def _content(m: Message, i: int, images: list[ImageSource] | None) -> str | list
     if images is None:
         raise APIError(f"{found[0].where}: this endpoint does not take images", param="messages")
     if m.role != "user":
-        raise APIError(f"{found[0].where}: images are accepted in user messages only (not {m.role!r})",
-                       param="messages")
+        raise APIError(
+            f"{found[0].where}: images are accepted in user messages only (not {m.role!r})", param="messages"
+        )
     images += found
-    return [{"type": "image"} if source is not None else {"type": "text", "text": part.text}
-            for part, source in parts]
+    return [{"type": "image"} if source is not None else {"type": "text", "text": part.text} for part, source in parts]
 
 
 def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -80,8 +84,7 @@ def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
         params = fn.parameters
         if params is not None:
             if params.get("type", "object") != "object":
-                raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type 'object'",
-                               param="tools")
+                raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type 'object'", param="tools")
             if not isinstance(params.get("properties", {}), dict):
                 raise APIError(f"tools[{i}].function.parameters.properties must be an object", param="tools")
         d = {"name": fn.name, "description": fn.description or ""}
@@ -118,8 +121,9 @@ def _arguments(call: ToolCallIn, i: int) -> dict | str:
     try:
         parsed = json.loads(args) if args.strip() else {}
     except ValueError:
-        raise APIError(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid JSON",
-                       param="messages") from None
+        raise APIError(
+            f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not valid JSON", param="messages"
+        ) from None
     if not isinstance(parsed, dict):
         raise APIError(f"messages[{i}].tool_calls: arguments must be a JSON object", param="messages")
     return parsed
@@ -140,8 +144,10 @@ def template_messages(messages: list[Message], images: list[ImageSource] | None 
         content = _content(m, i, images)
         if m.role == "tool":
             if owner is None:
-                raise APIError(f"messages[{i}]: a 'tool' message must follow an assistant message with tool_calls",
-                               param="messages")
+                raise APIError(
+                    f"messages[{i}]: a 'tool' message must follow an assistant message with tool_calls",
+                    param="messages",
+                )
             name = m.name or "unknown"
             for call in owner.get("_ids", []):
                 if m.tool_call_id is not None and call[0] == m.tool_call_id:
@@ -153,9 +159,10 @@ def template_messages(messages: list[Message], images: list[ImageSource] | None 
         d: dict = {"role": m.role, "content": content}
         owner = None
         if m.role == "assistant" and m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _arguments(c, i)}}
-                               for c in m.tool_calls]
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c, i)}}
+                for c in m.tool_calls
+            ]
             d["_ids"] = [(c.id, c.function.name) for c in m.tool_calls]
             owner = d
         out.append(d)

@@ -12,7 +12,8 @@ DEMO_MODEL_ID = "thorgen-tiny-demo-random-weights-not-gemma"
 
 def demo_dir() -> Path:
     base = os.environ.get("THORGEN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "thorgen")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "thorgen"
+    )
     return Path(base) / "demo-tiny"
 
 

@@ -35,18 +35,33 @@ def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerationRequest(
-        messages=messages, images=images, image_budget=image_budget(req.mm_processor_kwargs), tools=tools,
-        tool_mode=mode, forced_tool=forced, parallel_tool_calls=req.parallel_tool_calls is not False,
-        thinking=thinking, template_kwargs=extra,
-        sampling=sampling_options(req), output_format=output_format(req.response_format), stop=stop_list(req.stop),
-        max_tokens=max_tokens, n=req.n or 1, return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), **vllm_fields(req, max_tokens))
+        messages=messages,
+        images=images,
+        image_budget=image_budget(req.mm_processor_kwargs),
+        tools=tools,
+        tool_mode=mode,
+        forced_tool=forced,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        thinking=thinking,
+        template_kwargs=extra,
+        sampling=sampling_options(req),
+        output_format=output_format(req.response_format),
+        stop=stop_list(req.stop),
+        max_tokens=max_tokens,
+        n=req.n or 1,
+        return_token_ids=bool(req.return_token_ids),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        **vllm_fields(req, max_tokens),
+    )
 
 
 def _prompts(prompt: str | list[Any]) -> list[Prompt]:
     """The request's prompts, each with the field its errors name: one text or token-id list, or a list of them."""
+
     def one(where: str, p: str | list[int]) -> Prompt:
         return Prompt(where, text=p) if isinstance(p, str) else Prompt(where, ids=tuple(p))
+
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         return [one("prompt", prompt)]
     if not prompt:
@@ -64,16 +79,27 @@ def completion_request(req: CompletionRequest) -> GenerationRequest:
         raise APIError("max_tokens 0 (score the prompt only) needs echo: true", param="max_tokens")
     prompts, n = _prompts(req.prompt), req.n or 1
     if len(prompts) * n > MAX_CHOICES:  # refused before any tokenizing
-        raise APIError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per "
-                       "request", param="prompt")
+        raise APIError(
+            f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per request",
+            param="prompt",
+        )
     return GenerationRequest(
-        prompts=prompts, sampling=sampling_options(req), output_format=output_format(req.response_format),
-        stop=stop_list(req.stop), max_tokens=req.max_tokens, default_max_tokens=16,  # OpenAI's default
-        n=n, parse_output=False, echo=bool(req.echo), score_only=req.max_tokens == 0,
-        return_token_ids=bool(req.return_token_ids), stream=bool(req.stream),
+        prompts=prompts,
+        sampling=sampling_options(req),
+        output_format=output_format(req.response_format),
+        stop=stop_list(req.stop),
+        max_tokens=req.max_tokens,
+        default_max_tokens=16,  # OpenAI's default
+        n=n,
+        parse_output=False,
+        echo=bool(req.echo),
+        score_only=req.max_tokens == 0,
+        return_token_ids=bool(req.return_token_ids),
+        stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         # max_tokens 0 still runs one token: the engine scores a prompt while it prefills for a first token
-        **vllm_fields(req, 1 if req.max_tokens == 0 else req.max_tokens))
+        **vllm_fields(req, 1 if req.max_tokens == 0 else req.max_tokens),
+    )
 
 
 async def chat_completions(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:

@@ -12,8 +12,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 
 from ..runtime.backend import GenerationResult, ImageSpan, SamplingParams
-from ..runtime.client import (EngineBusy, EngineFailure, EngineUnavailable, OutputStream, RequestOutput,
-                              RequestRejected)
+from ..runtime.client import EngineBusy, EngineFailure, EngineUnavailable, OutputStream, RequestOutput, RequestRejected
 from .context import Engine
 from .events import Error, Event, Finish, FinishReason, OutputEvent, ScoredToken, TextDelta, Tokens, Usage
 from .metrics import Metrics
@@ -64,8 +63,9 @@ def api_error(exc: BaseException) -> APIError:
 
 def submit(client: Engine, job: Job) -> None:
     try:
-        job.stream = client.submit(job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids,
-                                   speculative=job.speculative, images=job.images)
+        job.stream = client.submit(
+            job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids, speculative=job.speculative, images=job.images
+        )
     except (EngineBusy, EngineUnavailable, RequestRejected) as exc:
         raise api_error(exc) from None
 
@@ -97,8 +97,17 @@ class Generation:
     """One choice's run: its engine job and parser; turns each engine output into neutral events and counts the
     request in /metrics (`endpoint`: the route it counts under)."""
 
-    def __init__(self, metrics: Metrics, job: Job, parser: OutputParser, endpoint: str, *, echo: str | None = None,
-                 score_only: bool = False, prompt_scores_apart: bool = False) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        job: Job,
+        parser: OutputParser,
+        endpoint: str,
+        *,
+        echo: str | None = None,
+        score_only: bool = False,
+        prompt_scores_apart: bool = False,
+    ) -> None:
         self.metrics, self.job, self.parser, self.endpoint = metrics, job, parser, endpoint
         self.echo = echo  # completions' echo: the prompt text, still to go ahead of the output
         self.score_only = score_only  # max_tokens 0 with echo: the one token the engine must make is dropped
@@ -162,13 +171,18 @@ class Generation:
             elapsed = time.perf_counter() - job.first_at
             if elapsed > 0:
                 self.metrics.observe("tokens_per_s", (self.n_out - 1) / elapsed)
-        self.metrics.add(prompt_tokens=len(job.prompt_ids), cached_prompt_tokens=result.cached_prompt_tokens,
-                         generation_tokens=self.n_out)
+        self.metrics.add(
+            prompt_tokens=len(job.prompt_ids),
+            cached_prompt_tokens=result.cached_prompt_tokens,
+            generation_tokens=self.n_out,
+        )
         reason = self._finish_reason(result.finish_reason)
         matched = self.parser.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None
-        return [*self._echoed(self.parser.finish()),
-                Usage(len(job.prompt_ids), result.cached_prompt_tokens, self.n_out, self.parser.n_reasoning_tokens),
-                Finish(reason, matched)]
+        return [
+            *self._echoed(self.parser.finish()),
+            Usage(len(job.prompt_ids), result.cached_prompt_tokens, self.n_out, self.parser.n_reasoning_tokens),
+            Finish(reason, matched),
+        ]
 
     def _finish_reason(self, engine_reason: str) -> FinishReason:
         if self.score_only:
@@ -194,12 +208,15 @@ class Generation:
         return out
 
 
-async def _outputs(gens: list[Generation], request: Request, firsts: list[RequestOutput]
-                   ) -> AsyncIterator[tuple[int, RequestOutput | APIError]]:
+async def _outputs(
+    gens: list[Generation], request: Request, firsts: list[RequestOutput]
+) -> AsyncIterator[tuple[int, RequestOutput | APIError]]:
     """(choice index, engine output or error) of every generation until each is done or failed. One generation is
     read directly; several through one queue fed by a task each (their tokens interleave as the engine makes them)."""
+
     def last(item: RequestOutput | APIError) -> bool:
         return isinstance(item, APIError) or item.finished
+
     if len(gens) == 1:
         item: RequestOutput | APIError = firsts[0]
         while True:
@@ -219,6 +236,7 @@ async def _outputs(gens: list[Generation], request: Request, firsts: list[Reques
                 item = await next_output(gens[i].job, request)
         except ClientGone as exc:
             await queue.put((i, exc))
+
     tasks = [asyncio.create_task(pump(i)) for i in range(len(gens))]
     try:
         live = len(gens)
@@ -233,8 +251,9 @@ async def _outputs(gens: list[Generation], request: Request, firsts: list[Reques
             t.cancel()
 
 
-async def events(gens: list[Generation], request: Request, firsts: list[RequestOutput]
-                 ) -> AsyncIterator[tuple[int, Event]]:
+async def events(
+    gens: list[Generation], request: Request, firsts: list[RequestOutput]
+) -> AsyncIterator[tuple[int, Event]]:
     """(choice index, event) of every generation, each generation's output parsed as it comes. A failure while
     decoding one generation's output (detokenizing, parsing) is that generation's own 500 `Error`, so every API's
     stream ends it with its error event instead of a cut connection."""
@@ -246,14 +265,20 @@ async def events(gens: list[Generation], request: Request, firsts: list[RequestO
             taken = gens[i].to_events(out)
         except Exception as exc:
             log.error("request %s: its output could not be decoded", out.request_id, exc_info=exc)
-            taken = [Error(APIError(f"generation failed: {type(exc).__name__} while decoding the output: {exc}",
-                                    status=500, type="server_error"))]
+            taken = [
+                Error(
+                    APIError(
+                        f"generation failed: {type(exc).__name__} while decoding the output: {exc}",
+                        status=500,
+                        type="server_error",
+                    )
+                )
+            ]
         for event in taken:
             yield i, event
 
 
-def choices(n: int, makers: list[Callable[[SamplingParams], Generation]], sampling: SamplingParams
-            ) -> list[Generation]:
+def choices(n: int, makers: list[Callable[[SamplingParams], Generation]], sampling: SamplingParams) -> list[Generation]:
     """`n` generations of each prompt (one maker per prompt), prompt-major: choice p * n + j, as OpenAI numbers
     them. Choice j samples with seed + j (greedy choices are all alike, as in vLLM); each is its own engine
     sequence, and the engine's prefix cache may serve a shared prompt."""

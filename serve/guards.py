@@ -20,8 +20,9 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _reply(status: int, message: str, code: str | None, close: bool = False) -> JSONResponse:
-    return JSONResponse(error_body(message, code=code), status_code=status,
-                        headers={"Connection": "close"} if close else None)
+    return JSONResponse(
+        error_body(message, code=code), status_code=status, headers={"Connection": "close"} if close else None
+    )
 
 
 class BodyLimitMiddleware:
@@ -69,6 +70,7 @@ class BodyLimitMiddleware:
                 return await receive()
             replayed = True
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
         await self.app(scope, replay, send)
 
     async def _drain(self, receive, size: int, more: bool) -> int:
@@ -82,8 +84,12 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope, receive, send, close: bool) -> None:
         mb = self.limit / (1 << 20)
-        await _reply(413, f"the request body is larger than the server's limit of {mb:g} MB (thorgen serve "
-                     "--max-body-mb)", "request_too_large", close)(scope, receive, send)
+        await _reply(
+            413,
+            f"the request body is larger than the server's limit of {mb:g} MB (thorgen serve --max-body-mb)",
+            "request_too_large",
+            close,
+        )(scope, receive, send)
 
 
 class BugMiddleware:
@@ -104,6 +110,7 @@ class BugMiddleware:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
+
         try:
             await self.app(scope, receive, tracked)
         except Exception as exc:
@@ -111,8 +118,9 @@ class BugMiddleware:
             if started:  # a stream already under way: nothing left to answer with
                 raise
             self.on_error(scope["path"])
-            await JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
-                               status_code=500)(scope, receive, tracked)
+            await JSONResponse(
+                error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
+            )(scope, receive, tracked)
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:
@@ -130,9 +138,12 @@ def _bounded_ids(ctx: ServerContext, build: Callable[[], str], param: str) -> li
     text = build()
     limit = ctx.caps.max_context
     if len(text) > limit * ctx.max_token_chars:
-        raise APIError(f"this model's maximum context length is {limit} tokens, and the prompt's {len(text)} "
-                       f"characters are more than that many tokens can hold; shorten the {param}", param=param,
-                       code="context_length_exceeded")
+        raise APIError(
+            f"this model's maximum context length is {limit} tokens, and the prompt's {len(text)} "
+            f"characters are more than that many tokens can hold; shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
     return ctx.tokenizer.encode(text)
 
 

@@ -38,10 +38,19 @@ class Logprobs:
 
     def _object(self, items: list[_Item]) -> dict[str, Any]:
         if self.chat:  # (chat never scores its prompt: every item has its logprob and top entries)
+
             def entry(text: str, lp: float | None) -> dict[str, Any]:
                 return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-            return {"content": [{**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top or ()]}
-                                for text, lp, top, _ in items]}
-        return {"tokens": [i[0] for i in items], "token_logprobs": [i[1] for i in items],
-                "top_logprobs": [None if i[2] is None else dict(i[2]) for i in items],
-                "text_offset": [i[3] for i in items]}
+
+            return {
+                "content": [
+                    {**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top or ()]}
+                    for text, lp, top, _ in items
+                ]
+            }
+        return {
+            "tokens": [i[0] for i in items],
+            "token_logprobs": [i[1] for i in items],
+            "top_logprobs": [None if i[2] is None else dict(i[2]) for i in items],
+            "text_offset": [i[3] for i in items],
+        }

@@ -68,48 +68,73 @@ class Metrics:
         """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"]); `kv`:
         its KV blocks (health()["kv"]: total, charged to running sequences, tokens a block)."""
         with self._lock:
-            lines = ["# HELP thorgen_requests_total HTTP requests by endpoint and status.",
-                     "# TYPE thorgen_requests_total counter"]
+            lines = [
+                "# HELP thorgen_requests_total HTTP requests by endpoint and status.",
+                "# TYPE thorgen_requests_total counter",
+            ]
             for (endpoint, status), n in sorted(self.requests.items()):
                 lines.append(f'thorgen_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-            lines += ["# HELP thorgen_requests_aborted_total Generations whose client disconnected before the end "
-                      "(also counted as status 499 above).", "# TYPE thorgen_requests_aborted_total counter"]
+            lines += [
+                "# HELP thorgen_requests_aborted_total Generations whose client disconnected before the end "
+                "(also counted as status 499 above).",
+                "# TYPE thorgen_requests_aborted_total counter",
+            ]
             for endpoint, n in sorted(self.aborts.items()):
                 lines.append(f'thorgen_requests_aborted_total{{endpoint="{endpoint}"}} {n}')
             for name, value, kind, text in (
-                    ("thorgen_prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens processed."),
-                    ("thorgen_cached_prompt_tokens_total", self.cached_prompt_tokens, "counter",
-                     "Prompt tokens served from the prefix cache."),
-                    ("thorgen_generation_tokens_total", self.generation_tokens, "counter", "Tokens generated."),
-                    ("thorgen_requests_running", self.running, "gauge", "Generations on the engine now."),
-                    ("thorgen_requests_queued", self.queued, "gauge", "Generations waiting for the engine.")):
+                ("thorgen_prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens processed."),
+                (
+                    "thorgen_cached_prompt_tokens_total",
+                    self.cached_prompt_tokens,
+                    "counter",
+                    "Prompt tokens served from the prefix cache.",
+                ),
+                ("thorgen_generation_tokens_total", self.generation_tokens, "counter", "Tokens generated."),
+                ("thorgen_requests_running", self.running, "gauge", "Generations on the engine now."),
+                ("thorgen_requests_queued", self.queued, "gauge", "Generations waiting for the engine."),
+            ):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
             for name, hist, text in (
-                    ("thorgen_time_to_first_token_seconds", self.ttft, "Time from arrival to the first token."),
-                    ("thorgen_decode_tokens_per_second", self.tokens_per_s, "Decode speed per request."),
-                    ("thorgen_accepted_tokens_per_step", self.accepted_per_step,
-                     "Tokens committed per speculative verify step (accepted drafts + 1).")):
+                ("thorgen_time_to_first_token_seconds", self.ttft, "Time from arrival to the first token."),
+                ("thorgen_decode_tokens_per_second", self.tokens_per_s, "Decode speed per request."),
+                (
+                    "thorgen_accepted_tokens_per_step",
+                    self.accepted_per_step,
+                    "Tokens committed per speculative verify step (accepted drafts + 1).",
+                ),
+            ):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram"] + hist.lines(name)
             if steps:  # where the engine thread's time goes (a load test diffs two scrapes: per-step means)
-                lines += ["# HELP thorgen_engine_steps_total Engine steps run.", "# TYPE thorgen_engine_steps_total "
-                          "counter", f"thorgen_engine_steps_total {steps['steps']}",
-                          "# HELP thorgen_engine_running_sequences_total Sequences running after each step, summed "
-                          "(over steps_total: the mean batch).", "# TYPE thorgen_engine_running_sequences_total "
-                          "counter", f"thorgen_engine_running_sequences_total {steps['running']}",
-                          "# HELP thorgen_engine_step_seconds_total Engine thread time by phase: prepare (step "
-                          "start to device work enqueued), flush (streaming the previous step's outputs), finish "
-                          "(the device wait and postprocessing).", "# TYPE thorgen_engine_step_seconds_total counter"]
-                lines += [f'thorgen_engine_step_seconds_total{{phase="{p}"}} {steps[p]:.6f}'
-                          for p in ("prepare", "flush", "finish")]
-                lines += ["# HELP thorgen_drafter_catch_up_tokens_total Positions a speculative sequence's drafter "
-                          "context was brought up to date over (a tap prefill once it decodes alone after batched "
-                          "steps).", "# TYPE thorgen_drafter_catch_up_tokens_total counter",
-                          f"thorgen_drafter_catch_up_tokens_total {steps.get('catch_up_tokens', 0)}"]
+                lines += [
+                    "# HELP thorgen_engine_steps_total Engine steps run.",
+                    "# TYPE thorgen_engine_steps_total counter",
+                    f"thorgen_engine_steps_total {steps['steps']}",
+                    "# HELP thorgen_engine_running_sequences_total Sequences running after each step, summed "
+                    "(over steps_total: the mean batch).",
+                    "# TYPE thorgen_engine_running_sequences_total counter",
+                    f"thorgen_engine_running_sequences_total {steps['running']}",
+                    "# HELP thorgen_engine_step_seconds_total Engine thread time by phase: prepare (step "
+                    "start to device work enqueued), flush (streaming the previous step's outputs), finish "
+                    "(the device wait and postprocessing).",
+                    "# TYPE thorgen_engine_step_seconds_total counter",
+                ]
+                lines += [
+                    f'thorgen_engine_step_seconds_total{{phase="{p}"}} {steps[p]:.6f}'
+                    for p in ("prepare", "flush", "finish")
+                ]
+                lines += [
+                    "# HELP thorgen_drafter_catch_up_tokens_total Positions a speculative sequence's drafter "
+                    "context was brought up to date over (a tap prefill once it decodes alone after batched "
+                    "steps).",
+                    "# TYPE thorgen_drafter_catch_up_tokens_total counter",
+                    f"thorgen_drafter_catch_up_tokens_total {steps.get('catch_up_tokens', 0)}",
+                ]
             if kv:  # vLLM's kv_cache_usage_perc, and the numbers behind it
                 usage = kv["used"] / kv["blocks"] if kv["blocks"] else 0.0
                 for name, value, text in (
-                        ("thorgen_kv_cache_blocks", kv["blocks"], f"KV blocks of {kv['block_tokens']} tokens in all."),
-                        ("thorgen_kv_cache_blocks_used", kv["used"], "KV blocks charged to running sequences."),
-                        ("thorgen_kv_cache_usage", round(usage, 6), "Fraction of the KV blocks in use (0..1).")):
+                    ("thorgen_kv_cache_blocks", kv["blocks"], f"KV blocks of {kv['block_tokens']} tokens in all."),
+                    ("thorgen_kv_cache_blocks_used", kv["used"], "KV blocks charged to running sequences."),
+                    ("thorgen_kv_cache_usage", round(usage, 6), "Fraction of the KV blocks in use (0..1)."),
+                ):
                     lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
             return "\n".join(lines) + "\n"

@@ -12,21 +12,41 @@ from typing import Any, Sequence
 from ..runtime.backend import TokenLogprob
 from .answer import Adapter, sse
 from .context import ServerContext
-from .events import (Event, Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta, ToolCallArguments,
-                     ToolCallBegin, ToolCallEnd, Tokens, Usage)
+from .events import (
+    Event,
+    Finish,
+    FinishReason,
+    OutputEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallBegin,
+    ToolCallEnd,
+    Tokens,
+    Usage,
+)
 from .generation import Generation
 from .logprobs import Logprobs
 from .protocol import APIError
 from .request import GenerationRequest
 from .vllm_extras import prompt_logprobs_json
 
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls",
-                  FinishReason.STOP_SEQUENCE: "stop", FinishReason.CANCELLED: "stop"}
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TOOL_CALLS: "tool_calls",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.CANCELLED: "stop",
+}
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 @dataclass
@@ -56,9 +76,17 @@ class _Choice:
             elif isinstance(e, ToolCallArguments):
                 args[e.id] = args.get(e.id, "") + e.delta
         self.events = []
-        calls = [(self.calls[call_id][0], {"id": "call_" + call_id, "type": "function",
-                                           "function": {"name": self.calls[call_id][1], "arguments": arguments}})
-                 for call_id, arguments in args.items()]
+        calls = [
+            (
+                self.calls[call_id][0],
+                {
+                    "id": "call_" + call_id,
+                    "type": "function",
+                    "function": {"name": self.calls[call_id][1], "arguments": arguments},
+                },
+            )
+            for call_id, arguments in args.items()
+        ]
         return text, reasoning, calls
 
 
@@ -75,19 +103,27 @@ class OpenAIAdapter(Adapter):
 
         def token_text(token: int) -> str:
             return ctx.tokenizer.decode([token])
-        self.choices = [_Choice(Logprobs(token_text, self.chat) if g.job.sampling.logprobs is not None else None)
-                        for g in gens]
+
+        self.choices = [
+            _Choice(Logprobs(token_text, self.chat) if g.job.sampling.logprobs is not None else None) for g in gens
+        ]
 
     # --- streamed ----------------------------------------------------------------------------------------------
     def _chunk(self, choice: dict[str, Any]) -> bytes:
-        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                                "created": self.created, "model": self.model, "choices": [choice]}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             body["usage"] = None
         return sse(body)
 
-    def _step(self, i: int, finish: str | None = None, ids: tuple[int, ...] = (),
-              logprobs: dict[str, Any] | None = None) -> list[bytes]:
+    def _step(
+        self, i: int, finish: str | None = None, ids: tuple[int, ...] = (), logprobs: dict[str, Any] | None = None
+    ) -> list[bytes]:
         """The chunk of choice i's held events (none when there is nothing to say)."""
         text, reasoning, calls = self.choices[i].take()
         forced = (self.return_ids and ids) or logprobs is not None  # a chunk even without text
@@ -113,8 +149,12 @@ class OpenAIAdapter(Adapter):
     def opening(self) -> list[bytes]:
         if not self.chat:
             return []
-        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}) for i in range(len(self.gens))]
+        return [
+            self._chunk(
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
+            for i in range(len(self.gens))
+        ]
 
     def add(self, choice: int, event: Event) -> list[bytes]:
         c = self.choices[choice]
@@ -138,8 +178,18 @@ class OpenAIAdapter(Adapter):
     def closing(self) -> list[bytes]:
         tail = []
         if self.include_usage:
-            tail.append(sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                             "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}))
+            tail.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self._usage(),
+                    }
+                )
+            )
         return tail + [sse("[DONE]")]
 
     def failure(self, error: APIError) -> list[bytes]:
@@ -149,8 +199,11 @@ class OpenAIAdapter(Adapter):
     def _usage(self) -> dict[str, Any]:
         """Each prompt once, the completions of every choice (OpenAI's usage for n > 1 and for several prompts)."""
         firsts = [c.usage for g, c in zip(self.gens, self.choices) if g.counts_prompt]
-        return usage(sum(u.prompt_tokens for u in firsts), sum(c.usage.completion_tokens for c in self.choices),
-                     sum(u.cached_tokens for u in firsts))
+        return usage(
+            sum(u.prompt_tokens for u in firsts),
+            sum(c.usage.completion_tokens for c in self.choices),
+            sum(u.cached_tokens for u in firsts),
+        )
 
     def _prompt_logprobs(self, g: Generation, c: _Choice) -> list[dict[str, Any] | None] | None:
         return prompt_logprobs_json(g.job.prompt_ids, c.prompt_scores, self.decode)
@@ -167,15 +220,23 @@ class OpenAIAdapter(Adapter):
                 out: dict[str, Any] = {"index": i, "message": message}
             else:
                 out = {"index": i, "text": text}
-            out.update(logprobs=c.logprobs.total() if c.logprobs is not None else None,
-                       finish_reason=FINISH_REASONS[c.finish.reason])
+            out.update(
+                logprobs=c.logprobs.total() if c.logprobs is not None else None,
+                finish_reason=FINISH_REASONS[c.finish.reason],
+            )
             if self.return_ids:
                 out.update(token_ids=c.token_ids, prompt_token_ids=list(g.job.prompt_ids))
             if self.reports_prompt_logprobs and not self.chat:
                 out["prompt_logprobs"] = self._prompt_logprobs(g, c)
             choices.append(out)
-        body: dict[str, Any] = {"object": "chat.completion" if self.chat else "text_completion", "id": self.id,
-                "created": self.created, "model": self.model, "usage": self._usage(), "choices": choices}
+        body: dict[str, Any] = {
+            "object": "chat.completion" if self.chat else "text_completion",
+            "id": self.id,
+            "created": self.created,
+            "model": self.model,
+            "usage": self._usage(),
+            "choices": choices,
+        }
         if self.reports_prompt_logprobs and self.chat:  # vLLM's chat answer carries them once, at the top
             body["prompt_logprobs"] = self._prompt_logprobs(self.gens[0], self.choices[0])
         return body

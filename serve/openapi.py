@@ -12,14 +12,16 @@ from pydantic import BaseModel
 
 from .protocol import ErrorResponse
 
-_WHY = {400: "Invalid request (malformed JSON, a schema violation, or a request the model cannot serve)",
-        401: "Missing or wrong API key (only when the server runs with --api-key)",
-        404: "No such model",
-        413: "The request body is larger than the server's limit (--max-body-mb)",
-        429: "The engine's queue is full; retry later",
-        500: "The engine failed while generating",
-        503: "The model is still loading, failed to load, or the engine stopped",
-        529: "The engine's queue is full; retry later (Anthropic's 'overloaded')"}
+_WHY = {
+    400: "Invalid request (malformed JSON, a schema violation, or a request the model cannot serve)",
+    401: "Missing or wrong API key (only when the server runs with --api-key)",
+    404: "No such model",
+    413: "The request body is larger than the server's limit (--max-body-mb)",
+    429: "The engine's queue is full; retry later",
+    500: "The engine failed while generating",
+    503: "The model is still loading, failed to load, or the engine stopped",
+    529: "The engine's queue is full; retry later (Anthropic's 'overloaded')",
+}
 SSE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
@@ -42,11 +44,14 @@ def errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int |
 
 def install(app: FastAPI) -> None:
     """Replace app.openapi with the corrected document (built once, on first request)."""
+
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = corrected(get_openapi(title=app.title, version=app.version,
-                                                       description=app.description, routes=app.routes))
+            app.openapi_schema = corrected(
+                get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            )
         return app.openapi_schema
+
     app.openapi = openapi
 
 
@@ -59,11 +64,15 @@ def corrected(schema: dict) -> dict:
             if path in SSE_PATHS and ok is not None:
                 # One event (how schemathesis and OpenAPI 3.2's itemSchema read an event stream's schema): the
                 # body is a sequence of them, each 'data: <JSON chunk>', the last 'data: [DONE]'.
-                ok["text/event-stream"] = {"schema": {
-                    "type": "object", "required": ["data"],
-                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-                    "description": "with \"stream\": true: server-sent events, each 'data: <JSON chunk>', ending "
-                                   "with 'data: [DONE]'"}}
+                ok["text/event-stream"] = {
+                    "schema": {
+                        "type": "object",
+                        "required": ["data"],
+                        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                        "description": "with \"stream\": true: server-sent events, each 'data: <JSON chunk>', ending "
+                        "with 'data: [DONE]'",
+                    }
+                }
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)

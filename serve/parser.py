@@ -116,7 +116,7 @@ def _parse_value(s: str, i: int) -> tuple[Any, int]:
         end = s.find(STR_DELIM, i + len(STR_DELIM))
         if end < 0:
             raise ToolSyntaxError("unterminated string")
-        return s[i + len(STR_DELIM):end], end + len(STR_DELIM)
+        return s[i + len(STR_DELIM) : end], end + len(STR_DELIM)
     if i < len(s) and s[i] in "{[":
         closer = "}" if s[i] == "{" else "]"
         out: dict[str, Any] | list[Any] = {} if closer == "}" else []
@@ -179,9 +179,17 @@ class OutputParser:
     call comes whole (begin, its arguments as JSON, end) once its closing token arrives. Set `prefill_tool` when
     the prompt already opened a tool call (tool_choice required/named) so the output starts inside `call:...`."""
 
-    def __init__(self, decode: Callable[[list[int]], str], ids: ControlIds = ControlIds(), *,
-                 parse_tools: bool = True, stop: Iterable[str] = (), prefill_tool: str | None = None,
-                 call_id_prefix: str | None = None, max_calls: int | None = None) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        ids: ControlIds = ControlIds(),
+        *,
+        parse_tools: bool = True,
+        stop: Iterable[str] = (),
+        prefill_tool: str | None = None,
+        call_id_prefix: str | None = None,
+        max_calls: int | None = None,
+    ) -> None:
         self.ids = ids
         self.max_calls = max_calls  # parallel_tool_calls=false: the answer ends after the first call
         self.parse_tools = parse_tools
@@ -213,7 +221,7 @@ class OutputParser:
                 if nl < 0 and len(self._label) < 32:
                     return
                 # no newline within 32 chars: it was not a channel label after all, keep it as reasoning
-                text, self._label = (self._label[nl + 1:] if nl >= 0 else self._label), None
+                text, self._label = (self._label[nl + 1 :] if nl >= 0 else self._label), None
             _add_text(out, ReasoningDelta(text))
         else:
             _add_text(out, TextDelta(self._stop.push(text)))
@@ -233,8 +241,11 @@ class OutputParser:
             self._route("<|tool_call>" + body + "<tool_call|>", out)
             return
         call_id = f"{self._prefix}_{self.n_calls}"
-        out += [ToolCallBegin(call_id, name), ToolCallArguments(call_id, json.dumps(args, ensure_ascii=False)),
-                ToolCallEnd(call_id)]
+        out += [
+            ToolCallBegin(call_id, name),
+            ToolCallArguments(call_id, json.dumps(args, ensure_ascii=False)),
+            ToolCallEnd(call_id),
+        ]
         self.n_calls += 1
         if self.max_calls is not None and self.n_calls >= self.max_calls:
             self.stopped = True

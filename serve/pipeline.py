@@ -39,9 +39,15 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
     prefill = forced_call(req)
 
     def render() -> str:
-        prompt = ctx.template.render(messages, template_tools(req.tools) if req.tool_mode != "none" else None,
-                                     add_generation_prompt=True, enable_thinking=req.thinking, **req.template_kwargs)
+        prompt = ctx.template.render(
+            messages,
+            template_tools(req.tools) if req.tool_mode != "none" else None,
+            add_generation_prompt=True,
+            enable_thinking=req.thinking,
+            **req.template_kwargs,
+        )
         return prompt if prefill is None else prompt + "<|tool_call>" + prefill
+
     return await with_images(ctx, req.images, req.image_budget, await prompt_ids(ctx, render))
 
 
@@ -61,8 +67,9 @@ async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
     return ids
 
 
-async def with_images(ctx: ServerContext, images: list[ImageSource], budget: int | None, ids: list[int]
-                      ) -> tuple[list[int], list[ImageSpan]]:
+async def with_images(
+    ctx: ServerContext, images: list[ImageSource], budget: int | None, ids: list[int]
+) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
     images are read and preprocessed once, after the placeholders are known to match them."""
     vision = ctx.caps.vision
@@ -73,8 +80,11 @@ async def with_images(ctx: ServerContext, images: list[ImageSource], budget: int
     found = ids.count(vision.image_token_id)
     if found != len(images):
         token = ctx.tokenizer.id_to_token(vision.image_token_id)
-        raise APIError(f"the prompt holds {found} image placeholder(s) but the request has {len(images)} "
-                       f"image(s): message text must not contain the image token {token!r}", param="messages")
+        raise APIError(
+            f"the prompt holds {found} image placeholder(s) but the request has {len(images)} "
+            f"image(s): message text must not contain the image token {token!r}",
+            param="messages",
+        )
     if not images:
         return ids, []
     return expand_image_tokens(ids, await load_images(vision, ctx.media, images, budget), vision)
@@ -96,8 +106,9 @@ def _stop_ids(ctx: ServerContext, req: GenerationRequest) -> frozenset[int]:
     return (frozenset() if req.ignore_eos else ctx.stop_ids) | frozenset(req.stop_token_ids)
 
 
-def _one_grammar(ctx: ServerContext, req: GenerationRequest, tools_grammar: Grammar | None, forced_call: bool
-                 ) -> Grammar | None:
+def _one_grammar(
+    ctx: ServerContext, req: GenerationRequest, tools_grammar: Grammar | None, forced_call: bool
+) -> Grammar | None:
     """The one grammar a request decodes under: a forced call's, or the guided-decoding field's, or the output
     format's, or an auto tool call's (the first three exclude one another)."""
     fmt, guided = req.output_format, req.guided
@@ -106,16 +117,23 @@ def _one_grammar(ctx: ServerContext, req: GenerationRequest, tools_grammar: Gram
         raise APIError(f"{fmt.param} cannot be combined with a forced tool_choice", param=fmt.param)
     if guided is not None:
         if forced is not None or fmt is not None:
-            raise APIError("guided decoding cannot be combined with response_format or a forced tool_choice",
-                           param="structured_outputs")
+            raise APIError(
+                "guided decoding cannot be combined with response_format or a forced tool_choice",
+                param="structured_outputs",
+            )
         if not ctx.caps.constrained:
-            raise APIError(f"{guided.param} needs grammar-constrained decoding, which this engine cannot run",
-                           param=guided.param)
-    grammar = (forced or format_grammar(guided, ctx, req.thinking) or format_grammar(fmt, ctx, req.thinking)
-               or tools_grammar)
+            raise APIError(
+                f"{guided.param} needs grammar-constrained decoding, which this engine cannot run", param=guided.param
+            )
+    grammar = (
+        forced or format_grammar(guided, ctx, req.thinking) or format_grammar(fmt, ctx, req.thinking) or tools_grammar
+    )
     if req.ignore_eos and grammar is not None and grammar.trigger is None:
-        raise APIError("ignore_eos cannot be combined with a grammar (response_format, guided decoding or a forced "
-                       "tool_choice): the grammar ends the answer", param="ignore_eos")
+        raise APIError(
+            "ignore_eos cannot be combined with a grammar (response_format, guided decoding or a forced "
+            "tool_choice): the grammar ends the answer",
+            param="ignore_eos",
+        )
     return grammar
 
 
@@ -128,8 +146,10 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
     prompts: list[tuple[str, list[int], str | None]] = []  # (the field errors name, prompt ids, echoed text)
     if req.messages is not None:
         if req.images and keep is not None:
-            raise APIError("truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)",
-                           param="truncate_prompt_tokens")
+            raise APIError(
+                "truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)",
+                param="truncate_prompt_tokens",
+            )
         ids, images = await conversation_prompt(ctx, req)
         # the tools' grammar: None unless a call can happen and the backend can constrain it
         tools_grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, ctx)
@@ -141,8 +161,7 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
             sent = await _raw_prompt_ids(ctx, p)
             ids = kept_prompt(sent, keep)
             # echo: a text prompt as sent, token ids (or a truncated prompt) decoded (as vLLM does)
-            echo = (p.text if p.text is not None and ids is sent else ctx.tokenizer.decode(ids)) if req.echo \
-                else None
+            echo = (p.text if p.text is not None and ids is sent else ctx.tokenizer.decode(ids)) if req.echo else None
             prompts.append((p.where, ids, echo))
     sampling = sampling_params(req.sampling, ctx.generation_defaults, ctx.caps.vocab_size, grammar)
     speculative, sampling = speculation(req.sampling, ctx, sampling)
@@ -151,18 +170,39 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
     if req.parse_output:
         controls = replace(ctx.controls, stops=ctx.controls.stops | stop_ids)
     else:  # raw text: every special token is hidden, nothing is parsed out
-        controls = ControlIds(channel_open=-1, channel_close=-1, tool_call_open=-1, tool_call_close=-1,
-                              string_delim=-1, stops=ctx.stop_ids | stop_ids, hidden=ctx.tokenizer.special_ids)
+        controls = ControlIds(
+            channel_open=-1,
+            channel_close=-1,
+            tool_call_open=-1,
+            tool_call_close=-1,
+            string_delim=-1,
+            stops=ctx.stop_ids | stop_ids,
+            hidden=ctx.tokenizer.special_ids,
+        )
 
     def maker(where: str, ids: list[int], echo: str | None) -> Callable[[SamplingParams], Generation]:
         limit = _budget(req, len(ids), ctx.caps.max_context, where)
 
         def make(sampling: SamplingParams) -> Generation:
-            parser = OutputParser(ctx.decode, controls, parse_tools=req.parse_output and req.tool_mode != "none",
-                                  stop=req.stop, prefill_tool=forced_call(req),
-                                  max_calls=None if req.parallel_tool_calls else 1)
+            parser = OutputParser(
+                ctx.decode,
+                controls,
+                parse_tools=req.parse_output and req.tool_mode != "none",
+                stop=req.stop,
+                prefill_tool=forced_call(req),
+                max_calls=None if req.parallel_tool_calls else 1,
+            )
             job = Job(ids, limit, sampling, stop_ids, speculative=speculative, images=tuple(images))
-            return Generation(ctx.metrics, job, parser, endpoint, echo=echo, score_only=req.score_only,
-                              prompt_scores_apart=req.sampling.prompt_logprobs is not None)
+            return Generation(
+                ctx.metrics,
+                job,
+                parser,
+                endpoint,
+                echo=echo,
+                score_only=req.score_only,
+                prompt_scores_apart=req.sampling.prompt_logprobs is not None,
+            )
+
         return make
+
     return choices(req.n, [maker(*p) for p in prompts], sampling)

@@ -33,8 +33,14 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class APIError(Exception):
     """Becomes `{"error": {...}}` with this HTTP status (always 4xx for anything the client can fix)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
 
@@ -55,8 +61,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -96,9 +103,11 @@ class _Body(_Open):
         if found:
             field, index, char = found
             field = field.encode("utf-8", "backslashreplace").decode()  # a key can hold the surrogate itself
-            raise PydanticCustomError("invalid_text", "{field} contains a lone surrogate U+{code} at index {index}; "
-                                      "text must be valid Unicode",
-                                      {"field": field, "code": f"{ord(char):04X}", "index": index})
+            raise PydanticCustomError(
+                "invalid_text",
+                "{field} contains a lone surrogate U+{code} at index {index}; text must be valid Unicode",
+                {"field": field, "code": f"{ord(char):04X}", "index": index},
+            )
         return data
 
 

@@ -29,18 +29,79 @@ MAX_MARKDOWN_CHARS = 1_000_000  # well above the longest reply a 64k-token conte
 MAX_FORMULA_CHARS = 4_000  # longer formulas are shown as their source: latex2mathml recurses per brace
 LIGHT_STYLE, DARK_STYLE = "default", "github-dark"  # Pygments styles for prefers-color-scheme light / dark
 MATHML = "{http://www.w3.org/1998/Math/MathML}"
-MATHML_ELEMENTS = {"math", "mrow", "mi", "mn", "mo", "ms", "mtext", "mspace", "msup", "msub", "msubsup", "mfrac",
-                   "msqrt", "mroot", "mover", "munder", "munderover", "mtable", "mtr", "mtd", "mstyle", "mpadded",
-                   "mphantom", "menclose", "merror", "semantics", "annotation", "mmultiscripts", "mprescripts",
-                   "none", "mlabeledtr"}
-MATHML_ATTRIBUTES = {"display", "mathvariant", "mathsize", "mathcolor", "mathbackground", "stretchy", "fence",
-                     "separator", "form", "lspace", "rspace", "minsize", "maxsize", "movablelimits", "accent",
-                     "accentunder", "largeop", "symmetric", "linethickness", "columnalign", "rowalign",
-                     "columnspacing", "rowspacing", "columnlines", "rowlines", "frame", "width", "height", "depth",
-                     "displaystyle", "scriptlevel", "notation", "encoding"}
-FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
-               '<rect width="32" height="32" rx="7" fill="#2f6fde"/>'
-               '<path d="M9 9h14v4h-5v12h-4V13H9z" fill="#fff"/></svg>')
+MATHML_ELEMENTS = {
+    "math",
+    "mrow",
+    "mi",
+    "mn",
+    "mo",
+    "ms",
+    "mtext",
+    "mspace",
+    "msup",
+    "msub",
+    "msubsup",
+    "mfrac",
+    "msqrt",
+    "mroot",
+    "mover",
+    "munder",
+    "munderover",
+    "mtable",
+    "mtr",
+    "mtd",
+    "mstyle",
+    "mpadded",
+    "mphantom",
+    "menclose",
+    "merror",
+    "semantics",
+    "annotation",
+    "mmultiscripts",
+    "mprescripts",
+    "none",
+    "mlabeledtr",
+}
+MATHML_ATTRIBUTES = {
+    "display",
+    "mathvariant",
+    "mathsize",
+    "mathcolor",
+    "mathbackground",
+    "stretchy",
+    "fence",
+    "separator",
+    "form",
+    "lspace",
+    "rspace",
+    "minsize",
+    "maxsize",
+    "movablelimits",
+    "accent",
+    "accentunder",
+    "largeop",
+    "symmetric",
+    "linethickness",
+    "columnalign",
+    "rowalign",
+    "columnspacing",
+    "rowspacing",
+    "columnlines",
+    "rowlines",
+    "frame",
+    "width",
+    "height",
+    "depth",
+    "displaystyle",
+    "scriptlevel",
+    "notation",
+    "encoding",
+}
+FAVICON_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+    '<rect width="32" height="32" rx="7" fill="#2f6fde"/>'
+    '<path d="M9 9h14v4h-5v12h-4V13H9z" fill="#fff"/></svg>'
+)
 
 
 def _safe_mathml_element(node: ElementTree.Element) -> str:
@@ -49,8 +110,9 @@ def _safe_mathml_element(node: ElementTree.Element) -> str:
     inner += "".join(_safe_mathml_element(child) + html.escape(child.tail or "", quote=False) for child in node)
     if tag not in MATHML_ELEMENTS:  # anything else (script, a, ...) keeps only its text
         return inner
-    attrs = "".join(f' {name}="{html.escape(value)}"' for name, value in node.attrib.items()
-                    if name in MATHML_ATTRIBUTES)
+    attrs = "".join(
+        f' {name}="{html.escape(value)}"' for name, value in node.attrib.items() if name in MATHML_ATTRIBUTES
+    )
     if tag == "math":
         attrs = ' xmlns="http://www.w3.org/1998/Math/MathML"' + attrs
     return f"<{tag}{attrs}>{inner}</{tag}>"
@@ -81,8 +143,7 @@ def _closing(src: str, start: int, close: str) -> int:
 def math_inline(state: StateInline, silent: bool) -> bool:
     """`$x$`, `\\(x\\)` inline; `$$x$$`, `\\[x\\]` inside a paragraph as display math."""
     src, pos = state.src, state.pos
-    for opener, close, display in (("$$", "$$", True), ("\\[", "\\]", True), ("\\(", "\\)", False),
-                                   ("$", "$", False)):
+    for opener, close, display in (("$$", "$$", True), ("\\[", "\\]", True), ("\\(", "\\)", False), ("$", "$", False)):
         if src.startswith(opener, pos):
             break
     else:
@@ -92,7 +153,7 @@ def math_inline(state: StateInline, silent: bool) -> bool:
     if end <= begin:
         return False
     latex = src[begin:end]
-    if opener == "$" and (latex[0].isspace() or latex[-1].isspace() or src[end + 1:end + 2].isdigit()):
+    if opener == "$" and (latex[0].isspace() or latex[-1].isspace() or src[end + 1 : end + 2].isdigit()):
         return False  # "$5 and $10" is money, not math: pandoc's rule
     if not silent:
         token = state.push("math_block_inline" if display else "math_inline", "math", 0)
@@ -106,16 +167,16 @@ def math_block(state: StateBlock, start_line: int, end_line: int, silent: bool) 
     if state.sCount[start_line] - state.blkIndent >= 4:
         return False  # indented code
     begin = state.bMarks[start_line] + state.tShift[start_line]
-    first = state.src[begin:state.eMarks[start_line]]
+    first = state.src[begin : state.eMarks[start_line]]
     opener = next((o for o in ("$$", "\\[") if first.startswith(o)), None)
     if opener is None:
         return False
     close = "$$" if opener == "$$" else "\\]"
-    lines, line, text = [], start_line, first[len(opener):]
+    lines, line, text = [], start_line, first[len(opener) :]
     while True:
         cut = text.find(close)
         if cut >= 0:
-            if text[cut + len(close):].strip():
+            if text[cut + len(close) :].strip():
                 return False  # text after the formula: a paragraph with display math, the inline rule's case
             lines.append(text[:cut])
             break
@@ -123,7 +184,7 @@ def math_block(state: StateBlock, start_line: int, end_line: int, silent: bool) 
         line += 1
         if line >= end_line:
             return False
-        text = state.src[state.bMarks[line] + state.tShift[line]:state.eMarks[line]]
+        text = state.src[state.bMarks[line] + state.tShift[line] : state.eMarks[line]]
     if not silent:
         token = state.push("math_block", "math", 0)
         token.block, token.content, token.markup = True, "\n".join(lines).strip(), opener
@@ -151,23 +212,24 @@ def _markdown() -> MarkdownIt:
     md.inline.ruler.before("escape", "math_inline", math_inline)
     md.block.ruler.before("fence", "math_block", math_block, {"alt": ["paragraph", "reference", "blockquote"]})
     md.add_render_rule("math_inline", lambda self, tokens, idx, options, env: formula(tokens[idx].content, False))
-    md.add_render_rule("math_block_inline",
-                       lambda self, tokens, idx, options, env: formula(tokens[idx].content, True))
-    md.add_render_rule("math_block",
-                       lambda self, tokens, idx, options, env: formula(tokens[idx].content, True) + "\n")
-    default_link = md.renderer.rules.get("link_open") or (lambda self, tokens, idx, options, env:
-                                                          self.renderToken(tokens, idx, options, env))
+    md.add_render_rule("math_block_inline", lambda self, tokens, idx, options, env: formula(tokens[idx].content, True))
+    md.add_render_rule("math_block", lambda self, tokens, idx, options, env: formula(tokens[idx].content, True) + "\n")
+    default_link = md.renderer.rules.get("link_open") or (
+        lambda self, tokens, idx, options, env: self.renderToken(tokens, idx, options, env)
+    )
 
     def link_open(self, tokens, idx, options, env):  # links open outside the chat, without the page's opener
         tokens[idx].attrSet("target", "_blank")
         tokens[idx].attrSet("rel", "noopener noreferrer")
         return default_link(self, tokens, idx, options, env)
+
     md.add_render_rule("link_open", link_open)
 
     def image(self, tokens, idx, options, env):  # a link to the image: model output never makes the page fetch
         alt = html.escape(self.renderInlineAsText(tokens[idx].children or [], options, env)) or "image"
         src = html.escape(tokens[idx].attrGet("src") or "")
         return f'<a href="{src}" target="_blank" rel="noopener noreferrer">{alt}</a>'
+
     md.add_render_rule("image", image)
     return md
 

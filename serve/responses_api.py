@@ -13,19 +13,35 @@ from pydantic import ConfigDict, Field, StrictBool
 from . import openapi
 from .answer import answer
 from .pipeline import prepare
-from .protocol import (REASONING_EFFORTS, APIError, ContentPart, FunctionCall, FunctionDef, Message, Number, Tool,
-                       ToolCallIn, _Body, _Open, integer)
+from .protocol import (
+    REASONING_EFFORTS,
+    APIError,
+    ContentPart,
+    FunctionCall,
+    FunctionDef,
+    Message,
+    Number,
+    Tool,
+    ToolCallIn,
+    _Body,
+    _Open,
+    integer,
+)
 from .conversation import image_source, template_messages, tool_choice_mode, validate_tools
 from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
 from .responses_format import ResponsesAdapter
 from .state import server_state
 
 # fields that need state or features this server does not have: refused when set (and not false / empty)
-REFUSED = {"previous_response_id": "stored responses (this server keeps none; send the whole conversation)",
-           "conversation": "stored conversations (this server keeps none; send the whole conversation)",
-           "background": "background responses", "prompt": "stored prompt templates",
-           "include": "extra output (encrypted reasoning, logprobs, sources)", "top_logprobs": "logprobs",
-           "max_tool_calls": "a cap on tool calls"}
+REFUSED = {
+    "previous_response_id": "stored responses (this server keeps none; send the whole conversation)",
+    "conversation": "stored conversations (this server keeps none; send the whole conversation)",
+    "background": "background responses",
+    "prompt": "stored prompt templates",
+    "include": "extra output (encrypted reasoning, logprobs, sources)",
+    "top_logprobs": "logprobs",
+    "max_tool_calls": "a cap on tool calls",
+}
 
 
 class Reasoning(_Open):
@@ -72,8 +88,9 @@ class ResponsesRequest(_Body):
     max_tool_calls: integer(ge=1) | None = None
 
 
-def _text(content: Any, where: str, allowed: tuple[str, ...], image_fields: list[str] | None = None
-          ) -> str | list[ContentPart]:
+def _text(
+    content: Any, where: str, allowed: tuple[str, ...], image_fields: list[str] | None = None
+) -> str | list[ContentPart]:
     """A message's content: its text parts joined, or (with `image_fields`, a user message) text and image parts
     in order when it holds an input_image (whose places are appended to `image_fields`)."""
     if isinstance(content, str):
@@ -85,8 +102,11 @@ def _text(content: Any, where: str, allowed: tuple[str, ...], image_fields: list
         kind, at = part.get("type") if isinstance(part, dict) else None, f"{where}.content[{j}]"
         if kind == "input_image" and image_fields is not None:
             if part.get("file_id") is not None or part.get("image_url") is None:
-                raise APIError(f"{at}: an input_image needs an image_url (a data: or http(s) URL); file_id needs "
-                               "stored files, which this server does not keep", param="input")
+                raise APIError(
+                    f"{at}: an input_image needs an image_url (a data: or http(s) URL); file_id needs "
+                    "stored files, which this server does not keep",
+                    param="input",
+                )
             try:
                 source = image_source(part.get("image_url"), part.get("detail"), at, param="input")
             except APIError as exc:
@@ -95,8 +115,9 @@ def _text(content: Any, where: str, allowed: tuple[str, ...], image_fields: list
             image_fields.append(at)
             continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(f"{at}: {kind} is not supported {'here' if kind == 'input_image' else 'by this server'}",
-                           param="input")
+            raise APIError(
+                f"{at}: {kind} is not supported {'here' if kind == 'input_image' else 'by this server'}", param="input"
+            )
         if kind not in allowed or not isinstance(part.get("text"), str):
             raise APIError(f"{at} must be a text part ({' or '.join(allowed)} with a 'text')", param="input")
         parts.append(ContentPart(type="text", text=part["text"]))
@@ -117,13 +138,18 @@ def _items(items: list[dict[str, Any]], image_fields: list[str]) -> list[Message
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"{where}.role must be user, assistant, system or developer", param="input")
             allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-            out.append(Message(role=role, content=_text(item.get("content"), where, allowed,
-                                                        image_fields if role == "user" else None)))
+            out.append(
+                Message(
+                    role=role,
+                    content=_text(item.get("content"), where, allowed, image_fields if role == "user" else None),
+                )
+            )
         elif kind == "function_call":
             name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
-                raise APIError(f"{where}: a function_call item needs call_id, name and arguments (strings)",
-                               param="input")
+                raise APIError(
+                    f"{where}: a function_call item needs call_id, name and arguments (strings)", param="input"
+                )
             call = ToolCallIn(id=call_id, function=FunctionCall(name=name, arguments=args))
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
@@ -134,13 +160,19 @@ def _items(items: list[dict[str, Any]], image_fields: list[str]) -> list[Message
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise APIError(f"{where}: a function_call_output item needs its call_id", param="input")
-            out.append(Message(role="tool", tool_call_id=call_id,
-                               content=output if isinstance(output, str) else _text(output, where, ("input_text",))))
+            out.append(
+                Message(
+                    role="tool",
+                    tool_call_id=call_id,
+                    content=output if isinstance(output, str) else _text(output, where, ("input_text",)),
+                )
+            )
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
-            raise APIError(f"{where}: item references need stored responses, which this server does not keep",
-                           param="input")
+            raise APIError(
+                f"{where}: item references need stored responses, which this server does not keep", param="input"
+            )
         else:
             raise APIError(f"{where}: input item type {kind!r} is not supported", param="input")
     return out
@@ -150,23 +182,28 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
     declared = []
     for i, tool in enumerate(tools or []):
         if tool.get("type") != "function":
-            raise APIError(f"tools[{i}]: only function tools are supported (built-in tool {tool.get('type')!r} "
-                           "is not)", param="tools")
+            raise APIError(
+                f"tools[{i}]: only function tools are supported (built-in tool {tool.get('type')!r} is not)",
+                param="tools",
+            )
         if not isinstance(tool.get("name"), str):
             raise APIError(f"tools[{i}].name must be a string", param="tools")
         params = tool.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise APIError(f"tools[{i}].parameters must be a JSON schema object", param="tools")
-        declared.append(Tool(function=FunctionDef(name=tool["name"], description=tool.get("description"),
-                                                  parameters=params)))
+        declared.append(
+            Tool(function=FunctionDef(name=tool["name"], description=tool.get("description"), parameters=params))
+        )
     return validate_tools(declared)
 
 
 def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, str | None]:
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                           param="tool_choice")
+            raise APIError(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                param="tool_choice",
+            )
         choice = {"type": "function", "function": {"name": choice["name"]}}
     return tool_choice_mode(choice, tools)
 
@@ -178,8 +215,11 @@ def _format(text: TextConfig | None) -> OutputFormat | None:
     if fmt.get("type") == "json_object":
         return OutputFormat("json_object", param="text.format")
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise APIError("text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
-                       "'name': ..., 'schema': {...}}", param="text.format")
+        raise APIError(
+            "text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+            "'name': ..., 'schema': {...}}",
+            param="text.format",
+        )
     if not isinstance(fmt.get("strict", False), (bool, type(None))):
         raise APIError("text.format.strict must be true or false", param="text.format")
     return OutputFormat("json_schema", fmt["schema"], "text.format")
@@ -211,22 +251,40 @@ def response_request(req: ResponsesRequest) -> GenerationRequest:
     templated = template_messages(messages, images)
     images = [replace(source, where=where) for source, where in zip(images, image_fields)]
     return GenerationRequest(
-        messages=templated, images=images, tools=tools, tool_mode=mode, forced_tool=forced,
-        parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking(req.reasoning),
-        sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p), output_format=_format(req.text),
-        max_tokens=req.max_output_tokens, stream=bool(req.stream))
+        messages=templated,
+        images=images,
+        tools=tools,
+        tool_mode=mode,
+        forced_tool=forced,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        thinking=thinking(req.reasoning),
+        sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p),
+        output_format=_format(req.text),
+        max_tokens=req.max_output_tokens,
+        stream=bool(req.stream),
+    )
 
 
 def echoed(req: ResponsesRequest) -> dict:
     """The request's settings as a response object repeats them."""
     fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
-    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
-                          "summary": req.reasoning.summary if req.reasoning else None},
-            "temperature": req.temperature, "top_p": req.top_p, "text": {"format": fmt},
-            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
-            "metadata": req.metadata or {}, "store": False, "truncation": "disabled"}
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "reasoning": {
+            "effort": req.reasoning.effort if req.reasoning else None,
+            "summary": req.reasoning.summary if req.reasoning else None,
+        },
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "text": {"format": fmt},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "metadata": req.metadata or {},
+        "store": False,
+        "truncation": "disabled",
+    }
 
 
 def router() -> APIRouter:
@@ -240,4 +298,3 @@ def router() -> APIRouter:
         return await answer(ctx, request, ResponsesAdapter(ctx, gens[0], gen_req.stream, echoed(req)))
 
     return routes
-

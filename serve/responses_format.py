@@ -27,10 +27,13 @@ def part(block: Block) -> dict[str, Any]:
 
 
 def usage_json(used: Usage) -> dict[str, Any]:
-    return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": used.cached_tokens},
-            "output_tokens": used.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": used.reasoning_tokens},
-            "total_tokens": used.prompt_tokens + used.completion_tokens}
+    return {
+        "input_tokens": used.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": used.cached_tokens},
+        "output_tokens": used.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": used.reasoning_tokens},
+        "total_tokens": used.prompt_tokens + used.completion_tokens,
+    }
 
 
 class ResponsesAdapter(Adapter):
@@ -51,24 +54,47 @@ class ResponsesAdapter(Adapter):
         """The output item of a block (`done` False: as announced, before its text)."""
         item_id, status = self.item_id(block), "completed" if done else "in_progress"
         if block.kind is BlockKind.TOOL_CALL:
-            return {"id": item_id, "type": "function_call", "call_id": "call_" + block.call_id, "name": block.name,
-                    "arguments": block.text if done else "", "status": status}
+            return {
+                "id": item_id,
+                "type": "function_call",
+                "call_id": "call_" + block.call_id,
+                "name": block.name,
+                "arguments": block.text if done else "",
+                "status": status,
+            }
         if block.kind is BlockKind.REASONING:
-            return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-                    "content": [part(block)] if done else []}
-        return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-                "content": [part(block)] if done else []}
+            return {
+                "id": item_id,
+                "type": "reasoning",
+                "summary": [],
+                "status": status,
+                "content": [part(block)] if done else [],
+            }
+        return {
+            "id": item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [part(block)] if done else [],
+        }
 
     def item_id(self, block: Block) -> str:
         return f"{ITEM_PREFIXES[block.kind]}_{self.hex}_{block.index + 1}"
 
     def response(self, status: str) -> dict[str, Any]:
         incomplete = status == "incomplete"
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": [self.item(b) for b in self.blocks.closed], "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": usage_json(self.usage) if self.usage is not None and status != "in_progress" else None,
-                **self.settings}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": [self.item(b) for b in self.blocks.closed],
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "usage": usage_json(self.usage) if self.usage is not None and status != "in_progress" else None,
+            **self.settings,
+        }
 
     def _status(self) -> str:
         return "incomplete" if self.finish.reason is FinishReason.LENGTH else "completed"
@@ -91,21 +117,31 @@ class ResponsesAdapter(Adapter):
             if call:
                 return [self._emit("response.function_call_arguments.delta", **at, delta=change.delta)]
             if block.kind is BlockKind.TEXT:
-                return [self._emit("response.output_text.delta", **at, content_index=0, delta=change.delta,
-                                   logprobs=[])]
+                return [
+                    self._emit("response.output_text.delta", **at, content_index=0, delta=change.delta, logprobs=[])
+                ]
             return [self._emit("response.reasoning_text.delta", **at, content_index=0, delta=change.delta)]
         if call:
             out = [self._emit("response.function_call_arguments.done", **at, arguments=block.text, name=block.name)]
         else:
             text = block.kind is BlockKind.TEXT
-            out = [self._emit("response.output_text.done" if text else "response.reasoning_text.done", **at,
-                              content_index=0, text=block.text, **({"logprobs": []} if text else {})),
-                   self._emit("response.content_part.done", **at, content_index=0, part=part(block))]
+            out = [
+                self._emit(
+                    "response.output_text.done" if text else "response.reasoning_text.done",
+                    **at,
+                    content_index=0,
+                    text=block.text,
+                    **({"logprobs": []} if text else {}),
+                ),
+                self._emit("response.content_part.done", **at, content_index=0, part=part(block)),
+            ]
         return out + [self._emit("response.output_item.done", output_index=block.index, item=self.item(block))]
 
     def opening(self) -> list[bytes]:
-        return [self._emit("response.created", response=self.response("in_progress")),
-                self._emit("response.in_progress", response=self.response("in_progress"))]
+        return [
+            self._emit("response.created", response=self.response("in_progress")),
+            self._emit("response.in_progress", response=self.response("in_progress")),
+        ]
 
     def add(self, choice: int, event: Event) -> list[bytes]:
         if isinstance(event, Usage):

@@ -31,9 +31,15 @@ class ServerState:
     default: `model_id`); answers carry the first, `model_id`. `speculative`: True / False, or None for exactly
     when the engine can (decided once loaded)."""
 
-    def __init__(self, model_id: str, loader: Loader, speculative: bool | None = False,
-                 draft_tokens: int | None = None, model_names: Sequence[str] = (),
-                 media: MediaOptions = MediaOptions()) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        loader: Loader,
+        speculative: bool | None = False,
+        draft_tokens: int | None = None,
+        model_names: Sequence[str] = (),
+        media: MediaOptions = MediaOptions(),
+    ) -> None:
         self.model_names = tuple(dict.fromkeys(model_names or (model_id,)))
         self.model_id = self.model_names[0]
         self.media = media  # how images are taken (budget, count, which URLs are fetched)
@@ -57,18 +63,29 @@ class ServerState:
             caps = client.capabilities
             speculative = caps.speculative if self.speculative is None else self.speculative
             if speculative and not caps.speculative:
-                raise ValueError("speculative decoding was asked for but the engine cannot run it (no drafter, "
-                                 "or its kernels are missing)")
+                raise ValueError(
+                    "speculative decoding was asked for but the engine cannot run it (no drafter, "
+                    "or its kernels are missing)"
+                )
             eos = gen_cfg.get("eos_token_id", [1, 106, 50])
             stop_ids = frozenset([eos] if isinstance(eos, int) else eos)
             self.context = ServerContext(
-                model_id=self.model_id, client=client, caps=caps, tokenizer=tokenizer, template=template,
-                stop_ids=stop_ids, controls=control_ids(tokenizer, stop_ids), decode=safe_decoder(tokenizer),
+                model_id=self.model_id,
+                client=client,
+                caps=caps,
+                tokenizer=tokenizer,
+                template=template,
+                stop_ids=stop_ids,
+                controls=control_ids(tokenizer, stop_ids),
+                decode=safe_decoder(tokenizer),
                 max_token_chars=longest_token_chars(tokenizer),
-                generation_defaults={k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p")
-                                     if k in gen_cfg},
+                generation_defaults={k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in gen_cfg},
                 tokenizer_info=describe_tokenizer(tokenizer, template, gen_cfg, caps.max_context),
-                media=self.media, metrics=self.metrics, speculative=speculative, draft_tokens=self.draft_tokens)
+                media=self.media,
+                metrics=self.metrics,
+                speculative=speculative,
+                draft_tokens=self.draft_tokens,
+            )
         except Exception as exc:  # reported by /health and by every request instead of killing the process
             # one line for the operator (`thorgen serve` prints it); the traceback only under --log-level debug
             log.debug("model loading failed", exc_info=True)
@@ -84,19 +101,30 @@ class ServerState:
         if self.load_error:
             raise APIError(f"the model failed to load: {self.load_error}", status=503, type="server_error")
         if self.context is None:
-            raise APIError("the model is still loading; retry shortly (GET /health turns 200 when ready)",
-                           status=503, type="server_error")
+            raise APIError(
+                "the model is still loading; retry shortly (GET /health turns 200 when ready)",
+                status=503,
+                type="server_error",
+            )
         if not self.context.client.ready:
-            raise APIError(f"the engine stopped ({self.context.client.health().get('error')}); restart the server",
-                           status=503, type="server_error")
+            raise APIError(
+                f"the engine stopped ({self.context.client.health().get('error')}); restart the server",
+                status=503,
+                type="server_error",
+            )
         return self.context
 
     def check_model(self, name: str | None) -> None:
         """A request's `model`: one of the served names (or none given, as this server has always accepted)."""
         if name is not None and name not in self.model_names:
             served = ", ".join(repr(n) for n in self.model_names)
-            raise APIError(f"the model {name!r} does not exist; this server serves {served}", status=404,
-                           param="model", type="not_found_error", code="model_not_found")
+            raise APIError(
+                f"the model {name!r} does not exist; this server serves {served}",
+                status=404,
+                param="model",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
     def end_requests(self, reason: str) -> int:
         """End every running and queued request with a 503 carrying `reason` (streams: an error event, then

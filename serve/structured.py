@@ -18,8 +18,11 @@ def output_format(fmt: Any, param: str = "response_format") -> OutputFormat | No
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind not in ("json_object", "json_schema"):
-        raise APIError(f"{param} must be {{'type': 'text'}}, {{'type': 'json_object'}} or "
-                       "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}", param=param)
+        raise APIError(
+            f"{param} must be {{'type': 'text'}}, {{'type': 'json_object'}} or "
+            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+            param=param,
+        )
     if kind == "json_object":
         return OutputFormat("json_object", param=param)
     spec = fmt.get("json_schema")

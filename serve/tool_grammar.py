@@ -28,27 +28,61 @@ from .protocol import APIError
 MAX_STRING = 32
 MAX_PATTERN_STRING = 256  # a pattern without maxLength: the pattern bounds the text, this only its run-away length
 MAX_ITEMS = 4
-NUMBER_SPAN = 10 ** 6  # an unbounded side of a numeric range is cut here (a subset of the valid values)
+NUMBER_SPAN = 10**6  # an unbounded side of a numeric range is cut here (a subset of the valid values)
 FRACTION_STEP = 0.0001  # a bounded number's grammar writes at most four decimals
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "$defs", "definitions"}
-HANDLED = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
-           "additionalProperties", "items", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
-           "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "nullable"}
+ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$defs",
+    "definitions",
+}
+HANDLED = {
+    "type",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "nullable",
+}
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # `format` values the grammar enforces, as regular expressions over the string's text
 FORMATS = {
     "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
     "time": r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
     "date-time": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-                 r"(\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    r"(\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": r"[A-Za-z0-9._%+\-]{1,32}@[A-Za-z0-9\-]{1,32}(\.[A-Za-z0-9\-]{1,16}){1,3}",
     "ipv4": r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
     "uri": r"[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\s<>\"]{1,64}",
 }
-_INTEGER = r'/-?(0|[1-9][0-9]{0,5})/'
-_NUMBER = r'/-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?/'
+_INTEGER = r"/-?(0|[1-9][0-9]{0,5})/"
+_NUMBER = r"/-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?/"
 
 
 class SchemaError(ValueError):
@@ -148,7 +182,7 @@ class _Lark:
         if isinstance(v, list):
             return " ".join(['"["', ' "," '.join(self._literal(x) for x in v), '"]"']) if v else '"[" "]"'
         if isinstance(v, dict):
-            pairs = ' "," '.join(f'{json.dumps(k + ":")} {self._literal(x)}' for k, x in v.items())
+            pairs = ' "," '.join(f"{json.dumps(k + ':')} {self._literal(x)}" for k, x in v.items())
             return f'"{{" {pairs} "}}"' if v else '"{" "}"'
         raise SchemaError(f"cannot write the constant {v!r}")
 
@@ -272,14 +306,15 @@ class _Lark:
         extra = schema.get("additionalProperties", True)
         undeclared = [k for k in required if k not in props]
         if undeclared and extra is False:
-            raise SchemaError(f"{where}: required {undeclared[0]!r} is neither a property nor allowed as an "
-                              "additional one")
+            raise SchemaError(
+                f"{where}: required {undeclared[0]!r} is neither a property nor allowed as an additional one"
+            )
         keys = [*props, *undeclared]
         schemas = {**{k: extra if isinstance(extra, dict) else {} for k in undeclared}, **props}
         after_pair: str | None = None  # the rest, once some pair has been written (each then starts with ',')
         first: str | None = None  # the rest, while none has been written
         for key in reversed(keys):
-            pair = f'{json.dumps(key + ":")} {self.value(schemas[key], f"{where}.properties.{key}")}'
+            pair = f"{json.dumps(key + ':')} {self.value(schemas[key], f'{where}.properties.{key}')}"
             tail = f" {after_pair}" if after_pair else ""
             if key in required:
                 after_pair = self.rule(f'"," {pair}{tail}')
@@ -307,6 +342,7 @@ def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int,
         inside = g.members(schema, where)
         head = "" if opened else json.dumps(name + "{") + " "
         return f'{head}{inside} "}}" <[{close}]>' if inside else f'{head}"}}" <[{close}]>'
+
     if mode == "named":
         start = call(forced, by_name[forced], True)
     else:
@@ -316,13 +352,11 @@ def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int,
     return "\n".join([f"start: {start}"] + [f"{name}: {body}" for name, body in g.rules.items()])
 
 
-def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, ctx: ServerContext
-                      ) -> Grammar | None:
+def tool_call_grammar(tools: list[dict] | None, mode: str, forced: str | None, ctx: ServerContext) -> Grammar | None:
     """A runtime.text.grammar.Grammar holding a call's arguments to its tool's schema (forced calls from the start,
     auto calls from the model's `<|tool_call>`), or None where no call can happen or the backend cannot
     constrain its decoding (there a forced call stays opened in the prompt, unconstrained)."""
-    if mode not in ("required", "named", "auto") or not tools or not ctx.caps.constrained \
-            or ctx.tokenizer.path is None:
+    if mode not in ("required", "named", "auto") or not tools or not ctx.caps.constrained or ctx.tokenizer.path is None:
         return None
     import llguidance
 

@@ -30,19 +30,26 @@ def _guided_spec(req: _Sampling) -> tuple[str, Any, str] | None:
     if so is not None:
         if not isinstance(so, dict):
             raise APIError("structured_outputs must be an object", param="structured_outputs")
-        unknown = sorted(k for k, v in so.items() if v is not None and k not in STRUCTURED_KINDS
-                         and k not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"))
+        unknown = sorted(
+            k
+            for k, v in so.items()
+            if v is not None
+            and k not in STRUCTURED_KINDS
+            and k not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+        )
         if unknown:
-            raise APIError(f"structured_outputs.{unknown[0]} is not supported (supported: "
-                           f"{', '.join(STRUCTURED_KINDS)})", param="structured_outputs")
+            raise APIError(
+                f"structured_outputs.{unknown[0]} is not supported (supported: {', '.join(STRUCTURED_KINDS)})",
+                param="structured_outputs",
+            )
         asked += [(k, so[k], f"structured_outputs.{k}") for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
-    asked += [(name[len("guided_"):], getattr(req, name), name) for name in GUIDED if getattr(req, name) is not None]
+    asked += [(name[len("guided_") :], getattr(req, name), name) for name in GUIDED if getattr(req, name) is not None]
     if req.guided_whitespace_pattern is not None:
-        raise APIError("guided_whitespace_pattern is not supported (JSON is written compactly)",
-                       param="guided_whitespace_pattern")
+        raise APIError(
+            "guided_whitespace_pattern is not supported (JSON is written compactly)", param="guided_whitespace_pattern"
+        )
     if len(asked) > 1:
-        raise APIError(f"give one guided-decoding constraint, not {', '.join(a[2] for a in asked)}",
-                       param=asked[1][2])
+        raise APIError(f"give one guided-decoding constraint, not {', '.join(a[2] for a in asked)}", param=asked[1][2])
     return asked[0] if asked else None
 
 
@@ -87,13 +94,21 @@ def vllm_fields(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         if req.stream:
             raise APIError("prompt_logprobs come with non-streamed responses only", param="prompt_logprobs")
         if getattr(req, "echo", False) and req.logprobs is not None:
-            raise APIError("prompt_logprobs cannot be combined with echo and logprobs (which score the prompt "
-                           "already)", param="prompt_logprobs")
+            raise APIError(
+                "prompt_logprobs cannot be combined with echo and logprobs (which score the prompt already)",
+                param="prompt_logprobs",
+            )
     if req.truncate_prompt_tokens == 0:
-        raise APIError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)",
-                       param="truncate_prompt_tokens")
-    return {"stop_token_ids": stop_ids, "ignore_eos": bool(req.ignore_eos),
-            "truncate_prompt_tokens": req.truncate_prompt_tokens, "guided": guided_format(req)}
+        raise APIError(
+            "truncate_prompt_tokens must be at least 1 (or -1: the model's context length)",
+            param="truncate_prompt_tokens",
+        )
+    return {
+        "stop_token_ids": stop_ids,
+        "ignore_eos": bool(req.ignore_eos),
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
+        "guided": guided_format(req),
+    }
 
 
 def kept_prompt(ids: list[int], keep: int | None) -> list[int]:
@@ -120,8 +135,9 @@ def legacy_functions(req: ChatCompletionRequest) -> None:
         req.tool_choice = call
 
 
-def prompt_logprobs_json(prompt_ids: list[int], entries: Sequence[TokenLogprob | None] | None,
-                         decode: Callable[[list[int]], str]) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs_json(
+    prompt_ids: list[int], entries: Sequence[TokenLogprob | None] | None, decode: Callable[[list[int]], str]
+) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
     holding the prompt's own token and the top entries asked for (rank: 1-based among the model's choices, None
     when the token lies outside the top entries reported)."""
@@ -138,4 +154,3 @@ def prompt_logprobs_json(prompt_ids: list[int], entries: Sequence[TokenLogprob |
         item.setdefault(str(token), {"logprob": logprob, "rank": ranks.get(token), "decoded_token": decode([token])})
         out.append(item)
     return out
-

@@ -37,7 +37,7 @@ def unpack_linear(art, source: str, expert: int | None = None) -> tuple[np.ndarr
     if meta["fusion"] == "interleave8":
         packed, scale = L.deinterleave8(packed)[idx], L.deinterleave8(scale)[idx]
         row = 0
-    return packed[row:row + rows], scale[row:row + rows], np.float32(np.asarray(g).reshape(-1)[idx])
+    return packed[row : row + rows], scale[row : row + rows], np.float32(np.asarray(g).reshape(-1)[idx])
 
 
 def unpack_half(art, source: str) -> np.ndarray:
@@ -49,4 +49,4 @@ def unpack_half(art, source: str) -> np.ndarray:
     rows = meta["parts"][idx][1]
     if meta["fusion"] == "interleave8":
         return L.deinterleave8(w)[idx]
-    return w[row:row + rows]
+    return w[row : row + rows]

@@ -15,13 +15,13 @@ import click
 # THORGEN_* variables the package reads; tests/test_docs_cli.py checks that the source names exactly these.
 ENVIRONMENT = {
     "THORGEN_API_KEY": "API key of `thorgen serve` and `thorgen cluster` (as `--api-key`), sent by `thorgen chat` "
-                       "and `thorgen bench serve`",
+    "and `thorgen bench serve`",
     "THORGEN_CACHE_DIR": "cubin cache, repacked weights of read-only model folders, the demo model (default "
-                         "`~/.cache/thorgen`)",
+    "`~/.cache/thorgen`)",
     "THORGEN_KERNELS": "built kernels folder the cuda backend loads when `--kernel-dir` is not given (default "
-                       "`./thorgen-build/<model>/<arch>`, then `MODEL/thorgen-build/<arch>` after `thorgen prepare`)",
+    "`./thorgen-build/<model>/<arch>`, then `MODEL/thorgen-build/<arch>` after `thorgen prepare`)",
     "THORGEN_NVCC": "the nvcc `thorgen build` runs (default: `nvcc` on PATH, then `$CUDA_HOME`, `/usr/local/cuda`, "
-                    "the nvidia-cuda-nvcc wheel)",
+    "the nvidia-cuda-nvcc wheel)",
 }
 
 INTRO = """\
@@ -93,9 +93,14 @@ def walk(command: click.Command, ctx: click.Context) -> list[str]:
 
 
 def environment_section() -> list[str]:
-    lines = ["## Environment variables", "",
-             "Where the build and the tools find things; none changes what the engine computes.", "",
-             "| variable | meaning |", "|---|---|"]
+    lines = [
+        "## Environment variables",
+        "",
+        "Where the build and the tools find things; none changes what the engine computes.",
+        "",
+        "| variable | meaning |",
+        "|---|---|",
+    ]
     lines += [f"| `{name}` | {markdown(meaning, cell=True)} |" for name, meaning in sorted(ENVIRONMENT.items())]
     return lines + [""]
 

@@ -40,8 +40,10 @@ def tiny_format_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     from thorgen.model_spec.synth import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_formats")
-    return {fmt: write_synthetic_checkpoint("tiny", root / fmt, seed=0, progress=False, source_format=fmt)
-            for fmt in ("bf16", "modelopt", "modelopt-all-linear")}
+    return {
+        fmt: write_synthetic_checkpoint("tiny", root / fmt, seed=0, progress=False, source_format=fmt)
+        for fmt in ("bf16", "modelopt", "modelopt-all-linear")
+    }
 
 
 @pytest.fixture(scope="session")

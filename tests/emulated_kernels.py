@@ -34,6 +34,7 @@ class EmuError(AssertionError):
 
 # ---- the kernels ------------------------------------------------------------------------------------------------
 
+
 def _gelu(x):
     return MR.gelu_tanh(x)
 
@@ -59,8 +60,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         if key in self.overrides:
             return self.overrides[key]
         if key not in self._dense:
-            packed, scale = L.unpack_nvfp4(self.v(w, np.uint8, n * k // 2, what),
-                                           self.v(s, np.uint8, n * k // 16, what), n, k, order)
+            packed, scale = L.unpack_nvfp4(
+                self.v(w, np.uint8, n * k // 2, what), self.v(s, np.uint8, n * k // 16, what), n, k, order
+            )
             inv = np.repeat(self.v(g, np.float32, n // 8, what).astype(F64), 8)
             self._dense[key] = dequantize_nvfp4(packed, scale, 1.0).astype(F64) * inv[:, None]
         return self._dense[key]
@@ -76,8 +78,10 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             # rowwise (batched) launches may run fewer splits (the planner's ROWWISE_SPLITS); the others all
             need = [(0, -(-rows // qb)), (1, p["hkv"]), (2, 1 if a.get("rowwise") else p["nsplit"])]
             if a.get("rowwise") and p.get("ROWWISE_SPLITS") and g[2] != p["ROWWISE_SPLITS"][rows - 1]:
-                raise EmuError(f"a rowwise launch of {rows} rows with {g[2]} key splits; the plan says "
-                               f"{p['ROWWISE_SPLITS'][rows - 1]}")
+                raise EmuError(
+                    f"a rowwise launch of {rows} rows with {g[2]} key splits; the plan says "
+                    f"{p['ROWWISE_SPLITS'][rows - 1]}"
+                )
         elif t.startswith("attn_combine"):
             need = [(0, rows * p["hq"])]
         elif t.startswith("moe_gateup"):
@@ -126,7 +130,8 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         ids, out = self.v(a["ids"], np.int32, B, "ids"), self.v(a["out_ids"], np.int32, B, "out_ids")
         pos, rule = self.v(a["positions"], np.int32, B, "positions"), self.v(a["rule"], np.int32, 2, "rule")
         acc, pos[:], self.v(a["sampled"], np.int32, B, "sampled")[:], ids[0] = RK.spec_accept_ref(
-            ids, out, int(pos[0]), int(rule[0]), int(rule[1]))
+            ids, out, int(pos[0]), int(rule[0]), int(rule[1])
+        )
         self.v(a["accepted"], np.int32, 1, "accepted")[0] = acc
 
     def k_rmsnorm(self, p, a, n):
@@ -168,9 +173,19 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             if p["epi"] == "rope_kv":  # each head's last block runs rope_kv's warp for it (bit-identical)
                 nq, nk = p["HQ"] * p["D"], p["HKV"] * p["D"]
                 self._counters_zero(a, N // p["D"], "q|k|v heads")
-                self.k_rope_kv(p, dict(a, q_raw=a["y"], k_raw=a["y"] + 4 * nq,
-                                       v_raw=0 if p["V_FROM_K"] else a["y"] + 4 * (nq + nk), q_stride=N,
-                                       kv_stride=N, T=1), n)
+                self.k_rope_kv(
+                    p,
+                    dict(
+                        a,
+                        q_raw=a["y"],
+                        k_raw=a["y"] + 4 * nq,
+                        v_raw=0 if p["V_FROM_K"] else a["y"] + 4 * (nq + nk),
+                        q_stride=N,
+                        kv_stride=N,
+                        T=1,
+                    ),
+                    n,
+                )
         elif p["epi"] == "gelu_mul":
             g, u = L.deinterleave8(W)
             self.v(a["y"], np.float16, (m, N // 2), "y")[:] = RK.store(_gelu(x @ g.T) * (x @ u.T), "f16")
@@ -185,24 +200,39 @@ class KernelEmulator(LogitsKernels, VisionKernels):
     def k_add_rmsnorm(self, p, a, n):
         T, H = a["T"], p["H"]
         x = self.v(a["x"], np.float32, (T, H), "x")
-        s, y = RK.add_rmsnorm_ref(x, self.v(a["y"], np.float32, (T, H), "y"), self.v(a["w"], np.uint16, H, "w"),
-                                  p["EPS"])
+        s, y = RK.add_rmsnorm_ref(
+            x, self.v(a["y"], np.float32, (T, H), "y"), self.v(a["w"], np.uint16, H, "w"), p["EPS"]
+        )
         x[:] = s
         self.v(a["a"], RK.np_dtype(p["OUT"]), (T, H), "a")[:] = RK.store(y, p["OUT"])
 
     def k_rope_kv(self, p, a, n):
         T, HQ, HKV, D = a["T"], p["HQ"], p["HKV"], p["D"]
         pos = self.v(a["positions"], np.int32, T, "positions").copy()
+
         def rows(name, width, stride):  # token t's inputs: `width` floats at t * stride (q|k|v rows read in place)
             return np.stack([self.v(a[name] + 4 * t * stride, np.float32, width, name) for t in range(T)])
 
         q_raw = rows("q_raw", HQ * D, a["q_stride"]) if p["HAS_Q"] else None
         k_raw = rows("k_raw", HKV * D, a["kv_stride"])
         v_raw = None if p["V_FROM_K"] else rows("v_raw", HKV * D, a["kv_stride"])
-        q, k, v = RK.rope_kv_ref(q_raw, k_raw, v_raw, self.v(a["q_norm_w"], np.uint16, D),
-                                 self.v(a["k_norm_w"], np.uint16, D), pos, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
-                                 theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
-                                 eps=p["EPS"])
+        q, k, v = RK.rope_kv_ref(
+            q_raw,
+            k_raw,
+            v_raw,
+            self.v(a["q_norm_w"], np.uint16, D),
+            self.v(a["k_norm_w"], np.uint16, D),
+            pos,
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            rot=p["ROT"],
+            theta=p["THETA"],
+            has_q=p["HAS_Q"],
+            v_from_k=p["V_FROM_K"],
+            v_norm=p["V_NORM"],
+            eps=p["EPS"],
+        )
         if q is not None:
             self.v(a["q_out"], RK.np_dtype(p["Q"]), (T, HQ, D), "q_out")[:] = RK.store(q, p["Q"])
         kvdt, eb = RK.np_dtype(p["KV"]), np.dtype(RK.np_dtype(p["KV"])).itemsize
@@ -231,14 +261,15 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             kvs = [self._load_kv(p, a, int(pos[i]), 1, int(lanes[i])) for i in range(m)]
             if ns == 1:
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = np.concatenate(
-                    [EA.attention_rows(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)])
+                    [EA.attention_rows(q[i : i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)]
+                )
                 return
             # each query's parts are its own (its chunks of TPP key tiles), whatever blocks the launch has: the
             # kernel runs them all, several a block (batch invariance)
-            parts = [EA.attention_partials(q[i:i + 1], *kvs[i], int(pos[i]), win or None, shape, kv)
-                     for i in range(m)]
-            self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1),
-                            np.concatenate([x for _, x in parts], 1))
+            parts = [
+                EA.attention_partials(q[i : i + 1], *kvs[i], int(pos[i]), win or None, shape, kv) for i in range(m)
+            ]
+            self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1), np.concatenate([x for _, x in parts], 1))
             return
         p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
         lane = int(self.v(a["lanes"], np.int32, 1, "lanes")[0]) if a["lanes"] else 0
@@ -249,7 +280,7 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             # 0..p0+m-1, i.e. it behaves like a causal query at the block's last position.
             if win:
                 raise EmuError("windowed bidirectional attention is not a planned kernel")
-            part = [EA.attention_partials(q[i:i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
+            part = [EA.attention_partials(q[i : i + 1], keys, vals, end - 1, None, shape, kv) for i in range(m)]
             o_p, ml_p = np.concatenate([o for o, _ in part], 1), np.concatenate([x for _, x in part], 1)
             if ns == 1:
                 self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o_p, ml_p)
@@ -262,8 +293,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             hi = self.v(a["kv_hi"], np.int32, m, "kv_hi").astype(np.int64)
             if (hi > end - 1).any():
                 raise EmuError(f"kv_hi {hi.max()} past the chunk's last position {end - 1}")
-            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_rows(q, keys, vals, p0, win or None,
-                                                                                   shape, kv, hi)
+            self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_rows(
+                q, keys, vals, p0, win or None, shape, kv, hi
+            )
             return
         if ns == 1:
             out = EA.attention_rows(q, keys, vals, p0, win or None, shape, kv)
@@ -315,8 +347,8 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         block's merge writes out (attn_split.cuh; attn_combine's math), else an attn_combine launch must follow."""
         d, hq, ns, mmax, z = p["d"], p["hq"], p["nsplit"], p["mmax"], len(o_p)  # (z <= ns: the launch's splits)
         ws = self.v(a["ws"], np.float32, p["ws_floats"], "ws")
-        ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:z, :m] = o_p
-        ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:z, :m] = ml_p
+        ws[: ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:z, :m] = o_p
+        ws[ns * mmax * hq * d : ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:z, :m] = ml_p
         if a["counters"]:
             self._counters_zero(a, p["cnt_words"], "attention")
             self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o_p, ml_p)
@@ -324,16 +356,17 @@ class KernelEmulator(LogitsKernels, VisionKernels):
     def k_attn_combine(self, p, a, n):
         m, d, hq, ns, mmax = a["m"], p["d"], p["hq"], p["nsplit"], p["mmax"]
         ws = self.v(a["ws"], np.float32, ns * mmax * hq * (d + 2), "ws")
-        o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
-        ml = ws[ns * mmax * hq * d:].reshape(ns, mmax, hq, 2)[:, :m]
+        o = ws[: ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
+        ml = ws[ns * mmax * hq * d :].reshape(ns, mmax, hq, 2)[:, :m]
         self.v(a["out"], np.float16, (m, hq, d), "out")[:] = EA.attention_combine(o, ml)
 
     def k_attn_tail(self, p, a, n):
         T, H = a["T"], p["H"]
         bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
         x = self.v(a["x"], np.float32, (T, H), "x")
-        xn, a1, a2 = RK.attn_tail_ref(self.v(a["o"], np.float32, (T, H), "o"), x, bf("w_post"), bf("w_pre1"),
-                                      bf("w_pre2"), p["EPS"])
+        xn, a1, a2 = RK.attn_tail_ref(
+            self.v(a["o"], np.float32, (T, H), "o"), x, bf("w_post"), bf("w_pre1"), bf("w_pre2"), p["EPS"]
+        )
         x[:] = xn
         self.v(a["a1"], np.float16, (T, H), "a1")[:] = RK.store(a1, "f16")
         self.v(a["a2"], np.float16, (T, H), "a2")[:] = RK.store(a2, "f16")
@@ -343,10 +376,22 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         bf = lambda k: self.v(a[k], np.uint16, H, k)  # noqa: E731
         x = self.v(a["x"], np.float32, (T, H), "x")
         w_next = bf("w_next") if a["w_next"] else None
-        moe = (self._pair_sum(a, T, p["PAIRS"], p["EXPERTS"], H) if p.get("PAIRS")
-               else self.v(a["moe"], np.float32, (T, H), "moe"))
-        xn, nxt = RK.ffn_tail_ref(self.v(a["mlp"], np.float32, (T, H), "mlp"), moe, x, bf("w1"), bf("w2"), bf("w"),
-                                  self.v(a["layer_scalar"], np.uint16, 1), w_next, p["EPS"])
+        moe = (
+            self._pair_sum(a, T, p["PAIRS"], p["EXPERTS"], H)
+            if p.get("PAIRS")
+            else self.v(a["moe"], np.float32, (T, H), "moe")
+        )
+        xn, nxt = RK.ffn_tail_ref(
+            self.v(a["mlp"], np.float32, (T, H), "mlp"),
+            moe,
+            x,
+            bf("w1"),
+            bf("w2"),
+            bf("w"),
+            self.v(a["layer_scalar"], np.uint16, 1),
+            w_next,
+            p["EPS"],
+        )
         x[:] = xn
         self.taps.append(np.array(x))
         if nxt is not None:
@@ -354,13 +399,18 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         if a["tap"]:  # the DFlash tap: x' rows into tap[row * tap_stride + tap_col ...] (TAP dtype)
             tdt = RK.np_dtype(p["TAP"])
             for r in range(T):
-                self.v(a["tap"] + (r * a["tap_stride"] + a["tap_col"]) * np.dtype(tdt).itemsize, tdt, H,
-                       "tap")[:] = RK.store(xn[r], p["TAP"])
+                self.v(a["tap"] + (r * a["tap_stride"] + a["tap_col"]) * np.dtype(tdt).itemsize, tdt, H, "tap")[:] = (
+                    RK.store(xn[r], p["TAP"])
+                )
 
     def k_router_logits(self, p, a, n):
         T, H, E = a["T"], p["H"], p["E"]
-        lg = RK.router_logits_ref(self.v(a["x"], np.float32, (T, H), "x"), self.v(a["scale"], np.uint16, H),
-                                  self.v(a["proj"], np.uint16, (E, H)), p["EPS"])
+        lg = RK.router_logits_ref(
+            self.v(a["x"], np.float32, (T, H), "x"),
+            self.v(a["scale"], np.uint16, H),
+            self.v(a["proj"], np.uint16, (E, H)),
+            p["EPS"],
+        )
         self.v(a["logits"], np.float32, (T, E), "logits")[:] = lg
 
     def k_router_logits_tiled(self, p, a, n):
@@ -375,8 +425,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
 
     def k_router_topk(self, p, a, n):
         T, E, K = a["T"], p["E"], p["K"]
-        idx, w = RK.router_topk_ref(self.v(a["logits"], np.float32, (T, E), "logits"), K,
-                                    self.v(a["per_expert_scale"], np.uint16, E))
+        idx, w = RK.router_topk_ref(
+            self.v(a["logits"], np.float32, (T, E), "logits"), K, self.v(a["per_expert_scale"], np.uint16, E)
+        )
         self.v(a["topk_idx"], np.int32, (T, K), "topk_idx")[:] = idx
         self.v(a["topk_w"], np.float32, (T, K), "topk_w")[:] = w
 
@@ -384,8 +435,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         if p["kind"] == "half":  # fp16 experts: [E][n_ * k_] halves, no scales
             return self.half(a["w"] + e * n_ * k_ * 2, n_, k_, f"expert {e}")
         wb, sb = n_ * k_ // 2, n_ * k_ // 16
-        return self.nvfp4(a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"],
-                          f"expert {e}")
+        return self.nvfp4(
+            a["w"] + e * wb, a["s"] + e * sb, a["gscale"] + 4 * e * (n_ // 8), n_, k_, p["fp4_order"], f"expert {e}"
+        )
 
     def k_moe_gateup(self, p, a, n):
         m, K, ie, h = a["m"], p["topk"], p["ie"], p["h"]
@@ -427,10 +479,11 @@ class KernelEmulator(LogitsKernels, VisionKernels):
     # grouped MoE (prefill chunks > 16 rows): plan -> gate/up and down per tile (ffn_tail sums the slot rows)
     def k_moe_grouped_plan(self, p, a, n):
         K, E, T = p["topk"], p["experts"], min(max(a["T"], 0), p["mmax"])
-        off, pairs, tiles = MG.plan_reference(self.v(a["ids"], np.int32, (T, K), "ids"), E, p["tile_rows"],
-                                              p["max_tiles"])
+        off, pairs, tiles = MG.plan_reference(
+            self.v(a["ids"], np.int32, (T, K), "ids"), E, p["tile_rows"], p["max_tiles"]
+        )
         self.v(a["offsets"], np.int32, E + 1, "offsets")[:] = off
-        self.v(a["pairs"], np.int32, int(off[E]), "pairs")[:] = pairs[:off[E]]  # the kernel writes only these
+        self.v(a["pairs"], np.int32, int(off[E]), "pairs")[:] = pairs[: off[E]]  # the kernel writes only these
         self.v(a["tiles"], np.int32, tiles.shape, "tiles")[:] = tiles
 
     def _moe_tiles(self, p, a):
@@ -484,12 +537,18 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         if p["STAGE"] != "finish":
             return
         from thorgen.runtime.cuda.engine import SAMPLE_PARAMS
+
         T, V = a["T"], p["V"]
         recs = self.v(a["params"], np.uint8, T * SAMPLE_PARAMS.itemsize, "params").view(SAMPLE_PARAMS)
         pos = self.v(a["positions"], np.int32, T, "positions")
         logits = self.v(a["logits"], np.float32, (T, V), "logits")
         out = self.v(a["out_ids"], np.int32, T, "out_ids")
         for t, rec in enumerate(recs):  # each row its own parameters
-            sp = SamplingParams(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]),
-                                top_p=float(rec["top_p"]), min_p=float(rec["min_p"]), seed=int(rec["seed"]))
+            sp = SamplingParams(
+                temperature=float(rec["temperature"]),
+                top_k=int(rec["top_k"]),
+                top_p=float(rec["top_p"]),
+                min_p=float(rec["min_p"]),
+                seed=int(rec["seed"]),
+            )
             out[t] = sample(RK.softcap_ref(logits[t], p["SOFTCAP"]), sp, int(pos[t]))

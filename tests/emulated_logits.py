@@ -22,10 +22,12 @@ class LogitsKernels:
         n_masks = max([int(r["mask_row"]) + 1 for r in rows] + [0])
         counts = self.v(a["counts"], TOKEN_COUNT, n_counts, "counts") if n_counts else np.zeros(0, TOKEN_COUNT)
         biases = self.v(a["biases"], TOKEN_BIAS, n_bias, "biases") if n_bias else np.zeros(0, TOKEN_BIAS)
-        masks = (self.v(a["masks"], np.uint32, (n_masks, V // 32), "masks") if n_masks
-                 else np.zeros((0, V // 32), np.uint32))
-        out, status = RL.process_ref(self.v(a["logits"], np.float32, (T, V), "logits"), p["SOFTCAP"], rows, counts,
-                                     biases, masks)
+        masks = (
+            self.v(a["masks"], np.uint32, (n_masks, V // 32), "masks") if n_masks else np.zeros((0, V // 32), np.uint32)
+        )
+        out, status = RL.process_ref(
+            self.v(a["logits"], np.float32, (T, V), "logits"), p["SOFTCAP"], rows, counts, biases, masks
+        )
         self.v(a["out"], np.float32, (T, V), "out")[:] = out
         self.v(a["status"], np.int32, T, "status")[:] = status
 
@@ -40,8 +42,12 @@ class LogitsKernels:
         if p["STAGE"] != "finish":
             return
         T, V, top = a["T"], p["V"], p["TOPN"]
-        ids, lps, chosen = RL.logprobs_ref(self.v(a["logits"], np.float32, (T, V), "logits"), p["SOFTCAP"],
-                                           self.v(a["out_ids"], np.int32, T, "out_ids"), top)
+        ids, lps, chosen = RL.logprobs_ref(
+            self.v(a["logits"], np.float32, (T, V), "logits"),
+            p["SOFTCAP"],
+            self.v(a["out_ids"], np.int32, T, "out_ids"),
+            top,
+        )
         self.v(a["top_ids"], np.int32, (T, top), "top_ids")[:] = ids
         self.v(a["top_lps"], np.float64, (T, top), "top_lps")[:] = lps
         self.v(a["chosen_lp"], np.float64, T, "chosen_lp")[:] = chosen

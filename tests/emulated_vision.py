@@ -14,14 +14,14 @@ from thorgen.model_spec.nvfp4 import bf16_to_f32
 F64 = np.float64
 
 # fp32 row math against float64, then an f16 / bf16 store: one rounding of the stored type, plus fp32 sums.
-TOL_VIS_ROWS = 2e-3    # relative (norm_err) for f16 / bf16 outputs; the residual x: 1e-5
+TOL_VIS_ROWS = 2e-3  # relative (norm_err) for f16 / bf16 outputs; the residual x: 1e-5
 TOL_VIS_RESID = 1e-5
-TOL_VIS_ROPE = 8e-3    # bf16 q / k / v (8 mantissa bits) after fp32 norm and double-precision angles
+TOL_VIS_ROPE = 8e-3  # bf16 q / k / v (8 mantissa bits) after fp32 norm and double-precision angles
 
 
 def _pad(y: np.ndarray, width: int) -> np.ndarray:
     out = np.zeros(y.shape[:-1] + (width,), F64)
-    out[..., :y.shape[-1]] = y
+    out[..., : y.shape[-1]] = y
     return out
 
 
@@ -30,16 +30,18 @@ def patch_prep_ref(p: np.ndarray) -> np.ndarray:
     return RK.store(2.0 * (np.asarray(p, np.float32) - np.float32(0.5)), "f16")
 
 
-def embed_norm_ref(x: np.ndarray, table_bf16: np.ndarray, pos: np.ndarray, w_bf16: np.ndarray, eps: float, hp: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def embed_norm_ref(
+    x: np.ndarray, table_bf16: np.ndarray, pos: np.ndarray, w_bf16: np.ndarray, eps: float, hp: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(x + table[0][pos x] + table[1][pos y] as f32, rmsnorm(that) * w padded to hp as f16)."""
     t = bf16_to_f32(table_bf16).astype(F64)
     s = RK.store(np.asarray(x, F64) + (t[0][pos[:, 0]] + t[1][pos[:, 1]]), "f32")
     return s, RK.store(_pad(RK.rms(s, bf16_to_f32(w_bf16), eps), hp), "f16")
 
 
-def sandwich_ref(x: np.ndarray, y: np.ndarray, w_post_bf16: np.ndarray, w_next_bf16: np.ndarray | None, eps: float,
-                 hp: int) -> tuple[np.ndarray, np.ndarray | None]:
+def sandwich_ref(
+    x: np.ndarray, y: np.ndarray, w_post_bf16: np.ndarray, w_next_bf16: np.ndarray | None, eps: float, hp: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """(x + rmsnorm(y) * w_post as f32, rmsnorm(x') * w_next padded as f16, or None without w_next)."""
     s = RK.store(np.asarray(x, F64) + RK.rms(y, bf16_to_f32(w_post_bf16), eps), "f32")
     if w_next_bf16 is None:
@@ -58,15 +60,24 @@ def rope2d(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
         ang = pos[:, half].astype(F64)[:, None] * inv[None, :]
         c = np.cos(ang).astype(np.float32).astype(F64)[:, None, :]
         s = np.sin(ang).astype(np.float32).astype(F64)[:, None, :]
-        a = x[..., half * 2 * q4: half * 2 * q4 + q4]
-        b = x[..., half * 2 * q4 + q4: (half + 1) * 2 * q4]
-        out[..., half * 2 * q4: half * 2 * q4 + q4] = a * c - b * s
-        out[..., half * 2 * q4 + q4: (half + 1) * 2 * q4] = b * c + a * s
+        a = x[..., half * 2 * q4 : half * 2 * q4 + q4]
+        b = x[..., half * 2 * q4 + q4 : (half + 1) * 2 * q4]
+        out[..., half * 2 * q4 : half * 2 * q4 + q4] = a * c - b * s
+        out[..., half * 2 * q4 + q4 : (half + 1) * 2 * q4] = b * c + a * s
     return out
 
 
-def qkv_rope_ref(qkv: np.ndarray, qw_bf16: np.ndarray, kw_bf16: np.ndarray, pos: np.ndarray, heads: int, d: int,
-                 dp: int, theta: float, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def qkv_rope_ref(
+    qkv: np.ndarray,
+    qw_bf16: np.ndarray,
+    kw_bf16: np.ndarray,
+    pos: np.ndarray,
+    heads: int,
+    d: int,
+    dp: int,
+    theta: float,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q|k|v f32 [T, 3 * heads * d] -> q, k, v bf16 bits [T, heads, dp] (zero channels past d)."""
     T = qkv.shape[0]
     q, k, v = (np.asarray(qkv, F64).reshape(T, 3, heads, d)[:, i] for i in range(3))
@@ -88,8 +99,9 @@ def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 TOL_VIS_ATTN = 1e-2  # bf16 probabilities into the P V product (as the target's prefill attention)
 
 
-def pool_ref(x: np.ndarray, pos: np.ndarray, std_bias: np.ndarray, std_scale: np.ndarray, pool: int, eps: float,
-             hp: int) -> np.ndarray:
+def pool_ref(
+    x: np.ndarray, pos: np.ndarray, std_bias: np.ndarray, std_scale: np.ndarray, pool: int, eps: float, hp: int
+) -> np.ndarray:
     """x f32 [L, H] over a row-major patch grid -> f16 [L / pool^2, hp]: mean of each pool x pool cell (row-major
     over the pooled grid), x sqrt(H), (s - std_bias) * std_scale, weightless RMSNorm (float64)."""
     L, H = x.shape
@@ -124,28 +136,47 @@ class VisionKernels:
         pos = self.v(a["pos"], np.int32, (T, 2), "pos")
         if (pos < 0).any() or (pos >= p["P"]).any():
             from emulated_kernels import EmuError
+
             raise EmuError(f"patch positions outside the {p['P']}-entry table")
         x = self.v(a["x"], np.float32, (T, H), "x")
-        x[:], act = embed_norm_ref(x, self.v(a["table"], np.uint16, (2, p["P"], H), "table"), pos,
-                                   self.v(a["w"], np.uint16, H, "w"), p["EPS"], HP)
+        x[:], act = embed_norm_ref(
+            x,
+            self.v(a["table"], np.uint16, (2, p["P"], H), "table"),
+            pos,
+            self.v(a["w"], np.uint16, H, "w"),
+            p["EPS"],
+            HP,
+        )
         self.v(a["a"], np.float16, (T, HP), "a")[:] = act
 
     def k_vis_sandwich(self, p, a, n):
         T, H, HP = a["T"], p["H"], p["HP"]
         x = self.v(a["x"], np.float32, (T, H), "x")
         w_next = self.v(a["w_next"], np.uint16, H, "w_next") if a["w_next"] else None
-        x[:], act = sandwich_ref(x, self.v(a["y"], np.float32, (T, H), "y"),
-                                 self.v(a["w_post"], np.uint16, H, "w_post"),
-                                 w_next, p["EPS"], HP)
+        x[:], act = sandwich_ref(
+            x,
+            self.v(a["y"], np.float32, (T, H), "y"),
+            self.v(a["w_post"], np.uint16, H, "w_post"),
+            w_next,
+            p["EPS"],
+            HP,
+        )
         if act is not None:
             self.v(a["a"], np.float16, (T, HP), "a")[:] = act
 
     def k_vis_qkv_rope(self, p, a, n):
         T, NH, D, DP = a["T"], p["NH"], p["D"], p["DP"]
-        outs = qkv_rope_ref(self.v(a["qkv"], np.float32, (T, 3 * NH * D), "qkv"),
-                            self.v(a["q_norm_w"], np.uint16, D, "q_norm_w"),
-                            self.v(a["k_norm_w"], np.uint16, D, "k_norm_w"),
-                            self.v(a["pos"], np.int32, (T, 2), "pos"), NH, D, DP, p["THETA"], p["EPS"])
+        outs = qkv_rope_ref(
+            self.v(a["qkv"], np.float32, (T, 3 * NH * D), "qkv"),
+            self.v(a["q_norm_w"], np.uint16, D, "q_norm_w"),
+            self.v(a["k_norm_w"], np.uint16, D, "k_norm_w"),
+            self.v(a["pos"], np.int32, (T, 2), "pos"),
+            NH,
+            D,
+            DP,
+            p["THETA"],
+            p["EPS"],
+        )
         for name, val in zip("qkv", outs):
             self.v(a[name], np.uint16, (T, NH, DP), name)[:] = val
 
@@ -156,7 +187,14 @@ class VisionKernels:
         gw = int(pos[-1, 0]) + 1
         if gw % P or L % gw or (L // gw) % P:
             from emulated_kernels import EmuError
+
             raise EmuError(f"{L} patches are no row-major grid of whole {P}x{P} cells (width {gw})")
         self.v(a["out"], np.float16, (T, HP), "out")[:] = pool_ref(
-            self.v(a["x"], np.float32, (L, H), "x"), pos, self.v(a["std_bias"], np.float32, H, "std_bias"),
-            self.v(a["std_scale"], np.float32, H, "std_scale"), P, p["EPS"], HP)
+            self.v(a["x"], np.float32, (L, H), "x"),
+            pos,
+            self.v(a["std_bias"], np.float32, H, "std_bias"),
+            self.v(a["std_scale"], np.float32, H, "std_scale"),
+            P,
+            p["EPS"],
+            HP,
+        )

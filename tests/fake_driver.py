@@ -43,10 +43,22 @@ class CUresult(enum.IntEnum):
 OK = CUresult.CUDA_SUCCESS
 INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
 # Calls that need no current context, as in the real driver; every other cu* call fails without one.
-CONTEXT_FREE = {"cuInit", "cuGetErrorString", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetAttribute",
-                "cuDeviceGetName", "cuDeviceTotalMem", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
-                "cuCtxSetCurrent", "cuDeviceGetDevResource", "cuDevSmResourceSplitByCount", "cuDevResourceGenerateDesc",
-                "cuGreenCtxCreate"}
+CONTEXT_FREE = {
+    "cuInit",
+    "cuGetErrorString",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease",
+    "cuCtxSetCurrent",
+    "cuDeviceGetDevResource",
+    "cuDevSmResourceSplitByCount",
+    "cuDevResourceGenerateDesc",
+    "cuGreenCtxCreate",
+}
 
 
 class FakeDriver:
@@ -56,10 +68,12 @@ class FakeDriver:
 
     CUresult = CUresult
 
-    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major",
-                                         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor",
-                                         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT="sms",
-                                         CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="smem")
+    CUdevice_attribute = SimpleNamespace(
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major",
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor",
+        CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT="sms",
+        CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="smem",
+    )
     CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1, CU_STREAM_DEFAULT=0)
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0, CU_EVENT_DISABLE_TIMING=2)
@@ -81,16 +95,24 @@ class FakeDriver:
         def __init__(self) -> None:
             super().__init__(id=None, value=SimpleNamespace())
 
-    def __init__(self, manifest_dir: Path | None = None, devices: int = 1, init: CUresult = OK,
-                 free: int = 100 * GiB, capability: tuple[int, int] = (9, 0), alloc_result: CUresult = OK,
-                 name: str = "Emulated H200") -> None:
+    def __init__(
+        self,
+        manifest_dir: Path | None = None,
+        devices: int = 1,
+        init: CUresult = OK,
+        free: int = 100 * GiB,
+        capability: tuple[int, int] = (9, 0),
+        alloc_result: CUresult = OK,
+        name: str = "Emulated H200",
+    ) -> None:
         """`manifest_dir`: the build whose kernels launches run (None: no kernels, cuModuleGetFunction fails)."""
         self.devices, self.init, self.free, self.capability = devices, init, free, capability
         self.alloc_result, self.name = alloc_result, name
         self.calls: list[str] = []  # "alloc N", "begin", "end", "destroy graph", in call order
         self._ctx = threading.local()
-        self.entries = {} if manifest_dir is None else \
-            json.loads((Path(manifest_dir) / "manifest.json").read_text())["kernels"]
+        self.entries = (
+            {} if manifest_dir is None else json.loads((Path(manifest_dir) / "manifest.json").read_text())["kernels"]
+        )
         self._bases: list[int] = []
         self._arrays: dict[int, np.ndarray] = {}
         self._next = 1 << 32
@@ -106,22 +128,35 @@ class FakeDriver:
         self.emu = KernelEmulator(self)
 
     # ---- device / context ----------------------------------------------------------------------------------
-    def cuInit(self, flags): return (self.init,)
+    def cuInit(self, flags):
+        return (self.init,)
+
     def cuGetErrorString(self, err):
         name = CUresult(err).name if int(err) in set(CUresult) else f"CUresult {int(err)}"
         return OK, f"fake description of {name}".encode()
 
-    def cuDeviceGetCount(self): return OK, self.devices
-    def cuDeviceGet(self, i): return OK, i
+    def cuDeviceGetCount(self):
+        return OK, self.devices
+
+    def cuDeviceGet(self, i):
+        return OK, i
 
     def cuDeviceGetAttribute(self, attr, d):
         major, minor = self.capability
         return OK, {"major": major, "minor": minor, "sms": self.sms, "smem": 232448}[attr]
 
-    def cuDeviceGetName(self, n, d): return OK, self.name.encode() + b"\0\0"
-    def cuDeviceTotalMem(self, d): return OK, 141 * GiB
-    def cuDevicePrimaryCtxRetain(self, d): return OK, "ctx"
-    def cuDevicePrimaryCtxRelease(self, d): return (OK,)
+    def cuDeviceGetName(self, n, d):
+        return OK, self.name.encode() + b"\0\0"
+
+    def cuDeviceTotalMem(self, d):
+        return OK, 141 * GiB
+
+    def cuDevicePrimaryCtxRetain(self, d):
+        return OK, "ctx"
+
+    def cuDevicePrimaryCtxRelease(self, d):
+        return (OK,)
+
     def cuCtxSetCurrent(self, c):
         self._ctx.current = c
         return (OK,)
@@ -130,8 +165,12 @@ class FakeDriver:
         """Model the driver's per-thread current context: a context-bound call from a thread on which no
         context was made current answers CUDA_ERROR_INVALID_CONTEXT (what `serve --backend cuda` once hit)."""
         attr = object.__getattribute__(self, name)
-        if name.startswith("cu") and name not in CONTEXT_FREE and callable(attr) \
-                and getattr(object.__getattribute__(self, "_ctx"), "current", None) is None:
+        if (
+            name.startswith("cu")
+            and name not in CONTEXT_FREE
+            and callable(attr)
+            and getattr(object.__getattribute__(self, "_ctx"), "current", None) is None
+        ):
             return lambda *args, **kwargs: (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         return attr
 
@@ -161,14 +200,18 @@ class FakeDriver:
         self.green_contexts.append(green)
         return OK, green
 
-    def cuCtxFromGreenCtx(self, green): return OK, green.ctx
+    def cuCtxFromGreenCtx(self, green):
+        return OK, green.ctx
 
     def cuGreenCtxDestroy(self, green):
         green.destroyed = True
         return (OK,)
 
-    def cuCtxSynchronize(self): return (OK,)
-    def cuMemGetInfo(self): return OK, self.free, 141 * GiB
+    def cuCtxSynchronize(self):
+        return (OK,)
+
+    def cuMemGetInfo(self):
+        return OK, self.free, 141 * GiB
 
     # ---- memory ---------------------------------------------------------------------------------------------
     def cuMemAlloc(self, n):
@@ -209,7 +252,7 @@ class FakeDriver:
         off = addr - base
         if off + nbytes > arr.size:
             raise EmuError(f"{what}: [{off}, {off + nbytes}) overruns an allocation of {arr.size} bytes")
-        return arr[off:off + nbytes]
+        return arr[off : off + nbytes]
 
     def view(self, addr: int, dtype: Any, shape: tuple[int, ...] | int, what: str = "access") -> np.ndarray:
         dt = np.dtype(dtype)
@@ -251,8 +294,10 @@ class FakeDriver:
 
         def go():
             for r in range(p.Height):
-                self.span(p.dstDevice + r * p.dstPitch, p.WidthInBytes, "2D copy dst")[:] = \
-                    self.span(p.srcDevice + r * p.srcPitch, p.WidthInBytes, "2D copy src")
+                self.span(p.dstDevice + r * p.dstPitch, p.WidthInBytes, "2D copy dst")[:] = self.span(
+                    p.srcDevice + r * p.srcPitch, p.WidthInBytes, "2D copy src"
+                )
+
         return self._run(stream, go)
 
     def cuMemsetD8(self, p, v, n):
@@ -263,11 +308,21 @@ class FakeDriver:
         return self._run(stream, lambda: self.cuMemsetD8(p, v, n))
 
     # ---- streams, events, graphs ------------------------------------------------------------------------------
-    def cuStreamCreate(self, flags): return OK, object()
-    def cuStreamDestroy(self, s): return (OK,)
-    def cuStreamSynchronize(self, s): return (OK,)
-    def cuEventCreate(self, flags): return OK, object()
-    def cuEventDestroy(self, e): return (OK,)
+    def cuStreamCreate(self, flags):
+        return OK, object()
+
+    def cuStreamDestroy(self, s):
+        return (OK,)
+
+    def cuStreamSynchronize(self, s):
+        return (OK,)
+
+    def cuEventCreate(self, flags):
+        return OK, object()
+
+    def cuEventDestroy(self, e):
+        return (OK,)
+
     def cuEventRecord(self, e, s):
         self._recorded_on[id(e)] = s
         return (OK,)
@@ -280,8 +335,12 @@ class FakeDriver:
             self._capture[s] = self._capture[src]
             self._joined[s] = src
         return (OK,)
-    def cuEventSynchronize(self, e): return (OK,)
-    def cuEventElapsedTime(self, a, b): return OK, 0.0
+
+    def cuEventSynchronize(self, e):
+        return (OK,)
+
+    def cuEventElapsedTime(self, a, b):
+        return OK, 0.0
 
     def cuStreamBeginCapture(self, s, mode):
         self.calls.append("begin")
@@ -294,13 +353,18 @@ class FakeDriver:
             del self._capture[side], self._joined[side]
         return OK, self._capture.pop(s)
 
-    def cuGraphInstantiate(self, g, flags): return OK, list(g)
-    def cuGraphUpload(self, g, s): return (OK,)
+    def cuGraphInstantiate(self, g, flags):
+        return OK, list(g)
+
+    def cuGraphUpload(self, g, s):
+        return (OK,)
+
     def cuGraphDestroy(self, g):
         self.calls.append("destroy graph")
         return (OK,)
 
-    def cuGraphExecDestroy(self, g): return (OK,)
+    def cuGraphExecDestroy(self, g):
+        return (OK,)
 
     def cuGraphLaunch(self, g, s):
         self.launch_contexts.add(self._ctx.current)
@@ -309,9 +373,14 @@ class FakeDriver:
         return (OK,)
 
     # ---- modules and launches ---------------------------------------------------------------------------------
-    def cuModuleLoadData(self, image): return OK, "module"
-    def cuModuleUnload(self, m): return (OK,)
-    def cuFuncSetAttribute(self, fn, attr, v): return (OK,)
+    def cuModuleLoadData(self, image):
+        return OK, "module"
+
+    def cuModuleUnload(self, m):
+        return (OK,)
+
+    def cuFuncSetAttribute(self, fn, attr, v):
+        return (OK,)
 
     def cuModuleGetFunction(self, mod, name):
         name = name.decode() if isinstance(name, bytes) else name
@@ -327,12 +396,23 @@ class FakeDriver:
 
     def cuLaunchKernelEx(self, cfg, fn, params, extra):
         """A PDL launch: executes like any other here (the emulator runs launches in order)."""
-        ids = [a.id for a in cfg.attrs[:cfg.numAttrs]]
+        ids = [a.id for a in cfg.attrs[: cfg.numAttrs]]
         if ids != [self.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]:
             raise EmuError(f"unexpected launch attributes {ids}")
         self.pdl_launches += 1
-        return self.cuLaunchKernel(fn, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY,
-                                   cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, params, extra)
+        return self.cuLaunchKernel(
+            fn,
+            cfg.gridDimX,
+            cfg.gridDimY,
+            cfg.gridDimZ,
+            cfg.blockDimX,
+            cfg.blockDimY,
+            cfg.blockDimZ,
+            cfg.sharedMemBytes,
+            cfg.hStream,
+            params,
+            extra,
+        )
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         self.launch_contexts.add(self._ctx.current)
@@ -347,6 +427,7 @@ class FakeDriver:
         def go():
             self.launches.append(fn)
             self.emu.run(fn, self.entries[fn], vals, grid)
+
         return self._run(stream, go)
 
 

@@ -55,8 +55,18 @@ def require_gpu():
 
 def manifest_entry(k: KernelSpec) -> KernelEntry:
     """The runtime's manifest entry of `k`, as `thorgen build` writes it (its cubin is passed to KernelRig.add)."""
-    return KernelEntry(name=k.name, cubin=Path(f"{k.name}.cubin"), entry=k.name, family=k.family, grid=k.grid,
-                       block=k.block, smem_bytes=k.smem_bytes, args=k.args, params=dict(k.params), template=k.template)
+    return KernelEntry(
+        name=k.name,
+        cubin=Path(f"{k.name}.cubin"),
+        entry=k.name,
+        family=k.family,
+        grid=k.grid,
+        block=k.block,
+        smem_bytes=k.smem_bytes,
+        args=k.args,
+        params=dict(k.params),
+        template=k.template,
+    )
 
 
 def compile_kernels(kernels: list[KernelSpec], arch: ArchSpec, spec_hash: str, work: Path) -> dict[str, bytes]:
@@ -79,8 +89,7 @@ class GpuRunner:
 
         self.rig = KernelRig(require_gpu(), work_dir() / "rig")
         self.arch: ArchSpec = get_arch(self.rig.arch)
-        self.spec: ModelSpec = dataclasses.replace(get_preset(preset),
-                                                   linear_formats=getattr(types, linear_formats))
+        self.spec: ModelSpec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, linear_formats))
         self.kernels = {k.name: k for k in plan(self.spec, self.arch) if k.family in families}
         self.add(list(self.kernels.values()))
 

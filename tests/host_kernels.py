@@ -112,23 +112,40 @@ class HostRunner:
         inc.mkdir(parents=True, exist_ok=True)
         for h in (INCLUDE_DIR / "thorgen").glob("*.cuh"):  # dynamic shared memory -> the host block's buffer
             if h.name != "common.cuh":
-                (inc / h.name).write_text(_DYN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(host_dyn_smem);",
-                                                        h.read_text()))
+                (inc / h.name).write_text(
+                    _DYN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(host_dyn_smem);", h.read_text())
+                )
         includes, cases = [], []
         for i, k in enumerate(kernels):
             src = self.work / f"{k.name}.cu"
             src.write_text(render(k, arch, spec_hash))
-            includes.append(f"namespace k{i} {{\n#include \"{src}\"\n}}")
+            includes.append(f'namespace k{i} {{\n#include "{src}"\n}}')
             args = ", ".join(f"a[{j}]" for j in range(len(k.args)))
             cases.append(f"    case {i}: k{i}::{k.name}({args}); break;")
         # the headers first, outside the namespaces (their #pragma once then keeps them there)
         pre = "\n".join(f'#include "thorgen/{h}"' for h in ("sample.cuh", "logits.cuh"))
-        (self.work / "driver.cpp").write_text(DRIVER % {"includes": pre + "\n" + "\n".join(includes),
-                                                        "cases": "\n".join(cases)})
+        (self.work / "driver.cpp").write_text(
+            DRIVER % {"includes": pre + "\n" + "\n".join(includes), "cases": "\n".join(cases)}
+        )
         self.exe = self.work / "driver"
-        subprocess.run([host_compiler() or "g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread",
-                        "-Wno-unused-result", f"-I{SHIM}", f"-I{self.work / 'include'}", "-o", str(self.exe),
-                        str(self.work / "driver.cpp")], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                host_compiler() or "g++",
+                "-std=c++20",
+                "-O1",
+                "-ffp-contract=off",
+                "-pthread",
+                "-Wno-unused-result",
+                f"-I{SHIM}",
+                f"-I{self.work / 'include'}",
+                "-o",
+                str(self.exe),
+                str(self.work / "driver.cpp"),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         self._ids = {k.name: i for i, k in enumerate(kernels)}
         self._runs = 0
 
@@ -142,13 +159,16 @@ class HostRunner:
         run = self.work / f"run{self._runs}"
         names: list[str] = []
         for kernel, _ in steps:
-            names += [a for a in kernel.args if (a in outputs or isinstance(inputs.get(a), np.ndarray))
-                      and a not in names]
+            names += [
+                a for a in kernel.args if (a in outputs or isinstance(inputs.get(a), np.ndarray)) and a not in names
+            ]
         lines = [str(len(names))]
         for i, name in enumerate(names):
             arr = np.ascontiguousarray(inputs[name]) if isinstance(inputs.get(name), np.ndarray) else None
-            size = max(arr.nbytes if arr is not None else 0,
-                       int(np.prod(outputs[name][0])) * np.dtype(outputs[name][1]).itemsize if name in outputs else 0)
+            size = max(
+                arr.nbytes if arr is not None else 0,
+                int(np.prod(outputs[name][0])) * np.dtype(outputs[name][1]).itemsize if name in outputs else 0,
+            )
             path = Path(f"{run}.{i}.in")
             path.write_bytes(arr.tobytes() if arr is not None else b"")
             lines.append(f"{size} {path}")

@@ -18,6 +18,7 @@ ONE_ALLOWED = 6
 
 def cases(rng, V: int):
     """[(params, prompt, output, allowed or None) or None] covering each recipe step and their combinations."""
+
     def tok(n: int) -> list[int]:
         return [int(t) for t in rng.integers(0, V, n)]
 
@@ -29,9 +30,17 @@ def cases(rng, V: int):
     return [
         None,
         (SamplingParams(repetition_penalty=1.3), tok(200), tok(20), None),
-        (SamplingParams(repetition_penalty=0.7, frequency_penalty=1.5, presence_penalty=-0.5,
-                        logit_bias=tuple((t, float(rng.normal(0, 20))) for t in set(tok(30) + edges))),
-         tok(100) + edges, tok(40) + edges[:3] * 3, mask),
+        (
+            SamplingParams(
+                repetition_penalty=0.7,
+                frequency_penalty=1.5,
+                presence_penalty=-0.5,
+                logit_bias=tuple((t, float(rng.normal(0, 20))) for t in set(tok(30) + edges)),
+            ),
+            tok(100) + edges,
+            tok(40) + edges[:3] * 3,
+            mask,
+        ),
         (SamplingParams(frequency_penalty=-2.0, presence_penalty=2.0), tok(50), tok(60), None),
         (SamplingParams(logit_bias=((edges[1], 150.0), (edges[-1], -150.0))), [], [], mask),  # clamped to +-100
         (SamplingParams(logit_bias=((edges[1], 5.0),)), tok(10), [], np.zeros(V, bool)),  # nothing allowed

@@ -12,8 +12,15 @@ import math
 
 import numpy as np
 
-from thorgen.model_spec.nvfp4 import (bf16_to_f32, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, f32_to_e4m3,
-                                     multiplier_of_divisor, quantize_nvfp4)
+from thorgen.model_spec.nvfp4 import (
+    bf16_to_f32,
+    dequantize_nvfp4,
+    e4m3_to_f32,
+    f32_to_bf16,
+    f32_to_e4m3,
+    multiplier_of_divisor,
+    quantize_nvfp4,
+)
 from thorgen.runtime.convert import layouts as L
 
 F64 = np.float64
@@ -39,7 +46,7 @@ def norm_err(out: np.ndarray, ref: np.ndarray) -> float:
 # ---- activations ----------------------------------------------------------------------------------------------
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F64)
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -115,7 +122,7 @@ def moe_gateup_ref(x: np.ndarray, ids: np.ndarray, gates: list, ups: list) -> np
     for t in range(m):
         for k in range(topk):
             e = ids[t, k]
-            out[t * topk + k] = gated_ref(x[t:t + 1], gates[e], ups[e], "gelu_mul")[0]
+            out[t * topk + k] = gated_ref(x[t : t + 1], gates[e], ups[e], "gelu_mul")[0]
     return out
 
 
@@ -125,7 +132,7 @@ def moe_down_ref(act: np.ndarray, ids: np.ndarray, wts: np.ndarray, downs: list)
     y = np.zeros((m, downs[int(ids[0, 0])].shape[0]), F64)
     for t in range(m):
         for k in range(topk):
-            y[t] += float(wts[t, k]) * gemm_ref(act[t * topk + k: t * topk + k + 1], downs[ids[t, k]])[0]
+            y[t] += float(wts[t, k]) * gemm_ref(act[t * topk + k : t * topk + k + 1], downs[ids[t, k]])[0]
     return y
 
 
@@ -138,8 +145,18 @@ def kv_load(bits: np.ndarray, kv: str) -> np.ndarray:
     return bf16_to_f32(bits) if kv == "bf16" else e4m3_to_f32(bits)
 
 
-def attention_ref(q_bits: np.ndarray, kc: np.ndarray, vc: np.ndarray, kv: str, p0: int, ring: int, window: int,
-                  causal: bool, scale: float, kv_hi: np.ndarray | None = None) -> np.ndarray:
+def attention_ref(
+    q_bits: np.ndarray,
+    kc: np.ndarray,
+    vc: np.ndarray,
+    kv: str,
+    p0: int,
+    ring: int,
+    window: int,
+    causal: bool,
+    scale: float,
+    kv_hi: np.ndarray | None = None,
+) -> np.ndarray:
     """out [m, Hq, D] (float64) for queries at p0..p0+m-1 over cache slots (pos % ring, or pos when ring == 0);
     `kv_hi` (causal): query i sees keys up to max(its position, kv_hi[i]) (an image span's queries see the span)."""
     q = bf16_to_f32(q_bits).astype(F64)
@@ -159,10 +176,10 @@ def attention_ref(q_bits: np.ndarray, kc: np.ndarray, vc: np.ndarray, kv: str, p
     for h in range(hkv):
         k = kv_load(kc[slots, h], kv).astype(F64)  # [keys, D]
         v = kv_load(vc[slots, h], kv).astype(F64)
-        s = np.einsum("mgd,nd->mgn", q[:, h * g:(h + 1) * g], k) * scale
+        s = np.einsum("mgd,nd->mgn", q[:, h * g : (h + 1) * g], k) * scale
         s = np.where(vis[:, None, :], s, -np.inf)
         s = np.exp(s - s.max(axis=-1, keepdims=True))
-        out[:, h * g:(h + 1) * g] = np.einsum("mgn,nd->mgd", s / s.sum(axis=-1, keepdims=True), v)
+        out[:, h * g : (h + 1) * g] = np.einsum("mgn,nd->mgd", s / s.sum(axis=-1, keepdims=True), v)
     return out
 
 
@@ -185,11 +202,11 @@ class LayoutWeight:
         steps, nu = k // 64, n // 16
         wb, sb = n * k // 2, n * k // 16
         # step-major slab [steps][units][512 B] / [steps][units][64 B]: the selected units form a smaller layout
-        w = self.w[expert * wb:(expert + 1) * wb].reshape(steps, nu, 512)[:, units].reshape(-1)
-        s = self.s[expert * sb:(expert + 1) * sb].reshape(steps, nu, 64)[:, units].reshape(-1)
+        w = self.w[expert * wb : (expert + 1) * wb].reshape(steps, nu, 512)[:, units].reshape(-1)
+        s = self.s[expert * sb : (expert + 1) * sb].reshape(steps, nu, 64)[:, units].reshape(-1)
         packed, scale = L.unpack_nvfp4(w, s, 16 * len(units), k, self.order)
         dense = dequantize_nvfp4(packed, scale, 1.0).astype(F64).reshape(len(units), 2, 8, k)
-        inv = self.gscale[expert * (n // 8):(expert + 1) * (n // 8)].reshape(nu, 2)[units].astype(F64)
+        inv = self.gscale[expert * (n // 8) : (expert + 1) * (n // 8)].reshape(nu, 2)[units].astype(F64)
         return (dense * inv[:, :, None, None]).reshape(-1, k)
 
     def dense(self, expert: int = 0) -> np.ndarray:

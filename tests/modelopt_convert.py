@@ -22,18 +22,27 @@ VARIANTS = {"all-linear": ALL_NVFP4, "experts-only": EXPERTS_ONLY_NVFP4}
 CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
 
-def convert_ct_to_modelopt(src: Path, dst: Path, variant: str = "all-linear",
-                           gate_up_scale_2: dict[str, float] | None = None) -> Path:
+def convert_ct_to_modelopt(
+    src: Path, dst: Path, variant: str = "all-linear", gate_up_scale_2: dict[str, float] | None = None
+) -> Path:
     """Write the ModelOpt form of the compressed-tensors checkpoint `src` into `dst` (one model.safetensors).
     gate_up_scale_2: {linear prefix: weight_scale_2} overrides, to write deliberately unequal gate/up scalars."""
     formats = VARIANTS[variant]
     ck = Checkpoint.open(src)
     spec = ck.spec
     top = Path(src).resolve()
-    shutil.copytree(src, dst, ignore=lambda folder, names: [n for n in names if Path(folder).resolve() == top and (
-        n.endswith((".safetensors", ".index.json")))])
-    linears = {lin.prefix: lin for layer in range(spec.target.num_hidden_layers)
-               for lin in target_linears(spec.target, layer, "modelopt", formats)}
+    shutil.copytree(
+        src,
+        dst,
+        ignore=lambda folder, names: [
+            n for n in names if Path(folder).resolve() == top and (n.endswith((".safetensors", ".index.json")))
+        ],
+    )
+    linears = {
+        lin.prefix: lin
+        for layer in range(spec.target.num_hidden_layers)
+        for lin in target_linears(spec.target, layer, "modelopt", formats)
+    }
     arrays: dict[str, tuple[str, np.ndarray]] = {}
     for info in ck.target_inventory:
         name = info.name

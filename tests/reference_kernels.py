@@ -65,8 +65,9 @@ def embed_ref(ids: np.ndarray, table_bf16: np.ndarray, scale: float, mask_id: in
 
 
 # ---- DFlash acceptance (exact: integers) -------------------------------------------------------------------------
-def spec_accept_ref(ids: np.ndarray, targets: np.ndarray, start: int, most: int, emulate: int
-                    ) -> tuple[int, np.ndarray, np.ndarray, int]:
+def spec_accept_ref(
+    ids: np.ndarray, targets: np.ndarray, start: int, most: int, emulate: int
+) -> tuple[int, np.ndarray, np.ndarray, int]:
     """spec_accept.cu.j2 after a verify step at positions start..: ids[0..B) = [last, drafts], targets = out_ids:
     (the committed count n, the next block's positions, its sampled positions, its ids[0] = targets[n - 1])."""
     n = accepted_count([int(t) for t in ids[1:]], [int(t) for t in targets], most, None if emulate < 0 else emulate)
@@ -121,8 +122,9 @@ def rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
     return x * cos + rot * sin
 
 
-def rope_kv_ref(q_raw, k_raw, v_raw, q_w, k_w, positions, *, HQ, HKV, D, rot, theta, has_q, v_from_k, v_norm,
-                eps) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+def rope_kv_ref(
+    q_raw, k_raw, v_raw, q_w, k_w, positions, *, HQ, HKV, D, rot, theta, has_q, v_from_k, v_norm, eps
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(q [T,HQ,D] or None, k rows [T,HKV,D], v rows [T,HKV,D]) in float64, before the cache store rounding."""
     T = len(positions)
     f = inv_freq(D, rot, theta)
@@ -144,7 +146,7 @@ TOL_ROUTER_WEIGHTS = 1e-5
 
 def router_logits_ref(x, scale_bf16, proj_bf16, eps: float) -> np.ndarray:
     H = x.shape[-1]
-    hn = rms(x, None, eps) * bf16_to_f32(scale_bf16) * H ** -0.5
+    hn = rms(x, None, eps) * bf16_to_f32(scale_bf16) * H**-0.5
     return hn @ bf16_to_f32(proj_bf16).astype(F64).T
 
 

@@ -27,8 +27,9 @@ def mask_allowed(words: np.ndarray, vocab: int) -> np.ndarray:
     return np.unpackbits(np.asarray(words, "<u4").view(np.uint8), bitorder="little")[:vocab].astype(bool)
 
 
-def process_ref(logits: np.ndarray, cap: float, rows: np.ndarray, counts: np.ndarray, biases: np.ndarray,
-                masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def process_ref(
+    logits: np.ndarray, cap: float, rows: np.ndarray, counts: np.ndarray, biases: np.ndarray, masks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(processed softcapped logits f32 [T, V], status i32 [T]) of lm_process on pre-softcap logits [T, V]."""
     capped = softcap_ref(logits, cap)
     T, V = capped.shape
@@ -37,7 +38,7 @@ def process_ref(logits: np.ndarray, cap: float, rows: np.ndarray, counts: np.nda
     for t in range(T):
         d = rows[t]
         z = capped[t].astype(F64)
-        c = counts[int(d["counts_offset"]):int(d["counts_offset"]) + int(d["n_counts"])]
+        c = counts[int(d["counts_offset"]) : int(d["counts_offset"]) + int(d["n_counts"])]
         ids, n = c["token"].astype(np.int64), c["count"].astype(np.int64)
         r = float(d["repetition_penalty"])
         if r != 1.0:
@@ -45,18 +46,20 @@ def process_ref(logits: np.ndarray, cap: float, rows: np.ndarray, counts: np.nda
                 z[ids] = np.where(z[ids] > 0, z[ids] / r, z[ids] * r)
         hot = n > 0
         z[ids[hot]] -= float(d["frequency_penalty"]) * n[hot] + float(d["presence_penalty"])
-        b = biases[int(d["bias_offset"]):int(d["bias_offset"]) + int(d["n_bias"])]
+        b = biases[int(d["bias_offset"]) : int(d["bias_offset"]) + int(d["n_bias"])]
         z[b["token"].astype(np.int64)] += b["bias"].astype(F64)
         if int(d["mask_row"]) >= 0:
             z[~mask_allowed(masks[int(d["mask_row"])], V)] = -np.inf
         out[t] = z.astype(F32)
-        status[t] = (1 if not (out[t] > -np.inf).any() else 0) | (2 if (np.isnan(out[t]) | (out[t] == np.inf)).any()
-                                                                   else 0)
+        status[t] = (1 if not (out[t] > -np.inf).any() else 0) | (
+            2 if (np.isnan(out[t]) | (out[t] == np.inf)).any() else 0
+        )
     return out, status
 
 
-def logprobs_ref(logits: np.ndarray, cap: float, out_ids: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray,
-                                                                                          np.ndarray]:
+def logprobs_ref(
+    logits: np.ndarray, cap: float, out_ids: np.ndarray, top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(top ids i32 [T, top], their logprobs f64 [T, top], the logprob of out_ids[t] f64 [T]) of the log-softmax of
     the softcapped logits [T, V] (descending, ties -> lower id)."""
     z = softcap_ref(logits, cap).astype(F64)

@@ -18,10 +18,25 @@ from typing import Callable, Iterator
 from thorgen.runtime.backend import GenerationResult, SamplingParams, StepOutput
 
 # Gemma-4 control tokens at their real ids (MODEL_FACTS §4.2); the rest of the low ids are unused specials.
-GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 46: "<|tool>", 47: "<tool|>",
-                  48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 51: "<tool_response|>",
-                  52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>",
-                  106: "<turn|>"}
+GEMMA_SPECIALS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    46: "<|tool>",
+    47: "<tool|>",
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    50: "<|tool_response>",
+    51: "<tool_response|>",
+    52: '<|"|>',
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+    105: "<|turn>",
+    106: "<turn|>",
+}
 _CHARS = [chr(c) for c in range(33, 127)] + ["▁", "\n"] + list("éüßあ")
 BYTE_BASE = 107 + len(_CHARS)  # <0xXX> = BYTE_BASE + byte; ids stay contiguous
 
@@ -35,17 +50,48 @@ def write_test_tokenizer(path: str | Path) -> Path:
         vocab[ch] = 107 + i
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = BYTE_BASE + b
-    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for s, i in vocab.items() if i < 107]
-    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-           "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-           "pre_tokenizer": None, "post_processor": None,
-           "decoder": {"type": "Sequence", "decoders": [
-               {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-               {"type": "ByteFallback"}, {"type": "Fuse"}]},
-           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
-                     "vocab": vocab, "merges": []}}
+    added = [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for s, i in vocab.items()
+        if i < 107
+    ]
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
     path = Path(path)
     path.write_text(json.dumps(doc, ensure_ascii=False))
     return path
@@ -56,8 +102,14 @@ class ScriptedBackend:
     It runs through the engine core like every backend (ScriptedRunner); a script that runs out ends the
     request with a stop id, as if the model had ended its turn."""
 
-    def __init__(self, script: Callable[[list[int]], list[int]], max_context: int = 4096, chunk: int = 1,
-                 delay: float = 0.0, vocab_size: int = BYTE_BASE + 256) -> None:
+    def __init__(
+        self,
+        script: Callable[[list[int]], list[int]],
+        max_context: int = 4096,
+        chunk: int = 1,
+        delay: float = 0.0,
+        vocab_size: int = BYTE_BASE + 256,
+    ) -> None:
         self.script, self.chunk, self.delay = script, chunk, delay
         self.max_context = max_context
         self.spec = SimpleNamespace(drafter=None, vision=None, target=SimpleNamespace(vocab_size=vocab_size))
@@ -76,14 +128,28 @@ class ScriptedBackend:
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> "ScriptedRunner":
         return ScriptedRunner(self, max_num_seqs, kv_tokens)
 
-    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None) -> Iterator[StepOutput]:
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        result: GenerationResult | None = None,
+    ) -> Iterator[StepOutput]:
         from thorgen.runtime.engine.core import generate_one
 
-        return generate_one(self.runner(1), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
-                            speculative, cancelled, GenerationResult() if result is None else result)
+        return generate_one(
+            self.runner(1),
+            list(prompt_ids),
+            max_tokens,
+            sampling,
+            frozenset(stop_ids),
+            speculative,
+            cancelled,
+            GenerationResult() if result is None else result,
+        )
 
     def generate(self, prompt_ids, max_tokens, sampling, stop_ids=frozenset(), speculative=False, cancelled=None):
         result = GenerationResult()
@@ -123,8 +189,13 @@ class ScriptedRunner:
 
     def _start(self, seq) -> None:
         """A sequence's first prefill (or its first after a preemption): its script, and a record of the call."""
-        record = {"prompt": list(seq.prompt), "max_tokens": seq.max_tokens, "sampling": seq.sampling,
-                  "end": None, "started": time.perf_counter()}
+        record = {
+            "prompt": list(seq.prompt),
+            "max_tokens": seq.max_tokens,
+            "sampling": seq.sampling,
+            "end": None,
+            "started": time.perf_counter(),
+        }
         with self.backend.lock:
             self.backend.calls.append(record)
         self._runs[seq.request_id] = (list(self.backend.script(list(seq.prompt))), record)
@@ -134,7 +205,7 @@ class ScriptedRunner:
         done = len(seq.output)
         if done >= len(tokens):  # the script ran out: end the turn
             return [min(seq.stop_ids) if seq.stop_ids else 1]
-        return tokens[done:done + n]
+        return tokens[done : done + n]
 
     def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
         if seq.request_id not in self._runs:
@@ -150,7 +221,7 @@ class ScriptedRunner:
             launched()
         if self.backend.delay:
             time.sleep(self.backend.delay)
-        return [(self._next(seq, self.backend.chunk)[:max(seq.room(self.max_context), 1)], False) for seq in seqs]
+        return [(self._next(seq, self.backend.chunk)[: max(seq.room(self.max_context), 1)], False) for seq in seqs]
 
     def release(self, seq, finished: bool) -> None:
         if seq.request_id not in self._runs:  # (finished before its first prefill ran)
@@ -174,6 +245,7 @@ def scripted_state(backend, tokenizer, template, model_id: str = "scripted-test-
         client = EngineClient(lambda: backend)
         client.wait_ready()
         return client, tokenizer, template, {"eos_token_id": [1, 106, 50]}
+
     state = ServerState(model_id, loader, model_names=(model_id, *TEST_MODEL_NAMES))
     state.load()
     if state.load_error:

@@ -70,8 +70,13 @@ def test_round_trip_gives_the_same_buffers_and_args(tiny_build: Path) -> None:
     names = {k.name for k in planned}
     assert all(c.kernel.name in names for c in written)
     for w, r in zip(written, read):
-        assert (r.kernel, r.bytes_moved, r.grid, r.note, r.weight_streaming) == \
-            (w.kernel.name, w.bytes_moved, w.grid, w.note, w.weight_streaming)
+        assert (r.kernel, r.bytes_moved, r.grid, r.note, r.weight_streaming) == (
+            w.kernel.name,
+            w.bytes_moved,
+            w.grid,
+            w.note,
+            w.weight_streaming,
+        )
         assert len(r.args) == len(w.args)
         host = runtime_cases.host_args(r, np.random.default_rng(7))
         rng = np.random.default_rng(7)
@@ -79,8 +84,7 @@ def test_round_trip_gives_the_same_buffers_and_args(tiny_build: Path) -> None:
             if isinstance(wa, Buf):
                 assert isinstance(ra, Buf)
                 assert (ra.name, ra.dtype, ra.count, ra.values) == (wa.name, wa.dtype, wa.count, wa.values)
-                assert (ra.low, ra.high, type(ra.low), type(ra.high)) == (wa.low, wa.high, type(wa.low),
-                                                                           type(wa.high))
+                assert (ra.low, ra.high, type(ra.low), type(ra.high)) == (wa.low, wa.high, type(wa.low), type(wa.high))
                 want = None if wa.count == 0 else runtime_cases.fill(wa, rng)  # the same rng draws, in order
                 assert (h is None) == (want is None)
                 if want is not None:
@@ -98,8 +102,9 @@ def test_cases_of_kernels_the_build_lacks_are_dropped() -> None:
     every = codegen_cases.built_bench_cases(spec, arch, planned)
     left_out, changed = every[0].kernel, every[-1].kernel
     assert left_out.name != changed.name
-    built = [dataclasses.replace(k, smem_bytes=k.smem_bytes + 16) if k == changed else k
-             for k in planned if k != left_out]
+    built = [
+        dataclasses.replace(k, smem_bytes=k.smem_bytes + 16) if k == changed else k for k in planned if k != left_out
+    ]
     kept = {c.kernel.name for c in codegen_cases.built_bench_cases(spec, arch, built)}
     assert kept == {c.kernel.name for c in every} - {left_out.name, changed.name}
 
@@ -125,8 +130,11 @@ def test_stale_or_missing_cases_say_rebuild(tiny_build: Path, tmp_path: Path) ->
     def unknown_kernel(d):
         d["cases"][0]["kernel"] = "no_such_kernel"
 
-    for change, words in ((other_build, "was written for"), (other_args, "its manifest entry takes"),
-                          (unknown_kernel, "no kernel 'no_such_kernel'")):
+    for change, words in (
+        (other_build, "was written for"),
+        (other_args, "its manifest entry takes"),
+        (unknown_kernel, "no kernel 'no_such_kernel'"),
+    ):
         folder = _rewrite(tiny_build, tmp_path / change.__name__, change)
         with pytest.raises(ModuleError, match=words):
             runtime_cases.load_bench_cases(load_manifest(folder))
@@ -150,8 +158,11 @@ def test_cases_launch_through_the_rig(tiny_build: Path, tmp_path: Path) -> None:
     """Every norms and embedding case, read back, launches on its manifest entry (argument count and widths as the
     manifest declares) on the emulated driver."""
     manifest = load_manifest(tiny_build)
-    cases = [c for c in runtime_cases.load_bench_cases(manifest)
-             if manifest.kernel(c.kernel).family in ("norms", "embedding")]
+    cases = [
+        c
+        for c in runtime_cases.load_bench_cases(manifest)
+        if manifest.kernel(c.kernel).family in ("norms", "embedding")
+    ]
     assert cases
     driver = EE.install(tiny_build)
     device = dev.Device.open(0)

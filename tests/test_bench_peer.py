@@ -17,9 +17,26 @@ def test_bench_reports_the_peer_and_the_ratios(tiny_checkpoint, tmp_path):
     from thorgen.cli import main
 
     out = tmp_path / "peer.json"
-    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_checkpoint), "--backend", "reference",
-                                  "--prompt-len", "16", "--gen", "6", "--runs", "1", "--peer", "hf",
-                                  "--out", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-len",
+            "16",
+            "--gen",
+            "6",
+            "--runs",
+            "1",
+            "--peer",
+            "hf",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     peer = report["peer"]
@@ -42,4 +59,4 @@ def test_peer_greedy_tokens_equal_the_reference(tiny_checkpoint):
     model = hf_model(ck, "float32")
     out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, cache_implementation="static")
     ours = ReferenceBackend(ck, max_context=256).generate(prompt, 8, SamplingParams()).token_ids
-    assert out[0, len(prompt):].tolist() == ours
+    assert out[0, len(prompt) :].tolist() == ours

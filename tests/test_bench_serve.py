@@ -33,9 +33,25 @@ def test_bench_serve_levels(tmp_path):
     state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
     out = tmp_path / "report.json"
     with running_server(create_app(state)) as url:
-        r = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1,2", "--prompt-len", "40",
-                                             "--gen", "12", "--requests", "2", "--engine-tok-s", "500",
-                                             "--out", str(out)])
+        r = CliRunner().invoke(
+            bench_serve,
+            [
+                "--url",
+                url,
+                "--concurrency",
+                "1,2",
+                "--prompt-len",
+                "40",
+                "--gen",
+                "12",
+                "--requests",
+                "2",
+                "--engine-tok-s",
+                "500",
+                "--out",
+                str(out),
+            ],
+        )
         assert r.exit_code == 0, r.output
         bad = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1", "--prompt-len", "5000"])
         assert bad.exit_code != 0 and "400" in bad.output  # the prompt exceeds the scripted context
@@ -63,18 +79,51 @@ def test_bench_serve_suite(tmp_path):
     tok = Tokenizer.from_file(write_test_tokenizer(tmp_path / "tokenizer.json"))
     engine = ScriptedBackend(lambda p: tok.encode("one two three four five six"), max_context=3000)
     state = scripted_state(engine, tok, ChatTemplate(TEMPLATE.read_text()))
-    suite = {"prompts": [
-        {"id": "a", "category": "short_factual", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        {"id": "n", "category": "long_context", "_build": "needle", "needle": "The code is 7.",
-         "question": "What is the code?", "filler_repeats": 2, "max_tokens": 3},
-        {"id": "big", "category": "long_context", "_build": "needle", "needle": "x", "question": "y",
-         "filler_repeats": 50, "max_tokens": 3}]}
+    suite = {
+        "prompts": [
+            {"id": "a", "category": "short_factual", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            {
+                "id": "n",
+                "category": "long_context",
+                "_build": "needle",
+                "needle": "The code is 7.",
+                "question": "What is the code?",
+                "filler_repeats": 2,
+                "max_tokens": 3,
+            },
+            {
+                "id": "big",
+                "category": "long_context",
+                "_build": "needle",
+                "needle": "x",
+                "question": "y",
+                "filler_repeats": 50,
+                "max_tokens": 3,
+            },
+        ]
+    }
     (tmp_path / "suite.json").write_text(json.dumps(suite))
     out = tmp_path / "r.json"
     with running_server(create_app(state)) as url:
-        r = CliRunner().invoke(bench_serve, ["--url", url, "--concurrency", "1", "--prompt-len", "8", "--gen", "4",
-                                             "--requests", "1", "--suite", str(tmp_path / "suite.json"),
-                                             "--out", str(out)])
+        r = CliRunner().invoke(
+            bench_serve,
+            [
+                "--url",
+                url,
+                "--concurrency",
+                "1",
+                "--prompt-len",
+                "8",
+                "--gen",
+                "4",
+                "--requests",
+                "1",
+                "--suite",
+                str(tmp_path / "suite.json"),
+                "--out",
+                str(out),
+            ],
+        )
     assert r.exit_code == 0, r.output
     rows = {row["id"]: row for row in json.loads(out.read_text())["suite"]}
     assert rows["a"]["completion_tokens"] == 4 and rows["a"]["ttft_ms"] > 0

@@ -21,9 +21,26 @@ from thorgen.runtime.bench.timing import synthetic_prompt  # noqa: E402
 @pytest.mark.parametrize("k", [0, 3])
 def test_emulated_acceptance_on_the_reference_backend(tiny_checkpoint, tmp_path, k):
     out = tmp_path / "spec.json"
-    r = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "8",
-                                   "--gen", "25", "--runs", "1", "--speculative", "--emulate-acceptance", str(k),
-                                   "--out", str(out)])
+    r = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-len",
+            "8",
+            "--gen",
+            "25",
+            "--runs",
+            "1",
+            "--speculative",
+            "--emulate-acceptance",
+            str(k),
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     s = report["speculative"]
@@ -75,8 +92,22 @@ def test_speculative_without_a_drafter_is_a_clear_error(tiny_checkpoint, tmp_pat
 
     plain = tmp_path / "plain"
     shutil.copytree(tiny_checkpoint, plain, ignore=shutil.ignore_patterns("dflash"))
-    r = CliRunner().invoke(bench, ["--model", str(plain), "--backend", "reference", "--prompt-len", "8", "--gen",
-                                   "8", "--runs", "1", "--speculative"])
+    r = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(plain),
+            "--backend",
+            "reference",
+            "--prompt-len",
+            "8",
+            "--gen",
+            "8",
+            "--runs",
+            "1",
+            "--speculative",
+        ],
+    )
     assert r.exit_code != 0 and "DFlash drafter" in r.output
     r = CliRunner().invoke(bench, ["--model", str(plain), "--backend", "reference", "--emulate-acceptance", "2"])
     assert r.exit_code != 0 and "--emulate-acceptance goes with --speculative" in r.output

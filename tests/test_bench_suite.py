@@ -11,8 +11,17 @@ import pytest
 from thorgen.runtime.text.prompts import FILLER_LINE, PromptRenderer, filler_for_tokens, load_suite
 
 SUITE = Path(__file__).resolve().parents[1] / "docs" / "prompt_suite.json"
-CATEGORIES = {"short_factual", "reasoning", "code_gen", "code_edit", "explanation", "multi_turn", "tool_use",
-              "long_context_16k", "long_context_64k"}
+CATEGORIES = {
+    "short_factual",
+    "reasoning",
+    "code_gen",
+    "code_edit",
+    "explanation",
+    "multi_turn",
+    "tool_use",
+    "long_context_16k",
+    "long_context_64k",
+}
 
 
 def test_the_suite_covers_every_category_and_renders(tiny_checkpoint):
@@ -34,7 +43,10 @@ def test_the_suite_covers_every_category_and_renders(tiny_checkpoint):
 
 def test_filler_for_tokens_finds_the_edge():
     entry = {"id": "n"}
-    count = lambda r: 50 + 37 * r + (r % 3)  # not exactly linear, as real tokenizers are not
+
+    def count(r):
+        return 50 + 37 * r + (r % 3)  # not exactly linear, as real tokenizers are not
+
     r = filler_for_tokens(entry, 10_000, count)
     assert count(r) <= 10_000 < count(r + 1)
     assert filler_for_tokens(entry, 50, count) == 0
@@ -56,7 +68,7 @@ class OracleDrafter:
         return DraftContext(None, 0)
 
     def propose(self, ctx, last_token: int, start: int) -> list[int]:
-        drafts = list(self.full[start + 1: start + self.block_size])
+        drafts = list(self.full[start + 1 : start + self.block_size])
         return drafts + [0] * (self.block_size - 1 - len(drafts))
 
 
@@ -65,8 +77,12 @@ def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
     from thorgen.runtime.bench.suite import run_entries
     from thorgen.runtime.reference.backend import ReferenceBackend
 
-    entry = {"id": "x", "category": "short_factual", "max_tokens": 33,
-             "messages": [{"role": "user", "content": "Count to ten."}]}
+    entry = {
+        "id": "x",
+        "category": "short_factual",
+        "max_tokens": 33,
+        "messages": [{"role": "user", "content": "Count to ten."}],
+    }
     renderer = PromptRenderer(tiny_checkpoint)
     ids = renderer.entry_ids(entry)
     plain = ReferenceBackend(tiny_ckpt, prefix_cache=False).generate(ids, 33, SamplingParams()).token_ids
@@ -83,25 +99,84 @@ def test_bench_suite_cli_on_the_reference_backend(tiny_checkpoint, tmp_path):
 
     from thorgen.runtime.bench.cli import bench
 
-    suite = {"prompts": [
-        {"id": "q", "category": "short_factual", "max_tokens": 6,
-         "messages": [{"role": "user", "content": "What is two plus two?"}]},
-        {"id": "turns", "category": "multi_turn", "max_tokens": 6, "messages": [
-            {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Name a colour."}]},
-        {"id": "tool", "category": "tool_use", "max_tokens": 6,
-         "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-         "tools": [{"type": "function", "function": {"name": "get_forecast", "parameters": {
-             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]},
-        {"id": "needle", "category": "long_context_16k", "_build": "needle", "needle": "The code is 42.",
-         "question": "What is the code?", "filler_repeats": 2, "prompt_tokens": 400, "max_tokens": 4},
-        {"id": "huge", "category": "long_context_64k", "_build": "needle", "needle": "The code is 42.",
-         "question": "What is the code?", "filler_repeats": 2, "prompt_tokens": 64000, "max_tokens": 4}]}
+    suite = {
+        "prompts": [
+            {
+                "id": "q",
+                "category": "short_factual",
+                "max_tokens": 6,
+                "messages": [{"role": "user", "content": "What is two plus two?"}],
+            },
+            {
+                "id": "turns",
+                "category": "multi_turn",
+                "max_tokens": 6,
+                "messages": [
+                    {"role": "user", "content": "Hi."},
+                    {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": "Name a colour."},
+                ],
+            },
+            {
+                "id": "tool",
+                "category": "tool_use",
+                "max_tokens": 6,
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "get_forecast",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"city": {"type": "string"}},
+                                "required": ["city"],
+                            },
+                        },
+                    }
+                ],
+            },
+            {
+                "id": "needle",
+                "category": "long_context_16k",
+                "_build": "needle",
+                "needle": "The code is 42.",
+                "question": "What is the code?",
+                "filler_repeats": 2,
+                "prompt_tokens": 400,
+                "max_tokens": 4,
+            },
+            {
+                "id": "huge",
+                "category": "long_context_64k",
+                "_build": "needle",
+                "needle": "The code is 42.",
+                "question": "What is the code?",
+                "filler_repeats": 2,
+                "prompt_tokens": 64000,
+                "max_tokens": 4,
+            },
+        ]
+    }
     path = tmp_path / "suite.json"
     path.write_text(json.dumps(suite))
     out = tmp_path / "out.json"
-    res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--suite", str(path),
-                                     "--runs", "1", "--ignore-eos", "--out", str(out)])
+    res = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--suite",
+            str(path),
+            "--runs",
+            "1",
+            "--ignore-eos",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["speculative"] is True and "--suite" in r["command"] and r["ctx"] == 8192

@@ -12,8 +12,25 @@ from thorgen.runtime.bench.sweep import sweep
 
 def test_sweep_rows(tiny_checkpoint, tmp_path):
     out = tmp_path / "sweep.json"
-    r = CliRunner().invoke(sweep, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-lens",
-                                   "8,40", "--kv-dtypes", "bf16", "--gen", "3", "--runs", "1", "--out", str(out)])
+    r = CliRunner().invoke(
+        sweep,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-lens",
+            "8,40",
+            "--kv-dtypes",
+            "bf16",
+            "--gen",
+            "3",
+            "--runs",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())["rows"]
     assert [(x["kv_dtype"], x["prompt_len"]) for x in rows] == [("bf16", 8), ("bf16", 40)]
@@ -23,11 +40,28 @@ def test_sweep_rows(tiny_checkpoint, tmp_path):
 
 
 def test_sweep_bad_input(tiny_checkpoint):
-    r = CliRunner().invoke(sweep, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-lens", "8",
-                                   "--kv-dtypes", "fp8", "--gen", "2", "--runs", "1"])
+    r = CliRunner().invoke(
+        sweep,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-lens",
+            "8",
+            "--kv-dtypes",
+            "fp8",
+            "--gen",
+            "2",
+            "--runs",
+            "1",
+        ],
+    )
     assert r.exit_code != 0 and "fp8" in r.output and "cuda" in r.output
     r = CliRunner().invoke(sweep, ["--model", str(tiny_checkpoint), "--prompt-lens", "8,x"])
     assert r.exit_code != 0 and "comma-separated" in r.output
-    r = CliRunner().invoke(sweep, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-lens",
-                                   "9000", "--kv-dtypes", "bf16"])
+    r = CliRunner().invoke(
+        sweep,
+        ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-lens", "9000", "--kv-dtypes", "bf16"],
+    )
     assert r.exit_code != 0 and "8192" in r.output  # over the tiny model's max_position_embeddings

@@ -35,9 +35,9 @@ def test_pack_bf16_linear_is_the_half_layout_of_the_fused_fp16_weight():
     got = L.unpack_half(flat, 128, 128).view(np.float16).astype(np.float64)
     want = np.concatenate([q.dense, k.dense, v.dense])
     np.testing.assert_array_equal(got, want.astype(np.float16))  # fp16 round to nearest even
-    normal = np.abs(want) >= 2.0 ** -14
+    normal = np.abs(want) >= 2.0**-14
     assert normal.mean() > 0.99 and (got[normal] == want[normal]).all()  # exact in fp16's normal range
-    assert np.abs(got - want).max() <= 2.0 ** -25  # below it, the nearest subnormal
+    assert np.abs(got - want).max() <= 2.0**-25  # below it, the nearest subnormal
     gate, up = R.Bf16Weight(rng, 32, 64), R.Bf16Weight(rng, 32, 64)
     fused = L.unpack_half(pack_bf16_linear([gate.bits, up.bits], "interleave8"), 64, 64).view(np.float16)
     g, u = L.deinterleave8(fused.astype(np.float64))
@@ -50,7 +50,7 @@ def test_pack_bf16_linear_streams_by_whole_steps():
     rng = np.random.default_rng(4)
     gate, up = R.Bf16Weight(rng, 16, 256), R.Bf16Weight(rng, 16, 256)
     whole = pack_bf16_linear([gate.bits, up.bits], "interleave8")
-    pieces = [pack_bf16_linear([gate.bits[:, c:c + 128], up.bits[:, c:c + 128]], "interleave8") for c in (0, 128)]
+    pieces = [pack_bf16_linear([gate.bits[:, c : c + 128], up.bits[:, c : c + 128]], "interleave8") for c in (0, 128)]
     np.testing.assert_array_equal(np.concatenate(pieces), whole)
 
 
@@ -60,9 +60,13 @@ def test_pack_bf16_linear_refuses_what_fp16_cannot_hold_and_bad_input():
     with pytest.raises(L.LayoutError, match="fp16 range"):
         pack_bf16_linear([w], "single")
     ok = f32_to_bf16(np.full((16, 64), 0.5, np.float32))
-    for parts, fusion, match in (([ok], "stacked", "fusion"), ([ok.astype(np.float32)], "single", "uint16"),
-                                 ([ok, ok], "single", "takes 1"), ([ok, ok[:, :32]], "concat", "disagree on K"),
-                                 ([ok[:8]], "single", "N % 16")):
+    for parts, fusion, match in (
+        ([ok], "stacked", "fusion"),
+        ([ok.astype(np.float32)], "single", "uint16"),
+        ([ok, ok], "single", "takes 1"),
+        ([ok, ok[:, :32]], "concat", "disagree on K"),
+        ([ok[:8]], "single", "N % 16"),
+    ):
         with pytest.raises(L.LayoutError, match=match):
             pack_bf16_linear(parts, fusion)
 
@@ -71,8 +75,11 @@ def test_pack_bf16_linear_refuses_what_fp16_cannot_hold_and_bad_input():
 @pytest.fixture(scope="module")
 def kernels():
     spec = dataclasses.replace(get_preset("tiny"), linear_formats=ALL_BF16)
-    ks = {k.name: k for k in plan(spec, get_arch("sm_90a")) if k.param("kind", None) == "half"
-          and k.family not in ("drafter_gemm", "vision")}  # the target's linears (the tower's: test_vision_program)
+    ks = {
+        k.name: k
+        for k in plan(spec, get_arch("sm_90a"))
+        if k.param("kind", None) == "half" and k.family not in ("drafter_gemm", "vision")
+    }  # the target's linears (the tower's: test_vision_program)
     assert ks
     return spec, ks
 
@@ -94,8 +101,7 @@ class Device:
         return self.drv.view(addr, dtype, shape).copy()
 
     def run(self, kern, args: dict, grid=None) -> None:
-        self.drv.emu.run(kern.name, {"template": kern.template, "params": kern.param_dict}, args,
-                         grid or kern.grid)
+        self.drv.emu.run(kern.name, {"template": kern.template, "params": kern.param_dict}, args, grid or kern.grid)
 
 
 def _rows(kern) -> list[int]:
@@ -117,7 +123,10 @@ def test_emulated_half_gemms_follow_the_reference(kernels):
         else:
             g, u = R.Bf16Weight(rng, n // 2, k), R.Bf16Weight(rng, n // 2, k)
             flat = pack_bf16_linear([g.bits, u.bits], "interleave8")
-            ref_of = (lambda x, g=g, u=u: R.gated_ref(x, g.dense, u.dense, "gelu_mul"))
+
+            def ref_of(x, g=g, u=u):
+                return R.gated_ref(x, g.dense, u.dense, "gelu_mul")
+
         for m in _rows(kern):
             dev = Device()
             x = R.act_f16(rng, m, k)
@@ -140,11 +149,19 @@ def test_emulated_half_o_proj_with_the_attention_tail(kernels):
         x, resid = R.act_f16(rng, 1, k), rng.normal(0, 2, (1, n)).astype(np.float32)
         ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
         dev = Device()
-        a = dict(w=dev.put(pack_bf16_linear([wt.bits], "single")), x=dev.put(x),
-                 y=dev.put(np.zeros((1, n), np.float32)), m=1, resid=dev.put(resid), w_post=dev.put(ws[0]),
-                 w_pre1=dev.put(ws[1]), w_pre2=dev.put(ws[2]),
-                 a1=dev.put(np.zeros((1, n), np.float16)), a2=dev.put(np.zeros((1, n), np.float16)),
-                 counters=dev.put(np.zeros(1, np.uint32)))
+        a = dict(
+            w=dev.put(pack_bf16_linear([wt.bits], "single")),
+            x=dev.put(x),
+            y=dev.put(np.zeros((1, n), np.float32)),
+            m=1,
+            resid=dev.put(resid),
+            w_post=dev.put(ws[0]),
+            w_pre1=dev.put(ws[1]),
+            w_pre2=dev.put(ws[2]),
+            a1=dev.put(np.zeros((1, n), np.float16)),
+            a2=dev.put(np.zeros((1, n), np.float16)),
+            counters=dev.put(np.zeros(1, np.uint32)),
+        )
         dev.run(kern, a)
         o = dev.get(a["y"], np.float32, (1, n))
         assert R.norm_err(o, R.gemm_ref(x, wt.dense)) <= R.TOL_GEMM["f32"], kern.name
@@ -171,8 +188,10 @@ def test_emulated_half_moe_follows_the_reference(kernels):
     rng = np.random.default_rng(7)
     gates, ups, gu_slab = _experts(rng, e, 2 * ie, h, True)
     downs, _, dn_slab = _experts(rng, e, h, ie, False)
-    small = sorted((k for k in ks.values() if k.template in ("moe_gateup.cu.j2", "moe_down.cu.j2",
-                                                             "moe_down_pairs.cu.j2")), key=lambda k: k.name)
+    small = sorted(
+        (k for k in ks.values() if k.template in ("moe_gateup.cu.j2", "moe_down.cu.j2", "moe_down_pairs.cu.j2")),
+        key=lambda k: k.name,
+    )
     assert {k.param("mmax") for k in small} == {1, 16, 32}
     for mmax in (1, 16, 32):
         gu = next(k for k in small if k.param("mmax") == mmax and k.template == "moe_gateup.cu.j2")
@@ -186,8 +205,11 @@ def test_emulated_half_moe_follows_the_reference(kernels):
         act_ref = R.moe_gateup_ref(x, ids, gates, ups)
         got_act = dev.get(act, np.float16, (m * topk, ie))
         assert R.norm_err(got_act, act_ref) <= R.TOL_MOE_ACT, gu.name
-        out = dict(ypair=dev.put(np.zeros((m * topk, h), np.float32))) if mmax > 1 else \
-            dict(y=dev.put(np.zeros((m, h), np.float32)))
+        out = (
+            dict(ypair=dev.put(np.zeros((m * topk, h), np.float32)))
+            if mmax > 1
+            else dict(y=dev.put(np.zeros((m, h), np.float32)))
+        )
         dev.run(dn, dict(w=dev.put(dn_slab), act=act, ids=dev.put(ids), wts=dev.put(wts), m=m, **out))
         y_ref = R.moe_down_ref(got_act, ids, wts, downs)
         if mmax > 1:
@@ -195,8 +217,9 @@ def test_emulated_half_moe_follows_the_reference(kernels):
         else:
             y = dev.get(out["y"], np.float32, (m, h))
         assert R.norm_err(y, y_ref) <= R.TOL_MOE_OUT, dn.name
-    grouped_gu, grouped_dn = (next(k for k in ks.values() if k.name.startswith(f"moe_grouped_{w}__"))
-                              for w in ("gateup", "down"))
+    grouped_gu, grouped_dn = (
+        next(k for k in ks.values() if k.name.startswith(f"moe_grouped_{w}__")) for w in ("gateup", "down")
+    )
     m = 40  # a prefill chunk: tiles of one expert's rows
     ids, wts = R.moe_routing(rng, m, e, topk)
     tiles_n = grouped_gu.param("max_tiles")
@@ -206,7 +229,7 @@ def test_emulated_half_moe_follows_the_reference(kernels):
     routing = dict(pairs=dev.put(pairs), tiles=dev.put(tiles))
     act = dev.put(np.zeros((m * topk, ie), np.float16))
     dev.run(grouped_gu, dict(w=dev.put(gu_slab), x=dev.put(x), act=act, **routing))
-    order = pairs[:m * topk]
+    order = pairs[: m * topk]
     act_ref = R.moe_gateup_ref(x, ids, gates, ups)[order]
     got_act = dev.get(act, np.float16, (m * topk, ie))
     assert R.norm_err(got_act, act_ref) <= R.TOL_MOE_ACT, grouped_gu.name

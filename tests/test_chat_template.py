@@ -23,26 +23,64 @@ def templates() -> tuple[ChatTemplate, ChatTemplate]:
     return ChatTemplate(GOOGLE.read_text()), ChatTemplate(OURS.read_text())
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "required": ["city"], "properties": {
-        "city": {"type": "string", "description": "City name"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "nullable": True},
-        "days": {"type": "integer"},
-        "where": {"type": "object", "description": "Area", "required": ["lat"],
-                  "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "stops": {"type": "array", "items": {"type": "object", "required": ["name"],
-                                              "properties": {"name": {"type": "string"}}}},
-        "either": {"type": ["string", "null"], "description": "x"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "required": ["city"],
+            "properties": {
+                "city": {"type": "string", "description": "City name"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "nullable": True},
+                "days": {"type": "integer"},
+                "where": {
+                    "type": "object",
+                    "description": "Area",
+                    "required": ["lat"],
+                    "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                },
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "stops": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                },
+                "either": {"type": ["string", "null"], "description": "x"},
+            },
+        },
+    },
+}
 NOARGS = {"type": "function", "function": {"name": "now", "description": "The time"}}
 USER = {"role": "user", "content": "What is the weather in Paris?"}
-CALL = {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {
-        "city": "Paris", "days": 2, "ok": True, "where": {"lat": 48.85, "lon": 2.35}, "tags": ["a", "b"]}}},
-    {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}}]}
-ANSWERED = dict(CALL, tool_responses=[{"name": "get_weather", "response": {"temp": 21, "sky": "clear"}},
-                                      {"name": "now", "response": "12:00"}])
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": {
+                    "city": "Paris",
+                    "days": 2,
+                    "ok": True,
+                    "where": {"lat": 48.85, "lon": 2.35},
+                    "tags": ["a", "b"],
+                },
+            },
+        },
+        {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}},
+    ],
+}
+ANSWERED = dict(
+    CALL,
+    tool_responses=[
+        {"name": "get_weather", "response": {"temp": 21, "sky": "clear"}},
+        {"name": "now", "response": "12:00"},
+    ],
+)
 
 CONVERSATIONS = {
     "user": dict(messages=[USER]),
@@ -54,15 +92,27 @@ CONVERSATIONS = {
     "tool call": dict(messages=[USER, CALL], tools=[WEATHER, NOARGS]),
     "tool results": dict(messages=[USER, ANSWERED], tools=[WEATHER, NOARGS]),
     "tool results+thinking": dict(messages=[USER, ANSWERED], tools=[WEATHER, NOARGS], enable_thinking=True),
-    "multi-turn": dict(messages=[USER, ANSWERED, {"role": "assistant", "content": "It is 21 C."},
-                                 {"role": "user", "content": "And tomorrow?"}], tools=[WEATHER, NOARGS]),
-    "reasoning in history": dict(messages=[USER, {"role": "assistant", "content":
-                                                  "<|channel>thought\nhmm<channel|> Sunny. "},
-                                           {"role": "user", "content": "thanks"}], enable_thinking=True),
-    "text parts": dict(messages=[{"role": "user", "content": [{"type": "text", "text": " a "},
-                                                              {"type": "text", "text": "b"}]}]),
-    "no generation prompt": dict(messages=[USER, {"role": "assistant", "content": "Hi"}],
-                                 add_generation_prompt=False),
+    "multi-turn": dict(
+        messages=[
+            USER,
+            ANSWERED,
+            {"role": "assistant", "content": "It is 21 C."},
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+        tools=[WEATHER, NOARGS],
+    ),
+    "reasoning in history": dict(
+        messages=[
+            USER,
+            {"role": "assistant", "content": "<|channel>thought\nhmm<channel|> Sunny. "},
+            {"role": "user", "content": "thanks"},
+        ],
+        enable_thinking=True,
+    ),
+    "text parts": dict(
+        messages=[{"role": "user", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]}]
+    ),
+    "no generation prompt": dict(messages=[USER, {"role": "assistant", "content": "Hi"}], add_generation_prompt=False),
 }
 
 
@@ -97,29 +147,48 @@ def _random_schema(rng: random.Random, depth: int = 0) -> dict:
 def _random_value(rng: random.Random, depth: int = 0):
     kinds = ["str", "int", "float", "bool", "list", "dict"] if depth < 2 else ["str", "int"]
     kind = rng.choice(kinds)
-    return {"str": lambda: rng.choice(["Paris", "a,b}", "∑ ü", ""]), "int": lambda: rng.randint(-5, 500),
-            "float": lambda: rng.choice([0.5, -1.25, 3e-05]), "bool": lambda: rng.random() < 0.5,
-            "list": lambda: [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
-            "dict": lambda: {f"f{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}}[kind]()
+    return {
+        "str": lambda: rng.choice(["Paris", "a,b}", "∑ ü", ""]),
+        "int": lambda: rng.randint(-5, 500),
+        "float": lambda: rng.choice([0.5, -1.25, 3e-05]),
+        "bool": lambda: rng.random() < 0.5,
+        "list": lambda: [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+        "dict": lambda: {f"f{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))},
+    }[kind]()
 
 
 def test_randomized_conversations_match_google(templates):
     google, ours = templates
     rng = random.Random(1234)
     for _ in range(150):
-        tools = [{"type": "function", "function": {
-            "name": f"tool_{j}", "description": "does things",
-            "parameters": {"type": "object", "properties": {f"p{i}": _random_schema(rng) for i in range(3)}}}}
-            for j in range(rng.randint(0, 2))]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{j}",
+                    "description": "does things",
+                    "parameters": {"type": "object", "properties": {f"p{i}": _random_schema(rng) for i in range(3)}},
+                },
+            }
+            for j in range(rng.randint(0, 2))
+        ]
         msgs: list[dict] = []
         if rng.random() < 0.5:
             msgs.append({"role": rng.choice(["system", "developer"]), "content": " sys "})
         for _turn in range(rng.randint(1, 3)):
             msgs.append({"role": "user", "content": rng.choice(["hi", " spaced ", "ünï"])})
             if rng.random() < 0.5 and tools:
-                call = {"role": "assistant", "content": rng.choice([None, "", "text"]), "tool_calls": [
-                    {"id": "i", "type": "function", "function": {"name": "tool_0",
-                                                                 "arguments": _random_value(rng, 1) or {}}}]}
+                call = {
+                    "role": "assistant",
+                    "content": rng.choice([None, "", "text"]),
+                    "tool_calls": [
+                        {
+                            "id": "i",
+                            "type": "function",
+                            "function": {"name": "tool_0", "arguments": _random_value(rng, 1) or {}},
+                        }
+                    ],
+                }
                 if rng.random() < 0.7:
                     call["tool_responses"] = [{"name": "tool_0", "response": _random_value(rng)}]
                 msgs.append(call)
@@ -137,16 +206,25 @@ def test_openai_tool_messages_fold_into_google_form(templates):
     """OpenAI `role: "tool"` results: the server folds them into `tool_responses`, which Google's template renders
     inside the model turn; our template renders the raw OpenAI form the same way."""
     google, ours = templates
-    raw = [Message(role="user", content="weather?"),
-           Message(role="assistant", content=None, tool_calls=[
-               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-               {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]),
-           Message(role="tool", tool_call_id="c2", content="12:00"),
-           Message(role="tool", tool_call_id="c1", content='{"temp": 21}')]
+    raw = [
+        Message(role="user", content="weather?"),
+        Message(
+            role="assistant",
+            content=None,
+            tool_calls=[
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+            ],
+        ),
+        Message(role="tool", tool_call_id="c2", content="12:00"),
+        Message(role="tool", tool_call_id="c1", content='{"temp": 21}'),
+    ]
     folded = template_messages(raw)
     assert [m["role"] for m in folded] == ["user", "assistant"]
-    assert folded[1]["tool_responses"] == [{"name": "now", "response": "12:00"},
-                                           {"name": "get_weather", "response": '{"temp": 21}'}]
+    assert folded[1]["tool_responses"] == [
+        {"name": "now", "response": "12:00"},
+        {"name": "get_weather", "response": '{"temp": 21}'},
+    ]
     raw_dicts = [m.model_dump(exclude_none=True) for m in raw]
     for m in raw_dicts:
         for call in m.get("tool_calls", []):
@@ -154,7 +232,7 @@ def test_openai_tool_messages_fold_into_google_form(templates):
     for thinking in (False, True):
         expected = google.render(folded, [WEATHER, NOARGS], enable_thinking=thinking)
         assert ours.render(raw_dicts, [WEATHER, NOARGS], enable_thinking=thinking) == expected
-        assert "<|tool_response>response:now{value:<|\"|>12:00<|\"|>}<tool_response|>" in expected
+        assert '<|tool_response>response:now{value:<|"|>12:00<|"|>}<tool_response|>' in expected
         assert expected.count("<|turn>model") == 1  # the model continues its own turn after the results
 
 
@@ -164,10 +242,27 @@ def test_bad_conversations_are_client_errors():
     with pytest.raises(APIError):
         template_messages([Message(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])])
     with pytest.raises(APIError):
-        template_messages([Message(role="assistant", content=None, tool_calls=[
-            {"type": "function", "function": {"name": "f", "arguments": "{not json"}}])])
+        template_messages(
+            [
+                Message(
+                    role="assistant",
+                    content=None,
+                    tool_calls=[{"type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+                )
+            ]
+        )
     ours = ChatTemplate(OURS.read_text())
-    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"o": {"type": "object", "additionalProperties": False}}}}}]
+    bad_schema = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"o": {"type": "object", "additionalProperties": False}},
+                },
+            },
+        }
+    ]
     with pytest.raises(APIError):
         ours.render([{"role": "user", "content": "x"}], bad_schema)

@@ -66,12 +66,16 @@ def _poke(path, name, raw: bytes, at: int = 0):
 
 # ---- safetensors io ---------------------------------------------------------------------------------------------
 
+
 def test_written_files_load_with_official_safetensors(tmp_path):
     st_np = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(0)
-    arrays = {"a": ("F32", rng.standard_normal((3, 5)).astype(np.float32)),
-              "b": ("U8", rng.integers(0, 256, (7,)).astype(np.uint8)),
-              "c": ("I64", np.arange(4, dtype=np.int64)), "empty": ("F32", np.zeros((0, 3), np.float32))}
+    arrays = {
+        "a": ("F32", rng.standard_normal((3, 5)).astype(np.float32)),
+        "b": ("U8", rng.integers(0, 256, (7,)).astype(np.uint8)),
+        "c": ("I64", np.arange(4, dtype=np.int64)),
+        "empty": ("F32", np.zeros((0, 3), np.float32)),
+    }
     write_safetensors(tmp_path / "x.safetensors", arrays)
     loaded = st_np.load_file(str(tmp_path / "x.safetensors"))
     for n, (_, a) in arrays.items():
@@ -84,11 +88,16 @@ def test_written_files_load_with_official_safetensors(tmp_path):
 def test_bf16_and_fp8_load_with_official_safetensors_torch(tiny):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open
+
     ck = Checkpoint.open(tiny)
     index = json.loads((tiny / INDEX_NAME).read_text())["weight_map"]
-    for name in [P + "embed_tokens.weight", P + "layers.2.self_attn.q_proj.weight_scale",
-                 P + "layers.2.self_attn.q_proj.weight_packed", P + "layers.2.self_attn.q_proj.weight_global_scale",
-                 P + "norm.weight"]:
+    for name in [
+        P + "embed_tokens.weight",
+        P + "layers.2.self_attn.q_proj.weight_scale",
+        P + "layers.2.self_attn.q_proj.weight_packed",
+        P + "layers.2.self_attn.q_proj.weight_global_scale",
+        P + "norm.weight",
+    ]:
         with safe_open(str(tiny / index[name]), framework="pt") as f:
             t = f.get_tensor(name)
         raw = ck.tensor(name)
@@ -131,6 +140,7 @@ def test_sharded_writer_index(tmp_path):
 
 # ---- checkpoint round trip ----------------------------------------------------------------------------------------
 
+
 def test_open_reads_spec_configs_and_tokenizer(tiny):
     ck = Checkpoint.open(tiny)
     assert ck.spec.target == get_preset("tiny").target and ck.spec.drafter == get_preset("tiny").drafter
@@ -158,15 +168,20 @@ def test_every_tensor_round_trips(tiny):
 
 def test_linear_f32_is_the_dequantized_float_weight(tiny):
     ck = Checkpoint.open(tiny)
-    for prefix in [P + "layers.0.self_attn.q_proj", P + "layers.2.self_attn.k_proj", P + "layers.4.mlp.down_proj",
-                   P + "layers.5.experts.15.up_proj"]:
-        packed, scale, gs = (ck.tensor(f"{prefix}.{p}") for p in ("weight_packed", "weight_scale",
-                                                                   "weight_global_scale"))
+    for prefix in [
+        P + "layers.0.self_attn.q_proj",
+        P + "layers.2.self_attn.k_proj",
+        P + "layers.4.mlp.down_proj",
+        P + "layers.5.experts.15.up_proj",
+    ]:
+        packed, scale, gs = (
+            ck.tensor(f"{prefix}.{p}") for p in ("weight_packed", "weight_scale", "weight_global_scale")
+        )
         w = ck.linear_f32(prefix)
         assert np.array_equal(w, nvfp4.dequantize_nvfp4(packed, scale, gs[0]))
         # the float weight the synth drew for this prefix (tiny goes through the real quantizer)
         out_f, in_f = w.shape
-        ref = rng_for(0, prefix).standard_normal((out_f, in_f), dtype=np.float32) * np.float32(in_f ** -0.5)
+        ref = rng_for(0, prefix).standard_normal((out_f, in_f), dtype=np.float32) * np.float32(in_f**-0.5)
         assert np.array_equal(nvfp4.quantize_nvfp4(ref)[0], packed)
         assert np.linalg.norm(w - ref) / np.linalg.norm(ref) < 0.15
 
@@ -238,6 +253,7 @@ def test_vision_tensors_are_ignored_without_a_tower(copy):
 
 
 # ---- bad checkpoints ------------------------------------------------------------------------------------------------
+
 
 def test_missing_tensor(copy):
     name = P + "layers.5.mlp.down_proj.weight_scale"
@@ -322,11 +338,14 @@ def test_nan_block_scale_raises_on_use(copy):
     assert name in str(exc.value) and _shard_of(copy, name) in str(exc.value)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda q: q.update(format="pack-quantized"), "format"),
-    (lambda q: q.update(quant_method="gptq"), "quant_method"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32), "not NVFP4"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda q: q.update(format="pack-quantized"), "format"),
+        (lambda q: q.update(quant_method="gptq"), "quant_method"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32), "not NVFP4"),
+    ],
+)
 def test_unsupported_quantization(copy, edit, match):
     cfg = json.loads((copy / "config.json").read_text())
     edit(cfg["quantization_config"])
@@ -392,9 +411,11 @@ def test_chat_template_falls_back_to_tokenizer_config(copy):
 def test_open_does_not_read_tensor_data(tiny, monkeypatch):
     """Opening maps files; only the small global scales are touched (checked via the arrays handed out)."""
     from thorgen.model_spec import safetensors_io
+
     seen = []
     orig = safetensors_io.SafetensorsFile.array
-    monkeypatch.setattr(safetensors_io.SafetensorsFile, "array",
-                        lambda self, name: seen.append(name) or orig(self, name))
+    monkeypatch.setattr(
+        safetensors_io.SafetensorsFile, "array", lambda self, name: seen.append(name) or orig(self, name)
+    )
     Checkpoint.open(tiny)
     assert seen and all(n.endswith("global_scale") for n in seen)

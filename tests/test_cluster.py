@@ -50,11 +50,23 @@ def cluster(tiny_checkpoint):
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # one sequence per engine: a second request queues behind the first (the fault test relies on it)
-        serve.run(build_app(EngineConfig(tiny_checkpoint, "reference", CTX, max_num_seqs=1), 2, model_id="tiny", poll_s=0.5,
-                            health_period_s=1.0, drain_timeout_s=20.0, routing={"seed": 0}),
-                  name=APP, route_prefix="/", blocking=False)
-        single = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", CTX)),
-                             speculative=False)
+        serve.run(
+            build_app(
+                EngineConfig(tiny_checkpoint, "reference", CTX, max_num_seqs=1),
+                2,
+                model_id="tiny",
+                poll_s=0.5,
+                health_period_s=1.0,
+                drain_timeout_s=20.0,
+                routing={"seed": 0},
+            ),
+            name=APP,
+            route_prefix="/",
+            blocking=False,
+        )
+        single = ServerState(
+            "tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", CTX)), speculative=False
+        )
         single.load()
         assert single.load_error is None, single.load_error
         url = f"http://127.0.0.1:{port}"
@@ -89,12 +101,14 @@ def _replicas_up(url: str) -> dict[str, int]:
         text = _metrics(url)
     except httpx.HTTPError:
         return {}
-    return {m[1]: int(m[2]) for m in re.finditer(r'thorgen_replica_up\{replica="([^"]+)",pid="(\d+)",[^}]*\} 1$',
-                                                 text, re.M)}
+    return {
+        m[1]: int(m[2])
+        for m in re.finditer(r'thorgen_replica_up\{replica="([^"]+)",pid="(\d+)",[^}]*\} 1$', text, re.M)
+    }
 
 
 def _counter(text: str, name: str, label: str) -> int:
-    m = re.search(rf'^{name}\{{{label}\}} (\d+)$', text, re.M)
+    m = re.search(rf"^{name}\{{{label}\}} (\d+)$", text, re.M)
     return int(m[1]) if m else 0
 
 
@@ -105,6 +119,7 @@ def _chat(client, messages, **kw):
 
 
 # ---- the routing policy on its own ---------------------------------------------------------------------------
+
 
 def test_policy_prefers_the_prefix_holder_within_the_load_bound():
     index, rng = PrefixIndex(capacity=8), random.Random(0)
@@ -141,9 +156,13 @@ def test_affinity_key_holds_the_image_hashes():
 
     def hashes(*spans, by_keyword=False):
         args = (prompt, 8, None, frozenset(), False, spans)
-        request = (SimpleNamespace(args=(), kwargs={"prompt_ids": prompt, "images": spans}) if by_keyword
-                   else SimpleNamespace(args=args, kwargs={}))
+        request = (
+            SimpleNamespace(args=(), kwargs={"prompt_ids": prompt, "images": spans})
+            if by_keyword
+            else SimpleNamespace(args=args, kwargs={})
+        )
         return block_hashes(prompt_ids_of(request), 16)
+
     cat, dog = ImageSpan(3, image("cat")), ImageSpan(3, image("dog"))
     assert hashes(cat) == hashes(ImageSpan(3, image("cat"))) == hashes(cat, by_keyword=True)
     assert hashes(cat)[0] != hashes(dog)[0] != block_hashes(prompt, 16)[0]  # same ids, other image: no match
@@ -163,6 +182,7 @@ def test_middleware_names_the_replica_and_marks_503_retryable():
     async def placed(status: int):
         _REPLICA_SLOT.get()["replica"] = "r1"  # what RemoteStream does once the router has placed the request
         return JSONResponse({"error": {"message": "x"}}, status_code=status)
+
     app.add_middleware(ReplicaHeaderMiddleware)
     with running_server(app) as url:
         ok, gone = httpx.get(url + "/placed/200", timeout=10), httpx.get(url + "/placed/503", timeout=10)
@@ -181,6 +201,7 @@ def test_cluster_command_rejects_bad_options(tmp_path):
 
 # ---- through the ingress ----------------------------------------------------------------------------------------
 
+
 def test_openai_client_answers_and_equals_single_server(cluster):
     url, single_url = cluster
     msgs = PRIME
@@ -193,8 +214,9 @@ def test_openai_client_answers_and_equals_single_server(cluster):
         assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens, b.usage.completion_tokens)
         assert a.choices[0].finish_reason == b.choices[0].finish_reason
         streamed, usage = "", None
-        for ch in got.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, stream=True,
-                                              stream_options={"include_usage": True}, **kw):
+        for ch in got.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=8, stream=True, stream_options={"include_usage": True}, **kw
+        ):
             if ch.choices:
                 streamed += ch.choices[0].delta.content or ""
             usage = ch.usage or usage
@@ -215,25 +237,36 @@ def test_image_through_the_cluster_equals_single_server(cluster):
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
     data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
-                                         {"type": "text", "text": "What is it?"}]}]
-    a, replica = _chat(_client(url), msgs, max_tokens=6, temperature=0,
-                       extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
-    b = _client(single_url).chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
-                                                    extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "What is it?"}],
+        }
+    ]
+    a, replica = _chat(
+        _client(url), msgs, max_tokens=6, temperature=0, extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}}
+    )
+    b = _client(single_url).chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}},
+    )
     assert replica in _replicas_up(url) and a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.prompt_tokens == b.usage.prompt_tokens > 20  # the image's soft tokens counted on both
 
 
 def test_bad_input_is_4xx(cluster):
     url, _ = cluster
-    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/chat/completions", content=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     with pytest.raises(openai.BadRequestError) as err:
         _client(url).chat.completions.create(model="tiny", messages=LONG, max_tokens=CTX)
     assert "context" in str(err.value)
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [10 ** 9], "max_tokens": 2}, timeout=30)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [10**9], "max_tokens": 2}, timeout=30)
     assert r.status_code == 400
 
 
@@ -247,19 +280,26 @@ def test_conversation_sticks_to_one_replica_and_unrelated_ones_spread(cluster):
         r, replica = _chat(client, messages, max_tokens=6, temperature=0)
         replicas.append(replica)
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content or "ok"},
-                     {"role": "user", "content": f"And what happened next, part {turn + 2}?"}]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content or "ok"},
+            {"role": "user", "content": f"And what happened next, part {turn + 2}?"},
+        ]
     assert len(set(replicas)) == 1 and replicas[0] is not None, replicas
     assert all(c > 0 for c in cached[1:]), cached  # the later turns found their prefix in that replica's cache
     after = _metrics(url)
-    assert (_counter(after, "thorgen_routing_decisions_total", 'decision="affinity"')
-            - _counter(before, "thorgen_routing_decisions_total", 'decision="affinity"')) >= 3
+    assert (
+        _counter(after, "thorgen_routing_decisions_total", 'decision="affinity"')
+        - _counter(before, "thorgen_routing_decisions_total", 'decision="affinity"')
+    ) >= 3
     label = f'replica="{replicas[0]}"'
-    assert (_counter(after, "thorgen_replica_requests_total", label)
-            - _counter(before, "thorgen_replica_requests_total", label)) == 4
-    spread = {_chat(client, [{"role": "user", "content": f"{topic} is my question today."}],
-                    max_tokens=2, temperature=0)[1]
-              for topic in ("Rivers", "Quartz", "Jazz", "Origami", "Volcanoes", "Tea")}
+    assert (
+        _counter(after, "thorgen_replica_requests_total", label)
+        - _counter(before, "thorgen_replica_requests_total", label)
+    ) == 4
+    spread = {
+        _chat(client, [{"role": "user", "content": f"{topic} is my question today."}], max_tokens=2, temperature=0)[1]
+        for topic in ("Rivers", "Quartz", "Jazz", "Origami", "Volcanoes", "Tea")
+    }
     assert spread == set(_replicas_up(url)) and len(spread) == 2, spread
 
 
@@ -270,20 +310,31 @@ def test_stop_string_ends_the_replica_request_as_single_server(cluster):
     text = (base.choices[0].message.content or "").strip("\ufffd")
     if len(text) < 2:
         pytest.skip("the random model produced too little visible text to place a stop string")
-    stop = text[len(text) // 2:][:2]
-    want = _client(single_url).chat.completions.create(model="tiny", messages=PRIME, max_tokens=12, temperature=0,
-                                                       stop=[stop])
+    stop = text[len(text) // 2 :][:2]
+    want = _client(single_url).chat.completions.create(
+        model="tiny", messages=PRIME, max_tokens=12, temperature=0, stop=[stop]
+    )
     got, _ = _chat(_client(url), PRIME, max_tokens=12, temperature=0, stop=[stop])
-    assert got.choices[0].message.content == want.choices[0].message.content == text[:text.index(stop)]
+    assert got.choices[0].message.content == want.choices[0].message.content == text[: text.index(stop)]
     assert got.choices[0].finish_reason == want.choices[0].finish_reason == "stop"
 
 
 def test_client_disconnect_frees_the_replica(cluster):
     """The engine request stops soon after the client leaves, well before it would have finished."""
     url, _ = cluster
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=30,
-                      json={"model": "tiny", "messages": LONG, "max_tokens": 900, "temperature": 0,
-                            "stream": True, "return_token_ids": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": "tiny",
+            "messages": LONG,
+            "max_tokens": 900,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as r:
         replica, n, started = r.headers["x-thorgen-replica"], 0, None
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -296,9 +347,14 @@ def test_client_disconnect_frees_the_replica(cluster):
         rate = n / (time.monotonic() - started)  # tokens/s on this machine
     left = (900 - n) / rate
     label = f'replica="{replica}"'
-    _wait(lambda: _counter(_metrics(url), "thorgen_replica_requests_running", label) == 0
-          and _counter(_metrics(url), "thorgen_replica_requests_queued", label) == 0, max(2.0, left / 2),
-          f"the abandoned stream's engine request to end (it had {left:.1f}s of tokens left)")
+    _wait(
+        lambda: (
+            _counter(_metrics(url), "thorgen_replica_requests_running", label) == 0
+            and _counter(_metrics(url), "thorgen_replica_requests_queued", label) == 0
+        ),
+        max(2.0, left / 2),
+        f"the abandoned stream's engine request to end (it had {left:.1f}s of tokens left)",
+    )
 
 
 def test_replica_killed_mid_stream(cluster):
@@ -307,8 +363,9 @@ def test_replica_killed_mid_stream(cluster):
     url, _ = cluster
     client = _client(url)
     up = _replicas_up(url)
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=LONG, max_tokens=600,
-                                                          temperature=0, stream=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=LONG, max_tokens=600, temperature=0, stream=True
+    )
     victim = raw.headers.get("x-thorgen-replica")
     assert victim in up, (victim, up)
     queued: dict = {}
@@ -318,6 +375,7 @@ def test_replica_killed_mid_stream(cluster):
             queued["reply"] = _chat(_client(url), LONG, max_tokens=4, temperature=0)
         except Exception as exc:  # reported by the assertion below
             queued["error"] = exc
+
     behind = threading.Thread(target=send_queued, daemon=True)
     chunks, error = 0, None
     stream = raw.parse()
@@ -327,8 +385,11 @@ def test_replica_killed_mid_stream(cluster):
             assert not (ch.choices and ch.choices[0].finish_reason), "the stream ended before the kill"
             if chunks == 3:
                 behind.start()
-                _wait(lambda: _counter(_metrics(url), "thorgen_replica_requests_queued", f'replica="{victim}"') >= 1,
-                      20, "the second request to queue on the victim")
+                _wait(
+                    lambda: _counter(_metrics(url), "thorgen_replica_requests_queued", f'replica="{victim}"') >= 1,
+                    20,
+                    "the second request to queue on the victim",
+                )
                 os.kill(up[victim], signal.SIGKILL)
     except openai.APIError as exc:
         error = exc
@@ -338,11 +399,13 @@ def test_replica_killed_mid_stream(cluster):
     assert not behind.is_alive() and "error" not in queued, queued
     assert queued["reply"][1] != victim and queued["reply"][0].usage.completion_tokens >= 1
     for i in range(3):
-        r, replica = _chat(client, [{"role": "user", "content": f"After the crash, question {i}."}],
-                           max_tokens=3, temperature=0)
+        r, replica = _chat(
+            client, [{"role": "user", "content": f"After the crash, question {i}."}], max_tokens=3, temperature=0
+        )
         assert replica != victim and r.usage.completion_tokens >= 1
-    _wait(lambda: len(_replicas_up(url)) == 2 and victim not in _replicas_up(url), 90,
-          "Ray to replace the killed replica")
+    _wait(
+        lambda: len(_replicas_up(url)) == 2 and victim not in _replicas_up(url), 90, "Ray to replace the killed replica"
+    )
     status = serve.status().applications[APP].deployments[ENGINE]
     assert status.replica_states.get("RUNNING") == 2, status.replica_states
 
@@ -354,19 +417,30 @@ def test_shutdown_drains_in_flight_requests(cluster):
 
     def stream_to_end() -> None:
         try:
-            for ch in _client(url).chat.completions.create(model="tiny", messages=LONG, max_tokens=60,
-                                                           temperature=0, stream=True):
+            for ch in _client(url).chat.completions.create(
+                model="tiny", messages=LONG, max_tokens=60, temperature=0, stream=True
+            ):
                 if ch.choices and ch.choices[0].finish_reason:
                     finish["reason"] = ch.choices[0].finish_reason
         except Exception as exc:
             finish["error"] = exc
+
     t = threading.Thread(target=stream_to_end, daemon=True)
     t.start()
-    _wait(lambda: sum(_counter(_metrics(url), "thorgen_replica_requests_running", f'replica="{r}"')
-                      for r in _replicas_up(url)) >= 1, 30, "the stream to start")
+    _wait(
+        lambda: (
+            sum(
+                _counter(_metrics(url), "thorgen_replica_requests_running", f'replica="{r}"') for r in _replicas_up(url)
+            )
+            >= 1
+        ),
+        30,
+        "the stream to start",
+    )
     serve.delete(APP)
     t.join(60)
     assert not t.is_alive() and finish.get("reason") in ("length", "stop"), finish
     with pytest.raises(httpx.HTTPError):  # the app is gone: nothing answers generation any more
-        httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
-                   timeout=10).raise_for_status()
+        httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=10
+        ).raise_for_status()

@@ -15,8 +15,14 @@ from thorgen.codegen.plan import plan
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
 
-TARGETS = [("gemma-4-26b-a4b", "sm_90a"), ("gemma-4-26b-a4b", "sm_110a"), ("tiny", "sm_90a"), ("tiny", "sm_110a"),
-           ("tiny", "sm_100a"), ("tiny", "sm_120a")]
+TARGETS = [
+    ("gemma-4-26b-a4b", "sm_90a"),
+    ("gemma-4-26b-a4b", "sm_110a"),
+    ("tiny", "sm_90a"),
+    ("tiny", "sm_110a"),
+    ("tiny", "sm_100a"),
+    ("tiny", "sm_120a"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,5 +46,7 @@ def test_compiles(preset: str, arch_name: str, tmp_path: Path) -> None:
         assert cubin[:4] == b"\x7fELF", f"{name}: not an ELF cubin"
         info = res.info.get(name)
         assert info is not None and info.registers > 0, f"{name}: no ptxas report"
-    print(f"{preset} {arch_name}: {len(sources)} kernels in {elapsed:.1f}s "
-          f"({sum(not r.cached for _, r in results.values())} compiled)")
+    print(
+        f"{preset} {arch_name}: {len(sources)} kernels in {elapsed:.1f}s "
+        f"({sum(not r.cached for _, r in results.values())} compiled)"
+    )

@@ -3,7 +3,8 @@
 
 A PDL-launched kernel may start while its predecessor still runs, so before reading any earlier kernel's output or
 writing anything it must execute griddepcontrol.wait (thorgen::pdl_wait). A template is safe when its wrapper calls
-pdl_wait itself, or it calls a header function whose body calls pdl_wait (directly or through unit_steps[_rows]<..., true>,
+pdl_wait itself, or it calls a header function whose body calls pdl_wait (directly or through unit_steps[_rows]<...,
+true>,
 the weight loop that waits after its weight prologue). A new template without either fails here.
 """
 
@@ -27,7 +28,7 @@ def _function_body(text: str, name: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i:j + 1]
+            return text[i : j + 1]
     return None
 
 
@@ -45,8 +46,11 @@ def _waiting_functions() -> set[str]:
     direct = re.compile(r"pdl_wait\(\)|unit_steps(?:_rows)?<[^;]*,\s*true\s*(,[^;]*)?>\(")
     out = {name for name, defs in bodies.items() if all(direct.search(b) for b in defs)}
     while True:
-        more = {name for name, defs in bodies.items() if name not in out and all(
-            any(re.search(rf"::{w}\s*[<(]|\b{w}\s*<", b) for w in out) for b in defs)}
+        more = {
+            name
+            for name, defs in bodies.items()
+            if name not in out and all(any(re.search(rf"::{w}\s*[<(]|\b{w}\s*<", b) for w in out) for b in defs)
+        }
         if not more:
             return out
         out |= more
@@ -65,9 +69,9 @@ def test_every_template_waits_before_reading_earlier_outputs():
     for t in sorted(KERNELS.glob("*.cu.j2")):
         text = t.read_text()
         wrappers = re.split(r'extern "C" __global__', text)[1:]
-        assert wrappers, f"{t.name}: no extern \"C\" kernel"
+        assert wrappers, f'{t.name}: no extern "C" kernel'
         for w in wrappers:
-            body = w[w.index("{"):]
+            body = w[w.index("{") :]
             # thorgen::f<...>(...), Sampler::prep(...), RopeKv<Cfg>::run(...)
             calls = set(re.findall(r"(?:\w|>)::(\w+)\s*[<(]", body))
             if "pdl_wait()" not in body and not calls & waiting:

@@ -10,8 +10,11 @@ from thorgen.model_spec.presets import PRESETS
 
 
 def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()
-            and (p.suffix == ".cu" or p.name == "plan.json")}
+    return {
+        str(p.relative_to(root)): p.read_text()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (p.suffix == ".cu" or p.name == "plan.json")
+    }
 
 
 def test_build_folder_is_fresh(tmp_path: Path) -> None:
@@ -24,7 +27,8 @@ def test_build_folder_is_fresh(tmp_path: Path) -> None:
     changed = sorted(k for k in set(fresh) & set(committed) if fresh[k] != committed[k])
     assert not (missing or extra or changed), (
         "build/ is stale; run `python -m thorgen.codegen.regen`.\n"
-        f"missing: {missing[:10]}\nno longer planned: {extra[:10]}\nchanged: {changed[:10]}")
+        f"missing: {missing[:10]}\nno longer planned: {extra[:10]}\nchanged: {changed[:10]}"
+    )
     for preset in PRESETS:
         for arch in COMMITTED_ARCHS:
             assert f"{preset}/{arch}/plan.json" in fresh

@@ -25,16 +25,19 @@ def struct_fields(text: str, name: str) -> list[tuple[str, str]]:
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
         ctype = next(t for t in sorted(C_TYPES, key=len, reverse=True) if decl.startswith(t + " "))
-        fields += [(n.strip(), C_TYPES[ctype]) for n in decl[len(ctype):].split(",")]
+        fields += [(n.strip(), C_TYPES[ctype]) for n in decl[len(ctype) :].split(",")]
     return fields
 
 
-@pytest.mark.parametrize("header,struct,dtype", [
-    ("sample.cuh", "SampleParams", C.SAMPLE_PARAMS),
-    ("logits.cuh", "LogitRow", LP.LOGIT_ROW),
-    ("logits.cuh", "TokenCount", LP.TOKEN_COUNT),
-    ("logits.cuh", "TokenBias", LP.TOKEN_BIAS),
-])
+@pytest.mark.parametrize(
+    "header,struct,dtype",
+    [
+        ("sample.cuh", "SampleParams", C.SAMPLE_PARAMS),
+        ("logits.cuh", "LogitRow", LP.LOGIT_ROW),
+        ("logits.cuh", "TokenCount", LP.TOKEN_COUNT),
+        ("logits.cuh", "TokenBias", LP.TOKEN_BIAS),
+    ],
+)
 def test_device_records_match_their_c_structs(header, struct, dtype):
     assert struct_fields((INCLUDE / header).read_text(), struct) == _fields(dtype)
     offsets = [dtype.fields[n][1] for n in dtype.names]
@@ -63,7 +66,9 @@ def test_shared_constants_are_the_stages_own():
     assert SAMPLE_PARAMS is C.SAMPLE_PARAMS
     for arch in ARCHS.values():  # the order codegen builds the kernels for is the order the repack writes
         assert fp4_order(arch) == repack_fp4_order(arch.name) == fp4_order_for(arch.name)
-    assert codegen_ring_slots(1024) == runtime_ring_slots(1024) == runtime_ring_slots(1024, {}) == 1024 + C.MAX_STEP_TOKENS
+    assert (
+        codegen_ring_slots(1024) == runtime_ring_slots(1024) == runtime_ring_slots(1024, {}) == 1024 + C.MAX_STEP_TOKENS
+    )
     assert runtime_ring_slots(1024, {"ring_slots": {"1024": 2000}}) == 2000  # a manifest's own table wins
 
 

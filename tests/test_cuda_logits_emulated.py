@@ -46,8 +46,13 @@ def _capped(backend) -> np.ndarray:
 def test_penalties_bias_and_logprobs_follow_the_reference_each_step(backend):
     """One sequence, step by step: the token is the argmax of the reference processing of that step's logits,
     and the logprobs are the reference's of the unprocessed ones."""
-    sp = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
-                        logit_bias=((11, 5.0), (12, -100.0)), logprobs=3)
+    sp = SamplingParams(
+        repetition_penalty=1.3,
+        frequency_penalty=0.7,
+        presence_penalty=0.4,
+        logit_bias=((11, 5.0), (12, -100.0)),
+        logprobs=3,
+    )
     prompt = [2, 105, 11, 12, 13, 107]
     core = EngineCore(backend.runner(1))
     seq = core.add("p", prompt, 6, sp)
@@ -83,6 +88,7 @@ def test_processed_and_plain_rows_in_one_batch(backend):
             for o in core.step():
                 out[o.request_id] += o.token_ids
         return out
+
     together = run({"f": ([2, 300, 301], forced), "p": ([2, 400, 401, 402], plain)})
     assert together["f"] == [77] * 5
     assert together["p"] == run({"p": ([2, 400, 401, 402], plain)})["p"]
@@ -94,8 +100,12 @@ def test_json_schema_on_the_cuda_backend(backend, tiny_checkpoint):
     from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
     from thorgen.runtime.text.tokenizer import Tokenizer
 
-    schema = {"type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "boolean"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     stops = (1, 106)
     ll = tokenizer(str(tiny_checkpoint / "tokenizer.json"), backend.spec.target.vocab_size, stops)
     sp = SamplingParams(grammar=Grammar(json_grammar(schema, ll), ll))
@@ -117,8 +127,9 @@ def test_prompt_logprobs_on_the_cuda_backend(backend, tiny_checkpoint, tmp_path)
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     kernels = Path(backend.engine.manifest.path).parent
-    ref = ReferenceBackend(Checkpoint.open(tiny_checkpoint), max_context=512, prefix_cache=False, numerics="w4a16",
-                           kernels=kernels)
+    ref = ReferenceBackend(
+        Checkpoint.open(tiny_checkpoint), max_context=512, prefix_cache=False, numerics="w4a16", kernels=kernels
+    )
     prompt = [2] + [110 + (7 * i) % 390 for i in range(70)]  # 71 tokens: passes of 32, 32 and 6 + the last row
     runner = backend.runner(1)
     runner.prefill_chunk = 40  # two prefill chunks: the second starts mid-pass

@@ -101,6 +101,7 @@ def test_a_running_lane_shares_its_prefix_by_copy(backend):
             if not core.unfinished:
                 return out, results, core.kv.copied_tokens
         raise AssertionError("did not finish")
+
     out, results, copied = together(False)
     assert out == alone
     assert results["b"].cached_prompt_tokens == (len(shared) + 1) // 16 * 16 == copied

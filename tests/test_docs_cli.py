@@ -31,8 +31,9 @@ def test_cli_md_is_generated_from_the_commands():
     missing = _unloadable()
     if missing:
         pytest.skip(f"a command cannot load, so its options cannot be listed: {missing}")
-    assert (REPO / "docs" / "cli.md").read_text() == cli_docs.render(), \
+    assert (REPO / "docs" / "cli.md").read_text() == cli_docs.render(), (
         "docs/cli.md is stale: run `python tests/cli_docs.py > docs/cli.md` from the repository root"
+    )
 
 
 def test_rendering_ignores_the_terminal_width(monkeypatch):
@@ -59,6 +60,7 @@ def test_markdown_escapes_only_outside_code_spans():
 def test_environment_table_names_the_variables_the_package_reads():
     sources = [*REPO.glob("*.py"), *(p for d in PACKAGE_DIRS for p in (REPO / d).rglob("*.py"))]
     read = {name for path in sources for name in re.findall(r"\bTHORGEN_[A-Z0-9_]+", path.read_text())}
-    assert read == set(cli_docs.ENVIRONMENT), \
-        f"tests/cli_docs.py ENVIRONMENT lacks {sorted(read - set(cli_docs.ENVIRONMENT))}, " \
+    assert read == set(cli_docs.ENVIRONMENT), (
+        f"tests/cli_docs.py ENVIRONMENT lacks {sorted(read - set(cli_docs.ENVIRONMENT))}, "
         f"names unused {sorted(set(cli_docs.ENVIRONMENT) - read)}"
+    )

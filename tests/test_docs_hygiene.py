@@ -17,10 +17,22 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # Spelled in pieces so that this file does not match itself.
-WORK_LOG = re.compile("|".join([
-    r"\b(session|sessions) [0-9]", r"\bcall [0-9]+\b", r"\bissue [0-9]+\b", r"\bdeliver" + r"able\b",
-    r"dev" + r"ice tool", r"\.g" + r"pu/", r"\bthe le" + r"ad\b", r"\bhelp" + r"er[- ][0-9]", r"\bthis sess" + r"ion\b",
-]), re.IGNORECASE)
+WORK_LOG = re.compile(
+    "|".join(
+        [
+            r"\b(session|sessions) [0-9]",
+            r"\bcall [0-9]+\b",
+            r"\bissue [0-9]+\b",
+            r"\bdeliver" + r"able\b",
+            r"dev" + r"ice tool",
+            r"\.g" + r"pu/",
+            r"\bthe le" + r"ad\b",
+            r"\bhelp" + r"er[- ][0-9]",
+            r"\bthis sess" + r"ion\b",
+        ]
+    ),
+    re.IGNORECASE,
+)
 SHARED = re.compile(r"\.\./sha" + r"red|/work/sha" + r"red")
 
 
@@ -49,7 +61,7 @@ def text_of(path: Path) -> str | None:
 
 
 def hits(root: Path, files: list[str]) -> list[str]:
-    """"file:line: text" for every work-log word, and for every ../shared outside tests/."""
+    """ "file:line: text" for every work-log word, and for every ../shared outside tests/."""
     found = []
     for name in files:
         text = text_of(root / name)
@@ -67,8 +79,9 @@ def test_no_work_log_words_in_tracked_files():
     if files is None:
         pytest.skip("git or the repository's .git is not available")
     found = hits(REPO, files)
-    assert not found, f"{len(found)} lines to rewrite (say what the code does or what was measured):\n" + \
-        "\n".join(found)
+    assert not found, f"{len(found)} lines to rewrite (say what the code does or what was measured):\n" + "\n".join(
+        found
+    )
 
 
 def test_the_scan_can_fail(tmp_path):
@@ -81,8 +94,10 @@ def test_the_scan_can_fail(tmp_path):
     (tmp_path / "tests" / "test_x.py").write_text("SEED = '../sha" + "red/seed_data'\n")
     (tmp_path / "docs" / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0 sess" + b"ion 3 \xff")
     names = ["docs/notes.md", "README.md", "tests/test_x.py", "docs/plot.png", "docs/gone.md"]
-    assert hits(tmp_path, names) == ["docs/notes.md:2: as in Sess" + "ion 12, the decode step",
-                                     "README.md:1: traces in ../sha" + "red/seed_data"]
+    assert hits(tmp_path, names) == [
+        "docs/notes.md:2: as in Sess" + "ion 12, the decode step",
+        "README.md:1: traces in ../sha" + "red/seed_data",
+    ]
 
 
 def test_tracked_files_without_git(tmp_path, monkeypatch):

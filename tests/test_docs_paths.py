@@ -46,8 +46,11 @@ def missing_names(doc: Path) -> list[str]:
     missing = [p for p in REPO_PATH.findall(text) if p not in ELSEWHERE and not _exists(REPO, p)]
     missing += [p for p in BENCH_PATH.findall(text) if not _exists(BENCH, p)]
     missing += [m for m in MODULE.findall(text) if m not in ELSEWHERE and not _module_exists(m)]
-    missing += [link for link in LINK.findall(text)
-                if "://" not in link and not link.startswith("mailto:") and not (doc.parent / link).exists()]
+    missing += [
+        link
+        for link in LINK.findall(text)
+        if "://" not in link and not link.startswith("mailto:") and not (doc.parent / link).exists()
+    ]
     return sorted(set(missing))
 
 
@@ -67,7 +70,9 @@ def test_docs_files_are_named_by_what_they_hold():
 def test_the_scan_finds_what_is_missing(tmp_path):
     doc = tmp_path / "page.md"
     (tmp_path / "other.md").write_text("")
-    doc.write_text("see **runtime/client.py**, runtime/nowhere.py, `thorgen.serve.app`, serve.gone.module, "
-                   "`probes/probe_step.py`, `probes/nothing-*.json`, [a](other.md#x), [b](gone.md) and "
-                   "[c](https://example.com/x.md)\n")
+    doc.write_text(
+        "see **runtime/client.py**, runtime/nowhere.py, `thorgen.serve.app`, serve.gone.module, "
+        "`probes/probe_step.py`, `probes/nothing-*.json`, [a](other.md#x), [b](gone.md) and "
+        "[c](https://example.com/x.md)\n"
+    )
     assert missing_names(doc) == ["gone.md", "probes/nothing-*.json", "runtime/nowhere.py", "serve.gone.module"]

@@ -22,7 +22,7 @@ ROUTE_SPAN = re.compile(r"`(?:(?:GET|POST|PUT|PATCH|DELETE) )?(/[\w{}./-]*)`")
 
 
 def served(app) -> set[str]:
-    """"METHOD /path" of every route the app answers."""
+    """ "METHOD /path" of every route the app answers."""
     # FastAPI 0.16x keeps an included router as one entry of app.routes (iter_route_contexts flattens it);
     # earlier versions list its routes there themselves
     flatten = getattr(fastapi.routing, "iter_route_contexts", iter)
@@ -57,8 +57,11 @@ def test_route_table_matches_the_app(app):
 def test_routes_named_in_the_prose_exist(app):
     paths = {route.split(" ", 1)[1] for route in served(app)}
     # a prefix of served paths (`/v1`, which the API key guards) names them all
-    unknown = [p for p in set(ROUTE_SPAN.findall(SERVING.read_text()))
-               if p not in paths and not any(q.startswith(p + "/") for q in paths)]
+    unknown = [
+        p
+        for p in set(ROUTE_SPAN.findall(SERVING.read_text()))
+        if p not in paths and not any(q.startswith(p + "/") for q in paths)
+    ]
     assert not unknown, f"docs/serving.md names routes the app does not serve: {sorted(unknown)}"
 
 

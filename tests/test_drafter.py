@@ -64,8 +64,11 @@ def oracle_logits(model, target: _Target, taps: np.ndarray, block: list[int], st
     scale = float(dflash_model._draft_value(model.config, "input_embedding_scale", 1.0))
     with torch.no_grad():
         noise = dflash_model._raw_input_embeddings(target, ids, scale)
-        h = model(position_ids=torch.arange(start + len(block))[None], noise_embedding=noise,
-                  target_hidden=torch.from_numpy(taps[:start])[None])
+        h = model(
+            position_ids=torch.arange(start + len(block))[None],
+            noise_embedding=noise,
+            target_hidden=torch.from_numpy(taps[:start])[None],
+        )
         return model.compute_logits(h, target.lm_head)[0].numpy()
 
 
@@ -86,7 +89,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_embed_scale_default_is_sqrt_hidden(tiny_ckpt) -> None:
     spec = tiny_ckpt.spec.drafter
-    assert spec.embed_scale == pytest.approx(spec.hidden_size ** 0.5)
+    assert spec.embed_scale == pytest.approx(spec.hidden_size**0.5)
 
 
 def test_draft_logits_match_dflash(tiny_ckpt, setup) -> None:

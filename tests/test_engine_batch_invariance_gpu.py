@@ -62,8 +62,10 @@ def test_a_step_has_the_same_bits_alone_and_in_any_batch(models):
                     same = np.array_equal(got[r].view(np.uint32), alone[i][1].view(np.uint32))
                     if not same or toks[r] != alone[i][0]:
                         diff = np.abs(got[r].astype(np.float64) - alone[i][1])
-                        failures.append(f"{name}: lane {i} as row {r} of {n}: {int((diff > 0).sum())} logits "
-                                        f"differ (max {diff.max():.3g}), token {toks[r]} vs {alone[i][0]} alone")
+                        failures.append(
+                            f"{name}: lane {i} as row {r} of {n}: {int((diff > 0).sum())} logits "
+                            f"differ (max {diff.max():.3g}), token {toks[r]} vs {alone[i][0]} alone"
+                        )
             print(f"{name}: {len(BUCKETS)} batches, {sum(BUCKETS)} rows compared, {len(failures)} differ")
             assert not failures, "\n".join(failures[:20])
         finally:

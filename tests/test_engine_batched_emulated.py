@@ -48,10 +48,12 @@ def _serve(core: EngineCore, requests: dict[str, tuple[list[int], int, SamplingP
 
 def _requests() -> dict[str, tuple[list[int], int, SamplingParams]]:
     seeded = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=s) for s in (3, 4)]
-    return {"a": ([2] + list(range(300, 312)), 5, GREEDY),  # lengths differ: rows at different positions,
-            "b": ([2, 500, 501], 6, seeded[0]),  # ending at different steps (the bucket shrinks, 3 -> pad 4)
-            "c": ([2, 90, 91, 92, 93], 3, seeded[1]),
-            "d": ([2, 100], 4, GREEDY)}  # the fourth waits for a lane
+    return {
+        "a": ([2] + list(range(300, 312)), 5, GREEDY),  # lengths differ: rows at different positions,
+        "b": ([2, 500, 501], 6, seeded[0]),  # ending at different steps (the bucket shrinks, 3 -> pad 4)
+        "c": ([2, 90, 91, 92, 93], 3, seeded[1]),
+        "d": ([2, 100], 4, GREEDY),
+    }  # the fourth waits for a lane
 
 
 def test_batched_decode_equals_each_request_alone(backend):
@@ -100,9 +102,11 @@ def test_steps_launched_ahead_equal_steps_launched_when_scheduled(backend):
     plain, none_ahead = run(False)
     assert launched_ahead > 3 and none_ahead == 0
     assert ahead == plain
-    assert ahead["c"] == alone_c[:stop_at + 1]
-    for rid, (prompt, n, sp) in {"a": _requests()["a"], "late": ([2, 77, 78], 7,
-                                                                 SamplingParams(temperature=0.7, seed=9))}.items():
+    assert ahead["c"] == alone_c[: stop_at + 1]
+    for rid, (prompt, n, sp) in {
+        "a": _requests()["a"],
+        "late": ([2, 77, 78], 7, SamplingParams(temperature=0.7, seed=9)),
+    }.items():
         assert ahead[rid] == _serve(EngineCore(backend.runner(1)), {rid: (prompt, n, sp)})[rid]
 
 
@@ -120,9 +124,11 @@ def test_steps_launched_ahead_survive_preemption(tiny_checkpoint, tmp_path):
         gib = (3 * one.lane_nbytes + 8 * one.page_nbytes) / 2**30  # (a lane: its rings and drafter context)
         b = EE.open_emulated(tiny_checkpoint, tmp_path / "small", ctx=128, max_num_seqs=3, kv_cache_gib=gib)
         assert (b.engine.lanes, b.engine.kv.plan.pages) == (3, 8)
-        reqs = {"a": ([2] + list(range(300, 309)), 50, GREEDY),
-                "b": ([2] + list(range(500, 508)), 50, SamplingParams(temperature=1.2, seed=7)),
-                "c": ([2] + list(range(90, 99)), 50, GREEDY)}
+        reqs = {
+            "a": ([2] + list(range(300, 309)), 50, GREEDY),
+            "b": ([2] + list(range(500, 508)), 50, SamplingParams(temperature=1.2, seed=7)),
+            "c": ([2] + list(range(90, 99)), 50, GREEDY),
+        }
 
         def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
             runner = CudaRunner(b.engine, 3, launch_ahead=ahead)
@@ -212,14 +218,17 @@ def test_more_than_16_rows_run_the_32_row_bucket(tiny_checkpoint, tmp_path):
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
     b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=64, max_num_seqs=18)
     try:
-        reqs = {f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
-                for i in range(18)}
+        reqs = {
+            f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i)) for i in range(18)
+        }
         together = _serve(EngineCore(b.runner(18)), reqs)
         graphs = b.engine.launches.graphs
         assert "batch32_sample" in graphs and not any(k.startswith("batch16") for k in graphs)
         step = b.engine.fwd.ops(32, decode=False, last=True, greedy=False, batched=True)
         kernels = {op.entry.name for op in step}
-        assert any(k.startswith("nvfp4_gemm32__") for k in kernels) and any(k.startswith("moe_gateup__m32") for k in kernels)
+        assert any(k.startswith("nvfp4_gemm32__") for k in kernels) and any(
+            k.startswith("moe_gateup__m32") for k in kernels
+        )
         for rid, req in list(reqs.items())[::5]:
             assert together[rid] == _serve(EngineCore(b.runner(1)), {rid: req})[rid]
     finally:

@@ -70,6 +70,7 @@ def _collect(client: EngineClient, prompt: list[int], n: int, abort_after: int |
             if abort_after is not None and len(outs) == abort_after:
                 stream.abort()
         return outs
+
     return asyncio.run(run())
 
 
@@ -79,6 +80,7 @@ def test_client_opens_runs_and_closes_on_its_own_thread(tok):
     def opener():
         made["b"] = ThreadBoundBackend(lambda p: tok.encode("hello world"), chunk=2)
         return made["b"]
+
     client = EngineClient(opener)
     client.wait_ready(10)
     outs = _collect(client, [2, 3], 64)
@@ -115,6 +117,7 @@ def test_request_mistake_is_rejected_and_load_error_reported():
     async def too_long():
         stream = client.submit([2] * 4, 2, SamplingParams())
         return await stream.next()
+
     client.core.runner.check = _raiser(BackendError("prompt token ids [9999] lie outside the vocabulary"))
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
         asyncio.run(too_long())
@@ -127,6 +130,7 @@ def test_request_mistake_is_rejected_and_load_error_reported():
 
     async def submit():
         broken.submit([2], 1, SamplingParams())
+
     with pytest.raises(EngineUnavailable, match="weights missing"):
         asyncio.run(submit())
 
@@ -134,6 +138,7 @@ def test_request_mistake_is_rejected_and_load_error_reported():
 def _raiser(exc: BaseException):
     def fn(*args, **kwargs):
         raise exc
+
     return fn
 
 
@@ -146,6 +151,7 @@ def _fails_after(runner, exc: BaseException, steps: int):
         if len(calls) > steps:
             raise exc
         return decode(seqs, launched)
+
     return failing
 
 
@@ -158,11 +164,16 @@ def test_http_status_of_engine_errors(tok):
     body = {"model": "m", "messages": MSGS}
     with running_server(create_app(state)) as url:
         runner = state.client.core.runner
-        cases = [("check", _raiser(BackendError("prompt token ids [9999] lie outside the vocabulary")), 400,
-                  "invalid_request_error"),
-                 ("prefill", _raiser(CudaError("cuMemGetInfo", 201, "CUDA_ERROR_INVALID_CONTEXT")), 500,
-                  "server_error"),
-                 ("decode", _fails_after(runner, RuntimeError("kernel fault"), 0), 500, "server_error")]
+        cases = [
+            (
+                "check",
+                _raiser(BackendError("prompt token ids [9999] lie outside the vocabulary")),
+                400,
+                "invalid_request_error",
+            ),
+            ("prefill", _raiser(CudaError("cuMemGetInfo", 201, "CUDA_ERROR_INVALID_CONTEXT")), 500, "server_error"),
+            ("decode", _fails_after(runner, RuntimeError("kernel fault"), 0), 500, "server_error"),
+        ]
         for name, fn, status, kind in cases:
             setattr(state.client.core.runner, name, fn)
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
@@ -177,8 +188,11 @@ def test_http_status_of_engine_errors(tok):
         with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=30) as r:
             text = "".join(r.iter_text())
         assert r.status_code == 200 and "kernel fault" in text and text.rstrip().endswith("data: [DONE]")
-        content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in text.splitlines()
-                          if line.startswith("data: {") and "choices" in line)
+        content = "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in text.splitlines()
+            if line.startswith("data: {") and "choices" in line
+        )
         assert content == "a l"  # the prefill and two decode steps that ran before the failure were streamed
         # the failure finished its request alone: the engine stays healthy and the server still answers
         state.client.core.runner.__dict__.pop("decode", None)
@@ -235,8 +249,9 @@ def test_serve_cuda_backend_over_http(emulated_cuda):
             b = client.completions.create(model="m", prompt=[2, 105, 200, 107], max_tokens=4, temperature=0)
             assert a.usage.completion_tokens == 4 or a.choices[0].finish_reason == "stop"
             assert a.choices[0].text == b.choices[0].text
-            chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=3, stream=True,
-                                                         temperature=0))
+            chunks = list(
+                client.chat.completions.create(model="m", messages=MSGS, max_tokens=3, stream=True, temperature=0)
+            )
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
             assert httpx.get(url + "/health").json()["status"] == "ok"
     finally:
@@ -257,8 +272,9 @@ def test_max_num_batched_tokens_reaches_the_scheduler(tiny_checkpoint):
     from thorgen.serve.cli import serve
 
     for asked, want in ((40, 40), (None, None)):
-        client, _ = EngineClient.open(EngineConfig(tiny_checkpoint, "reference", ctx=256, max_num_seqs=2,
-                                                   max_step_tokens=asked))
+        client, _ = EngineClient.open(
+            EngineConfig(tiny_checkpoint, "reference", ctx=256, max_num_seqs=2, max_step_tokens=asked)
+        )
         try:
             assert _collect(client, [2, 105, 200], 2)  # it ran (the core is built on the engine thread)
             budget = client.core.scheduler.max_step_tokens

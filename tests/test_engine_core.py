@@ -37,8 +37,19 @@ class Recording:
 
     def __init__(self, runner) -> None:
         self.inner, self.steps = runner, []
-        for name in ("max_context", "max_num_seqs", "kv_geometry", "verify_block", "lookahead", "prefill_chunk",
-                     "caught_up_tokens", "check", "draft_context", "apply", "release"):
+        for name in (
+            "max_context",
+            "max_num_seqs",
+            "kv_geometry",
+            "verify_block",
+            "lookahead",
+            "prefill_chunk",
+            "caught_up_tokens",
+            "check",
+            "draft_context",
+            "apply",
+            "release",
+        ):
             setattr(self, name, getattr(runner, name))
 
     def prefill(self, seq, start, end, sample, launched=None):
@@ -173,8 +184,12 @@ def test_abort_in_every_phase(backend):
 
 def test_bad_requests(backend):
     core = EngineCore(backend.runner())
-    for prompt, n, match in (([], 4, "empty"), (_prompt(CTX, 1), 4, "context"), ([2, 5], 0, "max_tokens"),
-                             ([2, 10 ** 7], 4, "vocabulary")):
+    for prompt, n, match in (
+        ([], 4, "empty"),
+        (_prompt(CTX, 1), 4, "context"),
+        ([2, 5], 0, "max_tokens"),
+        ([2, 10**7], 4, "vocabulary"),
+    ):
         with pytest.raises(BackendError, match=match):
             core.add("x", prompt, n, GREEDY)
     core.add("x", [2, 5], 2, GREEDY)
@@ -193,6 +208,7 @@ def test_launched_hook_runs_once_per_step_before_the_wait(backend):
         out = inner_decode(seqs, launched)
         log.append("decoded")
         return out
+
     runner.decode = decode
     core = EngineCore(runner)
     core.add("a", _prompt(9, 1), 4, GREEDY)

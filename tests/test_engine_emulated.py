@@ -53,8 +53,10 @@ def emulated(tiny_checkpoint, tmp_path_factory):
 
         if (kv, ctx) not in made:
             drv = EE.install(kernels)
-            made[kv, ctx] = (open_backend(tiny_checkpoint, ctx=ctx, kv_dtype=kv, weights_dir=weights,
-                                          kernels_dir=kernels), drv)
+            made[kv, ctx] = (
+                open_backend(tiny_checkpoint, ctx=ctx, kv_dtype=kv, weights_dir=weights, kernels_dir=kernels),
+                drv,
+            )
         dev.set_driver(made[kv, ctx][1])
         return made[kv, ctx]
 
@@ -79,8 +81,15 @@ class Probe:
         t, H = entry["template"], self.t.hidden_size
         if t.startswith("embed"):
             start = int(self.d.view(self.e.buffers.A("positions").address, np.int32, 1)[0])
-            self.forwards.append(dict(start=start, n=a["T"], xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
-                                      idx=[], kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)]))
+            self.forwards.append(
+                dict(
+                    start=start,
+                    n=a["T"],
+                    xs=[self.d.view(a["out"], np.float32, (a["T"], H)).copy()],
+                    idx=[],
+                    kv=[self._kv(l, start) for l in range(self.t.num_hidden_layers)],
+                )
+            )
         elif t.startswith(("router_topk", "router_fused")):
             self.forwards[-1]["idx"].append(self.d.view(a["topk_idx"], np.int32, (a["T"], entry["params"]["K"])).copy())
         elif t.startswith("ffn_tail"):
@@ -111,7 +120,7 @@ def _reference_layer(m, l: int, x: np.ndarray, kv: tuple[np.ndarray, np.ndarray]
     h = m._attention(l, m._norm(l, "input_layernorm", x), cache, start)
     xa = x + m._norm(l, "post_attention_layernorm", h)
     s, p = m.spec, f"layers.{l}.router."
-    hn = rms_norm(xa, None, s.rms_norm_eps) * m.w.plain(p + "scale") * np.float32(s.hidden_size ** -0.5)
+    hn = rms_norm(xa, None, s.rms_norm_eps) * m.w.plain(p + "scale") * np.float32(s.hidden_size**-0.5)
     srt = -np.sort(-mm(hn, m.w.plain(p + "proj.weight")).astype(np.float64), axis=-1)
     gap = srt[:, s.top_k_experts - 1] - srt[:, s.top_k_experts]
     _, idx = m.route(l, xa)
@@ -131,7 +140,8 @@ def _check_forward(m, f: dict, kv: str) -> int:
         where = f"forward at {f['start']} (+{f['n']} rows), layer {l}"
         for r in bad:
             assert flipped[r] and gap[r] < ROUTER_TIE, (
-                f"{where}, row {r}: rel error {err[r]:.3g} (routing flip: {bool(flipped[r])}, router gap {gap[r]:.3g})")
+                f"{where}, row {r}: rel error {err[r]:.3g} (routing flip: {bool(flipped[r])}, router gap {gap[r]:.3g})"
+            )
         keep = ~flipped
         if keep.any():
             e = np.linalg.norm(got[keep] - want[keep]) / np.linalg.norm(want[keep])
@@ -177,7 +187,7 @@ def test_prefill_and_greedy_decode_layer_by_layer(emulated, kv):
         seq.append(tok)
         tok = EE.decode_step(backend.engine, len(seq) - 1)
     starts = [(f["start"], f["n"]) for f in probe.forwards]
-    want_starts = ([(0, chunk), (chunk, 88)] if kv == "bf16" else [(0, 41)])
+    want_starts = [(0, chunk), (chunk, 88)] if kv == "bf16" else [(0, 41)]
     assert starts == want_starts + [(len(ids) + i, 1) for i in range(3)]
     flips = sum(_check_forward(m, f, kv) for f in probe.forwards)
     assert flips <= 0.05 * sum(f["n"] for f in probe.forwards) * m.spec.num_hidden_layers
@@ -217,8 +227,9 @@ def test_pdl_only_between_kernels(emulated):
     open_, _ = emulated
     backend, drv = open_("bf16")
     eng = backend.engine
-    assert eng.launches.pdl and eng.options.fork, \
+    assert eng.launches.pdl and eng.options.fork, (
         "the manifest's conventions say every kernel is PDL-safe; fork is on by default"
+    )
     for rows, decode in ((1, True), (40, False)):
         ops = eng.fwd.ops(rows, decode=decode, last=True)
         flags = [getattr(l, "pdl", None) for _, l in eng.launches.bind(ops)]
@@ -233,8 +244,10 @@ def test_pdl_only_between_kernels(emulated):
                 assert flags[i] is False, op.label
             n_pdl += bool(flags[i])
         assert n_pdl > len(ops) // 2
-        assert {o.label.split(".")[-1] for o in ops if not isinstance(o, Copy2D) and o.branch} == \
-            {"mlp_gate_up", "mlp_down"}
+        assert {o.label.split(".")[-1] for o in ops if not isinstance(o, Copy2D) and o.branch} == {
+            "mlp_gate_up",
+            "mlp_down",
+        }
     before = drv.pdl_launches
     eng.prefill([2] + list(range(300, 339)))  # an eager 40-row chunk: its kernels reach the driver as PDL launches
     assert drv.pdl_launches > before
@@ -267,7 +280,7 @@ def test_plain_generation_stop_length_and_cancel(emulated):
     assert len(free.token_ids) == 12 and free.finish_reason == "length" and free.accepted_lengths == []
     k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])  # first produced mid-run
     got = backend.generate(ids, 12, params, stop_ids=frozenset({free.token_ids[k]}))
-    assert got.token_ids == free.token_ids[:k + 1] and got.finish_reason == "stop"
+    assert got.token_ids == free.token_ids[: k + 1] and got.finish_reason == "stop"
     steps = list(backend.generate_stream(ids, 5, params))
     assert [s.token_ids for s in steps] == [[t] for t in free.token_ids[:5]]
     assert all(s.accepted is None for s in steps)
@@ -297,7 +310,7 @@ def test_one_sequence_steps_launched_ahead(emulated):
     assert ahead == plain and none == 0, (ahead, plain)
     steps = sum(len(t) - 1 for t, _, _ in ahead)  # decode steps (a first token comes from the prefill)
     assert used == steps - len(reqs), (used, steps)  # all but each request's first
-    assert ahead[0][0] == free[:free.index(stop) + 1] and ahead[0][2] == "stop"
+    assert ahead[0][0] == free[: free.index(stop) + 1] and ahead[0][2] == "stop"
 
 
 def test_eager_forwards_create_no_events(emulated, monkeypatch):

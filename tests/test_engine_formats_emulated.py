@@ -24,8 +24,11 @@ from thorgen.runtime.backend import SamplingParams  # noqa: E402
 
 GEN = 24
 LOGITS_TOL = 1e-5  # (as tests/test_reference_w4a16.py: room for another BLAS summation order only)
-FORMATS = {"bf16": ("bf16", "bf16", "bf16"), "modelopt": ("bf16", "bf16", "nvfp4"),
-           "modelopt-all-linear": ("nvfp4", "nvfp4", "nvfp4")}
+FORMATS = {
+    "bf16": ("bf16", "bf16", "bf16"),
+    "modelopt": ("bf16", "bf16", "nvfp4"),
+    "modelopt-all-linear": ("nvfp4", "nvfp4", "nvfp4"),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FORMATS))
@@ -46,8 +49,7 @@ def pair(request, tiny_format_checkpoints, tmp_path_factory):
     kernels = EE.write_fake_manifest(ck.spec, root / "kernels")
     drv = EE.install(kernels)
     cuda = open_backend(path, ctx=1024, kv_dtype="bf16", weights_dir=weights, kernels_dir=kernels)
-    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype="bf16",
-                           kernels=kernels)
+    ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype="bf16", kernels=kernels)
     yield request.param, cuda, ref, drv
     dev.set_driver(drv)
     cuda.close()
@@ -85,5 +87,8 @@ def test_mixed_precision_programs_follow_the_w4a16_reference(pair):
     assert any(k.startswith("half_gemv__") and "_rope__" in k for k in half) == (f.attention == "bf16")
     assert any(k.startswith("half_gemmL__") for k in half) == (f.attention == "bf16")
     assert any(k.startswith("moe_") for k in half) == (f.experts == "bf16")
-    assert any(k.startswith("moe_grouped_gateup__") for k in launched) and any(
-        k.startswith("moe_gateup__m16_") for k in launched) and any(k.startswith("moe_gateup__m1_") for k in launched)
+    assert (
+        any(k.startswith("moe_grouped_gateup__") for k in launched)
+        and any(k.startswith("moe_gateup__m16_") for k in launched)
+        and any(k.startswith("moe_gateup__m1_") for k in launched)
+    )

@@ -199,6 +199,6 @@ def test_bad_image_requests_are_refused(pair):
     ids, spans = prompt(ck.spec, 1)
     with pytest.raises(BackendError, match="placeholder"):
         at = spans[0].offset
-        cuda.generate(ids[:at] + ids[at + 1:], 2, SamplingParams(), images=spans)  # one placeholder fewer
+        cuda.generate(ids[:at] + ids[at + 1 :], 2, SamplingParams(), images=spans)  # one placeholder fewer
     with pytest.raises(BackendError, match="prompt logprobs"):
         cuda.generate(ids, 2, SamplingParams(prompt_logprobs=1), images=spans)

@@ -114,5 +114,7 @@ def test_full_size_tower_greedy_equals_w4a16_reference(full_tower_pair):
 
     cuda, ref, ck = full_tower_pair
     ids, spans = prompt(ck.spec, 1, 2)
-    assert cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids == \
-        ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    assert (
+        cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+        == ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
+    )

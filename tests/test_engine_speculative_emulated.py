@@ -110,8 +110,9 @@ def test_speculative_equals_plain(emu, mode):
         _check_lengths(res)
 
 
-def _forced_hook(backend, prompt_len: int, plain: list[int], schedule: list[int], log: list, check=None,
-                 strict: bool = True):
+def _forced_hook(
+    backend, prompt_len: int, plain: list[int], schedule: list[int], log: list, check=None, strict: bool = True
+):
     """draft_hook: the plain continuation after `last` with a wrong token planted at slot schedule[step]
     (15: none), so the step must accept exactly schedule[step] drafts."""
     V = backend.spec.target.vocab_size
@@ -121,12 +122,13 @@ def _forced_hook(backend, prompt_len: int, plain: list[int], schedule: list[int]
             check(start, last)
         i = start - prompt_len  # plain[i] is the token at position start (== last)
         assert plain[i] == last or not strict, f"step at {start}: last token {last}, plain decoding has {plain[i]}"
-        drafts = (plain[i + 1:i + 16] + [0] * 15)[:15]
+        drafts = (plain[i + 1 : i + 16] + [0] * 15)[:15]
         j = schedule[len(log) % len(schedule)]
         if j < 15:
             drafts[j] = (drafts[j] + 1) % V  # never the target's token
         log.append(j)
         return drafts
+
     return hook
 
 
@@ -170,7 +172,9 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
     def runs(ahead: bool, k: int | None) -> tuple:
         seen: list = []  # the block starts the bench's draft hook is called with (emulated acceptance only)
         if k is not None:  # as `thorgen bench --emulate-acceptance` does: 15 distinct drafts from the block start
-            backend.engine.dflash.draft_hook = lambda start, last: seen.append(start) or distinct_tokens(15, V, start + 1)
+            backend.engine.dflash.draft_hook = lambda start, last: (
+                seen.append(start) or distinct_tokens(15, V, start + 1)
+            )
         out, used = EE.run_requests(backend, ahead, reqs, speculative=True, stop_ids=frozenset({stop}))
         backend.engine.dflash.draft_hook = None
         return out, seen, used
@@ -187,7 +191,7 @@ def test_steps_launched_ahead_at_the_devices_acceptance(emu, mode):
             assert len(seen_ahead) - len(seen_plain) <= len(reqs), (seen_ahead, seen_plain)
             assert none == 0 and used > 0, (k, used)
             if k is None:  # (then most steps commit one token: all but a request's first and last few go ahead)
-                assert ahead[0][0] == free[:free.index(stop) + 1]
+                assert ahead[0][0] == free[: free.index(stop) + 1]
                 assert used >= sum(len(a) for _, a, _ in ahead) - 3 * 4, used
             else:
                 for (_, acc, _), cap in zip(ahead, (15, 5, 15)):
@@ -233,6 +237,7 @@ def test_engine_drafter_matches_reference(emu):
             rows = drv.view(e.buffers.A("taps").address, np.float16, (a["T"], width))
             for r, p in enumerate(pos):
                 taps[int(p)] = rows[r].astype(np.float32)
+
     drv.emu.after = after
     checked = []
 
@@ -243,8 +248,12 @@ def test_engine_drafter_matches_reference(emu):
         # head alone differs by ~9% from NVFP4); the engine feeds the lm_head f16 activations
         h = ref.block_hidden(ctx, [last] + [d.mask_token_id] * 15, start)[1:]
         want = softcap(h.astype(np.float16).astype(np.float64) @ lm_head.T, d.final_logit_softcapping)
-        got = softcap(drv.view(e.buffers.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
-            np.float64), d.final_logit_softcapping)
+        got = softcap(
+            drv.view(e.buffers.A("logits").address, np.float32, (15, backend.spec.target.vocab_size)).astype(
+                np.float64
+            ),
+            d.final_logit_softcapping,
+        )
         err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
         assert err.max() <= DRAFT_LOGITS_TOL, f"drafter at {start}: rel errors {np.round(err, 4)}"
         drafts = drv.view(e.buffers.A("ids", 1).address, np.int32, 15)
@@ -279,7 +288,7 @@ def test_budget_stop_and_context_end(emu):
     k = next(i for i in range(2, len(plain)) if plain[i] not in plain[:i])  # a stop id first produced mid-run
     stop = plain[k]
     res = backend.generate(ids, 40, SAMPLED, stop_ids=frozenset({stop}), speculative=True)
-    assert res.token_ids == plain[:k + 1] and res.finish_reason == "stop"
+    assert res.token_ids == plain[: k + 1] and res.finish_reason == "stop"
     _check_lengths(res)
     # ctx 600 > every ring (528 / 544 slots): the last 15 positions cannot take a verify block
     small, _ = open_(ctx=600)
@@ -302,6 +311,7 @@ def test_missing_drafter_kernels_raise(emu):
 
 
 # ---- the same on a GPU (skipped without one) -----------------------------------------------------------------------
+
 
 def _tie(backend, ids: list[int], got: list[int], want: list[int], params: SamplingParams) -> float:
     """Greedy: gap (in logit units) between the two candidates at the first difference, from the plain engine's
@@ -355,7 +365,7 @@ def _sampled_difference(backend, ids, got, want, params, log: _VerifyLog) -> str
     z_ver = log.logits_for(p).astype(np.float64)
     assert got[i] == sample(softcap(z_ver, cap), params, p), f"verify drew token {got[i]} at {p} wrongly"
     again = backend.generate(ids, i + 1, params).token_ids  # the plain path up to the differing token
-    assert again == want[:i + 1]
+    assert again == want[: i + 1]
     z_plain = backend.engine.logits().astype(np.float64)
     assert want[i] == sample(softcap(z_plain, cap), params, p), f"plain decode drew token {want[i]} at {p} wrongly"
     rel = np.linalg.norm(z_ver - z_plain) / np.linalg.norm(z_plain)

@@ -50,8 +50,14 @@ def _serve(core: EngineCore, requests: dict, speculative: bool = False) -> tuple
     raise AssertionError("the engine did not finish")
 
 
-def _check_isolated(runner_for: Callable[[int], object], inject: Callable[[object], None], alone: dict,
-                    requests: dict | None = None, speculative: bool = False, request_fault: bool = False) -> None:
+def _check_isolated(
+    runner_for: Callable[[int], object],
+    inject: Callable[[object], None],
+    alone: dict,
+    requests: dict | None = None,
+    speculative: bool = False,
+    request_fault: bool = False,
+) -> None:
     requests = requests or _requests()
     runner = runner_for(N_SEQS)
     before = dict(vars(runner))
@@ -62,8 +68,9 @@ def _check_isolated(runner_for: Callable[[int], object], inject: Callable[[objec
     error = errors[VICTIM]
     assert isinstance(error, SequenceFailed) and error.request_id == VICTIM
     assert error.request_fault is request_fault, error
-    assert str(error).startswith(f"request {VICTIM}:") and not any(f"r{i}" in str(error).replace(VICTIM, "")
-                                                                    for i in range(N_SEQS)), error
+    assert str(error).startswith(f"request {VICTIM}:") and not any(
+        f"r{i}" in str(error).replace(VICTIM, "") for i in range(N_SEQS)
+    ), error
     for rid in requests:
         if rid != VICTIM:
             assert tokens[rid] == alone[rid], f"{rid}: {tokens[rid]} beside the fault, {alone[rid]} alone"
@@ -124,6 +131,7 @@ def _with_victim(sampling_of: Callable[[SamplingParams], SamplingParams]) -> dic
 
 # -- the reference backend ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     from thorgen.runtime.reference.backend import ReferenceBackend
@@ -144,6 +152,7 @@ def _failing_decoder(runner, method: str, when: Callable[..., bool]) -> None:
         if when(*args):
             raise RuntimeError("injected fault")
         return real(self, state, *args, **kwargs)
+
     setattr(Faulty, method, faulty)
     clone = Faulty.__new__(Faulty)
     clone.__dict__.update(decoder.__dict__)
@@ -152,14 +161,20 @@ def _failing_decoder(runner, method: str, when: Callable[..., bool]) -> None:
 
 def test_reference_prefill_fault(reference):
     backend, alone = reference
-    _check_isolated(backend.runner, lambda r: _failing_decoder(
-        r, "prefill", lambda ids, sampling, *rest: _is_victim(sampling)), alone)
+    _check_isolated(
+        backend.runner,
+        lambda r: _failing_decoder(r, "prefill", lambda ids, sampling, *rest: _is_victim(sampling)),
+        alone,
+    )
 
 
 def test_reference_decode_fault(reference):
     backend, alone = reference
-    _check_isolated(backend.runner, lambda r: _failing_decoder(
-        r, "step", lambda tok, start, sampling, *rest: _is_victim(sampling) and start >= 5), alone)
+    _check_isolated(
+        backend.runner,
+        lambda r: _failing_decoder(r, "step", lambda tok, start, sampling, *rest: _is_victim(sampling) and start >= 5),
+        alone,
+    )
 
 
 def test_reference_logits_processing_overflow_is_the_requests_fault(reference):
@@ -170,17 +185,25 @@ def test_reference_logits_processing_overflow_is_the_requests_fault(reference):
 @pytest.mark.parametrize("in_mask", [False, True])
 def test_reference_grammar_fault(reference, in_mask):
     backend, alone = reference
-    _check_isolated(backend.runner, lambda r: None, alone,
-                    _with_victim(lambda sp: replace(sp, grammar=FailingGrammar(3, in_mask))))
+    _check_isolated(
+        backend.runner, lambda r: None, alone, _with_victim(lambda sp: replace(sp, grammar=FailingGrammar(3, in_mask)))
+    )
 
 
 def test_reference_speculative_verify_fault(reference):
     """Every sequence decodes speculatively (draft + verify); the victim's verify block fails."""
     backend, _ = reference
     alone = _alone(backend.runner, _requests(), speculative=True)
-    _check_isolated(backend.runner, lambda r: _failing_decoder(
-        r, "step", lambda tok, start, sampling, speculative, *rest: _is_victim(sampling) and speculative
-        and start >= 4), alone, speculative=True)
+    _check_isolated(
+        backend.runner,
+        lambda r: _failing_decoder(
+            r,
+            "step",
+            lambda tok, start, sampling, speculative, *rest: _is_victim(sampling) and speculative and start >= 4,
+        ),
+        alone,
+        speculative=True,
+    )
 
 
 def _failing_decode(runner, error: Callable[[], Exception]) -> None:
@@ -194,6 +217,7 @@ def _failing_decode(runner, error: Callable[[], Exception]) -> None:
             if len(seen) >= 2:
                 raise error()
         return decode(seqs, launched)
+
     runner.decode = faulty
 
 
@@ -215,6 +239,7 @@ def test_a_state_losing_fault_leaves_the_core(reference):
 
 
 # -- the cuda backend on the CPU emulator ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def emulated(tiny_checkpoint, tmp_path_factory):
@@ -240,7 +265,9 @@ def test_cuda_prefill_fault(emulated):
             if seq.request_id == VICTIM:
                 raise RuntimeError("injected fault")
             return prefill(seq, *args, **kwargs)
+
         runner.prefill = faulty
+
     _check_isolated(backend.runner, inject, alone)
 
 
@@ -260,11 +287,13 @@ def test_cuda_logits_processing_overflow_is_the_requests_fault(emulated):
 @pytest.mark.parametrize("in_mask", [False, True])
 def test_cuda_grammar_fault(emulated, in_mask):
     backend, alone = emulated
-    _check_isolated(backend.runner, lambda r: None, alone,
-                    _with_victim(lambda sp: replace(sp, grammar=FailingGrammar(3, in_mask))))
+    _check_isolated(
+        backend.runner, lambda r: None, alone, _with_victim(lambda sp: replace(sp, grammar=FailingGrammar(3, in_mask)))
+    )
 
 
 # -- through HTTP ---------------------------------------------------------------------------------------------------
+
 
 def _stream_text(url: str, body: dict) -> str:
     import httpx
@@ -277,8 +306,11 @@ def _stream_text(url: str, body: dict) -> str:
 def _content(text: str) -> str:
     import json
 
-    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in text.splitlines()
-                   if line.startswith("data: {") and '"choices": [{' in line)
+    return "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in text.splitlines()
+        if line.startswith("data: {") and '"choices": [{' in line
+    )
 
 
 def test_http_bad_penalty_is_a_400_beside_an_intact_stream(tiny_checkpoint):
@@ -290,18 +322,32 @@ def test_http_bad_penalty_is_a_400_beside_an_intact_stream(tiny_checkpoint):
     import httpx
     from tiny_server import tiny_server
 
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell a story"}], "max_tokens": 24,
-            "temperature": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "tell a story"}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
     with tiny_server(tiny_checkpoint, 256) as (url, state):
         alone = _stream_text(url, body)
         beside: dict = {}
         t = threading.Thread(target=lambda: beside.setdefault("text", _stream_text(url, body)))
         t.start()
-        bad = [httpx.post(url + "/v1/chat/completions", content=json.dumps(dict(body, **extra)), timeout=30,
-                          headers={"content-type": "application/json"})  # (json.dumps writes Infinity)
-               for extra in ({"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300},
-                             {"logit_bias": {"5": float("inf")}}, {"temperature": float("inf")},
-                             {"top_p": float("nan")})]
+        bad = [
+            httpx.post(
+                url + "/v1/chat/completions",
+                content=json.dumps(dict(body, **extra)),
+                timeout=30,
+                headers={"content-type": "application/json"},
+            )  # (json.dumps writes Infinity)
+            for extra in (
+                {"repetition_penalty": 1e-300},
+                {"repetition_penalty": 1e300},
+                {"logit_bias": {"5": float("inf")}},
+                {"temperature": float("inf")},
+                {"top_p": float("nan")},
+            )
+        ]
         t.join(60)
         for r in bad:
             assert r.status_code == 400, r.text
@@ -318,8 +364,9 @@ def test_http_unknown_model_is_a_404_and_served_names_are_listed(tiny_checkpoint
     from thorgen.serve.cli import open_model
     from scripted_backend import running_server
 
-    state = ServerState("gemma", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 128)),
-                        model_names=("gemma", "alias/two"))
+    state = ServerState(
+        "gemma", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 128)), model_names=("gemma", "alias/two")
+    )
     state.load()
     try:
         with running_server(create_app(state)) as url:
@@ -351,6 +398,7 @@ def test_served_model_name_flag_takes_several_names():
     @click.option("--port", default=0)
     def probe(names, port):
         click.echo(f"{list(names)} {port}")
+
     run = CliRunner().invoke
     assert run(probe, ["--served-model-name", "a", "b/c", "--port", "3"]).output.strip() == "['a', 'b/c'] 3"
     assert run(probe, ["--model-name", "a", "--served-model-name", "d"]).output.strip() == "['a', 'd'] 0"
@@ -364,8 +412,9 @@ def _scripted(delay: float = 0.0):
 
     tok = Tokenizer.from_file(write_test_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer.json"))
     engine = ScriptedBackend(lambda p: tok.encode("a long reply " * 40), delay=delay)
-    template = ChatTemplate((Path(__file__).resolve().parent.parent / "model_spec" / "synth" /
-                             "chat_template.jinja").read_text())
+    template = ChatTemplate(
+        (Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja").read_text()
+    )
     return engine, scripted_state(engine, tok, template)
 
 
@@ -420,11 +469,19 @@ def test_engine_fault_fails_its_requests_by_their_own_ids_and_recovers():
             if len(seqs[0].output) >= 2:
                 raise EngineStateLost("an illegal address on the device")
             return decode(seqs, launched)
+
         state.client.core.runner.decode = lost
         texts = {}
         import threading
-        threads = [threading.Thread(target=lambda i=i: texts.setdefault(i, _stream_text(url, {
-            "model": "m", "messages": [{"role": "user", "content": f"hi {i}"}]}))) for i in range(3)]
+
+        threads = [
+            threading.Thread(
+                target=lambda i=i: texts.setdefault(
+                    i, _stream_text(url, {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}]})
+                )
+            )
+            for i in range(3)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -438,8 +495,11 @@ def test_engine_fault_fails_its_requests_by_their_own_ids_and_recovers():
             assert text in failed or _content(text).strip() == ("a long reply " * 40).strip()
         health = httpx.get(url + "/health").json()
         assert health["status"] == "ok" and health["recoveries"] >= 1
-        r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                       json={"model": "m", "messages": [{"role": "user", "content": "again"}], "max_tokens": 4})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "m", "messages": [{"role": "user", "content": "again"}], "max_tokens": 4},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "a lo"
     state.close()
 
@@ -454,18 +514,25 @@ def test_engine_that_cannot_be_rebuilt_reports_failed():
 
     def no_reopen():
         raise OSError("the device is gone")
+
     client._opener = no_reopen
     with running_server(create_app(state)) as url:
         client.core.runner.decode = lambda seqs, launched=None: (_ for _ in ()).throw(EngineStateLost("lost"))
-        r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 500
         client._thread.join(10)
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert "the device is gone" in health.json()["error"]
-        r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503
     state.close()
 
@@ -484,11 +551,14 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
     import tempfile
 
     tok = Tokenizer.from_file(write_test_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer.json"))
+
     def script(prompt: list[int]) -> list[int]:
         return tok.encode("reply to " + re.findall(r"req(\d+)", tok.decode(prompt))[-1] + " ok")
+
     engine = ScriptedBackend(script, delay=0.005)
-    template = ChatTemplate((Path(__file__).resolve().parent.parent / "model_spec" / "synth" /
-                             "chat_template.jinja").read_text())
+    template = ChatTemplate(
+        (Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja").read_text()
+    )
     state = scripted_state(engine, tok, template)
 
     class FaultyParser(pipeline.OutputParser):
@@ -500,12 +570,15 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
         def __init__(self, *args, **kwargs):
             self.fault_marks = kwargs.get("stop")
             super().__init__(*args, **kwargs)
+
     monkeypatch.setattr(pipeline, "OutputParser", FaultyParser)
     texts = {}
     with running_server(create_app(state)) as url:
+
         def one(i: int) -> None:
             body = {"model": "m", "messages": [{"role": "user", "content": f"req{i}"}]}
             texts[i] = _stream_text(url, body | ({"stop": ["FAULT"]} if i == 3 else {}))
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
@@ -514,8 +587,13 @@ def test_http_detokenize_fault_ends_its_stream_alone(monkeypatch):
         # the same fault in an Anthropic stream: it ends with Messages' error event
         import httpx
 
-        body = {"model": "m", "stream": True, "max_tokens": 16, "stop_sequences": ["FAULT"],
-                "messages": [{"role": "user", "content": "req9"}]}
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 16,
+            "stop_sequences": ["FAULT"],
+            "messages": [{"role": "user", "content": "req9"}],
+        }
         with httpx.stream("POST", url + "/v1/messages", json=body, timeout=60) as r:
             streamed = "".join(r.iter_text())
         assert "event: error" in streamed and "UnicodeDecodeError" in streamed, streamed[-500:]

@@ -39,9 +39,13 @@ def _prefixes(spec):
 
 def test_detection_of_every_format(formats_root, tiny_ckpt):
     assert tiny_ckpt.source_format == "compressed-tensors" and tiny_ckpt.spec.linear_formats == ALL_NVFP4
-    want = {"modelopt": ("modelopt", EXPERTS_ONLY_NVFP4), "modelopt-all-linear": ("modelopt", ALL_NVFP4),
-            "bf16": ("bf16", ALL_BF16), "converted": ("modelopt", ALL_NVFP4),
-            "converted-experts": ("modelopt", EXPERTS_ONLY_NVFP4)}
+    want = {
+        "modelopt": ("modelopt", EXPERTS_ONLY_NVFP4),
+        "modelopt-all-linear": ("modelopt", ALL_NVFP4),
+        "bf16": ("bf16", ALL_BF16),
+        "converted": ("modelopt", ALL_NVFP4),
+        "converted-experts": ("modelopt", EXPERTS_ONLY_NVFP4),
+    }
     for name, (source, formats) in want.items():
         ck = Checkpoint.open(formats_root / name)
         assert (ck.source_format, ck.spec.linear_formats) == (source, formats), name
@@ -56,8 +60,10 @@ def test_modelopt_conventions_of_the_synthetic_checkpoint(formats_root):
     hq = json.loads((formats_root / "modelopt" / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "NVFP4" and hq["group_size"] == 16 and hq["kv_cache_quant_algo"] == "FP8"
     assert f"{P}layers.0.self_attn*" in hq["exclude_modules"] and "lm_head" in hq["exclude_modules"]
-    assert json.loads((formats_root / "modelopt" / "config.json").read_text())["quantization_config"][
-        "quant_method"] == "modelopt"
+    assert (
+        json.loads((formats_root / "modelopt" / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "modelopt"
+    )
     full = spec.layer_types.index("full_attention")
     assert not ck.has_tensor(f"{P}layers.{full}.self_attn.v_proj.weight")  # k_eq_v: no v_proj
     assert ck.tensor(f"{P}layers.{full}.self_attn.k_proj.k_scale").shape == ()
@@ -80,7 +86,7 @@ def test_modelopt_dequantization_is_its_multiplier_formula(formats_root):
 
 def _modelopt_dequant(packed, scale, s2):
     """NVFP4QTensor.dequantize written out: e2m1(code) * (float32(e4m3(scale)) * weight_scale_2)."""
-    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     return e2m1[unpack_e2m1(packed)] * np.repeat(e4m3_to_f32(scale) * np.float32(s2), 16, axis=1)
 
 
@@ -91,7 +97,7 @@ def test_every_format_holds_the_same_model(formats_root, tiny_ckpt):
     for prefix in _prefixes(spec):
         ct = tiny_ckpt.linear_f32(prefix)
         np.testing.assert_array_equal(bf16.linear_f32(prefix), bf16_to_f32(bf16.linear_bf16(prefix)))
-        np.testing.assert_allclose(bf16.linear_f32(prefix), ct, rtol=2 ** -8, atol=0)  # one bf16 rounding
+        np.testing.assert_allclose(bf16.linear_f32(prefix), ct, rtol=2**-8, atol=0)  # one bf16 rounding
         got, want = converted.nvfp4_parts(prefix), tiny_ckpt.nvfp4_parts(prefix)
         for a, b in zip(got, want):  # same bytes, and weight_scale_2 is exactly the multiplier CT's divisor gives
             np.testing.assert_array_equal(a, b, err_msg=prefix)
@@ -124,8 +130,12 @@ def test_refusals_name_the_field_or_tensor(formats_root, tmp_path):
     # a bf16 layer missing from the exclusions: the config now says layer 1's attention is NVFP4
     _edit_json(hq, lambda d: d["quantization"]["exclude_modules"].remove(f"{P}layers.1.self_attn*"))
     _refused(bad, r"attention linears mix formats: .*layers.1.self_attn.q_proj")
-    _edit_json(hq, lambda d: d["quantization"]["exclude_modules"].__setitem__(
-        slice(None), [p for p in d["quantization"]["exclude_modules"] if "self_attn" not in p]))
+    _edit_json(
+        hq,
+        lambda d: d["quantization"]["exclude_modules"].__setitem__(
+            slice(None), [p for p in d["quantization"]["exclude_modules"] if "self_attn" not in p]
+        ),
+    )
     _refused(bad, r"tensor '.*self_attn.q_proj.weight' is BF16 but .* says .* is NVFP4")
 
 
@@ -165,9 +175,18 @@ def test_detect_format_config_rules():
     assert fmt.source == "modelopt" and linear_formats_of(fmt, _prefixes(spec)) == EXPERTS_ONLY_NVFP4
     assert linear_formats_of(detect_format(target_config(spec, None, "bf16"), None), []) == ALL_BF16
     with pytest.raises(SpecError, match="disagrees"):
-        detect_format(target_config(spec), {"producer": {"name": "modelopt"},
-                                           "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                                            "kv_cache_quant_algo": None, "exclude_modules": []}})
+        detect_format(
+            target_config(spec),
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {
+                    "quant_algo": "NVFP4",
+                    "group_size": 16,
+                    "kv_cache_quant_algo": None,
+                    "exclude_modules": [],
+                },
+            },
+        )
     with pytest.raises(SpecError, match="compressed-tensors checkpoint quantizes every linear"):
         target_config(spec, None, "compressed-tensors", LinearFormats(experts="bf16"))
 
@@ -191,8 +210,10 @@ def test_every_format_carries_the_bf16_vision_tower(formats_root, tiny_ckpt, tmp
     del f
     q = "model.vision_tower.encoder.layers.1.self_attn.q_proj.linear"
     out, k = arrays.pop(q + ".weight")[1].shape
-    arrays |= {q + ".weight": ("U8", np.zeros((out, k // 2), np.uint8)),
-               q + ".weight_scale": ("F8_E4M3", np.zeros((out, k // 16), np.uint8))}
+    arrays |= {
+        q + ".weight": ("U8", np.zeros((out, k // 2), np.uint8)),
+        q + ".weight_scale": ("F8_E4M3", np.zeros((out, k // 16), np.uint8)),
+    }
     write_safetensors(bad / "model.safetensors", arrays)
     with pytest.raises(CheckpointError, match=rf"tensor '{q}.weight' is U8\[{out}, {k // 2}\], expected BF16"):
         Checkpoint.open(bad)

@@ -29,17 +29,23 @@ def _drop_field(folder):
 
 
 def _mixed_role(folder):
-    _edit_json(folder / "hf_quant_config.json",
-               lambda d: d["quantization"]["exclude_modules"].remove(f"{P}layers.1.mlp*"))
+    _edit_json(
+        folder / "hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].remove(f"{P}layers.1.mlp*")
+    )
     return "dense_mlp linears mix formats"
 
 
 def _bf16_where_quantized(folder):
     def edit(d):
         d["quantization"]["exclude_modules"] = [p for p in d["quantization"]["exclude_modules"] if ".mlp*" not in p]
+
     _edit_json(folder / "hf_quant_config.json", edit)
-    _edit_json(folder / "config.json", lambda d: d["quantization_config"].update(
-        ignore=[p for p in d["quantization_config"]["ignore"] if ".mlp*" not in p]))
+    _edit_json(
+        folder / "config.json",
+        lambda d: d["quantization_config"].update(
+            ignore=[p for p in d["quantization_config"]["ignore"] if ".mlp*" not in p]
+        ),
+    )
     return "mlp.gate_proj.weight' is BF16 but"
 
 
@@ -68,8 +74,9 @@ def test_refusals_are_one_line_errors(breaks, command, tiny_format_checkpoints, 
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_format_checkpoints["modelopt"], folder)
     want = breaks(folder)
-    args = [command, "--model", str(folder)] + (["--out", str(tmp_path / "art")] if command == "repack-weights"
-                                                 else ["--arch", "sm_90a"])
+    args = [command, "--model", str(folder)] + (
+        ["--out", str(tmp_path / "art")] if command == "repack-weights" else ["--arch", "sm_90a"]
+    )
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -84,15 +91,43 @@ def test_synth_format_and_quantize_report_through_the_cli(tmp_path):
     r = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(out), "--format", "bf16", "--quiet"])
     assert r.exit_code == 0, r.output
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    r = runner.invoke(main, ["repack-weights", "--model", str(out), "--out", str(tmp_path / "art"), "-q",
-                             "--quantize", "nvfp4", "--jobs", "1"])
+    r = runner.invoke(
+        main,
+        [
+            "repack-weights",
+            "--model",
+            str(out),
+            "--out",
+            str(tmp_path / "art"),
+            "-q",
+            "--quantize",
+            "nvfp4",
+            "--jobs",
+            "1",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "quantized layers.0.self_attn.q_proj: max rel err" in r.output
     assert "quantized layers.0.experts.*.down_proj:" in r.output
     assert (tmp_path / "art" / "quantization_report.json").is_file()
     mo = tmp_path / "mo"
-    r = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(mo), "--format", "modelopt",
-                             "--modelopt-variant", "all-linear", "--quiet"])
+    r = runner.invoke(
+        main,
+        [
+            "synth-checkpoint",
+            "--preset",
+            "tiny",
+            "--out",
+            str(mo),
+            "--format",
+            "modelopt",
+            "--modelopt-variant",
+            "all-linear",
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 0 and (mo / "hf_quant_config.json").is_file()
-    assert not any("self_attn" in p for p in json.loads((mo / "hf_quant_config.json").read_text())[
-        "quantization"]["exclude_modules"])
+    assert not any(
+        "self_attn" in p
+        for p in json.loads((mo / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    )

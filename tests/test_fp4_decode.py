@@ -17,16 +17,21 @@ KEEP = np.uint64(0x8E008E00)
 
 def _header_decode() -> str:
     text = (INCLUDE_DIR / "thorgen" / "nvfp4.cuh").read_text()
-    return text[text.index("void fp4_shift_decode"):].split("}", 1)[0]
+    return text[text.index("void fp4_shift_decode") :].split("}", 1)[0]
 
 
 def _shift_and_mask(v: np.ndarray) -> list[np.ndarray]:
     """The decode's definition: each register = the word shifted so its codes' S..EEM bits sit at 15, 11-9."""
+
     def shl(x: np.ndarray, n: int) -> np.ndarray:
         return (x << np.uint64(n)) & MASK32
-    return [v & KEEP, shl(v, 3) & KEEP,
-            (shl(v, 6) & np.uint64(0x0E000E00)) | (shl(v, 1) & np.uint64(0x80008000)),
-            (shl(v, 9) & np.uint64(0x0E000E00)) | (shl(v, 2) & np.uint64(0x80008000))]
+
+    return [
+        v & KEEP,
+        shl(v, 3) & KEEP,
+        (shl(v, 6) & np.uint64(0x0E000E00)) | (shl(v, 1) & np.uint64(0x80008000)),
+        (shl(v, 9) & np.uint64(0x0E000E00)) | (shl(v, 2) & np.uint64(0x80008000)),
+    ]
 
 
 def _header_model(v: np.ndarray) -> list[np.ndarray]:
@@ -74,7 +79,7 @@ def test_model_detects_a_wrong_multiplier() -> None:
 
 def _e4m3(code: np.ndarray) -> np.ndarray:
     e, m = (code >> 3) & 0xF, code & 7
-    return np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e.astype(np.float64) - 7))
+    return np.where(e == 0, m / 8.0 * 2.0**-6, (1 + m / 8.0) * 2.0 ** (e.astype(np.float64) - 7))
 
 
 def test_e2m1_times_e4m3_is_exact_in_fp16() -> None:
@@ -82,7 +87,7 @@ def test_e2m1_times_e4m3_is_exact_in_fp16() -> None:
     every product with a finite positive e4m3 scale (0x00-0x7E) is representable in fp16."""
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
     scales = _e4m3(np.arange(0x7F))
-    for factor in (2.0 ** -14, 1.0):
+    for factor in (2.0**-14, 1.0):
         exact = np.outer(e2m1 * factor, scales)
         assert (exact.astype(np.float16).astype(np.float64) == exact).all(), f"inexact at factor {factor}"
         # the decoded registers and the scale are fp16 themselves

@@ -1,7 +1,8 @@
 """Serve tests: `thorgen gate` on traces the reference backend writes from the tiny synthetic checkpoint. The
 engine's own traces pass (with token ids, and without them as in vLLM's traces); corrupted ones (a changed token,
 an expected substring the answer lacks, DFlash counters above ours, another prompt length) fail with exit code 1
-and a table row that says why. The seed traces load (the long-context one's messages rebuilt from the suite) and the shipped expectations
+and a table row that says why. The seed traces load (the long-context one's messages rebuilt from the suite) and the
+shipped expectations
 of the seed suite hold for vLLM's answers."""
 
 from __future__ import annotations
@@ -17,18 +18,33 @@ from thorgen.serve.tools.gate import GateError, load_traces, margin
 from thorgen.runtime.text.prompts import load_suite
 
 REPO = Path(__file__).resolve().parent.parent
-SUITE = {"prompts": [
-    {"id": "capital", "category": "short_factual", "max_tokens": 8,
-     "messages": [{"role": "user", "content": "What is the capital of France?"}]},
-    {"id": "haiku", "category": "multi_turn", "max_tokens": 8,
-     "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                  {"role": "user", "content": "Write a haiku."}]},
-]}
+SUITE = {
+    "prompts": [
+        {
+            "id": "capital",
+            "category": "short_factual",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+        {
+            "id": "haiku",
+            "category": "multi_turn",
+            "max_tokens": 8,
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Write a haiku."},
+            ],
+        },
+    ]
+}
 
 
 def _gate(model: Path, traces: Path, *extra: str):
-    return CliRunner().invoke(main, ["gate", "--model", str(model), "--backend", "reference", "--traces",
-                                     str(traces), "--margin", "0", *extra])  # margin 0: every position counts
+    return CliRunner().invoke(
+        main,
+        ["gate", "--model", str(model), "--backend", "reference", "--traces", str(traces), "--margin", "0", *extra],
+    )  # margin 0: every position counts
 
 
 def _rows(output: str) -> dict[tuple[str, str], str]:
@@ -72,6 +88,7 @@ def test_own_traces_pass(tiny_checkpoint, traces, tmp_path):
             for alt in entry["top"]:
                 alt.pop("id")
         trace["expect"] = [trace["content"][:2]] if trace["content"] else []
+
     _edit(traces, tmp_path / "no-ids", like_vllm)
     for folder in (traces, tmp_path / "no-ids"):
         result = _gate(tiny_checkpoint, folder)
@@ -93,6 +110,7 @@ def test_corrupted_traces_fail(tiny_checkpoint, traces, tmp_path):
         else:
             trace["dflash"]["accepted_tokens"] = 15 * trace["dflash"]["drafts"]
             trace["usage"]["prompt_tokens"] += 1
+
     _edit(traces, tmp_path / "bad", corrupt)
     result = _gate(tiny_checkpoint, tmp_path / "bad")
     assert result.exit_code == 1, result.output

@@ -47,8 +47,9 @@ def test_sampled_text_prompt_gets_bos(tiny_checkpoint, tiny_ckpt) -> None:
 
 
 def test_text_output_and_errors(tiny_checkpoint, tmp_path) -> None:
-    ok = CliRunner().invoke(main, ["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "2,5,6",
-                                   "--max-tokens", "4"])
+    ok = CliRunner().invoke(
+        main, ["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "2,5,6", "--max-tokens", "4"]
+    )
     assert ok.exit_code == 0 and "finish=" in ok.output
     cases = [
         (["--prompt-ids", "2,512"], "outside the vocabulary"),
@@ -96,7 +97,8 @@ def test_image_fills_the_prompts_placeholder(tiny_checkpoint, tiny_ckpt, tmp_pat
         r = CliRunner().invoke(main, [*args, "--prompt", prompt])
         assert r.exit_code != 0 and message in r.output and "--image" in r.output, r.output
     (tmp_path / "bad.png").write_bytes(b"not an image")
-    r = CliRunner().invoke(main, [*BASE, "--model", str(tiny_checkpoint), "--image", str(tmp_path / "bad.png"),
-                                  "--prompt", "<|image|>"])
+    r = CliRunner().invoke(
+        main, [*BASE, "--model", str(tiny_checkpoint), "--image", str(tmp_path / "bad.png"), "--prompt", "<|image|>"]
+    )
     assert r.exit_code != 0 and "bad.png" in r.output and "not an image" in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)

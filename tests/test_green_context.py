@@ -93,8 +93,25 @@ def test_bench_sms_needs_the_cuda_backend(tiny_checkpoint):
 
     from thorgen.runtime.bench.cli import bench
 
-    res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--sms", "20",
-                                     "--ctx", "64", "--gen", "2", "--runs", "1", "--prompt-len", "4"])
+    res = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--sms",
+            "20",
+            "--ctx",
+            "64",
+            "--gen",
+            "2",
+            "--runs",
+            "1",
+            "--prompt-len",
+            "4",
+        ],
+    )
     assert res.exit_code != 0 and "--backend cuda" in res.output
     res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--sms", "0"])
     assert res.exit_code != 0 and "--sms" in res.output

@@ -71,7 +71,7 @@ def _paged(kern, kcs: list, vcs: list, rng) -> dict:
     shape = ((len(kcs) * n + 2) * page,) + kcs[0].shape[1:]
     pk, pv = np.full(shape, NAN_BITS[kv], kcs[0].dtype), np.full(shape, NAN_BITS[kv], kcs[0].dtype)
     for lane, (kc, vc) in enumerate(zip(kcs, vcs)):
-        table[lane, :n] = order[lane * n:(lane + 1) * n]
+        table[lane, :n] = order[lane * n : (lane + 1) * n]
         for b in range(-(-kc.shape[0] // page)):
             dst, src = slice(table[lane, b] * page, table[lane, b] * page + page), slice(b * page, (b + 1) * page)
             rows = kc[src].shape[0]
@@ -85,8 +85,17 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
     d, hq, ns = kern.param("d"), kern.param("hq"), kern.param("nsplit")
     positions = np.arange(p0, p0 + m, dtype=np.int32)
     # one sequence (no rowwise lanes); an image-block variant's key bound at each query's own position is causal
-    inputs = {"q": q, "kc": kc, "vc": vc, "positions": positions, "m": np.int32(m), "kv_hi": positions,
-              "out": np.full((m, hq, d), np.nan, np.float16), "rowwise": 0, "lane_bytes": 0}
+    inputs = {
+        "q": q,
+        "kc": kc,
+        "vc": vc,
+        "positions": positions,
+        "m": np.int32(m),
+        "kv_hi": positions,
+        "out": np.full((m, hq, d), np.nan, np.float16),
+        "rowwise": 0,
+        "lane_bytes": 0,
+    }
     if kern.param("page"):
         inputs |= _paged(kern, [kc], [vc], np.random.default_rng(p0 + m))
     outputs = {"out": ((m, hq, d), np.float16)}
@@ -94,21 +103,30 @@ def _run(runner, kern, q, kc, vc, m, p0, partials: bool = False, fused: bool = T
         return runner.run_seq([(kern, None)], inputs, outputs)["out"]
     inputs["ws"] = np.full(kern.param("ws_floats"), np.nan, np.float32)
     if not fused:  # counters null: the kernel leaves its partials to the combine kernel
-        comb = [c for c in runner.find("attn_comb__") if c.param("d") == d and c.param("hq") == hq
-                and c.param("nsplit") == ns and c.param("mmax") == kern.param("mmax")][0]
+        comb = [
+            c
+            for c in runner.find("attn_comb__")
+            if c.param("d") == d
+            and c.param("hq") == hq
+            and c.param("nsplit") == ns
+            and c.param("mmax") == kern.param("mmax")
+        ][0]
         return runner.run_seq([(kern, None), (comb, (m * hq, 1, 1))], inputs, outputs)["out"]
     inputs["counters"] = np.zeros(kern.param("cnt_words"), np.uint32)
     outputs |= {"ws": ((kern.param("ws_floats"),), np.float32), "counters": ((kern.param("cnt_words"),), np.uint32)}
     first = runner.run_seq([(kern, None)], inputs, outputs)
     np.testing.assert_array_equal(first["counters"], 0, err_msg=f"{kern.name}: counters not left zeroed")
     again = runner.run_seq([(kern, None), (kern, None)], inputs, outputs)  # the 2nd launch relies on zeroed counters
-    np.testing.assert_array_equal(again["out"].view(np.uint16), first["out"].view(np.uint16),
-                                  err_msg=f"{kern.name} m={m} p0={p0}: a second launch differs")
+    np.testing.assert_array_equal(
+        again["out"].view(np.uint16),
+        first["out"].view(np.uint16),
+        err_msg=f"{kern.name} m={m} p0={p0}: a second launch differs",
+    )
     if not partials:
         return first["out"]
     mmax, ws = kern.param("mmax"), first["ws"]
-    o = ws[:ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
-    ml = ws[ns * mmax * hq * d:ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m]
+    o = ws[: ns * mmax * hq * d].reshape(ns, mmax, hq, d)[:, :m]
+    ml = ws[ns * mmax * hq * d : ns * mmax * hq * (d + 2)].reshape(ns, mmax, hq, 2)[:, :m]
     return first["out"], o, ml
 
 
@@ -155,8 +173,11 @@ def test_attention_split_matches_unsplit(runner):
     if not dec:
         pytest.skip("no split decode kernel")
     kern = dec[0]
-    pre = [k for k in runner.find("attn_pre__") if all(k.param(x) == kern.param(x) for x in
-                                                        ("d", "hq", "hkv", "ring", "window", "causal", "kv_dtype"))][0]
+    pre = [
+        k
+        for k in runner.find("attn_pre__")
+        if all(k.param(x) == kern.param(x) for x in ("d", "hq", "hkv", "ring", "window", "causal", "kv_dtype"))
+    ][0]
     rng = np.random.default_rng(5)
     m, p0 = 16, (kern.param("ring") or 2048) + 100
     q, kc, vc, ref = _build(rng, kern, m, p0)
@@ -219,12 +240,21 @@ def test_attention_rowwise_lanes(runner):
                 used = (pos % ring) if ring else pos
                 for c in (kc, vc):
                     c[lane, used] = R.kv_store(rng.normal(0, 1, (len(used), hkv, d)).astype(np.float32), kv)
-                refs.append(R.attention_ref(q[r:r + 1], kc[lane], vc[lane], kv, p, ring, window, True,
-                                            kern.param("scale")))
+                refs.append(
+                    R.attention_ref(q[r : r + 1], kc[lane], vc[lane], kv, p, ring, window, True, kern.param("scale"))
+                )
             eb = kc.dtype.itemsize
-            inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.asarray(positions, np.int32), "m": np.int32(m),
-                      "out": np.full((m, hq, d), np.nan, np.float16), "lanes": np.asarray(lanes, np.int32),
-                      "lane_bytes": np.int64(slots * hkv * d * eb), "rowwise": np.int32(1)}
+            inputs = {
+                "q": q,
+                "kc": kc,
+                "vc": vc,
+                "positions": np.asarray(positions, np.int32),
+                "m": np.int32(m),
+                "out": np.full((m, hq, d), np.nan, np.float16),
+                "lanes": np.asarray(lanes, np.int32),
+                "lane_bytes": np.int64(slots * hkv * d * eb),
+                "rowwise": np.int32(1),
+            }
             if kern.param("page"):  # the lanes' pages in one pool (lane_bytes unused)
                 inputs |= _paged(kern, list(kc), list(vc), rng)
             outputs = {"out": ((m, hq, d), np.float16)}
@@ -236,9 +266,15 @@ def test_attention_rowwise_lanes(runner):
             # each row alone: the one-query decode launch (non-rowwise, its lane) that a one-row step runs
             alone = []
             for r, (p, lane) in enumerate(zip(positions, lanes)):
-                one = dict(inputs, q=q[r:r + 1], positions=np.asarray([p], np.int32), m=np.int32(1),
-                           lanes=np.asarray([lane], np.int32), rowwise=np.int32(0),
-                           out=np.full((1, hq, d), np.nan, np.float16))
+                one = dict(
+                    inputs,
+                    q=q[r : r + 1],
+                    positions=np.asarray([p], np.int32),
+                    m=np.int32(1),
+                    lanes=np.asarray([lane], np.int32),
+                    rowwise=np.int32(0),
+                    out=np.full((1, hq, d), np.nan, np.float16),
+                )
                 alone.append(runner.run_seq([(kern, (1, hkv, ns))], one, {"out": ((1, hq, d), np.float16)})["out"])
             alone = np.concatenate(alone)
             # every split count a launch may use: the planner's for m rows, one, and the most
@@ -251,6 +287,8 @@ def test_attention_rowwise_lanes(runner):
                     failures.append(f"{kern.name} positions={positions} lanes={lanes} splits={z}: error {err:.2e}")
                 differ = (got["out"].view(np.uint16) != alone.view(np.uint16)).any(axis=(1, 2))
                 if differ.any():  # batch invariance: a row's bits are its one-row step's
-                    failures.append(f"{kern.name} positions={positions} splits={z}: rows {np.nonzero(differ)[0]} "
-                                    f"differ from the same query launched alone")
+                    failures.append(
+                        f"{kern.name} positions={positions} splits={z}: rows {np.nonzero(differ)[0]} "
+                        f"differ from the same query launched alone"
+                    )
     assert not failures, "\n".join(failures)

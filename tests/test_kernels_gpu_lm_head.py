@@ -38,9 +38,16 @@ def test_softcap_argmax(runner, T):
     logits = rng.normal(0, 8, (T, V)).astype(np.float32)
     grid = (k.grid[0], min(T, 3), 1)
     # two launches over the same scratch: the first must leave best/counters zeroed for the second
-    got = runner.run_seq([(k, grid), (k, grid)], {"logits": logits, "T": np.int32(T)},
-                         {"capped": ((T, V), np.float32), "best": ((T,), np.uint64), "counters": ((T,), np.uint32),
-                          "out_ids": ((T,), np.int32)})
+    got = runner.run_seq(
+        [(k, grid), (k, grid)],
+        {"logits": logits, "T": np.int32(T)},
+        {
+            "capped": ((T, V), np.float32),
+            "best": ((T,), np.uint64),
+            "counters": ((T,), np.uint32),
+            "out_ids": ((T,), np.int32),
+        },
+    )
     ref_capped = R.softcap_ref(logits, cap)
     if k.param("EXACT"):
         np.testing.assert_array_equal(got["capped"], ref_capped)
@@ -52,13 +59,13 @@ def test_softcap_argmax(runner, T):
 
 
 CASES = [  # (temperature, top_k, top_p, min_p, flat logits)
-    (0.0, 0, 1.0, 0.0, False),   # greedy through the sampler
+    (0.0, 0, 1.0, 0.0, False),  # greedy through the sampler
     (1.0, 64, 0.95, 0.0, False),  # Gemma's generation defaults: exact (top_k <= C)
     (0.8, 20, 1.0, 0.05, False),  # top-k + min-p
-    (1.0, 0, 0.9, 0.0, False),   # top-p alone, nucleus inside the top C (peaked logits)
+    (1.0, 0, 0.9, 0.0, False),  # top-p alone, nucleus inside the top C (peaked logits)
     (1.3, 0, 1.0, 0.02, False),  # min-p alone, cut inside the top C
-    (0.7, 0, 1.0, 0.0, True),    # plain temperature: Gumbel-max over the whole vocabulary
-    (1.0, 0, 1.0, 0.01, True),   # min-p keeping more than C tokens: a value filter over the whole vocabulary
+    (0.7, 0, 1.0, 0.0, True),  # plain temperature: Gumbel-max over the whole vocabulary
+    (1.0, 0, 1.0, 0.01, True),  # min-p keeping more than C tokens: a value filter over the whole vocabulary
 ]
 
 
@@ -76,16 +83,28 @@ def test_sampling_matches_reference(runner, case):
     positions = rng.integers(0, 100_000, T).astype(np.int32)
     seed = 0xDEADBEEF12345 + int(temp * 10)
     # one SampleParams per row (a batched step samples each sequence its own way): seeds differ by row
-    params = np.array([(temp, top_p, min_p, seed + t, top_k, 0) for t in range(T)],
-                      dtype=SAMPLE_PARAMS).view(np.uint8)
+    params = np.array([(temp, top_p, min_p, seed + t, top_k, 0) for t in range(T)], dtype=SAMPLE_PARAMS).view(np.uint8)
     rows = min(T, 3)
     steps = [(prep, (prep.grid[0], rows, 1)), (select, (1, rows, 1)), (finish, (finish.grid[0], rows, 1))]
-    got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": positions, "T": np.int32(T)},
-                         {"workspace": ((T * ws,), np.uint8), "counters": ((T,), np.uint32),
-                          "out_ids": ((T,), np.int32), "status": ((T,), np.int32)})
+    got = runner.run_seq(
+        steps,
+        {"logits": logits, "params": params, "positions": positions, "T": np.int32(T)},
+        {
+            "workspace": ((T * ws,), np.uint8),
+            "counters": ((T,), np.uint32),
+            "out_ids": ((T,), np.int32),
+            "status": ((T,), np.int32),
+        },
+    )
     capped = R.softcap_ref(logits, cap)
-    want = [sample(capped[t], SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + t),
-                   int(positions[t])) for t in range(T)]
+    want = [
+        sample(
+            capped[t],
+            SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + t),
+            int(positions[t]),
+        )
+        for t in range(T)
+    ]
     assert not got["status"].any(), "every case here keeps its kept set inside the candidates (exact path)"
     np.testing.assert_array_equal(got["out_ids"], want)
     assert not got["counters"].any()
@@ -101,9 +120,15 @@ def test_sampling_wide_nucleus_is_flagged(runner):
     logits = np.random.default_rng(51).normal(0, 0.1, (T, V)).astype(np.float32)
     params = np.array([(1.0, 0.9, 0.0, 7, 0, 0)] * T, dtype=SAMPLE_PARAMS).view(np.uint8)
     steps = [(prep, (prep.grid[0], T, 1)), (select, (1, T, 1)), (finish, (finish.grid[0], T, 1))]
-    got = runner.run_seq(steps, {"logits": logits, "params": params, "positions": np.arange(T, dtype=np.int32),
-                                 "T": np.int32(T)},
-                         {"workspace": ((T * ws,), np.uint8), "counters": ((T,), np.uint32),
-                          "out_ids": ((T,), np.int32), "status": ((T,), np.int32)})
+    got = runner.run_seq(
+        steps,
+        {"logits": logits, "params": params, "positions": np.arange(T, dtype=np.int32), "T": np.int32(T)},
+        {
+            "workspace": ((T * ws,), np.uint8),
+            "counters": ((T,), np.uint32),
+            "out_ids": ((T,), np.int32),
+            "status": ((T,), np.int32),
+        },
+    )
     assert got["status"].tolist() == [1] * T
     assert ((0 <= got["out_ids"]) & (got["out_ids"] < V)).all()

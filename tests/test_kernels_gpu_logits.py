@@ -35,10 +35,11 @@ def _process(runner, x, b, rows_y):
     k = _one(runner, "lm_process__")
     T, V = x.shape
     grid = (k.grid[0], rows_y, 1)
-    got = runner.run_seq([(k, grid), (k, grid)],
-                         {"logits": x, "rows": b.rows, "counts": b.counts, "biases": b.biases, "masks": b.masks,
-                          "T": np.int32(T)},
-                         {"out": ((T, V), np.float32), "counters": ((2 * T,), np.uint32), "status": ((T,), np.int32)})
+    got = runner.run_seq(
+        [(k, grid), (k, grid)],
+        {"logits": x, "rows": b.rows, "counts": b.counts, "biases": b.biases, "masks": b.masks, "T": np.int32(T)},
+        {"out": ((T, V), np.float32), "counters": ((2 * T,), np.uint32), "status": ((T,), np.int32)},
+    )
     return got["out"], got["status"], got["counters"]
 
 
@@ -68,8 +69,11 @@ def _pick(runner, processed, params, positions):
     rows = min(T, 3)
     if params["temperature"][0] == 0.0:
         k = _one(runner, "lm_pick_argmax__")
-        got = runner.run_seq([(k, (k.grid[0], rows, 1))], {"logits": processed, "T": np.int32(T)},
-                             {"best": ((T,), np.uint64), "counters": ((T,), np.uint32), "out_ids": ((T,), np.int32)})
+        got = runner.run_seq(
+            [(k, (k.grid[0], rows, 1))],
+            {"logits": processed, "T": np.int32(T)},
+            {"best": ((T,), np.uint64), "counters": ((T,), np.uint32), "out_ids": ((T,), np.int32)},
+        )
         assert not got["best"].any() and not got["counters"].any()
         return got["out_ids"], np.zeros(T, np.int32)
     prep, finish = _one(runner, "lm_pick_prep__"), _one(runner, "lm_pick_finish__")
@@ -77,16 +81,25 @@ def _pick(runner, processed, params, positions):
     ws = prep.param("WS_ROW_BYTES")
     assert select.param("WS_ROW_BYTES") == ws
     steps = [(prep, (prep.grid[0], rows, 1)), (select, (1, rows, 1)), (finish, (finish.grid[0], rows, 1))]
-    got = runner.run_seq(steps, {"logits": processed, "params": params.view(np.uint8), "positions": positions,
-                                 "T": np.int32(T)},
-                         {"workspace": ((T * ws,), np.uint8), "counters": ((T,), np.uint32),
-                          "out_ids": ((T,), np.int32), "status": ((T,), np.int32)})
+    got = runner.run_seq(
+        steps,
+        {"logits": processed, "params": params.view(np.uint8), "positions": positions, "T": np.int32(T)},
+        {
+            "workspace": ((T * ws,), np.uint8),
+            "counters": ((T,), np.uint32),
+            "out_ids": ((T,), np.int32),
+            "status": ((T,), np.int32),
+        },
+    )
     assert not got["counters"].any()
     return got["out_ids"], got["status"]
 
 
 PICKS = [  # (temperature, top_k, min_p): each exact in the sampler (top_k <= C, or a min-p value filter)
-    (0.0, 0, 0.0), (1.0, 20, 0.0), (0.7, 0, 0.0), (1.3, 0, 0.2),
+    (0.0, 0, 0.0),
+    (1.0, 20, 0.0),
+    (0.7, 0, 0.0),
+    (1.3, 0, 0.2),
 ]
 
 
@@ -125,10 +138,16 @@ def test_logprobs_match_the_reference(runner, T):
     x[-1, 40:80] = 100.0  # 40 tied maxima: the top entries are the lowest ids
     picked = rng.integers(0, V, T).astype(np.int32)
     rows = min(T, 3)
-    got = runner.run_seq([(prep, (prep.grid[0], rows, 1)), (finish, (1, rows, 1))],
-                         {"logits": x, "out_ids": picked, "T": np.int32(T)},
-                         {"workspace": ((T * ws,), np.uint8), "top_ids": ((T, top), np.int32),
-                          "top_lps": ((T, top), np.float64), "chosen_lp": ((T,), np.float64)})
+    got = runner.run_seq(
+        [(prep, (prep.grid[0], rows, 1)), (finish, (1, rows, 1))],
+        {"logits": x, "out_ids": picked, "T": np.int32(T)},
+        {
+            "workspace": ((T * ws,), np.uint8),
+            "top_ids": ((T, top), np.int32),
+            "top_lps": ((T, top), np.float64),
+            "chosen_lp": ((T,), np.float64),
+        },
+    )
     ids, lps, chosen = RL.logprobs_ref(x, cap, picked, top)
     tol = RL.TOL_LOGPROB if prep.param("EXACT") else RL.TOL_LOGPROB_FAST
     np.testing.assert_allclose(got["chosen_lp"], chosen, atol=tol, rtol=0)

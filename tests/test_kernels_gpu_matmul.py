@@ -119,7 +119,7 @@ def test_rows_do_not_depend_on_the_row_count(runner):
         rows = {}  # (kernel, m) -> rows 0..m-1
         for kern in kernels:
             width, dt = _out(kern, 1)
-            for m in ([1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]):
+            for m in [1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]:
                 rows[(kern.name, m)] = _launch(runner, kern, dict(w, x=x[:m]), m, width, dt)
         first = next(iter(rows.values()))[0]
         for (name, m), y in rows.items():
@@ -136,8 +136,11 @@ def test_fused_qkv_scales_are_per_part(runner):
     rng = np.random.default_rng(12)
     t = runner.spec.target
     h = t.hidden_size
-    cands = [kern for kern in runner.find("nvfp4_gemm16__") if kern.param("k") == h and kern.param("epi") == "store"
-             and kern.param("n") % 64 == 0]
+    cands = [
+        kern
+        for kern in runner.find("nvfp4_gemm16__")
+        if kern.param("k") == h and kern.param("epi") == "store" and kern.param("n") % 64 == 0
+    ]
     if not cands or runner.spec.name != "tiny":
         pytest.skip("checked on the tiny preset")
     kern = cands[0]
@@ -149,9 +152,8 @@ def test_fused_qkv_scales_are_per_part(runner):
     y = _launch(runner, kern, {"w": w, "s": s, "gscale": gsc, "x": x}, 16, n, np.float32)
     starts = np.cumsum((0,) + sizes)
     for i, p in enumerate(parts):
-        err = R.norm_err(y[:, starts[i]:starts[i + 1]], R.gemm_ref(x, p.dense))
+        err = R.norm_err(y[:, starts[i] : starts[i + 1]], R.gemm_ref(x, p.dense))
         assert err <= R.TOL_GEMM["f32"], f"part {i}: {err:.2e}"
-
 
 
 def test_gemv_attn_tail(runner):
@@ -174,17 +176,36 @@ def test_gemv_attn_tail(runner):
         assert knobs == (plain.param("ks"), plain.param("pf"), tail.threads), kern.name
         lw = R.LayoutWeight(rng, n, k, kern.param("fp4_order"))
         ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
-        gemv = {"w": lw.w, "s": lw.s, "gscale": lw.gscale, "x": R.act_f16(rng, 1, k), "m": np.int32(1),
-                "y": _poison((1, n), np.float32)}
+        gemv = {
+            "w": lw.w,
+            "s": lw.s,
+            "gscale": lw.gscale,
+            "x": R.act_f16(rng, 1, k),
+            "m": np.int32(1),
+            "y": _poison((1, n), np.float32),
+        }
         resid = rng.normal(0, 2, (1, n)).astype(np.float32)
-        norms = {"w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "a1": _poison((1, n), np.float16),
-                 "a2": _poison((1, n), np.float16)}
+        norms = {
+            "w_post": ws[0],
+            "w_pre1": ws[1],
+            "w_pre2": ws[2],
+            "a1": _poison((1, n), np.float16),
+            "a2": _poison((1, n), np.float16),
+        }
         fold_in = dict(gemv, **norms, resid=resid, counters=np.zeros(1, np.uint32))
-        outs = {"y": ((1, n), np.float32), "resid": ((1, n), np.float32), "a1": ((1, n), np.float16),
-                "a2": ((1, n), np.float16), "counters": ((1,), np.uint32)}
+        outs = {
+            "y": ((1, n), np.float32),
+            "resid": ((1, n), np.float32),
+            "a1": ((1, n), np.float16),
+            "a2": ((1, n), np.float16),
+            "counters": ((1,), np.uint32),
+        }
         got = runner.run(kern, fold_in, outs)
-        units = np.arange(n // 16) if n // 16 <= 64 else \
-            np.unique(np.concatenate([[0, n // 16 - 1], rng.integers(0, n // 16, 30)]))
+        units = (
+            np.arange(n // 16)
+            if n // 16 <= 64
+            else np.unique(np.concatenate([[0, n // 16 - 1], rng.integers(0, n // 16, 30)]))
+        )
         cols = (units[:, None] * 16 + np.arange(16)).reshape(-1)
         err = R.norm_err(got["y"][:, cols], R.gemm_ref(gemv["x"], lw.rows(units)))
         assert err <= R.TOL_GEMM["f32"], f"{kern.name}: o error {err:.2e}"
@@ -194,8 +215,12 @@ def test_gemv_attn_tail(runner):
         assert got["counters"][0] == 0, f"{kern.name}: counter left at {got['counters'][0]}"
         # the pair it replaces: the plain GEMV, then attn_tail on its o (one row: one block, as the runtime launches)
         o = runner.run(plain, gemv, {"y": ((1, n), np.float32)})["y"]
-        pair = runner.run(tail, {"o": o, "x": resid, **norms, "T": np.int32(1)},
-                          {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]}, (1, 1, 1))
+        pair = runner.run(
+            tail,
+            {"o": o, "x": resid, **norms, "T": np.int32(1)},
+            {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]},
+            (1, 1, 1),
+        )
         for what, theirs in (("y", o), ("resid", pair["x"]), ("a1", pair["a1"]), ("a2", pair["a2"])):
             assert np.array_equal(bits(got[what]), bits(theirs)), f"{kern.name}: {what} differs from the pair's"
         # two launches on one counter: the second one's tail runs again, from the first one's residual
@@ -218,11 +243,11 @@ def test_drafter_gemms(runner):
         wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         hbits = L.bf16_to_f16_bits(f32_to_bf16(wf))
         w16 = hbits.view(np.float16).astype(np.float64)
-        wl = L.pack_half(hbits) if epi == "store" else L.pack_half_gate_up(hbits[: n // 2], hbits[n // 2:])
+        wl = L.pack_half(hbits) if epi == "store" else L.pack_half_gate_up(hbits[: n // 2], hbits[n // 2 :])
         for m in _ms(kern):
             width, dt = _out(kern, m)
             x = R.act_f16(rng, m, k)
-            ref = R.gemm_ref(x, w16) if epi == "store" else R.gated_ref(x, w16[: n // 2], w16[n // 2:], epi)
+            ref = R.gemm_ref(x, w16) if epi == "store" else R.gated_ref(x, w16[: n // 2], w16[n // 2 :], epi)
             y = _launch(runner, kern, {"w": wl.view(np.uint8), "x": x}, m, width, dt)
             err = R.norm_err(y, ref)
             if not err <= R.TOL_GEMM[kern.param("out_dtype")]:
@@ -243,8 +268,9 @@ def _half_weight(rng, n: int, k: int, epi: str):
         parts = [R.Bf16Weight(rng, n, k)] if epi == "store" else [R.Bf16Weight(rng, n // 2, k) for _ in range(2)]
         flat = pack_bf16_linear([p.bits for p in parts], "single" if epi == "store" else "interleave8")
     else:
-        flat = (rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (rng.integers(0, 2, n * k, dtype=np.uint16)
-                                                                        << 15)).astype(np.uint16)
+        flat = (
+            rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (rng.integers(0, 2, n * k, dtype=np.uint16) << 15)
+        ).astype(np.uint16)
     return flat.view(np.uint8), L.unpack_half(flat, n, k).view(np.float16).astype(np.float64)
 
 
@@ -284,11 +310,14 @@ def test_half_rows_do_not_depend_on_the_row_count(half_runner):
         rows = {}
         for kern in kernels:
             width, dt = _out(kern, 1)
-            for m in ([1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]):
+            for m in [1] if kern.param("mmax") == 1 else [kern.param("mmax"), 5]:
                 rows[(kern.name, m)] = _launch(runner, kern, {"w": w, "x": x[:m]}, m, width, dt)
         first = next(iter(rows.values()))[0]
-        failures += [f"n={n} k={k} {epi}: row 0 of {name} at m={m} differs" for (name, m), y in rows.items()
-                     if not np.array_equal(bits(y[0]), bits(first))]
+        failures += [
+            f"n={n} k={k} {epi}: row 0 of {name} at m={m} differs"
+            for (name, m), y in rows.items()
+            if not np.array_equal(bits(y[0]), bits(first))
+        ]
     assert not failures, "\n".join(failures)
 
 
@@ -307,15 +336,29 @@ def test_half_gemv_attn_tail(half_runner):
         ws = [f32_to_bf16(rng.normal(1.0, 0.3, n).astype(np.float32)) for _ in range(3)]
         gemv = {"w": w, "x": R.act_f16(rng, 1, k), "m": np.int32(1), "y": _poison((1, n), np.float32)}
         resid = rng.normal(0, 2, (1, n)).astype(np.float32)
-        norms = {"w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "a1": _poison((1, n), np.float16),
-                 "a2": _poison((1, n), np.float16)}
-        outs = {"y": ((1, n), np.float32), "resid": ((1, n), np.float32), "a1": ((1, n), np.float16),
-                "a2": ((1, n), np.float16), "counters": ((1,), np.uint32)}
+        norms = {
+            "w_post": ws[0],
+            "w_pre1": ws[1],
+            "w_pre2": ws[2],
+            "a1": _poison((1, n), np.float16),
+            "a2": _poison((1, n), np.float16),
+        }
+        outs = {
+            "y": ((1, n), np.float32),
+            "resid": ((1, n), np.float32),
+            "a1": ((1, n), np.float16),
+            "a2": ((1, n), np.float16),
+            "counters": ((1,), np.uint32),
+        }
         got = runner.run(kern, dict(gemv, **norms, resid=resid, counters=np.zeros(1, np.uint32)), outs)
         assert R.norm_err(got["y"], R.gemm_ref(gemv["x"], dense)) <= R.TOL_GEMM["f32"], kern.name
         o = runner.run(plains[kern.name], gemv, {"y": ((1, n), np.float32)})["y"]
-        pair = runner.run(tail, {"o": o, "x": resid, **norms, "T": np.int32(1)},
-                          {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]}, (1, 1, 1))
+        pair = runner.run(
+            tail,
+            {"o": o, "x": resid, **norms, "T": np.int32(1)},
+            {"x": outs["resid"], "a1": outs["a1"], "a2": outs["a2"]},
+            (1, 1, 1),
+        )
         for what, theirs in (("y", o), ("resid", pair["x"]), ("a1", pair["a1"]), ("a2", pair["a2"])):
             assert np.array_equal(bits(got[what]), bits(theirs)), f"{kern.name}: {what} differs from the pair's"
         assert got["counters"][0] == 0, kern.name

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.gpu
 
 
 # every test on NVFP4 experts and on fp16 ones (bf16 checkpoint experts: ALL_BF16)
-@pytest.fixture(scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")],
-                ids=lambda pf: "-".join(pf))
+@pytest.fixture(
+    scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")], ids=lambda pf: "-".join(pf)
+)
 def runner(request):
     return GpuRunner(request.param[0], ("moe",), request.param[1])
 
@@ -39,21 +40,24 @@ class HalfExperts:
         self.h, self.ie, self.e = h, ie, e = t.hidden_size, t.moe_intermediate_size, t.num_experts
         self.gu_s = self.gu_g = self.dn_s = self.dn_g = None  # (fp16 weights: no scales)
         if spec.name == "tiny":
-            gu = [pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits, R.Bf16Weight(rng, ie, h).bits], "interleave8")
-                  for _ in range(e)]
+            gu = [
+                pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits, R.Bf16Weight(rng, ie, h).bits], "interleave8")
+                for _ in range(e)
+            ]
             dn = [pack_bf16_linear([R.Bf16Weight(rng, h, ie).bits], "single") for _ in range(e)]
             self.gu_bits, self.dn_bits = np.concatenate(gu), np.concatenate(dn)
         else:
             self.gu_bits, self.dn_bits = (
                 rng.integers(0x1C00, 0x2800, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
-                for n in (e * 2 * ie * h, e * h * ie))
+                for n in (e * 2 * ie * h, e * h * ie)
+            )
         self.gu_w, self.dn_w = self.gu_bits.view(np.uint8), self.dn_bits.view(np.uint8)
 
     def dense(self, e: int):
         h, ie = self.h, self.ie
-        fused = L.unpack_half(self.gu_bits[e * 2 * ie * h:(e + 1) * 2 * ie * h], 2 * ie, h).view(np.float16)
+        fused = L.unpack_half(self.gu_bits[e * 2 * ie * h : (e + 1) * 2 * ie * h], 2 * ie, h).view(np.float16)
         gate, up = L.deinterleave8(fused.astype(np.float64))
-        down = L.unpack_half(self.dn_bits[e * h * ie:(e + 1) * h * ie], h, ie).view(np.float16).astype(np.float64)
+        down = L.unpack_half(self.dn_bits[e * h * ie : (e + 1) * h * ie], h, ie).view(np.float16).astype(np.float64)
         return gate, up, down
 
     def lists(self, ids: np.ndarray):
@@ -125,9 +129,15 @@ def _down(runner, down, dn: dict, act: np.ndarray, m: int, h: int, topk: int) ->
     """y [m, h] of the down kernel: moe_down (one token) directly; moe_down_pairs (up to 32) writes each slot's
     weighted row, summed here in slot order as ffn_tail's PAIRS form does (test_kernels_gpu_norms tests that)."""
     if down.name.startswith("moe_down__"):
-        return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})["y"]
-    pairs = runner.run(down, dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
-                       {"ypair": ((m * topk, h), np.float32)}, grid=_rows_grid(down, m))["ypair"]
+        return runner.run(down, dict(dn, act=act, y=np.full((m, h), np.nan, np.float32)), {"y": ((m, h), np.float32)})[
+            "y"
+        ]
+    pairs = runner.run(
+        down,
+        dict(dn, act=act, ypair=np.full((m * topk, h), np.nan, np.float32)),
+        {"ypair": ((m * topk, h), np.float32)},
+        grid=_rows_grid(down, m),
+    )["ypair"]
     return pairs.reshape(m, topk, h).sum(axis=1, dtype=np.float32)
 
 
@@ -144,8 +154,12 @@ def test_moe(runner, experts, m, pool):
     gates, ups, downs = experts.lists(ids)
     act_ref = R.moe_gateup_ref(x, ids, gates, ups)
     common = {"w": experts.gu_w, "s": experts.gu_s, "gscale": experts.gu_g, "ids": ids, "m": np.int32(m)}
-    act = runner.run(gateup, dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
-                     {"act": ((m * topk, ie), np.float16)}, grid=_rows_grid(gateup, m))["act"]
+    act = runner.run(
+        gateup,
+        dict(common, x=x, act=np.full((m * topk, ie), np.nan, np.float16)),
+        {"act": ((m * topk, ie), np.float16)},
+        grid=_rows_grid(gateup, m),
+    )["act"]
     err = R.norm_err(act, act_ref)
     assert err <= R.TOL_MOE_ACT, f"{gateup.name} m={m}: act error {err:.2e}"
     # down on the reference's own f16 act (isolates the down kernel), then the chained pair
@@ -180,8 +194,12 @@ def test_moe_bad_expert_id_is_ignored_not_a_wild_read(runner, experts):
 
 def _pairs_of(runner, kernel, common: dict, extra: dict, out: str, width: int, m: int, dtype) -> np.ndarray:
     topk = runner.spec.target.top_k_experts
-    res = runner.run(kernel, dict(common, **extra, m=np.int32(m), **{out: np.full((m * topk, width), np.nan, dtype)}),
-                     {out: ((m * topk, width), dtype)}, grid=_rows_grid(kernel, m))
+    res = runner.run(
+        kernel,
+        dict(common, **extra, m=np.int32(m), **{out: np.full((m * topk, width), np.nan, dtype)}),
+        {out: ((m * topk, width), dtype)},
+        grid=_rows_grid(kernel, m),
+    )
     return res[out]
 
 
@@ -206,13 +224,23 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
     k1 = runner.find("moe_gateup__m1_")[0]  # one token: its gate/up too (its down is moe_down, checked below)
     assert k1.param("ks") == k32.param("ks")
     for r in (7, 30):
-        act = _pairs_of(runner, k1, gu, {"x": x[r:r + 1], "ids": ids[r:r + 1]}, "act", ie, 1, np.float16)
-        np.testing.assert_array_equal(act, full_act[r * topk:(r + 1) * topk], err_msg=f"{k1.name} row {r}")
+        act = _pairs_of(runner, k1, gu, {"x": x[r : r + 1], "ids": ids[r : r + 1]}, "act", ie, 1, np.float16)
+        np.testing.assert_array_equal(act, full_act[r * topk : (r + 1) * topk], err_msg=f"{k1.name} row {r}")
     d1 = runner.find("moe_down__m1_")[0]  # one token's down sums its slots itself: as ffn_tail sums the pair rows
     for r in (7, 30):
-        y = runner.run(d1, dict(dn, act=act16[r * topk:(r + 1) * topk], ids=ids[r:r + 1], wts=wts[r:r + 1],
-                                m=np.int32(1), y=np.full((1, h), np.nan, np.float32)),
-                       {"y": ((1, h), np.float32)}, grid=_rows_grid(d1, 1))["y"][0]
+        y = runner.run(
+            d1,
+            dict(
+                dn,
+                act=act16[r * topk : (r + 1) * topk],
+                ids=ids[r : r + 1],
+                wts=wts[r : r + 1],
+                m=np.int32(1),
+                y=np.full((1, h), np.nan, np.float32),
+            ),
+            {"y": ((1, h), np.float32)},
+            grid=_rows_grid(d1, 1),
+        )["y"][0]
         want = np.zeros(h, np.float32)
         for k in range(topk):  # from 0, slot by slot, in f32 (norm.cuh ffn_tail_row)
             want = want + full_dn[r * topk + k]
@@ -222,6 +250,7 @@ def test_moe_rows_do_not_depend_on_the_batch(runner, experts):
         pairs = (sub[:, None] * topk + np.arange(topk)).ravel()
         act = _pairs_of(runner, kernel, gu, {"x": x[sub], "ids": ids[sub]}, "act", ie, len(rows), np.float16)
         np.testing.assert_array_equal(act, full_act[pairs], err_msg=f"{kernel.name} rows {rows}")
-        y = _pairs_of(runner, down, dn, {"act": act16[pairs], "ids": ids[sub], "wts": wts[sub]}, "ypair", h,
-                      len(rows), np.float32)
+        y = _pairs_of(
+            runner, down, dn, {"act": act16[pairs], "ids": ids[sub], "wts": wts[sub]}, "ypair", h, len(rows), np.float32
+        )
         np.testing.assert_array_equal(y, full_dn[pairs], err_msg=f"{down.name} rows {rows}")

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.gpu
 
 
 # every test on NVFP4 experts and on fp16 ones (bf16 checkpoint experts: ALL_BF16)
-@pytest.fixture(scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")],
-                ids=lambda pf: "-".join(pf))
+@pytest.fixture(
+    scope="module", params=[(p, f) for p in PRESETS for f in ("ALL_NVFP4", "ALL_BF16")], ids=lambda pf: "-".join(pf)
+)
 def runner(request):
     return GpuRunner(request.param[0], ("moe_grouped",), request.param[1])
 
@@ -37,20 +38,29 @@ class HalfExperts:
 
     def __init__(self, rng, spec):
         t = spec.target
-        self.h, self.ie, self.e, self.k = h, ie, e, _ = (t.hidden_size, t.moe_intermediate_size, t.num_experts,
-                                                         t.top_k_experts)
+        self.h, self.ie, self.e, self.k = h, ie, e, _ = (
+            t.hidden_size,
+            t.moe_intermediate_size,
+            t.num_experts,
+            t.top_k_experts,
+        )
         self.gu_s = self.gu_g = self.dn_s = self.dn_g = None  # (fp16 weights: no scales)
         if spec.name == "tiny":
-            self.gu_bits = np.concatenate([pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits,
-                                                             R.Bf16Weight(rng, ie, h).bits], "interleave8")
-                                           for _ in range(e)])
-            self.dn_bits = np.concatenate([pack_bf16_linear([R.Bf16Weight(rng, h, ie).bits], "single")
-                                           for _ in range(e)])
+            self.gu_bits = np.concatenate(
+                [
+                    pack_bf16_linear([R.Bf16Weight(rng, ie, h).bits, R.Bf16Weight(rng, ie, h).bits], "interleave8")
+                    for _ in range(e)
+                ]
+            )
+            self.dn_bits = np.concatenate(
+                [pack_bf16_linear([R.Bf16Weight(rng, h, ie).bits], "single") for _ in range(e)]
+            )
             self.gu_units, self.dn_units = np.arange(ie // 8), np.arange(h // 16)
         else:
             self.gu_bits, self.dn_bits = (
                 rng.integers(0x1C00, 0x2800, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
-                for n in (e * 2 * ie * h, e * h * ie))
+                for n in (e * 2 * ie * h, e * h * ie)
+            )
             nu_gu, nu_dn = 2 * ie // 16, h // 16
             self.gu_units = np.unique(np.r_[0, nu_gu - 1, rng.choice(nu_gu, 6, replace=False)])
             self.dn_units = np.unique(np.r_[0, nu_dn - 1, rng.choice(nu_dn, 10, replace=False)])
@@ -63,11 +73,14 @@ class HalfExperts:
         """(gate [cols, H], up [cols, H], down [y_cols, Ie]) float64 for the checked columns of expert e."""
         if e not in self._cache:
             h, ie = self.h, self.ie
-            fused = L.unpack_half(self.gu_bits[e * 2 * ie * h:(e + 1) * 2 * ie * h], 2 * ie, h)
+            fused = L.unpack_half(self.gu_bits[e * 2 * ie * h : (e + 1) * 2 * ie * h], 2 * ie, h)
             fused = fused.view(np.float16).astype(np.float64).reshape(-1, 2, 8, h)[self.gu_units]
-            down = L.unpack_half(self.dn_bits[e * h * ie:(e + 1) * h * ie], h, ie).view(np.float16)
-            self._cache[e] = (fused[:, 0].reshape(-1, h), fused[:, 1].reshape(-1, h),
-                              down.astype(np.float64)[self.y_cols])
+            down = L.unpack_half(self.dn_bits[e * h * ie : (e + 1) * h * ie], h, ie).view(np.float16)
+            self._cache[e] = (
+                fused[:, 0].reshape(-1, h),
+                fused[:, 1].reshape(-1, h),
+                down.astype(np.float64)[self.y_cols],
+            )
         return self._cache[e]
 
 
@@ -108,8 +121,11 @@ class Experts:
             return g, u, d
         if e not in self._cache:
             fused = self.gu.rows(self.gu_units, e).reshape(-1, 2, 8, self.h)
-            self._cache[e] = (fused[:, 0].reshape(-1, self.h), fused[:, 1].reshape(-1, self.h),
-                              self.dn.rows(self.dn_units, e))
+            self._cache[e] = (
+                fused[:, 0].reshape(-1, self.h),
+                fused[:, 1].reshape(-1, self.h),
+                self.dn.rows(self.dn_units, e),
+            )
         return self._cache[e]
 
 
@@ -145,21 +161,44 @@ def _valid(ids, e):
 
 def run_chain(runner, ex, ids, wts, x, act_in=None):
     """plan, gate/up, down (on act_in when given, else the gate/up output); poisoned outputs. y: each row's valid
-    slot rows summed in slot order in f32, the operations of ffn_tail's PAIRS form (tested in test_kernels_gpu_norms)."""
+    slot rows summed in slot order in f32, the operations of ffn_tail's PAIRS form (tested in
+    test_kernels_gpu_norms)."""
     plan, gu, dn = _kernels(runner)
     t, rows = runner.spec.target, ids.shape[0]
     npair, nt = ids.size, plan.param("max_tiles")
     i32 = np.int32
-    r = runner.run(plan, {"ids": ids, "T": i32(rows), "pairs": np.full(npair, -7, i32)},
-                   {"offsets": ((t.num_experts + 1,), i32), "pairs": ((npair,), i32), "tiles": ((nt, 4), i32)})
+    r = runner.run(
+        plan,
+        {"ids": ids, "T": i32(rows), "pairs": np.full(npair, -7, i32)},
+        {"offsets": ((t.num_experts + 1,), i32), "pairs": ((npair,), i32), "tiles": ((nt, 4), i32)},
+    )
     route = {"pairs": r["pairs"], "tiles": r["tiles"]}
-    act = runner.run(gu, dict(route, w=ex.gu_w, s=ex.gu_s, gscale=ex.gu_g, x=x,
-                              act=np.full((npair, t.moe_intermediate_size), np.nan, np.float16)),
-                     {"act": ((npair, t.moe_intermediate_size), np.float16)})["act"]
+    act = runner.run(
+        gu,
+        dict(
+            route,
+            w=ex.gu_w,
+            s=ex.gu_s,
+            gscale=ex.gu_g,
+            x=x,
+            act=np.full((npair, t.moe_intermediate_size), np.nan, np.float16),
+        ),
+        {"act": ((npair, t.moe_intermediate_size), np.float16)},
+    )["act"]
     a = act if act_in is None else act_in
-    ypair = runner.run(dn, dict(route, w=ex.dn_w, s=ex.dn_s, gscale=ex.dn_g, act=a, wts=wts,
-                                ypair=np.full((npair, t.hidden_size), np.nan, np.float32)),
-                       {"ypair": ((npair, t.hidden_size), np.float32)})["ypair"]
+    ypair = runner.run(
+        dn,
+        dict(
+            route,
+            w=ex.dn_w,
+            s=ex.dn_s,
+            gscale=ex.dn_g,
+            act=a,
+            wts=wts,
+            ypair=np.full((npair, t.hidden_size), np.nan, np.float32),
+        ),
+        {"ypair": ((npair, t.hidden_size), np.float32)},
+    )["ypair"]
     return r, act, ypair, slot_sum(ypair, ids, t.num_experts)
 
 
@@ -205,7 +244,9 @@ def test_grouped_moe(runner, experts, rows, kind):
     yref = np.zeros((n, len(experts.y_cols)))
     for ex in np.unique(flat[pairs[:n]]):
         sel = np.nonzero(flat[pairs[:n]] == ex)[0]
-        yref[sel] = (act_rand[sel].astype(np.float64) @ experts.weights(int(ex))[2].T) * wts.reshape(-1)[pairs[sel], None]
+        yref[sel] = (act_rand[sel].astype(np.float64) @ experts.weights(int(ex))[2].T) * wts.reshape(-1)[
+            pairs[sel], None
+        ]
     got = ypair[pairs[:n]][:, experts.y_cols]
     err = R.norm_err(got, yref)
     assert err <= R.TOL_MOE_OUT, f"down rows={rows} {kind}: error {err:.2e}"
@@ -227,7 +268,9 @@ def test_grouped_chain_and_row_independence(runner, experts, rows):
     yp = np.zeros((n, len(experts.y_cols)))
     for ex in np.unique(flat):
         sel = np.nonzero(flat[pairs] == ex)[0]
-        yp[pairs[sel]] = (act[sel].astype(np.float64) @ experts.weights(int(ex))[2].T) * wts.reshape(-1)[pairs[sel], None]
+        yp[pairs[sel]] = (act[sel].astype(np.float64) @ experts.weights(int(ex))[2].T) * wts.reshape(-1)[
+            pairs[sel], None
+        ]
     yref = yp.reshape(rows, k, -1).sum(1)
     err = R.norm_err(y[:, experts.y_cols], yref)
     assert err <= R.TOL_MOE_OUT, f"chain rows={rows}: error {err:.2e}"

@@ -78,8 +78,12 @@ def test_add_rmsnorm(runner, grid):
         H, out_t = k.param("H"), k.param("OUT")
         x, y = rng.normal(0, 2, (T, H)).astype(np.float32), rng.normal(0, 1, (T, H)).astype(np.float32)
         w = bf16(rng, H, 1.0, 0.3)
-        got = runner.run(k, {"x": x, "y": y, "w": w, "T": np.int32(T)},
-                         {"x": ((T, H), np.float32), "a": ((T, H), R.np_dtype(out_t))}, grid)
+        got = runner.run(
+            k,
+            {"x": x, "y": y, "w": w, "T": np.int32(T)},
+            {"x": ((T, H), np.float32), "a": ((T, H), R.np_dtype(out_t))},
+            grid,
+        )
         xr, ar = R.add_rmsnorm_ref(x, y, w, k.param("EPS"))
         assert R.norm_err(got["x"], xr) <= R.TOL["f32"]
         assert R.norm_err(R.load(got["a"], out_t), ar) <= R.TOL[out_t]
@@ -92,9 +96,12 @@ def test_attn_tail(runner, grid):
     H, out_t = k.param("H"), k.param("OUT")
     o, x = rng.normal(0, 5, (T, H)).astype(np.float32), rng.normal(0, 2, (T, H)).astype(np.float32)
     ws = [bf16(rng, H, 1.0, 0.3) for _ in range(3)]
-    got = runner.run(k, {"o": o, "x": x, "w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "T": np.int32(T)},
-                     {"x": ((T, H), np.float32), "a1": ((T, H), R.np_dtype(out_t)), "a2": ((T, H), R.np_dtype(out_t))},
-                     grid)
+    got = runner.run(
+        k,
+        {"o": o, "x": x, "w_post": ws[0], "w_pre1": ws[1], "w_pre2": ws[2], "T": np.int32(T)},
+        {"x": ((T, H), np.float32), "a1": ((T, H), R.np_dtype(out_t)), "a2": ((T, H), R.np_dtype(out_t))},
+        grid,
+    )
     xr, a1, a2 = R.attn_tail_ref(o, x, *ws, k.param("EPS"))
     assert R.norm_err(got["x"], xr) <= R.TOL["f32"]
     assert R.norm_err(R.load(got["a1"], out_t), a1) <= R.TOL[out_t]
@@ -114,8 +121,17 @@ def test_ffn_tail(runner, last_layer, pairs):
     w1, w2, w, w_next = (bf16(rng, H, 1.0, 0.3) for _ in range(4))
     ls = f32_to_bf16(np.array([0.7], np.float32))
     taps, col = 3, 1  # write this layer's tap into column block 1 of a [T, 3H] buffer
-    inputs = {"mlp": mlp, "x": x, "w1": w1, "w2": w2, "w": w, "layer_scalar": ls,
-              "tap_stride": np.int32(taps * H), "tap_col": np.int32(col * H), "T": np.int32(T)}
+    inputs = {
+        "mlp": mlp,
+        "x": x,
+        "w1": w1,
+        "w2": w2,
+        "w": w,
+        "layer_scalar": ls,
+        "tap_stride": np.int32(taps * H),
+        "tap_col": np.int32(col * H),
+        "T": np.int32(T),
+    }
     if pairs:
         K, E = k.param("PAIRS"), k.param("EXPERTS")
         ids = rng.integers(0, E, (T, K)).astype(np.int32)
@@ -146,26 +162,42 @@ def test_ffn_tail(runner, last_layer, pairs):
         (one,) = [k1 for k1 in runner.find("ffn_tail__") if not k1.param("PAIRS")]
         single = runner.run(one, dict(inputs, moe=moe), outputs, (3, 1, 1))
         for name in outputs:
-            np.testing.assert_array_equal(single[name].view(np.uint8), got[name].view(np.uint8),
-                                          err_msg=f"{name}: the one-row and slot-row forms differ")
+            np.testing.assert_array_equal(
+                single[name].view(np.uint8),
+                got[name].view(np.uint8),
+                err_msg=f"{name}: the one-row and slot-row forms differ",
+            )
 
 
-@pytest.mark.parametrize("most, emulate, agree", [(16, -1, 0), (16, -1, 7), (16, -1, 15), (6, -1, 15),
-                                                  (16, 6, 0), (4, 15, 0), (16, 15, 3)])
+@pytest.mark.parametrize(
+    "most, emulate, agree", [(16, -1, 0), (16, -1, 7), (16, -1, 15), (6, -1, 15), (16, 6, 0), (4, 15, 0), (16, 15, 3)]
+)
 def test_dflash_accept(runner, most, emulate, agree):
     """The acceptance on the device (exact): the first `agree` drafts equal the targets, then one differs."""
     rng = np.random.default_rng(agree + 16 * most)
     (k,) = runner.find("dflash_accept__")
     B = k.param("B")
     targets = rng.integers(0, 1000, B).astype(np.int32)
-    ids = np.concatenate([[5], targets[:B - 1]]).astype(np.int32)
+    ids = np.concatenate([[5], targets[: B - 1]]).astype(np.int32)
     if agree < B - 1:
         ids[1 + agree] = targets[agree] + 1
     start, sampled = 700, np.full(B, -9, np.int32)
-    out = runner.run(k, {"ids": ids, "out_ids": targets, "positions": np.full(B, start, np.int32),
-                         "sampled": sampled, "rule": np.array([most, emulate], np.int32)},
-                     {"ids": ((B,), np.int32), "positions": ((B,), np.int32), "sampled": ((B,), np.int32),
-                      "accepted": ((1,), np.int32)})
+    out = runner.run(
+        k,
+        {
+            "ids": ids,
+            "out_ids": targets,
+            "positions": np.full(B, start, np.int32),
+            "sampled": sampled,
+            "rule": np.array([most, emulate], np.int32),
+        },
+        {
+            "ids": ((B,), np.int32),
+            "positions": ((B,), np.int32),
+            "sampled": ((B,), np.int32),
+            "accepted": ((1,), np.int32),
+        },
+    )
     n, pos, smp, last = R.spec_accept_ref(ids, targets, start, most, emulate)
     assert n == (min(most, agree + 1) if emulate < 0 else min(most, emulate + 1))
     assert int(out["accepted"][0]) == n and out["ids"][0] == last and (out["ids"][1:] == ids[1:]).all()

@@ -52,9 +52,17 @@ def test_rope_kv(runner, far):
         # of the row NaN, so a kernel that ignores the strides fails; far: packed rows
         pad = 0 if far else 96
         strided = [np.concatenate([a, np.full((T, pad), np.nan, np.float32)], axis=1) for a in (q_raw, k_raw, v_raw)]
-        inputs = {"q_raw": strided[0], "k_raw": strided[1], "v_raw": strided[2], "q_norm_w": q_w, "k_norm_w": k_w,
-                  "positions": positions, "q_stride": np.int32(HQ * D + pad), "kv_stride": np.int32(HKV * D + pad),
-                  "T": np.int32(T)}
+        inputs = {
+            "q_raw": strided[0],
+            "k_raw": strided[1],
+            "v_raw": strided[2],
+            "q_norm_w": q_w,
+            "k_norm_w": k_w,
+            "positions": positions,
+            "q_stride": np.int32(HQ * D + pad),
+            "kv_stride": np.int32(HKV * D + pad),
+            "T": np.int32(T),
+        }
         sl = R.cache_slots(positions, slots)
         if p["PAGE"]:  # lane 1's pages scattered over a pool with spare pages; row 0 points at a spare one
             page, n = p["PAGE"], -(-cap // p["PAGE"])
@@ -67,9 +75,23 @@ def test_rope_kv(runner, far):
         if p["HAS_Q"]:
             outputs["q_out"] = ((T, HQ, D), R.np_dtype(q_t))
         got = runner.run(k, inputs, outputs, (3, 1, 1))
-        q, kr, vr = R.rope_kv_ref(q_raw, k_raw, v_raw, q_w, k_w, positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"],
-                                  theta=p["THETA"], has_q=p["HAS_Q"], v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"],
-                                  eps=p["EPS"])
+        q, kr, vr = R.rope_kv_ref(
+            q_raw,
+            k_raw,
+            v_raw,
+            q_w,
+            k_w,
+            positions,
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            rot=p["ROT"],
+            theta=p["THETA"],
+            has_q=p["HAS_Q"],
+            v_from_k=p["V_FROM_K"],
+            v_norm=p["V_NORM"],
+            eps=p["EPS"],
+        )
         for name, ref in (("k_cache", kr), ("v_cache", vr)):
             cache = got[name]
             err = R.norm_err(R.load(cache[sl], kv_t), ref)
@@ -83,9 +105,8 @@ def test_rope_kv(runner, far):
             assert R.norm_err(R.load(got["q_out"], q_t), q) <= R.TOL[q_t], k.name
         if p["ROT"] < D // 2:  # proportional RoPE: the non-rotating dims are the normed values, unrotated
             kn = R.rms(k_raw.reshape(T, HKV, D), R.load(k_w, "bf16"), p["EPS"])
-            mid = np.r_[p["ROT"]:D // 2, D // 2 + p["ROT"]:D]
+            mid = np.r_[p["ROT"] : D // 2, D // 2 + p["ROT"] : D]
             assert R.norm_err(R.load(got["k_cache"][sl], kv_t)[..., mid], kn[..., mid]) <= R.TOL[kv_t]
-
 
 
 def test_gemv_rope_kv(runner):
@@ -104,8 +125,9 @@ def _weights(rng, kern, n: int, k: int) -> dict:
     """The fold's weight arguments: random NVFP4 layout bytes, or random fp16 weights (2^-8 .. 2^-5) in the half
     layout."""
     if kern.param("kind") == "half":
-        bits16 = rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (rng.integers(0, 2, n * k, dtype=np.uint16)
-                                                                         << 15)
+        bits16 = rng.integers(0x1C00, 0x2800, n * k, dtype=np.uint16) | (
+            rng.integers(0, 2, n * k, dtype=np.uint16) << 15
+        )
         return {"w": bits16.view(np.uint8)}
     lw = MR.LayoutWeight(rng, n, k, kern.param("fp4_order"))
     return {"w": lw.w, "s": lw.s, "gscale": lw.gscale}
@@ -129,9 +151,12 @@ def check_gemv_rope_kv(runner, fmt: str):
         pos = int(rng.integers(3000, p["PITCH"] * p["PAGE"] if p["PAGE"] else 250_000))
         positions = np.array([pos], np.int32)
         eb = np.dtype(R.np_dtype(kv_t)).itemsize
-        cache = {"q_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)),
-                 "k_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)), "positions": positions,
-                 "lanes": np.ones(1, np.int32)}
+        cache = {
+            "q_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)),
+            "k_norm_w": f32_to_bf16(rng.normal(1, 0.3, D).astype(np.float32)),
+            "positions": positions,
+            "lanes": np.ones(1, np.int32),
+        }
         if p["PAGE"]:  # lane 1's row of a page table maps the position to a page of a small pool
             table = np.zeros((2, p["PITCH"]), np.int32)
             table[1, pos // p["PAGE"]] = 2
@@ -140,23 +165,52 @@ def check_gemv_rope_kv(runner, fmt: str):
         else:  # lane 1 of two ring lanes
             cap, slot = 2 * slots, slots + pos % slots
             cache |= {"lane_bytes": np.int64(slots * nk * eb)}
-        outs = {"q_out": ((1, HQ, D), R.np_dtype(q_t)), "k_cache": ((cap, HKV, D), R.np_dtype(kv_t)),
-                "v_cache": ((cap, HKV, D), R.np_dtype(kv_t))}
+        outs = {
+            "q_out": ((1, HQ, D), R.np_dtype(q_t)),
+            "k_cache": ((cap, HKV, D), R.np_dtype(kv_t)),
+            "v_cache": ((cap, HKV, D), R.np_dtype(kv_t)),
+        }
         fold_in = dict(gemv, **cache, counters=np.zeros(n // D, np.uint32))
         fold_out = dict(outs, y=((1, n), np.float32), counters=((n // D,), np.uint32))
         got = runner.run(kern, fold_in, fold_out)
         assert not got["counters"].any(), f"{kern.name}: counters left at {got['counters']}"
         # the pair it replaces: the plain GEMV, then rope_kv on its row (one token: one block)
         y = runner.run(plain, gemv, {"y": ((1, n), np.float32)})["y"]
-        v_raw = np.zeros((1, nk), np.float32) if p["V_FROM_K"] else y[:, nq + nk:]
-        pair = runner.run(rope, dict(cache, q_raw=y[:, :nq], k_raw=y[:, nq:nq + nk], v_raw=v_raw,
-                                     q_stride=np.int32(nq), kv_stride=np.int32(nk), T=np.int32(1)), outs, (1, 1, 1))
+        v_raw = np.zeros((1, nk), np.float32) if p["V_FROM_K"] else y[:, nq + nk :]
+        pair = runner.run(
+            rope,
+            dict(
+                cache,
+                q_raw=y[:, :nq],
+                k_raw=y[:, nq : nq + nk],
+                v_raw=v_raw,
+                q_stride=np.int32(nq),
+                kv_stride=np.int32(nk),
+                T=np.int32(1),
+            ),
+            outs,
+            (1, 1, 1),
+        )
         assert np.array_equal(bits(got["y"]), bits(y)), f"{kern.name}: y differs from the plain GEMV's"
         for what in outs:
             assert np.array_equal(bits(got[what]), bits(pair[what])), f"{kern.name}: {what} differs from the pair's"
-        q, kr, vr = R.rope_kv_ref(y[:, :nq], y[:, nq:nq + nk], None if p["V_FROM_K"] else v_raw, cache["q_norm_w"],
-                                  cache["k_norm_w"], positions, HQ=HQ, HKV=HKV, D=D, rot=p["ROT"], theta=p["THETA"],
-                                  has_q=True, v_from_k=p["V_FROM_K"], v_norm=p["V_NORM"], eps=p["EPS"])
+        q, kr, vr = R.rope_kv_ref(
+            y[:, :nq],
+            y[:, nq : nq + nk],
+            None if p["V_FROM_K"] else v_raw,
+            cache["q_norm_w"],
+            cache["k_norm_w"],
+            positions,
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            rot=p["ROT"],
+            theta=p["THETA"],
+            has_q=True,
+            v_from_k=p["V_FROM_K"],
+            v_norm=p["V_NORM"],
+            eps=p["EPS"],
+        )
         assert R.norm_err(R.load(got["q_out"], q_t), q) <= R.TOL[q_t], kern.name
         for name, ref in (("k_cache", kr), ("v_cache", vr)):
             assert R.norm_err(R.load(got[name][[slot]], kv_t), ref) <= R.TOL[kv_t], (kern.name, name)

@@ -27,10 +27,13 @@ def runner(request):
 
 
 def _inputs(rng, H, E, T):
-    return {"x": rng.normal(0, 3, (T, H)).astype(np.float32),
-            "scale": f32_to_bf16(rng.normal(1, 0.2, H).astype(np.float32)),
-            "proj": f32_to_bf16(rng.normal(0, 1, (E, H)).astype(np.float32)),
-            "per_expert_scale": f32_to_bf16(rng.uniform(0.5, 2.0, E).astype(np.float32)), "T": np.int32(T)}
+    return {
+        "x": rng.normal(0, 3, (T, H)).astype(np.float32),
+        "scale": f32_to_bf16(rng.normal(1, 0.2, H).astype(np.float32)),
+        "proj": f32_to_bf16(rng.normal(0, 1, (E, H)).astype(np.float32)),
+        "per_expert_scale": f32_to_bf16(rng.uniform(0.5, 2.0, E).astype(np.float32)),
+        "T": np.int32(T),
+    }
 
 
 def _outputs(T, E, K):
@@ -109,13 +112,19 @@ def test_router_logits_tiled(runner, T):
     assert small.block == (64, 1, 1), "the tiled kernel follows router_logits' 2-warp (block_sum<64>) order"
     for r0 in range(0, T, 16):
         n = min(16, T - r0)
-        part = {"x": np.ascontiguousarray(inp["x"][r0:r0 + n]), "scale": inp["scale"], "proj": inp["proj"],
-                "T": np.int32(n)}
+        part = {
+            "x": np.ascontiguousarray(inp["x"][r0 : r0 + n]),
+            "scale": inp["scale"],
+            "proj": inp["proj"],
+            "T": np.int32(n),
+        }
         want = runner.run_seq([(small, (small.grid[0], n, 1))], part, {"logits": ((n, E), np.float32)})["logits"]
-        diff = np.argwhere(got[r0:r0 + n].view(np.uint32) != want.view(np.uint32))
-        assert not len(diff), (f"rows {r0}..{r0 + n}: {len(diff)} logits differ from router_logits, first (row, "
-                               f"expert) {diff[:3].tolist()}: {got[r0 + diff[0][0], diff[0][1]]!r} vs "
-                               f"{want[diff[0][0], diff[0][1]]!r}")
+        diff = np.argwhere(got[r0 : r0 + n].view(np.uint32) != want.view(np.uint32))
+        assert not len(diff), (
+            f"rows {r0}..{r0 + n}: {len(diff)} logits differ from router_logits, first (row, "
+            f"expert) {diff[:3].tolist()}: {got[r0 + diff[0][0], diff[0][1]]!r} vs "
+            f"{want[diff[0][0], diff[0][1]]!r}"
+        )
 
 
 @pytest.mark.parametrize("T,rows_per_block", [(1, 1), (7, 1), (40, 3)])
@@ -135,8 +144,12 @@ def test_router_fused_bit_identical_to_pair(runner, T, rows_per_block):
     gy = -(-T // rows_per_block)
     pair = runner.run_seq([(lk, (lk.grid[0], gy, 1)), (tk, (gy, 1, 1))], inp, _outputs(T, E, K))
     outs = _outputs(T, E, K) | {"counters": ((T,), np.uint32)}
-    poisoned = inp | {"logits": np.full((T, E), np.nan, np.float32), "topk_idx": np.full((T, K), -1, np.int32),
-                      "topk_w": np.full((T, K), np.nan, np.float32), "counters": np.zeros(T, np.uint32)}
+    poisoned = inp | {
+        "logits": np.full((T, E), np.nan, np.float32),
+        "topk_idx": np.full((T, K), -1, np.int32),
+        "topk_w": np.full((T, K), np.nan, np.float32),
+        "counters": np.zeros(T, np.uint32),
+    }
     fused = runner.run_seq([(fu, (fu.grid[0], gy, 1)), (fu, (fu.grid[0], gy, 1))], poisoned, outs)
     for name in ("logits", "topk_idx", "topk_w"):
         np.testing.assert_array_equal(fused[name].view(np.uint32), pair[name].view(np.uint32), err_msg=name)

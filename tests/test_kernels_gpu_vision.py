@@ -41,8 +41,10 @@ def encode_on_gpu(r: GpuRunner, ck: dict, patches: np.ndarray, pos: np.ndarray) 
     arrays = vision_arrays(spec, ck.__getitem__, lambda n: np.asarray(ck[n], np.float32))
     weights = {n: rig.upload(a) for n, a in arrays.items()}
     L, N = len(patches), len(patches) // d.pool_rows
-    acts = {name: rig.alloc((L if name in PATCH_ACTS else N) * act_width(d, width) * np.dtype(NP[dt]).itemsize)
-            for name, (width, dt) in {**PATCH_ACTS, **TOKEN_ACTS}.items()}
+    acts = {
+        name: rig.alloc((L if name in PATCH_ACTS else N) * act_width(d, width) * np.dtype(NP[dt]).itemsize)
+        for name, (width, dt) in {**PATCH_ACTS, **TOKEN_ACTS}.items()
+    }
     acts["vis_patches"].upload(np.ascontiguousarray(patches, np.float32))
     acts["vis_pos"].upload(np.ascontiguousarray(pos, np.int32))
     acts["vis_kpos"].upload(np.arange(L, dtype=np.int32))
@@ -85,7 +87,7 @@ def test_image_bounded_chunk_attention(runner):
     rng = np.random.default_rng(11)
     failures = []
     for kern in kernels:
-        plain = runner.kernels[kern.name[:-len("_kvhi")]]
+        plain = runner.kernels[kern.name[: -len("_kvhi")]]
         ring = kern.param("ring")
         for m, p0 in ((77, 0), (100, 2 * ring + 5), (37, 5)):
             q, kc, vc, _ = _build(rng, kern, m, p0)
@@ -107,7 +109,15 @@ def test_image_bounded_chunk_attention(runner):
 
 def _run_bounded(runner, kern, q, kc, vc, m: int, p0: int, kv_hi: np.ndarray) -> np.ndarray:
     d, hq = kern.param("d"), kern.param("hq")
-    inputs = {"q": q, "kc": kc, "vc": vc, "positions": np.arange(p0, p0 + m, dtype=np.int32), "m": np.int32(m),
-              "out": np.full((m, hq, d), np.nan, np.float16), "kv_hi": np.asarray(kv_hi, np.int32),
-              "rowwise": 0, "lane_bytes": 0}  # (one sequence: no rowwise lanes)
+    inputs = {
+        "q": q,
+        "kc": kc,
+        "vc": vc,
+        "positions": np.arange(p0, p0 + m, dtype=np.int32),
+        "m": np.int32(m),
+        "out": np.full((m, hq, d), np.nan, np.float16),
+        "kv_hi": np.asarray(kv_hi, np.int32),
+        "rowwise": 0,
+        "lane_bytes": 0,
+    }  # (one sequence: no rowwise lanes)
     return runner.run_seq([(kern, None)], inputs, {"out": ((m, hq, d), np.float16)})["out"]

@@ -57,8 +57,9 @@ def test_patch_prep(runner):
     for gw, gh in GRIDS:
         T = gw * gh
         p = rng.uniform(0, 1, (T, pd)).astype(np.float32)
-        got = _run_rows(runner, kern, {"p": p, "out": np.full((T, pd), np.nan, np.float16)},
-                        {"out": ((T, pd), np.float16)}, T)["out"]
+        got = _run_rows(
+            runner, kern, {"p": p, "out": np.full((T, pd), np.nan, np.float16)}, {"out": ((T, pd), np.float16)}, T
+        )["out"]
         np.testing.assert_array_equal(got, EV.patch_prep_ref(p))  # one f32 op, one f16 rounding: exact
 
 
@@ -72,9 +73,13 @@ def test_embed_norm(runner):
         table, w = _bf16(rng, (2, P, H), std=0.5), _bf16(rng, H, 1.0, 0.05)
         pos = rng.integers(0, P, (T, 2)).astype(np.int32)  # any entry of the table, the last one included
         pos[-1] = P - 1
-        got = _run_rows(runner, kern, {"x": x, "table": table, "pos": pos, "w": w,
-                                       "a": np.full((T, HP), np.nan, np.float16)},
-                        {"x": ((T, H), np.float32), "a": ((T, HP), np.float16)}, T)
+        got = _run_rows(
+            runner,
+            kern,
+            {"x": x, "table": table, "pos": pos, "w": w, "a": np.full((T, HP), np.nan, np.float16)},
+            {"x": ((T, H), np.float32), "a": ((T, HP), np.float16)},
+            T,
+        )
         want_x, want_a = EV.embed_norm_ref(x, table, pos, w, eps, HP)
         failures += _check(f"T={T} x", got["x"], want_x, EV.TOL_VIS_RESID)
         failures += _check(f"T={T} a", got["a"], want_a, EV.TOL_VIS_ROWS, pad_from=H)
@@ -110,14 +115,18 @@ def test_qkv_rope(runner):
     for gw, gh in GRIDS:
         T = gw * gh
         qkv = rng.standard_normal((T, 3 * NH * D)).astype(np.float32)
-        qw, kw = _bf16(rng, D, D ** -0.25, 0.05), _bf16(rng, D, D ** -0.25, 0.05)
+        qw, kw = _bf16(rng, D, D**-0.25, 0.05), _bf16(rng, D, D**-0.25, 0.05)
         pos = _grid_pos(gw, gh) * 97 % 10240  # large angles too (the real table has 10240 positions)
         nan = np.full((T, NH, DP), BF16_NAN, np.uint16)
-        got = _run_rows(runner, kern, {"qkv": qkv, "q_norm_w": qw, "k_norm_w": kw, "pos": pos, "q": nan, "k": nan,
-                                       "v": nan}, {n: ((T, NH, DP), np.uint16) for n in "qkv"}, T)
+        got = _run_rows(
+            runner,
+            kern,
+            {"qkv": qkv, "q_norm_w": qw, "k_norm_w": kw, "pos": pos, "q": nan, "k": nan, "v": nan},
+            {n: ((T, NH, DP), np.uint16) for n in "qkv"},
+            T,
+        )
         for name, want in zip("qkv", EV.qkv_rope_ref(qkv, qw, kw, pos, NH, D, DP, theta, eps)):
-            failures += _check(f"T={T} {name}", bf16_to_f32(got[name]), bf16_to_f32(want), EV.TOL_VIS_ROPE,
-                               pad_from=D)
+            failures += _check(f"T={T} {name}", bf16_to_f32(got[name]), bf16_to_f32(want), EV.TOL_VIS_ROPE, pad_from=D)
     assert not failures, "\n".join(failures)
 
 
@@ -126,16 +135,26 @@ def test_pool(runner):
     H, HP, pool, eps = (kern.param(n) for n in ("H", "HP", "POOL", "EPS"))
     rng, failures = np.random.default_rng(5), []
     for gw, gh in GRIDS:
-        L, T = gw * gh, gw * gh // pool ** 2
+        L, T = gw * gh, gw * gh // pool**2
         x = rng.standard_normal((L, H)).astype(np.float32)
         pos = _grid_pos(gw, gh)
-        bias = (rng.standard_normal(H) * 0.5 * H ** 0.5).astype(np.float32)
-        scale = rng.uniform(0.5, 1.5, H).astype(np.float32) * np.float32(H ** -0.5)
-        got = _run_rows(runner, kern, {"x": x, "pos": pos, "std_bias": bias, "std_scale": scale, "T": T,
-                                       "out": np.full((T, HP), np.nan, np.float16)}, {"out": ((T, HP), np.float16)},
-                        T)["out"]
-        failures += _check(f"T={T}", got, EV.pool_ref(x, pos, bias, scale, pool, eps, HP), EV.TOL_VIS_ROWS,
-                           pad_from=H)
+        bias = (rng.standard_normal(H) * 0.5 * H**0.5).astype(np.float32)
+        scale = rng.uniform(0.5, 1.5, H).astype(np.float32) * np.float32(H**-0.5)
+        got = _run_rows(
+            runner,
+            kern,
+            {
+                "x": x,
+                "pos": pos,
+                "std_bias": bias,
+                "std_scale": scale,
+                "T": T,
+                "out": np.full((T, HP), np.nan, np.float16),
+            },
+            {"out": ((T, HP), np.float16)},
+            T,
+        )["out"]
+        failures += _check(f"T={T}", got, EV.pool_ref(x, pos, bias, scale, pool, eps, HP), EV.TOL_VIS_ROWS, pad_from=H)
     assert not failures, "\n".join(failures)
 
 
@@ -146,15 +165,19 @@ def test_gemms(runner):
     rng, failures = np.random.default_rng(6), []
     for kern in kernels:
         n, k, epi = kern.param("n"), kern.param("k"), kern.param("epi")
-        w16 = (rng.standard_normal((n, k)) * k ** -0.5).astype(np.float16)
+        w16 = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float16)
         bits = w16.view(np.uint16)
-        packed = pack_half(bits) if epi == "store" else pack_half_gate_up(bits[:n // 2], bits[n // 2:])
+        packed = pack_half(bits) if epi == "store" else pack_half_gate_up(bits[: n // 2], bits[n // 2 :])
         for m in (3, kern.param("bm") + 37, 66 * 36):
             width, dt = _out(kern, m)
             x = R.act_f16(rng, m, k)
-            ref = R.gemm_ref(x, w16) if epi == "store" else R.gated_ref(x, w16[:n // 2], w16[n // 2:], epi)
-            y = runner.run(kern, {"w": packed.view(np.uint8), "x": x, "m": np.int32(m),
-                                  "y": np.full((m, width), np.nan, dt)}, {"y": ((m, width), dt)}, _grid(kern, m))["y"]
+            ref = R.gemm_ref(x, w16) if epi == "store" else R.gated_ref(x, w16[: n // 2], w16[n // 2 :], epi)
+            y = runner.run(
+                kern,
+                {"w": packed.view(np.uint8), "x": x, "m": np.int32(m), "y": np.full((m, width), np.nan, dt)},
+                {"y": ((m, width), dt)},
+                _grid(kern, m),
+            )["y"]
             err = R.norm_err(y, ref)
             if not err <= R.TOL_GEMM[kern.param("out_dtype")]:
                 failures.append(f"{kern.name} m={m}: error {err:.2e}")
@@ -170,11 +193,19 @@ def test_attention(runner):
     for gw, gh in GRIDS:
         L = gw * gh
         q, k, v = (np.zeros((L, nh, dp), np.float32) for _ in range(3))
-        for t, std in ((q, d ** -0.25), (k, d ** -0.25), (v, 1.0)):  # q.k ~ N(0, 1), as the synthetic tower
+        for t, std in ((q, d**-0.25), (k, d**-0.25), (v, 1.0)):  # q.k ~ N(0, 1), as the synthetic tower
             t[..., :d] = rng.standard_normal((L, nh, d)) * std
         qb, kb, vb = (f32_to_bf16(t) for t in (q, k, v))
-        inputs = {"q": qb, "kc": kb, "vc": vb, "positions": np.arange(L, dtype=np.int32), "m": np.int32(L),
-                  "out": np.full((L, nh, dp), np.nan, np.float16), "rowwise": 0, "lane_bytes": 0}
+        inputs = {
+            "q": qb,
+            "kc": kb,
+            "vc": vb,
+            "positions": np.arange(L, dtype=np.int32),
+            "m": np.int32(L),
+            "out": np.full((L, nh, dp), np.nan, np.float16),
+            "rowwise": 0,
+            "lane_bytes": 0,
+        }
         got = runner.run(kern, inputs, {"out": ((L, nh, dp), np.float16)}, _grid(kern, L))["out"]
         want = EV.attention_ref(*(bf16_to_f32(t) for t in (qb, kb, vb)))
         failures += _check(f"L={L}", got, want, EV.TOL_VIS_ATTN, pad_from=d)

@@ -25,8 +25,9 @@ IMAGE_AT, IMAGE_TOKENS, IMAGE_ID = 20, 24, 61
 
 
 def _image(name: str) -> ImageInput:
-    return ImageInput(np.zeros((IMAGE_TOKENS * 9, 768), np.uint8), np.zeros((IMAGE_TOKENS * 9, 2), np.int32),
-                      IMAGE_TOKENS, name)
+    return ImageInput(
+        np.zeros((IMAGE_TOKENS * 9, 768), np.uint8), np.zeros((IMAGE_TOKENS * 9, 2), np.int32), IMAGE_TOKENS, name
+    )
 
 
 def _sequence(rid: str, kind: int) -> Sequence:
@@ -53,8 +54,8 @@ def _check(kv: KVManager, running: dict[str, Sequence]) -> None:
             holders.setdefault(p, []).append(seq)
             key = pool.key_of[p]
             if key is not None and i < seq.num_cached // P:  # a cached page it reads holds its own tokens
-                assert list(key[1]) == keys_of(seq)[i * P:(i + 1) * P]
-        for p in lane.pages.pages[seq.num_cached // P:]:  # pages it will write are its alone
+                assert list(key[1]) == keys_of(seq)[i * P : (i + 1) * P]
+        for p in lane.pages.pages[seq.num_cached // P :]:  # pages it will write are its alone
             assert pool.refs[p] == 1 and pool.key_of[p] is None
     assert all(pool.refs[p] == len(holders.get(p, [])) for p in range(pool.size))
     free = [p for p in range(pool.size) if pool.refs[p] == 0]
@@ -63,8 +64,12 @@ def _check(kv: KVManager, running: dict[str, Sequence]) -> None:
     assert kv.used_pages == pool.size - len(free)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["admit", "prefill", "grow", "finish", "preempt"]),
-                         st.integers(0, 5), st.integers(1, 40)), max_size=60)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "prefill", "grow", "finish", "preempt"]), st.integers(0, 5), st.integers(1, 40)
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -127,7 +132,7 @@ def test_a_hit_stops_before_an_image_it_would_cut():
     before it."""
     kv = KVManager(KVGeometry(1, 256, 0, ()))
     seq = _sequence("s", 4)
-    kv.lanes[0].cached = keys_of(seq)[:IMAGE_AT + 5]
+    kv.lanes[0].cached = keys_of(seq)[: IMAGE_AT + 5]
     assert kv.admit(seq, seq.reuse_limit(), seq.prefill_target) == IMAGE_AT
 
 

@@ -82,8 +82,11 @@ def _run(runner, spec) -> dict:
             for o in core.step():
                 tokens.setdefault(o.request_id, []).extend(o.token_ids)
                 if o.finished:
-                    out[o.request_id] = (tokens.get(o.request_id, []), o.result.cached_prompt_tokens,
-                                         o.result.finish_reason)
+                    out[o.request_id] = (
+                        tokens.get(o.request_id, []),
+                        o.result.cached_prompt_tokens,
+                        o.result.finish_reason,
+                    )
     return out
 
 
@@ -101,6 +104,7 @@ def test_same_cached_tokens_and_tokens_on_both_backends(pair):
         if not finished:
             preempted.append(seq.request_id)
         release(seq, finished)
+
     cuda_runner.release = spy
     got, want = _run(cuda_runner, ck.spec), _run(ref_runner, ck.spec)
     assert got == want

@@ -23,9 +23,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
-RUNTIME = {"runtime.backend", "runtime.manifest", "runtime.engine", "runtime.text", "runtime.convert",
-           "runtime.reference", "runtime.cuda", "runtime.api", "runtime.client", "runtime.generate", "runtime.media",
-           "runtime.options"}
+RUNTIME = {
+    "runtime.backend",
+    "runtime.manifest",
+    "runtime.engine",
+    "runtime.text",
+    "runtime.convert",
+    "runtime.reference",
+    "runtime.cuda",
+    "runtime.api",
+    "runtime.client",
+    "runtime.generate",
+    "runtime.media",
+    "runtime.options",
+}
 CLIENT_API = {"runtime.api", "runtime.client", "runtime.options", "runtime.backend", "runtime.text"}
 ALLOWED = {
     "model_spec": set(),
@@ -39,10 +50,22 @@ ALLOWED = {
     "runtime.media": {"model_spec", "runtime.backend"},
     "runtime.convert": {"model_spec", "runtime.backend"},
     "runtime.reference": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest"},
-    "runtime.cuda": {"model_spec", "runtime.backend", "runtime.engine", "runtime.manifest", "runtime.convert",
-                     "runtime.options"},
-    "runtime.api": {"model_spec", "runtime.backend", "runtime.engine", "runtime.options", "runtime.reference",
-                    "runtime.cuda"},
+    "runtime.cuda": {
+        "model_spec",
+        "runtime.backend",
+        "runtime.engine",
+        "runtime.manifest",
+        "runtime.convert",
+        "runtime.options",
+    },
+    "runtime.api": {
+        "model_spec",
+        "runtime.backend",
+        "runtime.engine",
+        "runtime.options",
+        "runtime.reference",
+        "runtime.cuda",
+    },
     "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
     "runtime.generate": {"model_spec", "runtime.media"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,
@@ -76,7 +99,7 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name[len("thorgen."):] for a in node.names if a.name.startswith("thorgen.")]
+            names = [a.name[len("thorgen.") :] for a in node.names if a.name.startswith("thorgen.")]
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 if not (node.module or "").startswith("thorgen"):
@@ -85,11 +108,11 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
             else:
                 if node.level - 1 > len(here):
                     continue
-                base = here[:len(here) - (node.level - 1)] + ((node.module or "").split(".") if node.module else [])
+                base = here[: len(here) - (node.level - 1)] + ((node.module or "").split(".") if node.module else [])
             names = []
             for alias in node.names:  # `from . import x` imports the module x when it exists
                 sub = [*base, alias.name]
-                is_module = (root.joinpath(*sub).with_suffix(".py").is_file() or root.joinpath(*sub).is_dir())
+                is_module = root.joinpath(*sub).with_suffix(".py").is_file() or root.joinpath(*sub).is_dir()
                 names.append(".".join(sub if is_module else base))
         else:
             continue
@@ -99,9 +122,13 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
 
 def package_files(root: Path = ROOT) -> list[Path]:
     """The package's modules (hidden folders such as a .venv in the checkout are none of them)."""
-    return sorted(p for p in root.rglob("*.py") if not (set(p.relative_to(root).parts[:-1]) & SKIP)
-                  and p.relative_to(root).parts[0] not in SKIP
-                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if not (set(p.relative_to(root).parts[:-1]) & SKIP)
+        and p.relative_to(root).parts[0] not in SKIP
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
 
 
 def test_every_room_is_known() -> None:
@@ -130,7 +157,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if colour[nxt] == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if colour[nxt] == 0 and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -157,8 +184,9 @@ def test_the_checkers_can_fail(tmp_path: Path) -> None:
     (tmp_path / "codegen").mkdir()
     (tmp_path / "codegen" / "plan.py").write_text("")
     planted = tmp_path / "runtime" / "engine" / "probe.py"
-    planted.write_text("from ...codegen import plan\nimport thorgen.serve.app\nfrom . import core\n"
-                       "from ..cuda.engine import Engine\n")
+    planted.write_text(
+        "from ...codegen import plan\nimport thorgen.serve.app\nfrom . import core\nfrom ..cuda.engine import Engine\n"
+    )
     assert imports_of(planted, root=tmp_path) == {"codegen.plan", "serve.app", "runtime.engine", "runtime.cuda.engine"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -170,8 +198,9 @@ def test_no_room_is_flat_again() -> None:
     assert top == ["__init__", "api", "backend", "client", "generate", "manifest", "options"], top
 
 
-@pytest.mark.parametrize("room", sorted(r for r in ALLOWED if r.startswith(("runtime.", "serve.")) and
-                                        (ROOT / r.replace(".", "/")).is_dir()))
+@pytest.mark.parametrize(
+    "room", sorted(r for r in ALLOWED if r.startswith(("runtime.", "serve.")) and (ROOT / r.replace(".", "/")).is_dir())
+)
 def test_each_room_says_its_job(room: str) -> None:
     init = ROOT / room.replace(".", "/") / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text()))
@@ -180,8 +209,11 @@ def test_each_room_says_its_job(room: str) -> None:
 
 def loaded_by(modules: list[str]) -> list[str]:
     """The package's modules and cuda-python's that importing `modules` loads, in a fresh interpreter."""
-    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in modules) +
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('thorgen', 'cuda'))))")
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('thorgen', 'cuda'))))"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

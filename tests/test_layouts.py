@@ -35,8 +35,8 @@ def test_nat_lane_bytes_are_checkpoint_bytes() -> None:
     u, step, gid, t4 = 1, 1, 3, 2
     lane = 4 * gid + t4
     chunk = w.reshape(2, 2, 32, 16)[step, u, lane]  # step-major
-    np.testing.assert_array_equal(chunk[:8], packed[16 * u + gid, 32 * step + 8 * t4: 32 * step + 8 * t4 + 8])
-    np.testing.assert_array_equal(chunk[8:], packed[16 * u + 8 + gid, 32 * step + 8 * t4: 32 * step + 8 * t4 + 8])
+    np.testing.assert_array_equal(chunk[:8], packed[16 * u + gid, 32 * step + 8 * t4 : 32 * step + 8 * t4 + 8])
+    np.testing.assert_array_equal(chunk[8:], packed[16 * u + 8 + gid, 32 * step + 8 * t4 : 32 * step + 8 * t4 + 8])
     sc = s.reshape(2, 2, 32, 2)[step, u, lane]
     assert sc[0] == scale[16 * u + gid, 4 * step + t4] and sc[1] == scale[16 * u + 8 + gid, 4 * step + t4]
 
@@ -46,9 +46,12 @@ def _shift_decode(word: np.ndarray) -> list[np.ndarray]:
     v = word.astype(np.uint32)
     m = np.uint32(0x8E008E00)
     mag, sgn = np.uint32(0x0E000E00), np.uint32(0x80008000)
-    return [v & m, (v << np.uint32(3)) & m,
-            ((v << np.uint32(6)) & mag) | ((v << np.uint32(1)) & sgn),
-            ((v << np.uint32(9)) & mag) | ((v << np.uint32(2)) & sgn)]
+    return [
+        v & m,
+        (v << np.uint32(3)) & m,
+        ((v << np.uint32(6)) & mag) | ((v << np.uint32(1)) & sgn),
+        ((v << np.uint32(9)) & mag) | ((v << np.uint32(2)) & sgn),
+    ]
 
 
 def _half2_values(reg: np.ndarray) -> np.ndarray:
@@ -89,15 +92,19 @@ def test_emulated_kernel_matches_dequantized_matvec(order: str) -> None:
             for lane in range(32):
                 gid, t4 = divmod(lane, 4)
                 for tile in range(2):
-                    chunk = wl[u, s, lane, 8 * tile: 8 * tile + 8]
+                    chunk = wl[u, s, lane, 8 * tile : 8 * tile + 8]
                     if order == "nat":
                         lo, hi = chunk & 0xF, chunk >> 4
                         codes = np.stack([lo, hi], axis=1).reshape(16)
                         vals = E2M1_VALUES[codes].astype(np.float64)
                     else:
                         words = chunk.view(np.uint32)
-                        vals = np.concatenate([_half2_values(np.array(r)).reshape(2) for wd in words
-                                               for r in _shift_decode(wd)]) * SHIFT_DECODE_FACTOR
+                        vals = (
+                            np.concatenate(
+                                [_half2_values(np.array(r)).reshape(2) for wd in words for r in _shift_decode(wd)]
+                            )
+                            * SHIFT_DECODE_FACTOR
+                        )
                     vals = vals * e4m3_to_f32(sl[u, s, lane, tile])
                     kk = 64 * s + 16 * t4 + np.arange(16)  # e = 4j + 2h + {0,1}: the lane's 16-block in order
                     col = 16 * u + 8 * tile + gid
@@ -153,8 +160,9 @@ def test_half_layouts() -> None:
     f = rng.standard_normal((32, 64)).astype(np.float32)
     bits = (f.view(np.uint32) >> 16).astype(np.uint16)  # truncated bf16
     h = L.bf16_to_f16_bits(bits)
-    np.testing.assert_allclose(h.view(np.float16).astype(np.float32), (bits.astype(np.uint32) << 16).view(np.float32),
-                               rtol=2 ** -11)
+    np.testing.assert_allclose(
+        h.view(np.float16).astype(np.float32), (bits.astype(np.uint32) << 16).view(np.float32), rtol=2**-11
+    )
     fused = L.unpack_half(L.pack_half_gate_up(h[:16], h[16:]), 32, 64)
     np.testing.assert_array_equal(fused[:8], h[:8])
     np.testing.assert_array_equal(fused[8:16], h[16:24])

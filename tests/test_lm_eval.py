@@ -34,10 +34,21 @@ def _run_lm_eval(checkpoint, tmp_path, model: str, endpoint: str, model_args: st
 
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     with tiny_server(checkpoint, ctx=2048) as (url, _state):
-        cmd = [sys.executable, "-m", "lm_eval", "--model", model,
-               "--model_args", f"model=tiny,base_url={url}{endpoint},num_concurrent=1,max_retries=1," + model_args,
-               *extra, "--include_path", "tests/data/lm_eval", "--output_path", str(tmp_path / "out"),
-               "--log_samples"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            model,
+            "--model_args",
+            f"model=tiny,base_url={url}{endpoint},num_concurrent=1,max_retries=1," + model_args,
+            *extra,
+            "--include_path",
+            "tests/data/lm_eval",
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ]
         run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         metrics = httpx.get(url + "/metrics", timeout=10).text
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -47,8 +58,16 @@ def _run_lm_eval(checkpoint, tmp_path, model: str, endpoint: str, model_args: st
 @pytest.mark.slow
 def test_lm_eval_gsm8k_slice_over_http(tiny_checkpoint, tmp_path):
     items = len((REPO / "tests" / "data" / "lm_eval" / f"{TASK}.jsonl").read_text().splitlines())
-    _, metrics = _run_lm_eval(tiny_checkpoint, tmp_path, "local-chat-completions", "/v1/chat/completions",
-                              "tokenized_requests=False", "--tasks", TASK, "--apply_chat_template")
+    _, metrics = _run_lm_eval(
+        tiny_checkpoint,
+        tmp_path,
+        "local-chat-completions",
+        "/v1/chat/completions",
+        "tokenized_requests=False",
+        "--tasks",
+        TASK,
+        "--apply_chat_template",
+    )
     [results_file] = (tmp_path / "out").rglob("results_*.json")
     result = json.loads(results_file.read_text())["results"][TASK]
     assert result["sample_len"] == items
@@ -65,12 +84,21 @@ def test_lm_eval_gsm8k_slice_over_http(tiny_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_lm_eval_multiple_choice_over_http(tiny_checkpoint, tmp_path):
-    docs = [json.loads(line) for line in (REPO / "tests" / "data" / "lm_eval" / f"{MC_TASK}.jsonl").read_text()
-            .splitlines()]
+    docs = [
+        json.loads(line) for line in (REPO / "tests" / "data" / "lm_eval" / f"{MC_TASK}.jsonl").read_text().splitlines()
+    ]
     requests, batch = sum(len(d["choices"]) for d in docs), 2
-    _, metrics = _run_lm_eval(tiny_checkpoint, tmp_path, "local-completions", "/v1/completions",
-                              "tokenized_requests=True,tokenizer_backend=remote", "--batch_size", str(batch),
-                              "--tasks", MC_TASK)
+    _, metrics = _run_lm_eval(
+        tiny_checkpoint,
+        tmp_path,
+        "local-completions",
+        "/v1/completions",
+        "tokenized_requests=True,tokenizer_backend=remote",
+        "--batch_size",
+        str(batch),
+        "--tasks",
+        MC_TASK,
+    )
     [results_file] = (tmp_path / "out").rglob("results_*.json")
     result = json.loads(results_file.read_text())["results"][MC_TASK]
     assert result["sample_len"] == len(docs) and 0.0 <= result["acc,none"] <= 1.0

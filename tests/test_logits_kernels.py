@@ -87,12 +87,14 @@ def _chunk_model(logits, cap, rows, counts, biases, masks, chunk):
     out = np.empty((T, V), np.float32)
     for t in range(T):
         d = rows[t]
-        cnt = counts[d["counts_offset"]:d["counts_offset"] + d["n_counts"]]
-        bs = biases[d["bias_offset"]:d["bias_offset"] + d["n_bias"]]
+        cnt = counts[d["counts_offset"] : d["counts_offset"] + d["n_counts"]]
+        bs = biases[d["bias_offset"] : d["bias_offset"] + d["n_bias"]]
         ok = RL.mask_allowed(masks[d["mask_row"]], V) if d["mask_row"] >= 0 else np.ones(V, bool)
         r, f, p = float(d["repetition_penalty"]), float(d["frequency_penalty"]), float(d["presence_penalty"])
         for lo in range(0, V, chunk):
-            buf = np.where(ok[lo:lo + chunk], softcap_ref(logits[t, lo:lo + chunk], cap), -np.inf).astype(np.float32)
+            buf = np.where(ok[lo : lo + chunk], softcap_ref(logits[t, lo : lo + chunk], cap), -np.inf).astype(
+                np.float32
+            )
             c0, c1 = np.searchsorted(cnt["token"], [lo, lo + chunk])
             b0, b1 = np.searchsorted(bs["token"], [lo, lo + chunk])
             for e in cnt[c0:c1]:
@@ -110,7 +112,7 @@ def _chunk_model(logits, cap, rows, counts, biases, masks, chunk):
             for e in bs[b0:b1]:
                 if ok[e["token"]] and e["token"] not in cnt["token"][c0:c1]:
                     buf[e["token"] - lo] = float(buf[e["token"] - lo]) + float(e["bias"])
-            out[t, lo:lo + chunk] = buf
+            out[t, lo : lo + chunk] = buf
     return out
 
 
@@ -126,8 +128,14 @@ def test_the_kernel_algorithm_equals_the_reference():
 
 def test_pack_skips_what_is_off():
     V = 512
-    b = LP.pack([None, (SamplingParams(frequency_penalty=1.0), LP.TokenCounts.of([1, 2], [2, 2, 9], V), None),
-                 (SamplingParams(temperature=1.0), None, None)], V)
+    b = LP.pack(
+        [
+            None,
+            (SamplingParams(frequency_penalty=1.0), LP.TokenCounts.of([1, 2], [2, 2, 9], V), None),
+            (SamplingParams(temperature=1.0), None, None),
+        ],
+        V,
+    )
     assert b.counts.tolist() == [(2, 2), (9, 1)]  # prompt-only ids matter to repetition alone
     assert b.rows["n_counts"].tolist() == [0, 2, 0] and b.biases.shape == (0,) and b.masks.shape == (0, 16)
     with pytest.raises(ValueError, match="TokenCounts"):
@@ -184,7 +192,7 @@ class _Memory:
     def view(self, addr, dtype, shape, what=""):
         dt = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        return self.arrays[addr][:int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+        return self.arrays[addr][: int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
 
 
 def test_emulated_kernels_follow_the_references():
@@ -203,10 +211,23 @@ def test_emulated_kernels_follow_the_references():
     b = LC.pack(cases, V)
     sp = np.zeros(T, SAMPLE_PARAMS)  # one record per row (the sampler reads params[row])
     sp["temperature"], sp["top_k"], sp["top_p"], sp["seed"] = 0.8, 40, 1.0, 99
-    mem = _Memory({"logits": logits, "rows": b.rows, "counts": b.counts, "biases": b.biases,
-                   "masks": b.masks, "out": np.zeros((T, V), np.float32), "status": np.zeros(T, np.int32),
-                   "out_ids": np.zeros(T, np.int32), "params": sp, "positions": np.arange(T, dtype=np.int32),
-                   "top_ids": np.zeros((T, 20), np.int32), "top_lps": np.zeros((T, 20)), "chosen_lp": np.zeros(T)})
+    mem = _Memory(
+        {
+            "logits": logits,
+            "rows": b.rows,
+            "counts": b.counts,
+            "biases": b.biases,
+            "masks": b.masks,
+            "out": np.zeros((T, V), np.float32),
+            "status": np.zeros(T, np.int32),
+            "out_ids": np.zeros(T, np.int32),
+            "params": sp,
+            "positions": np.arange(T, dtype=np.int32),
+            "top_ids": np.zeros((T, 20), np.int32),
+            "top_lps": np.zeros((T, 20)),
+            "chosen_lp": np.zeros(T),
+        }
+    )
     emu = Emu(mem)
     names = {k: k for k in mem.arrays}
     emu.k_lm_process({"V": V, "SOFTCAP": CAP}, {**names, "T": T}, "lm_process")

@@ -13,9 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 from host_kernels import HostRunner, host_compiler
-from test_kernels_gpu_logits import (test_logprobs_match_the_reference,  # noqa: F401  (collected here)
-                                     test_pick_over_processed_logits_matches_the_reference_sampler,
-                                     test_process_matches_the_reference)
+from test_kernels_gpu_logits import (
+    test_logprobs_match_the_reference,  # noqa: F401  (collected here)
+)
 from thorgen.codegen.arch import get_arch
 from thorgen.codegen.plan import plan
 from thorgen.model_spec.presets import get_preset
@@ -29,8 +29,11 @@ def runner(request, tmp_path_factory):
     if host_compiler() is None:
         pytest.skip("no g++")
     spec = get_preset("tiny")
-    spec = dataclasses.replace(spec, target=dataclasses.replace(spec.target, vocab_size=request.param),
-                               drafter=dataclasses.replace(spec.drafter, vocab_size=request.param))
+    spec = dataclasses.replace(
+        spec,
+        target=dataclasses.replace(spec.target, vocab_size=request.param),
+        drafter=dataclasses.replace(spec.drafter, vocab_size=request.param),
+    )
     arch = get_arch("sm_90a")
     kernels = [k for k in plan(spec, arch) if k.name.startswith(USED)]
     return HostRunner(kernels, arch, tmp_path_factory.mktemp(f"host_V{request.param}"))

@@ -48,18 +48,17 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
     return row - m - np.log(np.sum(np.exp(row - m)))
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(logprobs=5),
-                                      SamplingParams(temperature=1.0, seed=7, logprobs=3)])
+@pytest.mark.parametrize("sampling", [SamplingParams(logprobs=5), SamplingParams(temperature=1.0, seed=7, logprobs=3)])
 def test_logprobs_are_the_models_softmax(backend, sampling):
     tokens, logprobs = _run(backend, sampling, 8)
     plain, none = _run(backend, SamplingParams(temperature=sampling.temperature, seed=sampling.seed), 8)
     assert tokens == plain and none == []  # asking for logprobs changes nothing; not asking returns none
     assert len(logprobs) == len(tokens) == 8
-    rows = _logits(backend, PROMPT + tokens)[len(PROMPT) - 1:]
+    rows = _logits(backend, PROMPT + tokens)[len(PROMPT) - 1 :]
     for i, (tok, (lp, top)) in enumerate(zip(tokens, logprobs)):
         ref = _log_softmax(rows[i])
         assert lp == pytest.approx(ref[tok], abs=1e-4)
-        want = np.argsort(-ref, kind="stable")[:sampling.logprobs]
+        want = np.argsort(-ref, kind="stable")[: sampling.logprobs]
         assert [t for t, _ in top] == [int(t) for t in want]
         assert [v for _, v in top] == pytest.approx([ref[t] for t in want], abs=1e-4)
         if sampling.greedy:
@@ -92,12 +91,15 @@ def _reference(backend, sampling: SamplingParams, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(repetition_penalty=1.8),
-    SamplingParams(frequency_penalty=1.5, presence_penalty=0.7),
-    SamplingParams(temperature=0.8, seed=3, presence_penalty=-1.0, frequency_penalty=2.0, repetition_penalty=0.7),
-    SamplingParams(temperature=1.0, seed=5, logit_bias=((200, 3.0), (131, -100.0))),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(repetition_penalty=1.8),
+        SamplingParams(frequency_penalty=1.5, presence_penalty=0.7),
+        SamplingParams(temperature=0.8, seed=3, presence_penalty=-1.0, frequency_penalty=2.0, repetition_penalty=0.7),
+        SamplingParams(temperature=1.0, seed=5, logit_bias=((200, 3.0), (131, -100.0))),
+    ],
+)
 def test_penalties_and_bias_match_numpy(backend, sampling):
     tokens, _ = _run(backend, sampling, 10, speculative=True)  # speculation is skipped for processed requests
     assert tokens == _reference(backend, sampling, 10)
@@ -116,7 +118,7 @@ def test_logit_bias_clamped_and_checked(backend):
     assert SamplingParams(logit_bias=((5, 1e9), (1, -1e9))).logit_bias == ((1, -100.0), (5, 100.0))
     core = EngineCore(backend.runner(1))
     with pytest.raises(BackendError, match="logit_bias token ids"):
-        core.add("x", PROMPT, 2, SamplingParams(logit_bias=((10 ** 6, 1.0),)))
+        core.add("x", PROMPT, 2, SamplingParams(logit_bias=((10**6, 1.0),)))
     with pytest.raises(ValueError, match="top logprobs"):
         SamplingParams(logprobs=21)
 
@@ -129,8 +131,12 @@ def test_grammar_makes_random_weights_write_json(backend, tiny_checkpoint):
     tok_path = tiny_checkpoint / "tokenizer.json"
     vocab = backend.spec.target.vocab_size
     lltok = tokenizer(str(tok_path), vocab, (1,))
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-              "required": ["ok", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     grammar = Grammar(json_grammar(schema, lltok), lltok)
     with pytest.raises(ValueError, match="schema is invalid"):
         json_grammar({"type": "object", "properties": {"a": {"type": "no-such-type"}}}, lltok)
@@ -154,13 +160,17 @@ def test_cuda_engine_checks_extended_sampling():
     from thorgen.runtime.cuda.engine import MAX_LOGIT_BIAS, Engine
 
     def engine(missing):
-        return SimpleNamespace(speculative=True, ext_missing=missing,
-                               spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512)))
+        return SimpleNamespace(
+            speculative=True, ext_missing=missing, spec=SimpleNamespace(target=SimpleNamespace(vocab_size=512))
+        )
+
     old = engine(["logits processing (lm_process.cu.j2 with {'V': 512})"])
     Engine.check_request(old, Sequence("a", [2, 3], SamplingParams(temperature=1.0), 4))
-    for sampling, name in [(SamplingParams(logprobs=0), "logprobs"),
-                           (SamplingParams(presence_penalty=0.5), "presence_penalty"),
-                           (SamplingParams(logit_bias=((3, 1.0),)), "logit_bias")]:
+    for sampling, name in [
+        (SamplingParams(logprobs=0), "logprobs"),
+        (SamplingParams(presence_penalty=0.5), "presence_penalty"),
+        (SamplingParams(logit_bias=((3, 1.0),)), "logit_bias"),
+    ]:
         with pytest.raises(BackendError, match=f"{name}.* needs kernels this build lacks .*lm_process"):
             Engine.check_request(old, Sequence("a", [2, 3], sampling, 4))
     new = engine([])

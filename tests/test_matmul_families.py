@@ -45,7 +45,7 @@ def check_plan(spec, a) -> list:
     for k in kernels:
         assert k.smem_bytes <= a.smem_per_block_max, k.name
         src = render(k, a, spec.spec_hash)
-        assert f"{k.name}(" in src and "extern \"C\" __global__" in src, k.name
+        assert f"{k.name}(" in src and 'extern "C" __global__' in src, k.name
         p = k.param_dict
         if k.template == "nvfp4_gemm.cu.j2":
             un = p.get("un", 1)  # units a block: 1 below 16 rows and for the drafter's fp16 GEMMs
@@ -111,14 +111,28 @@ def test_real_shapes_are_planned() -> None:
     spec, a = PRESETS["gemma-4-26b-a4b"], ARCHS["sm_90a"]
     names = {k.name for k in plan(spec, a)}
     assert any(n.startswith("nvfp4_gemv__n8192_k2816_rope__tgt_s_d256") for n in names)
-    for want in ("nvfp4_gemm16__n8192_k2816", "nvfp4_gemmL__n8192_k2816", "nvfp4_gemm16__n2816_k4096", "nvfp4_gemv__n4224_k2816_gelu",
-                 "nvfp4_gemmL__n2816_k2112", "nvfp4_gemv__n262144_k2816", "moe_gateup__m1_e128_k8_i704_h2816",
-                 "moe_down_pairs__m16_e128_k8_i704_h2816", "bf16_gemm16__n11264_k2816_silu", "bf16_gemmL__n2816_k16896"):
+    for want in (
+        "nvfp4_gemm16__n8192_k2816",
+        "nvfp4_gemmL__n8192_k2816",
+        "nvfp4_gemm16__n2816_k4096",
+        "nvfp4_gemv__n4224_k2816_gelu",
+        "nvfp4_gemmL__n2816_k2112",
+        "nvfp4_gemv__n262144_k2816",
+        "moe_gateup__m1_e128_k8_i704_h2816",
+        "moe_down_pairs__m16_e128_k8_i704_h2816",
+        "bf16_gemm16__n11264_k2816_silu",
+        "bf16_gemmL__n2816_k16896",
+    ):
         assert want in names, want
     att = [n for n in names if n.startswith("attn_")]
     ring = ring_slots(1024)
-    for frag in (f"tgt_s_d256_h16x8_cw1024_ring{ring}_bf16", f"tgt_s_d256_h16x8_cw1024_ring{ring}_fp8e4m3",
-                 "tgt_f_d512_h16x2_c_p16_bf16", "dft_s_d128_h32x8_cw2048", "dft_f_d128_h32x8_b_lin"):
+    for frag in (
+        f"tgt_s_d256_h16x8_cw1024_ring{ring}_bf16",
+        f"tgt_s_d256_h16x8_cw1024_ring{ring}_fp8e4m3",
+        "tgt_f_d512_h16x2_c_p16_bf16",
+        "dft_s_d128_h32x8_cw2048",
+        "dft_f_d128_h32x8_b_lin",
+    ):
         assert any(frag in n for n in att), frag
 
 

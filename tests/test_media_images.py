@@ -34,9 +34,19 @@ def png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-CASES = [((200, 330), "RGB", 70), ((500, 120), "RGBA", 280), ((37, 41), "L", 280), ((64, 90), "P", 280),
-         ((1, 700), "RGB", 70), ((900, 1), "L", 280), ((1, 3), "RGB", 280), ((1500, 2000), "RGB", 1120),
-         ((768, 768), "RGBA", 280), ((672, 960), "RGB", 280), ((3, 5000), "LA", 1120)]
+CASES = [
+    ((200, 330), "RGB", 70),
+    ((500, 120), "RGBA", 280),
+    ((37, 41), "L", 280),
+    ((64, 90), "P", 280),
+    ((1, 700), "RGB", 70),
+    ((900, 1), "L", 280),
+    ((1, 3), "RGB", 280),
+    ((1500, 2000), "RGB", 1120),
+    ((768, 768), "RGBA", 280),
+    ((672, 960), "RGB", 280),
+    ((3, 5000), "LA", 1120),
+]
 
 
 @pytest.mark.parametrize("size,mode,budget", CASES)
@@ -68,9 +78,15 @@ def test_hash_keys_content_and_budget() -> None:
     assert preprocess(Image.open(io.BytesIO(jpeg.getvalue())), VISION).hash != ia.hash
 
 
-@pytest.mark.parametrize("data,message", [
-    (b"", "empty"), (b"not an image at all", "not an image"), (png(noise(40, 40, "RGB"))[:120], "cannot be decoded"),
-    (b"%PDF-1.4\n%...", "not an image")])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"", "empty"),
+        (b"not an image at all", "not an image"),
+        (png(noise(40, 40, "RGB"))[:120], "cannot be decoded"),
+        (b"%PDF-1.4\n%...", "not an image"),
+    ],
+)
 def test_unusable_bytes_raise_image_error(data, message) -> None:
     with pytest.raises(ImageError, match=message):
         load_image(data, VISION)
@@ -89,13 +105,14 @@ def test_expansion_spans_and_cache_keys() -> None:
     i1, i2 = load_image(png(noise(50, 50, "RGB", 1)), v, 70), load_image(png(noise(50, 50, "RGB", 2)), v, 70)
     ids, spans = expand_image_tokens([2, 10, v.image_token_id, 11, v.image_token_id, 12], [i1, i2], v)
     n = i1.soft_tokens
-    assert ids == [2, 10, v.boi_token_id] + [v.image_token_id] * n + [v.eoi_token_id, 11, v.boi_token_id] + \
-        [v.image_token_id] * n + [v.eoi_token_id, 12]
+    assert ids == [2, 10, v.boi_token_id] + [v.image_token_id] * n + [v.eoi_token_id, 11, v.boi_token_id] + [
+        v.image_token_id
+    ] * n + [v.eoi_token_id, 12]
     assert spans == [ImageSpan(3, i1), ImageSpan(3 + n + 3, i2)]
     check_image_spans(ids, spans, v.image_token_id)
     keys = key_tokens(ids, spans)
-    assert keys[:3] == ids[:3] and all(k < 0 for k in keys[3:3 + n]) and len(set(keys[3:3 + n])) == n
-    assert set(keys[3:3 + n]).isdisjoint(keys[spans[1].offset:spans[1].end])  # same size, different image
+    assert keys[:3] == ids[:3] and all(k < 0 for k in keys[3 : 3 + n]) and len(set(keys[3 : 3 + n])) == n
+    assert set(keys[3 : 3 + n]).isdisjoint(keys[spans[1].offset : spans[1].end])  # same size, different image
     assert key_tokens(ids, [ImageSpan(3, i1), ImageSpan(3 + n + 3, i1)])[spans[1].offset] == keys[3]
     with pytest.raises(ImagePlaceholderError, match="2 image placeholder"):
         expand_image_tokens([v.image_token_id, v.image_token_id], [i1], v)

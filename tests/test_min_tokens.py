@@ -39,9 +39,9 @@ def test_stop_ids_are_masked_until_min_tokens(backend):
     stop = plain[K]
     first = plain.index(stop)  # the stop id's first place in the plain answer (K or earlier)
     stopped = backend.generate(PROMPT, 12, SamplingParams(), stop_ids=frozenset({stop}))
-    assert stopped.finish_reason == "stop" and stopped.token_ids == plain[:first + 1]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == plain[: first + 1]
     held = backend.generate(PROMPT, 12, SamplingParams(min_tokens=first + 3), stop_ids=frozenset({stop}))
-    assert stop not in held.token_ids[:first + 3], (held.token_ids, stop)
+    assert stop not in held.token_ids[: first + 3], (held.token_ids, stop)
     assert len(held.token_ids) >= first + 3
     # sampled, too: none of the stop ids before min_tokens, whatever the seed
     for seed in range(3):

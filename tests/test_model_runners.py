@@ -75,4 +75,4 @@ def test_runner_refuses_out_of_vocabulary_ids(runner):
     if type(runner).__name__ == "ScriptedRunner":
         pytest.skip("the scripted runner replays a script: it has no model to refuse ids for")
     with pytest.raises(BackendError, match="vocabulary"):
-        runner.check(Sequence("bad", [2, 10 ** 7], SamplingParams(), max_tokens=2))
+        runner.check(Sequence("bad", [2, 10**7], SamplingParams(), max_tokens=2))

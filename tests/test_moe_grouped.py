@@ -54,10 +54,10 @@ def test_plan_reference_groups_pairs_stably_and_tiles_cover_them(kind, rows, exp
     groups = _brute_groups(ids, experts)
     assert off[0] == 0 and list(np.diff(off)) == [len(g) for g in groups]
     for e, g in enumerate(groups):
-        assert list(pairs[off[e]:off[e + 1]]) == g, f"expert {e}: pairs not grouped in ascending pair order"
-    assert (pairs[off[-1]:] == -1).all()
+        assert list(pairs[off[e] : off[e + 1]]) == g, f"expert {e}: pairs not grouped in ascending pair order"
+    assert (pairs[off[-1] :] == -1).all()
     used = tiles[tiles[:, 0] >= 0]
-    assert (tiles[len(used):, 0] == -1).all(), "unused tiles must all come after the real ones"
+    assert (tiles[len(used) :, 0] == -1).all(), "unused tiles must all come after the real ones"
     assert len(used) == sum(-(-len(g) // bm) for g in groups) <= n_tiles
     covered = []
     for e, start, n, pad in used:
@@ -93,17 +93,17 @@ def _grouped_moe(x, ids, wts, gates, ups, downs, bm):
     act = np.full((rows * topk, gates[0].shape[0]), np.nan, np.float16)
     ypair = np.full((rows * topk, downs[0].shape[0]), np.nan, np.float32)
     for e, start, n, _ in tiles[tiles[:, 0] >= 0]:
-        p = pairs[start:start + n]
+        p = pairs[start : start + n]
         xr = x[p // topk].astype(np.float64)
-        act[start:start + n] = R.gelu_tanh(xr @ gates[e].T) * (xr @ ups[e].T)
+        act[start : start + n] = R.gelu_tanh(xr @ gates[e].T) * (xr @ ups[e].T)
     for e, start, n, _ in tiles[tiles[:, 0] >= 0]:
-        p = pairs[start:start + n]
-        ypair[p] = (act[start:start + n].astype(np.float64) @ downs[e].T) * wts.reshape(-1)[p, None]
+        p = pairs[start : start + n]
+        ypair[p] = (act[start : start + n].astype(np.float64) @ downs[e].T) * wts.reshape(-1)[p, None]
     y = np.zeros((rows, downs[0].shape[0]), np.float32)
     for k in range(topk):
         ok = (ids[:, k] >= 0) & (ids[:, k] < experts)
         y[ok] += ypair.reshape(rows, topk, -1)[ok, k]
-    return y, act, pairs[:off[-1]]
+    return y, act, pairs[: off[-1]]
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "invalid"])
@@ -120,7 +120,7 @@ def test_grouped_dataflow_is_the_per_row_moe(kind):
     safe = np.where((ids >= 0) & (ids < experts), ids, 0)
     keep = np.where((ids >= 0) & (ids < experts), wts, 0.0).astype(np.float32)
     act_rows = R.moe_gateup_ref(x, safe, gates, ups).astype(np.float16)  # per (row, slot), one f16 rounding
-    np.testing.assert_array_equal(act[:len(pairs)], act_rows[pairs])
+    np.testing.assert_array_equal(act[: len(pairs)], act_rows[pairs])
     ref = R.moe_down_ref(act_rows, safe, keep, downs)
     assert R.norm_err(y, ref) < 1e-6
     assert np.isfinite(y).all()
@@ -140,7 +140,9 @@ def test_planner_kernels(preset, arch_name):
     assert ks["moe_grouped_plan.cu.j2"].grid == (1, 1, 1) and ks["moe_grouped_plan.cu.j2"].param("max_tiles") == tiles
     for k in ks.values():
         assert k.param("pdl") is True and k.family == "moe_grouped" and k.smem_bytes <= arch.smem_per_block_max
-        assert "bm" not in k.param_dict and not k.template.startswith("moe_gateup")  # runtime grid rules (forward._grid)
+        assert "bm" not in k.param_dict and not k.template.startswith(
+            "moe_gateup"
+        )  # runtime grid rules (forward._grid)
         assert k.param("mmax") == MAX_STEP_TOKENS and k.param("tile_rows") == MG.TILE_ROWS
     for k in (gu, dn):
         assert k.smem_bytes == k.param("stages") * MG.TILE_ROWS * MM.LARGE_PITCH * 2

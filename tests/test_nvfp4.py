@@ -18,26 +18,43 @@ def _ct():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward_helpers import _dequantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-    return dict(Compressor=NVFP4PackedCompressor, pack=pack_fp4_to_uint8, unpack=unpack_fp4_from_uint8,
-                Args=QuantizationArgs, Scheme=QuantizationScheme, dequantize=_dequantize,
-                qparams=calculate_qparams, gparam=generate_gparam)
+
+    return dict(
+        Compressor=NVFP4PackedCompressor,
+        pack=pack_fp4_to_uint8,
+        unpack=unpack_fp4_from_uint8,
+        Args=QuantizationArgs,
+        Scheme=QuantizationScheme,
+        dequantize=_dequantize,
+        qparams=calculate_qparams,
+        gparam=generate_gparam,
+    )
 
 
 def _ct_quantize(ct, w: np.ndarray):
     """The compressed-tensors NVFP4 path: generate_gparam -> per-group calculate_qparams -> compress."""
-    args = ct["Args"](num_bits=4, type="float", group_size=16, strategy="tensor_group", symmetric=True,
-                      dynamic=False, scale_dtype=torch.float8_e4m3fn)
+    args = ct["Args"](
+        num_bits=4,
+        type="float",
+        group_size=16,
+        strategy="tensor_group",
+        symmetric=True,
+        dynamic=False,
+        scale_dtype=torch.float8_e4m3fn,
+    )
     scheme = ct["Scheme"](targets=["Linear"], weights=args)
     t = torch.from_numpy(w)
     g = ct["gparam"](t.min(), t.max())
     grouped = t.reshape(t.shape[0], -1, 16)
     scale, zp = ct["qparams"](grouped.amin(-1), grouped.amax(-1), args, global_scale=g)
-    sd = ct["Compressor"].compress({"weight": t, "weight_scale": scale, "weight_global_scale": g,
-                                    "weight_zero_point": zp}, scheme)
+    sd = ct["Compressor"].compress(
+        {"weight": t, "weight_scale": scale, "weight_global_scale": g, "weight_zero_point": zp}, scheme
+    )
     return sd, scheme
 
 
 # ---- scalar formats -----------------------------------------------------------------------------------------------
+
 
 def test_e4m3_decode_matches_torch_for_all_codes():
     codes = np.arange(256, dtype=np.uint8)
@@ -53,10 +70,17 @@ def test_e4m3_encode_matches_torch_rne_including_ties_and_subnormals():
     finite = nvfp4.E4M3_TABLE[~np.isnan(nvfp4.E4M3_TABLE)]
     pos = np.unique(finite[finite > 0])
     mids = ((pos[1:] + pos[:-1]) / 2).astype(np.float32)  # exact ties between neighbours
-    x = np.concatenate([finite, mids, -mids, np.float32(2.0 ** -10) * np.arange(16, dtype=np.float32),
-                        rng.uniform(-448, 448, 20000).astype(np.float32),
-                        (rng.standard_normal(20000) * 2.0 ** rng.integers(-14, 8, 20000)).astype(np.float32),
-                        np.float32([0.0, -0.0, 448.0, -448.0, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10])]).astype(np.float32)
+    x = np.concatenate(
+        [
+            finite,
+            mids,
+            -mids,
+            np.float32(2.0**-10) * np.arange(16, dtype=np.float32),
+            rng.uniform(-448, 448, 20000).astype(np.float32),
+            (rng.standard_normal(20000) * 2.0 ** rng.integers(-14, 8, 20000)).astype(np.float32),
+            np.float32([0.0, -0.0, 448.0, -448.0, 2.0**-6, 2.0**-9, 2.0**-10]),
+        ]
+    ).astype(np.float32)
     want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     got = nvfp4.f32_to_e4m3(x)
     bad = np.flatnonzero(got != want)
@@ -76,15 +100,21 @@ def test_bf16_round_trip_matches_torch():
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # ties: exactly half-way between two bf16 values, both parities
     base = rng.integers(0, 0x7F00, 5000).astype(np.uint32) << 16
-    x = np.concatenate([(base | 0x8000).view(np.float32), (base | 0x18000).view(np.float32),
-                        rng.standard_normal(50000).astype(np.float32) * 1e3,
-                        np.float32([0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40])])
+    x = np.concatenate(
+        [
+            (base | 0x8000).view(np.float32),
+            (base | 0x18000).view(np.float32),
+            rng.standard_normal(50000).astype(np.float32) * 1e3,
+            np.float32([0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40]),
+        ]
+    )
     want16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(nvfp4.f32_to_bf16(x), want16)
     assert np.isnan(nvfp4.bf16_to_f32(nvfp4.f32_to_bf16(np.float32([np.nan])))).all()
 
 
 # ---- pack / unpack / dequant vs compressed-tensors ---------------------------------------------------------------
+
 
 def test_pack_unpack_bit_identical_to_compressed_tensors():
     ct = _ct()
@@ -115,10 +145,13 @@ def test_dequant_identical_to_compressed_tensors():
 
 # ---- quantize vs compressed-tensors ---------------------------------------------------------------------------------
 
+
 def _adversarial_cases() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(5)
-    cases = {"normal": rng.standard_normal((48, 256)).astype(np.float32) * 0.02,
-             "heavy": (rng.standard_t(2, (32, 128)) * 1e-3).astype(np.float32)}
+    cases = {
+        "normal": rng.standard_normal((48, 256)).astype(np.float32) * 0.02,
+        "heavy": (rng.standard_t(2, (32, 128)) * 1e-3).astype(np.float32),
+    }
     z = rng.standard_normal((16, 64)).astype(np.float32)
     z[3] = 0.0
     z[7, :16] = 0.0
@@ -136,7 +169,7 @@ def _adversarial_cases() -> dict[str, np.ndarray]:
     ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.1, 0.3, 4.9, 5.1, 1.0, 0.0, 2.0, 3.0])
     rows = []
     for j in range(4):  # block maxima 6c, 3c, 1.5c, 0.75c
-        f = np.float32(2.0 ** -j)
+        f = np.float32(2.0**-j)
         row = np.concatenate([[6.0], ties]).astype(np.float32) * c * f
         rows += [row, -row, row[::-1].copy()]
     cases["exact_ties"] = np.tile(np.stack(rows), (1, 4)).astype(np.float32)

@@ -1,4 +1,5 @@
-"""pyproject.toml's package list names every package of the repository, so a wheel (and `.ci/run`'s install) ships them."""
+"""pyproject.toml's package list names every package of the repository, so a wheel (and `.ci/run`'s install) ships
+them."""
 
 from __future__ import annotations
 

@@ -27,15 +27,27 @@ CORPUS = [
     ("Hello world", "Hello world", "", []),
     ("<|channel>thought\nStep 1. ∑ ü<channel|>The answer<turn|>", "The answer", "Step 1. ∑ ü", []),
     ("<|channel>thought\n<channel|>Plain", "Plain", "", []),
-    (f"<|tool_call>call:get_weather{{city:{Q}Paris, FR{Q},days:3}}<tool_call|><|tool_response>", "", "",
-     [("get_weather", {"city": "Paris, FR", "days": 3})]),
-    (f"Let me check.<|tool_call>call:a.b-c{{x:{{y:[1,-2.5,true,false,null,{Q}}}]{Q}]}},z:{Q}日本語 ∑{Q}}}<tool_call|>"
-     f"<|tool_call>call:now{{}}<tool_call|>", "Let me check.", "",
-     [("a.b-c", {"x": {"y": [1, -2.5, True, False, None, "}]"]}, "z": "日本語 ∑"}), ("now", {})]),
-    ("<|channel>thought\nneed a tool<|tool_call>call:f{n:1e-05}<tool_call|>", "", "need a tool",
-     [("f", {"n": 1e-05})]),
-    (f"<|tool_call>call:f{{text:{Q}line1\nline2 {{not json}}{Q},q:{Q}say \"hi\"{Q}}}<tool_call|>", "", "",
-     [("f", {"text": "line1\nline2 {not json}", "q": 'say "hi"'})]),
+    (
+        f"<|tool_call>call:get_weather{{city:{Q}Paris, FR{Q},days:3}}<tool_call|><|tool_response>",
+        "",
+        "",
+        [("get_weather", {"city": "Paris, FR", "days": 3})],
+    ),
+    (
+        f"Let me check.<|tool_call>call:a.b-c{{x:{{y:[1,-2.5,true,false,null,{Q}}}]{Q}]}},z:{Q}日本語 ∑{Q}}}"
+        "<tool_call|>"
+        f"<|tool_call>call:now{{}}<tool_call|>",
+        "Let me check.",
+        "",
+        [("a.b-c", {"x": {"y": [1, -2.5, True, False, None, "}]"]}, "z": "日本語 ∑"}), ("now", {})],
+    ),
+    ("<|channel>thought\nneed a tool<|tool_call>call:f{n:1e-05}<tool_call|>", "", "need a tool", [("f", {"n": 1e-05})]),
+    (
+        f'<|tool_call>call:f{{text:{Q}line1\nline2 {{not json}}{Q},q:{Q}say "hi"{Q}}}<tool_call|>',
+        "",
+        "",
+        [("f", {"text": "line1\nline2 {not json}", "q": 'say "hi"'})],
+    ),
     ("<|tool_call>call:broken{a:<tool_call|>after", "<|tool_call>call:broken{a:<tool_call|>after", "", []),
     (f"Cut short <|tool_call>call:f{{a:{Q}unterminated", f"Cut short <|tool_call>call:f{{a:{Q}unterminated", "", []),
     ("<|channel>thought\nstill thinking when max_tokens hit", "", "still thinking when max_tokens hit", []),
@@ -61,8 +73,12 @@ def _fold(events: list) -> SimpleNamespace:
     return SimpleNamespace(
         content="".join(b.text for b in blocks if b.kind is BlockKind.TEXT),
         reasoning="".join(b.text for b in blocks if b.kind is BlockKind.REASONING),
-        tool_calls=[SimpleNamespace(id=b.call_id, name=b.name, arguments=b.text)
-                    for b in blocks if b.kind is BlockKind.TOOL_CALL])
+        tool_calls=[
+            SimpleNamespace(id=b.call_id, name=b.name, arguments=b.text)
+            for b in blocks
+            if b.kind is BlockKind.TOOL_CALL
+        ],
+    )
 
 
 def _run(tok: Tokenizer, ids: list[int], cuts: list[int], **kw) -> tuple[SimpleNamespace, list[list]]:
@@ -147,8 +163,9 @@ def test_tools_off_keeps_text(tok):
     assert total.tool_calls == [] and "call:f{}" in total.content
 
 
-@pytest.mark.parametrize("body", ["f{}", "call:{a:1}", "call:f{a:1", "call:f{a:1}}", "call:f{:1}",
-                                  f"call:f{{a:{Q}x}}", "call:f[1]"])
+@pytest.mark.parametrize(
+    "body", ["f{}", "call:{a:1}", "call:f{a:1", "call:f{a:1}}", "call:f{:1}", f"call:f{{a:{Q}x}}", "call:f[1]"]
+)
 def test_malformed_calls_rejected(body):
     with pytest.raises(ToolSyntaxError):
         parse_tool_call(body)
@@ -166,12 +183,20 @@ def test_invalid_bytes_are_not_held_back_forever(tok):
 def _events(tok: Tokenizer, ids: list[int], cuts: list[int]) -> list:
     """The ordered events of one run, adjacent text of one kind merged (as a streaming client joins them)."""
     blocks = _blocks([e for step in _run(tok, ids, cuts)[1] for e in step])
-    return [(KINDS[b.kind], "" if b.kind is BlockKind.TOOL_CALL else b.text,
-             (b.call_id, b.name, b.text) if b.kind is BlockKind.TOOL_CALL else None) for b in blocks]
+    return [
+        (
+            KINDS[b.kind],
+            "" if b.kind is BlockKind.TOOL_CALL else b.text,
+            (b.call_id, b.name, b.text) if b.kind is BlockKind.TOOL_CALL else None,
+        )
+        for b in blocks
+    ]
 
 
-RECORDED = (f"<|channel>thought\nPlan: ∑ two calls.<channel|>Calling.<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>"
-            f" then <|tool_call>call:g{{n:2}}<tool_call|>done 🎉")
+RECORDED = (
+    f"<|channel>thought\nPlan: ∑ two calls.<channel|>Calling.<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>"
+    f" then <|tool_call>call:g{{n:2}}<tool_call|>done 🎉"
+)
 
 
 def test_events_are_the_same_for_every_split(tok):

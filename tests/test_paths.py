@@ -38,8 +38,10 @@ def test_every_stage_caches_in_the_one_cache_dir(tmp_path: Path, monkeypatch: py
 def _fake_build(folder: Path, model: str, arch: str) -> Path:
     """A minimal build folder, written by codegen's manifest writer."""
     folder.mkdir(parents=True)
-    return write_manifest(folder, {"schema": MANIFEST_SCHEMA, "model": model, "spec_hash": "0" * 64, "arch": arch,
-                                   "kernels": {}, "programs": {}})
+    return write_manifest(
+        folder,
+        {"schema": MANIFEST_SCHEMA, "model": model, "spec_hash": "0" * 64, "arch": arch, "kernels": {}, "programs": {}},
+    )
 
 
 def test_codegen_writes_the_name_the_runtime_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,8 +57,12 @@ def test_kernel_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("THORGEN_KERNELS", raising=False)
     assert kernel_dirs("sm_90a", "m") == [build_dir("m", "sm_90a")]
     monkeypatch.setenv("THORGEN_KERNELS", str(env))
-    assert kernel_dirs("sm_90a", "m", model, given) == [given, env, build_dir("m", "sm_90a"),
-                                                         model_build_dir(model, "sm_90a")]
+    assert kernel_dirs("sm_90a", "m", model, given) == [
+        given,
+        env,
+        build_dir("m", "sm_90a"),
+        model_build_dir(model, "sm_90a"),
+    ]
     assert model_build_dir(model, "sm_90a") == model / "thorgen-build" / "sm_90a"
     with pytest.raises(ModuleError, match=r"thorgen build --model .*ckpt --arch sm_90a` or pass --kernels DIR"):
         find_kernels("sm_90a", "m", model)
@@ -81,6 +87,7 @@ def test_build_writes_where_the_lookup_looks(tmp_path: Path, monkeypatch: pytest
     def fake(spec, arch, out, jobs=0):
         seen["out"] = out
         raise builder.BuildError([])
+
     monkeypatch.setattr(builder, "build", fake)
     monkeypatch.delenv("THORGEN_KERNELS", raising=False)
     CliRunner().invoke(build, ["--preset", "tiny", "--arch", "sm_90a"])

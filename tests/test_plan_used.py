@@ -19,8 +19,13 @@ from thorgen.model_spec.presets import PRESETS, get_preset
 
 def launched(programs: dict) -> set[str]:
     """Names of the kernels some launch of some program runs."""
-    return {op["kernel"] for table in programs.values() for ranges in table.values() for rng in ranges
-            for op in rng["launches"]}
+    return {
+        op["kernel"]
+        for table in programs.values()
+        for ranges in table.values()
+        for rng in ranges
+        for op in rng["launches"]
+    }
 
 
 def plan_problems(spec, arch, kernels: list[KernelSpec]) -> list[str]:

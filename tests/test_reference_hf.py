@@ -94,9 +94,10 @@ def test_greedy_32_tokens_match_hf_generate(tiny_ckpt, hf_model) -> None:
     for seed in (3, 4):
         ids = prompt(40, seed)
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-        theirs = out[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        theirs = out[0, len(ids) :].tolist()
         ours = ReferenceBackend(tiny_ckpt).generate(ids, 32, SamplingParams()).token_ids
         assert ours == theirs
 
@@ -118,8 +119,9 @@ def _hf_model_of(ckpt):
 FORMAT_TOL = 0.08
 
 
-def test_bf16_checkpoint_matches_hf_and_its_compressed_tensors_form(tiny_checkpoint, tiny_ckpt,
-                                                                    tiny_format_checkpoints, tmp_path) -> None:
+def test_bf16_checkpoint_matches_hf_and_its_compressed_tensors_form(
+    tiny_checkpoint, tiny_ckpt, tiny_format_checkpoints, tmp_path
+) -> None:
     from modelopt_convert import convert_ct_to_modelopt
     from thorgen.model_spec.checkpoint import Checkpoint
 

@@ -117,8 +117,10 @@ def test_a_cache_hit_never_ends_inside_a_span(tiny_ckpt) -> None:
 
 def test_preemption_with_images_gives_the_same_tokens(tiny_ckpt) -> None:
     reqs = {f"r{k}": prompt(tiny_ckpt, 10 + k, text=(30 + k, 31)) for k in range(3)}
-    alone = {rid: ReferenceBackend(tiny_ckpt, max_context=512).generate(ids, 24, SamplingParams(), images=sp).token_ids
-             for rid, (ids, sp) in reqs.items()}
+    alone = {
+        rid: ReferenceBackend(tiny_ckpt, max_context=512).generate(ids, 24, SamplingParams(), images=sp).token_ids
+        for rid, (ids, sp) in reqs.items()
+    }
     backend = ReferenceBackend(tiny_ckpt, max_context=512, prefix_cache=False)
     longest = max(len(ids) for ids, _ in reqs.values())
     blocks = 2 * -(-(longest + 1) // 16) + 1  # two prompts and a block: growing to 24 tokens each preempts

@@ -54,7 +54,7 @@ def hf_model(tiny_ckpt):
     spec = tiny_ckpt.spec
     torch.manual_seed(0)
     model = transformers.Gemma4ForConditionalGeneration(hf_config(spec)).eval().float()
-    state = {"model.language_model." + k[len("model."):]: v for k, v in hf_state_dict(tiny_ckpt).items()}
+    state = {"model.language_model." + k[len("model.") :]: v for k, v in hf_state_dict(tiny_ckpt).items()}
     state |= {t.name: tiny_ckpt.weight_f32(t.name) for t in tiny_ckpt.vision_inventory}
     state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -80,8 +80,8 @@ def hf_pixels(images):
     pv = np.zeros((len(images), n, images[0].patches.shape[1]), np.float32)
     pos = np.full((len(images), n, 2), -1, np.int64)
     for b, img in enumerate(images):
-        pv[b, :img.patches.shape[0]] = img.pixel_values()
-        pos[b, :img.patches.shape[0]] = img.positions
+        pv[b, : img.patches.shape[0]] = img.pixel_values()
+        pos[b, : img.patches.shape[0]] = img.positions
     return torch.from_numpy(pv), torch.from_numpy(pos)
 
 
@@ -114,11 +114,15 @@ def prompt_with(tiny_ckpt, names: list[str], images):
 def hf_logits(model, ids, spans, vision):
     types = np.zeros(len(ids), np.int64)
     for s in spans:
-        types[s.offset:s.end] = 1
+        types[s.offset : s.end] = 1
     pv, pos = hf_pixels([s.image for s in spans])
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), pixel_values=pv, image_position_ids=pos,
-                    mm_token_type_ids=torch.from_numpy(types)[None])
+        out = model(
+            input_ids=torch.tensor([ids]),
+            pixel_values=pv,
+            image_position_ids=pos,
+            mm_token_type_ids=torch.from_numpy(types)[None],
+        )
     return out.logits[0].numpy()
 
 
@@ -156,8 +160,7 @@ def wrong_overlay_on_full_layers(self, layer, x, cache, start, blocks=None):
     if window is not None:
         return right_attention(self, layer, x, cache, start, blocks)
     # the old HF behaviour: full layers see the whole image block too
-    saved = spec.layer_window
-    object.__setattr__(spec, "layer_window", lambda l: 10 ** 9)
+    object.__setattr__(spec, "layer_window", lambda l: 10**9)
     try:
         return right_attention(self, layer, x, cache, start, blocks)
     finally:
@@ -172,8 +175,11 @@ def test_a_wrong_image_mask_fails_the_comparison(tiny_ckpt, hf_model, images, wr
     ids, spans = prompt_with(tiny_ckpt, ["wide"], images)
     theirs = hf_logits(hf_model, ids, spans, tiny_ckpt.spec.vision)
     if wrong == "causal everywhere":
-        monkeypatch.setattr(model_module, "window_visible",
-                            lambda q, k, causal, window, qb=None, kb=None: window_visible(q, k, causal, window))
+        monkeypatch.setattr(
+            model_module,
+            "window_visible",
+            lambda q, k, causal, window, qb=None, kb=None: window_visible(q, k, causal, window),
+        )
     else:
         monkeypatch.setattr(TargetModel, "_attention", wrong_overlay_on_full_layers)
     err = rel(ours_logits(tiny_ckpt, ids, spans), theirs)

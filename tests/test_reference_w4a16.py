@@ -71,8 +71,9 @@ def pair(tiny_checkpoint, tmp_path_factory, fake_kernels):
         if kv not in made:
             drv = EE.install(kernels)
             cuda = open_backend(tiny_checkpoint, ctx=1024, kv_dtype=kv, weights_dir=weights, kernels_dir=kernels)
-            ref = ReferenceBackend(ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype=kv,
-                                  kernels=kernels)
+            ref = ReferenceBackend(
+                ck, max_context=1024, prefix_cache=False, numerics="w4a16", kv_dtype=kv, kernels=kernels
+            )
             made[kv] = (cuda, ref, drv)
         dev.set_driver(made[kv][2])
         return made[kv][:2]
@@ -139,8 +140,10 @@ def test_seeded_sampling_matches(pair, prompts):
     cuda, ref = pair("bf16")
     rng_prompt = [2] + np.random.default_rng(3).integers(256, 512, 20).tolist()
     for ids in (rng_prompt, dict(prompts)["code_001"]):
-        for params in (SamplingParams(temperature=0.8, seed=7),
-                       SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=123)):
+        for params in (
+            SamplingParams(temperature=0.8, seed=7),
+            SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=123),
+        ):
             got = cuda.generate(ids, 32, params).token_ids
             want = ref.generate(ids, 32, params).token_ids
             assert got == want, f"{params}: first difference at {_first_diff(got, want)}"
@@ -196,8 +199,7 @@ def test_w4a16_differs_from_float32_only_by_engine_rounding(tiny_ckpt, fake_kern
     want = f32.forward(ids, f32.new_cache(), last_only=True).logits[-1]
     errs = {}
     for head in ("bf16", "nvfp4"):
-        m = ReferenceBackend(tiny_ckpt, prefix_cache=False, numerics="w4a16", lm_head=head,
-                             kernels=fake_kernels).target
+        m = ReferenceBackend(tiny_ckpt, prefix_cache=False, numerics="w4a16", lm_head=head, kernels=fake_kernels).target
         errs[head] = _rel_l2(m.forward(ids, m.new_cache(), last_only=True).logits[-1], want)
     assert 0 < errs["bf16"] <= 2e-2, errs
     assert 5e-2 <= errs["nvfp4"] <= 0.2, errs

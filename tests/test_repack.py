@@ -55,7 +55,7 @@ def test_every_nvfp4_linear_round_trips(art, ckpt):
     spec = ckpt.spec.target
     for layer in range(spec.num_hidden_layers):
         for lin in target_linears(spec, layer):
-            short = lin.prefix[len(TARGET_PREFIX):]
+            short = lin.prefix[len(TARGET_PREFIX) :]
             if ".experts." in short:
                 head, e, proj = short.rsplit(".", 2)
                 got = AR.unpack_linear(art, f"{head}.{proj}", expert=int(e))
@@ -90,7 +90,7 @@ def test_bf16_tensors_are_stored_verbatim(art, ckpt):
     names = [TARGET_PREFIX + "embed_tokens.weight", TARGET_PREFIX + "norm.weight"]
     names += [i.name for l in range(spec.num_hidden_layers) for i in target_layer_tensors(spec, l) if i.role == "bf16"]
     for name in names:
-        np.testing.assert_array_equal(art.array(name[len(TARGET_PREFIX):]), ckpt.tensor(name), err_msg=name)
+        np.testing.assert_array_equal(art.array(name[len(TARGET_PREFIX) :]), ckpt.tensor(name), err_msg=name)
 
 
 def test_lm_head_is_the_embedding_quantized_at_once(art, ckpt):
@@ -112,7 +112,7 @@ def test_drafter_weights_round_trip(art, ckpt):
             np.testing.assert_array_equal(got, L.bf16_to_f16_bits(raw), err_msg=lin.prefix)
             # fp16 holds every bf16 value of the fp16 normal range exactly
             f = bf16_to_f32(raw)
-            normal = np.abs(f) >= 2.0 ** -14
+            normal = np.abs(f) >= 2.0**-14
             np.testing.assert_array_equal(got.view(np.float16).astype(np.float32)[normal], f[normal])
     np.testing.assert_array_equal(AR.unpack_half(art, "draft.fc"), L.bf16_to_f16_bits(ckpt.draft_tensor("fc.weight")))
     for name in ("hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"):
@@ -124,6 +124,7 @@ def test_vision_tower_is_written_in_its_layout(art, ckpt):
     padded fp16 GEMM weights: a padding column of o_proj is zero, a real one is the checkpoint's value)."""
     from thorgen.model_spec.vision_layout import vision_dims, vision_tensors
     from thorgen.runtime.convert.vision import vision_arrays
+
     spec = ckpt.spec
     want = vision_arrays(spec, ckpt.tensor, lambda n: P.bf16_or_f32(ckpt.tensor(n)))
     for name, (shape, _) in vision_tensors(spec).items():
@@ -133,9 +134,9 @@ def test_vision_tower_is_written_in_its_layout(art, ckpt):
     d = vision_dims(spec)
     o = L.unpack_half(art.array("vision.layers.1.o").reshape(-1).view(np.uint16), d.hidden, d.heads * d.dp)
     o = o.reshape(d.hidden, d.heads, d.dp)
-    assert (o[:, :, d.head_dim:] == 0).all()
+    assert (o[:, :, d.head_dim :] == 0).all()
     raw = ckpt.tensor("model.vision_tower.encoder.layers.1.self_attn.o_proj.linear.weight")
-    np.testing.assert_array_equal(o[:, 1, :d.head_dim], L.bf16_to_f16_bits(raw)[:, d.head_dim:2 * d.head_dim])
+    np.testing.assert_array_equal(o[:, 1, : d.head_dim], L.bf16_to_f16_bits(raw)[:, d.head_dim : 2 * d.head_dim])
 
 
 def test_layout_and_alignment(art):
@@ -170,6 +171,7 @@ def test_default_output_folder_and_lookup(tiny, ckpt):
 
 
 # ---- mismatches and damage ---------------------------------------------------------------------------------
+
 
 def _copy(art, dst):
     shutil.copytree(art.folder, dst)
@@ -212,7 +214,9 @@ def test_checksum_mismatch_names_the_tensor(art, tmp_path):
         f.seek(t.offset + 17)
         f.write(bytes([b[0] ^ 0x40]))
     damaged = WeightsArtifact.open(d)  # sizes still agree: only the checksum can tell
-    with pytest.raises(ArtifactError, match=r"checksum mismatch in 1 tensor\(s\): layers\.3\.mlp\.down_proj\.weight_packed"):
+    with pytest.raises(
+        ArtifactError, match=r"checksum mismatch in 1 tensor\(s\): layers\.3\.mlp\.down_proj\.weight_packed"
+    ):
         damaged.verify()
 
 
@@ -242,6 +246,7 @@ def test_failed_repack_leaves_previous_artifact_intact(tiny, art, monkeypatch):
         if calls["n"] == 5:
             raise RuntimeError("disk on fire")
         return real(*a, **k)
+
     monkeypatch.setattr(P, "pack_matrix", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         R.repack(tiny / "model", out)
@@ -278,6 +283,7 @@ def test_worker_failure_leaves_previous_artifact_intact(tiny, monkeypatch, tmp_p
         if calls["n"] >= 5:
             raise RuntimeError("disk on fire")
         return real(*a, **k)
+
     monkeypatch.setattr(P, "pack_matrix", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         R.repack(tiny / "model", out, jobs=2)
@@ -291,13 +297,16 @@ def test_repack_cli(tiny, tmp_path):
     from thorgen.runtime.convert.cli import repack_weights
 
     out = tmp_path / "cli-art"
-    res = CliRunner().invoke(repack_weights, ["--model", str(tiny / "model"), "--out", str(out), "--verify",
-                                              "--lm-head", "bf16"])
+    res = CliRunner().invoke(
+        repack_weights, ["--model", str(tiny / "model"), "--out", str(out), "--verify", "--lm-head", "bf16"]
+    )
     assert res.exit_code == 0, res.output
     assert "verified" in res.output and str(out) in res.output
     assert WeightsArtifact.open(out).lm_head == "bf16"
-    res = CliRunner().invoke(repack_weights, ["--model", str(tiny / "model"), "--out", str(tmp_path / "j2"), "-q",
-                                              "--lm-head", "bf16", "--jobs", "2"])
+    res = CliRunner().invoke(
+        repack_weights,
+        ["--model", str(tiny / "model"), "--out", str(tmp_path / "j2"), "-q", "--lm-head", "bf16", "--jobs", "2"],
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "j2" / "weights.bin").read_bytes() == (out / "weights.bin").read_bytes()
     (tmp_path / "empty").mkdir()

@@ -25,10 +25,13 @@ def arts(tmp_path_factory, tiny_checkpoint, tiny_format_checkpoints):
     root = tmp_path_factory.mktemp("repack_formats")
     mo = convert_ct_to_modelopt(tiny_checkpoint, root / "mo", "all-linear")
     mo_experts = convert_ct_to_modelopt(tiny_checkpoint, root / "mo-experts", "experts-only")
-    out = {"ct": R.repack(tiny_checkpoint, root / "a-ct", jobs=1), "mo": R.repack(mo, root / "a-mo", jobs=2),
-           "mo-experts": R.repack(mo_experts, root / "a-mo-experts", jobs=1),
-           "bf16": R.repack(tiny_format_checkpoints["bf16"], root / "a-bf16", jobs=1),
-           "bf16-q": R.repack(tiny_format_checkpoints["bf16"], root / "a-bf16-q", jobs=2, quantize="nvfp4")}
+    out = {
+        "ct": R.repack(tiny_checkpoint, root / "a-ct", jobs=1),
+        "mo": R.repack(mo, root / "a-mo", jobs=2),
+        "mo-experts": R.repack(mo_experts, root / "a-mo-experts", jobs=1),
+        "bf16": R.repack(tiny_format_checkpoints["bf16"], root / "a-bf16", jobs=1),
+        "bf16-q": R.repack(tiny_format_checkpoints["bf16"], root / "a-bf16-q", jobs=2, quantize="nvfp4"),
+    }
     return {k: WeightsArtifact.open(v) for k, v in out.items()}
 
 
@@ -39,12 +42,14 @@ def _bytes(art, name):
 def test_header_records_the_formats(arts):
     assert arts["ct"].header["source_format"] == "compressed-tensors"
     assert arts["mo-experts"].header["source_format"] == "modelopt"
-    assert arts["mo-experts"].header["linear_formats"] == {"attention": "bf16", "dense_mlp": "bf16",
-                                                           "experts": "nvfp4"}
+    assert arts["mo-experts"].header["linear_formats"] == {"attention": "bf16", "dense_mlp": "bf16", "experts": "nvfp4"}
     assert arts["bf16"].header["linear_formats"] == {"attention": "bf16", "dense_mlp": "bf16", "experts": "bf16"}
     q = arts["bf16-q"].header
-    assert q["source_format"] == "bf16" and q["linear_formats"] == {"attention": "nvfp4", "dense_mlp": "nvfp4",
-                                                                    "experts": "nvfp4"}
+    assert q["source_format"] == "bf16" and q["linear_formats"] == {
+        "attention": "nvfp4",
+        "dense_mlp": "nvfp4",
+        "experts": "nvfp4",
+    }
     ckpt = Checkpoint.open(arts["ct"].header["source"])
     assert q["spec_hash"] == ckpt.spec.spec_hash  # the all-NVFP4 spec of the same model
 
@@ -72,9 +77,12 @@ def test_bf16_linears_are_their_fp16_values_in_the_half_layout(arts, tiny_format
     np.testing.assert_array_equal(gate, L.bf16_to_f16_bits(ck.linear_bf16(P + "layers.0.mlp.gate_proj")))
     np.testing.assert_array_equal(up, L.bf16_to_f16_bits(ck.linear_bf16(P + "layers.0.mlp.up_proj")))
     down = np.asarray(art.array("layers.1.experts.down_proj.weight_half"))[3]  # expert 3
-    np.testing.assert_array_equal(L.unpack_half(down.view(np.uint16), *dict(
-        art.entry("layers.1.experts.down_proj.weight_half").meta)["logical_shape"]),
-        L.bf16_to_f16_bits(ck.linear_bf16(P + "layers.1.experts.3.down_proj")))
+    np.testing.assert_array_equal(
+        L.unpack_half(
+            down.view(np.uint16), *dict(art.entry("layers.1.experts.down_proj.weight_half").meta)["logical_shape"]
+        ),
+        L.bf16_to_f16_bits(ck.linear_bf16(P + "layers.1.experts.3.down_proj")),
+    )
     assert not any(n.endswith(".weight_packed") and not n.startswith("lm_head") for n in art.tensors)
 
 

@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.presets import get_preset
-from thorgen.runtime.bench.roofline import (expected_experts, roofline_entry, step_cost, target_flops, target_kv_bytes,
-                                      target_weight_bytes, tc_ceiling)
+from thorgen.runtime.bench.roofline import (
+    expected_experts,
+    roofline_entry,
+    step_cost,
+    target_flops,
+    target_kv_bytes,
+    target_weight_bytes,
+    tc_ceiling,
+)
 
 TINY = get_preset("tiny")  # V 512, H 256, layers S S F S S F, window 16, Hq 4; sliding Hkv 2 D 64; full Hkv 1 D 128
 
@@ -26,7 +33,10 @@ def test_decode_weight_bytes_by_hand():
     full = nv(512, h) + nv(128, h) + nv(h, 512)  # q (4x128), k (1x128) reused as V (k_eq_v), o
     dense = 2 * nv(i, h) + nv(h, i)
     experts = 4 * (2 * nv(ie, h) + nv(h, ie))  # one token touches exactly top_k = 4 of the 16 experts
-    small = lambda d: 2 * (d + d + 7 * h + 16 * h + h + 16 + 1)  # q/k norms, 7 norms, router, its scales, scalar
+
+    def small(d):  # q/k norms, 7 norms, router, its scales, scalar
+        return 2 * (d + d + 7 * h + 16 * h + h + 16 + 1)
+
     layers = 4 * (sliding + dense + experts + small(64)) + 2 * (full + dense + experts + small(128))
     tail = 2 * h + 2 * h  # one embedding row + the final norm (bf16)
     assert target_weight_bytes(TINY, 1, "nvfp4") == pytest.approx(layers + tail + nv(512, h))
@@ -92,8 +102,26 @@ def test_bench_roofline_on_the_reference_backend(tiny_checkpoint, tmp_path):
     from thorgen.runtime.bench.cli import bench
 
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "24",
-                                     "--gen", "6", "--runs", "1", "--ctx", "256", "--roofline", "--out", str(out)])
+    res = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-len",
+            "24",
+            "--gen",
+            "6",
+            "--runs",
+            "1",
+            "--ctx",
+            "256",
+            "--roofline",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     rl = r["roofline"]
@@ -128,7 +156,9 @@ def test_format_footprint_by_hand_and_against_the_facts():
     # full size: facts/MODELOPT_NVFP4.md's 4.09 GB (bf16 attention + MLP, 8 of 128 experts) and 1.73 GB (all FP4),
     # both without the lm_head
     full = get_preset("gemma-4-26b-a4b")
+
     def no_head(formats):
         return sum(format_footprint(full, formats)["decode"][k] for k in ("attention", "dense_mlp", "experts"))
+
     assert no_head(EXPERTS_ONLY_NVFP4) / 1e9 == pytest.approx(4.09, abs=0.01)
     assert no_head(ALL_NVFP4) / 1e9 == pytest.approx(1.73, abs=0.01)

@@ -47,7 +47,10 @@ def butterfly(v):
 def inv_norm(ss, H, eps):
     """rsqrtf(ss * (1.0f / H) + eps) * rsqrtf((float)H) (the mul-add contracted to an fma, as nvcc does); the same
     stand-in for rsqrtf in both simulations."""
-    rs = lambda v: (1.0 / np.sqrt(np.asarray(v, np.float64))).astype(F32)
+
+    def rs(v):
+        return (1.0 / np.sqrt(np.asarray(v, np.float64))).astype(F32)
+
     return (rs(fma32(ss, F32(1.0) / F32(H), F32(eps))) * rs(F32(H))).astype(F32)
 
 
@@ -55,7 +58,7 @@ def ref_router_logits(x, scale_bits, proj_bits, eps):
     """router_logits<H, E, THREADS = 64>: lane l of an expert's warp; block_sum<64> for the norm."""
     T, H = x.shape
     E = proj_bits.shape[0]
-    xs = (x * bf16(scale_bits)).astype(F32)                  # xs[i] = v * scale[i]
+    xs = (x * bf16(scale_bits)).astype(F32)  # xs[i] = v * scale[i]
     w = bf16(proj_bits)
     CH = H // 8
     acc = np.zeros((T, E, 32), F32)
@@ -64,14 +67,14 @@ def ref_router_logits(x, scale_bits, proj_bits, eps):
             for i in range(8 * c, 8 * c + 8):
                 acc[:, :, lane] = fma32(xs[:, None, i], w[None, :, i], acc[:, :, lane])
     dot = butterfly(acc)[..., 0]
-    ss = np.zeros((T, 64), F32)                              # thread i: x[i], x[i + 64], ...
+    ss = np.zeros((T, 64), F32)  # thread i: x[i], x[i + 64], ...
     for i in range(64):
         for v in range(i, H, 64):
             ss[:, i] = fma32(x[:, v], x[:, v], ss[:, i])
     s0, s1 = butterfly(ss[:, :32])[:, 0], butterfly(ss[:, 32:])[:, 0]
     r = np.zeros((T, 32), F32)
     r[:, 0], r[:, 1] = s0, s1
-    sst = butterfly(r)[:, 0]                                 # block_sum's second warp_sum: s0 + s1
+    sst = butterfly(r)[:, 0]  # block_sum's second warp_sum: s0 + s1
     return (dot * inv_norm(sst, H, eps)[:, None]).astype(F32)
 
 
@@ -92,7 +95,7 @@ def tiled_router_logits(x, scale_bits, proj_bits, eps, BT, BE):
     for by in range(-(-T // BT)):
         t0 = by * BT
         xb = np.zeros((BT, H), F32)
-        xb[:min(BT, T - t0)] = x[t0:t0 + BT]
+        xb[: min(BT, T - t0)] = x[t0 : t0 + BT]
         for bx in range(E // BE):
             e0 = bx * BE
             acc = np.zeros((THREADS, 64), F32)
@@ -117,7 +120,7 @@ def tiled_router_logits(x, scale_bits, proj_bits, eps, BT, BE):
                 lo = [xs[((8 * tg + i) * XROW)[:, None] + 4 * lane[:, None] + np.arange(4)] for i in range(8)]
                 hi = [xs[((8 * tg + i) * XROW + XH)[:, None] + 4 * lane[:, None] + np.arange(4)] for i in range(8)]
                 xa, xb2 = np.stack(lo, 1), np.stack(hi, 1)
-                xv = np.concatenate([xa, xb2], 2)            # [thread, token i, 8 columns 8l .. 8l + 7]
+                xv = np.concatenate([xa, xb2], 2)  # [thread, token i, 8 columns 8l .. 8l + 7]
                 for j in range(8):
                     wr = ws[(8 * eg + j) * (KC // 8) + lane]  # [thread, 8]
                     for i in range(8):
@@ -132,11 +135,11 @@ def tiled_router_logits(x, scale_bits, proj_bits, eps, BT, BE):
                     sq[(u // 16) * 64 + 4 * (u % 16) + k] = ss[r, :, k]
             sq = sq.reshape(BT, 64)
             inv_s = inv_norm((butterfly(sq[:, :32])[:, 0] + butterfly(sq[:, 32:])[:, 0]).astype(F32), H, eps)
-            a = acc.reshape(WARPS, 32, 64)                   # the recursive halving (halve_pairs<16>)
+            a = acc.reshape(WARPS, 32, 64)  # the recursive halving (halve_pairs<16>)
             ln = np.arange(32)
             for O in (16, 8, 4, 2, 1):
                 up = (ln & O) != 0
-                lo, hi = a[:, :, :O * 2], a[:, :, O * 2:O * 4]
+                lo, hi = a[:, :, : O * 2], a[:, :, O * 2 : O * 4]
                 keep = np.where(up[None, :, None], hi, lo)
                 send = np.where(up[None, :, None], lo, hi)
                 a = (keep + send[:, ln ^ O]).astype(F32)
@@ -174,6 +177,7 @@ def test_tiled_order_bit_identical(T, H, E, BE):
 def test_fma32_exact():
     """The fmaf emulation against exact rational arithmetic on random and cancelling operands."""
     from fractions import Fraction
+
     rng = np.random.default_rng(3)
     a = rng.normal(0, 1, 2000).astype(F32)
     b = rng.normal(0, 1, 2000).astype(F32)

@@ -43,6 +43,7 @@ def current(fake):
 
 # ---- no GPU / no driver / no cuda-python ---------------------------------------------------------------------
 
+
 def test_no_device_suggests_reference_backend(fake):
     fake.init = CUresult.CUDA_ERROR_NO_DEVICE
     with pytest.raises(BackendError, match=r"CUDA_ERROR_NO_DEVICE.*--backend reference"):
@@ -58,6 +59,7 @@ def test_zero_devices_suggests_reference_backend(fake):
 def test_missing_driver_library_suggests_reference_backend(fake):
     def boom(flags):
         raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via system search')
+
     fake.cuInit = boom
     with pytest.raises(BackendError, match=r"no NVIDIA driver found.*--backend reference"):
         dev.Device.open()
@@ -91,6 +93,7 @@ def test_check_names_the_error(fake):
 
 
 # ---- GPU memory --------------------------------------------------------------------------------------------------
+
 
 def test_alloc_reports_needed_and_free(fake):
     fake.free = 3 * GiB
@@ -126,11 +129,13 @@ def test_arena_plan_aligns_regions():
 
 # ---- graphs ------------------------------------------------------------------------------------------------------
 
+
 def test_capture_error_ends_capture_and_reraises(current):
     stream = dev.Stream("s")
 
     def body():
         raise ValueError("kernel arguments wrong")
+
     with pytest.raises(ValueError, match="kernel arguments wrong"):
         CudaGraph.capture(stream, body, "decode")
     assert current.calls == ["begin", "end", "destroy graph"]
@@ -138,11 +143,28 @@ def test_capture_error_ends_capture_and_reraises(current):
 
 # ---- manifest / modules ------------------------------------------------------------------------------------------
 
+
 def _manifest(tmp_path, **over):
-    m = {"schema": MANIFEST_SCHEMA, "model": "tiny", "spec_hash": "ab" * 32, "arch": "sm_90a", "conventions": {},
-         "kernels": {"k1": {"cubin": "k1.cubin", "entry": "k1", "family": "norms", "grid": [1, 1, 1],
-                            "block": [256, 1, 1], "smem_bytes": 0, "args": ["x", "n"], "params": {"h": 256}}},
-         "programs": {}}
+    m = {
+        "schema": MANIFEST_SCHEMA,
+        "model": "tiny",
+        "spec_hash": "ab" * 32,
+        "arch": "sm_90a",
+        "conventions": {},
+        "kernels": {
+            "k1": {
+                "cubin": "k1.cubin",
+                "entry": "k1",
+                "family": "norms",
+                "grid": [1, 1, 1],
+                "block": [256, 1, 1],
+                "smem_bytes": 0,
+                "args": ["x", "n"],
+                "params": {"h": 256},
+            }
+        },
+        "programs": {},
+    }
     m.update(over)
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     return tmp_path
@@ -195,12 +217,18 @@ def test_kernel_set_refuses_other_arch(fake, tmp_path):
 
 def test_pack_args_widths_follow_the_kernel():
     from thorgen.runtime.cuda.memory import DeviceBuffer
+
     buf = DeviceBuffer(0x7F0000001000, 64, "x")
     packed = PackedArgs([buf, 5, 2.5, Ptr(0x1234), np.int64(-3), 0x7F0000002000], sizes=[8, 4, 4, 8, 8, 8])
     ptrs = (ctypes.c_void_p * 6).from_address(packed.address)
-    vals = [ctypes.c_uint64.from_address(ptrs[0]).value, ctypes.c_int32.from_address(ptrs[1]).value,
-            ctypes.c_float.from_address(ptrs[2]).value, ctypes.c_uint64.from_address(ptrs[3]).value,
-            ctypes.c_int64.from_address(ptrs[4]).value, ctypes.c_uint64.from_address(ptrs[5]).value]
+    vals = [
+        ctypes.c_uint64.from_address(ptrs[0]).value,
+        ctypes.c_int32.from_address(ptrs[1]).value,
+        ctypes.c_float.from_address(ptrs[2]).value,
+        ctypes.c_uint64.from_address(ptrs[3]).value,
+        ctypes.c_int64.from_address(ptrs[4]).value,
+        ctypes.c_uint64.from_address(ptrs[5]).value,
+    ]
     assert vals == [0x7F0000001000, 5, 2.5, 0x1234, -3, 0x7F0000002000]
 
 
@@ -216,6 +244,7 @@ def test_pack_args_errors():
 
 
 # ---- KV cache planning ----------------------------------------------------------------------------------------
+
 
 def test_kv_plan_full_preset_bytes_by_hand():
     spec = get_preset("gemma-4-26b-a4b")
@@ -271,8 +300,10 @@ def test_kv_cache_allocation_checks_memory(fake):
 
 # ---- bench / engine helpers -----------------------------------------------------------------------------------
 
+
 def test_decode_weight_bytes_matches_the_anchor_roofline():
     from thorgen.runtime.bench.roofline import target_weight_bytes
+
     # ANCHORS.md 1.2: ~3.82e9 weights read per token; NVFP4 everything (E2M1 + one E4M3 per 16) = 2.15 GB/token,
     # NVFP4 except a bf16 lm_head = 3.21 GB/token (those tables ignore the small bf16 router/norm weights).
     spec = get_preset("gemma-4-26b-a4b")
@@ -286,8 +317,26 @@ def test_bench_reference_backend_json(tiny_checkpoint, tmp_path):
     from thorgen.runtime.bench.cli import bench
 
     out = tmp_path / "b.json"
-    res = CliRunner().invoke(bench, ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "6",
-                                     "--gen", "3", "--runs", "2", "--ctx", "64", "--json", "--out", str(out)])
+    res = CliRunner().invoke(
+        bench,
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--backend",
+            "reference",
+            "--prompt-len",
+            "6",
+            "--gen",
+            "3",
+            "--runs",
+            "2",
+            "--ctx",
+            "64",
+            "--json",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(res.output.strip().splitlines()[-1])
     for key in ("gpu", "command", "date", "prompt_len", "ttft_ms", "decode_tok_s", "peak_gpu_mem_gib", "load_s"):
@@ -305,8 +354,24 @@ def test_bench_image_on_the_reference_backend(tiny_checkpoint, tmp_path):
 
     photo = tmp_path / "photo.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (80, 120, 3), dtype=np.uint8)).save(photo)
-    args = ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "8", "--gen", "3", "--runs",
-            "2", "--ctx", "256", "--image", str(photo), "--image-max-tokens", "70"]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        "--backend",
+        "reference",
+        "--prompt-len",
+        "8",
+        "--gen",
+        "3",
+        "--runs",
+        "2",
+        "--ctx",
+        "256",
+        "--image",
+        str(photo),
+        "--image-max-tokens",
+        "70",
+    ]
     res = CliRunner().invoke(bench, [*args, "--json"])
     assert res.exit_code == 0, res.output
     image = json.loads(res.output.strip().splitlines()[-1])["image"]
@@ -339,6 +404,7 @@ def test_launch_grid_rules():
 
     def entry(grid, params, template="x.cu.j2"):
         return KernelEntry("k", Path("k.cubin"), "k", "f", grid, (128, 1, 1), 0, (), params, template)
+
     assert _grid(entry((512, 1, 1), {"ROW_AXIS": 0}), 3) == (3, 1, 1)
     assert _grid(entry((128, 16, 1), {"ROW_AXIS": 1}), 1) == (128, 1, 1)
     assert _grid(entry((88, 128, 1), {"ROW_GRID": (1, 8, 1)}), 2) == (88, 16, 1)  # rows x top-k
@@ -413,8 +479,9 @@ def test_engine_refuses_to_start_without_needed_kernels(fake, tiny_checkpoint, t
     spec = Checkpoint.open(tiny_checkpoint).spec
     kernels = [k for k in plan(spec, get_arch("sm_90a")) if k.family != "attention"]
     (tmp_path / "k").mkdir()
-    (tmp_path / "k" / "manifest.json").write_text(json.dumps(build_manifest(spec, get_arch("sm_90a"), kernels, {},
-                                                                            "test", [])))
+    (tmp_path / "k" / "manifest.json").write_text(
+        json.dumps(build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", []))
+    )
     art = WeightsArtifact.open(repack(tiny_checkpoint, tmp_path / "w"))
     with pytest.raises(BackendError, match=r"lacks what the forward needs: attention layer kind s") as info:
         Engine(spec, dev.Device.open(), load_manifest(tmp_path / "k"), art, DeviceBuffer(0x1000, 64, "w"), 4096)

@@ -92,6 +92,7 @@ def references(tiny_ckpt, built):
             kw = {} if kind == "f32" else dict(numerics="w4a16", kv_dtype=kind, kernels=built[1])
             made[kind] = ReferenceBackend(tiny_ckpt, max_context=CTX, prefix_cache=False, **kw)
         return made[kind]
+
     return get
 
 
@@ -116,18 +117,21 @@ def _same_tokens(ref, prompt: list[int], got: list[int], want: list[int], what: 
         logits = m.forward(prompt + got[:i], m.new_cache(), last_only=True).logits[-1]
         gap = float(logits[want[i]] - logits[got[i]])
         if not abs(gap) <= TIE_TOL:
-            pytest.fail(f"{what}: first difference at token {i} (engine {got[i:i + 4]}, reference "
-                        f"{want[i:i + 4]}); reference logit gap there {gap:.3g} (> TIE_TOL {TIE_TOL})")
+            pytest.fail(
+                f"{what}: first difference at token {i} (engine {got[i : i + 4]}, reference "
+                f"{want[i : i + 4]}); reference logit gap there {gap:.3g} (> TIE_TOL {TIE_TOL})"
+            )
         ties += 1
         rest = len(got) - i - 1
-        tail = ref.generate(prompt + got[:i + 1], rest, SamplingParams()).token_ids if rest else []
-        want = got[:i + 1] + tail
+        tail = ref.generate(prompt + got[: i + 1], rest, SamplingParams()).token_ids if rest else []
+        want = got[: i + 1] + tail
     if ties:
         print(f"{what}: {ties} reference tie(s) crossed (|logit gap| <= {TIE_TOL})")
     return ties
 
 
 # ---- runtime pieces -------------------------------------------------------------------------------------------
+
 
 def test_device_memory_round_trip(device):
     from thorgen.runtime.cuda.memory import OutOfGpuMemory, alloc
@@ -187,6 +191,7 @@ def test_kernel_launch_and_graph_replay(device, built):
 
 
 # ---- the engine against the reference ---------------------------------------------------------------------------
+
 
 def test_greedy_prompt_suite_matches_reference(cuda, reference, tiny_checkpoint, shared_dir):
     prompts = PS.suite_prompts(tiny_checkpoint, shared_dir, filler_repeats=LONGCTX_REPEATS)
@@ -249,8 +254,10 @@ def test_fp8_kv_within_tolerance(built, references):
 
 def test_seeded_sampling_matches_reference(cuda, reference):
     ids = [2] + np.random.default_rng(3).integers(256, 512, 20).tolist()
-    for params in (SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
-                                                                          min_p=0.05, seed=123)):
+    for params in (
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=123),
+    ):
         got = cuda.generate(ids, 32, params).token_ids
         _same_tokens(reference, ids, got, reference.generate(ids, 32, params).token_ids, f"sampled {params}")
 
@@ -264,8 +271,14 @@ def test_processed_sampling_matches_reference(cuda, reference):
     from thorgen.runtime.reference.sampling import gumbel
 
     ids = [2] + np.random.default_rng(4).integers(256, 512, 24).tolist()
-    params = SamplingParams(temperature=0.9, seed=11, repetition_penalty=1.2, frequency_penalty=0.6,
-                            presence_penalty=0.3, logit_bias=((300, 2.0), (301, -3.0)))
+    params = SamplingParams(
+        temperature=0.9,
+        seed=11,
+        repetition_penalty=1.2,
+        frequency_penalty=0.6,
+        presence_penalty=0.3,
+        logit_bias=((300, 2.0), (301, -3.0)),
+    )
     got = cuda.generate(ids, 32, params).token_ids
     want = reference.generate(ids, 32, params).token_ids
     i = _first_diff(got, want)
@@ -276,8 +289,10 @@ def test_processed_sampling_matches_reference(cuda, reference):
     row = m.forward(ids + want[:i], m.new_cache(), last_only=True).logits[-1]
     z = process(row, params, ids, want[:i], None) / params.temperature + gumbel(params.seed, len(ids) + i, len(row))
     gap = float(z[want[i]] - z[got[i]])
-    assert abs(gap) <= TIE_TOL and i >= 8, (f"first difference at token {i}: engine {got[i:i + 4]}, reference "
-                                           f"{want[i:i + 4]}, reference score gap {gap:.3g}")
+    assert abs(gap) <= TIE_TOL and i >= 8, (
+        f"first difference at token {i}: engine {got[i : i + 4]}, reference "
+        f"{want[i : i + 4]}, reference score gap {gap:.3g}"
+    )
     print(f"processed sampling: identical for {i} tokens, then a reference tie (score gap {gap:.3g})")
 
 
@@ -306,8 +321,10 @@ def test_prompt_logprobs_match_reference(cuda, reference):
         worst_ref = max(worst_ref, abs(lp - log_softmax(rows[i - 1])[ids[i]]))
     dev = np.maximum(tok_dev, cand_dev)
     flips = [(i, round(float(d), 4)) for i, d in enumerate(dev, start=1) if d > SCORE_TOL]
-    print(f"prompt logprobs over {len(ids) - 1} tokens: max |score - engine prefill| {dev.max():.3g} "
-          f"(past {SCORE_TOL}: {flips}), max |score - w4a16 reference| {worst_ref:.3g}")
+    print(
+        f"prompt logprobs over {len(ids) - 1} tokens: max |score - engine prefill| {dev.max():.3g} "
+        f"(past {SCORE_TOL}: {flips}), max |score - w4a16 reference| {worst_ref:.3g}"
+    )
     # an expert flip: at most SCORE_FLIPS positions, never the first or the last row (a chunk edge), the prompt
     # token within the reference tolerance, the candidates within SCORE_FLIP_TOL
     assert len(flips) <= SCORE_FLIPS and all(1 < i < len(dev) for i, _ in flips), flips
@@ -319,7 +336,7 @@ def test_stop_ids_and_length(cuda, reference):
     free_run = reference.generate(ids, 8, SamplingParams()).token_ids
     stop = frozenset({free_run[3]})
     got = cuda.generate(ids, 8, SamplingParams(), stop_ids=stop)
-    assert got.token_ids == free_run[:free_run.index(free_run[3]) + 1] and got.finish_reason == "stop"
+    assert got.token_ids == free_run[: free_run.index(free_run[3]) + 1] and got.finish_reason == "stop"
 
 
 def test_prompt_longer_than_ctx(built):

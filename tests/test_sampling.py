@@ -33,7 +33,7 @@ def test_uniforms_follow_documented_hash() -> None:
     seed, pos = 1234567, 89
     u = uniforms(seed, pos, 300)
     key = splitmix64_py(splitmix64_py(seed) ^ pos)
-    want = [((splitmix64_py(key ^ v) >> 41) + 0.5) * 2.0 ** -23 for v in range(300)]
+    want = [((splitmix64_py(key ^ v) >> 41) + 0.5) * 2.0**-23 for v in range(300)]
     assert u.dtype == np.float32
     assert u.tolist() == want  # exact: every value is float32-representable
     assert 0.0 < u.min() and u.max() < 1.0
@@ -64,9 +64,14 @@ def test_greedy_ties_go_to_lowest_id() -> None:
     assert sample(logits, SamplingParams(), 0) == 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=1, seed=3),
-                                    SamplingParams(temperature=2.0, top_p=1e-6, seed=4),
-                                    SamplingParams(temperature=2.0, min_p=1.0, seed=5)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, top_k=1, seed=3),
+        SamplingParams(temperature=2.0, top_p=1e-6, seed=4),
+        SamplingParams(temperature=2.0, min_p=1.0, seed=5),
+    ],
+)
 def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
     rng = np.random.default_rng(2)
     for pos in range(60):
@@ -95,17 +100,22 @@ def test_filters_keep_exactly_the_expected_sets() -> None:
         cum += p[i]
         if cum >= 0.6:
             break
-    assert set(np.flatnonzero(filter_mask(logits.astype(np.float64) / t,
-                                          SamplingParams(temperature=t, top_p=0.6)))) == nucleus
+    assert (
+        set(np.flatnonzero(filter_mask(logits.astype(np.float64) / t, SamplingParams(temperature=t, top_p=0.6))))
+        == nucleus
+    )
     minp = {i for i in range(64) if p[i] >= 0.2 * p.max()}
-    assert set(np.flatnonzero(filter_mask(logits.astype(np.float64) / t,
-                                          SamplingParams(temperature=t, min_p=0.2)))) == minp
+    assert (
+        set(np.flatnonzero(filter_mask(logits.astype(np.float64) / t, SamplingParams(temperature=t, min_p=0.2))))
+        == minp
+    )
     # order: top-k first, then top-p renormalised over the k survivors
     pk = np.array([p[i] for i in order[:5]])
     pk /= pk.sum()
     keep_k_then_p = {order[j] for j in range(5) if pk[:j].sum() < 0.5}
-    got = set(np.flatnonzero(filter_mask(logits.astype(np.float64) / t,
-                                         SamplingParams(temperature=t, top_k=5, top_p=0.5))))
+    got = set(
+        np.flatnonzero(filter_mask(logits.astype(np.float64) / t, SamplingParams(temperature=t, top_k=5, top_p=0.5)))
+    )
     assert got == keep_k_then_p
 
 

@@ -14,10 +14,24 @@ from thorgen.codegen.sass import REPRESENTATIVES, SassToolMissing, count_familie
 
 MARGIN = 1.03
 LIMITS = {  # instructions per 16 B, nvcc 13.0
-    "sm_90a": {"gemv": 100.0, "gemm16": 145.0, "moe_gateup_m1": 90.5, "moe_down_m1": 110.3,
-               "moe_gateup_m16": 97.6, "moe_down_m16": 96.6, "lm_head": 92.5},
-    "sm_110a": {"gemv": 71.0, "gemm16": 85.0, "moe_gateup_m1": 68.0, "moe_down_m1": 51.8,
-                "moe_gateup_m16": 59.5, "moe_down_m16": 52.8, "lm_head": 66.0},
+    "sm_90a": {
+        "gemv": 100.0,
+        "gemm16": 145.0,
+        "moe_gateup_m1": 90.5,
+        "moe_down_m1": 110.3,
+        "moe_gateup_m16": 97.6,
+        "moe_down_m16": 96.6,
+        "lm_head": 92.5,
+    },
+    "sm_110a": {
+        "gemv": 71.0,
+        "gemm16": 85.0,
+        "moe_gateup_m1": 68.0,
+        "moe_down_m1": 51.8,
+        "moe_gateup_m16": 59.5,
+        "moe_down_m16": 52.8,
+        "lm_head": 66.0,
+    },
 }
 
 

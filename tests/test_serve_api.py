@@ -19,10 +19,21 @@ from scripted_backend import ScriptedBackend, running_server, scripted_state, wr
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "required": ["city"], "properties": {
-                                               "city": {"type": "string"}, "days": {"type": "integer"}}}}},
-         {"type": "function", "function": {"name": "now", "description": "The time"}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "required": ["city"],
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "description": "The time"}},
+]
 SCRIPT = {"out": ""}  # what the scripted engine answers, set per test
 
 
@@ -53,8 +64,10 @@ def said(engine: ScriptedBackend, tok: Tokenizer) -> str:
 
 
 def test_tool_calls_stream_and_not(client, engine, tok):
-    SCRIPT["out"] = (f"<|tool_call>call:get_weather{{city:{Q}Zürich, CH{Q},days:2}}<tool_call|>"
-                     f"<|tool_call>call:now{{}}<tool_call|><|tool_response>")
+    SCRIPT["out"] = (
+        f"<|tool_call>call:get_weather{{city:{Q}Zürich, CH{Q},days:2}}<tool_call|>"
+        f"<|tool_call>call:now{{}}<tool_call|><|tool_response>"
+    )
     msgs = [{"role": "user", "content": "weather?"}]
     r = client.chat.completions.create(model="x", messages=msgs, tools=TOOLS)
     choice = r.choices[0]
@@ -81,17 +94,28 @@ def test_tool_calls_stream_and_not(client, engine, tok):
 
 def test_tool_results_and_tool_choice(client, engine, tok):
     SCRIPT["out"] = "<|tool_call>call:now{}<tool_call|>"
-    history = [{"role": "user", "content": "time?"},
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "c9", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
-               {"role": "tool", "tool_call_id": "c9", "content": "12:00"}]
+    history = [
+        {"role": "user", "content": "time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c9", "type": "function", "function": {"name": "now", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c9", "content": "12:00"},
+    ]
     client.chat.completions.create(model="x", messages=history, tools=TOOLS)
     prompt = said(engine, tok)
-    assert prompt.endswith(f"<|tool_call>call:now{{}}<tool_call|><|tool_response>response:now{{value:{Q}12:00{Q}}}"
-                           "<tool_response|><|channel>thought\n<channel|>")
+    assert prompt.endswith(
+        f"<|tool_call>call:now{{}}<tool_call|><|tool_response>response:now{{value:{Q}12:00{Q}}}"
+        "<tool_response|><|channel>thought\n<channel|>"
+    )
     SCRIPT["out"] = f"city:{Q}Oslo{Q}}}<tool_call|>"  # the prompt already opened the call
-    r = client.chat.completions.create(model="x", messages=history[:1], tools=TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(
+        model="x",
+        messages=history[:1],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert said(engine, tok).endswith("<|tool_call>call:get_weather{")
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
     SCRIPT["out"] = "just text"
@@ -104,8 +128,9 @@ def test_tool_results_and_tool_choice(client, engine, tok):
 def test_reasoning_on_and_off(client, engine, tok):
     SCRIPT["out"] = "<|channel>thought\nFirst, 2+2.<channel|>It is 4.<turn|>"
     msgs = [{"role": "user", "content": "2+2?"}]
-    r = client.chat.completions.create(model="x", messages=msgs, extra_body={
-        "chat_template_kwargs": {"enable_thinking": True}})
+    r = client.chat.completions.create(
+        model="x", messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+    )
     m = r.choices[0].message.model_dump()
     assert (m["content"], m["reasoning_content"], m["reasoning"]) == ("It is 4.", "First, 2+2.", "First, 2+2.")
     assert "<|think|>" in said(engine, tok) and said(engine, tok).endswith("<|turn>model\n")
@@ -127,15 +152,19 @@ def test_stop_usage_and_length(client, engine, tok):
     msgs = [{"role": "user", "content": "go"}]
     r = client.chat.completions.create(model="x", messages=msgs, stop=["gam", "zz"])
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("alpha beta ", "stop")
-    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        model="x", messages=msgs, stop="a g", stream=True) if ch.choices)
+    text = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in client.chat.completions.create(model="x", messages=msgs, stop="a g", stream=True)
+        if ch.choices
+    )
     assert text == "alpha bet"
     r = client.chat.completions.create(model="x", messages=msgs, max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     assert r.usage.prompt_tokens == len(engine.calls[-1]["prompt"])
     assert r.usage.total_tokens == r.usage.prompt_tokens + 3
-    chunks = list(client.chat.completions.create(model="x", messages=msgs, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(model="x", messages=msgs, stream=True, stream_options={"include_usage": True})
+    )
     # + 1: the script runs out and the scripted model ends its turn with a stop id, which counts (as in vLLM)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tok.encode(SCRIPT["out"])) + 1
 
@@ -149,11 +178,13 @@ def test_return_token_ids(server, engine, tok):
     assert choice["token_ids"] == tok.encode("ab<turn|>") and choice["message"]["content"] == "ab"
     assert choice["prompt_token_ids"] == engine.calls[-1]["prompt"]
     for endpoint, extra in (("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "x", "max_tokens": 9})):
-        req = dict(body, stream=True, **extra) if not extra else {"model": "x", "stream": True,
-                                                                  "return_token_ids": True, **extra}
+        req = (
+            dict(body, stream=True, **extra)
+            if not extra
+            else {"model": "x", "stream": True, "return_token_ids": True, **extra}
+        )
         with httpx.stream("POST", url + endpoint, json=req) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: {")]
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
         assert ids == tok.encode("ab<turn|>")
     plain = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "x"}).json()["choices"][0]
@@ -165,13 +196,19 @@ def test_completions_endpoint(client, engine, tok):
     r = client.completions.create(model="x", prompt="Once", max_tokens=10)
     assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "stop"
     assert engine.calls[-1]["prompt"] == tok.encode("<bos>Once")
-    assert "".join(c.choices[0].text for c in client.completions.create(
-        model="x", prompt="Once", stream=True) if c.choices) == "abc"
+    assert (
+        "".join(
+            c.choices[0].text for c in client.completions.create(model="x", prompt="Once", stream=True) if c.choices
+        )
+        == "abc"
+    )
 
 
 BAD = [
-    ("malformed json", b"{not json", 400), ("wrong type", {"messages": "hi"}, 400),
-    ("empty messages", {"messages": []}, 400), ("unknown role", {"messages": [{"role": "bot", "content": "x"}]}, 400),
+    ("malformed json", b"{not json", 400),
+    ("wrong type", {"messages": "hi"}, 400),
+    ("empty messages", {"messages": []}, 400),
+    ("unknown role", {"messages": [{"role": "bot", "content": "x"}]}, 400),
     ("n=17", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400),
     ("penalty", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, 400),
     ("repetition_penalty", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, 400),
@@ -182,33 +219,82 @@ BAD = [
     ("logit_bias_key", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, 400),
     ("logit_bias_value", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "big"}}, 400),
     ("response_format", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400),
-    ("json_schema_missing", {"messages": [{"role": "user", "content": "x"}],
-                             "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, 400),
-    ("json_schema_invalid", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
-            "a": {"type": "nonsense"}}}}}}, 400),
+    (
+        "json_schema_missing",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a"}},
+        },
+        400,
+    ),
+    (
+        "json_schema_invalid",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            },
+        },
+        400,
+    ),
     ("temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
     ("too long", {"messages": [{"role": "user", "content": "x" * 700}]}, 400),
     ("max_tokens over ctx", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}, 400),
-    ("bad tool", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
-                                                                           "function": {"name": "bad name!"}}]}, 400),
-    ("bad schema", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"o": {"type": "object",
-                                                                          "additionalProperties": False}}}}}]}, 400),
-    ("unknown tool_choice", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
-                             "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    (
+        "bad tool",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+        },
+        400,
+    ),
+    (
+        "bad schema",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"o": {"type": "object", "additionalProperties": False}},
+                        },
+                    },
+                }
+            ],
+        },
+        400,
+    ),
+    (
+        "unknown tool_choice",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        400,
+    ),
     ("image", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, 400),
     ("orphan tool", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, 400),
-    ("thinking flag", {"messages": [{"role": "user", "content": "x"}],
-                       "chat_template_kwargs": {"enable_thinking": "yes"}}, 400),
+    (
+        "thinking flag",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": "yes"}},
+        400,
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_a_4xx_error_object(server, name, body, status):
     url = server[0] + "/v1/chat/completions"
-    r = httpx.post(url, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+    r = (
+        httpx.post(url, content=body, headers={"content-type": "application/json"})
+        if isinstance(body, bytes)
         else httpx.post(url, json=body)
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error"
@@ -218,8 +304,12 @@ def test_bad_input_is_a_4xx_error_object(server, name, body, status):
 
 def test_worker_alive_after_bad_input(client):
     SCRIPT["out"] = "fine"
-    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "x"}]).choices[0] \
-        .message.content == "fine"
+    assert (
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "x"}])
+        .choices[0]
+        .message.content
+        == "fine"
+    )
 
 
 def test_models_tokenize_metrics_cors(server, tok):
@@ -228,17 +318,21 @@ def test_models_tokenize_metrics_cors(server, tok):
     ids = httpx.post(url + "/tokenize", json={"prompt": "hi ∑"}).json()
     assert ids["tokens"] == tok.encode("<bos>hi ∑") and ids["count"] == len(ids["tokens"])
     assert httpx.post(url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "<bos>hi ∑"
-    assert httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
     chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tok.decode(chat["tokens"]).endswith("<|turn>model\n<|channel>thought\n<channel|>")
     metrics = httpx.get(url + "/metrics").text
     assert 'thorgen_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert "thorgen_time_to_first_token_seconds_count" in metrics and "thorgen_generation_tokens_total" in metrics
     gauges = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("thorgen_kv_cache")}
-    assert gauges["thorgen_kv_cache_blocks"] > 0 and 0 <= gauges["thorgen_kv_cache_blocks_used"] \
-        <= gauges["thorgen_kv_cache_blocks"] and 0 <= gauges["thorgen_kv_cache_usage"] <= 1
-    pre = httpx.options(url + "/v1/chat/completions", headers={
-        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert (
+        gauges["thorgen_kv_cache_blocks"] > 0
+        and 0 <= gauges["thorgen_kv_cache_blocks_used"] <= gauges["thorgen_kv_cache_blocks"]
+        and 0 <= gauges["thorgen_kv_cache_usage"] <= 1
+    )
+    pre = httpx.options(
+        url + "/v1/chat/completions", headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    )
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
     assert "access-control-allow-origin" not in httpx.get(url + "/v1/models", headers={"Origin": "http://evil"}).headers
 
@@ -252,6 +346,7 @@ def test_api_key_and_health_while_loading(tok):
         client = EngineClient(lambda: engine)
         client.wait_ready()
         return client, tok, ChatTemplate(TEMPLATE.read_text()), {"eos_token_id": [1, 106, 50]}
+
     state = ServerState("m", loader)
     with running_server(create_app(state, api_key="sekrit")) as url:
         state.load_in_background()

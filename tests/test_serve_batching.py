@@ -26,12 +26,14 @@ def server(tiny_checkpoint):
         config = EngineConfig(tiny_checkpoint, "reference", ctx=256, max_num_seqs=16)
         holder = {}
         # 128 K/V entries for up to 16 sequences: requests queue for blocks, and some are preempted
-        client = EngineClient(lambda: holder.setdefault("m", open_backend(config)).backend, max_num_seqs=16,
-                              kv_tokens=128)
+        client = EngineClient(
+            lambda: holder.setdefault("m", open_backend(config)).backend, max_num_seqs=16, kv_tokens=128
+        )
         client.wait_ready()
         model = holder["m"]
         source, bos = load_chat_template(model.model_dir, model.chat_template)
         return client, load_tokenizer(model.tokenizer_path), ChatTemplate(source, bos), model.generation_config
+
     state = ServerState("tiny", loader, model_names=("tiny", *TEST_MODEL_NAMES))
     state.load()
     assert state.load_error is None, state.load_error
@@ -47,8 +49,9 @@ def _ids(url: str, prompt: list[int], **extra) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 50, "seed": 3}],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 50, "seed": 3}], ids=["greedy", "seeded"]
+)
 def test_64_concurrent_clients_get_their_own_tokens(server, sampling):
     prompts = [[2, 105] + [110 + (7 * i + j) % 300 for j in range(3 + i % 9)] + [107] for i in range(64)]
     alone = [_ids(server, p, **sampling) for p in prompts[:8]]  # alone, one after another

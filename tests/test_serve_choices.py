@@ -26,8 +26,10 @@ def client(tiny_checkpoint):
 def test_n_choices_equal_single_requests_with_their_seeds(client):
     r = client.chat.completions.create(model="m", messages=MSGS, n=3, seed=40, temperature=1.0, max_tokens=8)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    singles = [client.chat.completions.create(model="m", messages=MSGS, seed=40 + i, temperature=1.0, max_tokens=8)
-               for i in range(3)]
+    singles = [
+        client.chat.completions.create(model="m", messages=MSGS, seed=40 + i, temperature=1.0, max_tokens=8)
+        for i in range(3)
+    ]
     assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in singles]
     assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
@@ -35,15 +37,18 @@ def test_n_choices_equal_single_requests_with_their_seeds(client):
 
 def test_n_choices_stream_by_index(client):
     texts, finished = {}, set()
-    for ch in client.completions.create(model="m", prompt="Once", n=2, seed=7, temperature=1.0, max_tokens=6,
-                                        stream=True):
+    for ch in client.completions.create(
+        model="m", prompt="Once", n=2, seed=7, temperature=1.0, max_tokens=6, stream=True
+    ):
         for c in ch.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             if c.finish_reason:
                 finished.add(c.index)
     assert finished == {0, 1}
-    alone = [client.completions.create(model="m", prompt="Once", seed=7 + i, temperature=1.0, max_tokens=6)
-             .choices[0].text for i in range(2)]
+    alone = [
+        client.completions.create(model="m", prompt="Once", seed=7 + i, temperature=1.0, max_tokens=6).choices[0].text
+        for i in range(2)
+    ]
     assert [texts[0], texts[1]] == alone
 
 

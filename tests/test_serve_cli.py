@@ -32,8 +32,13 @@ def test_serve_demo_model_from_fresh_cache(tmp_path):
     openai = pytest.importorskip("openai")
     port = _free_port()
     env = dict(os.environ, THORGEN_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "thorgen.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thorgen.cli", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline, status = time.monotonic() + 90, None
@@ -83,8 +88,9 @@ def test_cli_help():
     for cmd in ("serve", "chat"):
         r = subprocess.run([sys.executable, "-m", "thorgen.cli", cmd, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "Usage" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "thorgen.cli", "serve", "--model", "/nonexistent/dir"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "thorgen.cli", "serve", "--model", "/nonexistent/dir"], capture_output=True, text=True
+    )
     assert r.returncode != 0 and "config.json" in r.stderr
 
 

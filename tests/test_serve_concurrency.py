@@ -27,10 +27,12 @@ def tok(tmp_path_factory) -> Tokenizer:
 
 def echo_engine(tok: Tokenizer, **kw) -> ScriptedBackend:
     """Answers 'reply to <request tag> ...' so each client can check it got its own answer, whole."""
+
     def script(prompt: list[int]) -> list[int]:
         tag = re.findall(r"request-(\d+)", tok.decode(prompt))[-1]
         n = int(re.findall(r"len-(\d+)", tok.decode(prompt))[-1])
         return tok.encode(f"reply to {tag}: " + " ".join(f"{tag}.{i}" for i in range(n)))
+
     return ScriptedBackend(script, **kw)
 
 
@@ -43,7 +45,8 @@ def test_32_concurrent_streams_unmixed(tok):
         def one(i: int) -> tuple[int, str, str | None]:
             text, finish = "", None
             stream = client.chat.completions.create(
-                model="m", stream=True, messages=[{"role": "user", "content": f"request-{i} len-{5 + i % 7}"}])
+                model="m", stream=True, messages=[{"role": "user", "content": f"request-{i} len-{5 + i % 7}"}]
+            )
             for ch in stream:
                 if ch.choices:
                     text += ch.choices[0].delta.content or ""

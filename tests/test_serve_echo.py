@@ -34,6 +34,7 @@ def oracle(tiny_ckpt):
 
     def rows(ids: list[int]) -> np.ndarray:
         return np.stack([log_softmax(r) for r in model.forward(ids, model.new_cache(), last_only=False).logits])
+
     return rows
 
 
@@ -64,8 +65,9 @@ def test_echo_logprobs_are_the_models_own(server, oracle):
     for the first) and then the generated token's, each the log-softmax of the logits that predict it."""
     tok, top_n = server[1].context.tokenizer, 3
     prompts = [ids_of(server, TEXT), ids_of(server, "The sky is")]
-    body = complete(server, prompt=prompts, max_tokens=1, temperature=0, logprobs=top_n, echo=True,
-                    return_token_ids=True)
+    body = complete(
+        server, prompt=prompts, max_tokens=1, temperature=0, logprobs=top_n, echo=True, return_token_ids=True
+    )
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for ids, choice in zip(prompts, body["choices"]):
         lp, full = choice["logprobs"], ids + choice["token_ids"]
@@ -88,8 +90,9 @@ def test_streamed_echo_equals_the_whole_answer(server):
     args = dict(prompt=TEXT, max_tokens=4, temperature=0, logprobs=2, echo=True)
     whole = complete(server, **args)["choices"][0]
     chunks = []
-    with httpx.stream("POST", server[0] + "/v1/completions", json={"model": "tiny", "stream": True, **args},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", server[0] + "/v1/completions", json={"model": "tiny", "stream": True, **args}, timeout=120
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:])["choices"][0])
@@ -108,11 +111,15 @@ def test_max_tokens_0_scores_the_prompt_only(server):
     c = body["choices"][0]
     assert c["text"] == server[1].context.tokenizer.decode(ids)
     assert c["finish_reason"] == "length" and c["token_ids"] == []
-    assert {k: v[:len(ids)] for k, v in one["logprobs"].items()} == c["logprobs"]
+    assert {k: v[: len(ids)] for k, v in one["logprobs"].items()} == c["logprobs"]
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
     texts = []
-    with httpx.stream("POST", server[0] + "/v1/completions", timeout=120,
-                      json={"model": "tiny", "prompt": TEXT, "max_tokens": 0, "echo": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server[0] + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny", "prompt": TEXT, "max_tokens": 0, "echo": True, "stream": True},
+    ) as r:
         texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(texts) == TEXT
     r = post(server, prompt=TEXT, max_tokens=0)
@@ -129,9 +136,20 @@ def test_several_prompts_give_choices_prompt_major(server):
     assert body["usage"]["prompt_tokens"] == sum(singles[p * n]["usage"]["prompt_tokens"] for p in range(len(prompts)))
     assert body["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
     streamed: dict[int, str] = {}
-    with httpx.stream("POST", server[0] + "/v1/completions", timeout=120,
-                      json={"model": "tiny", "prompt": prompts, "n": n, "seed": 5, "temperature": 1.0,
-                            "max_tokens": 6, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server[0] + "/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny",
+            "prompt": prompts,
+            "n": n,
+            "seed": 5,
+            "temperature": 1.0,
+            "max_tokens": 6,
+            "stream": True,
+        },
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 c = json.loads(line[6:])["choices"][0]
@@ -139,18 +157,21 @@ def test_several_prompts_give_choices_prompt_major(server):
     assert [streamed[i] for i in range(len(prompts) * n)] == [c["text"] for c in body["choices"]]
 
 
-@pytest.mark.parametrize("prompt, n, param, words", [
-    ([], 1, "prompt", "empty"),
-    ([[]], 1, "prompt[0]", "empty"),
-    ([[2, 300], []], 1, "prompt[1]", "empty"),
-    ([[2, 300], [2, 10 ** 6]], 1, "prompt[1]", "vocabulary"),
-    ([2, 10 ** 6], 1, "prompt", "vocabulary"),
-    ([[2]] * 5, 13, "prompt", "5 prompts x n=13 = 65 choices"),
-    (["a"] * 65, 1, "prompt", "at most 64"),
-    (["a", 1], 1, None, "invalid request"),
-    ([[2, True]], 1, None, "invalid request"),  # strict: a boolean is no token id
-    ([["2"]], 1, None, "invalid request"),
-])
+@pytest.mark.parametrize(
+    "prompt, n, param, words",
+    [
+        ([], 1, "prompt", "empty"),
+        ([[]], 1, "prompt[0]", "empty"),
+        ([[2, 300], []], 1, "prompt[1]", "empty"),
+        ([[2, 300], [2, 10**6]], 1, "prompt[1]", "vocabulary"),
+        ([2, 10**6], 1, "prompt", "vocabulary"),
+        ([[2]] * 5, 13, "prompt", "5 prompts x n=13 = 65 choices"),
+        (["a"] * 65, 1, "prompt", "at most 64"),
+        (["a", 1], 1, None, "invalid request"),
+        ([[2, True]], 1, None, "invalid request"),  # strict: a boolean is no token id
+        ([["2"]], 1, None, "invalid request"),
+    ],
+)
 def test_bad_prompts_are_400s_naming_the_field(server, prompt, n, param, words):
     r = post(server, prompt=prompt, n=n, max_tokens=1)
     assert r.status_code == 400, r.text
@@ -162,8 +183,11 @@ def test_bad_prompts_are_400s_naming_the_field(server, prompt, n, param, words):
 def test_tokenizer_info_serves_lm_evals_remote_tokenizer(server):
     url, state = server
     info = httpx.get(url + "/tokenizer_info").json()
-    assert {k: info[k] for k in ("bos_token", "eos_token", "pad_token")} == {"bos_token": "<bos>",
-                                                                          "eos_token": "<eos>", "pad_token": "<pad>"}
+    assert {k: info[k] for k in ("bos_token", "eos_token", "pad_token")} == {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+    }
     assert info["chat_template"] == state.context.template.source and info["model_max_length"] == CTX
     assert info["tokenizer_class"] and info["vocab_size"] == state.context.tokenizer.vocab_size
     assert "/tokenizer_info" in httpx.get(url + "/openapi.json").json()["paths"]

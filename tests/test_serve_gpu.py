@@ -24,9 +24,16 @@ pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.gpu
 PROMPT_IDS = [2, 105, 200, 300, 400, 107]
 MSGS = [{"role": "user", "content": "Name a prime number."}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "required": ["city"],
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _thorgen(*args: str) -> list[str]:
@@ -40,8 +47,25 @@ def _start(model, kernels, log, *extra: str):
     port = sock.getsockname()[1]
     sock.close()
     with open(log, "w") as out:
-        proc = subprocess.Popen(_thorgen("serve", "--model", str(model), "--backend", "cuda", "--port", str(port),
-                                         "--kernel-dir", str(kernels), "--served-model-name", "m", "x", *extra), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _thorgen(
+                "serve",
+                "--model",
+                str(model),
+                "--backend",
+                "cuda",
+                "--port",
+                str(port),
+                "--kernel-dir",
+                str(kernels),
+                "--served-model-name",
+                "m",
+                "x",
+                *extra,
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -97,12 +121,29 @@ def test_models_reports_the_default_context(server):
 
 def test_greedy_completion_equals_generate(server):
     url, model, kernels = server
-    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": PROMPT_IDS, "max_tokens": 24,
-                                                  "temperature": 0, "return_token_ids": True}, timeout=120).json()
-    ran = subprocess.run(_thorgen("generate", "--model", str(model), "--backend", "cuda", "--prompt-ids",
-                                  ",".join(map(str, PROMPT_IDS)), "--max-tokens", "24", "--json"),
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, THORGEN_KERNELS=str(kernels)))
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "m", "prompt": PROMPT_IDS, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        timeout=120,
+    ).json()
+    ran = subprocess.run(
+        _thorgen(
+            "generate",
+            "--model",
+            str(model),
+            "--backend",
+            "cuda",
+            "--prompt-ids",
+            ",".join(map(str, PROMPT_IDS)),
+            "--max-tokens",
+            "24",
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, THORGEN_KERNELS=str(kernels)),
+    )
     assert ran.returncode == 0, ran.stderr
     ids = json.loads(ran.stdout)["token_ids"]
     assert r["choices"][0]["token_ids"] == ids and r["choices"][0]["prompt_token_ids"] == PROMPT_IDS
@@ -113,8 +154,11 @@ def test_greedy_completion_equals_generate(server):
 
 def test_chat_stream_equals_non_stream(client):
     full = client.chat.completions.create(model="m", messages=MSGS, max_tokens=16, temperature=0)
-    chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=MSGS, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == (full.choices[0].message.content or "")
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -122,14 +166,22 @@ def test_chat_stream_equals_non_stream(client):
 
 def test_tools_reasoning_and_seed(client):
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice=choice,
-                                           max_tokens=12, temperature=0)
+        r = client.chat.completions.create(
+            model="m", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=12, temperature=0
+        )
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=12, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    r = client.chat.completions.create(
+        model="m",
+        messages=MSGS,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
-    a, b = (client.chat.completions.create(model="m", messages=MSGS, max_tokens=16, temperature=1.0, seed=7)
-            for _ in range(2))
+    a, b = (
+        client.chat.completions.create(model="m", messages=MSGS, max_tokens=16, temperature=1.0, seed=7)
+        for _ in range(2)
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
@@ -213,6 +265,7 @@ def test_prefix_cache_hit_equals_miss(server, sampling):
         body = {"model": "m", "prompt": prompt, "max_tokens": 16, "return_token_ids": True, **sampling}
         r = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
         return r["choices"][0]["token_ids"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
     first, _ = run(PROMPT_IDS)
     turn2 = PROMPT_IDS + first + [107, 105, 250, 251, 107]
     hit, cached_hit = run(turn2)
@@ -228,16 +281,32 @@ def test_prefix_cache_hit_equals_miss(server, sampling):
 def test_structured_output_logprobs_and_penalties(client, server):
     """The processed head on the GPU through HTTP: a json_schema is obeyed on random weights, a logit_bias of
     +100 forces its token, and greedy logprobs name the picked token first (its logprob is the top one's)."""
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "json"}], max_tokens=40,
-                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
-                                           "name": "t", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "json"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    )
     assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool), r.choices[0].message.content
     ids = _ids(server[0], PROMPT_IDS, 6, temperature=0, logit_bias={"77": 100})
     assert ids == [77] * 6
-    body = {"model": "m", "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "logprobs": 3,
-            "frequency_penalty": 0.5, "presence_penalty": 0.3, "return_token_ids": True}
+    body = {
+        "model": "m",
+        "prompt": PROMPT_IDS,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 3,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "return_token_ids": True,
+    }
     c = httpx.post(server[0] + "/v1/completions", json=body, timeout=120).json()["choices"][0]
     top = c["logprobs"]["top_logprobs"]
     assert len(top) == len(c["token_ids"]) and all(len(t) == 3 for t in top)
@@ -255,6 +324,7 @@ def test_echo_prompt_logprobs(server):
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(PROMPT_IDS) + 1 and lp["token_logprobs"][0] is None
     assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
-    plain = httpx.post(server[0] + "/v1/completions", json={**body, "echo": False, "prompt": PROMPT_IDS},
-                       timeout=120).json()["choices"][0]["logprobs"]
+    plain = httpx.post(
+        server[0] + "/v1/completions", json={**body, "echo": False, "prompt": PROMPT_IDS}, timeout=120
+    ).json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"][-1] == pytest.approx(plain["token_logprobs"][0], abs=1e-2)

@@ -48,6 +48,7 @@ def test_big_bodies_do_not_stall_a_stream(tok):
                             gaps.append(now - last)
                         last = now
                         started.set()
+
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(10)
@@ -55,12 +56,16 @@ def test_big_bodies_do_not_stall_a_stream(tok):
         with httpx.Client(timeout=60) as http:
             r = http.post(url + "/v1/chat/completions", content=huge, headers={"content-type": "application/json"})
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-            chunked = http.post(url + "/v1/chat/completions", headers={"content-type": "application/json"},
-                                content=(huge[i:i + (1 << 20)] for i in range(0, len(huge), 1 << 20)))
+            chunked = http.post(
+                url + "/v1/chat/completions",
+                headers={"content-type": "application/json"},
+                content=(huge[i : i + (1 << 20)] for i in range(0, len(huge), 1 << 20)),
+            )
             assert chunked.status_code == 413
             start = time.perf_counter()
-            r = http.post(url + "/v1/chat/completions", json={"messages": [{"role": "user",
-                                                                             "content": "x" * (5 << 20)}]})
+            r = http.post(
+                url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+            )
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
             assert time.perf_counter() - start < 3.0
             assert http.get(url + "/health").status_code == 200  # the same connection still works
@@ -71,10 +76,16 @@ def test_big_bodies_do_not_stall_a_stream(tok):
 
 SURROGATE_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
-     "messages[0].content[0].text"),
-    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {
-        "name": "f", "description": "bad \ud83d"}}]}, "tools[0].function.description"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "description": "bad \ud83d"}}]},
+        "tools[0].function.description",
+    ),
     ("/v1/chat/completions", {"messages": MSG, "stop": ["\ud800"]}, "stop[0]"),
     ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"\ud800": 1}}, "chat_template_kwargs.\\ud800"),
     ("/v1/completions", {"prompt": "x\udc00"}, "prompt"),
@@ -101,8 +112,16 @@ def test_lone_surrogates_are_400_and_the_connection_survives(tok):
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
-STRICT = [("temperature", "0.5"), ("temperature", True), ("frequency_penalty", False), ("top_p", "1"),
-          ("max_tokens", True), ("max_tokens", "5"), ("seed", 1.5), ("stream", "true")]
+STRICT = [
+    ("temperature", "0.5"),
+    ("temperature", True),
+    ("frequency_penalty", False),
+    ("top_p", "1"),
+    ("max_tokens", True),
+    ("max_tokens", "5"),
+    ("seed", 1.5),
+    ("stream", "true"),
+]
 
 
 def test_strict_types_405_allow_and_model_retrieve(tok):
@@ -148,12 +167,14 @@ def test_shutdown_is_bounded_with_a_stream_running(tok):
 
     def stream(url: str) -> None:
         try:
-            with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True},
-                              timeout=30) as r:
+            with httpx.stream(
+                "POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}, timeout=30
+            ) as r:
                 for line in r.iter_lines():
                     got_data.set()
         except httpx.HTTPError:
             pass  # the server went away mid-stream, as it should
+
     with running_server(create_app(state)) as url:  # running_server waits at most 1 s for open requests
         reader = threading.Thread(target=stream, args=(url,), daemon=True)
         reader.start()

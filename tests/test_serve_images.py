@@ -76,8 +76,9 @@ def files_url():
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    media = MediaOptions(budget=70, max_images=MAX_IMAGES, allowed_domains=("127.0.0.1",), fetch_timeout_s=1.0,
-                         max_fetch_bytes=100_000)
+    media = MediaOptions(
+        budget=70, max_images=MAX_IMAGES, allowed_domains=("127.0.0.1",), fetch_timeout_s=1.0, max_fetch_bytes=100_000
+    )
     with tiny_server(tiny_checkpoint, 2048, media=media) as (url, state):
         submitted = []
         original = state.client.submit
@@ -85,6 +86,7 @@ def served(tiny_checkpoint):
         def recording(*args, **kwargs):
             submitted.append((args[0], kwargs.get("images", ())))
             return original(*args, **kwargs)
+
         state.client.submit = recording
         yield url, state, submitted
 
@@ -102,16 +104,27 @@ def expected_prompt(state, messages: list[dict], images: list[bytes], budget: in
 def test_one_data_url_image(served):
     url, state, submitted = served
     red = png(1)
-    reply = openai_client(url).chat.completions.create(model="tiny", max_tokens=4, messages=[
-        {"role": "user", "content": [image_part(data_url(red)), {"type": "text", "text": "What is this?"}]}])
-    ids, spans = expected_prompt(state, [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "What is this?"}]}], [red])
+    reply = openai_client(url).chat.completions.create(
+        model="tiny",
+        max_tokens=4,
+        messages=[{"role": "user", "content": [image_part(data_url(red)), {"type": "text", "text": "What is this?"}]}],
+    )
+    ids, spans = expected_prompt(
+        state, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}], [red]
+    )
     sent_ids, sent_spans = submitted[-1]
-    assert sent_ids == ids and [(s.offset, s.image.hash) for s in sent_spans] == [(s.offset, s.image.hash)
-                                                                                  for s in spans]
+    assert sent_ids == ids and [(s.offset, s.image.hash) for s in sent_spans] == [
+        (s.offset, s.image.hash) for s in spans
+    ]
     assert reply.usage.prompt_tokens == len(ids)  # the image's soft tokens, boi and eoi count
-    tokenized = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": [
-        image_part(data_url(red)), {"type": "text", "text": "What is this?"}]}]}).json()
+    tokenized = httpx.post(
+        url + "/tokenize",
+        json={
+            "messages": [
+                {"role": "user", "content": [image_part(data_url(red)), {"type": "text", "text": "What is this?"}]}
+            ]
+        },
+    ).json()
     assert tokenized["tokens"] == ids
     assert spans[0].image.soft_tokens > 10 and reply.choices[0].finish_reason == "length"
 
@@ -119,18 +132,32 @@ def test_one_data_url_image(served):
 def test_two_images_and_budgets(served):
     url, state, submitted = served
     first, second = png(2), png(3, size=(90, 30))
-    messages = [{"role": "user", "content": [image_part(data_url(first)), {"type": "text", "text": "and"},
-                                             {"type": "image", "url": data_url(second)}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                image_part(data_url(first)),
+                {"type": "text", "text": "and"},
+                {"type": "image", "url": data_url(second)},
+            ],
+        }
+    ]
     client = openai_client(url)
-    client.chat.completions.create(model="tiny", max_tokens=2, messages=messages,
-                                   extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}})
+    client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=messages, extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}}
+    )
     spans = submitted[-1][1]
     assert [s.image.hash for s in spans] == [load_image(b, state.caps.vision, 140).hash for b in (first, second)]
     assert spans[1].offset > spans[0].end
     messages[0]["content"][0]["image_url"]["detail"] = "low"  # low: the smallest budget, 70
-    stream = client.chat.completions.create(model="tiny", max_tokens=3, messages=messages, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}})
+    stream = client.chat.completions.create(
+        model="tiny",
+        max_tokens=3,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}},
+    )
     usage = [c.usage for c in stream if c.usage][-1]
     ids, spans = submitted[-1]
     assert spans[0].image.hash == load_image(first, state.caps.vision, 70).hash and usage.prompt_tokens == len(ids)
@@ -139,8 +166,11 @@ def test_two_images_and_budgets(served):
 def test_image_url_from_an_allowed_host(served, files_url):
     url, state, submitted = served
     client = openai_client(url)
-    client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-        {"role": "user", "content": [image_part(files_url + "/red.png"), {"type": "text", "text": "hi"}]}])
+    client.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": [image_part(files_url + "/red.png"), {"type": "text", "text": "hi"}]}],
+    )
     assert submitted[-1][1][0].image.hash == load_image(Files.files["/red.png"], state.caps.vision, 70).hash
 
 
@@ -176,20 +206,28 @@ def test_bad_images_are_400s_and_the_server_stays_healthy(served, files_url):
     before = len(submitted)
     for needle, content in cases.items():
         assert needle in refusal(client, content), needle
-    assert "user messages only" in refusal(client, messages=[
-        {"role": "system", "content": [good]}, {"role": "user", "content": "hi"}])
-    assert "user messages only" in refusal(client, messages=[
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [good, text]},
-        {"role": "user", "content": "again"}])
+    assert "user messages only" in refusal(
+        client, messages=[{"role": "system", "content": [good]}, {"role": "user", "content": "hi"}]
+    )
+    assert "user messages only" in refusal(
+        client,
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [good, text]},
+            {"role": "user", "content": "again"},
+        ],
+    )
     assert "image token" in refusal(client, messages=[{"role": "user", "content": "typed <|image|> here"}])
     for budget in (100, 0, "280", 2240):
         assert "max_soft_tokens must be one of 70, 140, 280, 560, 1120" in refusal(
-            client, [good, text], mm_processor_kwargs={"max_soft_tokens": budget})
+            client, [good, text], mm_processor_kwargs={"max_soft_tokens": budget}
+        )
     assert "only max_soft_tokens" in refusal(client, [good, text], mm_processor_kwargs={"do_resize": False})
     assert len(submitted) == before  # nothing reached the engine
     assert httpx.get(url + "/health").status_code == 200
-    reply = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
-        good, text]}])
+    reply = client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": [good, text]}]
+    )
     assert reply.choices[0].message.content is not None
 
 
@@ -198,49 +236,125 @@ def test_anthropic_image_block(served):
     url, state, submitted = served
     client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
     blue = png(5)
-    msg = client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": base64.b64encode(blue).decode()}},
-        {"type": "text", "text": "Describe it."}]}])
+    msg = client.messages.create(
+        model="tiny",
+        max_tokens=3,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(blue).decode(),
+                        },
+                    },
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ],
+    )
     ids, spans = submitted[-1]
     assert spans[0].image.hash == load_image(blue, state.caps.vision, 70).hash
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == len(ids)
-    count = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": base64.b64encode(blue).decode()}},
-        {"type": "text", "text": "Describe it."}]}])
+    count = client.messages.count_tokens(
+        model="tiny",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(blue).decode(),
+                        },
+                    },
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ],
+    )
     assert count.input_tokens == len(ids)
     with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!"}}]}])
+        client.messages.create(
+            model="tiny",
+            max_tokens=3,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!"}}
+                    ],
+                }
+            ],
+        )
     assert "messages[0].content[0]" in err.value.message and "base64" in err.value.message
     with pytest.raises(anthropic.BadRequestError):  # the url source follows the same domain rule
-        client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+        client.messages.create(
+            model="tiny",
+            max_tokens=3,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
+                }
+            ],
+        )
 
 
 def _image_block(data: bytes) -> dict:
-    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                        "data": base64.b64encode(data).decode()}}
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+    }
 
 
-WEATHER = {"name": "get_weather", "description": "Weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 # request shapes with images whose prompt count_tokens must count exactly as /v1/messages charges it
 COUNTED_IMAGES = {
     "one image": {"messages": [{"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "It?"}]}]},
-    "two images, system, tools": {"system": "Be brief.", "tools": [WEATHER], "messages": [{"role": "user", "content": [
-        _image_block(png(5)), {"type": "text", "text": "and"}, _image_block(png(6))]}]},
-    "a url image, forced tool": {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"},
-                                 "messages": [{"role": "user", "content": [
-                                     {"type": "image", "source": {"type": "url", "url": "FILES/red.png"}},
-                                     {"type": "text", "text": "Where?"}]}]},
-    "an image in an earlier turn": {"tools": [WEATHER], "messages": [
-        {"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "Weather there?"}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                           "input": {"city": "Oslo"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain"},
-                                     _image_block(png(6))]}]},
+    "two images, system, tools": {
+        "system": "Be brief.",
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "and"}, _image_block(png(6))]}
+        ],
+    },
+    "a url image, forced tool": {
+        "tools": [WEATHER],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "url", "url": "FILES/red.png"}},
+                    {"type": "text", "text": "Where?"},
+                ],
+            }
+        ],
+    },
+    "an image in an earlier turn": {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": [_image_block(png(5)), {"type": "text", "text": "Weather there?"}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain"}, _image_block(png(6))],
+            },
+        ],
+    },
 }
 
 
@@ -260,24 +374,48 @@ def test_responses_input_image(served):
     url, state, submitted = served
     client = openai_client(url)
     green = png(6)
-    r = client.responses.create(model="tiny", max_output_tokens=3, input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "What colour?"},
-        {"type": "input_image", "image_url": data_url(green), "detail": "auto"}]}])
+    r = client.responses.create(
+        model="tiny",
+        max_output_tokens=3,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What colour?"},
+                    {"type": "input_image", "image_url": data_url(green), "detail": "auto"},
+                ],
+            }
+        ],
+    )
     ids, spans = submitted[-1]
     assert spans[0].image.hash == load_image(green, state.caps.vision, 70).hash
     assert r.usage.input_tokens == len(ids)
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model="tiny", max_output_tokens=3, input=[{"role": "user", "content": [
-            {"type": "input_image", "file_id": "file-1", "detail": "auto"}]}])
+        client.responses.create(
+            model="tiny",
+            max_output_tokens=3,
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-1", "detail": "auto"}]}],
+        )
     assert "input[0].content[0]" in err.value.body["message"]
 
 
 def test_long_prompt_with_an_image_across_the_prefill_chunk(served):
     url, state, submitted = served
     words = " ".join(f"w{i}" for i in range(100))  # the tiny tokenizer: about a token a character
-    reply = openai_client(url).chat.completions.create(model="tiny", max_tokens=3, messages=[{
-        "role": "user", "content": [{"type": "text", "text": words[:290]}, image_part(data_url(png(9))),
-                                    {"type": "text", "text": words}]}])
+    reply = openai_client(url).chat.completions.create(
+        model="tiny",
+        max_tokens=3,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": words[:290]},
+                    image_part(data_url(png(9))),
+                    {"type": "text", "text": words},
+                ],
+            }
+        ],
+    )
     ids, spans = submitted[-1]
     assert spans[0].offset < PREFILL_CHUNK < spans[0].end  # a chunk boundary would fall inside the span
     assert reply.usage.prompt_tokens == len(ids) > 2 * PREFILL_CHUNK and reply.usage.completion_tokens == 3
@@ -326,6 +464,10 @@ def test_a_model_without_a_vision_tower_refuses_images(tmp_path):
     with running_server(create_app(state)) as url:
         message = refusal(openai_client(url), [image_part(data_url(png(1))), {"type": "text", "text": "hi"}])
         assert "no vision tower" in message
-        assert openai_client(url).chat.completions.create(
-            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).choices[0].message.content
+        assert (
+            openai_client(url)
+            .chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            .choices[0]
+            .message.content
+        )
     state.close()

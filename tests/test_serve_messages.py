@@ -13,14 +13,22 @@ anthropic = pytest.importorskip("anthropic")
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
-from scripted_backend import (ScriptedBackend, ScriptedRunner, running_server, scripted_state,  # noqa: E402
-                             write_test_tokenizer)
+from scripted_backend import (  # noqa: E402
+    ScriptedBackend,
+    ScriptedRunner,
+    running_server,
+    scripted_state,  # noqa: E402
+    write_test_tokenizer,
+)
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
 CACHED = 8  # prompt tokens the test runner reports as read from its prefix cache
-TOOL = {"name": "get_weather", "description": "Weather of a city",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 class CachingRunner(ScriptedRunner):
@@ -48,6 +56,7 @@ def served(tmp_path_factory):
         if "<|think|>" in text:
             return tok.encode("<|channel>thought\nThe user greets me.<channel|>Hello!")
         return tok.encode("Hello there. STOP here")
+
     backend = CachingBackend(script, max_context=4096, chunk=3)
     state = scripted_state(backend, tok, ChatTemplate(TEMPLATE.read_text()))
     with running_server(create_app(state)) as url:
@@ -57,8 +66,9 @@ def served(tmp_path_factory):
 
 def test_text_and_usage(served):
     client, _, backend, _ = served
-    msg = client.messages.create(model="m", max_tokens=64, system="Be brief.",
-                                 messages=[{"role": "user", "content": "Hi"}])
+    msg = client.messages.create(
+        model="m", max_tokens=64, system="Be brief.", messages=[{"role": "user", "content": "Hi"}]
+    )
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Hello there. STOP here"
     assert msg.stop_reason == "end_turn" and msg.role == "assistant"
     prompt = backend.calls[-1]["prompt"]
@@ -72,8 +82,9 @@ def test_text_and_usage(served):
 
 def test_stop_sequence_and_max_tokens(served):
     client = served[0]
-    msg = client.messages.create(model="m", max_tokens=64, stop_sequences=["STOP"],
-                                 messages=[{"role": "user", "content": "Hi"}])
+    msg = client.messages.create(
+        model="m", max_tokens=64, stop_sequences=["STOP"], messages=[{"role": "user", "content": "Hi"}]
+    )
     assert msg.content[0].text == "Hello there. " and msg.stop_reason == "stop_sequence"
     assert msg.stop_sequence == "STOP"
     msg = client.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
@@ -82,8 +93,12 @@ def test_stop_sequence_and_max_tokens(served):
 
 def test_stream_matches_whole_answer(served):
     client, url, _, _ = served
-    kwargs = dict(model="m", max_tokens=64, thinking={"type": "enabled", "budget_tokens": 1024},
-                  messages=[{"role": "user", "content": "Hi"}])
+    kwargs = dict(
+        model="m",
+        max_tokens=64,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     kwargs["max_tokens"] = 2048
     whole = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
@@ -92,21 +107,26 @@ def test_stream_matches_whole_answer(served):
     assert streamed.stop_reason == whole.stop_reason == "end_turn"
     assert streamed.usage.model_dump() == whole.usage.model_dump()
     with httpx.stream("POST", url + "/v1/messages", json={**kwargs, "stream": True}, timeout=60) as r:
-        names = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+        names = [line[len("event: ") :] for line in r.iter_lines() if line.startswith("event: ")]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
     assert names.count("content_block_start") == names.count("content_block_stop") == 2
 
 
 def test_thinking_blocks(served):
     client, _, backend, tok = served
-    msg = client.messages.create(model="m", max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
-                                 messages=[{"role": "user", "content": "Hi"}])
+    msg = client.messages.create(
+        model="m",
+        max_tokens=2048,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     assert "<|think|>" in tok.decode(backend.calls[-1]["prompt"])
     assert [b.type for b in msg.content] == ["thinking", "text"]
     assert msg.content[0].thinking == "The user greets me." and msg.content[0].signature
     assert msg.content[1].text == "Hello!"
-    plain = client.messages.create(model="m", max_tokens=64, thinking={"type": "disabled"},
-                                   messages=[{"role": "user", "content": "Hi"}])
+    plain = client.messages.create(
+        model="m", max_tokens=64, thinking={"type": "disabled"}, messages=[{"role": "user", "content": "Hi"}]
+    )
     assert "<|think|>" not in tok.decode(backend.calls[-1]["prompt"]) and plain.content[0].type == "text"
 
 
@@ -124,8 +144,10 @@ def test_tools_over_two_turns(served, stream):
     assert [b.type for b in first.content] == ["text", "tool_use"]
     call = first.content[1]
     assert call.name == "get_weather" and call.input == {"city": "Paris"} and call.id.startswith("toolu_")
-    history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]
+    history += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]},
+    ]
     second = client.messages.create(messages=history, **kwargs)
     prompt = tok.decode(backend.calls[-1]["prompt"])
     assert "sunny" in prompt and "call:get_weather" in prompt
@@ -134,29 +156,66 @@ def test_tools_over_two_turns(served, stream):
 
 def test_tool_choice_forces_a_call(served):
     client, _, backend, tok = served
-    client.messages.create(model="m", max_tokens=64, tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"},
-                           messages=[{"role": "user", "content": "Hi"}])
+    client.messages.create(
+        model="m",
+        max_tokens=64,
+        tools=[TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     assert tok.decode(backend.calls[-1]["prompt"]).endswith("<|tool_call>call:get_weather{")
-    client.messages.create(model="m", max_tokens=64, tools=[TOOL], tool_choice={"type": "none"},
-                           messages=[{"role": "user", "content": "Hi"}])
+    client.messages.create(
+        model="m",
+        max_tokens=64,
+        tools=[TOOL],
+        tool_choice={"type": "none"},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     assert "declaration:get_weather" not in tok.decode(backend.calls[-1]["prompt"])
 
 
-@pytest.mark.parametrize("body, names", [
-    ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "container": "c"}, "container"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "frobnicate": 1}, "frobnicate"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "tools": [TOOL],
-      "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
-      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
-      "thinking": {"type": "enabled", "budget_tokens": 10}}, "budget_tokens"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Su"}]},
-     "prefilled"),
-])
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "mcp_servers": [{"url": "x"}]},
+            "mcp_servers",
+        ),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "container": "c"}, "container"),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "frobnicate": 1}, "frobnicate"),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [TOOL],
+                "tool_choice": {"type": "tool", "name": "nope"},
+            },
+            "nope",
+        ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            "web_search_20250305",
+        ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 10},
+            },
+            "budget_tokens",
+        ),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Su"}]},
+            "prefilled",
+        ),
+    ],
+)
 def test_errors_in_anthropic_shape(served, body, names):
     client, url, _, _ = served
     r = httpx.post(url + "/v1/messages", json={"model": "m", **body}, timeout=30)
@@ -167,36 +226,55 @@ def test_errors_in_anthropic_shape(served, body, names):
     if "max_tokens" in body:  # the client itself insists on max_tokens
         rest = {k: v for k, v in body.items() if k not in ("max_tokens", "messages")}
         with pytest.raises(anthropic.BadRequestError) as caught:
-            client.messages.create(model="m", max_tokens=body["max_tokens"], messages=body["messages"],
-                                   extra_body=rest)
+            client.messages.create(model="m", max_tokens=body["max_tokens"], messages=body["messages"], extra_body=rest)
         assert caught.value.body["error"]["type"] == "invalid_request_error"
 
 
 HI = {"role": "user", "content": "Hi"}
 ASK = {"role": "user", "content": "What is the weather in Paris?"}
-CALLED = {"role": "assistant", "content": [
-    {"type": "thinking", "thinking": "A tool will know.", "signature": "c2ln"}, {"type": "text", "text": "Looking."},
-    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
-ANSWERED = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
-                                        {"type": "text", "text": "And tomorrow?"}]}
+CALLED = {
+    "role": "assistant",
+    "content": [
+        {"type": "thinking", "thinking": "A tool will know.", "signature": "c2ln"},
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+    ],
+}
+ANSWERED = {
+    "role": "user",
+    "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+        {"type": "text", "text": "And tomorrow?"},
+    ],
+}
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 # request shapes whose prompt count_tokens must count exactly as /v1/messages charges it
 COUNTED = {
     "plain": {"messages": [HI]},
     "system": {"system": "Be brief.", "messages": [HI]},
-    "system blocks": {"system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
-                      "messages": [HI]},
+    "system blocks": {
+        "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        "messages": [HI],
+    },
     "tools": {"tools": [TOOL], "messages": [ASK]},
     "tool_choice auto": {"tools": [TOOL], "tool_choice": {"type": "auto"}, "messages": [ASK]},
     "tool_choice any": {"tools": [TOOL], "tool_choice": {"type": "any"}, "messages": [HI]},
     "tool_choice tool": {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [HI]},
-    "tool_choice tool, no parallel calls": {"tools": [TOOL], "messages": [HI], "tool_choice": {
-        "type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}},
+    "tool_choice tool, no parallel calls": {
+        "tools": [TOOL],
+        "messages": [HI],
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    },
     "tool_choice none": {"tools": [TOOL], "tool_choice": {"type": "none"}, "messages": [HI]},
     "thinking on": {"thinking": THINKING, "messages": [HI]},
     "thinking off": {"thinking": {"type": "disabled"}, "messages": [HI]},
-    "thinking, system, forced tool": {"thinking": THINKING, "system": "Be brief.", "tools": [TOOL],
-                                      "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [HI]},
+    "thinking, system, forced tool": {
+        "thinking": THINKING,
+        "system": "Be brief.",
+        "tools": [TOOL],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [HI],
+    },
     "tool turns": {"tools": [TOOL], "system": "Be brief.", "messages": [ASK, CALLED, ANSWERED]},
     "tool turns, thinking": {"tools": [TOOL], "thinking": THINKING, "messages": [ASK, CALLED, ANSWERED]},
     "several turns": {"messages": [HI, {"role": "assistant", "content": "Hello."}, HI]},

@@ -36,8 +36,9 @@ def test_chat_stream_equals_non_stream(client, server):
     count = httpx.post(server[0] + "/tokenize", json={"messages": MSGS}).json()["count"]
     assert r.usage.prompt_tokens == count
     text, reasoning, usage = "", "", None
-    for ch in client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}):
+    for ch in client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if ch.choices:
             d = ch.choices[0].delta.model_dump()
             text += d.get("content") or ""
@@ -51,20 +52,22 @@ def test_chat_stream_equals_non_stream(client, server):
 
 def test_seed_reproducible(client):
     def sample(seed: int) -> str:
-        r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=1.0,
-                                      seed=seed)
+        r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=seed)
         return r.choices[0].text + "|" + str(r.usage.completion_tokens)
+
     first = sample(11)
     assert sample(11) == first
     assert len({sample(s) for s in (12, 13, 14)} | {first}) > 1  # seeds matter (a constant seed would fail)
 
 
 def test_thinking_changes_the_prompt(client, server):
-    on = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2,
-                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    on = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+    )
     off = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, reasoning_effort="none")
-    tok = httpx.post(server[0] + "/tokenize", json={"messages": MSGS,
-                                                    "chat_template_kwargs": {"enable_thinking": True}}).json()
+    tok = httpx.post(
+        server[0] + "/tokenize", json={"messages": MSGS, "chat_template_kwargs": {"enable_thinking": True}}
+    ).json()
     assert on.usage.prompt_tokens == tok["count"] != off.usage.prompt_tokens
 
 
@@ -74,9 +77,9 @@ def test_stop_sequence_trims(client):
     visible = text.strip("\ufffd")
     if len(visible) < 2:
         pytest.skip("the random model produced too little visible text to place a stop string")
-    stop = visible[len(visible) // 2:][:2]
+    stop = visible[len(visible) // 2 :][:2]
     r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0, stop=[stop])
-    assert r.choices[0].message.content == text[:text.index(stop)]
+    assert r.choices[0].message.content == text[: text.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
 
@@ -89,8 +92,7 @@ def test_over_context_is_400(client):
 def test_speculative_decoding_is_lossless(tiny_checkpoint, client):
     """With the DFlash drafter on, greedy output equals plain greedy output; /metrics sees the verify steps."""
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
-    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
-                        speculative=None)
+    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)), speculative=None)
     state.load()
     assert state.context.speculative is True  # the tiny checkpoint carries a drafter
     with running_server(create_app(state)) as url:
@@ -104,8 +106,11 @@ def test_speculative_decoding_is_lossless(tiny_checkpoint, client):
 
 
 def _verify_steps(url: str) -> int:
-    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
-             if ln.startswith("thorgen_accepted_tokens_per_step_count")]
+    lines = [
+        ln
+        for ln in httpx.get(url + "/metrics").text.splitlines()
+        if ln.startswith("thorgen_accepted_tokens_per_step_count")
+    ]
     return int(float(lines[0].split()[1])) if lines else 0
 
 
@@ -116,12 +121,12 @@ def test_num_speculative_tokens_per_request(tiny_checkpoint, client):
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
     url = f"http://{client.base_url.host}:{client.base_url.port}"
     before = _verify_steps(url)
-    forced = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0,
-                                            extra_body={"num_speculative_tokens": 3})
+    forced = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=5, temperature=0, extra_body={"num_speculative_tokens": 3}
+    )
     assert forced.choices[0].message.content == plain.choices[0].message.content
     assert _verify_steps(url) > before
-    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)),
-                        speculative=None)
+    state = ServerState("tiny", lambda: open_model(EngineConfig(tiny_checkpoint, "reference", 1024)), speculative=None)
     state.load()
     with running_server(create_app(state)) as spec_url:
         body = {"model": "tiny", "messages": MSGS, "max_tokens": 5, "temperature": 0, "num_speculative_tokens": 0}

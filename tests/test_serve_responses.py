@@ -19,8 +19,12 @@ from scripted_backend import ScriptedBackend, running_server, scripted_state, wr
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 Q = '<|"|>'
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,7 @@ def served(tmp_path_factory):
         if "<|think|>" in text:
             return tok.encode("<|channel>thought\nA greeting.<channel|>Hello!")
         return tok.encode('{"a": 1}')
+
     backend = ScriptedBackend(script, max_context=4096, chunk=3)
     state = scripted_state(backend, tok, ChatTemplate(TEMPLATE.read_text()))
     with running_server(create_app(state)) as url:
@@ -76,13 +81,19 @@ def test_stream_matches_whole_answer(served):
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert deltas == final.output_text == whole.output_text == "Hello!"
+
     def strip(response) -> list[dict]:
         return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"} for item in response.output]
+
     assert strip(final) == strip(whole)
     with httpx.stream("POST", url + "/v1/responses", json={**kwargs, "stream": True}, timeout=60) as r:
         types = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert types[-1] == "response.completed" and "response.reasoning_text.delta" in types
     assert types.count("response.output_item.added") == types.count("response.output_item.done") == 2
 
@@ -107,31 +118,37 @@ def test_function_call_over_two_turns(served, stream):
 
 def test_tool_choice_and_text_format(served):
     client, _, backend, tok = served
-    client.responses.create(model="m", input="Hi", tools=[TOOL],
-                            tool_choice={"type": "function", "name": "get_weather"})
+    client.responses.create(
+        model="m", input="Hi", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"}
+    )
     assert tok.decode(backend.calls[-1]["prompt"]).endswith("<|tool_call>call:get_weather{")
     # the format reaches the engine as a grammar, which the scripted engine refuses (it has no logits to mask)
     with pytest.raises(openai.BadRequestError, match="response_format / forced tool_choice is not supported"):
-        client.responses.create(model="m", input="Hi", text={"format": {"type": "json_schema", "name": "x",
-                                                                        "schema": {"type": "object"}}})
+        client.responses.create(
+            model="m", input="Hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}
+        )
 
 
-@pytest.mark.parametrize("extra, names", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "web_search"),
-    ({"frobnicate": 1}, "frobnicate"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format"),
-    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
-])
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "web_search"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    ],
+)
 def test_refusals(served, extra, names):
     client, url, _, _ = served
     body = {"model": "m", "input": "Hi", **extra}
     r = httpx.post(url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and names in r.json()["error"]["message"], r.json()
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="m", input=body.pop("input"), extra_body={k: v for k, v in body.items()
-                                                                                if k != "model"})
+        client.responses.create(
+            model="m", input=body.pop("input"), extra_body={k: v for k, v in body.items() if k != "model"}
+        )

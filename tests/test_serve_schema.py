@@ -29,9 +29,9 @@ BUDGET_S = 100
 # pass on every case.
 ALLOWED = {
     "positive_data_acceptance": "schema-valid requests can still be refused with a 400 by checks JSON Schema "
-                                "cannot express (conversation order, tool names, context length, vocabulary, "
-                                "fields we do not implement such as n>1 or penalties); `schema_accepts` below "
-                                "checks the part that matters: such a 400 never comes from schema validation",
+    "cannot express (conversation order, tool names, context length, vocabulary, "
+    "fields we do not implement such as n>1 or penalties); `schema_accepts` below "
+    "checks the part that matters: such a 400 never comes from schema validation",
 }
 
 
@@ -54,14 +54,27 @@ def test_schemathesis_over_http(tmp_path):
     with running_server(create_app(state)) as url, requests.Session() as session:
         schema = schemathesis.openapi.from_url(url + "/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
-        assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/tokenize",
-                                                  "/detokenize", "/v1/models/{model_id}", "/v1/messages",
-                                                  "/v1/messages/count_tokens", "/v1/responses"}
+        assert {op.path for op in operations} >= {
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/tokenize",
+            "/detokenize",
+            "/v1/models/{model_id}",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/v1/responses",
+        }
         deadline = time.monotonic() + BUDGET_S
         for op in operations:
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck))
+
+                @settings(
+                    max_examples=EXAMPLES,
+                    deadline=None,
+                    database=None,
+                    derandomize=True,
+                    suppress_health_check=list(HealthCheck),
+                )
                 @given(case=op.as_strategy(generation_mode=mode))
                 def call(case) -> None:
                     if time.monotonic() > deadline:
@@ -70,10 +83,16 @@ def test_schemathesis_over_http(tmp_path):
                     response = case.call_and_validate(session=session, checks=run)
                     statuses[response.status_code] += 1
                     body = response.json() if response.status_code == 400 else {}
-                    if mode == GenerationMode.POSITIVE and body["error"]["message"].startswith("invalid request:") \
-                            if body else False:
-                        failures.append(f"schema-valid input failed schema validation: {case.method} {case.path} "
-                                        f"{case.body!r:.200} -> {body['error']['message']:.300}")
+                    if (
+                        mode == GenerationMode.POSITIVE and body["error"]["message"].startswith("invalid request:")
+                        if body
+                        else False
+                    ):
+                        failures.append(
+                            f"schema-valid input failed schema validation: {case.method} {case.path} "
+                            f"{case.body!r:.200} -> {body['error']['message']:.300}"
+                        )
+
                 try:
                     call()
                 except hypothesis.errors.Unsatisfiable:  # no invalid input exists (GET without parameters)

@@ -21,13 +21,23 @@ openai = pytest.importorskip("openai")
 
 from tiny_server import openai_client, tiny_server  # noqa: E402
 
-BOUNDED = {"type": "object", "required": ["days", "code"], "properties": {
-    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}}
+BOUNDED = {
+    "type": "object",
+    "required": ["days", "code"],
+    "properties": {
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+    },
+}
 # what the template cannot render unnormalized: a nullable anyOf and an enum without a type
-UNTYPED = {"type": "object", "required": ["unit", "days"], "properties": {
-    "unit": {"enum": ["celsius", "fahrenheit"]},
-    "days": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 5}, {"type": "null"}]}}}
+UNTYPED = {
+    "type": "object",
+    "required": ["unit", "days"],
+    "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 5}, {"type": "null"}]},
+    },
+}
 RUNS = 10
 
 
@@ -44,11 +54,17 @@ def _anthropic(url: str):
 def _messages_call(url: str, schema: dict, stream: bool) -> tuple[str, dict]:
     client = _anthropic(url)
     # temperature goes in the body: this client version dropped the argument
-    kw = dict(model="tiny", max_tokens=160, extra_body={"temperature": 1.0},
-              messages=[{"role": "user", "content": "Plan it."}],
-              tools=[{"name": "act", "description": "act", "input_schema": schema},
-                     {"name": "other", "description": "other", "input_schema": {"type": "object"}}],
-              tool_choice={"type": "tool", "name": "act"})
+    kw = dict(
+        model="tiny",
+        max_tokens=160,
+        extra_body={"temperature": 1.0},
+        messages=[{"role": "user", "content": "Plan it."}],
+        tools=[
+            {"name": "act", "description": "act", "input_schema": schema},
+            {"name": "other", "description": "other", "input_schema": {"type": "object"}},
+        ],
+        tool_choice={"type": "tool", "name": "act"},
+    )
     if stream:
         with client.messages.stream(**kw) as s:
             message = s.get_final_message()
@@ -62,10 +78,16 @@ def _messages_call(url: str, schema: dict, stream: bool) -> tuple[str, dict]:
 
 def _responses_call(url: str, schema: dict) -> tuple[str, dict]:
     r = openai_client(url).responses.create(
-        model="tiny", input="Plan it.", max_output_tokens=160, temperature=1.0,
-        tools=[{"type": "function", "name": "act", "description": "act", "parameters": schema},
-               {"type": "function", "name": "other", "description": "other", "parameters": {"type": "object"}}],
-        tool_choice={"type": "function", "name": "act"})
+        model="tiny",
+        input="Plan it.",
+        max_output_tokens=160,
+        temperature=1.0,
+        tools=[
+            {"type": "function", "name": "act", "description": "act", "parameters": schema},
+            {"type": "function", "name": "other", "description": "other", "parameters": {"type": "object"}},
+        ],
+        tool_choice={"type": "function", "name": "act"},
+    )
     calls = [item for item in r.output if item.type == "function_call"]
     assert calls, r.output
     return calls[0].name, json.loads(calls[0].arguments)
@@ -97,8 +119,11 @@ def test_schemas_are_normalized_for_the_template_on_every_api(server):
     jsonschema.validate(arguments, UNTYPED)
     # count_tokens renders the same normalized tools as the answer's prompt
     client = _anthropic(url)
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Plan it."}],
-              tools=[{"name": "act", "description": "act", "input_schema": UNTYPED}])
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Plan it."}],
+        tools=[{"name": "act", "description": "act", "input_schema": UNTYPED}],
+    )
     counted = client.messages.count_tokens(**kw).input_tokens
     usage = client.messages.create(max_tokens=1, **kw).usage
     assert counted == usage.input_tokens + usage.cache_read_input_tokens > 0  # a cache read counts apart

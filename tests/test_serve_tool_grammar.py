@@ -18,14 +18,30 @@ jsonschema = pytest.importorskip("jsonschema")
 from thorgen.serve.tool_grammar import tool_call_lark  # noqa: E402
 from tiny_server import openai_client, tiny_server  # noqa: E402
 
-WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False, "properties": {
-    "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"},
-    "units": {"type": "string", "enum": ["metric", "imperial"]}, "alerts": {"type": "boolean"}}}
-SEARCH = {"type": "object", "required": ["query"], "properties": {
-    "query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                                          "maxItems": 3}, "limit": {"type": "number"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "search", "description": "Search", "parameters": SEARCH}}]
+WEATHER = {
+    "type": "object",
+    "required": ["city", "days"],
+    "additionalProperties": False,
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer"},
+        "units": {"type": "string", "enum": ["metric", "imperial"]},
+        "alerts": {"type": "boolean"},
+    },
+}
+SEARCH = {
+    "type": "object",
+    "required": ["query"],
+    "properties": {
+        "query": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "limit": {"type": "number"},
+    },
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search", "description": "Search", "parameters": SEARCH}},
+]
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 MSGS = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
@@ -37,12 +53,12 @@ def client(tiny_checkpoint):
 
 
 def _calls(client, choice, seed: int, stream: bool):
-    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=1.0,
-              seed=seed)
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=1.0, seed=seed)
     if not stream:
         r = client.chat.completions.create(**kw)
-        return r.choices[0].finish_reason, [(c.function.name, c.function.arguments)
-                                            for c in r.choices[0].message.tool_calls or []]
+        return r.choices[0].finish_reason, [
+            (c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []
+        ]
     calls, finish = {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:

@@ -43,14 +43,24 @@ KEYWORDS = {
     "exclusive": obj(["ratio"], ratio={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
     "pattern": obj(["code"], code={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}),
     "minLength": obj(["text"], text={"type": "string", "minLength": 40, "maxLength": 48}),
-    "items": obj(["tags"], tags={"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 2,
-                                 "maxItems": 3}),
+    "items": obj(
+        ["tags"], tags={"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 2, "maxItems": 3}
+    ),
     "enum": obj(["mode"], mode={"enum": ["fast", "slow", 3]}),
     "anyOf": obj(["x"], x={"anyOf": [{"type": "integer", "minimum": 10, "maximum": 20}, {"type": "null"}]}),
     "oneOf": obj(["y"], y={"oneOf": [{"type": "boolean"}, {"type": "string", "pattern": "^z+$", "maxLength": 4}]}),
-    "ref": {"type": "object", "required": ["who"], "properties": {"who": {"$ref": "#/$defs/Person"}},
-            "$defs": {"Person": obj(["name", "age"], name={"type": "string", "maxLength": 8},
-                                    age={"type": "integer", "minimum": 0, "maximum": 120})}},
+    "ref": {
+        "type": "object",
+        "required": ["who"],
+        "properties": {"who": {"$ref": "#/$defs/Person"}},
+        "$defs": {
+            "Person": obj(
+                ["name", "age"],
+                name={"type": "string", "maxLength": 8},
+                age={"type": "integer", "minimum": 0, "maximum": 120},
+            )
+        },
+    },
     "nullable": obj(["n"], n={"type": "string", "maxLength": 3, "nullable": True}),
     "format": obj(["when"], when={"type": "string", "format": "date"}),
 }
@@ -69,12 +79,21 @@ def server(tiny_checkpoint):
 
 
 def _calls(client, tools, choice, seed: int, stream: bool, **extra):
-    kw = dict(model="tiny", messages=MSGS, tools=tools, tool_choice=choice, max_tokens=160, temperature=1.0,
-              seed=seed, **extra)
+    kw = dict(
+        model="tiny",
+        messages=MSGS,
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=160,
+        temperature=1.0,
+        seed=seed,
+        **extra,
+    )
     if not stream:
         r = client.chat.completions.create(**kw)
-        return r.choices[0].finish_reason, [(c.function.name, c.function.arguments)
-                                            for c in r.choices[0].message.tool_calls or []]
+        return r.choices[0].finish_reason, [
+            (c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []
+        ]
     calls, finish = {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
@@ -102,8 +121,15 @@ def test_a_call_opened_under_auto_satisfies_its_schema(server):
     schema = KEYWORDS["maximum"]
     opener = state.context.controls.tool_call_open
     for i in range(6):
-        finish, calls = _calls(client, [tool("act", schema)], "auto", seed=500 + i, stream=i % 2 == 1,
-                               logit_bias={str(opener): 100}, parallel_tool_calls=False)
+        finish, calls = _calls(
+            client,
+            [tool("act", schema)],
+            "auto",
+            seed=500 + i,
+            stream=i % 2 == 1,
+            logit_bias={str(opener): 100},
+            parallel_tool_calls=False,
+        )
         assert finish == "tool_calls" and calls, (i, finish, calls)
         jsonschema.validate(json.loads(calls[0][1]), schema)
 
@@ -141,17 +167,21 @@ def test_pydantic_schemas_render_and_are_called(server):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-@pytest.mark.parametrize("schema, word", [
-    (obj(["s"], s={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "uniqueItems"),
-    (obj(["s"], s={"not": {"type": "string"}}), "not"),
-    (obj(["s"], s={"type": "string", "format": "hostname-idn"}), "format"),
-    (obj(["s"], s={"$ref": "https://example.com/x.json"}), "$ref"),
-])
+@pytest.mark.parametrize(
+    "schema, word",
+    [
+        (obj(["s"], s={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "uniqueItems"),
+        (obj(["s"], s={"not": {"type": "string"}}), "not"),
+        (obj(["s"], s={"type": "string", "format": "hostname-idn"}), "format"),
+        (obj(["s"], s={"$ref": "https://example.com/x.json"}), "$ref"),
+    ],
+)
 def test_unenforceable_keywords_are_refused(server, schema, word):
     client, _ = server
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=MSGS, tools=[tool("act", schema)],
-                                       tool_choice="required", max_tokens=8)
+        client.chat.completions.create(
+            model="tiny", messages=MSGS, tools=[tool("act", schema)], tool_choice="required", max_tokens=8
+        )
     assert word in err.value.body["message"] and err.value.body["param"] == "tools"
 
 
@@ -161,7 +191,9 @@ RENDERED_BEFORE = [
     obj([], deep={"type": "object", "properties": {"k": {"type": "array", "items": {"type": "string"}}}}),
     obj([], arr={"type": "array", "items": {"$ref": "#/$defs/X"}}, n={"type": "number", "nullable": True}),
     {"type": "object", "properties": {}},
-    KEYWORDS["pattern"], KEYWORDS["items"], KEYWORDS["maximum"],
+    KEYWORDS["pattern"],
+    KEYWORDS["items"],
+    KEYWORDS["maximum"],
 ]
 FAILED_BEFORE = [KEYWORDS["enum"], KEYWORDS["anyOf"], KEYWORDS["oneOf"], KEYWORDS["ref"]]
 

@@ -21,8 +21,10 @@ REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "seed_data" 
 def _real_configs() -> tuple[dict, dict]:
     if not REFERENCE.is_dir():
         pytest.skip("../shared/seed_data is absent")
-    return (json.loads((REFERENCE / "redhatai_nvfp4_config.json").read_text()),
-            json.loads((REFERENCE / "dflash_draft_config.json").read_text()))
+    return (
+        json.loads((REFERENCE / "redhatai_nvfp4_config.json").read_text()),
+        json.loads((REFERENCE / "dflash_draft_config.json").read_text()),
+    )
 
 
 def test_real_config_matches_full_preset() -> None:
@@ -63,17 +65,21 @@ def test_spec_hash_is_stable_across_processes() -> None:
     code = "from thorgen.model_spec import get_preset; print(get_preset('tiny').spec_hash)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == get_preset("tiny").spec_hash
-    changed = dataclasses.replace(get_preset("tiny"), target=dataclasses.replace(get_preset("tiny").target,
-                                                                                 sliding_window=32))
+    changed = dataclasses.replace(
+        get_preset("tiny"), target=dataclasses.replace(get_preset("tiny").target, sliding_window=32)
+    )
     assert changed.spec_hash != out
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
-    ("num_kv_shared_layers", 10, "KV sharing"),
-    ("hidden_activation", "silu", "gelu_pytorch_tanh"),
-    ("top_k_experts", 0, "top_k_experts"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
+        ("num_kv_shared_layers", 10, "KV sharing"),
+        ("hidden_activation", "silu", "gelu_pytorch_tanh"),
+        ("top_k_experts", 0, "top_k_experts"),
+    ],
+)
 def test_unsupported_configs_raise_spec_error(key: str, value: object, words: str) -> None:
     cfg = target_config(get_preset("tiny").target)
     cfg["text_config"][key] = value
@@ -112,12 +118,18 @@ def test_full_inventory_matches_the_published_shapes() -> None:
     assert len(tensors) == (25 * 391 + 5 * 390) * 4 + 30 * 13 + 2
     p = "model.language_model.layers."
     expect = {  # MODEL_FACTS §2.2 packed / scale shapes
-        f"{p}0.self_attn.q_proj.weight_packed": (4096, 1408), f"{p}0.self_attn.q_proj.weight_scale": (4096, 176),
-        f"{p}0.self_attn.k_proj.weight_packed": (2048, 1408), f"{p}0.self_attn.o_proj.weight_scale": (2816, 256),
-        f"{p}5.self_attn.q_proj.weight_packed": (8192, 1408), f"{p}5.self_attn.k_proj.weight_packed": (1024, 1408),
-        f"{p}5.self_attn.o_proj.weight_packed": (2816, 4096), f"{p}5.self_attn.o_proj.weight_scale": (2816, 512),
-        f"{p}3.mlp.down_proj.weight_packed": (2816, 1056), f"{p}3.mlp.down_proj.weight_scale": (2816, 132),
-        f"{p}3.experts.127.up_proj.weight_packed": (704, 1408), f"{p}3.experts.0.down_proj.weight_scale": (2816, 44),
+        f"{p}0.self_attn.q_proj.weight_packed": (4096, 1408),
+        f"{p}0.self_attn.q_proj.weight_scale": (4096, 176),
+        f"{p}0.self_attn.k_proj.weight_packed": (2048, 1408),
+        f"{p}0.self_attn.o_proj.weight_scale": (2816, 256),
+        f"{p}5.self_attn.q_proj.weight_packed": (8192, 1408),
+        f"{p}5.self_attn.k_proj.weight_packed": (1024, 1408),
+        f"{p}5.self_attn.o_proj.weight_packed": (2816, 4096),
+        f"{p}5.self_attn.o_proj.weight_scale": (2816, 512),
+        f"{p}3.mlp.down_proj.weight_packed": (2816, 1056),
+        f"{p}3.mlp.down_proj.weight_scale": (2816, 132),
+        f"{p}3.experts.127.up_proj.weight_packed": (704, 1408),
+        f"{p}3.experts.0.down_proj.weight_scale": (2816, 44),
         "model.language_model.embed_tokens.weight": (262144, 2816),
     }
     for name, shape in expect.items():

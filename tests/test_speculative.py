@@ -62,7 +62,7 @@ class ScriptedDrafter:
 
     def propose(self, ctx: DraftContext, last_token: int, start: int) -> list[int]:
         assert self.full[start] == last_token  # the loop feeds the committed token at its position
-        drafts = list(self.full[start + 1: start + self.block_size])
+        drafts = list(self.full[start + 1 : start + self.block_size])
         drafts += [0] * (self.block_size - 1 - len(drafts))
         bad = self.plan[self.calls] if self.calls < len(self.plan) else self.block_size - 1
         if bad < self.block_size - 1:
@@ -72,8 +72,9 @@ class ScriptedDrafter:
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
-def test_scripted_drafter_covers_every_acceptance_count(tiny_ckpt, backend: ReferenceBackend,
-                                                        sampling: SamplingParams) -> None:
+def test_scripted_drafter_covers_every_acceptance_count(
+    tiny_ckpt, backend: ReferenceBackend, sampling: SamplingParams
+) -> None:
     ids = prompt(12, 7)
     plan = [15, 0, 7, 3, 14, 1, 9, 5, 12, 2, 11, 6, 13, 4, 10, 8]
     n_new = 1 + sum(a + 1 for a in plan)
@@ -108,8 +109,9 @@ def test_stop_and_max_tokens_truncate_mid_block(tiny_ckpt, backend: ReferenceBac
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
 
 
-def _served(core: EngineCore, rid: str, ids: list[int], n: int, sampling: SamplingParams,
-            speculative: bool = False) -> GenerationResult:
+def _served(
+    core: EngineCore, rid: str, ids: list[int], n: int, sampling: SamplingParams, speculative: bool = False
+) -> GenerationResult:
     """One request through a long-lived engine core (a server's): its result."""
     core.add(rid, ids, n, sampling, speculative=speculative)
     while core.unfinished:
@@ -165,7 +167,9 @@ def test_draft_tokens_caps_each_step(tiny_ckpt, backend: ReferenceBackend) -> No
 
     ids = prompt(10, 9)
     plain = backend.generate(ids, 30, SamplingParams()).token_ids
-    all_right = ReferenceBackend(tiny_ckpt, drafter=ScriptedDrafter(ids + plain, [15] * 12, 16, 512), prefix_cache=False)
+    all_right = ReferenceBackend(
+        tiny_ckpt, drafter=ScriptedDrafter(ids + plain, [15] * 12, 16, 512), prefix_cache=False
+    )
     r = all_right.generate(ids, 29, SamplingParams(draft_tokens=3), speculative=True)
     assert r.token_ids == plain[:29] and r.accepted_lengths == [4] * 7
     with pytest.raises(BackendError, match="draft_tokens 16: the drafter proposes at most 15"):

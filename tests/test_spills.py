@@ -22,23 +22,38 @@ from thorgen.model_spec.presets import get_preset
 
 PRESET = "gemma-4-26b-a4b"
 WHOLE_PLAN = ("sm_90a", "sm_110a")
-EVERY_SHAPE = ("nvfp4_gemv", "nvfp4_gemm16", "nvfp4_gemm32", "moe_gateup", "moe_down", "moe_down_pairs", "ffn_tail",
-               "attn_pre")
+EVERY_SHAPE = (
+    "nvfp4_gemv",
+    "nvfp4_gemm16",
+    "nvfp4_gemm32",
+    "moe_gateup",
+    "moe_down",
+    "moe_down_pairs",
+    "ffn_tail",
+    "attn_pre",
+)
 # arch -> {kernel: (spill bytes, stores + loads, allowed at most; why)}. nvcc 13.0.
 ALLOWED: dict[str, dict[str, tuple[int, str]]] = {
     "sm_100a": {
-        "moe_down__m1_e128_k8_i704_h2816": (16, "two of the token's 8 expert ids, stored once before the slot loop "
-                                                "and reloaded once after it; nothing spills in the weight loop"),
-        "rope_kv__dblk_s_d128_q32_kv8_r64_t1000000p0_ring4096_bf16": (24, "the drafter's block rope_kv (prefill "
-                                                                        "side), not examined"),
+        "moe_down__m1_e128_k8_i704_h2816": (
+            16,
+            "two of the token's 8 expert ids, stored once before the slot loop "
+            "and reloaded once after it; nothing spills in the weight loop",
+        ),
+        "rope_kv__dblk_s_d128_q32_kv8_r64_t1000000p0_ring4096_bf16": (
+            24,
+            "the drafter's block rope_kv (prefill side), not examined",
+        ),
         "rope_kv__dblk_f_d128_q32_kv8_r64_t1000000p0_lin_bf16": (24, "as its sliding twin"),
         "lm_sample_prep__v262144_c30p0": (8, "one word of the sampler's chunk pass, not examined"),
         "lm_pick_prep__v262144": (8, "as lm_sample_prep"),
     },
     "sm_120a": {
         "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3": (24, "prefill attention with fp8 KV, not examined"),
-        "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3_kvhi": (24, "its image-block twin (the per-query key "
-                                                                       "bound): the same spill"),
+        "attn_pre__tgt_s_d256_h16x8_cw1024_ring3072_fp8e4m3_kvhi": (
+            24,
+            "its image-block twin (the per-query key bound): the same spill",
+        ),
     },
 }
 
@@ -85,7 +100,8 @@ def test_allow_list_names_planned_kernels() -> None:
 def test_representative_subset_keeps_every_kind() -> None:
     kernels = plan(get_preset(PRESET), get_arch("sm_120a"))
     subset = representative(kernels)
-    assert {(k.template, k.name.split("__")[0]) for k in subset} == \
-        {(k.template, k.name.split("__")[0]) for k in kernels}
+    assert {(k.template, k.name.split("__")[0]) for k in subset} == {
+        (k.template, k.name.split("__")[0]) for k in kernels
+    }
     assert len(subset) < len(kernels)
     assert {k.name for k in kernels if k.name.startswith("moe_")} <= {k.name for k in subset}

@@ -42,26 +42,34 @@ def _shapes(f, max_rows: int, speculative: bool):
     """(name, launch list, the step's inputs) for each step shape an engine runs (Forward `f`)."""
     dfw = DraftForward(f)
     yield "decode", f.ops(1, decode=True, last=True), STEP | {"out_ids"}
-    yield "decode sampled + processed", f.ops(1, decode=True, last=True, greedy=False, ext=True), \
-        STEP | {"out_ids"} | EXT
+    yield (
+        "decode sampled + processed",
+        f.ops(1, decode=True, last=True, greedy=False, ext=True),
+        STEP | {"out_ids"} | EXT,
+    )
     for rows in (2, 16, 17, max_rows):
         yield f"prefill {rows}", f.ops(rows, decode=False, last=True), STEP | {"ids"}
     yield "prefill chunk (not the last)", f.ops(40, decode=False, last=False), STEP | {"ids"}
     for rows in (1, 4, 16, 32):
         yield f"batched x{rows}", f.ops(rows, decode=False, last=True, greedy=False, batched=True), STEP | {"ids"}
     yield "batched x32 processed", f.ops(32, decode=False, last=True, batched=True, ext=True), STEP | {"ids"} | EXT
-    yield "prompt scoring x32", f.ops(32, decode=False, last=True, batched=True, score=True), \
-        STEP | {"ids", "out_ids"}
+    yield "prompt scoring x32", f.ops(32, decode=False, last=True, batched=True, score=True), STEP | {"ids", "out_ids"}
     if f.spec.vision is not None:  # chunks holding images (their key bounds staged with them)
         for rows in (1, 40):
             yield f"prefill {rows} with images", f.ops(rows, last=True, images=True), STEP | {"ids", "kv_hi"}
         yield "prefill chunk with images (not the last)", f.ops(40, last=False, images=True), STEP | {"ids", "kv_hi"}
         if speculative:
-            yield "prefill with images and DFlash taps", f.ops(40, taps=True, images=True) + dfw.ctx_ops(40), \
-                STEP | {"ids", "kv_hi"}
+            yield (
+                "prefill with images and DFlash taps",
+                f.ops(40, taps=True, images=True) + dfw.ctx_ops(40),
+                STEP | {"ids", "kv_hi"},
+            )
     if speculative:
-        yield "prefill with DFlash taps", f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40), \
-            STEP | {"ids"}
+        yield (
+            "prefill with DFlash taps",
+            f.ops(40, decode=False, last=True, taps=True) + dfw.ctx_ops(40),
+            STEP | {"ids"},
+        )
         yield "draft", dfw.block_ops(), STEP | {"ids"}
         for greedy in (True, False):  # (the acceptance rule: staged with a fresh block)
             yield f"verify greedy={greedy}", dfw.verify_ops(greedy), STEP | {"ids", "spec_rule"}
@@ -129,7 +137,7 @@ def test_the_checks_catch_what_they_are_for(engine):
     with pytest.raises(DataflowError, match=r"reads 'ids' before"):
         check_step(ops, regions, STEP)  # the token ids were never staged
     joined = next(i for i, op in enumerate(ops) if getattr(op, "join", False))
-    unjoined = ops[:joined] + [dataclasses.replace(ops[joined], join=False)] + ops[joined + 1:]
+    unjoined = ops[:joined] + [dataclasses.replace(ops[joined], join=False)] + ops[joined + 1 :]
     with pytest.raises(DataflowError, match=r"side stream may still be writing it|never joined"):
         check_step(unjoined, regions, STEP | {"ids"})
     side = next(i for i, op in enumerate(ops) if getattr(op, "branch", 0) == 1)

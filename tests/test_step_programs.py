@@ -59,9 +59,13 @@ class Addresses:
 def _lowered(v):
     """A lowering's argument in the same integers as Addresses."""
     if isinstance(v, Sym):
-        base = {"A": lambda: _h("A", v.name) + v.row * 4096, "W": lambda: _h("W", v.name),
-                "KV": lambda: _h("KV", v.name, v.which), "DKV": lambda: _h("DKV", v.name, v.which),
-                "NULL": lambda: 0}[v.kind]()
+        base = {
+            "A": lambda: _h("A", v.name) + v.row * 4096,
+            "W": lambda: _h("W", v.name),
+            "KV": lambda: _h("KV", v.name, v.which),
+            "DKV": lambda: _h("DKV", v.name, v.which),
+            "NULL": lambda: 0,
+        }[v.kind]()
         return base + v.off
     if isinstance(v, LaneBytes):
         return (1000 if v.model == "target" else 2000) + v.layer
@@ -110,10 +114,16 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                 assert [o.label for o in got] == [o.label for o in want], (key, rows)
                 for g, w in zip(got, want):
                     assert g.entry.name == w.entry.name and g.rows == w.rows, (key, rows, g.label)
-                    assert (g.branch, g.join, g.rowwise, g.pdl) == (w.branch, w.join, w.rowwise, w.pdl), \
-                        (key, rows, g.label)
-                    assert {n: _bound(v) for n, v in g.args.items()} == \
-                        {n: _lowered(v) for n, v in w.args.items()}, (key, rows, g.label)
+                    assert (g.branch, g.join, g.rowwise, g.pdl) == (w.branch, w.join, w.rowwise, w.pdl), (
+                        key,
+                        rows,
+                        g.label,
+                    )
+                    assert {n: _bound(v) for n, v in g.args.items()} == {n: _lowered(v) for n, v in w.args.items()}, (
+                        key,
+                        rows,
+                        g.label,
+                    )
                 checked += 1
     assert checked > 500
 
@@ -132,8 +142,11 @@ def test_what_a_program_cannot_hold_is_a_build_error():
 def test_a_program_naming_a_kernel_the_manifest_lacks_is_refused(built, tmp_path):
     spec, kernels, _, _ = built
     data = build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", [])
-    gone = next(op["kernel"] for op in data["programs"]["bf16"][program_key(decode=True)][0]["launches"]
-                if op["kernel"].startswith("router_fused"))
+    gone = next(
+        op["kernel"]
+        for op in data["programs"]["bf16"][program_key(decode=True)][0]["launches"]
+        if op["kernel"].startswith("router_fused")
+    )
     del data["kernels"][gone]
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     fwd = Forward(spec, load_manifest(tmp_path), "bf16", 512)
@@ -148,7 +161,8 @@ def test_the_written_manifest_keeps_its_programs(built):
     again = build_manifest(spec, get_arch("sm_90a"), kernels, {}, "test", [])
     assert manifest.programs == json.loads(json.dumps(again["programs"]))
     assert manifest.programs_missing == {"core": [], "ext": [], "speculative": []} | (
-        {"vision": []} if spec.vision is not None else {})
+        {"vision": []} if spec.vision is not None else {}
+    )
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -162,8 +176,10 @@ def test_a_batched_step_reads_the_lm_head_once(built, greedy):
     heads = [o for o in ops if o.label == "lm_head"]
     assert len(heads) == 1 and heads[0].entry.name.startswith("nvfp4_gemm32__") and heads[0].args["m"] == 27
     picks = [o for o in ops if o.label in ("argmax", "sample_prep")]
-    assert [(o.rows, _bound(o.args["logits"])) for o in picks] == \
-        [(16, Addresses().A("logits", 0).address), (11, Addresses().A("logits", 16).address)]
+    assert [(o.rows, _bound(o.args["logits"])) for o in picks] == [
+        (16, Addresses().A("logits", 0).address),
+        (11, Addresses().A("logits", 16).address),
+    ]
     ext = fwd.program(program_key(batched=True, greedy=greedy, ext=True), 27)
     assert [o.args["m"] for o in ext if o.label == "lm_head"] == [16, 11]
 
@@ -181,8 +197,9 @@ def test_one_row_steps_run_the_attention_prologue_as_one_launch(preset):
         folded = [op for op in ops if op.label.endswith(".qkv_rope")]
         if rows == 1:
             assert len(folded) == layers and not any(lb.endswith(".rope_kv") for lb in labels), kw
-            assert all(op.entry.param("epi") == "rope_kv" and op.args["counters"] == Sym("A", "qkv_cnt")
-                       for op in folded)
+            assert all(
+                op.entry.param("epi") == "rope_kv" and op.args["counters"] == Sym("A", "qkv_cnt") for op in folded
+            )
         else:
             assert not folded and sum(lb.endswith(".rope_kv") for lb in labels) == layers, (rows, kw)
 

@@ -24,8 +24,11 @@ P = TARGET_PREFIX
 
 
 def _digest(folder) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +63,21 @@ def test_worker_count_does_not_change_bytes(tiny, tmp_path):
 
 def test_layout_and_configs(tiny):
     spec = get_preset("tiny")
-    assert json.loads((tiny / "config.json").read_text()) == json.loads(json.dumps(target_config(spec.target, spec.vision)))
-    assert json.loads((tiny / "dflash" / "config.json").read_text()) == \
-        json.loads(json.dumps(drafter_config(spec.drafter)))
+    assert json.loads((tiny / "config.json").read_text()) == json.loads(
+        json.dumps(target_config(spec.target, spec.vision))
+    )
+    assert json.loads((tiny / "dflash" / "config.json").read_text()) == json.loads(
+        json.dumps(drafter_config(spec.drafter))
+    )
     assert json.loads((tiny / "generation_config.json").read_text()) == {
-        "bos_token_id": 2, "do_sample": True, "eos_token_id": [1, 106, 50], "pad_token_id": 0, "temperature": 1.0,
-        "top_k": 64, "top_p": 0.95}
+        "bos_token_id": 2,
+        "do_sample": True,
+        "eos_token_id": [1, 106, 50],
+        "pad_token_id": 0,
+        "temperature": 1.0,
+        "top_k": 64,
+        "top_p": 0.95,
+    }
     template = (tiny / "chat_template.jinja").read_text()
     assert json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"] == template
     assert (tiny / "model.safetensors.index.json").is_file() and (tiny / "dflash" / "model.safetensors").is_file()
@@ -104,11 +116,11 @@ def test_router_spreads_over_experts(tiny):
     x = ck.weight_f32(P + "embed_tokens.weight")[rng.integers(0, t.vocab_size, 64)] * np.float32(t.embed_scale)
     for layer in range(t.num_hidden_layers):
         p = f"{P}layers.{layer}.router."
-        hn = x / _rms(x) * ck.weight_f32(p + "scale") * t.hidden_size ** -0.5
+        hn = x / _rms(x) * ck.weight_f32(p + "scale") * t.hidden_size**-0.5
         logits = hn @ ck.weight_f32(p + "proj.weight").T
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        top = np.argsort(-probs, axis=-1)[:, :t.top_k_experts]
+        top = np.argsort(-probs, axis=-1)[:, : t.top_k_experts]
         assert len(np.unique(top)) >= t.num_experts // 2, layer
         assert probs.max() < 0.9  # not one-hot
         pes = ck.weight_f32(p + "per_expert_scale")
@@ -131,25 +143,38 @@ def test_weights_are_numerically_sane(tiny):
 
 # ---- the full-preset code path, without writing 16 GB ------------------------------------------------------------
 
+
 def _medium() -> ModelSpec:
     tiny = get_preset("tiny")
-    target = dataclasses.replace(tiny.target, hidden_size=512, num_hidden_layers=2,
-                                 layer_types=tiny.target.layer_types[1:3], intermediate_size=384, moe_intermediate_size=192, num_experts=8, top_k_experts=2)
-    drafter = dataclasses.replace(tiny.drafter, hidden_size=512, target_layer_ids=(0, 1), num_target_layers=2,
-                                  intermediate_size=256)
+    target = dataclasses.replace(
+        tiny.target,
+        hidden_size=512,
+        num_hidden_layers=2,
+        layer_types=tiny.target.layer_types[1:3],
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_experts=8,
+        top_k_experts=2,
+    )
+    drafter = dataclasses.replace(
+        tiny.drafter, hidden_size=512, target_layer_ids=(0, 1), num_target_layers=2, intermediate_size=256
+    )
     return ModelSpec("medium", target, drafter)
 
 
 def test_direct_nvfp4_path_on_medium_spec(tmp_path):
     spec = _medium()
-    out = write_synthetic_checkpoint(spec, tmp_path / "m", seed=3, progress=False, method="direct",
-                                     shard_bytes=1 << 20)
+    out = write_synthetic_checkpoint(spec, tmp_path / "m", seed=3, progress=False, method="direct", shard_bytes=1 << 20)
     assert json.loads((out / "synth_info.json").read_text())["nvfp4_method"] == "direct"
     assert len(json.loads((out / "model.safetensors.index.json").read_text())["metadata"]) == 1
     assert len(list(out.glob("model-*.safetensors"))) >= 3
     ck = Checkpoint.open(out)
-    for prefix in [P + "layers.0.self_attn.q_proj", P + "layers.1.self_attn.k_proj", P + "layers.0.mlp.down_proj",
-                   P + "layers.1.experts.7.down_proj"]:
+    for prefix in [
+        P + "layers.0.self_attn.q_proj",
+        P + "layers.1.self_attn.k_proj",
+        P + "layers.0.mlp.down_proj",
+        P + "layers.1.experts.7.down_proj",
+    ]:
         w = ck.linear_f32(prefix)
         want = w.shape[1] ** -0.5
         assert np.isfinite(w).all() and abs(w.std() / want - 1) < 0.05, prefix
@@ -192,18 +217,21 @@ def test_cli(tmp_path):
     from click.testing import CliRunner
 
     from thorgen.cli import main
+
     runner = CliRunner()
     res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "c"), "--seed", "2"])
     assert res.exit_code == 0, res.output
     assert "[synth]" in res.output and Checkpoint.open(tmp_path / "c").spec.target.vocab_size == 512
     res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "c")])
     assert res.exit_code != 0 and "--force" in res.output
-    res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "c"), "--force",
-                               "--quiet"])
+    res = runner.invoke(
+        main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "c"), "--force", "--quiet"]
+    )
     assert res.exit_code == 0 and "[synth]" not in res.output
     assert json.loads((tmp_path / "c" / "synth_info.json").read_text())["seed"] == 0
-    res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "j"), "--jobs", "2",
-                               "--quiet"])
+    res = runner.invoke(
+        main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "j"), "--jobs", "2", "--quiet"]
+    )
     assert res.exit_code == 0, res.output
     assert _digest(tmp_path / "j") == _digest(tmp_path / "c")
     res = runner.invoke(main, ["synth-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "k"), "--jobs", "0"])
@@ -223,8 +251,11 @@ def test_tiny_synth_has_image_tokens_and_a_preprocessor_config(tiny_checkpoint):
 
     vision = get_preset("tiny").vision
     tok = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
-    assert [tok.token_to_id(t) for t in ("<|image>", "<|image|>", "<image|>", "<|video|>")] == \
-        [vision.boi_token_id, vision.image_token_id, vision.eoi_token_id, vision.video_token_id] == [60, 61, 62, 63]
+    assert (
+        [tok.token_to_id(t) for t in ("<|image>", "<|image|>", "<image|>", "<|video|>")]
+        == [vision.boi_token_id, vision.image_token_id, vision.eoi_token_id, vision.video_token_id]
+        == [60, 61, 62, 63]
+    )
     assert tok.encode("a<|image|>b").ids.count(61) == 1
     pre = json.loads((tiny_checkpoint / "preprocessor_config.json").read_text())
     assert pre["image_processor_type"] == "Gemma4ImageProcessor" and pre["max_soft_tokens"] == 280

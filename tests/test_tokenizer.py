@@ -12,9 +12,26 @@ from thorgen.model_spec.synth.tokenizer import SPECIAL_IDS, build_tokenizer, tok
 from thorgen.runtime.text.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 
 # MODEL_FACTS §4.2, written out here (not imported) so the test checks the table in the code.
-REAL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|tool>": 46, "<tool|>": 47,
-            "<|tool_call>": 48, "<tool_call|>": 49, "<|tool_response>": 50, "<tool_response|>": 51, '<|"|>': 52,
-            "<|think|>": 98, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106, "\n": 107}
+REAL_IDS = {
+    "<pad>": 0,
+    "<eos>": 1,
+    "<bos>": 2,
+    "<unk>": 3,
+    "<mask>": 4,
+    "<|tool>": 46,
+    "<tool|>": 47,
+    "<|tool_call>": 48,
+    "<tool_call|>": 49,
+    "<|tool_response>": 50,
+    "<tool_response|>": 51,
+    '<|"|>': 52,
+    "<|think|>": 98,
+    "<|channel>": 100,
+    "<channel|>": 101,
+    "<|turn>": 105,
+    "<turn|>": 106,
+    "\n": 107,
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +42,14 @@ def tok(tmp_path_factory):
 
 
 def _random_text(rng: random.Random, n: int) -> str:
-    pools = [range(0x20, 0x7F), range(0x7F, 0x800), range(0x800, 0xD800), range(0xE000, 0x10000),
-             range(0x10000, 0x110000), [0x0, 0x9, 0xA, 0xD, 0x20, 0x20]]
+    pools = [
+        range(0x20, 0x7F),
+        range(0x7F, 0x800),
+        range(0x800, 0xD800),
+        range(0xE000, 0x10000),
+        range(0x10000, 0x110000),
+        [0x0, 0x9, 0xA, 0xD, 0x20, 0x20],
+    ]
     out = []
     for _ in range(n):
         c = rng.choice(rng.choice(pools))
@@ -39,8 +62,9 @@ def test_special_ids_match_model_facts(tok):
         assert tok.token_to_id(s) == i, s
         assert tok.id_to_token(i) == s
     assert tok.vocab_size == 512
-    assert {tok.id_to_token(i) for i in range(107) if i not in SPECIAL_IDS} == \
-        {f"<unused_{k}>" for k in range(107 - len(SPECIAL_IDS))}
+    assert {tok.id_to_token(i) for i in range(107) if i not in SPECIAL_IDS} == {
+        f"<unused_{k}>" for k in range(107 - len(SPECIAL_IDS))
+    }
     assert tok.encode("\n") == [107]
     assert tok.is_special(106) and not tok.is_special(107)
 
@@ -56,9 +80,17 @@ def test_specials_in_text_are_parsed(tok):
 
 def test_round_trip_arbitrary_unicode(tok):
     rng = random.Random(0)
-    samples = ["", " ", "  leading and trailing  ", "Hello, world!", "naïve café 日本語 🙂👍🏽",
-               "\x00\t\r\n",
-               "def f(x):\n    return x ** 2\n", "<0x41> is not a byte token", "<eos> inside text"]
+    samples = [
+        "",
+        " ",
+        "  leading and trailing  ",
+        "Hello, world!",
+        "naïve café 日本語 🙂👍🏽",
+        "\x00\t\r\n",
+        "def f(x):\n    return x ** 2\n",
+        "<0x41> is not a byte token",
+        "<eos> inside text",
+    ]
     samples += [_random_text(rng, rng.randint(1, 60)) for _ in range(300)]
     for s in samples:
         ids = tok.encode(s)

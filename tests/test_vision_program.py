@@ -61,8 +61,11 @@ def tower_f64(spec, ck, patches: np.ndarray, pos: np.ndarray, qk_bf16: bool = Fa
         return y if w is None else y * w
 
     table = _w(ck, P + "patch_embedder.position_embedding_table")
-    x = (2 * (patches - 0.5)) @ _w(ck, P + "patch_embedder.input_proj.weight").T + table[0][pos[:, 0]] + \
-        table[1][pos[:, 1]]
+    x = (
+        (2 * (patches - 0.5)) @ _w(ck, P + "patch_embedder.input_proj.weight").T
+        + table[0][pos[:, 0]]
+        + table[1][pos[:, 1]]
+    )
     L = x.shape[0]
     for l in range(v.num_hidden_layers):
         p = f"{P}encoder.layers.{l}."
@@ -121,8 +124,9 @@ def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a") -> np.ndarray:
     acts = {}
     for name, (width, dt) in {**PATCH_ACTS, **TOKEN_ACTS}.items():
         rows = L if name in PATCH_ACTS else N
-        acts[name] = alloc(np.full((rows, act_width(d, width)), 0xFF, np.uint8).view(np.uint8)
-                           .repeat(np.dtype(NP[dt]).itemsize, 1))
+        acts[name] = alloc(
+            np.full((rows, act_width(d, width)), 0xFF, np.uint8).view(np.uint8).repeat(np.dtype(NP[dt]).itemsize, 1)
+        )
     drv.view(acts["vis_patches"], np.float32, patches.shape)[:] = patches
     drv.view(acts["vis_pos"], np.int32, pos.shape)[:] = pos
     drv.view(acts["vis_kpos"], np.int32, L)[:] = np.arange(L)
@@ -153,8 +157,9 @@ def with_layers(spec, layers: int):
     return dataclasses.replace(spec, vision=dataclasses.replace(spec.vision, num_hidden_layers=layers))
 
 
-@pytest.mark.parametrize("preset,layers,gw,gh", [("tiny", None, 6, 9), ("tiny", None, 12, 3),
-                                                 ("gemma-4-26b-a4b", 2, 12, 3)])
+@pytest.mark.parametrize(
+    "preset,layers,gw,gh", [("tiny", None, 6, 9), ("tiny", None, 12, 3), ("gemma-4-26b-a4b", 2, 12, 3)]
+)
 def test_encode_program_matches_the_float64_tower(preset, layers, gw, gh):
     """Tiny, and the full-size tower's shapes (16 heads of 72 padded to 128, hidden 1152, intermediate 4304 padded
     to 4352, several row tiles and query blocks) on two of its layers."""
@@ -197,10 +202,11 @@ def test_artifact_layout_shapes_and_zero_padding():
     arrays = vision_arrays(spec, _checkpoint(spec).__getitem__, lambda n: np.float32(_checkpoint(spec)[n]))
     assert set(arrays) == set(vision_tensors(spec))
     from thorgen.runtime.convert.layouts import unpack_half
+
     o = unpack_half(arrays["vision.layers.0.o"], d.hidden, d.heads * d.dp).reshape(d.hidden, d.heads, d.dp)
-    assert (o[:, :, d.head_dim:] == 0).all() and (o[:, :, :d.head_dim] != 0).any()
+    assert (o[:, :, d.head_dim :] == 0).all() and (o[:, :, : d.head_dim] != 0).any()
     down = unpack_half(arrays["vision.layers.0.down"], d.hidden, d.ip)
-    assert (down[:, d.intermediate:] == 0).all()
+    assert (down[:, d.intermediate :] == 0).all()
 
 
 def test_kernel_references_against_the_towers_steps():
@@ -212,12 +218,17 @@ def test_kernel_references_against_the_towers_steps():
     pos = _image(6, 3, 1)[1]
     w = f32_to_bf16(rng.uniform(0.5, 1.5, d.head_dim).astype(np.float32))
     q, k, v = EV.qkv_rope_ref(qkv, w, w, pos, d.heads, d.head_dim, d.dp, d.theta, d.eps)
-    assert (bf16_to_f32(q)[..., d.head_dim:] == 0).all()
+    assert (bf16_to_f32(q)[..., d.head_dim :] == 0).all()
     raw = qkv.astype(F64).reshape(18, 3, d.heads, d.head_dim)
-    want = EV.rope2d(raw[:, 0] / np.sqrt((raw[:, 0] ** 2).mean(-1, keepdims=True) + d.eps) * bf16_to_f32(w), pos,
-                     d.theta)
-    got = bf16_to_f32(q)[..., :d.head_dim]
+    want = EV.rope2d(
+        raw[:, 0] / np.sqrt((raw[:, 0] ** 2).mean(-1, keepdims=True) + d.eps) * bf16_to_f32(w), pos, d.theta
+    )
+    got = bf16_to_f32(q)[..., : d.head_dim]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < EV.TOL_VIS_ROPE
     # rotation keeps each half's norm: a wrong pair distance would not
-    assert np.allclose(np.linalg.norm(want[..., :36], axis=-1), np.linalg.norm(
-        raw[:, 0, :, :36] / np.sqrt((raw[:, 0] ** 2).mean(-1, keepdims=True) + d.eps) * bf16_to_f32(w)[:36], axis=-1))
+    assert np.allclose(
+        np.linalg.norm(want[..., :36], axis=-1),
+        np.linalg.norm(
+            raw[:, 0, :, :36] / np.sqrt((raw[:, 0] ** 2).mean(-1, keepdims=True) + d.eps) * bf16_to_f32(w)[:36], axis=-1
+        ),
+    )

@@ -23,14 +23,26 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "model_spec" / "synth" / "chat_template.jinja"
 CHROMIUM = os.environ.get("THORGEN_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("THORGEN_TEST_ARTIFACTS", REPO / "tests" / "artifacts"))
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ANSWER = ("Here is code:\n\n```python\nprint('hi <b>')\n```\n\n| name | n |\n|:-----|--:|\n| a<i> | 1 |\n| b | 22 |\n\n"
-          "> quoted **bold**\n> line two\n\nDone **now**.")
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ANSWER = (
+    "Here is code:\n\n```python\nprint('hi <b>')\n```\n\n| name | n |\n|:-----|--:|\n| a<i> | 1 |\n| b | 22 |\n\n"
+    "> quoted **bold**\n> line two\n\nDone **now**."
+)
 
 
-MATH = (r"Euler: $e^{i\pi}+1=0$, see [the proof](https://example.com/euler) and `code`." +
-        "\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n```python\ndef f():\n    return 1\n```")
+MATH = (
+    r"Euler: $e^{i\pi}+1=0$, see [the proof](https://example.com/euler) and `code`."
+    + "\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n```python\ndef f():\n    return 1\n```"
+)
 
 
 def scripted_reply(tok: Tokenizer, prompt: list[int]) -> list[int]:
@@ -80,10 +92,13 @@ def requests_of(page) -> list[dict]:
 
 def answered(page, count: int) -> None:
     """Wait until the log holds `count` answers and the last is complete (rendered)."""
-    page.wait_for_function("n => { const a = document.querySelectorAll('[data-testid=assistant-message]'); "
-                           "return a.length === n && a[n - 1].dataset.done === '1' && "
-                           "getComputedStyle(document.getElementById('send')).display !== 'none'; }", arg=count,
-                           timeout=20000)
+    page.wait_for_function(
+        "n => { const a = document.querySelectorAll('[data-testid=assistant-message]'); "
+        "return a.length === n && a[n - 1].dataset.done === '1' && "
+        "getComputedStyle(document.getElementById('send')).display !== 'none'; }",
+        arg=count,
+        timeout=20000,
+    )
 
 
 def send(page, text: str, answers: int) -> None:
@@ -104,8 +119,9 @@ def test_webui_send_stream_stop(served):
     page.get_by_test_id("send").click()
     page.get_by_test_id("stop").wait_for(state="visible", timeout=5000)  # streaming has begun
     reply = page.get_by_test_id("assistant-message").last
-    page.wait_for_function("() => document.querySelector('[data-testid=assistant-message] "
-                           "[data-testid=content]')?.textContent.length > 0")
+    page.wait_for_function(
+        "() => document.querySelector('[data-testid=assistant-message] [data-testid=content]')?.textContent.length > 0"
+    )
     partial = reply.get_by_test_id("content").text_content()
     page.locator("[data-testid=assistant-message][data-done='1']").wait_for(timeout=20000)
     assert 0 < len(partial) < len(reply.get_by_test_id("content").text_content())  # it arrived in pieces
@@ -113,8 +129,7 @@ def test_webui_send_stream_stop(served):
     assert code.text_content() == "print('hi <b>')"  # markdown code block, HTML escaped
     assert reply.locator("p strong").last.text_content() == "now"
     cells = reply.locator("table tbody tr").all()
-    assert [[td.text_content() for td in row.locator("td").all()] for row in cells] == [["a<i>", "1"],
-                                                                                        ["b", "22"]]
+    assert [[td.text_content() for td in row.locator("td").all()] for row in cells] == [["a<i>", "1"], ["b", "22"]]
     assert reply.locator("table th").first.text_content() == "name"
     assert reply.locator("table td").nth(1).evaluate("e => e.style.textAlign") == "right"
     quote = reply.locator("blockquote")
@@ -128,8 +143,10 @@ def test_webui_send_stream_stop(served):
 
     page.get_by_test_id("input").fill("talk forever")
     page.get_by_test_id("send").click()
-    page.wait_for_function("() => document.querySelectorAll('[data-testid=assistant-message] "
-                           "[data-testid=content]')[1]?.textContent.length > 20")
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=assistant-message] "
+        "[data-testid=content]')[1]?.textContent.length > 20"
+    )
     page.get_by_test_id("stop").click()
     page.get_by_test_id("send").wait_for(state="visible", timeout=5000)
     deadline = time.monotonic() + 5
@@ -168,8 +185,9 @@ def test_copy_regenerate_and_edit(served):
     send(page, "show me code", 1)
     reply = page.get_by_test_id("assistant-message").last
     assert reply.locator("pre.hl code span.nb").first.text_content() == "print"  # Pygments' classes
-    assert reply.locator("pre.hl code span.nb").first.evaluate("e => getComputedStyle(e).color") != \
-        reply.locator("pre.hl code").evaluate("e => getComputedStyle(e).color")  # and the stylesheet colours them
+    assert reply.locator("pre.hl code span.nb").first.evaluate("e => getComputedStyle(e).color") != reply.locator(
+        "pre.hl code"
+    ).evaluate("e => getComputedStyle(e).color")  # and the stylesheet colours them
     reply.get_by_test_id("copy").click()
     assert page.evaluate("navigator.clipboard.readText()") == ANSWER  # the reply's markdown, thinking excluded
     reply.get_by_test_id("copy-code").click()
@@ -180,7 +198,8 @@ def test_copy_regenerate_and_edit(served):
     page.get_by_test_id("regenerate").click()
     answered(page, 1)
     assert len(bodies) == 2 and bodies[1]["messages"] == bodies[0]["messages"] == [
-        {"role": "user", "content": "show me code"}]  # the old answer is not sent back
+        {"role": "user", "content": "show me code"}
+    ]  # the old answer is not sent back
     assert page.get_by_test_id("user-message").count() == 1
 
     send(page, "echo: second", 2)
@@ -189,12 +208,12 @@ def test_copy_regenerate_and_edit(served):
     page.get_by_test_id("edit-save").click()
     answered(page, 1)  # everything after the edited turn is gone
     assert bodies[-1]["messages"] == [{"role": "user", "content": "echo: edited first"}]
-    assert page.get_by_test_id("assistant-message").get_by_test_id("content").text_content() == \
-        "you said edited first"
+    assert page.get_by_test_id("assistant-message").get_by_test_id("content").text_content() == "you said edited first"
     page.reload()
     answered(page, 1)
     assert page.locator("[data-testid=user-message] [data-testid=content]").all_text_contents() == [
-        "echo: edited first"]
+        "echo: edited first"
+    ]
 
 
 def test_conversation_list_switch_and_delete(served):
@@ -210,16 +229,16 @@ def test_conversation_list_switch_and_delete(served):
     answered(page, 1)
     assert page.get_by_test_id("assistant-message").get_by_test_id("content").text_content() == "you said first topic"
     send(page, "echo: more", 2)
-    assert [m["content"] for m in bodies[-1]["messages"]] == ["echo: first topic", "you said first topic",
-                                                               "echo: more"]
+    assert [m["content"] for m in bodies[-1]["messages"]] == ["echo: first topic", "you said first topic", "echo: more"]
     assert titles.all_text_contents() == ["echo: first topic", "echo: second topic"]
-    page.locator("[data-testid=conversation]", has_text="second topic").get_by_test_id(
-        "delete-conversation").click()
+    page.locator("[data-testid=conversation]", has_text="second topic").get_by_test_id("delete-conversation").click()
     assert titles.all_text_contents() == ["echo: first topic"]
     page.reload()
     answered(page, 2)
     assert page.locator("[data-testid=user-message] [data-testid=content]").all_text_contents() == [
-        "echo: first topic", "echo: more"]
+        "echo: first topic",
+        "echo: more",
+    ]
     page.get_by_test_id("delete-conversation").click()  # the current one: an empty conversation remains
     assert page.get_by_test_id("conversation").count() == 0 and page.get_by_test_id("user-message").count() == 0
 
@@ -233,14 +252,20 @@ def test_failed_turn_is_shown_but_never_sent_again(served):
         if failures:
             return route.continue_()
         failures.append(route.request.post_data_json)
-        route.fulfill(status=500, content_type="application/json",
-                      body=json.dumps({"error": {"message": "engine fell over", "type": "server_error"}}))
+        route.fulfill(
+            status=500,
+            content_type="application/json",
+            body=json.dumps({"error": {"message": "engine fell over", "type": "server_error"}}),
+        )
+
     page.route("**/v1/chat/completions", fail_once)
     send(page, "echo: one", 1)
     assert page.get_by_test_id("error").text_content() == "Error: engine fell over"
     send(page, "echo: two", 2)
-    assert bodies[-1]["messages"] == [{"role": "user", "content": "echo: one"},
-                                      {"role": "user", "content": "echo: two"}]
+    assert bodies[-1]["messages"] == [
+        {"role": "user", "content": "echo: one"},
+        {"role": "user", "content": "echo: two"},
+    ]
     assert page.get_by_test_id("assistant-message").last.get_by_test_id("content").text_content() == "you said two"
     page.reload()  # the failed attempt was not saved either
     answered(page, 1)
@@ -261,7 +286,7 @@ def test_failed_turn_is_shown_but_never_sent_again(served):
 
 
 def luminance(rgb: str) -> float:
-    channels = [int(c) / 255 for c in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3]]
+    channels = [int(c) / 255 for c in rgb[rgb.index("(") + 1 : rgb.index(")")].split(",")[:3]]
     linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
     return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
 
@@ -286,10 +311,14 @@ def test_math_code_and_dark_mode_contrast_and_favicon(served):
     assert [mi.text_content() for mi in math.locator("mi").all()] == ["e", "i", "π"]
     assert math.evaluate("e => e.getBoundingClientRect().width") > 20  # the browser lays MathML out
     assert luminance(page.locator("body").evaluate("e => getComputedStyle(e).backgroundColor")) < 0.05  # dark
-    readable = {"link": reply.locator("a"), "inline code": reply.locator("p code"),
-                "table header": reply.locator("th").first, "table cell": reply.locator("td").first,
-                "keyword": reply.locator("pre.hl span.k").first,
-                "number": reply.locator("pre.hl span.mi").first}
+    readable = {
+        "link": reply.locator("a"),
+        "inline code": reply.locator("p code"),
+        "table header": reply.locator("th").first,
+        "table cell": reply.locator("td").first,
+        "keyword": reply.locator("pre.hl span.k").first,
+        "number": reply.locator("pre.hl span.mi").first,
+    }
     for what, element in readable.items():
         ratio = contrast(element.evaluate("e => getComputedStyle(e).color"), element.evaluate(BACKGROUND))
         assert ratio >= 4.5, (what, ratio)
@@ -318,38 +347,54 @@ def test_attached_images_are_sent_as_image_url_parts(served):
     def answer(route):  # the scripted engine has no vision tower: the page's request is what is checked here
         bodies.append(route.request.post_data_json)
         chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Seen."}}]}
-        route.fulfill(status=200, content_type="text/event-stream",
-                      body=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+        route.fulfill(
+            status=200, content_type="text/event-stream", body=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+        )
+
     page.route("**/v1/chat/completions", answer)
     red, green, blue = png_bytes("red"), png_bytes("green"), png_bytes("blue")
     page.get_by_test_id("file").set_input_files([{"name": "red.png", "mimeType": "image/png", "buffer": red}])
     page.get_by_test_id("thumbnail").wait_for()
     send(page, "what is this?", 1)
-    assert bodies[0]["messages"] == [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": PNG + base64.b64encode(red).decode()}},
-        {"type": "text", "text": "what is this?"}]}]
+    assert bodies[0]["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": PNG + base64.b64encode(red).decode()}},
+                {"type": "text", "text": "what is this?"},
+            ],
+        }
+    ]
     assert page.get_by_test_id("thumbnail").count() == 0  # sent: the tray is empty
     assert page.get_by_test_id("user-message").get_by_test_id("image").count() == 1
     assert "base64" not in page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
-    saved = page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('thorgen.conversation.'))"
-                          ".map(k => JSON.parse(localStorage.getItem(k)))")
-    assert saved == [[{"role": "user", "content": "what is this?", "imageCount": 1},
-                      {"role": "assistant", "content": "Seen."}]]
+    saved = page.evaluate(
+        "Object.keys(localStorage).filter(k => k.startsWith('thorgen.conversation.'))"
+        ".map(k => JSON.parse(localStorage.getItem(k)))"
+    )
+    assert saved == [
+        [{"role": "user", "content": "what is this?", "imageCount": 1}, {"role": "assistant", "content": "Seen."}]
+    ]
 
     for event, data in (("paste", green), ("drop", blue)):  # paste into the box, drop onto the chat
-        page.evaluate("""([event, bytes]) => {
+        page.evaluate(
+            """([event, bytes]) => {
             const files = new DataTransfer();
             files.items.add(new File([new Uint8Array(bytes)], 'x.png', {type: 'image/png'}));
             const target = document.getElementById(event === 'paste' ? 'input' : 'chat');
             target.dispatchEvent(event === 'paste' ? new ClipboardEvent('paste', {clipboardData: files, bubbles: true})
                                                    : new DragEvent('drop', {dataTransfer: files, bubbles: true,
                                                                            cancelable: true}));
-        }""", [event, list(data)])
+        }""",
+            [event, list(data)],
+        )
     page.wait_for_function("() => document.querySelectorAll('[data-testid=thumbnail]').length === 2")
     send(page, "and these?", 2)
     last = bodies[-1]["messages"]
     assert [part["image_url"]["url"] for part in last[-1]["content"][:2]] == [
-        PNG + base64.b64encode(green).decode(), PNG + base64.b64encode(blue).decode()]
+        PNG + base64.b64encode(green).decode(),
+        PNG + base64.b64encode(blue).decode(),
+    ]
     assert last[0]["content"][0]["type"] == "image_url"  # still in memory: the earlier image goes along
 
     page.reload()  # saved history kept only a placeholder
@@ -373,6 +418,7 @@ def test_attached_image_reaches_the_model_and_the_answer_streams(served, tiny_ch
         def recording(*args, **kwargs):
             spans.append(kwargs.get("images", ()))
             return original(*args, **kwargs)
+
         state.client.submit = recording
         page = browser.new_context().new_page()
         page.goto(url + "/")
@@ -380,8 +426,12 @@ def test_attached_image_reaches_the_model_and_the_answer_streams(served, tiny_ch
         page.get_by_test_id("settings-toggle").click()
         page.get_by_test_id("max-tokens").fill("6")
         chunks = []
-        page.on("response", lambda r: chunks.append(r.headers.get("content-type", ""))
-                if r.url.endswith("/v1/chat/completions") else None)
+        page.on(
+            "response",
+            lambda r: (
+                chunks.append(r.headers.get("content-type", "")) if r.url.endswith("/v1/chat/completions") else None
+            ),
+        )
         photo = png_bytes("orange")
         page.get_by_test_id("file").set_input_files([{"name": "o.png", "mimeType": "image/png", "buffer": photo}])
         page.get_by_test_id("thumbnail").wait_for()

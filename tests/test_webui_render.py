@@ -54,16 +54,19 @@ def post(client, markdown) -> str:
     return answer.json()["html"]
 
 
-@pytest.mark.parametrize("markdown", [
-    "<script>alert(1)</script>",
-    "<img src=x onerror=alert(1)>",
-    "[x](javascript:alert(1)) ![y](javascript:alert(2)) [z](vbscript:x) [w](data:text/html,<script>1</script>)",
-    r"$\text{<script>alert(1)</script>}$ and $\text{a<b}$",
-    r"$\href{javascript:alert(1)}{click}$ $\style{background:url(x)}{y}$ $\color{red\" onclick=\"x}{z}$",
-    "```\"><script>alert(1)</script>\n<b>code</b>\n```",
-    "| <b>h</b> |\n|---|\n| <svg onload=alert(1)> |",
-    r"\[ <!DOCTYPE x [<!ENTITY a 'b'>]> \]",
-])
+@pytest.mark.parametrize(
+    "markdown",
+    [
+        "<script>alert(1)</script>",
+        "<img src=x onerror=alert(1)>",
+        "[x](javascript:alert(1)) ![y](javascript:alert(2)) [z](vbscript:x) [w](data:text/html,<script>1</script>)",
+        r"$\text{<script>alert(1)</script>}$ and $\text{a<b}$",
+        r"$\href{javascript:alert(1)}{click}$ $\style{background:url(x)}{y}$ $\color{red\" onclick=\"x}{z}$",
+        '```"><script>alert(1)</script>\n<b>code</b>\n```',
+        "| <b>h</b> |\n|---|\n| <svg onload=alert(1)> |",
+        r"\[ <!DOCTYPE x [<!ENTITY a 'b'>]> \]",
+    ],
+)
 def test_model_output_cannot_inject_markup(client, markdown):
     html = post(client, markdown)
     no_active_content(html)
@@ -83,17 +86,20 @@ def test_code_block_highlighted_with_pygments_classes(client):
     assert 'class="language-no-such-language"' in unknown and "x &lt; y" in unknown
 
 
-@pytest.mark.parametrize("markdown,display", [
-    (r"Euler: $e^{i\pi}+1=0$.", "inline"),
-    (r"Euler: \(e^{i\pi}+1=0\).", "inline"),
-    ("$$\ne^{i\\pi}+1=0\n$$", "block"),
-    (r"\[e^{i\pi}+1=0\]", "block"),
-    (r"so $$e^{i\pi}+1=0$$ holds", "block"),
-])
+@pytest.mark.parametrize(
+    "markdown,display",
+    [
+        (r"Euler: $e^{i\pi}+1=0$.", "inline"),
+        (r"Euler: \(e^{i\pi}+1=0\).", "inline"),
+        ("$$\ne^{i\\pi}+1=0\n$$", "block"),
+        (r"\[e^{i\pi}+1=0\]", "block"),
+        (r"so $$e^{i\pi}+1=0$$ holds", "block"),
+    ],
+)
 def test_math_becomes_mathml(client, markdown, display):
     html = post(client, markdown)
     start = html.index("<math")
-    math = ElementTree.fromstring(html[start:html.index("</math>") + len("</math>")])
+    math = ElementTree.fromstring(html[start : html.index("</math>") + len("</math>")])
     assert math.get("display") == display
     ns = "{http://www.w3.org/1998/Math/MathML}"
     assert [e.text for e in math.iter(ns + "mi")] == ["e", "i", "π"]
@@ -150,12 +156,45 @@ def test_render_through_the_app_answers_400(tmp_path):
 def test_any_text_renders_to_safe_html():
     hypothesis = pytest.importorskip("hypothesis")
     strategies = pytest.importorskip("hypothesis.strategies")
-    pieces = strategies.sampled_from(["$", "$$", "\\(", "\\)", "\\[", "\\]", "\\text{", "\\href{", "}", "{", "<",
-                                      ">", "<script>", "```", "`", "|", "---", "\n", "\n\n", "> ", "- ", "[a](", ")",
-                                      "javascript:", "x", " ", "\\frac", "&", '"', "![i](", "\\\\"])
+    pieces = strategies.sampled_from(
+        [
+            "$",
+            "$$",
+            "\\(",
+            "\\)",
+            "\\[",
+            "\\]",
+            "\\text{",
+            "\\href{",
+            "}",
+            "{",
+            "<",
+            ">",
+            "<script>",
+            "```",
+            "`",
+            "|",
+            "---",
+            "\n",
+            "\n\n",
+            "> ",
+            "- ",
+            "[a](",
+            ")",
+            "javascript:",
+            "x",
+            " ",
+            "\\frac",
+            "&",
+            '"',
+            "![i](",
+            "\\\\",
+        ]
+    )
 
     @hypothesis.settings(max_examples=150, deadline=None, derandomize=True)
     @hypothesis.given(strategies.lists(pieces, max_size=40).map("".join))
     def safe(markdown):
         no_active_content(render.render_markdown(markdown))
+
     safe()

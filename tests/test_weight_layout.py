@@ -44,7 +44,10 @@ def test_header_holds_the_python_tile() -> None:
     c = header_constants()
     assert (c["W_TILE_N"], c["W_TILE_K"], c["W_LANES"]) == (WL.TILE_N, WL.TILE_K, WL.LANES)
     assert (c["FP4_LANE_BYTES"], c["SCALE_LANE_BYTES"], c["HALF_LANE_BYTES"]) == (
-        WL.FP4_LANE_BYTES, WL.SCALE_LANE_BYTES, WL.HALF_LANE_BYTES)
+        WL.FP4_LANE_BYTES,
+        WL.SCALE_LANE_BYTES,
+        WL.HALF_LANE_BYTES,
+    )
     assert c["SHIFT_DECODE_FACTOR"] == WL.SHIFT_DECODE_FACTOR
     assert WL.STEP_BYTES == WL.LANES * WL.FP4_LANE_BYTES == WL.TILE_N * WL.TILE_K // 2
 
@@ -76,12 +79,17 @@ def test_every_tile_kernel_asserts_its_tile() -> None:
 
 # ---- the bytes, read as nvfp4.cuh reads them ----------------------------------------------------------------------
 
+
 def _shift_decode(v: np.ndarray) -> list[np.ndarray]:
     """nvfp4.cuh fp4_shift_decode, on uint32 words (the multiplies wrap at 32 bits as on the GPU)."""
     v = v.astype(np.uint64)
     m, w = np.uint64(0x8E008E00), np.uint64(0xFFFFFFFF)
-    return [(v & m), ((v << np.uint64(3)) & m), (((v & np.uint64(0x40384038)) * np.uint64(66)) & w) & m,
-            (((v & np.uint64(0x20072007)) * np.uint64(516)) & w) & m]
+    return [
+        (v & m),
+        ((v << np.uint64(3)) & m),
+        (((v & np.uint64(0x40384038)) * np.uint64(66)) & w) & m,
+        (((v & np.uint64(0x20072007)) * np.uint64(516)) & w) & m,
+    ]
 
 
 def _half2(reg: np.ndarray) -> np.ndarray:
@@ -92,8 +100,9 @@ def _half2(reg: np.ndarray) -> np.ndarray:
     return np.stack([lo, hi], axis=-1).astype(np.float64)
 
 
-def read_as_kernel(kind: str, w: np.ndarray, s: np.ndarray | None, gscale: np.ndarray | None, n: int, k: int,
-                   tile_n: int, tile_k: int) -> np.ndarray:
+def read_as_kernel(
+    kind: str, w: np.ndarray, s: np.ndarray | None, gscale: np.ndarray | None, n: int, k: int, tile_n: int, tile_k: int
+) -> np.ndarray:
     """The float64 [n, k] matrix a kernel of weight kind `kind` and tile (tile_n, tile_k) multiplies with: load_step
     (idx = (step * units + unit) * W_LANES + lane, a lane's bytes at idx * its bytes per lane), decode_step (tile t's
     words / uint4s, register (word, q) = codes 8 word + 2q, +1; the scale u16's low byte for tile 0), DecodeFactor
@@ -177,10 +186,12 @@ def test_the_reader_sees_a_wrong_tile() -> None:
     packed, scale = _checkpoint_nvfp4(rng, 64, 256)
     w, s = L.pack_nvfp4(packed, scale, "nat")
     ones = np.ones(64 // WL.GSCALE_ROWS, np.float32)
-    np.testing.assert_array_equal(read_as_kernel("nat", w, s, ones, 64, 256, WL.TILE_N, WL.TILE_K),
-                                  _dense(packed, scale, 1.0))
-    assert not np.array_equal(read_as_kernel("nat", w, s, ones, 64, 256, 2 * WL.TILE_N, WL.TILE_K // 2),
-                              _dense(packed, scale, 1.0))
+    np.testing.assert_array_equal(
+        read_as_kernel("nat", w, s, ones, 64, 256, WL.TILE_N, WL.TILE_K), _dense(packed, scale, 1.0)
+    )
+    assert not np.array_equal(
+        read_as_kernel("nat", w, s, ones, 64, 256, 2 * WL.TILE_N, WL.TILE_K // 2), _dense(packed, scale, 1.0)
+    )
 
 
 def test_a_planted_tile_fails_to_compile(tmp_path: Path) -> None:
@@ -196,8 +207,11 @@ def test_a_planted_tile_fails_to_compile(tmp_path: Path) -> None:
     check = _environment().get_template("_w_tile.inc.j2")
     for tile_n, ok in ((WL.TILE_N, True), (2 * WL.TILE_N, False)):
         src = tmp_path / f"tile{tile_n}.cu"
-        src.write_text('#include "thorgen/nvfp4.cuh"\n' + check.render(tile_n=tile_n, tile_k=WL.TILE_K)
-                       + 'extern "C" __global__ void probe() {}\n')
+        src.write_text(
+            '#include "thorgen/nvfp4.cuh"\n'
+            + check.render(tile_n=tile_n, tile_k=WL.TILE_K)
+            + 'extern "C" __global__ void probe() {}\n'
+        )
         cubin = tmp_path / f"tile{tile_n}.cubin"
         if ok:
             compile_cubin("probe", src, cubin, get_arch("sm_90a"), INCLUDE_DIR, nvcc)

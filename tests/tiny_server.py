@@ -8,8 +8,9 @@ from typing import Iterator
 
 
 @contextmanager
-def tiny_server(checkpoint: Path, ctx: int, speculative: bool | None = False,
-                media=None) -> Iterator[tuple[str, object]]:
+def tiny_server(
+    checkpoint: Path, ctx: int, speculative: bool | None = False, media=None
+) -> Iterator[tuple[str, object]]:
     """(base URL, ServerState) of a running server (`media`: its MediaOptions); closed on exit."""
     from thorgen.runtime.api import EngineConfig
     from thorgen.serve.app import ServerState, create_app
@@ -17,8 +18,13 @@ def tiny_server(checkpoint: Path, ctx: int, speculative: bool | None = False,
     from thorgen.serve.media import MediaOptions
     from scripted_backend import TEST_MODEL_NAMES, running_server
 
-    state = ServerState("tiny", lambda: open_model(EngineConfig(checkpoint, "reference", ctx)), speculative=speculative,
-                        model_names=("tiny", *TEST_MODEL_NAMES), media=media or MediaOptions())
+    state = ServerState(
+        "tiny",
+        lambda: open_model(EngineConfig(checkpoint, "reference", ctx)),
+        speculative=speculative,
+        model_names=("tiny", *TEST_MODEL_NAMES),
+        media=media or MediaOptions(),
+    )
     state.load()
     assert state.load_error is None, state.load_error
     try:

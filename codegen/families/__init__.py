@@ -36,23 +36,34 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots  # noqa: F401 (the families import them from here)
+# (the families import these from here)
+from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, page_pitch, ring_slots  # noqa: F401
 
-ACT_DTYPE = "f16"        # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
-GEMM_OUT_DTYPE = "f32"   # GEMM outputs feed fp32 norms / residual adds
-Q_DTYPE = "bf16"         # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
+ACT_DTYPE = "f16"  # activations into every NVFP4 / bf16 GEMM (the seed's W4A16 used fp16: 1e-3 error budget)
+GEMM_OUT_DTYPE = "f32"  # GEMM outputs feed fp32 norms / residual adds
+Q_DTYPE = "bf16"  # attention queries, the same type as the bf16 KV cache (tensor-core friendly)
 KV_DTYPES = ("bf16", "fp8e4m3")
-PDL = True               # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
+PDL = True  # every template is PDL-safe (see above; tests/test_codegen_pdl.py checks the sources)
 
 
 # Order = plan order (roughly the order of a forward step); within a family the plan keeps the order of first use.
 FAMILIES: tuple[str, ...] = (
-    "embedding", "norms", "rope_kv", "router", "lm_head", "lm_logits", "drafter_glue",
-    "matmul", "moe", "moe_grouped", "attention", "drafter_gemm", "vision",
+    "embedding",
+    "norms",
+    "rope_kv",
+    "router",
+    "lm_head",
+    "lm_logits",
+    "drafter_glue",
+    "matmul",
+    "moe",
+    "moe_grouped",
+    "attention",
+    "drafter_gemm",
+    "vision",
 )
 
 
 def family_function(name: str, prefix: str) -> Callable | None:
     """`<prefix>_<name>` of family module `name` (e.g. its bench cases), or None when it has none."""
     return getattr(importlib.import_module(f"{__name__}.{name}"), f"{prefix}_{name}", None)
-

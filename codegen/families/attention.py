@@ -4,12 +4,13 @@ target's sliding and full layers (bf16 and fp8 e4m3 KV caches) and the DFlash dr
 One template (attn_fwd.cu.j2 over thorgen/attention.cuh) serves all: a block holds R = 16*MT query rows = QB
 queries x all G query heads of one KV head (GQA: each K/V tile is read once for its G heads), warps split the head
 dim (64 columns each), K/V tiles of TK keys are double-buffered through shared memory, softmax is online in fp32.
-  attn_dec__...  m <= 16 queries (consecutive, or rowwise: one per sequence), NSPLIT key splits (grid z) so short batches still fill the SMs. Given `counters`
-                 (u32 [cnt_words], zeroed by the runtime once, left zeroed) the last split block of each (query
-                 block, KV head) merges the splits in the same launch (thorgen/attn_split.cuh; two levels of NSUB
-                 subgroups when a group's partials are large): the decode step (m = 1) uses that. With counters
-                 null the partials stay in the workspace and attn_comb__ merges them, one block per (query, head)
-                 row: faster for m = 16 (verify, drafter block), where one block per group would read megabytes.
+  attn_dec__...  m <= 16 queries (consecutive, or rowwise: one per sequence), NSPLIT key splits (grid z) so short
+                 batches still fill the SMs. Given `counters` (u32 [cnt_words], zeroed by the runtime once, left zeroed)
+                 the last split block of each (query block, KV head) merges the splits in the same launch
+                 (thorgen/attn_split.cuh; two levels of NSUB subgroups when a group's partials are large): the decode
+                 step (m = 1) uses that. With counters null the partials stay in the workspace and attn_comb__ merges
+                 them, one block per (query, head) row: faster for m = 16 (verify, drafter block), where one block per
+                 group would read megabytes.
   attn_pre__...  prefill chunks (m <= MAX_STEP_TOKENS), NSPLIT = 1, causal + window skip work per query block.
 Cache conventions (families/__init__.py): [slot][Hkv][D], sliding rings of ring_slots(window) slots, the target's
 full layers paged (page > 0: pages of KV_PAGE positions, the page table `pages` of `pitch` entries a sequence).
@@ -44,8 +45,13 @@ def attn_smem(d: int, mt: int, tk: int, kv: str) -> int:
     nw, r, tp = d // 64, 16 * mt, d + 8
     tile = tk * tp * 2
     fp8 = kv == "fp8e4m3"
-    return ((1 if fp8 else 2) * 2 * tile + (2 * 2 * tk * (d + 16) if fp8 else 0) + nw * r * (tk + 8) * 4
-            + r * (tk + 8) * 2 + 3 * r * 4)
+    return (
+        (1 if fp8 else 2) * 2 * tile
+        + (2 * 2 * tk * (d + 16) if fp8 else 0)
+        + nw * r * (tk + 8) * 4
+        + r * (tk + 8) * 2
+        + 3 * r * 4
+    )
 
 
 def nsub_for(nsplit: int) -> int:
@@ -60,9 +66,25 @@ def _mt(g: int, d: int, m: int) -> int:
 
 
 @cache
-def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int, causal: bool, kv: str,
-                 scale: float, nsplit: int, arch: ArchSpec, page: int = 0, pitch: int = 0,
-                 tpp: int = 1, pre_mmax: int = MAX_STEP_TOKENS, kv_hi: bool = False) -> tuple[KernelSpec, KernelSpec]:
+def attn_kernels(
+    role: str,
+    *,
+    d: int,
+    hq: int,
+    hkv: int,
+    window: int,
+    ring: int,
+    causal: bool,
+    kv: str,
+    scale: float,
+    nsplit: int,
+    arch: ArchSpec,
+    page: int = 0,
+    pitch: int = 0,
+    tpp: int = 1,
+    pre_mmax: int = MAX_STEP_TOKENS,
+    kv_hi: bool = False,
+) -> tuple[KernelSpec, KernelSpec]:
     """(decode / verify kernel, prefill kernel of up to `pre_mmax` queries) of one attention shape. `kv_hi`: the
     prefill kernel takes per-query upper key bounds (kv_hi, i32 [m]: an image span's queries see the whole span)."""
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
@@ -71,8 +93,21 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
     require(not kv_hi or causal, f"attention {role}: per-query key bounds extend a causal mask")
     g = hq // hkv
     out = []
-    common = dict(d=d, hq=hq, hkv=hkv, window=window, ring=ring, page=page, pitch=pitch, causal=causal, kv_dtype=kv,
-                  kv_enum=KV_ENUM[kv], scale=float(scale), scale_log2=float(scale) * math.log2(math.e), tpp=tpp)
+    common = dict(
+        d=d,
+        hq=hq,
+        hkv=hkv,
+        window=window,
+        ring=ring,
+        page=page,
+        pitch=pitch,
+        causal=causal,
+        kv_dtype=kv,
+        kv_enum=KV_ENUM[kv],
+        scale=float(scale),
+        scale_log2=float(scale) * math.log2(math.e),
+        tpp=tpp,
+    )
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
     for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", pre_mmax, 1)):
@@ -86,8 +121,12 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         qb = 16 * mt // g
         smem = attn_smem(d, mt, tk, kv)
         require(smem <= arch.smem_per_block_max, f"attention {role}: {smem} B shared memory exceeds {arch.name}")
-        name = (f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}" + (f"_s{ns}" if ns > 1 else "")
-                + (f"_t{tk}" if tk != TK else "") + ("_kvhi" if kv_hi and what == "pre" else ""))
+        name = (
+            f"attn_{what}__{role}_d{d}_h{hq}x{hkv}_{mask}_{cache}_{kv}"
+            + (f"_s{ns}" if ns > 1 else "")
+            + (f"_t{tk}" if tk != TK else "")
+            + ("_kvhi" if kv_hi and what == "pre" else "")
+        )
         gx, nsub = math.ceil(mmax / qb), nsub_for(ns)
         # a batched decode step (rowwise: a block per query) of r rows launches ROWWISE_SPLITS[r - 1] <= ns splits
         rowwise = tuple(_rowwise_splits(r, hkv, ns, smem, arch) for r in range(1, mmax + 1)) if what == "dec" else ()
@@ -100,16 +139,33 @@ def attn_kernels(role: str, *, d: int, hq: int, hkv: int, window: int, ring: int
         # on the H200 against 128.4 without)
         early = role.startswith("tgt_") and what == "dec"
         bounds = dict(kv_hi=True) if kv_hi and what == "pre" else {}
-        out.append(KernelSpec(name, "attn_fwd.cu.j2",
-                              make_params(mt=mt, tk=tk, nsplit=ns, nsub=nsub, mmax=mmax, grid_x=gx, early=early,
-                                          **rules,
-                                          ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
-                                          # one merge group per (query block, KV head); rowwise (batched
-                                          # decode) launches have a block per query, up to mmax of them
-                                          cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0, **common,
-                                          **bounds),
-                              grid=(gx, hkv, ns), block=(32 * (d // 64), 1, 1), smem_bytes=smem,
-                              args=FWD_ARGS + (("kv_hi",) if bounds else ()), family="attention"))
+        out.append(
+            KernelSpec(
+                name,
+                "attn_fwd.cu.j2",
+                make_params(
+                    mt=mt,
+                    tk=tk,
+                    nsplit=ns,
+                    nsub=nsub,
+                    mmax=mmax,
+                    grid_x=gx,
+                    early=early,
+                    **rules,
+                    ws_floats=((ns + nsub) * mmax * hq * (d + 2)) if ns > 1 else 0,
+                    # one merge group per (query block, KV head); rowwise (batched
+                    # decode) launches have a block per query, up to mmax of them
+                    cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0,
+                    **common,
+                    **bounds,
+                ),
+                grid=(gx, hkv, ns),
+                block=(32 * (d // 64), 1, 1),
+                smem_bytes=smem,
+                args=FWD_ARGS + (("kv_hi",) if bounds else ()),
+                family="attention",
+            )
+        )
     return out[0], out[1]
 
 
@@ -119,9 +175,15 @@ def attn_combine(dec: KernelSpec) -> KernelSpec:
     head)."""
     d, hq, ns, mmax = (dec.param(p) for p in ("d", "hq", "nsplit", "mmax"))
     threads = min(d, 256)
-    return KernelSpec(f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}", "attn_combine.cu.j2",
-                      make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads, ROW_GRID=(0, hq, 1)),
-                      grid=(mmax * hq, 1, 1), block=(threads, 1, 1), args=COMBINE_ARGS, family="attention")
+    return KernelSpec(
+        f"attn_comb__d{d}_h{hq}_s{ns}_m{mmax}",
+        "attn_combine.cu.j2",
+        make_params(d=d, hq=hq, nsplit=ns, mmax=mmax, threads=threads, ROW_GRID=(0, hq, 1)),
+        grid=(mmax * hq, 1, 1),
+        block=(threads, 1, 1),
+        args=COMBINE_ARGS,
+        family="attention",
+    )
 
 
 def _rowwise_splits(rows: int, hkv: int, nsplit: int, smem: int, arch: ArchSpec) -> int:
@@ -144,8 +206,9 @@ def _nsplit(blocks_per_split: int, arch: ArchSpec, max_tiles: int | None) -> int
 
 
 @cache
-def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefill: bool,
-                     kv_hi: bool = False) -> KernelSpec:
+def target_attention(
+    spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefill: bool, kv_hi: bool = False
+) -> KernelSpec:
     """Target layer `layer`'s attention over a `kv` cache: the decode / verify kernel (up to 16 queries, or a batched
     step's rows), or with `prefill` the chunk kernel; `kv_hi` (a sliding layer's chunk holding an image): the chunk
     kernel with per-query upper key bounds."""
@@ -153,11 +216,23 @@ def target_attention(spec: ModelSpec, arch: ArchSpec, layer: int, kv: str, prefi
     d, hkv, window = t.layer_head_dim(layer), t.layer_kv_heads(layer), t.layer_window(layer) or 0
     max_tiles = math.ceil((window + VERIFY_M) / TK) if window else None
     page = 0 if window else KV_PAGE  # the full layers are paged
-    dec, pre = attn_kernels("tgt_" + t.layer_types[layer][0], d=d, hq=t.num_attention_heads, hkv=hkv, window=window,
-                            ring=ring_slots(window) if window else 0, causal=True, kv=kv, scale=1.0,
-                            nsplit=_nsplit(hkv, arch, max_tiles), arch=arch, page=page,
-                            pitch=page_pitch(t.max_position_embeddings) if page else 0,
-                            tpp=TPP_SLIDING if window else TPP_FULL, kv_hi=kv_hi)
+    dec, pre = attn_kernels(
+        "tgt_" + t.layer_types[layer][0],
+        d=d,
+        hq=t.num_attention_heads,
+        hkv=hkv,
+        window=window,
+        ring=ring_slots(window) if window else 0,
+        causal=True,
+        kv=kv,
+        scale=1.0,
+        nsplit=_nsplit(hkv, arch, max_tiles),
+        arch=arch,
+        page=page,
+        pitch=page_pitch(t.max_position_embeddings) if page else 0,
+        tpp=TPP_SLIDING if window else TPP_FULL,
+        kv_hi=kv_hi,
+    )
     return pre if prefill or kv_hi else dec
 
 
@@ -166,10 +241,19 @@ def drafter_attention(spec: ModelSpec, arch: ArchSpec, layer: int) -> KernelSpec
     """Drafter layer `layer`'s attention of the 16-slot block (bf16 cache; every drafter launch has <= 16 queries)."""
     dr = spec.drafter
     window = dr.layer_window(layer) or 0
-    dec, _ = attn_kernels("dft_" + dr.layer_types[layer][0], d=dr.head_dim, hq=dr.num_attention_heads,
-                          hkv=dr.num_key_value_heads, window=window, ring=ring_slots(window) if window else 0,
-                          causal=dr.is_causal(layer), kv="bf16", scale=dr.head_dim ** -0.5,
-                          nsplit=_nsplit(dr.num_key_value_heads, arch, None), arch=arch)
+    dec, _ = attn_kernels(
+        "dft_" + dr.layer_types[layer][0],
+        d=dr.head_dim,
+        hq=dr.num_attention_heads,
+        hkv=dr.num_key_value_heads,
+        window=window,
+        ring=ring_slots(window) if window else 0,
+        causal=dr.is_causal(layer),
+        kv="bf16",
+        scale=dr.head_dim**-0.5,
+        nsplit=_nsplit(dr.num_key_value_heads, arch, None),
+        arch=arch,
+    )
     return dec
 
 
@@ -189,13 +273,28 @@ def bench_attention(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         window = k.param("window")
         for m in (1, VERIFY_M):
             keys = min(ctx + m, (window + m - 1) if window else ctx + m)
-            args = (Buf("q", "bf16", m * hq * d), Buf("kc", "u8", slots * hkv * d * eb),
-                    Buf("vc", "u8", slots * hkv * d * eb), Buf("positions", "i32", m, ctx, ctx + 1),
-                    Scalar("m", "i32", m), Buf("out", "f16", m * hq * d), Buf("ws", "f32", max(1, k.param("ws_floats"))),
-                    Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0), Buf("lanes", "i32", 0),
-                    Scalar("lane_bytes", "i64", 0), pages, Scalar("rowwise", "i32", 0))
+            args = (
+                Buf("q", "bf16", m * hq * d),
+                Buf("kc", "u8", slots * hkv * d * eb),
+                Buf("vc", "u8", slots * hkv * d * eb),
+                Buf("positions", "i32", m, ctx, ctx + 1),
+                Scalar("m", "i32", m),
+                Buf("out", "f16", m * hq * d),
+                Buf("ws", "f32", max(1, k.param("ws_floats"))),
+                Buf("counters", "u32", max(1, k.param("cnt_words")), 0, 0),
+                Buf("lanes", "i32", 0),
+                Scalar("lane_bytes", "i64", 0),
+                pages,
+                Scalar("rowwise", "i32", 0),
+            )
             if m > 1:  # the runtime merges 16-query splits with attn_comb (counters null)
                 args = tuple(Buf("counters", "u32", 0) if getattr(a, "name", "") == "counters" else a for a in args)
-            cases.append(BenchCase(k, args, bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,
-                                   note=f"M={m}, ctx {ctx}, " + ("merge fused" if m == 1 else "+attn_comb")))
+            cases.append(
+                BenchCase(
+                    k,
+                    args,
+                    bytes_moved=2 * keys * hkv * d * eb + m * hq * d * 4,
+                    note=f"M={m}, ctx {ctx}, " + ("merge fused" if m == 1 else "+attn_comb"),
+                )
+            )
     return cases

@@ -38,12 +38,19 @@ def drafter_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
     nq, nkv = d.num_attention_heads * hd, d.num_key_value_heads * hd
     taps = len(d.target_layer_ids) * spec.target.hidden_size
     # the block's q|k|v as one GEMM over the repack's fused matrix; the context's k|v as one over its k|v rows
-    return [("qkv", nq + 2 * nkv, h, "store"), ("kv2", 2 * nkv, h, "store"), ("o", h, nq, "store"),
-            ("gate_up", 2 * d.intermediate_size, h, "silu_mul"), ("down", h, d.intermediate_size, "store"),
-            ("fc", h, taps, "store")]
+    return [
+        ("qkv", nq + 2 * nkv, h, "store"),
+        ("kv2", 2 * nkv, h, "store"),
+        ("o", h, nq, "store"),
+        ("gate_up", 2 * d.intermediate_size, h, "silu_mul"),
+        ("down", h, d.intermediate_size, "store"),
+        ("fc", h, taps, "store"),
+    ]
 
 
 def bench_drafter_gemm(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
-    kernels = {kern.name: kern for kern in (drafter_gemm(n, k, VERIFY_ROWS, epi, arch)
-                                            for _, n, k, epi in drafter_shapes(spec))}
+    kernels = {
+        kern.name: kern
+        for kern in (drafter_gemm(n, k, VERIFY_ROWS, epi, arch) for _, n, k, epi in drafter_shapes(spec))
+    }
     return [gemm_bench_case(kern, 16) for kern in kernels.values()]

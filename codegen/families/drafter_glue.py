@@ -20,16 +20,27 @@ def block_embed(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     """The draft block's embedding: the last token's row, then the mask token's rows (the target's table)."""
     d, H, V = spec.drafter, spec.target.hidden_size, spec.target.vocab_size
     threads = min(arch.threads_per_block, max(32, (H // 8 + 31) // 32 * 32))
-    return KernelSpec(f"dflash_block_embed__v{V}_h{H}_m{d.mask_token_id}_b{d.block_size}", "embed.cu.j2",
-                      make_params(H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id,
-                                  ROW_AXIS=0),
-                      grid=(d.block_size, 1, 1), block=(threads, 1, 1), args=("ids", "table", "out", "T"),
-                      family="drafter_glue")
+    return KernelSpec(
+        f"dflash_block_embed__v{V}_h{H}_m{d.mask_token_id}_b{d.block_size}",
+        "embed.cu.j2",
+        make_params(H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id, ROW_AXIS=0),
+        grid=(d.block_size, 1, 1),
+        block=(threads, 1, 1),
+        args=("ids", "table", "out", "T"),
+        family="drafter_glue",
+    )
 
 
 @cache
 def accept(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     """The acceptance of a verify step on the device (the next step's block from the verified tokens)."""
     B = spec.drafter.block_size
-    return KernelSpec(f"dflash_accept__b{B}", "spec_accept.cu.j2", make_params(B=B), grid=(1, 1, 1), block=(32, 1, 1),
-                      args=("ids", "out_ids", "positions", "sampled", "rule", "accepted"), family="drafter_glue")
+    return KernelSpec(
+        f"dflash_accept__b{B}",
+        "spec_accept.cu.j2",
+        make_params(B=B),
+        grid=(1, 1, 1),
+        block=(32, 1, 1),
+        args=("ids", "out_ids", "positions", "sampled", "rule", "accepted"),
+        family="drafter_glue",
+    )

@@ -38,8 +38,10 @@ def sampler_shape(V: int, chunk: int, arch: ArchSpec) -> tuple[int, int, int]:
     C = min(SAMPLE_CANDIDATES, chunk)
     nc = (V // chunk) * C
     require(nc & (nc - 1) == 0, f"lm_head sampler: {V // chunk} chunks x {C} candidates must be a power of two")
-    require(nc * 8 <= arch.smem_per_block_max,
-            f"lm_head sampler: {nc * 8} B of candidates exceed {arch.name}'s shared memory per block")
+    require(
+        nc * 8 <= arch.smem_per_block_max,
+        f"lm_head sampler: {nc * 8} B of candidates exceed {arch.name}'s shared memory per block",
+    )
     return C, ws_row_bytes(V, chunk, C), nc * 8
 
 
@@ -51,7 +53,9 @@ def ws_row_bytes(V: int, chunk: int, C: int) -> int:
 
 def _tag(spec: ModelSpec, arch: ArchSpec) -> str:
     t = spec.target
-    return f"v{t.vocab_size}_c{ftag(float(t.final_logit_softcapping or 0.0))}" + ("" if exact_softcap(arch) else "_fast")
+    return f"v{t.vocab_size}_c{ftag(float(t.final_logit_softcapping or 0.0))}" + (
+        "" if exact_softcap(arch) else "_fast"
+    )
 
 
 @cache
@@ -59,10 +63,15 @@ def lm_argmax(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     """Softcap fused with the greedy argmax of up to VERIFY_ROWS logits rows."""
     V, cap, exact = spec.target.vocab_size, float(spec.target.final_logit_softcapping or 0.0), exact_softcap(arch)
     chunk = vocab_chunk(V)
-    return KernelSpec(f"lm_argmax__{_tag(spec, arch)}", "lm_argmax.cu.j2",
-                      make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
-                      grid=(V // chunk, VERIFY_ROWS, 1), block=(chunk_threads(chunk), 1, 1),
-                      args=("logits", "capped", "best", "counters", "out_ids", "T"), family="lm_head")
+    return KernelSpec(
+        f"lm_argmax__{_tag(spec, arch)}",
+        "lm_argmax.cu.j2",
+        make_params(V=V, CHUNK=chunk, SOFTCAP=cap, EXACT=exact, ROW_AXIS=1),
+        grid=(V // chunk, VERIFY_ROWS, 1),
+        block=(chunk_threads(chunk), 1, 1),
+        args=("logits", "capped", "best", "counters", "out_ids", "T"),
+        family="lm_head",
+    )
 
 
 SAMPLE_STAGES = ("prep", "select", "finish")
@@ -77,13 +86,29 @@ def lm_sample(spec: ModelSpec, arch: ArchSpec, stage: str) -> KernelSpec:
     common = dict(V=V, CHUNK=chunk, C=C, SOFTCAP=cap, EXACT=exact, WS_ROW_BYTES=ws, ROW_AXIS=1)
     grid, threads, smem, args = {
         "prep": ((V // chunk, VERIFY_ROWS, 1), 512, 0, ("logits", "params", "workspace", "T")),
-        "select": ((1, VERIFY_ROWS, 1), 1024, select_smem,
-                   ("params", "positions", "workspace", "out_ids", "status", "T")),
-        "finish": ((V // chunk, VERIFY_ROWS, 1), 512, 0,
-                   ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"))}[stage]
-    return KernelSpec(f"lm_sample_{stage}__{_tag(spec, arch)}", "lm_sample.cu.j2", make_params(STAGE=stage, **common),
-                      grid=grid, block=(min(threads, max(32, chunk)), 1, 1), smem_bytes=smem, args=args,
-                      family="lm_head")
+        "select": (
+            (1, VERIFY_ROWS, 1),
+            1024,
+            select_smem,
+            ("params", "positions", "workspace", "out_ids", "status", "T"),
+        ),
+        "finish": (
+            (V // chunk, VERIFY_ROWS, 1),
+            512,
+            0,
+            ("logits", "params", "positions", "workspace", "counters", "out_ids", "T"),
+        ),
+    }[stage]
+    return KernelSpec(
+        f"lm_sample_{stage}__{_tag(spec, arch)}",
+        "lm_sample.cu.j2",
+        make_params(STAGE=stage, **common),
+        grid=grid,
+        block=(min(threads, max(32, chunk)), 1, 1),
+        smem_bytes=smem,
+        args=args,
+        family="lm_head",
+    )
 
 
 def bench_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
@@ -91,7 +116,20 @@ def bench_lm_head(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     k = lm_argmax(spec, arch)
     out = []
     for T in (1, 16):
-        out.append(BenchCase(k, (Buf("logits", "f32", T * V, -20, 20), Buf("capped", "f32", 0), Buf("best", "u64", T, 0, 0),
-                                 Buf("counters", "u32", T, 0, 0), Buf("out_ids", "i32", T), Scalar("T", "i32", T)),
-                             bytes_moved=T * V * 4, grid=(k.grid[0], T, 1), note=f"T={T}, capped=null"))
+        out.append(
+            BenchCase(
+                k,
+                (
+                    Buf("logits", "f32", T * V, -20, 20),
+                    Buf("capped", "f32", 0),
+                    Buf("best", "u64", T, 0, 0),
+                    Buf("counters", "u32", T, 0, 0),
+                    Buf("out_ids", "i32", T),
+                    Scalar("T", "i32", T),
+                ),
+                bytes_moved=T * V * 4,
+                grid=(k.grid[0], T, 1),
+                note=f"T={T}, capped=null",
+            )
+        )
     return out

@@ -115,8 +115,11 @@ def prefetch(steps_per_warp: int, arch: ArchSpec) -> int:
 
 
 def check_shape(what: str, n: int, k: int) -> None:
-    require(fits_tile(n, k), f"{what}: weight [{n} x {k}] does not fit the {W_LAYOUT} layout (N % {TILE_N} == 0 and "
-            f"K % {TILE_K} == 0 needed)")
+    require(
+        fits_tile(n, k),
+        f"{what}: weight [{n} x {k}] does not fit the {W_LAYOUT} layout (N % {TILE_N} == 0 and "
+        f"K % {TILE_K} == 0 needed)",
+    )
 
 
 def weight_bytes(n: int, k: int) -> int:
@@ -130,8 +133,16 @@ def _tag(n: int, k: int, epi: str) -> str:
 
 
 @cache
-def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | None = None,
-               prefix: str = "nvfp4", family: str = "matmul") -> KernelSpec:
+def gemm_small(
+    n: int,
+    k: int,
+    mmax: int,
+    epi: str,
+    arch: ArchSpec,
+    kind: str | None = None,
+    prefix: str = "nvfp4",
+    family: str = "matmul",
+) -> KernelSpec:
     """The M <= mmax weight-streaming kernel for an [n, k] weight (kind: fp4 order or "half")."""
     kind = kind or fp4_order(arch)
     check_shape(f"{prefix} gemm", n, k)
@@ -151,11 +162,32 @@ def gemm_small(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, kind: str | 
     un = units_a_block(units, mmax, kind, arch)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
-    return KernelSpec(f"{prefix}_{what}__{_tag(n, k, epi)}", "nvfp4_gemm.cu.j2",
-                      make_params(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, ks=ks, mmax=mmax, pf=pf, epi=epi,
-                                  epi_enum=EPI_ENUM[epi], out_dtype=out, act_dtype=ACT_DTYPE, w_layout=W_LAYOUT,
-                                  fp4_order=fp4_order(arch), swap=mmax <= 8, un=un, **tile_params()),
-                      grid=(units // un, 1, 1), block=(32 * ks, 1, 1), args=gemm_args(kind), family=family)
+    return KernelSpec(
+        f"{prefix}_{what}__{_tag(n, k, epi)}",
+        "nvfp4_gemm.cu.j2",
+        make_params(
+            kind=kind,
+            kind_enum=kind_enum(kind),
+            n=n,
+            k=k,
+            ks=ks,
+            mmax=mmax,
+            pf=pf,
+            epi=epi,
+            epi_enum=EPI_ENUM[epi],
+            out_dtype=out,
+            act_dtype=ACT_DTYPE,
+            w_layout=W_LAYOUT,
+            fp4_order=fp4_order(arch),
+            swap=mmax <= 8,
+            un=un,
+            **tile_params(),
+        ),
+        grid=(units // un, 1, 1),
+        block=(32 * ks, 1, 1),
+        args=gemm_args(kind),
+        family=family,
+    )
 
 
 def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
@@ -179,10 +211,20 @@ def gemv_attn_tail(n: int, k: int, eps: float, arch: ArchSpec, fmt: str = "nvfp4
     replaying the arithmetic of the attn_tail kernel's block size (norm.cuh: attn_tail_row), so that one decode
     launch a layer replaces two with the same bits. counters: one u32, zero at entry, left zeroed."""
     plain, tail = target_gemm(n, k, 1, "store", arch, fmt), attn_tail_kernel(n, eps, arch)
-    params = dict(plain.param_dict, epi="attn_tail", epi_enum=EPI_ENUM["attn_tail"], eps=float(eps),
-                  tail_threads=tail.threads, tail_dtype=tail.param("OUT"))
-    return replace(plain, name=f"{WEIGHT_PREFIX[fmt]}_gemv__{_tag(n, k, 'attn_tail')}", params=make_params(**params),
-                   args=plain.args + TAIL_ARGS)
+    params = dict(
+        plain.param_dict,
+        epi="attn_tail",
+        epi_enum=EPI_ENUM["attn_tail"],
+        eps=float(eps),
+        tail_threads=tail.threads,
+        tail_dtype=tail.param("OUT"),
+    )
+    return replace(
+        plain,
+        name=f"{WEIGHT_PREFIX[fmt]}_gemv__{_tag(n, k, 'attn_tail')}",
+        params=make_params(**params),
+        args=plain.args + TAIL_ARGS,
+    )
 
 
 def large_smem(bm: int = LARGE_BM, stages: int = LARGE_STAGES) -> int:
@@ -195,8 +237,16 @@ def wgmma_smem(stages: int = WGMMA_STAGES) -> int:
 
 
 @cache
-def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None, prefix: str = "nvfp4",
-               family: str = "matmul", mmax: int = MAX_STEP_TOKENS) -> KernelSpec:
+def gemm_large(
+    n: int,
+    k: int,
+    epi: str,
+    arch: ArchSpec,
+    kind: str | None = None,
+    prefix: str = "nvfp4",
+    family: str = "matmul",
+    mmax: int = MAX_STEP_TOKENS,
+) -> KernelSpec:
     """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). NVFP4 weights on an
     arch with wgmma and N a multiple of its 128-row tile take the warpgroup form."""
     kind = kind or fp4_order(arch)
@@ -204,20 +254,49 @@ def gemm_large(n: int, k: int, epi: str, arch: ArchSpec, kind: str | None = None
     units = n // TILE_N
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     template, args = "nvfp4_gemm_large.cu.j2", gemm_args(kind)
-    common = dict(kind=kind, kind_enum=kind_enum(kind), n=n, k=k, epi=epi, epi_enum=EPI_ENUM[epi], out_dtype=out,
-                  act_dtype=ACT_DTYPE, w_layout=W_LAYOUT, fp4_order=fp4_order(arch), **tile_params())
+    common = dict(
+        kind=kind,
+        kind_enum=kind_enum(kind),
+        n=n,
+        k=k,
+        epi=epi,
+        epi_enum=EPI_ENUM[epi],
+        out_dtype=out,
+        act_dtype=ACT_DTYPE,
+        w_layout=W_LAYOUT,
+        fp4_order=fp4_order(arch),
+        **tile_params(),
+    )
     if arch.has_wgmma and kind != "half" and n % WGMMA_BN == 0:
-        return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
-                          make_params(**common, wgmma=True, bm=WGMMA_BM, bn=WGMMA_BN, stages=WGMMA_STAGES,
-                                      pf=WGMMA_PF, ROW_GRID=(1, 1, WGMMA_BM)),
-                          grid=(n // WGMMA_BN, math.ceil(mmax / WGMMA_BM), 1), block=(32 * WGMMA_WARPS, 1, 1),
-                          smem_bytes=wgmma_smem(), args=args, family=family)
+        return KernelSpec(
+            f"{prefix}_gemmL__{_tag(n, k, epi)}",
+            template,
+            make_params(
+                **common,
+                wgmma=True,
+                bm=WGMMA_BM,
+                bn=WGMMA_BN,
+                stages=WGMMA_STAGES,
+                pf=WGMMA_PF,
+                ROW_GRID=(1, 1, WGMMA_BM),
+            ),
+            grid=(n // WGMMA_BN, math.ceil(mmax / WGMMA_BM), 1),
+            block=(32 * WGMMA_WARPS, 1, 1),
+            smem_bytes=wgmma_smem(),
+            args=args,
+            family=family,
+        )
     nwarp = next(w for w in (4, 2, 1) if units % w == 0)
-    return KernelSpec(f"{prefix}_gemmL__{_tag(n, k, epi)}", template,
-                      make_params(**common, bm=LARGE_BM, nwarp=nwarp, ROW_GRID=(1, 1, LARGE_BM),
-                                  stages=LARGE_STAGES),
-                      grid=(units // nwarp, math.ceil(mmax / LARGE_BM), 1), block=(32 * nwarp, 1, 1),
-                      smem_bytes=large_smem(), args=args, family=family)
+    return KernelSpec(
+        f"{prefix}_gemmL__{_tag(n, k, epi)}",
+        template,
+        make_params(**common, bm=LARGE_BM, nwarp=nwarp, ROW_GRID=(1, 1, LARGE_BM), stages=LARGE_STAGES),
+        grid=(units // nwarp, math.ceil(mmax / LARGE_BM), 1),
+        block=(32 * nwarp, 1, 1),
+        smem_bytes=large_smem(),
+        args=args,
+        family=family,
+    )
 
 
 def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
@@ -232,18 +311,31 @@ def target_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
         l = layers[0]
         d, hq, hkv = t.layer_head_dim(l), t.num_attention_heads, t.layer_kv_heads(l)
         nq, nkv = hq * d, hkv * d
-        shapes += [("q", nq, h, "store"), ("kv", nkv, h, "store"), ("o", h, nq, "store"),
-                   ("qkv", nq + nkv * (2 if t.layer_has_v_proj(l) else 1), h, "store")]
-    shapes += [("gate_up", 2 * t.intermediate_size, h, "gelu_mul"), ("down", h, t.intermediate_size, "store"),
-               ("lm_head", t.vocab_size, h, "store")]
+        shapes += [
+            ("q", nq, h, "store"),
+            ("kv", nkv, h, "store"),
+            ("o", h, nq, "store"),
+            ("qkv", nq + nkv * (2 if t.layer_has_v_proj(l) else 1), h, "store"),
+        ]
+    shapes += [
+        ("gate_up", 2 * t.intermediate_size, h, "gelu_mul"),
+        ("down", h, t.intermediate_size, "store"),
+        ("lm_head", t.vocab_size, h, "store"),
+    ]
     return shapes
 
 
 def shape_format(spec: ModelSpec, role: str) -> str:
     """The checkpoint format of a target_shapes role (the lm_head is the tied embedding quantized at repack)."""
     f = spec.linear_formats
-    return {"q": f.attention, "kv": f.attention, "o": f.attention, "qkv": f.attention, "gate_up": f.dense_mlp,
-            "down": f.dense_mlp}.get(role, "nvfp4")
+    return {
+        "q": f.attention,
+        "kv": f.attention,
+        "o": f.attention,
+        "qkv": f.attention,
+        "gate_up": f.dense_mlp,
+        "down": f.dense_mlp,
+    }.get(role, "nvfp4")
 
 
 @cache
@@ -286,28 +378,52 @@ def gemm_bench_case(kern: KernelSpec, m: int, note: str = "") -> BenchCase:
     out_n = n if epi == "store" else n // 2
     out_b = 4 if kern.param("out_dtype") == "f32" else 2
     kind = kern.param("kind")
-    args = (*weight_bufs(kind, n, k), Buf("x", "f16", m * k), Buf("y", kern.param("out_dtype"), m * out_n),
-            Scalar("m", "i32", m))
+    args = (
+        *weight_bufs(kind, n, k),
+        Buf("x", "f16", m * k),
+        Buf("y", kern.param("out_dtype"), m * out_n),
+        Scalar("m", "i32", m),
+    )
     wbytes = layout_bytes(kind, n, k)
     grid = None
     if kern.template.endswith("_large.cu.j2"):
         grid = (kern.grid[0], math.ceil(m / kern.param("bm")), 1)
-    return BenchCase(kern, args, bytes_moved=wbytes + m * k * 2 + m * out_n * out_b, grid=grid,
-                     note=note or f"M={m}", weight_streaming=m <= SMALL_MAX_ROWS)
+    return BenchCase(
+        kern,
+        args,
+        bytes_moved=wbytes + m * k * 2 + m * out_n * out_b,
+        grid=grid,
+        note=note or f"M={m}",
+        weight_streaming=m <= SMALL_MAX_ROWS,
+    )
 
 
 def gemv_attn_tail_bench_case(kern: KernelSpec) -> BenchCase:
     """One decode step's o_proj + attention tail: the weight, o and the residual row, the two f16 rows out."""
     n, k = kern.param("n"), kern.param("k")
     kind = kern.param("kind")
-    args = (*weight_bufs(kind, n, k), Buf("x", "f16", k), Buf("y", "f32", n), Scalar("m", "i32", 1),
-            Buf("resid", "f32", n),
-            Buf("w_post", "bf16", n, 0.5, 1.5), Buf("w_pre1", "bf16", n, 0.5, 1.5), Buf("w_pre2", "bf16", n, 0.5, 1.5),
-            Buf("a1", "f16", n), Buf("a2", "f16", n), Buf("counters", "u32", 1, 0, 0))
+    args = (
+        *weight_bufs(kind, n, k),
+        Buf("x", "f16", k),
+        Buf("y", "f32", n),
+        Scalar("m", "i32", 1),
+        Buf("resid", "f32", n),
+        Buf("w_post", "bf16", n, 0.5, 1.5),
+        Buf("w_pre1", "bf16", n, 0.5, 1.5),
+        Buf("w_pre2", "bf16", n, 0.5, 1.5),
+        Buf("a1", "f16", n),
+        Buf("a2", "f16", n),
+        Buf("counters", "u32", 1, 0, 0),
+    )
     # DRAM: weight, x, o stored, residual read and written, three bf16 norm weights, a1 and a2 (o is read back
     # from L2)
-    return BenchCase(kern, args, bytes_moved=layout_bytes(kind, n, k) + 2 * k + n * (4 + 2 * 4 + 3 * 2 + 2 * 2),
-                     note="M=1 + attn_tail", weight_streaming=True)
+    return BenchCase(
+        kern,
+        args,
+        bytes_moved=layout_bytes(kind, n, k) + 2 * k + n * (4 + 2 * 4 + 3 * 2 + 2 * 2),
+        note="M=1 + attn_tail",
+        weight_streaming=True,
+    )
 
 
 def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
@@ -332,6 +448,9 @@ def bench_matmul(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
             if kern.name in seen:
                 continue
             seen.add(kern.name)
-            cases.append(gemv_attn_tail_bench_case(kern) if m == 0 else
-                         gemm_bench_case(kern, m, note=f"prefill M={m}" if m == MAX_STEP_TOKENS else ""))
+            cases.append(
+                gemv_attn_tail_bench_case(kern)
+                if m == 0
+                else gemm_bench_case(kern, m, note=f"prefill M={m}" if m == MAX_STEP_TOKENS else "")
+            )
     return cases

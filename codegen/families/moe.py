@@ -26,8 +26,17 @@ from ..arch import ArchSpec
 from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from ._util import require
-from .matmul import (ACT_DTYPE, fp4_order, kind_enum, prefetch, target_warps, layout_bytes, weight_args, weight_bufs,
-                     weight_kind)
+from .matmul import (
+    ACT_DTYPE,
+    fp4_order,
+    kind_enum,
+    prefetch,
+    target_warps,
+    layout_bytes,
+    weight_args,
+    weight_bufs,
+    weight_kind,
+)
 
 GATEUP_ARGS = ("w", "s", "gscale", "x", "ids", "act", "m")
 # The down projections' K split (warps over the expert's intermediate size) at every row count: 1, one accumulator
@@ -66,8 +75,10 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
     """(gate/up, down) of a step of up to `mmax` rows: the one-token down, or for more rows the down per slot."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    require(fits_tile(2 * ie, h) and fits_tile(h, ie),
-            f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout")
+    require(
+        fits_tile(2 * ie, h) and fits_tile(h, ie),
+        f"moe: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout",
+    )
     kind, suffix = expert_kind(spec, arch)
     leaders = _expert_leaders(mmax, topk, e)
     units_gu, steps_gu = 2 * ie // TILE_N, h // TILE_K
@@ -88,13 +99,28 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
         un = _units(units_gu, 2) if mmax > 1 else 1
     if kind == "half":
         pf = min(pf, HALF_PF)
-    common = dict(kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, experts=e, topk=topk, mmax=mmax,
-                  w_layout=W_LAYOUT, fp4_order=fp4_order(arch), act_dtype=ACT_DTYPE, **tile_params())
-    gateup = KernelSpec(f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_gateup.cu.j2",
-                        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
-                        grid=(units_gu // un, leaders, 1),
-                        block=(32 * ks, 1, 1),
-                        args=weight_args(GATEUP_ARGS, kind), family="moe")
+    common = dict(
+        kind=kind,
+        kind_enum=kind_enum(kind),
+        ie=ie,
+        h=h,
+        experts=e,
+        topk=topk,
+        mmax=mmax,
+        w_layout=W_LAYOUT,
+        fp4_order=fp4_order(arch),
+        act_dtype=ACT_DTYPE,
+        **tile_params(),
+    )
+    gateup = KernelSpec(
+        f"moe_gateup__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}",
+        "moe_gateup.cu.j2",
+        make_params(ks=ks, pf=pf, un=un, pw=PASS_WIDTH, ROW_GRID=(1, topk, 1, leaders), **common),
+        grid=(units_gu // un, leaders, 1),
+        block=(32 * ks, 1, 1),
+        args=weight_args(GATEUP_ARGS, kind),
+        family="moe",
+    )
     steps_d = ie // TILE_K
     units_d = h // TILE_N
     if mmax > 1:
@@ -103,12 +129,22 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
         # The same sweep as gate/up (2026-12-02): 2 units a block, 16 rows 40.3 us, 32 rows 55.6 (one unit 64.3;
         # 2 warps, 4 units or PF 4-11 slower); all m rows as A tiles: 55.5 and 118.2 us.
         kp, upd = DOWN_KS, _units(units_d, 2) if arch.prefetch_depth >= 4 else 1
-        pairs = KernelSpec(f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_down_pairs.cu.j2",
-                           make_params(ks=kp, pf=min(2, prefetch(steps_d, arch)), un=upd, pw=PASS_WIDTH,
-                                       ROW_GRID=(1, topk, 1, leaders), **common),
-                           grid=(units_d // upd, leaders, 1), block=(32 * kp, 1, 1),
-                           args=weight_args(DOWN_PAIRS_ARGS, kind),
-                           family="moe")
+        pairs = KernelSpec(
+            f"moe_down_pairs__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}",
+            "moe_down_pairs.cu.j2",
+            make_params(
+                ks=kp,
+                pf=min(2, prefetch(steps_d, arch)),
+                un=upd,
+                pw=PASS_WIDTH,
+                ROW_GRID=(1, topk, 1, leaders),
+                **common,
+            ),
+            grid=(units_d // upd, leaders, 1),
+            block=(32 * kp, 1, 1),
+            args=weight_args(DOWN_PAIRS_ARGS, kind),
+            family="moe",
+        )
         return gateup, pairs
     # One token: warps per block at most 8 (a 512-thread block held one block per SM: two waves over the H/16
     # units, measured 15 us); a warp a slot. Batch invariance: each slot's sum is one chain over the expert's K, as
@@ -123,9 +159,15 @@ def moe_kernels(spec: ModelSpec, arch: ArchSpec, mmax: int) -> tuple[KernelSpec,
         pfd = min(16, math.ceil(steps_d / ksd))
     if kind == "half":  # (the whole slab of the tiny preset's 2 steps in flight spilled 4 B on sm_90a)
         pfd = max(1, min(pfd, HALF_PF, steps_d - 1))
-    down = KernelSpec(f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}", "moe_down.cu.j2",
-                      make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
-                      grid=(units_d, 1, 1), block=(32 * nw, 1, 1), args=weight_args(DOWN_ARGS, kind), family="moe")
+    down = KernelSpec(
+        f"moe_down__m{mmax}_e{e}_k{topk}_i{ie}_h{h}{suffix}",
+        "moe_down.cu.j2",
+        make_params(nw=nw, ksd=ksd, pf=pfd, swap=True, **common),
+        grid=(units_d, 1, 1),
+        block=(32 * nw, 1, 1),
+        args=weight_args(DOWN_ARGS, kind),
+        family="moe",
+    )
     return gateup, down
 
 
@@ -148,20 +190,48 @@ def bench_moe(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         m = mmax
         n_sel = topk if m == 1 else min(e, m * topk)  # upper bound; random routing at M = 16 repeats some
         # M = 1: distinct experts spread over the table (the counted bytes); M = 16: random routing (repeats)
-        ids = (Buf("ids", "i32", m * topk, values=tuple(range(0, e, max(1, e // topk)))[:topk]) if m == 1
-               else Buf("ids", "i32", m * topk, 0, e))
-        gu_args = (*weight_bufs(kind, 2 * ie, h, e), Buf("x", "f16", m * h), ids,
-                   Buf("act", "f16", m * topk * ie), Scalar("m", "i32", m))
-        d_args = (*weight_bufs(kind, h, ie, e), Buf("act", "f16", m * topk * ie), ids,
-                  Buf("wts", "f32", m * topk, 0.0, 0.3), Buf("y", "f32", m * h), Scalar("m", "i32", m))
+        ids = (
+            Buf("ids", "i32", m * topk, values=tuple(range(0, e, max(1, e // topk)))[:topk])
+            if m == 1
+            else Buf("ids", "i32", m * topk, 0, e)
+        )
+        gu_args = (
+            *weight_bufs(kind, 2 * ie, h, e),
+            Buf("x", "f16", m * h),
+            ids,
+            Buf("act", "f16", m * topk * ie),
+            Scalar("m", "i32", m),
+        )
+        d_args = (
+            *weight_bufs(kind, h, ie, e),
+            Buf("act", "f16", m * topk * ie),
+            ids,
+            Buf("wts", "f32", m * topk, 0.0, 0.3),
+            Buf("y", "f32", m * h),
+            Scalar("m", "i32", m),
+        )
         note = f"M={m}, {n_sel} experts" + (" (ids must be distinct)" if m == 1 else " (at most)")
-        cases.append(BenchCase(gateup, gu_args, bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
-                               note=note, weight_streaming=m == 1))
+        cases.append(
+            BenchCase(
+                gateup,
+                gu_args,
+                bytes_moved=n_sel * gu_b + m * h * 2 + m * topk * ie * 2,
+                note=note,
+                weight_streaming=m == 1,
+            )
+        )
         if m > 1:  # moe_down_pairs: one output row per slot
             d_args = d_args[:-2] + (Buf("ypair", "f32", m * topk * h), d_args[-1])
         out_rows = m * topk if m > 1 else m
-        cases.append(BenchCase(down, d_args, bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
-                               note=note, weight_streaming=m == 1))
+        cases.append(
+            BenchCase(
+                down,
+                d_args,
+                bytes_moved=n_sel * d_b + m * topk * ie * 2 + out_rows * h * 4,
+                note=note,
+                weight_streaming=m == 1,
+            )
+        )
     return cases
 
 

@@ -4,8 +4,9 @@ Three kernels per model (templates/include/thorgen/moe_grouped.cuh has the devic
   moe_grouped_plan__...    one block: topk ids [T, K] -> offsets [E+1], pair ids (row*K + slot) grouped by expert in
                            ascending pair order, tile list int4 [max_tiles] (expert, first sorted index, rows, 0;
                            unused: expert -1). `plan_reference` below is its exact NumPy contract.
-  moe_grouped_gateup__...  grid (2*Ie/16/(nwarp*upw), max_tiles): gathered x rows x the tile's expert gate|up (each expert's
-                           weights streamed once per tile; a tile holds up to `tile_rows` rows) -> f16 act_sorted.
+  moe_grouped_gateup__...  grid (2*Ie/16/(nwarp*upw), max_tiles): gathered x rows x the tile's expert gate|up
+                           (each expert's weights streamed once per tile; a tile holds up to `tile_rows` rows)
+                           -> f16 act_sorted.
   moe_grouped_down__...    grid (H/16/(nwarp*upw), max_tiles): act_sorted x down, times the routing weight -> f32 ypair
                            [T*K, H] at the pair index.
 The ffn_tail after them (norms.py, its PAIRS form) sums each row's valid slots' ypair rows in slot order.
@@ -31,8 +32,8 @@ from ._util import require
 from .matmul import fp4_order, kind_enum, large_smem, layout_bytes, weight_args, weight_bufs
 from .moe import HALF_PF, expert_kind
 
-TILE_ROWS = 64   # rows per tile: an expert averages T*K/E = 128 rows at T = 2048; m-tiles without rows are skipped
-STAGES = 3       # cp.async depth of the A tiles
+TILE_ROWS = 64  # rows per tile: an expert averages T*K/E = 128 rows at T = 2048; m-tiles without rows are skipped
+STAGES = 3  # cp.async depth of the A tiles
 STATIC_SMEM = 46 * 1024  # static shared memory the plan kernel may use (48 KB limit, some slack)
 
 
@@ -88,7 +89,7 @@ def plan_reference(ids: np.ndarray, experts: int, tile_rows: int, n_tiles: int):
     order = np.nonzero(valid)[0]
     order = order[np.argsort(flat[order], kind="stable")]  # by expert, ascending pair index within one
     pairs = np.full(flat.size, -1, np.int32)
-    pairs[:order.size] = order
+    pairs[: order.size] = order
     tiles = np.tile(np.array([-1, 0, 0, 0], np.int32), (n_tiles, 1))
     i = 0
     for e in range(experts):
@@ -100,46 +101,87 @@ def plan_reference(ids: np.ndarray, experts: int, tile_rows: int, n_tiles: int):
     return offsets, pairs, tiles
 
 
-def _gemm_kernel(which: str, cfg: GemmCfg, units: int, steps: int, base: dict, arch: ArchSpec, tag: str,
-                 args: tuple[str, ...]) -> KernelSpec:
-    require(units % (cfg.nwarp * cfg.upw) == 0,
-            f"moe_grouped {which}: {cfg.nwarp} warps per block x {cfg.upw} units per warp must divide its {units} units")
+def _gemm_kernel(
+    which: str, cfg: GemmCfg, units: int, steps: int, base: dict, arch: ArchSpec, tag: str, args: tuple[str, ...]
+) -> KernelSpec:
+    require(
+        units % (cfg.nwarp * cfg.upw) == 0,
+        f"moe_grouped {which}: {cfg.nwarp} warps per block x {cfg.upw} units per warp must divide its {units} units",
+    )
     require(cfg.stages >= 2 and cfg.pf >= 1 and 1 <= cfg.min_blocks <= 32, f"moe_grouped {which}: bad blocking {cfg}")
-    return KernelSpec(f"moe_grouped_{which}__{tag}_{cfg.tag}", f"moe_grouped_{which}.cu.j2",
-                      make_params(nwarp=cfg.nwarp, upw=cfg.upw, pf=min(cfg.pf, steps), stages=cfg.stages,
-                                  min_blocks=cfg.min_blocks, swap=cfg.swap, **base),
-                      grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1), block=(32 * cfg.nwarp, 1, 1),
-                      smem_bytes=large_smem(base["tile_rows"], cfg.stages), args=args, family="moe_grouped")
+    return KernelSpec(
+        f"moe_grouped_{which}__{tag}_{cfg.tag}",
+        f"moe_grouped_{which}.cu.j2",
+        make_params(
+            nwarp=cfg.nwarp,
+            upw=cfg.upw,
+            pf=min(cfg.pf, steps),
+            stages=cfg.stages,
+            min_blocks=cfg.min_blocks,
+            swap=cfg.swap,
+            **base,
+        ),
+        grid=(units // (cfg.nwarp * cfg.upw), base["max_tiles"], 1),
+        block=(32 * cfg.nwarp, 1, 1),
+        smem_bytes=large_smem(base["tile_rows"], cfg.stages),
+        args=args,
+        family="moe_grouped",
+    )
 
 
-def moe_grouped_kernels(spec: ModelSpec, arch: ArchSpec, tile_rows: int = TILE_ROWS, gateup: GemmCfg = GATEUP_CFG,
-                        down: GemmCfg = DOWN_CFG, rows: int = MAX_STEP_TOKENS) -> list[KernelSpec]:
+def moe_grouped_kernels(
+    spec: ModelSpec,
+    arch: ArchSpec,
+    tile_rows: int = TILE_ROWS,
+    gateup: GemmCfg = GATEUP_CFG,
+    down: GemmCfg = DOWN_CFG,
+    rows: int = MAX_STEP_TOKENS,
+) -> list[KernelSpec]:
     """[plan, gateup, down] for `rows`-row chunks with tiles of `tile_rows` rows."""
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
-    require(fits_tile(2 * ie, h) and fits_tile(h, ie),
-            f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout")
-    require(tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16")
+    require(
+        fits_tile(2 * ie, h) and fits_tile(h, ie),
+        f"moe_grouped: expert shapes gate/up [{2 * ie} x {h}], down [{h} x {ie}] do not fit the {W_LAYOUT} layout",
+    )
+    require(
+        tile_rows % 16 == 0 and 16 <= tile_rows <= 128, f"moe_grouped: tile_rows {tile_rows} not in 16..128 step 16"
+    )
     require(1 <= e <= 1024 and 1 <= topk <= 32, f"moe_grouped: {e} experts / top-{topk} out of range")
     kind, suffix = expert_kind(spec, arch)
     if kind == "half":  # fp16 steps are 4x the registers of NVFP4 ones (moe.HALF_PF): two blocks an SM's registers
         # (3, at most 170 a thread, spilled 300 B in the gate/up with 2 units a warp)
         gateup, down = (replace(c, pf=min(c.pf, HALF_PF), min_blocks=min(c.min_blocks, 2)) for c in (gateup, down))
-    base = dict(experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows),
-                pdl=True)
-    gemm = dict(base, kind=kind, kind_enum=kind_enum(kind), ie=ie, h=h, w_layout=W_LAYOUT, fp4_order=fp4_order(arch),
-                act_dtype=ACT_DTYPE, **tile_params())
+    base = dict(
+        experts=e, topk=topk, mmax=rows, tile_rows=tile_rows, max_tiles=max_tiles(rows, topk, e, tile_rows), pdl=True
+    )
+    gemm = dict(
+        base,
+        kind=kind,
+        kind_enum=kind_enum(kind),
+        ie=ie,
+        h=h,
+        w_layout=W_LAYOUT,
+        fp4_order=fp4_order(arch),
+        act_dtype=ACT_DTYPE,
+        **tile_params(),
+    )
     # plan block: per-warp expert counters (WARPS x (E+1) ints) in static shared memory, under the 48 KB static
     # limit; the ids stay in registers (rows*K / threads a thread)
     plan_warps = min(32, arch.max_threads_per_block // 32, (STATIC_SMEM - 16 * (e + 1)) // (4 * (e + 1)))
     require(plan_warps >= 1, f"moe_grouped: the plan's counters for {e} experts exceed static shared memory")
     require(rows * topk <= 64 * 32 * plan_warps, f"moe_grouped: the plan's {rows}x{topk} ids exceed 64 a thread")
     tag = f"e{e}_k{topk}_i{ie}_h{h}_t{tile_rows}{suffix}"
-    plan = KernelSpec(f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}", "moe_grouped_plan.cu.j2",
-                      make_params(threads=32 * plan_warps, **base), grid=(1, 1, 1), block=(32 * plan_warps, 1, 1),
-                      args=PLAN_ARGS, family="moe_grouped")
-    gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag,
-                      weight_args(GATEUP_ARGS, kind))
+    plan = KernelSpec(
+        f"moe_grouped_plan__r{rows}_e{e}_k{topk}_t{tile_rows}",
+        "moe_grouped_plan.cu.j2",
+        make_params(threads=32 * plan_warps, **base),
+        grid=(1, 1, 1),
+        block=(32 * plan_warps, 1, 1),
+        args=PLAN_ARGS,
+        family="moe_grouped",
+    )
+    gu = _gemm_kernel("gateup", gateup, 2 * ie // TILE_N, h // TILE_K, gemm, arch, tag, weight_args(GATEUP_ARGS, kind))
     dn = _gemm_kernel("down", down, h // TILE_N, ie // TILE_K, gemm, arch, tag, weight_args(DOWN_ARGS, kind))
     return [plan, gu, dn]
 
@@ -159,12 +201,19 @@ def random_routing(rng: np.random.Generator, rows: int, experts: int, topk: int)
 # At T = 2048 an expert averages 128 rows, so 128-row tiles (each weight decoded once for twice the rows) are timed
 # too: 1 unit a warp (~160 registers, 3 blocks an SM) and 2 (~240, 2 blocks).
 BENCH_VARIANTS: tuple[tuple[int, GemmCfg, GemmCfg], ...] = tuple(
-    (tr, GemmCfg(*c), GemmCfg(*c)) for tr, c in ((64, (4, 1, 4, 3, 4, True)), (128, (4, 1, 2, 3, 3, True)),
-                                                 (128, (4, 1, 4, 3, 3, True)), (128, (4, 2, 2, 3, 2, True))))
+    (tr, GemmCfg(*c), GemmCfg(*c))
+    for tr, c in (
+        (64, (4, 1, 4, 3, 4, True)),
+        (128, (4, 1, 2, 3, 3, True)),
+        (128, (4, 1, 4, 3, 3, True)),
+        (128, (4, 2, 2, 3, 2, True)),
+    )
+)
 
 
-def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int, gcfg: GemmCfg, dcfg: GemmCfg,
-               note: str) -> list[BenchCase]:
+def _bench_set(
+    spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int, gcfg: GemmCfg, dcfg: GemmCfg, note: str
+) -> list[BenchCase]:
     t = spec.target
     h, ie, e, topk = t.hidden_size, t.moe_intermediate_size, t.num_experts, t.top_k_experts
     rows = ids.shape[0]
@@ -183,14 +232,37 @@ def _bench_set(spec: ModelSpec, arch: ArchSpec, ids: np.ndarray, tile_rows: int,
     tf = f"{2 * npair * ie * h * 2 / 1e9:.1f}+{2 * npair * ie * h / 1e9:.1f} GFLOP"
     what = f"{note} T={rows} {used} tiles"
     return [
-        BenchCase(plan, (ids_buf, Buf("offsets", "i32", e + 1), Buf("pairs", "i32", npair),
-                         Buf("tiles", "i32", n_tiles * 4), Scalar("T", "i32", rows)),
-                  bytes_moved=npair * 8 + n_tiles * 16, note=what),
-        BenchCase(gateup, gu_w + (Buf("x", "f16", rows * h), pairs_buf, tiles_buf, Buf("act", "f16", npair * ie)),
-                  bytes_moved=n_sel * gu_b + rows * h * 2 + npair * ie * 2, note=f"{what} {tf}"),
-        BenchCase(down, dn_w + (Buf("act", "f16", npair * ie), pairs_buf, tiles_buf,
-                                Buf("wts", "f32", npair, 0.05, 0.3), Buf("ypair", "f32", npair * h)),
-                  bytes_moved=n_sel * d_b + npair * (ie * 2 + 4 + h * 4), note=what),
+        BenchCase(
+            plan,
+            (
+                ids_buf,
+                Buf("offsets", "i32", e + 1),
+                Buf("pairs", "i32", npair),
+                Buf("tiles", "i32", n_tiles * 4),
+                Scalar("T", "i32", rows),
+            ),
+            bytes_moved=npair * 8 + n_tiles * 16,
+            note=what,
+        ),
+        BenchCase(
+            gateup,
+            gu_w + (Buf("x", "f16", rows * h), pairs_buf, tiles_buf, Buf("act", "f16", npair * ie)),
+            bytes_moved=n_sel * gu_b + rows * h * 2 + npair * ie * 2,
+            note=f"{what} {tf}",
+        ),
+        BenchCase(
+            down,
+            dn_w
+            + (
+                Buf("act", "f16", npair * ie),
+                pairs_buf,
+                tiles_buf,
+                Buf("wts", "f32", npair, 0.05, 0.3),
+                Buf("ypair", "f32", npair * h),
+            ),
+            bytes_moved=n_sel * d_b + npair * (ie * 2 + 4 + h * 4),
+            note=what,
+        ),
     ]
 
 
@@ -202,12 +274,23 @@ def bench_moe_grouped(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     cases = _bench_set(spec, arch, ids, TILE_ROWS, GATEUP_CFG, DOWN_CFG, "planned")
     for tile_rows, gcfg, dcfg in BENCH_VARIANTS:
         try:
-            cases += [c for c in _bench_set(spec, arch, ids, tile_rows, gcfg, dcfg, f"t{tile_rows}")
-                      if "gateup" in c.kernel.name or "down" in c.kernel.name]
+            cases += [
+                c
+                for c in _bench_set(spec, arch, ids, tile_rows, gcfg, dcfg, f"t{tile_rows}")
+                if "gateup" in c.kernel.name or "down" in c.kernel.name
+            ]
         except ValueError:  # a variant that does not fit this shape
             continue
     return cases
 
 
-__all__ = ["plan_moe_grouped", "bench_moe_grouped", "moe_grouped_kernels", "plan_reference", "max_tiles",
-           "random_routing", "TILE_ROWS", "GemmCfg"]
+__all__ = [
+    "plan_moe_grouped",
+    "bench_moe_grouped",
+    "moe_grouped_kernels",
+    "plan_reference",
+    "max_tiles",
+    "random_routing",
+    "TILE_ROWS",
+    "GemmCfg",
+]

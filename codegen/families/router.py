@@ -67,10 +67,15 @@ def router_logits(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     warps = _warps(E, 2)  # few warps per block: more blocks pull the router weight in parallel
     # shared memory: the scaled token row (H floats) + scratch
     require(H * 4 + 128 <= 48 * 1024, f"router: hidden {H} does not fit the static shared-memory row buffer")
-    return KernelSpec(f"router_logits__h{H}_e{E}{_eps_tag(spec)}", "router_logits.cu.j2",
-                      make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
-                      grid=(E // warps, LM_TOKENS, 1), block=(32 * warps, 1, 1),
-                      args=("x", "scale", "proj", "logits", "T"), family="router")
+    return KernelSpec(
+        f"router_logits__h{H}_e{E}{_eps_tag(spec)}",
+        "router_logits.cu.j2",
+        make_params(H=H, E=E, EPS=float(t.rms_norm_eps), mmax=LM_TOKENS, ROW_AXIS=1),
+        grid=(E // warps, LM_TOKENS, 1),
+        block=(32 * warps, 1, 1),
+        args=("x", "scale", "proj", "logits", "T"),
+        family="router",
+    )
 
 
 @cache
@@ -82,26 +87,40 @@ def router_logits_tiled(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     # the prefill chunk: tiles of TILE_T tokens x be experts (32, else the largest of 16 / 8 that divides them), a
     # warp per 8 x 8; bit-identical to `logits` only while that one runs 2 warps (block_sum<64>'s norm order)
     be = next((b for b in (TILE_E, TILE_E // 2, TILE_E // 4) if E % b == 0), None)
-    require(be is not None and H % TILE_KC == 0 and logits.block[0] == 64,
-            f"router: the tiled prefill logits need an even number of experts, a multiple of 8, and hidden a multiple"
-            f" of {TILE_KC} ({E} / {H})")
+    require(
+        be is not None and H % TILE_KC == 0 and logits.block[0] == 64,
+        f"router: the tiled prefill logits need an even number of experts, a multiple of 8, and hidden a multiple"
+        f" of {TILE_KC} ({E} / {H})",
+    )
     # shared memory: x * scale (16 token rows of 2 x 144 floats), W (be rows of 256 bf16), the scale, the norms
     smem = TILE_T * 288 * 4 + be * TILE_KC * 2 + H * 2 + TILE_T * 65 * 4
     require(smem <= 48 * 1024, f"router: hidden {H} does not fit the tiled logits' static shared memory ({smem} B)")
-    return KernelSpec(f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{_eps_tag(spec)}", "router_logits_tiled.cu.j2",
-                      make_params(H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS,
-                                  ROW_GRID=(1, 1, TILE_T)),
-                      grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
-                      block=(32 * (TILE_T // 8) * (be // 8), 1, 1), args=logits.args, family="router")
+    return KernelSpec(
+        f"router_logits_tiled__h{H}_e{E}_m{MAX_STEP_TOKENS}{_eps_tag(spec)}",
+        "router_logits_tiled.cu.j2",
+        make_params(
+            H=H, E=E, EPS=float(t.rms_norm_eps), BT=TILE_T, BE=be, mmax=MAX_STEP_TOKENS, ROW_GRID=(1, 1, TILE_T)
+        ),
+        grid=(E // be, -(-MAX_STEP_TOKENS // TILE_T), 1),
+        block=(32 * (TILE_T // 8) * (be // 8), 1, 1),
+        args=logits.args,
+        family="router",
+    )
 
 
 @cache
 def router_topk(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     """Softmax, top-k and renormalisation of the router logits, a warp a token."""
     E, K = spec.target.num_experts, spec.target.top_k_experts
-    return KernelSpec(f"router_topk__e{E}_k{K}", "router_topk.cu.j2", make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
-                      grid=(-(-MAX_STEP_TOKENS // TOPK_WARPS), 1, 1), block=(32 * TOPK_WARPS, 1, 1),
-                      args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"), family="router")
+    return KernelSpec(
+        f"router_topk__e{E}_k{K}",
+        "router_topk.cu.j2",
+        make_params(E=E, K=K, ROW_GRID=(0, 1, TOPK_WARPS)),
+        grid=(-(-MAX_STEP_TOKENS // TOPK_WARPS), 1, 1),
+        block=(32 * TOPK_WARPS, 1, 1),
+        args=("logits", "per_expert_scale", "topk_idx", "topk_w", "T"),
+        family="router",
+    )
 
 
 @cache
@@ -109,10 +128,15 @@ def router_fused(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
     """router_logits whose last block of each token runs its top-k (the one-row step's router, one launch)."""
     t = spec.target
     logits = router_logits(spec, arch)
-    return KernelSpec(f"router_fused__h{t.hidden_size}_e{t.num_experts}_k{t.top_k_experts}{_eps_tag(spec)}",
-                      "router_fused.cu.j2", make_params(H=t.hidden_size, E=t.num_experts, K=t.top_k_experts,
-                                                        EPS=float(t.rms_norm_eps), ROW_AXIS=1),
-                      grid=logits.grid, block=logits.block, args=FUSED_ARGS, family="router")
+    return KernelSpec(
+        f"router_fused__h{t.hidden_size}_e{t.num_experts}_k{t.top_k_experts}{_eps_tag(spec)}",
+        "router_fused.cu.j2",
+        make_params(H=t.hidden_size, E=t.num_experts, K=t.top_k_experts, EPS=float(t.rms_norm_eps), ROW_AXIS=1),
+        grid=logits.grid,
+        block=logits.block,
+        args=FUSED_ARGS,
+        family="router",
+    )
 
 
 def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
@@ -121,20 +145,57 @@ def bench_router(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
     fu, lg, tiled, tk = (f(spec, arch) for f in (router_fused, router_logits, router_logits_tiled, router_topk))
     out = []
     for T in (1, 16):
-        out.append(BenchCase(fu, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
-                                  Buf("per_expert_scale", "bf16", E), Buf("logits", "f32", T * E),
-                                  Buf("counters", "u32", T, 0, 0), Buf("topk_idx", "i32", T * K),
-                                  Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),
-                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4 + T * K * 8, grid=(fu.grid[0], T, 1),
-                             note=f"fused T={T}"))
+        out.append(
+            BenchCase(
+                fu,
+                (
+                    Buf("x", "f32", T * H),
+                    Buf("scale", "bf16", H),
+                    Buf("proj", "bf16", E * H),
+                    Buf("per_expert_scale", "bf16", E),
+                    Buf("logits", "f32", T * E),
+                    Buf("counters", "u32", T, 0, 0),
+                    Buf("topk_idx", "i32", T * K),
+                    Buf("topk_w", "f32", T * K),
+                    Scalar("T", "i32", T),
+                ),
+                bytes_moved=E * H * 2 + T * H * 4 + T * E * 4 + T * K * 8,
+                grid=(fu.grid[0], T, 1),
+                note=f"fused T={T}",
+            )
+        )
     for k, T in ((lg, 1), (lg, 16), (tiled, MAX_STEP_TOKENS)):
         # lg: grid-stride rows (min(T, grid.y) blocks on y); tiled: ceil(T / TILE_T) blocks on y (its ROW_GRID)
         gy = min(T, k.grid[1]) if k is lg else -(-T // tiled.param("BT"))
-        out.append(BenchCase(k, (Buf("x", "f32", T * H), Buf("scale", "bf16", H), Buf("proj", "bf16", E * H),
-                                 Buf("logits", "f32", T * E), Scalar("T", "i32", T)),
-                             bytes_moved=E * H * 2 + T * H * 4 + T * E * 4, grid=(k.grid[0], gy, 1), note=f"T={T}"))
+        out.append(
+            BenchCase(
+                k,
+                (
+                    Buf("x", "f32", T * H),
+                    Buf("scale", "bf16", H),
+                    Buf("proj", "bf16", E * H),
+                    Buf("logits", "f32", T * E),
+                    Scalar("T", "i32", T),
+                ),
+                bytes_moved=E * H * 2 + T * H * 4 + T * E * 4,
+                grid=(k.grid[0], gy, 1),
+                note=f"T={T}",
+            )
+        )
     for T in (1, 16):
-        out.append(BenchCase(tk, (Buf("logits", "f32", T * E), Buf("per_expert_scale", "bf16", E),
-                                  Buf("topk_idx", "i32", T * K), Buf("topk_w", "f32", T * K), Scalar("T", "i32", T)),
-                             bytes_moved=T * (E * 4 + K * 8), grid=(-(-T // TOPK_WARPS), 1, 1), note=f"T={T}"))
+        out.append(
+            BenchCase(
+                tk,
+                (
+                    Buf("logits", "f32", T * E),
+                    Buf("per_expert_scale", "bf16", E),
+                    Buf("topk_idx", "i32", T * K),
+                    Buf("topk_w", "f32", T * K),
+                    Scalar("T", "i32", T),
+                ),
+                bytes_moved=T * (E * 4 + K * 8),
+                grid=(-(-T // TOPK_WARPS), 1, 1),
+                note=f"T={T}",
+            )
+        )
     return out

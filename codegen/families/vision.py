@@ -30,8 +30,15 @@ def _threads(width: int, arch: ArchSpec) -> int:
 
 
 def _row_kernel(name: str, template: str, width: int, arch: ArchSpec, args: tuple[str, ...], **params) -> KernelSpec:
-    return KernelSpec(name, template, make_params(ROW_AXIS=0, **params), row_grid(), (_threads(width, arch), 1, 1),
-                      args=args, family="vision")
+    return KernelSpec(
+        name,
+        template,
+        make_params(ROW_AXIS=0, **params),
+        row_grid(),
+        (_threads(width, arch), 1, 1),
+        args=args,
+        family="vision",
+    )
 
 
 def _eps_tag(eps: float) -> str:
@@ -40,39 +47,70 @@ def _eps_tag(eps: float) -> str:
 
 @cache
 def patch_prep(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    return _row_kernel(f"vis_patch_prep__pd{d.patch_dim}", "vis_patch_prep.cu.j2", d.patch_dim, arch,
-                       ("p", "out", "T"), PD=d.patch_dim)
+    return _row_kernel(
+        f"vis_patch_prep__pd{d.patch_dim}", "vis_patch_prep.cu.j2", d.patch_dim, arch, ("p", "out", "T"), PD=d.patch_dim
+    )
 
 
 @cache
 def embed_norm(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    return _row_kernel(f"vis_embed_norm__h{d.hidden}_hp{d.hp}_t{d.table}{_eps_tag(d.eps)}", "vis_embed_norm.cu.j2",
-                       d.hidden, arch, ("x", "table", "pos", "w", "a", "T"), H=d.hidden, HP=d.hp, P=d.table,
-                       EPS=float(d.eps))
+    return _row_kernel(
+        f"vis_embed_norm__h{d.hidden}_hp{d.hp}_t{d.table}{_eps_tag(d.eps)}",
+        "vis_embed_norm.cu.j2",
+        d.hidden,
+        arch,
+        ("x", "table", "pos", "w", "a", "T"),
+        H=d.hidden,
+        HP=d.hp,
+        P=d.table,
+        EPS=float(d.eps),
+    )
 
 
 @cache
 def sandwich(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    return _row_kernel(f"vis_sandwich__h{d.hidden}_hp{d.hp}{_eps_tag(d.eps)}", "vis_sandwich.cu.j2", d.hidden, arch,
-                       ("x", "y", "w_post", "w_next", "a", "T"), H=d.hidden, HP=d.hp, EPS=float(d.eps))
+    return _row_kernel(
+        f"vis_sandwich__h{d.hidden}_hp{d.hp}{_eps_tag(d.eps)}",
+        "vis_sandwich.cu.j2",
+        d.hidden,
+        arch,
+        ("x", "y", "w_post", "w_next", "a", "T"),
+        H=d.hidden,
+        HP=d.hp,
+        EPS=float(d.eps),
+    )
 
 
 @cache
 def qkv_rope(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    require(32 * d.heads <= arch.max_threads_per_block,
-            f"vision qkv_rope: {d.heads} heads, a warp each, exceed a block")
-    return KernelSpec(f"vis_qkv_rope__h{d.heads}x{d.head_dim}_dp{d.dp}_th{ftag(d.theta)}{_eps_tag(d.eps)}",
-                      "vis_qkv_rope.cu.j2", make_params(ROW_AXIS=0, NH=d.heads, D=d.head_dim, DP=d.dp,
-                                                        THETA=float(d.theta), EPS=float(d.eps)),
-                      row_grid(), (32 * d.heads, 1, 1),
-                      args=("qkv", "q_norm_w", "k_norm_w", "pos", "q", "k", "v", "T"), family="vision")
+    require(
+        32 * d.heads <= arch.max_threads_per_block, f"vision qkv_rope: {d.heads} heads, a warp each, exceed a block"
+    )
+    return KernelSpec(
+        f"vis_qkv_rope__h{d.heads}x{d.head_dim}_dp{d.dp}_th{ftag(d.theta)}{_eps_tag(d.eps)}",
+        "vis_qkv_rope.cu.j2",
+        make_params(ROW_AXIS=0, NH=d.heads, D=d.head_dim, DP=d.dp, THETA=float(d.theta), EPS=float(d.eps)),
+        row_grid(),
+        (32 * d.heads, 1, 1),
+        args=("qkv", "q_norm_w", "k_norm_w", "pos", "q", "k", "v", "T"),
+        family="vision",
+    )
 
 
 @cache
 def pool(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    return _row_kernel(f"vis_pool__h{d.hidden}_hp{d.hp}_p{d.pool}{_eps_tag(d.eps)}", "vis_pool.cu.j2", d.hidden, arch,
-                       ("x", "pos", "std_bias", "std_scale", "out", "T"), H=d.hidden, HP=d.hp, POOL=d.pool,
-                       EPS=float(d.eps), ROOT_H=float(d.hidden) ** 0.5)
+    return _row_kernel(
+        f"vis_pool__h{d.hidden}_hp{d.hp}_p{d.pool}{_eps_tag(d.eps)}",
+        "vis_pool.cu.j2",
+        d.hidden,
+        arch,
+        ("x", "pos", "std_bias", "std_scale", "out", "T"),
+        H=d.hidden,
+        HP=d.hp,
+        POOL=d.pool,
+        EPS=float(d.eps),
+        ROOT_H=float(d.hidden) ** 0.5,
+    )
 
 
 @cache
@@ -86,14 +124,31 @@ def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
     """Every patch of one image attends every other: the prefill kernel over a linear bf16 "cache" of the image's
     own k / v rows (slot = patch), non-causal (key bound p0 + m - 1 = the last patch), scale 1, one KV head a query
     head."""
-    _, pre = attn_kernels("vis", d=d.dp, hq=d.heads, hkv=d.heads, window=0, ring=0, causal=False, kv="bf16",
-                          scale=1.0, nsplit=1, arch=arch, pre_mmax=d.max_patches)
+    _, pre = attn_kernels(
+        "vis",
+        d=d.dp,
+        hq=d.heads,
+        hkv=d.heads,
+        window=0,
+        ring=0,
+        causal=False,
+        kv="bf16",
+        scale=1.0,
+        nsplit=1,
+        arch=arch,
+        pre_mmax=d.max_patches,
+    )
     return pre
 
 
 def vision_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:
     """(role, N, K, epilogue) of the tower's GEMMs on their padded widths."""
     d = vision_dims(spec)
-    return [("patch", d.hidden, d.patch_dim, "store"), ("qkv", 3 * d.hidden, d.hp, "store"),
-            ("o", d.hidden, d.heads * d.dp, "store"), ("gate_up", 2 * d.ip, d.hp, "gelu_mul"),
-            ("down", d.hidden, d.ip, "store"), ("projection", d.text_hidden, d.hp, "store")]
+    return [
+        ("patch", d.hidden, d.patch_dim, "store"),
+        ("qkv", 3 * d.hidden, d.hp, "store"),
+        ("o", d.hidden, d.heads * d.dp, "store"),
+        ("gate_up", 2 * d.ip, d.hp, "gelu_mul"),
+        ("down", d.hidden, d.ip, "store"),
+        ("projection", d.text_hidden, d.hp, "store"),
+    ]

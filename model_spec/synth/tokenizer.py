@@ -20,10 +20,23 @@ from tokenizers.models import BPE
 from ..types import Gemma4VisionSpec
 
 SPECIAL_IDS: dict[int, str] = {
-    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
-    46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>",
-    51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>",
-    105: "<|turn>", 106: "<turn|>",
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    46: "<|tool>",
+    47: "<tool|>",
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    50: "<|tool_response>",
+    51: "<tool_response|>",
+    52: '<|"|>',
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+    105: "<|turn>",
+    106: "<turn|>",
 }
 NEWLINE_ID = 107
 FIRST_BYTE_ID = 108
@@ -121,8 +134,12 @@ def media_special_ids(vision: Gemma4VisionSpec | None) -> dict[int, str]:
     """The image/video special tokens at the ids the vision spec names (none without a tower)."""
     if vision is None:
         return {}
-    return {vision.boi_token_id: "<|image>", vision.image_token_id: "<|image|>", vision.eoi_token_id: "<image|>",
-            vision.video_token_id: "<|video|>"}
+    return {
+        vision.boi_token_id: "<|image>",
+        vision.image_token_id: "<|image|>",
+        vision.eoi_token_id: "<image|>",
+        vision.video_token_id: "<|video|>",
+    }
 
 
 def _place_specials(vocab: dict[str, int], extra: dict[int, str]) -> dict[str, int]:
@@ -137,8 +154,9 @@ def _place_specials(vocab: dict[str, int], extra: dict[int, str]) -> dict[str, i
     return vocab
 
 
-def build_vocab(vocab_size: int, max_merges: int = 3000,
-                extra_specials: dict[int, str] | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def build_vocab(
+    vocab_size: int, max_merges: int = 3000, extra_specials: dict[int, str] | None = None
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The (vocab, merges) of the synthetic tokenizer; vocab has exactly vocab_size entries. extra_specials
     (id -> text, e.g. the image tokens) take the filler slots at their ids."""
     base = FIRST_BYTE_ID + 256 + len(CHARS)
@@ -179,8 +197,7 @@ def build_tokenizer(vocab_size: int, extra_specials: dict[int, str] | None = Non
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    specials = [tok_str for tok_str, i in sorted(vocab.items(), key=lambda kv: kv[1])
-                if i < NEWLINE_ID or i in extra]
+    specials = [tok_str for tok_str, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i < NEWLINE_ID or i in extra]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     for i, s in (SPECIAL_IDS | extra).items():
         assert tok.token_to_id(s) == i, (s, i, tok.token_to_id(s))
@@ -189,10 +206,19 @@ def build_tokenizer(vocab_size: int, extra_specials: dict[int, str] | None = Non
 
 def tokenizer_config(chat_template: str | None, max_len: int) -> dict:
     """tokenizer_config.json for HF loaders (PreTrainedTokenizerFast reads tokenizer.json directly)."""
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-           "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>", "add_bos_token": False,
-           "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": max_len,
-           "padding_side": "left"}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "padding_side": "left",
+    }
     if chat_template is not None:
         cfg["chat_template"] = chat_template
     return cfg

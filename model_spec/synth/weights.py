@@ -35,8 +35,15 @@ from typing import Iterator
 
 import numpy as np
 
-from ..nvfp4 import (E2M1_VALUES, dequantize_nvfp4, e4m3_to_f32, f32_to_bf16, modelopt_scale_2, quantize_nvfp4,
-                     quantize_nvfp4_modelopt)
+from ..nvfp4 import (
+    E2M1_VALUES,
+    dequantize_nvfp4,
+    e4m3_to_f32,
+    f32_to_bf16,
+    modelopt_scale_2,
+    quantize_nvfp4,
+    quantize_nvfp4_modelopt,
+)
 from ..tensors import TensorInfo
 from ..weight_layout import GROUP
 
@@ -48,19 +55,20 @@ INPUT_GLOBAL_SCALE = np.float32(2688.0 / 8.0)  # activation amax ~8 for unit-rms
 
 def rng_for(seed: int, name: str) -> np.random.Generator:
     digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
-    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
     return np.random.default_rng(np.random.SeedSequence([int(seed)] + words))
 
 
 # ---- plain bf16 tensors -------------------------------------------------------------------------------------------
 
+
 def _bf16_rule(name: str, shape: tuple[int, ...], hidden: int) -> tuple[str, float, float]:
     """(distribution, a, b) for a plain weight: ("normal", mean, std) or ("uniform", low, high)."""
     if name.endswith("embed_tokens.weight"):
-        return "normal", 0.0, hidden ** -0.5
+        return "normal", 0.0, hidden**-0.5
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         d = shape[0]
-        return "normal", d ** -0.25, 0.05 * d ** -0.25
+        return "normal", d**-0.25, 0.05 * d**-0.25
     if name.endswith(".weight") and len(shape) == 1 and "norm" in name.split(".")[-2]:
         # every other RMSNorm weight (the seven layer norms, final norm, drafter norms and hidden_norm)
         return "normal", 1.0, 0.05
@@ -125,8 +133,9 @@ def _compute_unit_tables() -> tuple[np.ndarray, np.ndarray, np.float32]:
     value for a Gaussian whose amax is 5 std); a weight of std sigma then gets global = g_unit / sigma.
     """
     rng = np.random.default_rng(20260401)
-    packed, scale, _ = quantize_nvfp4(rng.standard_normal((1024, 2048), dtype=np.float32),
-                                      global_scale=np.float32(2688.0 / UNIT_AMAX))
+    packed, scale, _ = quantize_nvfp4(
+        rng.standard_normal((1024, 2048), dtype=np.float32), global_scale=np.float32(2688.0 / UNIT_AMAX)
+    )
     nibbles = np.concatenate([packed.ravel() & 0xF, packed.ravel() >> 4])
     # 256 equally likely slots per nibble, filled by quantiles of the observed code distribution
     nib_lut = np.sort(nibbles)[(np.arange(256) * nibbles.size) // 256 + nibbles.size // 512].astype(np.uint8)
@@ -157,13 +166,13 @@ def direct_nvfp4(rng: np.random.Generator, out_f: int, in_f: int, std: float) ->
 
 def float_weight(seed: int, prefix: str, out_f: int, in_f: int) -> np.ndarray:
     """The float32 weight the "quantize" method draws for one linear (std 1/sqrt(in_f))."""
-    return rng_for(seed, prefix).standard_normal((out_f, in_f), dtype=np.float32) * np.float32(in_f ** -0.5)
+    return rng_for(seed, prefix).standard_normal((out_f, in_f), dtype=np.float32) * np.float32(in_f**-0.5)
 
 
 def ct_parts(seed: int, method: str, prefix: str, out_f: int, in_f: int) -> Nvfp4Parts:
     """The compressed-tensors (packed, scale, divisor global) of one linear."""
     if method == "direct":
-        return direct_nvfp4(rng_for(seed, prefix), out_f, in_f, in_f ** -0.5)
+        return direct_nvfp4(rng_for(seed, prefix), out_f, in_f, in_f**-0.5)
     return quantize_nvfp4(float_weight(seed, prefix, out_f, in_f))
 
 
@@ -208,13 +217,20 @@ class LinearParts:
             self._prefix = prefix
             if suffix == "weight":  # ModelOpt names the packed weight plainly `weight`
                 packed, scale, s2 = modelopt_parts(self.seed, self.method, prefix, out_f, in_f)
-                self._parts = {"weight_packed": packed, "weight_scale": scale, "weight_scale_2": np.array(s2),
-                               "input_scale": np.array(np.float32(1.0) / INPUT_GLOBAL_SCALE)}
+                self._parts = {
+                    "weight_packed": packed,
+                    "weight_scale": scale,
+                    "weight_scale_2": np.array(s2),
+                    "input_scale": np.array(np.float32(1.0) / INPUT_GLOBAL_SCALE),
+                }
             else:
                 packed, scale, g = ct_parts(self.seed, self.method, prefix, out_f, in_f)
-                self._parts = {"weight_packed": packed, "weight_scale": scale,
-                               "weight_global_scale": np.array([g], np.float32),
-                               "input_global_scale": np.array([INPUT_GLOBAL_SCALE], np.float32)}
+                self._parts = {
+                    "weight_packed": packed,
+                    "weight_scale": scale,
+                    "weight_global_scale": np.array([g], np.float32),
+                    "input_global_scale": np.array([INPUT_GLOBAL_SCALE], np.float32),
+                }
         return self._parts[info.role]
 
 

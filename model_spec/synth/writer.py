@@ -31,8 +31,15 @@ from ..types import ALL_BF16, ALL_NVFP4, EXPERTS_ONLY_NVFP4, LinearFormats, Mode
 from .tokenizer import build_tokenizer, media_special_ids, tokenizer_config
 from .weights import QUANTIZE_LIMIT, LinearParts, set_unit_tables, tensor_chunks, unit_tables
 
-GENERATION_CONFIG = {"bos_token_id": 2, "do_sample": True, "eos_token_id": [1, 106, 50], "pad_token_id": 0,
-                     "temperature": 1.0, "top_k": 64, "top_p": 0.95}
+GENERATION_CONFIG = {
+    "bos_token_id": 2,
+    "do_sample": True,
+    "eos_token_id": [1, 106, 50],
+    "pad_token_id": 0,
+    "temperature": 1.0,
+    "top_k": 64,
+    "top_p": 0.95,
+}
 CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 FULL_SHARD_BYTES = 4 << 30
 MIN_PARALLEL_BYTES = 256 << 20  # below this the default is one process
@@ -63,13 +70,23 @@ class StderrProgress:
         self.last = now
         pct = 100.0 * done / max(total, 1)
         unit, div = ("GB", 1e9) if total >= 1e9 else ("MB", 1e6)
-        sys.stderr.write(f"[synth] {stage}: {done / div:7.2f} / {total / div:.2f} {unit} ({pct:5.1f}%)  "
-                         f"{now - self.t0:6.1f} s\n")
+        sys.stderr.write(
+            f"[synth] {stage}: {done / div:7.2f} / {total / div:.2f} {unit} ({pct:5.1f}%)  {now - self.t0:6.1f} s\n"
+        )
         sys.stderr.flush()
 
 
-def _write_tensors(folder: Path, infos: list[TensorInfo], seed: int, hidden: int, method: str,
-                   shard_bytes: int, stage: str, progress: ProgressFn | None, jobs: int = 1) -> None:
+def _write_tensors(
+    folder: Path,
+    infos: list[TensorInfo],
+    seed: int,
+    hidden: int,
+    method: str,
+    shard_bytes: int,
+    stage: str,
+    progress: ProgressFn | None,
+    jobs: int = 1,
+) -> None:
     if jobs > 1:
         _write_tensors_parallel(folder, infos, seed, hidden, method, shard_bytes, stage, progress, jobs)
         return
@@ -136,8 +153,17 @@ def _write_unit(task: tuple[list[PlannedTensor], int, int, str]) -> int:
     return written
 
 
-def _write_tensors_parallel(folder: Path, infos: list[TensorInfo], seed: int, hidden: int, method: str,
-                            shard_bytes: int, stage: str, progress: ProgressFn | None, jobs: int) -> None:
+def _write_tensors_parallel(
+    folder: Path,
+    infos: list[TensorInfo],
+    seed: int,
+    hidden: int,
+    method: str,
+    shard_bytes: int,
+    stage: str,
+    progress: ProgressFn | None,
+    jobs: int,
+) -> None:
     """Headers first (every offset is known up front), then units in worker processes, largest first so the
     embedding does not end up alone at the tail. Each worker holds one unit (or one bf16 row chunk) at a time;
     results are byte counts only, so memory stays ~jobs x one unit."""
@@ -162,12 +188,20 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.PathLike, seed: int = 0,
-                               progress: bool | ProgressFn = True, *, method: str = "auto",
-                               shard_bytes: int | None = None, force: bool = False,
-                               chat_template_path: str | os.PathLike | None = None,
-                               jobs: int | None = None, source_format: str = "compressed-tensors",
-                               kv_scales: bool = True) -> Path:
+def write_synthetic_checkpoint(
+    preset_name: str | ModelSpec,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    progress: bool | ProgressFn = True,
+    *,
+    method: str = "auto",
+    shard_bytes: int | None = None,
+    force: bool = False,
+    chat_template_path: str | os.PathLike | None = None,
+    jobs: int | None = None,
+    source_format: str = "compressed-tensors",
+    kv_scales: bool = True,
+) -> Path:
     """Write a random-weight checkpoint of a preset (or any ModelSpec) to out_dir; returns out_dir.
 
     method: "quantize" (float weights through quantize_nvfp4), "direct" (codes sampled directly) or "auto"
@@ -220,16 +254,25 @@ def write_synthetic_checkpoint(preset_name: str | ModelSpec, out_dir: str | os.P
         (tmp / "chat_template.jinja").write_text(template)
         if spec.vision is not None:
             _write_json(tmp / "preprocessor_config.json", preprocessor_config(spec.vision))
-        _write_json(tmp / "synth_info.json", {"preset": spec.name, "seed": seed, "nvfp4_method": method,
-                                              "format": source_format, "spec_hash": spec.spec_hash,
-                                              "generator": "thorgen synth-checkpoint"})
+        _write_json(
+            tmp / "synth_info.json",
+            {
+                "preset": spec.name,
+                "seed": seed,
+                "nvfp4_method": method,
+                "format": source_format,
+                "spec_hash": spec.spec_hash,
+                "generator": "thorgen synth-checkpoint",
+            },
+        )
         _write_tensors(tmp, t_infos, seed, spec.target.hidden_size, method, shard_bytes, "target", report, jobs)
         if spec.drafter is not None:
             (tmp / "dflash").mkdir()
             _write_json(tmp / "dflash" / "config.json", drafter_config(spec.drafter))
             d_total = sum(tensor_nbytes(t.dtype, t.shape) for t in d_infos)
-            _write_tensors(tmp / "dflash", d_infos, seed, spec.drafter.hidden_size, method, d_total + 1,
-                           "drafter", report, jobs)
+            _write_tensors(
+                tmp / "dflash", d_infos, seed, spec.drafter.hidden_size, method, d_total + 1, "drafter", report, jobs
+            )
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,9 +34,17 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
         ms = 1e3 * statistics.median(times)
         nbytes = step_cost(spec, "decode", position + 1, n, report["kv_dtype"], report["lm_head"])["bytes"]
         gbs = nbytes / ms / 1e6
-        rows_out.append({"rows": n, "bucket": next(b for b in DECODE_BUCKETS if b >= n), "step_ms": round(ms, 3),
-                         "tok_s": round(1e3 * n / ms, 1), "bytes": int(nbytes), "gb_s": round(gbs, 1),
-                         "frac_copy": round(gbs / report["copy_gb_s"], 4)})
+        rows_out.append(
+            {
+                "rows": n,
+                "bucket": next(b for b in DECODE_BUCKETS if b >= n),
+                "step_ms": round(ms, 3),
+                "tok_s": round(1e3 * n / ms, 1),
+                "bytes": int(nbytes),
+                "gb_s": round(gbs, 1),
+                "frac_copy": round(gbs / report["copy_gb_s"], 4),
+            }
+        )
     report["batched_decode"] = rows_out
     report["batched_decode_position"] = position
     biggest = min(max(sizes), DECODE_BUCKETS[-1])  # the largest single forward

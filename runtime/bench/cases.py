@@ -37,9 +37,14 @@ class BenchCase:
 
 def _case(raw: dict) -> BenchCase:
     grid = raw.get("grid")
-    return BenchCase(str(raw["kernel"]), tuple(arg_from_json(a) for a in raw["args"]), int(raw["bytes_moved"]),
-                     None if grid is None else (int(grid[0]), int(grid[1]), int(grid[2])), str(raw.get("note", "")),
-                     bool(raw.get("weight_streaming", False)))
+    return BenchCase(
+        str(raw["kernel"]),
+        tuple(arg_from_json(a) for a in raw["args"]),
+        int(raw["bytes_moved"]),
+        None if grid is None else (int(grid[0]), int(grid[1]), int(grid[2])),
+        str(raw.get("note", "")),
+        bool(raw.get("weight_streaming", False)),
+    )
 
 
 def load_bench_cases(manifest: KernelManifest) -> list[BenchCase]:
@@ -57,8 +62,10 @@ def load_bench_cases(manifest: KernelManifest) -> list[BenchCase]:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise ModuleError(f"{path}: schema {got!r}, this runtime reads schema {BENCH_CASES_SCHEMA}{rebuild}")
     if (data.get("spec_hash"), data.get("arch")) != (manifest.spec_hash, manifest.arch):
-        raise ModuleError(f"{path} was written for {str(data.get('spec_hash'))[:12]} on {data.get('arch')}, the "
-                          f"manifest beside it for {manifest.spec_hash[:12]} on {manifest.arch}{rebuild}")
+        raise ModuleError(
+            f"{path} was written for {str(data.get('spec_hash'))[:12]} on {data.get('arch')}, the "
+            f"manifest beside it for {manifest.spec_hash[:12]} on {manifest.arch}{rebuild}"
+        )
     cases = []
     for i, raw in enumerate(data.get("cases") or []):
         try:
@@ -67,8 +74,10 @@ def load_bench_cases(manifest: KernelManifest) -> list[BenchCase]:
             raise ModuleError(f"{path}: case {i} is malformed ({exc!r}){rebuild}") from exc
         names = tuple(a.name for a in case.args)
         if names != manifest.kernel(case.kernel).args:
-            raise ModuleError(f"{path}: the case of {case.kernel} passes {names}, its manifest entry takes "
-                              f"{manifest.kernel(case.kernel).args}{rebuild}")
+            raise ModuleError(
+                f"{path}: the case of {case.kernel} passes {names}, its manifest entry takes "
+                f"{manifest.kernel(case.kernel).args}{rebuild}"
+            )
         cases.append(case)
     return cases
 
@@ -96,5 +105,6 @@ def fill(buf: Buf, rng: np.random.Generator) -> np.ndarray:
 def host_args(case: BenchCase, rng: np.random.Generator) -> list[Any]:
     """The case's arguments on the host, in order: an array per buffer (None for a zero-count one: a null pointer,
     an optional output left off) and a NumPy scalar of its C type per scalar."""
-    return [(None if a.count == 0 else fill(a, rng)) if isinstance(a, Buf) else _SCALAR[a.ctype](a.value)
-            for a in case.args]
+    return [
+        (None if a.count == 0 else fill(a, rng)) if isinstance(a, Buf) else _SCALAR[a.ctype](a.value) for a in case.args
+    ]

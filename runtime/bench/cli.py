@@ -25,8 +25,7 @@ import click
 from ..api import EngineOptions, engine_option_flags
 from ..backend import BackendError
 from ..options import DEFAULT_CTX
-from .timing import (host_copy_gb_s, open_for_bench, synthetic_prompt, timed_run,
-                     timed_stream)
+from .timing import host_copy_gb_s, open_for_bench, synthetic_prompt, timed_run, timed_stream
 from .roofline import COPY_GBS_SEEN, roofline_entry, step_cost, target_weight_bytes, tc_ceiling
 
 
@@ -65,22 +64,41 @@ def measure_roofline(backend: Any, facts: dict, report: dict, prompt: list[int],
                 report["draft_step_kernels"], report["verify_step_kernels"] = per_kernel(draft), per_kernel(verify)
     report["roofline"] = rl
     report["roofline_ceilings"] = {
-        "copy_gbs": copy, "copy_probe": report["copy_probe"],
+        "copy_gbs": copy,
+        "copy_probe": report["copy_probe"],
         "copy_gbs_seen": next((v for k, v in COPY_GBS_SEEN.items() if k in facts["gpu"]), None),
-        "tc_tflops": tc, "tc_source": "dense bf16 matmul measured on this GPU kind (runtime/bench/roofline.py)"
-                                      if tc else None,
-        "decode_ctx": mid, "prefill_rows": rows}
+        "tc_tflops": tc,
+        "tc_source": "dense bf16 matmul measured on this GPU kind (runtime/bench/roofline.py)" if tc else None,
+        "decode_ctx": mid,
+        "prefill_rows": rows,
+    }
 
 
-def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: int, ctx: int | None,
-              kv_dtype: str, command: str = "", weights: Path | None = None, kernel_dir: Path | None = None,
-              roofline: bool = False, batch_sizes: list[int] | None = None, peer: str | None = None,
-              speculative: bool = False, accept: int | None = None,
-              options: EngineOptions = EngineOptions(), image: Path | None = None, image_budget: int = 280,
-              sms: int | None = None) -> dict:
+def run_bench(
+    backend_name: str,
+    model: Path,
+    prompt_len: int,
+    gen: int,
+    runs: int,
+    ctx: int | None,
+    kv_dtype: str,
+    command: str = "",
+    weights: Path | None = None,
+    kernel_dir: Path | None = None,
+    roofline: bool = False,
+    batch_sizes: list[int] | None = None,
+    peer: str | None = None,
+    speculative: bool = False,
+    accept: int | None = None,
+    options: EngineOptions = EngineOptions(),
+    image: Path | None = None,
+    image_budget: int = 280,
+    sms: int | None = None,
+) -> dict:
     t0 = time.perf_counter()
-    backend, facts = open_for_bench(backend_name, model, ctx, kv_dtype, weights, kernel_dir,
-                                    max(batch_sizes or [1]), options, sms)
+    backend, facts = open_for_bench(
+        backend_name, model, ctx, kv_dtype, weights, kernel_dir, max(batch_sizes or [1]), options, sms
+    )
     load_s = time.perf_counter() - t0
     ctx = backend.max_context
     if prompt_len + gen > ctx:
@@ -103,15 +121,30 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
         copy, copy_kind, peak = host_copy_gb_s(), "host memcpy", None
     achieved = wbytes * tok_s / 1e9
     report = {
-        "gpu": facts["gpu"], "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "backend": backend_name,
-        "model": spec.name, "spec_hash": spec.spec_hash, "prompt_len": prompt_len, "gen": gen, "runs": runs,
-        "ctx": ctx, "kv_dtype": kv_dtype, "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
-        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts], "decode_tok_s": round(tok_s, 3),
-        "decode_tok_s_runs": [round(r, 3) for r in rates], "step_ms": round(1e3 / tok_s, 4) if tok_s else None,
-        "weight_bytes_per_step": wbytes, "lm_head": facts["lm_head"], "achieved_gb_s": round(achieved, 3),
-        "copy_gb_s": round(copy, 3), "copy_probe": copy_kind, "fraction_of_copy": round(achieved / copy, 4),
-        "peak_gpu_mem_gib": None if peak is None else round(peak, 3), "load_s": round(load_s, 3),
+        "gpu": facts["gpu"],
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "backend": backend_name,
+        "model": spec.name,
+        "spec_hash": spec.spec_hash,
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "runs": runs,
+        "ctx": ctx,
+        "kv_dtype": kv_dtype,
+        "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
+        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
+        "decode_tok_s": round(tok_s, 3),
+        "decode_tok_s_runs": [round(r, 3) for r in rates],
+        "step_ms": round(1e3 / tok_s, 4) if tok_s else None,
+        "weight_bytes_per_step": wbytes,
+        "lm_head": facts["lm_head"],
+        "achieved_gb_s": round(achieved, 3),
+        "copy_gb_s": round(copy, 3),
+        "copy_probe": copy_kind,
+        "fraction_of_copy": round(achieved / copy, 4),
+        "peak_gpu_mem_gib": None if peak is None else round(peak, 3),
+        "load_s": round(load_s, 3),
         "ready_s": round(ready_s, 3),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
@@ -151,40 +184,51 @@ def run_bench(backend_name: str, model: Path, prompt_len: int, gen: int, runs: i
 
 
 def _text(r: dict) -> str:
-    lines = [f"{r['backend']} on {r['gpu']}: {r['model']} prompt {r['prompt_len']} gen {r['gen']} x{r['runs']}",
-             f"  load            {r['load_s']:.2f} s (ready, after a {min(r['gen'], 4)}-token warm-up: "
-             f"{r.get('ready_s', float('nan')):.2f} s)",
-             f"  TTFT            {r['ttft_ms']:.1f} ms (median)",
-             f"  decode          {r['decode_tok_s']:.2f} tok/s (median), step {r['step_ms']} ms",
-             f"  weights/step    {r['weight_bytes_per_step'] / 1e9:.3f} GB (lm_head {r['lm_head']}) -> "
-             f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
-             f"({r['copy_gb_s']:.1f} GB/s)",
-             f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB"]
+    lines = [
+        f"{r['backend']} on {r['gpu']}: {r['model']} prompt {r['prompt_len']} gen {r['gen']} x{r['runs']}",
+        f"  load            {r['load_s']:.2f} s (ready, after a {min(r['gen'], 4)}-token warm-up: "
+        f"{r.get('ready_s', float('nan')):.2f} s)",
+        f"  TTFT            {r['ttft_ms']:.1f} ms (median)",
+        f"  decode          {r['decode_tok_s']:.2f} tok/s (median), step {r['step_ms']} ms",
+        f"  weights/step    {r['weight_bytes_per_step'] / 1e9:.3f} GB (lm_head {r['lm_head']}) -> "
+        f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
+        f"({r['copy_gb_s']:.1f} GB/s)",
+        f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB",
+    ]
     if r.get("image"):
         from .image import image_text
 
         lines.append(image_text(r))
     if r.get("sms") is not None:
-        lines.insert(1, f"  multiprocessors {r['sms']} of {r['device_sms']} (--sms {r['sms_requested']}: a green "
-                        "context; decode and the copy probe both ran on them)")
+        lines.insert(
+            1,
+            f"  multiprocessors {r['sms']} of {r['device_sms']} (--sms {r['sms_requested']}: a green "
+            "context; decode and the copy probe both ran on them)",
+        )
     if r.get("peer"):
         p = r["peer"]
-        lines.append(f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
-                     f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): "
-                     f"{p['decode_tok_s']:.2f} tok/s, TTFT {p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its "
-                     f"decode, its TTFT / ours {p['ttft_ratio']}x")
+        lines.append(
+            f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
+            f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): "
+            f"{p['decode_tok_s']:.2f} tok/s, TTFT {p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its "
+            f"decode, its TTFT / ours {p['ttft_ratio']}x"
+        )
     if r.get("speculative"):
         s = r["speculative"]
-        lines.append(f"  speculative     {s['spec_tok_s']} tok/s (median), tau {s['tau']}, step {s['step_ms']} ms "
-                     f"(draft {s['draft_step_ms']} ms + verify {s['verify_step_ms']} ms on the GPU)"
-                     + (f"; EMULATED acceptance {s['emulated_acceptance']}" if s["emulated_acceptance"] is not None
-                        else ""))
-    for key, title in (("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
-                       ("draft_step_kernels", "DFlash draft forward, per kernel (eager launches, event-timed)"),
-                       ("verify_step_kernels", "DFlash verify forward + drafter context, per kernel (eager, "
-                                               "event-timed)"),
-                       ("prefill_chunk_kernels", f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel "
-                                                 "(eager launches, event-timed)")):
+        lines.append(
+            f"  speculative     {s['spec_tok_s']} tok/s (median), tau {s['tau']}, step {s['step_ms']} ms "
+            f"(draft {s['draft_step_ms']} ms + verify {s['verify_step_ms']} ms on the GPU)"
+            + (f"; EMULATED acceptance {s['emulated_acceptance']}" if s["emulated_acceptance"] is not None else "")
+        )
+    for key, title in (
+        ("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
+        ("draft_step_kernels", "DFlash draft forward, per kernel (eager launches, event-timed)"),
+        ("verify_step_kernels", "DFlash verify forward + drafter context, per kernel (eager, event-timed)"),
+        (
+            "prefill_chunk_kernels",
+            f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel (eager launches, event-timed)",
+        ),
+    ):
         ks = r.get(key) or []
         if ks:
             lines.append(f"  {title}; sum {sum(k['us'] for k in ks):.0f} us:")
@@ -192,23 +236,50 @@ def _text(r: dict) -> str:
             lines.append(f"    {k['kernel']:<56} {k['us']:9.1f} us x{k.get('count', 1)}")
     for step, e in (r.get("roofline") or {}).items():
         tc = "n/a" if e["frac_tc"] is None else f"{100 * e['frac_tc']:.2f}%"
-        lines.append(f"  roofline {step:<8} {e['bytes'] / 1e6:10.1f} MB {e['flops'] / 1e9:10.2f} GFLOP "
-                     f"{e['ms']:9.3f} ms: {100 * e['frac_copy']:.1f}% of copy, {tc} of tensor cores")
+        lines.append(
+            f"  roofline {step:<8} {e['bytes'] / 1e6:10.1f} MB {e['flops'] / 1e9:10.2f} GFLOP "
+            f"{e['ms']:9.3f} ms: {100 * e['frac_copy']:.1f}% of copy, {tc} of tensor cores"
+        )
     return "\n".join(lines)
 
 
-def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: int | None, kv_dtype: str,
-                 ignore_eos: bool, as_json: bool, out_file: Path | None, weights: Path | None,
-                 kernel_dir: Path | None) -> None:
+def _bench_suite(
+    model: Path,
+    backend: str,
+    suite_file: Path,
+    runs: int,
+    ctx: int | None,
+    kv_dtype: str,
+    ignore_eos: bool,
+    as_json: bool,
+    out_file: Path | None,
+    weights: Path | None,
+    kernel_dir: Path | None,
+) -> None:
     from .suite import row_text, run_suite
 
-    command = (f"thorgen bench --model {model} --backend {backend} --suite {suite_file} --runs {runs}"
-               + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}" + (" --ignore-eos" if ignore_eos else "")
-               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else ""))
+    command = (
+        f"thorgen bench --model {model} --backend {backend} --suite {suite_file} --runs {runs}"
+        + (f" --ctx {ctx}" if ctx else "")
+        + f" --kv-dtype {kv_dtype}"
+        + (" --ignore-eos" if ignore_eos else "")
+        + (f" --weights {weights}" if weights else "")
+        + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
+    )
     try:
-        report = run_suite(backend, model, suite_file, runs, ctx, kv_dtype, ignore_eos, command=command,
-                           weights=weights, kernel_dir=kernel_dir,
-                           progress=None if as_json else lambda row: click.echo(row_text(row)))
+        report = run_suite(
+            backend,
+            model,
+            suite_file,
+            runs,
+            ctx,
+            kv_dtype,
+            ignore_eos,
+            command=command,
+            weights=weights,
+            kernel_dir=kernel_dir,
+            progress=None if as_json else lambda row: click.echo(row_text(row)),
+        )
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:
@@ -221,59 +292,142 @@ def _bench_suite(model: Path, backend: str, suite_file: Path, runs: int, ctx: in
 
 
 @click.group("bench", invoke_without_command=True)
-@click.option("--model", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Checkpoint folder (the cuda backend also finds its repacked weights and kernels from it).")
+@click.option(
+    "--model",
+    default=None,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Checkpoint folder (the cuda backend also finds its repacked weights and kernels from it).",
+)
 @click.option("--backend", type=click.Choice(["cuda", "reference"]), default="cuda", show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per run.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Back-to-back timed runs.")
-@click.option("--ctx", type=click.IntRange(min=2), default=None,
-              help=f"KV cache context (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).")
+@click.option(
+    "--ctx",
+    type=click.IntRange(min=2),
+    default=None,
+    help=f"KV cache context (default: min(the model's max_position_embeddings, {DEFAULT_CTX})).",
+)
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the JSON report to this file (e.g. docs/benchmarks/<name>.json).")
-@click.option("--kernels", is_flag=True,
-              help="Also run the per-kernel benchmark (thorgen.runtime.bench.kernels) on the built kernels the cuda "
-                   "backend finds (--kernel-dir, or its default folder).")
-@click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).")
-@click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).")
-@click.option("--roofline", is_flag=True,
-              help="Add bytes, FLOPs and the achieved fraction of copy bandwidth and tensor-core peak per step "
-                   "(decode, prefill, and verify when the model has a drafter: also times speculative runs).")
-@click.option("--suite", "suite_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Run each prompt of this suite file instead (docs/prompt_suite.json; the JSON shape of "
-                   "seed_data/prompt_suite.json): TTFT, decode tok/s and tau, plain and speculative.")
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the JSON report to this file (e.g. docs/benchmarks/<name>.json).",
+)
+@click.option(
+    "--kernels",
+    is_flag=True,
+    help="Also run the per-kernel benchmark (thorgen.runtime.bench.kernels) on the built kernels the cuda "
+    "backend finds (--kernel-dir, or its default folder).",
+)
+@click.option(
+    "--weights",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="cuda: repacked weights folder (default: the one `thorgen repack-weights` wrote for MODEL).",
+)
+@click.option(
+    "--kernel-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="cuda: built kernels folder (default: $THORGEN_KERNELS or ./thorgen-build/<model>/<arch>).",
+)
+@click.option(
+    "--roofline",
+    is_flag=True,
+    help="Add bytes, FLOPs and the achieved fraction of copy bandwidth and tensor-core peak per step "
+    "(decode, prefill, and verify when the model has a drafter: also times speculative runs).",
+)
+@click.option(
+    "--suite",
+    "suite_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Run each prompt of this suite file instead (docs/prompt_suite.json; the JSON shape of "
+    "seed_data/prompt_suite.json): TTFT, decode tok/s and tau, plain and speculative.",
+)
 @click.option("--ignore-eos", is_flag=True, help="--suite: generate each prompt's max_tokens, past stop ids.")
-@click.option("--peer", type=click.Choice(["hf"]), default=None,
-              help="Also run HF transformers' Gemma4 on the same checkpoint, prompt and device (the `peer` extra) "
-                   "and print our decode tok/s and TTFT as ratios of its.")
-@click.option("--speculative", is_flag=True,
-              help="Also time DFlash speculative decoding (draft -> verify -> commit): tok/s, tau, draft and "
-                   "verify step ms, and one draft and one verify forward per kernel (cuda).")
-@click.option("--emulate-acceptance", "accept", type=click.IntRange(0, 15), default=None,
-              help="--speculative: every verify step commits exactly K drafts + 1 (speed at tau = K + 1 on random "
-                   "weights; the tokens are not the model's, and the report says so).")
-@click.option("--batch-sizes", default=None,
-              help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
-                   "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.")
-@click.option("--image", "image", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Also time this image ahead of the text prompt: preprocessing, the vision tower alone, TTFT "
-                   "(encode + prefill) and decode tok/s after it.")
-@click.option("--image-max-tokens", "image_budget", type=click.Choice(["70", "140", "280", "560", "1120"]),
-              default="280", show_default=True, help="--image: soft tokens the image may take.")
-@click.option("--sms", type=click.IntRange(min=1), default=None,
-              help="Run on this many multiprocessors only (a CUDA green context; e.g. 20, Jetson AGX Thor's count): "
-                   "decode and the copy probe both, so fraction_of_copy is against the SM-limited copy rate.")
+@click.option(
+    "--peer",
+    type=click.Choice(["hf"]),
+    default=None,
+    help="Also run HF transformers' Gemma4 on the same checkpoint, prompt and device (the `peer` extra) "
+    "and print our decode tok/s and TTFT as ratios of its.",
+)
+@click.option(
+    "--speculative",
+    is_flag=True,
+    help="Also time DFlash speculative decoding (draft -> verify -> commit): tok/s, tau, draft and "
+    "verify step ms, and one draft and one verify forward per kernel (cuda).",
+)
+@click.option(
+    "--emulate-acceptance",
+    "accept",
+    type=click.IntRange(0, 15),
+    default=None,
+    help="--speculative: every verify step commits exactly K drafts + 1 (speed at tau = K + 1 on random "
+    "weights; the tokens are not the model's, and the report says so).",
+)
+@click.option(
+    "--batch-sizes",
+    default=None,
+    help="cuda: also time batched decode steps of these row counts (e.g. 1,2,4,8,16,32), one sequence "
+    "per KV lane at mid-generation: step ms, tok/s, bytes and GB/s per bucket, kernels of the largest.",
+)
+@click.option(
+    "--image",
+    "image",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Also time this image ahead of the text prompt: preprocessing, the vision tower alone, TTFT "
+    "(encode + prefill) and decode tok/s after it.",
+)
+@click.option(
+    "--image-max-tokens",
+    "image_budget",
+    type=click.Choice(["70", "140", "280", "560", "1120"]),
+    default="280",
+    show_default=True,
+    help="--image: soft tokens the image may take.",
+)
+@click.option(
+    "--sms",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run on this many multiprocessors only (a CUDA green context; e.g. 20, Jetson AGX Thor's count): "
+    "decode and the copy probe both, so fraction_of_copy is against the SM-limited copy rate.",
+)
 @engine_option_flags
 @click.pass_context
-def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len: int, gen: int, runs: int,
-          ctx: int | None, kv_dtype: str, as_json: bool, out_file: Path | None, kernels: bool, weights: Path | None,
-          kernel_dir: Path | None, roofline: bool, suite_file: Path | None, ignore_eos: bool, batch_sizes: str | None,
-          peer: str | None, speculative: bool, accept: int | None, image: Path | None, image_budget: str,
-          sms: int | None, engine_options: EngineOptions) -> None:
+def bench(
+    click_ctx: click.Context,
+    model: Path | None,
+    backend: str,
+    prompt_len: int,
+    gen: int,
+    runs: int,
+    ctx: int | None,
+    kv_dtype: str,
+    as_json: bool,
+    out_file: Path | None,
+    kernels: bool,
+    weights: Path | None,
+    kernel_dir: Path | None,
+    roofline: bool,
+    suite_file: Path | None,
+    ignore_eos: bool,
+    batch_sizes: str | None,
+    peer: str | None,
+    speculative: bool,
+    accept: int | None,
+    image: Path | None,
+    image_budget: str,
+    sms: int | None,
+    engine_options: EngineOptions,
+) -> None:
     """Benchmark plain decoding: TTFT, decode tok/s (median of --runs), step time, weight GB/s against a copy
     probe measured in the same run, peak GPU memory and load time. `thorgen bench serve` load-tests a server."""
     if click_ctx.invoked_subcommand is not None:
@@ -283,20 +437,27 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     if suite_file is not None:
         if roofline or kernels or sms is not None:
             raise click.UsageError("--suite runs on its own: drop --roofline / --kernels / --sms")
-        return _bench_suite(model, backend, suite_file, runs, ctx, kv_dtype, ignore_eos, as_json, out_file,
-                            weights, kernel_dir)
+        return _bench_suite(
+            model, backend, suite_file, runs, ctx, kv_dtype, ignore_eos, as_json, out_file, weights, kernel_dir
+        )
     if ctx is not None and prompt_len + gen > ctx:
         raise click.BadParameter(f"--prompt-len + --gen ({prompt_len + gen}) exceed --ctx {ctx}")
-    command = (f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
-               f"--runs {runs}" + (f" --ctx {ctx}" if ctx else "") + f" --kv-dtype {kv_dtype}"
-               + (f" --weights {weights}" if weights else "") + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
-               + (" --roofline" if roofline else "") + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
-               + (f" --peer {peer}" if peer else "") + (" --speculative" if speculative else "")
-               + (f" --emulate-acceptance {accept}" if accept is not None else "")
-               + (f" --image {image} --image-max-tokens {image_budget}" if image else "")
-               + (f" --sms {sms}" if sms is not None else "")
-               + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags()
-                         if not getattr(engine_options, name)))
+    command = (
+        f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
+        f"--runs {runs}"
+        + (f" --ctx {ctx}" if ctx else "")
+        + f" --kv-dtype {kv_dtype}"
+        + (f" --weights {weights}" if weights else "")
+        + (f" --kernel-dir {kernel_dir}" if kernel_dir else "")
+        + (" --roofline" if roofline else "")
+        + (f" --batch-sizes {batch_sizes}" if batch_sizes else "")
+        + (f" --peer {peer}" if peer else "")
+        + (" --speculative" if speculative else "")
+        + (f" --emulate-acceptance {accept}" if accept is not None else "")
+        + (f" --image {image} --image-max-tokens {image_budget}" if image else "")
+        + (f" --sms {sms}" if sms is not None else "")
+        + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags() if not getattr(engine_options, name))
+    )
     if kernels and sms is not None:
         raise click.UsageError("--kernels times each kernel on the whole GPU: drop --sms")
     if accept is not None and not speculative:
@@ -308,8 +469,27 @@ def bench(click_ctx: click.Context, model: Path | None, backend: str, prompt_len
     if sizes and not all(1 <= n <= 32 for n in sizes):
         raise click.BadParameter(f"--batch-sizes {batch_sizes}: each in 1..32 (the largest decode bucket)")
     try:
-        report = run_bench(backend, model, prompt_len, gen, runs, ctx, kv_dtype, command, weights, kernel_dir,
-                           roofline, sizes, peer, speculative, accept, engine_options, image, int(image_budget), sms)
+        report = run_bench(
+            backend,
+            model,
+            prompt_len,
+            gen,
+            runs,
+            ctx,
+            kv_dtype,
+            command,
+            weights,
+            kernel_dir,
+            roofline,
+            sizes,
+            peer,
+            speculative,
+            accept,
+            engine_options,
+            image,
+            int(image_budget),
+            sms,
+        )
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
     if out_file is not None:

@@ -31,8 +31,7 @@ def image_prompt(spec: Any, text: list[int], image: ImageInput) -> tuple[list[in
     return expand_image_tokens([text[0], spec.vision.image_token_id, *text[1:]], [image], spec.vision)
 
 
-def measure_image(backend: Any, report: dict, path: Path, budget: int, text: list[int], gen: int,
-                  runs: int) -> None:
+def measure_image(backend: Any, report: dict, path: Path, budget: int, text: list[int], gen: int, runs: int) -> None:
     """Add `image` to a `run_bench` report: the image's size and soft tokens, preprocess_ms, encode_ms (the
     tower alone; None without one), and the TTFT and decode tok/s of the image + text prompt (medians)."""
     spec = backend.spec
@@ -50,8 +49,10 @@ def measure_image(backend: Any, report: dict, path: Path, budget: int, text: lis
         raise BackendError(f"--image {path}: {exc}") from None
     ids, spans = image_prompt(spec, text, image)
     if len(ids) + gen > backend.max_context:
-        raise BackendError(f"the image's {image.soft_tokens} soft tokens + the prompt + --gen ({len(ids) + gen}) "
-                           f"exceed the context of {backend.max_context} (--ctx)")
+        raise BackendError(
+            f"the image's {image.soft_tokens} soft tokens + the prompt + --gen ({len(ids) + gen}) "
+            f"exceed the context of {backend.max_context} (--ctx)"
+        )
     encode = _encoder(backend)
     encodes = []
     if encode is not None:
@@ -67,18 +68,27 @@ def measure_image(backend: Any, report: dict, path: Path, budget: int, text: lis
         n = len(r["token_ids"])
         rates.append((n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else float("nan"))
     report["image"] = {
-        "file": path.name, "width": width, "height": height, "budget": budget, "soft_tokens": image.soft_tokens,
-        "patches": int(image.patches.shape[0]), "prompt_tokens": len(ids),
+        "file": path.name,
+        "width": width,
+        "height": height,
+        "budget": budget,
+        "soft_tokens": image.soft_tokens,
+        "patches": int(image.patches.shape[0]),
+        "prompt_tokens": len(ids),
         "preprocess_ms": round(statistics.median(prep) * 1e3, 3),
         "encode_ms": round(statistics.median(encodes) * 1e3, 3) if encodes else None,
-        "ttft_ms": round(statistics.median(ttfts) * 1e3, 3), "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
-        "decode_tok_s": round(statistics.median(rates), 3)}
+        "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
+        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
+        "decode_tok_s": round(statistics.median(rates), 3),
+    }
 
 
 def image_text(r: dict) -> str:
     i = r["image"]
     encode = "n/a (no tower exposed)" if i["encode_ms"] is None else f"{i['encode_ms']:.1f} ms"
-    return (f"  image           {i['file']} {i['width']}x{i['height']} -> {i['soft_tokens']} soft tokens (budget "
-            f"{i['budget']}, {i['patches']} patches); preprocess {i['preprocess_ms']:.1f} ms, encode {encode}\n"
-            f"  image + text    {i['prompt_tokens']} prompt tokens: TTFT {i['ttft_ms']:.1f} ms (median, encode "
-            f"included), decode {i['decode_tok_s']:.2f} tok/s")
+    return (
+        f"  image           {i['file']} {i['width']}x{i['height']} -> {i['soft_tokens']} soft tokens (budget "
+        f"{i['budget']}, {i['patches']} patches); preprocess {i['preprocess_ms']:.1f} ms, encode {encode}\n"
+        f"  image + text    {i['prompt_tokens']} prompt tokens: TTFT {i['ttft_ms']:.1f} ms (median, encode "
+        f"included), decode {i['decode_tok_s']:.2f} tok/s"
+    )

@@ -87,8 +87,14 @@ class KernelRig:
 
     def kernel(self, name: str) -> Kernel:
         if self._set is None:
-            manifest = KernelManifest(path=self.cubin_dir / MANIFEST_NAME, model="", spec_hash="",
-                                      arch=self.arch, conventions={}, kernels=dict(self._entries))
+            manifest = KernelManifest(
+                path=self.cubin_dir / MANIFEST_NAME,
+                model="",
+                spec_hash="",
+                arch=self.arch,
+                conventions={},
+                kernels=dict(self._entries),
+            )
             self._set = KernelSet(manifest, self.device)
         return self._set.kernel(name)
 
@@ -128,8 +134,9 @@ class KernelRig:
         self.stream.synchronize()
 
     # ---- timing --------------------------------------------------------------------------------------------------
-    def time_ms(self, launch: Callable[[], None], iters: int = 20, warmup: int = 3,
-                before: Callable[[], None] | None = None) -> float:
+    def time_ms(
+        self, launch: Callable[[], None], iters: int = 20, warmup: int = 3, before: Callable[[], None] | None = None
+    ) -> float:
         """Median milliseconds of `launch()` over `iters` event-timed runs (`before()` runs untimed each time)."""
         start, end = self.device.event(), self.device.event()
         try:
@@ -152,9 +159,11 @@ class KernelRig:
 
     def graph_time_ms(self, launch: Callable[[], None], reps: int = 10, iters: int = 5) -> float:
         """Milliseconds per launch of `reps` back-to-back launches captured in a CUDA graph (no host overhead)."""
+
         def body() -> None:
             for _ in range(reps):
                 launch()
+
         graph = CudaGraph.capture(self.stream, body, "kernel timing")
         try:
             return self.time_ms(lambda: graph.replay(self.stream), iters) / reps
@@ -165,8 +174,12 @@ class KernelRig:
         """Device-to-device copy bandwidth, counting bytes read + written (the usual 'copy bandwidth')."""
         src, dst = (alloc(self.device, nbytes, "copy bandwidth probe") for _ in range(2))
         try:
-            ms = self.time_ms(lambda: check(driver().cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, self.stream.handle),
-                                            "copy bandwidth probe"), iters)
+            ms = self.time_ms(
+                lambda: check(
+                    driver().cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, self.stream.handle), "copy bandwidth probe"
+                ),
+                iters,
+            )
         finally:
             self.sync()
             src.free()
@@ -184,8 +197,10 @@ class KernelRig:
 
 # ---- the benchmark -----------------------------------------------------------------------------------------------
 
-def find_build(device_arch: str, kernel_dir: Path | None = None, model_dir: Path | None = None,
-               preset: str | None = None) -> KernelManifest:
+
+def find_build(
+    device_arch: str, kernel_dir: Path | None = None, model_dir: Path | None = None, preset: str | None = None
+) -> KernelManifest:
     """The manifest of the build to benchmark, found as the cuda backend finds its kernels (runtime/manifest.py
     find_kernels: --kernel-dir, $THORGEN_KERNELS, ./thorgen-build/<model>/<arch>, <model>/thorgen-build/<arch>),
     of the checkpoint folder, else of the preset."""
@@ -194,8 +209,14 @@ def find_build(device_arch: str, kernel_dir: Path | None = None, model_dir: Path
     return find_kernels(device_arch, get_preset(preset or DEFAULT_PRESET).name, None, kernel_dir, option="--kernel-dir")
 
 
-def run_bench(kernel_dir: Path | None = None, model_dir: Path | None = None, preset: str | None = None,
-              iters: int = 20, flush_l2: bool = True, families: tuple[str, ...] | None = None) -> dict:
+def run_bench(
+    kernel_dir: Path | None = None,
+    model_dir: Path | None = None,
+    preset: str | None = None,
+    iters: int = 20,
+    flush_l2: bool = True,
+    families: tuple[str, ...] | None = None,
+) -> dict:
     """Benchmark every bench case of a build folder (see find_build) on GPU 0; returns the JSON-ready report."""
     device = Device.open(0)
     try:
@@ -210,10 +231,10 @@ def run_bench(kernel_dir: Path | None = None, model_dir: Path | None = None, pre
         device.close()
 
 
-def _bench(rig: KernelRig, manifest: KernelManifest, iters: int, flush_l2: bool,
-           families: tuple[str, ...] | None) -> dict:
-    cases = [c for c in load_bench_cases(manifest)
-             if families is None or manifest.kernel(c.kernel).family in families]
+def _bench(
+    rig: KernelRig, manifest: KernelManifest, iters: int, flush_l2: bool, families: tuple[str, ...] | None
+) -> dict:
+    cases = [c for c in load_bench_cases(manifest) if families is None or manifest.kernel(c.kernel).family in families]
     rig.add(manifest.kernel(name) for name in dict.fromkeys(c.kernel for c in cases))
     copy_gbps = rig.copy_bandwidth_gbps()
     flush = rig.alloc(256 << 20) if flush_l2 else None
@@ -227,45 +248,89 @@ def _bench(rig: KernelRig, manifest: KernelManifest, iters: int, flush_l2: bool,
         before = (lambda: flush.zero(rig.stream)) if flush is not None else None
         single = rig.time_ms(lambda: rig.launch(entry.name, sets[0], case.grid), iters=iters, before=before)
         turn = iter(range(1 << 30))
-        stream = rig.graph_time_ms(lambda: rig.launch(entry.name, sets[next(turn) % copies], case.grid),
-                                   reps=STREAM_LAUNCHES)
+        stream = rig.graph_time_ms(
+            lambda: rig.launch(entry.name, sets[next(turn) % copies], case.grid), reps=STREAM_LAUNCHES
+        )
         gbps = case.bytes_moved / (stream * 1e-3) / 1e9
-        rows.append({"kernel": entry.name, "family": entry.family, "note": case.note, "single_us": single * 1e3,
-                     "stream_us": stream * 1e3, "input_copies": copies, "bytes": case.bytes_moved, "gbps": gbps,
-                     "fraction_of_copy": gbps / copy_gbps, "weight_streaming": case.weight_streaming,
-                     "meets_target": (gbps / copy_gbps >= TARGET_FRACTION) if case.weight_streaming else None})
+        rows.append(
+            {
+                "kernel": entry.name,
+                "family": entry.family,
+                "note": case.note,
+                "single_us": single * 1e3,
+                "stream_us": stream * 1e3,
+                "input_copies": copies,
+                "bytes": case.bytes_moved,
+                "gbps": gbps,
+                "fraction_of_copy": gbps / copy_gbps,
+                "weight_streaming": case.weight_streaming,
+                "meets_target": (gbps / copy_gbps >= TARGET_FRACTION) if case.weight_streaming else None,
+            }
+        )
         rig.free(keep=[flush] if flush is not None else [])  # this case's buffers
-    return {"model": manifest.model, "kernel_dir": str(manifest.path.parent), "arch": manifest.arch,
-            "device": rig.device.info.name, "copy_gbps": copy_gbps, "iters": iters, "l2_flushed": flush_l2,
-            "target_fraction": TARGET_FRACTION, "kernels": rows}
+    return {
+        "model": manifest.model,
+        "kernel_dir": str(manifest.path.parent),
+        "arch": manifest.arch,
+        "device": rig.device.info.name,
+        "copy_gbps": copy_gbps,
+        "iters": iters,
+        "l2_flushed": flush_l2,
+        "target_fraction": TARGET_FRACTION,
+        "kernels": rows,
+    }
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{report['device']} ({report['arch']}), {report['model']} kernels of {report['kernel_dir']}: copy "
-             f"bandwidth {report['copy_gbps']:.0f} GB/s (read+write); single: median of {report['iters']} launches, L2 "
-             f"flushed: {report['l2_flushed']}; stream: graph-replayed launches on rotated inputs (GB/s uses it)",
-             f"{'kernel':<52} {'case':<18} {'single us':>9} {'stream us':>9} {'MB':>9} {'GB/s':>8} {'of copy':>8}"
-             "  target"]
+    lines = [
+        f"{report['device']} ({report['arch']}), {report['model']} kernels of {report['kernel_dir']}: copy "
+        f"bandwidth {report['copy_gbps']:.0f} GB/s (read+write); single: median of {report['iters']} launches, L2 "
+        f"flushed: {report['l2_flushed']}; stream: graph-replayed launches on rotated inputs (GB/s uses it)",
+        f"{'kernel':<52} {'case':<18} {'single us':>9} {'stream us':>9} {'MB':>9} {'GB/s':>8} {'of copy':>8}  target",
+    ]
     for r in report["kernels"]:
         tgt = "" if r["meets_target"] is None else ("ok" if r["meets_target"] else "BELOW")
-        lines.append(f"{r['kernel'][:52]:<52} {r['note'][:18]:<18} {r['single_us']:>9.1f} {r['stream_us']:>9.2f} "
-                     f"{r['bytes'] / 1e6:>9.2f} {r['gbps']:>8.0f} {r['fraction_of_copy']:>7.1%}  {tgt}")
+        lines.append(
+            f"{r['kernel'][:52]:<52} {r['note'][:18]:<18} {r['single_us']:>9.1f} {r['stream_us']:>9.2f} "
+            f"{r['bytes'] / 1e6:>9.2f} {r['gbps']:>8.0f} {r['fraction_of_copy']:>7.1%}  {tgt}"
+        )
     return "\n".join(lines)
 
 
 @click.command("kernels")
-@click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Built kernels folder (manifest.json and bench_cases.json from `thorgen build`).")
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Checkpoint folder: its build is found as the cuda backend finds it.")
+@click.option(
+    "--kernel-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Built kernels folder (manifest.json and bench_cases.json from `thorgen build`).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint folder: its build is found as the cuda backend finds it.",
+)
 @click.option("--preset", default=None, help=f"Without --model: the build of this preset (default {DEFAULT_PRESET}).")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the report here.")
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the report here.",
+)
 @click.option("--no-flush", is_flag=True, help="Do not flush L2 between single launches.")
 @click.option("--family", "families", multiple=True, help="Only these kernel families (repeatable).")
-def kernels_bench(kernel_dir: Path | None, model_dir: Path | None, preset: str | None, iters: int,
-                  json_file: Path | None, no_flush: bool, families: tuple[str, ...]) -> None:
+def kernels_bench(
+    kernel_dir: Path | None,
+    model_dir: Path | None,
+    preset: str | None,
+    iters: int,
+    json_file: Path | None,
+    no_flush: bool,
+    families: tuple[str, ...],
+) -> None:
     """Per-kernel time and bandwidth of a build's kernels on GPU 0."""
     if model_dir is not None and preset is not None:
         raise click.UsageError("give --model or --preset, not both")

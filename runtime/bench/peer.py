@@ -54,12 +54,15 @@ def hf_tensors(ckpt: Checkpoint) -> Iterator[tuple[str, np.ndarray]]:
         yield f"model.{p}layer_scalar", ckpt.weight_f32(f"{P}{p}layer_scalar")
         for n in ("scale", "per_expert_scale", "proj.weight"):
             yield f"model.{p}router.{n}", ckpt.weight_f32(f"{P}{p}router.{n}")
+
         def stacked(names: tuple[str, ...]) -> np.ndarray:
             # the experts dequantize on every core (NumPy releases the GIL): 3 x 128 matrices a layer at full size
             def one(e: int) -> np.ndarray:
                 return np.concatenate([ckpt.linear_f32(f"{P}{p}experts.{e}.{n}") for n in names])
+
             with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
                 return np.stack(list(pool.map(one, range(spec.num_experts))))
+
         yield f"model.{p}experts.gate_up_proj", stacked(("gate_proj", "up_proj"))
         yield f"model.{p}experts.down_proj", stacked(("down_proj",))
 
@@ -70,7 +73,7 @@ def hf_model(ckpt: Checkpoint, dtype: str = "bfloat16", device: str = "cpu", att
         import torch
         import transformers
     except ImportError as exc:
-        raise BackendError(f"--peer hf needs torch and transformers: pip install -e \".[peer]\" ({exc})") from None
+        raise BackendError(f'--peer hf needs torch and transformers: pip install -e ".[peer]" ({exc})') from None
     cfg = transformers.Gemma4TextConfig(**target_config(ckpt.spec.target)["text_config"])
     cfg._attn_implementation = attn
     torch_dtype, default = getattr(torch, dtype), torch.get_default_dtype()
@@ -82,13 +85,16 @@ def hf_model(ckpt: Checkpoint, dtype: str = "bfloat16", device: str = "cpu", att
         torch.set_default_dtype(default)
     given, unexpected = set(), []
     for name, value in hf_tensors(ckpt):  # one tensor at a time into the model's own parameters
-        unexpected += model.load_state_dict({name: torch.from_numpy(np.ascontiguousarray(value, np.float32))},
-                                            strict=False).unexpected_keys
+        unexpected += model.load_state_dict(
+            {name: torch.from_numpy(np.ascontiguousarray(value, np.float32))}, strict=False
+        ).unexpected_keys
         given.add(name)
     missing = [k for k, _ in model.named_parameters() if k not in given and k != "lm_head.weight"]
     if unexpected or missing:
-        raise BackendError(f"HF Gemma4 does not take this checkpoint: missing {missing[:5]}, unexpected "
-                           f"{unexpected[:5]} (transformers {transformers.__version__})")
+        raise BackendError(
+            f"HF Gemma4 does not take this checkpoint: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (transformers {transformers.__version__})"
+        )
     model.tie_weights()
     return model.eval()
 
@@ -110,8 +116,14 @@ def pick_experts(model: Any, ids: Any, tokens: int = 8) -> tuple[str, dict]:
                 for n in (2, tokens):  # the first call warms up (kernels, caches)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   cache_implementation="static", disable_compile=True)
+                    model.generate(
+                        ids,
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        cache_implementation="static",
+                        disable_compile=True,
+                    )
                     torch.cuda.synchronize()
             rates[name] = round((tokens - 1) / (time.perf_counter() - t0), 2)  # (prefill included: a ranking only)
         except Exception as exc:  # an implementation this torch/transformers/GPU lacks
@@ -124,8 +136,9 @@ def pick_experts(model: Any, ids: Any, tokens: int = 8) -> tuple[str, dict]:
     return best, rates
 
 
-def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: str | None = None,
-               compile: bool | None = None) -> dict:
+def bench_peer(
+    model_dir: Path, prompt: list[int], gen: int, runs: int, device: str | None = None, compile: bool | None = None
+) -> dict:
     """TTFT and decode tok/s of HF's greedy generate on `prompt` (median of `runs`, after a warm-up run that also
     compiles): {peer, device, dtype, compiled, ttft_ms, decode_tok_s, tokens}."""
     import statistics
@@ -158,6 +171,7 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
             t2 = time.perf_counter()
         # the second call repeats the prefill: its decode time is its time less the first call's
         return t1 - t0, (t2 - t1) - (t1 - t0), int(out.shape[1] - ids.shape[1])
+
     run(gen)  # warm-up and compilation, at the timed runs' own cache lengths (so they never recompile)
     say("warm-up (compilation) done")
     ttfts, rates = [], []
@@ -165,7 +179,16 @@ def bench_peer(model_dir: Path, prompt: list[int], gen: int, runs: int, device: 
         ttft, rest, n = run(gen)
         ttfts.append(ttft)
         rates.append((n - 1) / rest if n > 1 and rest > 0 else float("nan"))
-    return {"peer": f"hf transformers {__import__('transformers').__version__} Gemma4ForCausalLM", "device": device,
-            "dtype": dtype, "compiled": compile, "cache": "static", "experts": experts, "experts_tried": tried,
-            "load_s": round(load_s, 1), "ttft_ms": round(1e3 * statistics.median(ttfts), 3),
-            "decode_tok_s": round(statistics.median(rates), 3), "tokens": gen}
+    return {
+        "peer": f"hf transformers {__import__('transformers').__version__} Gemma4ForCausalLM",
+        "device": device,
+        "dtype": dtype,
+        "compiled": compile,
+        "cache": "static",
+        "experts": experts,
+        "experts_tried": tried,
+        "load_s": round(load_s, 1),
+        "ttft_ms": round(1e3 * statistics.median(ttfts), 3),
+        "decode_tok_s": round(statistics.median(rates), 3),
+        "tokens": gen,
+    }

@@ -125,24 +125,35 @@ def plot_suite(run: dict, path: Path) -> Path:
     ran.sort(key=lambda p: cats.index(_category(p)))  # stable: the suite's order within a category
     colour = {c: f"C{i % 10}" for i, c in enumerate(cats)}
     modes = [m for m in SUITE_MODE_STYLE if any(m in p for p in ran)]
-    fig, (dec, ttft) = plt.subplots(1, 2, figsize=(min(15, 6 + 0.25 * len(ran)), 4.4),
-                                    gridspec_kw={"width_ratios": (2, 1)})
+    fig, (dec, ttft) = plt.subplots(
+        1, 2, figsize=(min(15, 6 + 0.25 * len(ran)), 4.4), gridspec_kw={"width_ratios": (2, 1)}
+    )
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(ran))]
         rates = [float("nan") if p[mode]["decode_tok_s"] is None else p[mode]["decode_tok_s"] for p in ran]
-        dec.bar(xs, rates, width, color=[colour[_category(p)] for p in ran], edgecolor="white",
-                **SUITE_MODE_STYLE[mode])  # (a nan draws no bar: one generated token has no decode rate)
+        dec.bar(
+            xs, rates, width, color=[colour[_category(p)] for p in ran], edgecolor="white", **SUITE_MODE_STYLE[mode]
+        )  # (a nan draws no bar: one generated token has no decode rate)
     dec.set_xticks(range(len(ran)), [p["id"] for p in ran], rotation=60, ha="right", fontsize=6)
     dec.set_ylabel("decode tok/s")
     dec.set_ylim(0, 1.15 * dec.get_ylim()[1])  # room above the bars for the legend
     dec.grid(axis="y", alpha=0.3)
-    dec.legend(handles=[Patch(facecolor="grey", edgecolor="white", label=m, **SUITE_MODE_STYLE[m]) for m in modes],
-               fontsize=7, ncols=len(modes), loc="upper left")
+    dec.legend(
+        handles=[Patch(facecolor="grey", edgecolor="white", label=m, **SUITE_MODE_STYLE[m]) for m in modes],
+        fontsize=7,
+        ncols=len(modes),
+        loc="upper left",
+    )
     for cat in cats:
         group = [p for p in ran if _category(p) == cat]
-        ttft.scatter([p["prompt_tokens"] for p in group], [p["plain"]["ttft_ms"] for p in group], s=18,
-                     color=colour[cat], label=cat)
+        ttft.scatter(
+            [p["prompt_tokens"] for p in group],
+            [p["plain"]["ttft_ms"] for p in group],
+            s=18,
+            color=colour[cat],
+            label=cat,
+        )
     ttft.set_xscale("log")
     ttft.set_yscale("log")
     ttft.set_xlabel("prompt tokens")

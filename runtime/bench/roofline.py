@@ -157,8 +157,15 @@ def drafter_cost(spec: ModelSpec, ctx: int, new_ctx_rows: float, lm_head: str = 
     return {"bytes": wbytes + kvbytes, "flops": 2.0 * macs}
 
 
-def step_cost(spec: ModelSpec, step: str, ctx: int, rows: int = 1, kv: str = "bf16", lm_head: str = "nvfp4",
-              accepted: float | None = None) -> dict:
+def step_cost(
+    spec: ModelSpec,
+    step: str,
+    ctx: int,
+    rows: int = 1,
+    kv: str = "bf16",
+    lm_head: str = "nvfp4",
+    accepted: float | None = None,
+) -> dict:
     """{bytes, flops} of one step whose last token sits at position ctx-1.
 
     decode: `rows` sequences (the batch B) of one token each, logits for each; prefill: one chunk of `rows`
@@ -166,12 +173,16 @@ def step_cost(spec: ModelSpec, step: str, ctx: int, rows: int = 1, kv: str = "bf
     tokens (the drafter's block_size) with logits for every row, plus the draft that fed it, which fused the
     `accepted` tokens (the measured tau; default: a whole block) the step before committed."""
     if step == "decode":
-        return {"bytes": target_weight_bytes(spec, rows, lm_head) + target_kv_bytes(spec, ctx, 1, kv, rows),
-                "flops": target_flops(spec, ctx, 1, 1, rows)}
+        return {
+            "bytes": target_weight_bytes(spec, rows, lm_head) + target_kv_bytes(spec, ctx, 1, kv, rows),
+            "flops": target_flops(spec, ctx, 1, 1, rows),
+        }
     if step not in ("verify", "prefill"):
         raise ValueError(f"unknown step {step!r} (decode, verify, prefill)")
-    cost = {"bytes": target_weight_bytes(spec, rows, lm_head) + target_kv_bytes(spec, ctx, rows, kv),
-            "flops": target_flops(spec, ctx, rows, rows if step == "verify" else 1)}
+    cost = {
+        "bytes": target_weight_bytes(spec, rows, lm_head) + target_kv_bytes(spec, ctx, rows, kv),
+        "flops": target_flops(spec, ctx, rows, rows if step == "verify" else 1),
+    }
     if step == "verify":
         if spec.drafter is None:
             raise ValueError(f"model {spec.name} has no drafter: no verify step")
@@ -184,6 +195,11 @@ def roofline_entry(cost: dict, ms: float, copy_gbs: float, tc_tflops: float | No
     """The `roofline` JSON entry of one step: its bytes and FLOPs, the measured time, the copy bandwidth
     measured in the same run, and the achieved fractions of that and of the tensor-core ceiling."""
     seconds = ms / 1e3
-    return {"bytes": int(cost["bytes"]), "flops": int(cost["flops"]), "ms": round(ms, 4),
-            "copy_gbs": round(copy_gbs, 3), "frac_copy": round(cost["bytes"] / seconds / (copy_gbs * 1e9), 5),
-            "frac_tc": None if tc_tflops is None else round(cost["flops"] / seconds / (tc_tflops * 1e12), 5)}
+    return {
+        "bytes": int(cost["bytes"]),
+        "flops": int(cost["flops"]),
+        "ms": round(ms, 4),
+        "copy_gbs": round(copy_gbs, 3),
+        "frac_copy": round(cost["bytes"] / seconds / (copy_gbs * 1e9), 5),
+        "frac_tc": None if tc_tflops is None else round(cost["flops"] / seconds / (tc_tflops * 1e12), 5),
+    }

@@ -38,12 +38,12 @@ def _emulate(backend: Any, k: int | None) -> None:
         from ..cuda.profile import distinct_tokens  # (the cuda engine's module: not for the reference backend)
 
         vocab = backend.spec.target.vocab_size
-        steps.draft_hook = None if k is None else \
-            (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
+        steps.draft_hook = (
+            None if k is None else (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
+        )
 
 
-def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int, runs: int,
-                        accept: int | None) -> None:
+def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int, runs: int, accept: int | None) -> None:
     """Add `speculative` (and its headline keys verify_step_ms, draft_step_ms, tau, emulated_acceptance,
     spec_tok_s) to a run_bench report."""
     if not backend.features.speculative:
@@ -73,11 +73,15 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
             steps.timing = None
     if not rates:
         raise BackendError("the speculative runs made no verify step (raise --gen)")
-    out = {"emulated_acceptance": accept, "tau": round(statistics.median(taus), 4),
-           "spec_tok_s": round(statistics.median(rates), 3), "step_ms": round(statistics.median(step_ms), 4),
-           "draft_step_ms": round(statistics.median(t[0] for t in timing), 4) if timing else None,
-           "verify_step_ms": round(statistics.median(t[1] for t in timing), 4) if timing else None,
-           "spec_tok_s_runs": [round(x, 3) for x in rates]}
+    out = {
+        "emulated_acceptance": accept,
+        "tau": round(statistics.median(taus), 4),
+        "spec_tok_s": round(statistics.median(rates), 3),
+        "step_ms": round(statistics.median(step_ms), 4),
+        "draft_step_ms": round(statistics.median(t[0] for t in timing), 4) if timing else None,
+        "verify_step_ms": round(statistics.median(t[1] for t in timing), 4) if timing else None,
+        "spec_tok_s_runs": [round(x, 3) for x in rates],
+    }
     if accept is not None:
         out["note"] = f"emulated: every verify step committed {accept} drafts + 1; the tokens are not the model's"
     engine = getattr(backend, "engine", None)
@@ -87,5 +91,4 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
         draft, verify = profile_speculative(engine, len(prompt) + gen // 2)
         report["draft_step_kernels"], report["verify_step_kernels"] = per_kernel(draft), per_kernel(verify)
     report["speculative"] = out
-    report.update({k: out[k] for k in ("verify_step_ms", "draft_step_ms", "tau", "emulated_acceptance",
-                                       "spec_tok_s")})
+    report.update({k: out[k] for k in ("verify_step_ms", "draft_step_ms", "tau", "emulated_acceptance", "spec_tok_s")})

@@ -22,8 +22,9 @@ from ..generate import _stop_ids
 from ..text.prompts import PromptRenderer, load_suite
 
 
-def _mode(backend: Any, ids: list[int], max_tokens: int, runs: int, speculative: bool,
-          stop_ids: frozenset[int]) -> tuple[dict, list[int]]:
+def _mode(
+    backend: Any, ids: list[int], max_tokens: int, runs: int, speculative: bool, stop_ids: frozenset[int]
+) -> tuple[dict, list[int]]:
     """(medians of one mode over `runs`, the last run's tokens)."""
     ttft, rates, taus = [], [], []
     r: dict = {}
@@ -35,15 +36,25 @@ def _mode(backend: Any, ids: list[int], max_tokens: int, runs: int, speculative:
             rates.append((n - 1) / r["decode_s"])
         if r["steps"]:
             taus.append((n - 1) / r["steps"])
-    row = {"ttft_ms": round(statistics.median(ttft) * 1e3, 3),
-           "decode_tok_s": round(statistics.median(rates), 3) if rates else None,
-           "tau": round(statistics.median(taus), 4) if taus else None,
-           "tokens": len(r["token_ids"]), "steps": r["steps"]}
+    row = {
+        "ttft_ms": round(statistics.median(ttft) * 1e3, 3),
+        "decode_tok_s": round(statistics.median(rates), 3) if rates else None,
+        "tau": round(statistics.median(taus), 4) if taus else None,
+        "tokens": len(r["token_ids"]),
+        "steps": r["steps"],
+    }
     return row, r["token_ids"]
 
 
-def run_entries(backend: Any, renderer: PromptRenderer, entries: list[dict], runs: int,
-                stop_ids: frozenset[int], spec_on: bool, progress: Any = None) -> list[dict]:
+def run_entries(
+    backend: Any,
+    renderer: PromptRenderer,
+    entries: list[dict],
+    runs: int,
+    stop_ids: frozenset[int],
+    spec_on: bool,
+    progress: Any = None,
+) -> list[dict]:
     """One row per entry, in order, on an opened backend."""
     ctx = backend.max_context
     rows, warm = [], False
@@ -74,9 +85,20 @@ def run_entries(backend: Any, renderer: PromptRenderer, entries: list[dict], run
     return rows
 
 
-def run_suite(backend_name: str, model: Path, suite_file: Path, runs: int, ctx: int | None, kv_dtype: str,
-              ignore_eos: bool = False, speculative: bool = True, command: str = "", weights: Path | None = None,
-              kernel_dir: Path | None = None, progress: Any = None) -> dict:
+def run_suite(
+    backend_name: str,
+    model: Path,
+    suite_file: Path,
+    runs: int,
+    ctx: int | None,
+    kv_dtype: str,
+    ignore_eos: bool = False,
+    speculative: bool = True,
+    command: str = "",
+    weights: Path | None = None,
+    kernel_dir: Path | None = None,
+    progress: Any = None,
+) -> dict:
     """The suite report: one row per prompt (see the module docstring); `progress(row)` sees each row."""
     try:
         entries = load_suite(suite_file)
@@ -100,15 +122,28 @@ def run_suite(backend_name: str, model: Path, suite_file: Path, runs: int, ctx: 
         vals = [r[mode][key] for r in ran if mode in r and r[mode][key] is not None]
         return round(statistics.median(vals), 4) if vals else None
 
-    return {"gpu": facts["gpu"], "command": command, "backend": backend_name, "model": backend.spec.name,
-            "spec_hash": backend.spec.spec_hash, "suite_file": str(suite_file), "ctx": backend.max_context, "kv_dtype": kv_dtype,
-            "runs": runs, "ignore_eos": ignore_eos, "speculative": spec_on,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "summary": {"prompts": len(rows), "ran": len(ran),
-                        "plain_decode_tok_s_median": median_of("plain", "decode_tok_s"),
-                        "speculative_decode_tok_s_median": median_of("speculative", "decode_tok_s"),
-                        "speculative_tau_median": median_of("speculative", "tau")},
-            "prompts": rows}
+    return {
+        "gpu": facts["gpu"],
+        "command": command,
+        "backend": backend_name,
+        "model": backend.spec.name,
+        "spec_hash": backend.spec.spec_hash,
+        "suite_file": str(suite_file),
+        "ctx": backend.max_context,
+        "kv_dtype": kv_dtype,
+        "runs": runs,
+        "ignore_eos": ignore_eos,
+        "speculative": spec_on,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "summary": {
+            "prompts": len(rows),
+            "ran": len(ran),
+            "plain_decode_tok_s_median": median_of("plain", "decode_tok_s"),
+            "speculative_decode_tok_s_median": median_of("speculative", "decode_tok_s"),
+            "speculative_tau_median": median_of("speculative", "tau"),
+        },
+        "prompts": rows,
+    }
 
 
 def row_text(row: dict) -> str:
@@ -119,6 +154,8 @@ def row_text(row: dict) -> str:
     for mode in ("plain", "speculative"):
         m = row.get(mode)
         if m:
-            text += (f"  {'spec' if mode == 'speculative' else mode}: TTFT {m['ttft_ms']:.1f} ms, "
-                     f"{m['decode_tok_s']} tok/s, tau {m['tau']}, {m['tokens']} tok")
+            text += (
+                f"  {'spec' if mode == 'speculative' else mode}: TTFT {m['ttft_ms']:.1f} ms, "
+                f"{m['decode_tok_s']} tok/s, tau {m['tau']}, {m['tokens']} tok"
+            )
     return text

@@ -29,36 +29,63 @@ def role_of(run: dict) -> str | None:
 def _speculative_rows(run: dict, ref: str) -> list[list[str]]:
     s = run["speculative"]
     return [
-        ["batch-1 decode", f"**{run['decode_tok_s']:.1f} tok/s** ({fmt(run.get('step_ms'), 3)} ms a step, "
-                           f"{pct(run.get('fraction_of_copy'))} of the copy bandwidth)", "", ref],
-        [f"speculative decode (DFlash), **emulated** {s['emulated_acceptance']} drafts accepted a step",
-         f"**{s['spec_tok_s']:,.1f} tok/s** (tau {s['tau']:.2f})", "", ref],
-        ["draft + verify step", f"**{s['draft_step_ms'] + s['verify_step_ms']:.2f} ms** "
-                                f"({s['draft_step_ms']:.3f} + {s['verify_step_ms']:.3f})", "", ref],
+        [
+            "batch-1 decode",
+            f"**{run['decode_tok_s']:.1f} tok/s** ({fmt(run.get('step_ms'), 3)} ms a step, "
+            f"{pct(run.get('fraction_of_copy'))} of the copy bandwidth)",
+            "",
+            ref,
+        ],
+        [
+            f"speculative decode (DFlash), **emulated** {s['emulated_acceptance']} drafts accepted a step",
+            f"**{s['spec_tok_s']:,.1f} tok/s** (tau {s['tau']:.2f})",
+            "",
+            ref,
+        ],
+        [
+            "draft + verify step",
+            f"**{s['draft_step_ms'] + s['verify_step_ms']:.2f} ms** "
+            f"({s['draft_step_ms']:.3f} + {s['verify_step_ms']:.3f})",
+            "",
+            ref,
+        ],
     ]
 
 
 def _ttft_rows(run: dict, ref: str) -> list[list[str]]:
-    return [[f"TTFT, {run['prompt_len']:,}-token prompt", f"**{run['ttft_ms']:.1f} ms**", "", ref],
-            ["peak GPU memory", f"**{run['peak_gpu_mem_gib']:.1f} GiB** (context {run.get('ctx'):,}, "
-                                f"KV {run.get('kv_dtype')})", "", ref]]
+    return [
+        [f"TTFT, {run['prompt_len']:,}-token prompt", f"**{run['ttft_ms']:.1f} ms**", "", ref],
+        [
+            "peak GPU memory",
+            f"**{run['peak_gpu_mem_gib']:.1f} GiB** (context {run.get('ctx'):,}, KV {run.get('kv_dtype')})",
+            "",
+            ref,
+        ],
+    ]
 
 
 def _serve_rows(run: dict, ref: str) -> list[list[str]]:
     levels = sorted(run["levels"], key=lambda r: r["concurrency"])
     rates = ", ".join(f"{r['concurrency']}: {r['aggregate_tok_s']:,.0f}" for r in levels)
     top = next((r for r in levels if r["concurrency"] == 32), levels[-1])  # 32: the batch bucket's full width
-    return [[f"aggregate tok/s through HTTP by concurrency ({run['prompt_len']} in, {run['gen']} out)", rates, "",
-             ref],
-            [f"TTFT p50 / p99 at concurrency {top['concurrency']}",
-             f"{ms(top['ttft_ms_p50'])} / {ms(top['ttft_ms_p99'])} ms", "", ref]]
+    return [
+        [f"aggregate tok/s through HTTP by concurrency ({run['prompt_len']} in, {run['gen']} out)", rates, "", ref],
+        [
+            f"TTFT p50 / p99 at concurrency {top['concurrency']}",
+            f"{ms(top['ttft_ms_p50'])} / {ms(top['ttft_ms_p99'])} ms",
+            "",
+            ref,
+        ],
+    ]
 
 
 def _peer_rows(run: dict, ref: str) -> list[list[str]]:
     p = run["peer"]
     ours = f"{run['decode_tok_s']:.1f} tok/s, TTFT {run['ttft_ms']:.1f} ms"
-    theirs = (f"{p['decode_tok_s']:.1f} tok/s, TTFT {p['ttft_ms']:.1f} ms: {p['peer']} ({p['dtype']}, "
-              f"{'torch.compile, ' if p.get('compiled') else ''}{p['cache']} cache), same GPU and prompt")
+    theirs = (
+        f"{p['decode_tok_s']:.1f} tok/s, TTFT {p['ttft_ms']:.1f} ms: {p['peer']} ({p['dtype']}, "
+        f"{'torch.compile, ' if p.get('compiled') else ''}{p['cache']} cache), same GPU and prompt"
+    )
     return [[f"batch-1 decode and TTFT ({run['prompt_len']}-token prompt) against a peer", ours, theirs, ref]]
 
 
@@ -74,16 +101,24 @@ def summary(names: list[str], runs: dict, ctx) -> str:
             raise ValueError(f"{name} is not a run the summary has a row for, or a second run of its kind")
         by_role[role] = name
     refs = {name: f"[{i}]" for i, name in enumerate(names, 1)}
-    rows = [row for role in ROLES if role in by_role
-            for row in ROWS[role](runs[by_role[role]], refs[by_role[role]])]
+    rows = [row for role in ROLES if role in by_role for row in ROWS[role](runs[by_role[role]], refs[by_role[role]])]
     head = table(["measure", "thorgen", "peer measured in the same run", "run"], rows)
-    cited = "\n".join(f"- {refs[n]} `docs/benchmarks/{n}`: {provenance(runs[n])}: `{runs[n].get('command')}`"
-                      for n in names)
+    cited = "\n".join(
+        f"- {refs[n]} `docs/benchmarks/{n}`: {provenance(runs[n])}: `{runs[n].get('command')}`" for n in names
+    )
     images = []
     if "serve" in by_role:
         images.append(ctx.plot(load_plots().plot_serve, by_role["serve"], "serve", runs[by_role["serve"]]))
     if "decode_step_kernels" in runs.get(by_role.get("speculative", ""), {}):
         run = runs[by_role["speculative"]]
-        images.append(ctx.plot(load_plots().plot_kernels, by_role["speculative"], "decode-kernels", run,
-                               "decode_step_kernels", "decode step"))
+        images.append(
+            ctx.plot(
+                load_plots().plot_kernels,
+                by_role["speculative"],
+                "decode-kernels",
+                run,
+                "decode_step_kernels",
+                "decode step",
+            )
+        )
     return "\n\n".join([head, cited] + images)

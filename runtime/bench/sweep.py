@@ -18,8 +18,16 @@ from ..backend import BackendError
 from .timing import open_for_bench, synthetic_prompt, timed_run
 
 
-def run_sweep(backend_name: str, model: Path, lengths: list[int], kv_dtypes: list[str], gen: int, runs: int,
-              weights: Path | None = None, kernel_dir: Path | None = None) -> dict:
+def run_sweep(
+    backend_name: str,
+    model: Path,
+    lengths: list[int],
+    kv_dtypes: list[str],
+    gen: int,
+    runs: int,
+    weights: Path | None = None,
+    kernel_dir: Path | None = None,
+) -> dict:
     rows, gpu = [], None
     for kv in kv_dtypes:
         backend, facts = open_for_bench(backend_name, model, max(lengths) + gen, kv, weights, kernel_dir)
@@ -35,14 +43,27 @@ def run_sweep(backend_name: str, model: Path, lengths: list[int], kv_dtypes: lis
                     if k > 1 and dec > 0:
                         rates.append((k - 1) / dec)
                 ttft = statistics.median(ttfts)
-                rows.append({"kv_dtype": kv, "prompt_len": n, "ttft_ms": round(ttft * 1e3, 3),
-                             "prefill_tok_s": round(n / ttft, 1),
-                             "decode_tok_s": round(statistics.median(rates), 2) if rates else None,
-                             "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts]})
+                rows.append(
+                    {
+                        "kv_dtype": kv,
+                        "prompt_len": n,
+                        "ttft_ms": round(ttft * 1e3, 3),
+                        "prefill_tok_s": round(n / ttft, 1),
+                        "decode_tok_s": round(statistics.median(rates), 2) if rates else None,
+                        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
+                    }
+                )
         finally:
             backend.close()  # frees the device before the next KV dtype's cache
-    return {"gpu": gpu, "backend": backend_name, "model": str(model), "gen": gen, "runs": runs,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    return {
+        "gpu": gpu,
+        "backend": backend_name,
+        "model": str(model),
+        "gen": gen,
+        "runs": runs,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "rows": rows,
+    }
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -64,10 +85,24 @@ def _ints(text: str, what: str) -> list[int]:
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--weights", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--kernel-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
-@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the JSON report here (e.g. docs/benchmarks/<name>.json).")
-def sweep(model: Path, backend: str, prompt_lens: str, kv_dtypes: str, gen: int, runs: int, weights: Path | None,
-          kernel_dir: Path | None, out_file: Path | None) -> None:
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the JSON report here (e.g. docs/benchmarks/<name>.json).",
+)
+def sweep(
+    model: Path,
+    backend: str,
+    prompt_lens: str,
+    kv_dtypes: str,
+    gen: int,
+    runs: int,
+    weights: Path | None,
+    kernel_dir: Path | None,
+    out_file: Path | None,
+) -> None:
     """TTFT, prefill tok/s and decode tok/s for each prompt length and KV dtype."""
     lengths = _ints(prompt_lens, "--prompt-lens")
     kvs = [k.strip() for k in kv_dtypes.split(",") if k.strip()]
@@ -78,12 +113,16 @@ def sweep(model: Path, backend: str, prompt_lens: str, kv_dtypes: str, gen: int,
         report = run_sweep(backend, model, lengths, kvs, gen, runs, weights, kernel_dir)
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc
-    report["command"] = (f"thorgen bench sweep --model {model} --backend {backend} --prompt-lens {prompt_lens} "
-                         f"--kv-dtypes {kv_dtypes} --gen {gen} --runs {runs}")
+    report["command"] = (
+        f"thorgen bench sweep --model {model} --backend {backend} --prompt-lens {prompt_lens} "
+        f"--kv-dtypes {kv_dtypes} --gen {gen} --runs {runs}"
+    )
     if out_file is not None:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(report, indent=1) + "\n")
     click.echo(f"{report['backend']} on {report['gpu']}: {model}, {gen} tokens x{runs}")
     for r in report["rows"]:
-        click.echo(f"  {r['kv_dtype']:<5} prompt {r['prompt_len']:>6}  TTFT {r['ttft_ms']:>9.1f} ms  "
-                   f"prefill {r['prefill_tok_s']:>9.1f} tok/s  decode {r['decode_tok_s']} tok/s")
+        click.echo(
+            f"  {r['kv_dtype']:<5} prompt {r['prompt_len']:>6}  TTFT {r['ttft_ms']:>9.1f} ms  "
+            f"prefill {r['prefill_tok_s']:>9.1f} tok/s  decode {r['decode_tok_s']} tok/s"
+        )

@@ -47,5 +47,5 @@ def load_plots():
     try:
         from . import plots
     except ImportError as exc:
-        raise ReportError(f"the plots need matplotlib: pip install -e \".[bench]\" ({exc})") from None
+        raise ReportError(f'the plots need matplotlib: pip install -e ".[bench]" ({exc})') from None
     return plots

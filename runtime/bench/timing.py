@@ -22,8 +22,14 @@ def synthetic_prompt(spec: ModelSpec, n: int, seed: int = 0) -> list[int]:
     return [spec.target.bos_token_id] + rng.integers(lo, spec.target.vocab_size, n - 1).tolist()
 
 
-def timed_stream(backend: Any, prompt: list[int], gen: int, speculative: bool = False,
-                 stop_ids: frozenset[int] = frozenset(), images: Sequence[ImageSpan] = ()) -> dict:
+def timed_stream(
+    backend: Any,
+    prompt: list[int],
+    gen: int,
+    speculative: bool = False,
+    stop_ids: frozenset[int] = frozenset(),
+    images: Sequence[ImageSpan] = (),
+) -> dict:
     """One greedy generation, timed at each step's arrival: ttft_s (call -> first token), decode_s (first ->
     last token), steps after the first token, the tokens and, for speculative decoding, the accepted lengths.
     `images`: the prompt's image spans (their encoding counts in the TTFT)."""
@@ -31,8 +37,15 @@ def timed_stream(backend: Any, prompt: list[int], gen: int, speculative: bool = 
     t0 = time.perf_counter()
     first = last = None
     steps = 0
-    for _ in backend.generate_stream(prompt, gen, SamplingParams(), stop_ids=stop_ids, speculative=speculative,
-                                     result=result, **({"images": tuple(images)} if images else {})):
+    for _ in backend.generate_stream(
+        prompt,
+        gen,
+        SamplingParams(),
+        stop_ids=stop_ids,
+        speculative=speculative,
+        result=result,
+        **({"images": tuple(images)} if images else {}),
+    ):
         now = time.perf_counter()
         if first is None:
             first = now
@@ -41,8 +54,13 @@ def timed_stream(backend: Any, prompt: list[int], gen: int, speculative: bool = 
         last = now
     if first is None:
         raise BackendError("the backend produced no token")
-    return {"ttft_s": first - t0, "decode_s": last - first, "steps": steps, "token_ids": result.token_ids,
-            "accepted_lengths": result.accepted_lengths}
+    return {
+        "ttft_s": first - t0,
+        "decode_s": last - first,
+        "steps": steps,
+        "token_ids": result.token_ids,
+        "accepted_lengths": result.accepted_lengths,
+    }
 
 
 def timed_run(backend: Any, prompt: list[int], gen: int) -> tuple[float, float, int]:
@@ -63,29 +81,58 @@ def host_copy_gb_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def open_model_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                         kernel_dir: Path | None = None, max_num_seqs: int = 1,
-                         options: EngineOptions = EngineOptions(), sms: int | None = None
-                         ) -> tuple[OpenedModel, dict]:
+def open_model_for_bench(
+    name: str,
+    model: Path,
+    ctx: int | None,
+    kv_dtype: str,
+    weights: Path | None = None,
+    kernel_dir: Path | None = None,
+    max_num_seqs: int = 1,
+    options: EngineOptions = EngineOptions(),
+    sms: int | None = None,
+) -> tuple[OpenedModel, dict]:
     """(the opened model, facts about its backend for the report), through the one backend registry. `sms`: the
     cuda backend runs on that many multiprocessors (a green context)."""
     if sms is not None and name != "cuda":
         raise BackendError("--sms restricts the cuda backend's GPU (use --backend cuda)")
     # No prefix cache: every run must prefill its prompt, or TTFT would measure a cache hit.
-    opened = open_backend(EngineConfig(model, name, ctx, kv_dtype, weights=weights, kernels=kernel_dir,
-                                       prefix_cache=False, max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
-                                       options=options, sms=sms))
+    opened = open_backend(
+        EngineConfig(
+            model,
+            name,
+            ctx,
+            kv_dtype,
+            weights=weights,
+            kernels=kernel_dir,
+            prefix_cache=False,
+            max_num_seqs=max_num_seqs,  # (KV lanes: cuda)
+            options=options,
+            sms=sms,
+        )
+    )
     b = opened.backend
     if name == "cuda":
-        return opened, {"gpu": b.device.info.name, "lm_head": b.lm_head, "sms": b.device.sms,
-                        "device_sms": b.device.info.sm_count}
+        return opened, {
+            "gpu": b.device.info.name,
+            "lm_head": b.lm_head,
+            "sms": b.device.sms,
+            "device_sms": b.device.info.sm_count,
+        }
     return opened, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
 
 
-def open_for_bench(name: str, model: Path, ctx: int | None, kv_dtype: str, weights: Path | None = None,
-                   kernel_dir: Path | None = None, max_num_seqs: int = 1,
-                   options: EngineOptions = EngineOptions(), sms: int | None = None) -> tuple[Any, dict]:
+def open_for_bench(
+    name: str,
+    model: Path,
+    ctx: int | None,
+    kv_dtype: str,
+    weights: Path | None = None,
+    kernel_dir: Path | None = None,
+    max_num_seqs: int = 1,
+    options: EngineOptions = EngineOptions(),
+    sms: int | None = None,
+) -> tuple[Any, dict]:
     """(backend, facts about it for the report)."""
-    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs, options,
-                                         sms)
+    opened, facts = open_model_for_bench(name, model, ctx, kv_dtype, weights, kernel_dir, max_num_seqs, options, sms)
     return opened.backend, facts

@@ -31,20 +31,33 @@ class Context:
 
 # ---- views: (does it apply to a run, render names + runs -> markdown) ----------------------------------------
 
+
 def _kernels(names: list[str], runs: dict, ctx: Context) -> str:
     run = runs[names[0]]
     verdict = {True: "ok", False: "**below**", None: ""}
-    rows = [[f"`{k['kernel']}`", k.get("note", ""), _f(k["single_us"]), _f(k["stream_us"], 2),
-             _f(k["bytes"], 2, 1e-6), _f(k["gbps"], 0), _pct(k["fraction_of_copy"]), verdict[k.get("meets_target")]]
-            for k in run["kernels"]]
-    head = (f"{_run_line(names[0], run)}; copy bandwidth {run['copy_gbps']:.0f} GB/s (device-to-device, read + "
-            f"write), target {_pct(run.get('target_fraction'), 0)} of it for weight-streaming kernels.")
-    return head + "\n\n" + _table(["kernel", "case", "single us", "stream us", "MB", "GB/s", "of copy", "target"],
-                                  rows)
+    rows = [
+        [
+            f"`{k['kernel']}`",
+            k.get("note", ""),
+            _f(k["single_us"]),
+            _f(k["stream_us"], 2),
+            _f(k["bytes"], 2, 1e-6),
+            _f(k["gbps"], 0),
+            _pct(k["fraction_of_copy"]),
+            verdict[k.get("meets_target")],
+        ]
+        for k in run["kernels"]
+    ]
+    head = (
+        f"{_run_line(names[0], run)}; copy bandwidth {run['copy_gbps']:.0f} GB/s (device-to-device, read + "
+        f"write), target {_pct(run.get('target_fraction'), 0)} of it for weight-streaming kernels."
+    )
+    return head + "\n\n" + _table(["kernel", "case", "single us", "stream us", "MB", "GB/s", "of copy", "target"], rows)
 
 
 def _bench(names: list[str], runs: dict, ctx: Context) -> str:
     """One column per `thorgen bench` run."""
+
     def spread(run, key, digits):
         values = run.get(key + "_runs") or []
         med = _f(run.get(key), digits)
@@ -53,18 +66,29 @@ def _bench(names: list[str], runs: dict, ctx: Context) -> str:
     def frac(r):
         if r.get("achieved_gb_s") is None:
             return ""
-        return (f"{r['achieved_gb_s']:.0f} / {_f(r.get('copy_gb_s'), 0)} GB/s = {_pct(r.get('fraction_of_copy'))} "
-                f"({r.get('copy_probe', 'copy probe')})")
+        return (
+            f"{r['achieved_gb_s']:.0f} / {_f(r.get('copy_gb_s'), 0)} GB/s = {_pct(r.get('fraction_of_copy'))} "
+            f"({r.get('copy_probe', 'copy probe')})"
+        )
+
     metrics = [
         ("prompt / generated tokens, runs", lambda r: f"{r.get('prompt_len')} / {r.get('gen')}, {r.get('runs')}"),
         ("decode tok/s, median (range)", lambda r: spread(r, "decode_tok_s", 1)),
         ("decode step ms", lambda r: _f(r.get("step_ms"), 3)),
         ("TTFT ms, median (range)", lambda r: spread(r, "ttft_ms", 1)),
-        ("weight GB per decode step", lambda r: f"{_f(r.get('weight_bytes_per_step'), 3, 1e-9)} "
-                                                f"({r.get('lm_head', '?')} lm_head)"),
+        (
+            "weight GB per decode step",
+            lambda r: f"{_f(r.get('weight_bytes_per_step'), 3, 1e-9)} ({r.get('lm_head', '?')} lm_head)",
+        ),
         ("achieved / copy bandwidth", frac),
-        ("peak GPU memory GiB", lambda r: f"{_f(r.get('peak_gpu_mem_gib'), 2)} (ctx {r.get('ctx')}, "
-                                          f"KV {r.get('kv_dtype')})" if r.get("peak_gpu_mem_gib") else ""),
+        (
+            "peak GPU memory GiB",
+            lambda r: (
+                f"{_f(r.get('peak_gpu_mem_gib'), 2)} (ctx {r.get('ctx')}, KV {r.get('kv_dtype')})"
+                if r.get("peak_gpu_mem_gib")
+                else ""
+            ),
+        ),
         ("load s / ready s (incl. warm-up)", lambda r: f"{_f(r.get('load_s'), 2)} / {_f(r.get('ready_s'), 2)}"),
         ("host peak RSS GiB", lambda r: _f(r.get("host_peak_rss_gib"), 3)),
     ]
@@ -74,14 +98,19 @@ def _bench(names: list[str], runs: dict, ctx: Context) -> str:
     if any(runs[n].get("peer") for n in names):  # rows only where a run compared itself with a peer
         metrics += [(m, lambda r, fn=fn: fn(r["peer"]) if r.get("peer") else "") for m, fn in PEER_METRICS]
     if any(runs[n].get("speculative") for n in names):  # `thorgen bench --speculative [--emulate-acceptance K]`
-        metrics += [(m, lambda r, fn=fn: fn(r["speculative"]) if r.get("speculative") else "")
-                    for m, fn in SPEC_METRICS]
-    table = _table(["metric"] + [f"`{Path(n).stem}`" for n in names],
-                   [[m] + [fn(runs[n]) for n in names] for m, fn in metrics])
+        metrics += [
+            (m, lambda r, fn=fn: fn(r["speculative"]) if r.get("speculative") else "") for m, fn in SPEC_METRICS
+        ]
+    table = _table(
+        ["metric"] + [f"`{Path(n).stem}`" for n in names], [[m] + [fn(runs[n]) for n in names] for m, fn in metrics]
+    )
     lines = [f"- {_run_line(n, runs[n])}" for n in names]
-    lines += [f"- `{Path(n).stem}` peer experts tried (tok/s of a short uncompiled decode, prefill included: a "
-              f"ranking only): {_experts_tried(runs[n]['peer']['experts_tried'])}"
-              for n in names if (runs[n].get("peer") or {}).get("experts_tried")]
+    lines += [
+        f"- `{Path(n).stem}` peer experts tried (tok/s of a short uncompiled decode, prefill included: a "
+        f"ranking only): {_experts_tried(runs[n]['peer']['experts_tried'])}"
+        for n in names
+        if (runs[n].get("peer") or {}).get("experts_tried")
+    ]
     return table + "\n\n" + "\n".join(lines)
 
 
@@ -101,8 +130,9 @@ def _peer_ratios(p: dict) -> str:
 
 def _experts_tried(tried: dict) -> str:
     # an "unavailable: ..." reason is an exception message: it may span lines, which would break the list item
-    return "; ".join(f"{name} {_f(v, 2) if isinstance(v, (int, float)) else ' '.join(str(v).split())}"
-                     for name, v in tried.items())
+    return "; ".join(
+        f"{name} {_f(v, 2) if isinstance(v, (int, float)) else ' '.join(str(v).split())}" for name, v in tried.items()
+    )
 
 
 PEER_METRICS = [  # the `peer` object of a `thorgen bench --peer hf` run
@@ -114,11 +144,21 @@ PEER_METRICS = [  # the `peer` object of a `thorgen bench --peer hf` run
 
 
 SPEC_METRICS = [  # the `speculative` object of a `thorgen bench --speculative` run
-    ("speculative tok/s, tau", lambda s: f"{_f(s['spec_tok_s'])}, {_f(s['tau'], 2)}"
-                                         + (f" (**emulated**: {s['emulated_acceptance']} drafts accepted a step)"
-                                            if s.get("emulated_acceptance") is not None else "")),
-    ("speculative step ms (draft + verify on the GPU)",
-     lambda s: f"{_f(s['step_ms'], 3)} ({_f(s.get('draft_step_ms'), 3)} + {_f(s.get('verify_step_ms'), 3)})"),
+    (
+        "speculative tok/s, tau",
+        lambda s: (
+            f"{_f(s['spec_tok_s'])}, {_f(s['tau'], 2)}"
+            + (
+                f" (**emulated**: {s['emulated_acceptance']} drafts accepted a step)"
+                if s.get("emulated_acceptance") is not None
+                else ""
+            )
+        ),
+    ),
+    (
+        "speculative step ms (draft + verify on the GPU)",
+        lambda s: f"{_f(s['step_ms'], 3)} ({_f(s.get('draft_step_ms'), 3)} + {_f(s.get('verify_step_ms'), 3)})",
+    ),
 ]
 
 
@@ -127,9 +167,13 @@ def _step_kernels(key: str, label: str, view: str):
         run = runs[names[0]]
         rows = run[key]
         total = sum(r["us"] for r in rows)
-        table = _table(["kernel", "launches", f"us / {label}", "us / launch", "share"],
-                       [[f"`{r['kernel']}`", str(r["count"]), _f(r["us"]), _f(r["us"] / r["count"], 2),
-                         _pct(r["us"] / total)] for r in rows])
+        table = _table(
+            ["kernel", "launches", f"us / {label}", "us / launch", "share"],
+            [
+                [f"`{r['kernel']}`", str(r["count"]), _f(r["us"]), _f(r["us"] / r["count"], 2), _pct(r["us"] / total)]
+                for r in rows
+            ],
+        )
         tail = f"Sum of the kernels: {total:.0f} us"
         if key == "decode_step_kernels" and run.get("step_ms"):
             tail += f"; the measured decode step: {1e3 * run['step_ms']:.0f} us"
@@ -137,13 +181,16 @@ def _step_kernels(key: str, label: str, view: str):
             tail += f" for a chunk of {run['prefill_chunk_rows']} tokens"
         image = ctx.plot(_plots().plot_kernels, names[0], view, run, key, label)
         return f"{_run_line(names[0], run)}\n\n{table}\n\n{tail}.\n\n{image}"
+
     return render
 
 
 def _sweep(names: list[str], runs: dict, ctx: Context) -> str:
     run = runs[names[0]]
-    rows = [[r["kv_dtype"], str(r["prompt_len"]), _f(r["ttft_ms"]), _f(r["prefill_tok_s"], 0),
-             _f(r["decode_tok_s"])] for r in run["rows"]]
+    rows = [
+        [r["kv_dtype"], str(r["prompt_len"]), _f(r["ttft_ms"]), _f(r["prefill_tok_s"], 0), _f(r["decode_tok_s"])]
+        for r in run["rows"]
+    ]
     table = _table(["KV", "prompt tokens", "TTFT ms", "prefill tok/s", "decode tok/s after it"], rows)
     return f"{_run_line(names[0], run)}\n\n{table}\n\n{ctx.plot(_plots().plot_sweep, names[0], 'sweep', run)}"
 
@@ -156,13 +203,32 @@ def _serve(names: list[str], runs: dict, ctx: Context) -> str:
         per = _f(r["request_decode_tok_s_median"])
         if engine and r["request_decode_tok_s_median"]:
             per += f" ({_pct(r['request_decode_tok_s_median'] / engine)} of the engine's {engine:.1f})"
-        rows.append([str(r["concurrency"]), str(r["requests"]), _f(r["aggregate_tok_s"]), per,
-                     f"{_ms(r['ttft_ms_p50'])} / {_ms(r['ttft_ms_p99'])} ms",
-                     f"{_f(r['itl_ms_p50'], 2)} / {_f(r['itl_ms_p99'], 2)} ms"])
-    table = _table(["concurrency", "requests", "aggregate tok/s", "per-request decode tok/s (median)",
-                    "TTFT p50 / p99", "inter-token p50 / p99"], rows)
-    extra = [f"- {label}: `{run[k]}`" for k, label in (("server_command", "server"), ("engine_command", "engine"))
-             if run.get(k)]
+        rows.append(
+            [
+                str(r["concurrency"]),
+                str(r["requests"]),
+                _f(r["aggregate_tok_s"]),
+                per,
+                f"{_ms(r['ttft_ms_p50'])} / {_ms(r['ttft_ms_p99'])} ms",
+                f"{_f(r['itl_ms_p50'], 2)} / {_f(r['itl_ms_p99'], 2)} ms",
+            ]
+        )
+    table = _table(
+        [
+            "concurrency",
+            "requests",
+            "aggregate tok/s",
+            "per-request decode tok/s (median)",
+            "TTFT p50 / p99",
+            "inter-token p50 / p99",
+        ],
+        rows,
+    )
+    extra = [
+        f"- {label}: `{run[k]}`"
+        for k, label in (("server_command", "server"), ("engine_command", "engine"))
+        if run.get(k)
+    ]
     extra += [f"- note: {run['note']}"] if run.get("note") else []
     body = "\n\n".join(x for x in (_run_line(names[0], run), table, "\n".join(extra)) if x)
     return body + "\n\n" + ctx.plot(_plots().plot_serve, names[0], "serve", run)
@@ -175,11 +241,22 @@ def _roofline(names: list[str], runs: dict, ctx: Context) -> str:
     rows = []
     for step, r in run["roofline"].items():
         seconds = r["ms"] * 1e-3
-        rows.append([step, _f(r["bytes"], 3, 1e-9), _f(r["flops"], 1, 1e-9), _f(r["ms"], 3),
-                     _f(r["bytes"] / seconds, 0, 1e-9), _f(r.get("copy_gbs"), 0), _pct(r.get("frac_copy")),
-                     _f(r["flops"] / seconds, 1, 1e-12), _pct(r.get("frac_tc"))])
-    table = _table(["step", "GB", "GFLOP", "ms", "GB/s", "copy GB/s", "of copy", "TFLOP/s", "of tensor-core peak"],
-                   rows)
+        rows.append(
+            [
+                step,
+                _f(r["bytes"], 3, 1e-9),
+                _f(r["flops"], 1, 1e-9),
+                _f(r["ms"], 3),
+                _f(r["bytes"] / seconds, 0, 1e-9),
+                _f(r.get("copy_gbs"), 0),
+                _pct(r.get("frac_copy")),
+                _f(r["flops"] / seconds, 1, 1e-12),
+                _pct(r.get("frac_tc")),
+            ]
+        )
+    table = _table(
+        ["step", "GB", "GFLOP", "ms", "GB/s", "copy GB/s", "of copy", "TFLOP/s", "of tensor-core peak"], rows
+    )
     return f"{_run_line(names[0], run)}\n\n{table}\n\n{ctx.plot(_plots().plot_roofline, names[0], 'roofline', run)}"
 
 
@@ -188,10 +265,19 @@ def _batched(names: list[str], runs: dict, ctx: Context) -> str:
     out = []
     for n in names:
         r = runs[n]
-        lines = [_run_line(n, r), "", f"Each row a sequence at position {r['batched_decode_position']}.", "",
-                 "| rows | bucket | step ms | tok/s | MB per step | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {b['rows']} | {b['bucket']} | {b['step_ms']} | {b['tok_s']:,} | {b['bytes'] / 1e6:,.0f} | "
-                  f"{b['gb_s']:,} | {100 * b['frac_copy']:.1f} % |" for b in r["batched_decode"]]
+        lines = [
+            _run_line(n, r),
+            "",
+            f"Each row a sequence at position {r['batched_decode_position']}.",
+            "",
+            "| rows | bucket | step ms | tok/s | MB per step | GB/s | of copy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {b['rows']} | {b['bucket']} | {b['step_ms']} | {b['tok_s']:,} | {b['bytes'] / 1e6:,.0f} | "
+            f"{b['gb_s']:,} | {100 * b['frac_copy']:.1f} % |"
+            for b in r["batched_decode"]
+        ]
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -203,16 +289,22 @@ def _cases(names: list[str], runs: dict, ctx: Context) -> str:
         cases = runs[n]["cases"]
         cols = sorted({k for v in cases.values() for k in v})
         rows = [f"| {c} | " + " | ".join(str(v.get(k, "")) for k in cols) + " |" for c, v in cases.items()]
-        out.append("\n".join([_run_line(n, runs[n]), "", "| case | " + " | ".join(cols) + " |",
-                              "|---|" + "---|" * len(cols)] + rows))
+        out.append(
+            "\n".join(
+                [_run_line(n, runs[n]), "", "| case | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)] + rows
+            )
+        )
     return "\n\n".join(out)
 
 
 # `thorgen bench --suite` measures per prompt and mode: (column, mode, key, format); speculative ones only where
 # the model has a drafter
-SUITE_MEASURES = [("plain TTFT ms", "plain", "ttft_ms", _ms), ("plain decode tok/s", "plain", "decode_tok_s", _f),
-                  ("speculative decode tok/s", "speculative", "decode_tok_s", _f),
-                  ("tau", "speculative", "tau", lambda v: _f(v, 2))]
+SUITE_MEASURES = [
+    ("plain TTFT ms", "plain", "ttft_ms", _ms),
+    ("plain decode tok/s", "plain", "decode_tok_s", _f),
+    ("speculative decode tok/s", "speculative", "decode_tok_s", _f),
+    ("tau", "speculative", "tau", lambda v: _f(v, 2)),
+]
 SAME_TOKENS = {True: "yes", False: "**no**", None: ""}  # greedy speculation must not change the output
 
 
@@ -260,18 +352,34 @@ def _suite(names: list[str], runs: dict, ctx: Context) -> str:
     prompts = run["prompts"]
     spec = any("speculative" in p for p in prompts)  # a model without a drafter has plain rows only
     measures = [m for m in SUITE_MEASURES if spec or m[1] == "plain"]
-    setup = (f"Suite `{run['suite_file']}`, model `{run['model']}` ({run['backend']} backend), ctx {run['ctx']}, "
-             f"KV {run['kv_dtype']}, the median of {run['runs']} runs per prompt and mode"
-             + (", EOS ignored (every prompt decodes its max tokens)" if run.get("ignore_eos") else "")
-             + ("" if spec else "; no drafter, so plain decoding only") + ".")
+    setup = (
+        f"Suite `{run['suite_file']}`, model `{run['model']}` ({run['backend']} backend), ctx {run['ctx']}, "
+        f"KV {run['kv_dtype']}, the median of {run['runs']} runs per prompt and mode"
+        + (", EOS ignored (every prompt decodes its max tokens)" if run.get("ignore_eos") else "")
+        + ("" if spec else "; no drafter, so plain decoding only")
+        + "."
+    )
     same = ["same tokens"] if spec else []
-    per_prompt = _table(["prompt", "category", "prompt tokens", "new tokens"] + [m[0] for m in measures] + same,
-                        [_suite_prompt_row(p, measures, spec) for p in prompts])
-    per_category = _table(["category", "ran", "prompt tokens"] + [m[0] for m in measures] + same,
-                          _suite_category_rows(prompts, measures, spec))
+    per_prompt = _table(
+        ["prompt", "category", "prompt tokens", "new tokens"] + [m[0] for m in measures] + same,
+        [_suite_prompt_row(p, measures, spec) for p in prompts],
+    )
+    per_category = _table(
+        ["category", "ran", "prompt tokens"] + [m[0] for m in measures] + same,
+        _suite_category_rows(prompts, measures, spec),
+    )
     image = ctx.plot(_plots().plot_suite, names[0], "suite", run)
-    return "\n\n".join([_run_line(names[0], run), setup, per_prompt, "Per category (medians):", per_category,
-                        _suite_summary(run), image])
+    return "\n\n".join(
+        [
+            _run_line(names[0], run),
+            setup,
+            per_prompt,
+            "Per category (medians):",
+            per_category,
+            _suite_summary(run),
+            image,
+        ]
+    )
 
 
 VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Context], str]]] = {
@@ -279,21 +387,31 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "kernels": (lambda r: "kernels" in r, _kernels),
     "bench": (lambda r: "decode_tok_s" in r and "ttft_ms" in r, _bench),
     "roofline": (lambda r: "roofline" in r, _roofline),
-    "decode-kernels": (lambda r: "decode_step_kernels" in r,
-                       _step_kernels("decode_step_kernels", "decode step", "decode-kernels")),
-    "draft-kernels": (lambda r: "draft_step_kernels" in r,
-                      _step_kernels("draft_step_kernels", "draft step", "draft-kernels")),
-    "verify-kernels": (lambda r: "verify_step_kernels" in r,
-                       _step_kernels("verify_step_kernels", "verify step", "verify-kernels")),
-    "prefill-kernels": (lambda r: "prefill_chunk_kernels" in r,
-                        _step_kernels("prefill_chunk_kernels", "prefill chunk", "prefill-kernels")),
+    "decode-kernels": (
+        lambda r: "decode_step_kernels" in r,
+        _step_kernels("decode_step_kernels", "decode step", "decode-kernels"),
+    ),
+    "draft-kernels": (
+        lambda r: "draft_step_kernels" in r,
+        _step_kernels("draft_step_kernels", "draft step", "draft-kernels"),
+    ),
+    "verify-kernels": (
+        lambda r: "verify_step_kernels" in r,
+        _step_kernels("verify_step_kernels", "verify step", "verify-kernels"),
+    ),
+    "prefill-kernels": (
+        lambda r: "prefill_chunk_kernels" in r,
+        _step_kernels("prefill_chunk_kernels", "prefill chunk", "prefill-kernels"),
+    ),
     "sweep": (lambda r: isinstance(r.get("rows"), list) and all("kv_dtype" in x for x in r["rows"]), _sweep),
     "serve": (lambda r: "levels" in r, _serve),
     "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
     "batched": (lambda r: "batched_decode" in r, _batched),
     "suite": (lambda r: isinstance(r.get("prompts"), list), _suite),
-    "batched-kernels": (lambda r: "batched_step_kernels" in r,
-                        _step_kernels("batched_step_kernels", "batched decode step", "batched-kernels")),
+    "batched-kernels": (
+        lambda r: "batched_step_kernels" in r,
+        _step_kernels("batched_step_kernels", "batched decode step", "batched-kernels"),
+    ),
 }
 
 

@@ -42,8 +42,17 @@ CHECKSUM = "blake2b-128"
 DRAFT_PREFIX = "draft."
 ALIGN = 256  # bytes: every tensor and region starts 256-byte aligned (16-byte vector loads, TMA-friendly)
 # Names used in manifests, plans and artifacts -> NumPy dtypes (bf16 and fp8 travel as raw 16/8-bit patterns).
-_NP_DTYPES = {"u8": "uint8", "i32": "int32", "u32": "uint32", "f32": "float32", "bf16": "uint16", "f16": "float16",
-              "e4m3": "uint8", "i64": "int64", "u16": "uint16"}
+_NP_DTYPES = {
+    "u8": "uint8",
+    "i32": "int32",
+    "u32": "uint32",
+    "f32": "float32",
+    "bf16": "uint16",
+    "f16": "float16",
+    "e4m3": "uint8",
+    "i64": "int64",
+    "u16": "uint16",
+}
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -74,8 +83,14 @@ class TensorEntry:
     meta: tuple[tuple[str, Any], ...] = ()  # layout extras: logical_shape, fusion, parts, order
 
     def to_json(self) -> dict:
-        out = {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape),
-               "layout": self.layout, "checksum": self.checksum}
+        out = {
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "layout": self.layout,
+            "checksum": self.checksum,
+        }
         if self.multiplier is not None:
             out["multiplier"] = self.multiplier
         out.update(dict(self.meta))
@@ -96,8 +111,10 @@ def find_artifact(model_dir: str | os.PathLike, spec_hash: str) -> Path:
     for d in dirs:
         if (d / WEIGHTS_JSON).is_file():
             return d
-    raise ArtifactError(f"no repacked weights for {model_dir} (looked in {', '.join(map(str, dirs))}); "
-                        f"run `thorgen repack-weights --model {model_dir}` first")
+    raise ArtifactError(
+        f"no repacked weights for {model_dir} (looked in {', '.join(map(str, dirs))}); "
+        f"run `thorgen repack-weights --model {model_dir}` first"
+    )
 
 
 class WeightsArtifact:
@@ -120,8 +137,13 @@ class WeightsArtifact:
         return str(self.header.get("lm_head", "nvfp4"))
 
     @classmethod
-    def open(cls, folder: str | os.PathLike, spec_hash: str | None = None, layout_version: int | None = None,
-             arch: str | None = None) -> "WeightsArtifact":
+    def open(
+        cls,
+        folder: str | os.PathLike,
+        spec_hash: str | None = None,
+        layout_version: int | None = None,
+        arch: str | None = None,
+    ) -> "WeightsArtifact":
         """Parse and check an artifact. Every expectation given (spec hash, layout version, device arch) that the
         artifact does not meet is listed in one ArtifactError; a weights.bin shorter than the manifest says is
         reported with the first tensor it cuts."""
@@ -139,30 +161,46 @@ class WeightsArtifact:
         if header.get("schema") != SCHEMA:
             diffs.append(f"manifest schema: artifact {header.get('schema')!r}, runtime reads {SCHEMA}")
         if spec_hash is not None and header.get("spec_hash") != spec_hash:
-            diffs.append(f"spec hash: artifact {str(header.get('spec_hash'))[:12]} ({header.get('model')}), "
-                         f"model {spec_hash[:12]}")
+            diffs.append(
+                f"spec hash: artifact {str(header.get('spec_hash'))[:12]} ({header.get('model')}), "
+                f"model {spec_hash[:12]}"
+            )
         if layout_version is not None and header.get("layout_version") != layout_version:
             diffs.append(f"layout version: artifact {header.get('layout_version')!r}, runtime {layout_version}")
         art_arch = header.get("arch")
         if arch is not None and art_arch is not None and art_arch != arch:
             diffs.append(f"arch: artifact {art_arch}, GPU {arch}")
         if diffs:
-            raise ArtifactError(f"{folder} was repacked for something else: " + "; ".join(diffs)
-                                + ". Run `thorgen repack-weights` again for this model/runtime/GPU")
+            raise ArtifactError(
+                f"{folder} was repacked for something else: "
+                + "; ".join(diffs)
+                + ". Run `thorgen repack-weights` again for this model/runtime/GPU"
+            )
         try:
-            tensors = {n: TensorEntry(n, int(t["offset"]), int(t["nbytes"]), str(t["dtype"]),
-                                      tuple(int(d) for d in t["shape"]), str(t["layout"]), str(t["checksum"]),
-                                      None if t.get("multiplier") is None else float(t["multiplier"]),
-                                      tuple((k, v) for k, v in t.items() if k in _META_KEYS))
-                       for n, t in header["tensors"].items()}
+            tensors = {
+                n: TensorEntry(
+                    n,
+                    int(t["offset"]),
+                    int(t["nbytes"]),
+                    str(t["dtype"]),
+                    tuple(int(d) for d in t["shape"]),
+                    str(t["layout"]),
+                    str(t["checksum"]),
+                    None if t.get("multiplier") is None else float(t["multiplier"]),
+                    tuple((k, v) for k, v in t.items() if k in _META_KEYS),
+                )
+                for n, t in header["tensors"].items()
+            }
             total = int(header["total_bytes"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"{jpath}: malformed tensor table ({exc!r}); repack the weights again") from exc
         for t in tensors.values():
             want = int(np.prod(t.shape, dtype=np.int64)) * np_dtype(t.dtype).itemsize
             if t.offset % ALIGN or t.nbytes != want or t.offset + t.nbytes > total:
-                raise ArtifactError(f"{jpath}: tensor {t.name!r} entry is inconsistent (offset {t.offset}, "
-                                    f"{t.nbytes} bytes, {t.dtype}{list(t.shape)}); repack the weights again")
+                raise ArtifactError(
+                    f"{jpath}: tensor {t.name!r} entry is inconsistent (offset {t.offset}, "
+                    f"{t.nbytes} bytes, {t.dtype}{list(t.shape)}); repack the weights again"
+                )
         bpath = folder / WEIGHTS_BIN
         size = bpath.stat().st_size if bpath.is_file() else -1
         if size != total:
@@ -184,10 +222,14 @@ class WeightsArtifact:
         t = self.entry(name)
         if self._mm is None:
             self._mm = np.memmap(self.bin_path, dtype=np.uint8, mode="r")
-        return self._mm[t.offset:t.offset + t.nbytes].view(np_dtype(t.dtype)).reshape(t.shape)
+        return self._mm[t.offset : t.offset + t.nbytes].view(np_dtype(t.dtype)).reshape(t.shape)
 
-    def verify(self, names: Iterable[str] | None = None, workers: int | None = None,
-               progress: Callable[[int], None] | None = None) -> None:
+    def verify(
+        self,
+        names: Iterable[str] | None = None,
+        workers: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         """Re-hash tensors from the file (all by default); ArtifactError naming every tensor whose checksum differs."""
         todo = [self.entry(n) for n in (names if names is not None else self.tensors)]
         path = self.bin_path
@@ -211,14 +253,18 @@ class WeightsArtifact:
             got = dict(pool.map(digest, todo))
         bad = [t.name for t in todo if got[t.name] != t.checksum]
         if bad:
-            raise ArtifactError(f"{path}: checksum mismatch in {len(bad)} tensor(s): {', '.join(bad[:8])}"
-                                + (" ..." if len(bad) > 8 else "") + "; the file is damaged, repack the weights")
+            raise ArtifactError(
+                f"{path}: checksum mismatch in {len(bad)} tensor(s): {', '.join(bad[:8])}"
+                + (" ..." if len(bad) > 8 else "")
+                + "; the file is damaged, repack the weights"
+            )
 
     def close(self) -> None:
         self._mm = None
 
 
 # ---- writing (used by runtime/convert/repack.py) ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class OutTensor:
@@ -267,7 +313,7 @@ def chunks(name: str, arr: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """A C-contiguous array as flat uint8 pieces of at most 64 MiB (views, no copies)."""
     flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     for i in range(0, flat.size, _CHUNK):
-        yield name, flat[i:i + _CHUNK]
+        yield name, flat[i : i + _CHUNK]
     if flat.size == 0:
         yield name, flat
 
@@ -347,12 +393,19 @@ class ArtifactWriter(threading.Thread):
         self.close()
         tensors = {}
         for n, (t, off) in self.entries.items():
-            e = TensorEntry(n, off, t.nbytes, t.dtype, t.shape, t.layout, self.hashers[n].hexdigest(),
-                            scales.get(n)).to_json()
+            e = TensorEntry(
+                n, off, t.nbytes, t.dtype, t.shape, t.layout, self.hashers[n].hexdigest(), scales.get(n)
+            ).to_json()
             e.update(dict(t.meta))
             tensors[n] = e
-        manifest = {"format": FORMAT, "schema": SCHEMA, "checksum": CHECKSUM, **header, "total_bytes": self.total,
-                    "tensors": tensors}
+        manifest = {
+            "format": FORMAT,
+            "schema": SCHEMA,
+            "checksum": CHECKSUM,
+            **header,
+            "total_bytes": self.total,
+            "tensors": tensors,
+        }
         (self.folder / WEIGHTS_JSON).write_text(json.dumps(manifest, indent=1) + "\n")
         return manifest
 

@@ -32,8 +32,10 @@ class ProgressBar:
         rate = done / max(now - self.start, 1e-9)
         eta = (total - done) / rate if rate > 0 else 0.0
         bar = "#" * int(frac * 30)
-        line = (f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 2**30:6.2f}/{total / 2**30:.2f} GiB "
-                f"{rate / 2**20:7.1f} MiB/s ETA {eta:5.0f}s  {item[:40]}")
+        line = (
+            f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 2**30:6.2f}/{total / 2**30:.2f} GiB "
+            f"{rate / 2**20:7.1f} MiB/s ETA {eta:5.0f}s  {item[:40]}"
+        )
         if self.tty:
             self.stream.write("\r" + line.ljust(150)[:150])
         else:
@@ -53,37 +55,84 @@ def report_lines(report: dict) -> list[str]:
     for name, err in report["linears"].items():
         head, _, rest = name.partition(".experts.")
         groups[f"{head}.experts.*.{rest.split('.', 1)[1]}" if rest else name].append(err)
-    lines = [f"quantized {name}: max rel err {max(e['max_rel'] for e in errs):.4f}, rms rel err "
-             f"{(sum(e['rms_rel'] ** 2 for e in errs) / len(errs)) ** 0.5:.4f}" for name, errs in groups.items()]
+    lines = [
+        f"quantized {name}: max rel err {max(e['max_rel'] for e in errs):.4f}, rms rel err "
+        f"{(sum(e['rms_rel'] ** 2 for e in errs) / len(errs)) ** 0.5:.4f}"
+        for name, errs in groups.items()
+    ]
     worst = report["worst"]
-    return lines + [f"quantized {len(report['linears'])} linears to NVFP4: worst max rel err {worst['max_rel']:.4f}, "
-                    f"worst rms rel err {worst['rms_rel']:.4f}"]
+    return lines + [
+        f"quantized {len(report['linears'])} linears to NVFP4: worst max rel err {worst['max_rel']:.4f}, "
+        f"worst rms rel err {worst['rms_rel']:.4f}"
+    ]
 
 
 @click.command("repack-weights")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Checkpoint folder (RedHatAI NVFP4 layout; drafter in <model>/dflash unless --draft is given).")
-@click.option("--draft", "draft_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="DFlash drafter folder (default: <model>/dflash when it exists).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Output folder (default: <model>/thorgen-<spec hash[:12]>, or "
-                   "~/.cache/thorgen/weights/<model>-<hash[:12]> when the model folder is read-only).")
-@click.option("--lm-head", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True,
-              help="Quantize the tied lm_head to NVFP4 (4.5 bits, ~3.3x fewer bytes per token) or keep it bf16.")
-@click.option("--arch", default=None,
-              help="GPU arch the artifact is for (default sm_90a, the H200): sm_90a stores FP4 in the 'shift' byte "
-                   "order, sm_100a and later in 'nat'; the artifact loads only on that arch.")
-@click.option("--quantize", type=click.Choice(["none", "nvfp4"]), default="none", show_default=True,
-              help="nvfp4: quantize every linear the checkpoint stores bf16 (a ModelOpt or bf16 checkpoint) to NVFP4 "
-                   "with thorgen's quantizer, in the RedHatAI checkpoint's layout; each linear's error is printed and "
-                   "saved as quantization_report.json in the artifact. none: serve the checkpoint as shipped.")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Checkpoint folder (RedHatAI NVFP4 layout; drafter in <model>/dflash unless --draft is given).",
+)
+@click.option(
+    "--draft",
+    "draft_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="DFlash drafter folder (default: <model>/dflash when it exists).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output folder (default: <model>/thorgen-<spec hash[:12]>, or "
+    "~/.cache/thorgen/weights/<model>-<hash[:12]> when the model folder is read-only).",
+)
+@click.option(
+    "--lm-head",
+    type=click.Choice(["nvfp4", "bf16"]),
+    default="nvfp4",
+    show_default=True,
+    help="Quantize the tied lm_head to NVFP4 (4.5 bits, ~3.3x fewer bytes per token) or keep it bf16.",
+)
+@click.option(
+    "--arch",
+    default=None,
+    help="GPU arch the artifact is for (default sm_90a, the H200): sm_90a stores FP4 in the 'shift' byte "
+    "order, sm_100a and later in 'nat'; the artifact loads only on that arch.",
+)
+@click.option(
+    "--quantize",
+    type=click.Choice(["none", "nvfp4"]),
+    default="none",
+    show_default=True,
+    help="nvfp4: quantize every linear the checkpoint stores bf16 (a ModelOpt or bf16 checkpoint) to NVFP4 "
+    "with thorgen's quantizer, in the RedHatAI checkpoint's layout; each linear's error is printed and "
+    "saved as quantization_report.json in the artifact. none: serve the checkpoint as shipped.",
+)
 @click.option("--verify/--no-verify", default=False, help="Re-read the written file and check every checksum.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
-              help="Worker processes (default: the usable cores, at most 16; 1 below 256 MB of output). The "
-                   "artifact's bytes do not depend on it.")
-def repack_weights(model_dir: Path, draft_dir: Path | None, out_dir: Path | None, lm_head: str, arch: str | None,
-                   verify: bool, quiet: bool, jobs: int | None, quantize: str = "none") -> None:
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Worker processes (default: the usable cores, at most 16; 1 below 256 MB of output). The "
+    "artifact's bytes do not depend on it.",
+)
+def repack_weights(
+    model_dir: Path,
+    draft_dir: Path | None,
+    out_dir: Path | None,
+    lm_head: str,
+    arch: str | None,
+    verify: bool,
+    quiet: bool,
+    jobs: int | None,
+    quantize: str = "none",
+) -> None:
     """Repack a checkpoint offline into the kernels' weight layout.
 
     Reads the checkpoint memory-mapped and streams it into one weights.bin (every tensor 256-byte aligned,
@@ -99,8 +148,16 @@ def repack_weights(model_dir: Path, draft_dir: Path | None, out_dir: Path | None
     t0 = time.monotonic()
     bar = None if quiet else ProgressBar("repack")
     try:
-        out = repack(model_dir, out_dir, lm_head=lm_head, arch=arch, draft_dir=draft_dir, progress=bar,
-                     jobs=jobs, quantize=quantize)
+        out = repack(
+            model_dir,
+            out_dir,
+            lm_head=lm_head,
+            arch=arch,
+            draft_dir=draft_dir,
+            progress=bar,
+            jobs=jobs,
+            quantize=quantize,
+        )
     except (CheckpointError, BackendError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -115,6 +172,9 @@ def repack_weights(model_dir: Path, draft_dir: Path | None, out_dir: Path | None
             art.verify()
         except BackendError as exc:
             raise click.ClickException(str(exc)) from exc
-    click.echo(f"wrote {out} ({len(art.tensors)} tensors, {art.total_bytes / 2**30:.2f} GiB, lm_head {lm_head}"
-               f"{', verified' if verify else ''}) in {time.monotonic() - t0:.1f} s", err=True)
+    click.echo(
+        f"wrote {out} ({len(art.tensors)} tensors, {art.total_bytes / 2**30:.2f} GiB, lm_head {lm_head}"
+        f"{', verified' if verify else ''}) in {time.monotonic() - t0:.1f} s",
+        err=True,
+    )
     click.echo(str(out))

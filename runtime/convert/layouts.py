@@ -31,11 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...model_spec.nvfp4 import bf16_to_f32, pack_e2m1, unpack_e2m1
-from ...model_spec.weight_layout import (FP4_ORDERS, GROUP, GSCALE_ROWS, SHIFT_POS, TILE_K, TILE_N, W_LAYOUT,
-                                         fits_tile)
+from ...model_spec.weight_layout import FP4_ORDERS, GROUP, GSCALE_ROWS, SHIFT_POS, TILE_K, TILE_N, W_LAYOUT, fits_tile
 
-LAYOUT_VERSION = 2   # bump on any change of the bytes these packers produce (2: step-major units)
-PLAN_VERSION = 3     # bump when convert/plan.py changes which tensors it writes or how it fuses them
+LAYOUT_VERSION = 2  # bump on any change of the bytes these packers produce (2: step-major units)
+PLAN_VERSION = 3  # bump when convert/plan.py changes which tensors it writes or how it fuses them
 
 
 def layout_version() -> int:
@@ -53,8 +52,10 @@ def _check_nvfp4(packed: np.ndarray, scale: np.ndarray, order: str) -> tuple[int
     packed = np.asarray(packed)
     scale = np.asarray(scale)
     if packed.dtype != np.uint8 or scale.dtype != np.uint8 or packed.ndim != 2 or scale.ndim != 2:
-        raise LayoutError(f"expected uint8 packed [N, K/2] and scale [N, K/16], got {packed.dtype}{packed.shape} "
-                          f"and {scale.dtype}{scale.shape}")
+        raise LayoutError(
+            f"expected uint8 packed [N, K/2] and scale [N, K/16], got {packed.dtype}{packed.shape} "
+            f"and {scale.dtype}{scale.shape}"
+        )
     n, k = packed.shape[0], packed.shape[1] * 2
     if scale.shape != (n, k // GROUP):
         raise LayoutError(f"scale shape {scale.shape} does not match packed {packed.shape} (want {(n, k // GROUP)})")
@@ -138,7 +139,8 @@ def interleave8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise LayoutError(f"interleave8 needs equal shapes with rows % 8 == 0, got {a.shape} and {b.shape}")
     n = a.shape[0]
     return np.stack([a.reshape(n // 8, 8, *a.shape[1:]), b.reshape(n // 8, 8, *b.shape[1:])], axis=1).reshape(
-        2 * n, *a.shape[1:])
+        2 * n, *a.shape[1:]
+    )
 
 
 def deinterleave8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,12 +149,15 @@ def deinterleave8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if x.shape[0] % 16:
         raise LayoutError(f"deinterleave8 needs rows % 16 == 0, got {x.shape}")
     t = x.reshape(x.shape[0] // 16, 2, 8, *x.shape[1:])
-    return (np.ascontiguousarray(t[:, 0]).reshape(-1, *x.shape[1:]),
-            np.ascontiguousarray(t[:, 1]).reshape(-1, *x.shape[1:]))
+    return (
+        np.ascontiguousarray(t[:, 0]).reshape(-1, *x.shape[1:]),
+        np.ascontiguousarray(t[:, 1]).reshape(-1, *x.shape[1:]),
+    )
 
 
-def pack_nvfp4_gate_up(gate: tuple[np.ndarray, np.ndarray, float], up: tuple[np.ndarray, np.ndarray, float],
-                       order: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_nvfp4_gate_up(
+    gate: tuple[np.ndarray, np.ndarray, float], up: tuple[np.ndarray, np.ndarray, float], order: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fused gate/up weight (gate tile, up tile, ...) from (packed, scale, multiplier) parts -> (weights, scales,
     per-tile multipliers: gate's and up's alternating)."""
     (gp, gs, gm), (up_, us, um) = gate, up
@@ -164,8 +169,9 @@ def pack_nvfp4_gate_up(gate: tuple[np.ndarray, np.ndarray, float], up: tuple[np.
     return w, s, tiles
 
 
-def pack_nvfp4_concat(parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_nvfp4_concat(
+    parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Several projections of one input stacked along N (e.g. q|k|v), each (packed, scale, multiplier) ->
     (weights, scales, per-tile multipliers)."""
     packed = np.concatenate([np.asarray(p) for p, _, _ in parts], axis=0)
@@ -175,6 +181,7 @@ def pack_nvfp4_concat(parts: list[tuple[np.ndarray, np.ndarray, float]], order: 
 
 
 # ---- half-precision weights (drafter) -------------------------------------------------------------------------------
+
 
 def bf16_to_f16_bits(w_bf16: np.ndarray) -> np.ndarray:
     """bf16 bit patterns [N, K] -> fp16 bit patterns (uint16), round to nearest even; LayoutError on overflow."""

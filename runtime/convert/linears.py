@@ -42,8 +42,9 @@ def pack_bf16_linear(parts: Sequence[np.ndarray], fusion: str) -> np.ndarray:
         raise L.LayoutError(f"fusion {fusion!r}: expected one of {FUSIONS}")
     arrays = [np.asarray(p) for p in parts]
     if not arrays or any(a.dtype != np.uint16 or a.ndim != 2 for a in arrays):
-        raise L.LayoutError(f"expected uint16 [rows, K] bf16 bits per part, got "
-                            f"{[f'{a.dtype}{a.shape}' for a in arrays]}")
+        raise L.LayoutError(
+            f"expected uint16 [rows, K] bf16 bits per part, got {[f'{a.dtype}{a.shape}' for a in arrays]}"
+        )
     if len({a.shape[1] for a in arrays}) != 1:
         raise L.LayoutError(f"parts disagree on K: {[a.shape for a in arrays]}")
     if fusion == "single" and len(arrays) != 1 or fusion == "interleave8" and len(arrays) != 2:
@@ -62,8 +63,10 @@ def quantize_linear(w_bf16: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray, n
     packed, scale, g = quantize_nvfp4(w)
     diff = (dequantize_nvfp4(packed, scale, g) - w).astype(np.float64)
     amax, norm = float(np.abs(w).max()), float(np.linalg.norm(w.astype(np.float64)))
-    error = {"max_rel": float(np.abs(diff).max()) / amax if amax else 0.0,
-             "rms_rel": float(np.linalg.norm(diff)) / norm if norm else 0.0}
+    error = {
+        "max_rel": float(np.abs(diff).max()) / amax if amax else 0.0,
+        "rms_rel": float(np.linalg.norm(diff)) / norm if norm else 0.0,
+    }
     return (packed, scale, multiplier_of_divisor(g)), error
 
 

@@ -60,8 +60,11 @@ def _worker_job(task: tuple[str, int]) -> tuple[dict[str, tuple[int, str]], dict
         hashers.setdefault(name, new_hasher()).update(buf)  # type: ignore[attr-defined]
         done[name] = done.get(name, 0) + buf.nbytes
         release_pages(piece)
-    return ({n: (done[n], h.hexdigest()) for n, h in hashers.items()},  # type: ignore[attr-defined]
-            dict(pl.scales), dict(pl.quant_errors))
+    return (
+        {n: (done[n], h.hexdigest()) for n, h in hashers.items()},  # type: ignore[attr-defined]
+        dict(pl.scales),
+        dict(pl.quant_errors),
+    )
 
 
 class _Digest:
@@ -95,8 +98,9 @@ def start_pool(pl: Planner, jobs: int) -> "multiprocessing.pool.Pool":
         _PLAN, _OFFSETS = None, {}  # the parent keeps no extra reference
 
 
-def run_parallel(pool: "multiprocessing.pool.Pool", pl: Planner, writer: ArtifactWriter,
-                 progress: Progress | None) -> None:
+def run_parallel(
+    pool: "multiprocessing.pool.Pool", pl: Planner, writer: ArtifactWriter, progress: Progress | None
+) -> None:
     """The plan's jobs in the forked workers (largest first) writing into weights.bin at the writer's offsets.
     The writer's thread stays idle; it only does the bookkeeping: completeness check, manifest, fsync."""
     if plan_offsets(pl) != {n: off for n, (_, off) in writer.entries.items()}:

@@ -39,11 +39,22 @@ from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_t
 from ...model_spec.formats import role_of
 from ...model_spec.types import ALL_NVFP4, LinearFormats, ModelSpec
 from ...model_spec.vision_layout import vision_tensors
-from ...model_spec.weight_layout import (GROUP, GSCALE_ROWS, HALF_LAYOUT, HALF_SUFFIX, PACKED_SUFFIX, SCALE_SUFFIX,
-                                         TILE_K, TILE_SCALE_SUFFIX, W_LAYOUT, fp4_order_for, nvfp4_sizes)
+from ...model_spec.weight_layout import (
+    GROUP,
+    GSCALE_ROWS,
+    HALF_LAYOUT,
+    HALF_SUFFIX,
+    PACKED_SUFFIX,
+    SCALE_SUFFIX,
+    TILE_K,
+    TILE_SCALE_SUFFIX,
+    W_LAYOUT,
+    fp4_order_for,
+    nvfp4_sizes,
+)
 from . import layouts as L
 from .linears import pack_bf16_linear, quantize_linear
-from .artifact import (DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages)
+from .artifact import DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages
 
 DEFAULT_ARCH = "sm_90a"  # the H200; the artifact records the arch because the fp4 byte order depends on it
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current item)
@@ -87,6 +98,7 @@ def pack_fp4(packed: np.ndarray, scale: np.ndarray, order: str) -> tuple[np.ndar
 
 # ---- the matrices of the model ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Matrix:
     """One stored NVFP4 matrix: `parts` (source short prefixes, rows) fused by `fusion` along N; K inputs."""
@@ -110,13 +122,20 @@ def target_matrices(spec: ModelSpec, layer: int) -> list[Matrix]:
     if t.layer_has_v_proj(layer):
         qkv += ((f"{p}self_attn.v_proj", kv),)
     i, ie = t.intermediate_size, t.moe_intermediate_size
-    return [Matrix(f"{p}self_attn.qkv_proj", "concat", qkv, h),
-            Matrix(f"{p}self_attn.o_proj", "single", ((f"{p}self_attn.o_proj", h),), q),
-            Matrix(f"{p}mlp.gate_up_proj", "interleave8", ((f"{p}mlp.gate_proj", i), (f"{p}mlp.up_proj", i)), h),
-            Matrix(f"{p}mlp.down_proj", "single", ((f"{p}mlp.down_proj", h),), i),
-            Matrix(f"{p}experts.gate_up_proj", "interleave8",
-                   ((f"{p}experts.gate_proj", ie), (f"{p}experts.up_proj", ie)), h, t.num_experts),
-            Matrix(f"{p}experts.down_proj", "single", ((f"{p}experts.down_proj", h),), ie, t.num_experts)]
+    return [
+        Matrix(f"{p}self_attn.qkv_proj", "concat", qkv, h),
+        Matrix(f"{p}self_attn.o_proj", "single", ((f"{p}self_attn.o_proj", h),), q),
+        Matrix(f"{p}mlp.gate_up_proj", "interleave8", ((f"{p}mlp.gate_proj", i), (f"{p}mlp.up_proj", i)), h),
+        Matrix(f"{p}mlp.down_proj", "single", ((f"{p}mlp.down_proj", h),), i),
+        Matrix(
+            f"{p}experts.gate_up_proj",
+            "interleave8",
+            ((f"{p}experts.gate_proj", ie), (f"{p}experts.up_proj", ie)),
+            h,
+            t.num_experts,
+        ),
+        Matrix(f"{p}experts.down_proj", "single", ((f"{p}experts.down_proj", h),), ie, t.num_experts),
+    ]
 
 
 def _src(m: Matrix, part: str, e: int) -> str:
@@ -127,8 +146,9 @@ def _src(m: Matrix, part: str, e: int) -> str:
     return TARGET_PREFIX + part
 
 
-def pack_matrix(m: Matrix, parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_matrix(
+    m: Matrix, parts: list[tuple[np.ndarray, np.ndarray, float]], order: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(weights, scales, tile multipliers) of one matrix (one expert) from its parts' (packed, scale, multiplier)."""
     if m.fusion == "interleave8":
         (gp, gs, gm), (up, us, um) = parts
@@ -151,8 +171,9 @@ Job = Callable[[], Iterator[tuple[str, np.ndarray]]]
 class Planner:
     """The output tensors in file order plus the jobs that produce them (jobs run later, in order)."""
 
-    def __init__(self, ckpt: Checkpoint, lm_head: str, arch: str, chunk_cols: int,
-                 formats: LinearFormats | None = None) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, lm_head: str, arch: str, chunk_cols: int, formats: LinearFormats | None = None
+    ) -> None:
         self.ck, self.lm_head, self.arch, self.chunk_cols = ckpt, lm_head, arch, chunk_cols
         self.formats = formats or ckpt.spec.linear_formats  # what the artifact stores per role
         self.order = fp4_order(arch)
@@ -175,10 +196,12 @@ class Planner:
         lead = (m.experts,) if m.experts else ()
         meta = {"logical_shape": [n, k], "fusion": m.fusion, "parts": [list(p) for p in m.parts], "order": self.order}
         codes, scales, tiles = nvfp4_sizes(n, k)
-        return (self._add(m.base + PACKED_SUFFIX, "u8", lead + (codes,), W_LAYOUT, **meta),
-                self._add(m.base + SCALE_SUFFIX, "e4m3", lead + (scales,), W_LAYOUT, **meta),
-                self._add(m.base + TILE_SCALE_SUFFIX, "f32", lead + (tiles,)),
-                self._add(m.base + ".weight_multiplier", "f32", lead + (len(m.parts),)))
+        return (
+            self._add(m.base + PACKED_SUFFIX, "u8", lead + (codes,), W_LAYOUT, **meta),
+            self._add(m.base + SCALE_SUFFIX, "e4m3", lead + (scales,), W_LAYOUT, **meta),
+            self._add(m.base + TILE_SCALE_SUFFIX, "f32", lead + (tiles,)),
+            self._add(m.base + ".weight_multiplier", "f32", lead + (len(m.parts),)),
+        )
 
     def stored_matrix(self, m: Matrix) -> None:
         """One matrix in the format its role has in the artifact: NVFP4 (as stored, or quantized from bf16) or bf16."""
@@ -192,7 +215,7 @@ class Planner:
         if not quantize:
             return self.ck.nvfp4_parts(src)
         parts, error = quantize_linear(self.ck.linear_bf16(src))
-        self.quant_errors[src[len(TARGET_PREFIX):]] = error
+        self.quant_errors[src[len(TARGET_PREFIX) :]] = error
         return parts
 
     def matrix(self, m: Matrix, quantize: bool = False) -> None:
@@ -211,18 +234,27 @@ class Planner:
             if not m.experts and len(m.parts) == 1:
                 self.scales[tg.name] = float(gss[0, 0])
             yield tg.name, gss if m.experts else gss[0]
+
         self.jobs.append((m.base + (" (quantize)" if quantize else ""), tp.nbytes + ts.nbytes, job))
 
     def bf16_matrix(self, m: Matrix) -> None:
         lead = (m.experts,) if m.experts else ()
-        t = self._add(m.base + HALF_SUFFIX, "f16", lead + (m.n * m.k,), HALF_LAYOUT, logical_shape=[m.n, m.k],
-                      fusion=m.fusion, parts=[list(p) for p in m.parts])
+        t = self._add(
+            m.base + HALF_SUFFIX,
+            "f16",
+            lead + (m.n * m.k,),
+            HALF_LAYOUT,
+            logical_shape=[m.n, m.k],
+            fusion=m.fusion,
+            parts=[list(p) for p in m.parts],
+        )
 
         def job() -> Iterator[tuple[str, np.ndarray]]:
             for e in range(max(m.experts, 1)):
                 parts = [self.ck.linear_bf16(_src(m, p, e)) for p, _ in m.parts]
                 yield t.name, pack_bf16_linear(parts, m.fusion)
                 release_pages(*parts)
+
         self.jobs.append((t.name, t.nbytes, job))
 
     def lm_head_nvfp4(self) -> None:
@@ -241,8 +273,8 @@ class Planner:
             # Finite bf16 values order like their bit patterns with the sign cleared: amax without converting.
             amax_bits = np.uint16(0)
             for r in range(0, n, rows):
-                amax_bits = max(amax_bits, (emb[r:r + rows] & np.uint16(0x7FFF)).max())
-                release_pages(emb[r:r + rows])
+                amax_bits = max(amax_bits, (emb[r : r + rows] & np.uint16(0x7FFF)).max())
+                release_pages(emb[r : r + rows])
             if amax_bits >= 0x7F80:
                 raise ArtifactError(f"{self.ck.tensor_file(emb_name)}: {emb_name} holds inf/NaN; cannot quantize it")
             g = global_scale_for(float(bf16_to_f32(np.array([amax_bits], np.uint16))[0]))
@@ -253,14 +285,16 @@ class Planner:
                 packed = np.empty((n, width // 2), np.uint8)
                 scale = np.empty((n, width // GROUP), np.uint8)
                 for r in range(0, n, rows):  # row blocks bound the resident pages and fp32 temporaries
-                    packed[r:r + rows], scale[r:r + rows], _ = quantize_nvfp4(bf16_to_f32(emb[r:r + rows, c:c + width]),
-                                                                             global_scale=g)
-                    release_pages(emb[r:r + rows])
+                    packed[r : r + rows], scale[r : r + rows], _ = quantize_nvfp4(
+                        bf16_to_f32(emb[r : r + rows, c : c + width]), global_scale=g
+                    )
+                    release_pages(emb[r : r + rows])
                 w, s = pack_fp4(packed, scale, self.order)
                 yield tp.name, w
                 yield ts.name, s
             yield tt.name, L.tile_gscales([(n, float(mul))])
             yield tg.name, np.array([mul], np.float32)
+
         self.jobs.append(("lm_head (quantize)", tp.nbytes + ts.nbytes, job))
 
     def drafter(self) -> None:
@@ -271,11 +305,16 @@ class Planner:
         for layer in range(d.num_hidden_layers):
             p = f"layers.{layer}."
             for base, fusion, parts, k in (
-                    (f"{p}self_attn.qkv_proj", "concat",
-                     ((f"{p}self_attn.q_proj", q), (f"{p}self_attn.k_proj", kv), (f"{p}self_attn.v_proj", kv)), h),
-                    (f"{p}self_attn.o_proj", "single", ((f"{p}self_attn.o_proj", h),), q),
-                    (f"{p}mlp.gate_up_proj", "interleave8", ((f"{p}mlp.gate_proj", i), (f"{p}mlp.up_proj", i)), h),
-                    (f"{p}mlp.down_proj", "single", ((f"{p}mlp.down_proj", h),), i)):
+                (
+                    f"{p}self_attn.qkv_proj",
+                    "concat",
+                    ((f"{p}self_attn.q_proj", q), (f"{p}self_attn.k_proj", kv), (f"{p}self_attn.v_proj", kv)),
+                    h,
+                ),
+                (f"{p}self_attn.o_proj", "single", ((f"{p}self_attn.o_proj", h),), q),
+                (f"{p}mlp.gate_up_proj", "interleave8", ((f"{p}mlp.gate_proj", i), (f"{p}mlp.up_proj", i)), h),
+                (f"{p}mlp.down_proj", "single", ((f"{p}mlp.down_proj", h),), i),
+            ):
                 self._half(base, fusion, parts, k)
                 done.update(f"{src}.weight" for src, _ in parts)
         self._half("fc", "single", (("fc", h),), len(d.target_layer_ids) * h)
@@ -287,20 +326,31 @@ class Planner:
     def vision(self) -> None:
         """The tower's tensors (one job: vision_arrays rewrites the whole tower, ~1.2 GB on the full model)."""
         from .vision import vision_arrays  # (convert/vision.py imports layouts, which this module imports too)
+
         dtypes = {"half": "f16", "bf16": "bf16", "f32": "f32"}
-        out = [self._add(name, dtypes[dt], shape, HALF_LAYOUT if dt == "half" else "raw")
-               for name, (shape, dt) in vision_tensors(self.ck.spec).items()]
+        out = [
+            self._add(name, dtypes[dt], shape, HALF_LAYOUT if dt == "half" else "raw")
+            for name, (shape, dt) in vision_tensors(self.ck.spec).items()
+        ]
 
         def job() -> Iterator[tuple[str, np.ndarray]]:
             arrays = vision_arrays(self.ck.spec, self.ck.tensor, lambda n: bf16_or_f32(self.ck.tensor(n)))
             for t in out:
                 yield from chunks(t.name, arrays.pop(t.name))
+
         self.jobs.append(("vision tower", sum(t.nbytes for t in out), job))
 
     def _half(self, base: str, fusion: str, parts: tuple[tuple[str, int], ...], k: int) -> None:
         n = sum(r for _, r in parts)
-        t = self._add(DRAFT_PREFIX + base + ".weight", "f16", (n * k,), HALF_LAYOUT, logical_shape=[n, k],
-                      fusion=fusion, parts=[[DRAFT_PREFIX + src, rows] for src, rows in parts])
+        t = self._add(
+            DRAFT_PREFIX + base + ".weight",
+            "f16",
+            (n * k,),
+            HALF_LAYOUT,
+            logical_shape=[n, k],
+            fusion=fusion,
+            parts=[[DRAFT_PREFIX + src, rows] for src, rows in parts],
+        )
 
         cols = max(TILE_K, self.chunk_cols // TILE_K * TILE_K)
 
@@ -309,18 +359,24 @@ class Planner:
             # and packing them one by one keeps the fp32 temporaries small and equals packing the whole matrix.
             srcs = [self.ck.draft_tensor(src + ".weight") for src, _ in parts]
             for c in range(0, k, cols):
-                ws = [L.bf16_to_f16_bits(w[:, c:c + cols]) for w in srcs]
-                yield t.name, L.pack_half_gate_up(*ws) if fusion == "interleave8" else L.pack_half(
-                    ws[0] if len(ws) == 1 else np.concatenate(ws))
+                ws = [L.bf16_to_f16_bits(w[:, c : c + cols]) for w in srcs]
+                yield (
+                    t.name,
+                    L.pack_half_gate_up(*ws)
+                    if fusion == "interleave8"
+                    else L.pack_half(ws[0] if len(ws) == 1 else np.concatenate(ws)),
+                )
                 release_pages(*srcs)
+
         self.jobs.append((t.name, t.nbytes, job))
 
 
 QUANTIZE = ("none", "nvfp4")
 
 
-def plan_artifact(ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_ARCH,
-                  chunk_cols: int = 256, quantize: str = "none") -> Planner:
+def plan_artifact(
+    ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_ARCH, chunk_cols: int = 256, quantize: str = "none"
+) -> Planner:
     """Every output tensor (in file order) and the jobs that produce them. quantize="nvfp4": every linear the
     checkpoint stores bf16 is quantized to NVFP4 (the artifact is then all-NVFP4); "none" keeps them as shipped."""
     if lm_head not in ("nvfp4", "bf16"):
@@ -333,7 +389,7 @@ def plan_artifact(ckpt: Checkpoint, lm_head: str = "nvfp4", arch: str = DEFAULT_
     for layer in range(spec.target.num_hidden_layers):
         for info in target_layer_tensors(spec.target, layer):
             if info.role == "bf16":
-                pl.raw(info.name, info.name[len(TARGET_PREFIX):])
+                pl.raw(info.name, info.name[len(TARGET_PREFIX) :])
         for m in target_matrices(spec, layer):
             pl.stored_matrix(m)
     pl.raw(TARGET_PREFIX + "norm.weight", "norm.weight")

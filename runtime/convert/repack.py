@@ -22,10 +22,17 @@ from .layouts import layout_version
 from .plan import DEFAULT_ARCH, Progress, plan_artifact
 
 
-def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, lm_head: str = "nvfp4",
-           arch: str | None = None, draft_dir: str | os.PathLike | None = None,
-           progress: Progress | None = None, chunk_cols: int = 256, jobs: int | None = None,
-           quantize: str = "none") -> Path:
+def repack(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    lm_head: str = "nvfp4",
+    arch: str | None = None,
+    draft_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+    chunk_cols: int = 256,
+    jobs: int | None = None,
+    quantize: str = "none",
+) -> Path:
     """Repack a checkpoint into `out_dir` (default: see weights.default_artifact_dirs) and return that folder.
 
     jobs: worker processes (None: default_jobs(output size)); the artifact's bytes are the same for any value.
@@ -43,8 +50,9 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     need = sum(t.nbytes for t in pl.tensors)
     free = shutil.disk_usage(out.parent).free
     if free < need:
-        raise ArtifactError(f"not enough disk space in {out.parent}: needed {need / 2**30:.2f} GiB, "
-                            f"free {free / 2**30:.2f} GiB")
+        raise ArtifactError(
+            f"not enough disk space in {out.parent}: needed {need / 2**30:.2f} GiB, free {free / 2**30:.2f} GiB"
+        )
     jobs = jobs if jobs is not None else par.default_jobs(need)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     writer = pool = None
@@ -62,10 +70,20 @@ def repack(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
                 done += nbytes
                 if progress is not None:
                     progress(done, work, label)
-        writer.finish({"layout_version": layout_version(), "spec_hash": spec.spec_hash, "model": spec.name,
-                       "arch": arch, "fp4_order": pl.order, "lm_head": lm_head,
-                       "source": str(Path(model_dir).resolve()), "source_format": ckpt.source_format,
-                       "linear_formats": dataclasses.asdict(spec.linear_formats)}, pl.scales)
+        writer.finish(
+            {
+                "layout_version": layout_version(),
+                "spec_hash": spec.spec_hash,
+                "model": spec.name,
+                "arch": arch,
+                "fp4_order": pl.order,
+                "lm_head": lm_head,
+                "source": str(Path(model_dir).resolve()),
+                "source_format": ckpt.source_format,
+                "linear_formats": dataclasses.asdict(spec.linear_formats),
+            },
+            pl.scales,
+        )
         if quantize != "none":
             (tmp / QUANT_REPORT).write_text(json.dumps(quant_report(pl.quant_errors), indent=1) + "\n")
         swap_into_place(tmp, out)
@@ -102,8 +120,11 @@ def quant_report(errors: dict[str, dict]) -> dict:
     """The saved report: every quantized linear's {max_rel, rms_rel}, and the worst of each over all of them."""
     linears = dict(sorted(errors.items()))
     worst = {k: max((e[k] for e in linears.values()), default=0.0) for k in ("max_rel", "rms_rel")}
-    return {"quantizer": "thorgen compressed-tensors NVFP4 (global 2688/amax, e4m3 block scales per 16)",
-            "worst": worst, "linears": linears}
+    return {
+        "quantizer": "thorgen compressed-tensors NVFP4 (global 2688/amax, e4m3 block scales per 16)",
+        "worst": worst,
+        "linears": linears,
+    }
 
 
 def _release_mappings(ckpt: Checkpoint) -> None:

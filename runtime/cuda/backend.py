@@ -22,7 +22,15 @@ from ...model_spec.config import spec_from_configs
 from ...model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
 from ...model_spec.types import ALL_NVFP4
 from ...model_spec.conventions import MAX_BATCH
-from ..backend import BackendError, BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput, StreamingBackend
+from ..backend import (
+    BackendError,
+    BackendFeatures,
+    GenerationResult,
+    ImageSpan,
+    SamplingParams,
+    StepOutput,
+    StreamingBackend,
+)
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
@@ -40,11 +48,13 @@ from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_d
 def _spec(model_dir: Path, draft_dir: Path | None):
     """The ModelSpec from the configs alone (cheap; the repacked artifact carries the weights), with the linear
     formats the checkpoint's quantization config declares."""
+
     def read(p: Path) -> dict:
         try:
             return json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise BackendError(f"{p}: cannot read the model config ({exc})") from exc
+
     draft_dir = draft_dir or (model_dir / "dflash" if (model_dir / "dflash" / "config.json").is_file() else None)
     config = read(model_dir / "config.json")
     quant = read(model_dir / HF_QUANT_CONFIG) if (model_dir / HF_QUANT_CONFIG).is_file() else None
@@ -61,8 +71,11 @@ def _served_spec(spec, model_dir: Path, weights_dir: Path | None):
     if spec.linear_formats == ALL_NVFP4:
         return spec
     quantized = dataclasses.replace(spec, linear_formats=ALL_NVFP4)
-    dirs = [weights_dir] if weights_dir else [d for s in (spec, quantized)
-                                              for d in default_artifact_dirs(model_dir, s.spec_hash)]
+    dirs = (
+        [weights_dir]
+        if weights_dir
+        else [d for s in (spec, quantized) for d in default_artifact_dirs(model_dir, s.spec_hash)]
+    )
     for d in dirs:
         try:
             formats = json.loads((d / WEIGHTS_JSON).read_text()).get("linear_formats")
@@ -87,21 +100,38 @@ class CudaBackend(StreamingBackend):
         positions of its pages (default: all of them)."""
         return CudaRunner(self.engine, max_num_seqs, kv_tokens=kv_tokens)
 
-    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None,
-                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
-        return generate_one(self.runner(), list(prompt_ids), max_tokens, sampling, frozenset(stop_ids),
-                            speculative, cancelled, GenerationResult() if result is None else result, tuple(images))
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        result: GenerationResult | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> Iterator[StepOutput]:
+        return generate_one(
+            self.runner(),
+            list(prompt_ids),
+            max_tokens,
+            sampling,
+            frozenset(stop_ids),
+            speculative,
+            cancelled,
+            GenerationResult() if result is None else result,
+            tuple(images),
+        )
 
     @property
     def features(self) -> BackendFeatures:
         """Speculative decoding when a drafter and its kernels are present; grammars when the logits-processing
         kernels are built (lm_process applies the mask on the GPU) and llguidance, which computes it, is
         installed."""
-        return BackendFeatures(speculative=self.engine.speculative,
-                               grammar=not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None)
+        return BackendFeatures(
+            speculative=self.engine.speculative,
+            grammar=not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None,
+        )
 
     # ---- bench hooks ------------------------------------------------------------------------------------------
     def peak_gpu_mem_bytes(self) -> int:
@@ -146,11 +176,20 @@ class CudaBackend(StreamingBackend):
         self.device.close()
 
 
-def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype: str = "bf16",
-                 draft_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
-                 kernels_dir: str | os.PathLike | None = None, device: int = 0, verify: bool = False,
-                 max_num_seqs: int = 1, kv_cache_gib: float | None = None,
-                 options: EngineOptions = EngineOptions(), sms: int | None = None) -> CudaBackend:
+def open_backend(
+    model_dir: str | os.PathLike,
+    ctx: int | None = None,
+    kv_dtype: str = "bf16",
+    draft_dir: str | os.PathLike | None = None,
+    weights_dir: str | os.PathLike | None = None,
+    kernels_dir: str | os.PathLike | None = None,
+    device: int = 0,
+    verify: bool = False,
+    max_num_seqs: int = 1,
+    kv_cache_gib: float | None = None,
+    options: EngineOptions = EngineOptions(),
+    sms: int | None = None,
+) -> CudaBackend:
     """Open the GPU, check kernels and repacked weights against the model and the GPU, upload, build the engine.
 
     Every mismatch or shortage is a BackendError that says what to run (no GPU -> --backend reference; stale
@@ -160,8 +199,9 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
     green context), the copy probe too."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    spec = _served_spec(_spec(model_dir, Path(draft_dir) if draft_dir else None), model_dir,
-                        Path(weights_dir) if weights_dir else None)
+    spec = _served_spec(
+        _spec(model_dir, Path(draft_dir) if draft_dir else None), model_dir, Path(weights_dir) if weights_dir else None
+    )
     ctx = default_ctx(spec.target.max_position_embeddings, ctx)
     dev = Device.open(device, sms)
     arch = dev.info.arch
@@ -173,8 +213,10 @@ def open_backend(model_dir: str | os.PathLike, ctx: int | None = None, kv_dtype:
         art.verify()
     drafter = spec.drafter is not None and "draft.fc.weight" in art.tensors  # the engine's own probe may still say no
     if not 1 <= max_num_seqs <= MAX_BATCH:
-        raise BackendError(f"--max-num-seqs {max_num_seqs}: the cuda backend decodes 1..{MAX_BATCH} sequences at "
-                           "once (more requests queue)")
+        raise BackendError(
+            f"--max-num-seqs {max_num_seqs}: the cuda backend decodes 1..{MAX_BATCH} sequences at "
+            "once (more requests queue)"
+        )
     # the activations (the plan's own size, at the build's step rows, every optional part counted), then slack for
     # graphs, the drafter's split weights and launch lists
     slack = plan_activations(spec, manifest, manifest.max_step_tokens, ctx, True, drafter).total + (512 << 20)

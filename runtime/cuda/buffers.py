@@ -24,43 +24,74 @@ from .dflash import plan_drafter_activations, split_weights
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
 
 
-def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, ctx: int, ext: bool,
-                     speculative: bool) -> ArenaPlan:
+def plan_activations(
+    spec: ModelSpec, manifest: KernelManifest, max_rows: int, ctx: int, ext: bool, speculative: bool
+) -> ArenaPlan:
     """Every activation buffer of an engine that runs steps of up to `max_rows` rows (the loader sizes the KV cache
     beside it: at 2,048 rows it is ~0.75 GB on the full-size model, most of it the MoE's f32 pair rows)."""
     t, R = spec.target, max_rows
     H, E, K = t.hidden_size, t.num_experts, t.top_k_experts
     qmax = max(t.num_attention_heads * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
     kmax = max(t.layer_kv_heads(l) * t.layer_head_dim(l) for l in range(t.num_hidden_layers))
-    heads = max(t.num_attention_heads + t.layer_kv_heads(l) * (2 if t.layer_has_v_proj(l) else 1)
-                for l in range(t.num_hidden_layers))
+    heads = max(
+        t.num_attention_heads + t.layer_kv_heads(l) * (2 if t.layer_has_v_proj(l) else 1)
+        for l in range(t.num_hidden_layers)
+    )
     kernels = manifest.kernels.values()
     # workspaces, sized by the planner's params (whichever kernels declare them): split-K attention's partials
     # (ws_floats) and merge counters (cnt_words: one buffer, attention launches never overlap; zeroed below,
     # kept so), the logits kernels' per-row workspace, the grouped MoE's tile list (every entry written);
     # tail_cnt: the folded o_proj + attention tail's arrival counter (one word: o_proj launches never overlap);
     # qkv_cnt: the folded q|k|v GEMV + rope_kv's, a word per head of the widest layer
-    ws, sws, acnt, tiles = (max([int(k.params.get(n, 0)) for k in kernels] + [1])
-                            for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles"))
+    ws, sws, acnt, tiles = (
+        max([int(k.params.get(n, 0)) for k in kernels] + [1])
+        for n in ("ws_floats", "WS_ROW_BYTES", "cnt_words", "max_tiles")
+    )
     p = ArenaPlan("activations")
     for name, shape, dt in (
-            ("x", (R, H), "f32"), ("a", (R, H), "f16"), ("a1", (R, H), "f16"), ("a2", (R, H), "f16"),
-            ("qkv", (R, qmax + 2 * kmax), "f32"), ("q", (R, qmax), "bf16"), ("attn", (R, qmax), "f16"),
-            ("attn_ws", (ws,), "f32"), ("o", (R, H), "f32"), ("mlp_act", (R, t.intermediate_size), "f16"),
-            ("mlp", (R, H), "f32"), ("moe_act", (MAX_BATCH * K, t.moe_intermediate_size), "f16"),
-            ("moe", (R, H), "f32"), ("rlogits", (R, E), "f32"), ("topk_idx", (R, K), "i32"),
-            ("topk_w", (R, K), "f32"), ("ids", (R,), "i32"), ("positions", (R + MAX_BATCH,), "i32"),
-            ("lanes", (R,), "i32"), ("logits", (MAX_BATCH, t.vocab_size), "f32"), ("out_ids", (MAX_BATCH,), "i32"),
-            ("carry", (MAX_BATCH,), "i32"),  # a batched step's tokens, for the next step's carried rows
-            ("best", (VERIFY_ROWS,), "i64"), ("counters", (VERIFY_ROWS,), "u32"), ("status", (MAX_BATCH,), "i32"),
-            ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"), ("workspace", (VERIFY_ROWS, sws), "u8"),
-            ("moe_offsets", (E + 1,), "i32"), ("moe_pairs", (R * K,), "i32"), ("moe_tiles", (tiles, 4), "i32"),
-            ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"), ("moe_pair_out", (R * K, H), "f32"),
-            ("router_cnt", (R,), "u32"), ("attn_cnt", (acnt,), "u32"), ("tail_cnt", (1,), "u32"),
-            ("qkv_cnt", (heads,), "u32"),
-            # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
-            ("kv_pages", (MAX_BATCH, int(manifest.conventions.get(
-                "page_pitch", page_pitch(t.max_position_embeddings)))), "i32")):
+        ("x", (R, H), "f32"),
+        ("a", (R, H), "f16"),
+        ("a1", (R, H), "f16"),
+        ("a2", (R, H), "f16"),
+        ("qkv", (R, qmax + 2 * kmax), "f32"),
+        ("q", (R, qmax), "bf16"),
+        ("attn", (R, qmax), "f16"),
+        ("attn_ws", (ws,), "f32"),
+        ("o", (R, H), "f32"),
+        ("mlp_act", (R, t.intermediate_size), "f16"),
+        ("mlp", (R, H), "f32"),
+        ("moe_act", (MAX_BATCH * K, t.moe_intermediate_size), "f16"),
+        ("moe", (R, H), "f32"),
+        ("rlogits", (R, E), "f32"),
+        ("topk_idx", (R, K), "i32"),
+        ("topk_w", (R, K), "f32"),
+        ("ids", (R,), "i32"),
+        ("positions", (R + MAX_BATCH,), "i32"),
+        ("lanes", (R,), "i32"),
+        ("logits", (MAX_BATCH, t.vocab_size), "f32"),
+        ("out_ids", (MAX_BATCH,), "i32"),
+        ("carry", (MAX_BATCH,), "i32"),  # a batched step's tokens, for the next step's carried rows
+        ("best", (VERIFY_ROWS,), "i64"),
+        ("counters", (VERIFY_ROWS,), "u32"),
+        ("status", (MAX_BATCH,), "i32"),
+        ("params", (MAX_BATCH, SAMPLE_PARAMS.itemsize), "u8"),
+        ("workspace", (VERIFY_ROWS, sws), "u8"),
+        ("moe_offsets", (E + 1,), "i32"),
+        ("moe_pairs", (R * K,), "i32"),
+        ("moe_tiles", (tiles, 4), "i32"),
+        ("moe_act_sorted", (R * K, t.moe_intermediate_size), "f16"),
+        ("moe_pair_out", (R * K, H), "f32"),
+        ("router_cnt", (R,), "u32"),
+        ("attn_cnt", (acnt,), "u32"),
+        ("tail_cnt", (1,), "u32"),
+        ("qkv_cnt", (heads,), "u32"),
+        # the paged layers' page table: a row of page ids a sequence (lane), at the kernels' pitch
+        (
+            "kv_pages",
+            (MAX_BATCH, int(manifest.conventions.get("page_pitch", page_pitch(t.max_position_embeddings)))),
+            "i32",
+        ),
+    ):
         p.add_array(name, shape, dt)
     if spec.vision is not None:  # a prefill chunk's image rows (staged, copied into x) and its key bounds
         p.add_array("img_rows", (R, H), "f32")
@@ -68,12 +99,17 @@ def plan_activations(spec: ModelSpec, manifest: KernelManifest, max_rows: int, c
     if ext:  # the processed head: runtime/cuda/logits_params.py packs what the rows point into
         V, M = t.vocab_size, MAX_BATCH
         for name, shape, dt in (
-                ("processed", (VERIFY_ROWS, V), "f32"), ("logit_rows", (M, LOGIT_ROW.itemsize), "u8"),
-                ("logit_counts", (M * min(V, ctx), TOKEN_COUNT.itemsize), "u8"),
-                ("logit_biases", (M * MAX_LOGIT_BIAS, TOKEN_BIAS.itemsize), "u8"),
-                ("logit_masks", (M, V // 32), "u32"), ("proc_counters", (2 * VERIFY_ROWS,), "u32"),
-                ("proc_status", (M,), "i32"), ("lp_ids", (M, MAX_TOP_LOGPROBS), "i32"),
-                ("lp_lps", (M, MAX_TOP_LOGPROBS), "float64"), ("lp_chosen", (M,), "float64")):
+            ("processed", (VERIFY_ROWS, V), "f32"),
+            ("logit_rows", (M, LOGIT_ROW.itemsize), "u8"),
+            ("logit_counts", (M * min(V, ctx), TOKEN_COUNT.itemsize), "u8"),
+            ("logit_biases", (M * MAX_LOGIT_BIAS, TOKEN_BIAS.itemsize), "u8"),
+            ("logit_masks", (M, V // 32), "u32"),
+            ("proc_counters", (2 * VERIFY_ROWS,), "u32"),
+            ("proc_status", (M,), "i32"),
+            ("lp_ids", (M, MAX_TOP_LOGPROBS), "i32"),
+            ("lp_lps", (M, MAX_TOP_LOGPROBS), "float64"),
+            ("lp_chosen", (M,), "float64"),
+        ):
             p.add_array(name, shape, dt)
     if speculative:
         plan_drafter_activations(p, spec, R)
@@ -84,9 +120,20 @@ class EngineBuffers:
     """Activations, KV cache and drafter weights of one engine, and the pointer table the step programs bind
     through. The uploaded weights stay the engine's (it frees them)."""
 
-    def __init__(self, spec: ModelSpec, device: Device, stream: Stream, manifest: KernelManifest,
-                 artifact: WeightsArtifact, weights: DeviceBuffer, kv: KVPlan, max_rows: int, ctx: int, ext: bool,
-                 speculative: bool) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: Device,
+        stream: Stream,
+        manifest: KernelManifest,
+        artifact: WeightsArtifact,
+        weights: DeviceBuffer,
+        kv: KVPlan,
+        max_rows: int,
+        ctx: int,
+        ext: bool,
+        speculative: bool,
+    ) -> None:
         self.spec, self.device, self.art, self.weights = spec, device, artifact, weights
         self.kv = KVCache(device, kv)
         self.act = Arena(device, plan_activations(spec, manifest, max_rows, ctx, ext, speculative))
@@ -112,8 +159,15 @@ class EngineBuffers:
         unit = LANES * HALF_LANE_BYTES  # bytes of one unit's step of fp16
         for name, src, r0, n, k in parts:
             rows = int(np.prod(self.art.entry(src).shape)) // k
-            op = Copy2D(f"split {name}", self.W(src, r0 // TILE_N * unit), rows // TILE_N * unit,
-                        Ptr(arena[name].ptr), n // TILE_N * unit, n // TILE_N * unit, k // TILE_K)
+            op = Copy2D(
+                f"split {name}",
+                self.W(src, r0 // TILE_N * unit),
+                rows // TILE_N * unit,
+                Ptr(arena[name].ptr),
+                n // TILE_N * unit,
+                n // TILE_N * unit,
+                k // TILE_K,
+            )
             copy2d(op)(stream)
         stream.synchronize()
         return arena
@@ -171,15 +225,20 @@ class PageTable:
         if not pages:
             return
         if not (0 <= lane < self.lanes and 0 <= first and first + len(pages) <= self.pitch):
-            raise BackendError(f"page table: lane {lane} entries {first}..{first + len(pages) - 1} outside "
-                               f"{self.lanes} x {self.pitch}")
+            raise BackendError(
+                f"page table: lane {lane} entries {first}..{first + len(pages) - 1} outside {self.lanes} x {self.pitch}"
+            )
         if min(pages) < 0 or max(pages) >= self.pool:
             raise BackendError(f"page table: page ids {min(pages)}..{max(pages)} outside the pool of {self.pool}")
         at = lane * self.pitch + first
         self._uploaded.synchronize()
-        self._host.array.view(np.int32)[at:at + len(pages)] = pages
-        check(driver().cuMemcpyHtoDAsync(self.table.ptr + 4 * at, self._host.ptr + 4 * at, 4 * len(pages),
-                                         self.stream.handle), "page table entries")
+        self._host.array.view(np.int32)[at : at + len(pages)] = pages
+        check(
+            driver().cuMemcpyHtoDAsync(
+                self.table.ptr + 4 * at, self._host.ptr + 4 * at, 4 * len(pages), self.stream.handle
+            ),
+            "page table entries",
+        )
         self._uploaded.record(self.stream)
 
     def free(self) -> None:

@@ -76,8 +76,10 @@ def _accesses(op: Any, regions: Regions) -> tuple[list[str], list[str]]:
         pairs = [(op.src.address, "r"), (op.dst.address, "w")]
     else:
         if not op.entry.access:
-            raise DataflowError(f"{op.label}: kernel {op.entry.name} has no argument access in the manifest; "
-                                "rebuild with `thorgen build`")
+            raise DataflowError(
+                f"{op.label}: kernel {op.entry.name} has no argument access in the manifest; "
+                "rebuild with `thorgen build`"
+            )
         pairs = [(getattr(v, "address", None), op.entry.access.get(a, "v")) for a, v in op.args.items()]
     reads, writes = [], []
     for address, mode in pairs:

@@ -30,8 +30,9 @@ def driver() -> Any:
         try:
             from cuda.bindings import driver as cu
         except ImportError as exc:
-            raise BackendError(f"the cuda backend needs cuda-python >= 12.6 (pip install 'thorgen[cuda]'): {exc}; "
-                               f"or {NO_GPU_HINT}") from exc
+            raise BackendError(
+                f"the cuda backend needs cuda-python >= 12.6 (pip install 'thorgen[cuda]'): {exc}; or {NO_GPU_HINT}"
+            ) from exc
         _driver = cu
     return _driver
 
@@ -117,8 +118,9 @@ class Device:
         err = ret[0] if isinstance(ret, tuple) else ret
         if int(err) != 0:
             name, detail = error_name(err)
-            raise BackendError(f"no usable NVIDIA GPU: cuInit failed with {name}"
-                               f"{' (' + detail + ')' if detail else ''}; {NO_GPU_HINT}")
+            raise BackendError(
+                f"no usable NVIDIA GPU: cuInit failed with {name}{' (' + detail + ')' if detail else ''}; {NO_GPU_HINT}"
+            )
         count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if count == 0:
             raise BackendError(f"no CUDA GPU found (the driver reports 0 devices); {NO_GPU_HINT}")
@@ -133,12 +135,16 @@ class Device:
         raw_name = check(cu.cuDeviceGetName(256, dev), "cuDeviceGetName")
         name = raw_name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
         info = DeviceInfo(
-            ordinal=ordinal, name=name,
-            capability=(get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                        get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            ordinal=ordinal,
+            name=name,
+            capability=(
+                get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ),
             sm_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             total_mem=int(check(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
-            smem_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
+            smem_per_block_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )
         ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         if sms is None:
@@ -205,18 +211,19 @@ def _green_context(dev: Any, sms: int, total: int) -> tuple[Any, Any, int]:
     cu = driver()
     if not hasattr(cu, "cuGreenCtxCreate") or not hasattr(cu, "cuCtxFromGreenCtx"):
         raise BackendError(f"--sms {sms} needs green contexts: cuda-python >= 12.6 and a CUDA 12.4+ driver")
-    whole = check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
-                  "cuDeviceGetDevResource")
+    whole = check(
+        cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource"
+    )
     split_flags = getattr(cu, "CUdevSmResourceSplit_flags", None)  # (older bindings: the default 8-SM granularity)
     flags = int(getattr(split_flags, "CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING", 0))
-    groups, count, _rest = check(cu.cuDevSmResourceSplitByCount(1, whole, flags, sms),
-                                 "cuDevSmResourceSplitByCount")
+    groups, count, _rest = check(cu.cuDevSmResourceSplitByCount(1, whole, flags, sms), "cuDevSmResourceSplitByCount")
     if count < 1:
         raise BackendError(f"--sms {sms}: the driver cannot split that many multiprocessors off this GPU")
     part = groups[0]
     desc = check(cu.cuDevResourceGenerateDesc([part], 1), "cuDevResourceGenerateDesc")
-    green = check(cu.cuGreenCtxCreate(desc, dev, int(cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)),
-                  "cuGreenCtxCreate")
+    green = check(
+        cu.cuGreenCtxCreate(desc, dev, int(cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)), "cuGreenCtxCreate"
+    )
     try:
         return green, check(cu.cuCtxFromGreenCtx(green), "cuCtxFromGreenCtx"), int(part.sm.smCount)
     except BaseException:

@@ -49,8 +49,10 @@ def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
     d = spec.drafter
     assert d is not None
     nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
-    return [(f"dsplit.{l}.kv", f"draft.layers.{l}.self_attn.qkv_proj.weight", nq, 2 * nkv, d.hidden_size)
-            for l in range(d.num_hidden_layers)]
+    return [
+        (f"dsplit.{l}.kv", f"draft.layers.{l}.self_attn.qkv_proj.weight", nq, 2 * nkv, d.hidden_size)
+        for l in range(d.num_hidden_layers)
+    ]
 
 
 def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
@@ -59,14 +61,21 @@ def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
     assert d is not None
     nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     for name, shape, dt in (
-            ("taps", (rows, len(d.target_layer_ids) * H), "f16"), ("dctx", (rows, d.hidden_size), "f32"),
-            ("dctx_a", (rows, d.hidden_size), "f16"), ("dkv_raw", (rows, 2 * nkv), "f32"),
-            ("dx", (VERIFY_ROWS, d.hidden_size), "f32"), ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
-            ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"), ("dq", (VERIFY_ROWS, nq), "bf16"),
-            ("dattn", (VERIFY_ROWS, nq), "f16"),
-            ("do", (VERIFY_ROWS, d.hidden_size), "f32"), ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
-            # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
-            ("spec_rule", (2,), "i32"), ("spec_acc", (1,), "i32")):
+        ("taps", (rows, len(d.target_layer_ids) * H), "f16"),
+        ("dctx", (rows, d.hidden_size), "f32"),
+        ("dctx_a", (rows, d.hidden_size), "f16"),
+        ("dkv_raw", (rows, 2 * nkv), "f32"),
+        ("dx", (VERIFY_ROWS, d.hidden_size), "f32"),
+        ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
+        ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"),
+        ("dq", (VERIFY_ROWS, nq), "bf16"),
+        ("dattn", (VERIFY_ROWS, nq), "f16"),
+        ("do", (VERIFY_ROWS, d.hidden_size), "f32"),
+        ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
+        # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
+        ("spec_rule", (2,), "i32"),
+        ("spec_acc", (1,), "i32"),
+    ):
         p.add_array(name, shape, dt)
 
 
@@ -93,8 +102,14 @@ class DraftForward:
 
     def probe(self) -> list[str]:
         """What the speculative path lacks (empty: it can run)."""
-        return self.fwd.missing("speculative", verify_key(True), verify_key(False), program_key(last=True, taps=True),
-                                DRAFT_BLOCK, DRAFT_CONTEXT)
+        return self.fwd.missing(
+            "speculative",
+            verify_key(True),
+            verify_key(False),
+            program_key(last=True, taps=True),
+            DRAFT_BLOCK,
+            DRAFT_CONTEXT,
+        )
 
 
 class SpecLaunch(NamedTuple):
@@ -125,11 +140,20 @@ class DFlashSteps:
         fwd, lists = self.parts.fwd, self.parts.launches
         if which == "draft":
             return lists.captured("draft", lambda: DraftForward(fwd).block_ops(), "DFlash")
-        return lists.captured(f"verify_{'greedy' if greedy else 'sample'}",
-                              lambda: DraftForward(fwd).verify_ops(greedy), "DFlash")
+        return lists.captured(
+            f"verify_{'greedy' if greedy else 'sample'}", lambda: DraftForward(fwd).verify_ops(greedy), "DFlash"
+        )
 
-    def launch(self, start: int | None, last: int | None = None, greedy: bool = True, lane: int = 0,
-               most: int = VERIFY_ROWS, emulate: int | None = None, hook_start: int | None = None) -> SpecLaunch:
+    def launch(
+        self,
+        start: int | None,
+        last: int | None = None,
+        greedy: bool = True,
+        lane: int = 0,
+        most: int = VERIFY_ROWS,
+        emulate: int | None = None,
+        hook_start: int | None = None,
+    ) -> SpecLaunch:
         """Enqueue one DFlash step without waiting for it. `start` None: the step after the latest one enqueued,
         of the same sequence and rule, at the block that step's acceptance (draft.accept, on the device) chose
         (`hook_start`: that block's start where the host knows it, for draft_hook). Otherwise the block at `start`
@@ -149,8 +173,10 @@ class DFlashSteps:
             pos = act["positions"].ptr
             check(cu.cuMemcpyHtoDAsync(pos, block.at("positions"), 4 * VERIFY_ROWS, h), "block positions")
             check(cu.cuMemcpyHtoDAsync(act["lanes"].ptr, block.at("lanes"), 4 * VERIFY_ROWS, h), "block KV lanes")
-            check(cu.cuMemcpyHtoDAsync(pos + 4 * eng.max_rows, block.at("sampled"), 4 * VERIFY_ROWS, h),
-                  "sampled positions")
+            check(
+                cu.cuMemcpyHtoDAsync(pos + 4 * eng.max_rows, block.at("sampled"), 4 * VERIFY_ROWS, h),
+                "sampled positions",
+            )
             check(cu.cuMemcpyHtoDAsync(act["ids"].ptr, block.at("last"), 4, h), "last token")
             check(cu.cuMemcpyHtoDAsync(act["spec_rule"].ptr, block.at("rule"), 8, h), "acceptance rule")
         events = None if self.timing is None else [eng.device.event() for _ in range(3)]
@@ -167,8 +193,9 @@ class DFlashSteps:
             if forced.shape != (VERIFY_ROWS - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
             slot.record["forced"] = forced
-            check(cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (VERIFY_ROWS - 1), h),
-                  "forced drafts")
+            check(
+                cu.cuMemcpyHtoDAsync(act["ids"].ptr + 4, slot.at("forced"), 4 * (VERIFY_ROWS - 1), h), "forced drafts"
+            )
         self.graph("verify", greedy).replay(eng.stream)
         if events:
             events[2].record(eng.stream)
@@ -223,8 +250,9 @@ class DFlashDecoder:
     sequence decodes alone again one tap prefill of the positions it missed (`catch_up`) brings it back, when its
     cost is small beside the tokens still to come."""
 
-    def __init__(self, steps: DFlashSteps | None, prefill: Callable[..., int], geometry: KVGeometry,
-                 max_context: int, lanes: int) -> None:
+    def __init__(
+        self, steps: DFlashSteps | None, prefill: Callable[..., int], geometry: KVGeometry, max_context: int, lanes: int
+    ) -> None:
         """`steps`: the engine's DFlash steps (None without a drafter: no sequence is then speculative);
         `prefill`: Engine.prefill (the catch-up's tap prefill); `geometry`: the KV cache's (its rings)."""
         self.steps, self.prefill, self.geometry, self.max_context = steps, prefill, geometry, max_context
@@ -245,8 +273,12 @@ class DFlashDecoder:
         """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and unprocessed (a processed
         sequence decodes without speculation), a verify block fits the context, and the drafter context covers
         positions 0..pos-1, at once or after `catch_up`."""
-        return (seq.speculative and pos + VERIFY_ROWS <= self.max_context and not seq.sampling.extended
-                and self.catch_up(seq, lane, pos))
+        return (
+            seq.speculative
+            and pos + VERIFY_ROWS <= self.max_context
+            and not seq.sampling.extended
+            and self.catch_up(seq, lane, pos)
+        )
 
     def catch_up(self, seq, lane: int, pos: int) -> bool:
         """Whether the lane's drafter context covers positions 0..pos-1, so that a speculative step can run: at
@@ -261,8 +293,11 @@ class DFlashDecoder:
         missing = pos - d.draft_upto
         if missing <= 0:
             return True
-        if missing > CATCH_UP_RATIO * seq.room(self.max_context) or d.draft_upto == 0 or \
-                not self.geometry.prefix_intact(d.draft_upto, d.last_written):
+        if (
+            missing > CATCH_UP_RATIO * seq.room(self.max_context)
+            or d.draft_upto == 0
+            or not self.geometry.prefix_intact(d.draft_upto, d.last_written)
+        ):
             return False
         if any(s.offset < pos and s.end > d.draft_upto for s in seq.images):
             return False  # (a prompt's images run in its own tap prefill; decoded positions hold none)
@@ -271,8 +306,9 @@ class DFlashDecoder:
         self.caught_up_tokens += missing
         return True
 
-    def step(self, seq, lane: int, pos: int, cur: SpecLaunch | None, launch_ahead: bool,
-             launched=None) -> tuple[list[int], tuple[int, SpecLaunch] | None]:
+    def step(
+        self, seq, lane: int, pos: int, cur: SpecLaunch | None, launch_ahead: bool, launched=None
+    ) -> tuple[list[int], tuple[int, SpecLaunch] | None]:
         """A DFlash step of `seq` at `pos` (`cur`: launched ahead by the step before, else launched now): its
         committed tokens, and (position, launch) of the next step when `launch_ahead` launched it before this
         one's tokens were read, at the block the device's acceptance picks (draft.accept), unless this step surely
@@ -289,20 +325,31 @@ class DFlashDecoder:
         nxt = None
         # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
         hook_start = None if k is None else pos + accepted_count([], [0] * VERIFY_ROWS, most, k)  # (needs no tokens)
-        if launch_ahead and (dflash.draft_hook is None or hook_start is not None) and room >= 2 \
-                and pos + 2 * VERIFY_ROWS <= self.max_context:
+        if (
+            launch_ahead
+            and (dflash.draft_hook is None or hook_start is not None)
+            and room >= 2
+            and pos + 2 * VERIFY_ROWS <= self.max_context
+        ):
             nxt = dflash.launch(None, greedy=greedy, hook_start=hook_start)  # (its block: pos + 1 .. pos + 16)
             d.last_written = max(d.last_written, pos + 2 * VERIFY_ROWS - 1)
         if launched is not None:
             launched()
         drafts, target, accepted = dflash.wait(cur)
         # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
-        new = target[:accepted_count(drafts, target, most, k)]
+        new = target[: accepted_count(drafts, target, most, k)]
         # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
         d.drafted(pos, pos + len(new), taps=True)
         # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)
         return new[:room], None if nxt is None else (pos + accepted, nxt)
 
 
-__all__ = ["DFlashDecoder", "DFlashSteps", "DraftForward", "DraftLane", "SpecLaunch", "plan_drafter_activations",
-           "split_weights"]
+__all__ = [
+    "DFlashDecoder",
+    "DFlashSteps",
+    "DraftForward",
+    "DraftLane",
+    "SpecLaunch",
+    "plan_drafter_activations",
+    "split_weights",
+]

@@ -42,9 +42,19 @@ from .vision import VisionEncoder, chunk_images, stage_images, vision_missing
 class Engine:
     """Device resources of one model and its step launches (runtime/cuda/profile.py times a step)."""
 
-    def __init__(self, spec: ModelSpec, device: Device, manifest: KernelManifest, artifact: WeightsArtifact,
-                 weights: DeviceBuffer, ctx: int, kv_dtype: str = "bf16", lanes: int = 1,
-                 pages: int | None = None, options: EngineOptions = EngineOptions()) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: Device,
+        manifest: KernelManifest,
+        artifact: WeightsArtifact,
+        weights: DeviceBuffer,
+        ctx: int,
+        kv_dtype: str = "bf16",
+        lanes: int = 1,
+        pages: int | None = None,
+        options: EngineOptions = EngineOptions(),
+    ) -> None:
         self.spec, self.device, self.manifest, self.art, self.weights = spec, device, manifest, artifact, weights
         self.ctx, self.lanes, self.options = ctx, lanes, options
         if not 1 <= lanes <= MAX_BATCH:
@@ -64,15 +74,31 @@ class Engine:
             missing.append("a bf16 lm_head GEMM (repack with --lm-head nvfp4, the supported path)")
         if missing:
             self.close()
-            raise BackendError("cuda backend: the kernel manifest lacks what the forward needs: " + "; ".join(missing)
-                               + ". Rebuild with `thorgen build` once those kernel families exist")
+            raise BackendError(
+                "cuda backend: the kernel manifest lacks what the forward needs: "
+                + "; ".join(missing)
+                + ". Rebuild with `thorgen build` once those kernel families exist"
+            )
         self.kernels.load_all()
-        self.launches = LaunchLists(device, self.kernels, self.stream, self.side, options,
-                                    pdl_safe=bool(manifest.conventions.get("pdl", False)))
-        kv = plan_kv(spec, ctx, kv_dtype, drafter=self.speculative, conventions=manifest.conventions, lanes=lanes,
-                     pages=pages)
-        self.buffers = EngineBuffers(spec, device, self.stream, manifest, artifact, weights, kv, self.max_rows, ctx,
-                                     not self.ext_missing, self.speculative)
+        self.launches = LaunchLists(
+            device, self.kernels, self.stream, self.side, options, pdl_safe=bool(manifest.conventions.get("pdl", False))
+        )
+        kv = plan_kv(
+            spec, ctx, kv_dtype, drafter=self.speculative, conventions=manifest.conventions, lanes=lanes, pages=pages
+        )
+        self.buffers = EngineBuffers(
+            spec,
+            device,
+            self.stream,
+            manifest,
+            artifact,
+            weights,
+            kv,
+            self.max_rows,
+            ctx,
+            not self.ext_missing,
+            self.speculative,
+        )
         self.fwd.ptr = self.buffers  # the programs bind real buffers from now on
         self.staging = StagingRing(ENGINE_SLOTS)
         parts = StepParts(device, self.stream, self.act, self.fwd, self.launches, self.staging, self.max_rows)
@@ -115,25 +141,33 @@ class Engine:
         prompt ids or logit_bias ids outside the vocabulary; makes its grammar's matcher."""
         sampling = seq.sampling
         if seq.speculative and not self.speculative:
-            raise BackendError("cuda backend: speculative (DFlash) decoding is unavailable: "
-                               + "; ".join(self.spec_missing) + "; use --no-speculative")
+            raise BackendError(
+                "cuda backend: speculative (DFlash) decoding is unavailable: "
+                + "; ".join(self.spec_missing)
+                + "; use --no-speculative"
+            )
         if sampling.extended or sampling.prompt_logprobs is not None:
             if self.ext_missing:
-                raise BackendError(f"{sampling.describe_extended()} needs kernels this build lacks ("
-                                   + "; ".join(self.ext_missing) + "); rebuild with `thorgen build`")
+                raise BackendError(
+                    f"{sampling.describe_extended()} needs kernels this build lacks ("
+                    + "; ".join(self.ext_missing)
+                    + "); rebuild with `thorgen build`"
+                )
             if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
                 raise BackendError(f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
         if seq.images:
             if self.vision is None:
-                raise BackendError("cuda backend: images need the vision tower on the device: "
-                                   + "; ".join(self.vision_missing))
+                raise BackendError(
+                    "cuda backend: images need the vision tower on the device: " + "; ".join(self.vision_missing)
+                )
             if sampling.prompt_logprobs is not None:
                 raise BackendError("cuda backend: prompt logprobs of a prompt with images are not supported")
             for span in seq.images:
                 self.vision.check(span.image)
             if max(s.end - s.offset for s in seq.images) > self.max_rows:
-                raise BackendError(f"cuda backend: an image of more than {self.max_rows} soft tokens does not fit "
-                                   "one prefill chunk")
+                raise BackendError(
+                    f"cuda backend: an image of more than {self.max_rows} soft tokens does not fit one prefill chunk"
+                )
             # the placeholders and the images must agree (a prompt without images keeps its ids as text, as before)
             assert self.spec.vision is not None
             check_image_spans(seq.prompt, seq.images, self.spec.vision.image_token_id)
@@ -155,22 +189,38 @@ class Engine:
         (a bucket's padding rows included) only softcaps, so no row reads a previous step's entries. Stream-ordered
         before the next step."""
         if self.ext_missing:
-            raise BackendError("cuda backend: logits processing / logprobs need kernels the manifest lacks: "
-                               + "; ".join(self.ext_missing))
+            raise BackendError(
+                "cuda backend: logits processing / logprobs need kernels the manifest lacks: "
+                + "; ".join(self.ext_missing)
+            )
         recs = np.concatenate([batch.rows] + [plain_row()[None]] * (MAX_BATCH - batch.rows.shape[0]))
-        for name, arr in (("logit_rows", recs), ("logit_counts", batch.counts), ("logit_biases", batch.biases),
-                          ("logit_masks", batch.masks)):
+        for name, arr in (
+            ("logit_rows", recs),
+            ("logit_counts", batch.counts),
+            ("logit_biases", batch.biases),
+            ("logit_masks", batch.masks),
+        ):
             buf = self.act[name]
             if arr.nbytes > buf.nbytes:
-                raise BackendError(f"cuda backend: this step's {name} need {arr.nbytes} bytes, the engine holds "
-                                   f"{buf.nbytes} (logit_bias has at most {MAX_LOGIT_BIAS} entries per request)")
+                raise BackendError(
+                    f"cuda backend: this step's {name} need {arr.nbytes} bytes, the engine holds "
+                    f"{buf.nbytes} (logit_bias has at most {MAX_LOGIT_BIAS} entries per request)"
+                )
             if arr.nbytes:
                 buf.view(0, arr.nbytes).upload(np.ascontiguousarray(arr), stream=self.stream)
 
     # ---- prefill and scoring --------------------------------------------------------------------------------------
-    def prefill(self, prompt: list[int], greedy: bool = True, taps: bool = False,
-                launched: Callable[[], None] | None = None, begin: int = 0, lane: int = 0, ext: bool = False,
-                images: Sequence[tuple[int, np.ndarray]] = ()) -> int:
+    def prefill(
+        self,
+        prompt: list[int],
+        greedy: bool = True,
+        taps: bool = False,
+        launched: Callable[[], None] | None = None,
+        begin: int = 0,
+        lane: int = 0,
+        ext: bool = False,
+        images: Sequence[tuple[int, np.ndarray]] = (),
+    ) -> int:
         """Run the prompt (positions begin..P-1; the K/V of 0..begin-1 is already cached) in chunks of
         max_step_tokens rows; returns the first new token. `taps`: also capture the DFlash taps and project them
         into the drafter's context cache (speculative). `launched()` runs once everything is enqueued, before
@@ -194,7 +244,7 @@ class Engine:
             # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
             # stream does not wait for (from pageable memory it may return before the DMA lands), so the chunk's
             # kernels could read the previous chunk's ids/positions. Pageable sources are staged at the call.
-            ids = np.asarray(prompt[start:start + rows], np.int32)
+            ids = np.asarray(prompt[start : start + rows], np.int32)
             ids_buf.view(0, ids.nbytes).upload(ids, stream=self.stream)
             pos = self.act["positions"]
             pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
@@ -202,16 +252,24 @@ class Engine:
             self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
             if spans:
                 copies = stage_images(self.buffers, self.stream, spans, start, rows)
-                self.launches.run(self.launches.eager(
-                    (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans)),
-                    lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies)))
+                self.launches.run(
+                    self.launches.eager(
+                        (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans)),
+                        lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies),
+                    )
+                )
                 continue
-            self.launches.run(self.launches.eager((rows, last, greedy, taps, ext and last), lambda: self.fwd.ops(
-                rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
-                + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])))
+            self.launches.run(
+                self.launches.eager(
+                    (rows, last, greedy, taps, ext and last),
+                    lambda: (
+                        self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
+                        + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
+                    ),
+                )
+            )
         slot = self.staging.next("prefill_token")
-        check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle),
-              "token id")
+        check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
         if launched is not None:
             launched()
         self.stream.synchronize()
@@ -221,8 +279,10 @@ class Engine:
         """A chunk holding images: the image program, the image rows copied into x right after the embed."""
         ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext, images=True)
         if not ops or ops[0].label != "embed":
-            raise BackendError("cuda backend: the image prefill program does not start with the embed launch; "
-                               "rebuild with `thorgen build`")
+            raise BackendError(
+                "cuda backend: the image prefill program does not start with the embed launch; "
+                "rebuild with `thorgen build`"
+            )
         return ops[:1] + copies + ops[1:] + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
 
     def score(self, tokens: list[int], start: int, stop: int, top: int, lane: int = 0) -> list:
@@ -232,18 +292,26 @@ class Engine:
         if not 0 <= start < stop < len(tokens):  # position p needs tokens[p + 1]
             raise BackendError(f"score positions {start}..{stop - 1} of {len(tokens)} tokens")
         if self.ext_missing:
-            raise BackendError("cuda backend: prompt logprobs need kernels the manifest lacks: "
-                               + "; ".join(self.ext_missing))
+            raise BackendError(
+                "cuda backend: prompt logprobs need kernels the manifest lacks: " + "; ".join(self.ext_missing)
+            )
         out = []
         for r0 in range(start, stop, MAX_BATCH):
             rows = min(MAX_BATCH, stop - r0)
-            put = [(self.act["ids"], tokens[r0:r0 + rows]), (self.act["positions"], range(r0, r0 + rows)),
-                   (self.act["lanes"], [lane] * rows), (self.act["out_ids"], tokens[r0 + 1:r0 + 1 + rows])]
+            put = [
+                (self.act["ids"], tokens[r0 : r0 + rows]),
+                (self.act["positions"], range(r0, r0 + rows)),
+                (self.act["lanes"], [lane] * rows),
+                (self.act["out_ids"], tokens[r0 + 1 : r0 + 1 + rows]),
+            ]
             for buf, vals in put:
                 arr = np.asarray(vals, np.int32)
                 buf.view(0, arr.nbytes).upload(arr, stream=self.stream)
-            self.launches.run(self.launches.eager(("score", rows), lambda: self.fwd.ops(
-                rows, decode=False, last=True, batched=True, score=True)))
+            self.launches.run(
+                self.launches.eager(
+                    ("score", rows), lambda: self.fwd.ops(rows, decode=False, last=True, batched=True, score=True)
+                )
+            )
             _, ids, lps, chosen = self.read_logits(rows)
             out += [logprob_entry(ids, lps, chosen, r, top) for r in range(rows)]
         return out
@@ -254,10 +322,12 @@ class Engine:
         token's logprob [rows])."""
         self.stream.synchronize()
         k = MAX_TOP_LOGPROBS
-        return (self.act["proc_status"].view(0, 4 * rows).download(np.int32, (rows,)),
-                self.act["lp_ids"].view(0, 4 * k * rows).download(np.int32, (rows, k)),
-                self.act["lp_lps"].view(0, 8 * k * rows).download(np.float64, (rows, k)),
-                self.act["lp_chosen"].view(0, 8 * rows).download(np.float64, (rows,)))
+        return (
+            self.act["proc_status"].view(0, 4 * rows).download(np.int32, (rows,)),
+            self.act["lp_ids"].view(0, 4 * k * rows).download(np.int32, (rows, k)),
+            self.act["lp_lps"].view(0, 8 * k * rows).download(np.float64, (rows, k)),
+            self.act["lp_chosen"].view(0, 8 * rows).download(np.float64, (rows,)),
+        )
 
     def logits(self) -> np.ndarray:
         """float32 [V] logits (before softcap) of the last forward's last row (tests compare them)."""

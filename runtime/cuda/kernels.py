@@ -24,6 +24,7 @@ _DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynam
 
 # ---- argument packing ----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Ptr:
     """An explicit device pointer argument (a raw address)."""
@@ -56,15 +57,22 @@ def _ctype_for(value: Any, size: int | None, where: str) -> Any:
         if size == 8:
             return ctypes.c_double(value)
         raise ModuleError(f"{where}: the kernel declares a {size}-byte parameter; a float fits 4 or 8")
-    raise ModuleError(f"{where}: cannot pass {type(value).__name__} to a kernel (DeviceBuffer, Ptr, int, float, "
-                      "NumPy scalar or ctypes value)")
+    raise ModuleError(
+        f"{where}: cannot pass {type(value).__name__} to a kernel (DeviceBuffer, Ptr, int, float, "
+        "NumPy scalar or ctypes value)"
+    )
 
 
 class PackedArgs:
     """A `void*[]` pointing at ctypes copies of the arguments; `.address` goes to cuLaunchKernel."""
 
-    def __init__(self, values: Sequence[Any], sizes: Sequence[int] | None = None, names: Sequence[str] = (),
-                 kernel: str = "kernel") -> None:
+    def __init__(
+        self,
+        values: Sequence[Any],
+        sizes: Sequence[int] | None = None,
+        names: Sequence[str] = (),
+        kernel: str = "kernel",
+    ) -> None:
         if sizes is not None and len(sizes) != len(values):
             raise ModuleError(f"{kernel}: takes {len(sizes)} arguments ({', '.join(names)}), got {len(values)}")
         self._store = []
@@ -87,6 +95,7 @@ class PackedArgs:
 
 # ---- modules and kernels -------------------------------------------------------------------------------------
 
+
 class Kernel:
     """A loaded entry point with its manifest defaults (grid, block, dynamic smem)."""
 
@@ -97,12 +106,23 @@ class Kernel:
     def name(self) -> str:
         return self.entry.name
 
-    def bind(self, args: Sequence[Any], grid: tuple[int, int, int] | None = None,
-             block: tuple[int, int, int] | None = None, smem: int | None = None, pdl: bool = False) -> "Launch":
+    def bind(
+        self,
+        args: Sequence[Any],
+        grid: tuple[int, int, int] | None = None,
+        block: tuple[int, int, int] | None = None,
+        smem: int | None = None,
+        pdl: bool = False,
+    ) -> "Launch":
         """`pdl`: launch with programmatic stream serialization (only right after another PDL-safe kernel)."""
-        return Launch(self, PackedArgs(args, self.param_sizes, self.entry.args, self.entry.name),
-                      tuple(grid or self.entry.grid), tuple(block or self.entry.block),  # type: ignore[arg-type]
-                      self.entry.smem_bytes if smem is None else smem, pdl)
+        return Launch(
+            self,
+            PackedArgs(args, self.param_sizes, self.entry.args, self.entry.name),
+            tuple(grid or self.entry.grid),
+            tuple(block or self.entry.block),  # type: ignore[arg-type]
+            self.entry.smem_bytes if smem is None else smem,
+            pdl,
+        )
 
     def launch(self, stream: Stream, args: Sequence[Any], **kw: Any) -> None:
         self.bind(args, **kw)(stream)
@@ -122,11 +142,17 @@ class Launch:
     def __call__(self, stream: Stream) -> None:
         g, b, cu = self.grid, self.block, driver()
         if self.pdl:  # may start under the previous kernel's tail; the kernel waits (griddepcontrol) before its reads
-            check(cu.cuLaunchKernelEx(self._config(stream), self.kernel.function, self.args.address, 0),
-                  f"launch {self.kernel.name} (PDL)")
+            check(
+                cu.cuLaunchKernelEx(self._config(stream), self.kernel.function, self.args.address, 0),
+                f"launch {self.kernel.name} (PDL)",
+            )
             return
-        check(cu.cuLaunchKernel(self.kernel.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
-                                stream.handle, self.args.address, 0), f"launch {self.kernel.name}")
+        check(
+            cu.cuLaunchKernel(
+                self.kernel.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream.handle, self.args.address, 0
+            ),
+            f"launch {self.kernel.name}",
+        )
 
     def _config(self, stream: Stream) -> Any:
         cfg = getattr(self, "_cfg", None)
@@ -178,14 +204,18 @@ class KernelSet:
         try:
             image = path.read_bytes()
         except OSError as exc:
-            raise ModuleError(f"kernel {kernel}: cubin {path} unreadable ({exc}); rebuild with `thorgen build`") from exc
+            raise ModuleError(
+                f"kernel {kernel}: cubin {path} unreadable ({exc}); rebuild with `thorgen build`"
+            ) from exc
         try:
             mod = check(driver().cuModuleLoadData(image), f"load cubin {path.name}")
         except CudaError as exc:
             if exc.code == _NO_BINARY_FOR_GPU:
-                raise ModuleError(f"{path.name} was built for {self.manifest.arch}, which GPU {self.device.info.name} "
-                                  f"({self.device.info.arch}) cannot run; rebuild with `thorgen build --arch "
-                                  f"{self.device.info.arch}`") from exc
+                raise ModuleError(
+                    f"{path.name} was built for {self.manifest.arch}, which GPU {self.device.info.name} "
+                    f"({self.device.info.arch}) cannot run; rebuild with `thorgen build --arch "
+                    f"{self.device.info.arch}`"
+                ) from exc
             raise
         self._modules[path] = mod
         return mod
@@ -196,8 +226,10 @@ class KernelSet:
             return k
         entry = self.manifest.kernel(name)
         cu = driver()
-        fn = check(cu.cuModuleGetFunction(self._module(entry.cubin, name), entry.entry.encode()),
-                   f"find {entry.entry} in {entry.cubin.name}")
+        fn = check(
+            cu.cuModuleGetFunction(self._module(entry.cubin, name), entry.entry.encode()),
+            f"find {entry.entry} in {entry.cubin.name}",
+        )
         if entry.smem_bytes > _DEFAULT_SMEM_LIMIT:
             limit = self.device.info.smem_per_block_optin
             if entry.smem_bytes > limit:

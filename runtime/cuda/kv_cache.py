@@ -116,8 +116,11 @@ class KVPlan:
         t = sum(l.nbytes * self.lanes_of(l) for l in self.target())
         d = sum(l.nbytes * self.lanes_of(l) for l in self.drafter())
         pages = f", {self.pages} pages of {KV_PAGE} positions" if self.pages else ""
-        return (f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s){pages}: target {t / 2**30:.2f} GiB"
-                + (f", drafter {d / 2**30:.2f} GiB" if d else "") + f", total {self.nbytes / 2**30:.2f} GiB")
+        return (
+            f"KV cache ctx {self.ctx} {self.dtype} x {self.lanes} sequence(s){pages}: target {t / 2**30:.2f} GiB"
+            + (f", drafter {d / 2**30:.2f} GiB" if d else "")
+            + f", total {self.nbytes / 2**30:.2f} GiB"
+        )
 
 
 def ring_slots(window: int, conventions: dict | None = None) -> int:
@@ -130,8 +133,15 @@ def ring_slots(window: int, conventions: dict | None = None) -> int:
     return default_ring_slots(window, max_step_tokens(conv))
 
 
-def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafter: bool = False,
-            conventions: dict | None = None, lanes: int = 1, pages: int | None = None) -> KVPlan:
+def plan_kv(
+    spec: ModelSpec,
+    ctx: int = DEFAULT_CTX,
+    dtype: str = "bf16",
+    drafter: bool = False,
+    conventions: dict | None = None,
+    lanes: int = 1,
+    pages: int | None = None,
+) -> KVPlan:
     """Per-layer KV sizes for `lanes` sequences of up to `ctx` tokens whose paged layers share `pages` pages
     (default: every lane's full context); pure arithmetic, BackendError for an invalid ctx."""
     t = spec.target
@@ -150,13 +160,24 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
     for l in range(t.num_hidden_layers):
         window = t.layer_window(l)
         if window is None:  # full attention: the paged pool
-            layers.append(LayerKV("target", l, False, pages * KV_PAGE, t.layer_kv_heads(l), t.layer_head_dim(l),
-                                  name, size, None, paged=True))
+            layers.append(
+                LayerKV(
+                    "target",
+                    l,
+                    False,
+                    pages * KV_PAGE,
+                    t.layer_kv_heads(l),
+                    t.layer_head_dim(l),
+                    name,
+                    size,
+                    None,
+                    paged=True,
+                )
+            )
             continue
         ring = ring_slots(window, conventions) < ctx
         slots = ring_slots(window, conventions) if ring else ctx
-        layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size,
-                              window))
+        layers.append(LayerKV("target", l, ring, slots, t.layer_kv_heads(l), t.layer_head_dim(l), name, size, window))
     if drafter:
         d = spec.drafter
         if d is None:
@@ -169,19 +190,22 @@ def plan_kv(spec: ModelSpec, ctx: int = DEFAULT_CTX, dtype: str = "bf16", drafte
     return KVPlan(ctx, name, tuple(layers), lanes, pages if any(l.paged for l in layers) else 0)
 
 
-def fit_kv(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float | None = None,
-           headroom: float = 0.9) -> tuple[int, int]:
+def fit_kv(
+    one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float | None = None, headroom: float = 0.9
+) -> tuple[int, int]:
     """(lanes, pages) of the KV cache in `--kv-cache-gib`, or by default `headroom` of the `available` bytes
     beside the weights (`one`: a plan of one lane). Lanes are `max_num_seqs`, or fewer when their rings and one
     full-context sequence's pages do not fit; the pages fill the rest, up to every lane's full context.
     BackendError, naming the numbers, when --kv-cache-gib exceeds what is available or holds no sequence."""
-    gib_ = 2.0 ** 30
+    gib_ = 2.0**30
     if kv_cache_gib is not None:
         if kv_cache_gib <= 0:
             raise BackendError(f"--kv-cache-gib {kv_cache_gib} must be positive")
         if kv_cache_gib * gib_ > available:
-            raise BackendError(f"--kv-cache-gib {kv_cache_gib} exceeds the {available / gib_:.2f} GiB free on the "
-                               "GPU beside the weights; lower it (or leave it out: the default fits)")
+            raise BackendError(
+                f"--kv-cache-gib {kv_cache_gib} exceeds the {available / gib_:.2f} GiB free on the "
+                "GPU beside the weights; lower it (or leave it out: the default fits)"
+            )
         budget = kv_cache_gib * gib_
     else:
         budget = available * headroom
@@ -189,10 +213,15 @@ def fit_kv(one: KVPlan, max_num_seqs: int, available: int, kv_cache_gib: float |
     seq = lane + full * page  # one more sequence at the full context
     lanes = min(max_num_seqs, int((budget - full * page) // lane) if lane else max_num_seqs)
     if lanes < 1 or budget < seq:
-        where = f"--kv-cache-gib {kv_cache_gib}" if kv_cache_gib is not None else \
-            f"the {budget / gib_:.2f} GiB free beside the weights"
-        raise BackendError(f"one sequence's KV cache at --ctx {one.ctx} ({seq / gib_:.2f} GiB) does not "
-                           f"fit {where}; lower --ctx or free GPU memory")
+        where = (
+            f"--kv-cache-gib {kv_cache_gib}"
+            if kv_cache_gib is not None
+            else f"the {budget / gib_:.2f} GiB free beside the weights"
+        )
+        raise BackendError(
+            f"one sequence's KV cache at --ctx {one.ctx} ({seq / gib_:.2f} GiB) does not "
+            f"fit {where}; lower --ctx or free GPU memory"
+        )
     pages = min(lanes * full, int((budget - lanes * lane) // page)) if page else 0
     return lanes, pages
 
@@ -202,8 +231,10 @@ def check_context(prompt_len: int, ctx: int) -> None:
     if prompt_len < 1:
         raise BackendError("the prompt is empty: at least one token (e.g. <bos>) is needed")
     if prompt_len >= ctx:
-        raise BackendError(f"the prompt has {prompt_len} tokens but the context (--ctx) holds {ctx}; "
-                           f"shorten the prompt or raise --ctx above {prompt_len}")
+        raise BackendError(
+            f"the prompt has {prompt_len} tokens but the context (--ctx) holds {ctx}; "
+            f"shorten the prompt or raise --ctx above {prompt_len}"
+        )
 
 
 class KVCache:
@@ -236,8 +267,12 @@ class KVCache:
                 continue
             nbytes = l.k_bytes if l.ring else n * l.row_bytes
             for buf in (self.k(l.layer, l.model), self.v(l.layer, l.model)):
-                check(driver().cuMemcpyDtoDAsync(buf.ptr + dst * l.k_bytes, buf.ptr + src * l.k_bytes, nbytes,
-                                                 stream.handle), "KV prefix copy between lanes")
+                check(
+                    driver().cuMemcpyDtoDAsync(
+                        buf.ptr + dst * l.k_bytes, buf.ptr + src * l.k_bytes, nbytes, stream.handle
+                    ),
+                    "KV prefix copy between lanes",
+                )
                 copied += nbytes
         return copied
 

@@ -30,6 +30,7 @@ def copy2d(op: Copy2D) -> Any:
 
     def run(stream: Any) -> None:
         check(cu.cuMemcpy2DAsync(p, stream.handle), op.label)
+
     run.kernel = None  # type: ignore[attr-defined]  # profile rows name copies by label
     return run
 
@@ -37,8 +38,9 @@ def copy2d(op: Copy2D) -> Any:
 class LaunchLists:
     """Binds ops for the engine's streams; keeps the captured graphs and the most recent eager lists."""
 
-    def __init__(self, device: Device, kernels: KernelSet, stream: Stream, side: Stream, options: EngineOptions,
-                 pdl_safe: bool) -> None:
+    def __init__(
+        self, device: Device, kernels: KernelSet, stream: Stream, side: Stream, options: EngineOptions, pdl_safe: bool
+    ) -> None:
         self.device, self.kernels, self.stream, self.side = device, kernels, stream, side
         # (options may be replaced, e.g. by a probe comparing variants; graphs captured before keep theirs)
         self.options, self.pdl_safe = options, pdl_safe
@@ -81,12 +83,16 @@ class LaunchLists:
                 side_open, after[0] = False, False
             missing = [n for n in op.entry.args if n not in op.args]
             if missing:
-                raise BackendError(f"cuda backend: {op.label}: kernel {op.entry.name} takes {missing}, which the "
-                                   "engine does not provide (kernel signature changed?)")
+                raise BackendError(
+                    f"cuda backend: {op.label}: kernel {op.entry.name} takes {missing}, which the "
+                    "engine does not provide (kernel signature changed?)"
+                )
             k = self.kernels.kernel(op.entry.name)
-            launch = k.bind([op.args[n] for n in op.entry.args],
-                            grid=_grid(op.entry, op.rows, op.rowwise, self.options.rowwise_splits),
-                            pdl=pdl and op.pdl and after[branch])
+            launch = k.bind(
+                [op.args[n] for n in op.entry.args],
+                grid=_grid(op.entry, op.rows, op.rowwise, self.options.rowwise_splits),
+                pdl=pdl and op.pdl and after[branch],
+            )
             after[branch] = True
             out.append((op.label, self._on_branch(launch, branch, opens, join, captured)))
         if side_open:
@@ -115,6 +121,7 @@ class LaunchLists:
                 ev.record(side)
                 stream.wait(ev)
                 launch(stream)
+
         run.kernel = launch.kernel  # type: ignore[attr-defined]  (profiling labels)
         run.pdl = launch.pdl  # type: ignore[attr-defined]
         return run

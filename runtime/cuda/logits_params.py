@@ -15,14 +15,24 @@ import numpy as np
 
 from ..backend import SamplingParams, SequenceFailed
 
-LOGIT_ROW = np.dtype([("repetition_penalty", "<f8"), ("frequency_penalty", "<f8"), ("presence_penalty", "<f8"),
-                      ("counts_offset", "<i4"), ("n_counts", "<i4"), ("bias_offset", "<i4"), ("n_bias", "<i4"),
-                      ("mask_row", "<i4"), ("pad", "<i4")])  # thorgen::LogitRow, 48 bytes
+LOGIT_ROW = np.dtype(
+    [
+        ("repetition_penalty", "<f8"),
+        ("frequency_penalty", "<f8"),
+        ("presence_penalty", "<f8"),
+        ("counts_offset", "<i4"),
+        ("n_counts", "<i4"),
+        ("bias_offset", "<i4"),
+        ("n_bias", "<i4"),
+        ("mask_row", "<i4"),
+        ("pad", "<i4"),
+    ]
+)  # thorgen::LogitRow, 48 bytes
 TOKEN_COUNT = np.dtype([("token", "<i4"), ("count", "<i4")])  # thorgen::TokenCount, 8 bytes
 TOKEN_BIAS = np.dtype([("token", "<i4"), ("pad", "<i4"), ("bias", "<f8")])  # thorgen::TokenBias, 16 bytes
 # lm_process status bits (per row)
 STATUS_NONE_ALLOWED = 1  # the mask allows no token: a grammar bug (the pick's id is meaningless)
-STATUS_NON_FINITE = 2    # a processed value is +inf or NaN (e.g. a tiny repetition_penalty overflowed)
+STATUS_NON_FINITE = 2  # a processed value is +inf or NaN (e.g. a tiny repetition_penalty overflowed)
 
 
 class TokenCounts:
@@ -127,9 +137,12 @@ def pack(rows: list[tuple[SamplingParams, TokenCounts | None, np.ndarray | None]
         if mask is not None:
             r["mask_row"] = len(masks)
             masks.append(mask_words(mask, vocab))
-    return LogitsBatch(out, np.concatenate(counts) if counts else np.zeros(0, TOKEN_COUNT),
-                       np.concatenate(biases) if biases else np.zeros(0, TOKEN_BIAS),
-                       np.stack(masks) if masks else np.zeros((0, vocab // 32), np.uint32))
+    return LogitsBatch(
+        out,
+        np.concatenate(counts) if counts else np.zeros(0, TOKEN_COUNT),
+        np.concatenate(biases) if biases else np.zeros(0, TOKEN_BIAS),
+        np.stack(masks) if masks else np.zeros((0, vocab // 32), np.uint32),
+    )
 
 
 def logprob_entry(ids: np.ndarray, lps: np.ndarray, chosen: np.ndarray, row: int, top: int) -> tuple:
@@ -177,17 +190,22 @@ class RequestLogits:
         for r, (s, tok) in enumerate(zip(seqs, tokens)):
             if status[r]:
                 overflow = not status[r] & STATUS_NONE_ALLOWED
-                what = "a processed logit is not finite (its penalties or logit_bias overflowed)" if overflow \
+                what = (
+                    "a processed logit is not finite (its penalties or logit_bias overflowed)"
+                    if overflow
                     else "the grammar allows no token"
-                failed[s.request_id] = SequenceFailed(s.request_id, f"{what} at position {s.num_tokens}",
-                                                      request_fault=overflow)
+                )
+                failed[s.request_id] = SequenceFailed(
+                    s.request_id, f"{what} at position {s.num_tokens}", request_fault=overflow
+                )
                 continue
             if s.matcher is not None:
                 try:
                     s.matcher.accept(tok)
                 except Exception as exc:
-                    failed[s.request_id] = SequenceFailed(s.request_id, f"the grammar failed: {type(exc).__name__}: "
-                                                                        f"{exc}")
+                    failed[s.request_id] = SequenceFailed(
+                        s.request_id, f"the grammar failed: {type(exc).__name__}: {exc}"
+                    )
                     continue
             if s.request_id in self._counts:
                 self._counts[s.request_id].add(tok)

@@ -31,8 +31,10 @@ class OutOfGpuMemory(BackendError):
 
 
 def out_of_memory(needed: int, free: int, what: str) -> OutOfGpuMemory:
-    return OutOfGpuMemory(f"not enough GPU memory for {what}: needed {gib(needed)} GiB, free {gib(free)} GiB "
-                          "(lower --ctx, use --kv-dtype fp8, or free the GPU)")
+    return OutOfGpuMemory(
+        f"not enough GPU memory for {what}: needed {gib(needed)} GiB, free {gib(free)} GiB "
+        "(lower --ctx, use --kv-dtype fp8, or free the GPU)"
+    )
 
 
 def check_fits(needed: int, free: int, what: str) -> None:
@@ -62,8 +64,9 @@ class DeviceBuffer:
     def upload(self, host: np.ndarray | bytes | memoryview, offset: int = 0, stream: Stream | None = None) -> None:
         """Copy host bytes to [offset, offset+len). Async on `stream` when given (the host memory must stay alive
         and, for real asynchrony, be pinned)."""
-        arr = np.ascontiguousarray(np.frombuffer(host, dtype=np.uint8) if isinstance(host, (bytes, memoryview))
-                                   else host)
+        arr = np.ascontiguousarray(
+            np.frombuffer(host, dtype=np.uint8) if isinstance(host, (bytes, memoryview)) else host
+        )
         self._bounds(offset, arr.nbytes)
         if arr.nbytes == 0:
             return
@@ -129,6 +132,7 @@ class PinnedBuffer:
 
 # ---- planned arenas ------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Region:
     name: str
@@ -168,8 +172,10 @@ class Arena:
     def __init__(self, device: Device, plan: ArenaPlan) -> None:
         self.plan = plan
         self.buffer = alloc(device, plan.total, plan.name)
-        self._views = {r.name: self.buffer.view(r.offset, r.nbytes, r.name) if r.nbytes else DeviceBuffer(0, 0, r.name)
-                       for r in plan.regions.values()}
+        self._views = {
+            r.name: self.buffer.view(r.offset, r.nbytes, r.name) if r.nbytes else DeviceBuffer(0, 0, r.name)
+            for r in plan.regions.values()
+        }
 
     def __getitem__(self, name: str) -> DeviceBuffer:
         try:
@@ -181,12 +187,13 @@ class Arena:
         self.buffer.free()
 
 
-def upload_artifact(artifact: WeightsArtifact, device: Any, chunk_bytes: int = 64 << 20,
-                    progress: Callable[[int], None] | None = None) -> Any:
+def upload_artifact(
+    artifact: WeightsArtifact, device: Any, chunk_bytes: int = 64 << 20, progress: Callable[[int], None] | None = None
+) -> Any:
     """Copy the whole weights.bin into one device allocation (offsets preserved) and return that DeviceBuffer.
 
     File reads land directly in two pinned staging buffers and are copied asynchronously, so the disk (or page
-    cache) read of one chunk overlaps the PCIe copy of the previous one. 
+    cache) read of one chunk overlaps the PCIe copy of the previous one.
     """
     total = artifact.total_bytes
     dst = alloc(device, total, f"model weights ({artifact.folder.name})")

@@ -35,8 +35,9 @@ def profile_step(eng: Engine, position: int = 0, rows: int = 1, replays: int = 1
     into a graph of their own and replayed (back to back, as in the step graph; each layer's own weights), so a
     kernel's time excludes host launch gaps. A prefill chunk of `rows` tokens (ids 0..rows-1 at positions
     position..): eager launches timed one by one with events."""
-    (launches,) = _bind_alone(eng, eng.fwd.ops(1, decode=True, last=True) if rows == 1 else
-                              eng.fwd.ops(rows, decode=False, last=True))
+    (launches,) = _bind_alone(
+        eng, eng.fwd.ops(1, decode=True, last=True) if rows == 1 else eng.fwd.ops(rows, decode=False, last=True)
+    )
     if rows == 1:
         eng.steps.stage_row(position, 0)
         eng.steps.row_graph(True).replay(eng.stream)  # every buffer holds the values of a real step
@@ -49,8 +50,12 @@ def profile_batched(eng: Engine, rows: int, position: int) -> list[dict]:
     """GPU time (us) per launch of one batched decode forward of `rows` sequences (lanes 0..rows-1, each at
     `position`): eager launches on one stream, timed with events."""
     (launches,) = _bind_alone(eng, eng.fwd.ops(rows, decode=False, last=True, batched=True))
-    _stage(eng, ids=distinct_tokens(rows, eng.spec.target.vocab_size), positions=np.full(rows, position),
-           lanes=np.arange(rows))
+    _stage(
+        eng,
+        ids=distinct_tokens(rows, eng.spec.target.vocab_size),
+        positions=np.full(rows, position),
+        lanes=np.arange(rows),
+    )
     return _eager_profile(eng, launches)
 
 
@@ -62,8 +67,12 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
 
     dfw = DraftForward(eng.fwd)
     draft, verify = _bind_alone(eng, dfw.block_ops(), dfw.verify_ops())
-    _stage(eng, ids=distinct_tokens(VERIFY_ROWS, eng.spec.target.vocab_size),
-           positions=np.arange(position, position + VERIFY_ROWS), lanes=np.zeros(VERIFY_ROWS))
+    _stage(
+        eng,
+        ids=distinct_tokens(VERIFY_ROWS, eng.spec.target.vocab_size),
+        positions=np.arange(position, position + VERIFY_ROWS),
+        lanes=np.zeros(VERIFY_ROWS),
+    )
     return _eager_profile(eng, draft), _eager_profile(eng, verify)
 
 
@@ -74,8 +83,14 @@ def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
         launch(eng.stream)
         ev.record(eng.stream)
     eng.stream.synchronize()
-    out = [{"op": label, "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
-            "us": 1e3 * events[i + 1].elapsed_ms(events[i])} for i, (label, launch) in enumerate(launches)]
+    out = [
+        {
+            "op": label,
+            "kernel": launch.kernel.name if getattr(launch, "kernel", None) else "memcpy2d",
+            "us": 1e3 * events[i + 1].elapsed_ms(events[i]),
+        }
+        for i, (label, launch) in enumerate(launches)
+    ]
     for e in events:
         e.destroy()
     return out

@@ -105,29 +105,47 @@ class Forward:
                 out.append(f"the step program {key!r} for KV {self.kv_dtype}")
                 continue
             for rng in self.programs[key]:
-                out += [f"kernel {op['kernel']} (step program {key!r})" for op in rng["launches"]
-                        if op["kernel"] not in self.manifest.kernels]
+                out += [
+                    f"kernel {op['kernel']} (step program {key!r})"
+                    for op in rng["launches"]
+                    if op["kernel"] not in self.manifest.kernels
+                ]
         return list(dict.fromkeys(out))
 
     def probe(self) -> list[str]:
-        keys = [program_key(decode=True, greedy=g) for g in (True, False)] + \
-            [program_key(last=last) for last in (True, False)] + [program_key(batched=True, greedy=False)]
+        keys = (
+            [program_key(decode=True, greedy=g) for g in (True, False)]
+            + [program_key(last=last) for last in (True, False)]
+            + [program_key(batched=True, greedy=False)]
+        )
         return self.missing("core", *keys)
 
     def probe_ext(self) -> list[str]:
         return self.missing("ext", program_key(decode=True, ext=True), program_key(batched=True, score=True))
 
-    def ops(self, rows: int, decode: bool = False, last: bool = True, greedy: bool = True, taps: bool = False,
-            all_logits: bool = False, batched: bool = False, ext: bool = False, score: bool = False,
-            images: bool = False) -> list[Op]:
+    def ops(
+        self,
+        rows: int,
+        decode: bool = False,
+        last: bool = True,
+        greedy: bool = True,
+        taps: bool = False,
+        all_logits: bool = False,
+        batched: bool = False,
+        ext: bool = False,
+        score: bool = False,
+        images: bool = False,
+    ) -> list[Op]:
         """The launches of one forward over `rows` tokens (codegen/lower.py documents each kind's flags)."""
         return self.program(program_key(decode, last, greedy, taps, all_logits, batched, ext, score, images), rows)
 
     def program(self, key: str, rows: int) -> list[Op]:
         ranges = self.programs.get(key)
         if ranges is None:
-            raise BackendError(f"cuda backend: the kernel manifest has no step program {key!r} for KV "
-                               f"{self.kv_dtype}; rebuild with `thorgen build`")
+            raise BackendError(
+                f"cuda backend: the kernel manifest has no step program {key!r} for KV "
+                f"{self.kv_dtype}; rebuild with `thorgen build`"
+            )
         rng = next((r for r in ranges if r["lo"] <= rows <= r["hi"]), None)
         if rng is None:
             spans = ", ".join(f"{r['lo']}-{r['hi']}" for r in ranges)
@@ -137,11 +155,21 @@ class Forward:
     def _bind(self, op: dict, rows: int, key: str) -> Op:
         entry = self.manifest.kernels.get(op["kernel"])
         if entry is None:
-            raise BackendError(f"cuda backend: step program {key!r} names kernel {op['kernel']}, which the manifest "
-                               "lacks; rebuild with `thorgen build`")
+            raise BackendError(
+                f"cuda backend: step program {key!r} names kernel {op['kernel']}, which the manifest "
+                "lacks; rebuild with `thorgen build`"
+            )
         args = {n: self._value(v, rows) for n, v in op["args"].items()}
-        return Op(op["label"], entry, args, _int(op["rows"], rows), int(op.get("branch", 0)), bool(op.get("join")),
-                  bool(op.get("rowwise")), bool(op.get("pdl", True)))
+        return Op(
+            op["label"],
+            entry,
+            args,
+            _int(op["rows"], rows),
+            int(op.get("branch", 0)),
+            bool(op.get("join")),
+            bool(op.get("rowwise")),
+            bool(op.get("pdl", True)),
+        )
 
     def _value(self, v: Any, rows: int) -> Any:
         if not isinstance(v, list) or v[0] == "rows":

@@ -51,8 +51,13 @@ class CudaRunner:
     (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements; default: the
     engine's options)."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int | None = None, launch_ahead: bool | None = None,
-                 kv_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_num_seqs: int | None = None,
+        launch_ahead: bool | None = None,
+        kv_tokens: int | None = None,
+    ) -> None:
         self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
         # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
@@ -71,8 +76,7 @@ class CudaRunner:
         self.ahead_steps = 0  # steps that were launched ahead (by the step before) and used
         self.pipe = Pipeline()
         self.logits = RequestLogits(engine, engine.spec.target.vocab_size)
-        self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context,
-                                  self.max_num_seqs)
+        self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
 
     @property
     def caught_up_tokens(self) -> int:
@@ -100,8 +104,9 @@ class CudaRunner:
             self.engine.set_sampling(seq.sampling)
             self.pipe.params_for = seq.request_id
 
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
-                launched: Callable[[], None] | None = None) -> int | None:
+    def prefill(
+        self, seq: Sequence, start: int, end: int, sample: bool, launched: Callable[[], None] | None = None
+    ) -> int | None:
         ahead = self.pipe.ahead
         if ahead is not None and ahead.kind != "batch":  # (it decoded alone and has company now: it runs batched)
             self._settle(ahead)
@@ -114,8 +119,9 @@ class CudaRunner:
             scored = seq.scored_upto(start, end) - 1  # rows start..scored-1 predict prompt tokens
             if scored > start:
                 assert seq.prompt_logprobs is not None
-                seq.prompt_logprobs += self.engine.score(seq.tokens, start, scored, seq.sampling.prompt_logprobs or 0,
-                                                         lane)
+                seq.prompt_logprobs += self.engine.score(
+                    seq.tokens, start, scored, seq.sampling.prompt_logprobs or 0, lane
+                )
                 self.spec.lanes[lane].drafted(start, scored, taps=False)
                 start = scored
             if start == end:
@@ -123,10 +129,21 @@ class CudaRunner:
                 return None
         ext = sample and self.logits.stage([seq])
         cache = self.engine.encoder_cache
-        images = [(s.offset, cache.rows(s.image)) for s in seq.images if s.offset < end and s.end > start
-                  ] if cache is not None else []
-        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps=taps, launched=launched, begin=start,
-                                  lane=lane, ext=ext, images=images)
+        images = (
+            [(s.offset, cache.rows(s.image)) for s in seq.images if s.offset < end and s.end > start]
+            if cache is not None
+            else []
+        )
+        tok = self.engine.prefill(
+            seq.tokens[:end],
+            seq.sampling.greedy,
+            taps=taps,
+            launched=launched,
+            begin=start,
+            lane=lane,
+            ext=ext,
+            images=images,
+        )
         if ext:
             _raise_failed(self.logits.picked([seq], [tok]))
         self.spec.lanes[lane].drafted(start, end, taps)
@@ -150,15 +167,17 @@ class CudaRunner:
             return self._decode_batch(seqs, ahead, joining, launched)
         return [self._decode_one(seqs[0], ahead, launched)]
 
-    def _decode_one(self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None
-                    ) -> tuple[list[int], bool]:
+    def _decode_one(
+        self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None
+    ) -> tuple[list[int], bool]:
         """A graphed one-sequence step (DFlash when it is speculative and its drafter context is current); the
         next one launched before this one is read."""
         lane, pos, greedy = _lane(seq), seq.num_tokens - 1, seq.sampling.greedy
         self._params(seq)
         if (ahead is not None and ahead.kind == "spec") or (ahead is None and self.spec.ready(seq, lane, pos)):
-            new, nxt = self.spec.step(seq, lane, pos, None if ahead is None else ahead.launch, self.launch_ahead,
-                                      launched)
+            new, nxt = self.spec.step(
+                seq, lane, pos, None if ahead is None else ahead.launch, self.launch_ahead, launched
+            )
             self.pipe.on_device = None  # out_ids[0] holds a verify row
             self.pipe.ahead = None if nxt is None else Ahead(nxt[1], "spec", {seq.request_id: (0, nxt[0])})
             return new, True
@@ -181,8 +200,9 @@ class CudaRunner:
         self.pipe.ahead, self.pipe.on_device = nxt, (seq.request_id, pos + 1) if nxt is None else None
         return [new], False
 
-    def _decode_batch(self, seqs: list[Sequence], cur: Ahead | None, joining: list,
-                      launched: Callable[[], None] | None) -> list:
+    def _decode_batch(
+        self, seqs: list[Sequence], cur: Ahead | None, joining: list, launched: Callable[[], None] | None
+    ) -> list:
         """A batched step (`cur`: launched ahead by the step before, else launched now); before waiting for its
         tokens, the next step is launched for every sequence that goes on and for this step's new sequences. A
         sequence that then finishes wasted its row of the next step, which wrote K/V only at its own next
@@ -219,8 +239,11 @@ class CudaRunner:
         launched ahead writes)."""
         for lane, pos, _, _ in rows:
             self.spec.lanes[lane].drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
-        launch = self.steps.launch_batch([(lane, pos, tok, None if s.sampling.greedy else s.sampling)
-                                          for lane, pos, tok, s in rows], carried, ext=ext)
+        launch = self.steps.launch_batch(
+            [(lane, pos, tok, None if s.sampling.greedy else s.sampling) for lane, pos, tok, s in rows],
+            carried,
+            ext=ext,
+        )
         self.pipe.on_device = None  # out_ids[0] holds row 0's token
         if any(not s.sampling.greedy for _, _, _, s in rows):
             self.pipe.params_for = None  # the step wrote every row's parameters

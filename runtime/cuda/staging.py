@@ -23,16 +23,36 @@ ROW_INPUT = np.dtype([("position", I32), ("sampled", I32), ("token", I32), ("lan
 # tokens read back (one row, or a batched step's rows)
 ROW_TOKEN = np.dtype([("tokens", I32, (1,))])
 # a batched step: each row's token id, position, sampled position, KV lane and SampleParams; its tokens read back
-BATCH = np.dtype([("ids", I32, (MAX_BATCH,)), ("positions", I32, (MAX_BATCH,)), ("sampled", I32, (MAX_BATCH,)),
-                  ("lanes", I32, (MAX_BATCH,)), ("params", SAMPLE_PARAMS, (MAX_BATCH,)),
-                  ("tokens", I32, (MAX_BATCH,))])
+BATCH = np.dtype(
+    [
+        ("ids", I32, (MAX_BATCH,)),
+        ("positions", I32, (MAX_BATCH,)),
+        ("sampled", I32, (MAX_BATCH,)),
+        ("lanes", I32, (MAX_BATCH,)),
+        ("params", SAMPLE_PARAMS, (MAX_BATCH,)),
+        ("tokens", I32, (MAX_BATCH,)),
+    ]
+)
 # a DFlash block: positions, sampled positions, the last committed token, KV lanes, the acceptance rule
 # [most tokens a step commits, emulated K or -1]
-SPEC_BLOCK = np.dtype([("positions", I32, (VERIFY_ROWS,)), ("sampled", I32, (VERIFY_ROWS,)), ("last", I32),
-                       ("lanes", I32, (VERIFY_ROWS,)), ("rule", I32, (2,))])
+SPEC_BLOCK = np.dtype(
+    [
+        ("positions", I32, (VERIFY_ROWS,)),
+        ("sampled", I32, (VERIFY_ROWS,)),
+        ("last", I32),
+        ("lanes", I32, (VERIFY_ROWS,)),
+        ("rule", I32, (2,)),
+    ]
+)
 # a DFlash step's forced drafts (draft_hook) and its read-back: drafts, verified tokens, the device's count
-SPEC_STEP = np.dtype([("forced", I32, (VERIFY_ROWS - 1,)), ("ids", I32, (VERIFY_ROWS,)),
-                      ("out_ids", I32, (VERIFY_ROWS,)), ("accepted", I32)])
+SPEC_STEP = np.dtype(
+    [
+        ("forced", I32, (VERIFY_ROWS - 1,)),
+        ("ids", I32, (VERIFY_ROWS,)),
+        ("out_ids", I32, (VERIFY_ROWS,)),
+        ("accepted", I32),
+    ]
+)
 
 ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while the DMA engine reads another)
 
@@ -41,8 +61,13 @@ ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while 
 # is rewritten only after the step that used it was waited for). The DFlash block is rewritten only when no step
 # is in flight (a step launched ahead reads its block from the device), the prefill token only after a wait.
 ENGINE_SLOTS: dict[str, tuple[np.dtype, int]] = {
-    "row_input": (ROW_INPUT, 128), "row_token": (ROW_TOKEN, 2), "prefill_token": (ROW_TOKEN, 1),
-    "batch": (BATCH, 2), "spec_block": (SPEC_BLOCK, 1), "spec_step": (SPEC_STEP, 2)}
+    "row_input": (ROW_INPUT, 128),
+    "row_token": (ROW_TOKEN, 2),
+    "prefill_token": (ROW_TOKEN, 1),
+    "batch": (BATCH, 2),
+    "spec_block": (SPEC_BLOCK, 1),
+    "spec_step": (SPEC_STEP, 2),
+}
 
 
 class Slot(NamedTuple):
@@ -67,12 +92,13 @@ class StagingRing:
             layout[kind] = (dtype, [total + t * size for t in range(turns)])
             total += turns * size
         self._pinned = PinnedBuffer(max(total, ALIGN))
-        self._slots = {kind: [self._slot(dtype, off, t) for t, off in enumerate(offs)]
-                       for kind, (dtype, offs) in layout.items()}
+        self._slots = {
+            kind: [self._slot(dtype, off, t) for t, off in enumerate(offs)] for kind, (dtype, offs) in layout.items()
+        }
         self._turn = dict.fromkeys(kinds, 0)
 
     def _slot(self, dtype: np.dtype, offset: int, turn: int) -> Slot:
-        record = self._pinned.array[offset:offset + dtype.itemsize].view(dtype).reshape(())
+        record = self._pinned.array[offset : offset + dtype.itemsize].view(dtype).reshape(())
         return Slot(record, self._pinned.ptr + offset, turn)
 
     def next(self, kind: str) -> Slot:

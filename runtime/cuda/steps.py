@@ -51,18 +51,27 @@ class DecodeSteps:
     """Graphed one-row and batched decode steps over the engine's buffers and streams."""
 
     def __init__(self, parts: StepParts, lanes: int) -> None:
-        self.stream, self.act, self.fwd, self.launches, self.staging = (parts.stream, parts.act, parts.fwd,
-                                                                        parts.launches, parts.staging)
+        self.stream, self.act, self.fwd, self.launches, self.staging = (
+            parts.stream,
+            parts.act,
+            parts.fwd,
+            parts.launches,
+            parts.staging,
+        )
         self.max_rows, self.lanes = parts.max_rows, lanes
         # a launch's tokens landed in its staging slot: an event per slot of each read-back kind
-        self._landed = {kind: [parts.device.event(timing=False) for _ in range(ENGINE_SLOTS[kind][1])]
-                        for kind in ("row_token", "batch")}
+        self._landed = {
+            kind: [parts.device.event(timing=False) for _ in range(ENGINE_SLOTS[kind][1])]
+            for kind in ("row_token", "batch")
+        }
 
     def row_graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
         """The graphed one-row step (captured on first use)."""
-        return self.launches.captured(("greedy" if greedy else "sample") + ("_ext" if ext else ""),
-                                      lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext),
-                                      "decode step")
+        return self.launches.captured(
+            ("greedy" if greedy else "sample") + ("_ext" if ext else ""),
+            lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext),
+            "decode step",
+        )
 
     def stage_row(self, position: int, token: int | None, lane: int = 0) -> None:
         """Async copies of a one-row step's position (and sampled position, KV lane, and a prompt token into
@@ -76,8 +85,9 @@ class DecodeSteps:
         if token is not None:
             check(cu.cuMemcpyHtoDAsync(self.act["out_ids"].ptr, slot.at("token"), 4, h), "prompt token")
 
-    def launch_one(self, position: int, greedy: bool = True, token: int | None = None, lane: int = 0,
-                   ext: bool = False) -> BatchLaunch:
+    def launch_one(
+        self, position: int, greedy: bool = True, token: int | None = None, lane: int = 0, ext: bool = False
+    ) -> BatchLaunch:
         """Enqueue the graphed one-row step for the token at `position` (its id is out_ids[0], or `token` when
         given) without waiting for it: a runner may enqueue the next step of the same sequence (token None: the one
         this step leaves in out_ids[0]) before it reads this one's token (`wait`)."""
@@ -85,8 +95,9 @@ class DecodeSteps:
         self.row_graph(greedy, ext).replay(self.stream)
         return self._read_back("row_token", 1, 1)
 
-    def launch_batch(self, rows: list[tuple[int, int, int, Any]], carried: dict[int, int] | None = None,
-                     ext: bool = False) -> BatchLaunch:
+    def launch_batch(
+        self, rows: list[tuple[int, int, int, Any]], carried: dict[int, int] | None = None, ext: bool = False
+    ) -> BatchLaunch:
         """Stage and enqueue one batched forward without waiting for it: rows of (KV lane, position, token id,
         sampling params or None for greedy), each the next token of its own sequence. The rows run the graph of the
         smallest bucket holding them (17..32 rows: the M = 32 kernels, each weight byte read once for all rows);
@@ -98,8 +109,9 @@ class DecodeSteps:
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
         if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
-            raise BackendError(f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, "
-                               f"in 0..{self.lanes - 1}")
+            raise BackendError(
+                f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}"
+            )
         carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
         B = next(b for b in DECODE_BUCKETS if b >= n)
@@ -115,8 +127,9 @@ class DecodeSteps:
         ids, pos_ptr, carry = self.act["ids"].ptr, self.act["positions"].ptr, self.act["carry"].ptr
         check(cu.cuMemcpyHtoDAsync(ids, slot.at("ids"), 4 * B, h), "batch token ids")
         check(cu.cuMemcpyHtoDAsync(pos_ptr, slot.at("positions"), 4 * B, h), "batch positions")
-        check(cu.cuMemcpyHtoDAsync(pos_ptr + 4 * self.max_rows, slot.at("sampled"), 4 * B, h),
-              "batch sampled positions")
+        check(
+            cu.cuMemcpyHtoDAsync(pos_ptr + 4 * self.max_rows, slot.at("sampled"), 4 * B, h), "batch sampled positions"
+        )
         check(cu.cuMemcpyHtoDAsync(self.act["lanes"].ptr, slot.at("lanes"), 4 * B, h), "batch KV lanes")
         for dst, first, count in _runs(carried):  # carried ids: runs of consecutive rows, one copy each
             check(cu.cuMemcpyDtoDAsync(ids + 4 * dst, carry + 4 * first, 4 * count, h), "carried token ids")
@@ -130,11 +143,15 @@ class DecodeSteps:
         if not greedy:  # greedy rows of a sampled step: temperature 0 (the sampler's argmax)
             for i, (_, _, _, sp) in enumerate(padded):
                 rec["params"][i] = sample_record(sp)
-            check(cu.cuMemcpyHtoDAsync(self.act["params"].ptr, slot.at("params"), B * SAMPLE_PARAMS.itemsize, h),
-                  "batch sampling params")
-        self.launches.captured(f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else ""),
-                               lambda: self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
-                               f"decode x{B}").replay(self.stream)
+            check(
+                cu.cuMemcpyHtoDAsync(self.act["params"].ptr, slot.at("params"), B * SAMPLE_PARAMS.itemsize, h),
+                "batch sampling params",
+            )
+        self.launches.captured(
+            f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else ""),
+            lambda: self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
+            f"decode x{B}",
+        ).replay(self.stream)
         # (the carried copy: a prefill may reuse out_ids before the next batched step reads these tokens)
         check(cu.cuMemcpyDtoDAsync(carry, self.act["out_ids"].ptr, 4 * B, h), "tokens to carry")
         return self._read_back("batch", B, n, slot)
@@ -142,8 +159,10 @@ class DecodeSteps:
     def _read_back(self, kind: str, count: int, rows: int, slot: Slot | None = None) -> BatchLaunch:
         """Enqueue the copy of out_ids[:count] into the (next) slot of `kind`, then the event that says it landed."""
         slot = slot or self.staging.next(kind)
-        check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4 * count, self.stream.handle),
-              "token ids")
+        check(
+            driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4 * count, self.stream.handle),
+            "token ids",
+        )
         done = self._landed[kind][slot.turn]
         done.record(self.stream)
         return BatchLaunch(rows, slot, done)
@@ -152,7 +171,7 @@ class DecodeSteps:
     def wait(launch: BatchLaunch) -> list[int]:
         """The tokens of a launch_one or launch_batch (waits for that launch only, not for work enqueued after)."""
         launch.done.synchronize()
-        return [int(t) for t in launch.slot.record["tokens"][:launch.rows]]
+        return [int(t) for t in launch.slot.record["tokens"][: launch.rows]]
 
     @staticmethod
     def settle(launch: Any) -> None:

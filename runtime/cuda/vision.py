@@ -14,8 +14,15 @@ import numpy as np
 
 from ...model_spec.step_program import program_key
 from ...model_spec.types import ModelSpec
-from ...model_spec.vision_layout import (MAX_SOFT_TOKENS, PATCH_ACTS, TOKEN_ACTS, VISION_ENCODE, act_width,
-                                         vision_dims, vision_tensors)
+from ...model_spec.vision_layout import (
+    MAX_SOFT_TOKENS,
+    PATCH_ACTS,
+    TOKEN_ACTS,
+    VISION_ENCODE,
+    act_width,
+    vision_dims,
+    vision_tensors,
+)
 from ..backend import BackendError, ImageInput
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
@@ -26,7 +33,6 @@ from .steps import StepParts
 
 if TYPE_CHECKING:
     from .buffers import EngineBuffers
-
 
 
 def plan_vision(spec: ModelSpec) -> ArenaPlan:
@@ -97,11 +103,14 @@ class VisionEncoder:
         if not 1 <= n <= MAX_SOFT_TOKENS:
             raise BackendError(f"image of {n} soft tokens: the vision program runs 1..{MAX_SOFT_TOKENS}")
         if patches.shape != (d.pool_rows * n, d.patch_dim) or positions.shape != (d.pool_rows * n, 2):
-            raise BackendError(f"image patches {patches.shape} / positions {positions.shape}: expected "
-                               f"[{d.pool_rows * n}, {d.patch_dim}] / [{d.pool_rows * n}, 2] for {n} soft tokens")
+            raise BackendError(
+                f"image patches {patches.shape} / positions {positions.shape}: expected "
+                f"[{d.pool_rows * n}, {d.patch_dim}] / [{d.pool_rows * n}, 2] for {n} soft tokens"
+            )
         if positions.min() < 0 or positions.max() >= d.table:
-            raise BackendError(f"image patch positions {positions.min()}..{positions.max()} leave the position "
-                               f"table of {d.table}")
+            raise BackendError(
+                f"image patch positions {positions.min()}..{positions.max()} leave the position table of {d.table}"
+            )
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
@@ -124,14 +133,17 @@ def chunk_images(images: Sequence[tuple[int, np.ndarray]], start: int, end: int)
     for pos, rows in images:
         if pos < end and pos + len(rows) > start:
             if pos < start or pos + len(rows) > end:
-                raise BackendError(f"cuda backend: a prefill chunk {start}..{end} splits the image at positions "
-                                   f"{pos}..{pos + len(rows)}")
+                raise BackendError(
+                    f"cuda backend: a prefill chunk {start}..{end} splits the image at positions "
+                    f"{pos}..{pos + len(rows)}"
+                )
             out.append((pos - start, rows))
     return out
 
 
-def stage_images(buffers: EngineBuffers, stream, spans: list[tuple[int, np.ndarray]], start: int, rows: int
-                 ) -> list[Copy2D]:
+def stage_images(
+    buffers: EngineBuffers, stream, spans: list[tuple[int, np.ndarray]], start: int, rows: int
+) -> list[Copy2D]:
     """Upload a chunk's image rows (into img_rows at their chunk rows) and its key bounds (kv_hi: each row's
     position, an image row's the last position of its image), stream-ordered before the chunk; returns the
     copies of the image rows into x that follow the embed launch."""
@@ -142,9 +154,18 @@ def stage_images(buffers: EngineBuffers, stream, spans: list[tuple[int, np.ndarr
     for r, emb in spans:
         n = len(emb)
         act["img_rows"].view(r * width, n * width).upload(np.ascontiguousarray(emb, np.float32), stream=stream)
-        kv_hi[r:r + n] = start + r + n - 1
-        copies.append(Copy2D(f"image rows {r}..{r + n}", buffers.A("img_rows", r), n * width, buffers.A("x", r),
-                             n * width, n * width, 1))
+        kv_hi[r : r + n] = start + r + n - 1
+        copies.append(
+            Copy2D(
+                f"image rows {r}..{r + n}",
+                buffers.A("img_rows", r),
+                n * width,
+                buffers.A("x", r),
+                n * width,
+                n * width,
+                1,
+            )
+        )
     act["kv_hi"].view(0, 4 * rows).upload(kv_hi, stream=stream)
     return copies
 

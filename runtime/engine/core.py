@@ -18,8 +18,16 @@ import logging
 import time
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ..backend import (BackendError, EngineStateLost, GenerationResult, ImageSpan, SamplingParams,
-                       SequenceFailed, StepOutput, TokenLogprob)
+from ..backend import (
+    BackendError,
+    EngineStateLost,
+    GenerationResult,
+    ImageSpan,
+    SamplingParams,
+    SequenceFailed,
+    StepOutput,
+    TokenLogprob,
+)
 from .interface import DecodeResult, ModelRunner
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
@@ -74,30 +82,54 @@ class EngineCore:
         if max_step_tokens is None:
             max_step_tokens = default_step_tokens(runner)
         self.kv = KVManager(runner.kv_geometry, runner.draft_context)
-        self.scheduler = Scheduler(self.kv, runner.max_num_seqs, max_step_tokens, runner.max_context,
-                                   runner.verify_block, runner.prefill_chunk, runner.lookahead)
+        self.scheduler = Scheduler(
+            self.kv,
+            runner.max_num_seqs,
+            max_step_tokens,
+            runner.max_context,
+            runner.verify_block,
+            runner.prefill_chunk,
+            runner.lookahead,
+        )
         self._seqs: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []  # aborted since the last step
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-            stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-            images: tuple[ImageSpan, ...] = ()) -> Sequence:
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        images: tuple[ImageSpan, ...] = (),
+    ) -> Sequence:
         """Queue a request; BackendError when it cannot be served as asked (checked now, before any work)."""
         if request_id in self._seqs:
             raise BackendError(f"request id {request_id!r} is already in the engine")
         if not prompt:
             raise BackendError("the prompt is empty: at least one token (e.g. <bos>) is needed")
         if len(prompt) >= self.runner.max_context:
-            raise BackendError(f"the prompt has {len(prompt)} tokens but the context (--ctx) holds "
-                               f"{self.runner.max_context}; shorten the prompt or raise --ctx above {len(prompt)}")
+            raise BackendError(
+                f"the prompt has {len(prompt)} tokens but the context (--ctx) holds "
+                f"{self.runner.max_context}; shorten the prompt or raise --ctx above {len(prompt)}"
+            )
         if max_tokens < 1:
             raise BackendError(f"max_tokens {max_tokens} must be >= 1")
         drafts = sampling.draft_tokens
         if speculative and drafts is not None and drafts > self.runner.verify_block - 1:
-            raise BackendError(f"draft_tokens {drafts}: the drafter proposes at most {self.runner.verify_block - 1} "
-                               "tokens a step")
-        seq = Sequence(request_id, [int(t) for t in prompt], sampling, int(max_tokens), frozenset(stop_ids),
-                       speculative, images=tuple(images))
+            raise BackendError(
+                f"draft_tokens {drafts}: the drafter proposes at most {self.runner.verify_block - 1} tokens a step"
+            )
+        seq = Sequence(
+            request_id,
+            [int(t) for t in prompt],
+            sampling,
+            int(max_tokens),
+            frozenset(stop_ids),
+            speculative,
+            images=tuple(images),
+        )
         self.runner.check(seq)
         try:
             self.scheduler.add(seq)
@@ -121,8 +153,10 @@ class EngineCore:
         """What a health report shows of the core: the KV manager's pages and the positions whose drafter context a
         catch-up prefill restored. Plain ints, safe to read between steps or during one."""
         kv = self.kv
-        return {"kv": {"blocks": kv.total_pages, "used": kv.used_pages, "block_tokens": kv.geometry.page},
-                "catch_up_tokens": self.runner.caught_up_tokens}
+        return {
+            "kv": {"blocks": kv.total_pages, "used": kv.used_pages, "block_tokens": kv.geometry.page},
+            "catch_up_tokens": self.runner.caught_up_tokens,
+        }
 
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One engine step. `launched()` runs once, as soon as the step's first device work is enqueued (or at
@@ -192,15 +226,20 @@ class EngineCore:
             if isinstance(exc, EngineStateLost):
                 raise
             failure = exc
-        culprit = next((s for s in seqs if isinstance(failure, SequenceFailed)
-                        and s.request_id == failure.request_id), None)
+        culprit = next(
+            (s for s in seqs if isinstance(failure, SequenceFailed) and s.request_id == failure.request_id), None
+        )
         if culprit is not None:
             rest = iter(self._decode([s for s in seqs if s is not culprit], once))
             return [failure if s is culprit else next(rest) for s in seqs]
         if len(seqs) == 1:
             return [failure]
-        log.warning("a batched step of %d sequences failed (%s: %s); running each alone", len(seqs),
-                    type(failure).__name__, failure)
+        log.warning(
+            "a batched step of %d sequences failed (%s: %s); running each alone",
+            len(seqs),
+            type(failure).__name__,
+            failure,
+        )
         alone = [self._decode([s], once)[0] for s in seqs]
         if all(isinstance(r, BaseException) for r in alone):
             raise failure
@@ -219,12 +258,12 @@ class EngineCore:
             seq.first_token_at = time.perf_counter()
         room = seq.room(self.runner.max_context)
         if len(tokens) > room:
-            tokens = tokens[:max(room, 0)]
+            tokens = tokens[: max(room, 0)]
         stop_at = None
         for i, t in enumerate(tokens):
             if t in seq.stop_ids:
                 stop_at = i
-                tokens = tokens[:i + 1]
+                tokens = tokens[: i + 1]
                 break
         seq.output += tokens
         accepted = None
@@ -232,13 +271,12 @@ class EngineCore:
             accepted = len(tokens) - 1
             seq.accepted_lengths.append(len(tokens))
         step_lps, seq.step_logprobs = seq.step_logprobs, None
-        logprobs = None if step_lps is None else tuple(step_lps[:len(tokens)])
+        logprobs = None if step_lps is None else tuple(step_lps[: len(tokens)])
         prompt_lps = None
         if seq.prompt_logprobs is not None:  # delivered once, with the first token
             prompt_lps, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
             assert len(prompt_lps) == len(seq.prompt), (len(prompt_lps), len(seq.prompt))
-        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs,
-                             prompt_logprobs=prompt_lps)]
+        out = [RequestOutput(seq.request_id, tuple(tokens), accepted, logprobs=logprobs, prompt_logprobs=prompt_lps)]
         if stop_at is not None:
             out.append(self._finish(seq, "stop"))
         elif room - len(tokens) <= 0:
@@ -254,17 +292,29 @@ class EngineCore:
         self._seqs.pop(seq.request_id, None)
         assert seq.finished_at is not None  # (scheduler.finish set it)
         first = seq.first_token_at or seq.finished_at
-        result = GenerationResult(token_ids=list(seq.output), accepted_lengths=list(seq.accepted_lengths),
-                                  finish_reason=reason, prompt_tokens=len(seq.prompt),
-                                  cached_prompt_tokens=seq.cached_prompt_tokens,
-                                  prefill_s=first - (seq.admitted_at or seq.arrived),
-                                  decode_s=seq.finished_at - first)
+        result = GenerationResult(
+            token_ids=list(seq.output),
+            accepted_lengths=list(seq.accepted_lengths),
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt),
+            cached_prompt_tokens=seq.cached_prompt_tokens,
+            prefill_s=first - (seq.admitted_at or seq.arrived),
+            decode_s=seq.finished_at - first,
+        )
         return RequestOutput(seq.request_id, finished=True, result=result, error=error)
 
 
-def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int], speculative: bool, cancelled: Callable[[], bool] | None,
-                 result: GenerationResult, images: tuple[ImageSpan, ...] = ()) -> Iterator[StepOutput]:
+def generate_one(
+    runner: ModelRunner,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: frozenset[int],
+    speculative: bool,
+    cancelled: Callable[[], bool] | None,
+    result: GenerationResult,
+    images: tuple[ImageSpan, ...] = (),
+) -> Iterator[StepOutput]:
     """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
     BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
     core = EngineCore(runner)
@@ -283,8 +333,11 @@ def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampli
                         r = out.result
                         assert r is not None
                         result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
-                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = \
-                            r.cached_prompt_tokens, r.prefill_s, r.decode_s
+                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = (
+                            r.cached_prompt_tokens,
+                            r.prefill_s,
+                            r.decode_s,
+                        )
                         return
                     result.token_ids += out.token_ids
                     if out.prompt_logprobs is not None:
@@ -295,4 +348,5 @@ def generate_one(runner: ModelRunner, prompt: list[int], max_tokens: int, sampli
                 core.abort("generate")
                 core.step()
                 result.finish_reason = "cancelled"
+
     return steps()

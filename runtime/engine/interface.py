@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Protocol, Sequence as Seq
 
 from ...model_spec.types import ModelSpec
-from ..backend import (BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput)
+from ..backend import BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput
 from .kv_manager import KVGeometry, KVOp
 from .sequence import Sequence
 
@@ -56,14 +56,16 @@ class ModelRunner(Protocol):
         anything of the step they came with runs. A sequence's KV lane is `seq.lane`; a newly admitted one's
         first `seq.num_cached` positions hold its cached prefix."""
 
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool,
-                launched: Callable[[], None] | None = None) -> int | None:
+    def prefill(
+        self, seq: Sequence, start: int, end: int, sample: bool, launched: Callable[[], None] | None = None
+    ) -> int | None:
         """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
         `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
         logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
 
-    def decode(self, seqs: list[Sequence], launched: Callable[[], None] | None = None
-               ) -> list[DecodeResult | Exception]:
+    def decode(
+        self, seqs: list[Sequence], launched: Callable[[], None] | None = None
+    ) -> list[DecodeResult | Exception]:
         """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
         draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
         Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it
@@ -90,21 +92,32 @@ class Backend(Protocol):
         a backend that sizes them itself), for an engine core."""
         ...
 
-    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None,
-                        images: Seq[ImageSpan] = ()) -> Iterator[StepOutput]:
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        result: GenerationResult | None = None,
+        images: Seq[ImageSpan] = (),
+    ) -> Iterator[StepOutput]:
         """Yield committed tokens step by step; stops after a stop id (which is yielded), max_tokens, or cancel.
         Fills the caller's `result` as it goes (the caller keeps it: a value per request, never backend state).
         Request mistakes raise BackendError from this call itself, before any work."""
         ...
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                 cancelled: Callable[[], bool] | None = None,
-                 images: Seq[ImageSpan] = ()) -> GenerationResult:
-        ...
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        images: Seq[ImageSpan] = (),
+    ) -> GenerationResult: ...
 
     def close(self) -> None:
         """Release what it holds (the device, its memory); nothing runs on it afterwards."""

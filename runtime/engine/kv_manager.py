@@ -134,7 +134,8 @@ class KVManager:
     def fits(self, tokens: int) -> bool:
         """Whether one sequence of `tokens` positions fits the whole cache."""
         return tokens <= self.geometry.max_context and (
-            self.pool is None or self.geometry.pages_for(tokens) <= self.pool.size)
+            self.pool is None or self.geometry.pages_for(tokens) <= self.pool.size
+        )
 
     def granted(self, seq: Sequence) -> int:
         return self.lanes[seq.lane].granted if seq.lane is not None else 0
@@ -163,7 +164,7 @@ class KVManager:
             if lane.seq is None and (n > best_n or (n == best_n and lane.freed_at < self.lanes[best].freed_at)):
                 best, best_n = i, n
         reused = max(best_n, source_n)
-        held = shared[:reused // self.geometry.page] if self.pool is not None else []
+        held = shared[: reused // self.geometry.page] if self.pool is not None else []
         if not self._room_for(tokens, held):
             return None
         lane = self.lanes[best]
@@ -208,7 +209,7 @@ class KVManager:
         self.copied_tokens += best
         lane.last_written = max(lane.last_written, self.lanes[source].last_written)
         if self.pool is not None:
-            held = shared[:best // self.geometry.page]
+            held = shared[: best // self.geometry.page]
             lane.pages.adopt(self.pool, held)
             self.ops.append(MapPages(seq.lane, 0, tuple(held)))
         seq.num_cached = best

@@ -22,12 +22,13 @@ from ..backend import BackendError
 Key = tuple[int, tuple[int, ...]]
 
 
-def page_keys(tokens: list[int], n_pages: int, page: int = KV_PAGE, first: int = 0,
-              chain: int = 0) -> Iterator[tuple[Key, int]]:
+def page_keys(
+    tokens: list[int], n_pages: int, page: int = KV_PAGE, first: int = 0, chain: int = 0
+) -> Iterator[tuple[Key, int]]:
     """(key, chain hash) of full pages first..n_pages-1 of `tokens` (n_pages * page <= len(tokens)); `chain`: the
     chain hash after page first-1 (0 before page 0)."""
     for i in range(first, n_pages):
-        key = (chain, tuple(tokens[i * page:(i + 1) * page]))
+        key = (chain, tuple(tokens[i * page : (i + 1) * page]))
         chain = hash(key)
         yield key, chain
 
@@ -138,8 +139,9 @@ class SeqPages:
     def register(self, pool: PagePool, tokens: list[int], upto: int) -> None:
         """Register the full pages below position `upto` (their K/V final) under their tokens' keys."""
         n = min(upto, len(tokens)) // pool.page
-        for i, (key, chain) in enumerate(page_keys(tokens, n, pool.page, self.registered, self._chain),
-                                         self.registered):
+        for i, (key, chain) in enumerate(
+            page_keys(tokens, n, pool.page, self.registered, self._chain), self.registered
+        ):
             pool.register(self.pages[i], key)
             self._chain = chain
         self.registered = max(self.registered, n)

@@ -48,8 +48,16 @@ class Scheduler:
     """FCFS admission under the KV manager and `max_num_seqs`; chunked prefill under `max_step_tokens` per step (a
     step's first chunk may be cut by the budget, later ones only whole: _fits_whole)."""
 
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_step_tokens: int, max_context: int,
-                 verify_block: int = 1, prefill_chunk: int | None = None, lookahead: int = 0) -> None:
+    def __init__(
+        self,
+        kv: KVManager,
+        max_num_seqs: int,
+        max_step_tokens: int,
+        max_context: int,
+        verify_block: int = 1,
+        prefill_chunk: int | None = None,
+        lookahead: int = 0,
+    ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
         # steps a runner launches before the step before them is read (ModelRunner.lookahead)
@@ -61,9 +69,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if not self.kv.fits(len(seq.prompt) + 1):
             g = self.kv.geometry
-            raise KVExhausted(f"the prompt has {len(seq.prompt)} tokens and needs "
-                              f"{g.pages_for(len(seq.prompt) + 1)} KV pages of {g.page} tokens, but the whole KV "
-                              f"cache holds {self.kv.total_pages} pages ({self.kv.total_pages * g.page} tokens)")
+            raise KVExhausted(
+                f"the prompt has {len(seq.prompt)} tokens and needs "
+                f"{g.pages_for(len(seq.prompt) + 1)} KV pages of {g.page} tokens, but the whole KV "
+                f"cache holds {self.kv.total_pages} pages ({self.kv.total_pages * g.page} tokens)"
+            )
         self.waiting.append(seq)
 
     @property
@@ -79,8 +89,9 @@ class Scheduler:
         return min(seq.num_cached + self.step_tokens(seq), self.max_context)
 
     def schedule(self) -> Schedule:
-        if not self.waiting and all(s.num_cached >= s.prefill_target and self.kv.granted(s) >= self._decode_tokens(s)
-                                    for s in self.running):
+        if not self.waiting and all(
+            s.num_cached >= s.prefill_target and self.kv.granted(s) >= self._decode_tokens(s) for s in self.running
+        ):
             return Schedule(decodes=tuple(self.running))  # the steady state: everyone decodes in pages it has
         budget = self.max_step_tokens
         decodes: list[Sequence] = []
@@ -116,8 +127,9 @@ class Scheduler:
             seq = self.waiting[0]
             if prefills and not self._fits_whole(seq, budget):
                 break
-            cached = self.kv.admit(seq, seq.reuse_limit(), min(seq.prefill_target + self.step_tokens(seq),
-                                                                self.max_context))
+            cached = self.kv.admit(
+                seq, seq.reuse_limit(), min(seq.prefill_target + self.step_tokens(seq), self.max_context)
+            )
             if cached is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

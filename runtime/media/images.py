@@ -55,8 +55,9 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageError(f"the image is too large to decode safely: {exc}") from None
     except UnidentifiedImageError:
-        raise ImageError("the data is not an image in a format this server reads (PNG, JPEG, GIF, WebP, BMP, ...)"
-                         ) from None
+        raise ImageError(
+            "the data is not an image in a format this server reads (PNG, JPEG, GIF, WebP, BMP, ...)"
+        ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated or corrupt data
         raise ImageError(f"the image cannot be decoded: {exc}") from None
     if image.width == 0 or image.height == 0:
@@ -114,12 +115,13 @@ def preprocess(image: Image.Image, vision: Gemma4VisionSpec, budget: int = DEFAU
     patches = pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
     gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
     positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
-    soft = gh * gw // (vision.pooling_kernel_size ** 2)
+    soft = gh * gw // (vision.pooling_kernel_size**2)
     return ImageInput(np.ascontiguousarray(patches), positions, soft, content_hash(rgb, budget))
 
 
-def load_image(data: bytes, vision: Gemma4VisionSpec, budget: int = DEFAULT_BUDGET,
-               max_pixels: int = MAX_PIXELS) -> ImageInput:
+def load_image(
+    data: bytes, vision: Gemma4VisionSpec, budget: int = DEFAULT_BUDGET, max_pixels: int = MAX_PIXELS
+) -> ImageInput:
     """Bytes of an image file -> its ImageInput; ImageError for anything unusable."""
     check_budget(budget)
     return preprocess(decode(data, max_pixels), vision, budget)

@@ -16,13 +16,15 @@ class ImagePlaceholderError(ValueError):
     """The prompt's `<|image|>` tokens do not match the images given (e.g. the user typed the token)."""
 
 
-def expand_image_tokens(ids: Sequence[int], images: Sequence[ImageInput],
-                        vision: Gemma4VisionSpec) -> tuple[list[int], list[ImageSpan]]:
+def expand_image_tokens(
+    ids: Sequence[int], images: Sequence[ImageInput], vision: Gemma4VisionSpec
+) -> tuple[list[int], list[ImageSpan]]:
     """(expanded ids, spans): each `<|image|>` id, in order, becomes boi + N x image + eoi for the next image."""
     found = sum(1 for t in ids if t == vision.image_token_id)
     if found != len(images):
-        raise ImagePlaceholderError(f"the prompt has {found} image placeholder(s) but {len(images)} image(s) "
-                                    "were given")
+        raise ImagePlaceholderError(
+            f"the prompt has {found} image placeholder(s) but {len(images)} image(s) were given"
+        )
     out: list[int] = []
     spans: list[ImageSpan] = []
     pending = iter(images)

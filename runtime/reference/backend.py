@@ -14,8 +14,16 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from ..backend import (BackendError, BackendFeatures, GenerationResult, ImageRowCache, ImageSpan, SamplingParams, StepOutput,
-                       StreamingBackend)
+from ..backend import (
+    BackendError,
+    BackendFeatures,
+    GenerationResult,
+    ImageRowCache,
+    ImageSpan,
+    SamplingParams,
+    StepOutput,
+    StreamingBackend,
+)
 from ..engine.core import generate_one
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
@@ -31,11 +39,20 @@ NUMERICS = ("float32", "w4a16")
 class ReferenceBackend(StreamingBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
 
-    def __init__(self, checkpoint: WeightSource, max_context: int | None = None, drafter: Drafter | None = None,
-                 prefix_cache: bool = True, embed_scale: float | None = None,
-                 expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET, numerics: str = "float32",
-                 kv_dtype: str | None = None, lm_head: str | None = None, kernels=None,
-                 encoder_slots: int = 8) -> None:
+    def __init__(
+        self,
+        checkpoint: WeightSource,
+        max_context: int | None = None,
+        drafter: Drafter | None = None,
+        prefix_cache: bool = True,
+        embed_scale: float | None = None,
+        expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET,
+        numerics: str = "float32",
+        kv_dtype: str | None = None,
+        lm_head: str | None = None,
+        kernels=None,
+        encoder_slots: int = 8,
+    ) -> None:
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         limit = self.spec.target.max_position_embeddings
@@ -46,15 +63,22 @@ class ReferenceBackend(StreamingBackend):
         if numerics == "w4a16":
             kv_dtype, lm_head = kv_dtype or "bf16", lm_head or "nvfp4"
             try:  # bad kv_dtype / lm_head / a weight source without raw NVFP4 tensors
-                self.target: TargetModel = W4A16Target(checkpoint, kv_dtype=kv_dtype, lm_head=lm_head,
-                                                       embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes,
-                                                       kernels=kernels)
+                self.target: TargetModel = W4A16Target(
+                    checkpoint,
+                    kv_dtype=kv_dtype,
+                    lm_head=lm_head,
+                    embed_scale=embed_scale,
+                    expert_budget_bytes=expert_budget_bytes,
+                    kernels=kernels,
+                )
             except (ValueError, RuntimeError) as exc:
                 raise BackendError(f"numerics 'w4a16': {exc}") from None
         elif numerics == "float32":
             if kv_dtype is not None or lm_head is not None or kernels is not None:
-                raise BackendError("kv_dtype, lm_head and kernels describe the CUDA engine: they apply to "
-                                   "numerics='w4a16' only (float32 keeps everything in float32)")
+                raise BackendError(
+                    "kv_dtype, lm_head and kernels describe the CUDA engine: they apply to "
+                    "numerics='w4a16' only (float32 keeps everything in float32)"
+                )
             self.target = TargetModel(checkpoint, embed_scale=embed_scale, expert_budget_bytes=expert_budget_bytes)
         else:
             raise BackendError(f"numerics {numerics!r}: choose one of {', '.join(NUMERICS)}")
@@ -64,8 +88,9 @@ class ReferenceBackend(StreamingBackend):
         self.drafter = drafter
         self.decoder = Decoder(self.target, drafter)
         self.prefix_cache = prefix_cache
-        self.encoder_cache = (ImageRowCache(VisionModel(checkpoint), encoder_slots) if self.spec.vision is not None
-                              else None)
+        self.encoder_cache = (
+            ImageRowCache(VisionModel(checkpoint), encoder_slots) if self.spec.vision is not None else None
+        )
 
     @property
     def features(self) -> BackendFeatures:
@@ -80,12 +105,26 @@ class ReferenceBackend(StreamingBackend):
         so a prefix cache lives as long as the engine core driving the runner)."""
         return ReferenceRunner(self, max_num_seqs, kv_tokens)
 
-    def generate_stream(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                        stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-                        cancelled: Callable[[], bool] | None = None,
-                        result: GenerationResult | None = None,
-                        images: Sequence[ImageSpan] = ()) -> Iterator[StepOutput]:
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        result: GenerationResult | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> Iterator[StepOutput]:
         """Yield committed tokens step by step, filling `result` as they come (one request, engine core)."""
-        return generate_one(self.runner(1, self.max_context), list(prompt_ids), max_tokens, sampling,
-                            frozenset(stop_ids), speculative, cancelled,
-                            GenerationResult() if result is None else result, tuple(images))
+        return generate_one(
+            self.runner(1, self.max_context),
+            list(prompt_ids),
+            max_tokens,
+            sampling,
+            frozenset(stop_ids),
+            speculative,
+            cancelled,
+            GenerationResult() if result is None else result,
+            tuple(images),
+        )

@@ -136,7 +136,7 @@ class DFlashDrafter:
             k = np.concatenate([kv.keys(l, start), kb], axis=0)
             v = np.concatenate([kv.values(l, start), vb], axis=0)
             vis = window_visible(qpos, kpos, causal=s.is_causal(l), window=s.layer_window(l))
-            o = attend(q, k, v, vis, scale=s.head_dim ** -0.5)
+            o = attend(q, k, v, vis, scale=s.head_dim**-0.5)
             h = h + mm(o, self.w.get(p + "self_attn.o_proj.weight"))
             hn = self._norm(p + "post_attention_layernorm.weight", h)
             mlp = silu(mm(hn, self.w.get(p + "mlp.gate_proj.weight"))) * mm(hn, self.w.get(p + "mlp.up_proj.weight"))

@@ -34,8 +34,13 @@ class AttnShape:
     def of(cls, params: dict) -> "AttnShape":
         """From an attn_fwd kernel's constants (mt, tk, nsplit, hq, hkv, scale_log2)."""
         g = int(params["hq"]) // int(params["hkv"])
-        return cls(int(params["tk"]), 16 * int(params["mt"]) // g, int(params["nsplit"]), float(params["scale_log2"]),
-                   int(params["tpp"]))
+        return cls(
+            int(params["tk"]),
+            16 * int(params["mt"]) // g,
+            int(params["nsplit"]),
+            float(params["scale_log2"]),
+            int(params["tpp"]),
+        )
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -44,8 +49,17 @@ def fma32(a, b, c) -> np.ndarray:
     return (a64 * b64 + np.asarray(c, F32).astype(F64)).astype(F32)
 
 
-def _online(q: np.ndarray, keys: np.ndarray, values: np.ndarray, row_lo: np.ndarray, row_hi: np.ndarray, t0: int,
-            t1: int, shape: AttnShape, kv: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _online(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    row_lo: np.ndarray,
+    row_hi: np.ndarray,
+    t0: int,
+    t1: int,
+    shape: AttnShape,
+    kv: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """attn_fwd's online softmax of rows q [Hkv, R, D] over key tiles t0..t1-1 (absolute key j = tile*TK + i; keys
     and values [n, Hkv, D] hold positions 0..n-1): per tile fp32 scores (q.k) * scale_log2, running max, p =
     exp2(s - max) in fp32, P rounded to bf16 (fp16 for fp8 caches) for the P.V mma while the row sum l takes the
@@ -98,8 +112,16 @@ def _from_rows(x: np.ndarray, m: int, hq: int) -> np.ndarray:
     return x.reshape(hkv, m, hq // hkv, d).transpose(1, 0, 2, 3).reshape(m, hq, d)
 
 
-def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
-                   shape: AttnShape, kv: str, kv_hi: np.ndarray | None = None) -> np.ndarray:
+def attention_rows(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    p0: int,
+    window: int | None,
+    shape: AttnShape,
+    kv: str,
+    kv_hi: np.ndarray | None = None,
+) -> np.ndarray:
     """Output [m, Hq, D] (fp16 values, float64) of an attn_fwd launch with NSPLIT == 1 for causal queries q
     [m, Hq, D] at positions p0.. over keys/values [n, Hkv, D] of positions 0..n-1: O * (1/l) in fp32, then fp16.
     `kv_hi` (the KV_HI kernel: a chunk holding image spans): query i sees keys up to max(p0 + i, kv_hi[i])."""
@@ -111,8 +133,17 @@ def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int,
         lo, hi = _bounds(p0 + np.arange(a, b), window)
         if kv_hi is not None:
             hi = np.maximum(hi, np.asarray(kv_hi[a:b], np.int64))
-        o, _, l = _online(_as_rows(q[a:b], hkv, kv), keys, values, np.repeat(lo, g), np.repeat(hi, g),
-                          int(lo.min()) // shape.tk, int(hi.max()) // shape.tk + 1, shape, kv)
+        o, _, l = _online(
+            _as_rows(q[a:b], hkv, kv),
+            keys,
+            values,
+            np.repeat(lo, g),
+            np.repeat(hi, g),
+            int(lo.min()) // shape.tk,
+            int(hi.max()) // shape.tk + 1,
+            shape,
+            kv,
+        )
         with np.errstate(divide="ignore"):
             inv = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
         out[a:b] = _from_rows(round_to((o * inv[..., None]).astype(F32), "f16"), b - a, hq)
@@ -132,8 +163,9 @@ def _part(z: int, t_lo: int, ntiles: int, shape: AttnShape) -> int:
     return t_lo + z * ntiles // shape.nsplit
 
 
-def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None,
-                       shape: AttnShape, kv: str) -> tuple[np.ndarray, np.ndarray]:
+def attention_partials(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, p0: int, window: int | None, shape: AttnShape, kv: str
+) -> tuple[np.ndarray, np.ndarray]:
     """The flash-decoding workspace of an attn_fwd launch with NSPLIT > 1: per split unnormalised O [NS, m, Hq, D]
     and (max, sum) [NS, m, Hq, 2] (float32; an empty split: (-inf, 0), O = 0). Splits cut each query block's tile
     range [lo(first query) / TK, last visible key / TK] into parts as the kernel does: its chunks of TPP tiles (chunk c
@@ -183,8 +215,10 @@ def attention_shapes(spec, manifest, kv_dtype: str) -> dict[str, tuple[AttnShape
     try:  # a decode step, and the widest prefill chunk range
         dec, pre = programs[program_key(decode=True)][0], programs[program_key(last=True)][-1]
     except KeyError:
-        raise ValueError(f"the kernel manifest {manifest.path} has no decode and prefill step programs for "
-                         f"KV {kv}; rebuild with `thorgen build`") from None
+        raise ValueError(
+            f"the kernel manifest {manifest.path} has no decode and prefill step programs for "
+            f"KV {kv}; rebuild with `thorgen build`"
+        ) from None
     out = {}
     for l, kind in enumerate(t.layer_types):
         if kind in out:
@@ -193,8 +227,10 @@ def attention_shapes(spec, manifest, kv_dtype: str) -> dict[str, tuple[AttnShape
         for prog in (dec, pre):
             name = next((op["kernel"] for op in prog["launches"] if op["label"] == f"layers.{l}.attention"), None)
             if name is None or name not in manifest.kernels:
-                raise ValueError(f"the kernel manifest {manifest.path}: no attention kernel of layer {l} in its "
-                                 f"{prog['lo']}-{prog['hi']}-row program")
+                raise ValueError(
+                    f"the kernel manifest {manifest.path}: no attention kernel of layer {l} in its "
+                    f"{prog['lo']}-{prog['hi']}-row program"
+                )
             shapes.append(AttnShape.of(manifest.kernels[name].params))
         out[kind] = (shapes[0], shapes[1])
     return out

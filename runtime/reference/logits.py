@@ -18,8 +18,9 @@ import numpy as np
 from ..backend import SamplingParams, TokenLogprob
 
 
-def process(logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int],
-            allowed: np.ndarray | None) -> np.ndarray:
+def process(
+    logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int], allowed: np.ndarray | None
+) -> np.ndarray:
     """Steps 1-5 of the recipe on one row of softcapped logits [V]; returns a new float64 row of float32 values,
     so that a seeded sample picks from the values the device's lm_pick picks from."""
     out = logits.astype(np.float64)

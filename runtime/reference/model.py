@@ -38,14 +38,16 @@ class ForwardOutput:
 class TargetModel:
     """Reference Gemma-4 target. `source` is a Checkpoint (or any WeightSource) whose `.spec` is a ModelSpec."""
 
-    def __init__(self, source: WeightSource, embed_scale: float | None = None,
-                 expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
+    def __init__(
+        self, source: WeightSource, embed_scale: float | None = None, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET
+    ) -> None:
         self.spec: Gemma4TextSpec = source.spec.target
         self.w = TargetWeights(source, expert_budget_bytes)
         self.embed_scale = F32(self.spec.embed_scale if embed_scale is None else embed_scale)
         s = self.spec
-        self._inv_freq = [np.asarray(s.layer_rope(l).inv_freq(s.layer_head_dim(l)), dtype=F64)
-                          for l in range(s.num_hidden_layers)]
+        self._inv_freq = [
+            np.asarray(s.layer_rope(l).inv_freq(s.layer_head_dim(l)), dtype=F64) for l in range(s.num_hidden_layers)
+        ]
 
     # ---- pieces ---------------------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -66,8 +68,9 @@ class TargetModel:
     def _norm(self, layer: int, name: str, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.w.plain(f"layers.{layer}.{name}.weight"), self.spec.rms_norm_eps)
 
-    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int,
-                   blocks: np.ndarray | None = None) -> np.ndarray:
+    def _attention(
+        self, layer: int, x: np.ndarray, cache: KVCache, start: int, blocks: np.ndarray | None = None
+    ) -> np.ndarray:
         s, t = self.spec, x.shape[0]
         d, nq, nkv = s.layer_head_dim(layer), s.num_attention_heads, s.layer_kv_heads(layer)
         p = f"layers.{layer}.self_attn."
@@ -96,7 +99,7 @@ class TargetModel:
         """Router on the raw residual x [T, H] -> (weights [T, K] float32, expert ids [T, K])."""
         s = self.spec
         p = f"layers.{layer}.router."
-        hn = rms_norm(x, None, s.rms_norm_eps) * self.w.plain(p + "scale") * F32(s.hidden_size ** -0.5)
+        hn = rms_norm(x, None, s.rms_norm_eps) * self.w.plain(p + "scale") * F32(s.hidden_size**-0.5)
         logits = mm(hn, self.w.plain(p + "proj.weight")).astype(F64)
         logits -= logits.max(axis=-1, keepdims=True)
         probs = np.exp(logits)
@@ -123,16 +126,19 @@ class TargetModel:
     def _feed_forward(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"layers.{layer}.mlp."
         h = self._norm(layer, "pre_feedforward_layernorm", x)
-        h1 = mm(gelu_tanh(mm(h, self.w.linear(p + "gate_proj"))) * mm(h, self.w.linear(p + "up_proj")),
-                self.w.linear(p + "down_proj"))
+        h1 = mm(
+            gelu_tanh(mm(h, self.w.linear(p + "gate_proj"))) * mm(h, self.w.linear(p + "up_proj")),
+            self.w.linear(p + "down_proj"),
+        )
         h1 = self._norm(layer, "post_feedforward_layernorm_1", h1)
         weights, idx = self.route(layer, x)  # the router reads the un-normed residual
         h2 = self._experts(layer, self._norm(layer, "pre_feedforward_layernorm_2", x), weights, idx)
         h2 = self._norm(layer, "post_feedforward_layernorm_2", h2)
         return self._norm(layer, "post_feedforward_layernorm", h1 + h2)
 
-    def layer(self, layer: int, x: np.ndarray, cache: KVCache, start: int,
-              blocks: np.ndarray | None = None) -> np.ndarray:
+    def layer(
+        self, layer: int, x: np.ndarray, cache: KVCache, start: int, blocks: np.ndarray | None = None
+    ) -> np.ndarray:
         h = self._attention(layer, self._norm(layer, "input_layernorm", x), cache, start, blocks)
         x = x + self._norm(layer, "post_attention_layernorm", h)
         x = x + self._feed_forward(layer, x)
@@ -156,14 +162,20 @@ class TargetModel:
         blocks = np.full(ids.size, -1, dtype=np.int64)
         for b, (row, emb) in enumerate(images):
             n = emb.shape[0]
-            if row < 0 or row + n > ids.size or (blocks[row:row + n] >= 0).any():
+            if row < 0 or row + n > ids.size or (blocks[row : row + n] >= 0).any():
                 raise ValueError(f"image rows {row}..{row + n} overlap another image or leave the {ids.size} rows")
-            x[row:row + n] = emb
-            blocks[row:row + n] = b
+            x[row : row + n] = emb
+            blocks[row : row + n] = b
         return x, blocks
 
-    def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
-                last_only: bool = False, images: ImageRows = ()) -> ForwardOutput:
+    def forward(
+        self,
+        ids: list[int] | np.ndarray,
+        cache: KVCache,
+        taps: tuple[int, ...] = (),
+        last_only: bool = False,
+        images: ImageRows = (),
+    ) -> ForwardOutput:
         """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps)."""
         ids = self.check_ids(ids)
         start = cache.length

@@ -27,7 +27,7 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return (x64 @ w.astype(F64).T).astype(F32)
     out = np.empty(x.shape[:-1] + (w.shape[0],), dtype=F32)
     for s in range(0, w.shape[0], MM_CHUNK):
-        out[..., s:s + MM_CHUNK] = x64 @ w[s:s + MM_CHUNK].astype(F64).T
+        out[..., s : s + MM_CHUNK] = x64 @ w[s : s + MM_CHUNK].astype(F64).T
     return out
 
 
@@ -44,7 +44,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU with the tanh approximation (gelu_pytorch_tanh)."""
     x64 = x.astype(F64)
-    inner = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)
+    inner = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
     return (0.5 * x64 * (1.0 + np.tanh(inner))).astype(F32)
 
 
@@ -94,7 +94,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, sca
         if idx.size == 0:
             raise ValueError(f"attention row {i} sees no key")
         if idx[-1] - idx[0] + 1 == idx.size:  # causal/window/bidirectional masks are one contiguous run
-            kk, vv = k64[idx[0]: idx[-1] + 1], v64[idx[0]: idx[-1] + 1]  # [n, Hkv, D] views, no copy
+            kk, vv = k64[idx[0] : idx[-1] + 1], v64[idx[0] : idx[-1] + 1]  # [n, Hkv, D] views, no copy
         else:
             kk, vv = k64[idx], v64[idx]
         qi = q[i].astype(F64).reshape(hkv, group, d)
@@ -106,8 +106,14 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, sca
     return out.reshape(tq, -1)
 
 
-def window_visible(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int | None,
-                   q_block: np.ndarray | None = None, k_block: np.ndarray | None = None) -> np.ndarray:
+def window_visible(
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    causal: bool,
+    window: int | None,
+    q_block: np.ndarray | None = None,
+    k_block: np.ndarray | None = None,
+) -> np.ndarray:
     """Visibility [Tq, Tk]: causal -> j <= i; window W -> i - j < W (inclusive of self: W keys).
 
     q_block / k_block (block id per position, -1 for text): a query also sees the later keys of its own block

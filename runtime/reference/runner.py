@@ -28,8 +28,9 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill call (the engine core interleav
 
 
 class ReferenceRunner:
-    def __init__(self, backend, max_num_seqs: int = 8, kv_tokens: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(
+        self, backend, max_num_seqs: int = 8, kv_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK
+    ) -> None:
         self.backend, self.decoder = backend, backend.decoder
         self.max_context, self.max_num_seqs = backend.max_context, max_num_seqs
         drafter = backend.drafter
@@ -37,8 +38,9 @@ class ReferenceRunner:
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
         self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
-        self.kv_geometry = reference_geometry(backend.spec, max_num_seqs, self.max_context, kv_tokens,
-                                              backend.prefix_cache)
+        self.kv_geometry = reference_geometry(
+            backend.spec, max_num_seqs, self.max_context, kv_tokens, backend.prefix_cache
+        )
         self._lanes: list[SeqState | None] = [None] * max_num_seqs
 
     def check(self, seq: Sequence) -> None:
@@ -94,13 +96,21 @@ class ReferenceRunner:
         pick = _Pick.of(seq) if sample else None
         score = None
         if seq.scores_prompt:
-            targets, top = seq.prompt[start + 1:seq.scored_upto(start, end)], seq.sampling.prompt_logprobs
+            targets, top = seq.prompt[start + 1 : seq.scored_upto(start, end)], seq.sampling.prompt_logprobs
 
             def score(logits: np.ndarray) -> None:
                 seq.prompt_logprobs.extend(token_logprob(logits[i], t, top) for i, t in enumerate(targets))
-        token = self.decoder.prefill(state, seq.tokens[start:end], seq.sampling, end if sample else None, pick,
-                                     score, self._image_rows(seq, start, end) if seq.images else (),
-                                     keys_of(seq, end)[start:] if seq.images else None)
+
+        token = self.decoder.prefill(
+            state,
+            seq.tokens[start:end],
+            seq.sampling,
+            end if sample else None,
+            pick,
+            score,
+            self._image_rows(seq, start, end) if seq.images else (),
+            keys_of(seq, end)[start:] if seq.images else None,
+        )
         if pick is not None:
             seq.step_logprobs = pick.logprobs
         return token
@@ -123,8 +133,9 @@ class ReferenceRunner:
         state = self._state(seq, start)
         speculative = seq.speculative and not seq.sampling.processed
         pick = _Pick.of(seq)
-        tokens = self.decoder.step(state, seq.output[-1], start, seq.sampling, speculative,
-                                   seq.room(self.max_context), pick)
+        tokens = self.decoder.step(
+            state, seq.output[-1], start, seq.sampling, speculative, seq.room(self.max_context), pick
+        )
         if pick is not None:
             seq.step_logprobs = pick.logprobs
         return tokens, speculative
@@ -143,8 +154,11 @@ def reference_geometry(spec, lanes: int, max_context: int, kv_tokens: int | None
     paged = any(w is None for w in windows)
     if spec.drafter is not None:
         windows += [spec.drafter.layer_window(l) for l in range(spec.drafter.num_hidden_layers)]
-    rings = tuple((w, ring_slots(w, MAX_STEP_TOKENS)) for w in windows
-                  if w is not None and ring_slots(w, MAX_STEP_TOKENS) < max_context)
+    rings = tuple(
+        (w, ring_slots(w, MAX_STEP_TOKENS))
+        for w in windows
+        if w is not None and ring_slots(w, MAX_STEP_TOKENS) < max_context
+    )
     tokens = lanes * max_context if kv_tokens is None else kv_tokens
     return KVGeometry(lanes, max_context, -(-tokens // KV_PAGE) if paged else 0, rings, KV_PAGE, prefix_cache)
 
@@ -168,8 +182,11 @@ class _Pick:
             allowed = self.seq.allowed(row.shape[0], len(self.picked))
             z = process(row, params, self.seq.prompt, self.seq.output + self.picked, allowed)
             if not np.all(z < np.inf):  # +inf or NaN: refused as the device's lm_process status refuses it
-                raise SequenceFailed(self.seq.request_id, "a processed logit is not finite (its penalties or "
-                                     f"logit_bias overflowed) at position {position}", request_fault=True)
+                raise SequenceFailed(
+                    self.seq.request_id,
+                    f"a processed logit is not finite (its penalties or logit_bias overflowed) at position {position}",
+                    request_fault=True,
+                )
         token = sample(z, params, position)
         if matcher is not None:
             matcher.accept(token)

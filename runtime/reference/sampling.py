@@ -48,7 +48,7 @@ def position_key(seed: int, position: int) -> np.uint64:
 def uniforms(seed: int, position: int, n: int) -> np.ndarray:
     """u_v for v = 0..n-1 as float32 in (0, 1)."""
     h = splitmix64(position_key(seed, position) ^ np.arange(n, dtype=np.uint64))
-    return (((h >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)).astype(np.float32)
+    return (((h >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)).astype(np.float32)
 
 
 def gumbel(seed: int, position: int, n: int) -> np.ndarray:

@@ -62,8 +62,11 @@ class Decoder:
     def _forward(self, state: SeqState, ids: list[int], last_only: bool, images: ImageRows = ()) -> np.ndarray:
         extra = {"images": images} if images else {}
         out = self.target.forward(ids, state.kv, taps=self.tap_layers, last_only=last_only, **extra)
-        self._pending_taps = (np.concatenate([out.taps[l] for l in self.tap_layers], axis=-1)
-                              if self.tap_layers else np.zeros((len(ids), 0), dtype=np.float32))
+        self._pending_taps = (
+            np.concatenate([out.taps[l] for l in self.tap_layers], axis=-1)
+            if self.tap_layers
+            else np.zeros((len(ids), 0), dtype=np.float32)
+        )
         return out.logits
 
     def _commit(self, state: SeqState, ids: list[int], n: int) -> None:
@@ -73,10 +76,17 @@ class Decoder:
             state.draft.append(self._pending_taps[:n])
         state.tokens.extend(ids[:n])
 
-    def prefill(self, state: SeqState, ids: list[int], sampling: SamplingParams,
-                sample_at: int | None, pick: Pick | None = None,
-                score: Callable[[np.ndarray], None] | None = None, images: ImageRows = (),
-                keys: list[int] | None = None) -> int | None:
+    def prefill(
+        self,
+        state: SeqState,
+        ids: list[int],
+        sampling: SamplingParams,
+        sample_at: int | None,
+        pick: Pick | None = None,
+        score: Callable[[np.ndarray], None] | None = None,
+        images: ImageRows = (),
+        keys: list[int] | None = None,
+    ) -> int | None:
         """Forward `ids` after what `state` covers and keep them; with `sample_at` (the new token's position),
         sample the token that follows them (with `pick` where given, else the plain sampler). `score` is given
         every row's softcapped logits [len(ids), V] (prompt logprobs). `images` (row, embeddings) replace rows;
@@ -89,15 +99,25 @@ class Decoder:
             return None
         return sample(logits[-1], sampling, sample_at) if pick is None else pick(logits[-1], sample_at)
 
-    def step(self, state: SeqState, tok: int, start: int, sampling: SamplingParams, speculative: bool,
-             room: int, pick: Pick | None = None) -> list[int]:
+    def step(
+        self,
+        state: SeqState,
+        tok: int,
+        start: int,
+        sampling: SamplingParams,
+        speculative: bool,
+        room: int,
+        pick: Pick | None = None,
+    ) -> list[int]:
         """One step for `tok` at position `start` (not yet in the K/V): plain, or draft + verify of a block of at
         most `room` tokens. Returns the committed tokens (accepted drafts + the bonus token) and keeps their
         K/V; the engine core cuts them at a stop id. `pick` (default: the plain sampler) is called once per
         committed token, in order."""
         if pick is None:
+
             def pick(row: np.ndarray, position: int) -> int:
                 return sample(row, sampling, position)
+
         drafts: list[int] = []
         n_drafts = min(self.drafter.block_size, room) - 1 if speculative and self.drafter else 0
         if sampling.draft_tokens is not None:  # the request's own cap (the drafter still runs its whole block)

@@ -24,13 +24,13 @@ def rope_2d(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     inv_freq = 1.0 / theta ** (np.arange(0, half, 2, dtype=F64) / half)
     out = np.empty_like(x)
     for axis in range(2):
-        part = x[..., axis * half:(axis + 1) * half]
+        part = x[..., axis * half : (axis + 1) * half]
         ang = positions[:, axis].astype(F64)[:, None] * inv_freq[None, :]
         ang = np.concatenate([ang, ang], axis=-1)
         cos, sin = np.cos(ang).astype(F32)[:, None, :], np.sin(ang).astype(F32)[:, None, :]
         q = half // 2
         rot = np.concatenate([-part[..., q:], part[..., :q]], axis=-1)
-        out[..., axis * half:(axis + 1) * half] = part * cos + rot * sin
+        out[..., axis * half : (axis + 1) * half] = part * cos + rot * sin
     return out.astype(F32)
 
 
@@ -92,7 +92,7 @@ class VisionModel:
         n = int(rows.max()) + 1
         pooled = np.zeros((n, x.shape[1]), dtype=F64)
         np.add.at(pooled, rows, x.astype(F64))
-        pooled = pooled / (s.pooling_kernel_size ** 2) * np.sqrt(F64(s.hidden_size))
+        pooled = pooled / (s.pooling_kernel_size**2) * np.sqrt(F64(s.hidden_size))
         pooled = (pooled - self.w("std_bias").astype(F64)) * self.w("std_scale").astype(F64)
         return (pooled / np.sqrt(np.mean(pooled * pooled, axis=-1, keepdims=True) + s.rms_norm_eps)).astype(F32)
 

@@ -59,7 +59,7 @@ def rms(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F64)
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -90,8 +90,10 @@ class EngineWeights(TargetWeights):
 
     def __init__(self, source: WeightSource, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET) -> None:
         if not callable(getattr(source, "nvfp4_parts", None)):
-            raise ValueError("numerics 'w4a16' needs the raw NVFP4 tensors: the weight source has no nvfp4_parts() "
-                             "(open the checkpoint with thorgen.model_spec.checkpoint.Checkpoint)")
+            raise ValueError(
+                "numerics 'w4a16' needs the raw NVFP4 tensors: the weight source has no nvfp4_parts() "
+                "(open the checkpoint with thorgen.model_spec.checkpoint.Checkpoint)"
+            )
         super().__init__(source, expert_budget_bytes)
 
     def load_linear(self, prefix: str) -> np.ndarray:
@@ -105,9 +107,15 @@ class EngineWeights(TargetWeights):
 class W4A16Target(TargetModel):
     """The reference target at the CUDA engine's precision; same interface as TargetModel."""
 
-    def __init__(self, source: WeightSource, kv_dtype: str = "bf16", lm_head: str = "nvfp4",
-                 embed_scale: float | None = None, expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET,
-                 kernels=None) -> None:
+    def __init__(
+        self,
+        source: WeightSource,
+        kv_dtype: str = "bf16",
+        lm_head: str = "nvfp4",
+        embed_scale: float | None = None,
+        expert_budget_bytes: int = DEFAULT_EXPERT_BUDGET,
+        kernels=None,
+    ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         if lm_head not in LM_HEADS:
@@ -116,8 +124,10 @@ class W4A16Target(TargetModel):
         self.w = EngineWeights(source, expert_budget_bytes)
         self.kv_dtype, self.lm_head_kind = kv_dtype, lm_head
         if kernels is None:
-            raise ValueError("needs the built kernels (a folder with manifest.json from `thorgen build`, or a loaded "
-                             "KernelManifest): attention is emulated with the engine's own tile and split sizes")
+            raise ValueError(
+                "needs the built kernels (a folder with manifest.json from `thorgen build`, or a loaded "
+                "KernelManifest): attention is emulated with the engine's own tile and split sizes"
+            )
         manifest = kernels if hasattr(kernels, "kernels") else load_manifest(kernels)
         self._attn_shapes = attention_shapes(source.spec, manifest, kv_dtype)
         self.max_step_tokens = manifest.max_step_tokens
@@ -142,15 +152,16 @@ class W4A16Target(TargetModel):
         h64 = np.asarray(h, F64)
         out = np.empty((h64.shape[0], w.shape[0]), F32)
         for s in range(0, w.shape[0], LM_CHUNK):
-            out[:, s:s + LM_CHUNK] = h64 @ (w[s:s + LM_CHUNK].astype(F64) * inv).T
+            out[:, s : s + LM_CHUNK] = h64 @ (w[s : s + LM_CHUNK].astype(F64) * inv).T
         return softcap(out, self.spec.final_logit_softcapping)
 
     # ---- one decoder layer --------------------------------------------------------------------------------------
     def _gemm(self, x: np.ndarray, prefix: str) -> np.ndarray:
         return round_to(x @ self.w.linear(prefix).T, "f32")
 
-    def _attention_block(self, l: int, x: np.ndarray, a: np.ndarray, cache: KVCache, start: int,
-                         kv_hi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _attention_block(
+        self, l: int, x: np.ndarray, a: np.ndarray, cache: KVCache, start: int, kv_hi: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """qkv GEMM, rope_kv, attention, o_proj, attn_tail -> (residual x f32, a1 f16, a2 f16)."""
         s, t = self.spec, x.shape[0]
         eps, d, nq, nkv = s.rms_norm_eps, s.layer_head_dim(l), s.num_attention_heads, s.layer_kv_heads(l)
@@ -172,8 +183,9 @@ class W4A16Target(TargetModel):
         a2 = round_to(n * self.w.plain(f"layers.{l}.pre_feedforward_layernorm_2.weight"), "f16")
         return round_to(xn, "f32"), a1, a2
 
-    def _engine_attention(self, l: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                          start: int, kv_hi: np.ndarray | None = None) -> np.ndarray:
+    def _engine_attention(
+        self, l: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, kv_hi: np.ndarray | None = None
+    ) -> np.ndarray:
         """The engine's attention launches for the rows q [T, Hq, D] at positions start..: prefill chunks of
         max_step_tokens rows, each the prefill kernel (> VERIFY_ROWS rows) or the decode/verify kernel
         (<= VERIFY_ROWS, split-K + combine where it has NSPLIT > 1). `kv_hi` (a chunk holding images): a sliding
@@ -182,8 +194,9 @@ class W4A16Target(TargetModel):
         window, out = self.spec.layer_window(l), np.empty(q.shape, F64)
         if kv_hi is not None and window:
             if q.shape[0] > self.max_step_tokens:
-                raise ValueError(f"a chunk holding images has {q.shape[0]} rows; the engine runs at most "
-                                 f"{self.max_step_tokens}")
+                raise ValueError(
+                    f"a chunk holding images has {q.shape[0]} rows; the engine runs at most {self.max_step_tokens}"
+                )
             return attention_rows(q, keys, values, start, window, pre, self.kv_dtype, kv_hi)
         for a in range(0, q.shape[0], self.max_step_tokens):
             b = min(q.shape[0], a + self.max_step_tokens)
@@ -191,14 +204,15 @@ class W4A16Target(TargetModel):
             if shape.nsplit == 1:
                 out[a:b] = attention_rows(q[a:b], keys, values, start + a, window, shape, self.kv_dtype)
             else:
-                out[a:b] = attention_combine(*attention_partials(q[a:b], keys, values, start + a, window, shape,
-                                                                 self.kv_dtype))
+                out[a:b] = attention_combine(
+                    *attention_partials(q[a:b], keys, values, start + a, window, shape, self.kv_dtype)
+                )
         return out
 
     def route(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """router_logits + router_topk on the float32-valued residual x -> (float32 weights [T, K], ids [T, K])."""
         s, p = self.spec, f"layers.{l}.router."
-        hn = rms(x, None, s.rms_norm_eps) * self.w.plain(p + "scale") * s.hidden_size ** -0.5
+        hn = rms(x, None, s.rms_norm_eps) * self.w.plain(p + "scale") * s.hidden_size**-0.5
         logits = round_to(hn @ self.w.plain(p + "proj.weight").astype(F64).T, "f32")
         prob = np.exp(logits - logits.max(-1, keepdims=True))
         prob /= prob.sum(-1, keepdims=True)
@@ -223,8 +237,9 @@ class W4A16Target(TargetModel):
             y += contrib[:, r]
         return round_to(y, "f32")
 
-    def _ffn_block(self, l: int, x: np.ndarray, a1: np.ndarray, a2: np.ndarray,
-                   w_next: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _ffn_block(
+        self, l: int, x: np.ndarray, a1: np.ndarray, a2: np.ndarray, w_next: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """router, dense MLP, MoE, ffn_tail -> (residual x f32 after layer_scalar, next norm's output f16)."""
         eps, p = self.spec.rms_norm_eps, f"layers.{l}."
         weights, idx = self.route(l, x)
@@ -232,14 +247,23 @@ class W4A16Target(TargetModel):
         mlp = self._gemm(act, p + "mlp.down_proj")
         moe = self._moe(l, a2, weights, idx)
         pl = lambda n: self.w.plain(f"{p}{n}.weight")  # noqa: E731
-        h = rms(rms(mlp, pl("post_feedforward_layernorm_1"), eps) + rms(moe, pl("post_feedforward_layernorm_2"), eps),
-                pl("post_feedforward_layernorm"), eps)
+        h = rms(
+            rms(mlp, pl("post_feedforward_layernorm_1"), eps) + rms(moe, pl("post_feedforward_layernorm_2"), eps),
+            pl("post_feedforward_layernorm"),
+            eps,
+        )
         xn = (x + h) * F64(self.w.plain(f"{p}layer_scalar")[0])
         return round_to(xn, "f32"), round_to(rms(xn, w_next, eps), "f16")
 
     # ---- whole model ------------------------------------------------------------------------------------------
-    def forward(self, ids: list[int] | np.ndarray, cache: KVCache, taps: tuple[int, ...] = (),
-                last_only: bool = False, images: ImageRows = ()) -> ForwardOutput:
+    def forward(
+        self,
+        ids: list[int] | np.ndarray,
+        cache: KVCache,
+        taps: tuple[int, ...] = (),
+        last_only: bool = False,
+        images: ImageRows = (),
+    ) -> ForwardOutput:
         """Run tokens `ids` at positions cache.length.. ; appends their K/V; returns logits (+ taps). `images`:
         (row, float32 rows [N, H]) replacing those rows' embeddings, each span one block (key_bounds)."""
         ids = self.check_ids(ids)

@@ -41,7 +41,8 @@ def json_grammar(schema: dict | None, tok: Any) -> str:
 
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps({"type": "object"} if schema is None else schema), defaults=JSON_OPTIONS)
+            json.dumps({"type": "object"} if schema is None else schema), defaults=JSON_OPTIONS
+        )
     except ValueError as exc:
         raise ValueError(f"the JSON schema is invalid: {exc}") from None
     error = llguidance.LLMatcher.validate_grammar(text, tok)

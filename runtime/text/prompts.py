@@ -26,6 +26,7 @@ FILLER_LINE = "This is filler context line for retrieval testing. " * 4 + "\n"
 
 # ---- suite files ------------------------------------------------------------------------------------------------
 
+
 def load_suite(path: str | Path) -> list[dict]:
     """The entries of a suite file; ValueError naming the file and entry when one is malformed."""
     try:
@@ -34,7 +35,7 @@ def load_suite(path: str | Path) -> list[dict]:
         raise ValueError(f"{path}: cannot read the prompt suite ({exc})") from None
     entries = doc.get("prompts") if isinstance(doc, dict) else doc
     if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{path}: no prompts (expected {{\"prompts\": [...]}})")
+        raise ValueError(f'{path}: no prompts (expected {{"prompts": [...]}})')
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "id" not in entry or ("messages" not in entry and "_build" not in entry):
             raise ValueError(f"{path}: entry {i} needs an id and messages (or a _build recipe)")
@@ -75,16 +76,17 @@ def filler_for_tokens(entry: dict, target: int, count: Callable[[int], int]) -> 
 
 # ---- chat templates ---------------------------------------------------------------------------------------------
 
+
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
 def template_environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers' apply_chat_template uses, so a template renders identically in both."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
-        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -112,8 +114,9 @@ def load_chat_template(model_dir: Path, embedded: str | None = None) -> tuple[st
 class PromptRenderer:
     """Suite entries -> prompt token ids through one checkpoint's template and tokenizer."""
 
-    def __init__(self, model_dir: Path, embedded_template: str | None = None,
-                 tokenizer_path: Path | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, embedded_template: str | None = None, tokenizer_path: Path | None = None
+    ) -> None:
         from .tokenizer import Tokenizer
 
         source, self.bos = load_chat_template(Path(model_dir), embedded_template)
@@ -130,6 +133,7 @@ class PromptRenderer:
         """The prompt ids of one entry; a needle entry with "prompt_tokens" (and no override) is sized to it."""
         tools = entry.get("tools")
         if filler_repeats is None and entry.get("_build") == "needle" and "prompt_tokens" in entry:
-            filler_repeats = filler_for_tokens(entry, int(entry["prompt_tokens"]),
-                                               lambda r: len(self.encode(build_messages(entry, r), tools)))
+            filler_repeats = filler_for_tokens(
+                entry, int(entry["prompt_tokens"]), lambda r: len(self.encode(build_messages(entry, r), tools))
+            )
         return self.encode(build_messages(entry, filler_repeats), tools)

@@ -88,8 +88,8 @@ class IncrementalDecoder:
         text = self._decode(self._ids)
         if text.endswith(REPLACEMENT) and len(self._ids) - self._read <= MAX_CHARACTER_TOKENS:
             return ""
-        new = text[len(self._decode(self._ids[:self._read])):]
-        self._ids = self._ids[self._read:]
+        new = text[len(self._decode(self._ids[: self._read])) :]
+        self._ids = self._ids[self._read :]
         self._read = len(self._ids)
         self.text += new
         return new
@@ -101,7 +101,7 @@ class IncrementalDecoder:
         """Emit whatever is held back (an incomplete character decodes as U+FFFD), then start a fresh window."""
         new = ""
         if self._read < len(self._ids):
-            new = self._decode(self._ids)[len(self._decode(self._ids[:self._read])):]
+            new = self._decode(self._ids)[len(self._decode(self._ids[: self._read])) :]
         self._ids, self._read = [], 0
         self.text += new
         return new

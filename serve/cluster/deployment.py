@@ -20,8 +20,14 @@ from ray.serve.config import RequestRouterConfig
 
 from ...runtime.api import EngineConfig
 from ...runtime.backend import ImageSpan
-from ...runtime.client import (EngineBusy, EngineClient, EngineFailure, EngineUnavailable, RequestRejected,
-                              SamplingParams)
+from ...runtime.client import (
+    EngineBusy,
+    EngineClient,
+    EngineFailure,
+    EngineUnavailable,
+    RequestRejected,
+    SamplingParams,
+)
 from .remote import ClusterMetrics, Failed, RemoteEngineClient, ReplicaHeaderMiddleware, Routed
 from .routing import PrefixAffinityRouter
 
@@ -37,16 +43,27 @@ class EngineReplica:
         self.client, model = EngineClient.open(config, max_queue)
         source, bos = load_chat_template(model.model_dir, model.chat_template)
         # the ingress may run on a host without the checkpoint: it gets the text side from here
-        self.text = {"tokenizer": Path(model.tokenizer_path).read_text(encoding="utf-8"), "template": source,
-                     "bos": bos, "generation_config": model.generation_config,
-                     "capabilities": self.client.capabilities}
+        self.text = {
+            "tokenizer": Path(model.tokenizer_path).read_text(encoding="utf-8"),
+            "template": source,
+            "bos": bos,
+            "generation_config": model.generation_config,
+            "capabilities": self.client.capabilities,
+        }
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     def text_side(self) -> dict:
         return self.text
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                       stop_ids: frozenset[int], speculative: bool, images: tuple[ImageSpan, ...] = ()):
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int],
+        speculative: bool,
+        images: tuple[ImageSpan, ...] = (),
+    ):
         """Routed(replica), then the engine's RequestOutputs; an engine error ends the stream as Failed."""
         yield Routed(self.replica)
         try:
@@ -64,8 +81,12 @@ class EngineReplica:
                 stream.abort()
 
     def stats(self) -> dict:
-        return {**self.client.health(), "replica": self.replica, "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id()[:12]}
+        return {
+            **self.client.health(),
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id()[:12],
+        }
 
     def check_health(self) -> None:
         health = self.client.health()
@@ -82,8 +103,15 @@ class EngineReplica:
 class Ingress:
     """The OpenAI-compatible HTTP front: `create_app` over the remote engine."""
 
-    async def __init__(self, engine: Any, model_id: str, speculative: bool | None, api_key: str | None,
-                       cors_origins: list[str], poll_s: float) -> None:
+    async def __init__(
+        self,
+        engine: Any,
+        model_id: str,
+        speculative: bool | None,
+        api_key: str | None,
+        cors_origins: list[str],
+        poll_s: float,
+    ) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         from ...runtime.text.tokenizer import Tokenizer
@@ -95,8 +123,9 @@ class Ingress:
         template = ChatTemplate(text["template"], text["bos"])
         self.client = RemoteEngineClient(engine, text["capabilities"], poll_s)
         await self.client.refresh()
-        self.state = ServerState(model_id, lambda: (self.client, tokenizer, template, text["generation_config"]),
-                                 speculative)
+        self.state = ServerState(
+            model_id, lambda: (self.client, tokenizer, template, text["generation_config"]), speculative
+        )
         self.state.metrics = ClusterMetrics(self.client)
         self.state.load()
         if self.state.load_error:
@@ -112,22 +141,47 @@ class Ingress:
         return app
 
 
-def build_app(config: EngineConfig, replicas: int, *, model_id: str, speculative: bool | None = False,
-              api_key: str | None = None, cors_origins: tuple[str, ...] = (), cpus_per_replica: float = 1.0,
-              max_ongoing_requests: int = 16, drain_timeout_s: float = 30.0, health_period_s: float = 2.0,
-              poll_s: float = 1.0, routing: dict | None = None, max_queue: int = 1024):
+def build_app(
+    config: EngineConfig,
+    replicas: int,
+    *,
+    model_id: str,
+    speculative: bool | None = False,
+    api_key: str | None = None,
+    cors_origins: tuple[str, ...] = (),
+    cpus_per_replica: float = 1.0,
+    max_ongoing_requests: int = 16,
+    drain_timeout_s: float = 30.0,
+    health_period_s: float = 2.0,
+    poll_s: float = 1.0,
+    routing: dict | None = None,
+    max_queue: int = 1024,
+):
     """The Serve application: `serve.run(build_app(...), name=APP, route_prefix="/")`."""
     resources = {"num_cpus": cpus_per_replica}
     if config.backend == "cuda":
         resources["num_gpus"] = 1  # Ray sets CUDA_VISIBLE_DEVICES to that one GPU in the replica's process
     engine = serve.deployment(
-        EngineReplica, name=ENGINE, num_replicas=replicas, ray_actor_options=resources,
-        max_ongoing_requests=max_ongoing_requests, health_check_period_s=health_period_s,
+        EngineReplica,
+        name=ENGINE,
+        num_replicas=replicas,
+        ray_actor_options=resources,
+        max_ongoing_requests=max_ongoing_requests,
+        health_check_period_s=health_period_s,
         health_check_timeout_s=max(10.0, 5 * health_period_s),
-        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=drain_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs=dict(routing or {})))
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=drain_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_router_kwargs=dict(routing or {})
+        ),
+    )
     # the ingress only parses and relays: no CPU reserved, many requests at once
-    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=4096, graceful_shutdown_timeout_s=drain_timeout_s)
+    ingress = serve.deployment(
+        Ingress,
+        name=INGRESS,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4096,
+        graceful_shutdown_timeout_s=drain_timeout_s,
+    )
     return ingress.bind(engine.bind(config, max_queue), model_id, speculative, api_key, list(cors_origins), poll_s)

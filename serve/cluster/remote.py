@@ -20,8 +20,17 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ...runtime.backend import ImageSpan
-from ...runtime.client import (Capabilities, EngineBusy, EngineFailure, EngineUnavailable, GenerationResult,
-                              OutputStream, RequestOutput, RequestRejected, SamplingParams)
+from ...runtime.client import (
+    Capabilities,
+    EngineBusy,
+    EngineFailure,
+    EngineUnavailable,
+    GenerationResult,
+    OutputStream,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+)
 from . import routing
 from ..metrics import Metrics
 
@@ -73,6 +82,7 @@ class ReplicaHeaderMiddleware:
                     headers.append((b"retry-after", b"1"))
                 message = {**message, "headers": headers}
             await send(message)
+
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
@@ -104,11 +114,13 @@ class RemoteStream(OutputStream):
                 if self._aborted:
                     return
                 if attempt == 1 and not self._tokens:  # nothing reached the client yet: another replica may serve it
-                    log.warning("replica %s died before answering %s; retrying once: %s", self.replica,
-                                self.request_id, exc)
+                    log.warning(
+                        "replica %s died before answering %s; retrying once: %s", self.replica, self.request_id, exc
+                    )
                     continue
                 err: BaseException = EngineUnavailable(
-                    f"replica {self.replica} stopped during the request ({type(exc).__name__}); retry the request")
+                    f"replica {self.replica} stopped during the request ({type(exc).__name__}); retry the request"
+                )
             except TaskCancelledError:
                 if self._aborted:
                     return
@@ -144,8 +156,9 @@ class RemoteStream(OutputStream):
                 if item.finished:
                     return
         if not self._aborted:  # the replica ended the stream without a final output: it is shutting down
-            self._queue.put_nowait(EngineUnavailable(f"replica {self.replica} ended the request early (shutting "
-                                                     "down); retry the request"))
+            self._queue.put_nowait(
+                EngineUnavailable(f"replica {self.replica} ended the request early (shutting down); retry the request")
+            )
 
     def abort(self) -> None:
         """Cancel the replica call (its engine request is aborted there); the stream ends "cancelled" here, as an
@@ -155,8 +168,9 @@ class RemoteStream(OutputStream):
         self._aborted = True
         if self._call is not None:
             self._call.cancel()
-        result = GenerationResult(token_ids=list(self._tokens), finish_reason="cancelled",
-                                  prompt_tokens=len(self._args[0]))
+        result = GenerationResult(
+            token_ids=list(self._tokens), finish_reason="cancelled", prompt_tokens=len(self._args[0])
+        )
         self._queue.put_nowait(RequestOutput(self.request_id, finished=True, result=result))
 
 
@@ -177,8 +191,9 @@ class RemoteEngineClient:
 
     async def refresh(self) -> None:
         try:
-            results = await self.handle.broadcast("stats").results_async(timeout_s=max(2 * self.poll_s, 2.0),
-                                                                         return_exceptions=True)
+            results = await self.handle.broadcast("stats").results_async(
+                timeout_s=max(2 * self.poll_s, 2.0), return_exceptions=True
+            )
         except Exception as exc:  # no replica reachable right now: report none, ask again next period
             log.warning("polling the replicas failed: %s", exc)
             results = []
@@ -200,12 +215,23 @@ class RemoteEngineClient:
         up = [r for r in self.replicas.values() if r.get("status") == "ok"]
         if not up:
             return {"status": "loading" if not self.polled else "error", "error": "no healthy engine replica"}
-        return {"status": "ok", "running": sum(r.get("running", 0) for r in up),
-                "queued": sum(r.get("queued", 0) for r in up), "replicas": len(up)}
+        return {
+            "status": "ok",
+            "running": sum(r.get("running", 0) for r in up),
+            "queued": sum(r.get("queued", 0) for r in up),
+            "replicas": len(up),
+        }
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-               stop_ids: frozenset[int] = frozenset(), speculative: bool = False,
-               request_id: str | None = None, images: Sequence[ImageSpan] = ()) -> RemoteStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        request_id: str | None = None,
+        images: Sequence[ImageSpan] = (),
+    ) -> RemoteStream:
         if not self.ready:
             raise EngineUnavailable(self.health().get("error", "no engine replica is up"))
         request_id = request_id or f"req-{next(self._ids)}"
@@ -229,11 +255,12 @@ class ClusterMetrics(Metrics):
     def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
         lines = []  # (the engine-step counters and KV blocks are each replica's own: not summed here)
         for name, kind, text in (
-                ("thorgen_replica_up", "gauge", "1 while the replica's engine reports ok (labels: pid, node)."),
-                ("thorgen_replica_requests_running", "gauge", "Generations on the replica's engine now."),
-                ("thorgen_replica_requests_queued", "gauge", "Generations waiting for the replica's engine."),
-                ("thorgen_replica_requests_total", "counter", "Requests this ingress placed on the replica."),
-                ("thorgen_routing_decisions_total", "counter", "Routing decisions: prefix affinity or balance.")):
+            ("thorgen_replica_up", "gauge", "1 while the replica's engine reports ok (labels: pid, node)."),
+            ("thorgen_replica_requests_running", "gauge", "Generations on the replica's engine now."),
+            ("thorgen_replica_requests_queued", "gauge", "Generations waiting for the replica's engine."),
+            ("thorgen_replica_requests_total", "counter", "Requests this ingress placed on the replica."),
+            ("thorgen_routing_decisions_total", "counter", "Routing decisions: prefix affinity or balance."),
+        ):
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
             if name == "thorgen_routing_decisions_total":
                 lines += [f'{name}{{decision="{d}"}} {routing.DECISIONS[d]}' for d in ("affinity", "balance")]
@@ -243,8 +270,9 @@ class ClusterMetrics(Metrics):
                 for rid, stats in sorted(self.client.replicas.items()):
                     if name == "thorgen_replica_up":
                         value = int(stats.get("status") == "ok")
-                        lines.append(f'{name}{{replica="{rid}",pid="{stats.get("pid")}",'
-                                     f'node="{stats.get("node")}"}} {value}')
+                        lines.append(
+                            f'{name}{{replica="{rid}",pid="{stats.get("pid")}",node="{stats.get("node")}"}} {value}'
+                        )
                     else:
                         lines.append(f'{name}{{replica="{rid}"}} {stats.get(name.rsplit("_", 1)[1], 0)}')
         return super().render(None) + "\n".join(lines) + "\n"

@@ -38,7 +38,7 @@ def block_hashes(ids: Sequence[int], block: int) -> list[int]:
     of ints identically in every process (no hash randomization), and the index lives in one process anyway."""
     out, h = [], 0
     for start in range(0, len(ids) - block + 1, block):
-        h = hash((h, tuple(ids[start:start + block])))
+        h = hash((h, tuple(ids[start : start + block])))
         out.append(h)
     return out
 
@@ -83,9 +83,16 @@ class PrefixIndex:
         self.held.pop(replica, None)
 
 
-def rank(candidates: Sequence[Any], key: Callable[[Any], Hashable], load: Callable[[Any], int],
-         hashes: Sequence[int], index: PrefixIndex, min_match_blocks: int, max_imbalance: int,
-         rng: random.Random) -> tuple[list[list[Any]], str]:
+def rank(
+    candidates: Sequence[Any],
+    key: Callable[[Any], Hashable],
+    load: Callable[[Any], int],
+    hashes: Sequence[int],
+    index: PrefixIndex,
+    min_match_blocks: int,
+    max_imbalance: int,
+    rng: random.Random,
+) -> tuple[list[list[Any]], str]:
     """The policy above, on any replica objects: (ranked replicas, "affinity" | "balance")."""
     if not candidates:
         return [], "balance"
@@ -115,8 +122,14 @@ def prompt_ids_of(request: PendingRequest | None) -> Sequence[int]:
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve's extension point: `choose_replicas` ranks candidates, Serve probes and sends."""
 
-    def initialize_state(self, block_tokens: int = 16, min_match_blocks: int = 1, max_imbalance: int = 2,
-                         capacity_blocks: int = 200_000, seed: int | None = None) -> None:
+    def initialize_state(
+        self,
+        block_tokens: int = 16,
+        min_match_blocks: int = 1,
+        max_imbalance: int = 2,
+        capacity_blocks: int = 200_000,
+        seed: int | None = None,
+    ) -> None:
         self.block_tokens, self.min_match_blocks, self.max_imbalance = block_tokens, min_match_blocks, max_imbalance
         self.index = PrefixIndex(capacity_blocks)
         self.rng = random.Random(seed)
@@ -126,11 +139,20 @@ class PrefixAffinityRouter(RequestRouter):
         # None: no fresh entry; Serve probes the replica while sending, so an unknown load does not overfill it
         return self.replica_queue_len_cache.get(replica.replica_id) or 0
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         hashes = block_hashes(prompt_ids_of(pending_request), self.block_tokens)
-        ranked, decision = rank(candidate_replicas, lambda r: r.replica_id.unique_id, self._load, hashes,
-                                self.index, self.min_match_blocks, self.max_imbalance, self.rng)
+        ranked, decision = rank(
+            candidate_replicas,
+            lambda r: r.replica_id.unique_id,
+            self._load,
+            hashes,
+            self.index,
+            self.min_match_blocks,
+            self.max_imbalance,
+            self.rng,
+        )
         if pending_request is not None:  # choose_replicas reruns while no ranked replica accepts: count on send
             if len(self._decided) > 4096:  # requests cancelled before being sent leave entries behind
                 self._decided.clear()

@@ -16,8 +16,10 @@ import click
 import httpx
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
-HELP = ("commands: /image PATH (attach an image to the next message), /new (reset the conversation), /quit (exit); "
-        "Ctrl-C stops a reply; Up/Down recall earlier lines")
+HELP = (
+    "commands: /image PATH (attach an image to the next message), /new (reset the conversation), /quit (exit); "
+    "Ctrl-C stops a reply; Up/Down recall earlier lines"
+)
 # C0/C1 control characters but newline and tab, and the bidi overrides: model output (or a server) must not be able
 # to move the cursor, retitle the terminal or reorder what is shown.
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -66,9 +68,18 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict]:
 class ChatSession:
     """Keeps the conversation; `send` streams one reply to `out` and records it in the history."""
 
-    def __init__(self, url: str, think: bool = False, temperature: float | None = None, max_tokens: int | None = None,
-                 system: str | None = None, api_key: str | None = None, out: TextIO = sys.stdout,
-                 color: bool | None = None, client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        think: bool = False,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        system: str | None = None,
+        api_key: str | None = None,
+        out: TextIO = sys.stdout,
+        color: bool | None = None,
+        client: httpx.Client | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.think, self.temperature, self.max_tokens, self.system = think, temperature, max_tokens, system
         self.out = out
@@ -105,9 +116,13 @@ class ChatSession:
         content = [*self.pending, {"type": "text", "text": text}] if self.pending else text
         self.history.append({"role": "user", "content": content})
         self.pending = []
-        body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
-                      "messages": ([{"role": "system", "content": self.system}] if self.system else []) + self.history,
-                      "chat_template_kwargs": {"enable_thinking": self.think}}
+        body: dict = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": ([{"role": "system", "content": self.system}] if self.system else []) + self.history,
+            "chat_template_kwargs": {"enable_thinking": self.think},
+        }
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.max_tokens is not None:
@@ -160,9 +175,17 @@ class ChatSession:
         return turn
 
 
-def run_chat(url: str, think: bool = False, temperature: float | None = None, max_tokens: int | None = None,
-             system: str | None = None, api_key: str | None = None,
-             read: Callable[[str], str] | None = None, out: TextIO = sys.stdout, images: tuple[Path, ...] = ()) -> None:
+def run_chat(
+    url: str,
+    think: bool = False,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
+    system: str | None = None,
+    api_key: str | None = None,
+    read: Callable[[str], str] | None = None,
+    out: TextIO = sys.stdout,
+    images: tuple[Path, ...] = (),
+) -> None:
     session = ChatSession(url, think, temperature, max_tokens, system, api_key, out=out)
     for path in images:
         try:
@@ -193,7 +216,7 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
             continue
         if line.startswith("/image "):
             try:
-                session.attach(line[len("/image "):].strip())
+                session.attach(line[len("/image ") :].strip())
                 out.write(f"({len(session.pending)} image(s) attached to the next message)\n")
             except (OSError, ValueError) as exc:
                 out.write(session._paint(RED, printable(f"error: {exc}")) + "\n")
@@ -215,9 +238,22 @@ def run_chat(url: str, think: bool = False, temperature: float | None = None, ma
 @click.option("--max-tokens", type=click.IntRange(1), default=None)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
-@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="An image file attached to the first message (repeat for several; /image PATH attaches later).")
-def chat(url: str, think: bool, temperature: float | None, max_tokens: int | None, system: str | None,
-         api_key: str | None, images: tuple[Path, ...]) -> None:
-    run_chat(url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key,
-             images=images)
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="An image file attached to the first message (repeat for several; /image PATH attaches later).",
+)
+def chat(
+    url: str,
+    think: bool,
+    temperature: float | None,
+    max_tokens: int | None,
+    system: str | None,
+    api_key: str | None,
+    images: tuple[Path, ...],
+) -> None:
+    run_chat(
+        url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key, images=images
+    )

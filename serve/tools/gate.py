@@ -64,8 +64,10 @@ def load_traces(folder: Path, suite: list[dict] | None = None) -> list[dict]:
             raise GateError(f"{path}: a trace needs messages and max_tokens")
         if not isinstance(doc["messages"], list):
             if doc.get("id") not in recipes:
-                raise GateError(f"{path}: its messages were omitted ({str(doc['messages'])[:40]!r}): pass --suite "
-                                "with the prompt suite that built them")
+                raise GateError(
+                    f"{path}: its messages were omitted ({str(doc['messages'])[:40]!r}): pass --suite "
+                    "with the prompt suite that built them"
+                )
             doc["messages"] = build_messages(recipes[doc["id"]])
         for i, entry in enumerate(doc.get("tokens") or []):
             if not isinstance(entry, dict) or "token" not in entry or "logprob" not in entry:
@@ -101,13 +103,21 @@ class Engine:
         text = self.template.render(messages, add_generation_prompt=True, enable_thinking=False)
         return self.tokenizer.encode(text)
 
-    def run(self, ids: list[int], max_tokens: int, speculative: bool = False, logprobs: int | None = None,
-            until: Callable[[list[int]], bool] | None = None):
+    def run(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        speculative: bool = False,
+        logprobs: int | None = None,
+        until: Callable[[list[int]], bool] | None = None,
+    ):
         """(token ids, GenerationResult, per-token logprobs or None) of one greedy request; `until(tokens)` true
         aborts it (a resync run stops at its first disagreement instead of generating the rest)."""
+
         async def go():
-            stream = self.client.submit(ids, max_tokens, SamplingParams(logprobs=logprobs), self.stop_ids,
-                                        speculative=speculative)
+            stream = self.client.submit(
+                ids, max_tokens, SamplingParams(logprobs=logprobs), self.stop_ids, speculative=speculative
+            )
             tokens, lps, result, stopping = [], [], None, False
             async for out in stream:  # drained after an abort too, so the next request finds the engine idle
                 if not stopping:
@@ -118,6 +128,7 @@ class Engine:
                         stopping = True
                 result = out.result if out.finished else result
             return tokens, result, (lps if logprobs is not None else None)
+
         return asyncio.run(go())
 
     def text(self, token_id: int) -> str:
@@ -153,11 +164,13 @@ def _mismatch(engine: Engine, ref: list[dict], start: int) -> Callable[[list[int
                 return True
         seen = len(tokens)
         return start + seen >= len(ref)
+
     return until
 
 
-def check_top1(engine: Engine, trace: dict, prompt: list[int], first: list[int], min_margin: float,
-               min_agreement: float) -> Check:
+def check_top1(
+    engine: Engine, trace: dict, prompt: list[int], first: list[int], min_margin: float, min_agreement: float
+) -> Check:
     ref = trace.get("tokens") or []
     if not ref:
         return Check(trace["id"], "top-1", "skip", "the trace has no per-token logprobs")
@@ -175,15 +188,18 @@ def check_top1(engine: Engine, trace: dict, prompt: list[int], first: list[int],
             stopped = f"ours ended at token {pos} of {len(ref)}"
             break
         if margin(ref[pos]) >= min_margin:
-            disagreements.append(f"token {pos}: ours {engine.text(ours[i])!r}, reference {ref[pos]['token']!r} "
-                                 f"(margin {margin(ref[pos]):.1f})")
+            disagreements.append(
+                f"token {pos}: ours {engine.text(ours[i])!r}, reference {ref[pos]['token']!r} "
+                f"(margin {margin(ref[pos]):.1f})"
+            )
         if len(disagreements) > allowed:
             stopped = f"stopped at token {pos + 1} of {len(ref)}: too many disagreements to pass"
             break
         ref_id = engine.id_of(ref[pos])
         if ref_id is None or resyncs == MAX_RESYNCS:
             stopped = f"compared {pos + 1} of {len(ref)} tokens (" + (
-                f"no unique id for {ref[pos]['token']!r})" if ref_id is None else f"{MAX_RESYNCS} resyncs)")
+                f"no unique id for {ref[pos]['token']!r})" if ref_id is None else f"{MAX_RESYNCS} resyncs)"
+            )
             break
         prefix.append(ref_id)
         pos, resyncs = pos + 1, resyncs + 1
@@ -219,20 +235,38 @@ def check_dflash(trace: dict, result, speculative: bool, min_ratio: float) -> Ch
     ours = (sum(steps) - len(steps)) / len(steps) if steps else 0.0  # accepted_lengths count the bonus token
     ref = counters["accepted_tokens"] / counters["drafts"]
     status = "pass" if ours >= min_ratio * ref - 1e-9 else "FAIL"
-    return Check(trace["id"], "dflash", status, f"accepted per draft {ours:.2f} vs the trace's {ref:.2f} "
-                                                f"({len(steps)} verify steps; needs >= {min_ratio:.0%} of it)")
+    return Check(
+        trace["id"],
+        "dflash",
+        status,
+        f"accepted per draft {ours:.2f} vs the trace's {ref:.2f} "
+        f"({len(steps)} verify steps; needs >= {min_ratio:.0%} of it)",
+    )
 
 
-def gate_trace(engine: Engine, trace: dict, speculative: bool, extra: list[str], min_margin: float,
-               min_agreement: float, min_ratio: float) -> list[Check]:
+def gate_trace(
+    engine: Engine,
+    trace: dict,
+    speculative: bool,
+    extra: list[str],
+    min_margin: float,
+    min_agreement: float,
+    min_ratio: float,
+) -> list[Check]:
     prompt = engine.prompt(trace["messages"])
     checks = []
     usage = (trace.get("usage") or {}).get("prompt_tokens")
     if usage is None:
         checks.append(Check(trace["id"], "prompt", "skip", f"{len(prompt)} tokens; the trace has no usage"))
     else:
-        checks.append(Check(trace["id"], "prompt", "pass" if usage == len(prompt) else "FAIL",
-                            f"{len(prompt)} tokens, the trace's {usage}"))
+        checks.append(
+            Check(
+                trace["id"],
+                "prompt",
+                "pass" if usage == len(prompt) else "FAIL",
+                f"{len(prompt)} tokens, the trace's {usage}",
+            )
+        )
     try:
         first, result, _ = engine.run(prompt, trace["max_tokens"], speculative)
     except BackendError as exc:  # e.g. a prompt over --ctx: this trace fails, the others still run
@@ -253,14 +287,29 @@ def write_traces(engine: Engine, suite: list[dict], out: Path, filler_repeats: i
         messages = build_messages(entry, filler_repeats)
         prompt = engine.prompt(messages)
         ids, _, lps = engine.run(prompt, entry["max_tokens"], logprobs=5)
-        tokens = [{"token": engine.text(t), "id": t, "logprob": lp,
-                   "top": [{"token": engine.text(k), "id": k, "logprob": v} for k, v in top]}
-                  for t, (lp, top) in zip(ids, lps)]
-        trace = {"id": entry["id"], "category": entry.get("category"), "messages": messages,
-                 "max_tokens": entry["max_tokens"], "content": engine.tokenizer.decode(ids, skip_special_tokens=True),
-                 "n_completion_tokens": len(ids), "tokens": tokens,
-                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                           "total_tokens": len(prompt) + len(ids)}}
+        tokens = [
+            {
+                "token": engine.text(t),
+                "id": t,
+                "logprob": lp,
+                "top": [{"token": engine.text(k), "id": k, "logprob": v} for k, v in top],
+            }
+            for t, (lp, top) in zip(ids, lps)
+        ]
+        trace = {
+            "id": entry["id"],
+            "category": entry.get("category"),
+            "messages": messages,
+            "max_tokens": entry["max_tokens"],
+            "content": engine.tokenizer.decode(ids, skip_special_tokens=True),
+            "n_completion_tokens": len(ids),
+            "tokens": tokens,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            },
+        }
         if entry.get("expect"):
             trace["expect"] = entry["expect"]
         if engine.speculative_available:
@@ -268,10 +317,13 @@ def write_traces(engine: Engine, suite: list[dict], out: Path, filler_repeats: i
             steps = result.accepted_lengths
             per_step = engine.client.backend.spec.drafter.block_size - 1
             accepted = sum(steps) - len(steps)
-            trace["dflash"] = {"drafts": len(steps), "draft_tokens": per_step * len(steps),
-                               "accepted_tokens": accepted,
-                               "mean_accepted_per_draft": accepted / len(steps) if steps else 0.0,
-                               "draft_acceptance_rate": accepted / (per_step * len(steps)) if steps else 0.0}
+            trace["dflash"] = {
+                "drafts": len(steps),
+                "draft_tokens": per_step * len(steps),
+                "accepted_tokens": accepted,
+                "mean_accepted_per_draft": accepted / len(steps) if steps else 0.0,
+                "draft_acceptance_rate": accepted / (per_step * len(steps)) if steps else 0.0,
+            }
         path = out / f"{entry['id']}.json"
         path.write_text(json.dumps(trace, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         written.append(path)
@@ -285,33 +337,93 @@ def _table(checks: list[Check]) -> str:
 
 
 @click.command("gate")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Checkpoint folder (the drafter in MODEL/dflash unless --draft).")
-@click.option("--traces", "traces_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder of reference traces, one JSON file each.")
+@click.option(
+    "--model",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Checkpoint folder (the drafter in MODEL/dflash unless --draft).",
+)
+@click.option(
+    "--traces",
+    "traces_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder of reference traces, one JSON file each.",
+)
 @click.option("--backend", type=click.Choice(["reference", "cuda"]), default="cuda", show_default=True)
 @click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--ctx", type=click.IntRange(min=2), default=None, help="Context (default: the model's, <= 65536).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
-@click.option("--speculative/--no-speculative", default=None,
-              help="Decode with DFlash and check acceptance (default: when the engine has a drafter).")
-@click.option("--expect", "expect_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help='JSON {"trace id": ["substring", ...]}: expected answer substrings beyond the traces\' own.')
-@click.option("--margin", "min_margin", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="A reference position is confident when its top-1 logprob leads the runner-up by this much.")
-@click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, show_default=True,
-              help="Share of confident positions whose greedy token must agree.")
-@click.option("--min-acceptance", "min_ratio", type=click.FloatRange(min=0), default=0.8, show_default=True,
-              help="Accepted drafts per verify step, as a share of the trace's.")
-@click.option("--suite", "suite_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Prompt suite (the JSON shape of docs/prompt_suite.json): rebuilds the messages a trace omits.")
-@click.option("--write-traces", "write_traces_", is_flag=True,
-              help="Instead of gating: write this engine's traces of --suite's prompts into --traces.")
-@click.option("--filler-repeats", type=click.IntRange(min=1), default=None,
-              help="With --write-traces: filler lines of the suite's needle prompts (smaller for a short --ctx).")
-def gate(model: Path, traces_dir: Path, backend: str, draft: Path | None, ctx: int | None, kv_dtype: str,
-         speculative: bool | None, expect_file: Path | None, min_margin: float, min_agreement: float,
-         min_ratio: float, suite_file: Path | None, write_traces_: bool, filler_repeats: int | None) -> None:
+@click.option(
+    "--speculative/--no-speculative",
+    default=None,
+    help="Decode with DFlash and check acceptance (default: when the engine has a drafter).",
+)
+@click.option(
+    "--expect",
+    "expect_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help='JSON {"trace id": ["substring", ...]}: expected answer substrings beyond the traces\' own.',
+)
+@click.option(
+    "--margin",
+    "min_margin",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="A reference position is confident when its top-1 logprob leads the runner-up by this much.",
+)
+@click.option(
+    "--min-agreement",
+    type=click.FloatRange(0, 1),
+    default=0.9,
+    show_default=True,
+    help="Share of confident positions whose greedy token must agree.",
+)
+@click.option(
+    "--min-acceptance",
+    "min_ratio",
+    type=click.FloatRange(min=0),
+    default=0.8,
+    show_default=True,
+    help="Accepted drafts per verify step, as a share of the trace's.",
+)
+@click.option(
+    "--suite",
+    "suite_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Prompt suite (the JSON shape of docs/prompt_suite.json): rebuilds the messages a trace omits.",
+)
+@click.option(
+    "--write-traces",
+    "write_traces_",
+    is_flag=True,
+    help="Instead of gating: write this engine's traces of --suite's prompts into --traces.",
+)
+@click.option(
+    "--filler-repeats",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --write-traces: filler lines of the suite's needle prompts (smaller for a short --ctx).",
+)
+def gate(
+    model: Path,
+    traces_dir: Path,
+    backend: str,
+    draft: Path | None,
+    ctx: int | None,
+    kv_dtype: str,
+    speculative: bool | None,
+    expect_file: Path | None,
+    min_margin: float,
+    min_agreement: float,
+    min_ratio: float,
+    suite_file: Path | None,
+    write_traces_: bool,
+    filler_repeats: int | None,
+) -> None:
     """Check greedy continuations against reference traces; a pass/fail table, exit code 1 on any failure."""
     if write_traces_ and suite_file is None:
         raise click.UsageError("--write-traces needs --suite FILE")
@@ -320,7 +432,7 @@ def gate(model: Path, traces_dir: Path, backend: str, draft: Path | None, ctx: i
         traces = None if write_traces_ else load_traces(traces_dir, suite)
         extra = json.loads(expect_file.read_text()) if expect_file else {}
         if not isinstance(extra, dict):
-            raise GateError(f"{expect_file}: expected {{\"trace id\": [substrings]}}")
+            raise GateError(f'{expect_file}: expected {{"trace id": [substrings]}}')
     except (ValueError, OSError) as exc:  # GateError, the suite's ValueError, a bad --expect file
         raise click.ClickException(str(exc)) from None
     try:
@@ -338,8 +450,9 @@ def gate(model: Path, traces_dir: Path, backend: str, draft: Path | None, ctx: i
         checks = []
         for n, trace in enumerate(traces, 1):
             click.echo(f"[{n}/{len(traces)}] {trace['id']}", err=True)  # a real-weights run takes minutes
-            checks += gate_trace(engine, trace, spec, list(extra.get(trace["id"], [])), min_margin,
-                                 min_agreement, min_ratio)
+            checks += gate_trace(
+                engine, trace, spec, list(extra.get(trace["id"], [])), min_margin, min_agreement, min_ratio
+            )
     except BackendError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -347,7 +460,9 @@ def gate(model: Path, traces_dir: Path, backend: str, draft: Path | None, ctx: i
     click.echo(_table(checks))
     failed = [c for c in checks if c.status == "FAIL"]
     skipped = sum(c.status == "skip" for c in checks)
-    click.echo(f"\n{len(traces)} traces, {len(checks)} checks: {len(checks) - len(failed) - skipped} passed, "
-               f"{len(failed)} failed, {skipped} skipped")
+    click.echo(
+        f"\n{len(traces)} traces, {len(checks)} checks: {len(checks) - len(failed) - skipped} passed, "
+        f"{len(failed)} failed, {skipped} skipped"
+    )
     if failed:
         raise SystemExit(1)

@@ -1,4 +1,6 @@
-"""Device probe: one decode step and one speculative step under ncu (cuProfilerStart/Stop around them; NCU_WHAT picks)."""
+"""Device probe: one decode step and one speculative step under ncu (cuProfilerStart/Stop around them; NCU_WHAT
+picks)."""
+
 import os
 from pathlib import Path
 from cuda.bindings import driver as cu

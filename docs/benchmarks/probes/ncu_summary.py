@@ -4,6 +4,7 @@ sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and MemoryWorkload
 
     python3 ncu_summary.py details.csv raw.csv out.json
 """
+
 import csv
 import json
 import sys
@@ -26,7 +27,7 @@ def stall_shares(raw_path):
             if "pcsamp_warps_issue_stalled" in h and not h.endswith("not_issued"):
                 name = h.replace("smsp__pcsamp_warps_issue_stalled_", "")
             elif h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("_per_issue_active.ratio"):
-                name = h[len("smsp__average_warps_issue_stalled_"):-len("_per_issue_active.ratio")]
+                name = h[len("smsp__average_warps_issue_stalled_") : -len("_per_issue_active.ratio")]
             else:
                 continue
             try:
@@ -48,11 +49,21 @@ def main(details_path, raw_path, out_path):
             continue
         metrics.setdefault(r["Kernel Name"], {})[r["Metric Name"]] = value
     stalls = stall_shares(raw_path)
-    kernels = [{"kernel": name, "us": m["Duration"] / 1e3, "dram_pct": m["DRAM Throughput"], "grid": int(m["Grid Size"]),
-                "block": int(m["Block Size"]), "regs": int(m["Registers Per Thread"]),
-                "achieved_occupancy_pct": m["Achieved Occupancy"], "elapsed_cycles": m["Elapsed Cycles"],
-                "sm_active_cycles": m["SM Active Cycles"], "stall_top": stalls.get(name)}
-               for name, m in metrics.items()]
+    kernels = [
+        {
+            "kernel": name,
+            "us": m["Duration"] / 1e3,
+            "dram_pct": m["DRAM Throughput"],
+            "grid": int(m["Grid Size"]),
+            "block": int(m["Block Size"]),
+            "regs": int(m["Registers Per Thread"]),
+            "achieved_occupancy_pct": m["Achieved Occupancy"],
+            "elapsed_cycles": m["Elapsed Cycles"],
+            "sm_active_cycles": m["SM Active Cycles"],
+            "stall_top": stalls.get(name),
+        }
+        for name, m in metrics.items()
+    ]
     json.dump({"kernels": kernels}, open(out_path, "w"), indent=1)
 
 

@@ -1,5 +1,6 @@
 """Probe helpers shared by the device probes beside this file (probe_step, probe_drop, probe_spec,
 probe_dup_verify), which import it from their own folder. Not part of the engine."""
+
 import dataclasses
 import time
 
@@ -54,4 +55,8 @@ def spec_step_times(eng, prompt, n=50):
         v.replay(eng.stream)
     e2.record(eng.stream)
     eng.stream.synchronize()
-    return {"spec_step_host_ms": host, "draft_replay_ms": e1.elapsed_ms(e0) / n, "verify_replay_ms": e2.elapsed_ms(e1) / n}
+    return {
+        "spec_step_host_ms": host,
+        "draft_replay_ms": e1.elapsed_ms(e0) / n,
+        "verify_replay_ms": e2.elapsed_ms(e1) / n,
+    }

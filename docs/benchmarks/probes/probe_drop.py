@@ -3,6 +3,7 @@ stream. The drop in replay time is what the family costs inside the step; beside
 kernel's launches replayed as their own graph) it shows where the step's time over the kernel sum lives. Not part of
 the engine: a measurement for docs/benchmarks/NOTES.md (run as probe_step.py is; the outputs are meaningless, only
 the times count)."""
+
 import dataclasses
 import json
 import os
@@ -49,8 +50,10 @@ for fork in (True, False):
     for fam in sorted(set(names), key=lambda f: -iso.get(f, 0)):
         d = base - timed(without(fam))
         rows[fam] = {"count": names.count(fam), "iso_us": round(iso.get(fam, 0), 1), "drop_us": round(d, 1)}
-        print(f"fork={int(fork)} {fam[:58]:58s} x{names.count(fam):2d} iso {iso.get(fam, 0):7.1f} drop {d:7.1f}",
-              flush=True)
+        print(
+            f"fork={int(fork)} {fam[:58]:58s} x{names.count(fam):2d} iso {iso.get(fam, 0):7.1f} drop {d:7.1f}",
+            flush=True,
+        )
     res[f"fork{int(fork)}"] = {"base_us": base, "families": rows}
     print(f"fork={int(fork)} base {base:.1f} us, iso sum {sum(iso.values()):.1f}", flush=True)
 use_variant(eng, True, True)

@@ -6,6 +6,7 @@ weights in L2, so for weight-streaming kernels it is a lower bound. Also: the ro
 the graph on 16 distinct tokens. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU
 box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with
 THORGEN_KERNELS naming a full-size build."""
+
 import json
 import os
 from pathlib import Path
@@ -28,12 +29,16 @@ eng.stream.synchronize()
 # what the timed verify steps route: the block's 16 tokens (last + 15 drafts) and layer 29's experts
 ids = eng.act["ids"].download(np.int32, (16,))
 tk = eng.act["topk_idx"].download(np.int32, (16, 8))
-route = {"ids": ids.tolist(), "distinct_tokens": int(len(set(ids.tolist()))),
-         "distinct_experts_last_layer": int(len(set(tk.ravel().tolist())))}
+route = {
+    "ids": ids.tolist(),
+    "distinct_tokens": int(len(set(ids.tolist()))),
+    "distinct_experts_last_layer": int(len(set(tk.ravel().tolist()))),
+}
 print("routing of the timed verify:", route, flush=True)
 dfw = DraftForward(eng.fwd)
-ops_all = (eng.fwd.ops(VERIFY_ROWS, decode=False, last=True, greedy=True, taps=True, all_logits=True)
-           + dfw.ctx_ops(VERIFY_ROWS))
+ops_all = eng.fwd.ops(VERIFY_ROWS, decode=False, last=True, greedy=True, taps=True, all_logits=True) + dfw.ctx_ops(
+    VERIFY_ROWS
+)
 names = [op.entry.name for op in ops_all if isinstance(op, Op)]
 N = int(os.environ.get("PROBE_N", "40"))
 IN_PLACE = ("ffn_tail", "attn_tail", "embed", "dflash")
@@ -69,10 +74,19 @@ eng.act["ids"].view(0, 64).upload(distinct_tokens(16, b.spec.target.vocab_size).
 res["verify_distinct_tokens_us"] = timed(ops_all)
 tk2 = eng.act["topk_idx"].download(np.int32, (16, 8))
 res["distinct_experts_last_layer_distinct_tokens"] = int(len(set(tk2.ravel().tolist())))
-print("verify on 16 distinct tokens:", res["verify_distinct_tokens_us"], "us, experts (last layer)",
-      res["distinct_experts_last_layer_distinct_tokens"], flush=True)
+print(
+    "verify on 16 distinct tokens:",
+    res["verify_distinct_tokens_us"],
+    "us, experts (last layer)",
+    res["distinct_experts_last_layer_distinct_tokens"],
+    flush=True,
+)
 eng.act["ids"].view(0, 64).upload(spec_ids, stream=eng.stream)
 res["verify_base2_us"] = timed(ops_all)
 res["families"] = rows
 print(f"verify base {base:.1f} / {res['verify_base2_us']:.1f} us", flush=True)
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_dup_verify.json")), "w"), indent=1)
+json.dump(
+    res,
+    open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_dup_verify.json")), "w"),
+    indent=1,
+)

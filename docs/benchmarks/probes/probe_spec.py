@@ -2,6 +2,7 @@
 and PDL on or off (PROBE_VARIANTS: default, nofork, nopdl, neither), and the host loop of a DFlash step. Not part of the
 engine: a measurement for docs/benchmarks/NOTES.md, run on the GPU box after `thorgen synth-checkpoint --preset
 gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`, with THORGEN_KERNELS naming a full-size build."""
+
 import json
 import os
 from pathlib import Path
@@ -20,4 +21,8 @@ for name in os.environ.get("PROBE_VARIANTS", "default,nofork,nopdl,default").spl
     r = spec_step_times(eng, prompt)
     out.setdefault(name, []).append(r)
     print("spec", name, json.dumps(r), flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_spec.json")), "w"), indent=1)
+json.dump(
+    out,
+    open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_spec.json")), "w"),
+    indent=1,
+)

@@ -4,6 +4,7 @@ back-to-back replays of the graph (GPU time), and stage + replay with no read (w
 then the DFlash draft and verify graphs. Not part of the engine: a measurement for docs/benchmarks/NOTES.md, run on
 the GPU box after `thorgen synth-checkpoint --preset gemma-4-26b-a4b --out /tmp/full` and `thorgen repack-weights`,
 with THORGEN_KERNELS naming a full-size build (PROBE_VARIANTS, PROBE_JSON: which variants, where the JSON goes)."""
+
 import json
 import os
 import time
@@ -59,8 +60,13 @@ def staged_replays(n=200):
     return e1.elapsed_ms(e0) / n
 
 
-ALL = [("default", True, True), ("nofork", False, True), ("nopdl", True, False), ("neither", False, False),
-       ("default2", True, True)]
+ALL = [
+    ("default", True, True),
+    ("nofork", False, True),
+    ("nopdl", True, False),
+    ("neither", False, False),
+    ("default2", True, True),
+]
 want = os.environ.get("PROBE_VARIANTS", "default,nofork,nopdl,neither,default2").split(",")
 for name, fork, pdl in [v for v in ALL if v[0] in want]:
     use_variant(eng, fork, pdl)
@@ -72,4 +78,8 @@ for name, fork, pdl in [v for v in ALL if v[0] in want]:
 if eng.speculative:
     out.update(spec_step_times(eng, prompt))
     print("spec", json.dumps({k: out[k] for k in ("spec_step_host_ms", "draft_replay_ms", "verify_replay_ms")}))
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_step.json")), "w"), indent=1)
+json.dump(
+    out,
+    open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_JSON", "probe_step.json")), "w"),
+    indent=1,
+)
