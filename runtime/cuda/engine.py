@@ -15,21 +15,22 @@ q|k|v, tap capture in prefill, and two 16-row graphs per step; otherwise `spec_m
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
 from ...model_spec.types import ModelSpec
-from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache, check_image_spans
+from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache, SamplingParams, check_image_spans
 from ..convert.artifact import WeightsArtifact
+from ..engine.sequence import Sequence as EngineSequence
 from ..manifest import KernelManifest
 from .buffers import MAX_LOGIT_BIAS, EngineBuffers, plan_activations
 from .device import Device, check, driver
 from .kernels import KernelSet
 from .kv_cache import plan_kv
 from .launch_lists import LaunchLists
-from .logits_params import logprob_entry, plain_row
+from .logits_params import LogitsBatch, logprob_entry, plain_row
 from .memory import DeviceBuffer
 from ..options import EngineOptions
 from .dflash import DFlashSteps, DraftForward
@@ -135,7 +136,7 @@ class Engine:
     def pitch(self) -> int:
         return self.buffers.pages.pitch
 
-    def check_request(self, seq: Any) -> None:
+    def check_request(self, seq: EngineSequence) -> None:
         """BackendError for a sequence (runtime/engine/sequence.py) this engine cannot run: speculative without a
         drafter, logits processing without its kernels, images without the tower or larger than a prefill chunk,
         prompt ids or logit_bias ids outside the vocabulary; makes its grammar's matcher."""
@@ -178,13 +179,13 @@ class Engine:
         self.buffers.pages.map(lane, first, pages)
 
     # ---- inputs of the next step --------------------------------------------------------------------------------
-    def set_sampling(self, sampling: Any) -> None:
+    def set_sampling(self, sampling: SamplingParams) -> None:
         """Every row's SampleParams from one request's SamplingParams (what single-sequence steps sample with)."""
         rec = np.zeros(MAX_BATCH, SAMPLE_PARAMS)
         rec[:] = sample_record(sampling)
         self.act["params"].upload(rec.view(np.uint8), stream=self.stream)  # ordered before the next step's sampler
 
-    def set_logits(self, batch: Any) -> None:
+    def set_logits(self, batch: LogitsBatch) -> None:
         """Upload a step's logits processing (runtime/logits_params.LogitsBatch) for its rows; every row past them
         (a bucket's padding rows included) only softcaps, so no row reads a previous step's entries. Stream-ordered
         before the next step."""

@@ -10,6 +10,7 @@ token of prompt + output), `biases` (16 B per logit_bias entry) and `masks` (V /
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -153,11 +154,16 @@ def logprob_entry(ids: np.ndarray, lps: np.ndarray, chosen: np.ndarray, row: int
 
 class RequestLogits:
     """A runner's logits processing: stages a step's rows for the engine (`stage`), and after the step checks the
-    rows' status and feeds each request's grammar, token counts and logprobs (`picked`). `engine`: set_logits and
-    read_logits of runtime/cuda/engine.Engine."""
+    rows' status and feeds each request's grammar, token counts and logprobs (`picked`), through the engine's
+    `set_logits` and `read_logits` (runtime/cuda/engine.py)."""
 
-    def __init__(self, engine, vocab: int) -> None:
-        self.engine, self.vocab = engine, vocab
+    def __init__(
+        self,
+        set_logits: Callable[[LogitsBatch], None],
+        read_logits: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        vocab: int,
+    ) -> None:
+        self.set_logits, self.read_logits, self.vocab = set_logits, read_logits, vocab
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
 
     def stage(self, seqs: list) -> bool:
@@ -178,14 +184,14 @@ class RequestLogits:
                 if counts is None:
                     counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
             rows.append((sp, counts, _allowed(s, self.vocab)))
-        self.engine.set_logits(pack(rows, self.vocab))
+        self.set_logits(pack(rows, self.vocab))
         return True
 
     def picked(self, seqs: list, tokens: list[int]) -> dict[str, SequenceFailed]:
         """After a staged step: feed the grammars and counts and keep the logprobs of each row; a row whose status
         is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the token comes back
         as its request's SequenceFailed (its token is not committed; the other rows stand)."""
-        status, ids, lps, chosen = self.engine.read_logits(len(seqs))
+        status, ids, lps, chosen = self.read_logits(len(seqs))
         failed = {}
         for r, (s, tok) in enumerate(zip(seqs, tokens)):
             if status[r]:

@@ -75,7 +75,7 @@ class CudaRunner:
         self.lookahead = 1 if self.launch_ahead else 0
         self.ahead_steps = 0  # steps that were launched ahead (by the step before) and used
         self.pipe = Pipeline()
-        self.logits = RequestLogits(engine, engine.spec.target.vocab_size)
+        self.logits = RequestLogits(engine.set_logits, engine.read_logits, engine.spec.target.vocab_size)
         self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
 
     @property
