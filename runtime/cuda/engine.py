@@ -286,6 +286,24 @@ class Engine:
             )
         return ops[:1] + copies + ops[1:] + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
 
+    def score_prompt(self, seq: EngineSequence, start: int, end: int) -> int:
+        """A prefill chunk [start, end) of a sequence whose prompt gets logprobs: the rows that predict prompt
+        tokens (start..scored-1) run through `score` into seq.prompt_logprobs; returns `scored`, where the
+        chunk's prefill goes on (its last row samples the first token)."""
+        scored = seq.scored_upto(start, end) - 1
+        if scored > start:
+            assert seq.prompt_logprobs is not None and seq.lane is not None
+            top = seq.sampling.prompt_logprobs or 0
+            seq.prompt_logprobs += self.score(seq.tokens, start, scored, top, seq.lane)
+            return scored
+        return start
+
+    def image_rows(self, seq: EngineSequence, start: int, end: int) -> list[tuple[int, np.ndarray]]:
+        """(prompt position, rows) of the images of `seq` in positions start..end-1, through the encoder cache."""
+        if self.encoder_cache is None:
+            return []
+        return [(s.offset, self.encoder_cache.rows(s.image)) for s in seq.images if s.offset < end and s.end > start]
+
     def score(self, tokens: list[int], start: int, stop: int, top: int, lane: int = 0) -> list:
         """Prompt logprobs: run positions start..stop-1 of `tokens` (the K/V of 0..start-1 cached) and return,
         for each, the TokenLogprob of the token after it (tokens[p + 1]) with the `top` most likely ids.

@@ -107,10 +107,12 @@ class KVPlan:
     def drafter(self) -> list[LayerKV]:
         return [l for l in self.layers if l.model == "drafter"]
 
-    def geometry(self, lanes: int | None = None) -> KVGeometry:
-        """The cache as the engine core's KV manager sees it (`lanes`: a runner's, at most the plan's)."""
+    def geometry(self, lanes: int | None = None, tokens: int | None = None) -> KVGeometry:
+        """The cache as the engine core's KV manager sees it: `lanes` (a runner's, at most the plan's) and the
+        pages of `tokens` positions (at most the pool's)."""
         rings = tuple((l.window, l.slots) for l in self.layers if l.ring and l.window is not None)
-        return KVGeometry(min(lanes or self.lanes, self.lanes), self.ctx, self.pages, rings, KV_PAGE)
+        pages = self.pages if tokens is None else min(self.pages, -(-tokens // KV_PAGE))
+        return KVGeometry(min(lanes or self.lanes, self.lanes), self.ctx, pages, rings, KV_PAGE)
 
     def summary(self) -> str:
         t = sum(l.nbytes * self.lanes_of(l) for l in self.target())

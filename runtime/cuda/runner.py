@@ -9,7 +9,7 @@ embeds the token it leaves in out_ids[0]."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from ...model_spec.conventions import VERIFY_ROWS
@@ -64,10 +64,7 @@ class CudaRunner:
         self.prefill_chunk = engine.max_rows
         self.max_num_seqs = min(engine.lanes, max_num_seqs or engine.lanes)
         self.max_context = engine.ctx
-        geometry = engine.kv.plan.geometry(self.max_num_seqs)
-        if kv_tokens is not None and geometry.pages:
-            geometry = replace(geometry, pages=min(geometry.pages, geometry.pages_for(kv_tokens)))
-        self.kv_geometry = geometry
+        self.kv_geometry = engine.kv.plan.geometry(self.max_num_seqs, kv_tokens)
         self.verify_block = VERIFY_ROWS if engine.speculative else 1
         self.launch_ahead = engine.options.launch_ahead if launch_ahead is None else launch_ahead
         # a step is launched before the one before it is read: one more position, or for a DFlash step one more
@@ -116,34 +113,15 @@ class CudaRunner:
         # that skips the DFlash taps, so the sequence then decodes with plain steps.
         taps = seq.speculative and seq.prompt_logprobs is None
         if seq.scores_prompt:
-            scored = seq.scored_upto(start, end) - 1  # rows start..scored-1 predict prompt tokens
-            if scored > start:
-                assert seq.prompt_logprobs is not None
-                seq.prompt_logprobs += self.engine.score(
-                    seq.tokens, start, scored, seq.sampling.prompt_logprobs or 0, lane
-                )
-                self.spec.lanes[lane].drafted(start, scored, taps=False)
-                start = scored
+            scored = self.engine.score_prompt(seq, start, end)
+            self.spec.lanes[lane].drafted(start, scored, taps=False)
+            start = scored
             if start == end:
                 self.pipe.on_device = None
                 return None
         ext = sample and self.logits.stage([seq])
-        cache = self.engine.encoder_cache
-        images = (
-            [(s.offset, cache.rows(s.image)) for s in seq.images if s.offset < end and s.end > start]
-            if cache is not None
-            else []
-        )
-        tok = self.engine.prefill(
-            seq.tokens[:end],
-            seq.sampling.greedy,
-            taps=taps,
-            launched=launched,
-            begin=start,
-            lane=lane,
-            ext=ext,
-            images=images,
-        )
+        images = self.engine.image_rows(seq, start, end)
+        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps, launched, start, lane, ext, images)
         if ext:
             _raise_failed(self.logits.picked([seq], [tok]))
         self.spec.lanes[lane].drafted(start, end, taps)
