@@ -88,8 +88,8 @@ class Backend(Protocol):
         ...
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> ModelRunner:
-        """A ModelRunner over up to `max_num_seqs` of its KV lanes (`kv_tokens`: the paged layers' positions, on
-        a backend that sizes them itself), for an engine core."""
+        """A ModelRunner over up to `max_num_seqs` of its KV lanes and the pages of up to `kv_tokens` positions
+        (None: all it has), for an engine core."""
         ...
 
     def generate_stream(
