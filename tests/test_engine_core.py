@@ -153,7 +153,7 @@ def test_preemption_resumes_to_the_same_tokens(backend):
 
 def test_kv_exhaustion_is_a_clear_error(backend):
     core = EngineCore(backend.runner(max_num_seqs=2, kv_tokens=64))
-    with pytest.raises(BackendError, match=r"needs 7 KV pages of 16 tokens, but the whole KV cache holds 4 pages"):
+    with pytest.raises(BackendError, match=r"needs 7 KV blocks of 16 tokens, but the whole KV cache holds 4"):
         core.add("big", _prompt(100, 1), 4, GREEDY)
     core.add("grows", _prompt(40, 2), 100, GREEDY)  # fits, then outgrows the whole cache alone
     outs = _run(core)

@@ -71,8 +71,8 @@ class Scheduler:
             g = self.kv.geometry
             raise KVExhausted(
                 f"the prompt has {len(seq.prompt)} tokens and needs "
-                f"{g.pages_for(len(seq.prompt) + 1)} KV pages of {g.page} tokens, but the whole KV "
-                f"cache holds {self.kv.total_pages} pages ({self.kv.total_pages * g.page} tokens)"
+                f"{g.pages_for(len(seq.prompt) + 1)} KV blocks of {g.page} tokens, but the whole KV "
+                f"cache holds {self.kv.total_pages} blocks ({self.kv.total_pages * g.page} tokens)"
             )
         self.waiting.append(seq)
 
