@@ -7,7 +7,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -305,25 +305,3 @@ class BackendFeatures:
 
     speculative: bool = False  # DFlash draft + verify (a drafter, and on the GPU its kernels)
     grammar: bool = False  # grammar-constrained decoding (llguidance masks: structured outputs, forced tool calls)
-
-
-class StreamingBackend:
-    """The part every backend shares: `generate` drains `generate_stream` into one GenerationResult."""
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: frozenset[int] = frozenset(),
-        speculative: bool = False,
-        cancelled: Callable[[], bool] | None = None,
-        images: Sequence[ImageSpan] = (),
-    ) -> GenerationResult:
-        result = GenerationResult()
-        stream = self.generate_stream  # type: ignore[attr-defined]
-        for _ in stream(
-            prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result, images=tuple(images)
-        ):
-            pass
-        return result

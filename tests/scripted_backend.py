@@ -138,7 +138,7 @@ class ScriptedBackend:
         cancelled: Callable[[], bool] | None = None,
         result: GenerationResult | None = None,
     ) -> Iterator[StepOutput]:
-        from thorgen.runtime.engine.core import generate_one
+        from thorgen.runtime.engine.single import generate_one
 
         return generate_one(
             self.runner(1),

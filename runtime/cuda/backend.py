@@ -16,7 +16,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 from ...model_spec.config import spec_from_configs
 from ...model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
@@ -25,11 +24,6 @@ from ...model_spec.conventions import MAX_BATCH
 from ..backend import (
     BackendError,
     BackendFeatures,
-    GenerationResult,
-    ImageSpan,
-    SamplingParams,
-    StepOutput,
-    StreamingBackend,
 )
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
@@ -41,7 +35,7 @@ from .memory import alloc, check_fits, upload_artifact
 from ..manifest import find_kernels
 from ..options import EngineOptions, default_ctx
 from ..convert.layouts import layout_version
-from ..engine.core import generate_one
+from ..engine.single import EngineBackend
 from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_dirs, find_artifact
 
 
@@ -85,7 +79,7 @@ def _served_spec(spec, model_dir: Path, weights_dir: Path | None):
     return spec
 
 
-class CudaBackend(StreamingBackend):
+class CudaBackend(EngineBackend):
     """Backend protocol over an Engine (generate_stream: one request; the engine core batches through runner())."""
 
     def __init__(self, engine: Engine, load_s: float = 0.0) -> None:
@@ -99,29 +93,6 @@ class CudaBackend(StreamingBackend):
         """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes and `kv_tokens`
         positions of its pages (default: all of them)."""
         return CudaRunner(self.engine, max_num_seqs, kv_tokens=kv_tokens)
-
-    def generate_stream(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: frozenset[int] = frozenset(),
-        speculative: bool = False,
-        cancelled: Callable[[], bool] | None = None,
-        result: GenerationResult | None = None,
-        images: Sequence[ImageSpan] = (),
-    ) -> Iterator[StepOutput]:
-        return generate_one(
-            self.runner(),
-            list(prompt_ids),
-            max_tokens,
-            sampling,
-            frozenset(stop_ids),
-            speculative,
-            cancelled,
-            GenerationResult() if result is None else result,
-            tuple(images),
-        )
 
     @property
     def features(self) -> BackendFeatures:

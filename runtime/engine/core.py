@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ..backend import (
     BackendError,
@@ -25,7 +25,6 @@ from ..backend import (
     ImageSpan,
     SamplingParams,
     SequenceFailed,
-    StepOutput,
     TokenLogprob,
 )
 from .interface import DecodeResult, ModelRunner
@@ -302,51 +301,3 @@ class EngineCore:
             decode_s=seq.finished_at - first,
         )
         return RequestOutput(seq.request_id, finished=True, result=result, error=error)
-
-
-def generate_one(
-    runner: ModelRunner,
-    prompt: list[int],
-    max_tokens: int,
-    sampling: SamplingParams,
-    stop_ids: frozenset[int],
-    speculative: bool,
-    cancelled: Callable[[], bool] | None,
-    result: GenerationResult,
-    images: tuple[ImageSpan, ...] = (),
-) -> Iterator[StepOutput]:
-    """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
-    BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
-    core = EngineCore(runner)
-    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative, images)
-    result.prompt_tokens = len(prompt)
-
-    def steps() -> Iterator[StepOutput]:
-        try:
-            while core.unfinished:
-                if cancelled is not None and cancelled():
-                    core.abort("generate")
-                for out in core.step():
-                    if out.error is not None:
-                        raise out.error
-                    if out.finished:
-                        r = out.result
-                        assert r is not None
-                        result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
-                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = (
-                            r.cached_prompt_tokens,
-                            r.prefill_s,
-                            r.decode_s,
-                        )
-                        return
-                    result.token_ids += out.token_ids
-                    if out.prompt_logprobs is not None:
-                        result.prompt_logprobs = list(out.prompt_logprobs)
-                    yield StepOutput(list(out.token_ids), out.accepted)
-        finally:
-            if core.unfinished:  # the consumer stopped early: finish it as cancelled, releasing its state
-                core.abort("generate")
-                core.step()
-                result.finish_reason = "cancelled"
-
-    return steps()

@@ -12,19 +12,13 @@ rounds where the CUDA engine stores (fp16 GEMM inputs, bf16 queries, `kv_dtype` 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
 
 from ..backend import (
     BackendError,
     BackendFeatures,
-    GenerationResult,
     ImageRowCache,
-    ImageSpan,
-    SamplingParams,
-    StepOutput,
-    StreamingBackend,
 )
-from ..engine.core import generate_one
+from ..engine.single import EngineBackend
 from .drafter import DFlashDrafter, Drafter
 from .model import TargetModel
 from .runner import ReferenceRunner
@@ -36,7 +30,7 @@ from .weights import DEFAULT_EXPERT_BUDGET, WeightSource
 NUMERICS = ("float32", "w4a16")
 
 
-class ReferenceBackend(StreamingBackend):
+class ReferenceBackend(EngineBackend):
     """Backend over a checkpoint (or any WeightSource). `drafter=` injects a drafter (scripted in tests)."""
 
     def __init__(
@@ -104,27 +98,3 @@ class ReferenceBackend(StreamingBackend):
         """The engine core's ModelRunner over this backend (shares its model and drafter; the KV lanes are its own,
         so a prefix cache lives as long as the engine core driving the runner)."""
         return ReferenceRunner(self, max_num_seqs, kv_tokens)
-
-    def generate_stream(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: frozenset[int] = frozenset(),
-        speculative: bool = False,
-        cancelled: Callable[[], bool] | None = None,
-        result: GenerationResult | None = None,
-        images: Sequence[ImageSpan] = (),
-    ) -> Iterator[StepOutput]:
-        """Yield committed tokens step by step, filling `result` as they come (one request, engine core)."""
-        return generate_one(
-            self.runner(1, self.max_context),
-            list(prompt_ids),
-            max_tokens,
-            sampling,
-            frozenset(stop_ids),
-            speculative,
-            cancelled,
-            GenerationResult() if result is None else result,
-            tuple(images),
-        )

@@ -1,0 +1,99 @@
+"""Runtime stage (engine core): one request through an engine core of its own: `generate_one`, and `EngineBackend`,
+the generate_stream / generate every backend shares on top of it."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence as Seq
+
+from ..backend import GenerationResult, ImageSpan, SamplingParams, StepOutput
+from .core import EngineCore
+from .interface import ModelRunner
+
+
+def generate_one(
+    runner: ModelRunner,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: frozenset[int],
+    speculative: bool,
+    cancelled: Callable[[], bool] | None,
+    result: GenerationResult,
+    images: tuple[ImageSpan, ...] = (),
+) -> Iterator[StepOutput]:
+    """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
+    BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
+    core = EngineCore(runner)
+    core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative, images)
+    result.prompt_tokens = len(prompt)
+
+    def steps() -> Iterator[StepOutput]:
+        try:
+            while core.unfinished:
+                if cancelled is not None and cancelled():
+                    core.abort("generate")
+                for out in core.step():
+                    if out.error is not None:
+                        raise out.error
+                    if out.finished:
+                        r = out.result
+                        assert r is not None
+                        result.finish_reason, result.accepted_lengths = r.finish_reason, r.accepted_lengths
+                        result.cached_prompt_tokens, result.prefill_s, result.decode_s = (
+                            r.cached_prompt_tokens,
+                            r.prefill_s,
+                            r.decode_s,
+                        )
+                        return
+                    result.token_ids += out.token_ids
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = list(out.prompt_logprobs)
+                    yield StepOutput(list(out.token_ids), out.accepted)
+        finally:
+            if core.unfinished:  # the consumer stopped early: finish it as cancelled, releasing its state
+                core.abort("generate")
+                core.step()
+                result.finish_reason = "cancelled"
+
+    return steps()
+
+
+class EngineBackend:
+    """What both backends share: one request's `generate_stream` through an engine core over a one-lane runner
+    of their own (`generate_one`), and `generate`, which drains it. A backend supplies
+    `runner()`."""
+
+    def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> ModelRunner:
+        raise NotImplementedError
+
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        result: GenerationResult | None = None,
+        images: Seq[ImageSpan] = (),
+    ) -> Iterator[StepOutput]:
+        result = GenerationResult() if result is None else result
+        args = (list(prompt_ids), max_tokens, sampling, frozenset(stop_ids), speculative, cancelled, result)
+        return generate_one(self.runner(1), *args, tuple(images))
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int] = frozenset(),
+        speculative: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        images: Seq[ImageSpan] = (),
+    ) -> GenerationResult:
+        result = GenerationResult()
+        for _ in self.generate_stream(
+            prompt_ids, max_tokens, sampling, stop_ids, speculative, cancelled, result, images
+        ):
+            pass
+        return result
