@@ -15,28 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
 
+from thorgen.model_spec.synth.tokenizer import SPECIAL_IDS as GEMMA_SPECIALS
 from thorgen.runtime.backend import GenerationResult, SamplingParams, StepOutput
 
-# Gemma-4 control tokens at their real ids (MODEL_FACTS §4.2); the rest of the low ids are unused specials.
-GEMMA_SPECIALS = {
-    0: "<pad>",
-    1: "<eos>",
-    2: "<bos>",
-    3: "<unk>",
-    4: "<mask>",
-    46: "<|tool>",
-    47: "<tool|>",
-    48: "<|tool_call>",
-    49: "<tool_call|>",
-    50: "<|tool_response>",
-    51: "<tool_response|>",
-    52: '<|"|>',
-    98: "<|think|>",
-    100: "<|channel>",
-    101: "<channel|>",
-    105: "<|turn>",
-    106: "<turn|>",
-}
+# Gemma-4 control tokens sit at their real ids (MODEL_FACTS §4.2, GEMMA_SPECIALS); the rest of the low ids are
+# unused specials.
 _CHARS = [chr(c) for c in range(33, 127)] + ["▁", "\n"] + list("éüßあ")
 BYTE_BASE = 107 + len(_CHARS)  # <0xXX> = BYTE_BASE + byte; ids stay contiguous
 

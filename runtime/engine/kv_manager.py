@@ -152,10 +152,7 @@ class KVManager:
         free = [i for i, lane in enumerate(self.lanes) if lane.seq is None]
         if not free:
             return None
-        want = keys_of(seq, seq.prefill_target)
-        limit = limit if self.geometry.prefix_cache else 0
-        shared = self.pool.matched(want, limit) if self.pool is not None and limit > 0 else []
-        cap = len(shared) * self.geometry.page if self.pool is not None else limit
+        want, shared, cap = self._lookup(seq, limit)
         best, best_n, source, source_n = free[0], -1, None, 0
         for i, lane in enumerate(self.lanes):
             n = self._usable(seq, want, cap, lane, i)
@@ -164,7 +161,7 @@ class KVManager:
             if lane.seq is None and (n > best_n or (n == best_n and lane.freed_at < self.lanes[best].freed_at)):
                 best, best_n = i, n
         reused = max(best_n, source_n)
-        held = shared[: reused // self.geometry.page] if self.pool is not None else []
+        held = shared[: reused // self.geometry.page]
         if not self._room_for(tokens, held):
             return None
         lane = self.lanes[best]
@@ -191,12 +188,9 @@ class KVManager:
         registered it since, by sharing their pages and copying their lane's K/V into its own. Returns the
         positions its K/V now covers (seq.num_cached)."""
         assert seq.lane is not None, f"{seq.request_id} holds no lane"
-        limit = limit if self.geometry.prefix_cache else 0
-        if limit <= seq.num_cached:
+        if not self.geometry.prefix_cache or limit <= seq.num_cached:
             return seq.num_cached
-        want = keys_of(seq, seq.prefill_target)
-        shared = self.pool.matched(want, limit) if self.pool is not None else []
-        cap = len(shared) * self.geometry.page if self.pool is not None else limit
+        want, shared, cap = self._lookup(seq, limit)
         source, best = None, seq.num_cached
         for i, lane in enumerate(self.lanes):
             n = self._usable(seq, want, cap, lane, i) if i != seq.lane else 0
@@ -216,6 +210,16 @@ class KVManager:
         if seq.preemptions == 0:
             seq.cached_prompt_tokens = best
         return best
+
+    def _lookup(self, seq: Sequence, limit: int) -> tuple[list[int], list[int], int]:
+        """(the keys of `seq` up to its prefill target, the cached pages that hold the longest run of their full
+        pages within the first `limit`, the most positions a lane may serve along with them)."""
+        limit = limit if self.geometry.prefix_cache else 0
+        want = keys_of(seq, seq.prefill_target)
+        if self.pool is None:
+            return want, [], limit
+        shared = self.pool.matched(want, limit) if limit > 0 else []
+        return want, shared, len(shared) * self.geometry.page
 
     def _usable(self, seq: Sequence, want: list[int], cap: int, lane: Lane, i: int) -> int:
         """How many of `want`'s leading keys lane i can serve with the cached pages (at most `cap` positions)."""
