@@ -3,7 +3,7 @@
 
 The program's row count is the image's soft-token count N; its L = 9 N patches (the preprocessing keeps only real
 patches, a row-major grid of whole 3x3 cells) make every launch's rows linear in N. In: vis_patches (f32 [L, 768],
-pixels in [0, 1]), vis_pos (i32 [L, 2]: x, y), vis_kpos (i32 0, 1, ...: the attention's key positions, staged once).
+pixels in [0, 1]), vis_pos (i32 [L, 2]: x, y).
 Out: vis_out (f32 [N, text hidden]), the rows that replace the image's placeholder embeddings."""
 
 from __future__ import annotations
@@ -83,20 +83,7 @@ class LowerVision:
                 Op(
                     q + "attention",
                     attn,
-                    dict(
-                        q=A("vis_q"),
-                        kc=A("vis_k"),
-                        vc=A("vis_v"),
-                        positions=A("vis_kpos"),
-                        m=L,
-                        out=A("vis_attn"),
-                        ws=NULL,
-                        counters=NULL,
-                        lanes=NULL,
-                        lane_bytes=0,
-                        pages=NULL,
-                        rowwise=0,
-                    ),
+                    dict(q=A("vis_q"), k=A("vis_k"), v=A("vis_v"), out=A("vis_attn"), T=L),
                     L,
                 ),
                 self._gemm(q + "o", p + "o", d.hidden, d.heads * d.dp, L, A("vis_attn"), A("vis_y")),

@@ -124,12 +124,10 @@ def vision_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 # Activations of the program (name -> (row width, dtype) per patch row, or per soft-token row for the pooled ones):
-# the runtime sizes them for max_patches / MAX_SOFT_TOKENS rows. vis_kpos: i32 0, 1, 2, ... (the attention's key
-# positions, staged once).
+# the runtime sizes them for max_patches / MAX_SOFT_TOKENS rows.
 PATCH_ACTS = {
     "vis_patches": ("patch_dim", "f32"),
     "vis_pos": (2, "i32"),
-    "vis_kpos": (1, "i32"),
     "vis_pin": ("patch_dim", "f16"),
     "vis_x": ("hidden", "f32"),
     "vis_y": ("hidden", "f32"),

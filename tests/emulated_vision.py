@@ -180,6 +180,17 @@ class VisionKernels:
         for name, val in zip("qkv", outs):
             self.v(a[name], np.uint16, (T, NH, DP), name)[:] = val
 
+    def k_vis_attn(self, p, a, n):
+        T, NH, DP = a["T"], p["NH"], p["DP"]
+        q, k, v = (bf16_to_f32(self.v(a[name], np.uint16, (T, NH, DP), name)) for name in "qkv")
+        if any((t[..., p["DC"] :] != 0).any() for t in (q, k)):
+            from emulated_kernels import EmuError
+
+            raise EmuError(f"q / k channels past the computed {p['DC']} are not zero")
+        out = np.zeros((T, NH, DP), np.float16)
+        out[..., : p["DC"]] = attention_ref(q[..., : p["DC"]], k[..., : p["DC"]], v[..., : p["DC"]])
+        self.v(a["out"], np.float16, (T, NH, DP), "out")[:] = out
+
     def k_vis_pool(self, p, a, n):
         T, H, HP, P = a["T"], p["H"], p["HP"], p["POOL"]
         L = T * P * P

@@ -47,7 +47,6 @@ def encode_on_gpu(r: GpuRunner, ck: dict, patches: np.ndarray, pos: np.ndarray) 
     }
     acts["vis_patches"].upload(np.ascontiguousarray(patches, np.float32))
     acts["vis_pos"].upload(np.ascontiguousarray(pos, np.int32))
-    acts["vis_kpos"].upload(np.arange(L, dtype=np.int32))
 
     def bind(v):
         if isinstance(v, Sym):

@@ -186,9 +186,9 @@ def test_gemms(runner):
 
 def test_attention(runner):
     """Every patch attends every other (scale 1), heads zero-padded past head_dim as the q/k/v kernel writes them."""
-    kern = _one(runner, "attn_pre__vis_")
+    kern = _one(runner, "vis_attn__")
     d = runner.spec.vision.head_dim
-    dp, nh = kern.param("d"), kern.param("hq")
+    dp, nh = kern.param("DP"), kern.param("NH")
     rng, failures = np.random.default_rng(7), []
     for gw, gh in GRIDS:
         L = gw * gh
@@ -196,16 +196,7 @@ def test_attention(runner):
         for t, std in ((q, d**-0.25), (k, d**-0.25), (v, 1.0)):  # q.k ~ N(0, 1), as the synthetic tower
             t[..., :d] = rng.standard_normal((L, nh, d)) * std
         qb, kb, vb = (f32_to_bf16(t) for t in (q, k, v))
-        inputs = {
-            "q": qb,
-            "kc": kb,
-            "vc": vb,
-            "positions": np.arange(L, dtype=np.int32),
-            "m": np.int32(L),
-            "out": np.full((L, nh, dp), np.nan, np.float16),
-            "rowwise": 0,
-            "lane_bytes": 0,
-        }
+        inputs = {"q": qb, "k": kb, "v": vb, "T": np.int32(L), "out": np.full((L, nh, dp), np.nan, np.float16)}
         got = runner.run(kern, inputs, {"out": ((L, nh, dp), np.float16)}, _grid(kern, L))["out"]
         want = EV.attention_ref(*(bf16_to_f32(t) for t in (qb, kb, vb)))
         failures += _check(f"L={L}", got, want, EV.TOL_VIS_ATTN, pad_from=d)

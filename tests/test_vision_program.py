@@ -129,7 +129,6 @@ def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a") -> np.ndarray:
         )
     drv.view(acts["vis_patches"], np.float32, patches.shape)[:] = patches
     drv.view(acts["vis_pos"], np.int32, pos.shape)[:] = pos
-    drv.view(acts["vis_kpos"], np.int32, L)[:] = np.arange(L)
     emu = KernelEmulator(drv)
 
     def bind(v):

@@ -18,8 +18,8 @@ the tied lm_head (f32 logits; one row, 16 or 32: prefill needs the last position
 A linear whose checkpoint format is bf16 (ModelSpec.linear_formats) runs the same kernels with WeightKind HALF: fp16
 weights (bf16 converted once at repack, runtime/convert/linears.py) in the step-major half layout, named
 half_gemv__, half_gemm16__, half_gemm32__, half_gemmL__ (args w, x, y, m: no scales), with the same fused
-epilogues (gelu, the attention tail, rope_kv). Their prefill GEMM runs mma.sync on every arch (the wgmma loop
-decodes NVFP4 only).
+epilogues (gelu, the attention tail, rope_kv). Their prefill GEMM takes the warpgroup form on sm_90a too (the
+fp16 weights copied into its stages with the tokens, no decode); the vision tower's GEMMs are of this kind.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ def gemm_small(
         # the 16- and 32-row forms split K alike, so that a row's logits do not depend on the step's row count
         ks, pf = 4, 2
     un = units_a_block(units, mmax, kind, arch)
+    spw = slice_steps(steps, ks, un, mmax, kind)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
     return KernelSpec(
@@ -181,6 +182,7 @@ def gemm_small(
             fp4_order=fp4_order(arch),
             swap=mmax <= 8,
             un=un,
+            spw=spw,
             **tile_params(),
         ),
         grid=(units // un, 1, 1),
@@ -188,6 +190,20 @@ def gemm_small(
         args=gemm_args(kind),
         family=family,
     )
+
+
+SLICE_STEP_BYTES = 512 + 64  # a 16 x 64 NVFP4 step: codes and e4m3 scales
+SLICE_BLOCK_BYTES = 40 * 1024  # a block's weight pages in shared memory, at most (static shared memory)
+
+
+def slice_steps(steps: int, ks: int, un: int, mmax: int, kind: str) -> int:
+    """Steps each warp of the one-row GEMV holds in shared memory (gemm_nvfp4.cuh gemm_small's SPW): its whole K
+    slice, issued before griddepcontrol.wait; 0 (the register ring) for fp16 weights, the many-row forms, or a
+    slice too large for the block's pages."""
+    spw = -(-steps // ks)
+    if mmax != 1 or kind == "half" or ks * spw * un * SLICE_STEP_BYTES > SLICE_BLOCK_BYTES:
+        return 0
+    return spw
 
 
 def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:
@@ -247,8 +263,8 @@ def gemm_large(
     family: str = "matmul",
     mmax: int = MAX_STEP_TOKENS,
 ) -> KernelSpec:
-    """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). NVFP4 weights on an
-    arch with wgmma and N a multiple of its 128-row tile take the warpgroup form."""
+    """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). On an arch with wgmma,
+    N a multiple of its 128-row tile takes the warpgroup form (NVFP4 or fp16 weights)."""
     kind = kind or fp4_order(arch)
     check_shape(f"{prefix} gemm", n, k)
     units = n // TILE_N
@@ -267,7 +283,7 @@ def gemm_large(
         fp4_order=fp4_order(arch),
         **tile_params(),
     )
-    if arch.has_wgmma and kind != "half" and n % WGMMA_BN == 0:
+    if arch.has_wgmma and n % WGMMA_BN == 0:
         return KernelSpec(
             f"{prefix}_gemmL__{_tag(n, k, epi)}",
             template,

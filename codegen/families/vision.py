@@ -7,7 +7,7 @@ norm + 2-D RoPE, sandwich norms, the pool tail), its fp16 GEMMs and its bidirect
   vis_sandwich__h{H}                         x += rmsnorm(y) * w_post; a = rmsnorm(x) * w_next
   vis_pool__h{H}_p{POOL}                     3x3 mean, x sqrt(H), standardize, weightless RMSNorm (fp32) -> f16
   vis_gemmL__n{N}_k{K}[_gelu]                the tower's linears on the drafter's fp16 tile engine (WeightKind HALF)
-  attn_pre__vis_d{DP}_h{NH}x{NH}_b_lin_bf16  one image's patches attending each other (scale 1, no mask, G = 1)
+  vis_attn__h{NH}x{D}_dp{DP}                 one image's patches attending each other (scale 1, no mask, G = 1)
 Widths are padded to the tiles (model_spec/vision_layout.py); the GEMMs and the attention run on those.
 """
 
@@ -20,7 +20,6 @@ from ...model_spec.vision_layout import VisionDims, vision_dims
 from ..arch import ArchSpec
 from ..kernel_spec import KernelSpec, make_params
 from ._util import ftag, require, row_grid
-from .attention import attn_kernels
 from .matmul import gemm_large
 
 
@@ -119,26 +118,27 @@ def gemm(n: int, k: int, epi: str, d: VisionDims, arch: ArchSpec) -> KernelSpec:
     return gemm_large(n, k, epi, arch, kind="half", prefix="vis", family="vision", mmax=d.max_patches)
 
 
+ATTN_WARPS, ATTN_TK = 4, 64  # 64 queries a block (16 a warp), key tiles of 64
+
+
 @cache
 def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    """Every patch of one image attends every other: the prefill kernel over a linear bf16 "cache" of the image's
-    own k / v rows (slot = patch), non-causal (key bound p0 + m - 1 = the last patch), scale 1, one KV head a query
-    head."""
-    _, pre = attn_kernels(
-        "vis",
-        d=d.dp,
-        hq=d.heads,
-        hkv=d.heads,
-        window=0,
-        ring=0,
-        causal=False,
-        kv="bf16",
-        scale=1.0,
-        nsplit=1,
-        arch=arch,
-        pre_mmax=d.max_patches,
+    """Every patch of one image attends every other (scale 1, no mask, a KV head a query head), flash-attention
+    style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs' padded width."""
+    dc = -(-d.head_dim // 16) * 16
+    require(dc <= d.dp, f"vision attention: head_dim {d.head_dim} rounds to {dc} > padded width {d.dp}")
+    smem = 2 * 2 * ATTN_TK * (dc + 8) * 2  # attn_bidir.cuh BidirSmem::BYTES
+    rows = 16 * ATTN_WARPS
+    return KernelSpec(
+        f"vis_attn__h{d.heads}x{d.head_dim}_dp{d.dp}",
+        "vis_attn.cu.j2",
+        make_params(NH=d.heads, D=d.head_dim, DP=d.dp, DC=dc, WARPS=ATTN_WARPS, TK=ATTN_TK, ROW_GRID=(0, 1, rows)),
+        grid=(-(-d.max_patches // rows), d.heads, 1),
+        block=(32 * ATTN_WARPS, 1, 1),
+        smem_bytes=smem,
+        args=("q", "k", "v", "out", "T"),
+        family="vision",
     )
-    return pre
 
 
 def vision_shapes(spec: ModelSpec) -> list[tuple[str, int, int, str]]:

@@ -81,14 +81,22 @@ def measure_image(backend: Any, report: dict, path: Path, budget: int, text: lis
         "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
         "decode_tok_s": round(statistics.median(rates), 3),
     }
+    if encode is not None and hasattr(backend, "encode_breakdown"):
+        report["image"]["encode_kernels"] = backend.encode_breakdown(image)
 
 
 def image_text(r: dict) -> str:
     i = r["image"]
     encode = "n/a (no tower exposed)" if i["encode_ms"] is None else f"{i['encode_ms']:.1f} ms"
-    return (
+    lines = [
         f"  image           {i['file']} {i['width']}x{i['height']} -> {i['soft_tokens']} soft tokens (budget "
-        f"{i['budget']}, {i['patches']} patches); preprocess {i['preprocess_ms']:.1f} ms, encode {encode}\n"
+        f"{i['budget']}, {i['patches']} patches); preprocess {i['preprocess_ms']:.1f} ms, encode {encode}",
         f"  image + text    {i['prompt_tokens']} prompt tokens: TTFT {i['ttft_ms']:.1f} ms (median, encode "
-        f"included), decode {i['decode_tok_s']:.2f} tok/s"
-    )
+        f"included), decode {i['decode_tok_s']:.2f} tok/s",
+    ]
+    ks = i.get("encode_kernels") or []
+    if ks:
+        total = sum(k["us"] for k in ks)
+        lines.append(f"  vision tower, per kernel (eager launches, event-timed); sum {total:.0f} us:")
+    lines += [f"    {k['kernel']:<56} {k['us']:9.1f} us x{k.get('count', 1)}" for k in ks]
+    return "\n".join(lines)

@@ -136,6 +136,12 @@ class CudaBackend(EngineBackend):
 
         return per_kernel(profile_step(self.engine, 0, rows=rows))
 
+    def encode_breakdown(self, image) -> list[dict]:
+        """The vision tower's launches on `image` with their GPU time, summed per kernel (largest first)."""
+        from .profile import per_kernel, profile_encode
+
+        return per_kernel(profile_encode(self.engine, image))
+
     @property
     def encoder_cache(self):
         """The engine's encoded-image rows in front of the device tower (None without one): what the bench times."""

@@ -76,6 +76,17 @@ def profile_speculative(eng: Engine, position: int) -> tuple[list[dict], list[di
     return _eager_profile(eng, draft), _eager_profile(eng, verify)
 
 
+def profile_encode(eng: Engine, image: Any) -> list[dict]:
+    """GPU time (us) per launch of the vision tower on one image: eager launches on one stream, timed with
+    events (after one untimed encode, so that every kernel is loaded)."""
+    if eng.vision is None:
+        raise ValueError("this engine has no vision tower on the device")
+    eng.vision.encode(image)
+    eng.vision.stage(image)
+    (launches,) = _bind_alone(eng, eng.vision.ops(image.soft_tokens))
+    return _eager_profile(eng, launches)
+
+
 def _eager_profile(eng: Engine, launches: list[tuple[str, Any]]) -> list[dict]:
     events = [eng.device.event() for _ in range(len(launches) + 1)]
     events[0].record(eng.stream)

@@ -92,8 +92,6 @@ class VisionEncoder:
         self.fwd.ptr = _Pointers(buffers, self.arena)
         stream = parts.stream
         self.arena.buffer.zero(stream)
-        # the attention's key positions 0, 1, ...: staged once (no kernel writes them)
-        self.arena["vis_kpos"].upload(np.arange(self.dims.max_patches, dtype=np.int32), stream=stream)
         stream.synchronize()
 
     def check(self, image: ImageInput) -> None:
@@ -112,14 +110,23 @@ class VisionEncoder:
                 f"image patch positions {positions.min()}..{positions.max()} leave the position table of {d.table}"
             )
 
-    def encode(self, image: ImageInput) -> np.ndarray:
-        """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
+    def stage(self, image: ImageInput) -> None:
+        """Check the image, upload its patches and positions (stream-ordered before the encode's launches)."""
         self.check(image)
-        n, stream, launches = image.soft_tokens, self.parts.stream, self.parts.launches
+        stream = self.parts.stream
         self.arena["vis_patches"].upload(np.ascontiguousarray(image.pixel_values(), np.float32), stream=stream)
         self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
-        launches.run(launches.eager(("vision", n), lambda: self.fwd.program(VISION_ENCODE, n)))
-        stream.synchronize()
+
+    def ops(self, soft_tokens: int) -> list:
+        """The encode program's ops for an image of `soft_tokens` soft tokens."""
+        return self.fwd.program(VISION_ENCODE, soft_tokens)
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
+        n, launches = image.soft_tokens, self.parts.launches
+        self.stage(image)
+        launches.run(launches.eager(("vision", n), lambda: self.ops(n)))
+        self.parts.stream.synchronize()
         return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
 
     def destroy(self) -> None:

@@ -69,7 +69,8 @@ __device__ __forceinline__ uint32_t sw128_offset(int r, int c) { return (uint32_
 // from this thread's CH fixed 16-byte chunks gp[i] + 64 step, nb[i] = 16 or 0 for a zero-filled padding row). Then
 // each warpgroup issues four wgmmas (k = 16 j) on it: A = its 64 tokens, B = all WR weight rows; acc = [64 x WR].
 // Ordering: copies run STAGES - 2 steps ahead and the decode one step ahead, into stages whose wgmmas every
-// warpgroup has retired (wgmma_wait<1> before each barrier); raw weights are loaded PF steps ahead.
+// warpgroup has retired (wgmma_wait<1> before each barrier); raw NVFP4 weights are loaded PF steps ahead, fp16
+// weights copied with the tokens (no decode).
 // (Tried and removed: the grouped prefill MoE through this loop, weights as the A operand of m64n64k16 over an
 // expert's <= 64 rows: no faster than its mma.sync form, 202-217 vs 191-199 us a layer for gate/up on the H200.)
 template <int KIND, int N, int K, int STAGES, int PF>
@@ -85,7 +86,9 @@ struct WgmmaLoop {
   static_assert(CH >= 1 && (TR * 8) % THREADS == 0, "the token tile's chunks split evenly over the threads");
   static_assert(TR == 64 * NWG, "each warpgroup owns 64 token rows (the A operand)");
   static_assert(STAGES >= 3 && PF >= 1 && PF <= 8, "at least three stages (one computing, one landing, one free)");
-  static_assert(KIND != HALF, "the fp16 weights have their own GEMMs");
+  // fp16 weights (KIND == HALF) need no decode: each lane's 64 bytes a step are 16-byte runs of 8 k of its rows, so
+  // they go to shared memory by cp.async, in the token copies' commit groups, with no registers in flight.
+  static constexpr bool RAW = KIND == HALF;
 
   __device__ static void k_loop(float (&acc)[ACC], const WPtr pe, int unit0, const __half* const (&gp)[CH],
                                 const uint32_t (&nb)[CH]) {
@@ -94,7 +97,25 @@ struct WgmmaLoop {
     const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_u4) + 1023u) & ~1023u;
     auto w_tile = [&](int s) { return base + (uint32_t)((s % STAGES) * STAGE); };
     auto t_tile = [&](int s) { return w_tile(s) + (uint32_t)W_BYTES; };
+    // fp16 weights: lane chunk i of its step (layout.py's half layout: rows 8 (i >> 1) + gid of the warp's unit,
+    // k 16 t4 + 8 (i & 1) ..) straight to its swizzled place; committed with the next token copies
+    auto copy_weights = [&](int s) {
+      if constexpr (RAW) {
+        constexpr int UNITS = N / 16;
+#pragma unroll
+        for (int u = 0; u < UPW; ++u) {
+          const uint8_t* src = pe.w + (((size_t)s * UNITS + unit0 + u) * W_LANES + lane) * HALF_LANE_BYTES;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = 16 * (warp * UPW + u) + 8 * (i >> 1) + gid;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(w_tile(s) + sw128_offset(r, 2 * t4 + (i & 1))),
+                         "l"(src + 16 * i));
+          }
+        }
+      }
+    };
     auto copy_tokens = [&](int s) {
+      copy_weights(s);
 #pragma unroll
       for (int i = 0; i < CH; ++i) {
         const int c = tid + i * THREADS;
@@ -117,22 +138,40 @@ struct WgmmaLoop {
       }
     };
 
-    WStep<KIND> ring[PF][UPW];  // ring[i] holds raw step i mod PF
+    constexpr int RING = RAW ? 1 : PF;  // fp16 weights keep no registers in flight
+    WStep<KIND> ring[RING][UPW];        // ring[i] holds raw step i mod PF
+    if constexpr (RAW) {
+      // the first stages' weights before the wait (they do not depend on the previous kernel), committed with
+      // step 0's tokens
 #pragma unroll
-    for (int i = 0; i < PF; ++i)
+      for (int s = 0; s < STAGES - 2; ++s)
+        if (s < STEPS) copy_weights(s);
+    } else {
 #pragma unroll
-      for (int u = 0; u < UPW; ++u)
-        if (i < STEPS) load_step<KIND, N, K>(ring[i][u], pe, unit0 + u, i, lane);
+      for (int i = 0; i < PF; ++i)
+#pragma unroll
+        for (int u = 0; u < UPW; ++u)
+          if (i < STEPS) load_step<KIND, N, K>(ring[i][u], pe, unit0 + u, i, lane);
+    }
     pdl_wait();  // the tokens come from the previous kernel
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
-      if (s < STEPS) copy_tokens(s);
-      else asm volatile("cp.async.commit_group;\n" ::: "memory");
-    }
+      if (s < STEPS) {
 #pragma unroll
-    for (int u = 0; u < UPW; ++u) {
-      store_weights(0, ring[0][u], u);
-      if (PF < STEPS) load_step<KIND, N, K>(ring[0][u], pe, unit0 + u, PF, lane);
+        for (int i = 0; i < CH; ++i) {  // the tokens only: (fp16) weights of these steps are in flight already
+          const int c = tid + i * THREADS;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(t_tile(s) + sw128_offset(c >> 3, c & 7)),
+                       "l"(gp[i] + 64 * s), "r"(nb[i]));
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    if constexpr (!RAW) {
+#pragma unroll
+      for (int u = 0; u < UPW; ++u) {
+        store_weights(0, ring[0][u], u);
+        if (PF < STEPS) load_step<KIND, N, K>(ring[0][u], pe, unit0 + u, PF, lane);
+      }
     }
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
@@ -153,12 +192,14 @@ struct WgmmaLoop {
           wgmma_fence_acc(acc);
           if (s + STAGES - 2 < STEPS) copy_tokens(s + STAGES - 2);  // into the stage step s - 2 used
           else asm volatile("cp.async.commit_group;\n" ::: "memory");
-          if (s + 1 < STEPS) {
-            const int next = (i + 1) % PF;  // a constant once the loop over i is unrolled
+          if constexpr (!RAW) {
+            if (s + 1 < STEPS) {
+              const int next = (i + 1) % RING;  // a constant once the loop over i is unrolled
 #pragma unroll
-            for (int u = 0; u < UPW; ++u) {
-              store_weights(s + 1, ring[next][u], u);
-              if (s + 1 + PF < STEPS) load_step<KIND, N, K>(ring[next][u], pe, unit0 + u, s + 1 + PF, lane);
+              for (int u = 0; u < UPW; ++u) {
+                store_weights(s + 1, ring[next][u], u);
+                if (s + 1 + PF < STEPS) load_step<KIND, N, K>(ring[next][u], pe, unit0 + u, s + 1 + PF, lane);
+              }
             }
           }
           wgmma_wait<1>();  // step s - 1's wgmmas are retired: its stage may be refilled after the next barrier
