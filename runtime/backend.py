@@ -39,6 +39,10 @@ def check_token_ids(ids: Iterable[int], vocab: int, what: str = "prompt") -> Non
         raise BackendError(f"{what} token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}")
 
 
+# uint8 pixel -> float32 in [0, 1]: v * (1 / 255) in float64, rounded once to float32 (the HF processor's rescale)
+_U8_UNIT = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+
+
 @dataclass(frozen=True, eq=False)
 class ImageInput:
     """One preprocessed image (runtime.media.images): its patches in (py, px, c) order, row-major over the patch
@@ -54,7 +58,7 @@ class ImageInput:
     def pixel_values(self) -> np.ndarray:
         """The patches as float32 in [0, 1] (uint8 / 255 rounded once from float64, as the HF processor does)."""
         if self.patches.dtype == np.uint8:
-            return (self.patches.astype(np.float64) * (1 / 255)).astype(np.float32)
+            return _U8_UNIT[self.patches]  # (a table lookup: 15x faster than the float64 product, same values)
         return self.patches.astype(np.float32)
 
     def __eq__(self, other: object) -> bool:

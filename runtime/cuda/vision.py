@@ -1,13 +1,15 @@
 """Runtime stage: `VisionEncoder`, the vision tower on the device: its activations and the vision.encode step program
 bound to them (the engine keeps recently encoded images' rows in an ImageRowCache in front of it).
 
-The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) eagerly, its launch list
-kept per N; the rows come back to the host (f32 [N, text hidden], 3.2 MB for a 280-token image on the full model),
-which keeps them across steps and preemption, and the engine stages them into a prefill chunk's residual rows.
+The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) as one CUDA graph, captured
+per N (the most recent GRAPHS_KEPT kept): one launch from the host instead of ~250. The rows come back to the host
+(f32 [N, text hidden], 3.2 MB for a 280-token image on the full model), which keeps them across steps and
+preemption, and the engine stages them into a prefill chunk's residual rows.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -26,10 +28,13 @@ from ...model_spec.vision_layout import (
 from ..backend import BackendError, ImageInput
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
+from .graphs import CudaGraph
 from .kernels import Ptr
 from .memory import Arena, ArenaPlan
 from .programs import Copy2D, Forward
 from .steps import StepParts
+
+GRAPHS_KEPT = 16  # captured encode graphs, by soft-token count
 
 if TYPE_CHECKING:
     from .buffers import EngineBuffers
@@ -93,6 +98,7 @@ class VisionEncoder:
         stream = parts.stream
         self.arena.buffer.zero(stream)
         stream.synchronize()
+        self.graphs: OrderedDict[int, CudaGraph] = OrderedDict()  # soft tokens -> the captured encode
 
     def check(self, image: ImageInput) -> None:
         """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens)."""
@@ -123,13 +129,29 @@ class VisionEncoder:
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
-        n, launches = image.soft_tokens, self.parts.launches
+        n = image.soft_tokens
         self.stage(image)
-        launches.run(launches.eager(("vision", n), lambda: self.ops(n)))
+        self._graph(n).replay(self.parts.stream)
         self.parts.stream.synchronize()
         return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
 
+    def _graph(self, n: int) -> CudaGraph:
+        """The encode of an n-token image as a graph: captured the first time, the least recent dropped past
+        GRAPHS_KEPT (each holds ~250 kernel nodes; images of a few sizes are the common traffic)."""
+        g = self.graphs.get(n)
+        if g is None:
+            launches = self.parts.launches.bind(self.ops(n), captured=True)
+            g = CudaGraph.capture(self.parts.stream, lambda: [l(self.parts.stream) for _, l in launches], f"vision {n}")
+            self.graphs[n] = g
+            if len(self.graphs) > GRAPHS_KEPT:
+                self.graphs.popitem(last=False)[1].destroy()
+        self.graphs.move_to_end(n)
+        return g
+
     def destroy(self) -> None:
+        for g in self.graphs.values():
+            g.destroy()
+        self.graphs.clear()
         self.arena.free()
 
 
