@@ -55,11 +55,16 @@ class ImageInput:
     soft_tokens: int
     hash: str
 
-    def pixel_values(self) -> np.ndarray:
-        """The patches as float32 in [0, 1] (uint8 / 255 rounded once from float64, as the HF processor does)."""
-        if self.patches.dtype == np.uint8:
-            return _U8_UNIT[self.patches]  # (a table lookup: 15x faster than the float64 product, same values)
-        return self.patches.astype(np.float32)
+    def pixel_values(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The patches as float32 in [0, 1] (uint8 / 255 rounded once from float64, as the HF processor does),
+        written into `out` (float32, the patches' shape) when given."""
+        if out is None:
+            out = np.empty(self.patches.shape, np.float32)
+        if self.patches.dtype == np.uint8:  # a table lookup: 15x faster than the float64 product, the same values
+            np.take(_U8_UNIT, self.patches, out=out, mode="clip")
+        else:
+            out[:] = self.patches
+        return out
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ImageInput) and other.hash == self.hash

@@ -160,7 +160,6 @@ def gemm_small(
         # the 16- and 32-row forms split K alike, so that a row's logits do not depend on the step's row count
         ks, pf = 4, 2
     un = units_a_block(units, mmax, kind, arch)
-    spw = slice_steps(steps, ks, un, mmax, kind)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
     return KernelSpec(
@@ -182,7 +181,6 @@ def gemm_small(
             fp4_order=fp4_order(arch),
             swap=mmax <= 8,
             un=un,
-            spw=spw,
             **tile_params(),
         ),
         grid=(units // un, 1, 1),
@@ -190,20 +188,6 @@ def gemm_small(
         args=gemm_args(kind),
         family=family,
     )
-
-
-SLICE_STEP_BYTES = 512 + 64  # a 16 x 64 NVFP4 step: codes and e4m3 scales
-SLICE_BLOCK_BYTES = 40 * 1024  # a block's weight pages in shared memory, at most (static shared memory)
-
-
-def slice_steps(steps: int, ks: int, un: int, mmax: int, kind: str) -> int:
-    """Steps each warp of the one-row GEMV holds in shared memory (gemm_nvfp4.cuh gemm_small's SPW): its whole K
-    slice, issued before griddepcontrol.wait; 0 (the register ring) for fp16 weights, the many-row forms, or a
-    slice too large for the block's pages."""
-    spw = -(-steps // ks)
-    if mmax != 1 or kind == "half" or ks * spw * un * SLICE_STEP_BYTES > SLICE_BLOCK_BYTES:
-        return 0
-    return spw
 
 
 def units_a_block(units: int, mmax: int, kind: str, arch: ArchSpec) -> int:

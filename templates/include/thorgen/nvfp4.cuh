@@ -293,64 +293,6 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   }
 }
 
-// unit_steps_rows with the warp's whole slice of NVFP4 weights in flight before the wait: every step of
-// [s0, s1) (at most SPW) is issued by cp.async into the warp's shared-memory pages (codes: a lane's own 16 bytes a
-// step; scales: lanes 0-3 copy the step's 64 bytes), then griddepcontrol.wait, then the steps are decoded from
-// shared memory. No registers hold weights in flight, so the loads need not wait for the previous kernel's
-// activations and the block stays small enough for the next kernel's blocks to be resident beside it.
-// wsm: SPW * UN * 32 uint4 (codes), ssm: SPW * UN * 16 words (scales), the warp's own.
-template <int KIND, int N, int K, int SPW, int RT, int UN, bool kTwoRows, bool kSwap>
-__device__ __forceinline__ void unit_steps_slice(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
-                                                 const __half* const (&rows)[2 * RT], int s0, int s1, uint4* wsm,
-                                                 uint32_t* ssm) {
-  static_assert(KIND != HALF, "fp16 weights stream through the register ring");
-  static_assert(SPW >= 1 && UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "a slice of whole steps and units");
-  constexpr int UNITS = N / W_TILE_N;
-  const int lane = threadIdx.x & 31, t4 = lane & 3;
-#pragma unroll
-  for (int i = 0; i < SPW; ++i) {
-    if (s0 + i < s1) {
-#pragma unroll
-      for (int u = 0; u < UN; ++u) {
-        const size_t step0 = ((size_t)(s0 + i) * UNITS + unit0 + u) * W_LANES;  // the step's lane 0
-        const unsigned wd = (unsigned)__cvta_generic_to_shared(wsm + (i * UN + u) * 32 + lane);
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(wd),
-                     "l"(p.w + (step0 + lane) * FP4_LANE_BYTES));
-        if (lane < 4) {
-          const unsigned sd = (unsigned)__cvta_generic_to_shared(ssm + (i * UN + u) * 16 + 4 * lane);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sd), "l"(p.s + step0 * SCALE_LANE_BYTES + 16 * lane));
-        }
-      }
-    }
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-  pdl_wait();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  __syncwarp();  // lanes 0-3's scale copies, read by every lane
-#pragma unroll
-  for (int i = 0; i < SPW; ++i) {
-    const int s = s0 + i;
-    if (s < s1) {
-      AStep a[RT];
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
-#pragma unroll
-      for (int u = 0; u < UN; ++u) {
-        WStep<KIND> st;
-        st.w = wsm[(i * UN + u) * 32 + lane];
-        st.s = reinterpret_cast<const unsigned short*>(ssm + (i * UN + u) * 16)[lane];
-        uint32_t b[2][4][2];
-        decode_step<KIND>(st, b);
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          if constexpr (kSwap) mma_step_swap(acc[u][rt], a[rt], b);
-          else mma_step<kTwoRows>(acc[u][rt], a[rt], b);
-        }
-      }
-    }
-  }
-}
-
 // One 16-row (or 8-row) tile of one unit: unit_steps_rows with RT = UN = 1.
 template <int KIND, int N, int K, int PF, bool kTwoRows, bool kWait = false, bool kSwap = false>
 __device__ __forceinline__ void unit_steps(float (&acc)[2][4], const WPtr& p, int unit, const __half* row0,
