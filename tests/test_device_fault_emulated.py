@@ -18,6 +18,8 @@ httpx = pytest.importorskip("httpx")
 import device_fault  # noqa: E402
 from fake_driver import CONTEXT_FREE, FakeDriver  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (the emulated engine, and a server process: 10-20 s each on 2 cores)
+
 
 class TrapResult(enum.IntEnum):
     CUDA_SUCCESS = 0
