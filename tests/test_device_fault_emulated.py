@@ -38,8 +38,8 @@ class TrappingDriver(FakeDriver):
 
     def __getattribute__(self, name: str):
         attr = object.__getattribute__(self, name)
-        free = CONTEXT_FREE | {"cuDevicePrimaryCtxReset"}
-        if name.startswith("cu") and name not in free and object.__getattribute__(self, "__dict__").get("sticky"):
+        sticky = object.__getattribute__(self, "__dict__").get("sticky")  # (unset while FakeDriver.__init__ runs)
+        if sticky and name.startswith("cu") and name not in CONTEXT_FREE:
             return lambda *args, **kwargs: (TrapResult.CUDA_ERROR_LAUNCH_FAILED,)
         return super().__getattribute__(name) if callable(attr) else attr
 

@@ -204,7 +204,8 @@ class Device:
             return
         self._closed = True
         cu = driver()
-        faulted = int(_result(cu.cuCtxSynchronize())) != 0  # (the context's sticky error, if it has one)
+        cu.cuCtxSetCurrent(self._ctx)  # (ours: a thread without it current would read another's state, or none)
+        faulted = int(_result(cu.cuCtxSynchronize())) != 0  # the context's sticky error, if it has one
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self._green is not None:
             steps.append(("cuGreenCtxDestroy", lambda: cu.cuGreenCtxDestroy(self._green)))
