@@ -136,3 +136,18 @@ def test_every_kind_builds_and_the_hostile_cases_are_what_they_say():
     assert png_data_url().startswith("data:image/png;base64,iVBORw0KGgo")  # the PNG signature
     with pytest.raises(Exception, match="unknown kind"):
         parse_mix("chat=1,teleport=2")
+
+
+def test_drift_limits_fail_a_soak_over_them_or_unable_to_measure_them():
+    from thorgen.runtime.bench.soak_report import drift_failures
+
+    memory = {"rss_change_pct": 3.0, "gpu_memory_change_pct": -0.5}
+    assert drift_failures(memory, 1.2, {"rss_growth": 5, "gpu_memory_change": 1, "ttft_drift": 1.5}) == []
+    assert drift_failures(memory, 1.6, {"rss_growth": 2, "ttft_drift": 1.5}) == ["rss_growth", "ttft_drift"]
+    assert drift_failures(memory, 1.0, {"gpu_memory_change": 0.4}) == ["gpu_memory_change"]  # |-0.5| > 0.4
+    unmeasured = memory | {"gpu_memory_change_pct": None}  # (the reference backend reports no GPU memory)
+    assert drift_failures(unmeasured, None, {"gpu_memory_change": 1, "ttft_drift": 2}) == [
+        "gpu_memory_change",
+        "ttft_drift",
+    ]
+    assert drift_failures(unmeasured, None, {}) == []

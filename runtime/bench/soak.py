@@ -144,15 +144,16 @@ async def soak(
     timeout: float = 300.0,
     headers: dict[str, str] | None = None,
     pid: int | None = None,
+    limits: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Run the soak; returns soak_report.summarize's figures."""
+    """Run the soak; returns soak_report.summarize's figures (`limits`: its drift limits)."""
     import httpx
 
     headers = headers or {}
     kinds, weights = list(mix), list(mix.values())
     outcomes: list[Outcome] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    pool = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=pool) as http:
         t0 = time.perf_counter()
 
         def now() -> float:
@@ -182,7 +183,7 @@ async def soak(
         await asyncio.gather(*(client(i) for i in range(concurrency)))
         await sampling
         samples.append(await _sample(http, url, now(), pid) | {"drained": True})
-    return summarize(outcomes, start, end, windows, samples)
+    return summarize(outcomes, start, end, windows, samples, limits)
 
 
 def _model_facts(url: str, headers: dict[str, str]) -> tuple[str, int]:
@@ -250,6 +251,24 @@ def _model_facts(url: str, headers: dict[str, str]) -> tuple[str, int]:
     show_default=True,
     help="Seconds the started server may take to load.",
 )
+@click.option(
+    "--max-rss-growth",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Fail when the server's RSS after the last request exceeds that after the warm-up by more percent.",
+)
+@click.option(
+    "--max-gpu-memory-change",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Fail when GPU memory changes by more percent between the same two samples (or is not reported).",
+)
+@click.option(
+    "--max-ttft-p99-ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Fail when p99 TTFT of the last window exceeds this multiple of the first window's.",
+)
 @click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
 @click.option(
     "--out",
@@ -278,13 +297,26 @@ def bench_soak(
     seed: int,
     timeout: float,
     start_timeout: float,
+    max_rss_growth: float | None,
+    max_gpu_memory_change: float | None,
+    max_ttft_p99_ratio: float | None,
     api_key: str | None,
     out_file: Path | None,
     server_log: Path | None,
 ) -> None:
     """Soak a server with mixed traffic (chat, streams, tools, JSON schemas, images, Anthropic Messages,
-    Responses, aborts, hostile bodies) for --duration seconds; exits 1 on any 5xx, cut stream or other failure."""
+    Responses, aborts, hostile bodies) for --duration seconds; exits 1 on any 5xx, cut stream or other failure,
+    and on memory or latency drift past the --max-* limits given."""
     weights = parse_mix(mix)
+    limits = {
+        key: value
+        for key, value in (
+            ("rss_growth", max_rss_growth),
+            ("gpu_memory_change", max_gpu_memory_change),
+            ("ttft_drift", max_ttft_p99_ratio),
+        )
+        if value is not None
+    }
     if url is not None and (model is not None or serve_args):
         raise click.UsageError("--model and --serve-args are for the server the soak starts: drop them with --url")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -300,7 +332,9 @@ def bench_soak(
         name, max_context = _model_facts(url, headers)
         settings = Settings(name, max_context, max_tokens, int(image_tokens))
         pid = server.proc.pid if server is not None and server.proc is not None else None
-        figures = asyncio.run(soak(url, settings, weights, duration, concurrency, windows, seed, timeout, headers, pid))
+        figures = asyncio.run(
+            soak(url, settings, weights, duration, concurrency, windows, seed, timeout, headers, pid, limits)
+        )
     finally:
         exit_code = server.stop() if server is not None else None
     report = {

@@ -18,6 +18,10 @@ FAILURES = {
     "hostile_accepted": "hostile bodies answered 2xx instead of 4xx",
     "valid_refused": "valid requests answered 4xx",
     "invalid_outputs": "answers without what was asked for (a forced tool call, a JSON schema)",
+    # the drift limits a soak was given (none by default): 1 when over, or when it could not be measured
+    "rss_growth": "server RSS grew more than --max-rss-growth percent",
+    "gpu_memory_change": "GPU memory changed more than --max-gpu-memory-change percent",
+    "ttft_drift": "p99 TTFT of the last window over the first's above --max-ttft-p99-ratio",
 }
 
 
@@ -124,11 +128,32 @@ def memory_row(samples: list[dict]) -> dict[str, Any]:
     return out
 
 
-def summarize(outcomes: list[Outcome], start: float, end: float, windows: int, samples: list[dict]) -> dict:
-    """The report's figures (the caller adds where and how the soak ran)."""
+def drift_failures(memory: dict[str, Any], ttft_ratio: float | None, limits: dict[str, float]) -> list[str]:
+    """The drift limits (FAILURES' last three keys -> the largest value allowed) a soak is over, or could not
+    measure (no GPU memory on the reference backend, no stream in the first or the last window)."""
+    seen = {
+        "rss_growth": memory["rss_change_pct"],
+        "gpu_memory_change": None if memory["gpu_memory_change_pct"] is None else abs(memory["gpu_memory_change_pct"]),
+        "ttft_drift": ttft_ratio,
+    }
+    return [key for key, limit in limits.items() if seen[key] is None or seen[key] > limit]
+
+
+def summarize(
+    outcomes: list[Outcome],
+    start: float,
+    end: float,
+    windows: int,
+    samples: list[dict],
+    limits: dict[str, float] | None = None,
+) -> dict:
+    """The report's figures (the caller adds where and how the soak ran); `limits`: see drift_failures."""
     failures = Counter(f for o in outcomes for f in failures_of(o))
     rows = window_rows(outcomes, start, end, windows, samples)
     first, last = rows[0]["ttft_ms_p99"], rows[-1]["ttft_ms_p99"]
+    ratio = round(last / first, 3) if first and last else None
+    memory = memory_row(samples)
+    failures.update(drift_failures(memory, ratio, limits or {}))
     examples = [
         f"{o.kind}{' (' + o.hostile + ')' if o.hostile else ''} at {o.sent:.1f} s: {', '.join(failures_of(o))}: "
         f"status {o.status}; {(o.error or o.invalid or '')[:240]}"
@@ -141,8 +166,9 @@ def summarize(outcomes: list[Outcome], start: float, end: float, windows: int, s
         "kinds": kind_rows(outcomes),
         "hostile_cases": hostile_rows(outcomes),
         "windows": rows,
-        "ttft_p99_end_over_start": round(last / first, 3) if first and last else None,
-        "memory": memory_row(samples),
+        "ttft_p99_end_over_start": ratio,
+        "memory": memory,
+        "limits": limits or {},
         "memory_samples": samples,
         "failures": {key: failures.get(key, 0) for key in FAILURES},
         "failure_examples": examples[:20],
