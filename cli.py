@@ -21,10 +21,12 @@ COMMANDS = {
     "gate": "thorgen.serve.tools.gate:gate",
 }
 
-# Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
+# Subcommands that live in a later stage than their group (`bench serve` and `bench soak` are HTTP clients: the serve
+# stage).
 SUBCOMMANDS = {
     "bench": {
         "serve": "thorgen.runtime.bench.serve_load:bench_serve",
+        "soak": "thorgen.runtime.bench.soak:bench_soak",
         "sweep": "thorgen.runtime.bench.sweep:sweep",
         "report": "thorgen.runtime.bench.report:report",
     }

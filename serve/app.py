@@ -178,7 +178,8 @@ def create_app(
         engine = state.client.health() if state.client is not None else {}
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
         return PlainTextResponse(
-            state.metrics.render(engine.get("steps"), engine.get("kv")), media_type="text/plain; version=0.0.4"
+            state.metrics.render(engine.get("steps"), engine.get("kv"), engine.get("gpu_memory_used")),
+            media_type="text/plain; version=0.0.4",
         )
 
     app.include_router(render.router)  # the web UI's markdown rendering, highlighting stylesheet and favicon

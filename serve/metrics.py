@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
+from pathlib import Path
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600)
 _ACCEPT_BUCKETS = tuple(range(1, 17))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 class _Histogram:
@@ -64,9 +75,10 @@ class Metrics:
         with self._lock:
             getattr(self, name).observe(value)
 
-    def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
+    def render(self, steps: dict | None = None, kv: dict | None = None, gpu_memory: int | None = None) -> str:
         """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"]); `kv`:
-        its KV blocks (health()["kv"]: total, charged to running sequences, tokens a block)."""
+        its KV blocks (health()["kv"]: total, charged to running sequences, tokens a block); `gpu_memory`: bytes
+        of device memory in use (health()["gpu_memory_used"]; None on the reference backend)."""
         with self._lock:
             lines = [
                 "# HELP thorgen_requests_total HTTP requests by endpoint and status.",
@@ -137,4 +149,18 @@ class Metrics:
                     ("thorgen_kv_cache_usage", round(usage, 6), "Fraction of the KV blocks in use (0..1)."),
                 ):
                     lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
+            if gpu_memory is not None:
+                lines += [
+                    "# HELP thorgen_gpu_memory_used_bytes Device memory in use when the engine last sampled it (at "
+                    "each request's end; the driver's view, other processes included).",
+                    "# TYPE thorgen_gpu_memory_used_bytes gauge",
+                    f"thorgen_gpu_memory_used_bytes {gpu_memory}",
+                ]
+            rss = resident_bytes()
+            if rss is not None:  # the name Prometheus' own client libraries give it
+                lines += [
+                    "# HELP process_resident_memory_bytes Resident memory of the server process.",
+                    "# TYPE process_resident_memory_bytes gauge",
+                    f"process_resident_memory_bytes {rss}",
+                ]
             return "\n".join(lines) + "\n"

@@ -14,8 +14,8 @@ import click
 
 # THORGEN_* variables the package reads; tests/test_docs_cli.py checks that the source names exactly these.
 ENVIRONMENT = {
-    "THORGEN_API_KEY": "API key of `thorgen serve` and `thorgen cluster` (as `--api-key`), sent by `thorgen chat` "
-    "and `thorgen bench serve`",
+    "THORGEN_API_KEY": "API key of `thorgen serve` and `thorgen cluster` (as `--api-key`), sent by `thorgen chat`, "
+    "`thorgen bench serve` and `thorgen bench soak`",
     "THORGEN_CACHE_DIR": "cubin cache, repacked weights of read-only model folders, the demo model (default "
     "`~/.cache/thorgen`)",
     "THORGEN_KERNELS": "built kernels folder the cuda backend loads when `--kernel-dir` is not given (default "

@@ -53,6 +53,7 @@ CONTEXT_FREE = {
     "cuDeviceTotalMem",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease",
+    "cuDevicePrimaryCtxReset",
     "cuCtxSetCurrent",
     "cuDeviceGetDevResource",
     "cuDevSmResourceSplitByCount",
@@ -155,6 +156,9 @@ class FakeDriver:
         return OK, "ctx"
 
     def cuDevicePrimaryCtxRelease(self, d):
+        return (OK,)
+
+    def cuDevicePrimaryCtxReset(self, d):
         return (OK,)
 
     def cuCtxSetCurrent(self, c):

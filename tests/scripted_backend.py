@@ -148,6 +148,7 @@ class ScriptedRunner:
     verify_block = 1
     lookahead = 0
     caught_up_tokens = 0
+    device_memory_used = None
 
     def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
         from thorgen.runtime.engine.kv_manager import KVGeometry

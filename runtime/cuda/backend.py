@@ -148,9 +148,12 @@ class CudaBackend(EngineBackend):
         return self.engine.encoder_cache
 
     def close(self) -> None:
-        """Free the engine, then release the contexts open_backend took (its green context, if any)."""
-        self.engine.close()
-        self.device.close()
+        """Free the engine, then release the contexts open_backend took (its green context, if any), the latter
+        also when the former fails (after a fault on the device the context is reset: Device.close)."""
+        try:
+            self.engine.close()
+        finally:
+            self.device.close()
 
 
 def open_backend(

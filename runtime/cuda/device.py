@@ -8,7 +8,7 @@ GPU, a driver or cuda-python; what cannot work there fails with a BackendError t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..backend import BackendError, EngineStateLost
 
@@ -76,6 +76,11 @@ def check(ret: Any, what: str = "CUDA call") -> Any:
     return vals[0] if len(vals) == 1 else vals
 
 
+def _result(ret: Any) -> Any:
+    """The CUresult of a cuda-python return (a tuple whose first item it is, or the result alone)."""
+    return ret[0] if isinstance(ret, tuple) else ret
+
+
 def gib(nbytes: int | float) -> str:
     return f"{nbytes / 2**30:.2f}"
 
@@ -104,6 +109,7 @@ class Device:
         self.sms = info.sm_count if sms is None else sms  # multiprocessors the kernels may run on
         self._closed = False
         self._peak_used = 0
+        self.last_used = 0  # what `used()` saw last (health reports read it from other threads)
 
     @classmethod
     def open(cls, ordinal: int = 0, sms: int | None = None) -> "Device":
@@ -167,8 +173,9 @@ class Device:
         """Device memory in use now (driver view: the CUDA context and other processes included); the peak of
         what was seen is kept for `peak_used`."""
         free, total = self.mem_info()
-        self._peak_used = max(self._peak_used, total - free)
-        return total - free
+        self.last_used = total - free
+        self._peak_used = max(self._peak_used, self.last_used)
+        return self.last_used
 
     def peak_used(self) -> int:
         """The most memory in use that `used()` saw, including now."""
@@ -188,12 +195,31 @@ class Device:
         return Event(check(cu.cuEventCreate(int(flags)), "cuEventCreate"))
 
     def close(self) -> None:
-        """Release the green and the primary context (idempotent). Buffers must be freed before."""
-        if not self._closed:
-            self._closed = True
-            if self._green is not None:
-                check(driver().cuGreenCtxDestroy(self._green), "cuGreenCtxDestroy")
-            check(driver().cuDevicePrimaryCtxRelease(self._handle), "cuDevicePrimaryCtxRelease")
+        """Release the green and the primary context (idempotent). Buffers must be freed before. After a fault on
+        the device (a kernel's trap, an illegal address: an error sticky to the context, so the frees before may
+        have failed) the primary context is reset too, which frees all it still holds: the next `Device.open`
+        then gets a fresh context, not the broken one (the engine client reopens the backend after such a fault).
+        Every step is tried; the first error is raised after the last."""
+        if self._closed:
+            return
+        self._closed = True
+        cu = driver()
+        cu.cuCtxSetCurrent(self._ctx)  # (ours: a thread without it current would read another's state, or none)
+        faulted = int(_result(cu.cuCtxSynchronize())) != 0  # the context's sticky error, if it has one
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if self._green is not None:
+            steps.append(("cuGreenCtxDestroy", lambda: cu.cuGreenCtxDestroy(self._green)))
+        if faulted:
+            steps.append(("cuDevicePrimaryCtxReset", lambda: cu.cuDevicePrimaryCtxReset(self._handle)))
+        steps.append(("cuDevicePrimaryCtxRelease", lambda: cu.cuDevicePrimaryCtxRelease(self._handle)))
+        first: CudaError | None = None
+        for what, call in steps:
+            try:
+                check(call(), what)
+            except CudaError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "Device":
         return self

@@ -79,6 +79,10 @@ class CudaRunner:
     def caught_up_tokens(self) -> int:
         return self.spec.caught_up_tokens
 
+    @property
+    def device_memory_used(self) -> int | None:
+        return self.engine.device.last_used
+
     def check(self, seq: Sequence) -> None:
         self.engine.check_request(seq)
 

@@ -45,6 +45,11 @@ class ModelRunner(Protocol):
     def caught_up_tokens(self) -> int:
         """Positions whose drafter context a catch-up prefill restored (0: never behind)."""
 
+    @property
+    def device_memory_used(self) -> int | None:
+        """Bytes of device memory in use when last sampled (at load and at each sequence's end; the driver's view,
+        other processes included), for health reports; None for a runner without a device."""
+
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
 

@@ -38,6 +38,7 @@ class ReferenceRunner:
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
         self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
+        self.device_memory_used: int | None = None  # (host memory only)
         self.kv_geometry = reference_geometry(
             backend.spec, max_num_seqs, self.max_context, kv_tokens, backend.prefix_cache
         )

@@ -1,0 +1,115 @@
+"""GPU test of the server's recovery from a real fault on the device: `thorgen serve --backend cuda` on the tiny
+preset, started through tests/fault_serve.py (the same command line plus the route that arms the fault), with four
+streams running when the next engine step launches a kernel that traps (tests/device_fault.py). Each of those
+requests fails with an error that names only itself (and its stream still ends with [DONE]); /health reports
+`recovering`, then `ok` once the engine has reopened the backend in a fresh context; the next requests get what
+they got before the fault. The recovery time is printed (`-rA` shows it).
+
+Run on the GPU: `THORGEN_KERNELS=<tiny build> python -m pytest -m gpu -q -rA tests/test_serve_fault_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn")
+
+import device_fault  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LAUNCHER = Path(__file__).resolve().with_name("fault_serve.py")
+STREAMS = 4
+
+
+def _start(model: Path, kernels: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """The fault launcher serving `model` on the cuda backend on a free port; (process, url) once /health is 200."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    args = ["serve", "--model", str(model), "--backend", "cuda", "--port", str(port), "--kernel-dir", str(kernels)]
+    args += ["--served-model-name", "m", "--draft-tokens", "0", "--max-num-seqs", "8"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(LAUNCHER), *args], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc, log)
+            pytest.fail(f"the server was not healthy within 180 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+def _stop(proc: subprocess.Popen, log: Path) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    print(f"\n--- {log.name} (tail) ---\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def fault_server(built, tmp_path_factory):
+    model, kernels = built
+    log = tmp_path_factory.mktemp("fault-serve") / "serve.log"
+    proc, url = _start(model, kernels, log)
+    try:
+        yield url
+    finally:
+        _stop(proc, log)
+
+
+def _greedy(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_device_fault_fails_its_requests_and_the_server_recovers(fault_server):
+    url = fault_server
+    prompts = [[2, 105, 200 + 10 * i, 300, 400, 107] for i in range(STREAMS)]
+    before = [_greedy(url, p) for p in prompts]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Count to a thousand."}],
+        "max_tokens": 3000,  # (the streams must still run when the trap comes: seconds on the GPU)
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    run = device_fault.fault_during_streams(url, STREAMS, body, wholes=1)
+    print(f"\nrecovery from the device fault: {run.recovery_s:.2f} s (/health: {' -> '.join(run.states)})")
+    named = []
+    for whole in run.wholes:  # a 500 that names itself
+        assert whole.status == 500, whole.text[:500]
+        (rid,) = device_fault.request_ids(whole.text)
+        named.append(rid)
+    for stream in run.streams:
+        assert stream.status == 200 and stream.done, stream.lines[-3:]  # an error event, then [DONE]
+        (error,) = stream.errors
+        assert "CudaError" in error and "recovering" in error, error
+        (rid,) = device_fault.request_ids(error)  # its own request, nobody else's
+        named.append(rid)
+    assert len(set(named)) == STREAMS + 1
+    assert "recovering" in run.states and run.states[-1] == "ok" and run.recoveries == 1
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:  # served correctly, together, after it
+        assert list(pool.map(lambda p: _greedy(url, p), prompts)) == before
+    health = httpx.get(url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["recoveries"] == 1
