@@ -393,6 +393,50 @@ def test_bench_view_speculative_rows(tmp_path):
     assert "| speculative step ms (draft + verify on the GPU) | 6.914 (0.980 + 5.710) |  |" in text
 
 
+def _sample_image(budget: int, soft: int, encode: float | None, ttft: float) -> dict:
+    """A sample image entry (made up), shaped as runtime/bench/image.py writes one per budget."""
+    return {
+        "file": "img.png",
+        "width": 1280,
+        "height": 720,
+        "budget": budget,
+        "soft_tokens": soft,
+        "patches": soft * 9,
+        "prompt_tokens": 512 + soft + 2,
+        "preprocess_ms": 12.5,
+        "encode_ms": encode,
+        "ttft_ms": ttft,
+        "ttft_ms_runs": [ttft],
+        "decode_tok_s": 480.0,
+    }
+
+
+def test_image_view_reads_runs_of_one_budget_and_of_several(tmp_path):
+    """`thorgen bench --image` runs list an entry per budget (`images`); older runs hold one `image`: the image
+    view draws a row per run and budget for both, in budget order, and an unplaced run gets it too."""
+    pytest.importorskip("matplotlib")
+    listed = dict(
+        _sample_bench(None, 490.0, 18.0),
+        images=[_sample_image(1120, 1100, 150.0, 170.0), _sample_image(70, 64, None, 25.0)],
+    )
+    single = dict(_sample_bench(None, 491.0, 18.5), image=_sample_image(280, 264, 68.7, 98.5))
+    folder = _sample_folder(
+        tmp_path,
+        "<!-- report image sample-old.json sample-list.json -->\n",
+        {"sample-old.json": single, "sample-list.json": listed, "sample-other.json": listed},
+    )
+    text, _ = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    placed, other = text.split("## Other runs")
+    rows = [line for line in placed.splitlines() if line.startswith("| `sample-")]
+    assert rows == [
+        "| `sample-old` | img.png 1280x720 | 280 | 264 (2,376) | 12.5 ms | 68.7 ms | 98.5 ms | 480.0 tok/s |",
+        "| `sample-list` | img.png 1280x720 | 70 | 64 (576) | 12.5 ms | n/a | 25.0 ms | 480.0 tok/s |",
+        "| `sample-list` | img.png 1280x720 | 1120 | 1,100 (9,900) | 12.5 ms | 150.0 ms | 170.0 ms | 480.0 tok/s |",
+    ]
+    assert "The image ahead of a 512-token text prompt" in placed
+    assert "| `sample-other` | img.png 1280x720 | 1120 |" in other  # the image view applies to an unplaced run
+
+
 @pytest.mark.parametrize(
     "content, says",
     [

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .image_report import has_images, image_view
 from .summary import summary
 from .tables import ReportError, fmt as _f, load_plots as _plots, ms as _ms, pct as _pct, run_line as _run_line
 from .tables import table as _table
@@ -387,6 +388,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "kernels": (lambda r: "kernels" in r, _kernels),
     "bench": (lambda r: "decode_tok_s" in r and "ttft_ms" in r, _bench),
     "roofline": (lambda r: "roofline" in r, _roofline),
+    "image": (has_images, image_view),
     "decode-kernels": (
         lambda r: "decode_step_kernels" in r,
         _step_kernels("decode_step_kernels", "decode step", "decode-kernels"),

@@ -1,0 +1,78 @@
+"""Runtime stage (benchmark report): the image entries of `thorgen bench --image` runs, one per soft-token budget
+(`images`; runs from before budgets were listed hold one `image`), as the bench's text lines and as the `image`
+view's markdown table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .tables import fmt, run_line, table
+
+
+def image_entries(run: dict) -> list[dict]:
+    """The run's image entries in budget order: `images`, or the one `image` of an older run."""
+    entries = run.get("images") or ([run["image"]] if run.get("image") else [])
+    return sorted(entries, key=lambda e: e["budget"])
+
+
+def has_images(run: dict) -> bool:
+    return bool(run.get("images") or run.get("image"))
+
+
+def _encode(entry: dict) -> str:
+    return "n/a (no tower exposed)" if entry.get("encode_ms") is None else f"{entry['encode_ms']:.1f} ms"
+
+
+def image_text(run: dict) -> str:
+    """The bench's text lines: the image once, then a line per budget."""
+    entries = image_entries(run)
+    first = entries[0]
+    lines = [
+        f"  image           {first['file']} {first['width']}x{first['height']} ahead of the "
+        f"{run.get('prompt_len', '?')}-token text prompt (medians; TTFT includes the encode)"
+    ]
+    for e in entries:
+        lines.append(
+            f"    budget {e['budget']:>4}     {e['soft_tokens']} soft tokens ({e['patches']} patches, "
+            f"{e['prompt_tokens']} prompt tokens): preprocess {e['preprocess_ms']:.1f} ms, encode {_encode(e)}, "
+            f"TTFT {e['ttft_ms']:.1f} ms, decode {e['decode_tok_s']:.2f} tok/s"
+        )
+    return "\n".join(lines)
+
+
+def image_view(names: list[str], runs: dict, ctx: object) -> str:
+    """One row per run and budget: soft tokens (patches), preprocess, encode, TTFT of image + text, decode."""
+    rows = []
+    for name in names:
+        run = runs[name]
+        entries = image_entries(run)
+        if not entries:
+            raise KeyError("images")
+        for e in entries:
+            rows.append(
+                [
+                    f"`{Path(name).stem}`",
+                    f"{e['file']} {e['width']}x{e['height']}",
+                    str(e["budget"]),
+                    f"{e['soft_tokens']:,} ({e['patches']:,})",
+                    f"{fmt(e['preprocess_ms'])} ms",
+                    "n/a" if e.get("encode_ms") is None else f"{fmt(e['encode_ms'])} ms",
+                    f"{fmt(e['ttft_ms'])} ms",
+                    f"{fmt(e.get('decode_tok_s'))} tok/s",
+                ]
+            )
+    header = [
+        "run",
+        "image",
+        "budget",
+        "soft tokens (patches)",
+        "preprocess (CPU)",
+        "encode",
+        "TTFT, image + text",
+        "decode after the image",
+    ]
+    prompts = {runs[n].get("prompt_len") for n in names}
+    text = f"a {prompts.pop()}-token text prompt" if len(prompts) == 1 else "each run's text prompt"
+    note = f"The image ahead of {text}; encode is the tower alone (the encoder cache off), TTFT covers encode and "
+    note += "prefill; medians."
+    return "\n\n".join([table(header, rows), note, "\n".join(f"- {run_line(n, runs[n])}" for n in names)])
