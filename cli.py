@@ -24,7 +24,7 @@ COMMANDS = {
 # Subcommands that live in a later stage than their group (`bench serve` is an HTTP client: the serve stage).
 SUBCOMMANDS = {
     "bench": {
-        "serve": "thorgen.runtime.bench.serve_load:bench_serve",
+        "serve": "thorgen.runtime.bench.serve_cli:bench_serve",
         "sweep": "thorgen.runtime.bench.sweep:sweep",
         "report": "thorgen.runtime.bench.report:report",
     }

@@ -76,3 +76,38 @@ def image_view(names: list[str], runs: dict, ctx: object) -> str:
     note = f"The image ahead of {text}; encode is the tower alone (the encoder cache off), TTFT covers encode and "
     note += "prefill; medians."
     return "\n\n".join([table(header, rows), note, "\n".join(f"- {run_line(n, runs[n])}" for n in names)])
+
+
+def serve_image_note(run: dict) -> str | None:
+    """What a `thorgen bench serve --image` run sent, for the serve view; None for a text-only run."""
+    image = run.get("image")
+    if not image:
+        return None
+    budget = f"budget {image['budget']}" if image.get("budget") else "the server's budget"
+    what = "the same bytes every time (the cache-hit path)" if image.get("same_image") else "a fresh variant each"
+    if image.get("arrivals"):
+        return (
+            f"Image arrivals: beside each level's text streams, one client sent one-token chats of {image['file']} "
+            f"{image['width']}x{image['height']} ({budget}, {what}) back to back; the level also ran without them."
+        )
+    return f"Every request a chat of {image['file']} {image['width']}x{image['height']} ({budget}, {what}) + text."
+
+
+def serve_image_columns(levels: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The serve view's extra columns for image arrivals (none without): the streams' inter-token latency without
+    images, and the image requests' count and TTFT."""
+    if not any("without_images" in lv for lv in levels):
+        return [], [[] for _ in levels]
+    cells = []
+    for lv in levels:
+        alone = lv.get("without_images") or {}
+        cells.append(
+            [
+                f"{fmt(alone.get('itl_ms_p50'), 2)} / {fmt(alone.get('itl_ms_p99'), 2)} ms" if alone else "",
+                f"{lv.get('image_requests', '')}: {fmt(lv.get('image_ttft_ms_p50'))} / "
+                f"{fmt(lv.get('image_ttft_ms_p99'))} ms"
+                if "image_requests" in lv
+                else "",
+            ]
+        )
+    return ["inter-token p50 / p99 without images", "image arrivals: TTFT p50 / p99"], cells
