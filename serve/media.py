@@ -61,8 +61,9 @@ def image_budget(kwargs: dict[str, Any] | None) -> int | None:
     return check_budget(kwargs.get("max_soft_tokens"), "mm_processor_kwargs.max_soft_tokens")
 
 
-B64_PIECE = 1 << 20  # base64 characters decoded per call (a multiple of 4): binascii holds the GIL while it runs,
-# so a long payload is decoded in pieces, between which the event loop's thread can take the GIL
+# base64 characters decoded per call (a multiple of 4; well under a millisecond): binascii holds the GIL while it
+# runs, so a long payload is decoded in pieces, between which the event loop's thread can take the GIL
+B64_PIECE = 1 << 18
 
 
 def data_url_payload(url: str, where: str) -> str:
