@@ -27,6 +27,7 @@ from .request import ImageSource
 
 T = TypeVar("T")
 Key = tuple[str, int]  # (sha256 of the raw image, budget)
+Raw = bytes | tuple[str, int]  # an image's bytes, or a data URL and where its base64 starts
 
 
 class PreprocessedImages:
@@ -66,9 +67,9 @@ def _sha256(data: bytes | str) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def _preprocess(raw: bytes | str, vision: Gemma4VisionSpec, budget: int) -> ImageInput:
-    """A worker thread's job: raw bytes (or a data URL's base64 payload) -> the preprocessed image."""
-    return load_image(b64_bytes(raw) if isinstance(raw, str) else raw, vision, budget)
+def _preprocess(raw: Raw, vision: Gemma4VisionSpec, budget: int) -> ImageInput:
+    """A worker thread's job: raw bytes (or a data URL's base64) -> the preprocessed image."""
+    return load_image(b64_bytes(*raw) if isinstance(raw, tuple) else raw, vision, budget)
 
 
 class ImageLoader:
@@ -85,12 +86,12 @@ class ImageLoader:
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _read(self, source: ImageSource) -> tuple[str, bytes | str]:
-        """(key, raw): a data URL's payload stays text until a worker decodes it, and is keyed by the URL's text,
-        so that a repeated data URL is never base64-decoded again."""
+    async def _read(self, source: ImageSource) -> tuple[str, Raw]:
+        """(key, raw): a data URL stays text until a worker decodes it, and is keyed by its text, so that a
+        repeated data URL is never base64-decoded again."""
         if source.url[:5].lower() == "data:":
-            payload = data_url_payload(source.url, source.where)
-            return "data:" + await self._run(_sha256, source.url), payload
+            start = data_url_payload(source.url, source.where)
+            return "data:" + await self._run(_sha256, source.url), (source.url, start)
         raw = await fetch(source.url, self.options, source.where)
         return "bytes:" + await self._run(_sha256, raw), raw
 
@@ -99,7 +100,7 @@ class ImageLoader:
         if not job.cancelled() and job.exception() is None:
             self.cache.put(key, job.result())
 
-    async def _preprocessed(self, key: Key, raw: bytes | str, vision: Gemma4VisionSpec) -> ImageInput:
+    async def _preprocessed(self, key: Key, raw: Raw, vision: Gemma4VisionSpec) -> ImageInput:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -117,7 +118,7 @@ class ImageLoader:
         if not sources:
             return []
         vision, default = check_count(self.vision, self.options, sources), budget or self.options.budget
-        reads: dict[str, asyncio.Future[tuple[str, bytes | str]]] = {}
+        reads: dict[str, asyncio.Future[tuple[str, Raw]]] = {}
         images: dict[tuple[str, int], asyncio.Future[ImageInput]] = {}
 
         async def one(source: ImageSource, image_budget: int) -> ImageInput:

@@ -66,28 +66,28 @@ def image_budget(kwargs: dict[str, Any] | None) -> int | None:
 B64_PIECE = 1 << 18
 
 
-def data_url_payload(url: str, where: str) -> str:
-    """The base64 payload of a `data:image/...;base64,...` URL, its header checked (the payload itself is read
-    later, by `b64_bytes` on a worker thread)."""
-    header, comma, payload = url.partition(",")
-    media_type, *params = header[len("data:") :].split(";")
-    if not comma or "base64" not in params:
+def data_url_payload(url: str, where: str) -> int:
+    """Where the base64 payload of a `data:image/...;base64,...` URL starts, its header checked (the payload is
+    read later, by `b64_bytes` on a worker thread, and never copied whole)."""
+    comma = url.find(",")
+    media_type, *params = url[len("data:") : max(comma, 0)].split(";")
+    if comma < 0 or "base64" not in params:
         raise APIError(f"{where}: a data URL must be data:<image type>;base64,<data>", param=where_param(where))
     if media_type and not media_type.lower().startswith("image/"):
         raise APIError(
             f"{where}: the data URL's media type {media_type!r} is not an image type", param=where_param(where)
         )
-    return payload
+    return comma + 1
 
 
-def b64_bytes(payload: str) -> bytes:
-    """The bytes of base64 text (whitespace ignored); ImageError if it is not valid base64."""
-    if not payload.isascii() or any(c in payload for c in " \t\n\r\x0b\x0c"):
-        payload = "".join(payload.split())  # the copy only where there is whitespace to drop
-    pieces, end = [], len(payload)
+def b64_bytes(text: str, start: int = 0) -> bytes:
+    """The bytes of the base64 in `text[start:]` (whitespace ignored); ImageError if it is not valid base64."""
+    if not text.isascii() or any(c in text for c in " \t\n\r\x0b\x0c"):
+        text, start = "".join(text[start:].split()), 0  # the copy only where there is whitespace to drop
+    pieces, end = [], len(text)
     try:
-        for at in range(0, end, B64_PIECE):
-            piece = payload[at : at + B64_PIECE]
+        for at in range(start, end, B64_PIECE):
+            piece = text[at : at + B64_PIECE]
             if at + B64_PIECE < end and "=" in piece:  # padding only at the very end, as in one call
                 raise ValueError("padding inside the data")
             pieces.append(base64.b64decode(piece, validate=True))

@@ -175,7 +175,7 @@ def test_base64_is_read_in_pieces_like_one_call(monkeypatch):
     monkeypatch.setattr(media, "B64_PIECE", 8)
     data = bytes(range(256)) * 3 + b"tail!"
     text = base64.b64encode(data).decode()
-    assert b64_bytes(text) == data
+    assert b64_bytes(text) == data and b64_bytes("data:image/png;base64," + text, 22) == data
     assert b64_bytes("\n".join(text[i : i + 76] for i in range(0, len(text), 76))) == data  # MIME line breaks
     for bad in (text[:-1], "QUJD" + "QQ==" + "QUJD", text[:20] + "*" + text[21:], text + "é"):
         with pytest.raises(ImageError, match="not valid base64"):
