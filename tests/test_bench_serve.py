@@ -151,13 +151,14 @@ def test_image_variants_differ_for_every_cache():
     from thorgen.runtime.bench.serve_images import variant
     from thorgen.runtime.media.images import load_image
 
-    image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8))
-    made = [variant(image, n, "PNG") for n in (0, 1, 255, 256)]
+    rgb = np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    original = rgb.copy()
+    made = [variant(rgb, n, "PNG") for n in (0, 1, 255, 256)]
     vision = get_preset("tiny").vision
     assert len(set(made)) == 4 and len({load_image(v, vision, 70).hash for v in made}) == 4
-    assert Image.open(io.BytesIO(made[0])).size == (60, 40)
+    assert Image.open(io.BytesIO(made[0])).size == (60, 40) and np.array_equal(rgb, original)
     with pytest.raises(ValueError, match="too small"):
-        variant(Image.new("RGB", (2, 2)), 70_000, "PNG")  # three blocks on two pixels
+        variant(np.zeros((2, 2, 3), np.uint8), 70_000, "PNG")  # three blocks on two pixels
 
 
 def test_bench_serve_image_chats_and_arrivals(tiny_checkpoint, tmp_path):

@@ -14,7 +14,6 @@ import asyncio
 import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -23,9 +22,10 @@ import numpy as np
 Send = Callable[[Any, dict], Awaitable[dict]]  # (http client, body) -> the request's timings (serve_load._one)
 
 
-def variant(image: Any, number: int, fmt: str) -> bytes:
-    """`image` (a PIL image) as RGB with its top band of blocks set to `number` + 1 in base 256, saved as `fmt`."""
-    pixels = np.array(image.convert("RGB"))
+def variant(rgb: np.ndarray, number: int, fmt: str) -> bytes:
+    """The RGB pixels `rgb` (uint8 [H, W, 3], left as they are) with their top band of blocks set to `number` + 1
+    in base 256, saved as `fmt`."""
+    pixels = rgb.copy()
     height, width = pixels.shape[:2]
     block = max(1, min(height, width) // 16)
     digits, n = [], number + 1
@@ -43,31 +43,26 @@ def variant(image: Any, number: int, fmt: str) -> bytes:
     return out.getvalue()
 
 
-@dataclass
 class ImageRequests:
     """--image and its settings: the file, the budget requests ask for (None: the server's), whether every request
-    sends the same bytes, and the chat text that follows the image."""
+    sends the same bytes, and the chat `text` that follows the image; ValueError for a file that is no image."""
 
-    path: Path
-    budget: int | None
-    same: bool
-    text: str = ""
-    width: int = 0
-    height: int = 0
-    format: str = ""
-    _data: bytes = b""
-    _made: int = 0  # variants made so far: each request's number
-    _urls: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    def __init__(self, path: Path, budget: int | None, same: bool, text: str = "") -> None:
         from PIL import Image, UnidentifiedImageError
 
-        self._data = self.path.read_bytes()
+        self.path, self.budget, self.same, self.text = path, budget, same, text
+        self._data = path.read_bytes()
+        self._made = 0  # variants made so far: each request's number
+        self._urls: list[str] = []  # prepared, not yet sent
         try:
             with Image.open(io.BytesIO(self._data)) as image:
                 self.width, self.height, self.format = image.width, image.height, image.format or "PNG"
         except (UnidentifiedImageError, OSError) as exc:
-            raise ValueError(f"--image {self.path}: not an image file ({exc})") from None
+            raise ValueError(f"--image {path}: not an image file ({exc})") from None
+
+    @property
+    def prepared(self) -> int:
+        return len(self._urls)
 
     def _url(self, data: bytes) -> str:
         return f"data:image/{self.format.lower()};base64," + base64.b64encode(data).decode()
@@ -81,9 +76,10 @@ class ImageRequests:
 
         numbers = range(self._made, self._made + n)
         self._made += n
-        with Image.open(io.BytesIO(self._data)) as image, ThreadPoolExecutor(4) as pool:
-            image.load()
-            self._urls = [self._url(v) for v in pool.map(lambda i: variant(image, i, self.format), numbers)]
+        with Image.open(io.BytesIO(self._data)) as image:
+            rgb = np.asarray(image.convert("RGB"))
+        with ThreadPoolExecutor(4) as pool:  # (Pillow's encoders let the GIL go)
+            self._urls = [self._url(v) for v in pool.map(lambda i: variant(rgb, i, self.format), numbers)]
 
     def body(self, fields: dict) -> dict:
         """The next prepared request: a chat of the image, then the text, with the load's shared `fields`."""
@@ -110,7 +106,7 @@ async def send_beside(images: ImageRequests, fields: dict, send: Send, http: Any
     out: that time is spent between two arrivals, not inside one)."""
     done: list[dict] = []
     while not stop.is_set():
-        if not images._urls:
+        if not images.prepared:
             await asyncio.to_thread(images.prepare, 4)
         done.append(await send(http, images.body(fields | {"max_tokens": 1})))
     return done
