@@ -142,10 +142,11 @@ class ImageLoader:
         finally:
             for job in jobs:  # the request was cancelled (its client left): its own reads stop too
                 job.cancel()
-        # in the request's order: the first source that failed is the one reported
-        failed = next((job.exception() for job in jobs if job.exception() is not None), None)
-        if failed is not None:
-            raise failed
+        # in the request's order: the first source that failed is the one reported (every failure is read, so
+        # asyncio does not log the others as never retrieved)
+        failed = [error for error in (job.exception() for job in jobs) if error is not None]
+        if failed:
+            raise failed[0]
         return [images[(s.url, s.budget or default)].result() for s in sources]
 
     def close(self) -> None:
