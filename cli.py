@@ -25,7 +25,7 @@ COMMANDS = {
 # stage).
 SUBCOMMANDS = {
     "bench": {
-        "serve": "thorgen.runtime.bench.serve_load:bench_serve",
+        "serve": "thorgen.runtime.bench.serve_cli:bench_serve",
         "soak": "thorgen.runtime.bench.soak:bench_soak",
         "sweep": "thorgen.runtime.bench.sweep:sweep",
         "report": "thorgen.runtime.bench.report:report",

@@ -47,8 +47,8 @@ _U8_UNIT = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
 class ImageInput:
     """One preprocessed image (runtime.media.images): its patches in (py, px, c) order, row-major over the patch
     grid, as uint8 pixels (or float32 in [0, 1]) [L, patch_dim]; each patch's (x, y) grid position i32 [L, 2];
-    the soft tokens it becomes (L / pool^2); and a content hash (sha256 of the decoded pixels and the budget) that
-    keys the encoder and prefix caches. Identity is the hash: two inputs with one hash are the same image."""
+    the soft tokens it becomes (L / pool^2); and a content hash (sha256 of the patches and their grid) that keys
+    the encoder and prefix caches. Identity is the hash: two inputs with one hash are the same image to the tower."""
 
     patches: np.ndarray
     positions: np.ndarray

@@ -10,6 +10,7 @@ from ..runtime.backend import ImageSpan, SamplingParams
 from ..runtime.client import Capabilities, OutputStream
 from ..runtime.text.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
+from .image_loader import ImageLoader
 from .media import MediaOptions
 from .metrics import Metrics
 from .parser import ControlIds
@@ -58,6 +59,7 @@ class ServerContext:
     generation_defaults: dict[str, float]  # the checkpoint's sampler defaults (generation_config)
     tokenizer_info: dict[str, Any]  # GET /tokenizer_info's body
     media: MediaOptions
+    images: ImageLoader  # reads, decodes and preprocesses requests' images off the event loop
     metrics: Metrics
     speculative: bool  # requests decode speculatively unless they say otherwise
     draft_tokens: int | None  # --draft-tokens: a speculative request's drafts per step, at most

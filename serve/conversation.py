@@ -21,7 +21,8 @@ def image_source(url: Any, detail: Any, where: str, param: str = "messages") -> 
     """An image part's URL and detail, checked (its bytes are read later, once per request)."""
     if not isinstance(url, str) or not url:
         raise APIError(f"{where}: the image URL must be a non-empty string", param=param)
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    colon = url.find(":", 0, 8)  # (a data URL can be megabytes long: nothing past its scheme is copied)
+    scheme = url[:colon].lower() if colon > 0 else ""
     if scheme not in ("data", "http", "https"):
         raise APIError(
             f"{where}: an image URL is a data: URL (data:image/png;base64,...) or an http(s) URL; got {url[:40]!r}",

@@ -13,7 +13,7 @@ from ..runtime.text.grammar import Grammar
 from .context import ServerContext
 from .generation import Generation, Job, choices
 from .guards import prompt_ids
-from .media import check_count, load_images
+from .media import check_count
 from .parser import ControlIds, OutputParser
 from .protocol import APIError
 from .request import GenerationRequest, ImageSource, Prompt
@@ -87,7 +87,7 @@ async def with_images(
         )
     if not images:
         return ids, []
-    return expand_image_tokens(ids, await load_images(vision, ctx.media, images, budget), vision)
+    return expand_image_tokens(ids, await ctx.images.load(images, budget), vision)
 
 
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:

@@ -76,6 +76,8 @@ class _Open(BaseModel):
 def _find_surrogate(value: Any, path: str) -> tuple[str, int, str] | None:
     """(field path, index, char) of the first lone surrogate in any string or key of a parsed JSON value."""
     if isinstance(value, str):
+        if value.isascii():  # O(1) in CPython: a long base64 image needs no regex scan on the event loop
+            return None
         m = _SURROGATE.search(value)
         return (path or "body", m.start(), m.group()) if m else None
     if isinstance(value, dict):

@@ -15,6 +15,7 @@ from ..runtime.text.tokenizer import Tokenizer
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .context import Engine, ServerContext
 from .guards import longest_token_chars
+from .image_loader import ImageLoader
 from .media import MediaOptions
 from .metrics import Metrics
 from .protocol import APIError
@@ -82,6 +83,7 @@ class ServerState:
                 generation_defaults={k: gen_cfg[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in gen_cfg},
                 tokenizer_info=describe_tokenizer(tokenizer, template, gen_cfg, caps.max_context),
                 media=self.media,
+                images=ImageLoader(caps.vision, self.media),
                 metrics=self.metrics,
                 speculative=speculative,
                 draft_tokens=self.draft_tokens,
@@ -134,6 +136,8 @@ class ServerState:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        if self.context is not None:
+            self.context.images.close()
 
 
 def server_state(request: Request) -> ServerState:

@@ -393,6 +393,87 @@ def test_bench_view_speculative_rows(tmp_path):
     assert "| speculative step ms (draft + verify on the GPU) | 6.914 (0.980 + 5.710) |  |" in text
 
 
+def _sample_image(budget: int, soft: int, encode: float | None, ttft: float) -> dict:
+    """A sample image entry (made up), shaped as runtime/bench/image.py writes one per budget."""
+    return {
+        "file": "img.png",
+        "width": 1280,
+        "height": 720,
+        "budget": budget,
+        "soft_tokens": soft,
+        "patches": soft * 9,
+        "prompt_tokens": 512 + soft + 2,
+        "preprocess_ms": 12.5,
+        "encode_ms": encode,
+        "ttft_ms": ttft,
+        "ttft_ms_runs": [ttft],
+        "decode_tok_s": 480.0,
+    }
+
+
+def test_image_view_reads_runs_of_one_budget_and_of_several(tmp_path):
+    """`thorgen bench --image` runs list an entry per budget (`images`); older runs hold one `image`: the image
+    view draws a row per run and budget for both, in budget order, and an unplaced run gets it too."""
+    pytest.importorskip("matplotlib")
+    listed = dict(
+        _sample_bench(None, 490.0, 18.0),
+        images=[_sample_image(1120, 1100, 150.0, 170.0), _sample_image(70, 64, None, 25.0)],
+    )
+    single = dict(_sample_bench(None, 491.0, 18.5), image=_sample_image(280, 264, 68.7, 98.5))
+    folder = _sample_folder(
+        tmp_path,
+        "<!-- report image sample-old.json sample-list.json -->\n",
+        {"sample-old.json": single, "sample-list.json": listed, "sample-other.json": listed},
+    )
+    text, _ = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    placed, other = text.split("## Other runs")
+    rows = [line for line in placed.splitlines() if line.startswith("| `sample-")]
+    assert rows == [
+        "| `sample-old` | img.png 1280x720 | 280 | 264 (2,376) | 12.5 ms | 68.7 ms | 98.5 ms | 480.0 tok/s |",
+        "| `sample-list` | img.png 1280x720 | 70 | 64 (576) | 12.5 ms | n/a | 25.0 ms | 480.0 tok/s |",
+        "| `sample-list` | img.png 1280x720 | 1120 | 1,100 (9,900) | 12.5 ms | 150.0 ms | 170.0 ms | 480.0 tok/s |",
+    ]
+    assert "The image ahead of a 512-token text prompt" in placed
+    assert "| `sample-other` | img.png 1280x720 | 1120 |" in other  # the image view applies to an unplaced run
+
+
+def test_serve_view_of_image_arrivals(tmp_path):
+    """A `bench serve --image --image-arrivals` run: the streams' inter-token latency without images and the image
+    requests' TTFT are columns beside the usual ones, and a line says what was sent."""
+    pytest.importorskip("matplotlib")
+
+    def level(c: int, itl99: float, alone99: float) -> dict:
+        numbers = {"ttft_ms_p50": 80.0, "ttft_ms_p99": 90.0, "itl_ms_p50": 5.0, "request_decode_tok_s_median": 190.0}
+        return {
+            "concurrency": c,
+            "requests": 2 * c,
+            "aggregate_tok_s": 180.0 * c,
+            "itl_ms_p99": itl99,
+            **numbers,
+            "without_images": {**numbers, "itl_ms_p50": 4.5, "itl_ms_p99": alone99},
+            "image_requests": 7,
+            "image_ttft_ms_p50": 160.0,
+            "image_ttft_ms_p99": 210.5,
+        }
+
+    run = {
+        "gpu": "Sample GPU",
+        "date": "2026-12-03T11:00:00+00:00",
+        "command": "thorgen bench serve --concurrency 1,8 --image img.png --image-max-tokens 1120 --image-arrivals",
+        "prompt_len": 512,
+        "gen": 256,
+        "levels": [level(1, 9.5, 5.5), level(8, 12.25, 6.0)],
+        "image": {"file": "img.png", "width": 1280, "height": 720, "budget": 1120, "same_image": False},
+    }
+    run["image"]["arrivals"] = True
+    folder = _sample_folder(tmp_path, "<!-- report serve sample-serve.json -->\n", {"sample-serve.json": run})
+    text, written = build_report(folder, folder / "NOTES.md", tmp_path / "BENCHMARKS.md", folder / "plots")
+    assert "| inter-token p50 / p99 | inter-token p50 / p99 without images | image arrivals: TTFT p50 / p99 |" in text
+    assert "| 5.00 / 12.25 ms | 4.50 / 6.00 ms | 7: 160.0 / 210.5 ms |" in text
+    assert "one-token chats of img.png 1280x720 (budget 1120, a fresh variant each) back to back" in text
+    assert len(written) == 1 and _png_size(written[0])[0] > 300
+
+
 @pytest.mark.parametrize(
     "content, says",
     [

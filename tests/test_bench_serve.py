@@ -3,9 +3,11 @@ the usage, latencies are positive and ordered, and a server error stops the run 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -14,7 +16,8 @@ from click.testing import CliRunner  # noqa: E402
 
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import create_app  # noqa: E402
-from thorgen.runtime.bench.serve_load import bench_serve, percentile  # noqa: E402
+from thorgen.runtime.bench.serve_cli import bench_serve  # noqa: E402
+from thorgen.runtime.bench.serve_load import percentile  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
 from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 
@@ -130,3 +133,66 @@ def test_bench_serve_suite(tmp_path):
     assert rows["n"]["completion_tokens"] == 3 and "The code is 7." in tok.decode(engine.calls[-1]["prompt"])
     assert "context" in rows["big"]["error"]  # 50 filler repeats exceed the 3000-token context
     state.close()
+
+
+def _photo(path: Path, size=(48, 64)) -> Path:
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (*size, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_image_variants_differ_for_every_cache():
+    """Each request's variant has its own bytes and its own patches (so its own content hash): neither the
+    server's image caches nor its prefix cache can answer for it."""
+    from PIL import Image
+
+    from thorgen.model_spec.presets import get_preset
+    from thorgen.runtime.bench.serve_images import variant
+    from thorgen.runtime.media.images import load_image
+
+    rgb = np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    original = rgb.copy()
+    made = [variant(rgb, n, "PNG") for n in (0, 1, 255, 256)]
+    vision = get_preset("tiny").vision
+    assert len(set(made)) == 4 and len({load_image(v, vision, 70).hash for v in made}) == 4
+    assert Image.open(io.BytesIO(made[0])).size == (60, 40) and np.array_equal(rgb, original)
+    with pytest.raises(ValueError, match="too small"):
+        variant(np.zeros((2, 2, 3), np.uint8), 70_000, "PNG")  # three blocks on two pixels
+
+
+def test_bench_serve_image_chats_and_arrivals(tiny_checkpoint, tmp_path):
+    """--image: every level's requests are chats of a fresh variant of the image (the server decodes each one);
+    --image-arrivals: text streams run alone, then beside one-token image chats, and the row holds both."""
+    from thorgen.serve.media import MediaOptions
+    from tiny_server import tiny_server
+
+    photo, out, arrivals_out = _photo(tmp_path / "p.png"), tmp_path / "img.json", tmp_path / "arrivals.json"
+    common = ["--concurrency", "1,2", "--prompt-len", "12", "--gen", "3", "--requests", "1", "--ignore-eos"]
+    common += ["--image", str(photo)]
+    with tiny_server(tiny_checkpoint, 1024, media=MediaOptions(budget=70)) as (url, state):
+        loader = state.context.images
+        r = CliRunner().invoke(bench_serve, ["--url", url, *common, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        assert loader.decoded == 1 + 1 + 2  # the warm-up, then one variant per request: no cache answered
+        a = CliRunner().invoke(
+            bench_serve,
+            ["--url", url, *common, "--image-arrivals", "--image-max-tokens", "140", "--out", str(arrivals_out)],
+        )
+        assert a.exit_code == 0, a.output
+        bad = CliRunner().invoke(bench_serve, ["--url", url, "--same-image"])
+        assert bad.exit_code == 2 and "go with --image" in bad.output
+    report = json.loads(out.read_text())
+    assert report["image"]["file"] == "p.png" and (report["image"]["width"], report["image"]["height"]) == (64, 48)
+    assert "--image " in report["command"] and [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["requests"] == lv["concurrency"] and lv["completion_tokens"] == 3 * lv["requests"]
+        assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["prompt_tokens_mean"] > 12 + 60
+    report = json.loads(arrivals_out.read_text())
+    assert report["image"]["arrivals"] and report["image"]["budget"] == 140 and "--image-arrivals" in report["command"]
+    for lv in report["levels"]:
+        assert lv["image_requests"] >= 1 and 0 < lv["image_ttft_ms_p50"] <= lv["image_ttft_ms_p99"]
+        assert lv["itl_ms_p99"] > 0 and lv["without_images"]["itl_ms_p99"] > 0
+        assert lv["without_images"]["requests"] == lv["requests"] and "image_requests" not in lv["without_images"]
+        assert lv["prompt_tokens_mean"] < 20  # the streams measured are the text ones
+    assert "image arrivals" in a.output and "without them ITL" in a.output

@@ -370,20 +370,28 @@ def test_bench_image_on_the_reference_backend(tiny_checkpoint, tmp_path):
         "--image",
         str(photo),
         "--image-max-tokens",
-        "70",
+        "140,70",
     ]
     res = CliRunner().invoke(bench, [*args, "--json"])
     assert res.exit_code == 0, res.output
-    image = json.loads(res.output.strip().splitlines()[-1])["image"]
-    assert (image["width"], image["height"], image["budget"]) == (120, 80, 70) and 0 < image["soft_tokens"] <= 70
-    assert image["prompt_tokens"] == 8 + image["soft_tokens"] + 2  # <bos> + boi + soft tokens + eoi + 7 text
-    assert image["encode_ms"] > 0 and image["preprocess_ms"] > 0 and image["decode_tok_s"] > 0
-    assert image["ttft_ms"] > 0 and len(image["ttft_ms_runs"]) == 2  # (timed apart from encode_ms: no order)
-    text = CliRunner().invoke(bench, args)
-    assert text.exit_code == 0 and "soft tokens" in text.output and "TTFT" in text.output, text.output
+    report = json.loads(res.output.strip().splitlines()[-1])
+    assert [i["budget"] for i in report["images"]] == [140, 70] and "--image-max-tokens 140,70" in report["command"]
+    for image in report["images"]:  # one entry per budget, in the order asked
+        assert (image["width"], image["height"]) == (120, 80) and 0 < image["soft_tokens"] <= image["budget"]
+        assert image["prompt_tokens"] == 8 + image["soft_tokens"] + 2  # <bos> + boi + soft tokens + eoi + 7 text
+        assert image["encode_ms"] > 0 and image["preprocess_ms"] > 0 and image["decode_tok_s"] > 0
+        assert image["ttft_ms"] > 0 and len(image["ttft_ms_runs"]) == 2  # (timed apart from encode_ms: no order)
+    assert report["images"][0]["soft_tokens"] > report["images"][1]["soft_tokens"]
+    text = CliRunner().invoke(bench, [*args[:-1], "70"])
+    assert text.exit_code == 0 and "budget   70" in text.output and "TTFT" in text.output, text.output
     (tmp_path / "bad.png").write_bytes(b"no picture")
     bad = CliRunner().invoke(bench, [*args[:-4], "--image", str(tmp_path / "bad.png")])
     assert bad.exit_code != 0 and "bad.png" in bad.output
+    for budgets in ("300", "70,x", ""):
+        refused = CliRunner().invoke(bench, [*args[:-1], budgets])
+        assert refused.exit_code == 2 and "--image-max-tokens" in refused.output, refused.output
+    too_long = CliRunner().invoke(bench, [*args, "--ctx", "90"])  # the last --ctx counts
+    assert too_long.exit_code != 0 and "at budget 140" in too_long.output, too_long.output
 
 
 def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):

@@ -18,14 +18,16 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import click
 
 from ..api import EngineOptions, engine_option_flags
 from ..backend import BackendError
 from ..options import DEFAULT_CTX
+from .bench_text import bench_text
 from .timing import host_copy_gb_s, open_for_bench, synthetic_prompt, timed_run, timed_stream
+from .image import BENCH_BUDGETS, parse_budgets
 from .roofline import COPY_GBS_SEEN, roofline_entry, step_cost, target_weight_bytes, tc_ceiling
 
 
@@ -92,7 +94,7 @@ def run_bench(
     accept: int | None = None,
     options: EngineOptions = EngineOptions(),
     image: Path | None = None,
-    image_budget: int = 280,
+    image_budgets: Sequence[int] = BENCH_BUDGETS,
     sms: int | None = None,
 ) -> dict:
     t0 = time.perf_counter()
@@ -172,7 +174,7 @@ def run_bench(
     if image is not None:
         from .image import measure_image
 
-        measure_image(backend, report, image, image_budget, prompt, gen, runs)
+        measure_image(backend, report, image, image_budgets, prompt, gen, runs)
     if peer == "hf":  # the same prompt and length on the same device, in the same run (runtime/bench/peer.py)
         from .peer import bench_peer
 
@@ -181,66 +183,6 @@ def run_bench(
         p["ttft_ratio"] = round(p["ttft_ms"] / report["ttft_ms"], 3) if report["ttft_ms"] else None
         report["peer"] = p
     return report
-
-
-def _text(r: dict) -> str:
-    lines = [
-        f"{r['backend']} on {r['gpu']}: {r['model']} prompt {r['prompt_len']} gen {r['gen']} x{r['runs']}",
-        f"  load            {r['load_s']:.2f} s (ready, after a {min(r['gen'], 4)}-token warm-up: "
-        f"{r.get('ready_s', float('nan')):.2f} s)",
-        f"  TTFT            {r['ttft_ms']:.1f} ms (median)",
-        f"  decode          {r['decode_tok_s']:.2f} tok/s (median), step {r['step_ms']} ms",
-        f"  weights/step    {r['weight_bytes_per_step'] / 1e9:.3f} GB (lm_head {r['lm_head']}) -> "
-        f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['fraction_of_copy']:.1f}% of {r['copy_probe']} "
-        f"({r['copy_gb_s']:.1f} GB/s)",
-        f"  peak GPU memory {r['peak_gpu_mem_gib']} GiB, host peak RSS {r['host_peak_rss_gib']} GiB",
-    ]
-    if r.get("image"):
-        from .image import image_text
-
-        lines.append(image_text(r))
-    if r.get("sms") is not None:
-        lines.insert(
-            1,
-            f"  multiprocessors {r['sms']} of {r['device_sms']} (--sms {r['sms_requested']}: a green "
-            "context; decode and the copy probe both ran on them)",
-        )
-    if r.get("peer"):
-        p = r["peer"]
-        lines.append(
-            f"  peer            {p['peer']} ({p['dtype']}, {p['device']}, static cache"
-            f"{', torch.compile' if p['compiled'] else ''}, experts {p.get('experts', 'eager')}): "
-            f"{p['decode_tok_s']:.2f} tok/s, TTFT {p['ttft_ms']:.1f} ms -> ours: {p['decode_ratio']}x its "
-            f"decode, its TTFT / ours {p['ttft_ratio']}x"
-        )
-    if r.get("speculative"):
-        s = r["speculative"]
-        lines.append(
-            f"  speculative     {s['spec_tok_s']} tok/s (median), tau {s['tau']}, step {s['step_ms']} ms "
-            f"(draft {s['draft_step_ms']} ms + verify {s['verify_step_ms']} ms on the GPU)"
-            + (f"; EMULATED acceptance {s['emulated_acceptance']}" if s["emulated_acceptance"] is not None else "")
-        )
-    for key, title in (
-        ("decode_step_kernels", "decode step, per kernel (its launches replayed as one graph)"),
-        ("draft_step_kernels", "DFlash draft forward, per kernel (eager launches, event-timed)"),
-        ("verify_step_kernels", "DFlash verify forward + drafter context, per kernel (eager, event-timed)"),
-        (
-            "prefill_chunk_kernels",
-            f"prefill chunk of {r.get('prefill_chunk_rows')} tokens, per kernel (eager launches, event-timed)",
-        ),
-    ):
-        ks = r.get(key) or []
-        if ks:
-            lines.append(f"  {title}; sum {sum(k['us'] for k in ks):.0f} us:")
-        for k in ks:
-            lines.append(f"    {k['kernel']:<56} {k['us']:9.1f} us x{k.get('count', 1)}")
-    for step, e in (r.get("roofline") or {}).items():
-        tc = "n/a" if e["frac_tc"] is None else f"{100 * e['frac_tc']:.2f}%"
-        lines.append(
-            f"  roofline {step:<8} {e['bytes'] / 1e6:10.1f} MB {e['flops'] / 1e9:10.2f} GFLOP "
-            f"{e['ms']:9.3f} ms: {100 * e['frac_copy']:.1f}% of copy, {tc} of tensor cores"
-        )
-    return "\n".join(lines)
 
 
 def _bench_suite(
@@ -388,10 +330,11 @@ def _bench_suite(
 @click.option(
     "--image-max-tokens",
     "image_budget",
-    type=click.Choice(["70", "140", "280", "560", "1120"]),
-    default="280",
+    metavar="BUDGETS",
+    default=",".join(map(str, BENCH_BUDGETS)),
     show_default=True,
-    help="--image: soft tokens the image may take.",
+    help="--image: the soft-token budgets to time the image at, comma-separated (each of 70, 140, 280, 560, "
+    "1120); the report keeps one entry per budget.",
 )
 @click.option(
     "--sms",
@@ -442,6 +385,10 @@ def bench(
         )
     if ctx is not None and prompt_len + gen > ctx:
         raise click.BadParameter(f"--prompt-len + --gen ({prompt_len + gen}) exceed --ctx {ctx}")
+    try:
+        budgets = parse_budgets(image_budget)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--image-max-tokens") from None
     command = (
         f"thorgen bench --model {model} --backend {backend} --prompt-len {prompt_len} --gen {gen} "
         f"--runs {runs}"
@@ -454,7 +401,7 @@ def bench(
         + (f" --peer {peer}" if peer else "")
         + (" --speculative" if speculative else "")
         + (f" --emulate-acceptance {accept}" if accept is not None else "")
-        + (f" --image {image} --image-max-tokens {image_budget}" if image else "")
+        + (f" --image {image} --image-max-tokens {','.join(map(str, budgets))}" if image else "")
         + (f" --sms {sms}" if sms is not None else "")
         + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags() if not getattr(engine_options, name))
     )
@@ -487,7 +434,7 @@ def bench(
             accept,
             engine_options,
             image,
-            int(image_budget),
+            budgets,
             sms,
         )
     except BackendError as exc:
@@ -495,7 +442,7 @@ def bench(
     if out_file is not None:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(report, indent=1) + "\n")
-    click.echo(json.dumps(report) if as_json else _text(report))
+    click.echo(json.dumps(report) if as_json else bench_text(report))
     if kernels:
         from .kernels import format_report, run_bench as run_kernel_bench
 

@@ -1,19 +1,36 @@
-"""Runtime stage: `thorgen bench --image FILE`: one image plus the text prompt, timed: preprocessing (decode, resize,
-patches), the vision tower alone, TTFT (encode + prefill, the encoder cache kept out of it) and decode after it."""
+"""Runtime stage: `thorgen bench --image FILE`: one image plus the text prompt, timed at each soft-token budget asked
+for: preprocessing (decode, resize, patches), the vision tower alone, TTFT (encode + prefill, the encoder cache kept
+out of it) and decode after it."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..backend import BackendError, ImageInput, ImageSpan
-from ..media.images import ImageError, decode, load_image
+from ..media.images import SOFT_TOKEN_BUDGETS, ImageError, decode, load_image
 from ..media.prompts import expand_image_tokens
 from .timing import timed_stream
+
+BENCH_BUDGETS = (70, 280, 560, 1120)  # --image-max-tokens' default: the budgets the image targets are set at
+
+
+def parse_budgets(text: str) -> list[int]:
+    """ "70,280" -> [70, 280]; ValueError naming what is wrong (not integers, or a budget the model has not)."""
+    try:
+        budgets = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of budgets") from None
+    bad = [b for b in budgets if b not in SOFT_TOKEN_BUDGETS]
+    if not budgets or bad:
+        raise ValueError(
+            f"{text!r}: each budget must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))} (soft tokens per image)"
+        )
+    return list(dict.fromkeys(budgets))
 
 
 def _encoder(backend: Any) -> Callable[[ImageInput], np.ndarray] | None:
@@ -31,28 +48,22 @@ def image_prompt(spec: Any, text: list[int], image: ImageInput) -> tuple[list[in
     return expand_image_tokens([text[0], spec.vision.image_token_id, *text[1:]], [image], spec.vision)
 
 
-def measure_image(backend: Any, report: dict, path: Path, budget: int, text: list[int], gen: int, runs: int) -> None:
-    """Add `image` to a `run_bench` report: the image's size and soft tokens, preprocess_ms, encode_ms (the
-    tower alone; None without one), and the TTFT and decode tok/s of the image + text prompt (medians)."""
-    spec = backend.spec
-    if spec.vision is None:
-        raise BackendError("--image: this model has no vision tower")
-    data = path.read_bytes()
-    try:
-        width, height = decode(data).size
-        prep = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            image = load_image(data, spec.vision, budget)
-            prep.append(time.perf_counter() - t0)
-    except ImageError as exc:
-        raise BackendError(f"--image {path}: {exc}") from None
-    ids, spans = image_prompt(spec, text, image)
-    if len(ids) + gen > backend.max_context:
-        raise BackendError(
-            f"the image's {image.soft_tokens} soft tokens + the prompt + --gen ({len(ids) + gen}) "
-            f"exceed the context of {backend.max_context} (--ctx)"
-        )
+def _median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1e3, 3)
+
+
+def _preprocessed(data: bytes, vision: Any, budget: int, runs: int) -> tuple[ImageInput, list[float]]:
+    """The image at `budget`, and `runs` timings of its preprocessing from the file's bytes."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        image = load_image(data, vision, budget)
+        times.append(time.perf_counter() - t0)
+    return image, times
+
+
+def _timed(backend: Any, image: ImageInput, ids: list[int], spans: list[ImageSpan], gen: int, runs: int) -> dict:
+    """encode_ms (the tower alone; None without one), then TTFT and decode tok/s of the image + text prompt."""
     encode = _encoder(backend)
     encodes = []
     if encode is not None:
@@ -60,43 +71,59 @@ def measure_image(backend: Any, report: dict, path: Path, budget: int, text: lis
             t0 = time.perf_counter()
             encode(image)
             encodes.append(time.perf_counter() - t0)
-    timed_stream(backend, ids, min(gen, 4), images=spans)  # warm-up
+    timed_stream(backend, ids, min(gen, 4), images=spans)  # warm-up (this image size's first encode and prefill)
     ttfts, rates = [], []
     for _ in range(runs):
         r = timed_stream(backend, ids, gen, images=spans)
         ttfts.append(r["ttft_s"])
         n = len(r["token_ids"])
         rates.append((n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else float("nan"))
-    report["image"] = {
-        "file": path.name,
-        "width": width,
-        "height": height,
-        "budget": budget,
-        "soft_tokens": image.soft_tokens,
-        "patches": int(image.patches.shape[0]),
-        "prompt_tokens": len(ids),
-        "preprocess_ms": round(statistics.median(prep) * 1e3, 3),
-        "encode_ms": round(statistics.median(encodes) * 1e3, 3) if encodes else None,
-        "ttft_ms": round(statistics.median(ttfts) * 1e3, 3),
+    out = {
+        "encode_ms": _median_ms(encodes) if encodes else None,
+        "ttft_ms": _median_ms(ttfts),
         "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
         "decode_tok_s": round(statistics.median(rates), 3),
     }
-    if encode is not None and hasattr(backend, "encode_breakdown"):
-        report["image"]["encode_kernels"] = backend.encode_breakdown(image)
+    if encode is not None and hasattr(backend, "encode_breakdown"):  # the device tower's launches, per kernel
+        out["encode_kernels"] = backend.encode_breakdown(image)
+    return out
 
 
-def image_text(r: dict) -> str:
-    i = r["image"]
-    encode = "n/a (no tower exposed)" if i["encode_ms"] is None else f"{i['encode_ms']:.1f} ms"
-    lines = [
-        f"  image           {i['file']} {i['width']}x{i['height']} -> {i['soft_tokens']} soft tokens (budget "
-        f"{i['budget']}, {i['patches']} patches); preprocess {i['preprocess_ms']:.1f} ms, encode {encode}",
-        f"  image + text    {i['prompt_tokens']} prompt tokens: TTFT {i['ttft_ms']:.1f} ms (median, encode "
-        f"included), decode {i['decode_tok_s']:.2f} tok/s",
+def measure_image(
+    backend: Any, report: dict, path: Path, budgets: Sequence[int], text: list[int], gen: int, runs: int
+) -> None:
+    """Add `images` to a `run_bench` report: one entry per budget, each with the image's size and soft tokens,
+    preprocess_ms, encode_ms (the tower alone; None without one), and the TTFT and decode tok/s of the image +
+    text prompt (medians). Every budget's prompt is checked against the context before anything is timed."""
+    spec = backend.spec
+    if spec.vision is None:
+        raise BackendError("--image: this model has no vision tower")
+    data = path.read_bytes()
+    try:
+        width, height = decode(data).size
+        prepared = [(budget, *_preprocessed(data, spec.vision, budget, runs)) for budget in budgets]
+    except ImageError as exc:
+        raise BackendError(f"--image {path}: {exc}") from None
+    prompts = []
+    for budget, image, prep in prepared:
+        ids, spans = image_prompt(spec, text, image)
+        if len(ids) + gen > backend.max_context:
+            raise BackendError(
+                f"at budget {budget}, the image's {image.soft_tokens} soft tokens + the prompt + --gen "
+                f"({len(ids) + gen}) exceed the context of {backend.max_context} (--ctx)"
+            )
+        prompts.append((budget, image, prep, ids, spans))
+    report["images"] = [
+        {
+            "file": path.name,
+            "width": width,
+            "height": height,
+            "budget": budget,
+            "soft_tokens": image.soft_tokens,
+            "patches": int(image.patches.shape[0]),
+            "prompt_tokens": len(ids),
+            "preprocess_ms": _median_ms(prep),
+            **_timed(backend, image, ids, spans, gen, runs),
+        }
+        for budget, image, prep, ids, spans in prompts
     ]
-    ks = i.get("encode_kernels") or []
-    if ks:
-        total = sum(k["us"] for k in ks)
-        lines.append(f"  vision tower, per kernel (eager launches, event-timed); sum {total:.0f} us:")
-    lines += [f"    {k['kernel']:<56} {k['us']:9.1f} us x{k.get('count', 1)}" for k in ks]
-    return "\n".join(lines)

@@ -99,6 +99,10 @@ def plot_serve(run: dict, path: Path) -> Path:
     for ax, key, name in ((ttft, "ttft_ms", "TTFT ms"), (itl, "itl_ms", "inter-token latency ms")):
         for q in ("p50", "p99"):
             ax.plot(cs, [r[f"{key}_{q}"] for r in levels], marker="o", label=q)
+        if key == "itl_ms" and all("without_images" in r for r in levels):  # `bench serve --image-arrivals`
+            for q in ("p50", "p99"):
+                alone = [r["without_images"][f"{key}_{q}"] for r in levels]
+                ax.plot(cs, alone, marker="x", ls="--", label=f"{q} without images")
         ax.set_ylabel(name)
     tput.set_ylabel("tok/s")
     for ax in (tput, ttft, itl):

@@ -1,25 +1,35 @@
-"""Serve stage: `thorgen bench serve`, a closed-loop load generator against a running OpenAI-compatible server.
+"""Serve stage: the closed-loop load generator of `thorgen bench serve` (runtime/bench/serve_cli.py) against a
+running OpenAI-compatible server.
 
 Each concurrency level runs C clients that each send requests back to back (streamed /v1/completions with a
 token-id prompt of --prompt-len ids, shuffled per request so that no prefix cache helps, --gen tokens), and
 reports TTFT and inter-token latency percentiles, per-request decode tok/s and aggregate tok/s (completion
-tokens of the level / its wall time). Inter-token
-latency is the gap between streamed chunks that carry text, divided by the tokens between them as counted by
-the final usage (a chunk may carry several tokens, and a token may carry no text).
+tokens of the level / its wall time). Inter-token latency is the gap between streamed chunks that carry text (or
+token ids), divided by the tokens between them as counted by the final usage (a chunk may carry several tokens,
+and a token may carry no text).
+
+With --image the clients send chats of the image then about --prompt-len tokens of text instead; with
+--image-arrivals they send the text requests, and each level runs twice: alone, then with one more client sending
+one-token image chats back to back beside them (runtime/bench/serve_images.py), so that the inter-token latency
+of the running streams can be compared with and without images arriving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import json
 import math
 import random
 import statistics
 import time
-from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 import click
+
+from .serve_images import ImageRequests, arrival_stats
+
+Request = Callable[[int], tuple[str, dict]]  # request number -> (endpoint, body)
+Beside = Callable[[Callable[[Any, dict], Awaitable[dict]], Any, asyncio.Event], Awaitable[list[dict]]]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -48,6 +58,7 @@ async def _one(http, url: str, body: dict, headers: dict, endpoint: str = "/v1/c
                 usage = event["usage"]
             if any(
                 c.get("text")
+                or c.get("token_ids")
                 or (c.get("delta") or {}).get("content")
                 or (c.get("delta") or {}).get("reasoning_content")
                 for c in event.get("choices", [])
@@ -71,31 +82,36 @@ def unique_prompt(prompt: list[int], i: int) -> list[int]:
     return prompt[:1] + rest
 
 
-async def run_level(
-    url: str, concurrency: int, requests: int, prompt: list[int], gen: int, api_key: str | None, timeout: float
-) -> dict:
-    import httpx
+def streamed(gen: int, ignore_eos: bool = False) -> dict:
+    """The fields every request shares: `gen` tokens at most (exactly, with `ignore_eos`), greedy, streamed with
+    the usage, and each token's ids (vLLM's return_token_ids), so that a token without text still arrives."""
+    # (no `model`: the server answers under its own name; it refuses one it does not serve)
+    fields = {
+        "max_tokens": gen,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    return fields | ({"ignore_eos": True} if ignore_eos else {})
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    results: list[dict] = []
-    todo = list(range(requests))
 
-    async def client(http) -> None:
-        while todo:  # (no `model`: the server answers under its own name; it refuses one it does not serve)
-            body = {
-                "prompt": unique_prompt(prompt, todo.pop()),
-                "max_tokens": gen,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            results.append(await _one(http, url, body, headers))
+def text_requests(prompt: list[int], fields: dict) -> Request:
+    """Streamed completions of `prompt`, shuffled per request (unique_prompt)."""
+    return lambda i: ("/v1/completions", {"prompt": unique_prompt(prompt, i), **fields})
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+
+def image_chats(images: ImageRequests, fields: dict) -> Request:
+    """Streamed chats of the image and the text (serve_images.py), one prepared variant each."""
+    return lambda i: ("/v1/chat/completions", images.body(fields))
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 3)
+
+
+def level_stats(concurrency: int, results: list[dict], wall: float) -> dict:
+    """A level's row: TTFT and inter-token percentiles, aggregate and per-request tok/s."""
     ttft = [t for _, t in sorted((r["sent"], r["arrivals"][0] - r["sent"]) for r in results if r["arrivals"])]
     itl, rates = [], []
     for r in results:
@@ -105,23 +121,63 @@ async def run_level(
             itl += [(b - x) / per_token for x, b in zip(a, a[1:])]
             rates.append((r["tokens"] - 1) / (a[-1] - a[0]))
     total = sum(r["tokens"] for r in results)
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1e3, 3)
-
+    prompts = [r["prompt_tokens"] for r in results if r.get("prompt_tokens")]
     return {
         "concurrency": concurrency,
         "requests": len(results),
         "completion_tokens": total,
+        "prompt_tokens_mean": round(statistics.mean(prompts), 1) if prompts else None,
         "wall_s": round(wall, 3),
         "aggregate_tok_s": round(total / wall, 2),
-        "ttft_ms_p50": ms(percentile(ttft, 50)),
-        "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "ttft_ms_p50": _ms(percentile(ttft, 50)),
+        "ttft_ms_p99": _ms(percentile(ttft, 99)),
         "ttft_ms_by_send": [round(t * 1e3, 1) for t in ttft],  # in send order: the waves' shape
-        "itl_ms_p50": ms(percentile(itl, 50)),
-        "itl_ms_p99": ms(percentile(itl, 99)),
+        "itl_ms_p50": _ms(percentile(itl, 50)),
+        "itl_ms_p99": _ms(percentile(itl, 99)),
         "request_decode_tok_s_median": round(statistics.median(rates), 2) if rates else None,
     }
+
+
+async def run_level(
+    url: str,
+    concurrency: int,
+    requests: int,
+    make: Request,
+    api_key: str | None,
+    timeout: float,
+    beside: Beside | None = None,
+) -> dict:
+    """C clients sending `requests` requests back to back; `beside`, where given, runs alongside them until they
+    are done (the image arrivals), and its requests' numbers join the row."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    results: list[dict] = []
+    todo = list(range(requests))
+
+    async def client(http) -> None:
+        while todo:
+            endpoint, body = make(todo.pop())
+            results.append(await _one(http, url, body, headers, endpoint))
+
+    async def chat(http, body: dict) -> dict:
+        return await _one(http, url, body, headers, "/v1/chat/completions")
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        stop = asyncio.Event()
+        side = asyncio.ensure_future(beside(chat, http, stop)) if beside is not None else None
+        start = time.perf_counter()
+        try:
+            await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        finally:
+            wall = time.perf_counter() - start
+            stop.set()
+            side_results = await side if side is not None else None
+    row = level_stats(concurrency, results, wall)
+    if side_results is not None:
+        row.update(arrival_stats(side_results, percentile))
+    return row
 
 
 async def run_suite(
@@ -166,7 +222,7 @@ async def run_suite(
     return rows
 
 
-def _engine_steps(url: str) -> dict | None:
+def engine_steps(url: str) -> dict | None:
     """The engine thread's step counters from /health (a thorgen server's; None from another server)."""
     import httpx
 
@@ -177,7 +233,7 @@ def _engine_steps(url: str) -> dict | None:
     return steps if isinstance(steps, dict) else None
 
 
-def _step_means(before: dict | None, after: dict | None) -> dict | None:
+def step_means(before: dict | None, after: dict | None) -> dict | None:
     """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/client.py)."""
     if not before or not after or after["steps"] <= before["steps"]:
         return None
@@ -188,152 +244,30 @@ def _step_means(before: dict | None, after: dict | None) -> dict | None:
     return out
 
 
-def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
-    """`prompt_len` token ids of plain text, tokenized by the server itself (so any tokenizer works)."""
+SENTENCE = "The quick brown fox jumps over the lazy dog while the engine streams tokens. "
+
+
+def _tokenize(url: str, text: str, api_key: str | None) -> list[int]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = "The quick brown fox jumps over the lazy dog while the engine streams tokens. "
-    ids: list[int] = []
+    r = httpx.post(url + "/tokenize", json={"prompt": text}, headers=headers, timeout=60)
+    if r.status_code != 200:
+        raise click.ClickException(f"/tokenize answered {r.status_code}: {r.text[:300]}")
+    tokens: list[int] = r.json()["tokens"]
+    return tokens
+
+
+def bench_prompt(url: str, prompt_len: int, api_key: str | None) -> list[int]:
+    """`prompt_len` token ids of plain text, tokenized by the server itself (so any tokenizer works)."""
+    text, ids = SENTENCE, []
     while len(ids) < prompt_len:
         text *= 2
-        r = httpx.post(url + "/tokenize", json={"prompt": text}, headers=headers, timeout=60)
-        if r.status_code != 200:
-            raise click.ClickException(f"/tokenize answered {r.status_code}: {r.text[:300]}")
-        ids = r.json()["tokens"]
+        ids = _tokenize(url, text, api_key)
     return ids[:prompt_len]
 
 
-@click.command("serve")
-@click.option("--url", default="http://127.0.0.1:8080", show_default=True, help="The running server.")
-@click.option(
-    "--concurrency", default="1,2,4,8,16,32,64", show_default=True, help="Comma-separated concurrency levels."
-)
-@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--gen", type=click.IntRange(min=2), default=256, show_default=True, help="max_tokens per request.")
-@click.option(
-    "--requests",
-    "per_client",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Requests per client at each level (level total = concurrency x this).",
-)
-@click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True)
-@click.option("--api-key", default=None, envvar="THORGEN_API_KEY")
-@click.option(
-    "--engine-tok-s",
-    type=float,
-    default=None,
-    help="The engine's own batch-1 decode tok/s (thorgen bench), reported beside the server's.",
-)
-@click.option(
-    "--out",
-    "out_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the JSON report here (e.g. docs/benchmarks/<name>.json).",
-)
-@click.option(
-    "--suite",
-    "suite_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Also run each prompt of this suite alone (the JSON shape of seed_data/prompt_suite.json).",
-)
-@click.option(
-    "--filler-repeats",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Filler lines of the suite's needle prompts (default: the suite's own; smaller for short --ctx).",
-)
-def bench_serve(
-    url: str,
-    concurrency: str,
-    prompt_len: int,
-    gen: int,
-    per_client: int,
-    timeout: float,
-    api_key: str | None,
-    engine_tok_s: float | None,
-    out_file: Path | None,
-    suite_file: Path | None,
-    filler_repeats: int | None,
-) -> None:
-    """Load-test a running `thorgen serve` (or any OpenAI-compatible server with /tokenize)."""
-    try:
-        levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{concurrency!r} is not a comma-separated list of integers") from None
-    if not levels or min(levels) < 1:
-        raise click.BadParameter("give concurrency levels >= 1", param_hint="--concurrency")
-    import httpx
-
-    url = url.rstrip("/")
-    try:
-        health = httpx.get(url + "/health", timeout=10)
-    except httpx.HTTPError as exc:
-        raise click.ClickException(f"no server at {url}: {exc}") from None
-    if health.status_code != 200:
-        raise click.ClickException(f"{url}/health answered {health.status_code}: {health.text[:200]}")
-    from ..text.prompts import load_suite
-
-    try:
-        suite = load_suite(suite_file) if suite_file is not None else None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    prompt = bench_prompt(url, prompt_len, api_key)
-    asyncio.run(run_level(url, 1, 1, prompt, min(gen, 8), api_key, timeout))  # warm-up
-    rows = []
-    for c in levels:
-        before = _engine_steps(url)
-        row = asyncio.run(run_level(url, c, c * per_client, prompt, gen, api_key, timeout))
-        steps = _step_means(before, _engine_steps(url))
-        if steps:
-            row["engine_steps"] = steps
-        rows.append(row)
-        click.echo(
-            f"c={c:<3} {row['aggregate_tok_s']:>9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']} ms "
-            f"p99 {row['ttft_ms_p99']} ms  ITL p50 {row['itl_ms_p50']} ms p99 {row['itl_ms_p99']} ms  "
-            f"per-request {row['request_decode_tok_s_median']} tok/s"
-            + (
-                f"  engine: {steps['steps']} steps, {steps['mean_running']} running, prepare "
-                f"{steps['prepare_ms']} / flush {steps['flush_ms']} / finish {steps['finish_ms']} ms a step"
-                if steps
-                else ""
-            )
-        )
-    report = {
-        "url": url,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": (httpx.get(url + "/v1/models", timeout=10).json().get("data") or [{}])[0].get("id"),
-        "prompt_len": prompt_len,
-        "gen": gen,
-        "requests_per_client": per_client,
-        "levels": rows,
-        "command": f"thorgen bench serve --url {url} --concurrency {concurrency} --prompt-len {prompt_len} "
-        f"--gen {gen} --requests {per_client}",
-    }
-    if suite is not None:
-        report["suite_file"] = str(suite_file)
-        report["suite"] = asyncio.run(run_suite(url, suite, api_key, timeout, filler_repeats))
-        for row in report["suite"]:
-            head = f"{row['id']:<16} {row['category'] or '':<16}"
-            click.echo(
-                f"{head} error: {row['error']}"
-                if "error" in row
-                else f"{head} prompt {row['prompt_tokens']:>6}  out {row['completion_tokens']:>4}  "
-                f"TTFT {row['ttft_ms']} ms  decode {row['decode_tok_s']} tok/s"
-            )
-    if engine_tok_s:
-        one = next((r for r in rows if r["concurrency"] == 1), None)
-        if one and one["request_decode_tok_s_median"]:
-            report["engine_tok_s"] = engine_tok_s
-            report["server_over_engine"] = round(one["request_decode_tok_s_median"] / engine_tok_s, 4)
-            click.echo(
-                f"batch 1 through HTTP: {one['request_decode_tok_s_median']} tok/s = "
-                f"{100 * report['server_over_engine']:.1f}% of the engine's {engine_tok_s} tok/s"
-            )
-    if out_file is not None:
-        out_file.parent.mkdir(parents=True, exist_ok=True)
-        out_file.write_text(json.dumps(report, indent=1) + "\n")
+def chat_text(url: str, prompt_len: int, api_key: str | None) -> str:
+    """About `prompt_len` tokens of plain text in whole sentences, counted by the server's tokenizer."""
+    per_sentence = len(_tokenize(url, SENTENCE * 16, api_key)) / 16
+    return SENTENCE * max(1, round(prompt_len / per_sentence))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .image_report import has_images, image_view, serve_image_columns, serve_image_note
 from .summary import summary
 from .tables import ReportError, fmt as _f, load_plots as _plots, ms as _ms, pct as _pct, run_line as _run_line
 from .tables import table as _table
@@ -198,8 +199,9 @@ def _sweep(names: list[str], runs: dict, ctx: Context) -> str:
 def _serve(names: list[str], runs: dict, ctx: Context) -> str:
     run = runs[names[0]]
     engine = run.get("engine_tok_s")
+    image_head, image_cells = serve_image_columns(run["levels"])
     rows = []
-    for r in run["levels"]:
+    for r, more in zip(run["levels"], image_cells):
         per = _f(r["request_decode_tok_s_median"])
         if engine and r["request_decode_tok_s_median"]:
             per += f" ({_pct(r['request_decode_tok_s_median'] / engine)} of the engine's {engine:.1f})"
@@ -211,6 +213,7 @@ def _serve(names: list[str], runs: dict, ctx: Context) -> str:
                 per,
                 f"{_ms(r['ttft_ms_p50'])} / {_ms(r['ttft_ms_p99'])} ms",
                 f"{_f(r['itl_ms_p50'], 2)} / {_f(r['itl_ms_p99'], 2)} ms",
+                *more,
             ]
         )
     table = _table(
@@ -221,6 +224,7 @@ def _serve(names: list[str], runs: dict, ctx: Context) -> str:
             "per-request decode tok/s (median)",
             "TTFT p50 / p99",
             "inter-token p50 / p99",
+            *image_head,
         ],
         rows,
     )
@@ -230,6 +234,7 @@ def _serve(names: list[str], runs: dict, ctx: Context) -> str:
         if run.get(k)
     ]
     extra += [f"- note: {run['note']}"] if run.get("note") else []
+    extra += [f"- {note}"] if (note := serve_image_note(run)) else []
     body = "\n\n".join(x for x in (_run_line(names[0], run), table, "\n".join(extra)) if x)
     return body + "\n\n" + ctx.plot(_plots().plot_serve, names[0], "serve", run)
 
@@ -387,6 +392,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "kernels": (lambda r: "kernels" in r, _kernels),
     "bench": (lambda r: "decode_tok_s" in r and "ttft_ms" in r, _bench),
     "roofline": (lambda r: "roofline" in r, _roofline),
+    "image": (has_images, image_view),
     "decode-kernels": (
         lambda r: "decode_step_kernels" in r,
         _step_kernels("decode_step_kernels", "decode step", "decode-kernels"),

@@ -66,11 +66,12 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency (an alpha band or a transparent palette entry) composited onto white."""
+    """RGB, with any transparency (an alpha band or a transparent palette entry) composited onto white; an RGB
+    image as it is (convert would copy it, and nothing here writes to it)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) -> tuple[int, int]:
@@ -94,10 +95,12 @@ def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) 
     return th, tw
 
 
-def content_hash(rgb: np.ndarray, budget: int) -> str:
-    """sha256 over the decoded RGB pixels, their shape and the budget: equal exactly when the patches are."""
-    h = hashlib.sha256(f"{rgb.shape[0]}x{rgb.shape[1]}:{budget}:".encode())
-    h.update(np.ascontiguousarray(rgb).tobytes())
+def content_hash(patches: np.ndarray, grid: tuple[int, int]) -> str:
+    """sha256 over the patches and their grid (rows x columns): equal exactly when what the tower reads is (the
+    positions follow from the grid, the soft tokens from the patch count). Hashing the patches rather than the
+    decoded image costs at most budget x pool^2 patches' bytes, however large the image was."""
+    h = hashlib.sha256(f"{grid[0]}x{grid[1]}:{patches.shape[1]}:".encode())
+    h.update(patches.data)  # contiguous uint8: hashed in place, the GIL let go
     return h.hexdigest()
 
 
@@ -105,18 +108,17 @@ def preprocess(image: Image.Image, vision: Gemma4VisionSpec, budget: int = DEFAU
     """A decoded image -> its patches (uint8), positions and soft-token count."""
     check_budget(budget)
     rgb_image = to_rgb(image)
-    rgb = np.asarray(rgb_image)
-    th, tw = target_size(rgb.shape[0], rgb.shape[1], budget, vision)
-    if (th, tw) != rgb.shape[:2]:
+    th, tw = target_size(rgb_image.height, rgb_image.width, budget, vision)
+    if (th, tw) != (rgb_image.height, rgb_image.width):
         rgb_image = rgb_image.resize((tw, th), resample=Image.Resampling.BICUBIC)
     pixels = np.asarray(rgb_image)  # [H', W', 3] uint8
     p = vision.patch_size
     gh, gw = th // p, tw // p
-    patches = pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
+    patches = np.ascontiguousarray(pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3))
     gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
     positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
     soft = gh * gw // (vision.pooling_kernel_size**2)
-    return ImageInput(np.ascontiguousarray(patches), positions, soft, content_hash(rgb, budget))
+    return ImageInput(patches, positions, soft, content_hash(patches, (gh, gw)))
 
 
 def load_image(

@@ -1,0 +1,153 @@
+"""Serve stage: a request's images from their sources to ImageInputs, off the event loop and in parallel.
+
+Each distinct image of a request is read (a data URL's header checked, an http(s) URL fetched) and keyed by a
+sha256 of its raw form (the data URL's text, or the fetched bytes); the base64 decode, the Pillow decode and the
+preprocessing then run on a bounded pool of worker threads, one job per image, so that the images of one request,
+and those of concurrent requests, are decoded side by side while the event loop keeps serving other streams.
+Preprocessed images are kept (an LRU bounded by their patches' bytes) by that key and the budget: an image sent
+again is neither decoded nor preprocessed, and the ImageInput it gets back carries the content hash the engine's
+encoder cache already holds, so it is not encoded either. Two requests that send one new image at the same time
+share one decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from ..model_spec.types import Gemma4VisionSpec
+from ..runtime.backend import ImageInput
+from ..runtime.media.images import ImageError, load_image
+from .media import MediaOptions, b64_bytes, check_count, data_url_payload, fetch, where_param
+from .protocol import APIError
+from .request import ImageSource
+
+T = TypeVar("T")
+Key = tuple[str, int]  # (sha256 of the raw image, budget)
+Raw = bytes | tuple[str, int]  # an image's bytes, or a data URL and where its base64 starts
+
+
+class PreprocessedImages:
+    """Recently preprocessed images by (raw key, budget), least recently used dropped first once their patches
+    and positions pass `max_bytes`. Used from the event loop's thread only, so it needs no lock."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._images: OrderedDict[Key, ImageInput] = OrderedDict()
+
+    @staticmethod
+    def size(image: ImageInput) -> int:
+        return int(image.patches.nbytes + image.positions.nbytes)
+
+    def get(self, key: Key) -> ImageInput | None:
+        image = self._images.get(key)
+        if image is not None:
+            self._images.move_to_end(key)
+        return image
+
+    def put(self, key: Key, image: ImageInput) -> None:
+        if self.size(image) > self.max_bytes or key in self._images:
+            return
+        self._images[key] = image
+        self.bytes += self.size(image)
+        while self.bytes > self.max_bytes:
+            _, dropped = self._images.popitem(last=False)
+            self.bytes -= self.size(dropped)
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+
+def _sha256(data: bytes | str) -> str:
+    """hashlib lets the GIL go while it hashes a long buffer."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _preprocess(raw: Raw, vision: Gemma4VisionSpec, budget: int) -> ImageInput:
+    """A worker thread's job: raw bytes (or a data URL's base64) -> the preprocessed image."""
+    return load_image(b64_bytes(*raw) if isinstance(raw, tuple) else raw, vision, budget)
+
+
+class ImageLoader:
+    """The server's image reader: `await load(sources, budget)` -> the ImageInputs, in the sources' order. One per
+    server; `decoded` counts the images it decoded and preprocessed (the misses of its cache)."""
+
+    def __init__(self, vision: Gemma4VisionSpec | None, options: MediaOptions) -> None:
+        self.vision, self.options = vision, options
+        self.cache = PreprocessedImages(options.cache_bytes)
+        self.decoded = 0
+        self._pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="thorgen-image")
+        self._pending: dict[Key, asyncio.Future[ImageInput]] = {}  # decodes under way, shared by their askers
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _read(self, source: ImageSource) -> tuple[str, Raw]:
+        """(key, raw): a data URL stays text until a worker decodes it, and is keyed by its text, so that a
+        repeated data URL is never base64-decoded again."""
+        if source.url[:5].lower() == "data:":
+            start = data_url_payload(source.url, source.where)
+            return "data:" + await self._run(_sha256, source.url), (source.url, start)
+        raw = await fetch(source.url, self.options, source.where)
+        return "bytes:" + await self._run(_sha256, raw), raw
+
+    def _settle(self, key: Key, job: asyncio.Future[ImageInput]) -> None:
+        self._pending.pop(key, None)
+        if not job.cancelled() and job.exception() is None:
+            self.cache.put(key, job.result())
+
+    async def _preprocessed(self, key: Key, raw: Raw, vision: Gemma4VisionSpec) -> ImageInput:
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        job = self._pending.get(key)
+        if job is None:
+            self.decoded += 1
+            job = asyncio.ensure_future(self._run(_preprocess, raw, vision, key[1]))
+            self._pending[key] = job
+            job.add_done_callback(lambda done: self._settle(key, done))
+        return await asyncio.shield(job)  # a request that gives up does not cancel a decode others wait for
+
+    async def load(self, sources: list[ImageSource], budget: int | None) -> list[ImageInput]:
+        """Each source read once and preprocessed once per budget it is asked at; the first failing source (in
+        the request's order) is the 400, naming its field."""
+        if not sources:
+            return []
+        vision, default = check_count(self.vision, self.options, sources), budget or self.options.budget
+        reads: dict[str, asyncio.Future[tuple[str, Raw]]] = {}
+        images: dict[tuple[str, int], asyncio.Future[ImageInput]] = {}
+
+        async def one(source: ImageSource, image_budget: int) -> ImageInput:
+            key, raw = await reads[source.url]
+            try:
+                return await self._preprocessed((key, image_budget), raw, vision)
+            except ImageError as exc:
+                raise APIError(f"{source.where}: {exc}", param=where_param(source.where)) from None
+
+        jobs: list[asyncio.Future[Any]] = []  # in the request's order, each source's read before its preprocessing
+        for source in sources:
+            if source.url not in reads:
+                reads[source.url] = asyncio.ensure_future(self._read(source))
+                jobs.append(reads[source.url])
+            wanted = (source.url, source.budget or default)
+            if wanted not in images:
+                images[wanted] = asyncio.ensure_future(one(source, wanted[1]))
+                jobs.append(images[wanted])
+        try:
+            await asyncio.wait(jobs)
+        finally:
+            for job in jobs:  # the request was cancelled (its client left): its own reads stop too
+                job.cancel()
+        # in the request's order: the first source that failed is the one reported (every failure is read, so
+        # asyncio does not log the others as never retrieved)
+        failed = [error for error in (job.exception() for job in jobs) if error is not None]
+        if failed:
+            raise failed[0]
+        return [images[(s.url, s.budget or default)].result() for s in sources]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
