@@ -19,6 +19,7 @@ from . import openapi
 from .anthropic_format import MessagesAdapter
 from .answer import answer
 from .conversation import image_source, template_messages, validate_tools
+from .metrics import endpoint_of
 from .pipeline import conversation_prompt, prepare
 from .protocol import (
     APIError,
@@ -316,17 +317,17 @@ class AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                metrics.request_done(request.url.path, 400)
+                metrics.request_done(endpoint_of(request.scope), 400)
                 return error_response(400, _invalid(exc))
             except APIError as exc:
-                metrics.request_done(request.url.path, exc.status)
+                metrics.request_done(endpoint_of(request.scope), exc.status)
                 return error_response(exc.status, exc.message)
             except HTTPException as exc:  # e.g. a body that is not JSON at all
-                metrics.request_done(request.url.path, exc.status_code)
+                metrics.request_done(endpoint_of(request.scope), exc.status_code)
                 return error_response(exc.status_code, str(exc.detail))
             except Exception as exc:  # a bug: logged, and answered as Anthropic's api_error
                 log.exception("unhandled error on %s", request.url.path)
-                metrics.request_done(request.url.path, 500)
+                metrics.request_done(endpoint_of(request.scope), 500)
                 return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
         return route

@@ -97,7 +97,7 @@ class BugMiddleware:
     Starlette's ServerErrorMiddleware re-raises to the server after answering, so the keep-alive connection is
     dropped), this answers and returns, and the connection stays usable."""
 
-    def __init__(self, app, on_error: Callable[[str], None]) -> None:
+    def __init__(self, app, on_error: Callable[[dict], None]) -> None:
         self.app, self.on_error = app, on_error
 
     async def __call__(self, scope, receive, send) -> None:
@@ -117,7 +117,7 @@ class BugMiddleware:
             log.exception("unhandled error on %s", scope["path"])
             if started:  # a stream already under way: nothing left to answer with
                 raise
-            self.on_error(scope["path"])
+            self.on_error(scope)
             await JSONResponse(
                 error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
             )(scope, receive, tracked)
