@@ -33,6 +33,7 @@ from .protocol import (
     ToolCallIn,
     _Body,
     _Open,
+    anthropic_error_body,
     integer,
     stop_list,
 )
@@ -41,18 +42,6 @@ from .state import server_state
 
 log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
-# Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "api_error",
-    529: "overloaded_error",
-}
 REFUSED = {
     "mcp_servers": "MCP servers",
     "container": "code-execution containers",
@@ -287,10 +276,7 @@ def messages_request(req: MessagesRequest) -> GenerationRequest:
 def error_response(status: int, message: str) -> JSONResponse:
     """Anthropic's error shape, at Anthropic's status for it (a full queue is 529)."""
     status = 529 if status == 429 else status
-    return JSONResponse(
-        {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}},
-        status_code=status,
-    )
+    return JSONResponse(anthropic_error_body(status, message), status_code=status)
 
 
 def _invalid(exc: RequestValidationError) -> str:
@@ -335,11 +321,12 @@ class AnthropicRoute(APIRoute):
 
 def router() -> APIRouter:
     routes = APIRouter(route_class=AnthropicRoute)
-    # the API key and body-size checks run before any route, and answer in OpenAI's shape
-    errors = {**openapi.errors(401, 413), **openapi.errors(400, 500, 503, 529, model=openapi.AnthropicError)}
+    # (the API key and body-size checks run before any route, and answer in Anthropic's shape here too)
+    errors = openapi.errors(400, 401, 404, 413, 500, 503, 529, model=openapi.AnthropicError)
 
     @routes.post("/v1/messages", responses=errors)
     async def messages(req: MessagesRequest, request: Request):
+        server_state(request).check_model(req.model)
         ctx = server_state(request).require_ready()
         gen_req = messages_request(req)
         gens = await prepare(ctx, gen_req, "/v1/messages")
@@ -347,6 +334,7 @@ def router() -> APIRouter:
 
     @routes.post("/v1/messages/count_tokens", responses=errors)
     async def count_tokens(req: CountTokensRequest, request: Request):
+        server_state(request).check_model(req.model)
         # the very prompt /v1/messages would generate from (so a forced tool_choice's opened call counts too)
         ids, _ = await conversation_prompt(server_state(request).require_ready(), conversation_request(req))
         return {"input_tokens": len(ids)}

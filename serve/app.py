@@ -30,6 +30,7 @@ from .protocol import (
     TokenizeRequest,
     TokenizerInfo,
     error_body,
+    error_body_for,
 )
 from .request import ImageSource
 from .state import ServerState
@@ -83,7 +84,9 @@ class APIKeyMiddleware:
             )
             if not ok:
                 response = JSONResponse(
-                    error_body(
+                    error_body_for(
+                        scope["path"],
+                        401,
                         "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                         code="invalid_api_key",
                     ),
@@ -158,8 +161,9 @@ def create_app(
     async def on_http(request: Request, exc: StarletteHTTPException):
         # exc.headers carries e.g. Allow on a 405
         state.metrics.request_done(endpoint_of(request.scope), exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+            error_body_for(request.url.path, exc.status_code, str(exc.detail), type=kind),
             status_code=exc.status_code,
             headers=exc.headers,
         )

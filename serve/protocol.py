@@ -67,6 +67,36 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request path is Anthropic's Messages API (whose errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_body_for(
+    path: str, status: int, message: str, type: str = "invalid_request_error", code: str | None = None
+) -> dict:
+    """The error body a client of the API at `path` expects: Anthropic's on /v1/messages, else OpenAI's."""
+    return anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(message, type, code=code)
+
+
 class _Open(BaseModel):
     # Unknown fields are accepted (clients send many harmless extras); fields that would change the output and
     # that we do not implement are rejected explicitly in `check_unsupported`.

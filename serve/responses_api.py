@@ -290,8 +290,9 @@ def echoed(req: ResponsesRequest) -> dict:
 def router() -> APIRouter:
     routes = APIRouter()
 
-    @routes.post("/v1/responses", responses=openapi.errors(400, 401, 413, 429, 500, 503))
+    @routes.post("/v1/responses", responses=openapi.errors(400, 401, 404, 413, 429, 500, 503))
     async def responses(req: ResponsesRequest, request: Request):
+        server_state(request).check_model(req.model)
         ctx = server_state(request).require_ready()
         gen_req = response_request(req)
         gens = await prepare(ctx, gen_req, "/v1/responses")
