@@ -16,6 +16,7 @@ import copy
 from typing import Any
 
 MAX_DEPTH = 8  # a recursive $ref is unrolled this deep, then left an OBJECT without properties
+_SCHEMA_WORDS = {"description", "type", "properties", "required", "nullable"}  # the template's; others are props
 
 
 def _json_type(value: Any) -> str:
@@ -50,7 +51,7 @@ class _Normalizer:
         if not isinstance(spec, dict):
             return {"type": "string"} if spec is True or spec == {} else spec
         if "type" in spec:
-            return self.nested(spec, depth)
+            return self.nested(self._object_shape(spec), depth)
         out = dict(spec)
         if "$ref" in out:
             target = self._target(out.pop("$ref"))
@@ -84,8 +85,19 @@ class _Normalizer:
                 out["nullable"] = True
             out["type"] = (types[0] if len(types) == 1 else types) if types else "string"
             return out
-        out["type"] = "object" if "properties" in out else "array" if "items" in out else "string"
-        return self.nested(out, depth)
+        shaped = "properties" in out or "additionalProperties" in out
+        out["type"] = "object" if shaped else "array" if "items" in out else "string"
+        return self.nested(self._object_shape(out), depth)
+
+    @staticmethod
+    def _object_shape(spec: dict) -> dict:
+        """An object property without `properties` gets an empty one: the template otherwise renders the schema's
+        own keys as properties (pydantic's `dict[str, int]`: additionalProperties, title) and fails on them."""
+        kind = spec.get("type")
+        kind = kind[0] if isinstance(kind, list) and kind else kind
+        if kind != "object" or isinstance(spec.get("properties"), dict) or not set(spec) - _SCHEMA_WORDS:
+            return spec
+        return {**spec, "properties": {}}
 
     def nested(self, spec: dict, depth: int) -> dict:
         """`spec` with the properties inside it (directly, or in its items) typed; the same object if none needed
