@@ -31,6 +31,7 @@ from .protocol import (
     TokenizerInfo,
     error_body,
     error_body_for,
+    error_message,
 )
 from .request import ImageSource
 from .state import ServerState
@@ -145,7 +146,7 @@ def create_app(
             return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
         params = [(err.get("ctx") or {}).get("field") or _param(tuple(err.get("loc", ()))) for err in errors]
         # msg only, never the input: it can be megabytes, and pydantic's messages already name what is wrong
-        parts = [f"{param or 'body'}: {err.get('msg', 'invalid')}" for param, err in zip(params, errors[:5])]
+        parts = [f"{param or 'body'}: {error_message(err)}" for param, err in zip(params, errors[:5])]
         if errors and errors[0].get("type") == "invalid_text":
             parts = [errors[0]["msg"]]
         return JSONResponse(

@@ -10,8 +10,14 @@ from pydantic_core import PydanticCustomError
 
 
 # Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
-# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum.
-Number = StrictFloat
+# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum. NaN and the
+# infinities (Python's json reads NaN, Infinity) are refused as such, not as out of some bound.
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+def error_message(err: Any) -> str:
+    """A pydantic error's message as a 400 says it (NaN and the infinities: "must be a finite number")."""
+    return "must be a finite number" if err.get("type") == "finite_number" else str(err.get("msg", "invalid"))
 
 
 def _no_coercion(value: Any) -> Any:
@@ -293,8 +299,8 @@ def check_unsupported(req: _Sampling) -> None:
         raise APIError(f"n={req.n}: at most {MAX_N} choices per request", param="n")
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > 16:
-        raise APIError("at most 16 stop sequences", param="stop")
+        raise APIError(f"{param}: at most 16 stop sequences", param=param)
     return [s for s in stops if s]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .protocol import APIError
+
 MAX_DEPTH = 8  # a recursive $ref is unrolled this deep, then left an OBJECT without properties
 _SCHEMA_WORDS = {"description", "type", "properties", "required", "nullable"}  # the template's; others are props
 
@@ -116,8 +118,40 @@ class _Normalizer:
         return out
 
     def properties(self, props: dict, depth: int) -> dict:
-        fixed = {name: self.typed(spec, depth) for name, spec in props.items()}
-        return props if all(fixed[k] is props[k] for k in props) else fixed
+        # a `false` property can never be given: the template is not told of it
+        fixed = {name: self.typed(spec, depth) for name, spec in props.items() if spec is not False}
+        return props if len(fixed) == len(props) and all(fixed[k] is props[k] for k in props) else fixed
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def check_shapes(schema: Any, where: str) -> None:
+    """APIError unless every subschema (under properties, items, anyOf, $defs, ...) is a schema: an object or a
+    boolean. Named by its place, e.g. `tools[0].function.parameters.properties.o`."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise APIError(
+            f"{where}: a JSON schema must be an object or a boolean (got {type(schema).__name__})", param="tools"
+        )
+    for word in _SUBSCHEMA:
+        if word in schema and not (word == "items" and isinstance(schema[word], list)):
+            check_shapes(schema[word], f"{where}.{word}")
+    for word in (*_SUBSCHEMA_LISTS, *(("items",) if isinstance(schema.get("items"), list) else ())):
+        if word in schema:
+            if not isinstance(schema[word], list):
+                raise APIError(f"{where}.{word} must be a list of schemas", param="tools")
+            for i, sub in enumerate(schema[word]):
+                check_shapes(sub, f"{where}.{word}[{i}]")
+    for word in _SUBSCHEMA_MAPS:
+        if word in schema:
+            if not isinstance(schema[word], dict):
+                raise APIError(f"{where}.{word} must be an object of schemas", param="tools")
+            for name, sub in schema[word].items():
+                check_shapes(sub, f"{where}.{word}.{name}")
 
 
 def normalize_parameters(params: dict | None) -> dict | None:

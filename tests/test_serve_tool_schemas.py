@@ -298,3 +298,28 @@ def test_normalized_forms():
     assert props["unit"]["type"] == "string" and props["unit"]["enum"] == ["celsius", "fahrenheit"]
     assert props["place"]["type"] == "object" and props["place"]["properties"]["country"]["nullable"] is True
     assert normalize_parameters(KEYWORDS["enum"])["properties"]["mode"]["type"] == ["string", "integer"]
+
+
+@pytest.mark.parametrize(
+    "params, place",
+    [
+        (obj([], o=5), "parameters.properties.o"),
+        (obj([], a={"type": "array", "items": "x"}), "properties.a.items"),
+        (obj([], u={"anyOf": {"type": "string"}}), "properties.u.anyOf"),
+        ({**obj([]), "$defs": {"D": []}}, "parameters.$defs.D"),
+    ],
+)
+def test_what_is_no_schema_is_refused_by_its_place(params, place):
+    from thorgen.serve.conversation import validate_tools
+    from thorgen.serve.protocol import FunctionDef, Tool
+
+    with pytest.raises(APIError) as err:
+        validate_tools([Tool(function=FunctionDef(name="t", parameters=params))])
+    assert place in err.value.message and err.value.param == "tools"
+
+
+def test_a_false_property_is_left_out_of_the_prompt():
+    params = obj([], never=False, city={"type": "string"})
+    for template in _templates():
+        text = template.render(MSGS, template_tools([tool("t", params)]))
+        assert "city:" in text and "never" not in text
