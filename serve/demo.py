@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 DEMO_MODEL_ID = "thorgen-tiny-demo-random-weights-not-gemma"
+# the demo's context: its checkpoint's max_position_embeddings, room for the README's examples (2,048 answer
+# tokens, thinking included) beside a realistic tool set (four pydantic tools are ~1,500 prompt tokens)
+DEMO_CTX = 8192
 
 
 def demo_dir() -> Path:
