@@ -106,7 +106,8 @@ TINY = ModelSpec(
         boi_token_id=60,
         eoi_token_id=62,
         video_token_id=63,
-        position_embedding_size=1024,
+        # every budget's longest strip: 1120 soft tokens x 3 patches a side (the real table has 10240)
+        position_embedding_size=3360,
     ),
 )
 

@@ -19,6 +19,7 @@ from . import openapi
 from .anthropic_format import MessagesAdapter
 from .answer import answer
 from .conversation import image_source, template_messages, validate_tools
+from .metrics import endpoint_of
 from .pipeline import conversation_prompt, prepare
 from .protocol import (
     APIError,
@@ -32,26 +33,16 @@ from .protocol import (
     ToolCallIn,
     _Body,
     _Open,
+    anthropic_error_body,
+    error_message,
     integer,
     stop_list,
 )
-from .request import GenerationRequest, ImageSource, SamplingOptions
+from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
 from .state import server_state
 
 log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
-# Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "api_error",
-    529: "overloaded_error",
-}
 REFUSED = {
     "mcp_servers": "MCP servers",
     "container": "code-execution containers",
@@ -100,6 +91,19 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: StrictBool | None = None
 
 
+class JSONOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: JSONOutputFormat | None = None  # structured output: the answer's text is JSON valid against the schema
+    # accepted: Gemma has no effort setting (thinking is `thinking`'s), so every level answers alike
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class _Conversation(_Body):
     # unknown fields are refused: any of Anthropic's fields this server does not know could change the answer
     model_config = ConfigDict(extra="forbid")
@@ -109,6 +113,8 @@ class _Conversation(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
     # refused when set (REFUSED): declared so that the 400 says what they are
     mcp_servers: Any = None
     container: Any = None
@@ -211,17 +217,13 @@ def conversation_request(req: _Conversation) -> GenerationRequest:
     for name, what in REFUSED.items():
         if getattr(req, name) is not None:
             raise APIError(f"{name}: {what} are not supported by this server", param=name)
-    if req.messages[-1].role == "assistant":
-        raise APIError(
-            "the last message is the assistant's: continuing a prefilled assistant turn is not "
-            "supported; end with a user message",
-            param="messages",
-        )
+    thinking = req.thinking is not None and req.thinking.type == "enabled"
+    turns, prefill = _prefill(req.messages, thinking)
     messages: list[Message] = []
     if req.system:
         messages.append(Message(role="system", content=_text(req.system, "system")))
     image_fields: list[str] = []  # each image block's place in this request (errors name it)
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(turns):
         messages += _turns(m, i, image_fields)
     tools = []
     for i, tool in enumerate(req.tools or []):
@@ -238,6 +240,13 @@ def conversation_request(req: _Conversation) -> GenerationRequest:
     mode, forced, parallel = _tool_choice(req.tool_choice, declared)
     found: list[ImageSource] = []
     templated = template_messages(messages, found)
+    output_format = _output_format(req)
+    if prefill is not None and output_format is not None:
+        raise APIError(
+            f"{output_format.param} cannot be combined with a final assistant message (a prefill): the answer "
+            "would have to continue it and be JSON from its start",
+            param=output_format.param,
+        )
     return GenerationRequest(
         messages=templated,
         images=[replace(source, where=where) for source, where in zip(found, image_fields)],
@@ -245,8 +254,47 @@ def conversation_request(req: _Conversation) -> GenerationRequest:
         tool_mode=mode,
         forced_tool=forced,
         parallel_tool_calls=parallel,
-        thinking=req.thinking is not None and req.thinking.type == "enabled",
+        thinking=thinking,
+        output_format=output_format,
+        assistant_prefill=prefill,
     )
+
+
+def _prefill(turns: list[AnthropicMessage], thinking: bool) -> tuple[list[AnthropicMessage], str | None]:
+    """(the turns before a final assistant message, that message's text), which the answer continues (as vLLM's
+    continue_final_message); (turns, None) when the user speaks last."""
+    if turns[-1].role != "assistant":
+        return turns, None
+    at = f"messages[{len(turns) - 1}]"
+    if thinking:
+        raise APIError(
+            f"{at}: a final assistant message (a prefill for the answer to continue) cannot be combined with "
+            "thinking; end with a user message or turn thinking off",
+            param="messages",
+        )
+    content = turns[-1].content
+    if not isinstance(content, str):
+        kinds = {block.type for block in content} - {"text", "thinking", "redacted_thinking"}
+        if kinds:
+            raise APIError(
+                f"{at}: a final assistant message is a prefill the answer continues, so it holds text only "
+                f"(not {sorted(kinds)[0]!r})",
+                param="messages",
+            )
+        content = "".join(block.text or "" for block in content if block.type == "text")
+    return turns[:-1], content
+
+
+def _output_format(req: _Conversation) -> OutputFormat | None:
+    """output_config.format (or the beta's output_format): the answer's text is JSON valid against the schema."""
+    config = req.output_config.format if req.output_config is not None else None
+    if config is not None and req.output_format is not None:
+        raise APIError("give output_config.format or output_format, not both", param="output_config")
+    if config is not None:
+        return OutputFormat("json_schema", config.schema_, "output_config.format")
+    if req.output_format is not None:
+        return OutputFormat("json_schema", req.output_format.schema_, "output_format")
+    return None
 
 
 def _tool_choice(choice: ToolChoice | None, tools: list[dict] | None) -> tuple[str, str | None, bool]:
@@ -277,7 +325,7 @@ def messages_request(req: MessagesRequest) -> GenerationRequest:
     return replace(
         prompt,
         sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
-        stop=stop_list(req.stop_sequences),
+        stop=stop_list(req.stop_sequences, param="stop_sequences"),
         max_tokens=req.max_tokens,
         stream=bool(req.stream),
     )
@@ -286,10 +334,7 @@ def messages_request(req: MessagesRequest) -> GenerationRequest:
 def error_response(status: int, message: str) -> JSONResponse:
     """Anthropic's error shape, at Anthropic's status for it (a full queue is 529)."""
     status = 529 if status == 429 else status
-    return JSONResponse(
-        {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}},
-        status_code=status,
-    )
+    return JSONResponse(anthropic_error_body(status, message), status_code=status)
 
 
 def _invalid(exc: RequestValidationError) -> str:
@@ -301,7 +346,7 @@ def _invalid(exc: RequestValidationError) -> str:
     parts = []
     for err in errors[:5]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+        parts.append(f"{'.'.join(loc) or 'body'}: {error_message(err)}")
     return "invalid request: " + "; ".join(parts)
 
 
@@ -316,17 +361,17 @@ class AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                metrics.request_done(request.url.path, 400)
+                metrics.request_done(endpoint_of(request.scope), 400)
                 return error_response(400, _invalid(exc))
             except APIError as exc:
-                metrics.request_done(request.url.path, exc.status)
+                metrics.request_done(endpoint_of(request.scope), exc.status)
                 return error_response(exc.status, exc.message)
             except HTTPException as exc:  # e.g. a body that is not JSON at all
-                metrics.request_done(request.url.path, exc.status_code)
+                metrics.request_done(endpoint_of(request.scope), exc.status_code)
                 return error_response(exc.status_code, str(exc.detail))
             except Exception as exc:  # a bug: logged, and answered as Anthropic's api_error
                 log.exception("unhandled error on %s", request.url.path)
-                metrics.request_done(request.url.path, 500)
+                metrics.request_done(endpoint_of(request.scope), 500)
                 return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
         return route
@@ -334,11 +379,12 @@ class AnthropicRoute(APIRoute):
 
 def router() -> APIRouter:
     routes = APIRouter(route_class=AnthropicRoute)
-    # the API key and body-size checks run before any route, and answer in OpenAI's shape
-    errors = {**openapi.errors(401, 413), **openapi.errors(400, 500, 503, 529, model=openapi.AnthropicError)}
+    # (the API key and body-size checks run before any route, and answer in Anthropic's shape here too)
+    errors = openapi.errors(400, 401, 404, 413, 500, 503, 529, model=openapi.AnthropicError)
 
     @routes.post("/v1/messages", responses=errors)
     async def messages(req: MessagesRequest, request: Request):
+        server_state(request).check_model(req.model)
         ctx = server_state(request).require_ready()
         gen_req = messages_request(req)
         gens = await prepare(ctx, gen_req, "/v1/messages")
@@ -346,6 +392,7 @@ def router() -> APIRouter:
 
     @routes.post("/v1/messages/count_tokens", responses=errors)
     async def count_tokens(req: CountTokensRequest, request: Request):
+        server_state(request).check_model(req.model)
         # the very prompt /v1/messages would generate from (so a forced tool_choice's opened call counts too)
         ids, _ = await conversation_prompt(server_state(request).require_ready(), conversation_request(req))
         return {"input_tokens": len(ids)}

@@ -14,12 +14,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import anthropic_api, endpoints, openapi, render, responses_api
 from .conversation import template_messages, validate_tools
 from .guards import BodyLimitMiddleware, BugMiddleware, prompt_ids
+from .metrics import CONTENT_TYPE, endpoint_of
 from .pipeline import with_images
 from .protocol import (
     APIError,
@@ -29,6 +30,8 @@ from .protocol import (
     TokenizeRequest,
     TokenizerInfo,
     error_body,
+    error_body_for,
+    error_message,
 )
 from .request import ImageSource
 from .state import ServerState
@@ -82,7 +85,9 @@ class APIKeyMiddleware:
             )
             if not ok:
                 response = JSONResponse(
-                    error_body(
+                    error_body_for(
+                        scope["path"],
+                        401,
                         "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                         code="invalid_api_key",
                     ),
@@ -114,7 +119,7 @@ def create_app(
     openapi.install(app)
     # add_middleware puts each new one outside the previous: bug handler innermost, then the body limit (the
     # app never sees an oversized body), the key check, and CORS outermost.
-    app.add_middleware(BugMiddleware, on_error=lambda path: state.metrics.request_done(path, 500))
+    app.add_middleware(BugMiddleware, on_error=lambda scope: state.metrics.request_done(endpoint_of(scope), 500))
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -130,18 +135,18 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        state.metrics.request_done(request.url.path, exc.status)
+        state.metrics.request_done(endpoint_of(request.scope), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        state.metrics.request_done(request.url.path, 400)
+        state.metrics.request_done(endpoint_of(request.scope), 400)
         if any(err.get("type") == "json_invalid" for err in errors):
             return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
         params = [(err.get("ctx") or {}).get("field") or _param(tuple(err.get("loc", ()))) for err in errors]
         # msg only, never the input: it can be megabytes, and pydantic's messages already name what is wrong
-        parts = [f"{param or 'body'}: {err.get('msg', 'invalid')}" for param, err in zip(params, errors[:5])]
+        parts = [f"{param or 'body'}: {error_message(err)}" for param, err in zip(params, errors[:5])]
         if errors and errors[0].get("type") == "invalid_text":
             parts = [errors[0]["msg"]]
         return JSONResponse(
@@ -156,8 +161,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         # exc.headers carries e.g. Allow on a 405
+        state.metrics.request_done(endpoint_of(request.scope), exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            error_body(str(exc.detail), type="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+            error_body_for(request.url.path, exc.status_code, str(exc.detail), type=kind),
             status_code=exc.status_code,
             headers=exc.headers,
         )
@@ -177,10 +184,8 @@ def create_app(
     async def metrics():
         engine = state.client.health() if state.client is not None else {}
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
-        return PlainTextResponse(
-            state.metrics.render(engine.get("steps"), engine.get("kv"), engine.get("gpu_memory_used")),
-            media_type="text/plain; version=0.0.4",
-        )
+        body = state.metrics.render(engine.get("steps"), engine.get("kv"), engine.get("gpu_memory_used"))
+        return Response(body, media_type=CONTENT_TYPE)
 
     app.include_router(render.router)  # the web UI's markdown rendering, highlighting stylesheet and favicon
 

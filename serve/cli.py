@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..runtime.api import engine_option_flags
+from .demo import DEMO_CTX
 
 SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while serving (see serve())
 
@@ -73,7 +74,8 @@ def open_model(config):
     "--ctx",
     type=click.IntRange(2),
     default=None,
-    help="Context length (default: min(the model's max_position_embeddings, 65536); the demo: 2048).",
+    help="Context length in tokens (default: min(the model's max_position_embeddings, 65536); the demo: "
+    f"{DEMO_CTX}, all its checkpoint allows).",
 )
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option(
@@ -227,7 +229,7 @@ def serve(
             EngineConfig(
                 folder,
                 backend,
-                ctx if ctx or not demo else 2048,
+                ctx if ctx or not demo else DEMO_CTX,
                 kv_dtype,
                 draft_dir,
                 weights,
@@ -271,9 +273,10 @@ def serve(
             server.should_exit = True
 
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
+    demo_note = f"  [demo model: random weights, output is gibberish; context {ctx or DEMO_CTX} tokens]"
     click.echo(
         f"thorgen: serving {', '.join(map(repr, names))} on http://{host}:{port}/ (web UI), OpenAI API at "
-        f"http://{host}:{port}/v1" + ("  [demo model: random weights, output is gibberish]" if demo else "")
+        f"http://{host}:{port}/v1" + (demo_note if demo else "")
     )
     try:
         server.run()

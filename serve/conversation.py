@@ -10,6 +10,7 @@ from typing import Any
 from ..runtime.media.images import SOFT_TOKEN_BUDGETS
 from .protocol import APIError, ContentPart, Message, Tool, ToolCallIn
 from .request import ImageSource
+from .tool_schemas import check_shapes
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
@@ -86,8 +87,7 @@ def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
         if params is not None:
             if params.get("type", "object") != "object":
                 raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type 'object'", param="tools")
-            if not isinstance(params.get("properties", {}), dict):
-                raise APIError(f"tools[{i}].function.parameters.properties must be an object", param="tools")
+            check_shapes(params, f"tools[{i}].function.parameters")
         d = {"name": fn.name, "description": fn.description or ""}
         if params is not None:
             d["parameters"] = params

@@ -52,6 +52,7 @@ def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
         return_token_ids=bool(req.return_token_ids),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        max_tokens_field="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
         **vllm_fields(req, max_tokens),
     )
 

@@ -171,6 +171,7 @@ class Generation:
             elapsed = time.perf_counter() - job.first_at
             if elapsed > 0:
                 self.metrics.observe("tokens_per_s", (self.n_out - 1) / elapsed)
+        self.metrics.observe("e2e", time.perf_counter() - job.arrived)
         self.metrics.add(
             prompt_tokens=len(job.prompt_ids),
             cached_prompt_tokens=result.cached_prompt_tokens,

@@ -12,16 +12,18 @@ from fastapi.responses import JSONResponse
 
 from ..runtime.text.tokenizer import Tokenizer
 from .context import ServerContext
-from .protocol import APIError, error_body
+from .protocol import APIError, error_body_for
 
 log = logging.getLogger("thorgen.serve")
 DRAIN_FACTOR = 4  # a too-large body up to this many limits is read and dropped so the client sees the 413
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def _reply(status: int, message: str, code: str | None, close: bool = False) -> JSONResponse:
+def _reply(scope, status: int, message: str, code: str | None, close: bool = False) -> JSONResponse:
     return JSONResponse(
-        error_body(message, code=code), status_code=status, headers={"Connection": "close"} if close else None
+        error_body_for(scope["path"], status, message, code=code),
+        status_code=status,
+        headers={"Connection": "close"} if close else None,
     )
 
 
@@ -44,7 +46,9 @@ class BodyLimitMiddleware:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                await _reply(400, "the Content-Length header is not a number", None, close=True)(scope, receive, send)
+                await _reply(scope, 400, "the Content-Length header is not a number", None, close=True)(
+                    scope, receive, send
+                )
                 return
             if int(declared) > self.limit * DRAIN_FACTOR:
                 await self._too_large(scope, receive, send, close=True)
@@ -85,6 +89,7 @@ class BodyLimitMiddleware:
     async def _too_large(self, scope, receive, send, close: bool) -> None:
         mb = self.limit / (1 << 20)
         await _reply(
+            scope,
             413,
             f"the request body is larger than the server's limit of {mb:g} MB (thorgen serve --max-body-mb)",
             "request_too_large",
@@ -97,7 +102,7 @@ class BugMiddleware:
     Starlette's ServerErrorMiddleware re-raises to the server after answering, so the keep-alive connection is
     dropped), this answers and returns, and the connection stays usable."""
 
-    def __init__(self, app, on_error: Callable[[str], None]) -> None:
+    def __init__(self, app, on_error: Callable[[dict], None]) -> None:
         self.app, self.on_error = app, on_error
 
     async def __call__(self, scope, receive, send) -> None:
@@ -117,9 +122,10 @@ class BugMiddleware:
             log.exception("unhandled error on %s", scope["path"])
             if started:  # a stream already under way: nothing left to answer with
                 raise
-            self.on_error(scope["path"])
+            self.on_error(scope)
             await JSONResponse(
-                error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
+                error_body_for(scope["path"], 500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+                status_code=500,
             )(scope, receive, tracked)
 
 

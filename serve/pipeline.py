@@ -36,7 +36,7 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
     messages = req.messages
     if messages is None:
         raise ValueError("a raw-prompt request has no conversation to render")
-    prefill = forced_call(req)
+    forced = forced_call(req)
 
     def render() -> str:
         prompt = ctx.template.render(
@@ -46,9 +46,11 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
             enable_thinking=req.thinking,
             **req.template_kwargs,
         )
-        return prompt if prefill is None else prompt + "<|tool_call>" + prefill
+        prompt += req.assistant_prefill or ""
+        return prompt if forced is None else prompt + "<|tool_call>" + forced
 
-    return await with_images(ctx, req.images, req.image_budget, await prompt_ids(ctx, render))
+    ids = await prompt_ids(ctx, render, param=req.prompt_field)
+    return await with_images(ctx, req.images, req.image_budget, ids, req.prompt_field)
 
 
 async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
@@ -68,7 +70,7 @@ async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
 
 
 async def with_images(
-    ctx: ServerContext, images: list[ImageSource], budget: int | None, ids: list[int]
+    ctx: ServerContext, images: list[ImageSource], budget: int | None, ids: list[int], param: str = "messages"
 ) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
     images are read and preprocessed once, after the placeholders are known to match them."""
@@ -83,7 +85,7 @@ async def with_images(
         raise APIError(
             f"the prompt holds {found} image placeholder(s) but the request has {len(images)} "
             f"image(s): message text must not contain the image token {token!r}",
-            param="messages",
+            param=param,
         )
     if not images:
         return ids, []
@@ -93,7 +95,7 @@ async def with_images(
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
     # max_tokens 0 (score only) still runs one token: the engine scores a prompt while it prefills for a first one
     requested = 1 if req.score_only else req.max_tokens
-    limit = max_new_tokens(requested, n_prompt, max_context, param=param)
+    limit = max_new_tokens(requested, n_prompt, max_context, param=param, budget=req.max_tokens_field)
     return limit if requested is not None or req.default_max_tokens is None else min(req.default_max_tokens, limit)
 
 
@@ -154,7 +156,7 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
         # the tools' grammar: None unless a call can happen and the backend can constrain it
         tools_grammar = tool_call_grammar(req.tools, req.tool_mode, req.forced_tool, ctx)
         grammar = _one_grammar(ctx, req, tools_grammar, forced_call=forced_call(req) is not None)
-        prompts.append(("messages", kept_prompt(ids, keep), None))
+        prompts.append((req.prompt_field, kept_prompt(ids, keep), None))
     else:
         grammar = _one_grammar(ctx, req, None, forced_call=False)
         for p in req.prompts or ():

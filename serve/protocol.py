@@ -10,8 +10,14 @@ from pydantic_core import PydanticCustomError
 
 
 # Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
-# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum.
-Number = StrictFloat
+# strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum. NaN and the
+# infinities (Python's json reads NaN, Infinity) are refused as such, not as out of some bound.
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+def error_message(err: Any) -> str:
+    """A pydantic error's message as a 400 says it (NaN and the infinities: "must be a finite number")."""
+    return "must be a finite number" if err.get("type") == "finite_number" else str(err.get("msg", "invalid"))
 
 
 def _no_coercion(value: Any) -> Any:
@@ -65,6 +71,36 @@ def error_body(
     message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Anthropic's error types by HTTP status; the engine's full queue is Anthropic's 529 "overloaded"
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request path is Anthropic's Messages API (whose errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_body_for(
+    path: str, status: int, message: str, type: str = "invalid_request_error", code: str | None = None
+) -> dict:
+    """The error body a client of the API at `path` expects: Anthropic's on /v1/messages, else OpenAI's."""
+    return anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(message, type, code=code)
 
 
 class _Open(BaseModel):
@@ -265,8 +301,8 @@ def check_unsupported(req: _Sampling) -> None:
         raise APIError(f"n={req.n}: at most {MAX_N} choices per request", param="n")
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > 16:
-        raise APIError("at most 16 stop sequences", param="stop")
+        raise APIError(f"{param}: at most 16 stop sequences", param=param)
     return [s for s in stops if s]

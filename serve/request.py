@@ -94,6 +94,11 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's: token ids along with the text
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
+    # the text the answer continues (Anthropic's prefilled final assistant turn): it follows the generation prompt
+    assistant_prefill: str | None = None
+    # the wire names errors give the prompt and the token budget (Responses: input, max_output_tokens)
+    prompt_field: str = "messages"
+    max_tokens_field: str = "max_tokens"
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompts is None):

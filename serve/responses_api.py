@@ -20,6 +20,7 @@ from .protocol import (
     FunctionCall,
     FunctionDef,
     Message,
+    Integer,
     Number,
     Tool,
     ToolCallIn,
@@ -68,6 +69,7 @@ class ResponsesRequest(_Body):
     max_output_tokens: integer(ge=1) | None = None
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
+    seed: Integer | None = None  # (not in OpenAI's Responses API; vLLM's and chat's: reproducible sampling)
     text: TextConfig | None = None
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: there is none to include
@@ -258,10 +260,12 @@ def response_request(req: ResponsesRequest) -> GenerationRequest:
         forced_tool=forced,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         thinking=thinking(req.reasoning),
-        sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p),
+        sampling=SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
         output_format=_format(req.text),
         max_tokens=req.max_output_tokens,
         stream=bool(req.stream),
+        prompt_field="input",
+        max_tokens_field="max_output_tokens",
     )
 
 
@@ -290,8 +294,9 @@ def echoed(req: ResponsesRequest) -> dict:
 def router() -> APIRouter:
     routes = APIRouter()
 
-    @routes.post("/v1/responses", responses=openapi.errors(400, 401, 413, 429, 500, 503))
+    @routes.post("/v1/responses", responses=openapi.errors(400, 401, 404, 413, 429, 500, 503))
     async def responses(req: ResponsesRequest, request: Request):
+        server_state(request).check_model(req.model)
         ctx = server_state(request).require_ready()
         gen_req = response_request(req)
         gens = await prepare(ctx, gen_req, "/v1/responses")

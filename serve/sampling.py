@@ -142,8 +142,11 @@ def thinking_enabled(req: ChatCompletionRequest) -> bool:
     return False
 
 
-def max_new_tokens(requested: int | None, prompt_len: int, max_context: int, param: str = "messages") -> int:
-    """The token budget; `param` names the prompt's field (a prompt that fills the context is its fault)."""
+def max_new_tokens(
+    requested: int | None, prompt_len: int, max_context: int, param: str = "messages", budget: str = "max_tokens"
+) -> int:
+    """The token budget; `param` names the prompt's field (a prompt that fills the context is its fault), `budget`
+    the field that asked for `requested`."""
     if prompt_len >= max_context:
         raise APIError(
             f"this model's maximum context length is {max_context} tokens, but the prompt has "
@@ -156,9 +159,9 @@ def max_new_tokens(requested: int | None, prompt_len: int, max_context: int, par
         return room
     if requested > room:
         raise APIError(
-            f"max_tokens {requested} + prompt {prompt_len} tokens exceeds the context of {max_context} "
+            f"{budget} {requested} + prompt {prompt_len} tokens exceeds the context of {max_context} "
             f"tokens; ask for at most {room}",
-            param="max_tokens",
+            param=budget,
             code="context_length_exceeded",
         )
     return requested

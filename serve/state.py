@@ -47,7 +47,7 @@ class ServerState:
         self.loader = loader
         self.speculative = speculative
         self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.model_id)
         self.load_error: str | None = None
         self.created = int(time.time())
         self.client: Engine | None = None  # set as soon as the loader returns (closed by close())

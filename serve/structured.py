@@ -9,6 +9,7 @@ from ..runtime.text.grammar import Grammar
 from .context import ServerContext
 from .protocol import APIError
 from .request import OutputFormat
+from .string_formats import with_format_patterns
 
 
 def output_format(fmt: Any, param: str = "response_format") -> OutputFormat | None:
@@ -53,7 +54,7 @@ def format_grammar(fmt: OutputFormat | None, ctx: ServerContext, thinking: bool)
             assert fmt.grammar is not None  # (a lark format always carries its grammar)
             text = llguidance.LLMatcher.grammar_from_lark(fmt.grammar)
         else:
-            text = json_grammar(fmt.schema, tok)
+            text = json_grammar(with_format_patterns(fmt.schema), tok)
     except ValueError as exc:
         raise APIError(f"{param}: {exc}", param=param) from None
     error = llguidance.LLMatcher.validate_grammar(text, tok) if fmt.kind == "lark" else None

@@ -5,8 +5,11 @@ bare keys, strings between `<|"|>` tokens (never escaped), bare numbers, boolean
 `[...]` arrays. That is not JSON, so the grammar is written here from the schema as Lark rules: numbers with bounds
 embed llguidance's own JSON-schema number grammar (`%json{...}`: bare numbers are the same in both syntaxes);
 strings are a lexeme of bounded length intersected with the schema's `pattern` / `format`; objects list their
-properties in schema order, the required ones always and the optional ones possibly left out; `$ref`/`$defs`,
-`anyOf`/`oneOf`, `allOf` (merged), `enum`/`const`, type lists and OpenAPI's `nullable` are followed. A keyword
+properties in schema order, the required ones always and the optional ones possibly left out, then (where
+`additionalProperties` is true or a schema: pydantic's `dict`, `dict[str, X]`) up to MAX_ITEMS pairs under other
+bare keys; `uniqueItems` arrays (pydantic's `set[X]`) hold each value of a finite set (enum, const, boolean) at most
+once, in its order, or else at most one item; `$ref`/`$defs`, `anyOf`/`oneOf`, `allOf` (merged), `enum`/`const`,
+type lists and OpenAPI's `nullable` are followed. String `format`s are serve/string_formats.py's regexes. A keyword
 the grammar cannot enforce is refused with a 400 that names it. Strings and arrays without an upper bound are
 bounded (MAX_STRING characters / MAX_ITEMS items beyond their minimum) and numbers get at most six integer digits
 and four decimals, so that a weak model still closes the call.
@@ -24,69 +27,19 @@ from typing import Any
 from ..runtime.text.grammar import Grammar
 from .context import ServerContext
 from .protocol import APIError
+from .schema_rules import ANNOTATIONS, HANDLED, SchemaError, SchemaRules
+from .string_formats import FORMATS, lark_regex
 
 MAX_STRING = 32
 MAX_PATTERN_STRING = 256  # a pattern without maxLength: the pattern bounds the text, this only its run-away length
 MAX_ITEMS = 4
 NUMBER_SPAN = 10**6  # an unbounded side of a numeric range is cut here (a subset of the valid values)
 FRACTION_STEP = 0.0001  # a bounded number's grammar writes at most four decimals
-ANNOTATIONS = {
-    "title",
-    "description",
-    "default",
-    "examples",
-    "$schema",
-    "$id",
-    "$comment",
-    "deprecated",
-    "readOnly",
-    "writeOnly",
-    "$defs",
-    "definitions",
-}
-HANDLED = {
-    "type",
-    "enum",
-    "const",
-    "anyOf",
-    "oneOf",
-    "allOf",
-    "$ref",
-    "properties",
-    "required",
-    "additionalProperties",
-    "items",
-    "minItems",
-    "maxItems",
-    "minLength",
-    "maxLength",
-    "pattern",
-    "format",
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
-    "multipleOf",
-    "nullable",
-}
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-# `format` values the grammar enforces, as regular expressions over the string's text
-FORMATS = {
-    "date": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
-    "time": r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
-    "date-time": r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-    r"(\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "email": r"[A-Za-z0-9._%+\-]{1,32}@[A-Za-z0-9\-]{1,32}(\.[A-Za-z0-9\-]{1,16}){1,3}",
-    "ipv4": r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
-    "uri": r"[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\s<>\"]{1,64}",
-}
+# an undeclared key (additionalProperties): bare, as Gemma writes keys (the call parser reads up to the ':')
+_BARE_KEY = r"/[A-Za-z_][A-Za-z0-9_]{0,15}/"
 _INTEGER = r"/-?(0|[1-9][0-9]{0,5})/"
 _NUMBER = r"/-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?/"
-
-
-class SchemaError(ValueError):
-    """A schema the grammar cannot enforce; the message names the keyword and where it is."""
 
 
 def _unanchored(pattern: str) -> str:
@@ -109,61 +62,13 @@ def _allows_empty(pattern: str | None, fmt: str | None) -> bool:
         return False
 
 
-class _Lark:
+class _Lark(SchemaRules):
     """Collects the rules of one grammar over one tool's parameters (the root of its `$ref`s)."""
 
     def __init__(self, quote: int) -> None:
-        self.quote, self.rules, self._n = quote, {}, 0
-        self.root: dict = {}
+        super().__init__()
+        self.quote = quote
         self._refs: dict[tuple[int, str], str] = {}
-
-    def rule(self, body: str, token: bool = False) -> str:
-        self._n += 1
-        name = f"{'S' if token else 'r'}{self._n}"
-        self.rules[name] = body
-        return name
-
-    # --- schema plumbing -----------------------------------------------------------------------------------
-    def _target(self, ref: str, where: str) -> Any:
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise SchemaError(f"{where}: $ref {ref!r} is not a local reference ('#/$defs/...')")
-        node: Any = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(node, dict) or part not in node:
-                raise SchemaError(f"{where}: $ref {ref!r} points at nothing")
-            node = node[part]
-        return node
-
-    def _merged(self, schema: dict, where: str) -> dict:
-        """allOf folded into one schema: properties and required united, any other keyword the same in each."""
-        out = {k: v for k, v in schema.items() if k != "allOf"}
-        for i, part in enumerate(schema["allOf"]):
-            part = self._deref(part, f"{where}.allOf[{i}]")
-            if "allOf" in part:
-                part = self._merged(part, f"{where}.allOf[{i}]")
-            for key, value in part.items():
-                if key == "properties":
-                    out["properties"] = {**out.get("properties", {}), **value}
-                elif key == "required":
-                    out["required"] = list(dict.fromkeys([*out.get("required", []), *value]))
-                elif key in out and out[key] != value and key not in ANNOTATIONS:
-                    raise SchemaError(f"{where}: allOf parts disagree on {key!r}")
-                else:
-                    out.setdefault(key, value)
-        return out
-
-    def _deref(self, schema: Any, where: str) -> dict:
-        if schema is True or schema is None:
-            return {}
-        if not isinstance(schema, dict):
-            raise SchemaError(f"{where}: a schema must be an object (got {json.dumps(schema)})")
-        if "$ref" in schema:
-            siblings = {k: v for k, v in schema.items() if k != "$ref"}
-            if set(siblings) - ANNOTATIONS:
-                raise SchemaError(f"{where}: $ref beside {sorted(set(siblings) - ANNOTATIONS)} is not supported")
-            return self._deref(self._target(schema["$ref"], where), where)
-        return schema
 
     # --- values --------------------------------------------------------------------------------------------
     def _quoted(self, body: str) -> str:
@@ -202,7 +107,7 @@ class _Lark:
         elif pattern is not None:
             raise SchemaError(f"{where}: pattern must be a string")
         if fmt is not None:
-            parts.append(f"/{FORMATS[fmt]}/")
+            parts.append(f"/{lark_regex(fmt)}/")
         if hi == 0:
             return self.rule(f"<[{self.quote}]> <[{self.quote}]>")
         text = self.rule(" & ".join(parts), token=True)
@@ -228,16 +133,57 @@ class _Lark:
         return self.rule("%json" + json.dumps({"type": kind, **bounds}, separators=(",", ":")))
 
     def _array(self, schema: dict, where: str) -> str:
-        item = self.value(schema.get("items", {}), f"{where}.items")
         lo = int(schema.get("minItems", 0))
         hi = int(schema.get("maxItems", lo + MAX_ITEMS))
         if hi < lo:
             raise SchemaError(f"{where}: maxItems {hi} is below minItems {lo}")
+        if schema.get("uniqueItems") is True:
+            return self._unique_array(schema, lo, hi, where)
+        item = self.value(schema.get("items", {}), f"{where}.items")
         if hi == 0:
             return self.rule('"[" "]"')
         more = f' ("," {item}){{{max(lo - 1, 0)},{hi - 1}}}' if hi > 1 else ""
         body = f"{item}{more}"
         return self.rule(f'"[" {body} "]"' if lo > 0 else f'"[" ({body})? "]"')
+
+    def _unique_array(self, schema: dict, lo: int, hi: int, where: str) -> str:
+        """uniqueItems: items from a finite set (enum, const, boolean) each at most once, in the set's order; other
+        items (which a grammar cannot keep apart) at most one."""
+        items = self._deref(schema.get("items", {}), f"{where}.items")
+        choices = items.get("enum") if isinstance(items.get("enum"), list) else None
+        if choices is None and "const" in items:
+            choices = [items["const"]]
+        if choices is None and items.get("type") == "boolean":
+            choices = [True, False]
+        if choices is not None and set(items) - ANNOTATIONS <= {"enum", "const", "type"}:
+            values = list({json.dumps(v, sort_keys=True): v for v in choices}.values())
+            if lo > len(values):
+                raise SchemaError(f"{where}: uniqueItems with minItems {lo} but only {len(values)} distinct values")
+            return self._subsets([self.rule(self._literal(v)) for v in values], lo, min(hi, len(values)))
+        if lo > 1:
+            raise SchemaError(f"{where}: uniqueItems with minItems {lo} cannot be enforced for these items")
+        item = self.value(items, f"{where}.items")
+        if hi == 0:
+            return self.rule('"[" "]"')
+        return self.rule(f'"[" {item} "]"' if lo == 1 else f'"[" ({item})? "]"')
+
+    def _subsets(self, values: list[str], lo: int, hi: int) -> str:
+        """'[' + lo..hi of `values` (rule names) in their order, each at most once, comma-separated + ']'."""
+        # rest[k][c]: the rule for what may follow from values[k:] once c items are written (None: nothing can)
+        rest: list[dict[int, str | None]] = [{} for _ in range(len(values) + 1)]
+        for c in range(hi + 1):
+            rest[len(values)][c] = '""' if c >= lo else None
+        for k in range(len(values) - 1, -1, -1):
+            for c in range(hi + 1):
+                alts = []
+                taken = rest[k + 1].get(c + 1) if c < hi else None
+                if taken is not None:
+                    comma = '"," ' if c else ""
+                    alts.append(f"{comma}{values[k]} {taken}")
+                if rest[k + 1][c] is not None:
+                    alts.append(str(rest[k + 1][c]))
+                rest[k][c] = self.rule(" | ".join(alts)) if alts else None
+        return self.rule(f'"[" {rest[0][0]} "]"')
 
     def value(self, schema: Any, where: str) -> str:
         """The name of a rule matching a value valid against `schema`."""
@@ -298,7 +244,8 @@ class _Lark:
 
     def members(self, schema: dict, where: str) -> str:
         """The Lark expression for an object's `key:value` pairs, in schema order: required ones always, optional
-        ones possibly left out, commas only between pairs; "" when the object is empty."""
+        ones possibly left out, then (where additionalProperties is true or a schema) up to MAX_ITEMS pairs under
+        other keys, commas only between pairs; "" when the object is empty."""
         props = schema.get("properties") or {}
         if not isinstance(props, dict):
             raise SchemaError(f"{where}.properties must be an object")
@@ -311,8 +258,8 @@ class _Lark:
             )
         keys = [*props, *undeclared]
         schemas = {**{k: extra if isinstance(extra, dict) else {} for k in undeclared}, **props}
-        after_pair: str | None = None  # the rest, once some pair has been written (each then starts with ',')
-        first: str | None = None  # the rest, while none has been written
+        # the rest once some pair has been written (each then starts with ','), and while none has been
+        after_pair, first = self._extra_pairs(schema.get("additionalProperties"), keys, where)
         for key in reversed(keys):
             pair = f"{json.dumps(key + ':')} {self.value(schemas[key], f'{where}.properties.{key}')}"
             tail = f" {after_pair}" if after_pair else ""
@@ -324,6 +271,22 @@ class _Lark:
                 alt = f"({pair}{tail})?" if first is None else f"{pair}{tail} | {first}"
                 first = self.rule(alt)
         return first or ""
+
+    def _extra_pairs(self, extra: Any, declared: list[str], where: str) -> tuple[str | None, str | None]:
+        """For an explicit additionalProperties (true or a schema, as pydantic writes `dict` and `dict[str, X]`):
+        (the rule for up to MAX_ITEMS pairs under undeclared keys after some pair, the rule for them when they come
+        first); else (None, None): no key beyond the declared ones is written."""
+        if extra is None or extra is False:
+            return None, None
+        if extra is not True and not isinstance(extra, dict):
+            raise SchemaError(f"{where}: additionalProperties must be a schema, true or false")
+        value = self.value({} if extra is True else extra, f"{where}.additionalProperties")
+        clash = [k for k in declared if re.fullmatch(_BARE_KEY[1:-1], k)]  # keys the bare-key lexeme could spell
+        key = self.rule(_BARE_KEY + (f" & ~/({'|'.join(clash)})/" if clash else ""), token=True)
+        pair = self.rule(f'{key} ":" {value}')
+        after = self.rule(f'("," {pair}){{0,{MAX_ITEMS}}}')
+        more = self.rule(f'("," {pair}){{0,{MAX_ITEMS - 1}}}')
+        return after, self.rule(f"({pair} {more})?")
 
 
 def tool_call_lark(tools: list[dict], mode: str, forced: str | None, quote: int, close: int) -> str:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .protocol import APIError
+
 MAX_DEPTH = 8  # a recursive $ref is unrolled this deep, then left an OBJECT without properties
+_SCHEMA_WORDS = {"description", "type", "properties", "required", "nullable"}  # the template's; others are props
 
 
 def _json_type(value: Any) -> str:
@@ -50,7 +53,7 @@ class _Normalizer:
         if not isinstance(spec, dict):
             return {"type": "string"} if spec is True or spec == {} else spec
         if "type" in spec:
-            return self.nested(spec, depth)
+            return self.nested(self._object_shape(spec), depth)
         out = dict(spec)
         if "$ref" in out:
             target = self._target(out.pop("$ref"))
@@ -84,8 +87,19 @@ class _Normalizer:
                 out["nullable"] = True
             out["type"] = (types[0] if len(types) == 1 else types) if types else "string"
             return out
-        out["type"] = "object" if "properties" in out else "array" if "items" in out else "string"
-        return self.nested(out, depth)
+        shaped = "properties" in out or "additionalProperties" in out
+        out["type"] = "object" if shaped else "array" if "items" in out else "string"
+        return self.nested(self._object_shape(out), depth)
+
+    @staticmethod
+    def _object_shape(spec: dict) -> dict:
+        """An object property without `properties` gets an empty one: the template otherwise renders the schema's
+        own keys as properties (pydantic's `dict[str, int]`: additionalProperties, title) and fails on them."""
+        kind = spec.get("type")
+        kind = kind[0] if isinstance(kind, list) and kind else kind
+        if kind != "object" or isinstance(spec.get("properties"), dict) or not set(spec) - _SCHEMA_WORDS:
+            return spec
+        return {**spec, "properties": {}}
 
     def nested(self, spec: dict, depth: int) -> dict:
         """`spec` with the properties inside it (directly, or in its items) typed; the same object if none needed
@@ -104,8 +118,40 @@ class _Normalizer:
         return out
 
     def properties(self, props: dict, depth: int) -> dict:
-        fixed = {name: self.typed(spec, depth) for name, spec in props.items()}
-        return props if all(fixed[k] is props[k] for k in props) else fixed
+        # a `false` property can never be given: the template is not told of it
+        fixed = {name: self.typed(spec, depth) for name, spec in props.items() if spec is not False}
+        return props if len(fixed) == len(props) and all(fixed[k] is props[k] for k in props) else fixed
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def check_shapes(schema: Any, where: str) -> None:
+    """APIError unless every subschema (under properties, items, anyOf, $defs, ...) is a schema: an object or a
+    boolean. Named by its place, e.g. `tools[0].function.parameters.properties.o`."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise APIError(
+            f"{where}: a JSON schema must be an object or a boolean (got {type(schema).__name__})", param="tools"
+        )
+    for word in _SUBSCHEMA:
+        if word in schema and not (word == "items" and isinstance(schema[word], list)):
+            check_shapes(schema[word], f"{where}.{word}")
+    for word in (*_SUBSCHEMA_LISTS, *(("items",) if isinstance(schema.get("items"), list) else ())):
+        if word in schema:
+            if not isinstance(schema[word], list):
+                raise APIError(f"{where}.{word} must be a list of schemas", param="tools")
+            for i, sub in enumerate(schema[word]):
+                check_shapes(sub, f"{where}.{word}[{i}]")
+    for word in _SUBSCHEMA_MAPS:
+        if word in schema:
+            if not isinstance(schema[word], dict):
+                raise APIError(f"{where}.{word} must be an object of schemas", param="tools")
+            for name, sub in schema[word].items():
+                check_shapes(sub, f"{where}.{word}.{name}")
 
 
 def normalize_parameters(params: dict | None) -> dict | None:

@@ -101,15 +101,16 @@ def _replicas_up(url: str) -> dict[str, int]:
         text = _metrics(url)
     except httpx.HTTPError:
         return {}
-    return {
-        m[1]: int(m[2])
-        for m in re.finditer(r'thorgen_replica_up\{replica="([^"]+)",pid="(\d+)",[^}]*\} 1$', text, re.M)
-    }
+    up = {}  # (labels in any order: the exposition sorts them)
+    for m in re.finditer(r"^thorgen_replica_up\{([^}]*)\} 1(\.0)?$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m[1]))
+        up[labels["replica"]] = int(labels["pid"])
+    return up
 
 
 def _counter(text: str, name: str, label: str) -> int:
-    m = re.search(rf"^{name}\{{{label}\}} (\d+)$", text, re.M)
-    return int(m[1]) if m else 0
+    m = re.search(rf"^{name}\{{{label}\}} ([0-9.e+]+)$", text, re.M)
+    return int(float(m[1])) if m else 0
 
 
 def _chat(client, messages, **kw):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import cli_docs
+from repo_files import repo_files
 from thorgen.cli import COMMANDS, SUBCOMMANDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +59,7 @@ def test_markdown_escapes_only_outside_code_spans():
 
 
 def test_environment_table_names_the_variables_the_package_reads():
-    sources = [*REPO.glob("*.py"), *(p for d in PACKAGE_DIRS for p in (REPO / d).rglob("*.py"))]
+    sources = [p for p in repo_files("*.py", REPO) if p.parent == REPO or p.relative_to(REPO).parts[0] in PACKAGE_DIRS]
     read = {name for path in sources for name in re.findall(r"\bTHORGEN_[A-Z0-9_]+", path.read_text())}
     assert read == set(cli_docs.ENVIRONMENT), (
         f"tests/cli_docs.py ENVIRONMENT lacks {sorted(read - set(cli_docs.ENVIRONMENT))}, "

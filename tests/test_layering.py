@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from repo_files import repo_files
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"tests", "docs", "build", "templates", ".git", ".ci", ".setuptools-build"}
 RUNTIME = {
@@ -121,14 +123,12 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
 
 
 def package_files(root: Path = ROOT) -> list[Path]:
-    """The package's modules (hidden folders such as a .venv in the checkout are none of them)."""
-    return sorted(
+    """The package's modules: what git tracks (a .venv or any other ignored folder in the checkout holds none)."""
+    return [
         p
-        for p in root.rglob("*.py")
-        if not (set(p.relative_to(root).parts[:-1]) & SKIP)
-        and p.relative_to(root).parts[0] not in SKIP
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
+        for p in repo_files("*.py", root)
+        if not (set(p.relative_to(root).parts[:-1]) & SKIP) and p.relative_to(root).parts[0] not in SKIP
+    ]
 
 
 def test_every_room_is_known() -> None:

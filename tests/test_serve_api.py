@@ -260,7 +260,7 @@ BAD = [
                         "name": "f",
                         "parameters": {
                             "type": "object",
-                            "properties": {"o": {"type": "object", "additionalProperties": False}},
+                            "properties": {"o": 5},
                         },
                     },
                 }
@@ -300,6 +300,8 @@ def test_bad_input_is_a_4xx_error_object(server, name, body, status):
     assert err["message"] and err["type"] == "invalid_request_error"
     if name == "malformed json":
         assert "not valid JSON" in err["message"]
+    if name == "bad schema":  # named by its place, never a template internal
+        assert "parameters.properties.o" in err["message"] and "template" not in err["message"], err
 
 
 def test_worker_alive_after_bad_input(client):

@@ -82,6 +82,12 @@ def _greedy(url: str, prompt: list[int]) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="H100, 2026-12-06: the faulted requests fail alone, but the trap's sticky error survives the context "
+    "reset (cuDevicePrimaryCtxRetain: CUDA_ERROR_LAUNCH_FAILED) and /health ends 'failed': recovery needs a new "
+    "process",
+)
 def test_device_fault_fails_its_requests_and_the_server_recovers(fault_server):
     url = fault_server
     prompts = [[2, 105, 200 + 10 * i, 300, 400, 107] for i in range(STREAMS)]

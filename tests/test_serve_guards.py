@@ -153,12 +153,12 @@ def test_aborted_streams_are_counted(tok):
     with running_server(create_app(state)) as url:
         with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}) as r:
             assert next(r.iter_lines()).startswith("data:")
-        line = 'thorgen_requests_aborted_total{endpoint="/v1/chat/completions"} 1'
+        line = 'thorgen_requests_aborted_total{endpoint="/v1/chat/completions"} 1.0'
         deadline = time.monotonic() + 5
         while line not in (text := httpx.get(url + "/metrics").text) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert line in text
-        assert 'thorgen_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in text
+        assert 'thorgen_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0' in text
 
 
 def test_shutdown_is_bounded_with_a_stream_running(tok):

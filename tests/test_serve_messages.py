@@ -3,6 +3,7 @@ two turns, thinking, stop sequences, usage with prefix-cache reads, token counti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -211,19 +212,47 @@ def test_tool_choice_forces_a_call(served):
         ),
         ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
         (
-            {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Su"}]},
-            "prefilled",
+            {
+                "max_tokens": 2048,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Su"}],
+            },
+            "prefill",
+        ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                ],
+            },
+            "tool_use",
+        ),
+        (
+            {"max_tokens": 8, "stop_sequences": ["x"] * 17, "messages": [{"role": "user", "content": "Hi"}]},
+            "stop_sequences",
+        ),
+        ({"max_tokens": 8, "temperature": float("nan"), "messages": [{"role": "user", "content": "Hi"}]}, "finite"),
+        (
+            {
+                "max_tokens": 8,
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}],
+            },
+            "output_config.format",
         ),
     ],
 )
 def test_errors_in_anthropic_shape(served, body, names):
     client, url, _, _ = served
-    r = httpx.post(url + "/v1/messages", json={"model": "m", **body}, timeout=30)
+    payload = json.dumps({"model": "m", **body})  # (json writes NaN, which Python's json reads back)
+    r = httpx.post(url + "/v1/messages", content=payload, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert names in err["error"]["message"], err
-    if "max_tokens" in body:  # the client itself insists on max_tokens
+    if "max_tokens" in body and "temperature" not in body:  # the client insists on max_tokens (and on JSON: no NaN)
         rest = {k: v for k, v in body.items() if k not in ("max_tokens", "messages")}
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(model="m", max_tokens=body["max_tokens"], messages=body["messages"], extra_body=rest)
@@ -294,10 +323,25 @@ def test_count_tokens_counts_what_messages_charges(served, shape):
 
 
 def test_count_tokens_refuses_what_messages_refuses(served):
-    """A final assistant message (a prefilled turn) is not continued: both endpoints answer the same 400."""
+    """A prefill with thinking on is refused alike by both endpoints."""
     _, url, _, _ = served
-    body = {"model": "m", "messages": [HI, {"role": "assistant", "content": "Su"}]}
+    body = {"model": "m", "thinking": THINKING, "messages": [HI, {"role": "assistant", "content": "Su"}]}
     counted = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=30)
-    answered = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 8}, timeout=30)
+    answered = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 2048}, timeout=30)
     assert counted.status_code == answered.status_code == 400
-    assert counted.json() == answered.json() and "prefilled" in counted.json()["error"]["message"]
+    assert counted.json() == answered.json() and "prefill" in counted.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "content", ["Sure, here", [{"type": "text", "text": "Sure, "}, {"type": "text", "text": "here"}]]
+)
+def test_a_final_assistant_message_is_continued(served, content):
+    """The prefill ends the prompt, right after the generation prompt; the answer holds the continuation only,
+    and count_tokens counts that very prompt."""
+    client, _, backend, tok = served
+    messages = [HI, {"role": "assistant", "content": content}]
+    msg = client.messages.create(model="m", max_tokens=64, messages=messages)
+    prompt = tok.decode(backend.calls[-1]["prompt"])
+    assert prompt.endswith("<|turn>model\n<|channel>thought\n<channel|>Sure, here"), prompt[-80:]
+    assert msg.content[0].text == "Hello there. STOP here" and msg.stop_reason == "end_turn"
+    assert client.messages.count_tokens(model="m", messages=messages).input_tokens == len(backend.calls[-1]["prompt"])

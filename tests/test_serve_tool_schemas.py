@@ -63,6 +63,14 @@ KEYWORDS = {
     },
     "nullable": obj(["n"], n={"type": "string", "maxLength": 3, "nullable": True}),
     "format": obj(["when"], when={"type": "string", "format": "date"}),
+    "additionalProperties": obj(
+        ["m"], m={"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}
+    ),
+    "uniqueItems": obj(
+        ["s", "t"],
+        s={"type": "array", "items": {"enum": ["a", "b", 3]}, "uniqueItems": True, "minItems": 1},
+        t={"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True},
+    ),
 }
 # what jsonschema checks: OpenAPI's `nullable` is not JSON Schema's, so its schema is written as a type list there
 VALIDATE = {**KEYWORDS, "nullable": obj(["n"], n={"type": ["string", "null"], "maxLength": 3})}
@@ -84,7 +92,7 @@ def _calls(client, tools, choice, seed: int, stream: bool, **extra):
         messages=MSGS,
         tools=tools,
         tool_choice=choice,
-        max_tokens=160,
+        max_tokens=extra.pop("max_tokens", 160),
         temperature=1.0,
         seed=seed,
         **extra,
@@ -167,10 +175,56 @@ def test_pydantic_schemas_render_and_are_called(server):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def _pydantic_newcomer_schema() -> tuple[dict, object]:
+    """What a newcomer's pydantic tool writes: dict[str, int] and plain dict (additionalProperties), set[str]
+    (uniqueItems), nested models in $defs, Optional (anyOf with null), Literal of mixed types and a const."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal
+
+    class Address(pydantic.BaseModel):
+        street: str = pydantic.Field(max_length=12)
+        zip: Optional[str] = pydantic.Field(default=None, max_length=5)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        home: Address
+
+    class Order(pydantic.BaseModel):
+        counts: dict[str, int]
+        labels: set[str]
+        notes: dict = pydantic.Field(default_factory=dict)
+        owner: Person
+        by_city: dict[str, Address] = pydantic.Field(default_factory=dict)
+        kind: Literal["box", 1, True]
+        version: Literal["v1"]
+        priority: Optional[int] = None
+
+    return Order.model_json_schema(), Order
+
+
+def test_pydantic_dicts_sets_and_literals_render_and_are_called(server):
+    client, _ = server
+    schema, model = _pydantic_newcomer_schema()
+    for template in _templates():
+        assert "declaration:order{" in template.render(MSGS, template_tools([tool("order", copy.deepcopy(schema))]))
+    tools = [tool("order", schema)]
+    for i in range(6):
+        choice = {"type": "function", "function": {"name": "order"}} if i % 2 else "required"
+        finish, calls = _calls(client, tools, choice, seed=900 + i, stream=i % 3 == 0, max_tokens=440)
+        assert finish == "tool_calls" and calls, (i, finish, calls)
+        arguments = json.loads(calls[0][1])
+        jsonschema.validate(arguments, schema)
+        model.model_validate(arguments)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     "schema, word",
     [
-        (obj(["s"], s={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "uniqueItems"),
+        (
+            obj(["s"], s={"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}),
+            "uniqueItems",
+        ),
+        (obj(["s"], s={"type": "object", "patternProperties": {"^a": {"type": "integer"}}}), "patternProperties"),
         (obj(["s"], s={"not": {"type": "string"}}), "not"),
         (obj(["s"], s={"type": "string", "format": "hostname-idn"}), "format"),
         (obj(["s"], s={"$ref": "https://example.com/x.json"}), "$ref"),
@@ -195,7 +249,14 @@ RENDERED_BEFORE = [
     KEYWORDS["items"],
     KEYWORDS["maximum"],
 ]
-FAILED_BEFORE = [KEYWORDS["enum"], KEYWORDS["anyOf"], KEYWORDS["oneOf"], KEYWORDS["ref"]]
+FAILED_BEFORE = [
+    KEYWORDS["enum"],
+    KEYWORDS["anyOf"],
+    KEYWORDS["oneOf"],
+    KEYWORDS["ref"],
+    obj(["c"], c={"type": "object", "title": "Counts", "additionalProperties": {"type": "integer"}}),
+    obj([], x={"type": "object", "additionalProperties": True, "title": "X"}),
+]
 
 
 def _templates() -> list[ChatTemplate]:
@@ -237,3 +298,28 @@ def test_normalized_forms():
     assert props["unit"]["type"] == "string" and props["unit"]["enum"] == ["celsius", "fahrenheit"]
     assert props["place"]["type"] == "object" and props["place"]["properties"]["country"]["nullable"] is True
     assert normalize_parameters(KEYWORDS["enum"])["properties"]["mode"]["type"] == ["string", "integer"]
+
+
+@pytest.mark.parametrize(
+    "params, place",
+    [
+        (obj([], o=5), "parameters.properties.o"),
+        (obj([], a={"type": "array", "items": "x"}), "properties.a.items"),
+        (obj([], u={"anyOf": {"type": "string"}}), "properties.u.anyOf"),
+        ({**obj([]), "$defs": {"D": []}}, "parameters.$defs.D"),
+    ],
+)
+def test_what_is_no_schema_is_refused_by_its_place(params, place):
+    from thorgen.serve.conversation import validate_tools
+    from thorgen.serve.protocol import FunctionDef, Tool
+
+    with pytest.raises(APIError) as err:
+        validate_tools([Tool(function=FunctionDef(name="t", parameters=params))])
+    assert place in err.value.message and err.value.param == "tools"
+
+
+def test_a_false_property_is_left_out_of_the_prompt():
+    params = obj([], never=False, city={"type": "string"})
+    for template in _templates():
+        text = template.render(MSGS, template_tools([tool("t", params)]))
+        assert "city:" in text and "never" not in text

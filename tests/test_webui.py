@@ -441,3 +441,26 @@ def test_attached_image_reaches_the_model_and_the_answer_streams(served, tiny_ch
         answer = page.get_by_test_id("assistant-message").last
         assert answer.get_attribute("data-done") == "1" and "error" not in (answer.get_attribute("class") or "")
         page.context.close()
+
+
+@pytest.mark.parametrize("wait_for_header", [True, False])
+def test_the_api_key_from_settings_is_used_from_the_next_request(served, wait_for_header):
+    """A server with --api-key: the page loads without the key (its /v1/models is a 401), then the key entered in
+    Settings names the model and answers the very next message, with no reload."""
+    _, engine, tok, state, browser = served
+    with running_server(create_app(state, api_key="sekrit")) as keyed:
+        page = browser.new_context().new_page()
+        bodies = requests_of(page)
+        page.goto(keyed + "/")
+        page.get_by_test_id("model").filter(has_text="API key").wait_for(timeout=10000)
+        page.get_by_test_id("settings-toggle").click()
+        page.get_by_test_id("api-key").fill("sekrit")
+        page.get_by_test_id("api-key").press("Tab")  # (a change event, as leaving the field gives)
+        if wait_for_header:
+            page.get_by_test_id("model").filter(has_text=state.model_id).wait_for(timeout=10000)
+        send(page, "echo: with a key", 1)
+        assert page.get_by_test_id("error").count() == 0
+        content = page.get_by_test_id("assistant-message").last.get_by_test_id("content").text_content()
+        assert content == "you said with a key"
+        assert bodies[-1]["model"] == state.model_id
+        page.context.close()

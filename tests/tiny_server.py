@@ -9,9 +9,10 @@ from typing import Iterator
 
 @contextmanager
 def tiny_server(
-    checkpoint: Path, ctx: int, speculative: bool | None = False, media=None
+    checkpoint: Path, ctx: int, speculative: bool | None = False, media=None, **app_options
 ) -> Iterator[tuple[str, object]]:
-    """(base URL, ServerState) of a running server (`media`: its MediaOptions); closed on exit."""
+    """(base URL, ServerState) of a running server (`media`: its MediaOptions; `app_options`: create_app's, e.g.
+    api_key); closed on exit."""
     from thorgen.runtime.api import EngineConfig
     from thorgen.serve.app import ServerState, create_app
     from thorgen.serve.cli import open_model
@@ -28,7 +29,7 @@ def tiny_server(
     state.load()
     assert state.load_error is None, state.load_error
     try:
-        with running_server(create_app(state)) as url:
+        with running_server(create_app(state, **app_options)) as url:
             yield url, state
     finally:
         state.close()

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .writer import GENERATION_CONFIG, write_synthetic_checkpoint
+from .writer import GENERATION_CONFIG, synthetic_config, write_synthetic_checkpoint
 
-__all__ = ["GENERATION_CONFIG", "write_synthetic_checkpoint"]
+__all__ = ["GENERATION_CONFIG", "synthetic_config", "write_synthetic_checkpoint"]

@@ -188,6 +188,14 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def synthetic_config(preset_name: str | ModelSpec, source_format: str = "compressed-tensors") -> dict:
+    """The config.json a synthetic checkpoint of the preset in this format holds (as JSON reads it back)."""
+    source, formats = SYNTH_FORMATS[source_format]
+    spec = get_preset(preset_name) if isinstance(preset_name, str) else preset_name
+    config: dict = json.loads(json.dumps(target_config(spec.target, spec.vision, source, formats)))
+    return config
+
+
 def write_synthetic_checkpoint(
     preset_name: str | ModelSpec,
     out_dir: str | os.PathLike,
@@ -244,7 +252,7 @@ def write_synthetic_checkpoint(
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     try:
         template = template_path.read_text()
-        _write_json(tmp / "config.json", target_config(spec.target, spec.vision, source, formats))
+        _write_json(tmp / "config.json", synthetic_config(spec, source_format))
         if source == "modelopt":
             _write_json(tmp / "hf_quant_config.json", hf_quant_config(spec.target, formats))
         _write_json(tmp / "generation_config.json", GENERATION_CONFIG)

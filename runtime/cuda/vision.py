@@ -21,6 +21,7 @@ from ...model_spec.vision_layout import (
     PATCH_ACTS,
     TOKEN_ACTS,
     VISION_ENCODE,
+    VisionDims,
     act_width,
     vision_dims,
     vision_tensors,
@@ -86,6 +87,24 @@ class _Pointers:
         return 0
 
 
+def check_image(d: VisionDims, image: ImageInput) -> None:
+    """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens, every
+    patch position inside the tower's position table)."""
+    n = image.soft_tokens
+    patches, positions = np.asarray(image.patches), np.asarray(image.positions)
+    if not 1 <= n <= MAX_SOFT_TOKENS:
+        raise BackendError(f"image of {n} soft tokens: the vision program runs 1..{MAX_SOFT_TOKENS}")
+    if patches.shape != (d.pool_rows * n, d.patch_dim) or positions.shape != (d.pool_rows * n, 2):
+        raise BackendError(
+            f"image patches {patches.shape} / positions {positions.shape}: expected "
+            f"[{d.pool_rows * n}, {d.patch_dim}] / [{d.pool_rows * n}, 2] for {n} soft tokens"
+        )
+    if positions.min() < 0 or positions.max() >= d.table:
+        raise BackendError(
+            f"image patch positions {positions.min()}..{positions.max()} leave the position table of {d.table}"
+        )
+
+
 class VisionEncoder:
     """encode(image) -> its soft-token rows float32 [N, text hidden], through the device (or the cache)."""
 
@@ -102,20 +121,7 @@ class VisionEncoder:
         self.pinned: PinnedBuffer | None = None  # the pixels' staging, allocated with the first image
 
     def check(self, image: ImageInput) -> None:
-        """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens)."""
-        d, n = self.dims, image.soft_tokens
-        patches, positions = np.asarray(image.patches), np.asarray(image.positions)
-        if not 1 <= n <= MAX_SOFT_TOKENS:
-            raise BackendError(f"image of {n} soft tokens: the vision program runs 1..{MAX_SOFT_TOKENS}")
-        if patches.shape != (d.pool_rows * n, d.patch_dim) or positions.shape != (d.pool_rows * n, 2):
-            raise BackendError(
-                f"image patches {patches.shape} / positions {positions.shape}: expected "
-                f"[{d.pool_rows * n}, {d.patch_dim}] / [{d.pool_rows * n}, 2] for {n} soft tokens"
-            )
-        if positions.min() < 0 or positions.max() >= d.table:
-            raise BackendError(
-                f"image patch positions {positions.min()}..{positions.max()} leave the position table of {d.table}"
-            )
+        check_image(self.dims, image)
 
     def stage(self, image: ImageInput) -> None:
         """Check the image, upload its patches and positions (stream-ordered before the encode's launches). The

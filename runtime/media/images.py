@@ -77,7 +77,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) -> tuple[int, int]:
     """The largest (H', W'), each a multiple of pool x patch, with H' x W' within budget x pool^2 patches, that
     keeps the aspect ratio; a strip too thin for that gets one side of pool x patch and the other as long as the
-    ratio allows (capped to the budget)."""
+    ratio allows (capped to the budget). Exactly HF's `get_aspect_ratio_preserving_size`, except that no side
+    may hold more patches than the tower's position table has rows: a thin strip at a large budget on a checkpoint
+    with a smaller table (HF would index past it) is shortened to the longest side the table covers."""
     patch, pool = vision.patch_size, vision.pooling_kernel_size
     max_patches = budget * pool * pool
     target_px = max_patches * patch * patch
@@ -92,7 +94,13 @@ def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) 
         th, tw = side, min(int(math.floor(width / height)) * side, longest)
     elif tw == 0:
         th, tw = min(int(math.floor(height / width)) * side, longest), side
-    return th, tw
+    positioned = (vision.position_embedding_size // pool) * side  # the longest side the table gives positions to
+    if positioned < side:
+        raise ImageError(
+            f"the vision tower's position table ({vision.position_embedding_size} rows) is shorter than one "
+            f"{pool}x{pool} patch cell"
+        )
+    return min(th, positioned), min(tw, positioned)
 
 
 def content_hash(patches: np.ndarray, grid: tuple[int, int]) -> str:

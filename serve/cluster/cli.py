@@ -114,7 +114,7 @@ def cluster(
 
     from ...runtime.api import EngineConfig
     from .deployment import APP, build_app
-    from ..demo import DEMO_MODEL_ID, ensure_demo_checkpoint
+    from ..demo import DEMO_CTX, DEMO_MODEL_ID, ensure_demo_checkpoint
 
     if model_dir is not None and not (model_dir / "config.json").exists():
         raise click.ClickException(f"{model_dir}: no config.json, not a checkpoint folder")
@@ -125,7 +125,7 @@ def cluster(
     config = EngineConfig(
         folder,
         backend,
-        ctx if ctx or not demo else 2048,
+        ctx if ctx or not demo else DEMO_CTX,
         kv_dtype,
         draft_dir.resolve() if draft_dir else None,
         weights,

@@ -126,7 +126,7 @@ class Ingress:
         self.state = ServerState(
             model_id, lambda: (self.client, tokenizer, template, text["generation_config"]), speculative
         )
-        self.state.metrics = ClusterMetrics(self.client)
+        self.state.metrics = ClusterMetrics(self.client, model_id)
         self.state.load()
         if self.state.load_error:
             raise RuntimeError(self.state.load_error)

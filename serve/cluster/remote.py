@@ -14,8 +14,10 @@ import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -245,34 +247,49 @@ class RemoteEngineClient:
         self._closed = True
 
 
-class ClusterMetrics(Metrics):
-    """The ingress's request metrics (they cover every replica) plus one series per replica and the routing."""
+class _ReplicaCollector(Collector):
+    """One series per replica (up, running, queued, requests placed) and the routing decisions, at each scrape."""
 
     def __init__(self, client: RemoteEngineClient) -> None:
-        super().__init__()
         self.client = client
 
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily(
+            "thorgen_replica_up",
+            "1 while the replica's engine reports ok (labels: pid, node).",
+            labels=["replica", "pid", "node"],
+        )
+        running = GaugeMetricFamily(
+            "thorgen_replica_requests_running", "Generations on the replica's engine now.", labels=["replica"]
+        )
+        queued = GaugeMetricFamily(
+            "thorgen_replica_requests_queued", "Generations waiting for the replica's engine.", labels=["replica"]
+        )
+        for rid, stats in sorted(self.client.replicas.items()):
+            up.add_metric([rid, str(stats.get("pid")), str(stats.get("node"))], int(stats.get("status") == "ok"))
+            running.add_metric([rid], stats.get("running", 0))
+            queued.add_metric([rid], stats.get("queued", 0))
+        placed = CounterMetricFamily(
+            "thorgen_replica_requests", "Requests this ingress placed on the replica.", labels=["replica"]
+        )
+        for rid, n in sorted(self.client.served.items()):
+            placed.add_metric([rid], n)
+        decisions = CounterMetricFamily(
+            "thorgen_routing_decisions", "Routing decisions: prefix affinity or balance.", labels=["decision"]
+        )
+        for decision in ("affinity", "balance"):
+            decisions.add_metric([decision], routing.DECISIONS[decision])
+        yield from (up, running, queued, placed, decisions)
+
+
+class ClusterMetrics(Metrics):
+    """The ingress's request metrics (they cover every replica) plus one series per replica and the routing
+    (the engine-step counters and KV blocks are each replica's own: not summed here)."""
+
+    def __init__(self, client: RemoteEngineClient, model_name: str = "thorgen") -> None:
+        super().__init__(model_name)
+        self.client = client
+        self.registry.register(_ReplicaCollector(client))
+
     def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
-        lines = []  # (the engine-step counters and KV blocks are each replica's own: not summed here)
-        for name, kind, text in (
-            ("thorgen_replica_up", "gauge", "1 while the replica's engine reports ok (labels: pid, node)."),
-            ("thorgen_replica_requests_running", "gauge", "Generations on the replica's engine now."),
-            ("thorgen_replica_requests_queued", "gauge", "Generations waiting for the replica's engine."),
-            ("thorgen_replica_requests_total", "counter", "Requests this ingress placed on the replica."),
-            ("thorgen_routing_decisions_total", "counter", "Routing decisions: prefix affinity or balance."),
-        ):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            if name == "thorgen_routing_decisions_total":
-                lines += [f'{name}{{decision="{d}"}} {routing.DECISIONS[d]}' for d in ("affinity", "balance")]
-            elif name == "thorgen_replica_requests_total":
-                lines += [f'{name}{{replica="{r}"}} {n}' for r, n in sorted(self.client.served.items())]
-            else:
-                for rid, stats in sorted(self.client.replicas.items()):
-                    if name == "thorgen_replica_up":
-                        value = int(stats.get("status") == "ok")
-                        lines.append(
-                            f'{name}{{replica="{rid}",pid="{stats.get("pid")}",node="{stats.get("node")}"}} {value}'
-                        )
-                    else:
-                        lines.append(f'{name}{{replica="{rid}"}} {stats.get(name.rsplit("_", 1)[1], 0)}')
-        return super().render(None) + "\n".join(lines) + "\n"
+        return super().render(None)
