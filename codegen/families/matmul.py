@@ -18,8 +18,8 @@ the tied lm_head (f32 logits; one row, 16 or 32: prefill needs the last position
 A linear whose checkpoint format is bf16 (ModelSpec.linear_formats) runs the same kernels with WeightKind HALF: fp16
 weights (bf16 converted once at repack, runtime/convert/linears.py) in the step-major half layout, named
 half_gemv__, half_gemm16__, half_gemm32__, half_gemmL__ (args w, x, y, m: no scales), with the same fused
-epilogues (gelu, the attention tail, rope_kv). Their prefill GEMM takes the warpgroup form on sm_90a too (the
-fp16 weights copied into its stages with the tokens, no decode); the vision tower's GEMMs are of this kind.
+epilogues (gelu, the attention tail, rope_kv). Their prefill GEMM runs mma.sync, except the vision tower's: on
+sm_90a those take the warpgroup form (the fp16 weights copied into its stages with the tokens, no decode).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def gemm_large(
     mmax: int = MAX_STEP_TOKENS,
 ) -> KernelSpec:
     """The prefill kernel (any m <= mmax; launch grid.y = ceil(m / bm), extra blocks exit). On an arch with wgmma,
-    N a multiple of its 128-row tile takes the warpgroup form (NVFP4 or fp16 weights)."""
+    N a multiple of its 128-row tile takes the warpgroup form (NVFP4 weights, and the vision tower's fp16 ones)."""
     kind = kind or fp4_order(arch)
     check_shape(f"{prefix} gemm", n, k)
     units = n // TILE_N
@@ -267,7 +267,10 @@ def gemm_large(
         fp4_order=fp4_order(arch),
         **tile_params(),
     )
-    if arch.has_wgmma and n % WGMMA_BN == 0:
+    # fp16 weights take the warpgroup form in the vision tower only, where the GPU tests cover it (every tower GEMM
+    # and the whole program against float64, tests/test_kernels_gpu_vision*.py); the drafter's and bf16
+    # checkpoints' fp16 prefill GEMMs stay on mma.sync until theirs run on the GPU.
+    if arch.has_wgmma and n % WGMMA_BN == 0 and (kind != "half" or family == "vision"):
         return KernelSpec(
             f"{prefix}_gemmL__{_tag(n, k, epi)}",
             template,
