@@ -91,6 +91,9 @@ class ImageEncoder(Protocol):
     def encode(self, image: ImageInput) -> np.ndarray: ...
 
 
+DONE_KEPT = 32  # images encoded beside the steps and not yet taken by a prefill (an aborted request's stay)
+
+
 class ImageRowCache:
     """The soft-token rows of recently encoded images, by content hash: an LRU of `slots` images in front of a
     tower (`model.encode(image) -> float32 [N, text hidden]`), shared by both backends' engines. `encoded` counts
@@ -99,22 +102,57 @@ class ImageRowCache:
     def __init__(self, model: ImageEncoder, slots: int = 8) -> None:
         self.model, self.slots, self.encoded = model, slots, 0
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._done: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def rows(self, image: ImageInput) -> np.ndarray:
+        self._collect(wait=False)
         hit = self._rows.get(image.hash)
         if hit is not None:
             self._rows.move_to_end(image.hash)
             return hit
-        rows = self.model.encode(image)
-        self.encoded += 1
+        rows = self._done.pop(image.hash, None)  # encoded beside the steps (ready()), not yet used
+        if rows is None:
+            rows = self.model.encode(image)
+            self.encoded += 1
         if self.slots > 0:
             self._rows[image.hash] = rows
             while len(self._rows) > self.slots:
                 self._rows.popitem(last=False)
         return rows
 
+    def ready(self, images: Sequence[ImageInput], wait: bool = False) -> bool:
+        """Whether every image's rows are at hand (cached, or encoded beside the steps and not yet used). With a
+        tower that encodes beside the steps (`start(image)`, `poll()`, `wait()`, `busy`), starts the first
+        missing image when the tower is idle; `wait`: encode them all now. A tower without them: always True
+        (rows() encodes when asked)."""
+        start = getattr(self.model, "start", None)
+        if start is None:
+            return True
+        while True:
+            self._collect(wait=False)
+            missing = next((i for i in images if i.hash not in self._rows and i.hash not in self._done), None)
+            if missing is None:
+                return True
+            if not getattr(self.model, "busy"):
+                start(missing)
+            if not wait:
+                return False
+            self._collect(wait=True)
+
+    def _collect(self, wait: bool) -> None:
+        """Keep the rows of an encode that finished beside the steps (the most recent DONE_KEPT unused)."""
+        poll = getattr(self.model, "wait" if wait else "poll", None)
+        done = poll() if poll is not None else None
+        if done is not None:
+            key, rows = done
+            self._done[key] = rows
+            self.encoded += 1
+            while len(self._done) > DONE_KEPT:
+                self._done.popitem(last=False)
+
     def clear(self) -> None:
         self._rows.clear()
+        self._done.clear()
 
 
 def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_token_id: int) -> None:

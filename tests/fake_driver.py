@@ -315,6 +315,15 @@ class FakeDriver:
     def cuStreamCreate(self, flags):
         return OK, object()
 
+    def cuCtxGetStreamPriorityRange(self):
+        return OK, 0, -5  # (least, greatest), as on Hopper
+
+    def cuStreamCreateWithPriority(self, flags, priority):
+        return OK, object()
+
+    def cuEventQuery(self, e):
+        return (OK,)  # launches run when issued here: every recorded event is complete
+
     def cuStreamDestroy(self, s):
         return (OK,)
 

@@ -46,6 +46,7 @@ class Recording:
             "prefill_chunk",
             "caught_up_tokens",
             "check",
+            "media_ready",
             "draft_context",
             "apply",
             "release",

@@ -59,6 +59,9 @@ def error_name(err: Any) -> tuple[str, str]:
     return name, detail
 
 
+CUDA_ERROR_NOT_READY = 600  # cuEventQuery / cuStreamQuery: the work is still running
+
+
 def check(ret: Any, what: str = "CUDA call") -> Any:
     """Unwrap a cuda-python return `(CUresult, *values)`: raise CudaError on failure, else the value(s).
 
@@ -184,10 +187,16 @@ class Device:
     def synchronize(self) -> None:
         check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
 
-    def stream(self, non_blocking: bool = True) -> "Stream":
+    def stream(self, non_blocking: bool = True, priority: str | None = None) -> "Stream":
+        """A new stream; `priority` "least" or "greatest" (the device's range), else the default. Where blocks of
+        several streams wait for multiprocessors, the greater priority's are placed first."""
         cu = driver()
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else cu.CUstream_flags.CU_STREAM_DEFAULT
-        return Stream(check(cu.cuStreamCreate(int(flags)), "cuStreamCreate"))
+        if priority is None:
+            return Stream(check(cu.cuStreamCreate(int(flags)), "cuStreamCreate"))
+        least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        level = least if priority == "least" else greatest
+        return Stream(check(cu.cuStreamCreateWithPriority(int(flags), int(level)), "cuStreamCreateWithPriority"))
 
     def event(self, timing: bool = True) -> "Event":
         cu = driver()
@@ -283,6 +292,15 @@ class Event:
 
     def synchronize(self) -> None:
         check(driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def done(self) -> bool:
+        """Whether the recorded work has completed (without waiting for it)."""
+        cu = driver()
+        (err,) = cu.cuEventQuery(self.handle)
+        if int(err) == CUDA_ERROR_NOT_READY:
+            return False
+        check((err,), "cuEventQuery")
+        return True
 
     def elapsed_ms(self, start: "Event") -> float:
         """Milliseconds from `start` to this event (both recorded and complete)."""

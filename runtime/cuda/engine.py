@@ -61,8 +61,10 @@ class Engine:
         if not 1 <= lanes <= MAX_BATCH:
             raise BackendError(f"cuda backend: {lanes} sequences at once; batched decode steps hold 1..{MAX_BATCH}")
         self.max_rows = manifest.max_step_tokens
-        self.side = device.stream()
-        self.stream = device.stream()
+        # the steps' streams at the greatest priority: the vision tower's encodes (VisionEncoder, the least) run
+        # beside them, and where blocks of both wait for multiprocessors the steps' go first
+        self.side = device.stream(priority="greatest")
+        self.stream = device.stream(priority="greatest")
         self.kernels = KernelSet(manifest, device)
         self.fwd = Forward(spec, manifest, "bf16" if kv_dtype == "bf16" else "fp8e4m3", self.max_rows)
         missing = self.fwd.probe()

@@ -77,6 +77,16 @@ class DeviceBuffer:
         else:
             check(cu.cuMemcpyHtoDAsync(self.ptr + offset, src, arr.nbytes, stream.handle), f"upload to {self.name!r}")
 
+    def download_async(self, host: np.ndarray, stream: Stream, offset: int = 0) -> None:
+        """Copy [offset, offset + host.nbytes) into `host` (contiguous, pinned for real asynchrony), ordered on
+        `stream`: the bytes are there once the stream's work up to here has completed."""
+        self._bounds(offset, host.nbytes)
+        if host.nbytes:
+            check(
+                driver().cuMemcpyDtoHAsync(host.ctypes.data, self.ptr + offset, host.nbytes, stream.handle),
+                f"download of {self.name!r}",
+            )
+
     def download(self, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
         """A host copy of the buffer (synchronous), viewed as `dtype` with `shape` (default: all of it)."""
         dt = np.dtype(dtype)

@@ -86,6 +86,10 @@ class CudaRunner:
     def check(self, seq: Sequence) -> None:
         self.engine.check_request(seq)
 
+    def media_ready(self, seq: Sequence, wait: bool) -> bool:
+        cache = self.engine.encoder_cache
+        return cache is None or not seq.images or cache.ready([s.image for s in seq.images], wait)
+
     def draft_context(self, lane: int) -> int:
         return self.spec.lanes[lane].draft_upto
 

@@ -106,7 +106,11 @@ def check_image(d: VisionDims, image: ImageInput) -> None:
 
 
 class VisionEncoder:
-    """encode(image) -> its soft-token rows float32 [N, text hidden], through the device (or the cache)."""
+    """The device tower on its own stream, at the least priority: `start(image)` enqueues one image's encode (upload,
+    graph, download into pinned memory) and returns at once; `poll()` hands back its rows once the GPU is done, so
+    the engine's decode steps run beside an encode instead of waiting for it (where blocks of both wait for
+    multiprocessors, the steps' stream, at the greatest priority, goes first). One encode is in flight at a time
+    (the tower's activations are one arena). `encode(image)` is the same, waited for."""
 
     def __init__(self, parts: StepParts, spec: ModelSpec, manifest: KernelManifest, buffers: EngineBuffers) -> None:
         self.parts, self.spec = parts, spec
@@ -114,48 +118,91 @@ class VisionEncoder:
         self.arena = Arena(parts.device, plan_vision(spec))
         self.fwd = Forward(spec, manifest, parts.fwd.kv_dtype, parts.max_rows)  # (its own program, its own pointers)
         self.fwd.ptr = _Pointers(buffers, self.arena)
-        stream = parts.stream
-        self.arena.buffer.zero(stream)
-        stream.synchronize()
+        self.stream = parts.device.stream(priority="least")
+        self.done_event = parts.device.event(timing=False)
+        self.arena.buffer.zero(self.stream)
+        self.stream.synchronize()
         self.graphs: OrderedDict[int, CudaGraph] = OrderedDict()  # soft tokens -> the captured encode
-        self.pinned: PinnedBuffer | None = None  # the pixels' staging, allocated with the first image
+        d = self.dims
+        # pixels in (float32 [patches, patch_dim]) and rows out (float32 [soft tokens, text hidden]), pinned
+        self.pinned_in = PinnedBuffer(4 * d.max_patches * d.patch_dim)
+        self.pinned_out = PinnedBuffer(4 * MAX_SOFT_TOKENS * d.text_hidden)
+        self.in_flight: ImageInput | None = None
+        self._finished: tuple[str, np.ndarray] | None = None  # an encode waited for before poll() asked
 
     def check(self, image: ImageInput) -> None:
         check_image(self.dims, image)
 
     def stage(self, image: ImageInput) -> None:
-        """Check the image, upload its patches and positions (stream-ordered before the encode's launches). The
-        pixels go through a pinned staging buffer (a 1120-token image is 30 MB of float32), written in place by
-        the uint8 -> float32 table; encode() synchronizes before the buffer is reused."""
+        """Check the image and enqueue the upload of its patches (through pinned memory, written in place by the
+        uint8 -> float32 table) and positions on the tower's stream."""
         self.check(image)
-        stream = self.parts.stream
-        n = image.patches.size
-        if self.pinned is None:
-            self.pinned = PinnedBuffer(4 * self.dims.max_patches * self.dims.patch_dim)
-        pixels = self.pinned.array[: 4 * n].view(np.float32).reshape(image.patches.shape)
+        pixels = self.pinned_in.array[: 4 * image.patches.size].view(np.float32).reshape(image.patches.shape)
         image.pixel_values(out=pixels)
-        self.arena["vis_patches"].upload(pixels, stream=stream)
-        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
+        self.arena["vis_patches"].upload(pixels, stream=self.stream)
+        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=self.stream)
 
     def ops(self, soft_tokens: int) -> list:
         """The encode program's ops for an image of `soft_tokens` soft tokens."""
         return self.fwd.program(VISION_ENCODE, soft_tokens)
 
-    def encode(self, image: ImageInput) -> np.ndarray:
-        """One image through the device tower (uncached: the engine's ImageRowCache sits in front)."""
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    def start(self, image: ImageInput) -> None:
+        """Enqueue the image's encode on the tower's stream (the one in flight, if any, is waited for first)."""
+        if self.in_flight is not None:
+            self._finished = self._collect()
         n = image.soft_tokens
         self.stage(image)
-        self._graph(n).replay(self.parts.stream)
-        self.parts.stream.synchronize()
-        return self.arena["vis_out"].download(np.float32, (n, self.dims.text_hidden))
+        self._graph(n).replay(self.stream)
+        self.arena["vis_out"].download_async(self._rows_view(n), self.stream)
+        self.done_event.record(self.stream)
+        self.in_flight = image
+
+    def poll(self) -> tuple[str, np.ndarray] | None:
+        """(image hash, its rows) of an encode that has completed since the last poll, else None."""
+        if self._finished is not None:
+            done, self._finished = self._finished, None
+            return done
+        if self.in_flight is None or not self.done_event.done():
+            return None
+        return self._collect()
+
+    def wait(self) -> tuple[str, np.ndarray] | None:
+        """poll(), waiting for the encode in flight (None when none is)."""
+        if self._finished is None and self.in_flight is not None:
+            return self._collect()
+        return self.poll()
+
+    def _collect(self) -> tuple[str, np.ndarray]:
+        image = self.in_flight
+        assert image is not None
+        self.done_event.synchronize()
+        self.in_flight = None
+        return image.hash, self._rows_view(image.soft_tokens).copy()
+
+    def _rows_view(self, n: int) -> np.ndarray:
+        width = self.dims.text_hidden
+        return self.pinned_out.array[: 4 * n * width].view(np.float32).reshape(n, width)
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        """One image through the device tower, waited for (an encode started before is kept for poll())."""
+        pending = self._collect() if self.in_flight is not None else None
+        self.start(image)
+        _, rows = self._collect()
+        self._finished = pending
+        return rows
 
     def _graph(self, n: int) -> CudaGraph:
-        """The encode of an n-token image as a graph: captured the first time, the least recent dropped past
-        GRAPHS_KEPT (each holds ~250 kernel nodes; images of a few sizes are the common traffic)."""
+        """The encode of an n-token image as a graph: captured (on the tower's stream) the first time, the least
+        recent dropped past GRAPHS_KEPT (each holds ~250 kernel nodes; images of a few sizes are the common
+        traffic)."""
         g = self.graphs.get(n)
         if g is None:
             launches = self.parts.launches.bind(self.ops(n), captured=True)
-            g = CudaGraph.capture(self.parts.stream, lambda: [l(self.parts.stream) for _, l in launches], f"vision {n}")
+            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"vision {n}")
             self.graphs[n] = g
             if len(self.graphs) > GRAPHS_KEPT:
                 self.graphs.popitem(last=False)[1].destroy()
@@ -163,11 +210,16 @@ class VisionEncoder:
         return g
 
     def destroy(self) -> None:
+        if self.in_flight is not None:
+            self.done_event.synchronize()
+            self.in_flight = None
         for g in self.graphs.values():
             g.destroy()
         self.graphs.clear()
-        if self.pinned is not None:
-            self.pinned.free()
+        self.pinned_in.free()
+        self.pinned_out.free()
+        self.done_event.destroy()
+        self.stream.destroy()
         self.arena.free()
 
 

@@ -89,6 +89,7 @@ class EngineCore:
             runner.verify_block,
             runner.prefill_chunk,
             runner.lookahead,
+            runner.media_ready,
         )
         self._seqs: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []  # aborted since the last step

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..backend import span_floor
 from .kv_manager import KVManager, KVOp
@@ -57,12 +57,14 @@ class Scheduler:
         verify_block: int = 1,
         prefill_chunk: int | None = None,
         lookahead: int = 0,
+        media_ready: Callable[[Sequence, bool], bool] = lambda seq, wait: True,
     ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
         # steps a runner launches before the step before them is read (ModelRunner.lookahead)
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
+        self.media_ready = media_ready  # ModelRunner.media_ready: its images' rows at hand without a wait
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
 
@@ -126,6 +128,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if prefills and not self._fits_whole(seq, budget):
+                break
+            # its encode runs beside the steps (FCFS: the queue waits for it, the running ones do not); a step with
+            # nothing else to run waits for it
+            if seq.images and not self.media_ready(seq, not (decodes or prefills)):
                 break
             cached = self.kv.admit(
                 seq, seq.reuse_limit(), min(seq.prefill_target + self.step_tokens(seq), self.max_context)

@@ -44,6 +44,9 @@ class ReferenceRunner:
         )
         self._lanes: list[SeqState | None] = [None] * max_num_seqs
 
+    def media_ready(self, seq: Sequence, wait: bool) -> bool:
+        return True  # (the NumPy tower encodes in the prefill that needs the rows)
+
     def check(self, seq: Sequence) -> None:
         if seq.speculative and self.backend.drafter is None:
             raise BackendError("speculative decoding needs a drafter: this checkpoint has none (pass --draft DIR)")
