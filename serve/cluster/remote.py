@@ -291,5 +291,5 @@ class ClusterMetrics(Metrics):
         self.client = client
         self.registry.register(_ReplicaCollector(client))
 
-    def render(self, steps: dict | None = None, kv: dict | None = None) -> str:
+    def render(self, steps: dict | None = None, kv: dict | None = None, gpu_memory: int | None = None) -> str:
         return super().render(None)
