@@ -115,3 +115,10 @@ def test_non_finite_numbers_are_refused_as_such(served, path, body) -> None:
     assert r.status_code == 400
     err = r.json()["error"]
     assert "must be a finite number" in err["message"] and "less than" not in err["message"], err
+
+
+def test_a_budget_past_the_context_points_at_ctx(served) -> None:
+    _, claude, _ = served
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="tiny", max_tokens=CTX, messages=HI)
+    assert "--ctx" in caught.value.body["error"]["message"]
