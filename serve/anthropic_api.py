@@ -1,25 +1,22 @@
-"""Serve stage: Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): its request schema, its
-translation into a GenerationRequest, and its error shape; serve/anthropic_format.py writes the answers."""
+"""Serve stage: Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): its request schema and its
+translation into a GenerationRequest; serve/anthropic_errors.py answers its errors, serve/anthropic_format.py its
+answers."""
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import replace
 from typing import Any, Literal, Union
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
-from starlette.exceptions import HTTPException
 
 from . import openapi
+from . import schema_limits as limits
+from .anthropic_errors import AnthropicRoute
 from .anthropic_format import MessagesAdapter
 from .answer import answer
 from .conversation import image_source, template_messages, validate_tools
-from .metrics import endpoint_of
 from .pipeline import conversation_prompt, prepare
 from .protocol import (
     APIError,
@@ -33,15 +30,12 @@ from .protocol import (
     ToolCallIn,
     _Body,
     _Open,
-    anthropic_error_body,
-    error_message,
     integer,
     stop_list,
 )
 from .request import GenerationRequest, ImageSource, OutputFormat, SamplingOptions
 from .state import server_state
 
-log = logging.getLogger("thorgen.serve")
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
 REFUSED = {
     "mcp_servers": "MCP servers",
@@ -67,15 +61,17 @@ class Block(_Open):
 
 
 class AnthropicMessage(_Open):
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.ANTHROPIC_MESSAGE)
     role: Literal["user", "assistant"]
     content: Union[str, list[Block]]
 
 
 class AnthropicTool(_Open):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": limits.TOOL_NAME})
     description: str | None = None
     input_schema: dict[str, Any] | None = None
-    type: str | None = None  # absent or "custom"; Anthropic's server tools (web search, bash, ...) are refused
+    # absent or "custom"; Anthropic's server tools (web search, bash, ...) are refused
+    type: str | None = Field(None, json_schema_extra={"enum": ["custom", None]})
 
 
 class ThinkingConfig(BaseModel):
@@ -106,19 +102,19 @@ class OutputConfig(BaseModel):
 
 class _Conversation(_Body):
     # unknown fields are refused: any of Anthropic's fields this server does not know could change the answer
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=limits.ONE_OUTPUT_FORMAT)
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[Block], None] = None
+    system: Union[str, list[Block], None] = Field(None, json_schema_extra=limits.SYSTEM_BLOCKS)
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
-    # refused when set (REFUSED): declared so that the 400 says what they are
-    mcp_servers: Any = None
-    container: Any = None
-    context_management: Any = None
+    # refused when set (REFUSED): declared so that the 400 says what they are, and the document that only null passes
+    mcp_servers: Any = Field(None, json_schema_extra={"type": "null"})
+    container: Any = Field(None, json_schema_extra={"type": "null"})
+    context_management: Any = Field(None, json_schema_extra={"type": "null"})
 
 
 class CountTokensRequest(_Conversation):
@@ -329,52 +325,6 @@ def messages_request(req: MessagesRequest) -> GenerationRequest:
         max_tokens=req.max_tokens,
         stream=bool(req.stream),
     )
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """Anthropic's error shape, at Anthropic's status for it (a full queue is 529)."""
-    status = 529 if status == 429 else status
-    return JSONResponse(anthropic_error_body(status, message), status_code=status)
-
-
-def _invalid(exc: RequestValidationError) -> str:
-    errors = exc.errors()
-    if any(err.get("type") == "json_invalid" for err in errors):
-        return "the request body is not valid JSON"
-    if errors and errors[0].get("type") == "invalid_text":
-        return errors[0]["msg"]
-    parts = []
-    for err in errors[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        parts.append(f"{'.'.join(loc) or 'body'}: {error_message(err)}")
-    return "invalid request: " + "; ".join(parts)
-
-
-class AnthropicRoute(APIRoute):
-    """A route whose errors (validation and the server's own) are answered in Anthropic's shape."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            metrics = server_state(request).metrics
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                metrics.request_done(endpoint_of(request.scope), 400)
-                return error_response(400, _invalid(exc))
-            except APIError as exc:
-                metrics.request_done(endpoint_of(request.scope), exc.status)
-                return error_response(exc.status, exc.message)
-            except HTTPException as exc:  # e.g. a body that is not JSON at all
-                metrics.request_done(endpoint_of(request.scope), exc.status_code)
-                return error_response(exc.status_code, str(exc.detail))
-            except Exception as exc:  # a bug: logged, and answered as Anthropic's api_error
-                log.exception("unhandled error on %s", request.url.path)
-                metrics.request_done(endpoint_of(request.scope), 500)
-                return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-        return route
 
 
 def router() -> APIRouter:

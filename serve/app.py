@@ -116,7 +116,14 @@ def create_app(
         title="thorgen", version="0.1.0", description="OpenAI-compatible server for Gemma-4 on the thorgen engine."
     )
     app.state.server = state
-    openapi.install(app)
+    openapi.install(
+        app,
+        lambda: openapi.Served(
+            state.model_names,
+            state.caps.vocab_size if state.caps else None,
+            state.caps.speculative if state.caps else None,
+        ),
+    )
     # add_middleware puts each new one outside the previous: bug handler innermost, then the body limit (the
     # app never sees an oversized body), the key check, and CORS outermost.
     app.add_middleware(BugMiddleware, on_error=lambda scope: state.metrics.request_done(endpoint_of(scope), 500))

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, model_validator
 from pydantic_core import PydanticCustomError
 
+from . import schema_limits as limits
+
 
 # Numbers are typed as JSON Schema types them. StrictFloat takes JSON integers too but no booleans or numeric
 # strings; a plain (non-union) type also lets pydantic write bounds as JSON Schema's minimum/maximum. NaN and the
@@ -33,6 +35,8 @@ def integer(**bounds: int) -> Any:
 
 
 Integer = integer()
+# a token id: at least 0, and (the OpenAPI document says, once the model is loaded) below the vocabulary's size
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={limits.TOKEN_ID: True}), BeforeValidator(_no_coercion)]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -157,6 +161,8 @@ class ImageURL(_Open):
 class ContentPart(_Open):
     """A content part: text, image_url ({"url", "detail"?} or a URL string), or image ("url" or "image": a URL)."""
 
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.CONTENT_PART)
+
     type: str
     text: str | None = None
     image_url: Union[ImageURL, str, None] = None
@@ -176,6 +182,7 @@ class ToolCallIn(_Open):
 
 
 class Message(_Open):
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.CONTENT_BY_ROLE)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
@@ -186,7 +193,7 @@ class Message(_Open):
 
 
 class FunctionDef(_Open):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": limits.TOOL_NAME})  # (serve/conversation.py's 400 names it)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -211,10 +218,12 @@ class _Sampling(_Body):
     stop: Union[str, list[str], None] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: integer(ge=1) | None = 1  # choices: that many sequences of the prompt (serve/generation.py: choices)
+    # choices: that many sequences of the prompt (serve/generation.py: choices); at most MAX_N (its own 400 says so)
+    n: integer(ge=1) | None = Field(1, json_schema_extra={"maximum": 16})
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: Number | None = None
+    # 1: off; runtime/backend.py's range, its own 400 names it
+    repetition_penalty: Number | None = Field(None, json_schema_extra={"minimum": 0.01, "maximum": 100})
     logprobs: Any = None
     top_logprobs: Any = None
     logit_bias: Any = None
@@ -227,20 +236,22 @@ class _Sampling(_Body):
     num_speculative_tokens: integer(ge=0, le=15) | None = None
     # vLLM's sampling extras (serve/vllm_extras.py turns them into engine values)
     ignore_eos: StrictBool | None = None
-    stop_token_ids: list[Integer] | None = None
+    stop_token_ids: list[TokenId] | None = None
     min_tokens: integer(ge=0) | None = None
     prompt_logprobs: integer(ge=0, le=20) | None = None
-    truncate_prompt_tokens: integer(ge=-1) | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # -1: the context length; 0 is a 400 of its own (serve/vllm_extras.py)
+    truncate_prompt_tokens: integer(ge=-1) | None = Field(None, json_schema_extra={"not": {"const": 0}})
+    structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=limits.STRUCTURED_OUTPUTS)
     guided_json: Union[str, dict[str, Any], None] = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_whitespace_pattern: str | None = None
+    guided_regex: str | None = Field(None, json_schema_extra={"minLength": 1})
+    guided_choice: list[str] | None = Field(None, json_schema_extra=limits.GUIDED_CHOICE)
+    guided_grammar: str | None = Field(None, json_schema_extra={"pattern": "\\S"})
+    guided_whitespace_pattern: str | None = Field(None, json_schema_extra=limits.NULL_ONLY)  # (a 400 when set)
     guided_decoding_backend: str | None = None  # which library: the one grammar library here serves any
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.TOOLS_OR_FUNCTIONS)
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: integer(ge=1) | None = None
     tools: list[Tool] | None = None
@@ -249,20 +260,26 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: str | None = None
     parallel_tool_calls: StrictBool | None = None
     functions: list[FunctionDef] | None = None  # OpenAI's deprecated form of tools / tool_choice
-    function_call: Union[str, dict[str, Any], None] = None
+    function_call: Union[str, dict[str, Any], None] = Field(None, json_schema_extra=limits.FUNCTION_CALL)
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: {"max_soft_tokens": 70..1120} per image
 
 
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.SCORE_NEEDS_ECHO)
     # one prompt (text or token ids) or several (texts or token-id lists): OpenAI's four forms
-    prompt: Union[str, list[str], list[Integer], list[list[Integer]]]
+    # no list empty, the outer or an inner one (serve/endpoints.py's 400s name which)
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]] = Field(
+        json_schema_extra={"minItems": 1, "items": {"minItems": 1}}
+    )
     max_tokens: integer(ge=0) | None = None  # 0: score the prompt only (needs echo; serve/endpoints.py)
     echo: StrictBool | None = False
-    suffix: str | None = None
-    best_of: Integer | None = None
+    # not supported (a 400 each, serve/endpoints.py), which the document states: no suffix text, best_of 1
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: Integer | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1})
 
 
 class TokenizeRequest(_Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra=limits.PROMPT_OR_MESSAGES)
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: StrictBool | None = None
@@ -272,7 +289,7 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    tokens: list[Integer]
+    tokens: list[TokenId]
 
 
 class TokenizerInfo(_Open):

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool
 
 from . import openapi
+from . import schema_limits as limits
 from .answer import answer
 from .pipeline import prepare
 from .protocol import (
@@ -45,6 +46,9 @@ REFUSED = {
 }
 
 
+UNSET: dict[str, Any] = {"enum": [None, False, []]}  # what a refused field may hold: nothing
+
+
 class Reasoning(_Open):
     effort: str | None = None
     summary: str | None = None  # accepted: the reasoning comes back whole, as the reasoning item's content
@@ -60,10 +64,10 @@ class ResponsesRequest(_Body):
     # unknown fields are refused: any of OpenAI's fields this server does not know could change the answer
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, list[dict[str, Any]]] = Field(json_schema_extra=limits.RESPONSES_ITEMS)
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=limits.RESPONSES_TOOLS)
+    tool_choice: Union[str, dict[str, Any], None] = Field(None, json_schema_extra=limits.RESPONSES_TOOL_CHOICE)
     parallel_tool_calls: StrictBool | None = None
     reasoning: Reasoning | None = None
     max_output_tokens: integer(ge=1) | None = None
@@ -81,13 +85,14 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key
     service_tier: str | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: StrictBool | None = None
-    prompt: Any = None
-    include: list[str] | None = None
-    top_logprobs: integer(ge=0, le=20) | None = None
-    max_tool_calls: integer(ge=1) | None = None
+    # REFUSED when set (a 400 naming each); the document says which values pass
+    previous_response_id: str | None = Field(None, json_schema_extra={"not": {"type": "string"}})
+    conversation: Any = Field(None, json_schema_extra=UNSET)
+    background: StrictBool | None = Field(None, json_schema_extra={"not": {"const": True}})
+    prompt: Any = Field(None, json_schema_extra=UNSET)
+    include: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})
+    top_logprobs: integer(ge=0, le=20) | None = Field(None, json_schema_extra={"maximum": 0})
+    max_tool_calls: integer(ge=1) | None = Field(None, json_schema_extra={"not": {"type": "integer"}})
 
 
 def _text(

@@ -160,7 +160,7 @@ def max_new_tokens(
     if requested > room:
         raise APIError(
             f"{budget} {requested} + prompt {prompt_len} tokens exceeds the context of {max_context} "
-            f"tokens; ask for at most {room}",
+            f"tokens; ask for at most {room} (the server's context is `thorgen serve --ctx`)",
             param=budget,
             code="context_length_exceeded",
         )

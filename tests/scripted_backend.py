@@ -165,7 +165,8 @@ class ScriptedRunner:
     def check(self, seq) -> None:
         from thorgen.runtime.backend import BackendError
 
-        if seq.sampling.extended:  # a script has no logits to process or report
+        # a script has no logits to process or report, for its answer or for the prompt
+        if seq.sampling.extended or seq.sampling.prompt_logprobs is not None:
             raise BackendError(f"{seq.sampling.describe_extended()} is not supported on the scripted backend")
 
     def draft_context(self, lane: int) -> int:

@@ -19,7 +19,10 @@ CTX = 1024
 HI = [{"role": "user", "content": "Hi"}]
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -50,7 +53,7 @@ def test_output_config_holds_the_answer_to_its_schema(served) -> None:
     for seed_text in ("Weather?", "Plan a trip.", "Where to?"):
         msg = claude.messages.create(
             model="tiny",
-            max_tokens=200,
+            max_tokens=400,
             messages=[{"role": "user", "content": seed_text}],
             output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
         )
@@ -58,7 +61,7 @@ def test_output_config_holds_the_answer_to_its_schema(served) -> None:
         jsonschema.validate(json.loads(msg.content[0].text), SCHEMA)
     beta = claude.messages.create(
         model="tiny",
-        max_tokens=200,
+        max_tokens=400,
         messages=HI,
         extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}},
     )
@@ -112,3 +115,10 @@ def test_non_finite_numbers_are_refused_as_such(served, path, body) -> None:
     assert r.status_code == 400
     err = r.json()["error"]
     assert "must be a finite number" in err["message"] and "less than" not in err["message"], err
+
+
+def test_a_budget_past_the_context_points_at_ctx(served) -> None:
+    _, claude, _ = served
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="tiny", max_tokens=CTX, messages=HI)
+    assert "--ctx" in caught.value.body["error"]["message"]
