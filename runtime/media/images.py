@@ -1,7 +1,8 @@
 """Runtime stage: one image's bytes -> an ImageInput (Gemma4ImageProcessor's steps, bit-exact, on Pillow + NumPy).
 
 Decode (Pillow), composite any transparency onto white, resize preserving the aspect ratio to the largest
-multiple-of-(pool x patch) sides within the soft-token budget (PIL BICUBIC on uint8; small images are upscaled),
+multiple-of-(pool x patch) sides within the soft-token budget (PIL BICUBIC on uint8; small images are upscaled;
+a large image's resize runs in bands on a few threads, byte for byte the same: runtime/media/resize.py),
 cut into patches in (py, px, c) order, row-major over the patch grid, with (x, y) grid positions. Pixels stay
 uint8 (ImageInput.pixel_values gives /255 as float32). Anything Pillow cannot turn into pixels, a decompression
 bomb or a zero-size image raises ImageError with a message fit for a 400.
@@ -19,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ...model_spec.types import Gemma4VisionSpec
 from ..backend import ImageInput
+from .resize import resized_patches, worth_bands
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 DEFAULT_BUDGET = 280
@@ -117,12 +119,17 @@ def preprocess(image: Image.Image, vision: Gemma4VisionSpec, budget: int = DEFAU
     check_budget(budget)
     rgb_image = to_rgb(image)
     th, tw = target_size(rgb_image.height, rgb_image.width, budget, vision)
-    if (th, tw) != (rgb_image.height, rgb_image.width):
-        rgb_image = rgb_image.resize((tw, th), resample=Image.Resampling.BICUBIC)
-    pixels = np.asarray(rgb_image)  # [H', W', 3] uint8
     p = vision.patch_size
     gh, gw = th // p, tw // p
-    patches = np.ascontiguousarray(pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3))
+    if (th, tw) != (rgb_image.height, rgb_image.width) and worth_bands(rgb_image.size, (tw, th)):
+        patches = resized_patches(rgb_image, th, tw, p)  # the same bytes, the resize spread over threads
+    else:
+        if (th, tw) != (rgb_image.height, rgb_image.width):
+            rgb_image = rgb_image.resize((tw, th), resample=Image.Resampling.BICUBIC)
+        pixels = np.asarray(rgb_image)  # [H', W', 3] uint8
+        patches = np.ascontiguousarray(
+            pixels.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
+        )
     gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
     positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
     soft = gh * gw // (vision.pooling_kernel_size**2)
