@@ -35,6 +35,11 @@ EVERY_SHAPE = (
 # arch -> {kernel: (spill bytes, stores + loads, allowed at most; why)}. nvcc 13.0.
 ALLOWED: dict[str, dict[str, tuple[int, str]]] = {
     "sm_100a": {
+        "vis_attn__h16x72_dp128": (
+            8,
+            "the vision attention's online-softmax state (nvcc 13.0 for sm_100a; 0 on sm_90a, 143 registers); "
+            "not examined on a Blackwell GPU",
+        ),
         "moe_down__m1_e128_k8_i704_h2816": (
             16,
             "two of the token's 8 expert ids, stored once before the slot loop "
