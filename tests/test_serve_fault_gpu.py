@@ -11,10 +11,7 @@ Run on the GPU: `THORGEN_KERNELS=<tiny build> python -m pytest -m gpu -q -rA tes
 from __future__ import annotations
 
 import concurrent.futures
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,52 +20,19 @@ import pytest
 pytest.importorskip("uvicorn")
 
 import device_fault  # noqa: E402
+from test_serve_gpu import _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LAUNCHER = Path(__file__).resolve().with_name("fault_serve.py")
 STREAMS = 4
 
 
-def _start(model: Path, kernels: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """The fault launcher serving `model` on the cuda backend on a free port; (process, url) once /health is 200."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    args = ["serve", "--model", str(model), "--backend", "cuda", "--port", str(port), "--kernel-dir", str(kernels)]
-    args += ["--served-model-name", "m", "--draft-tokens", "0", "--max-num-seqs", "8"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(LAUNCHER), *args], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            _stop(proc, log)
-            pytest.fail(f"the server was not healthy within 180 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.25)
-
-
-def _stop(proc: subprocess.Popen, log: Path) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    print(f"\n--- {log.name} (tail) ---\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def fault_server(built, tmp_path_factory):
     model, kernels = built
     log = tmp_path_factory.mktemp("fault-serve") / "serve.log"
-    proc, url = _start(model, kernels, log)
+    launcher = lambda *args: [sys.executable, str(LAUNCHER), *args]  # noqa: E731
+    proc, url = _start(model, kernels, log, "--draft-tokens", "0", "--max-num-seqs", "8", command=launcher)
     try:
         yield url
     finally:

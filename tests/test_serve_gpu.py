@@ -40,15 +40,16 @@ def _thorgen(*args: str) -> list[str]:
     return [sys.executable, "-c", "from thorgen.cli import main; main()", *args]
 
 
-def _start(model, kernels, log, *extra: str):
-    """`thorgen serve --backend cuda` on a free port; (process, url) once /health is 200."""
+def _start(model, kernels, log, *extra: str, command=_thorgen):
+    """`thorgen serve --backend cuda` on a free port (`command(*args)`: its argv, by default the thorgen CLI);
+    (process, url) once /health is 200."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _thorgen(
+            command(
                 "serve",
                 "--model",
                 str(model),
