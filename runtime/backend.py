@@ -105,7 +105,7 @@ class ImageRowCache:
         self._done: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def rows(self, image: ImageInput) -> np.ndarray:
-        self._collect(wait=False)
+        self.ready([image], wait=True)  # a tower encoding beside the steps: its rows (or the one in flight) waited for
         hit = self._rows.get(image.hash)
         if hit is not None:
             self._rows.move_to_end(image.hash)

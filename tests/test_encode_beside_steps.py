@@ -116,3 +116,11 @@ def test_with_nothing_else_to_run_the_step_waits_for_the_encode():
     sched.add(_image_seq("img"))
     step = sched.schedule()
     assert asked == [("img", True)] and [p.seq.request_id for p in step.prefills] == ["img"]
+
+
+def test_rows_of_the_image_in_flight_wait_for_that_encode():
+    tower = AsyncTower()
+    cache = ImageRowCache(tower)
+    a = _image("A")
+    assert not cache.ready([a])  # A's encode is in flight
+    assert cache.rows(a)[0, 0] == 1 and tower.started == ["A"] and tower.sync_encodes == 0  # not encoded twice
