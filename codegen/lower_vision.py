@@ -2,8 +2,8 @@
 `vision_encode` step program, as codegen/lower.py does the text model's.
 
 The program's row count is the image's soft-token count N; its L = 9 N patches (the preprocessing keeps only real
-patches, a row-major grid of whole 3x3 cells) make every launch's rows linear in N. In: vis_patches (f32 [L, 768],
-pixels in [0, 1]), vis_pos (i32 [L, 2]: x, y).
+patches, a row-major grid of whole 3x3 cells) make every launch's rows linear in N. In: vis_patches (u8 [L, 768],
+the pixels), vis_pos (i32 [L, 2]: x, y).
 Out: vis_out (f32 [N, text hidden]), the rows that replace the image's placeholder embeddings."""
 
 from __future__ import annotations

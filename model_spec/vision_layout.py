@@ -126,7 +126,7 @@ def vision_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
 # Activations of the program (name -> (row width, dtype) per patch row, or per soft-token row for the pooled ones):
 # the runtime sizes them for max_patches / MAX_SOFT_TOKENS rows.
 PATCH_ACTS = {
-    "vis_patches": ("patch_dim", "f32"),
+    "vis_patches": ("patch_dim", "u8"),  # the image's uint8 pixels, as preprocessing leaves them
     "vis_pos": (2, "i32"),
     "vis_pin": ("patch_dim", "f16"),
     "vis_x": ("hidden", "f32"),

@@ -10,6 +10,7 @@ import numpy as np
 import reference_kernels as RK
 from matmul_reference import gelu_tanh
 from thorgen.model_spec.nvfp4 import bf16_to_f32
+from thorgen.runtime.backend import PIXEL_UNIT
 
 F64 = np.float64
 
@@ -26,8 +27,8 @@ def _pad(y: np.ndarray, width: int) -> np.ndarray:
 
 
 def patch_prep_ref(p: np.ndarray) -> np.ndarray:
-    """2 * (p - 0.5) as f16."""
-    return RK.store(2.0 * (np.asarray(p, np.float32) - np.float32(0.5)), "f16")
+    """2 * (v / 255 - 0.5) as f16 for uint8 pixels v (v / 255 as the processor's float32 [0, 1] pixel)."""
+    return RK.store(2.0 * (PIXEL_UNIT[np.asarray(p, np.uint8)] - np.float32(0.5)), "f16")
 
 
 def embed_norm_ref(
@@ -129,7 +130,7 @@ class VisionKernels:
 
     def k_vis_patch_prep(self, p, a, n):
         T, PD = a["T"], p["PD"]
-        self.v(a["out"], np.float16, (T, PD), "out")[:] = patch_prep_ref(self.v(a["p"], np.float32, (T, PD), "p"))
+        self.v(a["out"], np.float16, (T, PD), "out")[:] = patch_prep_ref(self.v(a["p"], np.uint8, (T, PD), "p"))
 
     def k_vis_embed_norm(self, p, a, n):
         T, H, HP = a["T"], p["H"], p["HP"]

@@ -24,6 +24,7 @@ class AsyncTower:
 
     def __init__(self) -> None:
         self.started: list[str] = []
+        self.in_pieces: list[bool] = []  # each start's `pieces`
         self.in_flight: ImageInput | None = None
         self.finished = False
         self.sync_encodes = 0
@@ -32,9 +33,10 @@ class AsyncTower:
     def busy(self) -> bool:
         return self.in_flight is not None
 
-    def start(self, image: ImageInput) -> None:
+    def start(self, image: ImageInput, pieces: bool = False) -> None:
         assert self.in_flight is None, "one encode in flight at a time"
         self.started.append(image.hash)
+        self.in_pieces.append(pieces)
         self.in_flight, self.finished = image, False
 
     def finish(self) -> None:
@@ -68,6 +70,7 @@ def test_the_cache_starts_one_encode_at_a_time_and_hands_its_rows_over():
     rows = cache.rows(a)
     assert rows[0, 0] == 1 and cache.rows(b)[0, 0] == 2 and tower.sync_encodes == 0  # no second encode
     assert cache.encoded == 2 and cache.rows(a) is rows  # then cached as any encode
+    assert tower.in_pieces == [True, True]  # beside running steps: in pieces between them
 
 
 def test_waiting_encodes_every_image_now():
@@ -75,6 +78,7 @@ def test_waiting_encodes_every_image_now():
     cache = ImageRowCache(tower)
     assert cache.ready([_image("A"), _image("B")], wait=True)
     assert tower.started == ["A", "B"] and tower.sync_encodes == 0
+    assert tower.in_pieces == [False, False]  # nothing else runs: each encode whole
 
 
 def _scheduler(ready: dict[str, bool], asked: list[tuple[str, bool]]) -> Scheduler:

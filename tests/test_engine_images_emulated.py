@@ -94,7 +94,7 @@ def test_encode_is_the_program_and_near_the_float32_tower(pair):
     tensors = {t.name: np.asarray(ck.tensor(t.name)) for t in vision_tensors(spec.vision, spec.target.hidden_size)}
     for name in ("model.vision_tower.std_bias", "model.vision_tower.std_scale"):  # (run_encode's are float32)
         tensors[name] = bf16_or_f32(tensors[name])
-    lowered = run_encode(spec, tensors, img.pixel_values(), np.asarray(img.positions, np.int32))
+    lowered = run_encode(spec, tensors, img.patches, np.asarray(img.positions, np.int32))
     np.testing.assert_array_equal(got, lowered.astype(np.float32))
     want = VisionModel(ck).encode(img).astype(np.float64)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -103,6 +103,29 @@ def test_encode_is_the_program_and_near_the_float32_tower(pair):
     n = cuda.engine.encoder_cache.encoded
     assert cuda.engine.encoder_cache.rows(load_image(image_bytes(1), spec.vision, 70)) is got
     assert cuda.engine.encoder_cache.encoded == n
+
+
+def test_an_encode_in_pieces_between_steps_gives_the_whole_encode(pair):
+    """Beside running sequences the tower's graphs go one piece per poll() on the engine's stream: the same rows."""
+    cuda, _, ck = pair
+    vision = cuda.engine.vision
+    img = load_image(image_bytes(4, size=(96, 130)), ck.spec.vision, 140)
+    whole = vision.encode(img)
+    n, keep = img.soft_tokens, vision.piece_flop
+    for g in vision.graphs.pop(n):
+        g.destroy()
+    vision.piece_flop = 1.0  # a piece per launch with any work: every layer cut up
+    try:
+        vision.start(img, pieces=True)
+        polls = 1
+        while (done := vision.poll()) is None:
+            polls += 1
+            assert polls < 1000
+    finally:
+        vision.piece_flop = keep
+    assert len(vision.graphs[n]) > ck.spec.vision.num_hidden_layers  # (several pieces a layer)
+    assert polls >= len(vision.graphs[n])  # one piece enqueued per poll
+    assert done[0] == img.hash and np.array_equal(done[1], whole)
 
 
 @pytest.mark.parametrize("seeds", [(1,), (1, 2)])

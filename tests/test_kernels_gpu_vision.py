@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers unde
 import matmul_reference as R  # noqa: E402
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 from test_kernels_gpu_attention import _build, _run  # noqa: E402
-from test_vision_program import NP, TOL_ENCODE, _checkpoint, _grid, _image, tower_f64  # noqa: E402
+from test_vision_program import NP, TOL_ENCODE, _checkpoint, _grid, _image, pixels, tower_f64  # noqa: E402
 from thorgen.codegen.families import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.codegen.lower import Lower  # noqa: E402
 from thorgen.codegen.lower_vision import LowerVision  # noqa: E402
@@ -45,7 +45,7 @@ def encode_on_gpu(r: GpuRunner, ck: dict, patches: np.ndarray, pos: np.ndarray) 
         name: rig.alloc((L if name in PATCH_ACTS else N) * act_width(d, width) * np.dtype(NP[dt]).itemsize)
         for name, (width, dt) in {**PATCH_ACTS, **TOKEN_ACTS}.items()
     }
-    acts["vis_patches"].upload(np.ascontiguousarray(patches, np.float32))
+    acts["vis_patches"].upload(np.ascontiguousarray(patches, np.uint8))
     acts["vis_pos"].upload(np.ascontiguousarray(pos, np.int32))
 
     def bind(v):
@@ -73,7 +73,7 @@ def test_encode_program_matches_the_float64_tower(runner, gw, gh):
     ck = _checkpoint(spec)
     patches, pos = _image(gw, gh, spec.vision.patch_dim)
     out = encode_on_gpu(runner, ck, patches, pos)
-    ref = tower_f64(spec, ck, patches.astype(np.float64), pos)
+    ref = tower_f64(spec, ck, pixels(patches), pos)
     assert np.isfinite(out).all()
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < TOL_ENCODE, err

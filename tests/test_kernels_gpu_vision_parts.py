@@ -56,7 +56,8 @@ def test_patch_prep(runner):
     pd, rng = kern.param("PD"), np.random.default_rng(1)
     for gw, gh in GRIDS:
         T = gw * gh
-        p = rng.uniform(0, 1, (T, pd)).astype(np.float32)
+        p = rng.integers(0, 256, (T, pd), np.uint8)
+        p.flat[:256] = np.arange(256)  # every pixel value
         got = _run_rows(
             runner, kern, {"p": p, "out": np.full((T, pd), np.nan, np.float16)}, {"out": ((T, pd), np.float16)}, T
         )["out"]

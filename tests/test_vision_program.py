@@ -26,10 +26,11 @@ from thorgen.model_spec.presets import get_preset
 from thorgen.model_spec.synth.weights import bf16_chunks
 from thorgen.model_spec.tensors import vision_tensors as checkpoint_vision_tensors
 from thorgen.model_spec.vision_layout import PATCH_ACTS, TOKEN_ACTS, act_width, vision_dims, vision_tensors
+from thorgen.runtime.backend import PIXEL_UNIT
 from thorgen.runtime.convert.vision import vision_arrays
 
 F64 = np.float64
-NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32, "half": np.uint16}
+NP = {"u8": np.uint8, "f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32, "half": np.uint16}
 
 
 def _checkpoint(spec, seed: int = 0) -> dict[str, np.ndarray]:
@@ -94,7 +95,12 @@ def tower_f64(spec, ck, patches: np.ndarray, pos: np.ndarray, qk_bf16: bool = Fa
 def _image(gw: int, gh: int, patch_dim: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     ys, xs = np.divmod(np.arange(gw * gh), gw)
-    return rng.uniform(0, 1, (gw * gh, patch_dim)).astype(np.float32), np.stack([xs, ys], 1).astype(np.int32)
+    return rng.integers(0, 256, (gw * gh, patch_dim), np.uint8), np.stack([xs, ys], 1).astype(np.int32)
+
+
+def pixels(patches: np.ndarray) -> np.ndarray:
+    """uint8 patches as the float64 [0, 1] pixels the float64 tower takes (the processor's float32 rescale)."""
+    return PIXEL_UNIT[patches].astype(F64)
 
 
 def _grid(kernel, rows: int) -> tuple[int, int, int]:
@@ -127,7 +133,7 @@ def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a") -> np.ndarray:
         acts[name] = alloc(
             np.full((rows, act_width(d, width)), 0xFF, np.uint8).view(np.uint8).repeat(np.dtype(NP[dt]).itemsize, 1)
         )
-    drv.view(acts["vis_patches"], np.float32, patches.shape)[:] = patches
+    drv.view(acts["vis_patches"], np.uint8, patches.shape)[:] = patches
     drv.view(acts["vis_pos"], np.int32, pos.shape)[:] = pos
     emu = KernelEmulator(drv)
 
@@ -166,7 +172,7 @@ def test_encode_program_matches_the_float64_tower(preset, layers, gw, gh):
     spec = with_layers(spec, layers) if layers else spec
     ck = _checkpoint(spec)
     patches, pos = _image(gw, gh, spec.vision.patch_dim)
-    out, ref = run_encode(spec, ck, patches, pos), tower_f64(spec, ck, patches.astype(F64), pos)
+    out, ref = run_encode(spec, ck, patches, pos), tower_f64(spec, ck, pixels(patches), pos)
     assert out.shape == ref.shape == (gw * gh // 9, spec.target.hidden_size)
     assert np.isfinite(out).all()
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
@@ -180,8 +186,8 @@ def test_the_test_tower_is_well_conditioned():
     spec = get_preset("gemma-4-26b-a4b")
     ck = _checkpoint(spec)
     patches, pos = _image(6, 9, spec.vision.patch_dim)
-    ref = tower_f64(spec, ck, patches.astype(F64), pos)
-    rounded = tower_f64(spec, ck, patches.astype(F64), pos, qk_bf16=True)
+    ref = tower_f64(spec, ck, pixels(patches), pos)
+    rounded = tower_f64(spec, ck, pixels(patches), pos, qk_bf16=True)
     assert np.linalg.norm(rounded - ref) / np.linalg.norm(ref) < TOL_ENCODE / 4
 
 
@@ -191,7 +197,7 @@ def test_a_wrong_pool_order_is_caught():
     ck = _checkpoint(spec)
     patches, pos = _image(6, 9, spec.vision.patch_dim)
     out = run_encode(spec, ck, patches, pos)
-    swapped = tower_f64(spec, ck, patches.astype(F64), pos[:, ::-1].copy())
+    swapped = tower_f64(spec, ck, pixels(patches), pos[:, ::-1].copy())
     assert np.linalg.norm(out - swapped) / np.linalg.norm(swapped) > 0.05
 
 

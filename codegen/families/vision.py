@@ -1,7 +1,7 @@
 """Codegen stage: the vision tower's kernels — its row kernels (patch input, position tables + first norm, q/k/v
 norm + 2-D RoPE, sandwich norms, the pool tail), its fp16 GEMMs and its bidirectional attention.
 
-  vis_patch_prep__pd{PD}                     2 * (p - 0.5) -> f16 patch rows
+  vis_patch_prep__pd{PD}                     uint8 pixels v -> 2 * (v / 255 - 0.5) f16 patch rows
   vis_embed_norm__h{H}                       x += table[0][x] + table[1][y]; a = rmsnorm(x) * w (f16, pitch HP)
   vis_qkv_rope__h{NH}x{D}                    q|k|v f32 -> q, k (RMSNorm + 2-D RoPE), v (RMSNorm) bf16 [NH][DP]
   vis_sandwich__h{H}                         x += rmsnorm(y) * w_post; a = rmsnorm(x) * w_next

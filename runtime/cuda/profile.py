@@ -82,7 +82,9 @@ def profile_encode(eng: Engine, image: Any) -> list[dict]:
     if eng.vision is None:
         raise ValueError("this engine has no vision tower on the device")
     eng.vision.encode(image)
-    eng.vision.stage(image)  # (on the tower's own stream: done before the profiled launches on the engine's)
+    eng.vision.stage(
+        image, eng.vision.stream
+    )  # (on the tower's own stream: done before the profiled launches on the engine's)
     eng.vision.stream.synchronize()
     (launches,) = _bind_alone(eng, eng.vision.ops(image.soft_tokens))
     return _eager_profile(eng, launches)

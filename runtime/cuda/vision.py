@@ -1,8 +1,9 @@
 """Runtime stage: `VisionEncoder`, the vision tower on the device: its activations and the vision.encode step program
 bound to them (the engine keeps recently encoded images' rows in an ImageRowCache in front of it).
 
-The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) as one CUDA graph, captured
-per N (the most recent GRAPHS_KEPT kept): one launch from the host instead of ~250. The rows come back to the host
+The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) as a few CUDA graphs (pieces
+of bounded work), captured per N (the most recent GRAPHS_KEPT kept): a handful of launches from the host instead of
+~250. The rows come back to the host
 (f32 [N, text hidden], 3.2 MB for a 280-token image on the full model), which keeps them across steps and
 preemption, and the engine stages them into a prefill chunk's residual rows.
 """
@@ -30,12 +31,16 @@ from ..backend import BackendError, ImageInput
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
 from .graphs import CudaGraph
+from .device import Stream
 from .kernels import Ptr
 from .memory import Arena, ArenaPlan, PinnedBuffer
 from .programs import Copy2D, Forward
 from .steps import StepParts
 
-GRAPHS_KEPT = 16  # captured encode graphs, by soft-token count
+GRAPHS_KEPT = 16  # captured encodes, by soft-token count
+# An encode beside running sequences goes in pieces of this much tensor work, one between two steps: ~3 ms of the
+# tower at the ~200 TFLOP/s it runs at on an H100, so each step waits at most that long for it.
+PIECE_FLOP = 0.6e12
 
 if TYPE_CHECKING:
     from .buffers import EngineBuffers
@@ -88,10 +93,12 @@ class _Pointers:
 
 
 def check_image(d: VisionDims, image: ImageInput) -> None:
-    """BackendError unless the image's arrays fit the program (whole 3x3 cells, 1..MAX_SOFT_TOKENS tokens, every
-    patch position inside the tower's position table)."""
+    """BackendError unless the image's arrays fit the program (uint8 pixels, whole 3x3 cells, 1..MAX_SOFT_TOKENS
+    tokens, every patch position inside the tower's position table)."""
     n = image.soft_tokens
     patches, positions = np.asarray(image.patches), np.asarray(image.positions)
+    if patches.dtype != np.uint8:
+        raise BackendError(f"image patches of {patches.dtype}: the vision program takes uint8 pixels")
     if not 1 <= n <= MAX_SOFT_TOKENS:
         raise BackendError(f"image of {n} soft tokens: the vision program runs 1..{MAX_SOFT_TOKENS}")
     if patches.shape != (d.pool_rows * n, d.patch_dim) or positions.shape != (d.pool_rows * n, 2):
@@ -106,11 +113,15 @@ def check_image(d: VisionDims, image: ImageInput) -> None:
 
 
 class VisionEncoder:
-    """The device tower on its own stream, at the least priority: `start(image)` enqueues one image's encode (upload,
-    graph, download into pinned memory) and returns at once; `poll()` hands back its rows once the GPU is done, so
-    the engine's decode steps run beside an encode instead of waiting for it (where blocks of both wait for
-    multiprocessors, the steps' stream, at the greatest priority, goes first). One encode is in flight at a time
-    (the tower's activations are one arena). `encode(image)` is the same, waited for."""
+    """The device tower: `start(image, pieces)` enqueues one image's encode (upload, graphs, download into pinned
+    memory) and returns at once; `poll()` hands back its rows once the GPU is done; `wait()` waits for them. One
+    encode is in flight at a time (the tower's activations are one arena); `encode(image)` is start + wait.
+
+    Alone (`pieces` False) the whole encode goes on the tower's own stream, at the least priority. Beside running
+    sequences (`pieces` True) it goes on the engine's stream one piece of ~PIECE_FLOP at a time, one piece per
+    poll() (the scheduler polls once a step): the tower's blocks run for up to hundreds of microseconds, and a
+    decode step sharing the GPU with them waits on them at every one of its ~300 launches, so interleaving bounded
+    pieces between the steps is what keeps the running streams' inter-token time to one step plus one piece."""
 
     def __init__(self, parts: StepParts, spec: ModelSpec, manifest: KernelManifest, buffers: EngineBuffers) -> None:
         self.parts, self.spec = parts, spec
@@ -122,25 +133,28 @@ class VisionEncoder:
         self.done_event = parts.device.event(timing=False)
         self.arena.buffer.zero(self.stream)
         self.stream.synchronize()
-        self.graphs: OrderedDict[int, CudaGraph] = OrderedDict()  # soft tokens -> the captured encode
+        self.graphs: OrderedDict[int, list[CudaGraph]] = OrderedDict()  # soft tokens -> the encode's pieces
+        self.piece_flop = PIECE_FLOP
         d = self.dims
-        # pixels in (float32 [patches, patch_dim]) and rows out (float32 [soft tokens, text hidden]), pinned
-        self.pinned_in = PinnedBuffer(4 * d.max_patches * d.patch_dim)
+        # pixels in (uint8 [patches, patch_dim]) and rows out (float32 [soft tokens, text hidden]), pinned
+        self.pinned_in = PinnedBuffer(d.max_patches * d.patch_dim)
         self.pinned_out = PinnedBuffer(4 * MAX_SOFT_TOKENS * d.text_hidden)
         self.in_flight: ImageInput | None = None
+        self._pieces: list[CudaGraph] = []  # the encode in flight's pieces not yet enqueued
+        self._on = self.stream  # the stream the encode in flight runs on
         self._finished: tuple[str, np.ndarray] | None = None  # an encode waited for before poll() asked
 
     def check(self, image: ImageInput) -> None:
         check_image(self.dims, image)
 
-    def stage(self, image: ImageInput) -> None:
-        """Check the image and enqueue the upload of its patches (through pinned memory, written in place by the
-        uint8 -> float32 table) and positions on the tower's stream."""
+    def stage(self, image: ImageInput, stream: Stream) -> None:
+        """Check the image and enqueue the upload of its uint8 patches (through pinned memory; the first kernel
+        scales them) and positions on `stream`."""
         self.check(image)
-        pixels = self.pinned_in.array[: 4 * image.patches.size].view(np.float32).reshape(image.patches.shape)
-        image.pixel_values(out=pixels)
-        self.arena["vis_patches"].upload(pixels, stream=self.stream)
-        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=self.stream)
+        pixels = self.pinned_in.array[: image.patches.size].reshape(image.patches.shape)
+        np.copyto(pixels, image.patches)
+        self.arena["vis_patches"].upload(pixels, stream=stream)
+        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
 
     def ops(self, soft_tokens: int) -> list:
         """The encode program's ops for an image of `soft_tokens` soft tokens."""
@@ -150,28 +164,42 @@ class VisionEncoder:
     def busy(self) -> bool:
         return self.in_flight is not None
 
-    def start(self, image: ImageInput) -> None:
-        """Enqueue the image's encode on the tower's stream (the one in flight, if any, is waited for first)."""
+    def start(self, image: ImageInput, pieces: bool = False) -> None:
+        """Enqueue the image's encode (the one in flight, if any, is waited for first): whole on the tower's stream,
+        or in `pieces` on the engine's (the first now, one more each poll())."""
         if self.in_flight is not None:
             self._finished = self._collect()
-        n = image.soft_tokens
-        self.stage(image)
-        self._graph(n).replay(self.stream)
-        self.arena["vis_out"].download_async(self._rows_view(n), self.stream)
-        self.done_event.record(self.stream)
+        self._on = self.parts.stream if pieces else self.stream
+        self.stage(image, self._on)
+        self._pieces = list(self._graph(image.soft_tokens))
         self.in_flight = image
+        self._enqueue(everything=not pieces)
+
+    def _enqueue(self, everything: bool) -> None:
+        """The next piece (or all that are left); after the last, the rows' download and the done event."""
+        while self._pieces:
+            self._pieces.pop(0).replay(self._on)
+            if not everything:
+                break
+        if not self._pieces and self.in_flight is not None:
+            self.arena["vis_out"].download_async(self._rows_view(self.in_flight.soft_tokens), self._on)
+            self.done_event.record(self._on)
 
     def poll(self) -> tuple[str, np.ndarray] | None:
-        """(image hash, its rows) of an encode that has completed since the last poll, else None."""
+        """(image hash, its rows) of an encode that has completed since the last poll, else None (enqueueing the
+        next piece of one in pieces)."""
         if self._finished is not None:
             done, self._finished = self._finished, None
             return done
-        if self.in_flight is None or not self.done_event.done():
+        if self.in_flight is None:
             return None
-        return self._collect()
+        if self._pieces:
+            self._enqueue(everything=False)
+            return None
+        return self._collect() if self.done_event.done() else None
 
     def wait(self) -> tuple[str, np.ndarray] | None:
-        """poll(), waiting for the encode in flight (None when none is)."""
+        """poll(), waiting for the encode in flight (its pieces left enqueued at once; None when none is)."""
         if self._finished is None and self.in_flight is not None:
             return self._collect()
         return self.poll()
@@ -179,6 +207,7 @@ class VisionEncoder:
     def _collect(self) -> tuple[str, np.ndarray]:
         image = self.in_flight
         assert image is not None
+        self._enqueue(everything=True)
         self.done_event.synchronize()
         self.in_flight = None
         return image.hash, self._rows_view(image.soft_tokens).copy()
@@ -195,32 +224,66 @@ class VisionEncoder:
         self._finished = pending
         return rows
 
-    def _graph(self, n: int) -> CudaGraph:
-        """The encode of an n-token image as a graph: captured (on the tower's stream) the first time, the least
-        recent dropped past GRAPHS_KEPT (each holds ~250 kernel nodes; images of a few sizes are the common
-        traffic)."""
+    def _graph(self, n: int) -> list[CudaGraph]:
+        """The encode of an n-token image as graphs, one per piece: captured (on the tower's stream) the first time,
+        the least recent size dropped past GRAPHS_KEPT (each size holds ~250 kernel nodes; images of a few sizes
+        are the common traffic)."""
         g = self.graphs.get(n)
         if g is None:
-            launches = self.parts.launches.bind(self.ops(n), captured=True)
-            g = CudaGraph.capture(self.stream, lambda: [l(self.stream) for _, l in launches], f"vision {n}")
+            g = []
+            for i, piece in enumerate(encode_pieces(self.ops(n), self.piece_flop)):
+                launches = self.parts.launches.bind(piece, captured=True)
+                g.append(
+                    CudaGraph.capture(
+                        self.stream, lambda ls=launches: [l(self.stream) for _, l in ls], f"vision {n} piece {i}"
+                    )
+                )
             self.graphs[n] = g
             if len(self.graphs) > GRAPHS_KEPT:
-                self.graphs.popitem(last=False)[1].destroy()
+                for old in self.graphs.popitem(last=False)[1]:
+                    old.destroy()
         self.graphs.move_to_end(n)
         return g
 
     def destroy(self) -> None:
         if self.in_flight is not None:
+            self._enqueue(everything=True)
             self.done_event.synchronize()
             self.in_flight = None
-        for g in self.graphs.values():
-            g.destroy()
+        for pieces in self.graphs.values():
+            for g in pieces:
+                g.destroy()
         self.graphs.clear()
         self.pinned_in.free()
         self.pinned_out.free()
         self.done_event.destroy()
         self.stream.destroy()
         self.arena.free()
+
+
+def op_flop(op) -> float:
+    """The tensor-core work of one encode launch: its GEMM or attention FLOPs (the row kernels' is negligible)."""
+    name, param = op.entry.name, op.entry.param
+    if name.startswith("vis_gemm"):
+        return 2.0 * op.rows * param("n") * param("k")
+    if name.startswith("vis_attn"):
+        return 4.0 * op.rows * op.rows * param("NH") * param("DC")
+    return 0.0
+
+
+def encode_pieces(ops: list, piece_flop: float) -> list[list]:
+    """The encode's launches in order, cut into pieces of at most `piece_flop` (a launch larger than that is a
+    piece by itself): ~2 pieces a layer at 1120 soft tokens, ~5 layers a piece at 280."""
+    pieces: list[list] = [[]]
+    work = 0.0
+    for op in ops:
+        flop = op_flop(op)
+        if pieces[-1] and work + flop > piece_flop:
+            pieces.append([])
+            work = 0.0
+        pieces[-1].append(op)
+        work += flop
+    return pieces
 
 
 def chunk_images(images: Sequence[tuple[int, np.ndarray]], start: int, end: int) -> list[tuple[int, np.ndarray]]:

@@ -39,12 +39,16 @@ __device__ __forceinline__ void vis_store_act(__half* a, const float (&v)[VisRow
   for (int i = H + threadIdx.x; i < HP; i += THREADS) a[i] = __float2half_rn(0.f);
 }
 
-// out[t][i] = 2 * (p[t][i] - 0.5) as f16 (the model's input scaling of [0, 1] pixels)
+// out[t][i] = 2 * (v / 255 - 0.5) as f16 from uint8 pixels v (the model's input scaling of [0, 1] pixels). v / 255 is
+// v * (1 / 255) in double rounded once to float, as the HF processor's float64 rescale gives it: the host uploads the
+// uint8 patches (a quarter of the bytes) and does no per-pixel work.
 template <int PD, int THREADS>
-__device__ void vis_patch_prep_rows(const float* __restrict__ p, __half* __restrict__ out, int T) {
+__device__ void vis_patch_prep_rows(const unsigned char* __restrict__ p, __half* __restrict__ out, int T) {
   for (int row = blockIdx.x; row < T; row += gridDim.x)
-    for (int i = threadIdx.x; i < PD; i += THREADS)
-      out[(long)row * PD + i] = __float2half_rn(2.f * (p[(long)row * PD + i] - 0.5f));
+    for (int i = threadIdx.x; i < PD; i += THREADS) {
+      const float unit = __double2float_rn(static_cast<double>(p[(long)row * PD + i]) * (1.0 / 255.0));
+      out[(long)row * PD + i] = __float2half_rn(2.f * (unit - 0.5f));
+    }
 }
 
 // x[t] += table[0][pos[t].x] + table[1][pos[t].y];  a[t] = rmsnorm(x[t]) * w  (f16, pitch HP)
