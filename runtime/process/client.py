@@ -267,8 +267,8 @@ class ProcessEngineClient(EngineClient):
             job = self._live.get(request_id)
         if job is not None:
             job.in_core = False
-            error = RequestRejected(message) if request_fault else EngineFailure(f"request {request_id} failed: {message}")
-            self._emit(job, error)
+            failure = f"request {request_id} failed: {message}"
+            self._emit(job, RequestRejected(message) if request_fault else EngineFailure(failure))
 
     def _on_fault(self, engine: _EngineProcess, request_ids: list[str], error: str, message: str, exits: bool) -> None:
         """The engine process reports a fault of the engine as a whole (it exits after it when `exits`)."""
@@ -326,7 +326,7 @@ class ProcessEngineClient(EngineClient):
                     break
                 kind, job = self._outbox.popleft()
                 message = self._message(kind, job)
-            if message is None:
+            if message is None or engine is None:  # (an accepting client always has its engine process)
                 continue
             try:
                 engine.inbox.send(message)
