@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,8 +32,8 @@ EXIT_ENGINE_LOST = 3  # the exit status of an engine process that reported a fau
 
 # The messages, tuples led by a name. Server -> engine: ("add", request id, prompt ids int32, max_tokens, sampling,
 # stop ids, speculative, image spans), ("abort", request id), ("close",). Engine -> server: ("ready", Capabilities,
-# ModelFiles), ("load_error", exception), ("rejected", request id, the request's fault?, message), ("step", outputs,
-# step stats or None), ("fault", request ids, error type, message, exiting?).
+# ModelFiles, the core's health), ("load_error", exception), ("rejected", request id, the request's fault?,
+# message), ("step", outputs, step stats or None), ("fault", request ids, error type, message, exiting?).
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,15 @@ class EngineSettings:
     kv_tokens: int | None = None
     max_step_tokens: int | None = None
     log_level: int = logging.WARNING
+    switch_interval_s: float | None = None  # the GIL's, as the server set its own (None: Python's default)
 
 
 def run_engine(inbox: Connection, outbox: Connection, settings: EngineSettings) -> None:
     """The engine process's main: open, report ready (or the load error), then serve until told to close or until
     the server's end of the pipe closes (the server died: no engine process outlives it)."""
     logging.basicConfig(level=settings.log_level, format="%(levelname)s:     %(name)s [engine process]: %(message)s")
+    if settings.switch_interval_s is not None:  # (the engine thread shares the GIL with the backend's own threads)
+        sys.setswitchinterval(settings.switch_interval_s)
     try:
         opened = settings.opener()
         loop = _EngineLoop(opened, inbox, outbox, settings)
@@ -60,7 +64,7 @@ def run_engine(inbox: Connection, outbox: Connection, settings: EngineSettings) 
         outbox.send(("load_error", _picklable(exc)))
         return
     caps = capabilities_of(opened.backend, settings.backend_name, settings.kv_dtype)
-    outbox.send(("ready", caps, opened.files))
+    outbox.send(("ready", caps, opened.files, loop.core.health()))
     try:
         loop.run()
     finally:

@@ -19,6 +19,7 @@ import functools
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +52,7 @@ def open_engine(config: EngineConfig, max_queue: int = 1024) -> tuple[EngineClie
         config.max_num_seqs,
         max_step_tokens=config.max_step_tokens,
         log_level=logging.getLogger().getEffectiveLevel(),
+        switch_interval_s=sys.getswitchinterval(),
     )
     process_client = ProcessEngineClient(settings, max_queue)
     try:
@@ -155,16 +157,16 @@ class ProcessEngineClient(EngineClient):
     def close(self, timeout: float = 30.0) -> None:
         """Cancel everything, tell the engine process to close its backend and exit (stopped after `timeout`
         otherwise), and join the threads."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._cond:  # (with _start's check: no engine process starts after this)
+            if self._closed:
+                return
+            self._closed = True
+            engine = self._engine
+            self._cond.notify_all()  # the feeder sends "close" and ends
         with self._lock:
             jobs = list(self._live.values())
         for job in jobs:
             job.cancel.set()
-        with self._cond:
-            self._cond.notify_all()  # the feeder sends "close" and ends
-        engine = self._engine
         if engine is not None:
             engine.stop(timeout)
         self._thread.join(timeout)
@@ -223,7 +225,7 @@ class ProcessEngineClient(EngineClient):
         if message[0] == "load_error":
             engine.stop(STOP_GRACE_S)
             raise message[1]
-        _, self._caps, self.files = message
+        _, self._caps, self.files, self._report = message
         log.info("the engine process %d is ready", process.pid)
         with self._cond:
             self._accepting = True
@@ -289,6 +291,7 @@ class ProcessEngineClient(EngineClient):
         """The engine process's pipe closed: wait for it to end, then fail or re-run the requests it held."""
         with self._cond:
             self._accepting = False
+        self._running = 0
         reason = engine.exit_reason(STOP_GRACE_S)
         with self._lock:
             jobs = [j for j in self._live.values() if j.in_core]
