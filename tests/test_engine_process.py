@@ -2,7 +2,9 @@
 of a step (the engine process exits there, as a device fault takes a process down; or it reports EngineStateLost;
 or it is killed with SIGKILL) fails the requests that were running, each with an error naming only itself, while a
 request that had no output yet runs again; /health goes `recovering`, then `ok` once a fresh engine process has
-loaded, and the requests after it get the reference's tokens. Closing the server leaves no engine process."""
+loaded, and the requests after it get the reference's tokens. An engine process that cannot start again leaves
+/health `failed` with the reason; requests abort across the process boundary; closing the server leaves no engine
+process."""
 
 from __future__ import annotations
 
@@ -213,3 +215,54 @@ def test_an_engine_process_that_cannot_load_reports_why(tmp_path):
 def test_a_sequence_failure_crosses_the_process_boundary_whole():
     error = pickle.loads(pickle.dumps(SequenceFailed("req-3", "bad grammar", request_fault=True)))
     assert (error.request_id, error.request_fault, str(error)) == ("req-3", True, "request req-3: bad grammar")
+
+
+def test_an_engine_process_that_cannot_start_again_leaves_health_failed(tiny_checkpoint, tmp_path):
+    """The checkpoint gone when the fault comes: the restart's load error is /health's reason, requests get 503."""
+    import shutil
+
+    from scripted_backend import running_server
+    from thorgen.serve.app import create_app
+
+    model = shutil.copytree(tiny_checkpoint, tmp_path / "model")
+    state = _serve(model)
+    try:
+        app = create_app(state)
+        device_fault.add_route(app)
+        with running_server(app) as url:
+            (stream,), threads = _streams(url, 1)
+            shutil.rmtree(model)
+            assert httpx.post(url + device_fault.FAULT_ROUTE, timeout=10).status_code == 202
+            states, health = _recovery(url, 0)
+            threads[0].join(60)
+            _failed_alone(stream, "exited with status 70")
+            assert states[-1] == "failed" and "could not be restarted" in health["error"], health
+            assert "model" in health["error"]  # (the load error names the missing folder)
+            status, text = _greedy(url)
+            assert status == 503 and "could not be restarted" in text
+    finally:
+        state.close()
+
+
+def test_requests_abort_in_the_engine_process(tiny_checkpoint):
+    import asyncio
+
+    config = EngineConfig(tiny_checkpoint, "reference", 256)
+    client = ProcessEngineClient(EngineSettings(functools.partial(open_backend, config), "reference", "bf16"))
+    try:
+        client.wait_ready()
+
+        async def run() -> tuple[str, str]:
+            running = client.submit(PROMPT, 200, SamplingParams())
+            first = await running.next(60)
+            queued = client.submit(PROMPT, 200, SamplingParams())  # aborted before it can run a step
+            queued.abort()
+            running.abort()
+            outs = [first] + [out async for out in running]
+            queued_outs = [out async for out in queued]
+            return outs[-1].result.finish_reason, queued_outs[-1].result.finish_reason
+
+        assert asyncio.run(run()) == ("cancelled", "cancelled")
+        assert client.health()["running"] == 0
+    finally:
+        client.close()
