@@ -11,7 +11,9 @@ A fault stays with its request: a sequence the core finishes with its own error 
 ends as RequestRejected (the request's fault) or EngineFailure naming that request only, beside the others. A fault
 of the engine itself (a step that fails as a whole, a device error) fails the requests in the core, each with an
 error that names only itself, and the engine rebuilds its core (after EngineStateLost: reopens the backend) while
-queued requests wait; `health()` says "recovering" meanwhile and "failed" when the rebuild failed.
+queued requests wait; `health()` says "recovering" meanwhile and "failed" when the rebuild failed. A fault on a
+real GPU outlives any rebuild in its process: runtime/process's ProcessEngineClient, this client over an engine in
+a child process, recovers from one by starting a fresh process.
 """
 
 from __future__ import annotations
