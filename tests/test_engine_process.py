@@ -152,7 +152,7 @@ def test_a_fault_fails_the_running_requests_and_a_fresh_engine_process_serves(
             named = {_failed_alone(s, *words) for s in streams}
             assert len(named) == 2  # each names itself
             assert waiting["answer"] == (200, reference_tokens)
-            assert states[0] == "recovering" and states[-1] == "ok", states
+            assert "recovering" in states and states[-1] == "ok", states  # (ok until the next step faults)
             assert health["recoveries"] == 1 and health["last_recovery_s"] > 0
             assert health["engine_pid"] != first_pid
             assert _greedy(url) == (200, reference_tokens)
@@ -264,5 +264,29 @@ def test_requests_abort_in_the_engine_process(tiny_checkpoint):
 
         assert asyncio.run(run()) == ("cancelled", "cancelled")
         assert client.health()["running"] == 0
+    finally:
+        client.close()
+
+
+def test_a_request_that_cannot_cross_to_the_engine_process_fails_alone(tiny_checkpoint):
+    import asyncio
+
+    from thorgen.runtime.client import EngineFailure
+    from thorgen.runtime.text.grammar import Grammar
+
+    config = EngineConfig(tiny_checkpoint, "reference", 256)
+    client = ProcessEngineClient(EngineSettings(functools.partial(open_backend, config), "reference", "bf16"))
+    try:
+        client.wait_ready()
+
+        async def run() -> list[int]:
+            # a grammar over a tokenizer that runtime.text.grammar.tokenizer() did not make does not pickle
+            stray = client.submit(PROMPT, 4, SamplingParams(grammar=Grammar("start: /a/", object())))
+            with pytest.raises(EngineFailure, match=rf"{stray.request_id} failed: TypeError: a Grammar pickles only"):
+                await stray.next(60)
+            outs = [out async for out in client.submit(PROMPT, MAX_TOKENS, SamplingParams())]
+            return list(outs[-1].result.token_ids)
+
+        assert len(asyncio.run(run())) == MAX_TOKENS
     finally:
         client.close()

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from typing import Any
 
@@ -332,7 +333,13 @@ class ProcessEngineClient(EngineClient):
             if message is None or engine is None:  # (an accepting client always has its engine process)
                 continue
             try:
-                engine.inbox.send(message)
+                data = ForkingPickler.dumps(message)
+            except Exception as exc:  # (a value that cannot cross to the engine process: this request's failure)
+                job.in_core = False
+                self._emit(job, self._failed(job.request_id, exc))
+                continue
+            try:
+                engine.inbox.send_bytes(data)
             except (OSError, ValueError):  # it died: the engine thread fails or re-runs the job
                 pass
         if engine is not None:
