@@ -290,3 +290,26 @@ def test_a_request_that_cannot_cross_to_the_engine_process_fails_alone(tiny_chec
         assert len(asyncio.run(run())) == MAX_TOKENS
     finally:
         client.close()
+
+
+def test_the_soak_counts_the_engine_process_s_memory(tiny_checkpoint):
+    import asyncio
+
+    from scripted_backend import running_server
+    from thorgen.runtime.bench.soak import _sample, process_rss
+    from thorgen.serve.app import create_app
+
+    state = _serve(tiny_checkpoint)
+    try:
+        with running_server(create_app(state)) as url:
+
+            async def sample() -> dict:
+                async with httpx.AsyncClient(timeout=30) as http:
+                    return await _sample(http, url, 0.0, os.getpid())
+
+            got = asyncio.run(sample())
+            engine_pid = state.client.engine_pid
+            assert got["rss_source"] == f"pid {os.getpid()} + engine process {engine_pid}"
+            assert got["rss_bytes"] > process_rss(engine_pid)
+    finally:
+        state.close()
