@@ -268,26 +268,39 @@ def test_requests_abort_in_the_engine_process(tiny_checkpoint):
         client.close()
 
 
-def test_a_request_that_cannot_cross_to_the_engine_process_fails_alone(tiny_checkpoint):
+def test_a_request_that_cannot_cross_to_the_engine_process_fails_alone(tiny_checkpoint, tmp_path):
+    """Values that do not pickle here, or cannot be rebuilt there, fail their request alone; the next one runs."""
     import asyncio
 
+    pytest.importorskip("llguidance")
+    from scripted_backend import write_test_tokenizer
     from thorgen.runtime.client import EngineFailure
-    from thorgen.runtime.text.grammar import Grammar
+    from thorgen.runtime.text.grammar import Grammar, tokenizer
 
     config = EngineConfig(tiny_checkpoint, "reference", 256)
     client = ProcessEngineClient(EngineSettings(functools.partial(open_backend, config), "reference", "bf16"))
     try:
         client.wait_ready()
+        gone = write_test_tokenizer(tmp_path / "tokenizer.json")
+        tok = tokenizer(str(gone), client.capabilities.vocab_size, (1,))
+        gone.unlink()  # (the engine process rebuilds its tokenizer from this file)
 
-        async def run() -> list[int]:
-            # a grammar over a tokenizer that runtime.text.grammar.tokenizer() did not make does not pickle
-            stray = client.submit(PROMPT, 4, SamplingParams(grammar=Grammar("start: /a/", object())))
-            with pytest.raises(EngineFailure, match=rf"{stray.request_id} failed: TypeError: a Grammar pickles only"):
+        async def failure(grammar: Grammar) -> str:
+            stray = client.submit(PROMPT, 4, SamplingParams(grammar=grammar))
+            with pytest.raises(EngineFailure) as caught:
                 await stray.next(60)
-            outs = [out async for out in client.submit(PROMPT, MAX_TOKENS, SamplingParams())]
-            return list(outs[-1].result.token_ids)
+            assert device_fault.request_ids(str(caught.value)) == {stray.request_id}
+            return str(caught.value)
 
-        assert len(asyncio.run(run())) == MAX_TOKENS
+        async def run() -> tuple[str, str, list[int]]:
+            here = await failure(Grammar("start: /a/", object()))  # a tokenizer tokenizer() did not make
+            there = await failure(Grammar("start: /a/", tok))
+            outs = [out async for out in client.submit(PROMPT, MAX_TOKENS, SamplingParams())]
+            return here, there, list(outs[-1].result.token_ids)
+
+        here, there, tokens = asyncio.run(run())
+        assert "TypeError: a Grammar pickles only" in here and "FileNotFoundError" in there
+        assert len(tokens) == MAX_TOKENS and client.health()["recoveries"] == 0
     finally:
         client.close()
 

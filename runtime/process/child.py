@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-import numpy as np
 
 from ..api import OpenedModel
-from ..backend import BackendError, EngineStateLost, ImageSpan, SamplingParams
+from ..backend import BackendError, EngineStateLost
 from ..client import capabilities_of
 from ..engine.core import EngineCore, RequestOutput
 
@@ -30,8 +29,9 @@ log = logging.getLogger("thorgen.engine")
 
 EXIT_ENGINE_LOST = 3  # the exit status of an engine process that reported a fault it cannot recover from itself
 
-# The messages, tuples led by a name. Server -> engine: ("add", request id, prompt ids int32, max_tokens, sampling,
-# stop ids, speculative, image spans), ("abort", request id), ("close",). Engine -> server: ("ready", Capabilities,
+# The messages, tuples led by a name. Server -> engine: ("add", request id) and then, in a frame of its own, the
+# pickled (prompt ids int32, max_tokens, sampling, stop ids, speculative, image spans); ("abort", request id);
+# ("close",). Engine -> server: ("ready", Capabilities,
 # ModelFiles, the core's health), ("load_error", exception), ("rejected", request id, the request's fault?,
 # message), ("step", outputs, step stats or None), ("fault", request ids, error type, message, exiting?).
 
@@ -120,21 +120,19 @@ class _EngineLoop:
                 return False
             if message[0] == "abort":
                 self.core.abort(message[1])
-            else:
-                self._add(*message[1:])
+                continue
+            try:
+                body = self.inbox.recv_bytes()
+            except EOFError:
+                return False
+            self._add(message[1], body)
         return True
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: np.ndarray,
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: frozenset[int],
-        speculative: bool,
-        images: tuple[ImageSpan, ...],
-    ) -> None:
+    def _add(self, request_id: str, body: bytes) -> None:
+        """Queue a request; `body`: its pickled (prompt ids, max_tokens, sampling, stop ids, speculative, image
+        spans), unpickled here so that a value that cannot be rebuilt fails its request alone."""
         try:
+            prompt, max_tokens, sampling, stop_ids, speculative, images = pickle.loads(body)
             self.core.add(request_id, prompt.tolist(), max_tokens, sampling, stop_ids, speculative, images)
         except EngineStateLost:  # (a driver failure is the engine's fault, whenever it happens)
             self.live.add(request_id)

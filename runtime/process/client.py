@@ -332,14 +332,17 @@ class ProcessEngineClient(EngineClient):
                 message = self._message(kind, job)
             if message is None or engine is None:  # (an accepting client always has its engine process)
                 continue
+            frames = [ForkingPickler.dumps(message[:2])]
+            if message[0] == "add":  # (the request's values in a frame of their own: see child.py's _add)
+                try:
+                    frames.append(ForkingPickler.dumps(message[2]))
+                except Exception as exc:  # a value that cannot cross to the engine process: this request's failure
+                    job.in_core = False
+                    self._emit(job, self._failed(job.request_id, exc))
+                    continue
             try:
-                data = ForkingPickler.dumps(message)
-            except Exception as exc:  # (a value that cannot cross to the engine process: this request's failure)
-                job.in_core = False
-                self._emit(job, self._failed(job.request_id, exc))
-                continue
-            try:
-                engine.inbox.send_bytes(data)
+                for frame in frames:
+                    engine.inbox.send_bytes(frame)
             except (OSError, ValueError):  # it died: the engine thread fails or re-runs the job
                 pass
         if engine is not None:
@@ -365,7 +368,11 @@ class ProcessEngineClient(EngineClient):
             return None
         job.in_core = True
         prompt = np.asarray(job.prompt_ids, np.int32)
-        return ("add", job.request_id, prompt, job.max_tokens, job.sampling, job.stop_ids, job.speculative, job.images)
+        return (
+            "add",
+            job.request_id,
+            (prompt, job.max_tokens, job.sampling, job.stop_ids, job.speculative, job.images),
+        )
 
 
 def _no_backend() -> Any:  # (EngineClient's opener: never called, the engine process opens the backend)
