@@ -36,6 +36,19 @@ class EngineConfig:
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
     options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (all on by default)
     sms: int | None = None  # cuda: run on this many multiprocessors (a green context; None: the whole GPU)
+    # the server's engine runs in a child process (runtime/process), so that a device fault, which no context
+    # reset clears, is recovered from by starting a fresh process; False: on a thread of the calling process
+    engine_process: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the text side reads from the checkpoint an engine opened: tokenizer, chat template, defaults."""
+
+    tokenizer_path: Path
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    model_dir: Path
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,10 @@ class OpenedModel:
     chat_template: str | None
     generation_config: dict[str, Any]
     model_dir: Path
+
+    @property
+    def files(self) -> ModelFiles:
+        return ModelFiles(self.tokenizer_path, self.chat_template, self.generation_config, self.model_dir)
 
 
 def _open_reference(config: EngineConfig, ckpt: Checkpoint) -> Backend:

@@ -23,8 +23,11 @@ class SequenceFailed(BackendError):
     request."""
 
     def __init__(self, request_id: str, message: str, request_fault: bool = False) -> None:
-        self.request_id, self.request_fault = request_id, request_fault
+        self.request_id, self.request_fault, self.detail = request_id, request_fault, message
         super().__init__(f"request {request_id}: {message}")
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, bool]]:  # (pickled by its arguments, not by str(self))
+        return type(self), (self.request_id, self.detail, self.request_fault)
 
 
 class EngineStateLost(BackendError):

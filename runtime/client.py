@@ -11,7 +11,9 @@ A fault stays with its request: a sequence the core finishes with its own error 
 ends as RequestRejected (the request's fault) or EngineFailure naming that request only, beside the others. A fault
 of the engine itself (a step that fails as a whole, a device error) fails the requests in the core, each with an
 error that names only itself, and the engine rebuilds its core (after EngineStateLost: reopens the backend) while
-queued requests wait; `health()` says "recovering" meanwhile and "failed" when the rebuild failed.
+queued requests wait; `health()` says "recovering" meanwhile and "failed" when the rebuild failed. A fault on a
+real GPU outlives any rebuild in its process: runtime/process's ProcessEngineClient, this client over an engine in
+a child process, recovers from one by starting a fresh process.
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ class Capabilities:
     vision: Gemma4VisionSpec | None = None  # the model's vision tower (what image preprocessing needs); None: none
 
 
+def capabilities_of(backend: Backend, backend_name: str, kv_dtype: str) -> Capabilities:
+    features = backend.features
+    return Capabilities(
+        backend_name,
+        backend.max_context,
+        features.speculative,
+        kv_dtype,
+        backend.spec.target.vocab_size,
+        features.grammar,
+        backend.spec.vision,
+    )
+
+
 @dataclass
 class _Job:
     request_id: str
@@ -74,6 +89,10 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     in_core: bool = False  # handed to the engine core (else still in the submission queue)
     aborted: bool = False  # the core was told
+    # (an engine process's client, runtime/process) outputs came back: the request ran; else, its engine process
+    # dying, it runs again in the next one, once (`rerun`)
+    started: bool = False
+    rerun: bool = False
 
 
 class OutputStream:
@@ -160,6 +179,7 @@ class EngineClient:
         self._state = "ok"  # "recovering" while a fault rebuilds the engine, "failed" when that failed
         self._failure: str | None = None  # why the engine failed for good
         self.recoveries = 0  # engine faults recovered from
+        self.last_recovery_s: float | None = None  # how long the last recovery took (from the fault to serving)
         self._opener = opener
         self._thread = threading.Thread(target=self._main, name="thorgen-engine", daemon=True)
         self._thread.start()
@@ -204,18 +224,8 @@ class EngineClient:
     @property
     def capabilities(self) -> Capabilities:
         self.wait_ready(0)
-        b = self.backend
-        assert b is not None
-        features = b.features
-        return Capabilities(
-            self.backend_name,
-            b.max_context,
-            features.speculative,
-            self.kv_dtype,
-            b.spec.target.vocab_size,
-            features.grammar,
-            b.spec.vision,
-        )
+        assert self.backend is not None
+        return capabilities_of(self.backend, self.backend_name, self.kv_dtype)
 
     def health(self) -> dict[str, Any]:
         if not self._loaded.is_set():
@@ -234,14 +244,20 @@ class EngineClient:
             "running": running,
             "queued": live - running,
             "recoveries": self.recoveries,
+            "last_recovery_s": self.last_recovery_s,
             "steps": dict(self._stats),
         }
-        core = self.core
-        if core is not None:  # ints, read between steps or not
-            report = core.health()
+        report = self._core_report()
+        if report is not None:
+            report = dict(report)
             out["steps"]["catch_up_tokens"] = report.pop("catch_up_tokens")
             out.update(report)
         return out
+
+    def _core_report(self) -> dict[str, Any] | None:
+        """The engine core's part of health() (EngineCore.health: ints, read between steps or not)."""
+        core = self.core
+        return core.health() if core is not None else None
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel everything, close the backend on its own thread, and join it."""
@@ -249,8 +265,9 @@ class EngineClient:
             return
         self._closed = True
         with self._lock:
-            for job in self._live.values():
-                job.cancel.set()
+            jobs = list(self._live.values())
+        for job in jobs:
+            self._cancel(job)
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -260,7 +277,7 @@ class EngineClient:
         with self._lock:
             jobs = list(self._live.values())
         for job in jobs:
-            job.cancel.set()
+            self._cancel(job)
             self._emit(job, EngineUnavailable(reason))
         return len(jobs)
 
@@ -298,7 +315,7 @@ class EngineClient:
             if len(self._live) >= self.max_queue:
                 raise EngineBusy(f"the server is busy: {len(self._live)} requests queued; retry later")
             self._live[request_id] = job
-        self._jobs.put(job)
+        self._enqueue(job)
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -307,8 +324,16 @@ class EngineClient:
             job = self._live.get(request_id)
         if job is None:
             return False
-        job.cancel.set()
+        self._cancel(job)
         return True
+
+    def _enqueue(self, job: _Job) -> None:
+        """Hand a submitted job to the engine thread."""
+        self._jobs.put(job)
+
+    def _cancel(self, job: _Job) -> None:
+        """Mark `job` cancelled: the engine thread finishes it ("cancelled") at its next step."""
+        job.cancel.set()
 
     # -- the engine thread ------------------------------------------------------------------------------------
     def _new_core(self) -> EngineCore:
@@ -358,6 +383,7 @@ class EngineClient:
         rebuilt (after EngineStateLost, or when that fails, the backend is reopened first). Queued requests wait
         and run after. False when the engine could not be rebuilt (health: "failed")."""
         log.error("the engine failed during a step; failing its requests and rebuilding it", exc_info=exc)
+        started = time.perf_counter()
         self._state = "recovering"
         self._flush()
         with self._lock:
@@ -381,13 +407,18 @@ class EngineClient:
                     self._close_backend()
                     self.backend = self._opener()
                 self.core = self._new_core()
-                self._state, self._failure = "ok", None
+                self._recovered(started)
                 return True
             except Exception as rebuild:
                 log.error("rebuilding the engine (%s) failed", attempt, exc_info=rebuild)
                 self._failure = f"the engine failed and could not be rebuilt: {type(rebuild).__name__}: {rebuild}"
         self._state = "failed"
         return False
+
+    def _recovered(self, started: float) -> None:
+        self.last_recovery_s = time.perf_counter() - started
+        self._state, self._failure = "ok", None
+        log.warning("the engine recovered from its fault in %.2f s", self.last_recovery_s)
 
     def _admit(self, block: bool) -> bool:
         """Move submitted jobs into the core (waiting for one when idle); False once close() was called."""

@@ -35,12 +35,13 @@ class NamesOption(click.Option):
 
 
 def open_model(config):
-    """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread."""
-    from ..runtime.client import EngineClient
+    """-> (engine client, tokenizer, chat template, generation_config); the backend opens on the engine thread, or
+    in the engine process (config.engine_process)."""
+    from ..runtime.process.client import open_engine
     from ..runtime.text.prompts import load_chat_template
     from .chat_template import ChatTemplate, load_tokenizer
 
-    client, model = EngineClient.open(config)
+    client, model = open_engine(config)
     try:
         source, bos = load_chat_template(model.model_dir, model.chat_template)
         return client, load_tokenizer(model.tokenizer_path), ChatTemplate(source, bos), model.generation_config
@@ -168,6 +169,13 @@ def open_model(config):
     "redirects); without it only inline data: URLs are taken.",
 )
 @click.option(
+    "--engine-process/--no-engine-process",
+    default=None,
+    help="Run the engine in a child process, which the server replaces after a fault on the device (a CUDA "
+    "error no context reset clears): the requests it was running fail, the others wait, /health says "
+    "'recovering' meanwhile [default: on with --backend cuda].",
+)
+@click.option(
     "--shutdown-timeout",
     type=click.FloatRange(0),
     default=10,
@@ -204,6 +212,7 @@ def serve(
     image_max_tokens: str,
     limit_images_per_prompt: int,
     allowed_media_domains: tuple[str, ...],
+    engine_process: bool | None,
     shutdown_timeout: float,
     log_level: str,
     engine_options,
@@ -238,6 +247,7 @@ def serve(
                 kv_cache_gib=kv_cache_gib,
                 max_step_tokens=max_step_tokens,
                 options=engine_options,
+                engine_process=backend == "cuda" if engine_process is None else engine_process,
             )
         )
 

@@ -5,17 +5,24 @@ The fault is a one-thread kernel that executes PTX `trap` (what CUDA C's `__trap
 the driver from PTX text when it is first launched, so nothing is built for it ahead of time. `install()` makes
 the cuda runner launch it on the engine's stream ahead of the next step after `arm()`; `add_route()` gives a
 server the route that arms it. No `thorgen serve` has that route: tests/fault_serve.py starts one that does.
-The trap leaves the context's error sticky, as any fault on the device does: every later driver call fails until
-the engine client closes the backend (which resets the context) and opens it again.
+The trap leaves the context's error sticky, as any fault on the device does: on a real GPU no later driver call in
+that process succeeds (the fake driver of tests/test_device_fault_emulated.py lets a context reset clear it).
+
+`arm()` touches a flag file named by the server's process id, so that the engine may run in that process or in
+the engine process it started (runtime/process): the hook there watches its parent's flag. `open_faulting` is
+that hook for the reference backend (CPU tests): a decode that ends its process, or raises EngineStateLost.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 FAULT_ROUTE = "/test/device-fault"
@@ -32,24 +39,34 @@ TRAP_PTX = f""".version 7.0
 }}
 """
 
-_lock = threading.Lock()
-_armed = False
+FAULT_EXIT = 70  # the status an engine process that `open_faulting` ends exits with
+_watched: int | None = None  # the server process whose flag the hook obeys (None: this process)
 fired = threading.Event()  # set once a trap was launched
 
 
+def _flag(server_pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"thorgen-test-device-fault-{server_pid}"
+
+
 def arm() -> None:
-    """Make the next engine step launch the trap kernel first."""
-    global _armed
-    with _lock:
-        _armed = True
-        fired.clear()
+    """Make the next engine step of this server (in this process, or in its engine process) fault first."""
+    _flag(os.getpid()).touch()
+    fired.clear()
 
 
 def _take() -> bool:
-    global _armed
-    with _lock:
-        armed, _armed = _armed, False
-    return armed
+    """Whether the fault is armed, disarming it."""
+    try:
+        _flag(_watched or os.getpid()).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _watch(server_pid: int | None) -> None:
+    global _watched
+    _watched = server_pid
+    _flag(server_pid or os.getpid()).unlink(missing_ok=True)  # (a flag left by an earlier process of that id)
 
 
 def launch_trap(stream: Any) -> None:
@@ -63,11 +80,13 @@ def launch_trap(stream: Any) -> None:
     fired.set()  # (its module goes with the context, which the recovery resets)
 
 
-def install() -> Callable[[], None]:
+def install(server_pid: int | None = None) -> Callable[[], None]:
     """Wrap CudaRunner's prefill and decode so that, once armed, the next of them launches the trap on the
-    engine's stream before its own work. Returns the undo."""
+    engine's stream before its own work; `server_pid`: the server that arms it (None: this process; in an engine
+    process, its parent). Returns the undo."""
     from thorgen.runtime.cuda.runner import CudaRunner
 
+    _watch(server_pid)
     originals = {name: getattr(CudaRunner, name) for name in ("prefill", "decode")}
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,6 +105,36 @@ def install() -> Callable[[], None]:
             setattr(CudaRunner, name, original)
 
     return undo
+
+
+def open_faulting(config: Any, server_pid: int, fault: str) -> Any:
+    """An engine process's opener (runtime.process.child.EngineSettings.opener): runtime.api.open_backend(config),
+    whose runners' decode, once the server `server_pid` armed the fault, faults instead: `fault` "exit" ends the
+    process there (status FAULT_EXIT), as a fault that takes the process down; "lost" raises EngineStateLost, as
+    the cuda backend does after a device error."""
+    from thorgen.runtime.api import open_backend
+    from thorgen.runtime.backend import EngineStateLost
+
+    _watch(server_pid)
+    opened = open_backend(config)
+    make_runner = opened.backend.runner
+
+    def runner(*args: Any, **kwargs: Any) -> Any:
+        made = make_runner(*args, **kwargs)
+        decode = made.decode
+
+        def faulting_decode(*a: Any, **k: Any) -> Any:
+            if _take():
+                if fault == "exit":
+                    os._exit(FAULT_EXIT)
+                raise EngineStateLost("the device's state is lost (the test's fault)")
+            return decode(*a, **k)
+
+        made.decode = faulting_decode
+        return made
+
+    opened.backend.runner = runner
+    return opened
 
 
 def add_route(app: Any) -> None:
@@ -133,6 +182,7 @@ class FaultRun:
     states: list[str]  # /health's status at each poll from the fault on, repeats collapsed
     recovery_s: float  # from arming the fault to /health answering ok again
     recoveries: int  # /health's count at the end
+    engine_recovery_s: float | None = None  # /health's last_recovery_s at the end: the server's own measure
 
 
 def request_ids(text: str) -> set[str]:
@@ -184,7 +234,7 @@ def fault_during_streams(
         s.started.wait(limit_s)
     r = httpx.post(url + FAULT_ROUTE, timeout=10)
     assert r.status_code == 202, r.text
-    armed, states, recoveries = time.monotonic(), [], before
+    armed, states, recoveries, health = time.monotonic(), [], before, {}
     with httpx.Client(timeout=10) as http:
         while time.monotonic() - armed < limit_s:
             health = http.get(url + "/health").json()
@@ -197,4 +247,4 @@ def fault_during_streams(
     recovery_s = time.monotonic() - armed
     for t in threads:
         t.join(limit_s)
-    return FaultRun(streams, answers, states, recovery_s, recoveries)
+    return FaultRun(streams, answers, states, recovery_s, recoveries, health.get("last_recovery_s"))

@@ -92,7 +92,14 @@ def test_client_opens_runs_and_closes_on_its_own_thread(tok):
     health = client.health()
     steps = health.pop("steps")  # where the engine thread's time went, summed over its steps
     kv = health.pop("kv")  # the scheduler's KV blocks: none charged once every request finished
-    assert health == {"status": "ok", "running": 0, "queued": 0, "recoveries": 0, "gpu_memory_used": None}
+    assert health == {
+        "status": "ok",
+        "running": 0,
+        "queued": 0,
+        "recoveries": 0,
+        "last_recovery_s": None,
+        "gpu_memory_used": None,
+    }
     assert kv["blocks"] > 0 and kv["used"] == 0 and kv["block_tokens"] == 16
     assert steps["steps"] >= len(reply) // 2 and min(steps[p] for p in ("prepare", "flush", "finish")) >= 0
     client.close()

@@ -4,9 +4,9 @@ model_spec <- codegen; model_spec <- runtime <- serve. Inside runtime each sub-p
 ALLOWED says which rooms each may import: the engine core, convert, text and the reference never import cuda;
 nothing imports bench; no runtime room imports codegen (the runtime reads what `thorgen build` wrote: the kernel
 benchmark too, from manifest.json and bench_cases.json); serve reaches the runtime only through its client API
-(api, client, the engine options, the request/result types in backend, and text) and the media room (image
-preprocessing), which generate and bench use too and which imports only model_spec and the request types. Every
-import counts, including ones inside functions and under TYPE_CHECKING.
+(api, client, the engine process (process), the engine options, the request/result types in backend, and text) and
+the media room (image preprocessing), which generate and bench use too and which imports only model_spec and the
+request types. Every import counts, including ones inside functions and under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ RUNTIME = {
     "runtime.cuda",
     "runtime.api",
     "runtime.client",
+    "runtime.process",
     "runtime.generate",
     "runtime.media",
     "runtime.options",
 }
-CLIENT_API = {"runtime.api", "runtime.client", "runtime.options", "runtime.backend", "runtime.text"}
+CLIENT_API = {"runtime.api", "runtime.client", "runtime.process", "runtime.options", "runtime.backend", "runtime.text"}
 ALLOWED = {
     "model_spec": set(),
     "codegen": {"model_spec"},
@@ -69,6 +70,7 @@ ALLOWED = {
         "runtime.cuda",
     },
     "runtime.client": {"model_spec", "runtime.backend", "runtime.engine", "runtime.cuda", "runtime.api"},
+    "runtime.process": {"model_spec", "runtime.backend", "runtime.engine", "runtime.api", "runtime.client"},
     "runtime.generate": {"model_spec", "runtime.media"} | CLIENT_API,
     "runtime.bench": {"model_spec"} | RUNTIME,
     "serve": {"model_spec", "runtime.media"} | CLIENT_API,

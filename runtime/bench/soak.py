@@ -5,8 +5,8 @@ nonzero on any 5xx, cut stream or other failure (runtime/bench/soak_report.py's 
 A bounded number of clients each send one request after another until --duration passes, each request's kind
 drawn from --mix by weight (runtime/bench/soak_requests.py). Every kind runs once first (the warm-up); memory is
 sampled after it, at the end of each time window and once every request has finished: the server's RSS (psutil
-on the process it started, else /metrics' process_resident_memory_bytes) and GPU memory (/health's
-gpu_memory_used; n/a on the reference backend).
+on the process it started, plus its engine process's where /health names one; else /metrics'
+process_resident_memory_bytes) and GPU memory (/health's gpu_memory_used; n/a on the reference backend).
 """
 
 from __future__ import annotations
@@ -117,12 +117,18 @@ async def _sample(http: Any, url: str, t: float, pid: int | None) -> dict[str, A
     import httpx
 
     sample: dict[str, Any] = {"t": round(t, 2), "rss_bytes": None, "rss_source": "n/a", "gpu_memory_bytes": None}
+    engine_pid = None  # the server's engine process (serve --engine-process), whose memory counts too
     try:
-        sample["gpu_memory_bytes"] = (await http.get(url + "/health")).json().get("gpu_memory_used")
+        health = (await http.get(url + "/health")).json()
+        sample["gpu_memory_bytes"], engine_pid = health.get("gpu_memory_used"), health.get("engine_pid")
     except (httpx.HTTPError, ValueError):
         pass
     if pid is not None:
         sample["rss_bytes"], sample["rss_source"] = process_rss(pid), f"pid {pid}"
+        engine_rss = process_rss(engine_pid) if engine_pid is not None else None
+        if sample["rss_bytes"] is not None and engine_rss is not None:
+            sample["rss_bytes"] += engine_rss
+            sample["rss_source"] += f" + engine process {engine_pid}"
     else:
         try:
             for line in (await http.get(url + "/metrics")).text.splitlines():

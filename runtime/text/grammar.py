@@ -24,6 +24,12 @@ from ..backend import BackendError
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+TokenizerKey = tuple[str, int, tuple[int, ...]]
+# each tokenizer `tokenizer()` made (kept alive, so that its id stays its own) -> its arguments: a Grammar pickles
+# as those (an llguidance tokenizer does not pickle) and the engine process rebuilds the tokenizer from them
+_KEYS: dict[int, tuple[Any, TokenizerKey]] = {}
+
+
 @functools.lru_cache(maxsize=4)
 def tokenizer(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]) -> Any:
     """An llguidance tokenizer from a tokenizer.json path (built once per path: ~1 s for Gemma's vocabulary);
@@ -31,7 +37,9 @@ def tokenizer(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]) -> Any:
     import llguidance
 
     with open(tokenizer_json, encoding="utf-8") as f:
-        return llguidance.LLTokenizer(f.read(), n_vocab=n_vocab, eos_token=list(eos))
+        tok = llguidance.LLTokenizer(f.read(), n_vocab=n_vocab, eos_token=list(eos))
+    _KEYS[id(tok)] = (tok, (tokenizer_json, n_vocab, eos))
+    return tok
 
 
 def json_grammar(schema: dict | None, tok: Any) -> str:
@@ -68,6 +76,17 @@ class Grammar:
 
     def matcher(self) -> Matcher:
         return Matcher(self)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled (to the engine process) as its text and its tokenizer's `tokenizer()` arguments."""
+        entry = _KEYS.get(id(self.tokenizer))
+        if entry is None:
+            raise TypeError("a Grammar pickles only over a tokenizer made by runtime.text.grammar.tokenizer()")
+        return _rebuilt, (self.text, entry[1], self.thought, self.trigger)
+
+
+def _rebuilt(text: str, key: TokenizerKey, thought: tuple[int, int] | None, trigger: int | None) -> Grammar:
+    return Grammar(text, tokenizer(*key), thought, trigger)
 
 
 class Matcher:

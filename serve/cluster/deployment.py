@@ -22,12 +22,12 @@ from ...runtime.api import EngineConfig
 from ...runtime.backend import ImageSpan
 from ...runtime.client import (
     EngineBusy,
-    EngineClient,
     EngineFailure,
     EngineUnavailable,
     RequestRejected,
     SamplingParams,
 )
+from ...runtime.process.client import open_engine
 from .remote import ClusterMetrics, Failed, RemoteEngineClient, ReplicaHeaderMiddleware, Routed
 from .routing import PrefixAffinityRouter
 
@@ -40,7 +40,7 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, max_queue: int = 1024) -> None:
         from ...runtime.text.prompts import load_chat_template
 
-        self.client, model = EngineClient.open(config, max_queue)
+        self.client, model = open_engine(config, max_queue)
         source, bos = load_chat_template(model.model_dir, model.chat_template)
         # the ingress may run on a host without the checkpoint: it gets the text side from here
         self.text = {
