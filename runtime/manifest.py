@@ -95,7 +95,7 @@ class KernelManifest:
 def kernel_dirs(
     arch: str, model_name: str, model_dir: Path | None = None, kernels_dir: Path | None = None
 ) -> list[Path]:
-    """Where the built kernels of `model_name` for `arch` are looked for, in order: `kernels_dir` (--kernels DIR),
+    """Where the built kernels of `model_name` for `arch` are looked for, in order: `kernels_dir` (--kernel-dir DIR),
     $THORGEN_KERNELS, `thorgen build`'s default folder ./thorgen-build/<model>/<arch>, and with a checkpoint folder
     `thorgen prepare`'s <model>/thorgen-build/<arch>."""
     dirs = [Path(kernels_dir)] if kernels_dir else []
@@ -112,7 +112,7 @@ def find_kernels(
     model_name: str,
     model_dir: Path | None = None,
     kernels_dir: Path | None = None,
-    option: str = "--kernels",
+    option: str = "--kernel-dir",
 ) -> KernelManifest:
     """The manifest in the first of kernel_dirs(...) that holds one; ModuleError naming where it looked, the build
     command (of the checkpoint, else of the preset `model_name`) and `option`, the caller's flag for a folder."""

@@ -64,7 +64,7 @@ def test_kernel_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         model_build_dir(model, "sm_90a"),
     ]
     assert model_build_dir(model, "sm_90a") == model / "thorgen-build" / "sm_90a"
-    with pytest.raises(ModuleError, match=r"thorgen build --model .*ckpt --arch sm_90a` or pass --kernels DIR"):
+    with pytest.raises(ModuleError, match=r"thorgen build --model .*ckpt --arch sm_90a` or pass --kernel-dir DIR"):
         find_kernels("sm_90a", "m", model)
     with pytest.raises(ModuleError, match="thorgen build --preset m --arch sm_90a` or pass --kernel-dir DIR"):
         find_kernels("sm_90a", "m", option="--kernel-dir")
