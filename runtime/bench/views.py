@@ -11,6 +11,7 @@ from typing import Callable
 
 from .image_report import has_images, image_view, serve_image_columns, serve_image_note
 from .summary import summary
+from .soak_report import text as soak_text
 from .tables import ReportError, fmt as _f, load_plots as _plots, ms as _ms, pct as _pct, run_line as _run_line
 from .tables import table as _table
 
@@ -302,6 +303,11 @@ def _cases(names: list[str], runs: dict, ctx: Context) -> str:
     return "\n\n".join(out)
 
 
+def _soak(names: list[str], runs: dict, ctx: Context) -> str:
+    """`thorgen bench soak`: its own summary (counts per kind, the windows, memory, failures) as printed."""
+    return "\n\n".join(f"{_run_line(n, runs[n])}\n\n```\n{soak_text(runs[n])}\n```" for n in names)
+
+
 # `thorgen bench --suite` measures per prompt and mode: (column, mode, key, format); speculative ones only where
 # the model has a drafter
 SUITE_MEASURES = [
@@ -412,6 +418,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "sweep": (lambda r: isinstance(r.get("rows"), list) and all("kv_dtype" in x for x in r["rows"]), _sweep),
     "serve": (lambda r: "levels" in r, _serve),
     "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
+    "soak": (lambda r: "kinds" in r and "windows" in r, _soak),
     "batched": (lambda r: "batched_decode" in r, _batched),
     "suite": (lambda r: isinstance(r.get("prompts"), list), _suite),
     "batched-kernels": (
