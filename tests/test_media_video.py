@@ -17,25 +17,10 @@ from thorgen.model_spec.presets import get_preset
 from thorgen.runtime.media.video import VideoError, frame_text, load_video, sample_indices
 from thorgen.runtime.media.video_resize import resize_frames
 
+from video_clips import clip
+
 av = pytest.importorskip("av")
 VISION = get_preset("tiny").vision
-
-
-def clip(fmt: str, codec: str, frames: int, w: int, h: int, rate: int = 8, pix: str = "yuv420p") -> bytes:
-    """A tiny clip of moving colour gradients, written in memory."""
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format=fmt) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = w, h, pix
-        yy, xx = np.mgrid[0:h, 0:w]
-        for i in range(frames):
-            rgb = np.stack([(xx * 7 + i * 20) % 256, (yy * 5 + i * 9) % 256, ((xx + yy) * 3 + i * 31) % 256], -1)
-            frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 CLIPS = {
