@@ -33,6 +33,15 @@ MAX_FRAME_PIXELS = 4096 * 4096
 DECODE_SECONDS = 30.0  # wall time the decoder may take over one video
 
 
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a video may be: its file's bytes, its duration, and the wall time its decode may take."""
+
+    max_bytes: int = MAX_BYTES
+    max_duration_s: float = MAX_DURATION_S
+    decode_seconds: float = DECODE_SECONDS
+
+
 class VideoError(ValueError):
     """A video that cannot be used (undecodable, no video stream, no frames, too long or large): says why."""
 
@@ -86,30 +95,38 @@ def _open(data: bytes):  # type: ignore[no-untyped-def]
     return container
 
 
-def _frames(container, deadline: float):  # type: ignore[no-untyped-def]
+def _frames(container, deadline: float, limit_s: float):  # type: ignore[no-untyped-def]
     import av
 
     try:
         for frame in container.decode(video=0):
             if time.monotonic() > deadline:
-                raise VideoError(f"decoding the video took longer than {DECODE_SECONDS:.0f} s")
+                raise VideoError(f"decoding the video took longer than {limit_s:g} s")
             yield frame
     except av.FFmpegError as exc:
         raise VideoError(f"the video cannot be decoded: {exc}") from None
 
 
 def decode(
-    data: bytes, num_frames: int | None = None, fps: float | None = None, max_frames: int = DEFAULT_FRAMES
+    data: bytes,
+    num_frames: int | None = None,
+    fps: float | None = None,
+    max_frames: int = DEFAULT_FRAMES,
+    limits: VideoLimits = VideoLimits(),
 ) -> tuple[list[np.ndarray], list[int], float, int]:
     """(sampled RGB frames uint8 [H, W, 3], their indices, the stream's fps, its frame count)."""
     if not data:
         raise VideoError("the video is empty (0 bytes)")
-    if len(data) > MAX_BYTES:
-        raise VideoError(f"the video is {len(data)} bytes; at most {MAX_BYTES} are accepted")
-    deadline = time.monotonic() + DECODE_SECONDS
+    if len(data) > limits.max_bytes:
+        raise VideoError(f"the video is {len(data)} bytes; at most {limits.max_bytes} are accepted")
+    longest = limits.max_duration_s
+    deadline = time.monotonic() + limits.decode_seconds
     container = _open(data)
     try:
         stream = container.streams.video[0]
+        if stream.codec_context is None:  # FFmpeg has no decoder for it
+            tag = getattr(stream, "codec_tag", "") or "unknown"
+            raise VideoError(f"the video's codec ({tag!r}) is not one this server can decode")
         rate = stream.average_rate or stream.guessed_rate
         video_fps = float(rate) if rate else DEFAULT_FPS
         if stream.width * stream.height > MAX_FRAME_PIXELS:
@@ -117,23 +134,27 @@ def decode(
         total = int(stream.frames or 0)
         if stream.duration is not None and stream.time_base is not None:
             seconds = float(stream.duration * stream.time_base)
-            if seconds > MAX_DURATION_S:
-                raise VideoError(f"the video lasts {seconds:.0f} s; at most {MAX_DURATION_S:.0f} s are accepted")
-        if total > MAX_FRAMES or total / video_fps > MAX_DURATION_S:
+            if seconds > longest:
+                raise VideoError(f"the video lasts {seconds:.0f} s; at most {longest:g} s are accepted")
+        if total > MAX_FRAMES or total / video_fps > longest:
             raise VideoError(
-                f"the video has {total} frames; at most {MAX_FRAMES} ({MAX_DURATION_S:.0f} s) are accepted"
+                f"the video has {total} frames ({total / video_fps:.0f} s at {video_fps:g} fps); at most "
+                f"{MAX_FRAMES} frames and {longest:g} s are accepted"
             )
         if total == 0:  # no count in the container (webm, some gifs): count by decoding
-            for total, _ in enumerate(_frames(container, deadline), 1):
-                if total > MAX_FRAMES:
-                    raise VideoError(f"the video has more than {MAX_FRAMES} frames")
+            for total, _ in enumerate(_frames(container, deadline, limits.decode_seconds), 1):
+                if total > MAX_FRAMES or total / video_fps > longest:
+                    raise VideoError(
+                        f"the video has more than {total} frames ({total / video_fps:.0f} s at {video_fps:g} fps); "
+                        f"at most {MAX_FRAMES} frames and {longest:g} s are accepted"
+                    )
             container.close()
             container = _open(data)
         if total == 0:
             raise VideoError("the video has no frames")
         indices = sample_indices(total, num_frames, fps, video_fps, max_frames)
         wanted, kept, at = set(indices.tolist()), [], []
-        for i, frame in enumerate(_frames(container, deadline)):
+        for i, frame in enumerate(_frames(container, deadline, limits.decode_seconds)):
             if i in wanted:
                 kept.append(frame.to_ndarray(format="rgb24"))
                 at.append(i)
@@ -177,9 +198,10 @@ def load_video(
     num_frames: int | None = None,
     fps: float | None = None,
     max_frames: int = DEFAULT_FRAMES,
+    limits: VideoLimits = VideoLimits(),
 ) -> VideoInput:
     """Bytes of a video file -> its VideoInput; VideoError for anything unusable."""
-    frames, at, video_fps, total = decode(data, num_frames, fps, max_frames)
+    frames, at, video_fps, total = decode(data, num_frames, fps, max_frames, limits)
     if len({f.shape for f in frames}) != 1:
         raise VideoError("the video's frames change size midway; such streams are not supported")
     images = preprocess_frames(frames, vision, budget)
