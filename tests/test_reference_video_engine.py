@@ -24,7 +24,7 @@ def clip_prompt(tiny_checkpoint, tiny_ckpt, frames=6, num_frames=3, before="Watc
 def test_no_chunk_splits_a_frame(tiny_checkpoint, tiny_ckpt) -> None:
     ids, spans = clip_prompt(tiny_checkpoint, tiny_ckpt)
     runner = ReferenceBackend(tiny_ckpt, max_context=512).runner(1)
-    runner.prefill_chunk = 16  # shorter than a frame (18 soft tokens)
+    runner.prefill_chunk = 16  # shorter than a frame (63 soft tokens)
     chunks = []
     original = runner.prefill
 

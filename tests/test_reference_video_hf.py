@@ -34,7 +34,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def video(tiny_ckpt):
-    # 6 frames at 4 fps: timestamps 00:00 .. 00:01; 64x48 frames at budget 70 -> 18 soft tokens each (> window 16)
+    # 6 frames at 4 fps: timestamps 00:00 .. 00:01; 64x48 frames at budget 70 -> 63 soft tokens each (> window 16)
     return load_video(mp4(frames=6), tiny_ckpt.spec.vision, budget=70, num_frames=3)
 
 

@@ -136,7 +136,7 @@ def test_sampling_and_budget_from_mm_processor_kwargs(served):
     data = mp4(frames=8)
     ask(url, [video_part(data_url(data)), TEXT], mm_processor_kwargs={"num_frames": 3, "max_soft_tokens": 140})
     ids, spans = expected_prompt(state, data, num_frames=3, budget=140)
-    assert submitted[-1][0] == ids and len(spans) == 3 and spans[0].image.soft_tokens > 18
+    assert submitted[-1][0] == ids and len(spans) == 3 and spans[0].image.soft_tokens > 70
     ask(url, [video_part(data_url(data)), TEXT], mm_processor_kwargs={"fps": 1})  # 2 s at 4 fps: 2 frames
     assert submitted[-1][0] == expected_prompt(state, data, fps=1.0)[0] and len(submitted[-1][1]) == 2
 
@@ -271,3 +271,20 @@ def test_a_decode_past_its_time_limit_is_a_400(tiny_ckpt):
             asyncio.run(loader.load([VideoSource(data_url(mp4()), "messages[0].content[0]")], VideoSampling()))
     finally:
         loader.close()
+
+
+def test_chat_client_attaches_a_video(served, tmp_path):
+    from thorgen.serve.tools.chat import run_chat
+
+    url, state, submitted = served
+    clip_path = tmp_path / "clip.mp4"
+    clip_path.write_bytes(mp4(frames=4))
+    lines = iter(["hello", f"/video {clip_path}", "/video nope.png", "what moves?", "and now?", "/quit"])
+    out = io.StringIO()
+    before = len(submitted)
+    run_chat(url, max_tokens=2, read=lambda prompt: next(lines), out=out)
+    text = out.getvalue()
+    assert "1 video(s) attached" in text and "not a video file name" in text
+    frames = [f.hash for f in load_video(clip_path.read_bytes(), state.caps.vision).frames]
+    # the video stays in the conversation (one per prompt: this server's limit)
+    assert [[s.image.hash for s in spans] for _, spans in submitted[before:]] == [[], frames, frames]
