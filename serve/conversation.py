@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from ..runtime.media.images import SOFT_TOKEN_BUDGETS
 from .protocol import APIError, ContentPart, Message, Tool, ToolCallIn
 from .request import ImageSource, VideoSource
 from .tool_schemas import check_shapes
 
+S = TypeVar("S", ImageSource, VideoSource)  # an image's or a video's source
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
 # image_url.detail: "low" takes the smallest soft-token budget, "auto" and "high" the request's (or the server's)
@@ -69,6 +70,18 @@ def _media_of(part: ContentPart, where: str) -> ImageSource | VideoSource | None
     )
 
 
+def _collect(kind: str, found: list[S], sink: list[S] | None, role: str) -> None:
+    """A message's images (or videos) appended to `sink`; a 400 where this endpoint (sink None) or the role
+    takes none."""
+    if not found:
+        return
+    if sink is None:
+        raise APIError(f"{found[0].where}: this endpoint does not take {kind}s", param="messages")
+    if role != "user":
+        raise APIError(f"{found[0].where}: {kind}s are accepted in user messages only (not {role!r})", param="messages")
+    sink += found
+
+
 def _content(
     m: Message, i: int, images: list[ImageSource] | None, videos: list[VideoSource] | None = None
 ) -> str | list[dict] | None:
@@ -81,17 +94,8 @@ def _content(
     found = [source for _, source in parts if source is not None]
     if not found:
         return "".join(part.text for part, _ in parts)
-    for kind, sink in (("image", images), ("video", videos)):
-        mine = [s for s in found if isinstance(s, ImageSource if kind == "image" else VideoSource)]
-        if not mine:
-            continue
-        if sink is None:
-            raise APIError(f"{mine[0].where}: this endpoint does not take {kind}s", param="messages")
-        if m.role != "user":
-            raise APIError(
-                f"{mine[0].where}: {kind}s are accepted in user messages only (not {m.role!r})", param="messages"
-            )
-        sink += mine  # type: ignore[operator]
+    _collect("image", [s for s in found if isinstance(s, ImageSource)], images, m.role)
+    _collect("video", [s for s in found if isinstance(s, VideoSource)], videos, m.role)
     return [
         {"type": "text", "text": part.text}
         if source is None
