@@ -123,3 +123,23 @@ def test_bad_input_is_a_video_error(data, message: str) -> None:
 def test_budget_is_checked() -> None:
     with pytest.raises(VideoError, match="one of"):
         load_video(CLIPS["gif"](), VISION, budget=100)
+
+
+def test_limits_and_streams_without_usable_frames() -> None:
+    from thorgen.runtime.media.video import VideoLimits
+
+    data = CLIPS["mp4"]()  # 12 frames at 8 fps: 1.5 s
+    with pytest.raises(VideoError, match="at most 1 s"):
+        load_video(data, VISION, limits=VideoLimits(max_duration_s=1.0))
+    with pytest.raises(VideoError, match="at most 100 are accepted"):
+        load_video(data, VISION, limits=VideoLimits(max_bytes=100))
+    assert len(load_video(data, VISION, limits=VideoLimits(max_duration_s=2.0)).frames) == 12
+    with pytest.raises(VideoError, match="no frames"):  # a raw stream's header alone
+        load_video(b"YUV4MPEG2 W64 H48 F4:1 Ip A0:0 C420jpeg\n", VISION)
+    with pytest.raises(VideoError, match="pixels a frame"):
+        load_video(b"YUV4MPEG2 W5000 H4000 F4:1 Ip A0:0 C420jpeg\n", VISION)
+    unknown = bytearray(data)
+    while (i := unknown.find(b"avc1")) >= 0:  # the codec's fourcc renamed: no decoder for it
+        unknown[i : i + 4] = b"zzzz"
+    with pytest.raises(VideoError, match="codec"):
+        load_video(bytes(unknown), VISION)
