@@ -256,6 +256,11 @@ class Gemma4VisionSpec:
     default_output_length: int = 280
     hidden_activation: str = "gelu_pytorch_tanh"
 
+    @property
+    def placeholder_ids(self) -> tuple[int, int]:
+        """The ids whose rows the tower's soft tokens replace: an image's and a video frame's."""
+        return (self.image_token_id, self.video_token_id)
+
     def __post_init__(self) -> None:
         if self.head_dim % 4:
             raise SpecError(f"vision head_dim {self.head_dim} must be a multiple of 4 (two rotate-half halves)")

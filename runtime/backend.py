@@ -7,7 +7,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Collection, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -153,9 +153,9 @@ class ImageRowCache:
         self._done.clear()
 
 
-def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_token_id: int) -> None:
+def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], placeholder_ids: Collection[int]) -> None:
     """BackendError unless the spans are in order, disjoint, inside the prompt, and cover exactly the prompt's
-    image placeholder ids."""
+    placeholder ids (an image's `<|image|>` or a video frame's `<|video|>`: vision.placeholder_ids)."""
     at = -1
     covered = 0
     for span in spans:
@@ -163,16 +163,16 @@ def check_image_spans(ids: Sequence[int], spans: Sequence[ImageSpan], image_toke
             raise BackendError(
                 f"image span {span.offset}..{span.end} is out of order or outside the {len(ids)}-token prompt"
             )
-        if any(ids[i] != image_token_id for i in range(span.offset, span.end)):
+        if any(ids[i] not in placeholder_ids for i in range(span.offset, span.end)):
             raise BackendError(
                 f"image span {span.offset}..{span.end} does not hold {span.image.soft_tokens} "
-                f"image placeholder tokens ({image_token_id})"
+                f"image or video placeholder tokens ({', '.join(map(str, placeholder_ids))})"
             )
         at = span.end - 1
         covered += span.image.soft_tokens
-    placeholders = sum(1 for t in ids if t == image_token_id)
+    placeholders = sum(1 for t in ids if t in placeholder_ids)
     if placeholders != covered:
-        raise BackendError(f"the prompt has {placeholders} image placeholder tokens but its images take {covered}")
+        raise BackendError(f"the prompt has {placeholders} image/video placeholder tokens; its images take {covered}")
 
 
 def image_key(image_hash: str, index: int) -> int:

@@ -12,7 +12,9 @@ import click
 from .api import EngineConfig, engine_option_flags, open_backend
 from .backend import BackendError, GenerationResult, SamplingParams
 from .media.images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS, ImageError, load_image
-from .media.prompts import ImagePlaceholderError, expand_image_tokens
+from .media.prompts import ImagePlaceholderError, expand_image_tokens, expand_video_text, video_frames
+from .media.video import DEFAULT_BUDGET as FRAME_BUDGET
+from .media.video import VideoError, VideoInput, load_video
 from .options import DEFAULT_CTX
 
 BOS_ID = 2
@@ -36,9 +38,33 @@ def _stop_ids(generation_config: dict, spec) -> frozenset[int]:
     return frozenset(int(e) for e in eos if e is not None)
 
 
-def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> tuple[list[int], list]:
-    """(expanded prompt ids, image spans): each image file read and preprocessed, the placeholders expanded; a
-    one-line error for a model without a tower, an unreadable image or a placeholder count mismatch."""
+def read_videos(spec, paths: tuple[Path, ...], budget: int, num_frames: int | None, fps: float | None) -> list:
+    """Each video file decoded and sampled (VideoInputs); a one-line error for a model without a tower or an
+    unusable file."""
+    if spec.vision is None:
+        raise click.ClickException("--video: this model has no vision tower")
+    videos = []
+    for path in paths:
+        try:
+            videos.append(load_video(path.read_bytes(), spec.vision, budget, num_frames=num_frames, fps=fps))
+        except (VideoError, OSError) as exc:
+            raise click.ClickException(f"{path}: {exc}") from None
+    return videos
+
+
+def _video_text(spec, tok, text: str, videos: list[VideoInput]) -> str:
+    """The prompt text with each `<|video|>` replaced by the next video's frames (timestamps and placeholders)."""
+    try:
+        return expand_video_text(text, videos, lambda i: tok.id_to_token(i) or "", spec.vision)
+    except ImagePlaceholderError as exc:
+        raise click.ClickException(f"{exc}: write one <|video|> in --prompt for each --video") from None
+
+
+def _with_images(
+    spec, ids: list[int], paths: tuple[Path, ...], budget: int, frames: list | None = None
+) -> tuple[list[int], list]:
+    """(expanded prompt ids, image and frame spans): each image file read and preprocessed, the placeholders
+    expanded; a one-line error for a model without a tower, an unreadable image or a placeholder count mismatch."""
     if spec.vision is None:
         raise click.ClickException("--image: this model has no vision tower")
     images = []
@@ -48,7 +74,7 @@ def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> 
         except (ImageError, OSError) as exc:
             raise click.ClickException(f"{path}: {exc}") from None
     try:
-        return expand_image_tokens(ids, images, spec.vision)
+        return expand_image_tokens(ids, images, spec.vision, frames or [])
     except ImagePlaceholderError as exc:
         raise click.ClickException(f"{exc}: write one <|image|> in --prompt for each --image") from None
 
@@ -128,6 +154,33 @@ def _with_images(spec, ids: list[int], paths: tuple[Path, ...], budget: int) -> 
     show_default=True,
     help="Soft tokens an image may take.",
 )
+@click.option(
+    "--video",
+    "video_paths",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A video file (repeat for several): each one fills the --prompt's next <|video|> placeholder with its "
+    "sampled frames (timestamp + soft tokens each).",
+)
+@click.option(
+    "--num-frames",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--video: frames to sample from each video, uniformly (default: up to 32).",
+)
+@click.option(
+    "--fps",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="--video: frames to sample per second of video, instead of --num-frames (at most 32).",
+)
+@click.option(
+    "--video-max-tokens",
+    type=click.Choice([str(b) for b in SOFT_TOKEN_BUDGETS]),
+    default=str(FRAME_BUDGET),
+    show_default=True,
+    help="Soft tokens a video frame may take.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @engine_option_flags
 def generate(
@@ -147,13 +200,18 @@ def generate(
     kv_dtype: str,
     image_paths: tuple[Path, ...],
     image_max_tokens: str,
+    video_paths: tuple[Path, ...],
+    num_frames: int | None,
+    fps: float | None,
+    video_max_tokens: str,
     as_json: bool,
     engine_options,
 ) -> None:
     """Generate tokens for one raw prompt (no chat template) and print them.
 
     With --image, each <|image|> placeholder of the prompt (in order) becomes that image's <|image> + soft tokens
-    + <image|> span; the prompt must hold exactly one placeholder per image.
+    + <image|> span; the prompt must hold exactly one placeholder per image. With --video (and --prompt), each
+    <|video|> becomes that video's sampled frames, each `mm:ss <|image>` + soft tokens + `<image|>`.
 
     Generation stops at a stop id (generation_config.json eos_token_id) or after --max-tokens. Text output
     streams the decoded tokens (special tokens included) to stdout and a summary line to stderr; --json prints
@@ -161,6 +219,10 @@ def generate(
     """
     if (prompt_text is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if video_paths and prompt_text is None:
+        raise click.UsageError("--video needs --prompt (a video's frames are laid out in the prompt's text)")
+    if num_frames is not None and fps is not None:
+        raise click.UsageError("give --num-frames or --fps, not both")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     try:
         opened = open_backend(
@@ -175,8 +237,11 @@ def generate(
         tok = Tokenizer.from_file(opened.tokenizer_path)
     except TokenizerError as exc:
         raise click.ClickException(str(exc)) from exc
+    videos = read_videos(engine.spec, video_paths, int(video_max_tokens), num_frames, fps) if video_paths else []
     if ids is None:
-        ids = [BOS_ID] + tok.encode(prompt_text or "")
+        ids = [BOS_ID] + tok.encode(
+            _video_text(engine.spec, tok, prompt_text or "", videos) if videos else prompt_text or ""
+        )
     vocab = engine.spec.target.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
@@ -184,8 +249,8 @@ def generate(
             f"token ids {bad[:5]} lie outside the vocabulary 0..{vocab - 1}", param_hint="--prompt-ids"
         )
     spans: list = []
-    if image_paths:
-        ids, spans = _with_images(engine.spec, ids, image_paths, int(image_max_tokens))
+    if image_paths or videos:
+        ids, spans = _with_images(engine.spec, ids, image_paths, int(image_max_tokens), video_frames(videos))
     if speculative and not engine.features.speculative:
         raise click.ClickException(
             f"{model}: no drafter (no {model / 'dflash'} folder): pass --draft DIR or --no-speculative"

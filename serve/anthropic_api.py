@@ -174,6 +174,12 @@ def _turns(m: AnthropicMessage, i: int, image_fields: list[str]) -> list[Message
                     content=json.dumps({"error": text}) if block.is_error else text,
                 )
             )
+        elif block.type in ("video", "video_url"):
+            raise APIError(
+                f"{at}: video input is not supported by the Messages API; send it to /v1/chat/completions as a "
+                "video_url content part",
+                param="messages",
+            )
         elif block.type == "image" and m.role == "user":
             parts.append(ContentPart(type="image_url", image_url=_image_url(block.source, at)))
             image_fields.append(at)

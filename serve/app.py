@@ -21,7 +21,8 @@ from . import anthropic_api, endpoints, openapi, render, responses_api
 from .conversation import template_messages, validate_tools
 from .guards import BodyLimitMiddleware, BugMiddleware, prompt_ids
 from .metrics import CONTENT_TYPE, endpoint_of
-from .pipeline import with_images
+from ..runtime.media.prompts import video_frames
+from .pipeline import with_images, with_video_layout
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,7 +34,7 @@ from .protocol import (
     error_body_for,
     error_message,
 )
-from .request import ImageSource
+from .request import ImageSource, VideoSampling, VideoSource
 from .state import ServerState
 from .tool_schemas import template_tools
 
@@ -243,17 +244,24 @@ def create_app(
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
             images: list[ImageSource] = []
-            messages, tools = template_messages(req.messages, images), template_tools(validate_tools(req.tools))
+            videos: list[VideoSource] = []
+            messages = template_messages(req.messages, images, videos)
+            tools = template_tools(validate_tools(req.tools))
+            clips = await ctx.videos.load(videos, VideoSampling())  # the default sampling, as a chat request's
             ids = await prompt_ids(
                 ctx,
-                lambda: ctx.template.render(
-                    messages,
-                    tools,
-                    add_generation_prompt=req.add_generation_prompt is not False,
-                    enable_thinking=thinking is True,
+                lambda: with_video_layout(
+                    ctx,
+                    ctx.template.render(
+                        messages,
+                        tools,
+                        add_generation_prompt=req.add_generation_prompt is not False,
+                        enable_thinking=thinking is True,
+                    ),
+                    clips,
                 ),
             )
-            ids, _ = await with_images(ctx, images, None, ids)  # the server's image budget
+            ids, _ = await with_images(ctx, images, None, ids, frames=video_frames(clips))  # the server's budget
         else:
             bos, prompt = ctx.template.bos_token, req.prompt
             add = req.add_special_tokens is not False and not prompt.startswith(bos)

@@ -165,7 +165,7 @@ def open_model(config):
 @click.option(
     "--allowed-media-domains",
     multiple=True,
-    help="Hosts whose http(s) image URLs are fetched (repeat, or comma-separate; 5 s timeout, no "
+    help="Hosts whose http(s) image and video URLs are fetched (repeat, or comma-separate; 5 s timeout, no "
     "redirects); without it only inline data: URLs are taken.",
 )
 @click.option(
@@ -174,6 +174,28 @@ def open_model(config):
     help="Run the engine in a child process, which the server replaces after a fault on the device (a CUDA "
     "error no context reset clears): the requests it was running fail, the others wait, /health says "
     "'recovering' meanwhile [default: on with --backend cuda].",
+)
+@click.option(
+    "--limit-videos-per-prompt",
+    type=click.IntRange(0),
+    default=1,
+    show_default=True,
+    help="Videos one prompt may hold (each up to 32 frames of 70 soft tokens); more get a 400.",
+)
+@click.option(
+    "--video-max-seconds",
+    type=click.FloatRange(0, min_open=True),
+    default=600,
+    show_default=True,
+    help="Longest video accepted, by its stream's duration; a longer one gets a 400 before its frames are decoded.",
+)
+@click.option(
+    "--video-max-mb",
+    type=click.FloatRange(0, min_open=True),
+    default=32,
+    show_default=True,
+    help="Largest video file accepted (a data URL's decoded payload or a fetched file); a data URL also needs "
+    "--max-body-mb room.",
 )
 @click.option(
     "--shutdown-timeout",
@@ -213,6 +235,9 @@ def serve(
     limit_images_per_prompt: int,
     allowed_media_domains: tuple[str, ...],
     engine_process: bool | None,
+    limit_videos_per_prompt: int,
+    video_max_seconds: float,
+    video_max_mb: float,
     shutdown_timeout: float,
     log_level: str,
     engine_options,
@@ -256,7 +281,14 @@ def serve(
     off = draft_tokens == 0 or (draft_tokens is None and demo)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     domains = tuple(d.strip().lower() for entry in allowed_media_domains for d in entry.split(",") if d.strip())
-    media = MediaOptions(int(image_max_tokens), limit_images_per_prompt, domains)
+    media = MediaOptions(
+        int(image_max_tokens),
+        limit_images_per_prompt,
+        domains,
+        max_videos=limit_videos_per_prompt,
+        max_video_seconds=video_max_seconds,
+        max_video_bytes=int(video_max_mb * (1 << 20)),
+    )
     state = ServerState(
         name,
         loader,

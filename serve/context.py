@@ -11,6 +11,7 @@ from ..runtime.client import Capabilities, OutputStream
 from ..runtime.text.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
 from .image_loader import ImageLoader
+from .video_loader import VideoLoader
 from .media import MediaOptions
 from .metrics import Metrics
 from .parser import ControlIds
@@ -60,6 +61,7 @@ class ServerContext:
     tokenizer_info: dict[str, Any]  # GET /tokenizer_info's body
     media: MediaOptions
     images: ImageLoader  # reads, decodes and preprocesses requests' images off the event loop
+    videos: VideoLoader  # reads, decodes and samples requests' videos off the event loop
     metrics: Metrics
     speculative: bool  # requests decode speculatively unless they say otherwise
     draft_tokens: int | None  # --draft-tokens: a speculative request's drafts per step, at most

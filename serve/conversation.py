@@ -1,17 +1,19 @@
 """Serve stage: a chat request's messages and tools checked and turned into what the chat template renders
-(content strings or text + image parts, tool calls, tool definitions), with the images' sources collected."""
+(content strings or text + image and video parts, tool calls, tool definitions), with the media's sources
+collected."""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from ..runtime.media.images import SOFT_TOKEN_BUDGETS
 from .protocol import APIError, ContentPart, Message, Tool, ToolCallIn
-from .request import ImageSource
+from .request import ImageSource, VideoSource
 from .tool_schemas import check_shapes
 
+S = TypeVar("S", ImageSource, VideoSource)  # an image's or a video's source
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")
 # image_url.detail: "low" takes the smallest soft-token budget, "auto" and "high" the request's (or the server's)
@@ -34,8 +36,21 @@ def image_source(url: Any, detail: Any, where: str, param: str = "messages") -> 
     return ImageSource(url, where, DETAIL_BUDGETS.get(detail))
 
 
-def _image_of(part: ContentPart, where: str) -> ImageSource | None:
-    """The image a part names, or None for a text part; a 400 for any other part."""
+def video_source(url: Any, where: str, param: str = "messages") -> VideoSource:
+    """A video part's URL, checked (its bytes are read later, once per request)."""
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{where}: the video URL must be a non-empty string", param=param)
+    colon = url.find(":", 0, 8)
+    if (url[:colon].lower() if colon > 0 else "") not in ("data", "http", "https"):
+        raise APIError(
+            f"{where}: a video URL is a data: URL (data:video/mp4;base64,...) or an http(s) URL; got {url[:40]!r}",
+            param=param,
+        )
+    return VideoSource(url, where)
+
+
+def _media_of(part: ContentPart, where: str) -> ImageSource | VideoSource | None:
+    """The image or video a part names, or None for a text part; a 400 for any other part."""
     if part.type == "text" and part.text is not None:
         return None
     if part.type == "image_url" and part.image_url is not None:
@@ -43,30 +58,50 @@ def _image_of(part: ContentPart, where: str) -> ImageSource | None:
         return image_source(url, None if isinstance(part.image_url, str) else part.image_url.detail, where)
     if part.type == "image" and (part.url or part.image):
         return image_source(part.url or part.image, None, where)
+    if part.type == "video_url" and part.video_url is not None:
+        return video_source(part.video_url if isinstance(part.video_url, str) else part.video_url.url, where)
+    if part.type == "video" and (part.url or part.video):
+        return video_source(part.url or part.video, where)
     raise APIError(
-        f"{where}: a content part is text ({{'type': 'text', 'text': ...}}) or an image "
-        f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}); got type {part.type!r}",
+        f"{where}: a content part is text ({{'type': 'text', 'text': ...}}), an image "
+        f"({{'type': 'image_url', 'image_url': {{'url': ...}}}}) or a video "
+        f"({{'type': 'video_url', 'video_url': {{'url': ...}}}}); got type {part.type!r}",
         param="messages",
     )
 
 
-def _content(m: Message, i: int, images: list[ImageSource] | None) -> str | list[dict] | None:
-    """A message's content for the template: a string, or (a user message with images) text and {"type": "image"}
-    parts in order, each image's source appended to `images` (None: images are refused here)."""
+def _collect(kind: str, found: list[S], sink: list[S] | None, role: str) -> None:
+    """A message's images (or videos) appended to `sink`; a 400 where this endpoint (sink None) or the role
+    takes none."""
+    if not found:
+        return
+    if sink is None:
+        raise APIError(f"{found[0].where}: this endpoint does not take {kind}s", param="messages")
+    if role != "user":
+        raise APIError(f"{found[0].where}: {kind}s are accepted in user messages only (not {role!r})", param="messages")
+    sink += found
+
+
+def _content(
+    m: Message, i: int, images: list[ImageSource] | None, videos: list[VideoSource] | None = None
+) -> str | list[dict] | None:
+    """A message's content for the template: a string, or (a user message with images or videos) text,
+    {"type": "image"} and {"type": "video"} parts in order, each source appended to `images` or `videos` (None:
+    that kind is refused here)."""
     if not isinstance(m.content, list):
         return m.content
-    parts = [(part, _image_of(part, f"messages[{i}].content[{j}]")) for j, part in enumerate(m.content)]
+    parts = [(part, _media_of(part, f"messages[{i}].content[{j}]")) for j, part in enumerate(m.content)]
     found = [source for _, source in parts if source is not None]
     if not found:
         return "".join(part.text for part, _ in parts)
-    if images is None:
-        raise APIError(f"{found[0].where}: this endpoint does not take images", param="messages")
-    if m.role != "user":
-        raise APIError(
-            f"{found[0].where}: images are accepted in user messages only (not {m.role!r})", param="messages"
-        )
-    images += found
-    return [{"type": "image"} if source is not None else {"type": "text", "text": part.text} for part, source in parts]
+    _collect("image", [s for s in found if isinstance(s, ImageSource)], images, m.role)
+    _collect("video", [s for s in found if isinstance(s, VideoSource)], videos, m.role)
+    return [
+        {"type": "text", "text": part.text}
+        if source is None
+        else {"type": "image" if isinstance(source, ImageSource) else "video"}
+        for part, source in parts
+    ]
 
 
 def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -130,9 +165,12 @@ def _arguments(call: ToolCallIn, i: int) -> dict | str:
     return parsed
 
 
-def template_messages(messages: list[Message], images: list[ImageSource] | None = None) -> list[dict]:
+def template_messages(
+    messages: list[Message], images: list[ImageSource] | None = None, videos: list[VideoSource] | None = None
+) -> list[dict]:
     """OpenAI messages -> the dicts Gemma's template expects: text parts joined (or, in a user message with
-    images, text and {"type": "image"} parts, the images' sources appended to `images`; None refuses images),
+    images or videos, text, {"type": "image"} and {"type": "video"} parts, their sources appended to `images` and
+    `videos`; None refuses that kind),
     tool-call arguments as mappings, and `role: "tool"` results folded into the preceding assistant message as
     `tool_responses` (the form Google's template renders inside the model turn)."""
     if not messages:
@@ -142,7 +180,7 @@ def template_messages(messages: list[Message], images: list[ImageSource] | None 
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", param="messages")
-        content = _content(m, i, images)
+        content = _content(m, i, images, videos)
         if m.role == "tool":
             if owner is None:
                 raise APIError(

@@ -11,12 +11,12 @@ from fastapi.responses import Response
 
 from .answer import answer
 from .context import ServerContext
-from .media import image_budget
+from .media import media_kwargs
 from .openai_format import OpenAIAdapter
 from .pipeline import prepare
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, stop_list
 from .conversation import template_messages, tool_choice_mode, validate_tools
-from .request import GenerationRequest, ImageSource, Prompt
+from .request import GenerationRequest, ImageSource, Prompt, VideoSource
 from .sampling import sampling_options, thinking_enabled
 from .structured import output_format
 from .vllm_extras import legacy_functions, vllm_fields
@@ -28,7 +28,9 @@ def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     check_unsupported(req)
     legacy_functions(req)
     images: list[ImageSource] = []
-    messages = template_messages(req.messages, images)
+    videos: list[VideoSource] = []
+    messages = template_messages(req.messages, images, videos)
+    budget, video_sampling = media_kwargs(req.mm_processor_kwargs)
     tools = validate_tools(req.tools)
     mode, forced = tool_choice_mode(req.tool_choice, tools)
     thinking = thinking_enabled(req)
@@ -37,7 +39,9 @@ def chat_request(req: ChatCompletionRequest) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
         images=images,
-        image_budget=image_budget(req.mm_processor_kwargs),
+        image_budget=budget,
+        videos=videos,
+        video_sampling=video_sampling,
         tools=tools,
         tool_mode=mode,
         forced_tool=forced,

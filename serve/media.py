@@ -1,6 +1,6 @@
-"""Serve stage: how the server takes images: its options, a request's budgets and image count checked, `data:` URLs
-read (header, then base64), and http(s) images fetched only from the allowed domains (a timeout, a size cap, no
-redirects). serve/image_loader.py runs these for a request's images, off the event loop."""
+"""Serve stage: how the server takes images and videos: its options, a request's budgets, sampling and counts
+checked, `data:` URLs read (header, then base64), and http(s) media fetched only from the allowed domains (a
+timeout, a size cap, no redirects). serve/image_loader.py and serve/video_loader.py run these off the event loop."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import httpx
 from ..model_spec.types import Gemma4VisionSpec
 from ..runtime.media.images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS, ImageError
 from .protocol import APIError
-from .request import ImageSource
+from .request import ImageSource, VideoSampling, VideoSource
 
 
 @dataclass(frozen=True)
 class MediaOptions:
-    """How the server takes images (thorgen serve's --image-max-tokens, --limit-images-per-prompt,
-    --allowed-media-domains)."""
+    """How the server takes images and videos (thorgen serve's --image-max-tokens, --limit-images-per-prompt,
+    --allowed-media-domains, --limit-videos-per-prompt, --video-max-seconds, --video-max-mb)."""
 
     budget: int = DEFAULT_BUDGET  # soft tokens per image unless a request asks for another budget
     max_images: int = 16  # images one prompt may hold
@@ -32,6 +32,10 @@ class MediaOptions:
     # worker threads that decode and preprocess images (Pillow and NumPy release the GIL for most of it)
     workers: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
     cache_bytes: int = 256 << 20  # preprocessed images kept for requests that send them again (their patches)
+    max_videos: int = 1  # videos one prompt may hold
+    max_video_seconds: float = 600.0  # a longer video is refused before its frames are decoded
+    max_video_bytes: int = 32 << 20  # a video file's size (a data URL's decoded payload or a fetched file)
+    video_decode_timeout_s: float = 30.0  # wall time one video's decode and sampling may take
 
 
 def where_param(where: str) -> str:
@@ -48,17 +52,35 @@ def check_budget(value: Any, param: str) -> int:
     return value
 
 
-def image_budget(kwargs: dict[str, Any] | None) -> int | None:
-    """vLLM's mm_processor_kwargs: {"max_soft_tokens": N} (the only key taken here) -> N, checked."""
+MM_KWARGS = ("max_soft_tokens", "num_frames", "fps")
+
+
+def media_kwargs(kwargs: dict[str, Any] | None) -> tuple[int | None, VideoSampling]:
+    """vLLM's mm_processor_kwargs -> (the soft-token budget of images and frames, the videos' sampling), checked:
+    max_soft_tokens (70..1120), num_frames (a positive integer) or fps (a positive number)."""
     if not kwargs:
-        return None
-    unknown = sorted(set(kwargs) - {"max_soft_tokens"})
+        return None, VideoSampling()
+    unknown = sorted(set(kwargs) - set(MM_KWARGS))
     if unknown:
         raise APIError(
-            f"mm_processor_kwargs: only max_soft_tokens is supported (got {', '.join(unknown)})",
+            f"mm_processor_kwargs: only {', '.join(MM_KWARGS)} are supported (got {', '.join(unknown)})",
             param="mm_processor_kwargs",
         )
-    return check_budget(kwargs.get("max_soft_tokens"), "mm_processor_kwargs.max_soft_tokens")
+    budget = kwargs.get("max_soft_tokens")
+    if budget is not None:
+        budget = check_budget(budget, "mm_processor_kwargs.max_soft_tokens")
+    frames, fps = kwargs.get("num_frames"), kwargs.get("fps")
+    if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+        raise APIError(
+            f"mm_processor_kwargs.num_frames must be a positive integer; got {frames!r}", param="mm_processor_kwargs"
+        )
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000):
+        raise APIError(
+            f"mm_processor_kwargs.fps must be a number in (0, 1000]; got {fps!r}", param="mm_processor_kwargs"
+        )
+    if frames is not None and fps is not None:
+        raise APIError("mm_processor_kwargs: give num_frames or fps, not both", param="mm_processor_kwargs")
+    return budget, VideoSampling(frames, None if fps is None else float(fps), budget)
 
 
 # base64 characters decoded per call (a multiple of 4; well under a millisecond): binascii holds the GIL while it
@@ -66,16 +88,18 @@ def image_budget(kwargs: dict[str, Any] | None) -> int | None:
 B64_PIECE = 1 << 18
 
 
-def data_url_payload(url: str, where: str) -> int:
-    """Where the base64 payload of a `data:image/...;base64,...` URL starts, its header checked (the payload is
-    read later, by `b64_bytes` on a worker thread, and never copied whole)."""
+def data_url_payload(url: str, where: str, kind: str = "image") -> int:
+    """Where the base64 payload of a `data:<kind>/...;base64,...` URL (kind: image or video) starts, its header
+    checked (the payload is read later, by `b64_bytes` on a worker thread, and never copied whole)."""
     comma = url.find(",")
     media_type, *params = url[len("data:") : max(comma, 0)].split(";")
     if comma < 0 or "base64" not in params:
-        raise APIError(f"{where}: a data URL must be data:<image type>;base64,<data>", param=where_param(where))
-    if media_type and not media_type.lower().startswith("image/"):
+        raise APIError(f"{where}: a data URL must be data:<{kind} type>;base64,<data>", param=where_param(where))
+    if media_type and not media_type.lower().startswith(f"{kind}/"):
         raise APIError(
-            f"{where}: the data URL's media type {media_type!r} is not an image type", param=where_param(where)
+            f"{where}: the data URL's media type {media_type!r} is not {'an image' if kind == 'image' else 'a video'} "
+            "type",
+            param=where_param(where),
         )
     return comma + 1
 
@@ -96,18 +120,19 @@ def b64_bytes(text: str, start: int = 0) -> bytes:
     return b"".join(pieces)
 
 
-async def fetch(url: str, options: MediaOptions, where: str) -> bytes:
-    """An http(s) image from an allowed host: no redirects followed, at most max_fetch_bytes, within the timeout."""
+async def fetch(url: str, options: MediaOptions, where: str, kind: str = "image") -> bytes:
+    """An http(s) image (or video) from an allowed host: no redirects followed, at most max_fetch_bytes (a video:
+    max_video_bytes), within the timeout."""
     host = (urlsplit(url).hostname or "").lower()
     if not options.allowed_domains:
         raise APIError(
-            f"{where}: this server does not fetch image URLs (thorgen serve --allowed-media-domains "
-            "turns it on); send the image inline as a data: URL",
+            f"{where}: this server does not fetch {kind} URLs (thorgen serve --allowed-media-domains "
+            f"turns it on); send the {kind} inline as a data: URL",
             param=where_param(where),
         )
     if host not in options.allowed_domains:
         raise APIError(f"{where}: the host {host!r} is not among the allowed media domains", param=where_param(where))
-    limit = options.max_fetch_bytes
+    limit = options.max_fetch_bytes if kind == "image" else options.max_video_bytes
     try:
         async with httpx.AsyncClient(
             timeout=options.fetch_timeout_s, follow_redirects=False, trust_env=False
@@ -115,12 +140,12 @@ async def fetch(url: str, options: MediaOptions, where: str) -> bytes:
             async with client.stream("GET", url) as response:
                 if response.is_redirect:
                     raise APIError(
-                        f"{where}: the image URL answered a redirect ({response.status_code}), which is not followed",
+                        f"{where}: the {kind} URL answered a redirect ({response.status_code}), which is not followed",
                         param=where_param(where),
                     )
                 if response.status_code != 200:
                     raise APIError(
-                        f"{where}: fetching the image URL answered HTTP {response.status_code}",
+                        f"{where}: fetching the {kind} URL answered HTTP {response.status_code}",
                         param=where_param(where),
                     )
                 chunks, size = [], 0
@@ -128,17 +153,17 @@ async def fetch(url: str, options: MediaOptions, where: str) -> bytes:
                     size += len(chunk)
                     if size > limit:
                         raise APIError(
-                            f"{where}: the image at the URL is larger than {limit} bytes", param=where_param(where)
+                            f"{where}: the {kind} at the URL is larger than {limit} bytes", param=where_param(where)
                         )
                     chunks.append(chunk)
                 return b"".join(chunks)
     except httpx.TimeoutException:
         raise APIError(
-            f"{where}: fetching the image URL took longer than {options.fetch_timeout_s:g} s", param=where_param(where)
+            f"{where}: fetching the {kind} URL took longer than {options.fetch_timeout_s:g} s", param=where_param(where)
         ) from None
     except httpx.HTTPError as exc:
         raise APIError(
-            f"{where}: the image URL could not be fetched ({type(exc).__name__})", param=where_param(where)
+            f"{where}: the {kind} URL could not be fetched ({type(exc).__name__})", param=where_param(where)
         ) from None
 
 
@@ -155,3 +180,17 @@ def check_count(vision: Gemma4VisionSpec | None, options: MediaOptions, sources:
             param=where_param(sources[0].where),
         )
     return vision
+
+
+def check_video_count(vision: Gemma4VisionSpec | None, options: MediaOptions, sources: list[VideoSource]) -> None:
+    """A 400 unless the model has a vision tower and the prompt holds no more videos than allowed."""
+    if vision is None:
+        raise APIError(
+            "this model has no vision tower: video inputs are not supported", param=where_param(sources[0].where)
+        )
+    if len(sources) > options.max_videos:
+        raise APIError(
+            f"the prompt holds {len(sources)} videos; at most {options.max_videos} are accepted "
+            "(thorgen serve --limit-videos-per-prompt)",
+            param=where_param(sources[0].where),
+        )

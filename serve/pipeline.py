@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ..runtime.backend import ImageSpan, SamplingParams
-from ..runtime.media.prompts import expand_image_tokens
+from ..runtime.backend import ImageInput, ImageSpan, SamplingParams
+from ..runtime.media.prompts import ImagePlaceholderError, expand_image_tokens, expand_video_text, video_frames
+from ..runtime.media.video import VideoInput
 from ..runtime.text.grammar import Grammar
 from .context import ServerContext
 from .generation import Generation, Job, choices
@@ -30,13 +31,27 @@ def forced_call(req: GenerationRequest) -> str | None:
     return {"required": "call:", "named": f"call:{req.forced_tool}{{"}.get(req.tool_mode)
 
 
+def with_video_layout(ctx: ServerContext, text: str, videos: list[VideoInput], param: str = "messages") -> str:
+    """The rendered prompt with each video's `<|video|>` replaced by its frames' layout (timestamps, one
+    placeholder per frame); a 400 when the text holds more or fewer `<|video|>` than the request has videos."""
+    vision = ctx.caps.vision
+    if not videos or vision is None:
+        return text
+    try:
+        return expand_video_text(text, videos, lambda i: ctx.tokenizer.id_to_token(i) or "", vision)
+    except ImagePlaceholderError as exc:
+        raise APIError(f"{exc}: message text must not contain the video token", param=param) from None
+
+
 async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tuple[list[int], list[ImageSpan]]:
     """The prompt ids of a conversation request, exactly as it is generated from (the chat template with the tools,
-    the thinking switch and a forced call's opening; each image's placeholder expanded), and the image spans."""
+    the thinking switch and a forced call's opening; each image's placeholder expanded, each video's frames laid
+    out), and the image and frame spans."""
     messages = req.messages
     if messages is None:
         raise ValueError("a raw-prompt request has no conversation to render")
     forced = forced_call(req)
+    videos = await ctx.videos.load(req.videos, req.video_sampling)
 
     def render() -> str:
         prompt = ctx.template.render(
@@ -46,11 +61,12 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
             enable_thinking=req.thinking,
             **req.template_kwargs,
         )
+        prompt = with_video_layout(ctx, prompt, videos, req.prompt_field)
         prompt += req.assistant_prefill or ""
         return prompt if forced is None else prompt + "<|tool_call>" + forced
 
     ids = await prompt_ids(ctx, render, param=req.prompt_field)
-    return await with_images(ctx, req.images, req.image_budget, ids, req.prompt_field)
+    return await with_images(ctx, req.images, req.image_budget, ids, req.prompt_field, video_frames(videos))
 
 
 async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
@@ -70,10 +86,17 @@ async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
 
 
 async def with_images(
-    ctx: ServerContext, images: list[ImageSource], budget: int | None, ids: list[int], param: str = "messages"
+    ctx: ServerContext,
+    images: list[ImageSource],
+    budget: int | None,
+    ids: list[int],
+    param: str = "messages",
+    frames: list[ImageInput] | None = None,
 ) -> tuple[list[int], list[ImageSpan]]:
-    """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi, and the spans; the
-    images are read and preprocessed once, after the placeholders are known to match them."""
+    """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi and each video
+    frame's (with_video_layout) into its soft tokens, and the spans; the images are read and preprocessed once,
+    after the placeholders are known to match them."""
+    frames = frames or []
     vision = ctx.caps.vision
     if images:
         check_count(vision, ctx.media, images)
@@ -87,9 +110,17 @@ async def with_images(
             f"image(s): message text must not contain the image token {token!r}",
             param=param,
         )
-    if not images:
+    found = ids.count(vision.video_token_id)
+    if found != len(frames):
+        token = ctx.tokenizer.id_to_token(vision.video_token_id)
+        raise APIError(
+            f"the prompt holds {found} video frame placeholder(s) but the request's videos have {len(frames)} "
+            f"frame(s): message text must not contain the video token {token!r}",
+            param=param,
+        )
+    if not images and not frames:
         return ids, []
-    return expand_image_tokens(ids, await ctx.images.load(images, budget), vision)
+    return expand_image_tokens(ids, await ctx.images.load(images, budget), vision, frames)
 
 
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
@@ -147,9 +178,9 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
     images: list[ImageSpan] = []
     prompts: list[tuple[str, list[int], str | None]] = []  # (the field errors name, prompt ids, echoed text)
     if req.messages is not None:
-        if req.images and keep is not None:
+        if (req.images or req.videos) and keep is not None:
             raise APIError(
-                "truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)",
+                "truncate_prompt_tokens cannot be combined with images or videos (it could cut their tokens)",
                 param="truncate_prompt_tokens",
             )
         ids, images = await conversation_prompt(ctx, req)

@@ -158,8 +158,13 @@ class ImageURL(_Open):
     detail: str | None = None  # DETAIL_BUDGETS
 
 
+class VideoURL(_Open):
+    url: str
+
+
 class ContentPart(_Open):
-    """A content part: text, image_url ({"url", "detail"?} or a URL string), or image ("url" or "image": a URL)."""
+    """A content part: text, image_url ({"url", "detail"?} or a URL string), image ("url" or "image": a URL),
+    video_url ({"url"} or a URL string) or video ("url" or "video": a URL)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=limits.CONTENT_PART)
 
@@ -168,6 +173,8 @@ class ContentPart(_Open):
     image_url: Union[ImageURL, str, None] = None
     url: str | None = None
     image: str | None = None
+    video_url: Union[VideoURL, str, None] = None
+    video: str | None = None
 
 
 class FunctionCall(_Open):
@@ -261,7 +268,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool | None = None
     functions: list[FunctionDef] | None = None  # OpenAI's deprecated form of tools / tool_choice
     function_call: Union[str, dict[str, Any], None] = Field(None, json_schema_extra=limits.FUNCTION_CALL)
-    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: {"max_soft_tokens": 70..1120} per image
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: max_soft_tokens (images, frames), num_frames, fps
 
 
 class CompletionRequest(_Sampling):

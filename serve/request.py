@@ -62,6 +62,25 @@ class ImageSource:
     budget: int | None = None
 
 
+@dataclass(frozen=True)
+class VideoSource:
+    """One video of a conversation as the request gave it, not yet read: a `data:` URL or an http(s) URL; `where`
+    names its field."""
+
+    url: str
+    where: str
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """How a request's videos are sampled (vLLM's mm_processor_kwargs): `num_frames` or `fps` (None: up to 32
+    frames spread over the clip) and the soft tokens per frame (None: the server's)."""
+
+    num_frames: int | None = None
+    fps: float | None = None
+    budget: int | None = None
+
+
 @dataclass
 class GenerationRequest:
     """One request, whatever API it came from. Exactly one of `messages` (a conversation in the chat template's
@@ -72,6 +91,9 @@ class GenerationRequest:
     # the conversation's images in prompt order (each user message's {"type": "image"} parts, one each)
     images: list[ImageSource] = field(default_factory=list)
     image_budget: int | None = None  # soft tokens an image may take (vLLM's max_soft_tokens); None: the server's
+    # the conversation's videos in prompt order (each user message's {"type": "video"} parts) and their sampling
+    videos: list[VideoSource] = field(default_factory=list)
+    video_sampling: VideoSampling = VideoSampling()
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools: {"type": "function", "function": {name, ...}}
     tool_mode: str = "none"  # one of TOOL_MODES
     forced_tool: str | None = None  # the tool a "named" tool_mode calls

@@ -121,6 +121,12 @@ def _text(
             parts.append(ContentPart(type="image_url", image_url={"url": source.url, "detail": part.get("detail")}))
             image_fields.append(at)
             continue
+        if kind in ("input_video", "video_url", "video"):
+            raise APIError(
+                f"{at}: video input is not supported by the Responses API; send it to /v1/chat/completions as a "
+                "video_url content part",
+                param="input",
+            )
         if kind in ("input_image", "input_file", "input_audio"):
             raise APIError(
                 f"{at}: {kind} is not supported {'here' if kind == 'input_image' else 'by this server'}", param="input"

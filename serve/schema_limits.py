@@ -35,12 +35,15 @@ CONTENT_BY_ROLE: dict[str, Any] = {
         },
     },
 }
-# serve/conversation.py _image_of: text with its text, image_url with its URL, or image with url or image
+# serve/conversation.py _media_of: text with its text, image_url / video_url with its URL, or image / video with a
+# url (or image / video)
 CONTENT_PART: dict[str, Any] = {
     "anyOf": [
         _block("text", text={"type": "string"}),
         _block("image_url", image_url=GIVEN),
         {**_block("image"), **_given("url", "image")},
+        _block("video_url", video_url=GIVEN),
+        {**_block("video"), **_given("url", "video")},
     ]
 }
 # serve/vllm_extras.py legacy_functions: OpenAI's tools / tool_choice or its deprecated functions / function_call

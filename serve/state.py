@@ -16,6 +16,7 @@ from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_d
 from .context import Engine, ServerContext
 from .guards import longest_token_chars
 from .image_loader import ImageLoader
+from .video_loader import VideoLoader
 from .media import MediaOptions
 from .metrics import Metrics
 from .protocol import APIError
@@ -84,6 +85,7 @@ class ServerState:
                 tokenizer_info=describe_tokenizer(tokenizer, template, gen_cfg, caps.max_context),
                 media=self.media,
                 images=ImageLoader(caps.vision, self.media),
+                videos=VideoLoader(caps.vision, self.media),
                 metrics=self.metrics,
                 speculative=speculative,
                 draft_tokens=self.draft_tokens,
@@ -138,6 +140,7 @@ class ServerState:
             self.client.close()
         if self.context is not None:
             self.context.images.close()
+            self.context.videos.close()
 
 
 def server_state(request: Request) -> ServerState:

@@ -102,3 +102,41 @@ def test_image_fills_the_prompts_placeholder(tiny_checkpoint, tiny_ckpt, tmp_pat
     )
     assert r.exit_code != 0 and "bad.png" in r.output and "not an image" in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_video_fills_the_prompts_placeholder(tiny_checkpoint, tiny_ckpt, tmp_path) -> None:
+    import pytest
+
+    pytest.importorskip("av")
+    from video_clips import mp4
+
+    from thorgen.runtime.media.prompts import expand_image_tokens, expand_video_text, video_frames
+    from thorgen.runtime.media.video import load_video
+    from thorgen.runtime.text.tokenizer import Tokenizer
+
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(mp4(frames=6))
+    args = [*BASE, "--model", str(tiny_checkpoint), "--video", str(path), "--num-frames", "3"]
+    prompt = "Watch: <|video|> What moves?"
+    out = json.loads(run(*args, "--prompt", prompt).output)
+    vision, tok = tiny_ckpt.spec.vision, Tokenizer.from_file(tiny_ckpt.tokenizer_path)
+    video = load_video(path.read_bytes(), vision, 70, num_frames=3)
+    ids = [2] + tok.encode(expand_video_text(prompt, [video], tok.id_to_token, vision))
+    expanded, spans = expand_image_tokens(ids, [], vision, video_frames([video]))
+    assert len(spans) == 3
+    stops = frozenset(tiny_ckpt.generation_config["eos_token_id"])
+    direct = ReferenceBackend(tiny_ckpt).generate(expanded, 16, SamplingParams(), stop_ids=stops, images=spans)
+    assert out["prompt_tokens"] == len(expanded) and out["token_ids"] == direct.token_ids
+    for extra, message in (
+        (["--prompt", "no placeholder"], "video placeholder"),
+        (["--prompt-ids", "2,3"], "--video needs --prompt"),
+        (["--prompt", "<|video|>", "--fps", "1"], "--num-frames or --fps"),
+    ):
+        r = CliRunner().invoke(main, [*args, *extra])
+        assert r.exit_code != 0 and message in r.output, r.output
+    (tmp_path / "bad.mp4").write_bytes(b"not a video")
+    r = CliRunner().invoke(
+        main, [*BASE, "--model", str(tiny_checkpoint), "--video", str(tmp_path / "bad.mp4"), "--prompt", "<|video|>"]
+    )
+    assert r.exit_code != 0 and "bad.mp4" in r.output and "not a video" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)

@@ -109,7 +109,7 @@ def test_expansion_spans_and_cache_keys() -> None:
         v.image_token_id
     ] * n + [v.eoi_token_id, 12]
     assert spans == [ImageSpan(3, i1), ImageSpan(3 + n + 3, i2)]
-    check_image_spans(ids, spans, v.image_token_id)
+    check_image_spans(ids, spans, v.placeholder_ids)
     keys = key_tokens(ids, spans)
     assert keys[:3] == ids[:3] and all(k < 0 for k in keys[3 : 3 + n]) and len(set(keys[3 : 3 + n])) == n
     assert set(keys[3 : 3 + n]).isdisjoint(keys[spans[1].offset : spans[1].end])  # same size, different image
@@ -117,4 +117,4 @@ def test_expansion_spans_and_cache_keys() -> None:
     with pytest.raises(ImagePlaceholderError, match="2 image placeholder"):
         expand_image_tokens([v.image_token_id, v.image_token_id], [i1], v)
     with pytest.raises(Exception, match="placeholder"):
-        check_image_spans(ids, spans[:1], v.image_token_id)
+        check_image_spans(ids, spans[:1], v.placeholder_ids)

@@ -394,6 +394,37 @@ def test_bench_image_on_the_reference_backend(tiny_checkpoint, tmp_path):
     assert too_long.exit_code != 0 and "at budget 140" in too_long.output, too_long.output
 
 
+def test_bench_video_on_the_reference_backend(tiny_checkpoint, tmp_path):
+    pytest.importorskip("av")
+    from click.testing import CliRunner
+    from video_clips import mp4
+
+    from thorgen.runtime.bench.cli import bench
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(mp4(frames=6))
+    args = ["--model", str(tiny_checkpoint), "--backend", "reference", "--prompt-len", "8", "--gen", "3"]
+    args += ["--runs", "2", "--ctx", "256", "--video", str(clip), "--video-frames", "3"]
+    res = CliRunner().invoke(bench, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output.strip().splitlines()[-1])
+    video = report["video"]
+    assert "--video-frames 3" in report["command"] and (video["width"], video["height"]) == (64, 48)
+    assert (
+        video["frames"] == 3 and video["total_frames"] == 6 and 0 < video["soft_tokens"] // 3 <= 70 == video["budget"]
+    )
+    assert video["prompt_tokens"] > 8 + video["soft_tokens"] + 6  # boi and eoi per frame, and the timestamps
+    assert video["decode_ms"] > 0 and video["preprocess_ms"] > 0 and video["encode_ms"] > 0
+    assert video["ttft_ms"] > 0 and len(video["ttft_ms_runs"]) == 2 and video["decode_tok_s"] > 0
+    text = CliRunner().invoke(bench, args)
+    assert text.exit_code == 0 and "decode + sampling" in text.output and "3 of 6 frames" in text.output, text.output
+    (tmp_path / "bad.mp4").write_bytes(b"no video")
+    bad = CliRunner().invoke(bench, [*args[:-4], "--video", str(tmp_path / "bad.mp4")])
+    assert bad.exit_code != 0 and "bad.mp4" in bad.output and "not a video" in bad.output, bad.output
+    too_long = CliRunner().invoke(bench, [*args, "--ctx", "40"])
+    assert too_long.exit_code != 0 and "exceed the context" in too_long.output, too_long.output
+
+
 def test_bench_cuda_without_gpu_points_to_reference(tiny_checkpoint, fake):
     from click.testing import CliRunner
 

@@ -40,7 +40,7 @@ INEXPRESSIBLE = {
     r"a 'tool' message must follow": "the conversation's order",
     r"messages must not be empty": "a conversation left empty once dropped blocks are gone",
     r"final assistant message|cannot be combined": "fields that exclude one another for some values only",
-    r"image|base64|data URL|media type": "an image's bytes, and which URLs the server fetches",
+    r"image|video|base64|data URL|media type": "an image's or a video's bytes, and which URLs the server fetches",
     r"not valid JSON": "JSON inside a string",
     r"on the scripted backend|needs grammar-constrained decoding": "the test engine's own limits",
     r"give one guided-decoding constraint": "several constraints, each optional",

@@ -464,3 +464,43 @@ def test_the_api_key_from_settings_is_used_from_the_next_request(served, wait_fo
         assert content == "you said with a key"
         assert bodies[-1]["model"] == state.model_id
         page.context.close()
+
+
+def test_attached_video_is_sent_as_a_video_url_part_and_reaches_the_model(served, tiny_checkpoint):
+    """The tiny checkpoint on the reference backend: a video attached on the page goes as a video_url part, its
+    frames reach the engine, and after a reload the turn keeps a [video] placeholder only."""
+    pytest.importorskip("av")
+    from tiny_server import tiny_server
+    from video_clips import mp4
+
+    browser = served[4]
+    with tiny_server(tiny_checkpoint, 2048) as (url, state):
+        spans = []
+        original = state.client.submit
+
+        def recording(*args, **kwargs):
+            spans.append(kwargs.get("images", ()))
+            return original(*args, **kwargs)
+
+        state.client.submit = recording
+        page = browser.new_context().new_page()
+        page.goto(url + "/")
+        page.get_by_test_id("model").filter(has_text="tiny").wait_for(timeout=10000)
+        page.get_by_test_id("settings-toggle").click()
+        page.get_by_test_id("max-tokens").fill("4")
+        bodies = requests_of(page)
+        clip = mp4(frames=3)
+        page.get_by_test_id("file").set_input_files([{"name": "c.mp4", "mimeType": "video/mp4", "buffer": clip}])
+        page.get_by_test_id("thumbnail").wait_for()
+        send(page, "what moves?", 1)
+        part = bodies[0]["messages"][-1]["content"][0]
+        assert part == {
+            "type": "video_url",
+            "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()},
+        }
+        assert len(spans) == 1 and len(spans[0]) == 3  # one span per frame
+        assert page.get_by_test_id("user-message").get_by_test_id("video").count() == 1
+        page.reload()
+        answered(page, 1)
+        assert page.get_by_test_id("image-note").first.text_content().startswith("[video]")
+        page.context.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .image_report import has_images, image_text
+from .video import video_text
 
 
 def bench_text(r: dict) -> str:
@@ -21,6 +22,8 @@ def bench_text(r: dict) -> str:
     ]
     if has_images(r):
         lines.append(image_text(r))
+    if r.get("video"):
+        lines.append(video_text(r))
     if r.get("sms") is not None:
         lines.insert(
             1,

@@ -96,6 +96,8 @@ def run_bench(
     image: Path | None = None,
     image_budgets: Sequence[int] = BENCH_BUDGETS,
     sms: int | None = None,
+    video: Path | None = None,
+    video_frames: int | None = None,
 ) -> dict:
     t0 = time.perf_counter()
     backend, facts = open_for_bench(
@@ -175,6 +177,12 @@ def run_bench(
         from .image import measure_image
 
         measure_image(backend, report, image, image_budgets, prompt, gen, runs)
+    if video is not None:
+        from ..text.tokenizer import Tokenizer
+        from .video import measure_video
+
+        tokenizer = Tokenizer.from_checkpoint(model)
+        measure_video(backend, report, video, tokenizer, prompt, gen, runs, num_frames=video_frames)
     if peer == "hf":  # the same prompt and length on the same device, in the same run (runtime/bench/peer.py)
         from .peer import bench_peer
 
@@ -337,6 +345,21 @@ def _bench_suite(
     "1120); the report keeps one entry per budget.",
 )
 @click.option(
+    "--video",
+    "video",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Also time this video's frames (70 soft tokens each) ahead of the text prompt: decode and frame "
+    "sampling on the CPU, preprocessing, the vision tower over every frame, TTFT (encode + prefill) and decode "
+    "tok/s after it.",
+)
+@click.option(
+    "--video-frames",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--video: frames to sample, uniformly (default: up to 32).",
+)
+@click.option(
     "--sms",
     type=click.IntRange(min=1),
     default=None,
@@ -368,6 +391,8 @@ def bench(
     accept: int | None,
     image: Path | None,
     image_budget: str,
+    video: Path | None,
+    video_frames: int | None,
     sms: int | None,
     engine_options: EngineOptions,
 ) -> None:
@@ -402,6 +427,8 @@ def bench(
         + (" --speculative" if speculative else "")
         + (f" --emulate-acceptance {accept}" if accept is not None else "")
         + (f" --image {image} --image-max-tokens {','.join(map(str, budgets))}" if image else "")
+        + (f" --video {video}" if video else "")
+        + (f" --video-frames {video_frames}" if video and video_frames else "")
         + (f" --sms {sms}" if sms is not None else "")
         + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags() if not getattr(engine_options, name))
     )
@@ -436,6 +463,8 @@ def bench(
             image,
             budgets,
             sms,
+            video=video,
+            video_frames=video_frames,
         )
     except BackendError as exc:
         raise click.ClickException(str(exc)) from exc

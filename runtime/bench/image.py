@@ -33,7 +33,7 @@ def parse_budgets(text: str) -> list[int]:
     return list(dict.fromkeys(budgets))
 
 
-def _encoder(backend: Any) -> Callable[[ImageInput], np.ndarray] | None:
+def tower_encoder(backend: Any) -> Callable[[ImageInput], np.ndarray] | None:
     """The backend's vision tower as a callable (image -> soft-token rows), with its encoder cache turned off so
     that every timed prompt encodes its image; None where the backend exposes no tower."""
     cache = getattr(backend, "encoder_cache", None)
@@ -64,7 +64,7 @@ def _preprocessed(data: bytes, vision: Any, budget: int, runs: int) -> tuple[Ima
 
 def _timed(backend: Any, image: ImageInput, ids: list[int], spans: list[ImageSpan], gen: int, runs: int) -> dict:
     """encode_ms (the tower alone; None without one), then TTFT and decode tok/s of the image + text prompt."""
-    encode = _encoder(backend)
+    encode = tower_encoder(backend)
     encodes = []
     if encode is not None:
         for _ in range(runs):

@@ -173,7 +173,7 @@ class Engine:
                 )
             # the placeholders and the images must agree (a prompt without images keeps its ids as text, as before)
             assert self.spec.vision is not None
-            check_image_spans(seq.prompt, seq.images, self.spec.vision.image_token_id)
+            check_image_spans(seq.prompt, seq.images, self.spec.vision.placeholder_ids)
         seq.prepare(self.spec.target.vocab_size)
 
     def map_pages(self, lane: int, first: int, pages: list[int]) -> None:

@@ -1,1 +1,2 @@
-"""Runtime stage: media inputs (images) decoded and preprocessed into the records the engine and server pass around."""
+"""Runtime stage: media inputs (images and videos) decoded and preprocessed into the records the engine and server pass
+around."""

@@ -55,7 +55,7 @@ class ReferenceRunner:
         if seq.images and vision is None:
             raise BackendError(f"{self.backend.spec.name} has no vision tower: it cannot take images")
         if vision is not None:  # placeholders and images must agree (a typed `<|image|>` has no image)
-            check_image_spans(seq.prompt, seq.images, vision.image_token_id)
+            check_image_spans(seq.prompt, seq.images, vision.placeholder_ids)
 
     def draft_context(self, lane: int) -> int:
         state = self._lanes[lane]

@@ -17,7 +17,8 @@ import httpx
 
 DIM, RESET, RED = "\x1b[2m", "\x1b[0m", "\x1b[31m"
 HELP = (
-    "commands: /image PATH (attach an image to the next message), /new (reset the conversation), /quit (exit); "
+    "commands: /image PATH, /video PATH (attach an image or a video to the next message), /new (reset the "
+    "conversation), /quit (exit); "
     "Ctrl-C stops a reply; Up/Down recall earlier lines"
 )
 # C0/C1 control characters but newline and tab, and the bidi overrides: model output (or a server) must not be able
@@ -87,7 +88,7 @@ class ChatSession:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client or httpx.Client(headers=headers, timeout=httpx.Timeout(600, connect=10))
         self.history: list[dict] = []
-        self.pending: list[dict] = []  # image parts attached to the next message
+        self.pending: list[dict] = []  # image and video parts attached to the next message
         self.model = "default"
 
     def _paint(self, style: str, text: str) -> str:
@@ -103,14 +104,17 @@ class ChatSession:
         self.history.clear()
         self.pending.clear()
 
-    def attach(self, path: str | Path) -> None:
-        """The image file goes with the next message, inline as a data: URL (OSError/ValueError if unusable)."""
+    def attach(self, path: str | Path, media: str = "image") -> None:
+        """The image (or video) file goes with the next message, inline as a data: URL (OSError/ValueError if
+        unusable)."""
         path = Path(path).expanduser()
         kind = mimetypes.guess_type(path.name)[0] or ""
-        if not kind.startswith("image/"):
-            raise ValueError(f"{path}: not an image file name (.png, .jpg, .webp, .gif, ...)")
+        if not kind.startswith(f"{media}/"):
+            names = ".png, .jpg, .webp, .gif" if media == "image" else ".mp4, .webm, .mov, .mkv"
+            raise ValueError(f"{path}: not {'an image' if media == 'image' else 'a video'} file name ({names}, ...)")
         data = base64.b64encode(path.read_bytes()).decode()
-        self.pending.append({"type": "image_url", "image_url": {"url": f"data:{kind};base64,{data}"}})
+        part = f"{media}_url"
+        self.pending.append({"type": part, part: {"url": f"data:{kind};base64,{data}"}})
 
     def send(self, text: str) -> dict:
         content = [*self.pending, {"type": "text", "text": text}] if self.pending else text
@@ -185,14 +189,16 @@ def run_chat(
     read: Callable[[str], str] | None = None,
     out: TextIO = sys.stdout,
     images: tuple[Path, ...] = (),
+    videos: tuple[Path, ...] = (),
 ) -> None:
     session = ChatSession(url, think, temperature, max_tokens, system, api_key, out=out)
-    for path in images:
-        try:
-            session.attach(path)
-        except (OSError, ValueError) as exc:
-            out.write(printable(f"cannot attach an image: {exc}") + "\n")
-            raise SystemExit(1) from None
+    for media, paths in (("image", images), ("video", videos)):
+        for path in paths:
+            try:
+                session.attach(path, media)
+            except (OSError, ValueError) as exc:
+                out.write(printable(f"cannot attach {'an image' if media == 'image' else 'a video'}: {exc}") + "\n")
+                raise SystemExit(1) from None
     read = read or line_reader()
     try:
         model = session.connect()
@@ -214,10 +220,12 @@ def run_chat(
             session.reset()
             out.write("(new conversation)\n")
             continue
-        if line.startswith("/image "):
+        if line.startswith(("/image ", "/video ")):
+            media = line[1:6]
             try:
-                session.attach(line[len("/image ") :].strip())
-                out.write(f"({len(session.pending)} image(s) attached to the next message)\n")
+                session.attach(line[len("/image ") :].strip(), media)
+                count = sum(1 for part in session.pending if part["type"] == f"{media}_url")
+                out.write(f"({count} {media}(s) attached to the next message)\n")
             except (OSError, ValueError) as exc:
                 out.write(session._paint(RED, printable(f"error: {exc}")) + "\n")
             continue
@@ -245,6 +253,13 @@ def run_chat(
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="An image file attached to the first message (repeat for several; /image PATH attaches later).",
 )
+@click.option(
+    "--video",
+    "videos",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A video file attached to the first message (/video PATH attaches later).",
+)
 def chat(
     url: str,
     think: bool,
@@ -253,7 +268,15 @@ def chat(
     system: str | None,
     api_key: str | None,
     images: tuple[Path, ...],
+    videos: tuple[Path, ...],
 ) -> None:
     run_chat(
-        url, think=think, temperature=temperature, max_tokens=max_tokens, system=system, api_key=api_key, images=images
+        url,
+        think=think,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        system=system,
+        api_key=api_key,
+        images=images,
+        videos=videos,
     )
