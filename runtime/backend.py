@@ -61,7 +61,8 @@ class ImageInput:
     def pixel_values(self) -> np.ndarray:
         """The patches as float32 in [0, 1] (uint8 / 255 rounded once from float64, as the HF processor does; the
         device tower computes the same in its first kernel)."""
-        return PIXEL_UNIT[self.patches]  # a table: 15x faster than the float64 product, the same values
+        out: np.ndarray = PIXEL_UNIT[self.patches]  # a table: 15x faster than the float64 product, the same values
+        return out
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ImageInput) and other.hash == self.hash
