@@ -117,7 +117,7 @@ class ImageLoader:
         the request's order) is the 400, naming its field."""
         if not sources:
             return []
-        vision, default = check_count(self.vision, self.options, sources), budget or self.options.budget
+        vision, default = check_count(self.vision, self.options, sources, "image"), budget or self.options.budget
         reads: dict[str, asyncio.Future[tuple[str, Raw]]] = {}
         images: dict[tuple[str, int], asyncio.Future[ImageInput]] = {}
 

@@ -8,7 +8,7 @@ import base64
 import binascii
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -167,30 +167,20 @@ async def fetch(url: str, options: MediaOptions, where: str, kind: str = "image"
         ) from None
 
 
-def check_count(vision: Gemma4VisionSpec | None, options: MediaOptions, sources: list[ImageSource]) -> Gemma4VisionSpec:
-    """The vision tower, or a 400 unless the model has one and the prompt holds no more images than allowed."""
+def check_count(
+    vision: Gemma4VisionSpec | None, options: MediaOptions, sources: Sequence[ImageSource | VideoSource], kind: str
+) -> Gemma4VisionSpec:
+    """The vision tower, or a 400 unless the model has one and the prompt holds no more `kind`s ("image" or
+    "video") than allowed."""
     if vision is None:
         raise APIError(
-            "this model has no vision tower: image inputs are not supported", param=where_param(sources[0].where)
+            f"this model has no vision tower: {kind} inputs are not supported", param=where_param(sources[0].where)
         )
-    if len(sources) > options.max_images:
+    most = options.max_images if kind == "image" else options.max_videos
+    if len(sources) > most:
         raise APIError(
-            f"the prompt holds {len(sources)} images; at most {options.max_images} are accepted "
-            "(thorgen serve --limit-images-per-prompt)",
+            f"the prompt holds {len(sources)} {kind}s; at most {most} are accepted "
+            f"(thorgen serve --limit-{kind}s-per-prompt)",
             param=where_param(sources[0].where),
         )
     return vision
-
-
-def check_video_count(vision: Gemma4VisionSpec | None, options: MediaOptions, sources: list[VideoSource]) -> None:
-    """A 400 unless the model has a vision tower and the prompt holds no more videos than allowed."""
-    if vision is None:
-        raise APIError(
-            "this model has no vision tower: video inputs are not supported", param=where_param(sources[0].where)
-        )
-    if len(sources) > options.max_videos:
-        raise APIError(
-            f"the prompt holds {len(sources)} videos; at most {options.max_videos} are accepted "
-            "(thorgen serve --limit-videos-per-prompt)",
-            param=where_param(sources[0].where),
-        )

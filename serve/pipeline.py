@@ -99,7 +99,7 @@ async def with_images(
     frames = frames or []
     vision = ctx.caps.vision
     if images:
-        check_count(vision, ctx.media, images)
+        check_count(vision, ctx.media, images, "image")
     if vision is None:
         return ids, []
     found = ids.count(vision.image_token_id)

@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 from ..model_spec.types import Gemma4VisionSpec
 from ..runtime.media.images import ImageError
 from ..runtime.media.video import DEFAULT_BUDGET, VideoError, VideoInput, VideoLimits, load_video
-from .media import MediaOptions, b64_bytes, check_video_count, data_url_payload, fetch, where_param
+from .media import MediaOptions, b64_bytes, check_count, data_url_payload, fetch, where_param
 from .protocol import APIError
 from .request import VideoSampling, VideoSource
 
@@ -118,9 +118,8 @@ class VideoLoader:
         """Each source read and sampled in the request's order; the first failing one is the 400, naming its field."""
         if not sources:
             return []
-        check_video_count(self.vision, self.options, sources)
-        assert self.vision is not None
-        return [await self._one(source, sampling, self.vision) for source in sources]
+        vision = check_count(self.vision, self.options, sources, "video")
+        return [await self._one(source, sampling, vision) for source in sources]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -48,7 +48,7 @@ def image_prompt(spec: Any, text: list[int], image: ImageInput) -> tuple[list[in
     return expand_image_tokens([text[0], spec.vision.image_token_id, *text[1:]], [image], spec.vision)
 
 
-def _median_ms(seconds: list[float]) -> float:
+def median_ms(seconds: list[float]) -> float:
     return round(statistics.median(seconds) * 1e3, 3)
 
 
@@ -62,6 +62,23 @@ def _preprocessed(data: bytes, vision: Any, budget: int, runs: int) -> tuple[Ima
     return image, times
 
 
+def timed_prompt(backend: Any, ids: list[int], spans: list[ImageSpan], gen: int, runs: int) -> dict:
+    """ttft_ms (median), ttft_ms_runs and decode_tok_s (median) of `runs` streams of the prompt with its image
+    spans, after one warm-up (the first encode and prefill of these sizes)."""
+    timed_stream(backend, ids, min(gen, 4), images=spans)
+    ttfts, rates = [], []
+    for _ in range(runs):
+        r = timed_stream(backend, ids, gen, images=spans)
+        ttfts.append(r["ttft_s"])
+        n = len(r["token_ids"])
+        rates.append((n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else float("nan"))
+    return {
+        "ttft_ms": median_ms(ttfts),
+        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
+        "decode_tok_s": round(statistics.median(rates), 3),
+    }
+
+
 def _timed(backend: Any, image: ImageInput, ids: list[int], spans: list[ImageSpan], gen: int, runs: int) -> dict:
     """encode_ms (the tower alone; None without one), then TTFT and decode tok/s of the image + text prompt."""
     encode = tower_encoder(backend)
@@ -71,19 +88,7 @@ def _timed(backend: Any, image: ImageInput, ids: list[int], spans: list[ImageSpa
             t0 = time.perf_counter()
             encode(image)
             encodes.append(time.perf_counter() - t0)
-    timed_stream(backend, ids, min(gen, 4), images=spans)  # warm-up (this image size's first encode and prefill)
-    ttfts, rates = [], []
-    for _ in range(runs):
-        r = timed_stream(backend, ids, gen, images=spans)
-        ttfts.append(r["ttft_s"])
-        n = len(r["token_ids"])
-        rates.append((n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else float("nan"))
-    out = {
-        "encode_ms": _median_ms(encodes) if encodes else None,
-        "ttft_ms": _median_ms(ttfts),
-        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
-        "decode_tok_s": round(statistics.median(rates), 3),
-    }
+    out = {"encode_ms": median_ms(encodes) if encodes else None, **timed_prompt(backend, ids, spans, gen, runs)}
     if encode is not None and hasattr(backend, "encode_breakdown"):  # the device tower's launches, per kernel
         out["encode_kernels"] = backend.encode_breakdown(image)
     return out
@@ -122,7 +127,7 @@ def measure_image(
             "soft_tokens": image.soft_tokens,
             "patches": int(image.patches.shape[0]),
             "prompt_tokens": len(ids),
-            "preprocess_ms": _median_ms(prep),
+            "preprocess_ms": median_ms(prep),
             **_timed(backend, image, ids, spans, gen, runs),
         }
         for budget, image, prep, ids, spans in prompts

@@ -4,7 +4,6 @@ every frame, TTFT (encode + prefill, the encoder cache kept out of it) and decod
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,7 @@ from ..backend import BackendError, ImageSpan
 from ..media.prompts import expand_image_tokens, frames_layout
 from ..media.video import DEFAULT_BUDGET, VideoError, VideoInput, decode, load_video, preprocess_frames
 from ..text.tokenizer import Tokenizer
-from .image import tower_encoder
-from .timing import timed_stream
+from .image import median_ms, timed_prompt, tower_encoder
 
 
 def video_prompt(
@@ -23,10 +21,6 @@ def video_prompt(
     """<bos>, the video's frames (timestamps, boi, soft tokens, eoi), then the rest of the text prompt."""
     layout = tokenizer.encode(frames_layout(video, lambda i: tokenizer.id_to_token(i) or "", spec.vision))
     return expand_image_tokens([text[0], *layout, *text[1:]], [], spec.vision, list(video.frames))
-
-
-def _median_ms(seconds: list[float]) -> float:
-    return round(statistics.median(seconds) * 1e3, 3)
 
 
 def measure_video(
@@ -74,13 +68,7 @@ def measure_video(
             for frame in video.frames:
                 encode(frame)
             encodes.append(time.perf_counter() - t0)
-    timed_stream(backend, ids, min(gen, 4), images=spans)  # warm-up (the frames' first encode and prefill)
-    ttfts, rates = [], []
-    for _ in range(runs):
-        r = timed_stream(backend, ids, gen, images=spans)
-        ttfts.append(r["ttft_s"])
-        n = len(r["token_ids"])
-        rates.append((n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else float("nan"))
+    timed = timed_prompt(backend, ids, spans, gen, runs)
     height, width = frames[0].shape[:2]
     report["video"] = {
         "file": path.name,
@@ -92,12 +80,10 @@ def measure_video(
         "budget": budget,
         "soft_tokens": video.soft_tokens,
         "prompt_tokens": len(ids),
-        "decode_ms": _median_ms(decodes),
-        "preprocess_ms": _median_ms(preps),
-        "encode_ms": _median_ms(encodes) if encodes else None,
-        "ttft_ms": _median_ms(ttfts),
-        "ttft_ms_runs": [round(t * 1e3, 3) for t in ttfts],
-        "decode_tok_s": round(statistics.median(rates), 3),
+        "decode_ms": median_ms(decodes),
+        "preprocess_ms": median_ms(preps),
+        "encode_ms": median_ms(encodes) if encodes else None,
+        **timed,
     }
 
 
