@@ -47,6 +47,13 @@ class Sequence:
     # each prompt token its prefill chunks predict (tokens start+1 .. end-1 of a chunk, and `end` inside the prompt)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     images: tuple[ImageSpan, ...] = ()  # its prompt's image spans (kept through preemption: recompute re-encodes)
+    # the draft policy's (runtime/engine/speculation.py), set each step before the runner runs it: this step's drafts
+    # (0: a plain step), whether speculation is on for it (off and drafting: a probe), and the next step's drafts
+    # should this one accept none (what a runner that launches ahead may launch)
+    drafts: int = 0
+    drafts_on: bool = False
+    drafts_next: int = 0
+    acceptance: Any = None  # its speculation.Acceptance, once it decodes speculatively
     _keys: list[int] | None = None
 
     @property

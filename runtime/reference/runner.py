@@ -25,6 +25,7 @@ from .sampling import sample
 from .state import SeqState
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (the engine core interleaves chunks with decode steps)
+SPEC_STEP_COST, DRAFT_ROW_COST = 1.2, 0.1  # speculative_cost: a step with drafts, and each draft's verify row
 
 
 class ReferenceRunner:
@@ -119,10 +120,10 @@ class ReferenceRunner:
             seq.step_logprobs = pick.logprobs
         return token
 
-    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool] | Exception]:
+    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], int] | Exception]:
         if launched is not None:
             launched()
-        out: list[tuple[list[int], bool] | Exception] = []
+        out: list[tuple[list[int], int] | Exception] = []
         for seq in seqs:
             try:
                 out.append(self._decode_one(seq))
@@ -132,17 +133,22 @@ class ReferenceRunner:
                 out.append(exc)
         return out
 
-    def _decode_one(self, seq: Sequence) -> tuple[list[int], bool]:
+    def speculative_cost(self, drafts: int) -> float:
+        """A rough model of this CPU oracle: the drafter's forward and one verify row per draft beside the step's
+        own row (what matters is that the policy it drives is the one the cuda engine runs)."""
+        return SPEC_STEP_COST + DRAFT_ROW_COST * drafts
+
+    def _decode_one(self, seq: Sequence) -> tuple[list[int], int]:
         start = seq.num_tokens - 1
         state = self._state(seq, start)
-        speculative = seq.speculative and not seq.sampling.processed
+        drafts = seq.drafts if not seq.sampling.processed else 0
         pick = _Pick.of(seq)
-        tokens = self.decoder.step(
-            state, seq.output[-1], start, seq.sampling, speculative, seq.room(self.max_context), pick
+        tokens, drafted = self.decoder.step(
+            state, seq.output[-1], start, seq.sampling, drafts, seq.room(self.max_context), pick
         )
         if pick is not None:
             seq.step_logprobs = pick.logprobs
-        return tokens, speculative
+        return tokens, drafted
 
     def release(self, seq: Sequence, finished: bool) -> None:
         pass  # (its state stays in its lane: the KV manager says whether anyone reuses it)
