@@ -116,6 +116,15 @@ class Sequence:
         mask[[t for t in self.stop_ids if 0 <= t < vocab]] = False
         return mask
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, its next tokens may be in turn (a speculative step's drafts): the
+        grammar's, and no stop id while fewer than min_tokens tokens are out; the masks of `allowed` exactly."""
+        n = len(tokens)
+        early = self.sampling.min_tokens - len(self.output)  # drafts before this index may not be a stop id
+        if early > 0 and self.stop_ids:
+            n = next((i for i, t in enumerate(tokens[: min(n, early)]) if t in self.stop_ids), n)
+        return n if self.matcher is None else self.matcher.valid_prefix(tokens[:n])
+
     @property
     def scores_prompt(self) -> bool:
         """Whether its prefill must also score the prompt tokens (asked for, and not yet delivered)."""

@@ -5,9 +5,11 @@ another, which is what batching means for a CPU oracle: the same tokens as one a
 engine core's KV manager decides prefix reuse exactly as for the cuda backend (the same lanes, pages and rings, so
 both report the same cached tokens for the same traffic): a finished sequence's state stays in its lane, a new one
 keeps the first positions its admission reuses and drops the rest, and a lane copy copies the state.
-A sequence with logits processing (penalties, logit_bias, a grammar) decodes without speculation: each token's
-processing depends on the tokens before it, which a verify block does not know yet. Logprobs alone keep
-speculation (the verify logits of each committed position are that position's own logits).
+Logits processing (penalties, logit_bias, a grammar, min_tokens) keeps speculation: a verify block's rows are
+picked in order (speculative.PickedInOrder), each processed with the tokens picked before it in the step, which
+are the accepted drafts, so every row gets the mask and penalties a plain step would give it; drafts the grammar
+refuses are cut before the verify (Sequence.allowed_prefix), as none of them could be accepted. Logprobs are those
+of each committed position's own logits.
 A sequence whose step fails (its processing, grammar, sampling or verify) gets its error as its row's result;
 the sequences after it in the step run as they would have alone.
 """
@@ -141,10 +143,10 @@ class ReferenceRunner:
     def _decode_one(self, seq: Sequence) -> tuple[list[int], int]:
         start = seq.num_tokens - 1
         state = self._state(seq, start)
-        drafts = seq.drafts if not seq.sampling.processed else 0
         pick = _Pick.of(seq)
+        allowed = seq.allowed_prefix if seq.sampling.processed else None
         tokens, drafted = self.decoder.step(
-            state, seq.output[-1], start, seq.sampling, drafts, seq.room(self.max_context), pick
+            state, seq.output[-1], start, seq.sampling, seq.drafts, seq.room(self.max_context), pick, allowed
         )
         if pick is not None:
             seq.step_logprobs = pick.logprobs

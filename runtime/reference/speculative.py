@@ -108,11 +108,14 @@ class Decoder:
         drafts: int,
         room: int,
         pick: Pick | None = None,
+        allowed: Callable[[list[int]], int] | None = None,
     ) -> tuple[list[int], int]:
         """One step for `tok` at position `start` (not yet in the K/V): plain (`drafts` 0), or draft + verify of
         a block of at most `drafts` drafts and `room` tokens. Returns the committed tokens (accepted drafts + the
         bonus token), whose K/V it keeps (the engine core cuts them at a stop id), and the drafts it verified.
-        `pick` (default: the plain sampler) is called once per committed token, in order."""
+        `pick` (default: the plain sampler) is called once per committed token, in order. `allowed(drafts)`: how
+        many leading drafts the sequence's grammar and min_tokens allow (Sequence.allowed_prefix); the block
+        verifies those only, since `pick` masks every row as a plain step would and so never takes a refused one."""
         if pick is None:
 
             def pick(row: np.ndarray, position: int) -> int:
@@ -126,10 +129,13 @@ class Decoder:
             # The drafter always runs its full block (same masks as the real engine); extra drafts past the
             # step's count are dropped.
             proposed = [int(d) for d in self.drafter.propose(state.draft, tok, start)][:n_drafts]
+        drafted = len(proposed)
+        if allowed is not None and proposed:
+            proposed = proposed[: allowed(proposed)]
         block = [tok] + proposed
         logits = self._forward(state, block, last_only=False)
         targets = PickedInOrder(logits, start + 1, pick)
         n = accepted_count(proposed, targets, len(block), self.emulate_acceptance)
         new = [targets[i] for i in range(n)]
         self._commit(state, block, n)
-        return new, len(proposed)
+        return new, drafted
