@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from thorgen.model_spec.synth.tokenizer import SPECIAL_IDS as GEMMA_SPECIALS
 from thorgen.runtime.backend import GenerationResult, SamplingParams, StepOutput
-from thorgen.runtime.engine.speculation import DraftOptions
+from thorgen.runtime.options import DraftOptions
 
 # Gemma-4 control tokens sit at their real ids (MODEL_FACTS §4.2, GEMMA_SPECIALS); the rest of the low ids are
 # unused specials.
@@ -175,7 +175,7 @@ class ScriptedRunner:
     def draft_context(self, lane: int) -> int:
         return 0
 
-    def speculative_cost(self, drafts: int) -> float:
+    def speculative_cost(self, drafts: int, batch: int) -> float:
         return 2.0  # (a script never drafts: the policy's numbers do not matter)
 
     def apply(self, ops) -> None:

@@ -9,7 +9,8 @@ from test_speculative import ScriptedDrafter, prompt
 
 from thorgen.runtime.backend import GenerationResult, SamplingParams
 from thorgen.runtime.engine.sequence import Sequence
-from thorgen.runtime.engine.speculation import DraftOptions, DraftPlanner
+from thorgen.runtime.engine.speculation import DraftPlanner
+from thorgen.runtime.options import DraftOptions
 from thorgen.runtime.reference.backend import ReferenceBackend
 
 FLAT = 2.1  # a DFlash step's cost on the cuda engine, in plain steps, whatever its draft count
@@ -31,7 +32,7 @@ def _run(planner: DraftPlanner, seq: Sequence, steps: int, accepted) -> list[int
 
 def test_zero_acceptance_switches_off_and_probes_with_growing_waits() -> None:
     options = DraftOptions()
-    planner = DraftPlanner(lambda k: FLAT, 15, 1 << 20, options)
+    planner = DraftPlanner(lambda k, b: FLAT, 15, 1 << 20, options)
     drafts = _run(planner, _seq(), 600, lambda i, k: 0)
     first_off = drafts.index(0)
     assert 0 < first_off <= 8  # prior 4 decays below the step's cost within a few steps
@@ -44,7 +45,7 @@ def test_zero_acceptance_switches_off_and_probes_with_growing_waits() -> None:
 
 
 def test_a_probe_that_lands_switches_speculation_back_on() -> None:
-    planner = DraftPlanner(lambda k: FLAT, 15, 1 << 20)
+    planner = DraftPlanner(lambda k, b: FLAT, 15, 1 << 20)
     seq = _seq()
     drafts = _run(planner, seq, 60, lambda i, k: 0)
     assert drafts[-1] == 0 and sum(1 for d in drafts if d) < 10
@@ -54,7 +55,7 @@ def test_a_probe_that_lands_switches_speculation_back_on() -> None:
 
 
 def test_draft_counts_follow_the_estimate_on_a_per_draft_cost() -> None:
-    planner = DraftPlanner(lambda k: 1.2 + 0.1 * k, 15, 1 << 20)
+    planner = DraftPlanner(lambda k, b: 1.2 + 0.1 * k, 15, 1 << 20)
     seq = _seq()
     up = _run(planner, seq, 20, lambda i, k: k)
     assert up[0] < 15 and up[-1] == 15 and up == sorted(up)  # grows while everything lands
@@ -65,7 +66,7 @@ def test_draft_counts_follow_the_estimate_on_a_per_draft_cost() -> None:
 
 
 def test_fixed_policy_and_the_room_left() -> None:
-    fixed = DraftPlanner(lambda k: FLAT, 15, 1 << 20, DraftOptions(adaptive=False))
+    fixed = DraftPlanner(lambda k, b: FLAT, 15, 1 << 20, DraftOptions(adaptive=False))
     assert _run(fixed, _seq(), 30, lambda i, k: 0) == [15] * 30
     near_end = _seq(max_tokens=4)
     near_end.output = [5, 6]
@@ -107,3 +108,17 @@ def test_a_drafter_that_starts_landing_is_used_again(tiny_ckpt) -> None:
     landed = next(i for i, a in enumerate(accepted) if a and i > off)
     assert all(a is not None for a in accepted[landed:])  # speculative again from the probe that landed on
     assert max(a for a in accepted if a is not None) >= 8
+
+
+def test_no_drafts_where_the_runner_cannot_verify_them_in_a_batch() -> None:
+    """A runner whose batched steps are plain ones (the cuda engine's) gets no drafts planned beside other
+    sequences: the sequence's probe schedule and estimate wait for a step it decodes alone."""
+    planner = DraftPlanner(lambda k, b: FLAT if b == 1 else float("inf"), 15, 1 << 20)
+    seq = _seq()
+    for _ in range(40):
+        planner.plan(seq, batch=3)
+        assert seq.drafts == seq.drafts_next == 0
+        planner.record(seq, 0, 0)
+    assert seq.acceptance.estimate == DraftOptions().prior
+    planner.plan(seq, batch=1)
+    assert seq.drafts == 15

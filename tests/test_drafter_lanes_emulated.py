@@ -19,7 +19,7 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
 from thorgen.runtime.engine.core import EngineCore  # noqa: E402
-from thorgen.runtime.engine.speculation import DraftOptions  # noqa: E402
+from thorgen.runtime.options import DraftOptions  # noqa: E402
 
 SEEDED = SamplingParams(temperature=1.0, seed=9)
 FIXED = DraftOptions(adaptive=False)  # every step drafts the most it may: these tests check the drafter context

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
-from thorgen.runtime.engine.speculation import DraftOptions
+from thorgen.runtime.options import DraftOptions
 from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
 

@@ -31,7 +31,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
-from thorgen.runtime.engine.speculation import DraftOptions  # noqa: E402
+from thorgen.runtime.options import DraftOptions  # noqa: E402
 
 GEN = 24
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)

@@ -13,7 +13,7 @@ from thorgen.model_spec.conventions import KV_PAGE
 from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
 from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
-from thorgen.runtime.engine.speculation import DraftOptions
+from thorgen.runtime.options import DraftOptions
 from thorgen.runtime.reference.drafter import DraftContext
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)

@@ -22,7 +22,7 @@ from typing import Any
 
 from ...model_spec.conventions import VERIFY_ROWS
 from ..backend import BackendError
-from ..engine.speculation import DraftOptions
+from ..options import DraftOptions
 from .timing import timed_stream
 
 

@@ -1,14 +1,16 @@
 """Runtime stage: `CudaRunner`, the engine core's ModelRunner over the CUDA Engine (runtime/cuda/backend.py opens
 both). It executes what the scheduler decided and nothing else: the KV manager's instructions (page-table rows,
 lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one, and
-DFlash steps (runtime/cuda/dflash.py) while a speculative sequence decodes alone (batched steps are plain: above one
-sequence they are faster, docs/BENCHMARKS.md). Each decode step is launched before the step before it is read
+DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts (batched
+steps are plain: above one sequence they are faster, docs/BENCHMARKS.md; speculative_cost tells the policy
+so). Each decode step is launched before the step before it is read
 (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step launches the next one
 for every sequence that goes on (its input token carried on the device), a one-sequence step the next one that
 embeds the token it leaves in out_ids[0]."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -157,8 +159,9 @@ class CudaRunner:
             return self._decode_batch(seqs, ahead, joining, launched)
         return [self._decode_one(seqs[0], ahead, launched)]
 
-    def speculative_cost(self, drafts: int) -> float:
-        return SPEC_STEP_COST  # (the draft and verify graphs run the whole block whatever the count)
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        # (the draft and verify graphs run the whole block whatever the count; batched steps are plain ones)
+        return SPEC_STEP_COST if batch == 1 else math.inf
 
     def _decode_one(
         self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None

@@ -31,7 +31,8 @@ from .interface import DecodeResult, ModelRunner
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
 from .sequence import Sequence, Status
-from .speculation import DraftOptions, DraftPlanner
+from ..options import DraftOptions
+from .speculation import DraftPlanner
 
 log = logging.getLogger("thorgen.engine")
 

@@ -9,7 +9,7 @@ from ...model_spec.types import ModelSpec
 from ..backend import BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput
 from .kv_manager import KVGeometry, KVOp
 from .sequence import Sequence
-from .speculation import DraftOptions
+from ..options import DraftOptions
 
 DecodeResult = tuple[list[int], int]  # a decode row's tokens and the drafts its verify step checked (0: plain step)
 
@@ -33,9 +33,10 @@ class ModelRunner(Protocol):
     def verify_block(self) -> int:
         """K/V positions one speculative step writes (1 without a drafter)."""
 
-    def speculative_cost(self, drafts: int) -> float:
-        """What a draft + verify step of `drafts` drafts costs, in plain one-sequence decode steps (the draft
-        policy's cost model: it speculates only where the expected accepted drafts pay for it)."""
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        """What a sequence's draft + verify step of `drafts` drafts costs beside the other sequences of a step of
+        `batch`, in plain decode steps of it (math.inf: it cannot verify drafts in such a step). The draft
+        policy's cost model: it speculates only where the expected accepted drafts pay for it."""
 
     @property
     def lookahead(self) -> int:

@@ -155,7 +155,7 @@ class Scheduler:
         """The decoders, each with its drafts for this step set (Sequence.drafts)."""
         if self.drafts is not None:
             for seq in decodes:
-                self.drafts.plan(seq)
+                self.drafts.plan(seq, len(decodes))
         return tuple(decodes)
 
     def _fits_whole(self, seq: Sequence, budget: int) -> bool:

@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence as Seq
 from ..backend import GenerationResult, ImageSpan, SamplingParams, StepOutput
 from .core import EngineCore
 from .interface import ModelRunner
-from .speculation import DraftOptions
+from ..options import DraftOptions
 
 
 def generate_one(

@@ -3,8 +3,9 @@ scheduler's policy), from an estimate of how many land (`Acceptance`, kept per s
 
 Each speculative sequence keeps an exponential average of the drafts its verify steps accepted. A step's draft
 count is the one with the most expected tokens per unit of cost, where the runner says what a step of k drafts
-costs in plain decode steps (`ModelRunner.speculative_cost`) and a run of k drafts is expected to accept
-min(k, 2 * estimate + 1): room to double, so that an estimate capped by short drafts can grow. When even the best
+costs in plain decode steps beside the step's other sequences (`ModelRunner.speculative_cost`: infinite where it
+cannot verify drafts in a batch) and a run of k drafts is expected to accept min(k, 2 * estimate + 1): room to
+double, so that an estimate capped by short drafts can grow. When even the best
 count is expected to commit fewer tokens per cost than a plain step (1 + estimate < its cost), the sequence
 decodes with plain steps: the same work as a request without speculation. Every `probe_every` plain steps it
 probes with one speculative step; a probe whose drafts still miss doubles the wait before the next one (at most
@@ -13,30 +14,15 @@ probes with one speculative step; a probe whose drafts still miss doubles the wa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..options import DraftOptions
 from .sequence import Sequence
 
-Cost = Callable[
-    [int], float
-]  # drafts -> a speculative step's cost in plain decode steps (ModelRunner.speculative_cost)
-
-
-@dataclass(frozen=True)
-class DraftOptions:
-    """The draft policy's settings. `adaptive` off: every speculative step proposes the most drafts the request
-    allows, whatever lands (bench --emulate-acceptance measures a chosen acceptance that way)."""
-
-    adaptive: bool = True
-    weight: float = 0.3  # the newest step's weight in the estimate
-    prior: float = 4.0  # the estimate before a sequence's first verify step (accepted drafts a step)
-    probe_every: int = 16  # plain steps before a switched-off sequence probes again
-    probe_max: int = 256  # the longest wait between probes (it doubles after each probe that misses)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.weight <= 1 or self.prior < 0 or not 1 <= self.probe_every <= self.probe_max:
-            raise ValueError(f"draft options out of range: {self}")
+# (drafts, sequences in the step) -> a speculative step's cost in plain decode steps (ModelRunner.speculative_cost)
+Cost = Callable[[int, int], float]
 
 
 @dataclass
@@ -69,6 +55,7 @@ class DraftPlanner:
     def __init__(self, cost: Cost, max_drafts: int, max_context: int, options: DraftOptions | None = None) -> None:
         self.cost, self.max_drafts, self.max_context = cost, max_drafts, max_context
         self.options = options or DraftOptions()
+        self.batch = 1  # sequences in the step planned last
 
     def _cap(self, seq: Sequence) -> int:
         """The most drafts `seq` may propose: the drafter's block, the request's own cap, the room left."""
@@ -77,22 +64,25 @@ class DraftPlanner:
             cap = min(cap, seq.sampling.draft_tokens)
         return max(0, min(cap, seq.room(self.max_context) - 1))
 
-    def best(self, estimate: float, cap: int) -> tuple[int, bool]:
-        """(the draft count with the most expected tokens per cost, whether that beats a plain step)."""
-        if cap <= 0:
+    def best(self, estimate: float, cap: int, batch: int = 1) -> tuple[int, bool]:
+        """(the draft count with the most expected tokens per cost in a step of `batch` sequences, whether that
+        beats a plain step; 0 drafts where the runner cannot verify any)."""
+        if cap <= 0 or math.isinf(self.cost(1, batch)):
             return 0, False
         reach = 2 * estimate + 1
-        _, k = max(((1 + min(k, reach)) / self.cost(k), k) for k in range(1, cap + 1))  # (ties: more drafts)
-        return k, 1 + min(k, estimate) >= self.cost(k)
+        _, k = max(((1 + min(k, reach)) / self.cost(k, batch), k) for k in range(1, cap + 1))  # (ties: more drafts)
+        return k, 1 + min(k, estimate) >= self.cost(k, batch)
 
-    def _drafts(self, acc: Acceptance, cap: int, plain_steps: int) -> tuple[int, bool]:
+    def _drafts(self, acc: Acceptance, cap: int, plain_steps: int, batch: int) -> tuple[int, bool]:
         """(drafts, speculation on) for a step after `plain_steps` plain steps."""
-        k, on = self.best(acc.estimate, cap)
+        k, on = self.best(acc.estimate, cap, batch)
         if on or k == 0:
             return k, on
         return (k if plain_steps >= acc.probe_wait else 0), False
 
-    def plan(self, seq: Sequence) -> None:
+    def plan(self, seq: Sequence, batch: int = 1) -> None:
+        """`seq`'s drafts in a step of `batch` decoding sequences."""
+        self.batch = batch
         if not seq.speculative:
             seq.drafts, seq.drafts_next, seq.drafts_on = 0, 0, False
             return
@@ -104,21 +94,21 @@ class DraftPlanner:
         acc = seq.acceptance
         if acc is None:
             acc = seq.acceptance = Acceptance(self.options.prior, self.options.probe_every)
-        seq.drafts, seq.drafts_on = self._drafts(acc, cap, acc.plain_steps)
+        seq.drafts, seq.drafts_on = self._drafts(acc, cap, acc.plain_steps, batch)
         if seq.drafts:  # the next step's estimate should this one accept nothing
             decayed = acc.estimate * (1 - self.options.weight)
             wait = acc.probe_wait if seq.drafts_on else min(2 * acc.probe_wait, self.options.probe_max)
-            seq.drafts_next = self._drafts(Acceptance(decayed, wait), cap, 0)[0]
+            seq.drafts_next = self._drafts(Acceptance(decayed, wait), cap, 0, batch)[0]
         else:
-            seq.drafts_next = self._drafts(acc, cap, acc.plain_steps + 1)[0]
+            seq.drafts_next = self._drafts(acc, cap, acc.plain_steps + 1, batch)[0]
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         acc = seq.acceptance
         if acc is None:
             return
         acc.record(seq.drafts, drafted, accepted, seq.drafts_on, self.options)
-        if drafted and not seq.drafts_on and self.best(acc.estimate, self._cap(seq))[1]:
+        if drafted and not seq.drafts_on and self.best(acc.estimate, self._cap(seq), self.batch)[1]:
             acc.probe_wait = self.options.probe_every  # a probe that landed: speculation is on again
 
 
-__all__ = ["Acceptance", "DraftOptions", "DraftPlanner"]
+__all__ = ["Acceptance", "DraftPlanner"]

@@ -135,9 +135,9 @@ class ReferenceRunner:
                 out.append(exc)
         return out
 
-    def speculative_cost(self, drafts: int) -> float:
-        """A rough model of this CPU oracle: the drafter's forward and one verify row per draft beside the step's
-        own row (what matters is that the policy it drives is the one the cuda engine runs)."""
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        """A rough model of this CPU oracle, which runs a step's sequences one after another: the drafter's
+        forward and one verify row per draft beside the sequence's own row, whatever the batch."""
         return SPEC_STEP_COST + DRAFT_ROW_COST * drafts
 
     def _decode_one(self, seq: Sequence) -> tuple[list[int], int]:
