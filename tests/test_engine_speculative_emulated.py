@@ -483,3 +483,36 @@ def test_drafts_that_miss_turn_into_plain_steps_launched_ahead(emu):
     assert runner.ahead_steps >= DraftOptions().probe_every - 2  # the plain steps ran launched ahead
     spec = core.health()["speculation"]
     assert spec["speculative_steps"] == sum(kinds) and spec["accepted_tokens"] == 0
+
+
+def test_free_text_before_a_grammar_opens_is_drafted(emu, tiny_checkpoint):
+    """A grammar that a token of the answer opens (a tool call under tool_choice auto): the free text before it
+    runs DFlash steps with no mask, a verify block is cut right after the opening token (its later rows were
+    sampled unmasked), the grammar's tokens run plain processed steps, and the tokens equal plain decoding's."""
+    pytest.importorskip("llguidance")
+    from thorgen.runtime.engine.core import EngineCore
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
+
+    open_, ck = emu
+    backend, _ = open_()
+    ids = _prompts(ck, None)[0][1]
+    free = backend.generate(ids, GEN, SamplingParams()).token_ids
+    at = next(i for i, t in enumerate(free) if i >= 4 and t not in free[:i])
+    ll = tokenizer(str(tiny_checkpoint / "tokenizer.json"), ck.spec.target.vocab_size, (1,))
+    sp = SamplingParams(grammar=Grammar(json_grammar(None, ll), ll, trigger=free[at]))
+    plain = backend.generate(ids, GEN, sp, frozenset({1})).token_ids
+    assert plain[: at + 1] == free[: at + 1] and plain[at + 1 :] != free[at + 1 :]
+    log: list = []
+    backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain + [0] * 16, [15], log)
+    core = EngineCore(backend.runner(1), drafts=DraftOptions(adaptive=False))
+    core.add("g", ids, GEN, sp, frozenset({1}), speculative=True)
+    outs = []
+    while core.unfinished:
+        outs += core.step()
+    backend.engine.dflash.draft_hook = None
+    assert [t for o in outs for t in o.token_ids] == plain
+    steps = [o for o in outs if o.token_ids]
+    ends = np.cumsum([len(o.token_ids) for o in steps])
+    opening = int(np.searchsorted(ends, at + 1))  # the step that committed the opening token (output index at)
+    assert steps[opening].accepted is not None and ends[opening] == at + 1  # cut right after it
+    assert all(o.accepted is None for o in steps[opening + 1 : opening + 4])  # the grammar's: plain processed steps

@@ -196,3 +196,30 @@ def test_sampled_tokens_follow_the_masked_distribution(tiny_ckpt, backend, lltok
     observed[-1] += pool_o
     assert len(observed) >= 4
     assert stats.chisquare(observed, want).pvalue > 1e-3
+
+
+def test_valid_prefix_walks_a_copy_as_accept_would(backend, lltok) -> None:
+    """Matcher.valid_prefix on token runs built from the masks (a valid run, then a refused token): the count of
+    the valid run, through a trigger that opens the grammar and a grammar that completes, and the matcher itself
+    unchanged by the walk."""
+    rng = np.random.default_rng(0)
+    g = _grammars(lltok, backend)["opened"]
+    for trial in range(20):
+        m, walker = g.matcher(), g.matcher()
+        run: list[int] = []
+        refused = None
+        for _ in range(int(rng.integers(1, 25))):
+            mask = walker.allowed(512)
+            if mask is not None and rng.random() < 0.3 and (~mask).any():
+                refused = int(rng.choice(np.flatnonzero(~mask)))
+                break
+            pick = g.trigger if mask is None and rng.random() < 0.2 else None
+            if pick is None:
+                pick = int(rng.choice(np.flatnonzero(mask))) if mask is not None else int(rng.integers(5, 512))
+            walker.accept(pick)
+            run.append(pick)
+        before = m.allowed(512)
+        tokens = run + ([refused] if refused is not None else [])
+        assert m.valid_prefix(tokens) == len(run), trial
+        after = m.allowed(512)
+        assert (before is None and after is None) or np.array_equal(before, after)

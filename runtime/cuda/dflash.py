@@ -229,6 +229,18 @@ class DFlashSteps:
 CATCH_UP_RATIO = 16
 
 
+def _free_run(seq, tokens: list[int]) -> list[int]:
+    """The leading `tokens` its grammar leaves free, fed to it: a verify row after the token that opens the grammar
+    (a tool call's trigger) was sampled without the mask it needs, so the step ends after that token."""
+    kept: list[int] = []
+    for token in tokens:
+        if not seq.matcher.free:
+            break
+        seq.matcher.accept(token)
+        kept.append(token)
+    return kept
+
+
 @dataclass
 class DraftLane:
     """What a KV lane's drafter context holds: positions 0..draft_upto-1 (of the tokens its K/V holds), and the
@@ -271,13 +283,14 @@ class DFlashDecoder:
         d.draft_upto, d.last_written = (min(s.draft_upto, tokens) if drafter else 0), s.last_written
 
     def ready(self, seq, lane: int, pos: int) -> bool:
-        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and unprocessed (a processed
-        sequence decodes without speculation), a verify block fits the context, and the drafter context covers
-        positions 0..pos-1, at once or after `catch_up`."""
+        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and its next token takes no
+        logits processing (the verify graph applies none: a grammar only while it leaves the tokens free,
+        Sequence.unmasked), a verify block fits the context, and the drafter context covers positions 0..pos-1,
+        at once or after `catch_up`."""
         return (
             seq.speculative
             and pos + VERIFY_ROWS <= self.max_context
-            and not seq.sampling.extended
+            and (not seq.sampling.extended or seq.unmasked())
             and self.catch_up(seq, lane, pos)
         )
 
@@ -332,6 +345,7 @@ class DFlashDecoder:
         if (
             launch_ahead
             and seq.drafts_next > 0
+            and not seq.sampling.extended  # (its grammar may take over at this step's tokens: the host decides)
             and (dflash.draft_hook is None or hook_start is not None)
             and room >= 2
             and pos + 2 * VERIFY_ROWS <= self.max_context
@@ -343,6 +357,8 @@ class DFlashDecoder:
         drafts, target, accepted = dflash.wait(cur)
         # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
         new = target[: accepted_count(drafts, target, most, k)]
+        if seq.matcher is not None:
+            new = _free_run(seq, new[:room])
         # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
         d.drafted(pos, pos + len(new), taps=True)
         # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)

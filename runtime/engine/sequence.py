@@ -116,6 +116,18 @@ class Sequence:
         mask[[t for t in self.stop_ids if 0 <= t < vocab]] = False
         return mask
 
+    def unmasked(self) -> bool:
+        """Whether its next token takes no logits processing at all although the request has some: no penalty,
+        bias or logprobs, min_tokens met and its grammar free for now (before a tool call opens, inside the
+        thought). A runner whose verify step cannot process logits may draft then, cutting its tokens where the
+        grammar takes over again."""
+        sp = self.sampling
+        if sp.logprobs is not None or sp.logit_bias or sp.presence_penalty or sp.frequency_penalty:
+            return False
+        if sp.repetition_penalty != 1.0 or (self.stop_ids and len(self.output) < sp.min_tokens):
+            return False
+        return self.matcher is None or bool(self.matcher.free)
+
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, from the first, its next tokens may be in turn (a speculative step's drafts): the
         grammar's, and no stop id while fewer than min_tokens tokens are out; the masks of `allowed` exactly."""

@@ -104,6 +104,11 @@ class Matcher:
             mask[self.thought[0]] = True
         return mask
 
+    @property
+    def free(self) -> bool:
+        """Whether its next token takes no mask (inside the thought channel, or before a trigger)."""
+        return self.state in ("thinking", "free")
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, from the first, it would accept in turn (a speculative step's drafts: the first
         one it refuses ends the run that can be accepted). This matcher stays as it is: the walk runs on a copy,
