@@ -27,11 +27,11 @@ from ..backend import (
     SequenceFailed,
     TokenLogprob,
 )
+from ..options import DraftOptions
 from .interface import DecodeResult, ModelRunner
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
 from .sequence import Sequence, Status
-from ..options import DraftOptions
 from .speculation import DraftPlanner
 
 log = logging.getLogger("thorgen.engine")

@@ -7,9 +7,9 @@ from typing import Callable, Iterator, Protocol, Sequence as Seq
 
 from ...model_spec.types import ModelSpec
 from ..backend import BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput
+from ..options import DraftOptions
 from .kv_manager import KVGeometry, KVOp
 from .sequence import Sequence
-from ..options import DraftOptions
 
 DecodeResult = tuple[list[int], int]  # a decode row's tokens and the drafts its verify step checked (0: plain step)
 

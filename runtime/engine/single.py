@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence as Seq
 
 from ..backend import GenerationResult, ImageSpan, SamplingParams, StepOutput
+from ..options import DraftOptions
 from .core import EngineCore
 from .interface import ModelRunner
-from ..options import DraftOptions
 
 
 def generate_one(
