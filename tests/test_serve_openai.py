@@ -125,7 +125,8 @@ def _counter(url: str, name: str) -> float:
 def test_num_speculative_tokens_per_request(tiny_checkpoint, client):
     """A request's num_speculative_tokens: 0 decodes it plainly on a speculative server, N > 0 speculatively on a
     plain one (the engine caps its drafts: tests/test_speculative.py); the output is plain greedy either way, and
-    a value outside 0..15 is a 400 naming the field."""
+    a value outside 0..15 is a 400 naming the field. The draft counters (/metrics, /health) rise for a speculative
+    request and stay flat for one with 0."""
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
     url = f"http://{client.base_url.host}:{client.base_url.port}"
     before = _verify_steps(url)
