@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .backend import BackendError
 from .engine.interface import Backend
-from .options import EngineOptions, default_ctx
+from .options import DraftOptions, EngineOptions, default_ctx
 
 if TYPE_CHECKING:
     from ..model_spec.checkpoint import Checkpoint
@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
     options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (all on by default)
+    drafts: DraftOptions = DraftOptions()  # the draft policy of every engine core over it (adaptive by default)
     sms: int | None = None  # cuda: run on this many multiprocessors (a green context; None: the whole GPU)
     # the server's engine runs in a child process (runtime/process), so that a device fault, which no context
     # reset clears, is recovered from by starting a fresh process; False: on a thread of the calling process
@@ -125,8 +126,10 @@ def open_backend(config: EngineConfig) -> OpenedModel:
         ckpt = Checkpoint.open(config.model, config.draft)
     except CheckpointError as exc:
         raise BackendError(str(exc)) from exc
+    backend = opener(config, ckpt)
+    backend.draft_options = config.drafts
     return OpenedModel(
-        opener(config, ckpt),
+        backend,
         Path(ckpt.tokenizer_path),
         ckpt.chat_template,
         dict(ckpt.generation_config or {}),

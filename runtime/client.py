@@ -251,6 +251,11 @@ class EngineClient:
         if report is not None:
             report = dict(report)
             out["steps"]["catch_up_tokens"] = report.pop("catch_up_tokens")
+            spec = report.pop("speculation")
+            drafted = spec["draft_tokens"]
+            # accepted drafts per drafted token (None before any speculative step)
+            spec["acceptance_rate"] = round(spec["accepted_tokens"] / drafted, 4) if drafted else None
+            out["steps"].update(spec)
             out.update(report)
         return out
 
@@ -338,7 +343,8 @@ class EngineClient:
     # -- the engine thread ------------------------------------------------------------------------------------
     def _new_core(self) -> EngineCore:
         assert self.backend is not None, "no backend is open"
-        return EngineCore(self.backend.runner(self.max_num_seqs, self.kv_tokens), self.max_step_tokens)
+        runner = self.backend.runner(self.max_num_seqs, self.kv_tokens)
+        return EngineCore(runner, self.max_step_tokens, self.backend.draft_options)
 
     @property
     def _core(self) -> EngineCore:

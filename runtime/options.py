@@ -1,5 +1,6 @@
 """Runtime stage: how an engine is opened, backend-neutral (no cuda module behind it): the context default every
-command shares and `EngineOptions`, the CUDA engine's typed switches (each on by default; off for A/B timing)."""
+command shares, `EngineOptions`, the CUDA engine's typed switches (each on by default; off for A/B timing), and
+`DraftOptions`, the settings of the engine core's draft policy (runtime/engine/speculation.py)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,20 @@ class EngineOptions:
         return [(f.name, f.name.replace("_", "-"), f.metadata["help"]) for f in fields(EngineOptions)]
 
 
-__all__ = ["DEFAULT_CTX", "EngineOptions", "default_ctx"]
+@dataclass(frozen=True)
+class DraftOptions:
+    """The draft policy's settings. `adaptive` off: every speculative step proposes the most drafts the request
+    allows, whatever lands (bench --emulate-acceptance measures a chosen acceptance that way)."""
+
+    adaptive: bool = True
+    weight: float = 0.3  # the newest step's weight in the estimate
+    prior: float = 4.0  # the estimate before a sequence's first verify step (accepted drafts a step)
+    probe_every: int = 16  # plain steps before a switched-off sequence probes again
+    probe_max: int = 256  # the longest wait between probes (it doubles after each probe that misses)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1 or self.prior < 0 or not 1 <= self.probe_every <= self.probe_max:
+            raise ValueError(f"draft options out of range: {self}")
+
+
+__all__ = ["DEFAULT_CTX", "DraftOptions", "EngineOptions", "default_ctx"]

@@ -76,6 +76,7 @@ class _EngineCollector(Collector):
                 "once it decodes alone after batched steps).",
                 value=steps.get("catch_up_tokens", 0),
             )
+            yield from _speculation(steps, model)
         if kv:  # vLLM's kv_cache_usage_perc, and the numbers behind it
             usage = kv["used"] / kv["blocks"] if kv["blocks"] else 0.0
             for name, value, text in (
@@ -91,6 +92,31 @@ class _EngineCollector(Collector):
             )
             family.add_metric(model, round(usage, 6))
             yield family
+
+
+def _speculation(steps: dict, model: list[str]) -> Iterable[Metric]:
+    """Speculative decoding's totals: verify steps, the drafts they checked and the drafts accepted, under
+    thorgen's names and vLLM's (acceptance rate = accepted / draft tokens)."""
+    for key, ours, vllm, text in (
+        ("speculative_steps", "thorgen_speculative_steps", "vllm:spec_decode_num_drafts", "Draft + verify steps"),
+        (
+            "draft_tokens",
+            "thorgen_draft_tokens",
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens those steps verified",
+        ),
+        (
+            "accepted_tokens",
+            "thorgen_accepted_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+        ),
+    ):
+        value = steps.get(key, 0)
+        yield CounterMetricFamily(ours, f"{text}.", value=value)
+        family = CounterMetricFamily(vllm, f"{text} (vLLM's name).", labels=["model_name"])
+        family.add_metric(model, value)
+        yield family
 
 
 class Metrics:

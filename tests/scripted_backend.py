@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 from thorgen.model_spec.synth.tokenizer import SPECIAL_IDS as GEMMA_SPECIALS
 from thorgen.runtime.backend import GenerationResult, SamplingParams, StepOutput
+from thorgen.runtime.options import DraftOptions
 
 # Gemma-4 control tokens sit at their real ids (MODEL_FACTS §4.2, GEMMA_SPECIALS); the rest of the low ids are
 # unused specials.
@@ -84,6 +85,8 @@ class ScriptedBackend:
     """Backend protocol: `script(prompt_ids) -> token ids` is replayed `chunk` tokens per step, `delay` s a step.
     It runs through the engine core like every backend (ScriptedRunner); a script that runs out ends the
     request with a stop id, as if the model had ended its turn."""
+
+    draft_options = DraftOptions()
 
     def __init__(
         self,
@@ -172,6 +175,9 @@ class ScriptedRunner:
     def draft_context(self, lane: int) -> int:
         return 0
 
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        return 2.0  # (a script never drafts: the policy's numbers do not matter)
+
     def apply(self, ops) -> None:
         pass  # (a script holds no K/V)
 
@@ -204,12 +210,12 @@ class ScriptedRunner:
             time.sleep(self.backend.delay)
         return self._next(seq, 1)[0] if sample else None
 
-    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], bool]]:
+    def decode(self, seqs: list, launched=None) -> list[tuple[list[int], int]]:
         if launched is not None:
             launched()
         if self.backend.delay:
             time.sleep(self.backend.delay)
-        return [(self._next(seq, self.backend.chunk)[: max(seq.room(self.max_context), 1)], False) for seq in seqs]
+        return [(self._next(seq, self.backend.chunk)[: max(seq.room(self.max_context), 1)], 0) for seq in seqs]
 
     def release(self, seq, finished: bool) -> None:
         if seq.request_id not in self._runs:  # (finished before its first prefill ran)

@@ -196,3 +196,28 @@ def test_bench_serve_image_chats_and_arrivals(tiny_checkpoint, tmp_path):
         assert lv["without_images"]["requests"] == lv["requests"] and "image_requests" not in lv["without_images"]
         assert lv["prompt_tokens_mean"] < 20  # the streams measured are the text ones
     assert "image arrivals" in a.output and "without them ITL" in a.output
+
+
+def test_bench_serve_tools_reports_speculation_per_level(tiny_checkpoint, tmp_path):
+    """--tools: every request is an agent's chat with three tools (tool_choice auto); against a speculative server
+    each level's row carries its verify steps and drafted / accepted tokens, from /health's counters."""
+    from thorgen.runtime.bench.serve_tools import TOOLS
+    from tiny_server import tiny_server
+
+    out = tmp_path / "tools.json"
+    args = ["--concurrency", "1,2", "--prompt-len", "24", "--gen", "24", "--requests", "1", "--ignore-eos"]
+    with tiny_server(tiny_checkpoint, 2048, speculative=None) as (url, state):
+        r = CliRunner().invoke(bench_serve, ["--url", url, *args, "--tools", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        bad = CliRunner().invoke(bench_serve, ["--url", url, "--tools", "--image", str(_photo(tmp_path / "p.png"))])
+        assert bad.exit_code == 2 and "--tools" in bad.output
+    report = json.loads(out.read_text())
+    assert "--tools" in report["command"] and len(TOOLS) == 3
+    for lv in report["levels"]:
+        assert lv["completion_tokens"] == 24 * lv["requests"]
+        assert lv["prompt_tokens_mean"] > 200  # the system prompt and the tools' schemas, rendered
+        steps = lv["engine_steps"]
+        assert steps["speculative_steps"] > 0 and steps["draft_tokens"] >= steps["speculative_steps"]
+        assert 0 <= steps["accepted_tokens"] <= steps["draft_tokens"]
+        assert steps["acceptance_rate"] == round(steps["accepted_tokens"] / steps["draft_tokens"], 4)
+    assert "verify steps" in r.output

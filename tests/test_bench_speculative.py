@@ -76,9 +76,9 @@ def test_emulated_acceptance_commits_k_plus_one_on_the_cuda_engine(tiny_checkpoi
         # while it runs, the drafts are 15 distinct tokens a step (a verify routed like text), others a step later
         from thorgen.runtime.bench.speculative import _emulate
 
-        _emulate(b, 2)
+        _emulate(b, 2, timing=True)
         drafts = [[int(t) for t in b.engine.dflash.draft_hook(p, 0)] for p in (20, 21)]
-        _emulate(b, None)
+        _emulate(b, None, timing=False)
         vocab = b.spec.target.vocab_size
         assert all(len(set(d)) == 15 and all(0 <= t < vocab for t in d) for d in drafts) and drafts[0] != drafts[1]
         assert b.engine.dflash.draft_hook is None

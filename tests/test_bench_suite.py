@@ -75,6 +75,7 @@ class OracleDrafter:
 def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
     from thorgen.runtime.backend import SamplingParams
     from thorgen.runtime.bench.suite import run_entries
+    from thorgen.runtime.options import DraftOptions
     from thorgen.runtime.reference.backend import ReferenceBackend
 
     entry = {
@@ -87,6 +88,7 @@ def test_tau_is_measured_from_accepted_drafts(tiny_ckpt, tiny_checkpoint):
     ids = renderer.entry_ids(entry)
     plain = ReferenceBackend(tiny_ckpt, prefix_cache=False).generate(ids, 33, SamplingParams()).token_ids
     backend = ReferenceBackend(tiny_ckpt, drafter=OracleDrafter(ids + plain, 16), prefix_cache=False)
+    backend.draft_options = DraftOptions(adaptive=False)  # (every step drafts the whole block)
     [row] = run_entries(backend, renderer, [entry], 1, frozenset(), True)
     assert row["plain"]["tau"] == 1.0 and row["plain"]["steps"] == 32
     # 1 token from the prefill, then two fully accepted blocks of 16

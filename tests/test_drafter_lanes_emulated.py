@@ -19,8 +19,10 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
 from thorgen.runtime.engine.core import EngineCore  # noqa: E402
+from thorgen.runtime.options import DraftOptions  # noqa: E402
 
 SEEDED = SamplingParams(temperature=1.0, seed=9)
+FIXED = DraftOptions(adaptive=False)  # every step drafts the most it may: these tests check the drafter context
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def _drive(core: EngineCore, adds: dict[int, list[tuple]], limit: int = 400):
 
 
 def _plain(backend, prompt: list[int], n: int) -> list[int]:
-    return _drive(EngineCore(backend.runner(1)), {0: [("p", prompt, n, False)]})[0]["p"]
+    return _drive(EngineCore(backend.runner(1), drafts=FIXED), {0: [("p", prompt, n, False)]})[0]["p"]
 
 
 def test_a_speculative_sequence_resumes_after_batched_steps(backend):
@@ -60,7 +62,7 @@ def test_a_speculative_sequence_resumes_after_batched_steps(backend):
     catches its drafter context up and speculates again, with the tokens it gets alone."""
     a, b = [2] + list(range(300, 330)), [2] + list(range(400, 420))
     runner = backend.runner(2)
-    out, results = _drive(EngineCore(runner), {0: [("a", a, 40, True), ("b", b, 6, True)]})
+    out, results = _drive(EngineCore(runner, drafts=FIXED), {0: [("a", a, 40, True), ("b", b, 6, True)]})
     assert runner.caught_up_tokens > 0
     assert results["a"].accepted_lengths, "no speculative step after the batch"
     assert sum(results["a"].accepted_lengths) < 40 - 1  # the batched steps were plain
@@ -72,7 +74,7 @@ def test_no_catch_up_when_little_is_left(backend):
     a, b = [2] + list(range(300, 330)), [2] + list(range(400, 420))
     runner = backend.runner(2)
     # "a" misses ~60 positions while "b" runs (60 steps), then has 2 or 3 tokens to go: 60 > 16 * 3
-    out, results = _drive(EngineCore(runner), {0: [("a", a, 62, True), ("b", b, 60, True)]})
+    out, results = _drive(EngineCore(runner, drafts=FIXED), {0: [("a", a, 62, True), ("b", b, 60, True)]})
     assert runner.caught_up_tokens == 0 and not results["a"].accepted_lengths
     assert out["a"] == _plain(backend, a, 62)
 
@@ -81,13 +83,13 @@ def test_each_lane_keeps_its_drafter_context(backend):
     """A speculative chat's next turn reuses its cached prefix, drafter context included, although another
     speculative request ran in the other lane in between; it equals a full prefill."""
     first = [2] + list(range(310, 330))
-    core = EngineCore(backend.runner(2))
+    core = EngineCore(backend.runner(2), drafts=FIXED)
     got, _ = _drive(core, {0: [("t1", first, 6, True)]})
     _drive(core, {0: [("other", [2] + list(range(450, 470)), 6, True)]})
     turn2 = first + got["t1"] + [107]
     hit, res = _drive(core, {0: [("t2", turn2, 6, True)]})
     assert res["t2"].cached_prompt_tokens > 0 and res["t2"].accepted_lengths
-    miss, res_miss = _drive(EngineCore(backend.runner(2)), {0: [("t2", turn2, 6, True)]})
+    miss, res_miss = _drive(EngineCore(backend.runner(2), drafts=FIXED), {0: [("t2", turn2, 6, True)]})
     assert res_miss["t2"].cached_prompt_tokens == 0 and hit == miss
 
 
@@ -96,7 +98,7 @@ def test_a_copied_prefix_brings_the_drafter_context(backend):
     drafter context from that lane, and both get the tokens they get alone."""
     shared = [2] + [110 + (13 * i) % 380 for i in range(60)]
     prompts = {"a": shared + [107, 300, 301], "b": shared + [107, 400, 401, 402]}
-    core = EngineCore(backend.runner(2))
+    core = EngineCore(backend.runner(2), drafts=FIXED)
     out, results = _drive(core, {0: [("a", prompts["a"], 40, True)], 2: [("b", prompts["b"], 10, True)]})
     assert core.kv.copied_tokens == results["b"].cached_prompt_tokens == (len(shared) + 1) // 16 * 16
     assert out == {rid: _plain(backend, p, n) for (rid, p), n in zip(prompts.items(), (40, 10))}

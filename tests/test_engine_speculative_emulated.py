@@ -31,6 +31,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
+from thorgen.runtime.options import DraftOptions  # noqa: E402
 
 GEN = 24
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)
@@ -62,6 +63,8 @@ def emu(tiny_checkpoint, tmp_path_factory):
                 (kernels / "manifest.json").write_text(json.dumps(m))
             drv = EE.install(kernels)
             made[key] = (open_backend(tiny_checkpoint, ctx=ctx, weights_dir=weights, kernels_dir=kernels), drv)
+            # every step drafts the most it may: these tests check the DFlash steps (the policy: test_draft_policy)
+            made[key][0].draft_options = DraftOptions(adaptive=False)
         dev.set_driver(made[key][1])
         if made[key][0].engine.dflash is not None:  # (None: the drafter's kernels were dropped)
             made[key][0].engine.dflash.draft_hook = None
@@ -94,7 +97,8 @@ def _prompts(ck, shared: Path | None) -> list[tuple[str, list[int]]]:
 def _check_lengths(res, first_from_prefill: bool = True) -> None:
     acc = res.accepted_lengths
     assert acc and all(1 <= a <= 16 for a in acc), acc
-    assert sum(acc) + (1 if first_from_prefill else 0) == len(res.token_ids)
+    # every step drafts (DraftOptions(adaptive=False)) but a last one with room for one token only, a plain one
+    assert len(res.token_ids) - sum(acc) - (1 if first_from_prefill else 0) in (0, 1)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
@@ -453,3 +457,62 @@ def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
         print(f"{mode}: mean acceptance length of the real drafter {np.mean(lengths):.2f} over {len(lengths)} steps")
     finally:
         backend.close()
+
+
+def test_drafts_that_miss_turn_into_plain_steps_launched_ahead(emu):
+    """With the default (adaptive) draft policy, the random drafter's misses switch speculation off after a few
+    DFlash steps: the sequence then decodes with plain steps, each launched before the one before it is read (as
+    without speculation), and its tokens are plain decoding's."""
+    from thorgen.runtime.engine.core import EngineCore
+
+    open_, ck = emu
+    backend, _ = open_()
+    ids = _prompts(ck, None)[0][1]
+    n = 48
+    plain = backend.generate(ids, n, SamplingParams()).token_ids
+    runner = backend.runner(1)
+    core = EngineCore(runner)
+    core.add("r", ids, n, SamplingParams(), speculative=True)
+    outs = []
+    while core.unfinished:
+        outs += core.step()
+    assert [t for o in outs for t in o.token_ids] == plain
+    kinds = [o.accepted is not None for o in outs if o.token_ids][1:]  # (the first token: the prefill's)
+    off = kinds.index(False)
+    assert 0 < off <= 8 and all(kinds[:off]) and not any(kinds[off : off + DraftOptions().probe_every])
+    assert runner.ahead_steps >= DraftOptions().probe_every - 2  # the plain steps ran launched ahead
+    spec = core.health()["speculation"]
+    assert spec["speculative_steps"] == sum(kinds) and spec["accepted_tokens"] == 0
+
+
+def test_free_text_before_a_grammar_opens_is_drafted(emu, tiny_checkpoint):
+    """A grammar that a token of the answer opens (a tool call under tool_choice auto): the free text before it
+    runs DFlash steps with no mask, a verify block is cut right after the opening token (its later rows were
+    sampled unmasked), the grammar's tokens run plain processed steps, and the tokens equal plain decoding's."""
+    pytest.importorskip("llguidance")
+    from thorgen.runtime.engine.core import EngineCore
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
+
+    open_, ck = emu
+    backend, _ = open_()
+    ids = _prompts(ck, None)[0][1]
+    free = backend.generate(ids, GEN, SamplingParams()).token_ids
+    at = next(i for i, t in enumerate(free) if i >= 4 and t not in free[:i])
+    ll = tokenizer(str(tiny_checkpoint / "tokenizer.json"), ck.spec.target.vocab_size, (1,))
+    sp = SamplingParams(grammar=Grammar(json_grammar(None, ll), ll, trigger=free[at]))
+    plain = backend.generate(ids, GEN, sp, frozenset({1})).token_ids
+    assert plain[: at + 1] == free[: at + 1] and plain[at + 1 :] != free[at + 1 :]
+    log: list = []
+    backend.engine.dflash.draft_hook = _forced_hook(backend, len(ids), plain + [0] * 16, [15], log)
+    core = EngineCore(backend.runner(1), drafts=DraftOptions(adaptive=False))
+    core.add("g", ids, GEN, sp, frozenset({1}), speculative=True)
+    outs = []
+    while core.unfinished:
+        outs += core.step()
+    backend.engine.dflash.draft_hook = None
+    assert [t for o in outs for t in o.token_ids] == plain
+    steps = [o for o in outs if o.token_ids]
+    ends = np.cumsum([len(o.token_ids) for o in steps])
+    opening = int(np.searchsorted(ends, at + 1))  # the step that committed the opening token (output index at)
+    assert steps[opening].accepted is not None and ends[opening] == at + 1  # cut right after it
+    assert all(o.accepted is None for o in steps[opening + 1 : opening + 4])  # the grammar's: plain processed steps

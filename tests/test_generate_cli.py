@@ -32,7 +32,8 @@ def test_json_ids_plain_and_speculative_agree(tiny_checkpoint, tiny_ckpt) -> Non
     assert spec.exit_code == 0, spec.output
     spec_out = json.loads(spec.output)
     assert spec_out["token_ids"] == out["token_ids"]
-    assert sum(spec_out["accepted_lengths"]) == len(out["token_ids"]) - 1
+    # verify steps ran; the draft policy turns to plain steps once the random drafter's drafts keep missing
+    assert spec_out["accepted_lengths"] and sum(spec_out["accepted_lengths"]) <= len(out["token_ids"]) - 1
 
 
 def test_sampled_text_prompt_gets_bos(tiny_checkpoint, tiny_ckpt) -> None:

@@ -48,7 +48,7 @@ ALLOWED = {
     "runtime.backend": {"model_spec"},
     "runtime.options": set(),  # backend-neutral: what api and the engines share without loading a cuda module
     "runtime.manifest": {"model_spec", "runtime.backend"},
-    "runtime.engine": {"model_spec", "runtime.backend"},
+    "runtime.engine": {"model_spec", "runtime.backend", "runtime.options"},
     "runtime.text": {"model_spec", "runtime.backend"},
     "runtime.media": {"model_spec", "runtime.backend"},
     "runtime.convert": {"model_spec", "runtime.backend"},

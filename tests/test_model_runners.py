@@ -64,8 +64,8 @@ def test_runner_contract(runner):
     assert isinstance(first, int) and log == [1]
     seq.num_cached, seq.output = len(seq.prompt), [first]
     log, launched = _calls()
-    ((tokens, verified),) = runner.decode([seq], launched)
-    assert 1 <= len(tokens) <= seq.room(runner.max_context) and isinstance(verified, bool) and log == [1]
+    ((tokens, drafted),) = runner.decode([seq], launched)
+    assert 1 <= len(tokens) <= seq.room(runner.max_context) and isinstance(drafted, int) and log == [1]
     seq.num_cached, seq.output = seq.num_tokens - 1 + len(tokens), seq.output + tokens
     kv.release(seq, finished=True)
     runner.release(seq, finished=True)

@@ -116,10 +116,17 @@ def _verify_steps(url: str) -> int:
     return int(float(lines[0].split()[1])) if lines else 0
 
 
+def _counter(url: str, name: str) -> float:
+    """A counter's value on /metrics (the first series of that name)."""
+    line = next(ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.split("{")[0].split()[0] == name)
+    return float(line.split()[-1])
+
+
 def test_num_speculative_tokens_per_request(tiny_checkpoint, client):
     """A request's num_speculative_tokens: 0 decodes it plainly on a speculative server, N > 0 speculatively on a
     plain one (the engine caps its drafts: tests/test_speculative.py); the output is plain greedy either way, and
-    a value outside 0..15 is a 400 naming the field."""
+    a value outside 0..15 is a 400 naming the field. The draft counters (/metrics, /health) rise for a speculative
+    request and stay flat for one with 0."""
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
     url = f"http://{client.base_url.host}:{client.base_url.port}"
     before = _verify_steps(url)
@@ -135,6 +142,17 @@ def test_num_speculative_tokens_per_request(tiny_checkpoint, client):
         r = httpx.post(spec_url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and _verify_steps(spec_url) == 0
         assert r.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content
+        assert _counter(spec_url, "thorgen_draft_tokens_total") == 0
+        assert httpx.get(spec_url + "/health").json()["steps"]["acceptance_rate"] is None  # nothing drafted yet
+        speculative = {**body, "num_speculative_tokens": None}
+        assert httpx.post(spec_url + "/v1/chat/completions", json=speculative, timeout=60).status_code == 200
+        drafted = _counter(spec_url, "thorgen_draft_tokens_total")
+        assert drafted > 0 and _counter(spec_url, "vllm:spec_decode_num_draft_tokens_total") == drafted
+        assert _counter(spec_url, "thorgen_speculative_steps_total") == _verify_steps(spec_url) > 0
+        steps = httpx.get(spec_url + "/health").json()["steps"]
+        assert steps["draft_tokens"] == drafted and 0 <= steps["acceptance_rate"] <= 1
+        r = httpx.post(spec_url + "/v1/chat/completions", json=body, timeout=60)  # num_speculative_tokens 0 again
+        assert r.status_code == 200 and _counter(spec_url, "thorgen_draft_tokens_total") == drafted
         for bad in (16, -1, "3", True, 2.5):  # (2.0 is a JSON Schema integer, as for every integer field)
             r = httpx.post(spec_url + "/v1/chat/completions", json={**body, "num_speculative_tokens": bad}, timeout=60)
             assert r.status_code == 400 and "num_speculative_tokens" in r.text, (bad, r.text)

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .serve_images import ImageRequests, send_beside
+from .serve_tools import tool_chats
 from .serve_load import (
     engine_steps,
     step_means,
@@ -44,6 +45,11 @@ def _level_line(row: dict) -> str:
             f"  engine: {steps['steps']} steps, {steps['mean_running']} running, prepare "
             f"{steps['prepare_ms']} / flush {steps['flush_ms']} / finish {steps['finish_ms']} ms a step"
         )
+        if steps.get("speculative_steps"):
+            line += (
+                f"; speculative: {steps['speculative_steps']} verify steps, {steps['accepted_tokens']} of "
+                f"{steps['draft_tokens']} drafts accepted ({steps['acceptance_rate']})"
+            )
     return line
 
 
@@ -118,6 +124,12 @@ def _level_line(row: dict) -> str:
     "client sending one-token image chats back to back: inter-token latency with and without images arriving.",
 )
 @click.option(
+    "--tools",
+    is_flag=True,
+    help="Send chats the way a coding agent does instead: its system prompt, three tools with tool_choice auto, "
+    "and about --prompt-len tokens of text as the user's turn.",
+)
+@click.option(
     "--ignore-eos",
     is_flag=True,
     help="Every request decodes exactly --gen tokens, past stop ids (vLLM's ignore_eos).",
@@ -138,6 +150,7 @@ def bench_serve(
     image_budget: str | None,
     same_image: bool,
     image_arrivals: bool,
+    tools: bool,
     ignore_eos: bool,
 ) -> None:
     """Load-test a running `thorgen serve` (or any OpenAI-compatible server with /tokenize)."""
@@ -149,6 +162,8 @@ def bench_serve(
         raise click.BadParameter("give concurrency levels >= 1", param_hint="--concurrency")
     if image_file is None and (image_budget or same_image or image_arrivals):
         raise click.UsageError("--image-max-tokens, --same-image and --image-arrivals go with --image FILE")
+    if tools and image_file is not None:
+        raise click.UsageError("--tools sends text chats: it does not go with --image")
     import httpx
 
     url = url.rstrip("/")
@@ -173,6 +188,9 @@ def bench_serve(
             raise click.ClickException(str(exc)) from None
         images.text = chat_text(url, prompt_len, api_key)
     fields = streamed(gen, ignore_eos)
+    agent = tool_chats(chat_text(url, prompt_len, api_key), fields) if tools else None
+    if agent is not None:  # (the tool grammar's first use builds its tokenizer: outside the levels' clocks)
+        asyncio.run(run_level(url, 1, 1, tool_chats("Say hello.", streamed(min(gen, 8))), api_key, timeout))
     asyncio.run(run_level(url, 1, 1, text_requests(prompt, streamed(min(gen, 8))), api_key, timeout))  # warm-up
     if images is not None:  # ... and the image path at this image's size
         images.prepare(1)
@@ -184,7 +202,7 @@ def bench_serve(
             images.prepare(n)
             make = image_chats(images, fields)
         else:
-            make = text_requests(prompt, fields)
+            make = agent or text_requests(prompt, fields)
         alone = None
         if image_arrivals and images is not None:
             alone = asyncio.run(run_level(url, c, n, make, api_key, timeout))
@@ -210,6 +228,7 @@ def bench_serve(
         "command": f"thorgen bench serve --url {url} --concurrency {concurrency} --prompt-len {prompt_len} "
         f"--gen {gen} --requests {per_client}"
         + (" --ignore-eos" if ignore_eos else "")
+        + (" --tools" if tools else "")
         + (f" --image {image_file}" if image_file else "")
         + (f" --image-max-tokens {image_budget}" if image_file and image_budget else "")
         + (" --same-image" if image_file and same_image else "")

@@ -234,13 +234,19 @@ def engine_steps(url: str) -> dict | None:
 
 
 def step_means(before: dict | None, after: dict | None) -> dict | None:
-    """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/client.py)."""
+    """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/client.py); with a
+    thorgen server's speculation counters, the level's verify steps, drafted and accepted tokens too."""
     if not before or not after or after["steps"] <= before["steps"]:
         return None
     n = after["steps"] - before["steps"]
     out = {"steps": n, "mean_running": round((after["running"] - before["running"]) / n, 2)}
     for phase in ("prepare", "flush", "finish"):
         out[f"{phase}_ms"] = round(1e3 * (after[phase] - before[phase]) / n, 3)
+    if "draft_tokens" in after and "draft_tokens" in before:  # speculative decoding over the level
+        for key in ("speculative_steps", "draft_tokens", "accepted_tokens"):
+            out[key] = after[key] - before[key]
+        drafted = out["draft_tokens"]
+        out["acceptance_rate"] = round(out["accepted_tokens"] / drafted, 4) if drafted else None
     return out
 
 

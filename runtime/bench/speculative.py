@@ -22,6 +22,7 @@ from typing import Any
 
 from ...model_spec.conventions import VERIFY_ROWS
 from ..backend import BackendError
+from ..options import DraftOptions
 from .timing import timed_stream
 
 
@@ -31,9 +32,13 @@ def _dflash(backend: Any) -> Any:
     return None if engine is None else engine.dflash
 
 
-def _emulate(backend: Any, k: int | None) -> None:
+def _emulate(backend: Any, k: int | None, timing: bool) -> None:
+    """Every verify step commits `k` drafts + 1 (None: what the drafts earn); `timing`: every step drafts the
+    most it may (the adaptive policy would switch a low acceptance off: the bench times speculative steps), else
+    the draft policy is the default again."""
     steps = _dflash(backend)
     (steps if steps is not None else backend.decoder).emulate_acceptance = k
+    backend.draft_options = DraftOptions(adaptive=not timing)
     if steps is not None:
         from ..cuda.profile import distinct_tokens  # (the cuda engine's module: not for the reference backend)
 
@@ -52,7 +57,7 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
     if accept is not None and not 0 <= accept < block:
         raise BackendError(f"--emulate-acceptance {accept}: 0..{block - 1} drafts a step")
     steps = _dflash(backend)
-    _emulate(backend, accept)
+    _emulate(backend, accept, timing=True)
     try:
         timed_stream(backend, prompt, min(gen, 2 * block), speculative=True)  # warm-up: the DFlash graphs
         rates, step_ms, taus, timing = [], [], [], []
@@ -68,7 +73,7 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
             if steps is not None:
                 timing += steps.timing
     finally:
-        _emulate(backend, None)
+        _emulate(backend, None, timing=False)
         if steps is not None:
             steps.timing = None
     if not rates:

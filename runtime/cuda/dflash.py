@@ -229,6 +229,18 @@ class DFlashSteps:
 CATCH_UP_RATIO = 16
 
 
+def _free_run(seq, tokens: list[int]) -> list[int]:
+    """The leading `tokens` its grammar leaves free, fed to it: a verify row after the token that opens the grammar
+    (a tool call's trigger) was sampled without the mask it needs, so the step ends after that token."""
+    kept: list[int] = []
+    for token in tokens:
+        if not seq.matcher.free:
+            break
+        seq.matcher.accept(token)
+        kept.append(token)
+    return kept
+
+
 @dataclass
 class DraftLane:
     """What a KV lane's drafter context holds: positions 0..draft_upto-1 (of the tokens its K/V holds), and the
@@ -236,6 +248,7 @@ class DraftLane:
 
     draft_upto: int = 0
     last_written: int = -1
+    most: int = VERIFY_ROWS  # the acceptance rule's most tokens a step, of the lane's latest DFlash launch
 
     def drafted(self, start: int, end: int, taps: bool) -> None:
         """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
@@ -270,13 +283,14 @@ class DFlashDecoder:
         d.draft_upto, d.last_written = (min(s.draft_upto, tokens) if drafter else 0), s.last_written
 
     def ready(self, seq, lane: int, pos: int) -> bool:
-        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and unprocessed (a processed
-        sequence decodes without speculation), a verify block fits the context, and the drafter context covers
-        positions 0..pos-1, at once or after `catch_up`."""
+        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and its next token takes no
+        logits processing (the verify graph applies none: a grammar only while it leaves the tokens free,
+        Sequence.unmasked), a verify block fits the context, and the drafter context covers positions 0..pos-1,
+        at once or after `catch_up`."""
         return (
             seq.speculative
             and pos + VERIFY_ROWS <= self.max_context
-            and not seq.sampling.extended
+            and (not seq.sampling.extended or seq.unmasked())
             and self.catch_up(seq, lane, pos)
         )
 
@@ -308,25 +322,30 @@ class DFlashDecoder:
 
     def step(
         self, seq, lane: int, pos: int, cur: SpecLaunch | None, launch_ahead: bool, launched=None
-    ) -> tuple[list[int], tuple[int, SpecLaunch] | None]:
-        """A DFlash step of `seq` at `pos` (`cur`: launched ahead by the step before, else launched now): its
-        committed tokens, and (position, launch) of the next step when `launch_ahead` launched it before this
-        one's tokens were read, at the block the device's acceptance picks (draft.accept), unless this step surely
-        ends the request or that block may not fit the context (the scheduler granted the pages of both blocks).
-        out_ids[0] then holds a verify row."""
+    ) -> tuple[list[int], int, tuple[int, SpecLaunch] | None]:
+        """A DFlash step of `seq` at `pos` with `seq.drafts` drafts (`cur`: launched ahead by the step before, at
+        that step's count, else launched now): its committed tokens, the drafts it could accept, and (position,
+        launch) of the next step when `launch_ahead` launched it before this one's tokens were read, at the block
+        the device's acceptance picks (draft.accept), unless the draft policy may make the next step a plain one,
+        this step surely ends the request or that block may not fit the context (the scheduler granted the pages
+        of both blocks). out_ids[0] then holds a verify row."""
         room, greedy = seq.room(self.max_context), seq.sampling.greedy
         dflash = self.steps
         assert dflash is not None, "a DFlash step without a drafter"
-        most, k = 1 + (seq.sampling.draft_tokens or VERIFY_ROWS - 1), dflash.emulate_acceptance
+        k = dflash.emulate_acceptance
         d = self.lanes[lane]
         if cur is None:
-            cur = dflash.launch(pos, seq.output[-1], greedy, lane=lane, most=most, emulate=k)
+            d.most = 1 + seq.drafts
+            cur = dflash.launch(pos, seq.output[-1], greedy, lane=lane, most=d.most, emulate=k)
+        most = d.most  # (a step launched ahead runs the rule of the launch before it: the device keeps it)
         d.last_written = max(d.last_written, pos + VERIFY_ROWS - 1)
         nxt = None
         # (a draft_hook needs the block's start on the host: known ahead only under emulated acceptance, the bench's)
         hook_start = None if k is None else pos + accepted_count([], [0] * VERIFY_ROWS, most, k)  # (needs no tokens)
         if (
             launch_ahead
+            and seq.drafts_next > 0
+            and not seq.sampling.extended  # (its grammar may take over at this step's tokens: the host decides)
             and (dflash.draft_hook is None or hook_start is not None)
             and room >= 2
             and pos + 2 * VERIFY_ROWS <= self.max_context
@@ -338,10 +357,12 @@ class DFlashDecoder:
         drafts, target, accepted = dflash.wait(cur)
         # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
         new = target[: accepted_count(drafts, target, most, k)]
+        if seq.matcher is not None:
+            new = _free_run(seq, new[:room])
         # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
         d.drafted(pos, pos + len(new), taps=True)
         # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)
-        return new[:room], None if nxt is None else (pos + accepted, nxt)
+        return new[:room], min(most, room) - 1, None if nxt is None else (pos + accepted, nxt)
 
 
 __all__ = [

@@ -1,14 +1,16 @@
 """Runtime stage: `CudaRunner`, the engine core's ModelRunner over the CUDA Engine (runtime/cuda/backend.py opens
 both). It executes what the scheduler decided and nothing else: the KV manager's instructions (page-table rows,
 lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one, and
-DFlash steps (runtime/cuda/dflash.py) while a speculative sequence decodes alone (batched steps are plain: above one
-sequence they are faster, docs/BENCHMARKS.md). Each decode step is launched before the step before it is read
+DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts (batched
+steps are plain: above one sequence they are faster, docs/BENCHMARKS.md; speculative_cost tells the policy
+so). Each decode step is launched before the step before it is read
 (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step launches the next one
 for every sequence that goes on (its input token carried on the device), a one-sequence step the next one that
 embeds the token it leaves in out_ids[0]."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -18,6 +20,10 @@ from ..engine.sequence import Sequence
 from .dflash import DFlashDecoder
 from .engine import Engine
 from .logits_params import RequestLogits
+
+# What a DFlash step costs in plain one-sequence steps (the draft policy's model): on an H100 a sequence whose
+# drafts all missed decoded at 0.48x the plain rate
+SPEC_STEP_COST = 2.1
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
 
@@ -153,20 +159,26 @@ class CudaRunner:
             return self._decode_batch(seqs, ahead, joining, launched)
         return [self._decode_one(seqs[0], ahead, launched)]
 
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        # (the draft and verify graphs run the whole block whatever the count; batched steps are plain ones)
+        return SPEC_STEP_COST if batch == 1 else math.inf
+
     def _decode_one(
         self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None
-    ) -> tuple[list[int], bool]:
-        """A graphed one-sequence step (DFlash when it is speculative and its drafter context is current); the
-        next one launched before this one is read."""
+    ) -> tuple[list[int], int]:
+        """A graphed one-sequence step (DFlash when the draft policy gives it drafts and its drafter context is
+        current); the next one launched before this one is read."""
         lane, pos, greedy = _lane(seq), seq.num_tokens - 1, seq.sampling.greedy
         self._params(seq)
-        if (ahead is not None and ahead.kind == "spec") or (ahead is None and self.spec.ready(seq, lane, pos)):
-            new, nxt = self.spec.step(
+        if (ahead is not None and ahead.kind == "spec") or (
+            ahead is None and seq.drafts > 0 and self.spec.ready(seq, lane, pos)
+        ):
+            new, drafted, nxt = self.spec.step(
                 seq, lane, pos, None if ahead is None else ahead.launch, self.launch_ahead, launched
             )
             self.pipe.on_device = None  # out_ids[0] holds a verify row
             self.pipe.ahead = None if nxt is None else Ahead(nxt[1], "spec", {seq.request_id: (0, nxt[0])})
-            return new, True
+            return new, drafted
         ext, one = False, None if ahead is None else ahead.launch
         if one is None:
             staged = None if self.pipe.on_device == (seq.request_id, pos) else seq.output[-1]
@@ -175,7 +187,8 @@ class CudaRunner:
         drafts = self.spec.lanes[lane]
         drafts.drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
         nxt = None  # the next step, launched now: it decodes the token this one leaves in out_ids[0]
-        if self.launch_ahead and not (ext or seq.speculative) and seq.room(self.max_context) >= 2:
+        # (not when the draft policy may make the next step a DFlash one, which starts from the token on the host)
+        if self.launch_ahead and not (ext or seq.drafts_next) and seq.room(self.max_context) >= 2:
             nxt = Ahead(self.steps.launch_one(pos + 1, greedy, lane=lane), "one", {seq.request_id: (0, pos + 1)})
             drafts.drafted(pos + 1, pos + 2, taps=False)
         if launched is not None:
@@ -184,7 +197,7 @@ class CudaRunner:
         if ext:
             _raise_failed(self.logits.picked([seq], [new]))
         self.pipe.ahead, self.pipe.on_device = nxt, (seq.request_id, pos + 1) if nxt is None else None
-        return [new], False
+        return [new], 0
 
     def _decode_batch(
         self, seqs: list[Sequence], cur: Ahead | None, joining: list, launched: Callable[[], None] | None
@@ -204,7 +217,7 @@ class CudaRunner:
         self.pipe.ahead = nxt
         new = [tokens[cur.rows[s.request_id][0]] for s in seqs]
         failed = self.logits.picked(seqs, new) if ext else {}
-        return [failed.get(s.request_id) or ([t], False) for s, t in zip(seqs, new)]
+        return [failed.get(s.request_id) or ([t], 0) for s, t in zip(seqs, new)]
 
     def _launch_next(self, seqs: list[Sequence], cur: Ahead, joining: list) -> Ahead | None:
         """Launch the step after `cur`, when at least two rows go on and none needs host work between the steps

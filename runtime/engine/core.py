@@ -27,10 +27,12 @@ from ..backend import (
     SequenceFailed,
     TokenLogprob,
 )
+from ..options import DraftOptions
 from .interface import DecodeResult, ModelRunner
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
 from .sequence import Sequence, Status
+from .speculation import DraftPlanner
 
 log = logging.getLogger("thorgen.engine")
 
@@ -76,11 +78,15 @@ def default_step_tokens(runner: ModelRunner) -> int:
 class EngineCore:
     """Sequences in, RequestOutput values out. Not thread-safe: one thread calls everything."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_step_tokens: int | None = None, drafts: DraftOptions | None = None
+    ) -> None:
+        """`drafts`: the draft policy's options (default: adaptive draft counts)."""
         self.runner = runner
         if max_step_tokens is None:
             max_step_tokens = default_step_tokens(runner)
         self.kv = KVManager(runner.kv_geometry, runner.draft_context)
+        self.drafts = DraftPlanner(runner.speculative_cost, runner.verify_block - 1, runner.max_context, drafts)
         self.scheduler = Scheduler(
             self.kv,
             runner.max_num_seqs,
@@ -90,7 +96,10 @@ class EngineCore:
             runner.prefill_chunk,
             runner.lookahead,
             runner.media_ready,
+            self.drafts,
         )
+        # speculative decoding's totals (health(); /metrics): verify steps, drafts they verified, drafts accepted
+        self.speculation = {"speculative_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._seqs: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []  # aborted since the last step
 
@@ -157,6 +166,7 @@ class EngineCore:
         return {
             "kv": {"blocks": kv.total_pages, "used": kv.used_pages, "block_tokens": kv.geometry.page},
             "catch_up_tokens": self.runner.caught_up_tokens,
+            "speculation": dict(self.speculation),
             "gpu_memory_used": self.runner.device_memory_used,
         }
 
@@ -191,9 +201,10 @@ class EngineCore:
                 if isinstance(res, BaseException):
                     outputs.append(self._fail(seq, res))
                     continue
-                chain, verified = res
+                chain, drafted = res
                 seq.num_cached = seq.num_tokens - 1 + len(chain)  # its input token plus all but the last new
-                new.append((seq, [int(t) for t in chain], verified))
+                self._count_drafts(seq, drafted, len(chain) - 1 if drafted else 0)
+                new.append((seq, [int(t) for t in chain], drafted > 0))
         for seq, tokens, verified in new:
             outputs += self._commit(seq, tokens, verified)
         once()
@@ -246,6 +257,16 @@ class EngineCore:
         if all(isinstance(r, BaseException) for r in alone):
             raise failure
         return alone
+
+    def _count_drafts(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A decode row ran `drafted` drafts (0: plain) and accepted `accepted`: the policy's estimate and the
+        totals."""
+        self.drafts.record(seq, drafted, accepted)
+        if drafted:
+            spec = self.speculation
+            spec["speculative_steps"] += 1
+            spec["draft_tokens"] += drafted
+            spec["accepted_tokens"] += accepted
 
     def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
         """Finish `seq` alone with its error (an error that is not a SequenceFailed is the engine's fault)."""

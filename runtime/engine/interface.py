@@ -7,10 +7,11 @@ from typing import Callable, Iterator, Protocol, Sequence as Seq
 
 from ...model_spec.types import ModelSpec
 from ..backend import BackendFeatures, GenerationResult, ImageSpan, SamplingParams, StepOutput
+from ..options import DraftOptions
 from .kv_manager import KVGeometry, KVOp
 from .sequence import Sequence
 
-DecodeResult = tuple[list[int], bool]  # a decode row's tokens and whether it was a draft + verify step
+DecodeResult = tuple[list[int], int]  # a decode row's tokens and the drafts its verify step checked (0: plain step)
 
 
 class ModelRunner(Protocol):
@@ -31,6 +32,11 @@ class ModelRunner(Protocol):
     @property
     def verify_block(self) -> int:
         """K/V positions one speculative step writes (1 without a drafter)."""
+
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        """What a sequence's draft + verify step of `drafts` drafts costs beside the other sequences of a step of
+        `batch`, in plain decode steps of it (math.inf: it cannot verify drafts in such a step). The draft
+        policy's cost model: it speculates only where the expected accepted drafts pay for it."""
 
     @property
     def lookahead(self) -> int:
@@ -77,10 +83,11 @@ class ModelRunner(Protocol):
     def decode(
         self, seqs: list[Sequence], launched: Callable[[], None] | None = None
     ) -> list[DecodeResult | Exception]:
-        """One step per sequence for its last token: (the tokens it commits, at most its room; whether it was a
-        draft + verify step), or the SequenceFailed that ended that sequence's row (the other rows stand).
-        Raising fails the whole step; the core then runs the sequences again, so a runner raises only before it
-        changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
+        """One step per sequence for its last token, with `seq.drafts` drafts (0: a plain step; the scheduler's
+        draft policy sets it, a runner may run fewer): (the tokens it commits, at most its room; the drafts its
+        verify step checked, 0 for a plain step), or the SequenceFailed that ended that sequence's row (the other
+        rows stand). Raising fails the whole step; the core then runs the sequences again, so a runner raises only
+        before it changed any sequence's state, or EngineStateLost. `launched()` as for prefill."""
 
     def release(self, seq: Sequence, finished: bool) -> None:
         """Drop what the runner keeps of the sequence (its KV is the KV manager's, released already: seq.lane is
@@ -92,6 +99,7 @@ class Backend(Protocol):
 
     spec: ModelSpec
     max_context: int
+    draft_options: DraftOptions  # the draft policy of every engine core over it
 
     @property
     def features(self) -> BackendFeatures:

@@ -2,9 +2,10 @@
 
 A sequence's K/V covers `num_cached` of its tokens. While it decodes, that is every token but the last sampled
 one, which is the next step's input. Each step the scheduler first gives every running decoder its step (one
-token, or a verify block when speculative) and the KV for it, then fills the rest of the per-step token budget
-with prefill chunks: of sequences already admitted, then of new ones (FCFS), each admitted only when the KV
-manager gives it a lane and the pages of its prompt (less what its prefix cache hit shares). When a decoder needs
+token, or a verify block when speculative; the draft policy, runtime/engine/speculation.py, sets its drafts) and
+the KV for it, then fills the rest of the per-step token budget with prefill chunks: of sequences already
+admitted, then of new ones (FCFS), each admitted only when the KV manager gives it a lane and the pages of its
+prompt (less what its prefix cache hit shares). When a decoder needs
 a page and none is free, the most recently admitted other sequence is preempted by recompute: its KV is freed and
 it re-queues at the front, keeping its output. On readmission it prefills its prompt plus all its output but the
 last token, and continues, with the tokens it would have produced anyway (seeded sampling depends only on seed
@@ -21,6 +22,7 @@ from typing import Callable, NamedTuple
 from ..backend import span_floor
 from .kv_manager import KVManager, KVOp
 from .sequence import Sequence, Status
+from .speculation import DraftPlanner
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Scheduler:
         prefill_chunk: int | None = None,
         lookahead: int = 0,
         media_ready: Callable[[Sequence, bool], bool] = lambda seq, wait: True,
+        drafts: DraftPlanner | None = None,
     ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
@@ -65,6 +68,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
         self.media_ready = media_ready  # ModelRunner.media_ready: its images' rows at hand without a wait
+        self.drafts = drafts  # the draft policy: each decoder's drafts this step (None: the most it may propose)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
 
@@ -94,7 +98,7 @@ class Scheduler:
         if not self.waiting and all(
             s.num_cached >= s.prefill_target and self.kv.granted(s) >= self._decode_tokens(s) for s in self.running
         ):
-            return Schedule(decodes=tuple(self.running))  # the steady state: everyone decodes in pages it has
+            return Schedule(decodes=self._planned(self.running))  # the steady state: everyone decodes in its pages
         budget = self.max_step_tokens
         decodes: list[Sequence] = []
         preempted: list[Sequence] = []
@@ -145,7 +149,14 @@ class Scheduler:
             if chunk is not None:
                 prefills.append(replace(chunk, admitted=True))
                 budget -= chunk.end - chunk.start
-        return Schedule(tuple(prefills), tuple(decodes), tuple(preempted), tuple(exhausted), self.kv.take_ops())
+        return Schedule(tuple(prefills), self._planned(decodes), tuple(preempted), tuple(exhausted), self.kv.take_ops())
+
+    def _planned(self, decodes: list[Sequence]) -> tuple[Sequence, ...]:
+        """The decoders, each with its drafts for this step set (Sequence.drafts)."""
+        if self.drafts is not None:
+            for seq in decodes:
+                self.drafts.plan(seq, len(decodes))
+        return tuple(decodes)
 
     def _fits_whole(self, seq: Sequence, budget: int) -> bool:
         """Whether `budget` holds the sequence's next chunk whole (the rest of its prompt, or a full chunk). A

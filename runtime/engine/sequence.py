@@ -47,6 +47,13 @@ class Sequence:
     # each prompt token its prefill chunks predict (tokens start+1 .. end-1 of a chunk, and `end` inside the prompt)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     images: tuple[ImageSpan, ...] = ()  # its prompt's image spans (kept through preemption: recompute re-encodes)
+    # the draft policy's (runtime/engine/speculation.py), set each step before the runner runs it: this step's drafts
+    # (0: a plain step), whether speculation is on for it (off and drafting: a probe), and the next step's drafts
+    # should this one accept none (what a runner that launches ahead may launch)
+    drafts: int = 0
+    drafts_on: bool = False
+    drafts_next: int = 0
+    acceptance: Any = None  # its speculation.Acceptance, once it decodes speculatively
     _keys: list[int] | None = None
 
     @property
@@ -108,6 +115,27 @@ class Sequence:
         mask = np.ones(vocab, dtype=bool) if mask is None else mask.copy()
         mask[[t for t in self.stop_ids if 0 <= t < vocab]] = False
         return mask
+
+    def unmasked(self) -> bool:
+        """Whether its next token takes no logits processing at all although the request has some: no penalty,
+        bias or logprobs, min_tokens met and its grammar free for now (before a tool call opens, inside the
+        thought). A runner whose verify step cannot process logits may draft then, cutting its tokens where the
+        grammar takes over again."""
+        sp = self.sampling
+        if sp.logprobs is not None or sp.logit_bias or sp.presence_penalty or sp.frequency_penalty:
+            return False
+        if sp.repetition_penalty != 1.0 or (self.stop_ids and len(self.output) < sp.min_tokens):
+            return False
+        return self.matcher is None or bool(self.matcher.free)
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, its next tokens may be in turn (a speculative step's drafts): the
+        grammar's, and no stop id while fewer than min_tokens tokens are out; the masks of `allowed` exactly."""
+        n = len(tokens)
+        early = self.sampling.min_tokens - len(self.output)  # drafts before this index may not be a stop id
+        if early > 0 and self.stop_ids:
+            n = next((i for i, t in enumerate(tokens[: min(n, early)]) if t in self.stop_ids), n)
+        return n if self.matcher is None else self.matcher.valid_prefix(tokens[:n])
 
     @property
     def scores_prompt(self) -> bool:

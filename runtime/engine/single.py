@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence as Seq
 
 from ..backend import GenerationResult, ImageSpan, SamplingParams, StepOutput
+from ..options import DraftOptions
 from .core import EngineCore
 from .interface import ModelRunner
 
@@ -20,10 +21,12 @@ def generate_one(
     cancelled: Callable[[], bool] | None,
     result: GenerationResult,
     images: tuple[ImageSpan, ...] = (),
+    drafts: DraftOptions | None = None,
 ) -> Iterator[StepOutput]:
-    """A backend's `generate_stream` for one request, through the engine core: request mistakes raise
-    BackendError here; the returned iterator yields StepOutputs and fills `result` as it goes."""
-    core = EngineCore(runner)
+    """A backend's `generate_stream` for one request, through the engine core (`drafts`: its draft policy's
+    options): request mistakes raise BackendError here; the returned iterator yields StepOutputs and fills
+    `result` as it goes."""
+    core = EngineCore(runner, drafts=drafts)
     core.add("generate", prompt, max_tokens, sampling, stop_ids, speculative, images)
     result.prompt_tokens = len(prompt)
 
@@ -61,7 +64,10 @@ def generate_one(
 class EngineBackend:
     """What both backends share: one request's `generate_stream` through an engine core over a one-lane runner
     of their own (`generate_one`), and `generate`, which drains it. A backend supplies
-    `runner()`."""
+    `runner()`. `draft_options`: the draft policy of every engine core over it (bench --emulate-acceptance turns
+    adaptive draft counts off)."""
+
+    draft_options = DraftOptions()
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> ModelRunner:
         raise NotImplementedError
@@ -79,7 +85,7 @@ class EngineBackend:
     ) -> Iterator[StepOutput]:
         result = GenerationResult() if result is None else result
         args = (list(prompt_ids), max_tokens, sampling, frozenset(stop_ids), speculative, cancelled, result)
-        return generate_one(self.runner(1), *args, tuple(images))
+        return generate_one(self.runner(1), *args, tuple(images), self.draft_options)
 
     def generate(
         self,

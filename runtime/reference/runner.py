@@ -5,9 +5,11 @@ another, which is what batching means for a CPU oracle: the same tokens as one a
 engine core's KV manager decides prefix reuse exactly as for the cuda backend (the same lanes, pages and rings, so
 both report the same cached tokens for the same traffic): a finished sequence's state stays in its lane, a new one
 keeps the first positions its admission reuses and drops the rest, and a lane copy copies the state.
-A sequence with logits processing (penalties, logit_bias, a grammar) decodes without speculation: each token's
-processing depends on the tokens before it, which a verify block does not know yet. Logprobs alone keep
-speculation (the verify logits of each committed position are that position's own logits).
+Logits processing (penalties, logit_bias, a grammar, min_tokens) keeps speculation: a verify block's rows are
+picked in order (speculative.PickedInOrder), each processed with the tokens picked before it in the step, which
+are the accepted drafts, so every row gets the mask and penalties a plain step would give it; drafts the grammar
+refuses are cut before the verify (Sequence.allowed_prefix), as none of them could be accepted. Logprobs are those
+of each committed position's own logits.
 A sequence whose step fails (its processing, grammar, sampling or verify) gets its error as its row's result;
 the sequences after it in the step run as they would have alone.
 """
@@ -25,6 +27,7 @@ from .sampling import sample
 from .state import SeqState
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (the engine core interleaves chunks with decode steps)
+SPEC_STEP_COST, DRAFT_ROW_COST = 1.2, 0.1  # speculative_cost: a step with drafts, and each draft's verify row
 
 
 class ReferenceRunner:
@@ -119,10 +122,10 @@ class ReferenceRunner:
             seq.step_logprobs = pick.logprobs
         return token
 
-    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], bool] | Exception]:
+    def decode(self, seqs: list[Sequence], launched=None) -> list[tuple[list[int], int] | Exception]:
         if launched is not None:
             launched()
-        out: list[tuple[list[int], bool] | Exception] = []
+        out: list[tuple[list[int], int] | Exception] = []
         for seq in seqs:
             try:
                 out.append(self._decode_one(seq))
@@ -132,17 +135,22 @@ class ReferenceRunner:
                 out.append(exc)
         return out
 
-    def _decode_one(self, seq: Sequence) -> tuple[list[int], bool]:
+    def speculative_cost(self, drafts: int, batch: int) -> float:
+        """A rough model of this CPU oracle, which runs a step's sequences one after another: the drafter's
+        forward and one verify row per draft beside the sequence's own row, whatever the batch."""
+        return SPEC_STEP_COST + DRAFT_ROW_COST * drafts
+
+    def _decode_one(self, seq: Sequence) -> tuple[list[int], int]:
         start = seq.num_tokens - 1
         state = self._state(seq, start)
-        speculative = seq.speculative and not seq.sampling.processed
         pick = _Pick.of(seq)
-        tokens = self.decoder.step(
-            state, seq.output[-1], start, seq.sampling, speculative, seq.room(self.max_context), pick
+        allowed = seq.allowed_prefix if seq.sampling.processed else None
+        tokens, drafted = self.decoder.step(
+            state, seq.output[-1], start, seq.sampling, seq.drafts, seq.room(self.max_context), pick, allowed
         )
         if pick is not None:
             seq.step_logprobs = pick.logprobs
-        return tokens, speculative
+        return tokens, drafted
 
     def release(self, seq: Sequence, finished: bool) -> None:
         pass  # (its state stays in its lane: the KV manager says whether anyone reuses it)

@@ -105,32 +105,37 @@ class Decoder:
         tok: int,
         start: int,
         sampling: SamplingParams,
-        speculative: bool,
+        drafts: int,
         room: int,
         pick: Pick | None = None,
-    ) -> list[int]:
-        """One step for `tok` at position `start` (not yet in the K/V): plain, or draft + verify of a block of at
-        most `room` tokens. Returns the committed tokens (accepted drafts + the bonus token) and keeps their
-        K/V; the engine core cuts them at a stop id. `pick` (default: the plain sampler) is called once per
-        committed token, in order."""
+        allowed: Callable[[list[int]], int] | None = None,
+    ) -> tuple[list[int], int]:
+        """One step for `tok` at position `start` (not yet in the K/V): plain (`drafts` 0), or draft + verify of
+        a block of at most `drafts` drafts and `room` tokens. Returns the committed tokens (accepted drafts + the
+        bonus token), whose K/V it keeps (the engine core cuts them at a stop id), and the drafts it verified.
+        `pick` (default: the plain sampler) is called once per committed token, in order. `allowed(drafts)`: how
+        many leading drafts the sequence's grammar and min_tokens allow (Sequence.allowed_prefix); the block
+        verifies those only, since `pick` masks every row as a plain step would and so never takes a refused one."""
         if pick is None:
 
             def pick(row: np.ndarray, position: int) -> int:
                 return sample(row, sampling, position)
 
-        drafts: list[int] = []
-        n_drafts = min(self.drafter.block_size, room) - 1 if speculative and self.drafter else 0
-        if sampling.draft_tokens is not None:  # the request's own cap (the drafter still runs its whole block)
-            n_drafts = min(n_drafts, sampling.draft_tokens)
+        proposed: list[int] = []
+        n_drafts = min(self.drafter.block_size, room) - 1 if self.drafter else 0
+        n_drafts = min(n_drafts, drafts)  # (the draft policy's count: within the request's own cap already)
         if n_drafts > 0:
             assert self.drafter is not None and state.draft is not None
             # The drafter always runs its full block (same masks as the real engine); extra drafts past the
-            # token budget are dropped.
-            drafts = [int(d) for d in self.drafter.propose(state.draft, tok, start)][:n_drafts]
-        block = [tok] + drafts
+            # step's count are dropped.
+            proposed = [int(d) for d in self.drafter.propose(state.draft, tok, start)][:n_drafts]
+        drafted = len(proposed)
+        if allowed is not None and proposed:
+            proposed = proposed[: allowed(proposed)]
+        block = [tok] + proposed
         logits = self._forward(state, block, last_only=False)
         targets = PickedInOrder(logits, start + 1, pick)
-        n = accepted_count(drafts, targets, len(block), self.emulate_acceptance)
+        n = accepted_count(proposed, targets, len(block), self.emulate_acceptance)
         new = [targets[i] for i in range(n)]
         self._commit(state, block, n)
-        return new
+        return new, drafted

@@ -9,6 +9,7 @@ a preemption (the recomputed tokens are the ones it has already consumed).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass, field
@@ -121,6 +122,26 @@ class Matcher:
         if self.state == "start":
             mask[self.thought[0]] = True
         return mask
+
+    @property
+    def free(self) -> bool:
+        """Whether its next token takes no mask (inside the thought channel, or before a trigger)."""
+        return self.state in ("thinking", "free")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, it would accept in turn (a speculative step's drafts: the first
+        one it refuses ends the run that can be accepted). This matcher stays as it is: the walk runs on a copy,
+        whose llguidance matcher is forked only when the walk reaches the grammar."""
+        walk = copy.copy(self)
+        forked = False
+        for i, token in enumerate(tokens):
+            constrained = walk.state == "active" or (walk.state == "start" and token != self.thought[0])
+            if not forked and (constrained or (walk.state == "free" and token == self.grammar.trigger)):
+                walk._m, forked = walk._m.deep_copy(), True
+            if constrained and walk._m.validate_tokens([int(token)]) < 1:
+                return i
+            walk.accept(token)
+        return len(tokens)
 
     def accept(self, token: int) -> None:
         if self.state == "free":

@@ -31,6 +31,7 @@ import click
 
 from ...runtime.api import EngineConfig
 from ...runtime.backend import BackendError, SamplingParams
+from ...runtime.options import DraftOptions
 from ...runtime.text.prompts import build_messages, load_suite
 
 MAX_RESYNCS = 32  # per trace: bounds the work when an engine disagrees everywhere (a broken one)
@@ -436,7 +437,8 @@ def gate(
     except (ValueError, OSError) as exc:  # GateError, the suite's ValueError, a bad --expect file
         raise click.ClickException(str(exc)) from None
     try:
-        engine = Engine(EngineConfig(model, backend, ctx, kv_dtype, draft))
+        # every verify step drafts the whole block: the acceptance is the drafter's, as the traces count it
+        engine = Engine(EngineConfig(model, backend, ctx, kv_dtype, draft, drafts=DraftOptions(adaptive=False)))
     except (BackendError, OSError, ValueError) as exc:
         raise click.ClickException(f"{model}: {exc}") from None
     try:

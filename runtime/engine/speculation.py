@@ -1,0 +1,114 @@
+"""Runtime stage (engine core): how many drafts each speculative sequence proposes a step (`DraftPlanner`, the
+scheduler's policy), from an estimate of how many land (`Acceptance`, kept per sequence).
+
+Each speculative sequence keeps an exponential average of the drafts its verify steps accepted. A step's draft
+count is the one with the most expected tokens per unit of cost, where the runner says what a step of k drafts
+costs in plain decode steps beside the step's other sequences (`ModelRunner.speculative_cost`: infinite where it
+cannot verify drafts in a batch) and a run of k drafts is expected to accept min(k, 2 * estimate + 1): room to
+double, so that an estimate capped by short drafts can grow. When even the best
+count is expected to commit fewer tokens per cost than a plain step (1 + estimate < its cost), the sequence
+decodes with plain steps: the same work as a request without speculation. Every `probe_every` plain steps it
+probes with one speculative step; a probe whose drafts still miss doubles the wait before the next one (at most
+`probe_max` steps), one that lands switches speculation back on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..options import DraftOptions
+from .sequence import Sequence
+
+# (drafts, sequences in the step) -> a speculative step's cost in plain decode steps (ModelRunner.speculative_cost)
+Cost = Callable[[int, int], float]
+
+
+@dataclass
+class Acceptance:
+    """One sequence's estimate of the drafts a verify step accepts, and its probe schedule while switched off."""
+
+    estimate: float
+    probe_wait: int  # plain steps between probes now
+    plain_steps: int = 0  # plain steps since the last speculative one
+
+    def record(self, planned: int, drafted: int, accepted: int, on: bool, options: DraftOptions) -> None:
+        """A step planned with `planned` drafts ran `drafted` (0: plain) of which `accepted` were accepted; `on`:
+        the policy had speculation on for it (off and planned: a probe). A probe the runner could not run (its
+        drafter context too far behind) counts as one that missed."""
+        probe = planned > 0 and not on
+        if drafted == 0:
+            self.plain_steps = 0 if probe else self.plain_steps + 1
+        else:
+            self.plain_steps = 0
+            self.estimate += options.weight * (accepted - self.estimate)
+        if probe:
+            self.probe_wait = min(2 * self.probe_wait, options.probe_max)
+
+
+class DraftPlanner:
+    """The scheduler's draft policy over a runner's cost model: `plan(seq)` sets `seq.drafts` (this step's
+    drafts, 0: a plain step) and `seq.drafts_next` (the next step's drafts should this one accept none: what a
+    runner may launch ahead), `record(seq, drafted, accepted)` feeds the estimate after the step."""
+
+    def __init__(self, cost: Cost, max_drafts: int, max_context: int, options: DraftOptions | None = None) -> None:
+        self.cost, self.max_drafts, self.max_context = cost, max_drafts, max_context
+        self.options = options or DraftOptions()
+        self.batch = 1  # sequences in the step planned last
+
+    def _cap(self, seq: Sequence) -> int:
+        """The most drafts `seq` may propose: the drafter's block, the request's own cap, the room left."""
+        cap = self.max_drafts
+        if seq.sampling.draft_tokens is not None:
+            cap = min(cap, seq.sampling.draft_tokens)
+        return max(0, min(cap, seq.room(self.max_context) - 1))
+
+    def best(self, estimate: float, cap: int, batch: int = 1) -> tuple[int, bool]:
+        """(the draft count with the most expected tokens per cost in a step of `batch` sequences, whether that
+        beats a plain step; 0 drafts where the runner cannot verify any)."""
+        if cap <= 0 or math.isinf(self.cost(1, batch)):
+            return 0, False
+        reach = 2 * estimate + 1
+        _, k = max(((1 + min(k, reach)) / self.cost(k, batch), k) for k in range(1, cap + 1))  # (ties: more drafts)
+        return k, 1 + min(k, estimate) >= self.cost(k, batch)
+
+    def _drafts(self, acc: Acceptance, cap: int, plain_steps: int, batch: int) -> tuple[int, bool]:
+        """(drafts, speculation on) for a step after `plain_steps` plain steps."""
+        k, on = self.best(acc.estimate, cap, batch)
+        if on or k == 0:
+            return k, on
+        return (k if plain_steps >= acc.probe_wait else 0), False
+
+    def plan(self, seq: Sequence, batch: int = 1) -> None:
+        """`seq`'s drafts in a step of `batch` decoding sequences."""
+        self.batch = batch
+        if not seq.speculative:
+            seq.drafts, seq.drafts_next, seq.drafts_on = 0, 0, False
+            return
+        cap = self._cap(seq)
+        if not self.options.adaptive:
+            seq.drafts = seq.drafts_next = cap
+            seq.drafts_on = True
+            return
+        acc = seq.acceptance
+        if acc is None:
+            acc = seq.acceptance = Acceptance(self.options.prior, self.options.probe_every)
+        seq.drafts, seq.drafts_on = self._drafts(acc, cap, acc.plain_steps, batch)
+        if seq.drafts:  # the next step's estimate should this one accept nothing
+            decayed = acc.estimate * (1 - self.options.weight)
+            wait = acc.probe_wait if seq.drafts_on else min(2 * acc.probe_wait, self.options.probe_max)
+            seq.drafts_next = self._drafts(Acceptance(decayed, wait), cap, 0, batch)[0]
+        else:
+            seq.drafts_next = self._drafts(acc, cap, acc.plain_steps + 1, batch)[0]
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        acc = seq.acceptance
+        if acc is None:
+            return
+        acc.record(seq.drafts, drafted, accepted, seq.drafts_on, self.options)
+        if drafted and not seq.drafts_on and self.best(acc.estimate, self._cap(seq), self.batch)[1]:
+            acc.probe_wait = self.options.probe_every  # a probe that landed: speculation is on again
+
+
+__all__ = ["Acceptance", "DraftPlanner"]
