@@ -161,6 +161,7 @@ def test_the_warm_up_sends_every_distinct_payload_the_soak_sends():
     assert {r.kind for r in sent} == set(KINDS)
     images = {_image_url(r) for r in sent if r.kind == "image"}
     assert len(images) == sum(r.kind == "image" for r in sent) == IMAGE_POOL  # each image once
+    assert len({_image_url(r) for r in warmup(["image"], random.Random(0), Settings("m", 2048, images=3))}) == 3
     assert {r.hostile for r in sent if r.kind == "hostile"} == {name for name, _, _ in hostile_cases(s)}
     rng = random.Random(1)
     assert {_image_url(build("image", rng, s)) for _ in range(20 * IMAGE_POOL)} == images  # none the warm-up missed

@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 from .soak_report import summarize, text
-from .soak_requests import DEFAULT_MIX, KINDS, Outcome, Settings, build, send, warmup
+from .soak_requests import DEFAULT_MIX, IMAGE_POOL, KINDS, Outcome, Settings, build, send, warmup
 
 
 def parse_mix(mix: str) -> dict[str, float]:
@@ -173,15 +173,15 @@ async def soak(
 
         # every distinct payload once first (soak_requests.warmup), `concurrency` at a time: grammars compiled,
         # the vision tower loaded, every image cached, so that memory after it has no cache left to fill
-        queue = list(warmup(kinds, random.Random(seed), settings))
+        slots = asyncio.Semaphore(concurrency)
 
-        async def warm() -> None:
-            while queue:
-                outcome = await send(http, url, queue.pop(0), t0, headers)
-                outcome.warmup = True
-                outcomes.append(outcome)
+        async def warm(request: Any) -> Outcome:
+            async with slots:
+                return await send(http, url, request, t0, headers)
 
-        await asyncio.gather(*(warm() for _ in range(concurrency)))
+        for outcome in await asyncio.gather(*(warm(r) for r in warmup(kinds, random.Random(seed), settings))):
+            outcome.warmup = True
+            outcomes.append(outcome)
         start = now()
         end = start + duration
         samples = [await _sample(http, url, now(), pid)]
@@ -254,6 +254,13 @@ def _model_facts(url: str, headers: dict[str, str]) -> tuple[str, int]:
     help="Soft tokens each image request asks for (mm_processor_kwargs.max_soft_tokens).",
 )
 @click.option(
+    "--images",
+    type=click.IntRange(min=1),
+    default=IMAGE_POOL,
+    show_default=True,
+    help="Distinct images the image requests draw from, each sent once in the warm-up.",
+)
+@click.option(
     "--windows",
     type=click.IntRange(min=1),
     default=4,
@@ -312,6 +319,7 @@ def bench_soak(
     mix: str,
     max_tokens: int,
     image_tokens: str,
+    images: int,
     windows: int,
     seed: int,
     timeout: float,
@@ -349,7 +357,7 @@ def bench_soak(
     url = url.rstrip("/")
     try:
         name, max_context = _model_facts(url, headers)
-        settings = Settings(name, max_context, max_tokens, int(image_tokens))
+        settings = Settings(name, max_context, max_tokens, int(image_tokens), images)
         pid = server.proc.pid if server is not None and server.proc is not None else None
         figures = asyncio.run(
             soak(url, settings, weights, duration, concurrency, windows, seed, timeout, headers, pid, limits)
@@ -369,6 +377,7 @@ def bench_soak(
         "mix": weights,
         "max_tokens": max_tokens,
         "image_tokens": int(image_tokens),
+        "images": images,
         "seed": seed,
         **figures,
     }
