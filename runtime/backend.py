@@ -149,6 +149,11 @@ class ImageRowCache:
             while len(self._done) > DONE_KEPT:
                 self._done.popitem(last=False)
 
+    @property
+    def bytes(self) -> int:
+        """Host bytes of the rows kept (at most `slots` images' plus DONE_KEPT encoded and not yet used)."""
+        return sum(rows.nbytes for kept in (self._rows, self._done) for rows in list(kept.values()))
+
     def clear(self) -> None:
         self._rows.clear()
         self._done.clear()

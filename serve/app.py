@@ -186,13 +186,22 @@ def create_app(
         engine = state.context.client.health()
         if engine["status"] != "ok":
             return JSONResponse(engine, status_code=503)
-        return engine
+        return engine | {"caches": cache_bytes(engine)}
+
+    def cache_bytes(engine: dict) -> dict[str, int]:
+        """Host bytes of the bounded caches: the engine's (health()'s caches) and the preprocessed images'."""
+        out = dict(engine.get("caches", {}))
+        if state.context is not None:
+            out["preprocessed_images_bytes"] = state.context.images.cache.bytes
+        return out
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         engine = state.client.health() if state.client is not None else {}
         state.metrics.running, state.metrics.queued = engine.get("running", 0), engine.get("queued", 0)
-        body = state.metrics.render(engine.get("steps"), engine.get("kv"), engine.get("gpu_memory_used"))
+        body = state.metrics.render(
+            engine.get("steps"), engine.get("kv"), engine.get("gpu_memory_used"), cache_bytes(engine)
+        )
         return Response(body, media_type=CONTENT_TYPE)
 
     app.include_router(render.router)  # the web UI's markdown rendering, highlighting stylesheet and favicon

@@ -47,6 +47,15 @@ class _EngineCollector(Collector):
                 value=m.gpu_memory,
             )
         yield GaugeMetricFamily("thorgen_requests_queued", "Generations waiting for the engine.", value=m.queued)
+        if m.caches:
+            family = GaugeMetricFamily(
+                "thorgen_cache_bytes",
+                "Host bytes a bounded cache holds (preprocessed images' patches, encoded images' rows).",
+                labels=["cache"],
+            )
+            for key, value in sorted(m.caches.items()):
+                family.add_metric([key.removesuffix("_bytes")], value)
+            yield family
         for name, value, text in (
             ("vllm:num_requests_running", m.running, "Requests on the engine now (vLLM's name)."),
             ("vllm:num_requests_waiting", m.queued, "Requests waiting for the engine (vLLM's name)."),
@@ -130,6 +139,7 @@ class Metrics:
         self.steps: dict | None = None
         self.kv: dict | None = None
         self.gpu_memory: int | None = None
+        self.caches: dict[str, int] | None = None
         self._scrape = threading.Lock()  # one scrape at a time sets the engine state its collector reads
         reg, model = self.registry, ("model_name",)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends (the soak's host RSS)
@@ -215,10 +225,17 @@ class Metrics:
         for series in self._histograms[name]:
             series.observe(value)
 
-    def render(self, steps: dict | None = None, kv: dict | None = None, gpu_memory: int | None = None) -> str:
+    def render(
+        self,
+        steps: dict | None = None,
+        kv: dict | None = None,
+        gpu_memory: int | None = None,
+        caches: dict[str, int] | None = None,
+    ) -> str:
         """The exposition text; `steps`: the engine thread's step counters (EngineClient.health()["steps"]); `kv`:
         its KV blocks (health()["kv"]: total, charged to running sequences, tokens a block); `gpu_memory`: bytes
-        of device memory in use (health()["gpu_memory_used"]; None on the reference backend)."""
+        of device memory in use (health()["gpu_memory_used"]; None on the reference backend); `caches`: host
+        bytes each bounded cache holds (/health's caches: "<name>_bytes" -> bytes)."""
         with self._scrape:
-            self.steps, self.kv, self.gpu_memory = steps, kv, gpu_memory
+            self.steps, self.kv, self.gpu_memory, self.caches = steps, kv, gpu_memory, caches
             return generate_latest(self.registry).decode()

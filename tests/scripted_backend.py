@@ -152,6 +152,7 @@ class ScriptedRunner:
     lookahead = 0
     caught_up_tokens = 0
     device_memory_used = None
+    image_rows_bytes = 0
 
     def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
         from thorgen.runtime.engine.kv_manager import KVGeometry

@@ -18,7 +18,15 @@ from fastapi import FastAPI, Request  # noqa: E402  (module level: the routes' a
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 from thorgen.runtime.bench.soak import bench_soak, parse_mix  # noqa: E402
-from thorgen.runtime.bench.soak_requests import KINDS, Settings, build, hostile_cases, png_data_url  # noqa: E402
+from thorgen.runtime.bench.soak_requests import (  # noqa: E402
+    IMAGE_POOL,
+    KINDS,
+    Settings,
+    build,
+    hostile_cases,
+    png_data_url,
+    warmup,
+)
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_spec" / "synth" / "chat_template.jinja"
 # what the scripted engine serves (it has no logits: no grammars, so no forced tools or JSON schemas; no vision)
@@ -55,7 +63,10 @@ def test_soak_passes_against_the_server(tmp_path):
         assert row["2xx" if kind != "hostile" else "4xx"] == row["sent"], (kind, row)
     assert report["kinds"]["abort"]["aborted"] >= 1
     assert report["kinds"]["stream"]["ttft_ms_p50"] is not None and report["windows"][0]["itl_ms_p50"] is not None
+    assert report["warmup_requests"] == len(parse_mix(SCRIPTED_MIX)) - 1 + len(hostile_cases(Settings("m", 1)))
     assert report["memory"]["rss_start"] is not None  # the server's /metrics (in this process)
+    assert report["memory"]["cache_start"] == 0  # /health's caches (no images here)
+    assert report["memory"]["rss_less_caches_start"] == report["memory"]["rss_start"]
     assert report["memory"]["gpu_memory_start"] is None  # (no device)
     assert "passed" in result.output and "failures: none" in result.output
 
@@ -136,6 +147,39 @@ def test_every_kind_builds_and_the_hostile_cases_are_what_they_say():
     assert png_data_url().startswith("data:image/png;base64,iVBORw0KGgo")  # the PNG signature
     with pytest.raises(Exception, match="unknown kind"):
         parse_mix("chat=1,teleport=2")
+
+
+def _image_url(req) -> str:
+    return req.body["messages"][0]["content"][0]["image_url"]["url"]
+
+
+def test_the_warm_up_sends_every_distinct_payload_the_soak_sends():
+    import random
+
+    s = Settings("m", 2048)
+    sent = warmup(list(KINDS), random.Random(0), s)
+    assert {r.kind for r in sent} == set(KINDS)
+    images = {_image_url(r) for r in sent if r.kind == "image"}
+    assert len(images) == sum(r.kind == "image" for r in sent) == IMAGE_POOL  # each image once
+    assert len({_image_url(r) for r in warmup(["image"], random.Random(0), Settings("m", 2048, images=3))}) == 3
+    assert {r.hostile for r in sent if r.kind == "hostile"} == {name for name, _, _ in hostile_cases(s)}
+    rng = random.Random(1)
+    assert {_image_url(build("image", rng, s)) for _ in range(20 * IMAGE_POOL)} == images  # none the warm-up missed
+
+
+def test_rss_growth_is_measured_less_the_servers_caches():
+    from thorgen.runtime.bench.soak_report import drift_failures, memory_row
+
+    # caches filling to their bounds: RSS +50 %, RSS less caches flat
+    samples = [{"rss_bytes": 1000, "cache_bytes": 100}, {"rss_bytes": 1500, "cache_bytes": 600}]
+    memory = memory_row(samples)
+    assert memory["rss_change_pct"] == 50.0 and memory["rss_less_caches_change_pct"] == 0.0
+    assert drift_failures(memory, None, {"rss_growth": 5}) == []
+    leak = memory_row([samples[0], {"rss_bytes": 1500, "cache_bytes": 100}])  # the same caches, RSS +50 %
+    assert leak["rss_less_caches_change_pct"] == pytest.approx(55.556, abs=1e-3)
+    assert drift_failures(leak, None, {"rss_growth": 5}) == ["rss_growth"]
+    unknown = memory_row([{"rss_bytes": 1000, "cache_bytes": None}, {"rss_bytes": 1100, "cache_bytes": None}])
+    assert unknown["rss_less_caches_change_pct"] == 10.0  # (a server without /health's caches: RSS alone)
 
 
 def test_drift_limits_fail_a_soak_over_them_or_unable_to_measure_them():

@@ -128,3 +128,21 @@ def test_rows_of_the_image_in_flight_wait_for_that_encode():
     a = _image("A")
     assert not cache.ready([a])  # A's encode is in flight
     assert cache.rows(a)[0, 0] == 1 and tower.started == ["A"] and tower.sync_encodes == 0  # not encoded twice
+
+
+def test_the_cache_keeps_a_bounded_number_of_images_rows_and_counts_their_bytes():
+    from thorgen.runtime.backend import DONE_KEPT
+
+    tower = AsyncTower()
+    cache = ImageRowCache(tower, slots=3)
+    one = TOKENS * 8 * 4  # an image's rows: [TOKENS, 8] float32
+    for i in range(50):  # used at once: each encode's rows go through the LRU of `slots`
+        cache.rows(_image(f"used{i}"))
+    assert cache.bytes == 3 * one
+    for i in range(DONE_KEPT + 20):  # encoded beside the steps and never used (their requests aborted)
+        cache.ready([_image(f"aborted{i}")])
+        tower.finish()
+        cache.ready([_image(f"aborted{i}")])
+    assert cache.bytes == (3 + DONE_KEPT) * one
+    cache.clear()
+    assert cache.bytes == 0

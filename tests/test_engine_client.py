@@ -99,6 +99,7 @@ def test_client_opens_runs_and_closes_on_its_own_thread(tok):
         "recoveries": 0,
         "last_recovery_s": None,
         "gpu_memory_used": None,
+        "caches": {"image_rows_bytes": 0},  # (the scripted runner keeps no images)
     }
     assert kv["blocks"] > 0 and kv["used"] == 0 and kv["block_tokens"] == 16
     assert steps["steps"] >= len(reply) // 2 and min(steps[p] for p in ("prepare", "flush", "finish")) >= 0

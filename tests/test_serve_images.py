@@ -471,3 +471,19 @@ def test_a_model_without_a_vision_tower_refuses_images(tmp_path):
             .message.content
         )
     state.close()
+
+
+def test_health_and_metrics_report_the_image_caches_bytes(served):
+    url, state, _ = served
+    openai_client(url).chat.completions.create(
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": [image_part(data_url(png(31)))]}]
+    )
+    caches = httpx.get(url + "/health").json()["caches"]
+    preprocessed = state.context.images.cache
+    assert caches["preprocessed_images_bytes"] == preprocessed.bytes > 0
+    assert caches["image_rows_bytes"] > 0  # the encoded image's rows the engine keeps
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    gauges = {s.labels["cache"]: s.value for f in families if f.name == "thorgen_cache_bytes" for s in f.samples}
+    assert gauges == {"preprocessed_images": preprocessed.bytes, "image_rows": caches["image_rows_bytes"]}

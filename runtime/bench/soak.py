@@ -3,10 +3,12 @@ serve` it starts) that watches status codes, streams' final events, latency over
 nonzero on any 5xx, cut stream or other failure (runtime/bench/soak_report.py's FAILURES).
 
 A bounded number of clients each send one request after another until --duration passes, each request's kind
-drawn from --mix by weight (runtime/bench/soak_requests.py). Every kind runs once first (the warm-up); memory is
-sampled after it, at the end of each time window and once every request has finished: the server's RSS (psutil
-on the process it started, plus its engine process's where /health names one; else /metrics'
-process_resident_memory_bytes) and GPU memory (/health's gpu_memory_used; n/a on the reference backend).
+drawn from --mix by weight (runtime/bench/soak_requests.py). Every distinct payload is sent once first (the
+warm-up: each kind, each of the soak's images, each hostile body), so that the server's caches hold what the soak
+will ask for before memory is first sampled; memory is sampled after it, at the end of each time window and once
+every request has finished: the server's RSS (psutil on the process it started, plus its engine process's where
+/health names one; else /metrics' process_resident_memory_bytes), the bytes its caches hold (/health's caches) and
+GPU memory (/health's gpu_memory_used; n/a on the reference backend).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import click
 
 from .soak_report import summarize, text
-from .soak_requests import DEFAULT_MIX, KINDS, Outcome, Settings, build, send
+from .soak_requests import DEFAULT_MIX, IMAGE_POOL, KINDS, Outcome, Settings, build, send, warmup
 
 
 def parse_mix(mix: str) -> dict[str, float]:
@@ -113,15 +115,19 @@ class ServerProcess:
 
 
 async def _sample(http: Any, url: str, t: float, pid: int | None) -> dict[str, Any]:
-    """Memory now: the server's RSS and GPU memory (None where not known)."""
+    """Memory now: the server's RSS, the bytes its caches hold and GPU memory (None where not known)."""
     import httpx
 
     sample: dict[str, Any] = {"t": round(t, 2), "rss_bytes": None, "rss_source": "n/a", "gpu_memory_bytes": None}
+    sample["cache_bytes"] = None
     engine_pid = None  # the server's engine process (serve --engine-process), whose memory counts too
     try:
         health = (await http.get(url + "/health")).json()
         sample["gpu_memory_bytes"], engine_pid = health.get("gpu_memory_used"), health.get("engine_pid")
-    except (httpx.HTTPError, ValueError):
+        if isinstance(health.get("caches"), dict):
+            sample["caches"] = health["caches"]
+            sample["cache_bytes"] = sum(health["caches"].values())
+    except (httpx.HTTPError, ValueError, TypeError):
         pass
     if pid is not None:
         sample["rss_bytes"], sample["rss_source"] = process_rss(pid), f"pid {pid}"
@@ -165,9 +171,15 @@ async def soak(
         def now() -> float:
             return time.perf_counter() - t0
 
-        warm = random.Random(seed)
-        for kind in kinds:  # one of each first: compiles grammars, loads the vision tower, shows a broken kind early
-            outcome = await send(http, url, build(kind, warm, settings), t0, headers)
+        # every distinct payload once first (soak_requests.warmup), `concurrency` at a time: grammars compiled,
+        # the vision tower loaded, every image cached, so that memory after it has no cache left to fill
+        slots = asyncio.Semaphore(concurrency)
+
+        async def warm(request: Any) -> Outcome:
+            async with slots:
+                return await send(http, url, request, t0, headers)
+
+        for outcome in await asyncio.gather(*(warm(r) for r in warmup(kinds, random.Random(seed), settings))):
             outcome.warmup = True
             outcomes.append(outcome)
         start = now()
@@ -242,6 +254,13 @@ def _model_facts(url: str, headers: dict[str, str]) -> tuple[str, int]:
     help="Soft tokens each image request asks for (mm_processor_kwargs.max_soft_tokens).",
 )
 @click.option(
+    "--images",
+    type=click.IntRange(min=1),
+    default=IMAGE_POOL,
+    show_default=True,
+    help="Distinct images the image requests draw from, each sent once in the warm-up.",
+)
+@click.option(
     "--windows",
     type=click.IntRange(min=1),
     default=4,
@@ -261,7 +280,8 @@ def _model_facts(url: str, headers: dict[str, str]) -> tuple[str, int]:
     "--max-rss-growth",
     type=click.FloatRange(min=0),
     default=None,
-    help="Fail when the server's RSS after the last request exceeds that after the warm-up by more percent.",
+    help="Fail when the server's RSS less its caches' bytes (/health's caches) after the last request exceeds that "
+    "after the warm-up by more percent.",
 )
 @click.option(
     "--max-gpu-memory-change",
@@ -299,6 +319,7 @@ def bench_soak(
     mix: str,
     max_tokens: int,
     image_tokens: str,
+    images: int,
     windows: int,
     seed: int,
     timeout: float,
@@ -336,7 +357,7 @@ def bench_soak(
     url = url.rstrip("/")
     try:
         name, max_context = _model_facts(url, headers)
-        settings = Settings(name, max_context, max_tokens, int(image_tokens))
+        settings = Settings(name, max_context, max_tokens, int(image_tokens), images)
         pid = server.proc.pid if server is not None and server.proc is not None else None
         figures = asyncio.run(
             soak(url, settings, weights, duration, concurrency, windows, seed, timeout, headers, pid, limits)
@@ -356,6 +377,7 @@ def bench_soak(
         "mix": weights,
         "max_tokens": max_tokens,
         "image_tokens": int(image_tokens),
+        "images": images,
         "seed": seed,
         **figures,
     }

@@ -19,7 +19,7 @@ FAILURES = {
     "valid_refused": "valid requests answered 4xx",
     "invalid_outputs": "answers without what was asked for (a forced tool call, a JSON schema)",
     # the drift limits a soak was given (none by default): 1 when over, or when it could not be measured
-    "rss_growth": "server RSS grew more than --max-rss-growth percent",
+    "rss_growth": "server RSS less its caches' bytes grew more than --max-rss-growth percent",
     "gpu_memory_change": "GPU memory changed more than --max-gpu-memory-change percent",
     "ttft_drift": "p99 TTFT of the last window over the first's above --max-ttft-p99-ratio",
 }
@@ -107,6 +107,7 @@ def window_rows(outcomes: list[Outcome], start: float, end: float, n: int, sampl
                 "itl_ms_p50": _p(gaps, 50),
                 "itl_ms_p99": _p(gaps, 99),
                 "rss_bytes": at.get("rss_bytes"),
+                "cache_bytes": at.get("cache_bytes"),
                 "gpu_memory_bytes": at.get("gpu_memory_bytes"),
             }
         )
@@ -117,11 +118,19 @@ def _change(first: int | None, last: int | None) -> float | None:
     return None if not first or last is None else round(100 * (last - first) / first, 3)
 
 
+def _less_caches(sample: dict) -> int | None:
+    """RSS less the bytes the server's bounded caches hold (RSS where it reports none)."""
+    rss, caches = sample.get("rss_bytes"), sample.get("cache_bytes")
+    return None if rss is None else rss - (caches or 0)
+
+
 def memory_row(samples: list[dict]) -> dict[str, Any]:
-    """Memory at the first and the last sample (after the warm-up; after the drain), and the change in percent."""
-    first, last = (samples[0], samples[-1]) if samples else ({}, {})
+    """Memory at the first and the last sample (after the warm-up; after the drain), and the change in percent:
+    RSS, the caches' bytes (/health's caches), RSS less them (what a leak grows) and GPU memory."""
+    ends = (samples[0], samples[-1]) if samples else ({}, {})
+    first, last = (end | {"rss_less_caches_bytes": _less_caches(end)} for end in ends)
     out: dict[str, Any] = {"rss_source": first.get("rss_source", "n/a")}
-    for key in ("rss_bytes", "gpu_memory_bytes"):
+    for key in ("rss_bytes", "cache_bytes", "rss_less_caches_bytes", "gpu_memory_bytes"):
         out[key.replace("_bytes", "_start")] = first.get(key)
         out[key.replace("_bytes", "_end")] = last.get(key)
         out[key.replace("_bytes", "_change_pct")] = _change(first.get(key), last.get(key))
@@ -132,7 +141,7 @@ def drift_failures(memory: dict[str, Any], ttft_ratio: float | None, limits: dic
     """The drift limits (FAILURES' last three keys -> the largest value allowed) a soak is over, or could not
     measure (no GPU memory on the reference backend, no stream in the first or the last window)."""
     seen = {
-        "rss_growth": memory["rss_change_pct"],
+        "rss_growth": memory.get("rss_less_caches_change_pct", memory["rss_change_pct"]),
         "gpu_memory_change": None if memory["gpu_memory_change_pct"] is None else abs(memory["gpu_memory_change_pct"]),
         "ttft_drift": ttft_ratio,
     }
@@ -204,12 +213,15 @@ def text(report: dict) -> str:
     for w in report["windows"]:
         lines.append(
             f"{w['start_s']:>7.1f}-{w['end_s']:<7.1f} s {w['requests']:>5} requests  TTFT p50/p99 "
-            f"{_pair(w, 'ttft_ms')} ms  ITL p50/p99 {_pair(w, 'itl_ms')} ms  RSS {_mib(w['rss_bytes'])}  GPU "
-            f"{_mib(w['gpu_memory_bytes'])}"
+            f"{_pair(w, 'ttft_ms')} ms  ITL p50/p99 {_pair(w, 'itl_ms')} ms  RSS {_mib(w['rss_bytes'])} (caches "
+            f"{_mib(w.get('cache_bytes'))})  GPU {_mib(w['gpu_memory_bytes'])}"
         )
     m = report["memory"]
     lines.append(
         f"memory: RSS {_mib(m['rss_start'])} -> {_mib(m['rss_end'])} ({m['rss_change_pct']} %, {m['rss_source']}); "
+        f"caches {_mib(m.get('cache_start'))} -> {_mib(m.get('cache_end'))}; RSS less caches "
+        f"{_mib(m.get('rss_less_caches_start'))} -> {_mib(m.get('rss_less_caches_end'))} "
+        f"({m.get('rss_less_caches_change_pct')} %); "
         f"GPU {_mib(m['gpu_memory_start'])} -> {_mib(m['gpu_memory_end'])} ({m['gpu_memory_change_pct']} %); "
         f"p99 TTFT end / start {report['ttft_p99_end_over_start']}"
     )

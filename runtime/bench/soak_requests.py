@@ -10,6 +10,7 @@ refuse with a 4xx: malformed JSON, wrong types, a huge max_tokens, bad image dat
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import random
@@ -24,6 +25,10 @@ DEFAULT_MIX = (
     "responses_stream=2,abort=1,hostile=2"
 )
 ABORT_AFTER = 2  # text events an abort reads before it closes the connection
+# distinct images the soak sends by default (--images), each once in the warm-up: the server's caches of them
+# (preprocessed patches, the encoder's rows) fill there, so that RSS growth after the warm-up is growth of something
+# else; more than the engine's 8 cached images' rows, so that its LRU evicts during the soak
+IMAGE_POOL = 16
 CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 TOOLS = [
     {
@@ -53,6 +58,7 @@ class Settings:
     max_context: int
     max_tokens: int = 64
     image_tokens: int = 70  # soft tokens an image may take (mm_processor_kwargs.max_soft_tokens)
+    images: int = IMAGE_POOL  # distinct images the image requests draw from
 
 
 @dataclass
@@ -152,10 +158,7 @@ def build(kind: str, rng: random.Random, s: Settings) -> Request:
         fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
         return Request(kind, CHAT, chat | {"response_format": fmt}, check=_json_schema)
     if kind == "image":
-        parts = [{"type": "image_url", "image_url": {"url": png_data_url(seed=rng.randrange(256))}}]
-        parts.append({"type": "text", "text": "What is in this picture?"})
-        body = chat | {"messages": [{"role": "user", "content": parts}]}
-        return Request(kind, CHAT, body | {"mm_processor_kwargs": {"max_soft_tokens": s.image_tokens}})
+        return _image(rng.randrange(s.images), chat, s)
     if kind in ("messages", "messages_stream"):
         body = {"model": s.model, "system": SYSTEM, "max_tokens": s.max_tokens}
         body["messages"] = [{"role": "user", "content": _prompt(rng)}]
@@ -171,6 +174,29 @@ def build(kind: str, rng: random.Random, s: Settings) -> Request:
         name, path, body = rng.choice(hostile_cases(s))
         return Request(kind, path, body, hostile=name)
     raise ValueError(f"unknown request kind {kind!r}")
+
+
+def _image(seed: int, chat: dict, s: Settings) -> Request:
+    parts = [{"type": "image_url", "image_url": {"url": png_data_url(seed=seed)}}]
+    parts.append({"type": "text", "text": "What is in this picture?"})
+    body = chat | {"messages": [{"role": "user", "content": parts}]}
+    return Request("image", CHAT, body | {"mm_processor_kwargs": {"max_soft_tokens": s.image_tokens}})
+
+
+def warmup(kinds: list[str], rng: random.Random, s: Settings) -> list[Request]:
+    """Every distinct payload the soak will send, once: each kind (a grammar compiled per schema and tool set),
+    each of the `s.images` images and each hostile case; the other kinds differ only in their prompts' text. Each
+    asks for one token (an abort for the few it reads): the payloads matter here, not the outputs."""
+    one = dataclasses.replace(s, max_tokens=1)
+    out: list[Request] = []
+    for kind in kinds:
+        if kind == "image":
+            out += [_image(seed, {"model": s.model, "max_tokens": 1}, one) for seed in range(s.images)]
+        elif kind == "hostile":
+            out += [Request(kind, path, body, hostile=name) for name, path, body in hostile_cases(s)]
+        else:
+            out.append(build(kind, rng, one))
+    return out
 
 
 @functools.cache

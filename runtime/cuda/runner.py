@@ -89,6 +89,11 @@ class CudaRunner:
     def device_memory_used(self) -> int | None:
         return self.engine.device.last_used
 
+    @property
+    def image_rows_bytes(self) -> int:
+        cache = self.engine.encoder_cache
+        return 0 if cache is None else cache.bytes
+
     def check(self, seq: Sequence) -> None:
         self.engine.check_request(seq)
 

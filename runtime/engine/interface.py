@@ -56,6 +56,11 @@ class ModelRunner(Protocol):
         """Bytes of device memory in use when last sampled (at load and at each sequence's end; the driver's view,
         other processes included), for health reports; None for a runner without a device."""
 
+    @property
+    def image_rows_bytes(self) -> int:
+        """Host bytes of the encoded images' rows the runner keeps for reuse (its ImageRowCache; 0 without one),
+        for health reports."""
+
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
 

@@ -47,6 +47,11 @@ class ReferenceRunner:
         )
         self._lanes: list[SeqState | None] = [None] * max_num_seqs
 
+    @property
+    def image_rows_bytes(self) -> int:
+        cache = self.backend.encoder_cache
+        return 0 if cache is None else cache.bytes
+
     def media_ready(self, seq: Sequence, wait: bool) -> bool:
         return True  # (the NumPy tower encodes in the prefill that needs the rows)
 
