@@ -111,8 +111,6 @@ def validate_tools(tools: list[Tool] | None) -> list[dict] | None:
     out = []
     for i, tool in enumerate(tools):
         fn = tool.function
-        if tool.type != "function":
-            raise APIError(f"tools[{i}].type must be 'function'", param="tools")
         if not _TOOL_NAME.fullmatch(fn.name):
             raise APIError(f"tools[{i}].function.name {fn.name!r} must match [A-Za-z0-9_.-]{{1,64}}", param="tools")
         if fn.name in seen:

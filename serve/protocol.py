@@ -206,7 +206,7 @@ class FunctionDef(_Open):
 
 
 class Tool(_Open):
-    type: str = "function"
+    type: Literal["function"] = "function"  # (the schema states it: the only kind of tool OpenAI defines)
     function: FunctionDef
 
 
