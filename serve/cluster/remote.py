@@ -291,5 +291,11 @@ class ClusterMetrics(Metrics):
         self.client = client
         self.registry.register(_ReplicaCollector(client))
 
-    def render(self, steps: dict | None = None, kv: dict | None = None, gpu_memory: int | None = None) -> str:
-        return super().render(None)
+    def render(
+        self,
+        steps: dict | None = None,
+        kv: dict | None = None,
+        gpu_memory: int | None = None,
+        caches: dict[str, int] | None = None,
+    ) -> str:
+        return super().render(None)  # (the replicas' own engine figures are per replica: _ReplicaCollector)
