@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from thorgen.model_spec.conventions import KV_PAGE
+from thorgen.model_spec.presets import get_preset
 from thorgen.runtime.backend import BackendError, GenerationResult, SamplingParams
 from thorgen.runtime.engine.core import EngineCore
 from thorgen.runtime.reference.backend import ReferenceBackend
@@ -20,8 +21,12 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
 
 
 def prompt(n: int, seed: int) -> list[int]:
+    """<bos> and n - 1 random text ids (an image or video placeholder id drawn becomes 5: a prompt holding one
+    without its media is refused)."""
     rng = np.random.default_rng(seed)
-    return [2] + [int(t) for t in rng.integers(5, 512, n - 1)]
+    vision = get_preset("tiny").vision
+    media = {vision.image_token_id, vision.video_token_id} if vision is not None else set()
+    return [2] + [5 if int(t) in media else int(t) for t in rng.integers(5, 512, n - 1)]
 
 
 @pytest.fixture(scope="module")
