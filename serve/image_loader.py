@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from ..model_spec.types import Gemma4VisionSpec
 from ..runtime.backend import ImageInput
@@ -30,38 +30,50 @@ Key = tuple[str, int]  # (sha256 of the raw image, budget)
 Raw = bytes | tuple[str, int]  # an image's bytes, or a data URL and where its base64 starts
 
 
-class PreprocessedImages:
-    """Recently preprocessed images by (raw key, budget), least recently used dropped first once their patches
-    and positions pass `max_bytes`. Used from the event loop's thread only, so it needs no lock."""
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BytesBoundedLRU(Generic[K, V]):
+    """Values by key, least recently used dropped first once their `size()` bytes pass `max_bytes` (a value larger
+    than that is not kept). Used from the event loop's thread only, so it needs no lock."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes, self.bytes = max_bytes, 0
-        self._images: OrderedDict[Key, ImageInput] = OrderedDict()
+        self._values: OrderedDict[K, V] = OrderedDict()
 
     @staticmethod
-    def size(image: ImageInput) -> int:
-        return int(image.patches.nbytes + image.positions.nbytes)
+    def size(value: Any) -> int:
+        raise NotImplementedError
 
-    def get(self, key: Key) -> ImageInput | None:
-        image = self._images.get(key)
-        if image is not None:
-            self._images.move_to_end(key)
-        return image
+    def get(self, key: K) -> V | None:
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)
+        return value
 
-    def put(self, key: Key, image: ImageInput) -> None:
-        if self.size(image) > self.max_bytes or key in self._images:
+    def put(self, key: K, value: V) -> None:
+        if self.size(value) > self.max_bytes or key in self._values:
             return
-        self._images[key] = image
-        self.bytes += self.size(image)
+        self._values[key] = value
+        self.bytes += self.size(value)
         while self.bytes > self.max_bytes:
-            _, dropped = self._images.popitem(last=False)
+            _, dropped = self._values.popitem(last=False)
             self.bytes -= self.size(dropped)
 
     def __len__(self) -> int:
-        return len(self._images)
+        return len(self._values)
 
 
-def _sha256(data: bytes | str) -> str:
+class PreprocessedImages(BytesBoundedLRU[Key, ImageInput]):
+    """Recently preprocessed images by (raw key, budget), bounded by their patches' and positions' bytes."""
+
+    @staticmethod
+    def size(value: Any) -> int:
+        return int(value.patches.nbytes + value.positions.nbytes)
+
+
+def sha256_of(data: bytes | str) -> str:
     """hashlib lets the GIL go while it hashes a long buffer."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     return hashlib.sha256(raw).hexdigest()
@@ -91,9 +103,9 @@ class ImageLoader:
         repeated data URL is never base64-decoded again."""
         if source.url[:5].lower() == "data:":
             start = data_url_payload(source.url, source.where)
-            return "data:" + await self._run(_sha256, source.url), (source.url, start)
+            return "data:" + await self._run(sha256_of, source.url), (source.url, start)
         raw = await fetch(source.url, self.options, source.where)
-        return "bytes:" + await self._run(_sha256, raw), raw
+        return "bytes:" + await self._run(sha256_of, raw), raw
 
     def _settle(self, key: Key, job: asyncio.Future[ImageInput]) -> None:
         self._pending.pop(key, None)

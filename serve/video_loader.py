@@ -12,14 +12,13 @@ not decoded again, and its frames carry the content hashes the engine's encoder 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from ..model_spec.types import Gemma4VisionSpec
 from ..runtime.media.images import ImageError
 from ..runtime.media.video import DEFAULT_BUDGET, VideoError, VideoInput, VideoLimits, load_video
+from .image_loader import BytesBoundedLRU, sha256_of
 from .media import MediaOptions, b64_bytes, check_count, data_url_payload, fetch, where_param
 from .protocol import APIError
 from .request import VideoSampling, VideoSource
@@ -30,36 +29,12 @@ Raw = bytes | tuple[str, int]  # a video's bytes, or a data URL and where its ba
 WORKERS = 2  # videos decoded at once (PyAV decodes a stream on its own threads)
 
 
-class SampledVideos:
-    """Recently sampled clips by key, least recently used dropped first once their frames pass `max_bytes`."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._videos: OrderedDict[Key, VideoInput] = OrderedDict()
+class SampledVideos(BytesBoundedLRU[Key, VideoInput]):
+    """Recently sampled clips by key, bounded by their frames' bytes."""
 
     @staticmethod
-    def size(video: VideoInput) -> int:
-        return sum(int(f.patches.nbytes + f.positions.nbytes) for f in video.frames)
-
-    def get(self, key: Key) -> VideoInput | None:
-        video = self._videos.get(key)
-        if video is not None:
-            self._videos.move_to_end(key)
-        return video
-
-    def put(self, key: Key, video: VideoInput) -> None:
-        if self.size(video) > self.max_bytes or key in self._videos:
-            return
-        self._videos[key] = video
-        self.bytes += self.size(video)
-        while self.bytes > self.max_bytes:
-            _, dropped = self._videos.popitem(last=False)
-            self.bytes -= self.size(dropped)
-
-
-def _sha256(data: bytes | str) -> str:
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
-    return hashlib.sha256(raw).hexdigest()
+    def size(value: Any) -> int:
+        return sum(int(f.patches.nbytes + f.positions.nbytes) for f in value.frames)
 
 
 def _sample(raw: Raw, vision: Gemma4VisionSpec, key: Key, limits: VideoLimits) -> VideoInput:
@@ -88,9 +63,9 @@ class VideoLoader:
                     "(thorgen serve --video-max-mb)",
                     param=where_param(source.where),
                 )
-            return "data:" + await self._run(_sha256, source.url), (source.url, start)
+            return "data:" + await self._run(sha256_of, source.url), (source.url, start)
         raw = await fetch(source.url, self.options, source.where, kind="video")
-        return "bytes:" + await self._run(_sha256, raw), raw
+        return "bytes:" + await self._run(sha256_of, raw), raw
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
