@@ -11,6 +11,7 @@ def bench_text(r: dict) -> str:
     """The text view of a `thorgen bench` report (what it prints without --json)."""
     lines = [
         f"{r['backend']} on {r['gpu']}: {r['model']} prompt {r['prompt_len']} gen {r['gen']} x{r['runs']}",
+        f"  weights         {r.get('weights_format', 'not recorded')}",
         f"  load            {r['load_s']:.2f} s (ready, after a {min(r['gen'], 4)}-token warm-up: "
         f"{r.get('ready_s', float('nan')):.2f} s)",
         f"  TTFT            {r['ttft_ms']:.1f} ms (median)",

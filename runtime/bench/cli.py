@@ -143,6 +143,7 @@ def run_bench(
         "step_ms": round(1e3 / tok_s, 4) if tok_s else None,
         "weight_bytes_per_step": wbytes,
         "lm_head": facts["lm_head"],
+        "weights_format": facts["weights_format"],
         "achieved_gb_s": round(achieved, 3),
         "copy_gb_s": round(copy, 3),
         "copy_probe": copy_kind,

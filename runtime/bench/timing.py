@@ -3,6 +3,7 @@ opening a model for a benchmark (prefix cache off) through the one backend regis
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ...model_spec.formats import HF_QUANT_CONFIG, detect_format, with_checkpoint_formats
 from ...model_spec.types import ModelSpec
 from ..api import EngineConfig, EngineOptions, OpenedModel, open_backend
 from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams
@@ -118,8 +120,27 @@ def open_model_for_bench(
             "lm_head": b.lm_head,
             "sms": b.device.sms,
             "device_sms": b.device.info.sm_count,
+            "weights_format": weights_format(model, b.spec),
         }
-    return opened, {"gpu": f"none (cpu: {platform.processor() or platform.machine()})", "lm_head": "bf16"}
+    cpu = platform.processor() or platform.machine()
+    return opened, {"gpu": f"none (cpu: {cpu})", "lm_head": "bf16", "weights_format": weights_format(model, b.spec)}
+
+
+def weights_format(model: Path, served: ModelSpec) -> str:
+    """How the served weights are stored, for the report: the checkpoint's format, each role's linear format, and
+    whether `repack-weights --quantize nvfp4` rewrote the checkpoint's bf16 linears."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+        hq = model / HF_QUANT_CONFIG
+        quant = json.loads(hq.read_text()) if hq.is_file() else None
+        source = detect_format(config, quant).source
+        stored = with_checkpoint_formats(served, config, quant).linear_formats
+    except (OSError, ValueError) as exc:
+        return f"unknown ({exc})"
+    f = served.linear_formats
+    roles = f"attention {f.attention}, dense MLP {f.dense_mlp}, experts {f.experts}"
+    quantized = " (bf16 linears quantized by repack-weights --quantize nvfp4)" if stored != f else ""
+    return f"{source}: {roles}{quantized}"
 
 
 def open_for_bench(
