@@ -128,6 +128,8 @@ def open_backend(config: EngineConfig) -> OpenedModel:
         raise BackendError(str(exc)) from exc
     backend = opener(config, ckpt)
     backend.draft_options = config.drafts
+    if config.drafts.emulate_acceptance is not None:
+        backend.emulate_acceptance(config.drafts.emulate_acceptance)
     return OpenedModel(
         backend,
         Path(ckpt.tokenizer_path),

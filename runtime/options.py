@@ -50,10 +50,16 @@ class DraftOptions:
     prior: float = 4.0  # the estimate before a sequence's first verify step (accepted drafts a step)
     probe_every: int = 16  # plain steps before a switched-off sequence probes again
     probe_max: int = 256  # the longest wait between probes (it doubles after each probe that misses)
+    # every verify step commits this many drafts + 1, whatever the drafts were (None: what they earn): the speed
+    # at a chosen acceptance on a synthetic checkpoint, whose random drafter never agrees; the tokens are not the
+    # model's (`thorgen serve --emulate-acceptance K`, `thorgen bench --emulate-acceptance K`)
+    emulate_acceptance: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1 or self.prior < 0 or not 1 <= self.probe_every <= self.probe_max:
             raise ValueError(f"draft options out of range: {self}")
+        if self.emulate_acceptance is not None and self.emulate_acceptance < 0:
+            raise ValueError(f"emulate_acceptance {self.emulate_acceptance}: a draft count, 0 or more")
 
 
 __all__ = ["DEFAULT_CTX", "DraftOptions", "EngineOptions", "default_ctx"]

@@ -87,6 +87,13 @@ def open_model(config):
     "(default: on with a drafter, 15; a request may ask for fewer with num_speculative_tokens).",
 )
 @click.option(
+    "--emulate-acceptance",
+    type=click.IntRange(0, 15),
+    default=None,
+    help="Synthetic checkpoints: every speculative step commits K drafts + 1, whatever the drafts were (the speed "
+    "at that acceptance; the tokens are not the model's). /health and `thorgen bench serve` report it as emulated.",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="THORGEN_API_KEY",
@@ -222,6 +229,7 @@ def serve(
     ctx: int | None,
     kv_dtype: str,
     draft_tokens: int | None,
+    emulate_acceptance: int | None,
     api_key: str | None,
     cors_origins: tuple[str, ...],
     model_names: tuple[str, ...],
@@ -244,7 +252,7 @@ def serve(
 ) -> None:
     import uvicorn
 
-    from ..runtime.api import EngineConfig
+    from ..runtime.api import DraftOptions, EngineConfig
     from .app import GracefulServer, ServerState, create_app
     from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
     from .media import MediaOptions
@@ -272,13 +280,16 @@ def serve(
                 kv_cache_gib=kv_cache_gib,
                 max_step_tokens=max_step_tokens,
                 options=engine_options,
+                drafts=DraftOptions(emulate_acceptance=emulate_acceptance),
                 engine_process=backend == "cuda" if engine_process is None else engine_process,
             )
         )
 
     # None: speculative exactly when the checkpoint has a drafter (decided once loaded). The demo's random
     # drafter never agrees with its random target, so there it only costs time unless asked for.
-    off = draft_tokens == 0 or (draft_tokens is None and demo)
+    off = draft_tokens == 0 or (draft_tokens is None and demo and emulate_acceptance is None)
+    if emulate_acceptance is not None and draft_tokens == 0:
+        raise click.ClickException("--emulate-acceptance needs speculative decoding (not --draft-tokens 0)")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     domains = tuple(d.strip().lower() for entry in allowed_media_domains for d in entry.split(",") if d.strip())
     media = MediaOptions(

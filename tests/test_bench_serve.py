@@ -221,3 +221,27 @@ def test_bench_serve_tools_reports_speculation_per_level(tiny_checkpoint, tmp_pa
         assert 0 <= steps["accepted_tokens"] <= steps["draft_tokens"]
         assert steps["acceptance_rate"] == round(steps["accepted_tokens"] / steps["draft_tokens"], 4)
     assert "verify steps" in r.output
+
+
+def test_bench_serve_reports_emulated_acceptance(tiny_checkpoint, tmp_path):
+    """`serve --emulate-acceptance K` (DraftOptions.emulate_acceptance): every verify step commits K drafts + 1, so
+    the tiny model's random drafter, which otherwise never lands, shows accepted drafts; /health carries K and the
+    bench report and its text mark the level emulated. K past the drafter's block is refused when the engine opens."""
+    from thorgen.runtime.api import DraftOptions, EngineConfig, open_backend
+    from thorgen.runtime.backend import BackendError
+    from tiny_server import tiny_server
+
+    out = tmp_path / "emulated.json"
+    args = ["--concurrency", "1", "--prompt-len", "24", "--gen", "40", "--requests", "2", "--ignore-eos"]
+    with tiny_server(tiny_checkpoint, 2048, speculative=None, drafts=DraftOptions(emulate_acceptance=3)) as (url, _):
+        r = CliRunner().invoke(bench_serve, ["--url", url, *args, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+    steps = json.loads(out.read_text())["levels"][0]["engine_steps"]
+    assert steps["emulated_acceptance"] == 3 and steps["speculative_steps"] > 0
+    # every verify step that drafted 3 or more committed exactly 3 of them (fewer only where the step drafted fewer)
+    assert steps["accepted_tokens"] <= 3 * steps["speculative_steps"]
+    assert steps["accepted_tokens"] >= 3 * (steps["speculative_steps"] - 2 * 2)  # (two requests' last steps)
+    assert "EMULATED" in r.output
+    block = 16
+    with pytest.raises(BackendError, match="emulated acceptance"):
+        open_backend(EngineConfig(tiny_checkpoint, "reference", 512, drafts=DraftOptions(emulate_acceptance=block)))

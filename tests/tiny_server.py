@@ -9,11 +9,11 @@ from typing import Iterator
 
 @contextmanager
 def tiny_server(
-    checkpoint: Path, ctx: int, speculative: bool | None = False, media=None, **app_options
+    checkpoint: Path, ctx: int, speculative: bool | None = False, media=None, drafts=None, **app_options
 ) -> Iterator[tuple[str, object]]:
-    """(base URL, ServerState) of a running server (`media`: its MediaOptions; `app_options`: create_app's, e.g.
-    api_key); closed on exit."""
-    from thorgen.runtime.api import EngineConfig
+    """(base URL, ServerState) of a running server (`media`: its MediaOptions; `drafts`: the engine's DraftOptions;
+    `app_options`: create_app's, e.g. api_key); closed on exit."""
+    from thorgen.runtime.api import DraftOptions, EngineConfig
     from thorgen.serve.app import ServerState, create_app
     from thorgen.serve.cli import open_model
     from thorgen.serve.media import MediaOptions
@@ -21,7 +21,7 @@ def tiny_server(
 
     state = ServerState(
         "tiny",
-        lambda: open_model(EngineConfig(checkpoint, "reference", ctx)),
+        lambda: open_model(EngineConfig(checkpoint, "reference", ctx, drafts=drafts or DraftOptions())),
         speculative=speculative,
         model_names=("tiny", *TEST_MODEL_NAMES),
         media=media or MediaOptions(),

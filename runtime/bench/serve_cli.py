@@ -50,6 +50,8 @@ def _level_line(row: dict) -> str:
                 f"; speculative: {steps['speculative_steps']} verify steps, {steps['accepted_tokens']} of "
                 f"{steps['draft_tokens']} drafts accepted ({steps['acceptance_rate']})"
             )
+            if steps.get("emulated_acceptance") is not None:
+                line += f" EMULATED: each verify step committed {steps['emulated_acceptance']} drafts + 1"
     return line
 
 

@@ -247,6 +247,8 @@ def step_means(before: dict | None, after: dict | None) -> dict | None:
             out[key] = after[key] - before[key]
         drafted = out["draft_tokens"]
         out["acceptance_rate"] = round(out["accepted_tokens"] / drafted, 4) if drafted else None
+        if after.get("emulated_acceptance") is not None:  # `serve --emulate-acceptance K`: not the model's drafts
+            out["emulated_acceptance"] = after["emulated_acceptance"]
     return out
 
 

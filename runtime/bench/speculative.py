@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ...model_spec.conventions import VERIFY_ROWS
 from ..backend import BackendError
 from ..options import DraftOptions
 from .timing import timed_stream
@@ -36,16 +35,8 @@ def _emulate(backend: Any, k: int | None, timing: bool) -> None:
     """Every verify step commits `k` drafts + 1 (None: what the drafts earn); `timing`: every step drafts the
     most it may (the adaptive policy would switch a low acceptance off: the bench times speculative steps), else
     the draft policy is the default again."""
-    steps = _dflash(backend)
-    (steps if steps is not None else backend.decoder).emulate_acceptance = k
+    backend.emulate_acceptance(k)
     backend.draft_options = DraftOptions(adaptive=not timing)
-    if steps is not None:
-        from ..cuda.profile import distinct_tokens  # (the cuda engine's module: not for the reference backend)
-
-        vocab = backend.spec.target.vocab_size
-        steps.draft_hook = (
-            None if k is None else (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
-        )
 
 
 def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int, runs: int, accept: int | None) -> None:
@@ -54,8 +45,6 @@ def measure_speculative(backend: Any, report: dict, prompt: list[int], gen: int,
     if not backend.features.speculative:
         raise BackendError("--speculative needs a checkpoint with a DFlash drafter (MODEL/dflash or --draft DIR)")
     block = backend.spec.drafter.block_size
-    if accept is not None and not 0 <= accept < block:
-        raise BackendError(f"--emulate-acceptance {accept}: 0..{block - 1} drafts a step")
     steps = _dflash(backend)
     _emulate(backend, accept, timing=True)
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from ...model_spec.config import spec_from_configs
 from ...model_spec.formats import HF_QUANT_CONFIG, with_checkpoint_formats
 from ...model_spec.types import ALL_NVFP4
-from ...model_spec.conventions import MAX_BATCH
+from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from ..backend import (
     BackendError,
     BackendFeatures,
@@ -28,6 +28,7 @@ from ..backend import (
 from .device import Device, check, driver, gib
 from .buffers import plan_activations
 from .engine import Engine
+from .profile import distinct_tokens
 from .runner import CudaRunner
 from .vision import plan_vision
 from .kv_cache import fit_kv, plan_kv
@@ -102,6 +103,14 @@ class CudaBackend(EngineBackend):
         return BackendFeatures(
             speculative=self.engine.speculative,
             grammar=not self.engine.ext_missing and importlib.util.find_spec("llguidance") is not None,
+        )
+
+    def _emulate(self, k: int | None) -> None:
+        # the drafts are then distinct tokens past the block's start, so the verify reads what real drafts would
+        steps, vocab = self.engine.dflash, self.spec.target.vocab_size
+        steps.emulate_acceptance = k
+        steps.draft_hook = (
+            None if k is None else (lambda start, last: distinct_tokens(VERIFY_ROWS - 1, vocab, first=start + 1))
         )
 
     # ---- bench hooks ------------------------------------------------------------------------------------------

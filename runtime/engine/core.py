@@ -161,13 +161,16 @@ class EngineCore:
     def health(self) -> dict[str, Any]:
         """What a health report shows of the core: the KV manager's pages and the positions whose drafter context a
         catch-up prefill restored, the device memory in use when the runner last sampled it (None without a
-        device) and the host bytes of the encoded images' rows it keeps. Plain ints, safe to read between steps
-        or during one."""
+        device), the host bytes of the encoded images' rows it keeps, the speculation counters (with K under
+        emulated acceptance). Plain ints, safe to read between steps or during one."""
         kv = self.kv
+        speculation: dict[str, int] = dict(self.speculation)
+        if self.drafts.options.emulate_acceptance is not None:  # (the counts are then not the model's)
+            speculation["emulated_acceptance"] = self.drafts.options.emulate_acceptance
         return {
             "kv": {"blocks": kv.total_pages, "used": kv.used_pages, "block_tokens": kv.geometry.page},
             "catch_up_tokens": self.runner.caught_up_tokens,
-            "speculation": dict(self.speculation),
+            "speculation": speculation,
             "gpu_memory_used": self.runner.device_memory_used,
             "caches": {"image_rows_bytes": self.runner.image_rows_bytes},
         }

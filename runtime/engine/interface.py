@@ -116,6 +116,11 @@ class Backend(Protocol):
         (None: all it has), for an engine core."""
         ...
 
+    def emulate_acceptance(self, k: int | None) -> None:
+        """Every verify step commits `k` drafts + 1 whatever the drafts were (None: what they earn; see
+        DraftOptions.emulate_acceptance); BackendError without a drafter or past its block."""
+        ...
+
     def generate_stream(
         self,
         prompt_ids: list[int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence as Seq
 
-from ..backend import GenerationResult, ImageSpan, SamplingParams, StepOutput
+from ..backend import BackendError, GenerationResult, ImageSpan, SamplingParams, StepOutput
 from ..options import DraftOptions
 from .core import EngineCore
 from .interface import ModelRunner
@@ -70,6 +70,19 @@ class EngineBackend:
     draft_options = DraftOptions()
 
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> ModelRunner:
+        raise NotImplementedError
+
+    def emulate_acceptance(self, k: int | None) -> None:
+        """Every verify step commits `k` drafts + 1 whatever the drafts were (None: what they earn); BackendError
+        without a drafter or past its block."""
+        drafter = self.spec.drafter  # type: ignore[attr-defined]
+        if k is not None and (not self.features.speculative or drafter is None):  # type: ignore[attr-defined]
+            raise BackendError("emulated acceptance needs a checkpoint with a DFlash drafter (MODEL/dflash)")
+        if k is not None and not 0 <= k < drafter.block_size:
+            raise BackendError(f"emulated acceptance {k}: 0..{drafter.block_size - 1} drafts a step")
+        self._emulate(k)
+
+    def _emulate(self, k: int | None) -> None:
         raise NotImplementedError
 
     def generate_stream(

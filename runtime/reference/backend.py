@@ -94,6 +94,9 @@ class ReferenceBackend(EngineBackend):
     def close(self) -> None:
         pass  # (NumPy arrays: nothing to release)
 
+    def _emulate(self, k: int | None) -> None:
+        self.decoder.emulate_acceptance = k
+
     def runner(self, max_num_seqs: int = 8, kv_tokens: int | None = None) -> ReferenceRunner:
         """The engine core's ModelRunner over this backend (shares its model and drafter; the KV lanes are its own,
         so a prefix cache lives as long as the engine core driving the runner)."""
