@@ -7,7 +7,8 @@ same kernel stand-ins (tests/test_vision_program.py's run_encode) bit for bit, a
 (runtime/reference/vision.py) within the program's tolerance. The text side is then checked token for token with
 the same image rows on both sides (the reference's encoder replaced by the engine's, since the fp16 tower and the
 float32 one differ by ~1e-2): rows replaced after the embed, the sliding layers' image blocks (kv_hi), the prefix
-cache's image keys and DFlash after an image.
+cache's image keys and DFlash after an image. An image's chunk run a few layers a call beside a decoding sequence
+(runtime/cuda/pieces.py) cuts only between layers, keeps what crosses its cuts, and gives the whole chunk's logits.
 """
 
 from __future__ import annotations
@@ -225,3 +226,103 @@ def test_bad_image_requests_are_refused(pair):
         cuda.generate(ids[:at] + ids[at + 1 :], 2, SamplingParams(), images=spans)  # one placeholder fewer
     with pytest.raises(BackendError, match="prompt logprobs"):
         cuda.generate(ids, 2, SamplingParams(prompt_logprobs=1), images=spans)
+
+
+# ---- a prefill chunk in pieces (runtime/cuda/pieces.py) ----------------------------------------------------------
+
+
+def _image_chunk_ops(engine, spec):
+    ids, spans = prompt(spec, 1)
+    return engine._image_ops(len(ids), True, True, False, False, []), len(ids)
+
+
+def test_pieces_cover_the_chunk_between_layers(pair):
+    from thorgen.runtime.cuda.pieces import RESTAGED, layer_of, live_in, piece_ranges
+
+    cuda, _, ck = pair
+    engine = cuda.engine
+    ops, rows = _image_chunk_ops(engine, ck.spec)
+    layers = ck.spec.target.num_hidden_layers
+    ranges = piece_ranges(ops, rows, budget=rows)  # a layer a piece
+    assert len(ranges) == layers
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(ops)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for n, (_, b) in enumerate(ranges[:-1]):
+        assert layer_of(ops[b].label) == n + 1 and layer_of(ops[b - 1].label) == n  # whole layers
+        side = [op for op in ops[:b] if op.branch == 1]
+        assert not side or any(op.join for op in ops[ops.index(side[-1]) : b])  # (no open side-stream group)
+        kept = [r for r in live_in(ops[b:], engine.pieces.regions) if r not in RESTAGED]
+        assert "a" in kept  # the residual stream crosses every cut
+        if n == 0:
+            assert "kv_hi" in kept  # the image's key bounds, which the sliding layers after the cut read
+    assert piece_ranges(ops, rows, budget=rows * layers) == [(0, len(ops))]
+
+
+def test_pieces_between_decode_steps_give_the_whole_chunks_logits(pair, monkeypatch):
+    """An image chunk (lane 0) run a layer a call with a decode step of another sequence (lane 1) after each piece
+    ends with the logits of the same chunk run whole, bit for bit: what the decode steps overwrite in the shared
+    activations (the residual stream's rows, positions, lanes, the key bounds) is kept and restored."""
+    import numpy as np
+
+    import engine_emulator as EE
+    from thorgen.runtime.cuda import pieces
+
+    cuda, _, ck = pair
+    engine = cuda.engine
+    table, kv = engine.buffers.pages, engine.buffers.kv.plan
+    for lane in (0, 1):  # each lane one linear cache of its own (earlier tests' cores mapped them their way)
+        table.map(lane, 0, [(lane * kv.seq_pages + i) % kv.pages for i in range(table.pitch)])
+    ids, spans = prompt(ck.spec, 6)
+    images = [(s.offset, engine.vision.encode(s.image)) for s in spans]
+    engine.prefill(ids, lane=0, images=images)
+    whole = engine.logits()
+    text = [2, 105, *range(300, 320)]
+    token, pos = engine.prefill(text, lane=1), len(text)
+    monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(ids))  # a layer a piece
+    pieced = 0
+    while (first := engine.prefill_piece(ids, lane=0, images=images)) is None:
+        pieced += 1
+        token, pos = EE.decode_step(engine, pos, token=token, lane=1), pos + 1
+    assert pieced == ck.spec.target.num_hidden_layers - 1 and engine.pieces.chunk is None
+    assert first == int(np.argmax(whole))
+    assert np.array_equal(engine.logits(), whole)
+
+
+def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
+    from thorgen.runtime.cuda import pieces, runner as runner_mod
+    from thorgen.runtime.engine.core import EngineCore
+
+    cuda, ref, ck = pair
+    engine = cuda.engine
+    text = [2, 105, *range(300, 340), 106, 105]
+    image_ids, spans = prompt(ck.spec, 5)
+    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # every chunk beside a decode runs in pieces
+    monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(image_ids))  # of one layer each
+    calls = []
+    whole = engine.prefill_piece
+
+    def counted(*args, **kwargs):
+        calls.append(whole(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(engine, "prefill_piece", counted)
+    core = EngineCore(runner_mod.CudaRunner(engine, max_num_seqs=2))
+    core.add("text", text, 24, SamplingParams())
+    out: dict[str, list[int]] = {"text": [], "image": []}
+    while not out["text"]:  # the text request decodes before the image request arrives
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    core.add("image", image_ids, GEN, SamplingParams(), images=tuple(spans))
+    text_during = None
+    while core.unfinished:
+        before = len(out["text"])
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+        if calls and calls[-1] is None:
+            text_during = (text_during or 0) + len(out["text"]) - before
+    layers = ck.spec.target.num_hidden_layers
+    assert calls[: layers - 1] == [None] * (layers - 1) and isinstance(calls[layers - 1], int)
+    assert text_during and text_during >= layers - 1  # the text sequence decoded between the pieces
+    assert engine.pieces.chunk is None
+    assert out["text"] == ref.generate(text, 24, SamplingParams()).token_ids
+    assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids

@@ -70,7 +70,7 @@ class PlannedPointers:
         return 1 << 20
 
 
-def _accesses(op: Any, regions: Regions) -> tuple[list[str], list[str]]:
+def accesses(op: Any, regions: Regions) -> tuple[list[str], list[str]]:
     """(activation regions the launch reads, those it writes)."""
     if isinstance(op, Copy2D):
         pairs = [(op.src.address, "r"), (op.dst.address, "w")]
@@ -97,7 +97,7 @@ def check_step(ops: list, regions: Regions, inputs: Iterable[str], what: str = "
     side_writes: set[str] = set()
     after_fork: set[str] = set()  # what branch 0 wrote since the fork
     for i, op in enumerate(ops):
-        reads, writes = _accesses(op, regions)
+        reads, writes = accesses(op, regions)
         where = f"{what}: launch {i} ({op.label})"
         branch = getattr(op, "branch", 0)
         if isinstance(op, Op) and op.join and side_seen is not None:

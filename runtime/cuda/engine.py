@@ -37,6 +37,7 @@ from .dflash import DFlashSteps, DraftForward
 from .programs import Forward
 from .staging import ENGINE_SLOTS, StagingRing
 from .steps import DecodeSteps, StepParts, sample_record
+from .pieces import PrefillPieces
 from .vision import VisionEncoder, chunk_images, stage_images, vision_missing
 
 
@@ -103,6 +104,7 @@ class Engine:
             self.speculative,
         )
         self.fwd.ptr = self.buffers  # the programs bind real buffers from now on
+        self.pieces = PrefillPieces(device, self.act)  # a chunk run a few layers at a time (prefill_piece)
         self.staging = StagingRing(ENGINE_SLOTS)
         parts = StepParts(device, self.stream, self.act, self.fwd, self.launches, self.staging, self.max_rows)
         self.steps = DecodeSteps(parts, lanes)
@@ -233,7 +235,7 @@ class Engine:
         query, runtime/cuda/vision.py stage_images) and must hold it whole."""
         if taps and not self.speculative:
             raise BackendError("cuda backend: speculative decoding is unavailable: " + "; ".join(self.spec_missing))
-        ids_buf, n = self.act["ids"], len(prompt)
+        n = len(prompt)
         if not 0 <= begin < n:
             raise BackendError(f"prefill from position {begin} of a {n}-token prompt: at least one token must run")
         for start in range(begin, n, self.max_rows):
@@ -244,39 +246,86 @@ class Engine:
                 self.steps.stage_row(start, prompt[start], lane)
                 self.steps.row_graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
-            # Stream-ordered copies: a synchronous cuMemcpyHtoD runs on the legacy stream, which this non-blocking
-            # stream does not wait for (from pageable memory it may return before the DMA lands), so the chunk's
-            # kernels could read the previous chunk's ids/positions. Pageable sources are staged at the call.
-            ids = np.asarray(prompt[start : start + rows], np.int32)
-            ids_buf.view(0, ids.nbytes).upload(ids, stream=self.stream)
-            pos = self.act["positions"]
-            pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
-            pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
-            self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
+            self._stage_chunk(prompt, start, rows, lane)
             if spans:
                 copies = stage_images(self.buffers, self.stream, spans, start, rows)
+                key = (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans))
                 self.launches.run(
-                    self.launches.eager(
-                        (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans)),
-                        lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies),
-                    )
+                    self.launches.eager(key, lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies))
                 )
                 continue
             self.launches.run(
                 self.launches.eager(
-                    (rows, last, greedy, taps, ext and last),
-                    lambda: (
-                        self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
-                        + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
-                    ),
+                    (rows, last, greedy, taps, ext and last), lambda: self._text_ops(rows, last, greedy, taps, ext)
                 )
             )
+        return self._first_token(launched)
+
+    def prefill_piece(
+        self,
+        prompt: list[int],
+        greedy: bool = True,
+        taps: bool = False,
+        launched: Callable[[], None] | None = None,
+        begin: int = 0,
+        lane: int = 0,
+        ext: bool = False,
+        images: Sequence[tuple[int, np.ndarray]] = (),
+    ) -> int | None:
+        """`prefill` of the prompt's last chunk (positions begin..P-1, at most max_rows) a few layers at a time
+        (runtime/cuda/pieces.py): each call runs the chunk's next piece and returns None, the call that runs the
+        last piece the first new token. A chunk another call started, unless of the same lane (then it was
+        scheduled anew and starts again), keeps its pieces: this one then runs whole."""
+        n = len(prompt)
+        spans = chunk_images(images, begin, n) if images else []
+        key = (lane, begin, n, greedy, taps, ext, tuple((r, len(e)) for r, e in spans))
+        held = self.pieces.chunk
+        if held is not None and held.key != key and held.key[0] == lane:
+            self.pieces.drop()
+        if not 0 <= begin < n or n - begin > self.max_rows or self.pieces.busy(key):
+            return self.prefill(prompt, greedy, taps, launched, begin, lane, ext, images)
+        rows, chunk = n - begin, self.pieces.current(key)
+        self._stage_chunk(prompt, begin, rows, lane)
+        if chunk is None:
+            if spans:
+                copies = stage_images(self.buffers, self.stream, spans, begin, rows)
+                ops = self._image_ops(rows, True, greedy, taps, ext, copies)
+            else:
+                ops = self._text_ops(rows, True, greedy, taps, ext)
+            chunk = self.pieces.begin(key, ops, rows)
+        self.launches.run(self.launches.bind(self.pieces.next_launches(chunk)))
+        if not self.pieces.finished(chunk):
+            if launched is not None:
+                launched()
+            return None
+        self.pieces.drop()
+        return self._first_token(launched)
+
+    def _stage_chunk(self, prompt: list[int], start: int, rows: int, lane: int) -> None:
+        """A chunk's token ids, positions (and its end after them) and lanes. Stream-ordered copies: a synchronous
+        cuMemcpyHtoD runs on the legacy stream, which this non-blocking stream does not wait for (from pageable
+        memory it may return before the DMA lands), so the chunk's kernels could read the previous chunk's
+        ids/positions. Pageable sources are staged at the call."""
+        ids = np.asarray(prompt[start : start + rows], np.int32)
+        self.act["ids"].view(0, ids.nbytes).upload(ids, stream=self.stream)
+        pos = self.act["positions"]
+        pos.view(0, 4 * rows).upload(np.arange(start, start + rows, dtype=np.int32), stream=self.stream)
+        pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
+        self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
+
+    def _first_token(self, launched: Callable[[], None] | None) -> int:
+        """The token the last chunk sampled, read once `launched()` ran beside the GPU's work."""
         slot = self.staging.next("prefill_token")
         check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
         if launched is not None:
             launched()
         self.stream.synchronize()
         return int(slot.record["tokens"][0])
+
+    def _text_ops(self, rows: int, last: bool, greedy: bool, taps: bool, ext: bool) -> list:
+        """A text chunk's launches (and the drafter's context projection of its taps)."""
+        ops = self.fwd.ops(rows, decode=False, last=last, greedy=greedy, taps=taps, ext=ext and last)
+        return ops + (DraftForward(self.fwd).ctx_ops(rows) if taps else [])
 
     def _image_ops(self, rows: int, last: bool, greedy: bool, taps: bool, ext: bool, copies: list) -> list:
         """A chunk holding images: the image program, the image rows copied into x right after the embed."""
@@ -360,7 +409,7 @@ class Engine:
         if getattr(self, "stream", None) is not None:
             with contextlib.suppress(Exception):  # (after a device error: free what can be freed all the same)
                 self.stream.synchronize()  # a batched step launched ahead may still be running
-        for part in ("vision", "dflash", "steps", "launches"):
+        for part in ("vision", "dflash", "steps", "launches", "pieces"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).destroy()
                 setattr(self, part, None)

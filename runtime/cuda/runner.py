@@ -15,15 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from ...model_spec.conventions import VERIFY_ROWS
+from ..engine.interface import PENDING, Pending
 from ..engine.kv_manager import ClaimLane, CopyPrefix, KVOp, MapPages
 from ..engine.sequence import Sequence
 from .dflash import DFlashDecoder
 from .engine import Engine
 from .logits_params import RequestLogits
+from .pieces import PIECE_ROW_LAYERS
 
 # What a DFlash step costs in plain one-sequence steps (the draft policy's model): on an H100 a sequence whose
 # drafts all missed decoded at 0.48x the plain rate
 SPEC_STEP_COST = 2.1
+
+# a chunk runs in pieces from two pieces' worth of rows x layers (below, the decode steps wait less than a piece)
+PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
 
@@ -50,6 +55,7 @@ class Pipeline:
     on_device: tuple[str, int] | None = None  # (request, position) whose input token out_ids[0] holds
     joining: list[tuple[Sequence, int]] = field(default_factory=list)  # this step's prefills' first tokens
     params_for: str | None = None  # the request whose sampling parameters fill params[] (one-sequence steps)
+    pieced: str | None = None  # the request whose prefill chunk runs in pieces (engine.pieces), part-way
 
 
 class CudaRunner:
@@ -121,8 +127,14 @@ class CudaRunner:
             self.pipe.params_for = seq.request_id
 
     def prefill(
-        self, seq: Sequence, start: int, end: int, sample: bool, launched: Callable[[], None] | None = None
-    ) -> int | None:
+        self,
+        seq: Sequence,
+        start: int,
+        end: int,
+        sample: bool,
+        launched: Callable[[], None] | None = None,
+        beside: bool = False,
+    ) -> int | None | Pending:
         ahead = self.pipe.ahead
         if ahead is not None and ahead.kind != "batch":  # (it decoded alone and has company now: it runs batched)
             self._settle(ahead)
@@ -140,7 +152,13 @@ class CudaRunner:
                 return None
         ext = sample and self.logits.stage([seq])
         images = self.engine.image_rows(seq, start, end)
-        tok = self.engine.prefill(seq.tokens[:end], seq.sampling.greedy, taps, launched, start, lane, ext, images)
+        # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
+        pieced = beside and (end - start) * self.engine.spec.target.num_hidden_layers >= PIECED_ROW_LAYERS
+        run = self.engine.prefill_piece if pieced else self.engine.prefill
+        tok = run(seq.tokens[:end], seq.sampling.greedy, taps, launched, start, lane, ext, images)
+        self.pipe.pieced = seq.request_id if tok is None else None
+        if tok is None:
+            return PENDING
         if ext:
             _raise_failed(self.logits.picked([seq], [tok]))
         self.spec.lanes[lane].drafted(start, end, taps)
@@ -270,6 +288,9 @@ class CudaRunner:
             pipe.ahead = pipe.ahead._replace(rows={})
         if pipe.on_device is not None and pipe.on_device[0] == seq.request_id:
             pipe.on_device = None
+        if pipe.pieced == seq.request_id:  # (preempted or ended with its chunk part-way: it starts again)
+            self.engine.pieces.drop()
+            pipe.pieced = None
         self.engine.device.used()  # (the device keeps the peak for bench's report)
 
 

@@ -28,7 +28,7 @@ from ..backend import (
     TokenLogprob,
 )
 from ..options import DraftOptions
-from .interface import DecodeResult, ModelRunner
+from .interface import DecodeResult, ModelRunner, Pending
 from .kv_manager import KVManager
 from .scheduler import KVExhausted, Prefill, Scheduler
 from .sequence import Sequence, Status
@@ -192,7 +192,7 @@ class EngineCore:
         new: list[tuple[Sequence, list[int], bool]] = []
         for n, p in enumerate(schedule.prefills):
             try:
-                token = self._prefill(p, once, rebind=n > 0)
+                token = self._prefill(p, once, rebind=n > 0, beside=bool(schedule.decodes))
             except Exception as exc:
                 if isinstance(exc, EngineStateLost):
                     raise
@@ -215,10 +215,12 @@ class EngineCore:
         once()
         return outputs
 
-    def _prefill(self, p: Prefill, once: _Once, rebind: bool) -> int | None:
+    def _prefill(self, p: Prefill, once: _Once, rebind: bool, beside: bool) -> int | None:
         """One scheduled prefill chunk (it starts where the sequence's K/V ends: a prefix-cache hit made at
         admission counts); the first token when it samples one. `rebind`: prefills ran before it in this step,
-        so a sequence admitted in it may find more of its prefix cached now (KVManager.rebind)."""
+        so a sequence admitted in it may find more of its prefix cached now (KVManager.rebind). `beside`: other
+        sequences decode in this step (the runner may then run the chunk in pieces: until its last, the chunk
+        stays uncomputed and is scheduled again)."""
         start = p.start
         if p.admitted and rebind:
             start = self.kv.rebind(p.seq, p.seq.reuse_limit())
@@ -227,7 +229,9 @@ class EngineCore:
                 self.runner.apply(ops)
             if start >= p.end:  # (never a sampling chunk: the prompt's last token always runs)
                 return None
-        token = self.runner.prefill(p.seq, start, p.end, p.sample, once)
+        token = self.runner.prefill(p.seq, start, p.end, p.sample, once, beside)
+        if isinstance(token, Pending):
+            return None
         p.seq.num_cached = p.end
         self.kv.prefilled(p.seq, p.end)
         return token if p.sample else None

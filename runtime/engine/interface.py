@@ -79,11 +79,19 @@ class ModelRunner(Protocol):
         first `seq.num_cached` positions hold its cached prefix."""
 
     def prefill(
-        self, seq: Sequence, start: int, end: int, sample: bool, launched: Callable[[], None] | None = None
-    ) -> int | None:
+        self,
+        seq: Sequence,
+        start: int,
+        end: int,
+        sample: bool,
+        launched: Callable[[], None] | None = None,
+        beside: bool = False,
+    ) -> int | None | Pending:
         """Forward tokens[start:end]; with `sample`, return the first new token (sampled after tokens[end-1]).
         `launched()` is called once the device work is enqueued, before waiting for it. A runner that serves
-        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode)."""
+        logprobs sets `seq.step_logprobs` to one TokenLogprob per token it returns (prefill and decode).
+        `beside`: sequences decode in the same step; a runner may then run a long chunk a few layers a call and
+        return PENDING until its last piece (the core schedules the chunk again)."""
 
     def decode(
         self, seqs: list[Sequence], launched: Callable[[], None] | None = None
@@ -97,6 +105,16 @@ class ModelRunner(Protocol):
     def release(self, seq: Sequence, finished: bool) -> None:
         """Drop what the runner keeps of the sequence (its KV is the KV manager's, released already: seq.lane is
         no longer set)."""
+
+
+class Pending:
+    """What ModelRunner.prefill returns when it ran only some of the chunk's layers (runtime/cuda/pieces.py)."""
+
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = Pending()
 
 
 class Backend(Protocol):

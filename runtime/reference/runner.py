@@ -101,7 +101,7 @@ class ReferenceRunner:
                 rows.append((span.offset - start, self.backend.encoder_cache.rows(span.image)))
         return rows
 
-    def prefill(self, seq: Sequence, start: int, end: int, sample: bool, launched=None) -> int | None:
+    def prefill(self, seq: Sequence, start: int, end: int, sample: bool, launched=None, beside=False) -> int | None:
         if launched is not None:  # NumPy computes on this thread: nothing runs beside it
             launched()
         state = self._state(seq, start)
