@@ -114,6 +114,15 @@ def hot_loop(kernel: str, sass: str) -> LoopCount:
     return best
 
 
+def weight_loads_before_wait(kernel: str, sass: str) -> int:
+    """16-byte streaming weight loads (`LDG.E.NA...128`) that issue before the kernel's griddepcontrol.wait (its
+    ACQBULK): the weights in flight while the previous kernel of a PDL chain still runs."""
+    ops = [(m.group(2)) for m in _INSTR.finditer(sass)]
+    if "ACQBULK" not in ops:
+        raise RuntimeError(f"{kernel}: no griddepcontrol.wait (ACQBULK) in its SASS")
+    return sum(o.startswith("LDG") and ".NA." in o and ".128" in o for o in ops[: ops.index("ACQBULK")])
+
+
 def count_families(
     arch: ArchSpec, work_dir: Path, families: dict[str, str] = REPRESENTATIVES, jobs: int = 2
 ) -> dict[str, LoopCount]:
