@@ -7,6 +7,7 @@ cuobjdump, the compiled forms issue their prologue's weight loads before griddep
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -181,14 +182,20 @@ def test_chain_benchmark_runs_over_a_build_with_the_forms(tiny_build: Path, emul
             assert row["us"] == pytest.approx(10.0 / n)
             assert row["gbps"] == pytest.approx(r["bytes"] / (10.0 / n * 1e-6) / 1e9)
             assert row["fraction_of_copy"] == pytest.approx(row["gbps"] / report["copy_gbps"])
-    mixed = chain["mixed"]
-    assert mixed["launches"] == n * len(chain["kernels"]) and set(mixed["forms"]) == set(chain["forms"])
+    step = chain["step"]
+    layers = kernel_chain.step_layers(manifest, forms)
+    assert layers and all(layer for layer in layers)
+    order = [k for i in range(n) for k in layers[i % len(layers)]]
+    assert step["launches"] == len(order) and set(step["forms"]) == set(chain["forms"])
+    assert step["bytes"] == sum(r["bytes"] for k in order for r in chain["kernels"] if r["kernel"] == k)
+    for m in step["forms"].values():
+        assert m["ms"] == pytest.approx(0.01) and m["us"] == pytest.approx(10.0 / len(order))
     graphs = len(chain["kernels"]) * len(chain["forms"]) + len(chain["forms"])
-    launches = len(chain["kernels"]) * len(chain["forms"]) * n + len(chain["forms"]) * mixed["launches"]
+    launches = len(chain["kernels"]) * len(chain["forms"]) * n + len(chain["forms"]) * len(order)
     assert emulated_gpu.pdl_launches == launches - graphs  # every launch but a graph's first
     every_form = {k for f in forms.values() for k in f.values()}
     assert every_form <= set(emulated_gpu.launches)
-    assert "mixed chain" in kernel_bench.format_report(report)
+    assert "decode step order, 3 layers" in kernel_bench.format_report(report)
 
 
 def test_chain_benchmark_asks_for_the_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,3 +232,17 @@ def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_pat
         assert weight_loads_before_wait(v.name, disassemble(cubin)) == v.param("pf") * v.param("un"), v.name
         spills = result.info[v.name].spills
         assert spills == 0 or v.name == "nvfp4_gemv__n2816_k8192_attn_tail_slice", (v.name, spills)
+
+
+def test_bench_kernels_command_writes_the_chain_report(tiny_build: Path, tmp_path: Path, emulated_gpu) -> None:
+    from click.testing import CliRunner
+
+    from thorgen.cli import main
+
+    out = tmp_path / "chain.json"
+    args = ["bench", "kernels", "--kernel-dir", str(tiny_build), "--chain", "2", "--iters", "1", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["chain"]["launches"] == 2 and report["chain"]["step"]["layers"] == 2
+    assert "decode step order, 2 layers" in result.output

@@ -4,9 +4,11 @@ engine's step graphs launch them, in the planned form and in each bench-only pro
 `thorgen build --prologue-variants` added (codegen/prologue_variants.py: weights loaded before griddepcontrol.wait).
 
 A kernel's chain is N launches of it, each on one of several copies of its inputs (enough copies, up to N, that no
-launch finds its weights in L2); the mixed chain is the kernels in bench-case order, N times over. Each reports us a
-launch (the graph's replay time over its launches), bytes, GB/s and the fraction of the copy bandwidth probe, so
-the exposed cost of a kernel boundary shows as the gap between a form's time and its bytes at copy bandwidth.
+launch finds its weights in L2); the step-order chain is the one-row decode step's launches of these kernels (its
+program's order, the other kernels left out) over N layers, the step's layers over again past its last. Each
+reports us a launch (the graph's replay time over its launches), bytes, GB/s and the fraction of the copy bandwidth
+probe, so the exposed cost of a kernel boundary shows as the gap between a form's time and its bytes at copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from ..cuda.device import Stream
 from ..cuda.graphs import CudaGraph
 from ..cuda.memory import DeviceBuffer
+from ...model_spec.step_program import program_key
 from ..manifest import KernelEntry, KernelManifest
 from .cases import BenchCase, host_args
 
@@ -92,10 +95,24 @@ def _row(name: str, us: float, nbytes: int, copy_gbps: float) -> dict:
     return {"kernel": name, "us": us, "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}
 
 
+def step_layers(manifest: KernelManifest, kernels: Iterable[str]) -> list[list[str]]:
+    """The one-row decode step's launches of `kernels`, a list a target layer in step order (its program for the
+    manifest's first KV dtype; launch labels "layers.<i>.<what>")."""
+    wanted, layers = set(kernels), {}
+    programs = manifest.programs[next(iter(manifest.programs))][program_key(decode=True)]
+    for launch in programs[0]["launches"]:
+        label = str(launch["label"])
+        if launch["kernel"] in wanted and label.startswith("layers."):
+            layers.setdefault(int(label.split(".")[1]), []).append(launch["kernel"])
+    return [layers[i] for i in sorted(layers)]
+
+
 def run_chain(
     rig: ChainRig, manifest: KernelManifest, cases: list[BenchCase], n: int, copy_gbps: float, iters: int
 ) -> dict:
-    """The chain report of every case whose kernel has prologue forms in `manifest` (the rest are skipped)."""
+    """The chain report of every case whose kernel has prologue forms in `manifest` (the rest are skipped): each
+    kernel in a graph of `n` launches, and the decode step's launches of them over `n` layers (the step's layers
+    over again past its last) in one graph."""
     forms = prologue_forms(manifest)
     if not forms:
         raise ValueError(
@@ -105,10 +122,10 @@ def run_chain(
     chosen = [c for c in cases if c.kernel in forms]
     rig.add(manifest.kernel(k) for c in chosen for k in forms[c.kernel].values())
     rng = np.random.default_rng(0)
-    chain = [ChainKernel(c, forms[c.kernel], _upload(rig, c, n, rng)) for c in chosen]
-    names = list(dict.fromkeys(f for k in chain for f in k.forms))
+    chain = {c.kernel: ChainKernel(c, forms[c.kernel], _upload(rig, c, n, rng)) for c in chosen}
+    names = list(dict.fromkeys(f for k in chain.values() for f in k.forms))
     rows = []
-    for k in chain:
+    for k in chain.values():
         timed = {
             form: _time_chain(rig, [(kern, k.copies[i % len(k.copies)], k.case.grid) for i in range(n)], iters)
             for form, kern in k.forms.items()
@@ -123,26 +140,23 @@ def run_chain(
                 "forms": {f: _row(kern, timed[f], k.case.bytes_moved, copy_gbps) for f, kern in k.forms.items()},
             }
         )
-    mixed_bytes = sum(k.case.bytes_moved for k in chain)
-    mixed = {}
-    for form in names:
-        launches = [
-            (k.forms.get(form, k.forms[PLANNED]), k.copies[i % len(k.copies)], k.case.grid)
-            for i in range(n)
-            for k in chain
-        ]
-        mixed[form] = _row(form, _time_chain(rig, launches, iters), mixed_bytes // len(chain), copy_gbps)
-        mixed[form]["ms"] = mixed[form]["us"] * len(launches) / 1e3
-    return {
-        "launches": n,
-        "forms": names,
-        "kernels": rows,
-        "mixed": {"kernels": [k.case.kernel for k in chain], "launches": n * len(chain), "forms": mixed},
-    }
+    layers = step_layers(manifest, chain)
+    order = [chain[name] for i in range(n) for name in layers[i % len(layers)]] if layers else []
+    nbytes = sum(k.case.bytes_moved for k in order)
+    step: dict[str, Any] = {"layers": n, "launches": len(order), "bytes": nbytes, "forms": {}}
+    for form in names if order else ():
+        turn: dict[str, int] = {}
+        launches = []
+        for k in order:  # each launch of a kernel on its next input copy, as each layer has its own weights
+            i = turn[k.case.kernel] = turn.get(k.case.kernel, -1) + 1
+            launches.append((k.forms.get(form, k.forms[PLANNED]), k.copies[i % len(k.copies)], k.case.grid))
+        us = _time_chain(rig, launches, iters)
+        step["forms"][form] = dict(_row(form, us, nbytes // len(order), copy_gbps), ms=us * len(order) / 1e3)
+    return {"launches": n, "forms": names, "kernels": rows, "step": step}
 
 
 def format_chain(report: dict) -> str:
-    """The chain report as text: a line a kernel, its forms' us a launch and fraction of copy, then the mixed
+    """The chain report as text: a line a kernel, its forms' us a launch and fraction of copy, then the step-order
     chain."""
     chain = report["chain"]
     forms = chain["forms"]
@@ -158,12 +172,12 @@ def format_chain(report: dict) -> str:
             for f in forms
         ]
         lines.append(f"{r['kernel'][:60]:<60} {r['bytes'] / 1e6:>7.2f} {r['us_at_copy']:>8.2f} " + " ".join(cells))
-    mixed = chain["mixed"]
+    step = chain["step"]
     lines.append(
-        f"mixed chain ({mixed['launches']} launches): "
+        f"decode step order, {step['layers']} layers ({step['launches']} launches, {step['bytes'] / 1e6:.1f} MB): "
         + ", ".join(
             f"{f} {m['ms']:.3f} ms ({m['us']:.2f} us a launch, {m['fraction_of_copy']:.1%} of copy)"
-            for f, m in mixed["forms"].items()
+            for f, m in step["forms"].items()
         )
     )
     return "\n".join(lines)

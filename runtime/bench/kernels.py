@@ -355,8 +355,8 @@ def format_report(report: dict) -> str:
     type=click.IntRange(min=1),
     default=None,
     help="Instead: the one-row decode GEMVs and their prologue forms (a build made with `thorgen build "
-    "--prologue-variants`), each in a CUDA graph of this many dependent PDL launches, and all of them mixed "
-    "this many times over: us a launch, GB/s, fraction of copy bandwidth.",
+    "--prologue-variants`), each in a CUDA graph of this many dependent PDL launches, and all of them in the "
+    "decode step's order over this many layers: us a launch, GB/s, fraction of copy bandwidth.",
 )
 def kernels_bench(
     kernel_dir: Path | None,
