@@ -3,17 +3,18 @@
 `thorgen bench kernels --chain N` (runtime/bench/kernel_chain.py). The step programs never launch them.
 
 A planned one-row GEMV (nvfp4_gemm.cu.j2, M = 1: the q|k|v GEMV with rope_kv folded in, o_proj with the attention
-tail, dense gate|up and down) loads PF weight steps a warp before griddepcontrol.wait, with ld.global.nc; ptxas
-(CUDA 13.0, sm_90a) schedules the wait above those loads, so in the SASS no weight load issues before the previous
-kernel has finished. Two forms of each, with the same K split, the same sums in the same order (so the same bits):
+tail, dense gate|up and down) loads PF weight steps a warp before griddepcontrol.wait in its PTX, with
+ld.global.nc; ptxas (CUDA 13.0, sm_90a) schedules the wait above those loads, so in the SASS no weight load issues
+before the previous kernel has finished (codegen/sass.py weight_loads_before_wait: 0 in each). Two forms of each,
+with the same K split, the same sums in the same order (so the same bits):
   <name>_early  the same PF steps, loaded with coherent loads, which ptxas keeps before the wait;
   <name>_slice  coherent loads of the warp's WHOLE K slice (PF = its step count) before the wait. The slice lives
                 in registers, and only resident blocks prefetch: __launch_bounds__ asks for the whole grid resident
                 at once (min blocks = ceil(grid / SMs)) where that leaves 64 registers a thread (REGS_FLOOR). The
                 grid stays the plan's: more blocks would split K differently (other sums). sm_90a, gemma-4-26b-a4b:
                 the full layers' q|k|v (576 blocks of 256 threads) keeps 4 blocks an SM, 528 at once, and the
-                8192-wide o_proj spills 40 B a thread at 64 registers (ptxas; fewer than 2 blocks an SM would leave
-                44 of its 176 blocks to a second wave).
+                full layers' o_proj (K 8192, 8 steps a warp) spills 40 B a thread at 64 registers (ptxas; fewer than
+                2 blocks an SM would leave 44 of its 176 blocks to a second wave).
 Left out: the lm_head's width (more blocks than fit the GPU at once: only the first wave could prefetch), fp16
 weights (a step is 16 registers a lane), and the MoE kernels, whose weights depend on the routing read after the
 wait (an expert's id is an input of the step); they run as planned.

@@ -59,9 +59,9 @@ __device__ __forceinline__ uint32_t ldg_stream_u16(const void* p) {
   return r;
 }
 // The same streaming loads without .nc, for the loads a kernel means to issue before griddepcontrol.wait: ptxas
-// (CUDA 13.0, sm_90a) schedules the wait's ACQBULK above ld.global.nc loads that precede it in the PTX, so those
-// only issue once the previous kernel has finished; it keeps coherent loads where they are (a weight, immutable
-// during the step, reads the same either way).
+// (CUDA 13.0, sm_90a) may schedule the wait's ACQBULK above ld.global.nc loads that precede it in the PTX (in every
+// planned one-row GEMV no weight load issues before it), so those only issue once the previous kernel has finished;
+// it keeps coherent loads where they are (a weight, immutable during the step, reads the same either way).
 __device__ __forceinline__ uint4 ldg_early_v4(const void* p) {
   uint4 r;
   asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
