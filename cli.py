@@ -25,6 +25,7 @@ COMMANDS = {
 # stage).
 SUBCOMMANDS = {
     "bench": {
+        "kernels": "thorgen.runtime.bench.kernels:kernels_bench",
         "serve": "thorgen.runtime.bench.serve_cli:bench_serve",
         "soak": "thorgen.runtime.bench.soak:bench_soak",
         "sweep": "thorgen.runtime.bench.sweep:sweep",

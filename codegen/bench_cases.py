@@ -22,18 +22,21 @@ from ..model_spec.types import ModelSpec
 from .arch import ArchSpec
 from .families import FAMILIES, family_function
 from .kernel_spec import BenchCase, KernelSpec
+from .prologue_variants import variant_cases
 
 
 def built_bench_cases(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> list[BenchCase]:
     """Every family's bench cases whose kernel is one of `kernels`, as given; a case for any other kernel (a tuning
-    variant the plan does not pick) is dropped: the build has no cubin for it."""
+    variant the plan does not pick) is dropped: the build has no cubin for it. A bench-only prologue form
+    (codegen/prologue_variants.py) takes its planned kernel's case."""
     built = {k.name: k for k in kernels}
-    cases = []
+    every = []
     for family in FAMILIES:
         bench = family_function(family, "bench")
         if bench is not None:
-            cases.extend(c for c in bench(spec, arch) if built.get(c.kernel.name) == c.kernel)
-    return cases
+            every.extend(bench(spec, arch))
+    cases = [c for c in every if built.get(c.kernel.name) == c.kernel]
+    return cases + variant_cases(cases, built.values())
 
 
 def bench_cases_json(spec: ModelSpec, arch: ArchSpec, kernels: Iterable[KernelSpec]) -> dict:

@@ -73,8 +73,21 @@ def format_table(rows: list) -> str:
     help="nvfp4: kernels for weights repacked with --quantize nvfp4 (every linear NVFP4); none: each "
     "linear in the format the checkpoint stores it (NVFP4 or bf16)",
 )
+@click.option(
+    "--prologue-variants",
+    is_flag=True,
+    help="Also build the one-row decode GEMVs' bench-only prologue forms (weights loaded before "
+    "griddepcontrol.wait: codegen/prologue_variants.py), which `thorgen bench kernels --chain N` times "
+    "against the planned ones; the step programs never launch them.",
+)
 def build(
-    arch_name: str, model_dir: Path | None, preset: str | None, out_dir: Path | None, jobs: int, quantize: str = "none"
+    arch_name: str,
+    model_dir: Path | None,
+    preset: str | None,
+    out_dir: Path | None,
+    jobs: int,
+    quantize: str = "none",
+    prologue_variants: bool = False,
 ) -> None:
     """Render the model's specialised CUDA kernels and compile them to cubins for one GPU architecture.
 
@@ -85,14 +98,18 @@ def build(
     from .arch import ArchError, get_arch, native_arch
     from .builder import BuildError, build as run_build
     from .nvcc import NvccNotFound
-    from .plan import PlanError
+    from .plan import PlanError, plan
+    from .prologue_variants import prologue_variants as variants_of
     from .render import RenderError
 
     try:
         arch = native_arch() if arch_name.strip().lower() == "native" else get_arch(arch_name)
         spec = load_model_spec(model_dir, preset, quantize)
         out = out_dir or build_dir(spec.name, arch.name)
-        report = run_build(spec, arch, out, jobs=jobs)
+        kernels = plan(spec, arch)
+        if prologue_variants:
+            kernels += variants_of(kernels, arch)
+        report = run_build(spec, arch, out, jobs=jobs, kernels=kernels)
     except (ArchError, SpecError, PlanError, RenderError, NvccNotFound) as exc:
         raise click.ClickException(str(exc)) from exc
     except BuildError as exc:

@@ -4,7 +4,8 @@
 kernel (REPRESENTATIVES), disassembles it with `cuobjdump -sass` and finds its hot loop: the backward branch whose
 body holds the most streaming weight loads (`LDG.E.NA...128`, 16 bytes each). The count is the loop's instructions
 (NOPs left out) over its weight loads: what a lane issues for each 16 bytes of weights it streams (decode, scale,
-mma, activation loads, addressing). tests/test_sass_counts.py keeps it from rising.
+mma, activation loads, addressing). tests/test_sass_counts.py keeps it from rising. weight_loads_before_wait counts
+the weight loads a kernel issues before its griddepcontrol.wait (tests/test_prologue_variants.py).
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def hot_loop(kernel: str, sass: str) -> LoopCount:
     if best is None:
         raise RuntimeError(f"{kernel}: no loop with streaming weight loads in its SASS")
     return best
+
+
+def weight_loads_before_wait(kernel: str, sass: str) -> int:
+    """16-byte streaming weight loads (`LDG.E.NA...128`) that issue before the kernel's griddepcontrol.wait (its
+    ACQBULK): the weights in flight while the previous kernel of a PDL chain still runs."""
+    ops = [m.group(2) for m in _INSTR.finditer(sass)]
+    if "ACQBULK" not in ops:
+        raise RuntimeError(f"{kernel}: no griddepcontrol.wait (ACQBULK) in its SASS")
+    return sum(o.startswith("LDG") and ".NA." in o and ".128" in o for o in ops[: ops.index("ACQBULK")])
 
 
 def count_families(

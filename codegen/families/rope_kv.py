@@ -17,7 +17,7 @@ from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import KV_DTYPES, KV_PAGE, MAX_STEP_TOKENS, Q_DTYPE, page_pitch, ring_slots
 from ._util import ftag, require
-from .matmul import target_gemm
+from .matmul import layout_bytes, target_gemm, weight_bufs
 
 # q_stride / kv_stride: floats between two tokens' q (k, v) inputs (the target passes its fused q|k|v row width)
 ARGS = (
@@ -223,4 +223,36 @@ def bench_rope_kv(spec: ModelSpec, arch: ArchSpec) -> list[BenchCase]:
         )
         nbytes = T * D * (HQ * (4 + 2) + HKV * (8 if not p["V_FROM_K"] else 4) + 2 * HKV * kvb)
         out.append(BenchCase(k, args, bytes_moved=nbytes, grid=(T, 1, 1), note="T=16"))
+    out += [
+        gemv_rope_kv_bench_case(target_gemv_rope_kv(spec, arch, l, kv))
+        for l in first_layers(spec.target.layer_types)
+        for kv in KV_DTYPES
+    ]
     return out
+
+
+def gemv_rope_kv_bench_case(kern: KernelSpec) -> BenchCase:
+    """One decode step's q|k|v GEMV with rope_kv folded in: the weight, the row in, the q|k|v row out (read back
+    from L2 by each head's last block), q and the step's K / V written (one position of a ring or paged cache)."""
+    p = kern.param_dict
+    n, k, HQ, HKV, D = p["n"], p["k"], p["HQ"], p["HKV"], p["D"]
+    slots, kvb = p["SLOTS"] or 4096, 2 if p["KV"] == "bf16" else 1
+    pages = Buf("pages", "i32", p["PITCH"], values=tuple(range(p["PITCH"]))) if p["PAGE"] else Buf("pages", "i32", 0)
+    args = (
+        *weight_bufs(p["kind"], n, k),
+        Buf("x", "f16", k),
+        Buf("y", "f32", n),
+        Scalar("m", "i32", 1),
+        Buf("q_norm_w", "bf16", D, 0.5, 1.5),
+        Buf("k_norm_w", "bf16", D, 0.5, 1.5),
+        Buf("positions", "i32", 1, 0, slots - 1),
+        Buf("q_out", p["Q"], HQ * D),
+        Buf("k_cache", "u8", slots * HKV * D * kvb),
+        Buf("v_cache", "u8", slots * HKV * D * kvb),
+        Buf("lanes", "i32", 0),
+        Scalar("lane_bytes", "i64", 0),
+        pages,
+        Buf("counters", "u32", n // D, 0, 0),
+    )
+    nbytes = layout_bytes(p["kind"], n, k) + 2 * k + 4 * n + 2 * HQ * D + 2 * HKV * D * kvb
+    return BenchCase(kern, args, bytes_moved=nbytes, note="M=1 + rope_kv", weight_streaming=True)

@@ -8,8 +8,10 @@ is the median of single event-timed launches after an L2 flush (a 256 MB memset)
 event overhead. "stream us" (which GB/s and the target use) is how the kernel runs inside a decode-step CUDA graph:
 launches replayed back to back from a graph, each on its own copy of the inputs, with enough copies
 (>= ROTATE_BYTES in all) that no launch finds its weights in L2 (~60 MB on the H200).
-`python -m thorgen.runtime.bench.kernels [--kernel-dir DIR | --model DIR | --preset gemma-4-26b-a4b]
-[--json out.json] [--iters 20] [--family F]`
+With --chain N, the chain benchmark instead (runtime/bench/kernel_chain.py): the decode GEMVs and their bench-only
+prologue forms, each in a graph of N dependent launches.
+`thorgen bench kernels [--kernel-dir DIR | --model DIR | --preset gemma-4-26b-a4b] [--json out.json] [--iters 20]
+[--family F] [--chain N]`
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..cuda.kernels import Kernel, KernelSet, Ptr
 from ..cuda.memory import DeviceBuffer, alloc
 from ..manifest import KernelEntry, KernelManifest, find_kernels
 from .cases import host_args, load_bench_cases
+from .kernel_chain import format_chain, run_chain
 
 TARGET_FRACTION = 0.70
 ROTATE_BYTES = 512 << 20  # input copies cycled through by the stream timing, several times the L2
@@ -98,10 +101,12 @@ class KernelRig:
             self._set = KernelSet(manifest, self.device)
         return self._set.kernel(name)
 
-    def launch(self, name: str, args: Sequence[Any], grid: tuple[int, int, int] | None = None) -> None:
+    def launch(
+        self, name: str, args: Sequence[Any], grid: tuple[int, int, int] | None = None, pdl: bool = False
+    ) -> None:
         """Enqueue kernel `name` on the rig's stream; None in `args` passes a null pointer (an optional buffer
-        left off)."""
-        self.kernel(name).launch(self.stream, [Ptr(0) if a is None else a for a in args], grid=grid)
+        left off). `pdl`: with programmatic dependent launch, as the engine launches a kernel after another."""
+        self.kernel(name).launch(self.stream, [Ptr(0) if a is None else a for a in args], grid=grid, pdl=pdl)
 
     # ---- memory --------------------------------------------------------------------------------------------------
     def alloc(self, nbytes: int, zero: bool = True) -> DeviceBuffer:
@@ -216,14 +221,18 @@ def run_bench(
     iters: int = 20,
     flush_l2: bool = True,
     families: tuple[str, ...] | None = None,
+    chain: int | None = None,
 ) -> dict:
-    """Benchmark every bench case of a build folder (see find_build) on GPU 0; returns the JSON-ready report."""
+    """Benchmark every bench case of a build folder (see find_build) on GPU 0; returns the JSON-ready report. With
+    `chain`, the chain benchmark of its decode GEMVs (kernel_chain.py) instead."""
     device = Device.open(0)
     try:
         manifest = find_build(device.info.arch, kernel_dir, model_dir, preset)
         manifest.check(device_arch=device.info.arch)
         rig = KernelRig(device, Path(tempfile.gettempdir()) / "thorgen-bench" / "rig", arch=manifest.arch)
         try:
+            if chain is not None:
+                return _chain_bench(rig, manifest, iters, chain)
             return _bench(rig, manifest, iters, flush_l2, families)
         finally:
             rig.close()
@@ -281,7 +290,26 @@ def _bench(
     }
 
 
+def _chain_bench(rig: KernelRig, manifest: KernelManifest, iters: int, n: int) -> dict:
+    copy_gbps = rig.copy_bandwidth_gbps()
+    try:
+        chain = run_chain(rig, manifest, load_bench_cases(manifest), n, copy_gbps, iters)
+    except ValueError as exc:  # a build without the prologue forms
+        raise BackendError(str(exc)) from exc
+    return {
+        "model": manifest.model,
+        "kernel_dir": str(manifest.path.parent),
+        "arch": manifest.arch,
+        "device": rig.device.info.name,
+        "copy_gbps": copy_gbps,
+        "iters": iters,
+        "chain": chain,
+    }
+
+
 def format_report(report: dict) -> str:
+    if "chain" in report:
+        return format_chain(report)
     lines = [
         f"{report['device']} ({report['arch']}), {report['model']} kernels of {report['kernel_dir']}: copy "
         f"bandwidth {report['copy_gbps']:.0f} GB/s (read+write); single: median of {report['iters']} launches, L2 "
@@ -322,6 +350,14 @@ def format_report(report: dict) -> str:
 )
 @click.option("--no-flush", is_flag=True, help="Do not flush L2 between single launches.")
 @click.option("--family", "families", multiple=True, help="Only these kernel families (repeatable).")
+@click.option(
+    "--chain",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Instead: the one-row decode GEMVs and their prologue forms (a build made with `thorgen build "
+    "--prologue-variants`), each in a CUDA graph of this many dependent PDL launches, and all of them in the "
+    "decode step's order over this many layers: us a launch, GB/s, fraction of copy bandwidth.",
+)
 def kernels_bench(
     kernel_dir: Path | None,
     model_dir: Path | None,
@@ -330,12 +366,13 @@ def kernels_bench(
     json_file: Path | None,
     no_flush: bool,
     families: tuple[str, ...],
+    chain: int | None,
 ) -> None:
     """Per-kernel time and bandwidth of a build's kernels on GPU 0."""
     if model_dir is not None and preset is not None:
         raise click.UsageError("give --model or --preset, not both")
     try:
-        report = run_bench(kernel_dir, model_dir, preset, iters, not no_flush, families or None)
+        report = run_bench(kernel_dir, model_dir, preset, iters, not no_flush, families or None, chain)
     except BackendError as exc:  # no GPU, no cuda-python, no build, or a build for another GPU
         raise click.ClickException(str(exc)) from exc
     click.echo(format_report(report))

@@ -83,7 +83,9 @@ __device__ __forceinline__ void lane_rows(const __half* (&rows)[2 * RT], const _
 // at 16-32 rows the activations are 4-8 bytes of L1 reads per weight byte, which bound the kernel at UN = 1 (the
 // 32-row q|k|v GEMM took 17.0 us against 8.1 at 16 rows on the H200). The KS partial tiles go through one shared
 // tile a unit after another, so the reduction's shared memory does not grow with UN.
-template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false, int UN = 1>
+// EARLY: the weight prologue's loads issue before griddepcontrol.wait (unit_steps_rows' kEarly).
+template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false, int UN = 1,
+          bool EARLY = false>
 __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   static_assert(N % 16 == 0 && K % 64 == 0, "W must be [N % 16 == 0, K % 64 == 0]");
@@ -102,7 +104,7 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
   lane_rows<RT, Tiles::TWO>(rows, x, K, m, gid);
   float acc[UN][RT][2][4] = {};
   static_assert(!(SWAP && Tiles::TWO), "the swapped form holds at most 8 tokens");
-  unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP>(acc, p, unit0, rows, s0, s1);
+  unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP, EARLY>(acc, p, unit0, rows, s0, s1);
 #pragma unroll
   for (int u = 0; u < UN; ++u) {
     if (u > 0) __syncthreads();  // the previous unit's sums have been read

@@ -58,6 +58,21 @@ __device__ __forceinline__ uint32_t ldg_stream_u16(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
   return r;
 }
+// The same streaming loads without .nc, for the loads a kernel means to issue before griddepcontrol.wait: ptxas
+// (CUDA 13.0, sm_90a) may schedule the wait's ACQBULK above ld.global.nc loads that precede it in the PTX (in every
+// planned one-row GEMV no weight load issues before it), so those only issue once the previous kernel has finished;
+// it keeps coherent loads where they are (a weight, immutable during the step, reads the same either way).
+__device__ __forceinline__ uint4 ldg_early_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ldg_early_u16(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
 // Activations: small, re-read by every block, so they stay cached.
 __device__ __forceinline__ uint4 ldg_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
@@ -132,8 +147,8 @@ template <int KIND> __host__ __device__ constexpr size_t layout_scale_bytes(size
 }
 
 // Step-major layout: unit u, step s at ((s * UNITS + u) * W_LANES + lane) * bytes-per-lane
-// (runtime/convert/layouts.py).
-template <int KIND, int N, int K>
+// (runtime/convert/layouts.py). kEarly: coherent loads (ldg_early_*), kept before a griddepcontrol.wait after them.
+template <int KIND, int N, int K, bool kEarly = false>
 __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int unit, int step, int lane) {
   static_assert(FP4_LANE_BYTES == sizeof(uint4) && SCALE_LANE_BYTES == 2 && HALF_LANE_BYTES == 4 * sizeof(uint4),
                 "a lane's step is one 16-byte load of codes and one u16 of scales, or four 16-byte loads of fp16");
@@ -145,6 +160,9 @@ __device__ __forceinline__ void load_step(WStep<KIND>& st, const WPtr& p, int un
     st.q[1] = ldg_stream_v4(b + 16);
     st.q[2] = ldg_stream_v4(b + 32);
     st.q[3] = ldg_stream_v4(b + 48);
+  } else if constexpr (kEarly) {
+    st.w = ldg_early_v4(p.w + idx * FP4_LANE_BYTES);
+    st.s = ldg_early_u16(p.s + idx * SCALE_LANE_BYTES);
   } else {
     st.w = ldg_stream_v4(p.w + idx * FP4_LANE_BYTES);
     st.s = ldg_stream_u16(p.s + idx * SCALE_LANE_BYTES);
@@ -242,8 +260,12 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
 // (UN x fewer activation reads from L1/L2, which bound the 32-row MoE kernels).
 // rows[2 * rt + h] is the lane's row gid + 8 h of tile rt (nullptr: zeros). Swapped (kSwap): tile rt is a group of
 // 8 tokens, rows[2 * rt] the lane's token gid of it (rows[2 * rt + 1] unused).
-// kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel).
-template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false>
+// kWait: issue pdl_wait() after the weight prologue (the activations come from the previous kernel). kEarly (with
+// kWait, NVFP4): the prologue's loads are coherent ones, which ptxas keeps before the wait (load_step); with PF the
+// warp's whole step count, the warp's whole weight slice is then in flight before the wait (the bench-only
+// whole-slice GEMVs, codegen/prologue_variants.py). Either way the sums are the same, in the same order.
+template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false,
+          bool kEarly = false>
 __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
                                                 const __half* const (&rows)[2 * RT], int s0, int s1) {
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
@@ -256,12 +278,13 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
   // instructions); with the integer decode (sm_90a) or two row tiles it pushed the 32-row GEMMs and the one-row
   // GELU GEMV into spills, so those refill first.
   constexpr bool kDecodeFirst = KIND == FP4_NAT && RT == 1;
+  constexpr bool kEarlyLoads = kEarly && kWait && KIND != HALF;
   WStep<KIND> ring[UN][PF];
 #pragma unroll
   for (int i = 0; i < PF; ++i)
 #pragma unroll
     for (int u = 0; u < UN; ++u)
-      if (s0 + i < s1) load_step<KIND, N, K>(ring[u][i], p, unit0 + u, s0 + i, lane);
+      if (s0 + i < s1) load_step<KIND, N, K, kEarlyLoads>(ring[u][i], p, unit0 + u, s0 + i, lane);
   if constexpr (kWait) pdl_wait();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
