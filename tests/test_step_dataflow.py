@@ -73,6 +73,12 @@ def _shapes(f, max_rows: int, speculative: bool):
         yield "draft", dfw.block_ops(), STEP | {"ids"}
         for greedy in (True, False):  # (the acceptance rule: staged with a fresh block)
             yield f"verify greedy={greedy}", dfw.verify_ops(greedy), STEP | {"ids", "spec_rule"}
+        for rows, ext in ((2, False), (32, True)):  # a batched verify (runtime/cuda/spec_batch.py)
+            yield (
+                f"batched verify x{rows}{' processed' if ext else ''}",
+                f.ops(rows, last=True, greedy=False, batched=True, taps=True, ext=ext) + dfw.ctx_ops(rows),
+                STEP | {"ids"} | (EXT if ext else set()),
+            )
 
 
 def test_every_step_shape_passes(engine):

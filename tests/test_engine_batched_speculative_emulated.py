@@ -1,0 +1,304 @@
+"""Batched verify on the cuda backend, on the emulated GPU (tests/engine_emulator.py): several running sequences'
+draft blocks verified in one batched step (runtime/cuda/spec_batch.py). Greedy and seeded requests of different
+lengths and max_tokens served together with speculation decode exactly what they decode without it, token for
+token, when drafts land (forced: each request's plain continuation with planted mistakes, so accepted runs, runs
+cut by max_tokens and blocks across a KV page boundary occur), with the engine's own drafter, under emulated
+acceptance (every verify commits K drafts + 1: the same tokens as each request's one-sequence DFlash steps), across
+preemption and an abort, beside a request with a grammar (a plain processed row of the same step) and beside a
+request whose grammar fails (its failure stays its own)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_emulator as EE  # noqa: E402
+
+pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
+
+from thorgen.model_spec.conventions import KV_PAGE, MAX_BATCH  # noqa: E402
+from thorgen.runtime.backend import SamplingParams  # noqa: E402
+from thorgen.runtime.engine.core import EngineCore  # noqa: E402
+from thorgen.runtime.engine.speculation import DraftPlanner  # noqa: E402
+from thorgen.runtime.options import DraftOptions  # noqa: E402
+
+LANES = 8
+GREEDY = SamplingParams()
+STOP = frozenset({1})  # (the grammars' end: the tokenizer's eos)
+EVERY_STEP = DraftOptions(adaptive=False)  # every step drafts the most it may (the policy: test_draft_policy)
+
+
+def _sampled(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_checkpoint, tmp_path_factory):
+    from thorgen.runtime.cuda import device as dev
+
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("spec_batch"), ctx=256, max_num_seqs=LANES)
+    yield b
+    b.close()
+    dev.set_driver(None)
+
+
+@pytest.fixture(autouse=True)
+def no_forced_drafts(backend):
+    yield
+    backend.emulate_acceptance(None)  # (also drops the draft hook it set)
+    backend.engine.dflash.draft_hook = None
+
+
+def _requests(n: int) -> dict[str, tuple[list[int], int, SamplingParams]]:
+    """n requests of different prompt lengths and max_tokens, every third one seeded."""
+    rng = np.random.default_rng(n)
+    return {
+        f"r{i}": (
+            [2] + rng.integers(256, 512, 3 + 9 * i).tolist(),
+            6 + 5 * i,
+            _sampled(i) if i % 3 == 1 else GREEDY,
+        )
+        for i in range(n)
+    }
+
+
+class Run(NamedTuple):
+    tokens: dict[str, list[int]]
+    accepted: dict[str, list[int]]  # each request's accepted drafts of its verify steps
+    steps: list[dict]  # per decode step: request -> (its position, the runner's result)
+    speculation: dict[str, int]
+    preemptions: int
+    errors: dict[str, object]
+
+
+def _serve(
+    backend,
+    requests: dict,
+    speculative: bool,
+    drafts: DraftOptions | None = EVERY_STEP,
+    lanes: int | None = None,
+    kv_tokens: int | None = None,
+    plain: frozenset[str] = frozenset(),
+    between=None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Run:
+    """The requests queued at once on one engine core (`plain`: requests that never speculate), to the end;
+    `between(step, core)` runs before each step."""
+    runner = backend.runner(lanes or len(requests), kv_tokens)
+    core = EngineCore(runner, drafts=drafts)
+    seqs = [
+        core.add(rid, p, n, sp, stop_ids, speculative=speculative and rid not in plain)
+        for rid, (p, n, sp) in requests.items()
+    ]
+    steps: list[dict] = []
+    decode = runner.decode
+
+    def recording(batch, launched=None):
+        res = decode(batch, launched)
+        steps.append({s.request_id: (s.num_tokens - 1, r) for s, r in zip(batch, res)})
+        return res
+
+    runner.decode = recording
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    accepted: dict[str, list[int]] = {rid: [] for rid in requests}
+    errors = {}
+    for i in range(2000):
+        if not core.unfinished:
+            break
+        if between is not None:
+            between(i, core)
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+            if o.accepted is not None:
+                accepted[o.request_id].append(o.accepted)
+            if o.error is not None:
+                errors[o.request_id] = o.error
+    return Run(out, accepted, steps, dict(core.speculation), sum(s.preemptions for s in seqs), errors)
+
+
+def _force_plain_drafts(backend, requests: dict, plain: dict[str, list[int]]) -> None:
+    """draft_hook: the plain continuation after (position, last token), from every request's plain tokens, with a
+    wrong token planted at slot (position * 5) % 8 (7: none), so acceptance lengths vary; a key two requests share
+    proposes the first one's."""
+    V = backend.spec.target.vocab_size
+    table: dict[tuple[int, int], list[int]] = {}
+    for rid, (prompt, _, _) in requests.items():
+        full = prompt + plain[rid]
+        for i, t in enumerate(full):
+            drafts, wrong = (full[i + 1 : i + 16] + [0] * 15)[:15], (i * 5) % 8
+            if wrong < 7:
+                drafts[wrong] = (drafts[wrong] + 1) % V  # never the target's token
+            table.setdefault((i, t), drafts)
+    backend.engine.dflash.draft_hook = lambda start, last: table.get((start, last), [(last + 1) % V] * 15)
+
+
+def _verified(run: Run) -> list[dict]:
+    """Per decode step: request -> (position, drafts verified, tokens the runner committed) of its drafting rows."""
+    return [
+        {rid: (pos, r[1], len(r[0])) for rid, (pos, r) in step.items() if not isinstance(r, BaseException) and r[1]}
+        for step in run.steps
+    ]
+
+
+def _stop_inside_a_run(run: Run, requests: dict) -> frozenset[int]:
+    """A stop id that a verify step of `run` commits before the last token of its run, as that request's first
+    occurrence of it."""
+    for step in run.steps:
+        for rid, (pos, res) in step.items():
+            done = pos + 1 - len(requests[rid][0])  # the tokens of its output before this step's
+            chain, out = res[0], run.tokens[rid]
+            for j, t in enumerate(chain[:-1]):
+                if t not in out[: done + j]:
+                    return frozenset({t})
+    raise AssertionError("no verify step committed a first occurrence before the end of its run")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_batched_verify_equals_plain_decoding(backend, n):
+    requests = _requests(n)
+    free = _serve(backend, requests, speculative=False).tokens
+    _force_plain_drafts(backend, requests, free)
+    graphs = backend.engine.launches.graphs
+    for key in [k for k in graphs if "_taps" in k]:
+        del graphs[key]
+    run = _serve(backend, requests, speculative=True)
+    assert run.tokens == free
+    assert all(len(free[rid]) == req[1] for rid, req in requests.items())
+    spec = run.speculation
+    assert spec["speculative_steps"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    verified = _verified(run)
+    assert max(len(v) for v in verified) >= 2  # sequences drafted together
+    assert any("_taps" in k for k in graphs)  # ... in batched verify steps
+    assert max(a for acc in run.accepted.values() for a in acc) >= 2
+    # every step's rows (one a sequence, and its drafts) fit one batched step
+    assert all(len(s) + sum(r[1] for _, r in s.values() if isinstance(r, tuple)) <= MAX_BATCH for s in run.steps)
+    # a block across a KV page boundary; a request that ends at its max_tokens with an accepted run
+    assert any(pos // KV_PAGE != (pos + k) // KV_PAGE for v in verified for pos, k, _ in v.values())
+    ends = {rid: max(i for i, v in enumerate(verified) if rid in v) for rid in requests}
+    assert any(verified[ends[r]][r][2] >= 2 for r in requests)
+    # a stop id inside an accepted run: the runner's tokens past it are dropped, as plain decoding stops there
+    stop = _stop_inside_a_run(run, requests)
+    plain = _serve(backend, requests, speculative=False, stop_ids=stop).tokens
+    _force_plain_drafts(backend, requests, plain)
+    run = _serve(backend, requests, speculative=True, stop_ids=stop)
+    assert run.tokens == plain
+    ran = {rid: 1 + sum(len(s[rid][1][0]) for s in run.steps if rid in s) for rid in requests}
+    assert any(ran[rid] > len(plain[rid]) for rid in requests), ran
+
+
+def test_engines_own_drafter_in_batched_verify(backend):
+    """The real (random) drafter: the drafts a batched verify checks for a sequence are those its one-sequence
+    DFlash step checks at the same block (its own lane's drafter context, carried to its rows on the device), and
+    every committed token is plain decoding's."""
+    requests = {rid: (p, 8, sp) for rid, (p, _, sp) in _requests(3).items()}
+    plain = _serve(backend, requests, speculative=False).tokens
+    batched: dict[str, list[int]] = {}
+
+    def capture(runner) -> None:
+        verify = runner.batched
+        commit = verify._commit
+
+        def recording(seq, r0, drafts, tokens, inputs):
+            k = drafts.get(seq.request_id, 0)
+            if k and seq.request_id not in batched:
+                batched[seq.request_id] = inputs[r0 + 1 : r0 + 1 + k]
+            return commit(seq, r0, drafts, tokens, inputs)
+
+        verify._commit = recording
+
+    run = _serve(backend, requests, speculative=True, between=lambda i, core: i or capture(core.runner))
+    assert run.tokens == plain and run.speculation["speculative_steps"] > 0
+    assert set(batched) == set(requests)
+    dflash = backend.engine.dflash
+    wait = dflash.wait
+    for rid, (prompt, _, sp) in requests.items():
+        alone: list[list[int]] = []
+        dflash.wait = lambda launch: (lambda got: alone.append(got[0]) or got)(wait(launch))
+        try:
+            _serve(backend, {rid: (prompt, 8, sp)}, speculative=True)
+        finally:
+            dflash.wait = wait
+        assert batched[rid] == alone[0][: len(batched[rid])], rid
+    assert {t for d in batched.values() for t in d} != {0}  # (the rows' own ids are 0 until the drafts land)
+
+
+def test_emulated_acceptance_commits_k_drafts_as_each_alone(backend):
+    """`emulate_acceptance(K)`: every batched verify commits K drafts + 1, and each request's tokens and accepted
+    lengths are those of its one-sequence DFlash steps under the same emulation."""
+    k = 2
+    backend.emulate_acceptance(k)
+    requests = _requests(LANES)
+    run = _serve(backend, requests, speculative=True)
+    assert max(len(v) for v in _verified(run)) == LANES
+    spec = run.speculation
+    assert spec["accepted_tokens"] >= k * (spec["speculative_steps"] - LANES)  # (a last step may be cut)
+    for rid, req in list(requests.items())[::2]:  # (greedy and seeded ones)
+        alone = _serve(backend, {rid: req}, speculative=True)
+        assert run.tokens[rid] == alone.tokens[rid], rid
+        assert run.accepted[rid] == alone.accepted[rid] and set(alone.accepted[rid][:-1]) == {k}, rid
+
+
+def test_preemption_and_abort_between_verify_steps(backend):
+    """A KV budget that preempts sequences between their verify steps (each resumes by recompute and drafts
+    again) and a request aborted mid-run: every other request decodes what it decodes without speculation."""
+    requests = _requests(4)
+    plain = _serve(backend, requests, speculative=False).tokens
+    _force_plain_drafts(backend, requests, plain)
+    run = _serve(backend, requests, speculative=True, kv_tokens=KV_PAGE * 11)
+    assert run.tokens == plain and run.preemptions > 0
+    assert run.speculation["accepted_tokens"] > 0
+    gone = "r3"
+
+    def abort(step: int, core) -> None:
+        if step == 2:  # (after its prefill and its first verify step)
+            core.abort(gone)
+
+    run = _serve(backend, requests, speculative=True, between=abort)
+    assert {r: t for r, t in run.tokens.items() if r != gone} == {r: t for r, t in plain.items() if r != gone}
+    assert len(run.tokens[gone]) < len(plain[gone])
+
+
+def test_grammar_request_beside_drafting_ones(backend, tiny_checkpoint, tiny_ckpt):
+    """A request with a grammar (masked: the one-sequence path would not draft it) is a plain processed row of
+    the batched verify steps of the others; a grammar that fails at its third token fails its request alone."""
+    llguidance = pytest.importorskip("llguidance")
+    from test_fault_isolation import FailingGrammar
+    from thorgen.runtime.text.grammar import Grammar, tokenizer
+
+    tok = tokenizer(str(tiny_checkpoint / "tokenizer.json"), tiny_ckpt.spec.target.vocab_size, (1,))
+    regex = Grammar(llguidance.LLMatcher.grammar_from_regex(r"[a-z ]{4,40}\."), tok)
+    requests = _requests(4)
+    prompt, n, _ = requests["r2"]
+    requests["r2"] = (prompt, n, replace(GREEDY, grammar=regex))
+    plain = _serve(backend, requests, speculative=False, stop_ids=STOP).tokens
+    _force_plain_drafts(backend, requests, plain)
+    run = _serve(backend, requests, speculative=True, stop_ids=STOP)
+    assert run.tokens == plain
+    verified = _verified(run)
+    assert not any("r2" in v for v in verified) and max(len(v) for v in verified) >= 2
+    assert any(k.endswith("_taps_ext") for k in backend.engine.launches.graphs)
+    # a failing grammar (not speculative: its matcher has no free state) beside the drafting requests
+    requests["r2"] = (prompt, n, replace(GREEDY, grammar=FailingGrammar(3)))
+    run = _serve(backend, requests, speculative=True, plain=frozenset({"r2"}), stop_ids=STOP)
+    assert set(run.errors) == {"r2"} and len(run.tokens["r2"]) == 2  # (the prefill's token, then one more)
+    assert {r: t for r, t in run.tokens.items() if r != "r2"} == {r: t for r, t in plain.items() if r != "r2"}
+
+
+def test_cost_model_lets_the_policy_draft_per_sequence(backend):
+    """speculative_cost for a step of several sequences: finite while a sequence's equal share of the batched
+    step's rows holds its drafts, growing with them; the draft policy then drafts for a sequence whose drafts land
+    and not for one whose drafts miss."""
+    runner = backend.runner(LANES)
+    cost = runner.speculative_cost
+    assert cost(3, 8) < cost(4, 4) < cost(15, 2) < float("inf") and cost(4, 8) == float("inf")
+    assert cost(1, 2) > 1
+    planner = DraftPlanner(cost, 15, 256)
+    assert planner.best(estimate=3.0, cap=15, batch=4) == (MAX_BATCH // 4 - 1, True)  # (its share of the rows)
+    assert planner.best(estimate=0.0, cap=15, batch=4)[1] is False
