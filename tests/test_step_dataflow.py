@@ -117,7 +117,8 @@ def test_full_size_step_shapes_pass(tmp_path):
 
     names = _planned_step_shapes(get_preset("gemma-4-26b-a4b"), tmp_path, "full size")
     # every shape of _shapes, the DFlash and image ones included
-    assert len(names) == 17 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+    assert len(names) == 19 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+    assert "batched verify x32 processed" in names
 
 
 @pytest.mark.parametrize("formats", ["ALL_BF16", "EXPERTS_ONLY_NVFP4"])
@@ -131,7 +132,7 @@ def test_step_shapes_pass_in_every_linear_format(preset, formats, tmp_path):
 
     spec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, formats))
     names = _planned_step_shapes(spec, tmp_path, f"{preset} {formats}")
-    assert len(names) == 17 + 4 and "prefill 40 with images" in names
+    assert len(names) == 19 + 4 and "prefill 40 with images" in names
 
 
 def test_the_checks_catch_what_they_are_for(engine):
