@@ -193,40 +193,71 @@ def test_batched_verify_equals_plain_decoding(backend, n):
     assert any(ran[rid] > len(plain[rid]) for rid in requests), ran
 
 
+def _drafter_context(backend, lane: int, start: int, end: int) -> list[np.ndarray]:
+    """The drafter cache's K and V rows of positions start..end-1 in `lane`, every layer (bf16 bits)."""
+    kv = backend.engine.kv
+    out = []
+    for layer in kv.plan.drafter():
+        assert not layer.ring  # (the context fits: slot = position)
+        for buf in (kv.k(layer.layer, "drafter"), kv.v(layer.layer, "drafter")):
+            at = lane * layer.k_bytes + start * layer.row_bytes
+            out.append(buf.download(np.uint16, ((end - start) * layer.row_bytes // 2,), offset=at))
+    return out
+
+
 def test_engines_own_drafter_in_batched_verify(backend):
-    """The real (random) drafter: the drafts a batched verify checks for a sequence are those its one-sequence
-    DFlash step checks at the same block (its own lane's drafter context, carried to its rows on the device), and
-    every committed token is plain decoding's."""
+    """The real (random) drafter: the taps of the batched verify steps keep each sequence's drafter context current
+    (no catch-up prefill runs), holding what its one-sequence DFlash steps put there, and at every position the
+    drafts a batched verify checks for a sequence (carried to its rows on the device) are those its one-sequence
+    steps check there; every committed token is plain decoding's."""
     requests = {rid: (p, 8, sp) for rid, (p, _, sp) in _requests(3).items()}
     plain = _serve(backend, requests, speculative=False).tokens
-    batched: dict[str, list[int]] = {}
+    batched: dict[str, dict[int, list[int]]] = {rid: {} for rid in requests}
+    lanes: dict[str, int] = {}
+    runners = []
 
     def capture(runner) -> None:
+        runners.append(runner)
         verify = runner.batched
         commit = verify._commit
 
         def recording(seq, r0, drafts, tokens, inputs):
-            k = drafts.get(seq.request_id, 0)
-            if k and seq.request_id not in batched:
-                batched[seq.request_id] = inputs[r0 + 1 : r0 + 1 + k]
+            k, lanes[seq.request_id] = drafts.get(seq.request_id, 0), seq.lane
+            batched[seq.request_id][seq.num_tokens - 1] = inputs[r0 + 1 : r0 + 1 + k]
             return commit(seq, r0, drafts, tokens, inputs)
 
         verify._commit = recording
 
     run = _serve(backend, requests, speculative=True, between=lambda i, core: i or capture(core.runner))
-    assert run.tokens == plain and run.speculation["speculative_steps"] > 0
-    assert set(batched) == set(requests)
+    assert run.tokens == plain and run.speculation["speculative_steps"] >= 3 * 6
+    assert runners[0].caught_up_tokens == 0
+    # every position's context but the last one's, whose step drafted nothing (plain: room for one token left)
+    end = {rid: runners[0].spec.lanes[lanes[rid]].draft_upto for rid in requests}
+    assert all(end[rid] == len(p) + len(plain[rid]) - 2 for rid, (p, _, _) in requests.items())
+    context = {rid: _drafter_context(backend, lanes[rid], len(p), end[rid]) for rid, (p, _, _) in requests.items()}
     dflash = backend.engine.dflash
     wait = dflash.wait
-    for rid, (prompt, _, sp) in requests.items():
-        alone: list[list[int]] = []
-        dflash.wait = lambda launch: (lambda got: alone.append(got[0]) or got)(wait(launch))
+    for rid, (prompt, n, sp) in requests.items():
+        alone: dict[int, list[int]] = {}
+        at = [len(prompt)]
+
+        def recording(launch):
+            drafts, target, accepted = wait(launch)
+            alone[at[0]] = drafts
+            at[0] += accepted
+            return drafts, target, accepted
+
+        dflash.wait = recording
         try:
-            _serve(backend, {rid: (prompt, 8, sp)}, speculative=True)
+            _serve(backend, {rid: (prompt, n, sp)}, speculative=True, lanes=1)
         finally:
             dflash.wait = wait
-        assert batched[rid] == alone[0][: len(batched[rid])], rid
-    assert {t for d in batched.values() for t in d} != {0}  # (the rows' own ids are 0 until the drafts land)
+        for got, want in zip(context[rid], _drafter_context(backend, 0, len(prompt), end[rid])):
+            assert np.array_equal(got, want), rid
+        assert len(batched[rid]) >= 5 and set(batched[rid]) <= set(alone), rid
+        for pos, drafts in batched[rid].items():
+            assert drafts == alone[pos][: len(drafts)], (rid, pos)
+    assert {t for d in batched.values() for ds in d.values() for t in ds} != {0}  # (the rows' ids until drafts land)
 
 
 def test_emulated_acceptance_commits_k_drafts_as_each_alone(backend):

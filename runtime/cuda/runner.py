@@ -56,7 +56,7 @@ class Pipeline:
 class CudaRunner:
     """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes and `kv_tokens` positions of its pages
     (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements; default: the
-    engine's options)."""
+    engine's options). `batched_verify` off: sequences that decode together never draft (A/B measurements)."""
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class CudaRunner:
         max_num_seqs: int | None = None,
         launch_ahead: bool | None = None,
         kv_tokens: int | None = None,
+        batched_verify: bool = True,
     ) -> None:
         self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
@@ -82,7 +83,7 @@ class CudaRunner:
         self.logits = RequestLogits(engine.set_logits, engine.read_logits, engine.spec.target.vocab_size)
         self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
         self.batched: BatchedVerify | None = None  # batched verify steps (None: a build without their programs)
-        if engine.dflash is not None and self.max_num_seqs > 1:
+        if batched_verify and engine.dflash is not None and self.max_num_seqs > 1:
             batched = BatchedVerify(engine.steps, engine.dflash, self.spec, self.logits, engine.fwd)
             self.batched = None if batched.missing else batched
 

@@ -124,4 +124,14 @@ class StagingRing:
         self._pinned.free()
 
 
-__all__ = ["BATCH", "DRAFT_ROWS", "ENGINE_SLOTS", "ROW_INPUT", "ROW_TOKEN", "SPEC_BLOCK", "SPEC_STEP", "Slot", "StagingRing"]
+__all__ = [
+    "BATCH",
+    "DRAFT_ROWS",
+    "ENGINE_SLOTS",
+    "ROW_INPUT",
+    "ROW_TOKEN",
+    "SPEC_BLOCK",
+    "SPEC_STEP",
+    "Slot",
+    "StagingRing",
+]
