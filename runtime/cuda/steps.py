@@ -1,4 +1,5 @@
-"""Runtime stage: `DecodeSteps`, the engine's plain decode steps (one row, or a batch of sequences): launch, then wait.
+"""Runtime stage: `DecodeSteps`, the engine's decode steps (one row, or a batch of sequences, also a batched verify's
+rows: runtime/cuda/spec_batch.py): launch, then wait.
 
 A step is staged through the pinned staging ring (runtime/cuda/staging.py), replayed as a captured graph
 (runtime/cuda/launch_lists.py), and its tokens copied back into its staging slot; `wait` reads them once the
