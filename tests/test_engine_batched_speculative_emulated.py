@@ -123,6 +123,11 @@ def _serve(
     return Run(out, accepted, steps, dict(core.speculation), sum(s.preemptions for s in seqs), errors)
 
 
+def _wrong_slot(position: int) -> int:
+    """The draft slot _force_plain_drafts plants a wrong token in for a block at `position` (7: none)."""
+    return (position * 5) % 8
+
+
 def _force_plain_drafts(backend, requests: dict, plain: dict[str, list[int]]) -> None:
     """draft_hook: the plain continuation after (position, last token), from every request's plain tokens, with a
     wrong token planted at slot (position * 5) % 8 (7: none), so acceptance lengths vary; a key two requests share
@@ -132,7 +137,7 @@ def _force_plain_drafts(backend, requests: dict, plain: dict[str, list[int]]) ->
     for rid, (prompt, _, _) in requests.items():
         full = prompt + plain[rid]
         for i, t in enumerate(full):
-            drafts, wrong = (full[i + 1 : i + 16] + [0] * 15)[:15], (i * 5) % 8
+            drafts, wrong = (full[i + 1 : i + 16] + [0] * 15)[:15], _wrong_slot(i)
             if wrong < 7:
                 drafts[wrong] = (drafts[wrong] + 1) % V  # never the target's token
             table.setdefault((i, t), drafts)
@@ -333,3 +338,30 @@ def test_cost_model_lets_the_policy_draft_per_sequence(backend):
     planner = DraftPlanner(cost, 15, 256)
     assert planner.best(estimate=3.0, cap=15, batch=4) == (MAX_BATCH // 4 - 1, True)  # (its share of the rows)
     assert planner.best(estimate=0.0, cap=15, batch=4)[1] is False
+
+
+def test_free_text_before_a_grammar_opens_is_drafted_in_batched_verify(backend, tiny_checkpoint, tiny_ckpt):
+    """A grammar that a token of the answer opens (a tool call under tool_choice auto) leaves the tokens before it
+    free: that request drafts in the batched verify steps beside the others until the opening token, its block cut
+    right after it, then decodes plain processed rows; every request's tokens equal plain decoding's."""
+    pytest.importorskip("llguidance")
+    from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
+
+    requests = _requests(3)
+    free = _serve(backend, requests, speculative=False).tokens["r1"]  # (the seeded one)
+    at = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # (its first occurrence opens it)
+    tok = tokenizer(str(tiny_checkpoint / "tokenizer.json"), tiny_ckpt.spec.target.vocab_size, (1,))
+    prompt, n, sp = requests["r1"]
+    requests["r1"] = (prompt, n + 8, replace(sp, grammar=Grammar(json_grammar(None, tok), tok, trigger=free[at])))
+    plain = _serve(backend, requests, speculative=False, stop_ids=STOP).tokens
+    assert plain["r1"][: at + 1] == free[: at + 1] and plain["r1"][at + 1 :] != free[at + 1 : len(plain["r1"])]
+    _force_plain_drafts(backend, requests, plain)
+    run = _serve(backend, requests, speculative=True, stop_ids=STOP)
+    assert run.tokens == plain
+    opened = len(prompt) + at  # the opening token's position (a step at position p commits p + 1 onwards)
+    drafted = [pos for v in _verified(run) for rid, (pos, _, _) in v.items() if rid == "r1"]
+    assert drafted and max(drafted) < opened  # drafts while free only
+    # the verify step that committed it stopped there, although its drafts of positions pos + 1..opened (slots
+    # 0..opened - pos - 1) were all right: without the grammar it would have committed one more
+    pos, (chain, drafts) = next(s["r1"] for s in run.steps if "r1" in s and s["r1"][0] + len(s["r1"][1][0]) == opened)
+    assert drafts >= opened - pos and _wrong_slot(pos) >= opened - pos, (pos, chain, drafts)
