@@ -120,6 +120,8 @@ def _serve(
                 accepted[o.request_id].append(o.accepted)
             if o.error is not None:
                 errors[o.request_id] = o.error
+    else:
+        raise AssertionError("the requests did not finish")
     return Run(out, accepted, steps, dict(core.speculation), sum(s.preemptions for s in seqs), errors)
 
 
@@ -130,8 +132,8 @@ def _wrong_slot(position: int) -> int:
 
 def _force_plain_drafts(backend, requests: dict, plain: dict[str, list[int]]) -> None:
     """draft_hook: the plain continuation after (position, last token), from every request's plain tokens, with a
-    wrong token planted at slot (position * 5) % 8 (7: none), so acceptance lengths vary; a key two requests share
-    proposes the first one's."""
+    wrong token planted at slot _wrong_slot(position), so acceptance lengths vary; a key two requests share proposes
+    the first one's."""
     V = backend.spec.target.vocab_size
     table: dict[tuple[int, int], list[int]] = {}
     for rid, (prompt, _, _) in requests.items():
