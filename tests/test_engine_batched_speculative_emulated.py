@@ -367,3 +367,24 @@ def test_free_text_before_a_grammar_opens_is_drafted_in_batched_verify(backend, 
     # 0..opened - pos - 1) were all right: without the grammar it would have committed one more
     pos, (chain, drafts) = next(s["r1"] for s in run.steps if "r1" in s and s["r1"][0] + len(s["r1"][1][0]) == opened)
     assert drafts >= opened - pos and _wrong_slot(pos) >= opened - pos, (pos, chain, drafts)
+
+
+def test_drafts_that_miss_turn_into_plain_batched_steps_and_probes(backend):
+    """The default (adaptive) draft policy with the real (random) drafter beside another sequence: after a few
+    batched verify steps whose drafts all miss, speculation is off and the sequences decode in plain batched steps
+    launched ahead; a probe then catches its drafter context up (one tap prefill) and verifies in a batch again.
+    Every token is plain decoding's."""
+    requests = {rid: (p, 60, sp) for rid, (p, _, sp) in _requests(2).items()}
+    plain = _serve(backend, requests, speculative=False).tokens
+    runners = []
+    run = _serve(
+        backend, requests, speculative=True, drafts=None, between=lambda i, core: i or runners.append(core.runner)
+    )
+    assert run.tokens == plain
+    runner, verified = runners[0], _verified(run)
+    drafting = [i for i, v in enumerate(verified) if v]
+    assert len(drafting) >= 3 and max(len(v) for v in verified) == 2  # (both sequences drafted together)
+    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+    assert max(gaps) >= DraftOptions().probe_every  # a probe after the plain steps
+    assert runner.caught_up_tokens > 0 and runner.ahead_steps > DraftOptions().probe_every  # (plain: launched ahead)
+    assert run.speculation["accepted_tokens"] == 0 and run.speculation["speculative_steps"] == sum(map(len, verified))
