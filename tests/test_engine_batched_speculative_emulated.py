@@ -4,8 +4,9 @@ lengths and max_tokens served together with speculation decode exactly what they
 token, when drafts land (forced: each request's plain continuation with planted mistakes, so accepted runs, runs
 cut by max_tokens and blocks across a KV page boundary occur), with the engine's own drafter, under emulated
 acceptance (every verify commits K drafts + 1: the same tokens as each request's one-sequence DFlash steps), across
-preemption and an abort, beside a request with a grammar (a plain processed row of the same step) and beside a
-request whose grammar fails (its failure stays its own)."""
+preemption and an abort, beside a request with a grammar (a plain processed row of the same step, or drafting
+while its grammar leaves the tokens free) and beside a request whose grammar fails (its failure stays its own); with
+the adaptive draft policy, drafts that miss turn into plain batched steps and probes."""
 
 from __future__ import annotations
 
