@@ -71,6 +71,11 @@ def _kinds(max_rows: int, drafter: bool, images: bool = False) -> Iterator[tuple
             for ext in (False, True):
                 flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
                 yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
+    if drafter:  # a batched verify step: several sequences' blocks as rows of one batched step, with the taps
+        for greedy in (True, False):
+            for ext in (False, True):
+                flags = dict(last=True, greedy=greedy, batched=True, taps=True, ext=ext)
+                yield "speculative", program_key(**flags), flags, 2, MAX_BATCH
     if images:  # the same prefill chunks holding image spans (after every text kind: those keep their order)
         for taps in (False, True) if drafter else (False,):
             flags = dict(last=False, taps=taps, images=True)

@@ -2,7 +2,9 @@
 holds its own sequence's DFlash context, so a speculative sequence resumes speculation once it decodes alone after
 batched steps (one tap prefill of the positions it missed), a chat's next turn reuses its drafter context while
 another speculative request ran in between, and a prefix copied from a running speculative lane brings the drafter
-context along. Each request's tokens equal those it gets alone with plain steps."""
+context along. Each request's tokens equal those it gets alone with plain steps. (Where sequences decode together
+these tests keep their steps plain, `batched_verify` off: the plain batched steps a sequence runs while the draft
+policy has speculation off for it leave its drafter context behind alike.)"""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import engine_emulator as EE  # noqa: E402
 pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from codegen's real plan
 
 from thorgen.runtime.backend import SamplingParams  # noqa: E402
+from thorgen.runtime.cuda.runner import CudaRunner  # noqa: E402
 from thorgen.runtime.engine.core import EngineCore  # noqa: E402
 from thorgen.runtime.options import DraftOptions  # noqa: E402
 
@@ -61,7 +64,7 @@ def test_a_speculative_sequence_resumes_after_batched_steps(backend):
     """Two speculative requests decode together (plain batched steps); once the short one finishes the long one
     catches its drafter context up and speculates again, with the tokens it gets alone."""
     a, b = [2] + list(range(300, 330)), [2] + list(range(400, 420))
-    runner = backend.runner(2)
+    runner = CudaRunner(backend.engine, 2, batched_verify=False)
     out, results = _drive(EngineCore(runner, drafts=FIXED), {0: [("a", a, 40, True), ("b", b, 6, True)]})
     assert runner.caught_up_tokens > 0
     assert results["a"].accepted_lengths, "no speculative step after the batch"
@@ -72,7 +75,7 @@ def test_a_speculative_sequence_resumes_after_batched_steps(backend):
 def test_no_catch_up_when_little_is_left(backend):
     """A sequence with fewer tokens to go than the catch-up is worth goes on with plain steps."""
     a, b = [2] + list(range(300, 330)), [2] + list(range(400, 420))
-    runner = backend.runner(2)
+    runner = CudaRunner(backend.engine, 2, batched_verify=False)
     # "a" misses ~60 positions while "b" runs (60 steps), then has 2 or 3 tokens to go: 60 > 16 * 3
     out, results = _drive(EngineCore(runner, drafts=FIXED), {0: [("a", a, 62, True), ("b", b, 60, True)]})
     assert runner.caught_up_tokens == 0 and not results["a"].accepted_lengths

@@ -73,6 +73,12 @@ def _shapes(f, max_rows: int, speculative: bool):
         yield "draft", dfw.block_ops(), STEP | {"ids"}
         for greedy in (True, False):  # (the acceptance rule: staged with a fresh block)
             yield f"verify greedy={greedy}", dfw.verify_ops(greedy), STEP | {"ids", "spec_rule"}
+        for rows, ext in ((2, False), (32, True)):  # a batched verify (runtime/cuda/spec_batch.py)
+            yield (
+                f"batched verify x{rows}{' processed' if ext else ''}",
+                f.ops(rows, last=True, greedy=False, batched=True, taps=True, ext=ext) + dfw.ctx_ops(rows),
+                STEP | {"ids"} | (EXT if ext else set()),
+            )
 
 
 def test_every_step_shape_passes(engine):
@@ -111,7 +117,8 @@ def test_full_size_step_shapes_pass(tmp_path):
 
     names = _planned_step_shapes(get_preset("gemma-4-26b-a4b"), tmp_path, "full size")
     # every shape of _shapes, the DFlash and image ones included
-    assert len(names) == 17 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+    assert len(names) == 19 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+    assert "batched verify x32 processed" in names
 
 
 @pytest.mark.parametrize("formats", ["ALL_BF16", "EXPERTS_ONLY_NVFP4"])
@@ -125,7 +132,7 @@ def test_step_shapes_pass_in_every_linear_format(preset, formats, tmp_path):
 
     spec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, formats))
     names = _planned_step_shapes(spec, tmp_path, f"{preset} {formats}")
-    assert len(names) == 17 + 4 and "prefill 40 with images" in names
+    assert len(names) == 19 + 4 and "prefill 40 with images" in names
 
 
 def test_the_checks_catch_what_they_are_for(engine):

@@ -229,7 +229,7 @@ class DFlashSteps:
 CATCH_UP_RATIO = 16
 
 
-def _free_run(seq, tokens: list[int]) -> list[int]:
+def grammar_free_run(seq, tokens: list[int]) -> list[int]:
     """The leading `tokens` its grammar leaves free, fed to it: a verify row after the token that opens the grammar
     (a tool call's trigger) was sampled without the mask it needs, so the step ends after that token."""
     kept: list[int] = []
@@ -358,7 +358,7 @@ class DFlashDecoder:
         # (k: bench --emulate-acceptance commits K drafts + 1 whatever the drafter said; the request may cap drafts)
         new = target[: accepted_count(drafts, target, most, k)]
         if seq.matcher is not None:
-            new = _free_run(seq, new[:room])
+            new = grammar_free_run(seq, new[:room])
         # rows 0..len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
         d.drafted(pos, pos + len(new), taps=True)
         # (the device's count equals len(new) unless a kernel is wrong: then the next step finds no match and waits)

@@ -167,17 +167,18 @@ class RequestLogits:
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
 
     def stage(self, seqs: list) -> bool:
-        """Upload the step's logits processing when any of `seqs` needs it (else the plain head runs): the
-        penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the host.
-        A sequence whose grammar fails raises its SequenceFailed before anything is uploaded."""
-        if not any(s.sampling.extended for s in seqs):
+        """Upload the step's logits processing when any of `seqs` (one a row; None: a row without processing, a
+        batched verify's block row) needs it (else the plain head runs): the penalties' token counts, logit_bias
+        and the grammar's allowed-token mask, computed now on the host. A sequence whose grammar fails raises its
+        SequenceFailed before anything is uploaded."""
+        if not any(s is not None and s.sampling.extended for s in seqs):
             return False
         rows = []
         for s in seqs:
-            sp = s.sampling
-            if not sp.processed:
+            if s is None or not s.sampling.processed:
                 rows.append(None)
                 continue
+            sp = s.sampling
             counts = None
             if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
                 counts = self._counts.get(s.request_id)
@@ -188,12 +189,14 @@ class RequestLogits:
         return True
 
     def picked(self, seqs: list, tokens: list[int]) -> dict[str, SequenceFailed]:
-        """After a staged step: feed the grammars and counts and keep the logprobs of each row; a row whose status
-        is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the token comes back
-        as its request's SequenceFailed (its token is not committed; the other rows stand)."""
+        """After a staged step (`seqs` as staged): feed the grammars and counts and keep the logprobs of each row;
+        a row whose status is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the
+        token comes back as its request's SequenceFailed (its token is not committed; the other rows stand)."""
         status, ids, lps, chosen = self.read_logits(len(seqs))
         failed = {}
         for r, (s, tok) in enumerate(zip(seqs, tokens)):
+            if s is None:  # (a row staged without processing)
+                continue
             if status[r]:
                 overflow = not status[r] & STATUS_NONE_ALLOWED
                 what = (

@@ -1,12 +1,12 @@
 """Runtime stage: `CudaRunner`, the engine core's ModelRunner over the CUDA Engine (runtime/cuda/backend.py opens
 both). It executes what the scheduler decided and nothing else: the KV manager's instructions (page-table rows,
-lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one, and
-DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts (batched
-steps are plain: above one sequence they are faster, docs/BENCHMARKS.md; speculative_cost tells the policy
-so). Each decode step is launched before the step before it is read
-(`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step launches the next one
-for every sequence that goes on (its input token carried on the device), a one-sequence step the next one that
-embeds the token it leaves in out_ids[0]."""
+lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one,
+DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts, and
+batched verify steps (runtime/cuda/spec_batch.py) where it gives drafts to sequences that decode together
+(speculative_cost gives the policy each one's cost). Each decode step but a batched verify is launched before the
+step before it is read (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step
+launches the next one for every sequence that goes on (its input token carried on the device), a one-sequence step
+the next one that embeds the token it leaves in out_ids[0]."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .dflash import DFlashDecoder
 from .engine import Engine
 from .logits_params import RequestLogits
 from .pieces import PIECE_ROW_LAYERS
+from .spec_batch import BatchedVerify, batched_verify_cost
 
 # What a DFlash step costs in plain one-sequence steps (the draft policy's model): on an H100 a sequence whose
 # drafts all missed decoded at 0.48x the plain rate
@@ -61,7 +62,7 @@ class Pipeline:
 class CudaRunner:
     """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes and `kv_tokens` positions of its pages
     (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements; default: the
-    engine's options)."""
+    engine's options). `batched_verify` off: sequences that decode together never draft (A/B measurements)."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class CudaRunner:
         max_num_seqs: int | None = None,
         launch_ahead: bool | None = None,
         kv_tokens: int | None = None,
+        batched_verify: bool = True,
     ) -> None:
         self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
@@ -86,6 +88,10 @@ class CudaRunner:
         self.pipe = Pipeline()
         self.logits = RequestLogits(engine.set_logits, engine.read_logits, engine.spec.target.vocab_size)
         self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
+        self.batched: BatchedVerify | None = None  # batched verify steps (None: a build without their programs)
+        if batched_verify and engine.dflash is not None and self.max_num_seqs > 1:
+            batched = BatchedVerify(engine.steps, engine.dflash, self.spec, self.logits, engine.fwd)
+            self.batched = None if batched.missing else batched
 
     @property
     def caught_up_tokens(self) -> int:
@@ -179,12 +185,29 @@ class CudaRunner:
                 self._settle(ahead)
                 ahead = None
         if len(seqs) > 1 or (ahead is not None and ahead.kind == "batch"):
+            if ahead is None and self.batched is not None:
+                drafts = self.batched.plan(seqs)
+                if drafts:
+                    return self._verify_batch(seqs, drafts, launched)
             return self._decode_batch(seqs, ahead, joining, launched)
         return [self._decode_one(seqs[0], ahead, launched)]
 
     def speculative_cost(self, drafts: int, batch: int) -> float:
-        # (the draft and verify graphs run the whole block whatever the count; batched steps are plain ones)
-        return SPEC_STEP_COST if batch == 1 else math.inf
+        # (one sequence: the draft and verify graphs run the whole block whatever the count; several: a batched
+        # verify step, spec_batch's model, where this build has its programs)
+        if batch == 1:
+            return SPEC_STEP_COST
+        return math.inf if self.batched is None else batched_verify_cost(drafts, batch)
+
+    def _verify_batch(self, seqs: list[Sequence], drafts: dict[str, int], launched: Callable[[], None] | None) -> list:
+        """A batched verify step (spec_batch.BatchedVerify), launched now and read before the next step is launched:
+        in this first version nothing is launched ahead of it."""
+        assert self.batched is not None
+        out = self.batched.step(seqs, drafts, launched)
+        self.pipe.on_device = None  # out_ids[0] holds row 0's token
+        if any(not s.sampling.greedy for s in seqs):
+            self.pipe.params_for = None  # the step wrote every row's parameters
+        return out
 
     def _decode_one(
         self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None
@@ -243,9 +266,11 @@ class CudaRunner:
         return [failed.get(s.request_id) or ([t], 0) for s, t in zip(seqs, new)]
 
     def _launch_next(self, seqs: list[Sequence], cur: Ahead, joining: list) -> Ahead | None:
-        """Launch the step after `cur`, when at least two rows go on and none needs host work between the steps
-        (logits processing: its counts and grammar mask need this step's token)."""
+        """Launch the step after `cur`, when at least two rows go on, none needs host work between the steps
+        (logits processing: its counts and grammar mask need this step's token) and none may draft in it."""
         if not self.launch_ahead or any(s.sampling.extended for s in [*seqs, *(s for s, _ in joining)]):
+            return None
+        if any(s.drafts_next for s in seqs):  # (the draft policy may make the next step a batched verify)
             return None
         # (room 1: this step is its last; 2 or more: it may go on, unless it stops)
         going = sorted((s for s in seqs if s.room(self.max_context) >= 2), key=lambda s: cur.rows[s.request_id][0])

@@ -54,12 +54,23 @@ SPEC_STEP = np.dtype(
     ]
 )
 
+# a batched verify's drafter blocks (runtime/cuda/spec_batch.py), one per drafting sequence: positions, KV lanes
+# and the last committed token of each
+DRAFT_ROWS = np.dtype(
+    [
+        ("positions", I32, (MAX_BATCH, VERIFY_ROWS)),
+        ("lanes", I32, (MAX_BATCH, VERIFY_ROWS)),
+        ("last", I32, (MAX_BATCH,)),
+    ]
+)
+
 ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while the DMA engine reads another)
 
 # Turns per kind. One-row inputs: 128, used in turn (the stream is synchronised at least every 128 steps).
 # One-row, batched and DFlash steps: two each (a runner launches step n + 1 before it waits for step n, so a slot
 # is rewritten only after the step that used it was waited for). The DFlash block is rewritten only when no step
-# is in flight (a step launched ahead reads its block from the device), the prefill token only after a wait.
+# is in flight (a step launched ahead reads its block from the device), the prefill token only after a wait; the
+# batched verify's drafter blocks likewise (that step is never launched ahead: the runner waits for it).
 ENGINE_SLOTS: dict[str, tuple[np.dtype, int]] = {
     "row_input": (ROW_INPUT, 128),
     "row_token": (ROW_TOKEN, 2),
@@ -67,6 +78,7 @@ ENGINE_SLOTS: dict[str, tuple[np.dtype, int]] = {
     "batch": (BATCH, 2),
     "spec_block": (SPEC_BLOCK, 1),
     "spec_step": (SPEC_STEP, 2),
+    "draft_rows": (DRAFT_ROWS, 1),
 }
 
 
@@ -112,4 +124,14 @@ class StagingRing:
         self._pinned.free()
 
 
-__all__ = ["BATCH", "ENGINE_SLOTS", "ROW_INPUT", "ROW_TOKEN", "SPEC_BLOCK", "SPEC_STEP", "Slot", "StagingRing"]
+__all__ = [
+    "BATCH",
+    "DRAFT_ROWS",
+    "ENGINE_SLOTS",
+    "ROW_INPUT",
+    "ROW_TOKEN",
+    "SPEC_BLOCK",
+    "SPEC_STEP",
+    "Slot",
+    "StagingRing",
+]

@@ -1,4 +1,5 @@
-"""Runtime stage: `DecodeSteps`, the engine's plain decode steps (one row, or a batch of sequences): launch, then wait.
+"""Runtime stage: `DecodeSteps`, the engine's decode steps (one row, or a batch of sequences, also a batched verify's
+rows: runtime/cuda/spec_batch.py): launch, then wait.
 
 A step is staged through the pinned staging ring (runtime/cuda/staging.py), replayed as a captured graph
 (runtime/cuda/launch_lists.py), and its tokens copied back into its staging slot; `wait` reads them once the
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH, SAMPLE_PARAMS
+from ...model_spec.step_program import DRAFT_CONTEXT
 from ..backend import BackendError
 from .device import Device, Stream, check, driver
 from .graphs import CudaGraph
@@ -96,21 +98,31 @@ class DecodeSteps:
         return self._read_back("row_token", 1, 1)
 
     def launch_batch(
-        self, rows: list[tuple[int, int, int, Any]], carried: dict[int, int] | None = None, ext: bool = False
+        self,
+        rows: list[tuple[int, int, int, Any]],
+        carried: dict[int, int] | None = None,
+        ext: bool = False,
+        taps: bool = False,
     ) -> BatchLaunch:
         """Stage and enqueue one batched forward without waiting for it: rows of (KV lane, position, token id,
         sampling params or None for greedy), each the next token of its own sequence. The rows run the graph of the
         smallest bucket holding them (17..32 rows: the M = 32 kernels, each weight byte read once for all rows);
         padding rows repeat row 0 (they rewrite its K/V with the same values, and their tokens are dropped).
-        `carried` maps a row to a row of the batched launch before this one: that row's input token is the one the
-        previous launch computes there (copied on the device; the row's own token id is ignored), so a runner can
-        launch step n + 1 before step n's tokens reach the host."""
+        `carried` maps a row to a row of `carry` on the device: that row's input token is the one there (the row's
+        own token id is ignored). The batched launch before this one leaves its tokens there, so a runner can
+        launch step n + 1 before step n's tokens reach the host; a batched verify's drafter leaves its drafts.
+        `taps` (a batched verify, runtime/cuda/spec_batch.py): several rows may be one sequence's consecutive
+        positions in its lane (rowwise attention is causal: every row's K/V is written before any row attends);
+        the DFlash taps of every row go into the drafter context of its lane and position (the drafter's context
+        program after the forward), and the rows' input token ids are read back with the tokens (`inputs`)."""
         n = len(rows)
         if not 1 <= n <= MAX_BATCH:
             raise BackendError(f"a batched decode step of {n} rows: 1..{MAX_BATCH}")
-        if len({r[0] for r in rows}) != n or not all(0 <= r[0] < self.lanes for r in rows):
+        distinct = len({r[:2] for r in rows}) if taps else len({r[0] for r in rows})
+        if distinct != n or not all(0 <= r[0] < self.lanes for r in rows):
             raise BackendError(
-                f"batched decode: KV lanes {[r[0] for r in rows]} must be distinct, in 0..{self.lanes - 1}"
+                f"batched decode: KV lanes {[r[0] for r in rows]} (positions {[r[1] for r in rows]}) must be "
+                f"distinct{' (lane, position) pairs' if taps else ''}, in 0..{self.lanes - 1}"
             )
         carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
@@ -148,10 +160,15 @@ class DecodeSteps:
                 "batch sampling params",
             )
         self.launches.captured(
-            f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_ext" if ext else ""),
-            lambda: self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext),
-            f"decode x{B}",
+            f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_taps" if taps else "") + ("_ext" if ext else ""),
+            lambda: (
+                self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext, taps=taps)
+                + (self.fwd.program(DRAFT_CONTEXT, B) if taps else [])
+            ),
+            f"{'verify' if taps else 'decode'} x{B}",
         ).replay(self.stream)
+        if taps:  # (the same slot: its ids were copied to the device before, in stream order)
+            check(cu.cuMemcpyDtoHAsync(slot.at("ids"), ids, 4 * B, h), "verified input ids")
         # (the carried copy: a prefill may reuse out_ids before the next batched step reads these tokens)
         check(cu.cuMemcpyDtoDAsync(carry, self.act["out_ids"].ptr, 4 * B, h), "tokens to carry")
         return self._read_back("batch", B, n, slot)
@@ -172,6 +189,11 @@ class DecodeSteps:
         """The tokens of a launch_one or launch_batch (waits for that launch only, not for work enqueued after)."""
         launch.done.synchronize()
         return [int(t) for t in launch.slot.record["tokens"][: launch.rows]]
+
+    @staticmethod
+    def inputs(launch: BatchLaunch) -> list[int]:
+        """The input token ids a waited-for `taps` launch ran (carried rows included: a verify's drafts)."""
+        return [int(t) for t in launch.slot.record["ids"][: launch.rows]]
 
     @staticmethod
     def settle(launch: Any) -> None:

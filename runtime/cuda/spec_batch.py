@@ -1,0 +1,174 @@
+"""Runtime stage: batched verify, DFlash speculative decoding of several sequences in one step (`BatchedVerify`, for
+CudaRunner): each drafting sequence's drafter block, then one batched step whose rows are every sequence's input
+token and its drafts, and each sequence's accepted run decided from its own rows.
+
+Per step:
+  1. per drafting sequence, the draft graph (runtime/cuda/dflash.py) over its own lane's drafter context, its block
+     at pos..pos+15; its drafts 1..k are copied on the device into `carry`, at the rows they take in the verify.
+     One drafter launch per sequence for now: batching the drafter (the blocks of several lanes in one launch)
+     is a later step.
+  2. one batched step (DecodeSteps.launch_batch with `taps`): per sequence its input token at pos, then its k
+     drafts at pos+1..pos+k (carried from `carry`), all in its own KV lane. The target runs once over every row
+     (rowwise attention is causal within a sequence's rows: every row's K/V is written before any row attends),
+     each row picks its token as a plain step would (argmax, or the seeded sampler at position + 1: the draws of
+     plain decoding), and the drafter context of every row's position is projected from its taps. A sequence
+     without drafts is one plain row of the same step (its drafter context follows it too).
+  3. the host reads the tokens and the rows' inputs (the drafts) and commits, per sequence, the longest run where
+     draft i equals the target's token i, plus the token after it (accepted_count, the one-sequence rule). Rows
+     past the run hold K/V and drafter context of rejected tokens; the sequence's next step writes them again
+     before any query reads them (as after a one-sequence step, runtime/cuda/dflash.py).
+Launch-ahead is off for these steps in this first version: the runner waits for each before the next is scheduled
+(a step launched ahead would need every sequence's acceptance on the device to place its rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS, accepted_count
+from ...model_spec.step_program import program_key
+from ..backend import BackendError, SequenceFailed
+from ..engine.sequence import Sequence
+from .device import check, driver
+from .dflash import DFlashDecoder, DFlashSteps, grammar_free_run
+from .logits_params import RequestLogits
+from .programs import Forward
+from .staging import Slot
+from .steps import DecodeSteps
+
+# The draft policy's cost model of a batched verify step, NOT yet measured on a GPU (first guesses from the shape of
+# a memory-bound MoE step): the weights are read once for all rows, so each row past the first costs
+# BATCH_ROW_COST of a one-row step, and a sequence's drafter launch (its own 16-slot block) DRAFTER_COST.
+BATCH_ROW_COST = 0.04
+DRAFTER_COST = 0.5
+
+
+def batched_verify_keys() -> list[str]:
+    """The step programs a batched verify runs (codegen/programs.py lowers them): batched, with the DFlash taps."""
+    return [
+        program_key(last=True, greedy=greedy, batched=True, taps=True, ext=ext)
+        for greedy in (True, False)
+        for ext in (False, True)
+    ]
+
+
+def batched_verify_cost(drafts: int, batch: int) -> float:
+    """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in plain batched steps
+    of `batch` rows (speculative_cost's model above); infinite where its equal share of the step's MAX_BATCH rows
+    cannot hold them."""
+    if (drafts + 1) * batch > MAX_BATCH:
+        return math.inf
+    plain = 1 + BATCH_ROW_COST * (batch - 1)
+    return (plain + DRAFTER_COST + BATCH_ROW_COST * drafts) / plain
+
+
+class BatchedVerify:
+    """The batched verify steps of a CudaRunner: `plan` picks the sequences that draft in a step, `step` runs it."""
+
+    def __init__(
+        self, steps: DecodeSteps, dflash: DFlashSteps, decoder: DFlashDecoder, logits: RequestLogits, fwd: Forward
+    ) -> None:
+        self.steps, self.dflash, self.decoder, self.logits = steps, dflash, decoder, logits
+        self.parts = dflash.parts
+        self.missing = fwd.missing("speculative", *batched_verify_keys())  # (empty: it can run)
+
+    def plan(self, seqs: list[Sequence]) -> dict[str, int]:
+        """Request id -> its drafts this step, for each of `seqs` that the draft policy gives drafts and whose next
+        token could take a one-sequence DFlash step (DFlashDecoder.ready: no logits processing, its drafter context
+        current, after a catch-up prefill where it needs one). One row per sequence and every draft fit MAX_BATCH
+        rows: a sequence gets at most an equal share of the rows left (the draft policy asks for no more, unless
+        it is not adaptive)."""
+        want = [s for s in seqs if s.drafts > 0 and self.decoder.ready(s, _lane(s), s.num_tokens - 1)]
+        spare, out = MAX_BATCH - len(seqs), {}
+        for i, seq in enumerate(want):
+            k = min(seq.drafts, spare // (len(want) - i))
+            if k > 0:
+                out[seq.request_id] = k
+                spare -= k
+        return out
+
+    def step(
+        self, seqs: list[Sequence], drafts: dict[str, int], launched: Callable[[], None] | None
+    ) -> list[tuple[list[int], int] | SequenceFailed]:
+        """One batched verify step of `seqs`, `drafts` (plan's) for those that draft: per sequence its committed
+        tokens and the drafts it could accept (0: a plain row), or its row's SequenceFailed."""
+        rows: list[tuple[int, int, int, Any]] = []
+        owners: list[Sequence | None] = []  # each row's sequence where its logits are processed (a plain row)
+        first: dict[str, int] = {}
+        carried: dict[int, int] = {}
+        for seq in seqs:
+            lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
+            k, sampling = drafts.get(seq.request_id, 0), None if seq.sampling.greedy else seq.sampling
+            first[seq.request_id] = len(rows)
+            rows.append((lane, pos, last, sampling))
+            owners += [None if k else seq] + [None] * k
+            rows += [(lane, pos + j, 0, sampling) for j in range(1, k + 1)]
+        # (staged before the drafters: a grammar that fails raises before anything of the step is launched)
+        ext = self.logits.stage(owners)
+        block = self.parts.staging.next("draft_rows")
+        for i, seq in enumerate(s for s in seqs if s.request_id in drafts):
+            r0, k = first[seq.request_id] + 1, drafts[seq.request_id]
+            forced = self._draft(block, i, seq, r0, k)
+            if forced is None:
+                carried.update({r: r for r in range(r0, r0 + k)})
+            else:
+                rows[r0 : r0 + k] = [(*rows[r][:2], int(t), rows[r][3]) for r, t in zip(range(r0, r0 + k), forced)]
+        launch = self.steps.launch_batch(rows, carried, ext=ext, taps=True)
+        if launched is not None:
+            launched()
+        tokens = self.steps.wait(launch)
+        inputs = self.steps.inputs(launch)
+        failed = self.logits.picked(owners, tokens) if ext else {}
+        return [failed.get(s.request_id) or self._commit(s, first[s.request_id], drafts, tokens, inputs) for s in seqs]
+
+    def _draft(self, block: Slot, i: int, seq: Sequence, row: int, k: int) -> np.ndarray | None:
+        """The draft graph of `seq`'s block (sub-record i of the drafter blocks' slot); its drafts 1..k copied into
+        carry[row..row+k) on the device, or, with DFlashSteps.draft_hook, the hook's drafts (returned: the graph
+        still runs, so a step costs what it would)."""
+        cu, h, act = driver(), self.parts.stream.handle, self.parts.act
+        lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
+        rec, width = block.record, 4 * VERIFY_ROWS
+        rec["positions"][i], rec["lanes"][i], rec["last"][i] = np.arange(pos, pos + VERIFY_ROWS), lane, last
+        check(cu.cuMemcpyHtoDAsync(act["positions"].ptr, block.at("positions") + i * width, width, h), "positions")
+        check(cu.cuMemcpyHtoDAsync(act["lanes"].ptr, block.at("lanes") + i * width, width, h), "KV lanes")
+        check(cu.cuMemcpyHtoDAsync(act["ids"].ptr, block.at("last") + 4 * i, 4, h), "last token")
+        self.dflash.graph("draft").replay(self.parts.stream)
+        d = self.decoder.lanes[lane]
+        d.last_written = max(d.last_written, pos + VERIFY_ROWS - 1)  # (the block's drafter K/V)
+        if self.dflash.draft_hook is not None:
+            forced = np.asarray(self.dflash.draft_hook(pos, last), np.int32)
+            if forced.shape != (VERIFY_ROWS - 1,):
+                raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
+            return forced[:k]
+        check(cu.cuMemcpyDtoDAsync(act["carry"].ptr + 4 * row, act["ids"].ptr + 4, 4 * k, h), "drafts to verify")
+        return None
+
+    def _commit(
+        self, seq: Sequence, r0: int, drafts: dict[str, int], tokens: list[int], inputs: list[int]
+    ) -> tuple[list[int], int]:
+        """`seq`'s tokens from its rows r0.. of the step (its input row, then its drafts' rows), and the drafts it
+        could accept; its drafter context follows the committed positions."""
+        k, pos = drafts.get(seq.request_id, 0), seq.num_tokens - 1
+        lane = self.decoder.lanes[_lane(seq)]
+        if not k:
+            lane.drafted(pos, pos + 1, taps=True)
+            return [tokens[r0]], 0
+        most, room = 1 + k, seq.room(self.decoder.max_context)
+        target = tokens[r0 : r0 + most]
+        new = target[: accepted_count(inputs[r0 + 1 : r0 + most], target, most, self.dflash.emulate_acceptance)]
+        if seq.matcher is not None:  # (a grammar leaves these tokens free: Sequence.unmasked, DFlashDecoder.ready)
+            new = grammar_free_run(seq, new[:room])
+        # rows r0..r0+len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
+        lane.drafted(pos, pos + len(new), taps=True)
+        return new[:room], min(most, room) - 1
+
+
+def _lane(seq: Sequence) -> int:
+    assert seq.lane is not None, f"{seq.request_id} runs without a KV lane"
+    return seq.lane
+
+
+__all__ = ["BATCH_ROW_COST", "DRAFTER_COST", "BatchedVerify", "batched_verify_cost", "batched_verify_keys"]
