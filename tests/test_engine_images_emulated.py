@@ -326,3 +326,40 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     assert engine.pieces.chunk is None
     assert out["text"] == ref.generate(text, 24, SamplingParams()).token_ids
     assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
+
+
+def test_a_second_long_chunk_waits_for_the_one_in_pieces(pair, monkeypatch):
+    """While one chunk is part-way, another long chunk waits (None, nothing run: run whole it would hold the decode
+    steps back), then runs in pieces once the first is done and gives its whole run's logits; a chunk in flight
+    that others asked past MAX_WAITS times is forgotten."""
+    import numpy as np
+
+    from thorgen.runtime.cuda import pieces
+
+    cuda, _, ck = pair
+    engine = cuda.engine
+    table, kv = engine.buffers.pages, engine.buffers.kv.plan
+    for lane in (0, 1):
+        table.map(lane, 0, [(lane * kv.seq_pages + i) % kv.pages for i in range(table.pitch)])
+    a_ids, a_spans = prompt(ck.spec, 7)
+    b_ids, b_spans = prompt(ck.spec, 8)
+    a_img = [(s.offset, engine.vision.encode(s.image)) for s in a_spans]
+    b_img = [(s.offset, engine.vision.encode(s.image)) for s in b_spans]
+    engine.prefill(b_ids, lane=1, images=b_img)
+    b_whole = engine.logits()
+    monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(a_ids))
+    assert engine.prefill_piece(a_ids, lane=0, images=a_img) is None and engine.pieces.lane == 0
+    done = engine.pieces.chunk.done
+    assert engine.prefill_piece(b_ids, lane=1, images=b_img) is None  # waits
+    assert engine.pieces.lane == 0 and engine.pieces.chunk.done == done
+    while engine.prefill_piece(a_ids, lane=0, images=a_img) is None:
+        pass
+    while engine.prefill_piece(b_ids, lane=1, images=b_img) is None:
+        assert engine.pieces.lane == 1
+    assert np.array_equal(engine.logits(), b_whole)
+    monkeypatch.setattr(pieces, "MAX_WAITS", 2)
+    assert engine.prefill_piece(a_ids, lane=0, images=a_img) is None
+    for _ in range(2):
+        assert engine.prefill_piece(b_ids, lane=1, images=b_img) is None and engine.pieces.lane == 0
+    assert engine.prefill_piece(b_ids, lane=1, images=b_img) is None and engine.pieces.lane == 1  # a forgotten
+    engine.pieces.drop()

@@ -275,15 +275,19 @@ class Engine:
         """`prefill` of the prompt's last chunk (positions begin..P-1, at most max_rows) a few layers at a time
         (runtime/cuda/pieces.py): each call runs the chunk's next piece and returns None, the call that runs the
         last piece the first new token. A chunk another call started, unless of the same lane (then it was
-        scheduled anew and starts again), keeps its pieces: this one then runs whole."""
+        scheduled anew and starts again), keeps its pieces: this one then waits (returns None, nothing run)."""
         n = len(prompt)
         spans = chunk_images(images, begin, n) if images else []
         key = (lane, begin, n, greedy, taps, ext, tuple((r, len(e)) for r, e in spans))
         held = self.pieces.chunk
         if held is not None and held.key != key and held.key[0] == lane:
             self.pieces.drop()
-        if not 0 <= begin < n or n - begin > self.max_rows or self.pieces.busy(key):
+        if not 0 <= begin < n or n - begin > self.max_rows:
             return self.prefill(prompt, greedy, taps, launched, begin, lane, ext, images)
+        if self.pieces.busy(key):
+            if launched is not None:
+                launched()
+            return None
         rows, chunk = n - begin, self.pieces.current(key)
         self._stage_chunk(prompt, begin, rows, lane)
         if chunk is None:

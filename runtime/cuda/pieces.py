@@ -25,6 +25,9 @@ from .programs import Copy2D
 # as pieces.
 PIECE_ROW_LAYERS = 6144
 # staged again by every call of the runner's prefill (or engine state another sequence may change between pieces)
+# calls for other chunks a chunk in flight may go without running a piece before it is forgotten (it starts again
+# from its first layer if it comes back)
+MAX_WAITS = 64
 RESTAGED = frozenset(
     {"ids", "positions", "lanes", "params", "kv_pages", "logit_rows", "logit_counts", "logit_biases", "logit_masks"}
 )
@@ -92,6 +95,7 @@ class _Chunk:
     ranges: list[tuple[int, int]]
     kept: list[list[str]]  # per cut: the regions kept in the store across it
     done: int = 0  # pieces run
+    waits: int = 0  # calls for other chunks since this one last ran a piece
 
 
 class PrefillPieces:
@@ -104,8 +108,16 @@ class PrefillPieces:
         self._store: Any = None
 
     def busy(self, key: tuple) -> bool:
-        """Whether another chunk is in flight (a chunk of its own key may run in pieces only once it is done)."""
-        return self.chunk is not None and self.chunk.key != key
+        """Whether another chunk is in flight: the chunk `key` then waits its turn (run whole, it would hold the
+        decode steps back as long as running it in pieces avoids). A chunk in flight that has not moved while
+        others asked MAX_WAITS times (its sequence is no longer scheduled) is forgotten instead."""
+        if self.chunk is None or self.chunk.key == key:
+            return False
+        self.chunk.waits += 1
+        if self.chunk.waits > MAX_WAITS:
+            self.chunk = None
+            return False
+        return True
 
     def current(self, key: tuple) -> _Chunk | None:
         return self.chunk if self.chunk is not None and self.chunk.key == key else None
@@ -127,6 +139,7 @@ class PrefillPieces:
         if i < len(chunk.kept):
             ops += self._copies(chunk.kept[i], restore=False)
         chunk.done += 1
+        chunk.waits = 0
         return ops
 
     def finished(self, chunk: _Chunk) -> bool:
@@ -136,6 +149,11 @@ class PrefillPieces:
         """Forget the chunk in flight (of KV lane `lane`, or any): it ends, was preempted or failed."""
         if self.chunk is not None and (lane is None or self.chunk.key[0] == lane):
             self.chunk = None
+
+    @property
+    def lane(self) -> int | None:
+        """The KV lane of the chunk in flight (None: none)."""
+        return None if self.chunk is None else self.chunk.key[0]
 
     def _copies(self, names: list[str], restore: bool) -> list[Copy2D]:
         out, offset = [], 0

@@ -56,7 +56,7 @@ class Pipeline:
     on_device: tuple[str, int] | None = None  # (request, position) whose input token out_ids[0] holds
     joining: list[tuple[Sequence, int]] = field(default_factory=list)  # this step's prefills' first tokens
     params_for: str | None = None  # the request whose sampling parameters fill params[] (one-sequence steps)
-    pieced: str | None = None  # the request whose prefill chunk runs in pieces (engine.pieces), part-way
+    pieced: tuple[str, int] | None = None  # (request, KV lane) of the chunk engine.pieces holds part-way
 
 
 class CudaRunner:
@@ -160,9 +160,12 @@ class CudaRunner:
         images = self.engine.image_rows(seq, start, end)
         # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
         pieced = beside and (end - start) * self.engine.spec.target.num_hidden_layers >= PIECED_ROW_LAYERS
+        if not pieced:  # (a chunk of its own held part-way, from steps with company, is run whole now)
+            self.engine.pieces.drop(lane)
         run = self.engine.prefill_piece if pieced else self.engine.prefill
         tok = run(seq.tokens[:end], seq.sampling.greedy, taps, launched, start, lane, ext, images)
-        self.pipe.pieced = seq.request_id if tok is None else None
+        if self.engine.pieces.lane == lane:
+            self.pipe.pieced = (seq.request_id, lane)
         if tok is None:
             return PENDING
         if ext:
@@ -313,8 +316,8 @@ class CudaRunner:
             pipe.ahead = pipe.ahead._replace(rows={})
         if pipe.on_device is not None and pipe.on_device[0] == seq.request_id:
             pipe.on_device = None
-        if pipe.pieced == seq.request_id:  # (preempted or ended with its chunk part-way: it starts again)
-            self.engine.pieces.drop()
+        if pipe.pieced is not None and pipe.pieced[0] == seq.request_id:  # (preempted or ended part-way)
+            self.engine.pieces.drop(pipe.pieced[1])
             pipe.pieced = None
         self.engine.device.used()  # (the device keeps the peak for bench's report)
 
