@@ -308,6 +308,13 @@ def _soak(names: list[str], runs: dict, ctx: Context) -> str:
     return "\n\n".join(f"{_run_line(n, runs[n])}\n\n```\n{soak_text(runs[n])}\n```" for n in names)
 
 
+def _chain(names: list[str], runs: dict, ctx: Context) -> str:
+    """`thorgen bench kernels --chain N`: its table as printed."""
+    from .kernel_chain import format_chain  # (the runtime's cuda modules: only where such a run is drawn)
+
+    return "\n\n".join(f"{_run_line(n, runs[n])}\n\n```\n{format_chain(runs[n])}\n```" for n in names)
+
+
 # `thorgen bench --suite` measures per prompt and mode: (column, mode, key, format); speculative ones only where
 # the model has a drafter
 SUITE_MEASURES = [
@@ -419,6 +426,7 @@ VIEWS: dict[str, tuple[Callable[[dict], bool], Callable[[list[str], dict, Contex
     "serve": (lambda r: "levels" in r, _serve),
     "cases": (lambda r: isinstance(r.get("cases"), dict), _cases),
     "soak": (lambda r: "kinds" in r and "windows" in r, _soak),
+    "chain": (lambda r: isinstance(r.get("chain"), dict), _chain),
     "batched": (lambda r: "batched_decode" in r, _batched),
     "suite": (lambda r: isinstance(r.get("prompts"), list), _suite),
     "batched-kernels": (
