@@ -202,7 +202,7 @@ class ScriptedRunner:
             return [min(seq.stop_ids) if seq.stop_ids else 1]
         return tokens[done : done + n]
 
-    def prefill(self, seq, start: int, end: int, sample: bool, launched=None) -> int | None:
+    def prefill(self, seq, start: int, end: int, sample: bool, launched=None, beside=False) -> int | None:
         if seq.request_id not in self._runs:
             self._start(seq)
         if launched is not None:  # the delay stands for device time: host work may overlap it

@@ -55,9 +55,9 @@ class Recording:
         ):
             setattr(self, name, getattr(runner, name))
 
-    def prefill(self, seq, start, end, sample, launched=None):
+    def prefill(self, seq, start, end, sample, launched=None, beside=False):
         self.steps.append(("prefill", seq.request_id, start, end))
-        return self.inner.prefill(seq, start, end, sample, launched)
+        return self.inner.prefill(seq, start, end, sample, launched, beside)
 
     def decode(self, seqs, launched=None):
         self.steps.append(("decode", len(seqs)))
