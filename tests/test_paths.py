@@ -84,7 +84,7 @@ def test_build_writes_where_the_lookup_looks(tmp_path: Path, monkeypatch: pytest
 
     seen = {}
 
-    def fake(spec, arch, out, jobs=0):
+    def fake(spec, arch, out, jobs=0, **kwargs):
         seen["out"] = out
         raise builder.BuildError([])
 

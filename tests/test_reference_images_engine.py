@@ -60,9 +60,9 @@ def test_no_chunk_splits_an_image_span(tiny_ckpt, backend) -> None:
     chunks = []
     original = runner.prefill
 
-    def spy(seq, start, end, sample, launched=None):
+    def spy(seq, start, end, sample, launched=None, beside=False):
         chunks.append((start, end))
-        return original(seq, start, end, sample, launched)
+        return original(seq, start, end, sample, launched, beside)
 
     runner.prefill = spy
     core = EngineCore(runner, max_step_tokens=16)

@@ -28,9 +28,9 @@ def test_no_chunk_splits_a_frame(tiny_checkpoint, tiny_ckpt) -> None:
     chunks = []
     original = runner.prefill
 
-    def spy(seq, start, end, sample, launched=None):
+    def spy(seq, start, end, sample, launched=None, beside=False):
         chunks.append((start, end))
-        return original(seq, start, end, sample, launched)
+        return original(seq, start, end, sample, launched, beside)
 
     runner.prefill = spy
     tokens, _ = run(EngineCore(runner, max_step_tokens=16), {"a": (ids, spans)})

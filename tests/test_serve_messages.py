@@ -36,7 +36,7 @@ class CachingRunner(ScriptedRunner):
     def prefill(self, seq, start, end, sample, launched=None, beside=False):
         if start == 0:  # (what a prefix-cache hit of CACHED tokens reports; a script holds no K/V to reuse)
             seq.cached_prompt_tokens = min(CACHED, len(seq.prompt) - 1)
-        return super().prefill(seq, start, end, sample, launched)
+        return super().prefill(seq, start, end, sample, launched, beside)
 
 
 class CachingBackend(ScriptedBackend):
