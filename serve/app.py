@@ -250,12 +250,13 @@ def create_app(
         ctx = state.require_ready()
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'")
+        checked = validate_tools(req.tools)  # (a 400 for a bad tool with either form, as the schema says)
         if req.messages is not None:
             thinking = (req.chat_template_kwargs or {}).get("enable_thinking", False)
             images: list[ImageSource] = []
             videos: list[VideoSource] = []
             messages = template_messages(req.messages, images, videos)
-            tools = template_tools(validate_tools(req.tools))
+            tools = template_tools(checked)
             clips = await ctx.videos.load(videos, VideoSampling())  # the default sampling, as a chat request's
             ids = await prompt_ids(
                 ctx,

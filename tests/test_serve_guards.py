@@ -112,6 +112,19 @@ def test_lone_surrogates_are_400_and_the_connection_survives(tok):
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
+def test_tokenize_refuses_a_bad_tool_with_either_form(tok):
+    """/tokenize checks `tools` as the schema says (a function name of [A-Za-z0-9_.-]{1,64}) whether it renders
+    `messages` or only counts a `prompt`'s tokens."""
+    _, state = make_state(tok)
+    bad = [{"type": "function", "function": {"name": "]", "parameters": None}}]
+    with running_server(create_app(state)) as url:
+        for body in ({"prompt": "hi", "tools": bad}, {"messages": MSG, "tools": bad}):
+            r = httpx.post(url + "/tokenize", json=body)
+            assert r.status_code == 400 and "tools[0].function.name" in r.text, r.text
+        ok = [{"type": "function", "function": {"name": "get_time", "parameters": None}}]
+        assert httpx.post(url + "/tokenize", json={"prompt": "hi", "tools": ok}).status_code == 200
+
+
 STRICT = [
     ("temperature", "0.5"),
     ("temperature", True),
