@@ -278,12 +278,7 @@ def _bench(
         )
         rig.free(keep=[flush] if flush is not None else [])  # this case's buffers
     return {
-        "model": manifest.model,
-        "kernel_dir": str(manifest.path.parent),
-        "arch": manifest.arch,
-        "device": rig.device.info.name,
-        "copy_gbps": copy_gbps,
-        "iters": iters,
+        **_report_head(rig, manifest, copy_gbps, iters),
         "l2_flushed": flush_l2,
         "target_fraction": TARGET_FRACTION,
         "kernels": rows,
@@ -296,6 +291,11 @@ def _chain_bench(rig: KernelRig, manifest: KernelManifest, iters: int, n: int) -
         chain = run_chain(rig, manifest, load_bench_cases(manifest), n, copy_gbps, iters)
     except ValueError as exc:  # a build without the prologue forms
         raise BackendError(str(exc)) from exc
+    return {**_report_head(rig, manifest, copy_gbps, iters), "chain": chain}
+
+
+def _report_head(rig: KernelRig, manifest: KernelManifest, copy_gbps: float, iters: int) -> dict:
+    """What both kernel reports open with: the build, the device, its copy bandwidth and the timed iterations."""
     return {
         "model": manifest.model,
         "kernel_dir": str(manifest.path.parent),
@@ -303,7 +303,6 @@ def _chain_bench(rig: KernelRig, manifest: KernelManifest, iters: int, n: int) -
         "device": rig.device.info.name,
         "copy_gbps": copy_gbps,
         "iters": iters,
-        "chain": chain,
     }
 
 

@@ -247,18 +247,7 @@ class Engine:
                 self.steps.row_graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
             self._stage_chunk(prompt, start, rows, lane)
-            if spans:
-                copies = stage_images(self.buffers, self.stream, spans, start, rows)
-                key = (rows, last, greedy, taps, ext and last, *((r, len(e)) for r, e in spans))
-                self.launches.run(
-                    self.launches.eager(key, lambda: self._image_ops(rows, last, greedy, taps, ext and last, copies))
-                )
-                continue
-            self.launches.run(
-                self.launches.eager(
-                    (rows, last, greedy, taps, ext and last), lambda: self._text_ops(rows, last, greedy, taps, ext)
-                )
-            )
+            self.launches.run(self.launches.eager(*self._chunk_ops(spans, start, rows, last, greedy, taps, ext)))
         return self._first_token(launched)
 
     def prefill_piece(
@@ -291,12 +280,8 @@ class Engine:
         rows, chunk = n - begin, self.pieces.current(key)
         self._stage_chunk(prompt, begin, rows, lane)
         if chunk is None:
-            if spans:
-                copies = stage_images(self.buffers, self.stream, spans, begin, rows)
-                ops = self._image_ops(rows, True, greedy, taps, ext, copies)
-            else:
-                ops = self._text_ops(rows, True, greedy, taps, ext)
-            chunk = self.pieces.begin(key, ops, rows)
+            _, ops = self._chunk_ops(spans, begin, rows, True, greedy, taps, ext)
+            chunk = self.pieces.begin(key, ops(), rows)
         self.launches.run(self.launches.bind(self.pieces.next_launches(chunk)))
         if not self.pieces.finished(chunk):
             if launched is not None:
@@ -325,6 +310,18 @@ class Engine:
             launched()
         self.stream.synchronize()
         return int(slot.record["tokens"][0])
+
+    def _chunk_ops(
+        self, spans: list, start: int, rows: int, last: bool, greedy: bool, taps: bool, ext: bool
+    ) -> tuple[tuple, Callable[[], list]]:
+        """A chunk's images staged (if it holds any), and (the key of its launch list by shape, what builds the
+        list): the image program with its rows' copies, or the text one."""
+        ext = ext and last
+        if spans:
+            copies = stage_images(self.buffers, self.stream, spans, start, rows)
+            key = (rows, last, greedy, taps, ext, *((r, len(e)) for r, e in spans))
+            return key, lambda: self._image_ops(rows, last, greedy, taps, ext, copies)
+        return (rows, last, greedy, taps, ext), lambda: self._text_ops(rows, last, greedy, taps, ext)
 
     def _text_ops(self, rows: int, last: bool, greedy: bool, taps: bool, ext: bool) -> list:
         """A text chunk's launches (and the drafter's context projection of its taps)."""

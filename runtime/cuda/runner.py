@@ -166,6 +166,8 @@ class CudaRunner:
         tok = run(seq.tokens[:end], seq.sampling.greedy, taps, launched, start, lane, ext, images)
         if self.engine.pieces.lane == lane:
             self.pipe.pieced = (seq.request_id, lane)
+        elif self.pipe.pieced is not None and self.pipe.pieced[0] == seq.request_id:
+            self.pipe.pieced = None  # (its chunk is done, or was run whole)
         if tok is None:
             return PENDING
         if ext:
