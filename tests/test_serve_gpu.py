@@ -256,6 +256,28 @@ def test_speculative_server_equals_plain(server, tmp_path):
         _stop(proc, log)
 
 
+def test_batched_verify_equals_plain(server, tmp_path):
+    """Four greedy requests at once on a speculative server: their drafts are verified together in batched steps
+    (runtime/cuda/spec_batch.py), and each request's tokens equal the plain server's, with no batched step failing
+    over to running its sequences one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, model, kernels = server
+    prompts = [[2, 105, 150 + 7 * i, 151 + i, 152, 107] for i in range(4)]
+    plain = [_ids(url, p, 48, temperature=0) for p in prompts]
+    log = tmp_path / "serve-batched-verify.log"
+    proc, spec_url = _start(model, kernels, log, "--draft-tokens", "15")
+    try:
+        before = _metric(spec_url, "thorgen_speculative_steps_total")
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: _ids(spec_url, p, 48, temperature=0), prompts))
+        assert got == plain
+        assert _metric(spec_url, "thorgen_speculative_steps_total") > before  # drafts were verified
+        assert "a batched step of" not in log.read_text()
+    finally:
+        _stop(proc, log)
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"])
 def test_prefix_cache_hit_equals_miss(server, sampling):
     """A chat's next turn reuses the K/V the previous turn left (usage.prompt_tokens_details.cached_tokens) and
