@@ -23,8 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ...model_spec.nvfp4 import bf16_to_f32, dequantize_nvfp4, multiplier_of_divisor, quantize_nvfp4
+from ...model_spec.nvfp4 import multiplier_of_divisor
 from . import layouts as L
+from .quantize import quantize_bf16
 
 FUSIONS = ("single", "concat", "interleave8")
 
@@ -58,16 +59,9 @@ def pack_bf16_linear(parts: Sequence[np.ndarray], fusion: str) -> np.ndarray:
 def quantize_linear(w_bf16: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray, np.float32], dict]:
     """bf16 bits [N, K] -> ((packed, block scales, global multiplier), error) in the layout RedHatAI's
     compressed-tensors checkpoint gives (global = 2688/amax, one per linear); error = {"max_rel": max|Wq - W| /
-    max|W|, "rms_rel": ||Wq - W|| / ||W||} of the dequantized weight against the bf16 one."""
-    w = bf16_to_f32(w_bf16)
-    packed, scale, g = quantize_nvfp4(w)
-    diff = (dequantize_nvfp4(packed, scale, g) - w).astype(np.float64)
-    amax, norm = float(np.abs(w).max()), float(np.linalg.norm(w.astype(np.float64)))
-    error = {
-        "max_rel": float(np.abs(diff).max()) / amax if amax else 0.0,
-        "rms_rel": float(np.linalg.norm(diff)) / norm if norm else 0.0,
-    }
-    return (packed, scale, multiplier_of_divisor(g)), error
+    max|W|, "rms_rel": ||Wq - W|| / ||W||} of the dequantized weight against the bf16 one (convert/quantize.py)."""
+    q = quantize_bf16(w_bf16, with_error=True)
+    return (q.packed, q.scale, multiplier_of_divisor(q.global_scale)), q.error
 
 
 __all__ = ["FUSIONS", "pack_bf16_linear", "quantize_linear"]

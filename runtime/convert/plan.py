@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ...model_spec.checkpoint import Checkpoint
-from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, multiplier_of_divisor, quantize_nvfp4, unpack_e2m1
+from ...model_spec.nvfp4 import bf16_to_f32, global_scale_for, multiplier_of_divisor, unpack_e2m1
 from ...model_spec.tensors import TARGET_PREFIX, drafter_tensors, target_layer_tensors
 from ...model_spec.formats import role_of
 from ...model_spec.types import ALL_NVFP4, LinearFormats, ModelSpec
@@ -54,6 +54,7 @@ from ...model_spec.weight_layout import (
 )
 from . import layouts as L
 from .linears import pack_bf16_linear, quantize_linear
+from .quantize import quantize_bf16
 from .artifact import DRAFT_PREFIX, ArtifactError, OutTensor, chunks, release_pages
 
 DEFAULT_ARCH = "sm_90a"  # the H200; the artifact records the arch because the fp4 byte order depends on it
@@ -214,7 +215,9 @@ class Planner:
     def _nvfp4_parts(self, src: str, quantize: bool) -> tuple[np.ndarray, np.ndarray, np.float32]:
         if not quantize:
             return self.ck.nvfp4_parts(src)
-        parts, error = quantize_linear(self.ck.linear_bf16(src))
+        w = self.ck.linear_bf16(src)
+        parts, error = quantize_linear(w)
+        release_pages(w)
         self.quant_errors[src[len(TARGET_PREFIX) :]] = error
         return parts
 
@@ -285,9 +288,8 @@ class Planner:
                 packed = np.empty((n, width // 2), np.uint8)
                 scale = np.empty((n, width // GROUP), np.uint8)
                 for r in range(0, n, rows):  # row blocks bound the resident pages and fp32 temporaries
-                    packed[r : r + rows], scale[r : r + rows], _ = quantize_nvfp4(
-                        bf16_to_f32(emb[r : r + rows, c : c + width]), global_scale=g
-                    )
+                    q = quantize_bf16(emb[r : r + rows, c : c + width], global_scale=g)
+                    packed[r : r + rows], scale[r : r + rows] = q.packed, q.scale
                     release_pages(emb[r : r + rows])
                 w, s = pack_fp4(packed, scale, self.order)
                 yield tp.name, w
