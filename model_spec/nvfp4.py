@@ -138,12 +138,8 @@ def global_scale_for(amax: float) -> np.float32:
 def block_scales(w: np.ndarray, global_scale: np.float32) -> np.ndarray:
     """e4m3 block-scale bytes [N, K/16] of float32 w [N, K] for a given global scale (zero blocks -> 0.125)."""
     n, k = w.shape
-    return scales_from_amax(np.abs(w.reshape(n, k // GROUP, GROUP)).max(axis=2), global_scale)
-
-
-def scales_from_amax(amax: np.ndarray, global_scale: np.float32) -> np.ndarray:
-    """e4m3 block-scale bytes of blocks whose absolute maxima (float32) are `amax`: e4m3(amax / 6 * global)."""
-    s = (np.asarray(amax, np.float32) / np.float32(E2M1_MAX)).astype(np.float32) * np.float32(global_scale)
+    amax = np.abs(w.reshape(n, k // GROUP, GROUP)).max(axis=2)
+    s = (amax / np.float32(E2M1_MAX)).astype(np.float32) * np.float32(global_scale)
     codes = f32_to_e4m3(s)
     # Like compressed-tensors, a scale that is 0 after rounding to e4m3 becomes 0.125 (no division by zero).
     return np.where((codes & 0x7F) == 0, f32_to_e4m3(np.float32(ZERO_BLOCK_SCALE)), codes).astype(np.uint8)

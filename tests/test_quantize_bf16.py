@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from thorgen.model_spec.nvfp4 import bf16_to_f32, f32_to_bf16, quantize_nvfp4
+from thorgen.model_spec.nvfp4 import bf16_to_f32, block_scales, f32_to_bf16, quantize_nvfp4
 from thorgen.runtime.convert import quantize as Q
 from thorgen.runtime.convert.linears import quantize_linear
 
@@ -173,3 +173,23 @@ def test_all_zero_matrix_has_zero_error_and_the_zero_block_scale():
     packed, scale, g, _ = reference(np.zeros((16, 64), np.uint16))
     np.testing.assert_array_equal(q.scale, scale)
     assert q.global_scale == np.float32(g)
+
+
+@pytest.mark.parametrize("global_scale", [1.0, 6.0, 2688.0 / 0.37])
+def test_block_scale_codes_equal_block_scales_over_the_float32_range(global_scale):
+    """Every 4999th float32 bit pattern (zero, subnormals, each e4m3 binade and its midpoints, far past 448) and
+    every e4m3 value and midpoint, times 6 / global, as a block amax: the same e4m3 byte as model_spec/nvfp4.py
+    block_scales (f32_to_e4m3) gives."""
+    g = np.float32(global_scale)
+    grid = np.concatenate([E4M3_GRID, (E4M3_GRID[1:] + E4M3_GRID[:-1]) / 2])
+    amax = np.concatenate([np.arange(0, 0x7F800000, 4999, dtype=np.uint32).view(F32), _f32(grid * 6 / g)])
+    amax = amax.astype(F32)
+    with np.errstate(over="ignore"):  # amax / 6 * global past float32's range: both saturate
+        want = block_scales(np.repeat(amax, 16).reshape(-1, 16), g)[:, 0]
+        got = Q.block_scale_codes(amax, g)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_bad_global_scale_is_refused():
+    with pytest.raises(ValueError, match="global scale"):
+        Q.quantize_bf16(hard_matrix(16, 128, seed=6), global_scale=0.0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...model_spec.nvfp4 import bf16_to_f32, e4m3_to_f32, global_scale_for, scales_from_amax
+from ...model_spec.nvfp4 import E2M1_MAX, ZERO_BLOCK_SCALE, bf16_to_f32, e4m3_to_f32, f32_to_e4m3, global_scale_for
 from ...model_spec.weight_layout import GROUP
 
 BLOCK_ELEMENTS = 1 << 16  # values per row block: its float32 temporaries (256 KiB each) stay in L2
@@ -84,7 +84,9 @@ def quantize_bf16(w_bits: np.ndarray, global_scale: float | None = None, with_er
         raise ValueError("quantize_bf16: weight contains NaN or inf")
     amax = float(bf16_to_f32(np.array([top], np.uint16))[0])
     g = global_scale_for(amax) if global_scale is None else np.float32(global_scale)
-    scale = scales_from_amax(bf16_to_f32(amax_bits), g)
+    if not (np.isfinite(g) and g > 0):
+        raise ValueError(f"quantize_bf16: global scale {g} must be finite and > 0")
+    scale = block_scale_codes(bf16_to_f32(amax_bits), g)
     eff = (e4m3_to_f32(scale) / g).astype(np.float32)  # scale / global, formed first as compressed-tensors does
     packed = np.empty((n, k // 2), np.uint8)
     stats = _ErrorSums() if with_error else None
@@ -103,6 +105,28 @@ def quantize_bf16(w_bits: np.ndarray, global_scale: float | None = None, with_er
             "rms_rel": math.sqrt(stats.diff_sq) / math.sqrt(stats.w_sq) if stats.w_sq else 0.0,
         }
     return QuantizedBf16(packed, scale, np.float32(g), error)
+
+
+def block_scale_codes(amax: np.ndarray, global_scale: np.float32) -> np.ndarray:
+    """e4m3 block-scale bytes of blocks with these absolute maxima (float32 >= 0): e4m3(float32(amax / 6) *
+    global), round-to-nearest-even, saturating at 448, a zero replaced by 0.125, i.e. model_spec/nvfp4.py
+    `block_scales`; its f32_to_e4m3 in a third of the passes, as every scale here is finite and non-negative."""
+    s = (np.asarray(amax, np.float32) / np.float32(E2M1_MAX)).astype(np.float32)
+    s *= np.float32(global_scale)
+    bits = s.view(np.uint32)
+    # Normal range: round the mantissa to 3 bits (ties to even) on the bit pattern; then (exponent, mantissa) >> 20
+    # minus the bias difference (127 - 7) << 3 is the e4m3 code, saturated at 0x7E (448).
+    code = (bits >> np.uint32(20)) & np.uint32(1)
+    code += bits
+    code += np.uint32(0x7FFFF)
+    code >>= np.uint32(20)
+    code -= np.uint32((127 - 7) << 3)  # (wraps below the normal range; those are replaced next)
+    np.minimum(code, np.uint32(0x7E), out=code)
+    out = code.astype(np.uint8)
+    small = s < np.float32(2.0**-6)  # e4m3 subnormals: multiples of 2^-9, rint ties to even
+    out[small] = np.rint(s[small] * np.float32(512.0)).astype(np.uint8)
+    out[out == 0] = f32_to_e4m3(np.float32(ZERO_BLOCK_SCALE))  # compressed-tensors: no zero divisor
+    return out
 
 
 def _block_rows(k: int) -> int:
@@ -180,4 +204,4 @@ class _ErrorSums:
         self.diff_sq += float(np.add.reduce(wide, axis=None))
 
 
-__all__ = ["BLOCK_ELEMENTS", "QuantizedBf16", "block_amax_bits", "quantize_bf16"]
+__all__ = ["BLOCK_ELEMENTS", "QuantizedBf16", "block_amax_bits", "block_scale_codes", "quantize_bf16"]
