@@ -92,7 +92,7 @@ def pack_nvfp4(packed: np.ndarray, scale: np.ndarray, order: str) -> tuple[np.nd
     n, k = _check_nvfp4(packed, scale, order)
     units, steps = n // TILE_N, k // TILE_K
     # [unit, tile, gid, step, t4, 8 bytes] -> [step, unit, gid, t4, tile, 8 bytes] (lane = 4*gid + t4); the 8 bytes
-    # move as one uint64 (a byte-wise transpose costs twice as much)
+    # of a lane group move as one uint64 element, not eight byte elements
     lanes = np.ascontiguousarray(packed).view(np.uint64).reshape(units, 2, 8, steps, 4).transpose(3, 0, 2, 4, 1)
     w = np.ascontiguousarray(lanes).reshape(-1).view(np.uint8)
     if order == "shift":
