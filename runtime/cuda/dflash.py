@@ -282,15 +282,15 @@ class DFlashDecoder:
         s, d = self.lanes[src], self.lanes[dst]
         d.draft_upto, d.last_written = (min(s.draft_upto, tokens) if drafter else 0), s.last_written
 
-    def ready(self, seq, lane: int, pos: int) -> bool:
-        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and its next token takes no
-        logits processing (the verify graph applies none: a grammar only while it leaves the tokens free,
-        Sequence.unmasked), a verify block fits the context, and the drafter context covers positions 0..pos-1,
-        at once or after `catch_up`."""
+    def ready(self, seq, lane: int, pos: int, rows: bool = False) -> bool:
+        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative, a verify block fits the
+        context, the drafter context covers positions 0..pos-1 (at once or after `catch_up`), and its next token
+        takes no logits processing (the one-sequence verify graph applies none: a grammar only while it leaves the
+        tokens free, Sequence.unmasked) unless `rows`: a batched verify, which processes each row's logits."""
         return (
             seq.speculative
             and pos + VERIFY_ROWS <= self.max_context
-            and (not seq.sampling.extended or seq.unmasked())
+            and (rows or not seq.sampling.extended or seq.unmasked())
             and self.catch_up(seq, lane, pos)
         )
 
