@@ -176,3 +176,31 @@ def test_drafts_the_grammar_refuses_are_cut(backend, grammars, monkeypatch):
     assert len(walks) == len(planted) and planted.count(15) < len(planted)
     assert all(kept <= bad for (_, kept), bad in zip(walks, planted))  # cut at the refused draft, or before
     assert any(kept >= 2 for _, kept in walks) and run.speculation["accepted_tokens"] > 0
+
+
+def test_penalties_min_tokens_and_logprobs_equal_plain(backend):
+    """Penalties (each row counts the drafts before it as generated), min_tokens and logprobs under speculation:
+    the tokens and each token's logprobs are plain decoding's."""
+    from thorgen.runtime.engine.core import EngineCore
+    from thorgen.runtime.options import DraftOptions
+
+    sampling = replace(_sampled(4), presence_penalty=1.5, repetition_penalty=1.3, min_tokens=12, logprobs=2)
+    requests = {"pen": _prompt(4, sampling, 24), "free": _prompt(2, GREEDY, 20)}
+    plain = _serve(backend, requests, speculative=False, stop_ids=STOP)
+    _force_plain_drafts(backend, requests, plain.tokens)
+    got = {}
+    for speculative in (False, True):
+        core = EngineCore(backend.runner(2), drafts=DraftOptions(adaptive=False))
+        for rid, (p, n, sp) in requests.items():
+            core.add(rid, p, n, sp, STOP, speculative=speculative)
+        tokens, lps, accepted = [], [], []
+        while core.unfinished:
+            for o in core.step():
+                if o.request_id == "pen":
+                    tokens += o.token_ids
+                    lps += list(o.logprobs or ())
+                    accepted += [] if o.accepted is None else [o.accepted]
+        got[speculative] = (tokens, lps, accepted)
+    assert got[False][0] == got[True][0] == plain.tokens["pen"]
+    assert got[True][1] == got[False][1] and len(got[True][1]) == len(plain.tokens["pen"])
+    assert max(got[True][2]) >= 2  # (drafts landed)
