@@ -19,7 +19,9 @@ Rollback needs no work: the target rows and the drafter context rows beyond the 
 rejected tokens at positions start+acc+1..start+15, and the next step (block at start+acc+1..start+acc+16)
 writes every one of them again (its block K/V, then its verify K/V and context rows) before any query reads them;
 rings have window + 512 >= window + 16 slots, so a block never overwrites a key its own queries still need.
-Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids[0] change between steps.
+Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids[0] change between steps. They
+process no logits: a sequence whose grammar masks its tokens (or that has penalties, bias or logprobs) drafts in
+batched verify steps instead (runtime/cuda/spec_batch.py, a batch of one when it decodes alone).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 both). It executes what the scheduler decided and nothing else: the KV manager's instructions (page-table rows,
 lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one,
 DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts, and
-batched verify steps (runtime/cuda/spec_batch.py) where it gives drafts to sequences that decode together
-(speculative_cost gives the policy each one's cost). Each decode step but a batched verify is launched before the
+batched verify steps (runtime/cuda/spec_batch.py) where it gives drafts to sequences that decode together or to a
+lone one whose logits are processed (a grammar's mask: the DFlash graphs process none; speculative_cost gives the
+policy each one's cost). Each decode step but a batched verify is launched before the
 step before it is read (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step
 launches the next one for every sequence that goes on (its input token carried on the device), a one-sequence step
 the next one that embeds the token it leaves in out_ids[0]."""

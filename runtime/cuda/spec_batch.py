@@ -17,6 +17,12 @@ Per step:
      draft i equals the target's token i, plus the token after it (accepted_count, the one-sequence rule). Rows
      past the run hold K/V and drafter context of rejected tokens; the sequence's next step writes them again
      before any query reads them (as after a one-sequence step, runtime/cuda/dflash.py).
+A sequence whose logits are processed (a grammar that masks its tokens, penalties, logit_bias, min_tokens before it
+is met, logprobs) drafts too: its drafts are read back to the host after its draft graph (one copy and a wait), cut
+at the first one its grammar refuses (runtime/cuda/spec_grammar.py), forced into its rows, and every one of its rows
+processed as plain decoding processes that position (its own mask, the drafts before it counted as generated); its
+matcher takes only the committed tokens. A lone such sequence runs here too, in a batch of one: the one-sequence
+DFlash graph processes no logits. Emulated acceptance does not apply to it (its rows' masks follow its drafts).
 Launch-ahead is off for these steps in this first version: the runner waits for each before the next is scheduled
 (a step launched ahead would need every sequence's acceptance on the device to place its rows).
 """
