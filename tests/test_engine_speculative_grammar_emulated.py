@@ -204,3 +204,33 @@ def test_penalties_min_tokens_and_logprobs_equal_plain(backend):
     assert got[False][0] == got[True][0] == plain.tokens["pen"]
     assert got[True][1] == got[False][1] and len(got[True][1]) == len(plain.tokens["pen"])
     assert max(got[True][2]) >= 2  # (drafts landed)
+
+
+def test_walk_masks_each_row_and_leaves_the_matcher(tiny_checkpoint, tiny_ckpt):
+    """spec_grammar.walk: row j's mask is the grammar's after drafts 1..j (min_tokens keeps stop ids off where it
+    would), the drafts end before the first one a mask refuses and before a stop id, and the sequence's own
+    matcher is where it was."""
+    from thorgen.runtime.cuda.spec_grammar import walk
+    from thorgen.runtime.engine.sequence import Sequence
+
+    V = tiny_ckpt.spec.target.vocab_size
+    tok = tokenizer(str(tiny_checkpoint / "tokenizer.json"), V, tuple(STOP))
+    g = Grammar(llguidance.LLMatcher.grammar_from_regex(r"[0-9]{3,8}"), tok)
+    seq = Sequence("w", [2, 3], replace(GREEDY, grammar=g, min_tokens=4), 20, STOP)
+    seq.prepare(V)
+    first = seq.allowed(V)
+    digits = [int(t) for t in np.flatnonzero(first)[:6]]
+    refused = int(np.flatnonzero(~first)[-1])
+    run = walk(seq, digits + [refused, digits[0]], V)
+    assert run.drafts == digits and len(run.masks) == len(digits) + 1
+    m = g.matcher()
+    for j, mask in enumerate(run.masks):
+        want = m.allowed(V)
+        if j < 4:  # (fewer than min_tokens out: no stop id)
+            want[list(STOP)] = False
+        assert np.array_equal(mask, want), j
+        if j < len(digits):
+            m.accept(digits[j])
+    assert np.array_equal(seq.allowed(V), first)  # (the walk ran on a fork)
+    seq.output = [digits[0]] * 4  # (min_tokens met: the grammar may end with a stop id after 3+ digits)
+    assert walk(seq, digits[:3] + [1] + digits[:2], V).drafts == digits[:3]  # (nothing past a stop id)

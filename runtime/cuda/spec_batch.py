@@ -18,7 +18,7 @@ Per step:
      past the run hold K/V and drafter context of rejected tokens; the sequence's next step writes them again
      before any query reads them (as after a one-sequence step, runtime/cuda/dflash.py).
 A sequence whose logits are processed (a grammar that masks its tokens, penalties, logit_bias, min_tokens before it
-is met, logprobs) drafts too: its drafts are read back to the host after its draft graph (one copy and a wait), cut
+is met, logprobs) drafts too: its drafts are read back to the host after its draft graph (one wait for all such), cut
 at the first one its grammar refuses (runtime/cuda/spec_grammar.py), forced into its rows, and every one of its rows
 processed as plain decoding processes that position (its own mask, the drafts before it counted as generated); its
 matcher takes only the committed tokens. A lone such sequence runs here too, in a batch of one: the one-sequence
@@ -107,6 +107,16 @@ class BatchedVerify:
         owners: list[Any] = []  # each row's logits processing: its Sequence, a VerifyRow, or None (none)
         step = _Step()
         block = self.parts.staging.next("draft_rows")
+        drafting = [s for s in seqs if drafts.get(s.request_id, 0)]
+        sub = {s.request_id: i for i, s in enumerate(drafting)}  # its drafter block's sub-record
+        # the processed sequences' drafters first, their drafts read back with one wait for all of them
+        on_host = {
+            s.request_id: self._draft(block, sub[s.request_id], s, 0, drafts[s.request_id], True)
+            for s in drafting
+            if masked(s)
+        }
+        if any(d is None for d in on_host.values()):
+            self.parts.stream.synchronize()
         for seq in seqs:
             lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
             rid, sampling = seq.request_id, None if seq.sampling.greedy else seq.sampling
@@ -117,15 +127,16 @@ class BatchedVerify:
                 owners.append(seq)
                 continue
             step.proposed[rid] = k
-            host = masked(seq)
-            forced = self._draft(block, len(step.proposed) - 1, seq, r0 + 1, k, host)
-            if host:  # its grammar cuts the drafts; each row gets its own position's mask
-                assert forced is not None
+            i = sub[rid]
+            if rid in on_host:  # its grammar cuts the drafts; each row gets its own position's mask
+                forced = on_host[rid]
+                forced = block.record["drafts"][i][:k] if forced is None else forced
                 run = walk(seq, [int(t) for t in forced], self.logits.vocab)
                 forced, k = np.asarray(run.drafts, np.int32), len(run.drafts)
                 step.masked.add(rid)
                 owners += [VerifyRow(seq, tuple(run.drafts[:j]), m) for j, m in enumerate(run.masks)]
             else:
+                forced = self._draft(block, i, seq, r0 + 1, k, False)
                 owners += [None] * (1 + k)
             step.verified[rid] = k
             if forced is None:
@@ -151,8 +162,8 @@ class BatchedVerify:
 
     def _draft(self, block: Slot, i: int, seq: Sequence, row: int, k: int, host: bool) -> np.ndarray | None:
         """The draft graph of `seq`'s block (sub-record i of the drafter blocks' slot); its drafts 1..k copied into
-        carry[row..row+k) on the device, or returned: read back to the host where `host` (the stream waits for
-        them), or with DFlashSteps.draft_hook the hook's drafts (the graph still runs, so a step costs what it
+        carry[row..row+k) on the device, or where `host` into the slot's drafts[i] (once the stream is waited for),
+        or with DFlashSteps.draft_hook the hook's drafts, returned (the graph still runs, so a step costs what it
         would)."""
         cu, h, act = driver(), self.parts.stream.handle, self.parts.act
         lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
@@ -172,8 +183,7 @@ class BatchedVerify:
         if host:
             at, n = block.at("drafts") + i * 4 * (VERIFY_ROWS - 1), 4 * (VERIFY_ROWS - 1)
             check(cu.cuMemcpyDtoHAsync(at, act["ids"].ptr + 4, n, h), "drafts to walk")
-            self.parts.stream.synchronize()
-            return rec["drafts"][i][:k].copy()
+            return None
         check(cu.cuMemcpyDtoDAsync(act["carry"].ptr + 4 * row, act["ids"].ptr + 4, 4 * k, h), "drafts to verify")
         return None
 
