@@ -195,7 +195,8 @@ class CudaRunner:
                 self._settle(ahead)
                 ahead = None
         together = len(seqs) > 1 or (ahead is not None and ahead.kind == "batch")
-        if ahead is None and self.batched is not None and (self.verify_together if together else masked(seqs[0])):
+        alone_masked = not together and seqs[0].drafts > 0 and masked(seqs[0])
+        if ahead is None and self.batched is not None and (self.verify_together if together else alone_masked):
             drafts = self.batched.plan(seqs)
             if drafts:
                 return self._verify_batch(seqs, drafts, launched)
