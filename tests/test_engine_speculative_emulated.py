@@ -488,7 +488,8 @@ def test_drafts_that_miss_turn_into_plain_steps_launched_ahead(emu):
 def test_free_text_before_a_grammar_opens_is_drafted(emu, tiny_checkpoint):
     """A grammar that a token of the answer opens (a tool call under tool_choice auto): the free text before it
     runs DFlash steps with no mask, a verify block is cut right after the opening token (its later rows were
-    sampled unmasked), the grammar's tokens run plain processed steps, and the tokens equal plain decoding's."""
+    sampled unmasked), the grammar's tokens are drafted in verify steps of their own (a batch of one, every row
+    masked), and the tokens equal plain decoding's."""
     pytest.importorskip("llguidance")
     from thorgen.runtime.engine.core import EngineCore
     from thorgen.runtime.text.grammar import Grammar, json_grammar, tokenizer
@@ -515,4 +516,5 @@ def test_free_text_before_a_grammar_opens_is_drafted(emu, tiny_checkpoint):
     ends = np.cumsum([len(o.token_ids) for o in steps])
     opening = int(np.searchsorted(ends, at + 1))  # the step that committed the opening token (output index at)
     assert steps[opening].accepted is not None and ends[opening] == at + 1  # cut right after it
-    assert all(o.accepted is None for o in steps[opening + 1 : opening + 4])  # the grammar's: plain processed steps
+    masked = [o.accepted for o in steps[opening + 1 :] if o.accepted is not None]
+    assert masked and max(masked) >= 1  # the grammar's tokens: drafted, and drafts landed

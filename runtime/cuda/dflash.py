@@ -19,7 +19,9 @@ Rollback needs no work: the target rows and the drafter context rows beyond the 
 rejected tokens at positions start+acc+1..start+15, and the next step (block at start+acc+1..start+acc+16)
 writes every one of them again (its block K/V, then its verify K/V and context rows) before any query reads them;
 rings have window + 512 >= window + 16 slots, so a block never overwrites a key its own queries still need.
-Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids[0] change between steps.
+Both graphs have fixed shapes (16 rows): only positions (host -> device) and ids[0] change between steps. They
+process no logits: a sequence whose grammar masks its tokens (or that has penalties, bias or logprobs) drafts in
+batched verify steps instead (runtime/cuda/spec_batch.py, a batch of one when it decodes alone).
 """
 
 from __future__ import annotations
@@ -282,15 +284,15 @@ class DFlashDecoder:
         s, d = self.lanes[src], self.lanes[dst]
         d.draft_upto, d.last_written = (min(s.draft_upto, tokens) if drafter else 0), s.last_written
 
-    def ready(self, seq, lane: int, pos: int) -> bool:
-        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative and its next token takes no
-        logits processing (the verify graph applies none: a grammar only while it leaves the tokens free,
-        Sequence.unmasked), a verify block fits the context, and the drafter context covers positions 0..pos-1,
-        at once or after `catch_up`."""
+    def ready(self, seq, lane: int, pos: int, rows: bool = False) -> bool:
+        """Whether `seq` (in `lane`) takes a DFlash step at `pos`: it is speculative, a verify block fits the
+        context, the drafter context covers positions 0..pos-1 (at once or after `catch_up`), and its next token
+        takes no logits processing (the one-sequence verify graph applies none: a grammar only while it leaves the
+        tokens free, Sequence.unmasked) unless `rows`: a batched verify, which processes each row's logits."""
         return (
             seq.speculative
             and pos + VERIFY_ROWS <= self.max_context
-            and (not seq.sampling.extended or seq.unmasked())
+            and (rows or not seq.sampling.extended or seq.unmasked())
             and self.catch_up(seq, lane, pos)
         )
 

@@ -10,7 +10,7 @@ token of prompt + output), `biases` (16 B per logit_bias entry) and `masks` (V /
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -56,6 +56,14 @@ class TokenCounts:
             self.ids = np.insert(self.ids, i, np.int32(token))
             self.counts = np.insert(self.counts, i, np.int32(1))
 
+    def plus(self, tokens: tuple[int, ...]) -> TokenCounts:
+        """A copy with `tokens` counted as more output (a verify row's drafts before it)."""
+        out = TokenCounts.__new__(TokenCounts)
+        out.vocab, out.ids, out.counts = self.vocab, self.ids.copy(), self.counts.copy()
+        for t in tokens:
+            out.add(t)
+        return out
+
     @classmethod
     def of(cls, prompt: list[int], output: list[int], vocab: int) -> TokenCounts:
         tc = cls(prompt, vocab)
@@ -84,6 +92,15 @@ def mask_words(allowed: np.ndarray, vocab: int) -> np.ndarray:
         n = min(words.shape[0], src.shape[0])
         words[:n] = src[:n]
     return words
+
+
+class VerifyRow(NamedTuple):
+    """A row of a batched verify whose sequence's logits are processed: the sequence, its drafts before the row
+    (taken as generated: its penalties count them) and the row's mask (runtime/cuda/spec_grammar.py walk)."""
+
+    seq: Any
+    before: tuple[int, ...]
+    mask: Any
 
 
 @dataclass
@@ -167,36 +184,52 @@ class RequestLogits:
         self._counts: dict[str, TokenCounts] = {}  # prompt + output token counts of requests with penalties
 
     def stage(self, seqs: list) -> bool:
-        """Upload the step's logits processing when any of `seqs` (one a row; None: a row without processing, a
-        batched verify's block row) needs it (else the plain head runs): the penalties' token counts, logit_bias
-        and the grammar's allowed-token mask, computed now on the host. A sequence whose grammar fails raises its
-        SequenceFailed before anything is uploaded."""
-        if not any(s is not None and s.sampling.extended for s in seqs):
+        """Upload the step's logits processing when any of `seqs` (one a row: a sequence, a VerifyRow, or None: a
+        row without processing, a batched verify's row of a sequence that takes none) needs it (else the plain head
+        runs): the penalties' token counts, logit_bias and the grammar's allowed-token mask, computed now on the
+        host for a sequence (a VerifyRow brings its own). A sequence whose grammar fails raises its SequenceFailed
+        before anything is uploaded."""
+        if not any(_owner(s) is not None and _owner(s).sampling.extended for s in seqs):
             return False
         rows = []
         for s in seqs:
-            if s is None or not s.sampling.processed:
+            seq = _owner(s)
+            if seq is None or not seq.sampling.processed:
                 rows.append(None)
                 continue
-            sp = s.sampling
+            sp = seq.sampling
             counts = None
             if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
-                counts = self._counts.get(s.request_id)
+                counts = self._counts.get(seq.request_id)
                 if counts is None:
-                    counts = self._counts[s.request_id] = TokenCounts.of(s.prompt, s.output, self.vocab)
-            rows.append((sp, counts, _allowed(s, self.vocab)))
+                    counts = self._counts[seq.request_id] = TokenCounts.of(seq.prompt, seq.output, self.vocab)
+                if isinstance(s, VerifyRow) and s.before:
+                    counts = counts.plus(s.before)
+            rows.append((sp, counts, s.mask if isinstance(s, VerifyRow) else _allowed(seq, self.vocab)))
         self.set_logits(pack(rows, self.vocab))
         return True
 
     def picked(self, seqs: list, tokens: list[int]) -> dict[str, SequenceFailed]:
-        """After a staged step (`seqs` as staged): feed the grammars and counts and keep the logprobs of each row;
-        a row whose status is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the
-        token comes back as its request's SequenceFailed (its token is not committed; the other rows stand)."""
-        status, ids, lps, chosen = self.read_logits(len(seqs))
+        """After a staged step (`seqs` as staged, one token a row): `verified` with each sequence's one row."""
+        return self.verified(len(seqs), [(s, r, [t]) for r, (s, t) in enumerate(zip(seqs, tokens)) if s is not None])
+
+    def verified(self, rows: int, runs: list[tuple[Any, int, list[int]]]) -> dict[str, SequenceFailed]:
+        """After a staged step of `rows` rows, per (sequence, its first row, the tokens it commits from that row
+        on): feed its grammar and counts the tokens and keep their logprobs; a sequence that has a row whose status
+        is bad (a fully masked row, a non-finite processed logit) or whose grammar refuses the token comes back as
+        its request's SequenceFailed (its tokens are not committed; the other sequences' stand)."""
+        status, ids, lps, chosen = self.read_logits(rows)
         failed = {}
-        for r, (s, tok) in enumerate(zip(seqs, tokens)):
-            if s is None:  # (a row staged without processing)
-                continue
+        for s, r0, tokens in runs:
+            error = self._feed(s, r0, tokens, status, ids, lps, chosen)
+            if error is not None:
+                failed[s.request_id] = error
+        return failed
+
+    def _feed(self, s, r0: int, tokens: list[int], status, ids, lps, chosen) -> SequenceFailed | None:
+        entries = []
+        for j, tok in enumerate(tokens):
+            r = r0 + j
             if status[r]:
                 overflow = not status[r] & STATUS_NONE_ALLOWED
                 what = (
@@ -204,27 +237,27 @@ class RequestLogits:
                     if overflow
                     else "the grammar allows no token"
                 )
-                failed[s.request_id] = SequenceFailed(
-                    s.request_id, f"{what} at position {s.num_tokens}", request_fault=overflow
-                )
-                continue
+                return SequenceFailed(s.request_id, f"{what} at position {s.num_tokens + j}", request_fault=overflow)
             if s.matcher is not None:
                 try:
                     s.matcher.accept(tok)
                 except Exception as exc:
-                    failed[s.request_id] = SequenceFailed(
-                        s.request_id, f"the grammar failed: {type(exc).__name__}: {exc}"
-                    )
-                    continue
+                    return SequenceFailed(s.request_id, f"the grammar failed: {type(exc).__name__}: {exc}")
             if s.request_id in self._counts:
                 self._counts[s.request_id].add(tok)
-            k = s.sampling.logprobs
-            if k is not None:
-                s.step_logprobs = [logprob_entry(ids, lps, chosen, r, k)]
-        return failed
+            if s.sampling.logprobs is not None:
+                entries.append(logprob_entry(ids, lps, chosen, r, s.sampling.logprobs))
+        if s.sampling.logprobs is not None:
+            s.step_logprobs = entries
+        return None
 
     def forget(self, request_id: str) -> None:
         self._counts.pop(request_id, None)
+
+
+def _owner(row: Any) -> Any:
+    """The sequence of a staged row (a Sequence, a VerifyRow or None)."""
+    return row.seq if isinstance(row, VerifyRow) else row
 
 
 def _allowed(seq, vocab: int) -> np.ndarray:

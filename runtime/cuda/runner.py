@@ -2,8 +2,9 @@
 both). It executes what the scheduler decided and nothing else: the KV manager's instructions (page-table rows,
 lane claims and copies), prefill chunks, decode steps batched over every running sequence or graphed for one,
 DFlash steps (runtime/cuda/dflash.py) where the draft policy gives a sequence that decodes alone drafts, and
-batched verify steps (runtime/cuda/spec_batch.py) where it gives drafts to sequences that decode together
-(speculative_cost gives the policy each one's cost). Each decode step but a batched verify is launched before the
+batched verify steps (runtime/cuda/spec_batch.py) where it gives drafts to sequences that decode together or to a
+lone one whose logits are processed (a grammar's mask: the DFlash graphs process none; speculative_cost gives the
+policy each one's cost). Each decode step but a batched verify is launched before the
 step before it is read (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step
 launches the next one for every sequence that goes on (its input token carried on the device), a one-sequence step
 the next one that embeds the token it leaves in out_ids[0]."""
@@ -23,6 +24,7 @@ from .engine import Engine
 from .logits_params import RequestLogits
 from .pieces import PIECE_ROW_LAYERS
 from .spec_batch import BatchedVerify, batched_verify_cost
+from .spec_grammar import masked
 
 # What a DFlash step costs in plain one-sequence steps (the draft policy's model): on an H100 a sequence whose
 # drafts all missed decoded at 0.48x the plain rate
@@ -89,9 +91,12 @@ class CudaRunner:
         self.logits = RequestLogits(engine.set_logits, engine.read_logits, engine.spec.target.vocab_size)
         self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
         self.batched: BatchedVerify | None = None  # batched verify steps (None: a build without their programs)
-        if batched_verify and engine.dflash is not None and self.max_num_seqs > 1:
+        if engine.dflash is not None:
             batched = BatchedVerify(engine.steps, engine.dflash, self.spec, self.logits, engine.fwd)
             self.batched = None if batched.missing else batched
+        # (sequences that decode together draft in batched verify steps; a lone one whose logits are processed
+        # drafts in one of its own, whatever this says: the one-sequence DFlash graph processes none)
+        self.verify_together = batched_verify and self.max_num_seqs > 1
 
     @property
     def caught_up_tokens(self) -> int:
@@ -189,11 +194,13 @@ class CudaRunner:
             else:  # (its rows run again below: same inputs, same K/V, same tokens)
                 self._settle(ahead)
                 ahead = None
-        if len(seqs) > 1 or (ahead is not None and ahead.kind == "batch"):
-            if ahead is None and self.batched is not None:
-                drafts = self.batched.plan(seqs)
-                if drafts:
-                    return self._verify_batch(seqs, drafts, launched)
+        together = len(seqs) > 1 or (ahead is not None and ahead.kind == "batch")
+        alone_masked = not together and seqs[0].drafts > 0 and masked(seqs[0])
+        if ahead is None and self.batched is not None and (self.verify_together if together else alone_masked):
+            drafts = self.batched.plan(seqs)
+            if drafts:
+                return self._verify_batch(seqs, drafts, launched)
+        if together:
             return self._decode_batch(seqs, ahead, joining, launched)
         return [self._decode_one(seqs[0], ahead, launched)]
 
@@ -202,17 +209,17 @@ class CudaRunner:
         # verify step, spec_batch's model, where this build has its programs)
         if batch == 1:
             return SPEC_STEP_COST
-        return math.inf if self.batched is None else batched_verify_cost(drafts, batch)
+        return batched_verify_cost(drafts, batch) if self.batched is not None and self.verify_together else math.inf
 
     def _verify_batch(self, seqs: list[Sequence], drafts: dict[str, int], launched: Callable[[], None] | None) -> list:
         """A batched verify step (spec_batch.BatchedVerify), launched now and read before the next step is launched:
         in this first version nothing is launched ahead of it."""
         assert self.batched is not None
-        out = self.batched.step(seqs, drafts, launched)
+        # (before the step: one that fails part-way, then runs again, finds neither left as it was)
         self.pipe.on_device = None  # out_ids[0] holds row 0's token
         if any(not s.sampling.greedy for s in seqs):
-            self.pipe.params_for = None  # the step wrote every row's parameters
-        return out
+            self.pipe.params_for = None  # the step writes every row's parameters
+        return self.batched.step(seqs, drafts, launched)
 
     def _decode_one(
         self, seq: Sequence, ahead: Ahead | None, launched: Callable[[], None] | None

@@ -17,6 +17,12 @@ Per step:
      draft i equals the target's token i, plus the token after it (accepted_count, the one-sequence rule). Rows
      past the run hold K/V and drafter context of rejected tokens; the sequence's next step writes them again
      before any query reads them (as after a one-sequence step, runtime/cuda/dflash.py).
+A sequence whose logits are processed (a grammar that masks its tokens, penalties, logit_bias, min_tokens before it
+is met, logprobs) drafts too: its drafts are read back to the host after its draft graph (one wait for all such), cut
+at the first one its grammar refuses (runtime/cuda/spec_grammar.py), forced into its rows, and every one of its rows
+processed as plain decoding processes that position (its own mask, the drafts before it counted as generated); its
+matcher takes only the committed tokens. A lone such sequence runs here too, in a batch of one: the one-sequence
+DFlash graph processes no logits. Emulated acceptance does not apply to it (its rows' masks follow its drafts).
 Launch-ahead is off for these steps in this first version: the runner waits for each before the next is scheduled
 (a step launched ahead would need every sequence's acceptance on the device to place its rows).
 """
@@ -24,6 +30,7 @@ Launch-ahead is off for these steps in this first version: the runner waits for 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -34,8 +41,9 @@ from ..backend import BackendError, SequenceFailed
 from ..engine.sequence import Sequence
 from .device import check, driver
 from .dflash import DFlashDecoder, DFlashSteps, grammar_free_run
-from .logits_params import RequestLogits
+from .logits_params import RequestLogits, VerifyRow
 from .programs import Forward
+from .spec_grammar import masked, walk
 from .staging import Slot
 from .steps import DecodeSteps
 
@@ -76,12 +84,12 @@ class BatchedVerify:
         self.missing = fwd.missing("speculative", *batched_verify_keys())  # (empty: it can run)
 
     def plan(self, seqs: list[Sequence]) -> dict[str, int]:
-        """Request id -> its drafts this step, for each of `seqs` that the draft policy gives drafts and whose next
-        token could take a one-sequence DFlash step (DFlashDecoder.ready: no logits processing, its drafter context
-        current, after a catch-up prefill where it needs one). One row per sequence and every draft fit MAX_BATCH
-        rows: a sequence gets at most an equal share of the rows left (the draft policy asks for no more, unless
-        it is not adaptive)."""
-        want = [s for s in seqs if s.drafts > 0 and self.decoder.ready(s, _lane(s), s.num_tokens - 1)]
+        """Request id -> its drafts this step, for each of `seqs` that the draft policy gives drafts and that could
+        take a DFlash step (DFlashDecoder.ready: its drafter context current, after a catch-up prefill where it
+        needs one; logits processing is no bar here, every row may take its own). One row per sequence and every
+        draft fit MAX_BATCH rows: a sequence gets at most an equal share of the rows left (the draft policy asks for
+        no more, unless it is not adaptive)."""
+        want = [s for s in seqs if s.drafts > 0 and self.decoder.ready(s, _lane(s), s.num_tokens - 1, rows=True)]
         spare, out = MAX_BATCH - len(seqs), {}
         for i, seq in enumerate(want):
             k = min(seq.drafts, spare // (len(want) - i))
@@ -94,40 +102,69 @@ class BatchedVerify:
         self, seqs: list[Sequence], drafts: dict[str, int], launched: Callable[[], None] | None
     ) -> list[tuple[list[int], int] | SequenceFailed]:
         """One batched verify step of `seqs`, `drafts` (plan's) for those that draft: per sequence its committed
-        tokens and the drafts it could accept (0: a plain row), or its row's SequenceFailed."""
+        tokens and the drafts it proposed (0: a plain row), or its SequenceFailed."""
         rows: list[tuple[int, int, int, Any]] = []
-        owners: list[Sequence | None] = []  # each row's sequence where its logits are processed (a plain row)
-        first: dict[str, int] = {}
-        carried: dict[int, int] = {}
+        owners: list[Any] = []  # each row's logits processing: its Sequence, a VerifyRow, or None (none)
+        step = _Step()
+        block = self.parts.staging.next("draft_rows")
+        drafting = [s for s in seqs if drafts.get(s.request_id, 0)]
+        sub = {s.request_id: i for i, s in enumerate(drafting)}  # its drafter block's sub-record
+        # the processed sequences' drafters first, their drafts read back with one wait for all of them
+        on_host = {
+            s.request_id: self._draft(block, sub[s.request_id], s, 0, drafts[s.request_id], True)
+            for s in drafting
+            if masked(s)
+        }
+        if any(d is None for d in on_host.values()):
+            self.parts.stream.synchronize()
         for seq in seqs:
             lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
-            k, sampling = drafts.get(seq.request_id, 0), None if seq.sampling.greedy else seq.sampling
-            first[seq.request_id] = len(rows)
+            rid, sampling = seq.request_id, None if seq.sampling.greedy else seq.sampling
+            k = drafts.get(rid, 0)
+            step.first[rid] = r0 = len(rows)
             rows.append((lane, pos, last, sampling))
-            owners += [None if k else seq] + [None] * k
-            rows += [(lane, pos + j, 0, sampling) for j in range(1, k + 1)]
-        # (staged before the drafters: a grammar that fails raises before anything of the step is launched)
-        ext = self.logits.stage(owners)
-        block = self.parts.staging.next("draft_rows")
-        for i, seq in enumerate(s for s in seqs if s.request_id in drafts):
-            r0, k = first[seq.request_id] + 1, drafts[seq.request_id]
-            forced = self._draft(block, i, seq, r0, k)
-            if forced is None:
-                carried.update({r: r for r in range(r0, r0 + k)})
+            if not k:
+                owners.append(seq)
+                continue
+            step.proposed[rid] = k
+            i = sub[rid]
+            if rid in on_host:  # its grammar cuts the drafts; each row gets its own position's mask
+                forced = on_host[rid]
+                forced = block.record["drafts"][i][:k] if forced is None else forced
+                run = walk(seq, [int(t) for t in forced], self.logits.vocab)
+                forced, k = np.asarray(run.drafts, np.int32), len(run.drafts)
+                step.masked.add(rid)
+                owners += [VerifyRow(seq, tuple(run.drafts[:j]), m) for j, m in enumerate(run.masks)]
             else:
-                rows[r0 : r0 + k] = [(*rows[r][:2], int(t), rows[r][3]) for r, t in zip(range(r0, r0 + k), forced)]
-        launch = self.steps.launch_batch(rows, carried, ext=ext, taps=True)
+                forced = self._draft(block, i, seq, r0 + 1, k, False)
+                owners += [None] * (1 + k)
+            step.verified[rid] = k
+            if forced is None:
+                step.carried.update({r: r for r in range(r0 + 1, r0 + 1 + k)})
+            rows += [(lane, pos + j, 0 if forced is None else int(forced[j - 1]), sampling) for j in range(1, k + 1)]
+        # (staged after the drafters, whose drafts the masks follow: a grammar that fails raises before the verify)
+        ext = self.logits.stage(owners)
+        launch = self.steps.launch_batch(rows, step.carried, ext=ext, taps=True)
         if launched is not None:
             launched()
         tokens = self.steps.wait(launch)
         inputs = self.steps.inputs(launch)
-        failed = self.logits.picked(owners, tokens) if ext else {}
-        return [failed.get(s.request_id) or self._commit(s, first[s.request_id], drafts, tokens, inputs) for s in seqs]
+        out = {s.request_id: self._commit(s, step, tokens, inputs) for s in seqs}
+        failed = {}
+        if ext:  # the processed sequences' grammars, counts and logprobs take their committed tokens
+            runs = [
+                (s, step.first[s.request_id], out[s.request_id][0])
+                for s in seqs
+                if s.sampling.extended and (s.request_id not in step.verified or s.request_id in step.masked)
+            ]
+            failed = self.logits.verified(len(rows), runs)
+        return [failed.get(s.request_id) or out[s.request_id] for s in seqs]
 
-    def _draft(self, block: Slot, i: int, seq: Sequence, row: int, k: int) -> np.ndarray | None:
+    def _draft(self, block: Slot, i: int, seq: Sequence, row: int, k: int, host: bool) -> np.ndarray | None:
         """The draft graph of `seq`'s block (sub-record i of the drafter blocks' slot); its drafts 1..k copied into
-        carry[row..row+k) on the device, or, with DFlashSteps.draft_hook, the hook's drafts (returned: the graph
-        still runs, so a step costs what it would)."""
+        carry[row..row+k) on the device, or where `host` into the slot's drafts[i] (once the stream is waited for),
+        or with DFlashSteps.draft_hook the hook's drafts, returned (the graph still runs, so a step costs what it
+        would)."""
         cu, h, act = driver(), self.parts.stream.handle, self.parts.act
         lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
         rec, width = block.record, 4 * VERIFY_ROWS
@@ -143,27 +180,43 @@ class BatchedVerify:
             if forced.shape != (VERIFY_ROWS - 1,):
                 raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
             return forced[:k]
+        if host:
+            at, n = block.at("drafts") + i * 4 * (VERIFY_ROWS - 1), 4 * (VERIFY_ROWS - 1)
+            check(cu.cuMemcpyDtoHAsync(at, act["ids"].ptr + 4, n, h), "drafts to walk")
+            return None
         check(cu.cuMemcpyDtoDAsync(act["carry"].ptr + 4 * row, act["ids"].ptr + 4, 4 * k, h), "drafts to verify")
         return None
 
-    def _commit(
-        self, seq: Sequence, r0: int, drafts: dict[str, int], tokens: list[int], inputs: list[int]
-    ) -> tuple[list[int], int]:
-        """`seq`'s tokens from its rows r0.. of the step (its input row, then its drafts' rows), and the drafts it
-        could accept; its drafter context follows the committed positions."""
-        k, pos = drafts.get(seq.request_id, 0), seq.num_tokens - 1
+    def _commit(self, seq: Sequence, step: _Step, tokens: list[int], inputs: list[int]) -> tuple[list[int], int]:
+        """`seq`'s tokens from its rows of the step (its input row, then its drafts' rows), and the drafts it
+        proposed; its drafter context follows the committed positions."""
+        rid, pos = seq.request_id, seq.num_tokens - 1
+        r0, k, proposed = step.first[rid], step.verified.get(rid, 0), step.proposed.get(rid, 0)
         lane = self.decoder.lanes[_lane(seq)]
-        if not k:
-            lane.drafted(pos, pos + 1, taps=True)
-            return [tokens[r0]], 0
-        most, room = 1 + k, seq.room(self.decoder.max_context)
+        room = seq.room(self.decoder.max_context)
+        most = 1 + k
         target = tokens[r0 : r0 + most]
-        new = target[: accepted_count(inputs[r0 + 1 : r0 + most], target, most, self.dflash.emulate_acceptance)]
-        if seq.matcher is not None:  # (a grammar leaves these tokens free: Sequence.unmasked, DFlashDecoder.ready)
-            new = grammar_free_run(seq, new[:room])
+        # (emulated acceptance commits K drafts whatever they are: not where the rows' masks follow the drafts)
+        emulate = None if rid in step.masked else self.dflash.emulate_acceptance
+        new = target[: accepted_count(inputs[r0 + 1 : r0 + most], target, most, emulate)] if k else target[:1]
+        if seq.matcher is not None and proposed and rid not in step.masked:
+            new = grammar_free_run(seq, new[:room])  # (its grammar left these tokens free: Sequence.unmasked)
         # rows r0..r0+len(new)-1 held committed tokens: their drafter context is current (the rest is rewritten)
         lane.drafted(pos, pos + len(new), taps=True)
-        return new[:room], min(most, room) - 1
+        return new[:room], min(proposed, room - 1)
+
+
+@dataclass
+class _Step:
+    """A batched verify's bookkeeping, by request id: its first row, the drafts it proposed and those it verifies
+    (after its grammar's cut), which sequences have their logits processed at every row (spec_grammar); and the
+    rows whose input token is carried on the device."""
+
+    first: dict[str, int] = field(default_factory=dict)
+    proposed: dict[str, int] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)
+    masked: set[str] = field(default_factory=set)
+    carried: dict[int, int] = field(default_factory=dict)
 
 
 def _lane(seq: Sequence) -> int:

@@ -55,12 +55,13 @@ SPEC_STEP = np.dtype(
 )
 
 # a batched verify's drafter blocks (runtime/cuda/spec_batch.py), one per drafting sequence: positions, KV lanes
-# and the last committed token of each
+# and the last committed token of each; the drafts read back of a sequence whose grammar walks them
 DRAFT_ROWS = np.dtype(
     [
         ("positions", I32, (MAX_BATCH, VERIFY_ROWS)),
         ("lanes", I32, (MAX_BATCH, VERIFY_ROWS)),
         ("last", I32, (MAX_BATCH,)),
+        ("drafts", I32, (MAX_BATCH, VERIFY_ROWS - 1)),
     ]
 )
 

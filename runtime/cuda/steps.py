@@ -126,7 +126,7 @@ class DecodeSteps:
             )
         carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
-        B = next(b for b in DECODE_BUCKETS if b >= n)
+        B = next(b for b in DECODE_BUCKETS if b >= max(n, 2 if taps else 1))  # (a verify's programs start at 2 rows)
         padded = rows + [rows[0]] * (B - n)
         slot = self.staging.next("batch")
         rec = slot.record

@@ -106,10 +106,12 @@ class Sequence:
         if self.sampling.grammar is not None and self.matcher is None:
             self.matcher = self.sampling.grammar.matcher()
 
-    def allowed(self, vocab: int, picked: int = 0) -> Any:
+    def allowed(self, vocab: int, picked: int = 0, matcher: Any = None) -> Any:
         """The bool mask [vocab] of ids its next token may take, or None for all: the grammar's mask, with the stop
-        ids off while fewer than min_tokens tokens are out (`picked`: tokens chosen earlier in this step)."""
-        mask = None if self.matcher is None else self.matcher.allowed(vocab)
+        ids off while fewer than min_tokens tokens are out (`picked`: tokens chosen earlier in this step; `matcher`:
+        a fork of its matcher that took them, where they are drafts not yet committed)."""
+        matcher = self.matcher if matcher is None else matcher
+        mask = None if matcher is None else matcher.allowed(vocab)
         if len(self.output) + picked >= self.sampling.min_tokens or not self.stop_ids:
             return mask
         mask = np.ones(vocab, dtype=bool) if mask is None else mask.copy()

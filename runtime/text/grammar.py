@@ -143,6 +143,13 @@ class Matcher:
             walk.accept(token)
         return len(tokens)
 
+    def fork(self) -> "Matcher":
+        """An independent copy in the same state (a verify's walk through its drafts; this matcher stays as it
+        is)."""
+        walk = copy.copy(self)
+        walk._m = self._m.deep_copy()
+        return walk
+
     def accept(self, token: int) -> None:
         if self.state == "free":
             if token == self.grammar.trigger:
