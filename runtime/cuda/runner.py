@@ -209,7 +209,10 @@ class CudaRunner:
         # verify step, spec_batch's model, where this build has its programs)
         if batch == 1:
             return SPEC_STEP_COST
-        return batched_verify_cost(drafts, batch) if self.batched is not None and self.verify_together else math.inf
+        if self.batched is None or not self.verify_together:
+            return math.inf
+        moe = self.engine.spec.target
+        return batched_verify_cost(drafts, batch, moe.num_experts, moe.top_k_experts)
 
     def _verify_batch(self, seqs: list[Sequence], drafts: dict[str, int], launched: Callable[[], None] | None) -> list:
         """A batched verify step (spec_batch.BatchedVerify), launched now and read before the next step is launched:

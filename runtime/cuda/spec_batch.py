@@ -47,11 +47,14 @@ from .spec_grammar import masked, walk
 from .staging import Slot
 from .steps import DecodeSteps
 
-# The draft policy's cost model of a batched verify step, NOT yet measured on a GPU (first guesses from the shape of
-# a memory-bound MoE step): the weights are read once for all rows, so each row past the first costs
-# BATCH_ROW_COST of a one-row step, and a sequence's drafter launch (its own 16-slot block) DRAFTER_COST.
-BATCH_ROW_COST = 0.04
-DRAFTER_COST = 0.5
+# The draft policy's cost model of a batched verify step, in one-row decode steps, fitted to an H100 (full-size
+# synthetic checkpoint, `thorgen bench serve` at 1..32 streams, 2026-12-06, tree 3e54bec): a plain batched step of
+# b sequences took 1, 2.0, 2.3, 3.7 and 5.6 one-row steps at b = 1, 4, 8, 16, 32. A memory-bound MoE step grows
+# with the distinct experts its rows read (`experts_read`), and the routed experts are MOE_SHARE of a one-row step
+# (its top-k of them; by bytes ~37 % of the full model's step). A sequence's drafter launch (its own 16-slot block,
+# one launch a sequence) took ~1 ms beside the one-row step's 2.14 ms: DRAFTER_COST.
+MOE_SHARE = 0.34
+DRAFTER_COST = 0.47
 
 
 def batched_verify_keys() -> list[str]:
@@ -63,14 +66,26 @@ def batched_verify_keys() -> list[str]:
     ]
 
 
-def batched_verify_cost(drafts: int, batch: int) -> float:
-    """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in plain batched steps
-    of `batch` rows (speculative_cost's model above); infinite where its equal share of the step's MAX_BATCH rows
-    cannot hold them."""
+def experts_read(rows: int, experts: int, top_k: int) -> float:
+    """The distinct experts `rows` rows read on average, each routed to `top_k` of `experts` independently."""
+    return experts * (1 - (1 - top_k / experts) ** rows)
+
+
+def step_cost(rows: int, experts: int, top_k: int) -> float:
+    """A batched step of `rows` rows, in one-row steps: the experts past one row's top-k add their share."""
+    return 1 + MOE_SHARE * (experts_read(rows, experts, top_k) - top_k) / top_k
+
+
+def batched_verify_cost(drafts: int, batch: int, experts: int, top_k: int) -> float:
+    """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in its share of a plain
+    batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its drafter launch and
+    its draft rows' extra experts, against the step's time a sequence (the plain step's tokens a unit of time);
+    infinite where its equal share of the step's MAX_BATCH rows cannot hold them."""
     if (drafts + 1) * batch > MAX_BATCH:
         return math.inf
-    plain = 1 + BATCH_ROW_COST * (batch - 1)
-    return (plain + DRAFTER_COST + BATCH_ROW_COST * drafts) / plain
+    plain = step_cost(batch, experts, top_k)
+    extra = DRAFTER_COST + step_cost(batch + drafts, experts, top_k) - plain
+    return 1 + extra * batch / plain
 
 
 class BatchedVerify:
@@ -224,4 +239,4 @@ def _lane(seq: Sequence) -> int:
     return seq.lane
 
 
-__all__ = ["BATCH_ROW_COST", "DRAFTER_COST", "BatchedVerify", "batched_verify_cost", "batched_verify_keys"]
+__all__ = ["DRAFTER_COST", "MOE_SHARE", "BatchedVerify", "batched_verify_cost", "batched_verify_keys", "step_cost"]
