@@ -1,4 +1,5 @@
-"""Runtime stage: `LaunchLists`, step programs bound into launch lists: eager ones kept by shape, graphs captured once.
+"""Runtime stage: `LaunchLists`, step programs bound into launch lists: eager ones kept by shape (or by program row
+range, set for each row count in place), graphs captured once.
 
 A launch list is [(label, callable(stream))]: prepacked kernel launches (PDL where the kernels' convention and the
 program allow it) and strided copies. Branch-1 launches run on a side stream, forked from the main stream at the
@@ -51,9 +52,9 @@ class LaunchLists:
         self._fork_ev, self._join_ev = device.event(timing=False), device.event(timing=False)
         self._graph_events: list[Any] = []
         self.graphs: dict[str, CudaGraph] = {}
-        # Eager launch lists of prefill chunks and scoring passes by shape, most recent last: a ragged chunk (the
-        # step budget less the running decodes) recurs as often as the decode count does, and binding one costs
-        # milliseconds of Python (~450 launches) while the GPU waits.
+        # Eager launch lists of prefill chunks and scoring passes by shape (text chunks by program row range, see
+        # eager_rows), most recent last: binding one costs milliseconds of Python (~400 launches) while the GPU
+        # waits, and chunks of ever new sizes (a prompt's last, a drafter catch-up's) would each bind one.
         self._bound: OrderedDict[tuple, list[tuple[str, Any]]] = OrderedDict()
         # the lists kept per program row range (eager_rows), with what sets them for a row count
         self._patches: dict[tuple, RowPatch] = {}
