@@ -6,6 +6,7 @@ context it writes, and the token it samples, equal those of catch-ups that each 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +86,23 @@ def test_catch_ups_of_new_sizes_bind_nothing_and_write_what_fresh_lists_write(ba
     assert tokens == fresh_tokens
     fresh = _caches(engine)
     assert len(kept) == len(fresh) and all(np.array_equal(a, b) for a, b in zip(kept, fresh))
+
+
+def test_a_program_not_affine_in_the_row_count_keeps_a_list_per_row_count(backend):
+    """Where a launch's argument does not follow the row count affinely, no RowPatch can set the list: each row
+    count gets (and keeps) a list bound for it, as a fresh bind gives it."""
+    engine, lists = backend.engine, backend.engine.launches
+
+    def ops_at(rows: int) -> list:
+        ops = engine._text_ops(rows, True, True, True, False)
+        first = ops[0]
+        name = next(n for n in first.entry.args if type(first.args[n]) is int)  # (an integer argument, squared)
+        ops[0] = replace(first, args={**first.args, name: rows * rows})
+        return ops
+
+    before = lists.binds
+    at_20 = _values(lists.eager_rows(("squared",), 20, (18, 2048), ops_at))
+    at_30 = _values(lists.eager_rows(("squared",), 30, (18, 2048), ops_at))
+    again_20 = _values(lists.eager_rows(("squared",), 20, (18, 2048), ops_at))
+    assert lists.binds - before == 2
+    assert at_20 == again_20 == _values(lists.bind(ops_at(20))) and at_30 == _values(lists.bind(ops_at(30)))
