@@ -128,7 +128,7 @@ class LaunchLists:
                 stream.wait(ev)
                 launch(stream)
 
-        run.launch = launch  # type: ignore[attr-defined]  (RowPatch sets its arguments and grid)
+        run.launch = launch  # type: ignore[attr-defined]  # (RowPatch sets its arguments and grid)
         run.kernel = launch.kernel  # type: ignore[attr-defined]  (profiling labels)
         run.pdl = launch.pdl  # type: ignore[attr-defined]
         return run
