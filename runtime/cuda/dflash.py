@@ -304,7 +304,9 @@ class DFlashDecoder:
         keys before them (else the sequence goes on with plain steps). It writes the target's K/V of those
         positions again (the values a prompt's prefill gives) and never touches a page shared with another
         sequence: the positions were decoded, so their pages are the sequence's own until it finishes.
-        (out_ids[0] then holds the prefill's token, which the sequence already has.)"""
+        (out_ids[0] then holds the prefill's token, which the sequence already has.) Its row count differs from
+        one catch-up to the next, so the prefill runs the launch list its program's row range keeps, set for that
+        count in place (LaunchLists.eager_rows), not one bound afresh (~400 launches of host work at full size)."""
         d = self.lanes[lane]
         missing = pos - d.draft_upto
         if missing <= 0:

@@ -15,11 +15,12 @@ q|k|v, tap capture in prefill, and two 16-row graphs per step; otherwise `spec_m
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS
+from ...model_spec.step_program import DRAFT_CONTEXT, program_key
 from ...model_spec.types import ModelSpec
 from ..backend import MAX_TOP_LOGPROBS, BackendError, ImageRowCache, SamplingParams, check_image_spans
 from ..convert.artifact import WeightsArtifact
@@ -247,7 +248,7 @@ class Engine:
                 self.steps.row_graph(greedy if last else True, ext and last).replay(self.stream)
                 continue
             self._stage_chunk(prompt, start, rows, lane)
-            self.launches.run(self.launches.eager(*self._chunk_ops(spans, start, rows, last, greedy, taps, ext)))
+            self.launches.run(self._chunk_launches(spans, start, rows, last, greedy, taps, ext))
         return self._first_token(launched)
 
     def prefill_piece(
@@ -310,6 +311,22 @@ class Engine:
             launched()
         self.stream.synchronize()
         return int(slot.record["tokens"][0])
+
+    def _chunk_launches(
+        self, spans: list, start: int, rows: int, last: bool, greedy: bool, taps: bool, ext: bool
+    ) -> list[tuple[str, Any]]:
+        """A chunk's launch list: a text chunk's, one per kind of chunk and program row range, set for `rows`
+        (LaunchLists.eager_rows: chunks of new sizes bind nothing); one holding images, one per shape."""
+        if spans:
+            return self.launches.eager(*self._chunk_ops(spans, start, rows, last, greedy, taps, ext))
+        ext = ext and last
+        keys = [program_key(last=last, greedy=greedy, taps=taps, ext=ext), *([DRAFT_CONTEXT] if taps else [])]
+        return self.launches.eager_rows(
+            ("text", last, greedy, taps, ext),
+            rows,
+            self.fwd.span(keys, rows),
+            lambda r: self._text_ops(r, last, greedy, taps, ext),
+        )
 
     def _chunk_ops(
         self, spans: list, start: int, rows: int, last: bool, greedy: bool, taps: bool, ext: bool

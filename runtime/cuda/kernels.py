@@ -89,6 +89,13 @@ class PackedArgs:
     def address(self) -> int:
         return ctypes.addressof(self._array) if self._store else 0
 
+    def set(self, i: int, value: int) -> None:
+        """Argument `i` becomes the integer `value` (in its packed width): launches after this one pass it."""
+        c = self._store[i]
+        c.value = value
+        if c.value != value:
+            raise ModuleError(f"argument {i}: {value} does not fit its {ctypes.sizeof(c)}-byte parameter")
+
     def __len__(self) -> int:
         return len(self._store)
 
@@ -153,6 +160,11 @@ class Launch:
             ),
             f"launch {self.kernel.name}",
         )
+
+    def regrid(self, grid: tuple[int, int, int]) -> None:
+        """Launch on `grid` from now on (a PDL launch's config is built again)."""
+        self.grid = grid
+        self._cfg = None
 
     def _config(self, stream: Stream) -> Any:
         cfg = getattr(self, "_cfg", None)

@@ -1,4 +1,5 @@
-"""Runtime stage: `LaunchLists`, step programs bound into launch lists: eager ones kept by shape, graphs captured once.
+"""Runtime stage: `LaunchLists`, step programs bound into launch lists: eager ones kept by shape (or by program row
+range, set for each row count in place), graphs captured once.
 
 A launch list is [(label, callable(stream))]: prepacked kernel launches (PDL where the kernels' convention and the
 program allow it) and strided copies. Branch-1 launches run on a side stream, forked from the main stream at the
@@ -16,6 +17,7 @@ from .graphs import CudaGraph
 from .kernels import KernelSet
 from ..options import EngineOptions
 from .programs import Copy2D, _grid
+from .row_patch import RowPatch, row_patch
 
 BOUND_KEEP = 64  # eager launch lists kept (a few MB of packed parameters)
 
@@ -50,10 +52,14 @@ class LaunchLists:
         self._fork_ev, self._join_ev = device.event(timing=False), device.event(timing=False)
         self._graph_events: list[Any] = []
         self.graphs: dict[str, CudaGraph] = {}
-        # Eager launch lists of prefill chunks and scoring passes by shape, most recent last: a ragged chunk (the
-        # step budget less the running decodes) recurs as often as the decode count does, and binding one costs
-        # milliseconds of Python (~450 launches) while the GPU waits.
+        # Eager launch lists of prefill chunks and scoring passes by shape (text chunks by program row range, see
+        # eager_rows), most recent last: binding one costs milliseconds of Python (~400 launches) while the GPU
+        # waits, and chunks of ever new sizes (a prompt's last, a drafter catch-up's) would each bind one.
         self._bound: OrderedDict[tuple, list[tuple[str, Any]]] = OrderedDict()
+        # the lists kept per program row range (eager_rows), with what sets them for a row count
+        self._patches: dict[tuple, RowPatch] = {}
+        self._per_rows: set[tuple] = set()  # (keys whose programs a RowPatch cannot follow)
+        self.binds = 0  # eager lists bound (each a whole program through `bind`)
 
     @property
     def pdl(self) -> bool:
@@ -122,6 +128,7 @@ class LaunchLists:
                 stream.wait(ev)
                 launch(stream)
 
+        run.launch = launch  # type: ignore[attr-defined]  # (RowPatch sets its arguments and grid)
         run.kernel = launch.kernel  # type: ignore[attr-defined]  (profiling labels)
         run.pdl = launch.pdl  # type: ignore[attr-defined]
         return run
@@ -145,10 +152,40 @@ class LaunchLists:
         """The eager launch list `key`, bound from `ops()` unless one of the most recent lists has that key."""
         launches = self._bound.get(key)
         if launches is None:
-            launches = self._bound[key] = self.bind(ops())
-            if len(self._bound) > BOUND_KEEP:
-                self._bound.popitem(last=False)
+            launches = self._keep(key, self.bind(ops()))
         self._bound.move_to_end(key)
+        return launches
+
+    def eager_rows(
+        self, key: tuple, rows: int, span: tuple[int, int], ops_at: Callable[[int], list]
+    ) -> list[tuple[str, Any]]:
+        """The eager launch list of `ops_at(rows)`, a program whose row range `span` (lo, hi: the same kernels for
+        every row count in it) holds `rows`: one list per `key` and range, bound once and set for each row count
+        in place (RowPatch), so chunks of ever new sizes (a drafter catch-up's, a prompt's last) bind nothing."""
+        key = (*key, span)
+        if key in self._per_rows:
+            return self.eager((*key, rows), lambda: ops_at(rows))
+        launches, patch = self._bound.get(key), self._patches.get(key)
+        if launches is None or patch is None:
+            ops = ops_at(rows)
+            launches = self.bind(ops)
+            patch = row_patch(launches, ops, ops_at, rows, span)
+            if patch is None:  # (a launch not affine in the row count: lists per row count, as `eager` keeps)
+                self._per_rows.add(key)
+                return self._keep((*key, rows), launches)
+            self._keep(key, launches)
+            self._patches[key] = patch
+        patch.apply(rows, self.options.rowwise_splits)
+        self._bound.move_to_end(key)
+        return launches
+
+    def _keep(self, key: tuple, launches: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Keep a freshly bound list under `key`, dropping the least recently used beyond BOUND_KEEP."""
+        self.binds += 1
+        self._bound[key] = launches
+        if len(self._bound) > BOUND_KEEP:
+            old, _ = self._bound.popitem(last=False)
+            self._patches.pop(old, None)
         return launches
 
     def run(self, launches: list[tuple[str, Any]]) -> None:
@@ -158,6 +195,7 @@ class LaunchLists:
     def destroy(self) -> None:
         self.drop_graphs()
         self._bound.clear()
+        self._patches.clear()
         for ev in [self._fork_ev, self._join_ev, *self._graph_events]:
             ev.destroy()
         self._graph_events = []

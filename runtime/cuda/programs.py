@@ -140,6 +140,15 @@ class Forward:
         return self.program(program_key(decode, last, greedy, taps, all_logits, batched, ext, score, images), rows)
 
     def program(self, key: str, rows: int) -> list[Op]:
+        return [self._bind(op, rows, key) for op in self._range(key, rows)["launches"]]
+
+    def span(self, keys: list[str], rows: int) -> tuple[int, int]:
+        """(lo, hi): the row counts around `rows` for which each program of `keys` runs the same launches."""
+        ranges = [self._range(key, rows) for key in keys]
+        return max(r["lo"] for r in ranges), min(r["hi"] for r in ranges)
+
+    def _range(self, key: str, rows: int) -> dict:
+        """The manifest's row range of program `key` that holds `rows` ({"lo", "hi", "launches"})."""
         ranges = self.programs.get(key)
         if ranges is None:
             raise BackendError(
@@ -150,7 +159,7 @@ class Forward:
         if rng is None:
             spans = ", ".join(f"{r['lo']}-{r['hi']}" for r in ranges)
             raise BackendError(f"cuda backend: step program {key!r} covers {spans} rows, not {rows}")
-        return [self._bind(op, rows, key) for op in rng["launches"]]
+        return rng
 
     def _bind(self, op: dict, rows: int, key: str) -> Op:
         entry = self.manifest.kernels.get(op["kernel"])
