@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from thorgen.runtime.backend import ImageInput, ImageSpan, SamplingParams
 from thorgen.runtime.engine.kv_manager import ClaimLane, CopyPrefix, KVGeometry, KVManager, MapPages, keys_of
+from thorgen.runtime.engine.kv_pages import page_keys
 from thorgen.runtime.engine.sequence import Sequence
 
 P = 16  # positions a page
@@ -54,7 +55,7 @@ def _check(kv: KVManager, running: dict[str, Sequence]) -> None:
             holders.setdefault(p, []).append(seq)
             key = pool.key_of[p]
             if key is not None and i < seq.num_cached // P:  # a cached page it reads holds its own tokens
-                assert list(key[1]) == keys_of(seq)[i * P : (i + 1) * P]
+                assert key == list(page_keys(keys_of(seq), i + 1, P))[i]
         for p in lane.pages.pages[seq.num_cached // P :]:  # pages it will write are its alone
             assert pool.refs[p] == 1 and pool.key_of[p] is None
     assert all(pool.refs[p] == len(holders.get(p, [])) for p in range(pool.size))

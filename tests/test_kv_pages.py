@@ -3,18 +3,53 @@ registration of full pages only, lookups by the whole token prefix, and least-re
 
 from __future__ import annotations
 
+import gc
+import random
+import tracemalloc
+
 import pytest
 
 from thorgen.runtime.backend import BackendError
-from thorgen.runtime.engine.kv_pages import PagePool, SeqPages, page_keys
+from thorgen.model_spec.conventions import KV_PAGE
+from thorgen.runtime.backend import image_key
+from thorgen.runtime.engine.kv_pages import KEY_BYTES, PagePool, SeqPages, page_keys
 
 P = 4  # positions a page (small, so that a few tokens make several pages)
 
 
 def test_keys_depend_on_every_earlier_token():
-    a = [k for k, _ in page_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, P)]
-    b = [k for k, _ in page_keys([9, 2, 3, 4, 5, 6, 7, 8], 2, P)]
-    assert a[1][1] == b[1][1] and a[1] != b[1]  # the same tokens in page 1, after a different page 0
+    a = list(page_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, P))
+    b = list(page_keys([9, 2, 3, 4, 5, 6, 7, 8], 2, P))
+    assert a[1] != b[1]  # the same tokens in page 1, after a different page 0
+    assert list(page_keys([1, 2, 3, 4, 5, 6, 7, 9], 2, P))[0] == a[0]  # page 0 does not see later tokens
+    assert list(page_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, P, first=1, chain=a[0])) == a[1:]  # resumed from a key
+    image = image_key("cafe", 0)  # an image placeholder's negative id keys like any other
+    assert list(page_keys([image, 2, 3, 4], 1, P)) != list(page_keys([image - 1, 2, 3, 4], 1, P))
+
+
+def test_a_cached_page_keeps_a_small_key_and_none_of_its_tokens():
+    """A finished request's pages stay registered until their pages are reused, which on a large pool is many
+    thousands of requests later: what each keeps on the host is its key alone, not its tokens' int objects."""
+    pages, per_seq = 2_000, 20
+    pool = PagePool(pages, KV_PAGE)
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(pages // per_seq):
+            tokens = [rng.randrange(1_000, 262_144) for _ in range(per_seq * KV_PAGE)]  # (ids above the small ints)
+            s = SeqPages()
+            s.grow(pool, len(tokens))
+            s.register(pool, tokens, len(tokens))
+            s.release(pool)
+            del tokens, s
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(pool.by_key) == len(pool.cached) == pages  # every page cached
+    assert kept / pages < 256, f"{kept / pages:.0f} host bytes a cached page"  # (a tuple of its ids: ~865)
+    key = pool.key_of[0]
+    assert isinstance(key, bytes) and len(key) == KEY_BYTES and not gc.get_referents(key)
 
 
 def test_take_hold_drop_and_the_free_count():

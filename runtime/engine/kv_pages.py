@@ -7,30 +7,35 @@ A page holds the K/V of KV_PAGE consecutive positions in every paged layer. A ru
 key of the tokens it covers, and then reusable by any sequence whose tokens start the same way, until it is taken
 for new contents (least recently released first). Only full pages whose K/V is final are registered: every position
 of them is below the sequence's committed length, which later steps never rewrite (a verify block's rejected drafts
-lie above it). The key of page i is (the chain hash of pages 0..i-1, page i's tokens): its tokens compare exactly,
-the earlier ones by a 64-bit hash.
+lie above it). The key of page i is the 16-byte BLAKE2b digest of (page i-1's key, page i's ids as int64), so it
+names the whole prefix up to the page's end. Every page a finished request leaves registered keeps its key on the
+host until the page is taken for new contents, which on a large GPU pool (100k+ pages) takes many thousands of
+requests: a digest costs ~50 bytes, where a tuple of the page's ids kept those ids alive (~700 bytes a page).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Iterator
 
 from ...model_spec.conventions import KV_PAGE
 from ..backend import BackendError
 
-Key = tuple[int, tuple[int, ...]]
+Key = bytes  # KEY_BYTES of a digest
+KEY_BYTES = 16
 
 
-def page_keys(
-    tokens: list[int], n_pages: int, page: int = KV_PAGE, first: int = 0, chain: int = 0
-) -> Iterator[tuple[Key, int]]:
-    """(key, chain hash) of full pages first..n_pages-1 of `tokens` (n_pages * page <= len(tokens)); `chain`: the
-    chain hash after page first-1 (0 before page 0)."""
-    for i in range(first, n_pages):
-        key = (chain, tuple(tokens[i * page : (i + 1) * page]))
-        chain = hash(key)
-        yield key, chain
+def page_keys(tokens: list[int], n_pages: int, page: int = KV_PAGE, first: int = 0, chain: Key = b"") -> Iterator[Key]:
+    """Keys of full pages first..n_pages-1 of `tokens` (n_pages * page <= len(tokens); ids are token ids or
+    runtime.backend.image_key's negative ones, both within int64); `chain`: the key of page first-1 (b"" before
+    page 0)."""
+    ids = array("q", tokens[first * page : n_pages * page])
+    size, data = ids.itemsize * page, ids.tobytes()
+    for start in range(0, len(data), size):
+        chain = hashlib.blake2b(chain + data[start : start + size], digest_size=KEY_BYTES).digest()
+        yield chain
 
 
 class PagePool:
@@ -92,7 +97,7 @@ class PagePool:
     def matched(self, tokens: list[int], limit: int) -> list[int]:
         """The cached or running pages holding the K/V of the longest run of full pages of tokens[:limit]."""
         out = []
-        for key, _ in page_keys(tokens, min(limit, len(tokens)) // self.page, self.page):
+        for key in page_keys(tokens, min(limit, len(tokens)) // self.page, self.page):
             p = self.by_key.get(key)
             if p is None:
                 break
@@ -106,7 +111,7 @@ class SeqPages:
     def __init__(self) -> None:
         self.pages: list[int] = []
         self.registered = 0  # leading pages registered in the pool
-        self._chain = 0  # the chain hash after them (so registering more hashes only the new pages)
+        self._chain: Key = b""  # the key of the last of them (so registering more hashes only the new pages)
 
     def grow(self, pool: PagePool, end: int) -> tuple[int, list[int]]:
         """Take pages until positions 0..end-1 are covered; returns (index of the first new page, the new pages)."""
@@ -122,7 +127,7 @@ class SeqPages:
             pool.hold(p)
         self.pages = list(pages)
         self.registered = len(pages)  # they are registered already
-        self._chain = hash(pool.key_of[pages[-1]]) if pages else 0
+        self._chain = pool.key_of[pages[-1]] or b"" if pages else b""
 
     def adopt(self, pool: PagePool, pages: list[int]) -> None:
         """Hold the cached `pages` for the leading positions instead of the pages held there (the sequence's own,
@@ -134,19 +139,17 @@ class SeqPages:
                 self.pages[i] = p
         if len(pages) > self.registered:
             self.registered = len(pages)
-            self._chain = hash(pool.key_of[pages[-1]])
+            self._chain = pool.key_of[pages[-1]] or b""
 
     def register(self, pool: PagePool, tokens: list[int], upto: int) -> None:
         """Register the full pages below position `upto` (their K/V final) under their tokens' keys."""
         n = min(upto, len(tokens)) // pool.page
-        for i, (key, chain) in enumerate(
-            page_keys(tokens, n, pool.page, self.registered, self._chain), self.registered
-        ):
+        for i, key in enumerate(page_keys(tokens, n, pool.page, self.registered, self._chain), self.registered):
             pool.register(self.pages[i], key)
-            self._chain = chain
+            self._chain = key
         self.registered = max(self.registered, n)
 
     def release(self, pool: PagePool) -> None:
         for p in self.pages:
             pool.drop(p)
-        self.pages, self.registered, self._chain = [], 0, 0
+        self.pages, self.registered, self._chain = [], 0, b""
