@@ -89,3 +89,18 @@ def run_requests(backend, ahead: bool, requests: list, speculative: bool = False
                 if o.finished:
                     out.append((toks, o.result.accepted_lengths, o.result.finish_reason))
     return out, runner.ahead_steps
+
+
+def install_for_timing(build: Path, monkeypatch):
+    """The emulated driver over `build` for the kernel benchmarks (runtime/bench/kernels.py, kernel_chain.py): 10 us
+    between any two events (it times nothing), a 1 MiB copy probe and 1 MiB of rotated inputs."""
+    from thorgen.runtime.bench import kernel_chain
+    from thorgen.runtime.bench import kernels as kernel_bench
+
+    driver = install(build)
+    monkeypatch.setattr(driver, "cuEventElapsedTime", lambda a, b: (OK, 0.01))
+    probe = kernel_bench.KernelRig.copy_bandwidth_gbps
+    monkeypatch.setattr(kernel_bench.KernelRig, "copy_bandwidth_gbps", lambda rig: probe(rig, nbytes=1 << 20, iters=2))
+    monkeypatch.setattr(kernel_bench, "ROTATE_BYTES", 1 << 20)
+    monkeypatch.setattr(kernel_chain, "ROTATE_BYTES", 1 << 20)
+    return driver

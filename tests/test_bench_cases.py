@@ -183,13 +183,8 @@ def test_cases_launch_through_the_rig(tiny_build: Path, tmp_path: Path) -> None:
 
 @pytest.fixture
 def emulated_gpu(tiny_build: Path, monkeypatch: pytest.MonkeyPatch):
-    """The emulated driver, with 10 us between any two events (it times nothing) and a 1 MiB copy probe."""
-    driver = EE.install(tiny_build)
-    monkeypatch.setattr(driver, "cuEventElapsedTime", lambda a, b: (EE.OK, 0.01))
-    probe = KernelRig.copy_bandwidth_gbps
-    monkeypatch.setattr(KernelRig, "copy_bandwidth_gbps", lambda rig: probe(rig, nbytes=1 << 20, iters=2))
-    monkeypatch.setattr(kernel_bench, "ROTATE_BYTES", 1 << 20)
-    yield driver
+    """The emulated driver, timing nothing (EE.install_for_timing)."""
+    yield EE.install_for_timing(tiny_build, monkeypatch)
     dev.set_driver(None)
 
 

@@ -157,13 +157,8 @@ def test_emulated_forms_give_the_planned_outputs_at_full_size(tmp_path: Path) ->
 
 @pytest.fixture
 def emulated_gpu(tiny_build: Path, monkeypatch: pytest.MonkeyPatch):
-    """The emulated driver, with 10 us between any two events (it times nothing) and a 1 MiB copy probe."""
-    driver = EE.install(tiny_build)
-    monkeypatch.setattr(driver, "cuEventElapsedTime", lambda a, b: (EE.OK, 0.01))
-    probe = KernelRig.copy_bandwidth_gbps
-    monkeypatch.setattr(KernelRig, "copy_bandwidth_gbps", lambda rig: probe(rig, nbytes=1 << 20, iters=2))
-    monkeypatch.setattr(kernel_chain, "ROTATE_BYTES", 1 << 20)
-    yield driver
+    """The emulated driver, timing nothing (EE.install_for_timing)."""
+    yield EE.install_for_timing(tiny_build, monkeypatch)
     dev.set_driver(None)
 
 

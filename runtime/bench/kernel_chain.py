@@ -45,7 +45,9 @@ class ChainRig(Protocol):
     def time_ms(self, launch: Callable[[], None], iters: int = 20) -> float: ...
 
 
-ROTATE_BYTES = 512 << 20  # input copies a kernel's chain cycles through, several times the L2 (50-60 MB)
+# input copies a timing cycles through (a kernel's chain here, kernels.py's stream timing), several times the L2
+# (50-60 MB)
+ROTATE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,9 @@ from ..cuda.kernels import Kernel, KernelSet, Ptr
 from ..cuda.memory import DeviceBuffer, alloc
 from ..manifest import KernelEntry, KernelManifest, find_kernels
 from .cases import host_args, load_bench_cases
-from .kernel_chain import format_chain, run_chain
+from .kernel_chain import ROTATE_BYTES, format_chain, run_chain
 
 TARGET_FRACTION = 0.70
-ROTATE_BYTES = 512 << 20  # input copies cycled through by the stream timing, several times the L2
 MAX_COPIES = 64
 STREAM_LAUNCHES = 64  # launches per captured graph in the stream timing
 DEFAULT_PRESET = "gemma-4-26b-a4b"
