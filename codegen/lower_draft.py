@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..model_spec.conventions import VERIFY_ROWS  # DFlashSpec.block_size must match
-from ..model_spec.step_program import Op, drafter_problem
+from ..model_spec.step_program import Op, draft_batch_blocks, drafter_problem
 from .families import drafter_glue, norms
 from .families.attention import drafter_attention
 from .families.drafter_gemm import drafter_gemm
 from .families.rope_kv import drafter_rope_kv
 from .kernel_spec import KernelSpec
 from .lower import Lower
+from .lower_head import pick_ops
 from .symbols import NULL
 
 
@@ -134,8 +135,38 @@ class LowerDraft:
 
     def block_ops(self) -> list[Op]:
         """The 16-slot block at positions[0..16) -> drafts of slots 1..15 into ids[1..15] (ids[0] = last token)."""
+        ops = self._body(VERIFY_ROWS, 1)
+        # slots 1..15 only: the slot-0 prediction is never used, and ids[0] must keep the last token
+        ops += self.fwd.head_ops(self.fwd.ptr.A("da", 1), VERIFY_ROWS - 1, self.fwd.ptr.A("ids", 1), greedy=True)
+        # No programmatic dependent launches in the block: its graph replayed in 0.688 ms without them against
+        # 0.765 with them (H200; the target's decode gains 58 us from PDL)
+        return [replace(op, pdl=False) for op in ops]
+
+    def batch_ops(self, rows: int) -> list[Op]:
+        """A batched draft step's layers: the blocks of rows / 16 sequences (block b: rows 16 b .. 16 b + 15 at
+        positions[16 b ..] in lane lanes[16 b], its last token at ids[16 b]) through the drafter at once (its weights
+        read once), each block's attention over its own lane with its own block mask; the final norm's rows in da.
+        The drafts the verify takes come from `head_ops` over the rows gathered from da."""
+        ops = self._body(rows, draft_batch_blocks(self.fwd.max_rows))
+        return [replace(op, pdl=False) for op in ops]
+
+    def head_ops(self, rows: int) -> list[Op]:
+        """The drafts of `rows` rows of dhead (gathered final-norm rows of a batched draft step): lm_head once over
+        them all, the argmax of each into carry[row] (where a batched verify's rows take them from)."""
+        f, A = self.fwd, self.fwd.ptr.A
+        t = self.spec.target
+        ops = [
+            f.gemm_op("lm_head", "lm_head", t.vocab_size, t.hidden_size, rows, A("dhead"), A("logits"), batched=True)
+        ]
+        for r0 in range(0, rows, VERIFY_ROWS):
+            ops += pick_ops(f, min(VERIFY_ROWS, rows - r0), A("logits", r0), A("carry", r0), True, r0)
+        return [replace(op, pdl=False) for op in ops]
+
+    def _body(self, rows: int, blocks: int) -> list[Op]:
+        """Embedding, the drafter's layers and its final norm (into da) of `rows` rows: one block of 16 (`blocks`
+        1), or blocks of 16 of up to `blocks` sequences."""
         d, A, W, f = self.spec.drafter, self.fwd.ptr.A, self.fwd.ptr.W, self.fwd
-        h, B = d.hidden_size, VERIFY_ROWS
+        h, B = d.hidden_size, rows
         nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
         emb = f.use(drafter_glue.block_embed(self.spec, f.arch), "drafter block embedding")
         ops = [Op("draft.embed", emb, dict(ids=A("ids"), table=W("embed_tokens.weight"), out=A("dx"), T=B), B)]
@@ -157,7 +188,7 @@ class LowerDraft:
                 )
             )
             ops.append(self._rope_op(l, B, True, A("dqkv_raw"), nq + 2 * nkv, A("dq")))
-            attn = f.use(drafter_attention(self.spec, f.arch, l), f"drafter attention layer {l}")
+            attn = f.use(drafter_attention(self.spec, f.arch, l, blocks), f"drafter attention layer {l}")
             ops += f.attention_ops(
                 f"draft.{l}.",
                 attn,
@@ -194,8 +225,4 @@ class LowerDraft:
             )
             nxt = f"draft.layers.{l + 1}.input_layernorm.weight" if l + 1 < d.num_hidden_layers else "draft.norm.weight"
             ops.append(Op(f"draft.{l}.ffn_norm", add, dict(x=A("dx"), y=A("do"), w=W(nxt), a=A("da"), T=B), B))
-        # slots 1..15 only: the slot-0 prediction is never used, and ids[0] must keep the last token
-        ops += f.head_ops(A("da", 1), B - 1, A("ids", 1), greedy=True)
-        # No programmatic dependent launches in the block: its graph replayed in 0.688 ms without them against
-        # 0.765 with them (H200; the target's decode gains 58 us from PDL)
-        return [replace(op, pdl=False) for op in ops]
+        return ops

@@ -19,7 +19,17 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from ..model_spec.conventions import MAX_BATCH, VERIFY_ROWS
-from ..model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, Op, drafter_problem, program_key, verify_key
+from ..model_spec.step_program import (
+    DRAFT_BATCH,
+    DRAFT_BLOCK,
+    DRAFT_CONTEXT,
+    DRAFT_HEAD,
+    Op,
+    draft_batch_blocks,
+    drafter_problem,
+    program_key,
+    verify_key,
+)
 from ..model_spec.types import ModelSpec
 from ..model_spec.vision_layout import MAX_SOFT_TOKENS, VISION_ENCODE
 from .arch import ArchSpec
@@ -177,7 +187,11 @@ def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], lis
                 ("speculative", verify_key(g), (lambda g: lambda r: dl.verify_ops(g))(g), VERIFY_ROWS, VERIFY_ROWS)
                 for g in (True, False)
             ),
+            ("speculative", DRAFT_HEAD, dl.head_ops, 1, MAX_BATCH),
         ]
+        blocks = draft_batch_blocks(low.max_rows)
+        if blocks >= 2:  # (a batched draft step of one sequence's block runs two: the second a copy of the first)
+            jobs.append(("speculative", DRAFT_BATCH, dl.batch_ops, 2 * VERIFY_ROWS, blocks * VERIFY_ROWS))
     if low.spec.vision is not None:
         jobs.append(("vision", VISION_ENCODE, LowerVision(low).encode_ops, 1, MAX_SOFT_TOKENS))
     return jobs

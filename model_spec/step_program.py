@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .conventions import VERIFY_ROWS
+from .conventions import MAX_BATCH, VERIFY_ROWS
 from .types import ModelSpec
 
 
@@ -51,6 +51,15 @@ def program_key(
 
 # the drafter's programs (runtime/cuda/dflash.py): the draft block, the context update of a prefill's positions
 DRAFT_BLOCK, DRAFT_CONTEXT = "draft.block", "draft.context"
+# a batched verify's drafter (runtime/cuda/spec_batch.py): the blocks of several sequences through the drafter's
+# layers at once (rows: 16 a block), then the head of the draft rows the verify takes, gathered (rows: drafts)
+DRAFT_BATCH, DRAFT_HEAD = "draft.batch", "draft.head"
+
+
+def draft_batch_blocks(max_rows: int) -> int:
+    """The most sequences' blocks one batched draft step holds: every drafting sequence of a batched verify (each
+    takes at least two of its MAX_BATCH rows), within a step's rows."""
+    return max(1, min(MAX_BATCH // 2, max_rows // VERIFY_ROWS))
 
 
 def verify_key(greedy: bool = True) -> str:

@@ -123,7 +123,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
         if ((ids < 0) | (ids >= V)).any():
             raise EmuError(f"token ids {ids} out of range")
         table = self.v(a["table"], np.uint16, (V, H), "table")
-        self.v(a["out"], np.float32, (T, H), "out")[:] = RK.embed_ref(ids, table, p["SCALE"], p["MASK_ID"])
+        self.v(a["out"], np.float32, (T, H), "out")[:] = RK.embed_ref(
+            ids, table, p["SCALE"], p["MASK_ID"], p.get("BLOCK", 1)
+        )
 
     def k_spec_accept(self, p, a, n):
         B = p["B"]
@@ -271,6 +273,9 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             ]
             self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1), np.concatenate([x for _, x in parts], 1))
             return
+        if p.get("seg"):  # a batched draft step: blocks of seg queries, each its own sequence's, computed alone
+            self._segments(p, a, q, m, int(p["seg"]))
+            return
         p0 = int(self.v(a["positions"], np.int32, 1, "positions")[0])
         lane = int(self.v(a["lanes"], np.int32, 1, "lanes")[0]) if a["lanes"] else 0
         keys, vals = self._load_kv(p, a, p0, m, lane)
@@ -303,6 +308,43 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             return
         o_p, ml_p = EA.attention_partials(q, keys, vals, p0, win or None, shape, kv)
         self._split_out(p, a, m, o_p, ml_p)
+
+    def _segments(self, p, a, q, m: int, seg: int) -> None:
+        """attn_fwd with SEG: block b (queries b seg ..) at positions[b seg] .. in lane lanes[b seg], its mask within
+        itself; each block's output (or split partials) as a launch of it alone gives."""
+        if a["rowwise"] or p.get("kv_hi"):
+            raise EmuError("segmented attention is neither rowwise nor bounded per query")
+        if not a["lanes"]:
+            raise EmuError("segmented attention needs each block's lane")
+        shape, kv, win = EA.AttnShape.of(p), "fp8" if p["kv_dtype"] == "fp8e4m3" else "bf16", p["window"] or None
+        pos = self.v(a["positions"], np.int32, m, "positions").copy()
+        lanes = self.v(a["lanes"], np.int32, m, "lanes").copy()
+        outs, parts = [], []
+        for b0 in range(0, m, seg):
+            n = min(seg, m - b0)
+            p0 = int(pos[b0])
+            if not (pos[b0 : b0 + n] == p0 + np.arange(n)).all() or (lanes[b0 : b0 + n] != lanes[b0]).any():
+                raise EmuError(f"block at query {b0}: positions {pos[b0 : b0 + n]} lanes {lanes[b0 : b0 + n]}")
+            keys, vals = self._load_kv(p, a, p0, n, int(lanes[b0]))
+            qs = q[b0 : b0 + n]
+            if p["causal"]:
+                if p["nsplit"] == 1:
+                    outs.append(EA.attention_rows(qs, keys, vals, p0, win, shape, kv))
+                else:
+                    parts.append(EA.attention_partials(qs, keys, vals, p0, win, shape, kv))
+                continue
+            if win:
+                raise EmuError("windowed bidirectional attention is not a planned kernel")
+            part = [EA.attention_partials(qs[i : i + 1], keys, vals, p0 + n - 1, None, shape, kv) for i in range(n)]
+            o_p, ml_p = np.concatenate([o for o, _ in part], 1), np.concatenate([x for _, x in part], 1)
+            if p["nsplit"] == 1:
+                outs.append(EA.attention_combine(o_p, ml_p))
+            else:
+                parts.append((o_p, ml_p))
+        if outs:
+            self.v(a["out"], np.float16, (m, p["hq"], p["d"]), "out")[:] = np.concatenate(outs)
+            return
+        self._split_out(p, a, m, np.concatenate([o for o, _ in parts], 1), np.concatenate([x for _, x in parts], 1))
 
     def _page_slots(self, a, page: int, pitch: int, lane: int, pos: np.ndarray) -> np.ndarray:
         """Slots of positions `pos` of a paged cache through row `lane` of the page table."""

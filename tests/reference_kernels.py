@@ -57,10 +57,11 @@ def np_dtype(dtype: str) -> type:
 TOL_EMBED = 0.0
 
 
-def embed_ref(ids: np.ndarray, table_bf16: np.ndarray, scale: float, mask_id: int = -1) -> np.ndarray:
+def embed_ref(ids: np.ndarray, table_bf16: np.ndarray, scale: float, mask_id: int = -1, block: int = 1) -> np.ndarray:
+    """mask_id >= 0: DFlash blocks of `block` rows, each row 0 its ids entry and the others mask_id."""
     ids = np.asarray(ids).copy()
     if mask_id >= 0:
-        ids[1:] = mask_id
+        ids[np.arange(len(ids)) % block > 0] = mask_id
     return bf16_to_f32(table_bf16[ids]) * F32(scale)
 
 

@@ -71,6 +71,9 @@ def _shapes(f, max_rows: int, speculative: bool):
             STEP | {"ids"},
         )
         yield "draft", dfw.block_ops(), STEP | {"ids"}
+        for blocks in (2, 16):  # a batched verify's batched draft step (runtime/cuda/draft_batch.py)
+            yield f"batched draft x{blocks}", dfw.batch_ops(blocks), STEP | {"ids"}
+        yield "batched draft head x31", dfw.head_ops(31), STEP | {"dhead"}  # (its rows copied from da)
         for greedy in (True, False):  # (the acceptance rule: staged with a fresh block)
             yield f"verify greedy={greedy}", dfw.verify_ops(greedy), STEP | {"ids", "spec_rule"}
         for rows, ext in ((2, False), (32, True)):  # a batched verify (runtime/cuda/spec_batch.py)
@@ -117,7 +120,7 @@ def test_full_size_step_shapes_pass(tmp_path):
 
     names = _planned_step_shapes(get_preset("gemma-4-26b-a4b"), tmp_path, "full size")
     # every shape of _shapes, the DFlash and image ones included
-    assert len(names) == 19 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
+    assert len(names) == 22 + 4 and "verify greedy=True" in names and "prefill 40 with images" in names
     assert "batched verify x32 processed" in names
 
 
@@ -132,7 +135,7 @@ def test_step_shapes_pass_in_every_linear_format(preset, formats, tmp_path):
 
     spec = dataclasses.replace(get_preset(preset), linear_formats=getattr(types, formats))
     names = _planned_step_shapes(spec, tmp_path, f"{preset} {formats}")
-    assert len(names) == 19 + 4 and "prefill 40 with images" in names
+    assert len(names) == 22 + 4 and "prefill 40 with images" in names
 
 
 def test_the_checks_catch_what_they_are_for(engine):

@@ -21,7 +21,14 @@ from thorgen.codegen.manifest import build_manifest, write_manifest  # noqa: E40
 from thorgen.codegen.plan import plan  # noqa: E402
 from thorgen.codegen.programs import ProgramError, _fit, _merge  # noqa: E402
 from thorgen.codegen.symbols import LaneBytes, Sym  # noqa: E402
-from thorgen.model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, program_key, verify_key  # noqa: E402
+from thorgen.model_spec.step_program import (  # noqa: E402
+    DRAFT_BATCH,
+    DRAFT_BLOCK,
+    DRAFT_CONTEXT,
+    DRAFT_HEAD,
+    program_key,
+    verify_key,
+)
 from thorgen.model_spec.conventions import MAX_STEP_TOKENS  # noqa: E402
 from thorgen.model_spec.presets import get_preset  # noqa: E402
 from thorgen.runtime.backend import BackendError  # noqa: E402
@@ -103,6 +110,10 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                     want = dl.block_ops()
                 elif key == DRAFT_CONTEXT:
                     want = dl.ctx_ops(rows)
+                elif key == DRAFT_BATCH:
+                    want = dl.batch_ops(rows)
+                elif key == DRAFT_HEAD:
+                    want = dl.head_ops(rows)
                 elif key.startswith("draft.verify"):
                     want = dl.verify_ops(key == verify_key(True))
                 elif key == VISION_ENCODE:

@@ -84,9 +84,12 @@ def attn_kernels(
     tpp: int = 1,
     pre_mmax: int = MAX_STEP_TOKENS,
     kv_hi: bool = False,
+    blocks: int = 1,
 ) -> tuple[KernelSpec, KernelSpec]:
     """(decode / verify kernel, prefill kernel of up to `pre_mmax` queries) of one attention shape. `kv_hi`: the
-    prefill kernel takes per-query upper key bounds (kv_hi, i32 [m]: an image span's queries see the whole span)."""
+    prefill kernel takes per-query upper key bounds (kv_hi, i32 [m]: an image span's queries see the whole span).
+    `blocks` > 1 (a batched draft step): the decode kernel takes up to that many blocks of VERIFY_ROWS queries, each
+    its own sequence's (attention.cuh's SEG), with the one-block kernel's tiling and splits (the same bits)."""
     require(d % 64 == 0 and d <= 512, f"attention {role}: head_dim {d} must be a multiple of 64, at most 512")
     require(hq % hkv == 0 and 16 % (hq // hkv) == 0, f"attention {role}: group {hq}/{hkv} must divide 16")
     require(not (page and ring) and bool(page) == bool(pitch), f"attention {role}: a paged cache is not a ring")
@@ -110,10 +113,10 @@ def attn_kernels(
     )
     cache = f"ring{ring}" if ring else f"p{page}" if page else "lin"
     mask = ("c" if causal else "b") + (f"w{window}" if window else "")
-    for what, mmax, ns in (("dec", VERIFY_M, nsplit), ("pre", pre_mmax, 1)):
+    for what, mmax, ns in (("dec", VERIFY_M * blocks, nsplit), ("pre", pre_mmax, 1)):
         # 32-key tiles (measured on the H200); where they do not fit (sm_120a: 99 KB per block at head dim 512),
-        # one m-tile and 16-key tiles.
-        mt, tk = _mt(g, d, mmax), TK
+        # one m-tile and 16-key tiles. (Blocks: a segment's tiling.)
+        mt, tk = _mt(g, d, VERIFY_M if blocks > 1 and what == "dec" else mmax), TK
         if attn_smem(d, mt, tk, kv) > arch.smem_per_block_max:
             mt = 1
         while attn_smem(d, mt, tk, kv) > arch.smem_per_block_max and tk > 16:
@@ -126,10 +129,17 @@ def attn_kernels(
             + (f"_s{ns}" if ns > 1 else "")
             + (f"_t{tk}" if tk != TK else "")
             + ("_kvhi" if kv_hi and what == "pre" else "")
+            + (f"_x{blocks}" if blocks > 1 and what == "dec" else "")
         )
         gx, nsub = math.ceil(mmax / qb), nsub_for(ns)
         # a batched decode step (rowwise: a block per query) of r rows launches ROWWISE_SPLITS[r - 1] <= ns splits
-        rowwise = tuple(_rowwise_splits(r, hkv, ns, smem, arch) for r in range(1, mmax + 1)) if what == "dec" else ()
+        seg = dict(seg=VERIFY_M) if blocks > 1 and what == "dec" else {}
+        require(not seg or VERIFY_M % qb == 0, f"attention {role}: {qb}-query blocks must divide a {VERIFY_M}-row one")
+        rowwise = (
+            tuple(_rowwise_splits(r, hkv, ns, smem, arch) for r in range(1, mmax + 1))
+            if what == "dec" and not seg
+            else ()
+        )
         rules = dict(ROW_GRID=(0, 1, qb), ROWWISE_GRID=(0, 1, 1)) | (dict(ROWWISE_SPLITS=rowwise) if rowwise else {})
         require(ns % nsub == 0, f"attention {role}: {nsub} merge subgroups must divide {ns} splits")
         # workspace: the splits' partials (O [D] + (max, sum) per row) then the level-1 merged parts
@@ -158,6 +168,7 @@ def attn_kernels(
                     cnt_words=mmax * hkv * (nsub + 1) if ns > 1 else 0,
                     **common,
                     **bounds,
+                    **seg,
                 ),
                 grid=(gx, hkv, ns),
                 block=(32 * (d // 64), 1, 1),
@@ -237,8 +248,9 @@ def target_attention(
 
 
 @cache
-def drafter_attention(spec: ModelSpec, arch: ArchSpec, layer: int) -> KernelSpec:
-    """Drafter layer `layer`'s attention of the 16-slot block (bf16 cache; every drafter launch has <= 16 queries)."""
+def drafter_attention(spec: ModelSpec, arch: ArchSpec, layer: int, blocks: int = 1) -> KernelSpec:
+    """Drafter layer `layer`'s attention of the 16-slot block (bf16 cache), or with `blocks` > 1 of up to that
+    many sequences' blocks at once (a batched draft step: each its own lane, positions and block mask)."""
     dr = spec.drafter
     window = dr.layer_window(layer) or 0
     dec, _ = attn_kernels(
@@ -253,6 +265,7 @@ def drafter_attention(spec: ModelSpec, arch: ArchSpec, layer: int) -> KernelSpec
         scale=dr.head_dim**-0.5,
         nsplit=_nsplit(dr.num_key_value_heads, arch, None),
         arch=arch,
+        blocks=blocks,
     )
     return dec
 

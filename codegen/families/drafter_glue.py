@@ -17,13 +17,16 @@ from .embedding import OUT_DTYPE
 
 @cache
 def block_embed(spec: ModelSpec, arch: ArchSpec) -> KernelSpec:
-    """The draft block's embedding: the last token's row, then the mask token's rows (the target's table)."""
+    """The draft blocks' embedding (the target's table): each block of block_size rows its last token's row, then
+    the mask token's rows (a batched draft step runs several blocks)."""
     d, H, V = spec.drafter, spec.target.hidden_size, spec.target.vocab_size
     threads = min(arch.threads_per_block, max(32, (H // 8 + 31) // 32 * 32))
     return KernelSpec(
         f"dflash_block_embed__v{V}_h{H}_m{d.mask_token_id}_b{d.block_size}",
         "embed.cu.j2",
-        make_params(H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id, ROW_AXIS=0),
+        make_params(
+            H=H, V=V, SCALE=float(d.embed_scale), OUT=OUT_DTYPE, MASK_ID=d.mask_token_id, BLOCK=d.block_size, ROW_AXIS=0
+        ),
         grid=(d.block_size, 1, 1),
         block=(threads, 1, 1),
         args=("ids", "table", "out", "T"),

@@ -31,8 +31,21 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import VERIFY_ROWS, accepted_count  # DFlashSpec.block_size must match VERIFY_ROWS
-from ...model_spec.step_program import DRAFT_BLOCK, DRAFT_CONTEXT, drafter_problem, program_key, verify_key
+from ...model_spec.conventions import (
+    MAX_BATCH,
+    VERIFY_ROWS,
+    accepted_count,
+)  # DFlashSpec.block_size must match VERIFY_ROWS
+from ...model_spec.step_program import (
+    DRAFT_BATCH,
+    DRAFT_BLOCK,
+    DRAFT_CONTEXT,
+    DRAFT_HEAD,
+    draft_batch_blocks,
+    drafter_problem,
+    program_key,
+    verify_key,
+)
 from ...model_spec.types import ModelSpec
 from ..backend import BackendError
 from .device import check, driver
@@ -58,22 +71,25 @@ def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
 
 
 def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
-    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for VERIFY_ROWS rows."""
+    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for a batched draft step's
+    blocks (VERIFY_ROWS rows each), and the gathered rows of its head (a batched verify's MAX_BATCH rows)."""
     d, H = spec.drafter, spec.target.hidden_size
     assert d is not None
+    B = draft_batch_blocks(rows) * VERIFY_ROWS
     nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     for name, shape, dt in (
         ("taps", (rows, len(d.target_layer_ids) * H), "f16"),
         ("dctx", (rows, d.hidden_size), "f32"),
         ("dctx_a", (rows, d.hidden_size), "f16"),
         ("dkv_raw", (rows, 2 * nkv), "f32"),
-        ("dx", (VERIFY_ROWS, d.hidden_size), "f32"),
-        ("da", (VERIFY_ROWS, d.hidden_size), "f16"),
-        ("dqkv_raw", (VERIFY_ROWS, nq + 2 * nkv), "f32"),
-        ("dq", (VERIFY_ROWS, nq), "bf16"),
-        ("dattn", (VERIFY_ROWS, nq), "f16"),
-        ("do", (VERIFY_ROWS, d.hidden_size), "f32"),
-        ("dmlp", (VERIFY_ROWS, d.intermediate_size), "f16"),
+        ("dx", (B, d.hidden_size), "f32"),
+        ("da", (B, d.hidden_size), "f16"),
+        ("dqkv_raw", (B, nq + 2 * nkv), "f32"),
+        ("dq", (B, nq), "bf16"),
+        ("dattn", (B, nq), "f16"),
+        ("do", (B, d.hidden_size), "f32"),
+        ("dmlp", (B, d.intermediate_size), "f16"),
+        ("dhead", (MAX_BATCH, d.hidden_size), "f16"),
         # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
         ("spec_rule", (2,), "i32"),
         ("spec_acc", (1,), "i32"),
@@ -97,6 +113,15 @@ class DraftForward:
     def ctx_ops(self, rows: int) -> list[Op]:
         """Context K/V of `rows` positions (positions[0..rows)) from the taps rows 0..rows-1 into the drafter cache."""
         return self.fwd.program(DRAFT_CONTEXT, rows)
+
+    def batch_ops(self, blocks: int) -> list[Op]:
+        """A batched draft step of `blocks` blocks (block b: positions[16 b ..], lanes[16 b], ids[16 b] its last
+        token) -> the final norm's rows in da (LowerDraft.batch_ops)."""
+        return self.fwd.program(DRAFT_BATCH, blocks * VERIFY_ROWS)
+
+    def head_ops(self, rows: int) -> list[Op]:
+        """The drafts of dhead's first `rows` rows into carry[0..rows) (LowerDraft.head_ops)."""
+        return self.fwd.program(DRAFT_HEAD, rows)
 
     def verify_ops(self, greedy: bool = True) -> list[Op]:
         """The verify step: target forward (taps), drafter context update beside its head, acceptance (LowerDraft)."""

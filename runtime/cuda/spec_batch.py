@@ -3,10 +3,10 @@ CudaRunner): each drafting sequence's drafter block, then one batched step whose
 token and its drafts, and each sequence's accepted run decided from its own rows.
 
 Per step:
-  1. per drafting sequence, the draft graph (runtime/cuda/dflash.py) over its own lane's drafter context, its block
-     at pos..pos+15; its drafts 1..k are copied on the device into `carry`, at the rows they take in the verify.
-     One drafter launch per sequence for now: batching the drafter (the blocks of several lanes in one launch)
-     is a later step.
+  1. one batched draft step (runtime/cuda/draft_batch.py) of every drafting sequence's block at pos..pos+15, each
+     over its own lane's drafter context, in one launch of the drafter's program: the drafts 1..k of each land in
+     `carry` on the device, from where the verify's rows take them (each block's drafts are those of its
+     one-sequence draft graph, runtime/cuda/dflash.py).
   2. one batched step (DecodeSteps.launch_batch with `taps`): per sequence its input token at pos, then its k
      drafts at pos+1..pos+k (carried from `carry`), all in its own KV lane. The target runs once over every row
      (rowwise attention is causal within a sequence's rows: every row's K/V is written before any row attends),
@@ -18,7 +18,7 @@ Per step:
      past the run hold K/V and drafter context of rejected tokens; the sequence's next step writes them again
      before any query reads them (as after a one-sequence step, runtime/cuda/dflash.py).
 A sequence whose logits are processed (a grammar that masks its tokens, penalties, logit_bias, min_tokens before it
-is met, logprobs) drafts too: its drafts are read back to the host after its draft graph (one wait for all such), cut
+is met, logprobs) drafts too: its drafts are read back to the host after the draft step (one wait for all such), cut
 at the first one its grammar refuses (runtime/cuda/spec_grammar.py), forced into its rows, and every one of its rows
 processed as plain decoding processes that position (its own mask, the drafts before it counted as generated); its
 matcher takes only the committed tokens. A lone such sequence runs here too, in a batch of one: the one-sequence
@@ -39,12 +39,11 @@ from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS, accepted_count
 from ...model_spec.step_program import program_key
 from ..backend import BackendError, SequenceFailed
 from ..engine.sequence import Sequence
-from .device import check, driver
 from .dflash import DFlashDecoder, DFlashSteps, grammar_free_run
+from .draft_batch import BatchedDraft, DraftBlock
 from .logits_params import RequestLogits, VerifyRow
 from .programs import Forward
 from .spec_grammar import masked, walk
-from .staging import Slot
 from .steps import DecodeSteps
 
 # The draft policy's cost model of a batched verify step, in one-row decode steps, fitted to an H100 (full-size
@@ -52,7 +51,9 @@ from .steps import DecodeSteps
 # b sequences took 1, 2.0, 2.3, 3.7 and 5.6 one-row steps at b = 1, 4, 8, 16, 32. A memory-bound MoE step grows
 # with the distinct experts its rows read (`experts_read`), and the routed experts are MOE_SHARE of a one-row step
 # (its top-k of them; by bytes ~37 % of the full model's step). A sequence's drafter launch (its own 16-slot block,
-# one launch a sequence) took ~1 ms beside the one-row step's 2.14 ms: DRAFTER_COST.
+# one launch a sequence) took ~1 ms beside the one-row step's 2.14 ms: DRAFTER_COST. (Measured before the batched
+# draft step, runtime/cuda/draft_batch.py, which runs every drafting sequence's block in one launch: not yet
+# measured on a GPU, so the model still charges each sequence a launch of its own.)
 MOE_SHARE = 0.34
 DRAFTER_COST = 0.47
 
@@ -95,8 +96,8 @@ class BatchedVerify:
         self, steps: DecodeSteps, dflash: DFlashSteps, decoder: DFlashDecoder, logits: RequestLogits, fwd: Forward
     ) -> None:
         self.steps, self.dflash, self.decoder, self.logits = steps, dflash, decoder, logits
-        self.parts = dflash.parts
-        self.missing = fwd.missing("speculative", *batched_verify_keys())  # (empty: it can run)
+        self.drafter = BatchedDraft(dflash.parts)
+        self.missing = fwd.missing("speculative", *batched_verify_keys()) + self.drafter.missing()  # (empty: it runs)
 
     def plan(self, seqs: list[Sequence]) -> dict[str, int]:
         """Request id -> its drafts this step, for each of `seqs` that the draft policy gives drafts and that could
@@ -105,6 +106,7 @@ class BatchedVerify:
         draft fit MAX_BATCH rows: a sequence gets at most an equal share of the rows left (the draft policy asks for
         no more, unless it is not adaptive)."""
         want = [s for s in seqs if s.drafts > 0 and self.decoder.ready(s, _lane(s), s.num_tokens - 1, rows=True)]
+        want = want[: self.drafter.most]  # (the blocks a batched draft step holds)
         spare, out = MAX_BATCH - len(seqs), {}
         for i, seq in enumerate(want):
             k = min(seq.drafts, spare // (len(want) - i))
@@ -121,17 +123,7 @@ class BatchedVerify:
         rows: list[tuple[int, int, int, Any]] = []
         owners: list[Any] = []  # each row's logits processing: its Sequence, a VerifyRow, or None (none)
         step = _Step()
-        block = self.parts.staging.next("draft_rows")
-        drafting = [s for s in seqs if drafts.get(s.request_id, 0)]
-        sub = {s.request_id: i for i, s in enumerate(drafting)}  # its drafter block's sub-record
-        # the processed sequences' drafters first, their drafts read back with one wait for all of them
-        on_host = {
-            s.request_id: self._draft(block, sub[s.request_id], s, 0, drafts[s.request_id], True)
-            for s in drafting
-            if masked(s)
-        }
-        if any(d is None for d in on_host.values()):
-            self.parts.stream.synchronize()
+        first, forced_drafts = self._draft([s for s in seqs if drafts.get(s.request_id, 0)], drafts)
         for seq in seqs:
             lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
             rid, sampling = seq.request_id, None if seq.sampling.greedy else seq.sampling
@@ -142,22 +134,20 @@ class BatchedVerify:
                 owners.append(seq)
                 continue
             step.proposed[rid] = k
-            i = sub[rid]
-            if rid in on_host:  # its grammar cuts the drafts; each row gets its own position's mask
-                forced = on_host[rid]
-                forced = block.record["drafts"][i][:k] if forced is None else forced
+            forced = forced_drafts.get(rid)
+            if masked(seq):  # its grammar cuts the drafts; each row gets its own position's mask
+                assert forced is not None
                 run = walk(seq, [int(t) for t in forced], self.logits.vocab)
                 forced, k = np.asarray(run.drafts, np.int32), len(run.drafts)
                 step.masked.add(rid)
                 owners += [VerifyRow(seq, tuple(run.drafts[:j]), m) for j, m in enumerate(run.masks)]
             else:
-                forced = self._draft(block, i, seq, r0 + 1, k, False)
                 owners += [None] * (1 + k)
             step.verified[rid] = k
-            if forced is None:
-                step.carried.update({r: r for r in range(r0 + 1, r0 + 1 + k)})
+            if forced is None:  # its drafts are in carry, where the drafter put them
+                step.carried.update({r0 + 1 + j: first[rid] + j for j in range(k)})
             rows += [(lane, pos + j, 0 if forced is None else int(forced[j - 1]), sampling) for j in range(1, k + 1)]
-        # (staged after the drafters, whose drafts the masks follow: a grammar that fails raises before the verify)
+        # (staged after the drafter, whose drafts the masks follow: a grammar that fails raises before the verify)
         ext = self.logits.stage(owners)
         launch = self.steps.launch_batch(rows, step.carried, ext=ext, taps=True)
         if launched is not None:
@@ -175,32 +165,30 @@ class BatchedVerify:
             failed = self.logits.verified(len(rows), runs)
         return [failed.get(s.request_id) or out[s.request_id] for s in seqs]
 
-    def _draft(self, block: Slot, i: int, seq: Sequence, row: int, k: int, host: bool) -> np.ndarray | None:
-        """The draft graph of `seq`'s block (sub-record i of the drafter blocks' slot); its drafts 1..k copied into
-        carry[row..row+k) on the device, or where `host` into the slot's drafts[i] (once the stream is waited for),
-        or with DFlashSteps.draft_hook the hook's drafts, returned (the graph still runs, so a step costs what it
-        would)."""
-        cu, h, act = driver(), self.parts.stream.handle, self.parts.act
-        lane, pos, last = _lane(seq), seq.num_tokens - 1, seq.output[-1]
-        rec, width = block.record, 4 * VERIFY_ROWS
-        rec["positions"][i], rec["lanes"][i], rec["last"][i] = np.arange(pos, pos + VERIFY_ROWS), lane, last
-        check(cu.cuMemcpyHtoDAsync(act["positions"].ptr, block.at("positions") + i * width, width, h), "positions")
-        check(cu.cuMemcpyHtoDAsync(act["lanes"].ptr, block.at("lanes") + i * width, width, h), "KV lanes")
-        check(cu.cuMemcpyHtoDAsync(act["ids"].ptr, block.at("last") + 4 * i, 4, h), "last token")
-        self.dflash.graph("draft").replay(self.parts.stream)
-        d = self.decoder.lanes[lane]
-        d.last_written = max(d.last_written, pos + VERIFY_ROWS - 1)  # (the block's drafter K/V)
-        if self.dflash.draft_hook is not None:
-            forced = np.asarray(self.dflash.draft_hook(pos, last), np.int32)
-            if forced.shape != (VERIFY_ROWS - 1,):
-                raise BackendError(f"draft_hook returned {forced.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
-            return forced[:k]
-        if host:
-            at, n = block.at("drafts") + i * 4 * (VERIFY_ROWS - 1), 4 * (VERIFY_ROWS - 1)
-            check(cu.cuMemcpyDtoHAsync(at, act["ids"].ptr + 4, n, h), "drafts to walk")
-            return None
-        check(cu.cuMemcpyDtoDAsync(act["carry"].ptr + 4 * row, act["ids"].ptr + 4, 4 * k, h), "drafts to verify")
-        return None
+    def _draft(self, drafting: list[Sequence], drafts: dict[str, int]) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+        """The batched draft step of the `drafting` sequences' blocks (runtime/cuda/draft_batch.py): per request id
+        the carry row of its first draft, and the drafts on the host of those whose grammar walks them (read back
+        with one wait for all), or with DFlashSteps.draft_hook every one's hook drafts (the step still runs, so a
+        step costs what it would)."""
+        if not drafting:
+            return {}, {}
+        blocks = [DraftBlock(_lane(s), s.num_tokens - 1, s.output[-1], drafts[s.request_id]) for s in drafting]
+        slot, first = self.drafter.launch(blocks)
+        for b in blocks:  # (the blocks' drafter K/V)
+            d = self.decoder.lanes[b.lane]
+            d.last_written = max(d.last_written, b.pos + VERIFY_ROWS - 1)
+        rids = [s.request_id for s in drafting]
+        hook, forced = self.dflash.draft_hook, {}
+        if hook is not None:
+            for rid, b in zip(rids, blocks):
+                got = np.asarray(hook(b.pos, b.last), np.int32)
+                if got.shape != (VERIFY_ROWS - 1,):
+                    raise BackendError(f"draft_hook returned {got.shape[0]} drafts, the block needs {VERIFY_ROWS - 1}")
+                forced[rid] = got[: b.drafts]
+        elif any(masked(s) for s in drafting):
+            got = self.drafter.read(slot, sum(b.drafts for b in blocks))
+            forced = {rid: got[at : at + b.drafts] for s, rid, b, at in zip(drafting, rids, blocks, first) if masked(s)}
+        return dict(zip(rids, first)), forced
 
     def _commit(self, seq: Sequence, step: _Step, tokens: list[int], inputs: list[int]) -> tuple[list[int], int]:
         """`seq`'s tokens from its rows of the step (its input row, then its drafts' rows), and the drafts it

@@ -54,14 +54,15 @@ SPEC_STEP = np.dtype(
     ]
 )
 
-# a batched verify's drafter blocks (runtime/cuda/spec_batch.py), one per drafting sequence: positions, KV lanes
-# and the last committed token of each; the drafts read back of a sequence whose grammar walks them
+# a batched verify's batched draft step (runtime/cuda/draft_batch.py), a block of VERIFY_ROWS rows per drafting
+# sequence (at most MAX_BATCH // 2 of them: each takes two verify rows): each row's position, KV lane and token id
+# (a block's last committed token; the embedding masks the others); the drafts read back (carry's first rows)
 DRAFT_ROWS = np.dtype(
     [
-        ("positions", I32, (MAX_BATCH, VERIFY_ROWS)),
-        ("lanes", I32, (MAX_BATCH, VERIFY_ROWS)),
-        ("last", I32, (MAX_BATCH,)),
-        ("drafts", I32, (MAX_BATCH, VERIFY_ROWS - 1)),
+        ("positions", I32, (MAX_BATCH // 2 * VERIFY_ROWS,)),
+        ("lanes", I32, (MAX_BATCH // 2 * VERIFY_ROWS,)),
+        ("ids", I32, (MAX_BATCH // 2 * VERIFY_ROWS,)),
+        ("drafts", I32, (MAX_BATCH,)),
     ]
 )
 

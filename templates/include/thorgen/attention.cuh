@@ -14,6 +14,10 @@
 // Masks: key j visible to query position P iff j <= (CAUSAL ? P : p0+m-1) and (WINDOW == 0 or P - j < WINDOW).
 // KV_HI (a prefill chunk holding an image on a sliding layer): query i's upper key bound is max(P, kv_hi[i])
 // instead, kv_hi[i] >= P the last position of the image span holding it (the span sees itself both ways).
+// SEG > 0 (a batched draft step: several sequences' DFlash blocks): the m queries are blocks of SEG consecutive
+// positions, block b (queries b SEG ..) of its own sequence, at positions[b SEG] .. in lane lanes[b SEG]; each block
+// sees its own lane's keys, its mask within itself (the bidirectional bound is its own last position). A query
+// block (QB queries, QB dividing SEG) lies in one of them, so each is computed as it would be alone.
 // KV lanes: the caches hold one lane per sequence, `lane_bytes` apart (lanes null: lane 0). rowwise == 0: the m
 // queries are consecutive positions of the sequence in lane lanes[0]; rowwise != 0 (batched decode): query i is
 // its own sequence's token, at position positions[i] in lane lanes[i], one query per block (grid.x = m).
@@ -94,7 +98,8 @@ template <> struct MmaT<KV_FP8> {
 };
 
 template <int D, int G, int HKV, int MT, int TK, int WINDOW, int RING, bool CAUSAL, int KVT, int NSPLIT, int MMAX,
-          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false, int TPP = 1, bool KV_HI = false>
+          int NSUB = 1, int PAGE = 0, int PITCH = 0, bool EARLY = false, int TPP = 1, bool KV_HI = false,
+          int SEG = 0>
 __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kc,
                                          const uint8_t* __restrict__ vc, const int* __restrict__ positions, int m,
                                          __half* __restrict__ out, float* ws, unsigned int* counters,
@@ -130,7 +135,8 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   if (!early) pdl_wait();
   // A prefill chunk's causal query blocks grow in keys with their position (up to the window): the last blocks run
   // first, so that the short ones fill the last wave instead of the long ones trailing alone (blocks are independent)
-  const int qb = MMAX > 16 && !rowwise ? gridDim.x - 1 - blockIdx.x : blockIdx.x, hkv = blockIdx.y;
+  static_assert(SEG == 0 || (SEG % QB == 0 && !EARLY), "a query block lies in one segment");
+  const int qb = MMAX > 16 && !rowwise && SEG == 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x, hkv = blockIdx.y;
   // the blocks of a query block's parts: NSPLIT, or for a rowwise launch gridDim.z <= NSPLIT (a batched step's rows
   // already fill the SMs, and fewer blocks pay each block's fixed cost fewer times), each running several parts
   const int nblocks = NSPLIT > 1 && rowwise ? min((int)gridDim.z, NSPLIT) : NSPLIT;
@@ -143,10 +149,12 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
   // rows past them, whose probabilities and outputs nothing reads (a decode or batched-step block has G of R).
   // Prefill blocks (MMAX > 16) are full but for a chunk's last; they keep all R rows (with the early load gone from
   // prefill too: TTFT at 2,048 tokens 130.5 -> 128.4 ms on the H200)
-  const int vrows = MMAX <= 16 ? nq * G : R;
-  // rowwise: p0 + q0 is this block's query position (p0 itself is not a position then)
-  const int p0 = rowwise ? __ldg(positions + qb) - q0 : __ldg(positions);
-  const int lane_id = lanes != nullptr ? __ldg(lanes + (rowwise ? qb : 0)) : 0;
+  const int vrows = MMAX <= 16 || SEG > 0 ? nq * G : R;
+  // the first query of this block's sequence, and the end of its queries (SEG: its segment's)
+  const int s0 = SEG > 0 ? q0 / SEG * SEG : rowwise ? qb : 0, s_end = SEG > 0 ? min(m, s0 + SEG) : m;
+  // rowwise, SEG: p0 + q0 is this block's query position (p0 itself is not a position then)
+  const int p0 = rowwise ? __ldg(positions + qb) - q0 : __ldg(positions + s0) - s0;
+  const int lane_id = lanes != nullptr ? __ldg(lanes + s0) : 0;
   const int* tab = PAGE > 0 ? pages + (size_t)lane_id * PITCH : nullptr;  // this sequence's page-table row
   if (PAGE == 0 && lanes != nullptr) {
     const long long off = (long long)lane_id * lane_bytes;
@@ -154,7 +162,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
     vc += off;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int last_vis = CAUSAL ? p0 + q0 + nq - 1 : p0 + m - 1;
+  const int last_vis = CAUSAL ? p0 + q0 + nq - 1 : p0 + s_end - 1;
   const int lo = WINDOW > 0 ? max(0, p0 + q0 - WINDOW + 1) : 0;
   int hi = last_vis;
   if constexpr (KV_HI) {
@@ -338,7 +346,7 @@ __device__ __forceinline__ void attn_fwd(const __nv_bfloat16* __restrict__ q, co
       // ---- online softmax: warp w owns rows w, w + NWARP, ...; lane owns keys lane (+32)
       for (int r = warp; r < vrows; r += NWARP) {
         const int qi = q0 + r / G, P = p0 + qi;
-        const int hv = KV_HI ? (qi < m ? max(P, __ldg(kv_hi + qi)) : P) : CAUSAL ? P : p0 + m - 1;
+        const int hv = KV_HI ? (qi < m ? max(P, __ldg(kv_hi + qi)) : P) : CAUSAL ? P : p0 + s_end - 1;
         constexpr int KPL = (TK + 31) / 32;  // keys per lane (a 16-key tile leaves lanes 16..31 idle)
         float s[KPL];
         float mx = -INFINITY;
