@@ -122,3 +122,29 @@ def test_no_drafts_where_the_runner_cannot_verify_them_in_a_batch() -> None:
     assert seq.acceptance.estimate == DraftOptions().prior
     planner.plan(seq, batch=1)
     assert seq.drafts == 15
+
+
+def test_probes_beside_other_sequences_wait_longer_and_stop_where_drafts_cannot_pay() -> None:
+    """A probe makes its whole step a verify step: beside b - 1 other sequences its wait is b times longer, and at
+    a batch where even drafts that all land would not beat a plain step it never probes."""
+    cost = lambda k, b: 1.0 + 0.25 * k * b  # noqa: E731 (a per-draft cost that grows with the batch)
+    planner = DraftPlanner(cost, 15, 1 << 20)
+    seq = _seq()
+    for _ in range(400):
+        planner.plan(seq, batch=2)
+        planner.record(seq, seq.drafts, 0)
+    assert seq.acceptance is not None and seq.acceptance.probe_wait > DraftOptions().probe_every  # it did probe
+    seq = _seq()
+    drafts = []
+    for _ in range(200):
+        planner.plan(seq, batch=2)
+        drafts.append(seq.drafts)
+        planner.record(seq, seq.drafts, 0)
+    first_off = drafts.index(0)
+    probes = [i for i in range(first_off, len(drafts)) if drafts[i]]
+    assert probes[0] - first_off == 2 * DraftOptions().probe_every  # twice the lone sequence's wait
+    crowded = _seq()
+    for _ in range(300):  # at 8 sequences 1 + k < 1 + 2k for every k: never worth a probe
+        planner.plan(crowded, batch=8)
+        assert crowded.drafts == 0
+        planner.record(crowded, 0, 0)

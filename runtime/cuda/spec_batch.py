@@ -52,8 +52,9 @@ from .steps import DecodeSteps
 # with the distinct experts its rows read (`experts_read`), and the routed experts are MOE_SHARE of a one-row step
 # (its top-k of them; by bytes ~37 % of the full model's step). A sequence's drafter launch (its own 16-slot block,
 # one launch a sequence) took ~1 ms beside the one-row step's 2.14 ms: DRAFTER_COST. (Measured before the batched
-# draft step, runtime/cuda/draft_batch.py, which runs every drafting sequence's block in one launch: not yet
-# measured on a GPU, so the model still charges each sequence a launch of its own.)
+# draft step, runtime/cuda/draft_batch.py, which runs every drafting sequence's block in one launch. Through the
+# server at f9f8dac it left 4 streams at 1.31x, near this model's 1.26x, but its own cost was not isolated, so the
+# model still charges each sequence a launch of its own.)
 MOE_SHARE = 0.34
 DRAFTER_COST = 0.47
 

@@ -9,7 +9,9 @@ double, so that an estimate capped by short drafts can grow. When even the best
 count is expected to commit fewer tokens per cost than a plain step (1 + estimate < its cost), the sequence
 decodes with plain steps: the same work as a request without speculation. Every `probe_every` plain steps it
 probes with one speculative step; a probe whose drafts still miss doubles the wait before the next one (at most
-`probe_max` steps), one that lands switches speculation back on.
+`probe_max` steps), one that lands switches speculation back on. Beside other sequences the wait is that many steps
+times the batch, since a probe turns the whole step into a verify step, and there is no probe at a batch where
+drafts that all landed would not pay.
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ class DraftPlanner:
         k, on = self.best(acc.estimate, cap, batch)
         if on or k == 0:
             return k, on
-        return (k if plain_steps >= acc.probe_wait else 0), False
+        # (a probe costs every sequence of its step a verify step: its wait grows with the batch, and none where
+        # speculation would stay off at this batch even with every draft landing)
+        if plain_steps < acc.probe_wait * batch or not self.best(cap, cap, batch)[1]:
+            return 0, False
+        return k, False
 
     def plan(self, seq: Sequence, batch: int = 1) -> None:
         """`seq`'s drafts in a step of `batch` decoding sequences."""
