@@ -273,9 +273,12 @@ def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_pat
     for v in variants:
         cubin, result = compiled[v.name]
         sass = disassemble(cubin)
-        if v.param("prologue") == "smem":  # every copy into shared memory issues before the wait, no weight load
+        if v.param("prologue") == "smem":  # every copy into shared memory issues before the wait, and past the
+            # budget the streamed rest's first step a unit (its one-step ring, loaded while the staged steps compute)
             before, after = copies_around_wait(v.name, sass)
-            assert before > 0 and after == 0 and weight_loads_before_wait(v.name, sass) == 0, (v.name, before, after)
+            assert before > 0 and after == 0, (v.name, before, after)
+            streamed = v.param("smem_steps") < math.ceil(v.param("k") // 64 / v.param("ks"))
+            assert weight_loads_before_wait(v.name, sass) == (v.param("un") if streamed else 0), v.name
         else:
             assert weight_loads_before_wait(v.name, sass) == v.param("pf") * v.param("un"), v.name
         spills = result.info[v.name].spills

@@ -154,7 +154,8 @@ __device__ __forceinline__ void unit_steps_smem(float (&acc)[UN][RT][2][4], uint
 // EARLY: the weight prologue's loads issue before griddepcontrol.wait (unit_steps_rows' kEarly).
 // SMEM_STEPS > 0 (NVFP4, the bench-only "smem" form): before the wait each warp copies its first SMEM_STEPS steps
 // of the block's units into dynamic shared memory (SliceSmem), then computes them from there and streams the rest
-// of its K range as unit_steps_rows does; the same sums in the same order as SMEM_STEPS = 0.
+// of its K range as unit_steps_rows does (its first loads issued before the wait, as the planned prologue's); the
+// same sums in the same order as SMEM_STEPS = 0.
 template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false, int UN = 1,
           bool EARLY = false, int SMEM_STEPS = 0>
 __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict__ gscale,
@@ -183,13 +184,17 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
     const int staged = s0 + (s1 - s0 < SMEM_STEPS ? s1 - s0 : SMEM_STEPS);
     const int slot0 = s0 < warp * SMEM_STEPS ? s0 : warp * SMEM_STEPS;
     stage_slice<N, UN>(slice_smem, SLOTS, p, unit0, s0, staged, slot0, lane);
-    pdl_wait();
-    cp_async_wait<0>();
-    __syncwarp();  // lanes 0-3 copied the warp's scales
-    unit_steps_smem<KIND, RT, UN, Tiles::TWO, SWAP>(acc, slice_smem, SLOTS, rows, s0, staged, slot0);
-    if constexpr (SMEM_STEPS < MOST) {  // past the budget: stream the rest, prefetched at most that many steps
-      constexpr int REST = MOST - SMEM_STEPS < PF ? MOST - SMEM_STEPS : PF;
-      unit_steps_rows<KIND, N, K, REST, RT, UN, Tiles::TWO, false, SWAP>(acc, p, unit0, rows, staged, s1);
+    auto from_smem = [&]() {
+      pdl_wait();
+      cp_async_wait<0>();
+      __syncwarp();  // lanes 0-3 copied the warp's scales
+      unit_steps_smem<KIND, RT, UN, Tiles::TWO, SWAP>(acc, slice_smem, SLOTS, rows, s0, staged, slot0);
+    };
+    if constexpr (SMEM_STEPS < MOST) {  // past the budget: the rest streams, its first steps loading meanwhile
+      constexpr int REST = 1;  // a step ahead: a deeper ring, live through the staged steps, spilled at 64 regs
+      unit_steps_rows<KIND, N, K, REST, RT, UN, Tiles::TWO, false, SWAP>(acc, p, unit0, rows, staged, s1, from_smem);
+    } else {
+      from_smem();
     }
   } else {
     unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP, EARLY>(acc, p, unit0, rows, s0, s1);
