@@ -89,6 +89,7 @@ def smem_plan(kernel: KernelSpec, un: int, arch: ArchSpec) -> tuple[int, int] | 
     sm_smem = arch.smem_per_block_max + SMEM_RESERVED
     static = ks * 8 * 16 * 4 + SMEM_EPILOGUE + SMEM_RESERVED  # gemm_small's reduction tile [KS][8][16] f32
     budget = min(SMEM_BLOCK_BUDGET, sm_smem // 2 // blocks_an_sm(blocks, arch) - static)
+
     def staged_bytes(smem_steps: int) -> int:  # SliceSmem's slots: the block's steps, or smem_steps a warp
         return min(steps, ks * smem_steps) * un * STEP_BYTES
 
