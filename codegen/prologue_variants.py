@@ -5,7 +5,7 @@
 A planned one-row GEMV (nvfp4_gemm.cu.j2, M = 1: the q|k|v GEMV with rope_kv folded in, o_proj with the attention
 tail, dense gate|up and down) loads PF weight steps a warp before griddepcontrol.wait in its PTX, with
 ld.global.nc; ptxas (CUDA 13.0, sm_90a) schedules the wait above those loads, so in the SASS no weight load issues
-before the previous kernel has finished (codegen/sass.py weight_loads_before_wait: 0 in each). Two forms of each,
+before the previous kernel has finished (codegen/sass.py weight_loads_before_wait: 0 in each). Three forms of each,
 with the same K split, the same sums in the same order (so the same bits):
   <name>_early  the same PF steps, loaded with coherent loads, which ptxas keeps before the wait;
   <name>_slice  coherent loads of the warp's WHOLE K slice (PF = its step count) before the wait. The slice lives
@@ -15,6 +15,15 @@ with the same K split, the same sums in the same order (so the same bits):
                 the full layers' q|k|v (576 blocks of 256 threads) keeps 4 blocks an SM, 528 at once, and the
                 full layers' o_proj (K 8192, 8 steps a warp) spills 40 B a thread at 64 registers (ptxas; fewer than
                 2 blocks an SM would leave 44 of its 176 blocks to a second wave).
+  <name>_smem   each warp copies its first P weight steps (codes and scales) into dynamic shared memory with cp.async
+                before the wait (P = its whole K range where the budget allows), computes them from there after it
+                and streams the rest as planned. For the copies to overlap the previous kernel, two consecutive
+                kernels' blocks must share an SM: a block takes UN units (the planned per-unit sums, so the same
+                bits; UN in 1..4) so that every SM holds at most 512 threads of a kernel where UN = 4 allows it
+                (half the registers at 64 a thread); the blocks most SMs hold (blocks_an_sm) get at most half an
+                SM's shared memory, static included, the staged weights at most SMEM_BLOCK_BUDGET a block
+                (smem_plan), and min_blocks asks ptxas for twice them. sm_90a, gemma-4-26b-a4b: every form but
+                the K = 8,192 o_proj's (5 of its 8 steps a warp) stages its whole slice.
 Left out: the lm_head's width (more blocks than fit the GPU at once: only the first wave could prefetch), fp16
 weights (a step is 16 registers a lane), and the MoE kernels, whose weights depend on the routing read after the
 wait (an expert's id is an input of the step); they run as planned.
@@ -30,10 +39,15 @@ from ..model_spec.weight_layout import TILE_K, TILE_N
 from .arch import ArchSpec
 from .kernel_spec import BenchCase, KernelSpec, make_params
 
-PROLOGUES = ("early", "slice")
+PROLOGUES = ("early", "slice", "smem")
 MAX_RING = 16  # unit_steps_rows' largest prefetch depth (its static_assert)
 REGS_FLOOR = 64  # registers a thread the slice form's residency request leaves at least (today's GEMVs use 40-51)
 REGS_AN_SM = 65536
+MAX_UN = 4  # gemm_small's most units a block
+SMEM_BLOCK_BUDGET = 100 << 10  # a smem form block's staged weights at most (H100: 227 KB of shared memory a block)
+SMEM_RESERVED = 1024  # shared memory the SM keeps a block (sm_90)
+SMEM_EPILOGUE = 2048  # the fused epilogues' static arrays at most (rope_kv's cos/sin, attn_tail's scratch)
+STEP_BYTES = 16 * 64 // 2 + 16 * 64 // 16  # a unit's step: e2m1 codes and e4m3 block scales (576 B)
 
 
 def decode_gemvs(kernels: Iterable[KernelSpec], arch: ArchSpec) -> list[KernelSpec]:
@@ -50,10 +64,71 @@ def decode_gemvs(kernels: Iterable[KernelSpec], arch: ArchSpec) -> list[KernelSp
     ]
 
 
+def blocks_an_sm(grid: int, arch: ArchSpec) -> int:
+    """The blocks most SMs hold of a `grid`-block kernel resident at once (the grid % SMs others hold one more or
+    one fewer; the next kernel's blocks take the SMs with room)."""
+    return max(1, round(grid / arch.sm_count))
+
+
+def smem_units(kernel: KernelSpec, arch: ArchSpec) -> int:
+    """Units a block of `kernel`'s smem form: the fewest (dividing the matrix's units and, with rope_kv folded in,
+    a head's) that leave at most 512 threads of a kernel on every SM, else the most."""
+    units = kernel.param("n") // TILE_N
+    head = kernel.param("D") // TILE_N if kernel.param("epi") == "rope_kv" else units
+    allowed = [un for un in range(1, MAX_UN + 1) if units % un == 0 and head % un == 0]
+    most = [math.ceil(units // un / arch.sm_count) for un in allowed]  # the blocks the fullest SM holds
+    fits = [un for un, b in zip(allowed, most) if b * kernel.threads * 2 * REGS_FLOOR <= REGS_AN_SM]
+    return (fits or allowed[-1:])[0]
+
+
+def smem_plan(kernel: KernelSpec, un: int, arch: ArchSpec) -> tuple[int, int] | None:
+    """(steps a warp staged in shared memory, dynamic bytes) of `kernel`'s smem form at `un` units a block: the
+    warp's whole K range where the budget allows, else as many steps as fit; None where not even one does."""
+    steps, ks = kernel.param("k") // TILE_K, kernel.param("ks")
+    blocks = kernel.param("n") // TILE_N // un
+    sm_smem = arch.smem_per_block_max + SMEM_RESERVED
+    static = ks * 8 * 16 * 4 + SMEM_EPILOGUE + SMEM_RESERVED  # gemm_small's reduction tile [KS][8][16] f32
+    budget = min(SMEM_BLOCK_BUDGET, sm_smem // 2 // blocks_an_sm(blocks, arch) - static)
+
+    def staged_bytes(smem_steps: int) -> int:  # SliceSmem's slots: the block's steps, or smem_steps a warp
+        return min(steps, ks * smem_steps) * un * STEP_BYTES
+
+    fitting = [p for p in range(1, math.ceil(steps / ks) + 1) if staged_bytes(p) <= budget]
+    return (fitting[-1], staged_bytes(fitting[-1])) if fitting else None
+
+
+def smem_variant(kernel: KernelSpec, arch: ArchSpec) -> KernelSpec | None:
+    """`kernel`'s smem form (module docstring), or None where no weight step fits its budget."""
+    un = smem_units(kernel, arch) * kernel.param("un")
+    planned = smem_plan(kernel, un, arch)
+    if planned is None:
+        return None
+    smem_steps, smem_bytes = planned
+    grid = kernel.param("n") // TILE_N // un
+    params = dict(
+        kernel.param_dict,
+        prologue="smem",
+        variant_of=kernel.name,
+        un=un,
+        smem_steps=smem_steps,
+        min_blocks=2 * blocks_an_sm(grid, arch),
+    )
+    return replace(
+        kernel,
+        name=f"{kernel.name}_smem",
+        params=make_params(**params),
+        grid=(grid, 1, 1),
+        smem_bytes=smem_bytes,
+    )
+
+
 def prologue_variant(kernel: KernelSpec, prologue: str, arch: ArchSpec) -> KernelSpec | None:
-    """`kernel`'s `prologue` form ("early" or "slice"), or None where the warp's slice exceeds the ring's depth."""
+    """`kernel`'s `prologue` form ("early", "slice" or "smem"), or None where the warp's slice exceeds the ring's
+    depth (slice) or no step fits the shared-memory budget (smem)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue {prologue!r}: expected one of {PROLOGUES}")
+    if prologue == "smem":
+        return smem_variant(kernel, arch)
     steps_a_warp = math.ceil(kernel.param("k") // TILE_K / kernel.param("ks"))  # the most steps a warp has
     params = dict(kernel.param_dict, prologue=prologue, variant_of=kernel.name)
     if prologue == "slice":
@@ -65,7 +140,7 @@ def prologue_variant(kernel: KernelSpec, prologue: str, arch: ArchSpec) -> Kerne
 
 
 def prologue_variants(kernels: Iterable[KernelSpec], arch: ArchSpec) -> list[KernelSpec]:
-    """Both prologue forms of every decode GEMV among `kernels` (the plan), in plan order."""
+    """Every prologue form of every decode GEMV among `kernels` (the plan), in plan order."""
     out = []
     for k in decode_gemvs(kernels, arch):
         out += [v for p in PROLOGUES if (v := prologue_variant(k, p, arch)) is not None]
@@ -73,10 +148,15 @@ def prologue_variants(kernels: Iterable[KernelSpec], arch: ArchSpec) -> list[Ker
 
 
 def variant_cases(cases: Iterable[BenchCase], variants: Iterable[KernelSpec]) -> list[BenchCase]:
-    """Each variant's bench case: its planned kernel's case (the same arguments), on the variant."""
+    """Each variant's bench case: its planned kernel's case (the same arguments), on the variant, launched on the
+    variant's own grid (the case's grid is None: the manifest's)."""
     by_kernel = {c.kernel.name: c for c in cases}
-    return [
-        replace(by_kernel[v.param("variant_of")], kernel=v)
-        for v in variants
-        if v.param("variant_of", None) in by_kernel
-    ]
+    out = []
+    for v in variants:
+        base = by_kernel.get(str(v.param("variant_of", "")))
+        if base is None:
+            continue
+        if base.grid is not None and v.grid != base.kernel.grid:
+            raise ValueError(f"{v.name}: its grid {v.grid} differs from {base.kernel.name}'s launch grid {base.grid}")
+        out.append(replace(base, kernel=v))
+    return out

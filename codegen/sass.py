@@ -5,7 +5,8 @@ kernel (REPRESENTATIVES), disassembles it with `cuobjdump -sass` and finds its h
 body holds the most streaming weight loads (`LDG.E.NA...128`, 16 bytes each). The count is the loop's instructions
 (NOPs left out) over its weight loads: what a lane issues for each 16 bytes of weights it streams (decode, scale,
 mma, activation loads, addressing). tests/test_sass_counts.py keeps it from rising. weight_loads_before_wait counts
-the weight loads a kernel issues before its griddepcontrol.wait (tests/test_prologue_variants.py).
+the weight loads a kernel issues before its griddepcontrol.wait, copies_around_wait its cp.async copies into shared
+memory on either side of it (tests/test_prologue_variants.py).
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ def weight_loads_before_wait(kernel: str, sass: str) -> int:
     if "ACQBULK" not in ops:
         raise RuntimeError(f"{kernel}: no griddepcontrol.wait (ACQBULK) in its SASS")
     return sum(o.startswith("LDG") and ".NA." in o and ".128" in o for o in ops[: ops.index("ACQBULK")])
+
+
+def copies_around_wait(kernel: str, sass: str) -> tuple[int, int]:
+    """(cp.async instructions before the kernel's griddepcontrol.wait (its ACQBULK), those after it): `LDGSTS`
+    (cp.async.cg / .ca) and `UBLKCP` (cp.async.bulk), the copies into shared memory that a smem GEMV form issues
+    while the previous kernel of a PDL chain still runs. Instructions, not their dynamic count: a copy loop's body
+    counts once."""
+    ops = [m.group(2) for m in _INSTR.finditer(sass)]
+    if "ACQBULK" not in ops:
+        raise RuntimeError(f"{kernel}: no griddepcontrol.wait (ACQBULK) in its SASS")
+    wait = ops.index("ACQBULK")
+    copies = [i for i, o in enumerate(ops) if o.startswith(("LDGSTS", "UBLKCP"))]
+    return sum(i < wait for i in copies), sum(i > wait for i in copies)
 
 
 def count_families(

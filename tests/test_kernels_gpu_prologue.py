@@ -1,7 +1,9 @@
 """GPU tests: each one-row decode GEMV's bench-only prologue forms (codegen/prologue_variants.py: weights loaded
-before griddepcontrol.wait, "early" and the whole K slice) give the planned kernel's outputs bit for bit (the same
-sums in the same order: their tolerance is zero), on its bench case's inputs, for the tiny and the full preset. (The
-chain benchmark, `thorgen bench kernels --chain N`, launches them in PDL chains.)"""
+before griddepcontrol.wait, "early", the whole K slice in registers, and "smem": the block's slice copied into
+dynamic shared memory, with its own grid of grouped units, and past its budget the rest streamed) give the planned
+kernel's outputs bit for bit (the same sums in the same order: their tolerance is zero), on its bench case's inputs,
+for the tiny and the full preset. (The chain benchmark, `thorgen bench kernels --chain N`, launches them in PDL
+chains.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ is not a package (importlib import mode)
 from gpu_harness import PRESETS, GpuRunner, bits  # noqa: E402
 from thorgen.codegen.bench_cases import built_bench_cases
-from thorgen.codegen.prologue_variants import decode_gemvs, prologue_variants
+from thorgen.codegen.prologue_variants import PROLOGUES, decode_gemvs, prologue_variants
 from thorgen.runtime.bench.cases import host_args
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +46,12 @@ def test_forms_give_the_planned_bits(runner):
     kernels = list(runner.kernels.values()) + runner.variants
     cases = {c.kernel.name: c for c in built_bench_cases(runner.spec, runner.arch, kernels)}
     gemvs = decode_gemvs(runner.kernels.values(), runner.arch)
-    assert gemvs and len(runner.variants) == 2 * len(gemvs)
+    assert gemvs and len(runner.variants) == len(PROLOGUES) * len(gemvs)
+    smem = [v for v in runner.variants if v.param("prologue") == "smem"]
+    assert {v.param("variant_of") for v in smem} == {g.name for g in gemvs}
+    if runner.spec.name != "tiny" and runner.arch.name == "sm_90a":  # grouped units, a budget's streamed remainder
+        assert any(v.param("un") > 1 for v in smem)
+        assert any(v.param("smem_steps") * v.param("ks") < v.param("k") // 64 for v in smem)
     for v in runner.variants:
         base = v.param("variant_of")
         case = cases[base]

@@ -2,8 +2,10 @@
 that times them (runtime/bench/kernel_chain.py): the forms change only the loads' timing (same template, grid, K
 split and arguments; the plan and the step programs stay as they were), `thorgen build --prologue-variants` (nvcc
 replaced by empty cubins) writes them with their planned kernel's bench case, they give the planned kernel's
-outputs through the emulated driver, and `thorgen bench kernels --chain N` runs over such a build. With nvcc and
-cuobjdump, the compiled forms issue their prologue's weight loads before griddepcontrol.wait (its SASS ACQBULK)."""
+outputs through the emulated driver, and `thorgen bench kernels --chain N` runs over such a build. The smem form may
+also group units into fewer blocks (the same per-unit sums) and stage them in dynamic shared memory within its
+budget. With nvcc and cuobjdump, the compiled forms issue their prologue's weight loads (the smem form: its cp.async
+copies) before griddepcontrol.wait (its SASS ACQBULK)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,13 @@ from thorgen.codegen.bench_cases import built_bench_cases
 from thorgen.codegen.nvcc import CompileResult
 from thorgen.codegen.plan import plan
 from thorgen.codegen.programs import emit_programs
-from thorgen.codegen.prologue_variants import PROLOGUES, decode_gemvs, prologue_variants
+from thorgen.codegen.prologue_variants import (
+    PROLOGUES,
+    SMEM_BLOCK_BUDGET,
+    STEP_BYTES,
+    decode_gemvs,
+    prologue_variants,
+)
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
 from thorgen.runtime.backend import BackendError
@@ -36,6 +44,7 @@ from thorgen.runtime.manifest import load_manifest
 ARCH = "sm_90a"
 FULL = "gemma-4-26b-a4b"
 TIMING_PARAMS = {"pf", "prologue", "variant_of", "min_blocks"}  # what a form may change: when its loads issue
+SMEM_PARAMS = TIMING_PARAMS | {"un", "smem_steps"}  # and the smem form: units a block, steps staged a warp
 
 
 def _empty_cubins(sources: dict[str, str], arch, work_dir: Path, jobs: int = 0, cache=None) -> dict:
@@ -68,16 +77,15 @@ def test_forms_change_only_when_the_weights_load(preset):
     if preset == FULL:
         assert "nvfp4_gemv__n262144_k2816" in {k.name for k in planned} - {k.name for k in gemvs}
     by_name = {k.name: k for k in planned}
+    assert {v.param("prologue") for v in variants} == set(PROLOGUES)
     for v in variants:
         base = by_name[v.param("variant_of")]
         assert v.name == f"{base.name}_{v.param('prologue')}"
-        assert (v.template, v.grid, v.block, v.args, v.family) == (
-            base.template,
-            base.grid,
-            base.block,
-            base.args,
-            base.family,
-        )
+        assert (v.template, v.block, v.args, v.family) == (base.template, base.block, base.args, base.family)
+        if v.param("prologue") == "smem":
+            _check_smem_form(v, base, arch, render(v, arch, spec.spec_hash))
+            continue
+        assert v.grid == base.grid and v.smem_bytes == base.smem_bytes == 0
         same = {key: val for key, val in v.params if key not in TIMING_PARAMS}
         assert same == {key: val for key, val in base.params if key not in TIMING_PARAMS}
         if v.param("prologue") == "early":
@@ -90,6 +98,39 @@ def test_forms_change_only_when_the_weights_load(preset):
         assert re.search(r"thorgen::gemm_small<[^>]*, true>\(", source), v.name  # gemm_small's EARLY
         assert "thorgen::gemm_small<" in render(base, arch, spec.spec_hash)
         assert ", true>(" not in render(base, arch, spec.spec_hash).split("thorgen::gemm_small<")[1].split(")")[0]
+
+
+def _check_smem_form(v, base, arch, source: str) -> None:
+    """The smem form: UN whole units a block (a head's with rope_kv folded in), the planned K split and sums, and
+    its shared memory within the budget: the warp's whole K range, or at least one step of every warp."""
+    same = {key: val for key, val in v.params if key not in SMEM_PARAMS}
+    assert same == {key: val for key, val in base.params if key not in SMEM_PARAMS}
+    un, units, ks = v.param("un"), base.param("n") // 16, base.param("ks")
+    assert 1 <= un <= 4 and units % un == 0 and v.grid == (units // un, 1, 1)
+    if base.param("epi") == "rope_kv":
+        assert base.param("D") % (16 * un) == 0
+    steps, most = base.param("k") // 64, math.ceil(base.param("k") // 64 / ks)
+    assert 1 <= v.param("smem_steps") <= most
+    assert v.smem_bytes == min(steps, ks * v.param("smem_steps")) * un * STEP_BYTES <= SMEM_BLOCK_BUDGET
+    assert v.smem_bytes + ks * 8 * 16 * 4 <= (arch.smem_per_block_max + 1024) // 2
+    assert v.threads * v.param("min_blocks") * 64 <= 65536
+    assert f", false, {v.param('smem_steps')}>(" in source  # gemm_small's SMEM_STEPS
+    assert f"{v.smem_bytes} B of dynamic shared memory" in source
+
+
+def test_smem_forms_at_full_size_group_units_and_stage_whole_slices_where_they_fit():
+    spec, arch = get_preset(FULL), get_arch(ARCH)
+    variants = prologue_variants(plan(spec, arch), arch)
+    forms = {v.param("variant_of"): v for v in variants if v.param("prologue") == "smem"}
+    assert len(forms) == 8
+    for name, v in forms.items():
+        most = math.ceil(v.param("k") // 64 / v.param("ks"))
+        # every SM holds at most 512 threads of a kernel (two kernels' blocks share it) where 4 units a block allow
+        assert math.ceil(v.grid[0] / arch.sm_count) * v.threads <= 512 or v.param("un") == 4, name
+        if v.param("k") == 8192:  # the o_proj of the full layers: 147 KB a block of 2 units, past the budget
+            assert v.param("smem_steps") < most and v.smem_bytes <= SMEM_BLOCK_BUDGET
+        else:
+            assert v.param("smem_steps") == most, name
 
 
 def test_step_programs_and_bench_cases_of_a_build_with_the_forms():
@@ -210,9 +251,16 @@ def test_chain_benchmark_asks_for_the_forms(tmp_path: Path, monkeypatch: pytest.
 @pytest.mark.parametrize("preset", ["tiny", FULL])
 def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_path: Path) -> None:
     """nvcc for sm_90a: each form compiles without spilling beyond the 8192-wide o_proj's slice (prologue_variants'
-    note) and its SASS issues every prologue step's 16-byte weight load (PF x UN a lane) before ACQBULK."""
+    note) and its SASS issues every prologue step's 16-byte weight load (PF x UN a lane) before ACQBULK; the smem
+    form issues all its cp.async copies before it."""
     from thorgen.codegen.nvcc import NvccNotFound, find_nvcc
-    from thorgen.codegen.sass import SassToolMissing, disassemble, find_cuobjdump, weight_loads_before_wait
+    from thorgen.codegen.sass import (
+        SassToolMissing,
+        copies_around_wait,
+        disassemble,
+        find_cuobjdump,
+        weight_loads_before_wait,
+    )
 
     try:
         find_nvcc()
@@ -224,7 +272,15 @@ def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_pat
     compiled = builder.compile_sources({v.name: render(v, arch, spec.spec_hash) for v in variants}, arch, tmp_path)
     for v in variants:
         cubin, result = compiled[v.name]
-        assert weight_loads_before_wait(v.name, disassemble(cubin)) == v.param("pf") * v.param("un"), v.name
+        sass = disassemble(cubin)
+        if v.param("prologue") == "smem":  # every copy into shared memory issues before the wait, and past the
+            # budget the streamed rest's first step a unit (its one-step ring, loaded while the staged steps compute)
+            before, after = copies_around_wait(v.name, sass)
+            assert before > 0 and after == 0, (v.name, before, after)
+            streamed = v.param("smem_steps") < math.ceil(v.param("k") // 64 / v.param("ks"))
+            assert weight_loads_before_wait(v.name, sass) == (v.param("un") if streamed else 0), v.name
+        else:
+            assert weight_loads_before_wait(v.name, sass) == v.param("pf") * v.param("un"), v.name
         spills = result.info[v.name].spills
         assert spills == 0 or v.name == "nvfp4_gemv__n2816_k8192_attn_tail_slice", (v.name, spills)
 

@@ -1,7 +1,9 @@
 """The kernel chain benchmark (`thorgen bench kernels --chain N`): a build's one-row decode GEMVs launched as a
 dependent chain in one CUDA graph, every launch after the first with programmatic dependent launch (PDL) as the
 engine's step graphs launch them, in the planned form and in each bench-only prologue form that
-`thorgen build --prologue-variants` added (codegen/prologue_variants.py: weights loaded before griddepcontrol.wait).
+`thorgen build --prologue-variants` added (codegen/prologue_variants.py: weights loaded, or copied into shared
+memory, before griddepcontrol.wait). Each form launches on its own manifest grid (the smem form groups units into
+fewer blocks) with the planned kernel's arguments.
 
 A kernel's chain is N launches of it, each on one of several copies of its inputs (enough copies, up to N, that no
 launch finds its weights in L2); the step-order chain is the one-row decode step's launches of these kernels (its
@@ -55,7 +57,7 @@ class ChainKernel:
     """One planned GEMV of the chain: its bench case, its forms' kernel names, its uploaded argument copies."""
 
     case: BenchCase
-    forms: dict[str, str]  # form ("planned", "early", "slice") -> kernel name
+    forms: dict[str, str]  # form ("planned", "early", "slice", "smem") -> kernel name
     copies: list[list[Any]]
 
 

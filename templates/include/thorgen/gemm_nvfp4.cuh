@@ -78,14 +78,86 @@ __device__ __forceinline__ void lane_rows(const __half* (&rows)[2 * RT], const _
   }
 }
 
+// ---- asynchronous copies into shared memory (cp.async.cg, 16 bytes, L2 only) ----------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The bench-only "smem" GEMVs (codegen/prologue_variants.py): a block's weight slice in dynamic shared memory, in
+// step slots [slot][UN units][32 lanes] of 16 code bytes, then [slot][UN][32] of 2 scale bytes (UN * 576 B a slot).
+// A warp's steps [s0, s0 + P) live in slots from min(s0, warp * P): its own K range when the block's whole slice
+// fits (P >= every warp's step count), P slots a warp when the budget cuts it (P <= every warp's step count).
+template <int UN> struct SliceSmem {
+  static constexpr int SLOT_BYTES = UN * W_LANES * (FP4_LANE_BYTES + SCALE_LANE_BYTES);
+  static __device__ __forceinline__ uint4* codes(uint4* base, int slot, int u) {
+    return base + (slot * UN + u) * W_LANES;
+  }
+  static __device__ __forceinline__ uint8_t* scales(uint4* base, int slots, int slot, int u) {
+    return reinterpret_cast<uint8_t*>(base + slots * UN * W_LANES) + (slot * UN + u) * W_LANES * SCALE_LANE_BYTES;
+  }
+};
+
+// One warp issues the copies of its steps [s0, s1) of units unit0.. into slots from slot0 (one commit group): each
+// lane its 16 code bytes a step and unit, lanes 0-3 the unit's 64 scale bytes of the step in 16-byte pieces.
+template <int N, int UN>
+__device__ __forceinline__ void stage_slice(uint4* base, int slots, const WPtr& p, int unit0, int s0, int s1,
+                                            int slot0, int lane) {
+  constexpr int UNITS = N / W_TILE_N;
+  for (int s = s0; s < s1; ++s) {
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      const size_t first = ((size_t)s * UNITS + unit0 + u) * W_LANES;  // the unit's step: lane 0's index
+      const int slot = slot0 + s - s0;
+      cp_async16(SliceSmem<UN>::codes(base, slot, u) + lane, p.w + (first + lane) * FP4_LANE_BYTES, true);
+      if (lane < W_LANES * SCALE_LANE_BYTES / 16)
+        cp_async16(SliceSmem<UN>::scales(base, slots, slot, u) + 16 * lane, p.s + first * SCALE_LANE_BYTES + 16 * lane,
+                   true);
+    }
+  }
+  cp_async_commit();
+}
+
+// unit_steps_rows over steps [s0, s1) with the weights read from the warp's staged slots (slot0 ..): the same
+// decode and the same mma chain per unit and tile, so the same sums in the same order.
+template <int KIND, int RT, int UN, bool kTwoRows, bool kSwap>
+__device__ __forceinline__ void unit_steps_smem(float (&acc)[UN][RT][2][4], uint4* base, int slots,
+                                                const __half* const (&rows)[2 * RT], int s0, int s1, int slot0) {
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
+  for (int s = s0; s < s1; ++s) {
+    AStep a[RT];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) load_a<kTwoRows>(a[rt], rows[2 * rt], rows[2 * rt + 1], s, t4);
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      WStep<KIND> st;
+      st.w = SliceSmem<UN>::codes(base, slot0 + s - s0, u)[lane];
+      st.s = reinterpret_cast<const uint16_t*>(SliceSmem<UN>::scales(base, slots, slot0 + s - s0, u))[lane];
+      uint32_t b[2][4][2];
+      decode_step<KIND>(st, b);
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        if constexpr (kSwap) mma_step_swap(acc[u][rt], a[rt], b);
+        else mma_step<kTwoRows>(acc[u][rt], a[rt], b);
+      }
+    }
+  }
+}
+
 // ---- M <= 32 -----------------------------------------------------------------------------------------------
 // Block = UN consecutive 16-row units, KS warps splitting K. Each activation step a warp loads serves its UN units:
 // at 16-32 rows the activations are 4-8 bytes of L1 reads per weight byte, which bound the kernel at UN = 1 (the
 // 32-row q|k|v GEMM took 17.0 us against 8.1 at 16 rows on the H200). The KS partial tiles go through one shared
 // tile a unit after another, so the reduction's shared memory does not grow with UN.
 // EARLY: the weight prologue's loads issue before griddepcontrol.wait (unit_steps_rows' kEarly).
+// SMEM_STEPS > 0 (NVFP4, the bench-only "smem" form): before the wait each warp copies its first SMEM_STEPS steps
+// of the block's units into dynamic shared memory (SliceSmem), then computes them from there and streams the rest
+// of its K range as unit_steps_rows does (its first loads issued before the wait, as the planned prologue's); the
+// same sums in the same order as SMEM_STEPS = 0.
 template <int KIND, int N, int K, int KS, int MMAX, int PF, int EPI, typename OutT, bool SWAP = false, int UN = 1,
-          bool EARLY = false>
+          bool EARLY = false, int SMEM_STEPS = 0>
 __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict__ gscale,
                                            const __half* __restrict__ x, OutT* __restrict__ y, int m) {
   static_assert(N % 16 == 0 && K % 64 == 0, "W must be [N % 16 == 0, K % 64 == 0]");
@@ -104,7 +176,29 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
   lane_rows<RT, Tiles::TWO>(rows, x, K, m, gid);
   float acc[UN][RT][2][4] = {};
   static_assert(!(SWAP && Tiles::TWO), "the swapped form holds at most 8 tokens");
-  unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP, EARLY>(acc, p, unit0, rows, s0, s1);
+  if constexpr (SMEM_STEPS > 0) {
+    static_assert(KIND != HALF && !EARLY, "the smem form stages NVFP4 codes and scales");
+    constexpr int MOST = (STEPS + KS - 1) / KS;  // the most steps a warp has
+    constexpr int SLOTS = STEPS < KS * SMEM_STEPS ? STEPS : KS * SMEM_STEPS;
+    extern __shared__ uint4 slice_smem[];
+    const int staged = s0 + (s1 - s0 < SMEM_STEPS ? s1 - s0 : SMEM_STEPS);
+    const int slot0 = s0 < warp * SMEM_STEPS ? s0 : warp * SMEM_STEPS;
+    stage_slice<N, UN>(slice_smem, SLOTS, p, unit0, s0, staged, slot0, lane);
+    auto from_smem = [&]() {
+      pdl_wait();
+      cp_async_wait<0>();
+      __syncwarp();  // lanes 0-3 copied the warp's scales
+      unit_steps_smem<KIND, RT, UN, Tiles::TWO, SWAP>(acc, slice_smem, SLOTS, rows, s0, staged, slot0);
+    };
+    if constexpr (SMEM_STEPS < MOST) {  // past the budget: the rest streams, its first steps loading meanwhile
+      constexpr int REST = 1;  // a step ahead: a deeper ring, live through the staged steps, spilled at 64 regs
+      unit_steps_rows<KIND, N, K, REST, RT, UN, Tiles::TWO, false, SWAP>(acc, p, unit0, rows, staged, s1, from_smem);
+    } else {
+      from_smem();
+    }
+  } else {
+    unit_steps_rows<KIND, N, K, PF, RT, UN, Tiles::TWO, true, SWAP, EARLY>(acc, p, unit0, rows, s0, s1);
+  }
 #pragma unroll
   for (int u = 0; u < UN; ++u) {
     if (u > 0) __syncthreads();  // the previous unit's sums have been read
@@ -135,12 +229,6 @@ __device__ __forceinline__ void gemm_small(const WPtr p, const float* __restrict
 }
 
 // ---- large M (prefill) ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <int BM, int STAGES> struct LargeSmem {
   static constexpr int PITCH = 64 + 8;  // halves per row: +16 B keeps the lanes' 16-B reads on distinct banks

@@ -264,10 +264,14 @@ __device__ __forceinline__ void mma_step_swap(float (&acc)[2][4], const AStep& a
 // kWait, NVFP4): the prologue's loads are coherent ones, which ptxas keeps before the wait (load_step); with PF the
 // warp's whole step count, the warp's whole weight slice is then in flight before the wait (the bench-only
 // whole-slice GEMVs, codegen/prologue_variants.py). Either way the sums are the same, in the same order.
+// between() runs after the prologue (and the wait), before the first step: the smem GEMVs' steps before s0, whose
+// sums come first, while the prologue's loads are in flight.
+struct NoSteps { __device__ __forceinline__ void operator()() const {} };
 template <int KIND, int N, int K, int PF, int RT, int UN, bool kTwoRows, bool kWait = false, bool kSwap = false,
-          bool kEarly = false>
+          bool kEarly = false, typename Between = NoSteps>
 __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], const WPtr& p, int unit0,
-                                                const __half* const (&rows)[2 * RT], int s0, int s1) {
+                                                const __half* const (&rows)[2 * RT], int s0, int s1,
+                                                const Between& between = Between{}) {
   static_assert(K % 64 == 0, "K must be a multiple of 64 (the t16x64 step)");
   static_assert(PF >= 1 && PF <= 16, "prefetch depth out of range");
   static_assert(UN >= 1 && UN <= 4 && (N / 16) % UN == 0, "1..4 units a warp, dividing the matrix's units");
@@ -286,6 +290,7 @@ __device__ __forceinline__ void unit_steps_rows(float (&acc)[UN][RT][2][4], cons
     for (int u = 0; u < UN; ++u)
       if (s0 + i < s1) load_step<KIND, N, K, kEarlyLoads>(ring[u][i], p, unit0 + u, s0 + i, lane);
   if constexpr (kWait) pdl_wait();
+  between();
   for (int base = s0; base < s1; base += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
