@@ -4,9 +4,8 @@ only translate their wire formats to and from it."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
-from typing import Any, Awaitable, Callable
+from typing import Callable
 
 from ..runtime.backend import ImageInput, ImageSpan, SamplingParams
 from ..runtime.media.prompts import ImagePlaceholderError, expand_image_tokens, expand_video_text, video_frames
@@ -51,24 +50,6 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
     messages = req.messages
     if messages is None:
         raise ValueError("a raw-prompt request has no conversation to render")
-    # the images are read, decoded and preprocessed while the videos load and the prompt is rendered and tokenized
-    loading = asyncio.ensure_future(ctx.images.load(req.images, req.image_budget)) if req.images else None
-    try:
-        return await _conversation_prompt(ctx, req, messages, loading)
-    finally:
-        if loading is not None:
-            if not loading.done():  # the request failed first (its 400 is the one reported): its images stop
-                loading.cancel()
-            elif not loading.cancelled():
-                loading.exception()  # read, so that asyncio does not log it as never retrieved
-
-
-async def _conversation_prompt(
-    ctx: ServerContext,
-    req: GenerationRequest,
-    messages: list[dict[str, Any]],
-    loading: asyncio.Future[list[ImageInput]] | None,
-) -> tuple[list[int], list[ImageSpan]]:
     forced = forced_call(req)
     videos = await ctx.videos.load(req.videos, req.video_sampling)
 
@@ -85,7 +66,7 @@ async def _conversation_prompt(
         return prompt if forced is None else prompt + "<|tool_call>" + forced
 
     ids = await prompt_ids(ctx, render, param=req.prompt_field)
-    return await with_images(ctx, req.images, req.image_budget, ids, req.prompt_field, video_frames(videos), loading)
+    return await with_images(ctx, req.images, req.image_budget, ids, req.prompt_field, video_frames(videos))
 
 
 async def _raw_prompt_ids(ctx: ServerContext, prompt: Prompt) -> list[int]:
@@ -111,12 +92,10 @@ async def with_images(
     ids: list[int],
     param: str = "messages",
     frames: list[ImageInput] | None = None,
-    loading: Awaitable[list[ImageInput]] | None = None,
 ) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's one placeholder expanded into boi + its soft tokens + eoi and each video
-    frame's (with_video_layout) into its soft tokens, and the spans; the images are read and preprocessed once
-    (`loading`: already under way, started with the same images and budget), their errors reported only once the
-    placeholders are known to match them."""
+    frame's (with_video_layout) into its soft tokens, and the spans; the images are read and preprocessed once,
+    after the placeholders are known to match them."""
     frames = frames or []
     vision = ctx.caps.vision
     if images:
@@ -141,8 +120,7 @@ async def with_images(
         )
     if not images and not frames:
         return ids, []
-    loaded = await (loading if loading is not None else ctx.images.load(images, budget))
-    return expand_image_tokens(ids, loaded, vision, frames)
+    return expand_image_tokens(ids, await ctx.images.load(images, budget), vision, frames)
 
 
 def _budget(req: GenerationRequest, n_prompt: int, max_context: int, param: str) -> int:
