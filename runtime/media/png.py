@@ -38,6 +38,7 @@ def decode_plain(image: Image.Image, data: bytes) -> Image.Image | None:
         return None
     try:
         codec = av.CodecContext.create("png", "r")
+        codec.thread_count = 1  # one image: no threads to start (the server decodes images side by side already)
         frames = codec.decode(av.Packet(data))
     except (av.FFmpegError, ValueError):
         return None
