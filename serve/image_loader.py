@@ -7,7 +7,8 @@ and those of concurrent requests, are decoded side by side while the event loop 
 Preprocessed images are kept (an LRU bounded by their patches' bytes) by that key and the budget: an image sent
 again is neither decoded nor preprocessed, and the ImageInput it gets back carries the content hash the engine's
 encoder cache already holds, so it is not encoded either. Two requests that send one new image at the same time
-share one decode.
+share one decode. A chat's data-URL images are submitted (`prefetch`) before its prompt is rendered and tokenized,
+so that their decode runs beside that work.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .request import ImageSource
 T = TypeVar("T")
 Key = tuple[str, int]  # (sha256 of the raw image, budget)
 Raw = bytes | tuple[str, int]  # an image's bytes, or a data URL and where its base64 starts
+INLINE_HASH_CHARS = 1 << 20  # the longest data URL `prefetch` hashes on the event loop's thread (~0.6 ms)
 
 
 K = TypeVar("K")
@@ -116,13 +118,34 @@ class ImageLoader:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        job = self._pending.get(key)
-        if job is None:
-            self.decoded += 1
-            job = asyncio.ensure_future(self._run(_preprocess, raw, vision, key[1]))
-            self._pending[key] = job
-            job.add_done_callback(lambda done: self._settle(key, done))
+        job = self._pending.get(key) or self._start(key, raw, vision)
         return await asyncio.shield(job)  # a request that gives up does not cancel a decode others wait for
+
+    def _start(self, key: Key, raw: Raw, vision: Gemma4VisionSpec) -> asyncio.Future[ImageInput]:
+        """The image's decode and preprocessing, submitted to the pool at once (no turn of the event loop first)."""
+        self.decoded += 1
+        job = asyncio.wrap_future(self._pool.submit(_preprocess, raw, vision, key[1]))
+        self._pending[key] = job
+        job.add_done_callback(lambda done: self._settle(key, done))
+        return job
+
+    def prefetch(self, sources: list[ImageSource], budget: int | None) -> None:
+        """Start the decodes of a request's data-URL images now, before `load` is awaited for them (while the prompt
+        is rendered and tokenized): each is hashed here and submitted to the pool with no turn of the event loop in
+        between, which, with another thread holding the GIL, could wait milliseconds. Best effort: any source that
+        is not such a data URL, or is refused, is left to `load`, which reads it and reports its errors in order."""
+        if self.vision is None or len(sources) > self.options.max_images:
+            return
+        for source in sources:
+            if source.url[:5].lower() != "data:" or len(source.url) > INLINE_HASH_CHARS:
+                continue
+            try:
+                start = data_url_payload(source.url, source.where)
+            except APIError:
+                continue
+            key = ("data:" + sha256_of(source.url), source.budget or budget or self.options.budget)
+            if self.cache.get(key) is None and key not in self._pending:
+                self._start(key, (source.url, start), self.vision)
 
     async def load(self, sources: list[ImageSource], budget: int | None) -> list[ImageInput]:
         """Each source read once and preprocessed once per budget it is asked at; the first failing source (in

@@ -51,6 +51,7 @@ async def conversation_prompt(ctx: ServerContext, req: GenerationRequest) -> tup
     if messages is None:
         raise ValueError("a raw-prompt request has no conversation to render")
     forced = forced_call(req)
+    ctx.images.prefetch(req.images, req.image_budget)  # decoding while the videos load and the prompt is rendered
     videos = await ctx.videos.load(req.videos, req.video_sampling)
 
     def render() -> str:

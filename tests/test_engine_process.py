@@ -326,3 +326,24 @@ def test_the_soak_counts_the_engine_process_s_memory(tiny_checkpoint):
             assert got["rss_bytes"] > process_rss(engine_pid)
     finally:
         state.close()
+
+
+def test_the_request_pipe_holds_an_images_patches_in_few_writes() -> None:
+    import multiprocessing
+
+    from thorgen.runtime.process.client import PIPE_BYTES, widen
+
+    fcntl = pytest.importorskip("fcntl")
+    if not hasattr(fcntl, "F_GETPIPE_SZ") or not os.path.exists("/proc/sys/fs/pipe-max-size"):
+        pytest.skip("no pipe sizes on this system")
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        if int(f.read()) < PIPE_BYTES and os.geteuid() != 0:
+            pytest.skip("this system allows no pipe that large")
+    read, write = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    try:
+        before = fcntl.fcntl(write.fileno(), fcntl.F_GETPIPE_SZ)
+        widen(write)
+        assert fcntl.fcntl(read.fileno(), fcntl.F_GETPIPE_SZ) == PIPE_BYTES > before
+    finally:
+        read.close()
+        write.close()

@@ -1,7 +1,8 @@
 """Serve stage tests: how a request's images are read (serve/image_loader.py), on the reference backend with the tiny
 checkpoint: decoding runs off the event loop (another stream flows while an image decode is held), the images of
 one request and of concurrent requests are decoded side by side, an image sent again is neither decoded nor
-encoded, concurrent requests share one decode of a new image, and the base64 reader and the cache's bound."""
+encoded, concurrent requests share one decode of a new image, a prefetched decode starts at once and is the one
+load takes, and the base64 reader and the cache's bound."""
 
 from __future__ import annotations
 
@@ -155,6 +156,33 @@ def test_concurrent_asks_for_one_new_image_share_its_decode(decodes):
     finally:
         loader.close()
     assert a is b and len(decodes) == 1 and loader.decoded == 1 and len(loader.cache) == 1
+
+
+def test_prefetch_submits_the_decodes_at_once_and_load_takes_them(decodes):
+    loader = ImageLoader(get_preset("tiny").vision, MediaOptions(budget=70, workers=2))
+    entered = threading.Event()
+    decodes.on_decode, decodes.hold = entered.set, threading.Event()
+    good = "data:image/png;base64," + base64.b64encode(png(109)).decode()
+    sources = [
+        ImageSource(good, "messages[0].content[0]"),
+        ImageSource("data:text/plain;base64,aGk=", "messages[0].content[1]"),  # left to load, which refuses it
+        ImageSource("https://example.com/a.png", "messages[0].content[2]"),  # fetched by load only
+    ]
+
+    async def prefetch_then_load():
+        loader.prefetch(sources, None)
+        started = entered.wait(WAIT_S)  # the event loop held: the decode started with no turn of it
+        decodes.hold.set()
+        with pytest.raises(Exception, match=r"content\[1\]: the data URL's media type 'text/plain' is not an image"):
+            await loader.load(sources, None)
+        return started, await loader.load(sources[:1], None)
+
+    try:
+        started, (image,) = asyncio.run(prefetch_then_load())
+    finally:
+        loader.close()
+    assert started and len(decodes) == 1 and loader.decoded == 1
+    assert np.array_equal(image.patches, load_image(png(109), get_preset("tiny").vision, 70).patches)
 
 
 def test_the_first_bad_image_in_order_is_the_400():

@@ -1,11 +1,12 @@
 """Runtime stage: one image's bytes -> an ImageInput (Gemma4ImageProcessor's steps, bit-exact, on Pillow + NumPy).
 
-Decode (Pillow), composite any transparency onto white, resize preserving the aspect ratio to the largest
-multiple-of-(pool x patch) sides within the soft-token budget (PIL BICUBIC on uint8; small images are upscaled;
-a large image's resize runs in bands on a few threads, byte for byte the same: runtime/media/resize.py),
-cut into patches in (py, px, c) order, row-major over the patch grid, with (x, y) grid positions. Pixels stay
-uint8 (ImageInput.pixel_values gives /255 as float32). Anything Pillow cannot turn into pixels, a decompression
-bomb or a zero-size image raises ImageError with a message fit for a 400.
+Decode (Pillow; a plain 8-bit RGB(A) PNG by FFmpeg, the same pixels faster: runtime/media/png.py), composite any
+transparency onto white, resize preserving the aspect ratio to the largest multiple-of-(pool x patch) sides within
+the soft-token budget (PIL BICUBIC on uint8; small images are upscaled; a large image's resize runs in bands on a
+few threads, byte for byte the same: runtime/media/resize.py), cut into patches in (py, px, c) order, row-major
+over the patch grid, with (x, y) grid positions. Pixels stay uint8 (ImageInput.pixel_values gives /255 as
+float32). Anything Pillow cannot turn into pixels, a decompression bomb or a zero-size image raises ImageError
+with a message fit for a 400.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ...model_spec.types import Gemma4VisionSpec
 from ..backend import ImageInput
+from .png import decode_plain
 from .resize import resized_patches, worth_bands
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
@@ -51,6 +53,7 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
             w, h = image.size
             if w * h > max_pixels:
                 raise ImageError(f"the image is {w}x{h} = {w * h} pixels; at most {max_pixels} are accepted")
+            image = decode_plain(image, data) or image  # a plain PNG: the same pixels, faster (runtime/media/png.py)
             image.load()
     except ImageError:
         raise
