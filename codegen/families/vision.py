@@ -7,7 +7,9 @@ norm + 2-D RoPE, sandwich norms, the pool tail), its fp16 GEMMs and its bidirect
   vis_sandwich__h{H}                         x += rmsnorm(y) * w_post; a = rmsnorm(x) * w_next
   vis_pool__h{H}_p{POOL}                     3x3 mean, x sqrt(H), standardize, weightless RMSNorm (fp32) -> f16
   vis_gemmL__n{N}_k{K}[_gelu]                the tower's linears on the drafter's fp16 tile engine (WeightKind HALF)
-  vis_attn__h{NH}x{D}_dp{DP}                 one image's patches attending each other (scale 1, no mask, G = 1)
+  vis_attn__h{NH}x{D}_dp{DP}                 each image's patches attending each other (scale 1, no mask, G = 1)
+An encode of B images of one patch grid runs them back to back: the row kernels and GEMMs see B L rows, the attention
+and the pool keep to each image's own rows.
 Widths are padded to the tiles (model_spec/vision_layout.py); the GEMMs and the attention run on those.
 """
 
@@ -103,7 +105,7 @@ def pool(d: VisionDims, arch: ArchSpec) -> KernelSpec:
         "vis_pool.cu.j2",
         d.hidden,
         arch,
-        ("x", "pos", "std_bias", "std_scale", "out", "T"),
+        ("x", "pos", "std_bias", "std_scale", "out", "T", "TI"),
         H=d.hidden,
         HP=d.hp,
         POOL=d.pool,
@@ -125,7 +127,7 @@ ATTN_WARPS, ATTN_TK = 4, 64
 
 @cache
 def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    """Every patch of one image attends every other (scale 1, no mask, a KV head a query head), flash-attention
+    """Every patch of an image attends every other of that image (scale 1, no mask, a KV head a query head), flash-attention
     style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs' padded width."""
     dc = -(-d.head_dim // 16) * 16
     require(dc <= d.dp, f"vision attention: head_dim {d.head_dim} rounds to {dc} > padded width {d.dp}")
@@ -138,7 +140,7 @@ def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
         grid=(-(-d.max_patches // rows), d.heads, 1),
         block=(32 * ATTN_WARPS, 1, 1),
         smem_bytes=smem,
-        args=("q", "k", "v", "out", "T"),
+        args=("q", "k", "v", "out", "T", "B"),
         family="vision",
     )
 
