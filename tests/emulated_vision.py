@@ -203,13 +203,13 @@ class VisionKernels:
         pos = self.v(a["pos"], np.int32, (T * P * P, 2), "pos")
         x = self.v(a["x"], np.float32, (T * P * P, H), "x")
         out = self.v(a["out"], np.float16, (T, HP), "out")
+        gw = int(pos[L - 1, 0]) + 1  # the kernel takes the first image's grid for all
         for b in range(T // TI):
             at = pos[b * L : (b + 1) * L]
-            gw = int(at[-1, 0]) + 1
-            if gw % P or L % gw or (L // gw) % P:
+            if gw % P or L % gw or (L // gw) % P or int(at[-1, 0]) + 1 != gw:
                 from emulated_kernels import EmuError
 
-                raise EmuError(f"{L} patches are no row-major grid of whole {P}x{P} cells (width {gw})")
+                raise EmuError(f"{L} patches are no row-major grid of whole {P}x{P} cells (width {gw}) an image")
             out[b * TI : (b + 1) * TI] = pool_ref(
                 x[b * L : (b + 1) * L],
                 at,

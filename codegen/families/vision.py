@@ -127,8 +127,9 @@ ATTN_WARPS, ATTN_TK = 4, 64
 
 @cache
 def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    """Every patch of an image attends every other of that image (scale 1, no mask, a KV head a query head), flash-attention
-    style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs' padded width."""
+    """Every patch of an image attends every other of that image (scale 1, no mask, a KV head a query head),
+    flash-attention style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs'
+    padded width; B images back to back, a block taking its query rows of each in turn."""
     dc = -(-d.head_dim // 16) * 16
     require(dc <= d.dp, f"vision attention: head_dim {d.head_dim} rounds to {dc} > padded width {d.dp}")
     smem = 2 * 2 * ATTN_TK * (dc + 8) * 2  # attn_bidir.cuh BidirSmem::BYTES

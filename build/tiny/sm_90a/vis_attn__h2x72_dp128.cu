@@ -10,6 +10,7 @@ static_assert(thorgen::BidirSmem<80, 64>::BYTES == 45056, "planner and header di
 extern "C" __global__ void __launch_bounds__(128)
 vis_attn__h2x72_dp128(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
            const __nv_bfloat16* __restrict__ v, __half* __restrict__ out, int T, int B) {
+#pragma unroll 1
   for (int b = 0; b < B; ++b) {
     const size_t at = (size_t)b * T * 256;
     thorgen::attn_bidir<2, 128, 80, 4, 64>(q + at, k + at, v + at, out + at, T);
