@@ -103,9 +103,11 @@ def pixels(patches: np.ndarray) -> np.ndarray:
     return PIXEL_UNIT[patches].astype(F64)
 
 
-def _grid(kernel, rows: int) -> tuple[int, int, int]:
+def _grid(kernel, rows: int, images: int | None = None) -> tuple[int, int, int]:
     """The launch grid by the kernel's planned rule (runtime/cuda/programs.py's _grid)."""
     p, g = kernel.param_dict, list(kernel.grid)
+    if "IMAGE_AXIS" in p and images is not None:
+        g[p["IMAGE_AXIS"]] = images
     if "ROW_GRID" in p:
         axis, mul, div, *cap = p["ROW_GRID"]
         g[axis] = min(-(-rows * mul // div), *(cap or [g[axis]]))
@@ -150,7 +152,8 @@ def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a", images: int = 
 
     low = LowerVision(Lower(spec, get_arch(arch_name), "bf16", MAX_STEP_TOKENS))
     for op in low.encode_ops(N // images, images):
-        emu.run(op.entry.name, op.entry.to_json(), {k: bind(v) for k, v in op.args.items()}, _grid(op.entry, op.rows))
+        grid = _grid(op.entry, op.rows, op.args.get("B"))
+        emu.run(op.entry.name, op.entry.to_json(), {k: bind(v) for k, v in op.args.items()}, grid)
     return drv.view(acts["vis_out"], np.float32, (N, d.text_hidden)).astype(F64)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import cache
 
 from ...model_spec.types import ModelSpec
-from ...model_spec.vision_layout import VisionDims, vision_dims
+from ...model_spec.vision_layout import MAX_ENCODE_IMAGES, VisionDims, vision_dims
 from ..arch import ArchSpec
 from ..kernel_spec import KernelSpec, make_params
 from ._util import ftag, require, row_grid
@@ -129,7 +129,7 @@ ATTN_WARPS, ATTN_TK = 4, 64
 def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
     """Every patch of an image attends every other of that image (scale 1, no mask, a KV head a query head),
     flash-attention style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs'
-    padded width; B images back to back, a block taking its query rows of each in turn."""
+    padded width; B images back to back, one a block index on grid axis 2 (IMAGE_AXIS: the runtime launches B)."""
     dc = -(-d.head_dim // 16) * 16
     require(dc <= d.dp, f"vision attention: head_dim {d.head_dim} rounds to {dc} > padded width {d.dp}")
     smem = 2 * 2 * ATTN_TK * (dc + 8) * 2  # attn_bidir.cuh BidirSmem::BYTES
@@ -137,8 +137,10 @@ def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
     return KernelSpec(
         f"vis_attn__h{d.heads}x{d.head_dim}_dp{d.dp}",
         "vis_attn.cu.j2",
-        make_params(NH=d.heads, D=d.head_dim, DP=d.dp, DC=dc, WARPS=ATTN_WARPS, TK=ATTN_TK, ROW_GRID=(0, 1, rows)),
-        grid=(-(-d.max_patches // rows), d.heads, 1),
+        make_params(
+            NH=d.heads, D=d.head_dim, DP=d.dp, DC=dc, WARPS=ATTN_WARPS, TK=ATTN_TK, ROW_GRID=(0, 1, rows), IMAGE_AXIS=2
+        ),
+        grid=(-(-d.max_patches // rows), d.heads, MAX_ENCODE_IMAGES),
         block=(32 * ATTN_WARPS, 1, 1),
         smem_bytes=smem,
         args=("q", "k", "v", "out", "T", "B"),

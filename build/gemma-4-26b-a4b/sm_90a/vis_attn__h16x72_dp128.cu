@@ -2,17 +2,15 @@
 #include "thorgen/attn_bidir.cuh"
 // vis_attn__h16x72_dp128: B images of T patches each, back to back; each image's 16 heads, every patch attending every
 // patch of its own image (scale 1): q, k, v bf16 [B T][16][128] -> out f16 [B T][16][128], channels
-// 80..127 zero (head_dim 72 computed as 80). Grid (ceil(T / 64), 16), 4
-// warps of 16 query rows, key tiles of 64; a block takes its query rows of every image in turn (the same sums
-// as an image alone; attn_bidir's tile loop ends on a barrier, so the next image's tiles land in free stages).
+// 80..127 zero (head_dim 72 computed as 80). Grid (ceil(T / 64), 16, B), 4
+// warps of 16 query rows, key tiles of 64; blockIdx.z is the image (the same sums as the image alone; a block
+// past B, from a grid larger than the images, has nothing to do).
 static_assert(thorgen::BidirSmem<80, 64>::BYTES == 45056, "planner and header disagree on smem");
 
 extern "C" __global__ void __launch_bounds__(128)
 vis_attn__h16x72_dp128(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
            const __nv_bfloat16* __restrict__ v, __half* __restrict__ out, int T, int B) {
-#pragma unroll 1
-  for (int b = 0; b < B; ++b) {
-    const size_t at = (size_t)b * T * 2048;
-    thorgen::attn_bidir<16, 128, 80, 4, 64>(q + at, k + at, v + at, out + at, T);
-  }
+  if ((int)blockIdx.z >= B) return;
+  const size_t at = (size_t)blockIdx.z * T * 2048;
+  thorgen::attn_bidir<16, 128, 80, 4, 64>(q + at, k + at, v + at, out + at, T);
 }
