@@ -1,10 +1,11 @@
-"""Codegen stage: the vision tower's forward (one image) lowered onto the vision family's kernels: the
-`vision_encode` step program, as codegen/lower.py does the text model's.
+"""Codegen stage: the vision tower's forward (B images of one patch grid) lowered onto the vision family's kernels:
+the `vision_encode` step programs (one per B), as codegen/lower.py does the text model's.
 
-The program's row count is the image's soft-token count N; its L = 9 N patches (the preprocessing keeps only real
-patches, a row-major grid of whole 3x3 cells) make every launch's rows linear in N. In: vis_patches (u8 [L, 768],
-the pixels), vis_pos (i32 [L, 2]: x, y).
-Out: vis_out (f32 [N, text hidden]), the rows that replace the image's placeholder embeddings."""
+The program's row count is an image's soft-token count N; its L = 9 N patches (the preprocessing keeps only real
+patches, a row-major grid of whole 3x3 cells) make every launch's rows linear in N. The B images' patches go back to
+back: the row kernels and GEMMs run B L rows, the attention and the pool each image's own (the same sums as the image
+alone). In: vis_patches (u8 [B L, 768], the pixels), vis_pos (i32 [B L, 2]: x, y).
+Out: vis_out (f32 [B N, text hidden]), each image's rows that replace its placeholder embeddings, back to back."""
 
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ class LowerVision:
         kern = f.use(vision.gemm(n, k, epi, self.d, f.arch), f"vision GEMM n={n} k={k}")
         return Op(label, kern, dict(w=f.ptr.W(w), x=x, y=y, m=rows), rows)
 
-    def encode_ops(self, tokens: int) -> list[Op]:
-        """One image of `tokens` soft tokens (its 9 * tokens patches) -> vis_out rows 0..tokens-1."""
+    def encode_ops(self, tokens: int, images: int = 1) -> list[Op]:
+        """`images` images of `tokens` soft tokens each (9 * tokens patches an image) -> vis_out rows
+        0..images * tokens - 1, image b's from b * tokens."""
         f, d = self.fwd, self.d
-        A, W, L = f.ptr.A, f.ptr.W, d.pool_rows * tokens
+        A, W, per = f.ptr.A, f.ptr.W, d.pool_rows * tokens
+        L = images * per  # the rows of every row kernel and GEMM
         prep = f.use(vision.patch_prep(d, f.arch), "vision patch input")
         ops = [
             Op("vis.patch_prep", prep, dict(p=A("vis_patches"), out=A("vis_pin"), T=L), L),
@@ -83,8 +86,8 @@ class LowerVision:
                 Op(
                     q + "attention",
                     attn,
-                    dict(q=A("vis_q"), k=A("vis_k"), v=A("vis_v"), out=A("vis_attn"), T=L),
-                    L,
+                    dict(q=A("vis_q"), k=A("vis_k"), v=A("vis_v"), out=A("vis_attn"), T=per, B=images),
+                    per,  # (its grid: an image's query tiles; each block takes them in every image)
                 ),
                 self._gemm(q + "o", p + "o", d.hidden, d.heads * d.dp, L, A("vis_attn"), A("vis_y")),
                 Op(
@@ -115,10 +118,13 @@ class LowerVision:
                     std_bias=W(STD_BIAS),
                     std_scale=W(STD_SCALE),
                     out=A("vis_pooled"),
-                    T=tokens,
+                    T=images * tokens,
+                    TI=tokens,
                 ),
-                tokens,
+                images * tokens,
             ),
-            self._gemm("vis.projection", PROJECTION, d.text_hidden, d.hp, tokens, A("vis_pooled"), A("vis_out")),
+            self._gemm(
+                "vis.projection", PROJECTION, d.text_hidden, d.hp, images * tokens, A("vis_pooled"), A("vis_out")
+            ),
         ]
         return ops

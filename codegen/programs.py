@@ -31,7 +31,7 @@ from ..model_spec.step_program import (
     verify_key,
 )
 from ..model_spec.types import ModelSpec
-from ..model_spec.vision_layout import MAX_SOFT_TOKENS, VISION_ENCODE
+from ..model_spec.vision_layout import MAX_ENCODE_IMAGES, MAX_SOFT_TOKENS, VISION_ENCODE, vision_encode_key
 from .arch import ArchSpec
 from .kernel_spec import KernelSpec
 from .lower import Lower, Missing
@@ -48,7 +48,7 @@ def _ranges(lo: int, hi: int, key: str = "") -> list[tuple[int, int]]:
     """[lo, hi] cut where the launch structure changes: 1 row (the M = 1 kernels), up to 16 (the M = 16 ones, one
     slice), 17 (a batched step's second slice of one row: the M = 1 lm_head), above (prefill kernels, or a second
     16-row slice). The vision tower's program (rows: soft tokens) runs the same kernels at every row count."""
-    if key == VISION_ENCODE:
+    if key.startswith(VISION_ENCODE):
         return [(lo, hi)]
     out = []
     for a, b in ((1, 1), (2, VERIFY_ROWS), (VERIFY_ROWS + 1, VERIFY_ROWS + 1), (VERIFY_ROWS + 2, hi)):
@@ -193,7 +193,10 @@ def _jobs(low: Lower, drafter: bool) -> list[tuple[str, str, Callable[[int], lis
         if blocks >= 2:  # (a batched draft step of one sequence's block runs two: the second a copy of the first)
             jobs.append(("speculative", DRAFT_BATCH, dl.batch_ops, 2 * VERIFY_ROWS, blocks * VERIFY_ROWS))
     if low.spec.vision is not None:
-        jobs.append(("vision", VISION_ENCODE, LowerVision(low).encode_ops, 1, MAX_SOFT_TOKENS))
+        lv = LowerVision(low)
+        for b in range(1, MAX_ENCODE_IMAGES + 1):  # b images of one patch grid at once, each of up to 1120 / b tokens
+            build = (lambda b: lambda r: lv.encode_ops(r, b))(b)
+            jobs.append(("vision", vision_encode_key(b), build, 1, MAX_SOFT_TOKENS // b))
     return jobs
 
 

@@ -19,9 +19,22 @@ from .weight_layout import TILE_K
 
 TILE = TILE_K  # widths pad to the GEMMs' step, a multiple of the tile's rows too and the attention's head-dim tile
 # The largest soft-token budget an image may take (HF Gemma4ImageProcessor's max_soft_tokens choices: 70 .. 1120),
-# so at most 9 * 1120 = 10080 patches an image. The vision_encode program runs one image of N soft tokens.
+# so at most 9 * 1120 = 10080 patches an image. The vision_encode program runs one image of N soft tokens, or B
+# images of one patch grid back to back (B N <= MAX_SOFT_TOKENS: the activations sized for the largest image hold them).
 MAX_SOFT_TOKENS = 1120
-VISION_ENCODE = "vision.encode"  # the program's key
+MAX_ENCODE_IMAGES = 4  # the most images one encode takes (four of 280 soft tokens fill the activations)
+VISION_ENCODE = "vision.encode"  # the program's key (one image)
+
+
+def vision_encode_key(images: int) -> str:
+    """The program that encodes `images` images of one patch grid at once (rows: an image's soft tokens)."""
+    return VISION_ENCODE if images == 1 else f"{VISION_ENCODE} images={images}"
+
+
+def encode_images_limit(soft_tokens: int) -> int:
+    """The most images of `soft_tokens` soft tokens one encode takes: within MAX_ENCODE_IMAGES and the
+    activations (MAX_SOFT_TOKENS soft tokens in all)."""
+    return max(1, min(MAX_ENCODE_IMAGES, MAX_SOFT_TOKENS // max(1, soft_tokens)))
 
 
 def pad(n: int) -> int:

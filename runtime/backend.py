@@ -71,6 +71,12 @@ class ImageInput:
         return hash(self.hash)
 
 
+def patch_width(image: ImageInput) -> int:
+    """The width of the image's patch grid (its patches run row-major: the last one's x + 1). Images of one soft-token
+    count and one width share a grid: one encode may take them together."""
+    return int(image.positions[-1][0]) + 1
+
+
 @dataclass(frozen=True)
 class ImageSpan:
     """Where an image sits in a prompt: its soft-token placeholders are prompt positions offset .. offset+N-1."""
@@ -118,36 +124,57 @@ class ImageRowCache:
                 self._rows.popitem(last=False)
         return rows
 
-    def ready(self, images: Sequence[ImageInput], wait: bool = False) -> bool:
+    def ready(self, images: Sequence[ImageInput], wait: bool = False, along: Sequence[ImageInput] = ()) -> bool:
         """Whether every image's rows are at hand (cached, or encoded beside the steps and not yet used). With a
-        tower that encodes beside the steps (`start(image, pieces)`, `poll()`, `wait()`, `busy`), starts the first
+        tower that encodes beside the steps (`start(images, pieces)`, `poll()`, `wait()`, `busy`), starts the first
         missing image when the tower is idle, in pieces between the steps of the sequences running (each call
-        advances it); `wait` (nothing else runs): encode them all now. A tower without them: always True (rows()
-        encodes when asked)."""
+        advances it), together with the other missing ones of its patch grid, its own first, then those of `along`
+        (images of requests queued behind it), as many as one encode takes (`images_per_encode`); `wait` (nothing
+        else runs): encode them all now. A tower without them: always True (rows() encodes when asked)."""
         start = getattr(self.model, "start", None)
         if start is None:
             return True
         while True:
             self._collect(wait=False)
-            missing = next((i for i in images if i.hash not in self._rows and i.hash not in self._done), None)
-            if missing is None:
+            missing = [i for i in images if not self._at_hand(i)]
+            if not missing:
                 return True
             if not getattr(self.model, "busy"):
-                start(missing, pieces=not wait)
+                start(self._together(missing[0], [*missing[1:], *along]), pieces=not wait)
             if not wait:
                 return False
             self._collect(wait=True)
 
+    def _at_hand(self, image: ImageInput) -> bool:
+        return image.hash in self._rows or image.hash in self._done
+
+    def _together(self, first: ImageInput, others: Sequence[ImageInput]) -> list[ImageInput]:
+        """`first` and the missing images of `others` with its patch grid, up to what one encode takes; one the
+        tower refuses (`check`) is left to fail its own request when its turn comes."""
+        limit = getattr(self.model, "images_per_encode", lambda image: 1)(first)
+        check = getattr(self.model, "check", None)
+        out, grid = {first.hash: first}, (first.soft_tokens, patch_width(first))
+        for image in others:
+            if len(out) >= limit:
+                break
+            if image.hash in out or self._at_hand(image) or (image.soft_tokens, patch_width(image)) != grid:
+                continue
+            try:
+                if check is not None:
+                    check(image)
+            except BackendError:
+                continue
+            out[image.hash] = image
+        return list(out.values())
+
     def _collect(self, wait: bool) -> None:
         """Keep the rows of an encode that finished beside the steps (the most recent DONE_KEPT unused)."""
         poll = getattr(self.model, "wait" if wait else "poll", None)
-        done = poll() if poll is not None else None
-        if done is not None:
-            key, rows = done
+        for key, rows in poll() if poll is not None else ():
             self._done[key] = rows
             self.encoded += 1
-            while len(self._done) > DONE_KEPT:
-                self._done.popitem(last=False)
+        while len(self._done) > DONE_KEPT:
+            self._done.popitem(last=False)
 
     @property
     def bytes(self) -> int:

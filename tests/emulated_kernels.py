@@ -101,6 +101,8 @@ class KernelEmulator(LogitsKernels, VisionKernels):
             need = [(0, p["n"] // 16 // p.get("un", 1))]
         elif "ROW_AXIS" in p:
             need = [(int(p["ROW_AXIS"]), 1)]
+        if "IMAGE_AXIS" in p:  # a block index per image (vis_attn)
+            need.append((int(p["IMAGE_AXIS"]), int(a["B"])))
         for axis, n in need:
             if g[axis] < n:
                 raise EmuError(f"grid {tuple(g)} has {g[axis]} blocks on axis {axis}, the rows need {n}")

@@ -182,31 +182,40 @@ class VisionKernels:
             self.v(a[name], np.uint16, (T, NH, DP), name)[:] = val
 
     def k_vis_attn(self, p, a, n):
-        T, NH, DP = a["T"], p["NH"], p["DP"]
-        q, k, v = (bf16_to_f32(self.v(a[name], np.uint16, (T, NH, DP), name)) for name in "qkv")
-        if any((t[..., p["DC"] :] != 0).any() for t in (q, k)):
+        T, B, NH, DP, DC = a["T"], a["B"], p["NH"], p["DP"], p["DC"]
+        q, k, v = (bf16_to_f32(self.v(a[name], np.uint16, (B * T, NH, DP), name)) for name in "qkv")
+        if any((t[..., DC:] != 0).any() for t in (q, k)):
             from emulated_kernels import EmuError
 
-            raise EmuError(f"q / k channels past the computed {p['DC']} are not zero")
-        out = np.zeros((T, NH, DP), np.float16)
-        out[..., : p["DC"]] = attention_ref(q[..., : p["DC"]], k[..., : p["DC"]], v[..., : p["DC"]])
-        self.v(a["out"], np.float16, (T, NH, DP), "out")[:] = out
+            raise EmuError(f"q / k channels past the computed {DC} are not zero")
+        out = np.zeros((B * T, NH, DP), np.float16)
+        for i in range(0, B * T, T):  # each image's patches attend only each other
+            out[i : i + T, :, :DC] = attention_ref(q[i : i + T, :, :DC], k[i : i + T, :, :DC], v[i : i + T, :, :DC])
+        self.v(a["out"], np.float16, (B * T, NH, DP), "out")[:] = out
 
     def k_vis_pool(self, p, a, n):
-        T, H, HP, P = a["T"], p["H"], p["HP"], p["POOL"]
-        L = T * P * P
-        pos = self.v(a["pos"], np.int32, (L, 2), "pos")
-        gw = int(pos[-1, 0]) + 1
-        if gw % P or L % gw or (L // gw) % P:
+        T, TI, H, HP, P = a["T"], a["TI"], p["H"], p["HP"], p["POOL"]
+        L = TI * P * P  # an image's patches; the images' go back to back
+        if T % TI:
             from emulated_kernels import EmuError
 
-            raise EmuError(f"{L} patches are no row-major grid of whole {P}x{P} cells (width {gw})")
-        self.v(a["out"], np.float16, (T, HP), "out")[:] = pool_ref(
-            self.v(a["x"], np.float32, (L, H), "x"),
-            pos,
-            self.v(a["std_bias"], np.float32, H, "std_bias"),
-            self.v(a["std_scale"], np.float32, H, "std_scale"),
-            P,
-            p["EPS"],
-            HP,
-        )
+            raise EmuError(f"{T} pooled rows are no whole number of images of {TI}")
+        pos = self.v(a["pos"], np.int32, (T * P * P, 2), "pos")
+        x = self.v(a["x"], np.float32, (T * P * P, H), "x")
+        out = self.v(a["out"], np.float16, (T, HP), "out")
+        gw = int(pos[L - 1, 0]) + 1  # the kernel takes the first image's grid for all
+        for b in range(T // TI):
+            at = pos[b * L : (b + 1) * L]
+            if gw % P or L % gw or (L // gw) % P or int(at[-1, 0]) + 1 != gw:
+                from emulated_kernels import EmuError
+
+                raise EmuError(f"{L} patches are no row-major grid of whole {P}x{P} cells (width {gw}) an image")
+            out[b * TI : (b + 1) * TI] = pool_ref(
+                x[b * L : (b + 1) * L],
+                at,
+                self.v(a["std_bias"], np.float32, H, "std_bias"),
+                self.v(a["std_scale"], np.float32, H, "std_scale"),
+                P,
+                p["EPS"],
+                HP,
+            )

@@ -163,7 +163,7 @@ class ScriptedRunner:
         self.kv_geometry = KVGeometry(max_num_seqs, backend.max_context, -(-tokens // 16), prefix_cache=False)
         self._runs: dict[str, tuple[list[int], dict]] = {}
 
-    def media_ready(self, seq, wait) -> bool:
+    def media_ready(self, seq, wait, queued=()) -> bool:
         return True
 
     def check(self, seq) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thorgen.runtime.backend import ImageInput, ImageRowCache, ImageSpan, SamplingParams
+from thorgen.runtime.backend import BackendError, ImageInput, ImageRowCache, ImageSpan, SamplingParams
 from thorgen.runtime.engine.kv_manager import KVGeometry, KVManager
 from thorgen.runtime.engine.scheduler import Scheduler
 from thorgen.runtime.engine.sequence import Sequence
@@ -15,38 +15,51 @@ from thorgen.runtime.engine.sequence import Sequence
 TOKENS, IMAGE_ID = 4, 61
 
 
-def _image(name: str) -> ImageInput:
-    return ImageInput(np.zeros((TOKENS * 9, 768), np.uint8), np.zeros((TOKENS * 9, 2), np.int32), TOKENS, name)
+def _image(name: str, width: int = 1) -> ImageInput:
+    """An image of TOKENS soft tokens on a patch grid `width` patches wide."""
+    pos = np.stack(np.divmod(np.arange(TOKENS * 9), width)[::-1], 1).astype(np.int32)
+    return ImageInput(np.zeros((TOKENS * 9, 768), np.uint8), pos, TOKENS, name)
 
 
 class AsyncTower:
-    """A tower whose encodes finish when the test says so (`finish()`)."""
+    """A tower whose encodes finish when the test says so (`finish()`), `per_encode` images of one grid at a time
+    (refusing those named in `bad`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_encode: int | None = None, bad: tuple[str, ...] = ()) -> None:
         self.started: list[str] = []
+        self.batches: list[list[str]] = []  # each start's images
         self.in_pieces: list[bool] = []  # each start's `pieces`
-        self.in_flight: ImageInput | None = None
+        self.in_flight: list[ImageInput] = []
         self.finished = False
         self.sync_encodes = 0
+        self.bad = bad
+        if per_encode is not None:
+            self.images_per_encode = lambda image: per_encode
+
+    def check(self, image: ImageInput) -> None:
+        if image.hash in self.bad:
+            raise BackendError(f"bad image {image.hash}")
 
     @property
     def busy(self) -> bool:
-        return self.in_flight is not None
+        return bool(self.in_flight)
 
-    def start(self, image: ImageInput, pieces: bool = False) -> None:
-        assert self.in_flight is None, "one encode in flight at a time"
-        self.started.append(image.hash)
+    def start(self, images: list[ImageInput], pieces: bool = False) -> None:
+        assert not self.in_flight, "one encode in flight at a time"
+        assert len({(i.soft_tokens, int(i.positions[-1, 0])) for i in images}) == 1, "one patch grid an encode"
+        self.started += [i.hash for i in images]
+        self.batches.append([i.hash for i in images])
         self.in_pieces.append(pieces)
-        self.in_flight, self.finished = image, False
+        self.in_flight, self.finished = list(images), False
 
     def finish(self) -> None:
         self.finished = True
 
     def poll(self):
-        if self.in_flight is None or not self.finished:
-            return None
-        image, self.in_flight = self.in_flight, None
-        return image.hash, np.full((TOKENS, 8), len(self.started), np.float32)
+        if not self.in_flight or not self.finished:
+            return []
+        images, self.in_flight = self.in_flight, []
+        return [(i.hash, np.full((TOKENS, 8), len(self.batches), np.float32)) for i in images]
 
     def wait(self):
         self.finished = True
@@ -73,6 +86,45 @@ def test_the_cache_starts_one_encode_at_a_time_and_hands_its_rows_over():
     assert tower.in_pieces == [True, True]  # beside running steps: in pieces between them
 
 
+def test_images_of_one_grid_encode_together_up_to_what_an_encode_takes():
+    tower = AsyncTower(per_encode=2)
+    cache = ImageRowCache(tower)
+    a, b, c, wide = _image("A"), _image("B"), _image("C"), _image("W", width=TOKENS * 9)
+    assert not cache.ready([a, wide, b, c])
+    assert tower.batches == [["A", "B"]]  # A's grid: B along (the wide one is another grid), two an encode
+    tower.finish()
+    assert not cache.ready([a, wide, b, c]) and tower.batches[-1] == ["W"]  # the next missing one leads
+    tower.finish()
+    assert not cache.ready([a, wide, b, c]) and tower.batches[-1] == ["C"]
+    tower.finish()
+    assert cache.ready([a, wide, b, c])
+    assert [cache.rows(i)[0, 0] for i in (a, b, wide, c)] == [1, 1, 2, 3] and tower.sync_encodes == 0
+    assert cache.encoded == 4
+
+
+def test_an_encode_takes_queued_requests_images_along_but_not_a_bad_one():
+    tower = AsyncTower(per_encode=4, bad=("X",))
+    cache = ImageRowCache(tower)
+    a, x, q, other = _image("A"), _image("X"), _image("Q"), _image("O", width=TOKENS * 9)
+    assert not cache.ready([a], along=[x, other, q, a])  # another request's bad image stays out of the batch
+    assert tower.batches == [["A", "Q"]]
+    tower.finish()
+    assert cache.ready([a]) and cache.ready([q])  # Q's rows came with A's: no encode of its own
+    assert tower.batches == [["A", "Q"]] and cache.rows(q)[0, 0] == 1
+
+
+def test_the_scheduler_offers_the_queued_image_requests_along():
+    ready, asked, along = {"a": False, "b": False}, [], []
+    sched = _scheduler(ready, asked, along)
+    text = Sequence("t", [2, 5, 6, 7], SamplingParams(), 8)
+    sched.add(_image_seq("a"))
+    sched.add(text)
+    sched.add(_image_seq("b"))
+    sched.schedule()
+    # a (head): b's images offered along (the text-only request has none); then b, with nothing behind it
+    assert asked == [("a", True), ("b", False)] and along == [["b"], []]
+
+
 def test_waiting_encodes_every_image_now():
     tower = AsyncTower()
     cache = ImageRowCache(tower)
@@ -81,9 +133,12 @@ def test_waiting_encodes_every_image_now():
     assert tower.in_pieces == [False, False]  # nothing else runs: each encode whole
 
 
-def _scheduler(ready: dict[str, bool], asked: list[tuple[str, bool]]) -> Scheduler:
-    def media_ready(seq: Sequence, wait: bool) -> bool:
+def _scheduler(ready: dict[str, bool], asked: list[tuple[str, bool]], along: list | None = None) -> Scheduler:
+    along = [] if along is None else along
+
+    def media_ready(seq: Sequence, wait: bool, queued: list[Sequence]) -> bool:
         asked.append((seq.request_id, wait))
+        along.append([q.request_id for q in queued])
         return ready[seq.request_id] or wait
 
     kv = KVManager(KVGeometry(4, 512, 64, prefix_cache=False))

@@ -112,21 +112,22 @@ def test_an_encode_in_pieces_between_steps_gives_the_whole_encode(pair):
     vision = cuda.engine.vision
     img = load_image(image_bytes(4, size=(96, 130)), ck.spec.vision, 140)
     whole = vision.encode(img)
-    n, keep = img.soft_tokens, vision.piece_flop
-    for g in vision.graphs.pop(n):
+    key, keep = (img.soft_tokens, 1), vision.piece_flop
+    for g in vision.graphs.pop(key):
         g.destroy()
     vision.piece_flop = 1.0  # a piece per launch with any work: every layer cut up
     try:
-        vision.start(img, pieces=True)
+        vision.start([img], pieces=True)
         polls = 1
-        while (done := vision.poll()) is None:
+        while not (done := vision.poll()):
             polls += 1
             assert polls < 1000
     finally:
         vision.piece_flop = keep
-    assert len(vision.graphs[n]) > ck.spec.vision.num_hidden_layers  # (several pieces a layer)
-    assert polls >= len(vision.graphs[n])  # one piece enqueued per poll
-    assert done[0] == img.hash and np.array_equal(done[1], whole)
+    assert len(vision.graphs[key]) > ck.spec.vision.num_hidden_layers  # (several pieces a layer)
+    assert polls >= len(vision.graphs[key])  # one piece enqueued per poll
+    ((got_hash, rows),) = done
+    assert got_hash == img.hash and np.array_equal(rows, whole)
 
 
 @pytest.mark.parametrize("seeds", [(1,), (1, 2)])

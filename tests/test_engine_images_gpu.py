@@ -118,3 +118,21 @@ def test_full_size_tower_greedy_equals_w4a16_reference(full_tower_pair):
         cuda.generate(ids, GEN, SamplingParams(), images=spans).token_ids
         == ref.generate(ids, GEN, SamplingParams(), images=spans).token_ids
     )
+
+
+@pytest.mark.parametrize("budget,count", [(280, 4), (280, 3), (560, 2)])
+def test_full_size_images_encoded_together_equal_each_alone(full_tower_pair, budget, count):
+    """Several images of one patch grid in one encode (the full-size tower's GEMMs over their rows back to back,
+    the attention and the pool per image): each image's rows bit for bit those of its encode alone."""
+    from thorgen.runtime.media.images import load_image
+
+    cuda, _, ck = full_tower_pair
+    vision = cuda.engine.vision
+    imgs = [load_image(image_bytes(20 + i, (360, 640)), ck.spec.vision, budget) for i in range(count)]
+    assert vision.images_per_encode(imgs[0]) >= count
+    alone = [vision.encode(img) for img in imgs]
+    vision.start(imgs)
+    together = dict(vision.wait())
+    for img, rows in zip(imgs, alone):
+        np.testing.assert_array_equal(together[img.hash], rows)
+    assert not np.array_equal(alone[0], alone[1])

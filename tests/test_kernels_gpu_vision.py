@@ -59,7 +59,9 @@ def encode_on_gpu(r: GpuRunner, ck: dict, patches: np.ndarray, pos: np.ndarray) 
         ops = LowerVision(Lower(spec, r.arch, "bf16", MAX_STEP_TOKENS)).encode_ops(N)
         r.add([op.entry for op in ops if op.entry.name not in r.kernels])
         for op in ops:
-            rig.launch(op.entry.name, [bind(op.args[n]) for n in op.entry.args], _grid(op.entry, op.rows))
+            rig.launch(
+                op.entry.name, [bind(op.args[n]) for n in op.entry.args], _grid(op.entry, op.rows, op.args.get("B"))
+            )
         return rig.download(acts["vis_out"], (N, d.text_hidden), np.float32).astype(np.float64)
     finally:
         rig.free()

@@ -131,14 +131,16 @@ def test_qkv_rope(runner):
     assert not failures, "\n".join(failures)
 
 
-def test_pool(runner):
+@pytest.mark.parametrize("images", [1, 3])
+def test_pool(runner, images):
+    """Each image's cells pooled (`images` images of one grid back to back: each against its own reference)."""
     kern = _one(runner, "vis_pool__")
     H, HP, pool, eps = (kern.param(n) for n in ("H", "HP", "POOL", "EPS"))
     rng, failures = np.random.default_rng(5), []
     for gw, gh in GRIDS:
-        L, T = gw * gh, gw * gh // pool**2
+        L, T = images * gw * gh, images * gw * gh // pool**2
         x = rng.standard_normal((L, H)).astype(np.float32)
-        pos = _grid_pos(gw, gh)
+        pos = np.concatenate([_grid_pos(gw, gh)] * images)
         bias = (rng.standard_normal(H) * 0.5 * H**0.5).astype(np.float32)
         scale = rng.uniform(0.5, 1.5, H).astype(np.float32) * np.float32(H**-0.5)
         got = _run_rows(
@@ -150,12 +152,16 @@ def test_pool(runner):
                 "std_bias": bias,
                 "std_scale": scale,
                 "T": T,
+                "TI": np.int32(T // images),
                 "out": np.full((T, HP), np.nan, np.float16),
             },
             {"out": ((T, HP), np.float16)},
             T,
         )["out"]
-        failures += _check(f"T={T}", got, EV.pool_ref(x, pos, bias, scale, pool, eps, HP), EV.TOL_VIS_ROWS, pad_from=H)
+        n, per = T // images, L // images
+        for b in range(images):
+            want = EV.pool_ref(x[b * per : (b + 1) * per], pos[:per], bias, scale, pool, eps, HP)
+            failures += _check(f"T={T} image {b}", got[b * n : (b + 1) * n], want, EV.TOL_VIS_ROWS, pad_from=H)
     assert not failures, "\n".join(failures)
 
 
@@ -185,22 +191,26 @@ def test_gemms(runner):
     assert not failures, "\n".join(failures)
 
 
-def test_attention(runner):
-    """Every patch attends every other (scale 1), heads zero-padded past head_dim as the q/k/v kernel writes them."""
+@pytest.mark.parametrize("images", [1, 2])
+def test_attention(runner, images):
+    """Every patch attends every other of its image (scale 1), heads zero-padded past head_dim as the q/k/v kernel
+    writes them; `images` images back to back, each against its own reference."""
     kern = _one(runner, "vis_attn__")
     d = runner.spec.vision.head_dim
     dp, nh = kern.param("DP"), kern.param("NH")
     rng, failures = np.random.default_rng(7), []
     for gw, gh in GRIDS:
-        L = gw * gh
-        q, k, v = (np.zeros((L, nh, dp), np.float32) for _ in range(3))
+        L, rows = gw * gh, images * gw * gh
+        q, k, v = (np.zeros((rows, nh, dp), np.float32) for _ in range(3))
         for t, std in ((q, d**-0.25), (k, d**-0.25), (v, 1.0)):  # q.k ~ N(0, 1), as the synthetic tower
-            t[..., :d] = rng.standard_normal((L, nh, d)) * std
+            t[..., :d] = rng.standard_normal((rows, nh, d)) * std
         qb, kb, vb = (f32_to_bf16(t) for t in (q, k, v))
-        inputs = {"q": qb, "k": kb, "v": vb, "T": np.int32(L), "out": np.full((L, nh, dp), np.nan, np.float16)}
-        got = runner.run(kern, inputs, {"out": ((L, nh, dp), np.float16)}, _grid(kern, L))["out"]
-        want = EV.attention_ref(*(bf16_to_f32(t) for t in (qb, kb, vb)))
-        failures += _check(f"L={L}", got, want, EV.TOL_VIS_ATTN, pad_from=d)
+        inputs = {"q": qb, "k": kb, "v": vb, "T": np.int32(L), "B": np.int32(images)}
+        inputs["out"] = np.full((rows, nh, dp), np.nan, np.float16)
+        got = runner.run(kern, inputs, {"out": ((rows, nh, dp), np.float16)}, _grid(kern, L))["out"]
+        for b in range(0, rows, L):
+            want = EV.attention_ref(*(bf16_to_f32(t[b : b + L]) for t in (qb, kb, vb)))
+            failures += _check(f"L={L} rows {b}..", got[b : b + L], want, EV.TOL_VIS_ATTN, pad_from=d)
     assert not failures, "\n".join(failures)
 
 

@@ -116,8 +116,8 @@ def test_programs_bind_exactly_what_lowering_gives(built, kv):
                     want = dl.head_ops(rows)
                 elif key.startswith("draft.verify"):
                     want = dl.verify_ops(key == verify_key(True))
-                elif key == VISION_ENCODE:
-                    want = LowerVision(low).encode_ops(rows)
+                elif key.startswith(VISION_ENCODE):  # "vision.encode" or "vision.encode images=B"
+                    want = LowerVision(low).encode_ops(rows, int(key.partition("images=")[2] or 1))
                 else:
                     flags = dict(f.split("=") for f in key.split())
                     want = low.ops(rows, **{k: v == "1" for k, v in flags.items()})

@@ -103,9 +103,11 @@ def pixels(patches: np.ndarray) -> np.ndarray:
     return PIXEL_UNIT[patches].astype(F64)
 
 
-def _grid(kernel, rows: int) -> tuple[int, int, int]:
+def _grid(kernel, rows: int, images: int | None = None) -> tuple[int, int, int]:
     """The launch grid by the kernel's planned rule (runtime/cuda/programs.py's _grid)."""
     p, g = kernel.param_dict, list(kernel.grid)
+    if "IMAGE_AXIS" in p and images is not None:
+        g[p["IMAGE_AXIS"]] = images
     if "ROW_GRID" in p:
         axis, mul, div, *cap = p["ROW_GRID"]
         g[axis] = min(-(-rows * mul // div), *(cap or [g[axis]]))
@@ -114,8 +116,9 @@ def _grid(kernel, rows: int) -> tuple[int, int, int]:
     return tuple(g)
 
 
-def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a") -> np.ndarray:
-    """vision.encode of one image on the emulator: the lowered launches, symbols bound to fake device memory."""
+def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a", images: int = 1) -> np.ndarray:
+    """vision.encode of one image (or of `images` images of one grid, their patches and positions back to back) on
+    the emulator: the lowered launches, symbols bound to fake device memory."""
     d, drv = vision_dims(spec), FakeDriver(None)
     drv.cuCtxSetCurrent("ctx")
     arrays = vision_arrays(spec, ck.__getitem__, lambda n: np.asarray(ck[n], np.float32))
@@ -147,8 +150,10 @@ def run_encode(spec, ck, patches, pos, arch_name: str = "sm_90a") -> np.ndarray:
         assert not isinstance(v, LaneBytes)
         return v
 
-    for op in LowerVision(Lower(spec, get_arch(arch_name), "bf16", MAX_STEP_TOKENS)).encode_ops(N):
-        emu.run(op.entry.name, op.entry.to_json(), {k: bind(v) for k, v in op.args.items()}, _grid(op.entry, op.rows))
+    low = LowerVision(Lower(spec, get_arch(arch_name), "bf16", MAX_STEP_TOKENS))
+    for op in low.encode_ops(N // images, images):
+        grid = _grid(op.entry, op.rows, op.args.get("B"))
+        emu.run(op.entry.name, op.entry.to_json(), {k: bind(v) for k, v in op.args.items()}, grid)
     return drv.view(acts["vis_out"], np.float32, (N, d.text_hidden)).astype(F64)
 
 
@@ -177,6 +182,28 @@ def test_encode_program_matches_the_float64_tower(preset, layers, gw, gh):
     assert np.isfinite(out).all()
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < TOL_ENCODE, err
+
+
+@pytest.mark.parametrize(
+    "preset,layers,gw,gh,images", [("tiny", None, 6, 9, 2), ("tiny", None, 12, 3, 3), ("gemma-4-26b-a4b", 1, 12, 3, 2)]
+)
+def test_images_encoded_together_equal_each_alone(preset, layers, gw, gh, images):
+    """The program for several images of one grid (patches back to back) gives each image's rows bit for bit as
+    its encode alone: the attention and the pool keep to each image's rows, the rest is row-wise. The images
+    differ, so rows attending (or pooling) across images would show."""
+    spec = get_preset(preset)
+    spec = with_layers(spec, layers) if layers else spec
+    ck = _checkpoint(spec)
+    shots = [_image(gw, gh, spec.vision.patch_dim, seed=5 + i) for i in range(images)]
+    alone = [run_encode(spec, ck, patches, pos) for patches, pos in shots]
+    together = run_encode(
+        spec, ck, np.concatenate([p for p, _ in shots]), np.concatenate([q for _, q in shots]), images=images
+    )
+    n = gw * gh // 9
+    assert together.shape == (images * n, spec.target.hidden_size)
+    for i, rows in enumerate(alone):
+        np.testing.assert_array_equal(together[i * n : (i + 1) * n], rows)
+    assert not np.array_equal(alone[0], alone[1])
 
 
 def test_the_test_tower_is_well_conditioned():

@@ -21,7 +21,8 @@ Block-per-rows kernels (param ROW_GRID = (axis, mul, div[, cap])) launch ceil(T 
 most cap: the prefill GEMMs (BM rows a block), moe_gateup and moe_down_pairs (a block row per expert the step may
 select: min(E, T * top-k)), attention (query blocks) and
 its combine (a block per query and head); an attention launch with one query per block (a batched decode step)
-uses ROWWISE_GRID the same way, and ROWWISE_SPLITS[T - 1] key splits on axis 2. The manifest carries these rules,
+uses ROWWISE_GRID the same way, and ROWWISE_SPLITS[T - 1] key splits on axis 2. A kernel over several images (param
+IMAGE_AXIS: the vision attention) takes its launch argument `B` blocks on that axis. The manifest carries these rules,
 so the runtime sizes every launch without knowing what the kernel is.
 PDL: every kernel calls pdl_launch_dependents() and waits in pdl_wait() before it reads earlier kernels' outputs or
 writes anything (common.cuh), so the runtime may launch each kernel that follows a kernel with programmatic stream

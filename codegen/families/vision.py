@@ -7,7 +7,9 @@ norm + 2-D RoPE, sandwich norms, the pool tail), its fp16 GEMMs and its bidirect
   vis_sandwich__h{H}                         x += rmsnorm(y) * w_post; a = rmsnorm(x) * w_next
   vis_pool__h{H}_p{POOL}                     3x3 mean, x sqrt(H), standardize, weightless RMSNorm (fp32) -> f16
   vis_gemmL__n{N}_k{K}[_gelu]                the tower's linears on the drafter's fp16 tile engine (WeightKind HALF)
-  vis_attn__h{NH}x{D}_dp{DP}                 one image's patches attending each other (scale 1, no mask, G = 1)
+  vis_attn__h{NH}x{D}_dp{DP}                 each image's patches attending each other (scale 1, no mask, G = 1)
+An encode of B images of one patch grid runs them back to back: the row kernels and GEMMs see B L rows, the attention
+and the pool keep to each image's own rows.
 Widths are padded to the tiles (model_spec/vision_layout.py); the GEMMs and the attention run on those.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from functools import cache
 
 from ...model_spec.types import ModelSpec
-from ...model_spec.vision_layout import VisionDims, vision_dims
+from ...model_spec.vision_layout import MAX_ENCODE_IMAGES, VisionDims, vision_dims
 from ..arch import ArchSpec
 from ..kernel_spec import KernelSpec, make_params
 from ._util import ftag, require, row_grid
@@ -103,7 +105,7 @@ def pool(d: VisionDims, arch: ArchSpec) -> KernelSpec:
         "vis_pool.cu.j2",
         d.hidden,
         arch,
-        ("x", "pos", "std_bias", "std_scale", "out", "T"),
+        ("x", "pos", "std_bias", "std_scale", "out", "T", "TI"),
         H=d.hidden,
         HP=d.hp,
         POOL=d.pool,
@@ -125,8 +127,9 @@ ATTN_WARPS, ATTN_TK = 4, 64
 
 @cache
 def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
-    """Every patch of one image attends every other (scale 1, no mask, a KV head a query head), flash-attention
-    style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs' padded width."""
+    """Every patch of an image attends every other of that image (scale 1, no mask, a KV head a query head),
+    flash-attention style (attn_bidir.cuh) on head_dim rounded up to the mma's k16 (72 -> 80), not to the GEMMs'
+    padded width; B images back to back, one a block index on grid axis 2 (IMAGE_AXIS: the runtime launches B)."""
     dc = -(-d.head_dim // 16) * 16
     require(dc <= d.dp, f"vision attention: head_dim {d.head_dim} rounds to {dc} > padded width {d.dp}")
     smem = 2 * 2 * ATTN_TK * (dc + 8) * 2  # attn_bidir.cuh BidirSmem::BYTES
@@ -134,11 +137,13 @@ def attention(d: VisionDims, arch: ArchSpec) -> KernelSpec:
     return KernelSpec(
         f"vis_attn__h{d.heads}x{d.head_dim}_dp{d.dp}",
         "vis_attn.cu.j2",
-        make_params(NH=d.heads, D=d.head_dim, DP=d.dp, DC=dc, WARPS=ATTN_WARPS, TK=ATTN_TK, ROW_GRID=(0, 1, rows)),
-        grid=(-(-d.max_patches // rows), d.heads, 1),
+        make_params(
+            NH=d.heads, D=d.head_dim, DP=d.dp, DC=dc, WARPS=ATTN_WARPS, TK=ATTN_TK, ROW_GRID=(0, 1, rows), IMAGE_AXIS=2
+        ),
+        grid=(-(-d.max_patches // rows), d.heads, MAX_ENCODE_IMAGES),
         block=(32 * ATTN_WARPS, 1, 1),
         smem_bytes=smem,
-        args=("q", "k", "v", "out", "T"),
+        args=("q", "k", "v", "out", "T", "B"),
         family="vision",
     )
 

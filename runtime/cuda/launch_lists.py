@@ -22,6 +22,11 @@ from .row_patch import RowPatch, row_patch
 BOUND_KEEP = 64  # eager launch lists kept (a few MB of packed parameters)
 
 
+def _images(op: Any) -> int | None:
+    """The images a launch over several (its kernel's IMAGE_AXIS: the vision attention) covers: its argument B."""
+    return int(op.args["B"]) if "IMAGE_AXIS" in op.entry.params else None
+
+
 def copy2d(op: Copy2D) -> Any:
     """A callable(stream) issuing the strided device-to-device copy `op` (usable inside a graph capture)."""
     cu = driver()
@@ -96,7 +101,7 @@ class LaunchLists:
             k = self.kernels.kernel(op.entry.name)
             launch = k.bind(
                 [op.args[n] for n in op.entry.args],
-                grid=_grid(op.entry, op.rows, op.rowwise, self.options.rowwise_splits),
+                grid=_grid(op.entry, op.rows, op.rowwise, self.options.rowwise_splits, _images(op)),
                 pdl=pdl and op.pdl and after[branch],
             )
             after[branch] = True

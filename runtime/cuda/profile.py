@@ -82,9 +82,7 @@ def profile_encode(eng: Engine, image: Any) -> list[dict]:
     if eng.vision is None:
         raise ValueError("this engine has no vision tower on the device")
     eng.vision.encode(image)
-    eng.vision.stage(
-        image, eng.vision.stream
-    )  # (on the tower's own stream: done before the profiled launches on the engine's)
+    eng.vision.stage([image], eng.vision.stream)  # (on the tower's own stream: done before the profiled launches)
     eng.vision.stream.synchronize()
     (launches,) = _bind_alone(eng, eng.vision.ops(image.soft_tokens))
     return _eager_profile(eng, launches)

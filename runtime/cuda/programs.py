@@ -64,14 +64,19 @@ class Copy2D:
     height: int
 
 
-def _grid(e: KernelEntry, rows: int, rowwise: bool = False, splits: bool = True) -> tuple[int, int, int]:
+def _grid(
+    e: KernelEntry, rows: int, rowwise: bool = False, splits: bool = True, images: int | None = None
+) -> tuple[int, int, int]:
     """Launch grid for `rows` rows, by the planner's rules in the manifest (codegen/families/__init__.py): the
     manifest's grid is sized for the kernel's maximum; ROW_AXIS kernels loop rows grid-stride (no more blocks than
     rows); ROW_GRID (axis, mul, div[, cap]) kernels need ceil(rows * mul / div) blocks on that axis, at most cap; a
     rowwise launch (one query a block) uses ROWWISE_GRID, and ROWWISE_SPLITS[rows - 1] key splits on axis 2 (with
     `splits`, EngineOptions.rowwise_splits; else every planned split, as before the planner's per-row-count table:
-    the ablation in docs/BENCHMARKS.md)."""
+    the ablation in docs/BENCHMARKS.md); an IMAGE_AXIS kernel `images` blocks on that axis (None: the planned most,
+    whose blocks past the launch's images exit)."""
     g, p = list(e.grid), e.params
+    if "IMAGE_AXIS" in p and images is not None:
+        g[int(p["IMAGE_AXIS"])] = images
     if "ROW_AXIS" in p:
         g[int(p["ROW_AXIS"])] = max(1, min(rows, g[int(p["ROW_AXIS"])]))
     rule = p.get("ROWWISE_GRID" if rowwise else "ROW_GRID")

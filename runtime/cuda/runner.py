@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from ...model_spec.conventions import VERIFY_ROWS
 from ..engine.interface import PENDING, Pending
@@ -114,9 +114,10 @@ class CudaRunner:
     def check(self, seq: Sequence) -> None:
         self.engine.check_request(seq)
 
-    def media_ready(self, seq: Sequence, wait: bool) -> bool:
+    def media_ready(self, seq: Sequence, wait: bool, queued: Iterable[Sequence] = ()) -> bool:
         cache = self.engine.encoder_cache
-        return cache is None or not seq.images or cache.ready([s.image for s in seq.images], wait)
+        along = [s.image for q in queued for s in q.images]
+        return cache is None or not seq.images or cache.ready([s.image for s in seq.images], wait, along)
 
     def draft_context(self, lane: int) -> int:
         return self.spec.lanes[lane].draft_upto

@@ -1,9 +1,11 @@
-"""Runtime stage: `VisionEncoder`, the vision tower on the device: its activations and the vision.encode step program
+"""Runtime stage: `VisionEncoder`, the vision tower on the device: its activations and the vision.encode step programs
 bound to them (the engine keeps recently encoded images' rows in an ImageRowCache in front of it).
 
-The program (codegen/lower_vision.py) runs one image of N soft tokens (its 9 N patches) as a few CUDA graphs (pieces
-of bounded work), captured per N (the most recent GRAPHS_KEPT kept): a handful of launches from the host instead of
-~250. The rows come back to the host
+A program (codegen/lower_vision.py) runs B images of one patch grid, N soft tokens (9 N patches) each, back to back
+(B N <= MAX_SOFT_TOKENS, so the activations sized for the largest image hold them; B <= MAX_ENCODE_IMAGES): one
+pass over the tower's weights for them all, each image's rows the same bits as its encode alone. It runs as a few
+CUDA graphs (pieces of bounded work), captured per (N, B) (the most recent GRAPHS_KEPT kept): a handful of launches
+from the host instead of ~250. The rows come back to the host
 (f32 [N, text hidden], 3.2 MB for a 280-token image on the full model), which keeps them across steps and
 preemption, and the engine stages them into a prefill chunk's residual rows.
 """
@@ -24,10 +26,12 @@ from ...model_spec.vision_layout import (
     VISION_ENCODE,
     VisionDims,
     act_width,
+    encode_images_limit,
     vision_dims,
+    vision_encode_key,
     vision_tensors,
 )
-from ..backend import BackendError, ImageInput
+from ..backend import BackendError, ImageInput, patch_width
 from ..convert.artifact import WeightsArtifact
 from ..manifest import KernelManifest
 from .graphs import CudaGraph
@@ -37,7 +41,7 @@ from .memory import Arena, ArenaPlan, PinnedBuffer
 from .programs import Copy2D, Forward
 from .steps import StepParts
 
-GRAPHS_KEPT = 16  # captured encodes, by soft-token count
+GRAPHS_KEPT = 16  # captured encodes, by (soft-token count, images)
 # An encode beside running sequences goes in pieces of this much tensor work, one between two steps: ~3 ms of the
 # tower at the ~200 TFLOP/s it runs at on an H100, so each step waits at most that long for it.
 PIECE_FLOP = 0.6e12
@@ -113,9 +117,11 @@ def check_image(d: VisionDims, image: ImageInput) -> None:
 
 
 class VisionEncoder:
-    """The device tower: `start(image, pieces)` enqueues one image's encode (upload, graphs, download into pinned
-    memory) and returns at once; `poll()` hands back its rows once the GPU is done; `wait()` waits for them. One
-    encode is in flight at a time (the tower's activations are one arena); `encode(image)` is start + wait.
+    """The device tower: `start(images, pieces)` enqueues one encode of a few images of one patch grid (upload,
+    graphs, download into pinned memory) and returns at once; `poll()` hands back their rows once the GPU is done;
+    `wait()` waits for them. One encode is in flight at a time (the tower's activations are one arena);
+    `encode(image)` is start + wait of one image. `images_per_encode(image)` says how many of its grid one start
+    takes.
 
     Alone (`pieces` False) the whole encode goes on the tower's own stream, at the least priority. Beside running
     sequences (`pieces` True) it goes on the engine's stream one piece of ~PIECE_FLOP at a time, one piece per
@@ -133,46 +139,65 @@ class VisionEncoder:
         self.done_event = parts.device.event(timing=False)
         self.arena.buffer.zero(self.stream)
         self.stream.synchronize()
-        self.graphs: OrderedDict[int, list[CudaGraph]] = OrderedDict()  # soft tokens -> the encode's pieces
+        self.graphs: OrderedDict[tuple[int, int], list[CudaGraph]] = OrderedDict()  # (N, B) -> the encode's pieces
         self.piece_flop = PIECE_FLOP
         d = self.dims
         # pixels in (uint8 [patches, patch_dim]) and rows out (float32 [soft tokens, text hidden]), pinned
         self.pinned_in = PinnedBuffer(d.max_patches * d.patch_dim)
         self.pinned_out = PinnedBuffer(4 * MAX_SOFT_TOKENS * d.text_hidden)
-        self.in_flight: ImageInput | None = None
+        self.in_flight: list[ImageInput] = []
         self._pieces: list[CudaGraph] = []  # the encode in flight's pieces not yet enqueued
         self._on = self.stream  # the stream the encode in flight runs on
-        self._finished: tuple[str, np.ndarray] | None = None  # an encode waited for before poll() asked
+        self._finished: list[tuple[str, np.ndarray]] = []  # an encode waited for before poll() asked
 
     def check(self, image: ImageInput) -> None:
         check_image(self.dims, image)
 
-    def stage(self, image: ImageInput, stream: Stream) -> None:
-        """Check the image and enqueue the upload of its uint8 patches (through pinned memory; the first kernel
-        scales them) and positions on `stream`."""
-        self.check(image)
-        pixels = self.pinned_in.array[: image.patches.size].reshape(image.patches.shape)
-        np.copyto(pixels, image.patches)
-        self.arena["vis_patches"].upload(pixels, stream=stream)
-        self.arena["vis_pos"].upload(np.ascontiguousarray(image.positions, np.int32), stream=stream)
+    def images_per_encode(self, image: ImageInput) -> int:
+        """The most images of `image`'s patch grid one encode takes: within the activations and the programs the
+        manifest holds (one built before there were several: 1)."""
+        held = (
+            b for b in range(encode_images_limit(image.soft_tokens), 1, -1) if vision_encode_key(b) in self.fwd.programs
+        )
+        return next(held, 1)
 
-    def ops(self, soft_tokens: int) -> list:
-        """The encode program's ops for an image of `soft_tokens` soft tokens."""
-        return self.fwd.program(VISION_ENCODE, soft_tokens)
+    def stage(self, images: Sequence[ImageInput], stream: Stream) -> None:
+        """Check the images (one patch grid, no more than an encode takes) and enqueue the upload of their uint8
+        patches (through pinned memory; the first kernel scales them) and positions on `stream`, back to back."""
+        for image in images:
+            self.check(image)
+        first = images[0]
+        if any(i.soft_tokens != first.soft_tokens or patch_width(i) != patch_width(first) for i in images):
+            raise BackendError("cuda backend: one encode takes images of one patch grid")
+        if not 1 <= len(images) <= self.images_per_encode(first):
+            raise BackendError(
+                f"cuda backend: an encode of {first.soft_tokens}-token images takes 1..{self.images_per_encode(first)}"
+                f" of them, not {len(images)}"
+            )
+        patches = np.concatenate([i.patches for i in images])
+        pixels = self.pinned_in.array[: patches.size].reshape(patches.shape)
+        np.copyto(pixels, patches)
+        self.arena["vis_patches"].upload(pixels, stream=stream)
+        positions = np.concatenate([np.asarray(i.positions, np.int32) for i in images])
+        self.arena["vis_pos"].upload(np.ascontiguousarray(positions), stream=stream)
+
+    def ops(self, soft_tokens: int, images: int = 1) -> list:
+        """The encode program's ops for `images` images of `soft_tokens` soft tokens each."""
+        return self.fwd.program(vision_encode_key(images), soft_tokens)
 
     @property
     def busy(self) -> bool:
-        return self.in_flight is not None
+        return bool(self.in_flight)
 
-    def start(self, image: ImageInput, pieces: bool = False) -> None:
-        """Enqueue the image's encode (the one in flight, if any, is waited for first): whole on the tower's stream,
-        or in `pieces` on the engine's (the first now, one more each poll())."""
-        if self.in_flight is not None:
-            self._finished = self._collect()
+    def start(self, images: Sequence[ImageInput], pieces: bool = False) -> None:
+        """Enqueue the encode of `images` (one patch grid; the encode in flight, if any, is waited for first): whole
+        on the tower's stream, or in `pieces` on the engine's (the first now, one more each poll())."""
+        if self.in_flight:
+            self._finished += self._collect()
         self._on = self.parts.stream if pieces else self.stream
-        self.stage(image, self._on)
-        self._pieces = list(self._graph(image.soft_tokens))
-        self.in_flight = image
+        self.stage(images, self._on)
+        self._pieces = list(self._graph(images[0].soft_tokens, len(images)))
+        self.in_flight = list(images)
         self._enqueue(everything=not pieces)
 
     def _enqueue(self, everything: bool) -> None:
@@ -181,36 +206,44 @@ class VisionEncoder:
             self._pieces.pop(0).replay(self._on)
             if not everything:
                 break
-        if not self._pieces and self.in_flight is not None:
-            self.arena["vis_out"].download_async(self._rows_view(self.in_flight.soft_tokens), self._on)
+        if not self._pieces and self.in_flight:
+            self.arena["vis_out"].download_async(self._rows_view(self._out_rows()), self._on)
             self.done_event.record(self._on)
 
-    def poll(self) -> tuple[str, np.ndarray] | None:
-        """(image hash, its rows) of an encode that has completed since the last poll, else None (enqueueing the
-        next piece of one in pieces)."""
-        if self._finished is not None:
-            done, self._finished = self._finished, None
+    def _out_rows(self) -> int:
+        return sum(i.soft_tokens for i in self.in_flight)
+
+    def poll(self) -> list[tuple[str, np.ndarray]]:
+        """(image hash, its rows) of each image of an encode that has completed since the last poll, else []
+        (enqueueing the next piece of one in pieces)."""
+        if self._finished:
+            done, self._finished = self._finished, []
             return done
-        if self.in_flight is None:
-            return None
+        if not self.in_flight:
+            return []
         if self._pieces:
             self._enqueue(everything=False)
-            return None
-        return self._collect() if self.done_event.done() else None
+            return []
+        return self._collect() if self.done_event.done() else []
 
-    def wait(self) -> tuple[str, np.ndarray] | None:
-        """poll(), waiting for the encode in flight (its pieces left enqueued at once; None when none is)."""
-        if self._finished is None and self.in_flight is not None:
+    def wait(self) -> list[tuple[str, np.ndarray]]:
+        """poll(), waiting for the encode in flight (its pieces left enqueued at once; [] when none is)."""
+        if not self._finished and self.in_flight:
             return self._collect()
         return self.poll()
 
-    def _collect(self) -> tuple[str, np.ndarray]:
-        image = self.in_flight
-        assert image is not None
+    def _collect(self) -> list[tuple[str, np.ndarray]]:
+        images = self.in_flight
+        assert images
         self._enqueue(everything=True)
         self.done_event.synchronize()
-        self.in_flight = None
-        return image.hash, self._rows_view(image.soft_tokens).copy()
+        rows = self._rows_view(self._out_rows())
+        self.in_flight = []
+        out, at = [], 0
+        for image in images:  # each image's rows, back to back
+            out.append((image.hash, rows[at : at + image.soft_tokens].copy()))
+            at += image.soft_tokens
+        return out
 
     def _rows_view(self, n: int) -> np.ndarray:
         width = self.dims.text_hidden
@@ -218,38 +251,41 @@ class VisionEncoder:
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """One image through the device tower, waited for (an encode started before is kept for poll())."""
-        pending = self._collect() if self.in_flight is not None else None
-        self.start(image)
-        _, rows = self._collect()
-        self._finished = pending
+        pending = self._collect() if self.in_flight else []
+        self.start([image])
+        ((_, rows),) = self._collect()
+        self._finished = self._finished + pending
         return rows
 
-    def _graph(self, n: int) -> list[CudaGraph]:
-        """The encode of an n-token image as graphs, one per piece: captured (on the tower's stream) the first time,
-        the least recent size dropped past GRAPHS_KEPT (each size holds ~250 kernel nodes; images of a few sizes
-        are the common traffic)."""
-        g = self.graphs.get(n)
+    def _graph(self, n: int, images: int) -> list[CudaGraph]:
+        """The encode of `images` n-token images as graphs, one per piece: captured (on the tower's stream) the
+        first time, the least recent shape dropped past GRAPHS_KEPT (each holds ~250 kernel nodes; images of a few
+        sizes are the common traffic)."""
+        key = (n, images)
+        g = self.graphs.get(key)
         if g is None:
             g = []
-            for i, piece in enumerate(encode_pieces(self.ops(n), self.piece_flop)):
+            for i, piece in enumerate(encode_pieces(self.ops(n, images), self.piece_flop)):
                 launches = self.parts.launches.bind(piece, captured=True)
                 g.append(
                     CudaGraph.capture(
-                        self.stream, lambda ls=launches: [l(self.stream) for _, l in ls], f"vision {n} piece {i}"
+                        self.stream,
+                        lambda ls=launches: [l(self.stream) for _, l in ls],
+                        f"vision {images}x{n} piece {i}",
                     )
                 )
-            self.graphs[n] = g
+            self.graphs[key] = g
             if len(self.graphs) > GRAPHS_KEPT:
                 for old in self.graphs.popitem(last=False)[1]:
                     old.destroy()
-        self.graphs.move_to_end(n)
+        self.graphs.move_to_end(key)
         return g
 
     def destroy(self) -> None:
-        if self.in_flight is not None:
+        if self.in_flight:
             self._enqueue(everything=True)
             self.done_event.synchronize()
-            self.in_flight = None
+            self.in_flight = []
         for pieces in self.graphs.values():
             for g in pieces:
                 g.destroy()
@@ -266,8 +302,8 @@ def op_flop(op) -> float:
     name, param = op.entry.name, op.entry.param
     if name.startswith("vis_gemm"):
         return 2.0 * op.rows * param("n") * param("k")
-    if name.startswith("vis_attn"):
-        return 4.0 * op.rows * op.rows * param("NH") * param("DC")
+    if name.startswith("vis_attn"):  # (rows: an image's patches; B images)
+        return 4.0 * op.rows * op.rows * param("NH") * param("DC") * int(op.args.get("B", 1))
     return 0.0
 
 

@@ -64,11 +64,12 @@ class ModelRunner(Protocol):
     def check(self, seq: Sequence) -> None:
         """Raise BackendError for a request it cannot run (bad ids, speculative without a drafter, ...)."""
 
-    def media_ready(self, seq: Sequence, wait: bool) -> bool:
+    def media_ready(self, seq: Sequence, wait: bool, queued: Seq[Sequence] = ()) -> bool:
         """Whether every image of `seq` can enter a prefill now without the step waiting for its encode (`wait`:
         encode them all first, the step has nothing else to run). A runner that encodes beside the steps starts
-        the next missing one here; the scheduler admits a sequence only once this holds, so a new image never
-        stalls the running sequences' steps."""
+        the next missing one here, and may take images of the `queued` sequences (waiting behind `seq`) along in
+        the same encode; the scheduler admits a sequence only once this holds, so a new image never stalls the
+        running sequences' steps."""
 
     def draft_context(self, lane: int) -> int:
         """Positions 0.. of KV lane `lane` whose drafter context is current (what a speculative sequence may reuse)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
@@ -59,7 +60,7 @@ class Scheduler:
         verify_block: int = 1,
         prefill_chunk: int | None = None,
         lookahead: int = 0,
-        media_ready: Callable[[Sequence, bool], bool] = lambda seq, wait: True,
+        media_ready: Callable[[Sequence, bool, list[Sequence]], bool] = lambda seq, wait, queued: True,
         drafts: DraftPlanner | None = None,
     ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
@@ -135,7 +136,7 @@ class Scheduler:
                 break
             # its encode runs beside the steps (FCFS: the queue waits for it, the running ones do not); a step with
             # nothing else to run waits for it
-            if seq.images and not self.media_ready(seq, not (decodes or prefills)):
+            if seq.images and not self.media_ready(seq, not (decodes or prefills), self._queued_images()):
                 break
             cached = self.kv.admit(
                 seq, seq.reuse_limit(), min(seq.prefill_target + self.step_tokens(seq), self.max_context)
@@ -150,6 +151,11 @@ class Scheduler:
                 prefills.append(replace(chunk, admitted=True))
                 budget -= chunk.end - chunk.start
         return Schedule(tuple(prefills), self._planned(decodes), tuple(preempted), tuple(exhausted), self.kv.take_ops())
+
+    def _queued_images(self) -> list[Sequence]:
+        """The sequences with images waiting behind the head of the queue (the next max_num_seqs): an encode for
+        the head may take theirs along."""
+        return [s for s in islice(self.waiting, 1, 1 + self.max_num_seqs) if s.images]
 
     def _planned(self, decodes: list[Sequence]) -> tuple[Sequence, ...]:
         """The decoders, each with its drafts for this step set (Sequence.drafts)."""

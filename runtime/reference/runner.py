@@ -16,6 +16,8 @@ the sequences after it in the step run as they would have alone.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from ...model_spec.conventions import KV_PAGE, MAX_STEP_TOKENS, ring_slots
@@ -52,7 +54,7 @@ class ReferenceRunner:
         cache = self.backend.encoder_cache
         return 0 if cache is None else cache.bytes
 
-    def media_ready(self, seq: Sequence, wait: bool) -> bool:
+    def media_ready(self, seq: Sequence, wait: bool, queued: Iterable[Sequence] = ()) -> bool:
         return True  # (the NumPy tower encodes in the prefill that needs the rows)
 
     def check(self, seq: Sequence) -> None:

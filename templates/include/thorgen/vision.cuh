@@ -160,19 +160,21 @@ __device__ void vis_qkv_rope_rows(const float* __restrict__ qkv, const __nv_bflo
   }
 }
 
-// Pooled row n of T (the image's L = POOL^2 * T patches, row-major over a grid gw wide, gw = pos[L-1].x + 1):
-// the mean of its POOL x POOL patches, x sqrt(H), (s - std_bias) * std_scale, weightless RMSNorm -> f16 (pitch HP).
+// Pooled row n of T, over images of TI pooled rows back to back (each image's L = POOL^2 * TI patches row-major
+// over one grid gw wide, gw = the first image's last patch's x + 1): the mean of its POOL x POOL patches, x sqrt(H), (s - std_bias) * std_scale, weightless RMSNorm -> f16 (pitch HP).
 // All in fp32: the scaled values reach ~1e5 (fp16 overflows).
 template <int H, int HP, int POOL, int THREADS>
 __device__ void vis_pool_rows(const float* __restrict__ x, const int* __restrict__ pos,
                               const float* __restrict__ std_bias, const float* __restrict__ std_scale,
-                              __half* __restrict__ out, int T, float eps, float root_h) {
+                              __half* __restrict__ out, int T, int TI, float eps, float root_h) {
   using R = VisRow<H, THREADS>;
   __shared__ float scratch[32];
-  const long L = (long)T * POOL * POOL;
-  const int gw = pos[2 * (L - 1)] + 1, pw = gw / POOL;
+  const long L = (long)TI * POOL * POOL;  // an image's patches
+  const int gw = pos[2 * (L - 1)] + 1, pw = gw / POOL;  // the images of one encode share one grid (the first's)
+  const long gh = L / gw;                               // an image's patch rows
   for (int n = blockIdx.x; n < T; n += gridDim.x) {
-    const long y0 = (long)(n / pw) * POOL, x0 = (long)(n % pw) * POOL;
+    const int image = n / TI, m = n - image * TI;
+    const long y0 = (long)(m / pw) * POOL + image * gh, x0 = (long)(m % pw) * POOL;
     float v[R::PER];
 #pragma unroll
     for (int j = 0; j < R::PER; ++j) {
