@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request  # noqa: E402  (module level: the routes' a
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 from scripted_backend import ScriptedBackend, running_server, scripted_state, write_test_tokenizer  # noqa: E402
 from thorgen.runtime.bench.soak import bench_soak, parse_mix  # noqa: E402
+from thorgen.runtime.engine.kv_pages import PagePool  # noqa: E402
 from thorgen.runtime.bench.soak_requests import (  # noqa: E402
     IMAGE_POOL,
     KINDS,
@@ -65,8 +66,9 @@ def test_soak_passes_against_the_server(tmp_path):
     assert report["kinds"]["stream"]["ttft_ms_p50"] is not None and report["windows"][0]["itl_ms_p50"] is not None
     assert report["warmup_requests"] == len(parse_mix(SCRIPTED_MIX)) - 1 + len(hostile_cases(Settings("m", 1)))
     assert report["memory"]["rss_start"] is not None  # the server's /metrics (in this process)
-    assert report["memory"]["cache_start"] == 0  # /health's caches (no images here)
-    assert report["memory"]["rss_less_caches_start"] == report["memory"]["rss_start"]
+    # /health's caches: no images here, and no page registered (the scripted runner caches no prefix)
+    assert report["memory"]["cache_start"] == PagePool(1).index_bytes
+    assert report["memory"]["rss_less_caches_start"] == report["memory"]["rss_start"] - PagePool(1).index_bytes
     assert report["memory"]["gpu_memory_start"] is None  # (no device)
     assert "passed" in result.output and "failures: none" in result.output
 
@@ -195,3 +197,33 @@ def test_drift_limits_fail_a_soak_over_them_or_unable_to_measure_them():
         "ttft_drift",
     ]
     assert drift_failures(unmeasured, None, {}) == []
+
+
+def test_the_report_keeps_the_server_s_and_the_engine_process_s_rss_apart():
+    """Samples that measured both processes: the windows, the memory row and the summary show each process's RSS
+    beside their sum, so a growing one is named; samples of one process leave the engine's None."""
+    from thorgen.runtime.bench.soak_report import memory_row, summarize, text
+    from thorgen.runtime.bench.soak_requests import Outcome
+
+    mib = 2**20
+
+    def sample(t: float, server: int, engine: int | None) -> dict:
+        both = {"server_rss_bytes": server * mib, "engine_rss_bytes": None if engine is None else engine * mib}
+        return {"t": t, "rss_bytes": (server + (engine or 0)) * mib, "cache_bytes": 0, "gpu_memory_bytes": None} | both
+
+    samples = [sample(0.0, 300, 700), sample(1.0, 301, 760), sample(2.0, 302, 800)]
+    outcomes = [Outcome("chat", 0.2, status=200, latency=0.1), Outcome("chat", 1.2, status=200, latency=0.1)]
+    figures = summarize(outcomes, 0.0, 2.0, 2, samples, {"rss_growth": 5})
+    m = figures["memory"]
+    assert (m["server_rss_start"], m["server_rss_end"]) == (300 * mib, 302 * mib)
+    assert (m["engine_rss_start"], m["engine_rss_end"]) == (700 * mib, 800 * mib)
+    assert m["engine_rss_change_pct"] == round(100 * 100 / 700, 3) and m["server_rss_change_pct"] < 1
+    assert [w["engine_rss_bytes"] for w in figures["windows"]] == [760 * mib, 800 * mib]
+    assert [w["server_rss_bytes"] for w in figures["windows"]] == [301 * mib, 302 * mib]
+    assert not figures["passed"] and figures["failures"]["rss_growth"] == 1  # (the sum grew 10 %)
+    report = {"requests": 2, "warmup_requests": 0, "duration_s": 2, "concurrency": 1, "url": "u"} | figures
+    summary = text(report)
+    assert "(server 301.0 MiB + engine 760.0 MiB)" in summary
+    assert "server 300.0 MiB -> 302.0 MiB, engine process 700.0 MiB -> 800.0 MiB" in summary
+    alone = memory_row([sample(0.0, 300, None), sample(1.0, 310, None)])
+    assert alone["engine_rss_start"] is None and alone["server_rss_change_pct"] == round(100 * 10 / 300, 3)

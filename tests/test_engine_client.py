@@ -23,6 +23,7 @@ from thorgen.runtime.api import EngineConfig, open_backend  # noqa: E402
 from thorgen.runtime.client import EngineClient, EngineUnavailable, RequestRejected  # noqa: E402
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 from thorgen.runtime.options import default_ctx  # noqa: E402
+from thorgen.runtime.engine.kv_pages import PagePool  # noqa: E402
 from thorgen.runtime.text.tokenizer import Tokenizer  # noqa: E402
 from thorgen.serve.app import ServerState, create_app  # noqa: E402
 from thorgen.serve.chat_template import ChatTemplate  # noqa: E402
@@ -99,7 +100,8 @@ def test_client_opens_runs_and_closes_on_its_own_thread(tok):
         "recoveries": 0,
         "last_recovery_s": None,
         "gpu_memory_used": None,
-        "caches": {"image_rows_bytes": 0},  # (the scripted runner keeps no images)
+        # (the scripted runner keeps no images, and registers no page: its prefix index is an empty pool's)
+        "caches": {"image_rows_bytes": 0, "prefix_index_bytes": PagePool(1).index_bytes},
     }
     assert kv["blocks"] > 0 and kv["used"] == 0 and kv["block_tokens"] == 16
     assert steps["steps"] >= len(reply) // 2 and min(steps[p] for p in ("prepare", "flush", "finish")) >= 0

@@ -324,6 +324,8 @@ def test_the_soak_counts_the_engine_process_s_memory(tiny_checkpoint):
             engine_pid = state.client.engine_pid
             assert got["rss_source"] == f"pid {os.getpid()} + engine process {engine_pid}"
             assert got["rss_bytes"] > process_rss(engine_pid)
+            assert got["rss_bytes"] == got["server_rss_bytes"] + got["engine_rss_bytes"]  # (each apart too)
+            assert got["server_rss_bytes"] > 0 and got["engine_rss_bytes"] > 0
     finally:
         state.close()
 

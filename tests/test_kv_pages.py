@@ -27,29 +27,52 @@ def test_keys_depend_on_every_earlier_token():
     assert list(page_keys([image, 2, 3, 4], 1, P)) != list(page_keys([image - 1, 2, 3, 4], 1, P))
 
 
+def _finish_requests(pool: PagePool, rng: random.Random, requests: int, pages_each: int) -> None:
+    """`requests` requests of distinct tokens, `pages_each` full pages each: each takes, registers and releases."""
+    for _ in range(requests):
+        tokens = [rng.randrange(1_000, 262_144) for _ in range(pages_each * KV_PAGE)]  # (ids above the small ints)
+        s = SeqPages()
+        s.grow(pool, len(tokens))
+        s.register(pool, tokens, len(tokens))
+        s.release(pool)
+
+
 def test_a_cached_page_keeps_a_small_key_and_none_of_its_tokens():
     """A finished request's pages stay registered until their pages are reused, which on a large pool is many
-    thousands of requests later: what each keeps on the host is its key alone, not its tokens' int objects."""
+    thousands of requests later: what each keeps on the host is its key alone, not its tokens' int objects, and
+    the pool reports those bytes (index_bytes, a cache in the server's /health) within a quarter of what they take."""
     pages, per_seq = 2_000, 20
     pool = PagePool(pages, KV_PAGE)
-    rng = random.Random(0)
+    empty = pool.index_bytes
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for _ in range(pages // per_seq):
-            tokens = [rng.randrange(1_000, 262_144) for _ in range(per_seq * KV_PAGE)]  # (ids above the small ints)
-            s = SeqPages()
-            s.grow(pool, len(tokens))
-            s.register(pool, tokens, len(tokens))
-            s.release(pool)
-            del tokens, s
+        _finish_requests(pool, random.Random(0), pages // per_seq, per_seq)
         kept = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert len(pool.by_key) == len(pool.cached) == pages  # every page cached
     assert kept / pages < 256, f"{kept / pages:.0f} host bytes a cached page"  # (a tuple of its ids: ~865)
+    assert 0.75 * kept < pool.index_bytes - empty < 1.25 * kept, (pool.index_bytes - empty, kept)
     key = pool.key_of[0]
     assert isinstance(key, bytes) and len(key) == KEY_BYTES and not gc.get_referents(key)
+
+
+def test_the_prefix_index_stops_growing_once_the_pool_is_full():
+    """Every request leaves its pages indexed, so the index grows with each one until every page is cached; from
+    then on each new page evicts one: its length stays the pool's, and its bytes, once the first evictions have
+    grown the maps' tables (deleted slots), stay where they are."""
+    pages, per_seq = 512, 8
+    pool = PagePool(pages, KV_PAGE)
+    rng = random.Random(1)
+    _finish_requests(pool, rng, pages // per_seq, per_seq)
+    full = pool.index_bytes
+    assert len(pool.by_key) == pages and pool.evicted == 0
+    _finish_requests(pool, rng, 2 * pages // per_seq, per_seq)
+    churned = pool.index_bytes
+    _finish_requests(pool, rng, 4 * pages // per_seq, per_seq)
+    assert len(pool.by_key) == len(pool.cached) == pages and pool.evicted == 6 * pages
+    assert pool.index_bytes == churned < 2 * full
 
 
 def test_take_hold_drop_and_the_free_count():

@@ -486,4 +486,9 @@ def test_health_and_metrics_report_the_image_caches_bytes(served):
 
     families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
     gauges = {s.labels["cache"]: s.value for f in families if f.name == "thorgen_cache_bytes" for s in f.samples}
-    assert gauges == {"preprocessed_images": preprocessed.bytes, "image_rows": caches["image_rows_bytes"]}
+    assert gauges == {
+        "preprocessed_images": preprocessed.bytes,
+        "image_rows": caches["image_rows_bytes"],
+        "prefix_index": caches["prefix_index_bytes"],  # (the prefix cache's index of the pages finished requests left)
+    }
+    assert caches["prefix_index_bytes"] > 0

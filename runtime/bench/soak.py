@@ -7,8 +7,8 @@ drawn from --mix by weight (runtime/bench/soak_requests.py). Every distinct payl
 warm-up: each kind, each of the soak's images, each hostile body), so that the server's caches hold what the soak
 will ask for before memory is first sampled; memory is sampled after it, at the end of each time window and once
 every request has finished: the server's RSS (psutil on the process it started, plus its engine process's where
-/health names one; else /metrics' process_resident_memory_bytes), the bytes its caches hold (/health's caches) and
-GPU memory (/health's gpu_memory_used; n/a on the reference backend).
+/health names one, each also apart; else /metrics' process_resident_memory_bytes), the bytes its caches hold
+(/health's caches) and GPU memory (/health's gpu_memory_used; n/a on the reference backend).
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ async def _sample(http: Any, url: str, t: float, pid: int | None) -> dict[str, A
         pass
     if pid is not None:
         sample["rss_bytes"], sample["rss_source"] = process_rss(pid), f"pid {pid}"
+        sample["server_rss_bytes"] = sample["rss_bytes"]  # (each process apart too: which one grows)
         engine_rss = process_rss(engine_pid) if engine_pid is not None else None
         if sample["rss_bytes"] is not None and engine_rss is not None:
+            sample["engine_rss_bytes"] = engine_rss
             sample["rss_bytes"] += engine_rss
             sample["rss_source"] += f" + engine process {engine_pid}"
     else:

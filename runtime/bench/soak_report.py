@@ -107,11 +107,24 @@ def window_rows(outcomes: list[Outcome], start: float, end: float, n: int, sampl
                 "itl_ms_p50": _p(gaps, 50),
                 "itl_ms_p99": _p(gaps, 99),
                 "rss_bytes": at.get("rss_bytes"),
+                "server_rss_bytes": at.get("server_rss_bytes"),
+                "engine_rss_bytes": at.get("engine_rss_bytes"),
                 "cache_bytes": at.get("cache_bytes"),
                 "gpu_memory_bytes": at.get("gpu_memory_bytes"),
             }
         )
     return rows
+
+
+# what memory_row reports at the start and the end of a soak (each as <name>_start, <name>_end, <name>_change_pct)
+MEMORY_KEYS = (
+    "rss_bytes",
+    "server_rss_bytes",
+    "engine_rss_bytes",
+    "cache_bytes",
+    "rss_less_caches_bytes",
+    "gpu_memory_bytes",
+)
 
 
 def _change(first: int | None, last: int | None) -> float | None:
@@ -126,11 +139,12 @@ def _less_caches(sample: dict) -> int | None:
 
 def memory_row(samples: list[dict]) -> dict[str, Any]:
     """Memory at the first and the last sample (after the warm-up; after the drain), and the change in percent:
-    RSS, the caches' bytes (/health's caches), RSS less them (what a leak grows) and GPU memory."""
+    RSS, the server's and its engine process's apart (None where not measured), the caches' bytes (/health's
+    caches), RSS less them (what a leak grows) and GPU memory."""
     ends = (samples[0], samples[-1]) if samples else ({}, {})
     first, last = (end | {"rss_less_caches_bytes": _less_caches(end)} for end in ends)
     out: dict[str, Any] = {"rss_source": first.get("rss_source", "n/a")}
-    for key in ("rss_bytes", "cache_bytes", "rss_less_caches_bytes", "gpu_memory_bytes"):
+    for key in MEMORY_KEYS:
         out[key.replace("_bytes", "_start")] = first.get(key)
         out[key.replace("_bytes", "_end")] = last.get(key)
         out[key.replace("_bytes", "_change_pct")] = _change(first.get(key), last.get(key))
@@ -194,6 +208,11 @@ def _mib(v: int | None) -> str:
     return "n/a" if v is None else f"{v / 2**20:,.1f} MiB"
 
 
+def _apart(server: int | None, engine: int | None) -> str:
+    """' (server X + engine Y)' where the engine process's RSS was measured apart, else ''."""
+    return "" if engine is None else f" (server {_mib(server)} + engine {_mib(engine)})"
+
+
 def text(report: dict) -> str:
     """The short summary a person reads."""
     head = (
@@ -213,12 +232,20 @@ def text(report: dict) -> str:
     for w in report["windows"]:
         lines.append(
             f"{w['start_s']:>7.1f}-{w['end_s']:<7.1f} s {w['requests']:>5} requests  TTFT p50/p99 "
-            f"{_pair(w, 'ttft_ms')} ms  ITL p50/p99 {_pair(w, 'itl_ms')} ms  RSS {_mib(w['rss_bytes'])} (caches "
-            f"{_mib(w.get('cache_bytes'))})  GPU {_mib(w['gpu_memory_bytes'])}"
+            f"{_pair(w, 'ttft_ms')} ms  ITL p50/p99 {_pair(w, 'itl_ms')} ms  RSS {_mib(w['rss_bytes'])}"
+            f"{_apart(w.get('server_rss_bytes'), w.get('engine_rss_bytes'))} (caches {_mib(w.get('cache_bytes'))})  "
+            f"GPU {_mib(w['gpu_memory_bytes'])}"
         )
     m = report["memory"]
     lines.append(
-        f"memory: RSS {_mib(m['rss_start'])} -> {_mib(m['rss_end'])} ({m['rss_change_pct']} %, {m['rss_source']}); "
+        f"memory: RSS {_mib(m['rss_start'])} -> {_mib(m['rss_end'])} ({m['rss_change_pct']} %, {m['rss_source']}"
+        + (
+            f"; server {_mib(m['server_rss_start'])} -> {_mib(m['server_rss_end'])}, engine process "
+            f"{_mib(m['engine_rss_start'])} -> {_mib(m['engine_rss_end'])}"
+            if m.get("engine_rss_start") is not None
+            else ""
+        )
+        + "); "
         f"caches {_mib(m.get('cache_start'))} -> {_mib(m.get('cache_end'))}; RSS less caches "
         f"{_mib(m.get('rss_less_caches_start'))} -> {_mib(m.get('rss_less_caches_end'))} "
         f"({m.get('rss_less_caches_change_pct')} %); "

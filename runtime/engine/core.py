@@ -161,8 +161,8 @@ class EngineCore:
     def health(self) -> dict[str, Any]:
         """What a health report shows of the core: the KV manager's pages and the positions whose drafter context a
         catch-up prefill restored, the device memory in use when the runner last sampled it (None without a
-        device), the host bytes of the encoded images' rows it keeps, the speculation counters (with K under
-        emulated acceptance). Plain ints, safe to read between steps or during one."""
+        device), the host bytes of its bounded caches (the encoded images' rows, the prefix index), the speculation
+        counters (with K under emulated acceptance). Plain ints, safe to read between steps or during one."""
         kv = self.kv
         speculation: dict[str, int] = dict(self.speculation)
         if self.drafts.options.emulate_acceptance is not None:  # (the counts are then not the model's)
@@ -172,7 +172,10 @@ class EngineCore:
             "catch_up_tokens": self.runner.caught_up_tokens,
             "speculation": speculation,
             "gpu_memory_used": self.runner.device_memory_used,
-            "caches": {"image_rows_bytes": self.runner.image_rows_bytes},
+            "caches": {
+                "image_rows_bytes": self.runner.image_rows_bytes,
+                "prefix_index_bytes": kv.pool.index_bytes if kv.pool is not None else 0,
+            },
         }
 
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:

@@ -10,12 +10,15 @@ of them is below the sequence's committed length, which later steps never rewrit
 lie above it). The key of page i is the 16-byte BLAKE2b digest of (page i-1's key, page i's ids as int64), so it
 names the whole prefix up to the page's end. Every page a finished request leaves registered keeps its key on the
 host until the page is taken for new contents, which on a large GPU pool (100k+ pages) takes many thousands of
-requests: a digest costs ~50 bytes, where a tuple of the page's ids kept those ids alive (~700 bytes a page).
+requests. An indexed page costs ~170 host bytes (its digest ~50, its by_key entry ~50, its `cached` entry ~70),
+~270 once evictions have grown the maps' tables: bounded by the pool's size (~34 MiB at 131,072 pages), and reported
+as a cache (PagePool.index_bytes), since on a pool that has not filled yet it grows with every request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict
 from typing import Iterator
@@ -57,6 +60,13 @@ class PagePool:
     @property
     def free(self) -> int:
         return len(self.empty) + len(self.cached)
+
+    @property
+    def index_bytes(self) -> int:
+        """Host bytes of the prefix index beyond the pool's fixed lists: the two maps (with their entries) and the
+        registered keys. At most ~270 bytes a page, so bounded by the pool's size."""
+        keys = len(self.by_key)
+        return sys.getsizeof(self.by_key) + sys.getsizeof(self.cached) + keys * (sys.getsizeof(b"") + KEY_BYTES)
 
     def take(self) -> int:
         """A free page for new contents (an empty one, else the least recently released cached one)."""
