@@ -81,6 +81,11 @@ def sha256_of(data: bytes | str) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+def data_key(digest: str) -> str:
+    """The cache key of a data URL whose text has sha256 `digest` (`load` and `prefetch` must agree on it)."""
+    return "data:" + digest
+
+
 def _preprocess(raw: Raw, vision: Gemma4VisionSpec, budget: int) -> ImageInput:
     """A worker thread's job: raw bytes (or a data URL's base64) -> the preprocessed image."""
     return load_image(b64_bytes(*raw) if isinstance(raw, tuple) else raw, vision, budget)
@@ -105,7 +110,7 @@ class ImageLoader:
         repeated data URL is never base64-decoded again."""
         if source.url[:5].lower() == "data:":
             start = data_url_payload(source.url, source.where)
-            return "data:" + await self._run(sha256_of, source.url), (source.url, start)
+            return data_key(await self._run(sha256_of, source.url)), (source.url, start)
         raw = await fetch(source.url, self.options, source.where)
         return "bytes:" + await self._run(sha256_of, raw), raw
 
@@ -143,7 +148,7 @@ class ImageLoader:
                 start = data_url_payload(source.url, source.where)
             except APIError:
                 continue
-            key = ("data:" + sha256_of(source.url), source.budget or budget or self.options.budget)
+            key = (data_key(sha256_of(source.url)), source.budget or budget or self.options.budget)
             if self.cache.get(key) is None and key not in self._pending:
                 self._start(key, (source.url, start), self.vision)
 
