@@ -58,6 +58,7 @@ class DraftPlanner:
         self.cost, self.max_drafts, self.max_context = cost, max_drafts, max_context
         self.options = options or DraftOptions()
         self.batch = 1  # sequences in the step planned last
+        self._pays: dict[tuple[int, int], bool] = {}  # (drafts, batch) -> _can_pay
 
     def _cap(self, seq: Sequence) -> int:
         """The most drafts `seq` may propose: the drafter's block, the request's own cap, the room left."""
@@ -82,9 +83,17 @@ class DraftPlanner:
             return k, on
         # (a probe costs every sequence of its step a verify step: its wait grows with the batch, and none where
         # speculation would stay off at this batch even with every draft landing)
-        if plain_steps < acc.probe_wait * batch or not self.best(cap, cap, batch)[1]:
+        if plain_steps < acc.probe_wait * batch or not self._can_pay(cap, batch):
             return 0, False
         return k, False
+
+    def _can_pay(self, cap: int, batch: int) -> bool:
+        """Whether `cap` drafts that all land beat a plain step in a step of `batch` sequences (the runner's cost
+        model is fixed, so each pair is worked out once, not at every switched-off sequence's every step)."""
+        pays = self._pays.get((cap, batch))
+        if pays is None:
+            pays = self._pays[cap, batch] = self.best(cap, cap, batch)[1]
+        return pays
 
     def plan(self, seq: Sequence, batch: int = 1) -> None:
         """`seq`'s drafts in a step of `batch` decoding sequences."""
