@@ -136,21 +136,37 @@ class ImageLoader:
 
     def prefetch(self, sources: list[ImageSource], budget: int | None) -> None:
         """Start the decodes of a request's data-URL images now, before `load` is awaited for them (while the prompt
-        is rendered and tokenized): each is hashed here and submitted to the pool with no turn of the event loop in
-        between, which, with another thread holding the GIL, could wait milliseconds. Best effort: any source that
-        is not such a data URL, or is refused, is left to `load`, which reads it and reports its errors in order."""
+        is rendered and tokenized). A data URL of up to INLINE_HASH_CHARS is hashed here and submitted to the pool
+        with no turn of the event loop in between, which, with another thread holding the GIL, could wait
+        milliseconds; a longer one (a photo's PNG is 1-3 MB of base64) is hashed on a worker, and its decode
+        submitted when that is done. `load` hashes it again on a worker, beside the decode, and finds the decode
+        under way. Best effort: any source that is not such a data URL, or is refused, is left to `load`, which
+        reads it and reports its errors in order."""
         if self.vision is None or len(sources) > self.options.max_images:
             return
         for source in sources:
-            if source.url[:5].lower() != "data:" or len(source.url) > INLINE_HASH_CHARS:
+            if source.url[:5].lower() != "data:":
                 continue
             try:
                 start = data_url_payload(source.url, source.where)
             except APIError:
                 continue
-            key = (data_key(sha256_of(source.url)), source.budget or budget or self.options.budget)
-            if self.cache.get(key) is None and key not in self._pending:
-                self._start(key, (source.url, start), self.vision)
+            image_budget = source.budget or budget or self.options.budget
+            if len(source.url) > INLINE_HASH_CHARS:  # hashed on a worker: the decode starts once it is keyed
+                hashed = asyncio.wrap_future(self._pool.submit(sha256_of, source.url))
+                raw = (source.url, start)
+                hashed.add_done_callback(lambda done, raw=raw, b=image_budget: self._hashed(done, raw, b))
+                continue
+            self._start_missing((data_key(sha256_of(source.url)), image_budget), (source.url, start), self.vision)
+
+    def _hashed(self, done: asyncio.Future[str], raw: Raw, budget: int) -> None:
+        """A long data URL's prefetch, once its worker has hashed it (on the event loop's thread): its decode."""
+        if self.vision is not None and not done.cancelled() and done.exception() is None:
+            self._start_missing((data_key(done.result()), budget), raw, self.vision)
+
+    def _start_missing(self, key: Key, raw: Raw, vision: Gemma4VisionSpec) -> None:
+        if self.cache.get(key) is None and key not in self._pending:
+            self._start(key, raw, vision)
 
     async def load(self, sources: list[ImageSource], budget: int | None) -> list[ImageInput]:
         """Each source read once and preprocessed once per budget it is asked at; the first failing source (in

@@ -185,6 +185,27 @@ def test_prefetch_submits_the_decodes_at_once_and_load_takes_them(decodes):
     assert np.array_equal(image.patches, load_image(png(109), get_preset("tiny").vision, 70).patches)
 
 
+def test_a_long_data_url_is_hashed_on_a_worker_and_its_prefetched_decode_is_the_one_load_takes(decodes, monkeypatch):
+    monkeypatch.setattr(image_loader, "INLINE_HASH_CHARS", 64)  # every data URL below is "long"
+    loader = ImageLoader(get_preset("tiny").vision, MediaOptions(budget=70, workers=2))
+    entered = threading.Event()
+    decodes.on_decode, decodes.hold = entered.set, threading.Event()
+    source = ImageSource("data:image/png;base64," + base64.b64encode(png(110)).decode(), "messages[0].content[0]")
+
+    async def prefetch_then_load():
+        loader.prefetch([source], None)
+        started = await asyncio.to_thread(entered.wait, WAIT_S)  # load not yet called: the decode started anyway
+        decodes.hold.set()
+        return started, await loader.load([source], None)
+
+    try:
+        started, (image,) = asyncio.run(prefetch_then_load())
+    finally:
+        loader.close()
+    assert started and len(decodes) == 1 and loader.decoded == 1
+    assert np.array_equal(image.patches, load_image(png(110), get_preset("tiny").vision, 70).patches)
+
+
 def test_the_first_bad_image_in_order_is_the_400():
     loader = ImageLoader(get_preset("tiny").vision, MediaOptions(budget=70, workers=2))
     good = "data:image/png;base64," + base64.b64encode(png(108)).decode()
