@@ -7,7 +7,7 @@ previous kernel of the PDL chain finishes. Its forms, all with the K split, sums
 same bits):
   nc     PF steps a warp loaded with ld.global.nc; ptxas (CUDA 13.0, sm_90a) schedules the wait above those loads,
          so no weight byte is in flight before the previous kernel ends (codegen/sass.py weight_loads_before_wait:
-         0). The plan launched it until the chain benchmark below; now a bench-only ablation.
+         0). The plan launched it until the chain benchmark below; now it is a bench-only ablation.
   early  the same PF steps with coherent loads, which ptxas keeps before the wait.
   slice  coherent loads of the warp's WHOLE K slice (PF = its step count) before the wait, in registers. Only
          resident blocks prefetch: __launch_bounds__ asks for the whole grid resident at once (min blocks =
