@@ -76,9 +76,10 @@ def format_table(rows: list) -> str:
 @click.option(
     "--prologue-variants",
     is_flag=True,
-    help="Also build the one-row decode GEMVs' bench-only prologue forms (weights loaded before "
-    "griddepcontrol.wait: codegen/prologue_variants.py), which `thorgen bench kernels --chain N` times "
-    "against the planned ones; the step programs never launch them.",
+    help="Also build the one-row decode GEMVs' bench-only prologue forms (codegen/prologue_variants.py: nc, "
+    "the ld.global.nc prologue ptxas schedules after griddepcontrol.wait; early and slice, coherent loads before "
+    "it; smem, cp.async copies before it), which `thorgen bench kernels --chain N` times against the planned "
+    "ones (each its slice or early form); the step programs never launch them.",
 )
 def build(
     arch_name: str,

@@ -5,8 +5,9 @@ kernel (REPRESENTATIVES), disassembles it with `cuobjdump -sass` and finds its h
 body holds the most streaming weight loads (`LDG.E.NA...128`, 16 bytes each). The count is the loop's instructions
 (NOPs left out) over its weight loads: what a lane issues for each 16 bytes of weights it streams (decode, scale,
 mma, activation loads, addressing). tests/test_sass_counts.py keeps it from rising. weight_loads_before_wait counts
-the weight loads a kernel issues before its griddepcontrol.wait, copies_around_wait its cp.async copies into shared
-memory on either side of it (tests/test_prologue_variants.py).
+the weight loads a kernel issues before its griddepcontrol.wait (tests/test_sass_counts.py: the planned one-row
+GEMVs'), copies_around_wait its cp.async copies into shared memory on either side of it
+(tests/test_prologue_variants.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""GPU tests: each one-row decode GEMV's bench-only prologue forms (codegen/prologue_variants.py: weights loaded
-before griddepcontrol.wait, "early", the whole K slice in registers, and "smem": the block's slice copied into
-dynamic shared memory, with its own grid of grouped units, and past its budget the rest streamed) give the planned
-kernel's outputs bit for bit (the same sums in the same order: their tolerance is zero), on its bench case's inputs,
-for the tiny and the full preset. (The chain benchmark, `thorgen bench kernels --chain N`, launches them in PDL
-chains.)"""
+"""GPU tests: each one-row decode GEMV's bench-only prologue forms (codegen/prologue_variants.py: "nc", the
+ld.global.nc prologue the plan launched before codegen/gemv_prologue.py; weights loaded before griddepcontrol.wait,
+"early", the whole K slice in registers, and "smem": the block's slice copied into dynamic shared memory, with its
+own grid of grouped units, and past its budget the rest streamed) give the planned kernel's outputs bit for bit (the
+same sums in the same order: their tolerance is zero), on its bench case's inputs, for the tiny and the full preset.
+(The chain benchmark, `thorgen bench kernels --chain N`, launches them in PDL chains.)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""CPU tests of the decode GEMVs' bench-only prologue forms (codegen/prologue_variants.py) and the chain benchmark
-that times them (runtime/bench/kernel_chain.py): the forms change only the loads' timing (same template, grid, K
-split and arguments; the plan and the step programs stay as they were), `thorgen build --prologue-variants` (nvcc
-replaced by empty cubins) writes them with their planned kernel's bench case, they give the planned kernel's
-outputs through the emulated driver, and `thorgen bench kernels --chain N` runs over such a build. The smem form may
-also group units into fewer blocks (the same per-unit sums) and stage them in dynamic shared memory within its
-budget. With nvcc and cuobjdump, the compiled forms issue their prologue's weight loads (the smem form: its cp.async
-copies) before griddepcontrol.wait (its SASS ACQBULK)."""
+"""CPU tests of the one-row decode GEMVs' weight prologue: the form the plan launches (codegen/gemv_prologue.py:
+"slice" where the warp's K slice fits its registers, else "early"), its bench-only forms (codegen/prologue_variants.py)
+and the chain benchmark that times them (runtime/bench/kernel_chain.py). The forms change only the loads' timing
+(same template, grid, K split and arguments; the step programs stay as they were, launching the planned kernel, which
+equals its slice or early form under its own name), `thorgen build --prologue-variants` (nvcc replaced by empty
+cubins) writes them with their planned kernel's bench case, they give the planned kernel's outputs through the
+emulated driver, and `thorgen bench kernels --chain N` runs over such a build. The smem form may also group units
+into fewer blocks (the same per-unit sums) and stage them in dynamic shared memory within its budget. With nvcc and
+cuobjdump, the compiled forms issue their prologue's weight loads (the smem form: its cp.async copies) before
+griddepcontrol.wait (its SASS ACQBULK), all but the nc form, whose ld.global.nc loads ptxas moves after it."""
 
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from thorgen.codegen.bench_cases import built_bench_cases
 from thorgen.codegen.nvcc import CompileResult
 from thorgen.codegen.plan import plan
 from thorgen.codegen.programs import emit_programs
+from thorgen.codegen.gemv_prologue import planned_prologue, slice_fits, steps_a_warp
 from thorgen.codegen.prologue_variants import (
     PROLOGUES,
     SMEM_BLOCK_BUDGET,
     STEP_BYTES,
     decode_gemvs,
     prologue_variants,
+    stream_pf,
 )
 from thorgen.codegen.render import render
 from thorgen.model_spec.presets import get_preset
@@ -65,6 +69,40 @@ def _fake_build(out: Path, preset: str, variants: bool = True) -> Path:
     return out
 
 
+ARCHS = ("sm_90a", "sm_100a", "sm_110a", "sm_120a")
+# (arch, planned GEMV) -> its form, gemma-4-26b-a4b: every one a slice but where ptxas spills it at 64 registers
+# (gemv_prologue.SLICE_STEPS_AT_FLOOR); sm_110a's full-size GEMVs are all too wide for a prologue
+FULL_EARLY = {
+    "sm_90a": {"nvfp4_gemv__n2816_k8192_attn_tail"},
+    "sm_100a": {"nvfp4_gemv__n2816_k8192_attn_tail", "nvfp4_gemv__n8192_k2816", "nvfp4_gemv__n9216_k2816"},
+}
+FULL_EARLY["sm_120a"] = FULL_EARLY["sm_100a"]
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("preset", ["tiny", FULL])
+def test_plan_launches_the_slice_form_where_it_fits_else_early(preset, arch_name):
+    spec, arch = get_preset(preset), get_arch(arch_name)
+    planned = plan(spec, arch)
+    gemvs = decode_gemvs(planned, arch)
+    assert gemvs or (preset, arch_name) == (FULL, "sm_110a")
+    for k in gemvs:
+        form = "slice" if slice_fits(k, arch) else "early"
+        assert k.param("prologue") == planned_prologue(k, arch) == form, k.name
+        if form == "slice":
+            assert k.param("pf") == steps_a_warp(k) and k.threads * k.param("min_blocks") * 64 <= 65536, k.name
+        else:
+            assert k.param("pf") == stream_pf(k, arch) and k.param("min_blocks", None) is None, k.name
+        source = render(k, arch, spec.spec_hash)
+        assert re.search(r"thorgen::gemm_small<[^>]*, true>\(", source), k.name  # gemm_small's EARLY
+    early = {k.name.split("_rope__")[0] for k in gemvs if k.param("prologue") == "early"}
+    assert early == (FULL_EARLY.get(arch_name, set()) if preset == FULL else set())
+    # the other one-row GEMVs (the lm_head's width) keep gemm_small's form: no prologue, no EARLY
+    for k in planned:
+        if k.template == "nvfp4_gemm.cu.j2" and k not in gemvs:
+            assert k.param("prologue", None) is None, k.name
+
+
 @pytest.mark.parametrize("preset", ["tiny", FULL])
 def test_forms_change_only_when_the_weights_load(preset):
     spec, arch = get_preset(preset), get_arch(ARCH)
@@ -88,16 +126,16 @@ def test_forms_change_only_when_the_weights_load(preset):
         assert v.grid == base.grid and v.smem_bytes == base.smem_bytes == 0
         same = {key: val for key, val in v.params if key not in TIMING_PARAMS}
         assert same == {key: val for key, val in base.params if key not in TIMING_PARAMS}
-        if v.param("prologue") == "early":
-            assert v.param("pf") == base.param("pf")
+        if v.param("prologue") == base.param("prologue"):  # the planned kernel is this form under its own name
+            assert {key: val for key, val in v.params if key != "variant_of"} == dict(base.params)
+        if v.param("prologue") in ("nc", "early"):
+            assert v.param("pf") == stream_pf(base, arch) and v.param("min_blocks", None) is None
         else:  # the warp's whole K slice, the grid resident where 64 registers a thread allow it
             assert v.param("pf") == math.ceil(base.param("k") // 64 / base.param("ks"))
             assert 1 <= v.param("min_blocks") <= math.ceil(base.grid[0] / arch.sm_count)
             assert v.threads * v.param("min_blocks") * 64 <= 65536
-        source = render(v, arch, spec.spec_hash)
-        assert re.search(r"thorgen::gemm_small<[^>]*, true>\(", source), v.name  # gemm_small's EARLY
-        assert "thorgen::gemm_small<" in render(base, arch, spec.spec_hash)
-        assert ", true>(" not in render(base, arch, spec.spec_hash).split("thorgen::gemm_small<")[1].split(")")[0]
+        call = render(v, arch, spec.spec_hash).split("thorgen::gemm_small<")[1].split(")")[0]
+        assert (", true>(" in call) == (v.param("prologue") != "nc"), v.name  # gemm_small's EARLY
 
 
 def _check_smem_form(v, base, arch, source: str) -> None:
@@ -208,7 +246,7 @@ def test_chain_benchmark_runs_over_a_build_with_the_forms(tiny_build: Path, emul
     report = kernel_bench.run_bench(kernel_dir=tiny_build, iters=2, chain=n)
     chain, manifest = report["chain"], load_manifest(tiny_build)
     forms = kernel_chain.prologue_forms(manifest)
-    assert chain["forms"] == ["planned", *PROLOGUES] and chain["launches"] == n
+    assert chain["forms"] == ["planned", *sorted(PROLOGUES)] and chain["launches"] == n  # the manifest's order
     assert [r["kernel"] for r in chain["kernels"]] == [
         c.kernel for c in runtime_cases.load_bench_cases(manifest) if c.kernel in forms
     ]
@@ -252,7 +290,7 @@ def test_chain_benchmark_asks_for_the_forms(tmp_path: Path, monkeypatch: pytest.
 def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_path: Path) -> None:
     """nvcc for sm_90a: each form compiles without spilling beyond the 8192-wide o_proj's slice (prologue_variants'
     note) and its SASS issues every prologue step's 16-byte weight load (PF x UN a lane) before ACQBULK; the smem
-    form issues all its cp.async copies before it."""
+    form issues all its cp.async copies before it; the nc form none of its loads."""
     from thorgen.codegen.nvcc import NvccNotFound, find_nvcc
     from thorgen.codegen.sass import (
         SassToolMissing,
@@ -279,6 +317,8 @@ def test_compiled_forms_load_their_prologue_before_the_wait(preset: str, tmp_pat
             assert before > 0 and after == 0, (v.name, before, after)
             streamed = v.param("smem_steps") < math.ceil(v.param("k") // 64 / v.param("ks"))
             assert weight_loads_before_wait(v.name, sass) == (v.param("un") if streamed else 0), v.name
+        elif v.param("prologue") == "nc":  # ptxas schedules the wait above the ld.global.nc prologue
+            assert weight_loads_before_wait(v.name, sass) == 0, v.name
         else:
             assert weight_loads_before_wait(v.name, sass) == v.param("pf") * v.param("un"), v.name
         spills = result.info[v.name].spills

@@ -4,7 +4,9 @@ batched-decode GEMMs (M <= 16, M <= 32), prefill GEMM.
 The kernels the step programs launch for the target's linears, on the t16x64 weight layout
 (model_spec/weight_layout.py, packed by runtime/convert/layouts.py):
   nvfp4_gemv__n{N}_k{K}[_gelu]   M = 1      grid N/16 units, KS warps split K (bytes in flight: KS * PF * 512 B);
-                                            "swap" form: weights are the 16-row mma A operand (half the mma count)
+                                            "swap" form: weights are the 16-row mma A operand (half the mma count);
+                                            its first weights load before griddepcontrol.wait, the warp's whole K
+                                            slice where it fits in registers (codegen/gemv_prologue.py)
   nvfp4_gemv__n{H}_k{K}_attn_tail M = 1     the o_proj GEMV with Gemma's attention tail folded in: its last block
                                             runs attn_tail on the row (bit-identical; one launch a layer fewer)
   nvfp4_gemm16__n{N}_k{K}[_gelu] M <= 16    same, 16 tensor-core rows, each weight byte read once for all rows
@@ -32,6 +34,7 @@ from ...model_spec.conventions import MAX_BATCH
 from ...model_spec.weight_layout import TILE_K, TILE_N, W_LAYOUT, fits_tile, fp4_order_for, nvfp4_sizes, tile_params
 from ...model_spec.types import FULL, SLIDING, ModelSpec
 from ..arch import ArchSpec
+from ..gemv_prologue import planned_gemv
 from ...model_spec.bench_args import Buf, Scalar
 from ..kernel_spec import BenchCase, KernelSpec, make_params
 from . import ACT_DTYPE, GEMM_OUT_DTYPE, MAX_STEP_TOKENS
@@ -132,6 +135,24 @@ def _tag(n: int, k: int, epi: str) -> str:
     return f"n{n}_k{k}" + EPI_TAG[epi]
 
 
+def small_split(units: int, steps: int, kind: str, arch: ArchSpec) -> tuple[int, int]:
+    """(KS warps splitting K, PF weight steps a warp streams ahead) of the small GEMM over `units` 16-row units and
+    `steps` K steps; every row count's form alike (the one-row GEMV's planned prologue may deepen PF:
+    codegen/gemv_prologue.py)."""
+    ks = split_k(units, steps, arch) if kind != "half" else half_split_k(units, steps, arch)
+    pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
+    if kind != "half" and arch.prefetch_depth >= 4:
+        # H200 sweep (KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
+        # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
+        # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
+        ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
+    if units >= 8 * arch.sm_count and steps >= 16:
+        # very wide (lm_head): 4 warps x PF 2 measured best for one row on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4);
+        # the 16- and 32-row forms split K alike, so that a row's logits do not depend on the step's row count
+        ks, pf = 4, 2
+    return ks, pf
+
+
 @cache
 def gemm_small(
     n: int,
@@ -148,17 +169,7 @@ def gemm_small(
     check_shape(f"{prefix} gemm", n, k)
     require(1 <= mmax <= SMALL_MAX_ROWS, f"gemm_small: mmax {mmax} must lie in 1..{SMALL_MAX_ROWS}")
     units, steps = n // TILE_N, k // TILE_K
-    ks = split_k(units, steps, arch) if kind != "half" else half_split_k(units, steps, arch)
-    pf = prefetch(math.ceil(steps / ks), arch) if kind != "half" else min(4, math.ceil(steps / ks))
-    if kind != "half" and arch.prefetch_depth >= 4:
-        # H200 sweep (KS 2-16 x PF 2-8, 2026-12-01): 2 steps in flight
-        # with the K split rounded up to a power of two beat the 4-deep default at M = 1 and 16, e.g. 16 rows
-        # n2816 k8192 15.9 -> 10.4 us, k4096 9.0 -> 6.4; M = 1 n8192 k2816 7.2 -> 6.5 (n9216 at 16 rows: 10.4 -> 11.7)
-        ks, pf = min(16, steps, 1 << (ks - 1).bit_length()), min(2, steps)
-    if units >= 8 * arch.sm_count and steps >= 16:
-        # very wide (lm_head): 4 warps x PF 2 measured best for one row on the H200 (3.43 TB/s vs 3.21 for 2 x PF 4);
-        # the 16- and 32-row forms split K alike, so that a row's logits do not depend on the step's row count
-        ks, pf = 4, 2
+    ks, pf = small_split(units, steps, kind, arch)
     un = units_a_block(units, mmax, kind, arch)
     out = GEMM_OUT_DTYPE if epi == "store" else ACT_DTYPE
     what = "gemv" if mmax == 1 else f"gemm{mmax}"
@@ -352,6 +363,8 @@ def target_gemm(n: int, k: int, mmax: int, epi: str, arch: ArchSpec, fmt: str = 
     forms = {m: gemm_small(n, k, m, epi, arch, kind, prefix) for m in (1, 16, SMALL_MAX_ROWS)}
     splits = {kern.param("ks") for kern in forms.values()}
     require(len(splits) == 1, f"matmul n={n} k={k}: the small forms split K differently ({splits})")
+    if mmax == 1:  # the weight prologue the plan launches (the fused q|k|v and o_proj GEMVs inherit it)
+        return planned_gemv(forms[1], arch)
     return forms[mmax] if mmax in forms else gemm_small(n, k, mmax, epi, arch, kind, prefix)
 
 

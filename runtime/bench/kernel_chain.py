@@ -57,7 +57,7 @@ class ChainKernel:
     """One planned GEMV of the chain: its bench case, its forms' kernel names, its uploaded argument copies."""
 
     case: BenchCase
-    forms: dict[str, str]  # form ("planned", "early", "slice", "smem") -> kernel name
+    forms: dict[str, str]  # form ("planned", "early", "nc", "slice", "smem") -> kernel name
     copies: list[list[Any]]
 
 

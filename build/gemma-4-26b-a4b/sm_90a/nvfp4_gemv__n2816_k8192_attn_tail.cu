@@ -3,6 +3,8 @@
 // layout, epilogue attn_tail. Grid: one block per 1 16-row unit(s) (176), 16 warps split K.
 // Then Gemma's attention tail on the row (y = o): resid += rmsnorm(o) * w_post ; a1, a2 = rmsnorm(resid) * w_pre1,
 // w_pre2, by the last block to finish (counters[0]), in the arithmetic of attn_tail's 256-thread block.
+// Weight prologue ("early", codegen/gemv_prologue.py): 2 step(s) a warp
+// loaded with coherent loads before griddepcontrol.wait (ptxas keeps them there).
 #include "thorgen/gemm_nvfp4.cuh"
 static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
               "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
@@ -20,7 +22,7 @@ nvfp4_gemv__n2816_k8192_attn_tail(const uint8_t* __restrict__ w, const uint8_t* 
     thorgen::prefetch_l2_columns(bf16_rows, 2 * 16 * blockIdx.x);
   }
   thorgen::gemm_small<thorgen::FP4_SHIFT, 2816, 8192, 16, 1, 2,
-                      thorgen::EPI_STORE, float, true, 1>(thorgen::WPtr{w, s}, gscale, x, y, m);
+                      thorgen::EPI_STORE, float, true, 1, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
   thorgen::attn_tail_last_block<2816, 256, 512>(
       y, resid, w_post, w_pre1, w_pre2, a1, a2, counters, 1e-06f);
 }

@@ -3,12 +3,14 @@
 // layout, epilogue attn_tail. Grid: one block per 1 16-row unit(s) (16), 4 warps split K.
 // Then Gemma's attention tail on the row (y = o): resid += rmsnorm(o) * w_post ; a1, a2 = rmsnorm(resid) * w_pre1,
 // w_pre2, by the last block to finish (counters[0]), in the arithmetic of attn_tail's 256-thread block.
+// Weight prologue ("slice", codegen/gemv_prologue.py): the warp's whole K slice, 1 step(s),
+// loaded with coherent loads before griddepcontrol.wait (ptxas keeps them there).
 #include "thorgen/gemm_nvfp4.cuh"
 static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
               "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
 #include "thorgen/norm.cuh"
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 nvfp4_gemv__n256_k256_attn_tail(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, float* __restrict__ y, int m, float* resid,
            const __nv_bfloat16* w_post, const __nv_bfloat16* w_pre1, const __nv_bfloat16* w_pre2,
@@ -19,8 +21,8 @@ nvfp4_gemv__n256_k256_attn_tail(const uint8_t* __restrict__ w, const uint8_t* __
     thorgen::prefetch_l2_columns(f32_rows, 4 * 16 * blockIdx.x);
     thorgen::prefetch_l2_columns(bf16_rows, 2 * 16 * blockIdx.x);
   }
-  thorgen::gemm_small<thorgen::FP4_SHIFT, 256, 256, 4, 1, 2,
-                      thorgen::EPI_STORE, float, true, 1>(thorgen::WPtr{w, s}, gscale, x, y, m);
+  thorgen::gemm_small<thorgen::FP4_SHIFT, 256, 256, 4, 1, 1,
+                      thorgen::EPI_STORE, float, true, 1, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
   thorgen::attn_tail_last_block<256, 256, 128>(
       y, resid, w_post, w_pre1, w_pre2, a1, a2, counters, 1e-06f);
 }

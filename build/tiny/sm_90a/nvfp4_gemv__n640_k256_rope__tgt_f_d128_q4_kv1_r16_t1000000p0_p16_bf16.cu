@@ -4,6 +4,8 @@
 // Then the attention prologue on the row (y = q|k|v): each head's 128 rows are 8 blocks; the last of
 // them to finish (counters[head]) runs rope_kv's warp for that head (q / k norm + RoPE, V norm, KV-cache write;
 // k heads also write V), with rope_kv's arithmetic (thorgen/rope.cuh RopeKv::unit).
+// Weight prologue ("slice", codegen/gemv_prologue.py): the warp's whole K slice, 1 step(s),
+// loaded with coherent loads before griddepcontrol.wait (ptxas keeps them there).
 #include "thorgen/gemm_nvfp4.cuh"
 static_assert(thorgen::W_TILE_N == 16 && thorgen::W_TILE_K == 64,
               "the repack's weight tile (model_spec/weight_layout.py) differs from thorgen/nvfp4.cuh's");
@@ -41,7 +43,7 @@ struct Cfg {
 __device__ __forceinline__ double Cfg::inv_freq(int pair) { return INV_FREQ[pair]; }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 nvfp4_gemv__n640_k256_rope__tgt_f_d128_q4_kv1_r16_t1000000p0_p16_bf16(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, const float* __restrict__ gscale,
            const __half* __restrict__ x, float* __restrict__ y, int m, const __nv_bfloat16* q_norm_w,
            const __nv_bfloat16* k_norm_w, const int32_t* positions, __nv_bfloat16* q_out, __nv_bfloat16* k_cache,
@@ -56,8 +58,8 @@ nvfp4_gemv__n640_k256_rope__tgt_f_d128_q4_kv1_r16_t1000000p0_p16_bf16(const uint
   // the position is the host's staging, final before the step's first kernel: cos/sin before the GEMV's wait
   const int pos = positions[0];
   Rope::trig(pos, cs, sn);
-  thorgen::gemm_small<thorgen::FP4_SHIFT, 640, 256, 4, 1, 2,
-                      thorgen::EPI_STORE, float, true, 1>(thorgen::WPtr{w, s}, gscale, x, y, m);
+  thorgen::gemm_small<thorgen::FP4_SHIFT, 640, 256, 4, 1, 1,
+                      thorgen::EPI_STORE, float, true, 1, true>(thorgen::WPtr{w, s}, gscale, x, y, m);
   const int head = blockIdx.x / BLOCKS_A_HEAD;  // q heads, k heads, then v heads (rope_kv's unit order)
   if (!thorgen::last_arrival(counters + head, BLOCKS_A_HEAD, &flag)) return;
   const int warp = threadIdx.x >> 5;
