@@ -8,7 +8,8 @@ from ..runtime.process.malloc import Trimmer
 
 class TrimMiddleware:
     """Plain ASGI: counts each HTTP request once its answer is over (a stream's last event sent, or the client
-    gone) and trims through `trimmer` every `trimmer.every` of them."""
+    gone) and trims through `trimmer` every `trimmer.every` of them, on the event loop (milliseconds at most, once
+    every few hundred answers; the engine thread runs on meanwhile, ctypes letting go of the GIL)."""
 
     def __init__(self, app, trimmer: Trimmer) -> None:
         self.app, self.trimmer = app, trimmer

@@ -1,15 +1,16 @@
 """Runtime stage: how glibc malloc holds the host memory of the server's and the engine's long-running processes:
 fewer arenas, and free pages handed back to the kernel every so many finished requests.
 
-Measured with `thorgen bench soak` on the reference backend (the demo model, the engine in its own process): the
-server's malloc bytes in use stay flat from one drained point to the next while its free bytes grow (mallinfo2:
-in use 26.2 -> 26.3 -> 26.1 MiB, free 18.5 -> 21.5 -> 23.9 MiB over 847 and 680 requests), and RSS with them;
-gc's object counts do not move. That is fragmentation, not live objects: each thread that allocates (AnyIO's
-worker threads rendering and tokenizing prompts, the image loaders, the resize pool, the engine threads) gets an
-arena of its own, up to 8 per core, and a large short-lived buffer (a request body, an image's bytes, a base64
-string, a NumPy array) raises glibc's mmap and trim thresholds, after which such buffers come from the arenas and
-their free pages stay resident. malloc_trim(0) at a drained point returned 6.1 of the server's 14.2 MiB free and
-7.0 of the engine process's 7.6.
+Measured with `thorgen bench soak` on the reference backend (the demo model, the engine in its own process, 8
+clients), the server's memory sampled with nothing running after each stretch of ~270 requests: malloc's bytes in
+use held at 25.3 MiB and gc's object counts did not move, while its free bytes grew 9.7 -> 14.4 -> 18.1 MiB and RSS
+with them (128.3 -> 133.3 -> 137.0 MiB, ~16 KB a request). That is fragmentation, not live objects: each thread that
+allocates (AnyIO's workers rendering and tokenizing prompts, the image loaders, the resize pool, the engine threads)
+gets an arena of its own, up to 8 per core, whose free pages stay resident; and once a large short-lived buffer (a
+request body, an image's bytes, a base64 string, a NumPy array) is freed, glibc raises its mmap and trim thresholds,
+so that later ones come from the arenas too. With two arenas and a trim every 256 requests, side by side on the
+same machine: 124.5 -> 125.8 -> 126.0 MiB (free bytes 5.5 -> 6.6 -> 6.6 MiB). The engine process's RSS held flat
+either way there.
 
 Everywhere but glibc (musl, macOS) these do nothing and say so by returning False.
 """
@@ -20,10 +21,11 @@ import ctypes
 import ctypes.util
 import functools
 import threading
+from typing import Callable
 
 M_ARENA_MAX = -8  # mallopt's parameter number (glibc's malloc.h)
 ARENAS = 2  # arenas per process: Python's small objects come from pymalloc under the GIL, so little contends
-TRIM_EVERY = 256  # finished requests between two trims (a trim of a ~50 MiB heap takes about a millisecond)
+TRIM_EVERY = 256  # finished requests between two trims (one took 6 ms over a fragmented 200 MiB heap, on its caller)
 
 
 @functools.cache
@@ -59,7 +61,7 @@ class Trimmer:
     """Calls `trim_fn` once every `every` finished requests. Thread-safe: `finished` may be called from any
     thread, and the trim runs on the caller's thread (outside the lock)."""
 
-    def __init__(self, every: int = TRIM_EVERY, trim_fn=trim) -> None:
+    def __init__(self, every: int = TRIM_EVERY, trim_fn: Callable[[], object] = trim) -> None:
         if every < 1:
             raise ValueError(f"trim every {every} requests: 1 or more")
         self.every, self._trim = every, trim_fn
