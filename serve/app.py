@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import anthropic_api, endpoints, openapi, render, responses_api
 from .conversation import template_messages, validate_tools
 from .guards import BodyLimitMiddleware, BugMiddleware, prompt_ids
+from .host_memory import TrimMiddleware
 from .metrics import CONTENT_TYPE, endpoint_of
 from ..runtime.media.prompts import video_frames
 from .pipeline import with_images, with_video_layout
@@ -126,9 +127,11 @@ def create_app(
         ),
     )
     # add_middleware puts each new one outside the previous: bug handler innermost, then the body limit (the
-    # app never sees an oversized body), the key check, and CORS outermost.
+    # app never sees an oversized body), the malloc trim count (every answer counts, a refused one too), the key
+    # check, and CORS outermost.
     app.add_middleware(BugMiddleware, on_error=lambda scope: state.metrics.request_done(endpoint_of(scope), 500))
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    app.add_middleware(TrimMiddleware, trimmer=state.trimmer)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # added last = outermost: CORS headers also reach 401 answers, and preflights skip the key check

@@ -253,12 +253,16 @@ def serve(
     import uvicorn
 
     from ..runtime.api import DraftOptions, EngineConfig
+    from ..runtime.process.malloc import limit_arenas
     from .app import GracefulServer, ServerState, create_app
     from .demo import DEMO_MODEL_ID, ensure_demo_checkpoint
     from .media import MediaOptions
 
     if model_dir is not None and not (model_dir / "config.json").exists():
         raise click.ClickException(f"{model_dir}: no config.json, not a checkpoint folder")
+    # before the loader, the engine and the worker threads start: each thread would otherwise keep an arena of
+    # its own, whose free pages stay resident (runtime/process/malloc.py: what `bench soak` measured)
+    limit_arenas()
     demo = model_dir is None
     if backend == "reference" and kv_dtype != "bf16":
         raise click.ClickException("the reference backend keeps K/V in float32; --kv-dtype fp8 needs --backend cuda")

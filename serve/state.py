@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 from fastapi import Request
 
 from ..runtime.client import Capabilities
+from ..runtime.process.malloc import Trimmer
 from ..runtime.text.tokenizer import Tokenizer
 from .chat_template import ChatTemplate, control_ids, describe_tokenizer, safe_decoder
 from .context import Engine, ServerContext
@@ -49,6 +50,7 @@ class ServerState:
         self.speculative = speculative
         self.draft_tokens = draft_tokens  # --draft-tokens N: a speculative request's drafts per step, at most
         self.metrics = Metrics(self.model_id)
+        self.trimmer = Trimmer()  # free malloc pages back to the kernel every so many answers (serve/host_memory.py)
         self.load_error: str | None = None
         self.created = int(time.time())
         self.client: Engine | None = None  # set as soon as the loader returns (closed by close())

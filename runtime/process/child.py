@@ -24,6 +24,7 @@ from ..api import OpenedModel
 from ..backend import BackendError, EngineStateLost
 from ..client import capabilities_of
 from ..engine.core import EngineCore, RequestOutput
+from .malloc import Trimmer, limit_arenas
 
 log = logging.getLogger("thorgen.engine")
 
@@ -55,6 +56,7 @@ def run_engine(inbox: Connection, outbox: Connection, settings: EngineSettings) 
     """The engine process's main: open, report ready (or the load error), then serve until told to close or until
     the server's end of the pipe closes (the server died: no engine process outlives it)."""
     logging.basicConfig(level=settings.log_level, format="%(levelname)s:     %(name)s [engine process]: %(message)s")
+    limit_arenas()  # before the backend starts its threads (runtime/process/malloc.py)
     if settings.switch_interval_s is not None:  # (the engine thread shares the GIL with the backend's own threads)
         sys.setswitchinterval(settings.switch_interval_s)
     try:
@@ -92,6 +94,7 @@ class _EngineLoop:
         self.live: set[str] = set()  # the requests in the core
         self.pending: list[RequestOutput] = []  # the last step's outputs, sent during the next step
         self.stats: tuple[Any, ...] | None = None  # the last step's (running, prepare s, flush s, finish s, health)
+        self.trimmer = Trimmer()  # free malloc pages back to the kernel every so many finished requests
 
     def _new_core(self) -> EngineCore:
         s = self.settings
@@ -159,11 +162,12 @@ class _EngineLoop:
         running = len(self.core.scheduler.running)
         self.stats = (running, enqueued - t0, flushed - enqueued, time.perf_counter() - flushed, self.core.health())
         self.pending = outputs
-        for out in outputs:
-            if out.finished:
-                self.live.discard(out.request_id)
+        finished = [out.request_id for out in outputs if out.finished]
+        self.live.difference_update(finished)
         if not self.core.unfinished:  # no next step to hide them behind
             self._flush()
+        if finished:
+            self.trimmer.finished(len(finished))
 
     def _flush(self) -> None:
         if self.pending or self.stats is not None:
