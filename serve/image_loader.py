@@ -14,6 +14,7 @@ so that their decode runs beside that work.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -154,8 +155,7 @@ class ImageLoader:
             image_budget = source.budget or budget or self.options.budget
             if len(source.url) > INLINE_HASH_CHARS:  # hashed on a worker: the decode starts once it is keyed
                 hashed = asyncio.wrap_future(self._pool.submit(sha256_of, source.url))
-                raw = (source.url, start)
-                hashed.add_done_callback(lambda done, raw=raw, b=image_budget: self._hashed(done, raw, b))
+                hashed.add_done_callback(functools.partial(self._hashed, raw=(source.url, start), budget=image_budget))
                 continue
             self._start_missing((data_key(sha256_of(source.url)), image_budget), (source.url, start), self.vision)
 
