@@ -137,3 +137,20 @@ def test_the_engine_process_counts_finished_requests(tiny_checkpoint):
     finally:
         opened.backend.close()
     assert not loop.live and len(trims) == 2
+
+
+def test_the_engine_process_limits_its_arenas_before_it_opens_the_model(monkeypatch):
+    from thorgen.runtime.process import child
+
+    calls: list[str] = []
+    monkeypatch.setattr(child, "limit_arenas", lambda: calls.append("limit_arenas"))
+
+    def opener():
+        calls.append("open")
+        raise RuntimeError("no model here")
+
+    inbox, _ = Pipe(duplex=False)
+    from_engine, outbox = Pipe(duplex=False)
+    child.run_engine(inbox, outbox, child.EngineSettings(opener=opener, backend_name="reference", kv_dtype="bf16"))
+    kind, error = from_engine.recv()
+    assert calls == ["limit_arenas", "open"] and kind == "load_error" and "no model here" in str(error)
