@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
 
 
+@functools.cache  # one clip, one stream: libx264 does not always write the same stream twice (its threads)
 def clip(fmt: str, codec: str, frames: int, w: int, h: int, rate: int = 8, pix: str = "yuv420p") -> bytes:
     """A tiny clip of moving colour gradients, written in memory (needs PyAV)."""
     import av
