@@ -140,11 +140,36 @@ def test_probes_beside_other_sequences_wait_longer_and_stop_where_drafts_cannot_
         planner.plan(seq, batch=2)
         drafts.append(seq.drafts)
         planner.record(seq, seq.drafts, 0)
-    first_off = drafts.index(0)
-    probes = [i for i in range(first_off, len(drafts)) if drafts[i]]
-    assert probes[0] - first_off == 2 * DraftOptions().probe_every  # twice the lone sequence's wait
+    probes = [i for i, d in enumerate(drafts) if d]
+    assert probes[0] == 0  # untested, it probes at once (at batch 2 the prior alone says no)
+    # after a miss the wait doubles, and beside another sequence it is twice the lone sequence's
+    assert probes[1] - probes[0] - 1 == 2 * 2 * DraftOptions().probe_every
     crowded = _seq()
     for _ in range(300):  # at 8 sequences 1 + k < 1 + 2k for every k: never worth a probe
         planner.plan(crowded, batch=8)
         assert crowded.drafts == 0
         planner.record(crowded, 0, 0)
+
+
+def test_a_new_sequence_probes_at_once_where_the_prior_says_no() -> None:
+    """At a batch where a verify step costs more than the prior's drafts earn, a sequence that has not verified
+    yet probes at its first step (not after `probe_every` times the batch plain steps): drafts that land switch
+    speculation on from there; drafts that miss leave it off, with the usual growing waits."""
+    # (a batched verify of 4 sequences with 7 drafts each: ~5.2 plain steps of cost, spec_batch's model at the full
+    # preset's experts; 1 + prior 4 < 5.2, and one probe whose 7 drafts land lifts the estimate past it)
+    planner = DraftPlanner(lambda k, b: FLAT if b == 1 else 5.2, 7, 1 << 20)
+    assert not planner.best(DraftOptions().prior, 7, 4)[1] and planner.best(7, 7, 4)[1]
+    landing = _seq()
+    drafts = []
+    for _ in range(40):
+        planner.plan(landing, batch=4)
+        drafts.append(landing.drafts)
+        planner.record(landing, landing.drafts, landing.drafts)
+    assert all(drafts) and landing.drafts_on
+    missing = _seq()
+    drafts = []
+    for _ in range(100):
+        planner.plan(missing, batch=4)
+        drafts.append(missing.drafts)
+        planner.record(missing, missing.drafts, 0)
+    assert drafts[0] > 0 and not any(drafts[1:]) and not missing.drafts_on

@@ -11,7 +11,9 @@ decodes with plain steps: the same work as a request without speculation. Every 
 probes with one speculative step; a probe whose drafts still miss doubles the wait before the next one (at most
 `probe_max` steps), one that lands switches speculation back on. Beside other sequences the wait is that many steps
 times the batch, since a probe turns the whole step into a verify step, and there is no probe at a batch where
-drafts that all landed would not pay.
+drafts that all landed would not pay. A sequence that has not yet run a verify step probes at its first step
+where drafts could pay: the prior is a guess, and at a batch where it says no (a batched verify costs more than a
+lone one) waiting `probe_every` times the batch would spend a short request's whole life on plain steps.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class Acceptance:
     estimate: float
     probe_wait: int  # plain steps between probes now
     plain_steps: int = 0  # plain steps since the last speculative one
+    probed: bool = False  # whether a verify step was planned for it yet (before that the prior is untested)
 
     def record(self, planned: int, drafted: int, accepted: int, on: bool, options: DraftOptions) -> None:
         """A step planned with `planned` drafts ran `drafted` (0: plain) of which `accepted` were accepted; `on`:
         the policy had speculation on for it (off and planned: a probe). A probe the runner could not run (its
         drafter context too far behind) counts as one that missed."""
         probe = planned > 0 and not on
+        self.probed = self.probed or planned > 0
         if drafted == 0:
             self.plain_steps = 0 if probe else self.plain_steps + 1
         else:
@@ -83,7 +87,8 @@ class DraftPlanner:
             return k, on
         # (a probe costs every sequence of its step a verify step: its wait grows with the batch, and none where
         # speculation would stay off at this batch even with every draft landing)
-        if plain_steps < acc.probe_wait * batch or not self._can_pay(cap, batch):
+        waited = plain_steps >= acc.probe_wait * batch or not acc.probed
+        if not waited or not self._can_pay(cap, batch):
             return 0, False
         return k, False
 
@@ -113,7 +118,7 @@ class DraftPlanner:
         if seq.drafts:  # the next step's estimate should this one accept nothing
             decayed = acc.estimate * (1 - self.options.weight)
             wait = acc.probe_wait if seq.drafts_on else min(2 * acc.probe_wait, self.options.probe_max)
-            seq.drafts_next = self._drafts(Acceptance(decayed, wait), cap, 0, batch)[0]
+            seq.drafts_next = self._drafts(Acceptance(decayed, wait, probed=True), cap, 0, batch)[0]
         else:
             seq.drafts_next = self._drafts(acc, cap, acc.plain_steps + 1, batch)[0]
 
