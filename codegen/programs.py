@@ -81,9 +81,14 @@ def _kinds(max_rows: int, drafter: bool, images: bool = False) -> Iterator[tuple
             for ext in (False, True):
                 flags = dict(last=True, greedy=greedy, taps=taps, ext=ext)
                 yield ("ext" if ext and not taps else group), program_key(**flags), flags, 1, max_rows
-    if drafter:  # a batched verify step: several sequences' blocks as rows of one batched step, with the taps
+    if drafter:
         for greedy in (True, False):
             for ext in (False, True):
+                # the one-row step of a lone speculative sequence's plain steps, keeping its taps (the drafter's
+                # catch-up before a probe projects them: runtime/cuda/tap_ring.py)
+                flags = dict(decode=True, last=True, greedy=greedy, ext=ext, taps=True)
+                yield "speculative", program_key(**flags), flags, 1, 1
+                # a batched verify step: several sequences' blocks as rows of one batched step, with the taps
                 flags = dict(last=True, greedy=greedy, batched=True, taps=True, ext=ext)
                 yield "speculative", program_key(**flags), flags, 2, MAX_BATCH
     if images:  # the same prefill chunks holding image spans (after every text kind: those keep their order)

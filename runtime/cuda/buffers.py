@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...model_spec.conventions import SAMPLE_PARAMS, page_pitch
+from ...model_spec.step_program import draft_batch_blocks
 from ...model_spec.types import ModelSpec
 from ...model_spec.weight_layout import HALF_LANE_BYTES, LANES, TILE_K, TILE_N
 from ..backend import MAX_TOP_LOGPROBS, BackendError
@@ -19,9 +20,51 @@ from .logits_params import LOGIT_ROW, TOKEN_BIAS, TOKEN_COUNT
 from .memory import Arena, ArenaPlan, DeviceBuffer, PinnedBuffer
 from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS
 from .programs import Copy2D
-from .dflash import plan_drafter_activations, split_weights
+from .tap_ring import TAP_RING_ROWS
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request the device lists hold (the OpenAI API's own limit)
+
+
+def split_weights(spec: ModelSpec) -> list[tuple[str, str, int, int, int]]:
+    """(name, fused source, first row, rows, k) of the drafter's k|v matrices cut out of the repacked q|k|v: the
+    context update projects only keys and values (the block's GEMM reads the fused matrix whole; see
+    Engine._split_drafter_weights)."""
+    d = spec.drafter
+    assert d is not None
+    nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    return [
+        (f"dsplit.{l}.kv", f"draft.layers.{l}.self_attn.qkv_proj.weight", nq, 2 * nkv, d.hidden_size)
+        for l in range(d.num_hidden_layers)
+    ]
+
+
+def plan_drafter_activations(p: ArenaPlan, spec: ModelSpec, rows: int) -> None:
+    """Drafter buffers: context path sized for a prefill chunk (`rows`), block path for a batched draft step's
+    blocks (VERIFY_ROWS rows each), the gathered rows of its head (a batched verify's MAX_BATCH rows), and the
+    tap ring (runtime/cuda/tap_ring.py)."""
+    d, H = spec.drafter, spec.target.hidden_size
+    assert d is not None
+    B = draft_batch_blocks(rows) * VERIFY_ROWS
+    nq, nkv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    for name, shape, dt in (
+        ("taps", (rows, len(d.target_layer_ids) * H), "f16"),
+        ("tap_ring", (TAP_RING_ROWS, len(d.target_layer_ids) * H), "f16"),
+        ("dctx", (rows, d.hidden_size), "f32"),
+        ("dctx_a", (rows, d.hidden_size), "f16"),
+        ("dkv_raw", (rows, 2 * nkv), "f32"),
+        ("dx", (B, d.hidden_size), "f32"),
+        ("da", (B, d.hidden_size), "f16"),
+        ("dqkv_raw", (B, nq + 2 * nkv), "f32"),
+        ("dq", (B, nq), "bf16"),
+        ("dattn", (B, nq), "f16"),
+        ("do", (B, d.hidden_size), "f32"),
+        ("dmlp", (B, d.intermediate_size), "f16"),
+        ("dhead", (MAX_BATCH, d.hidden_size), "f16"),
+        # the acceptance rule on the device: [most tokens a step commits, emulated K or -1]; its count
+        ("spec_rule", (2,), "i32"),
+        ("spec_acc", (1,), "i32"),
+    ):
+        p.add_array(name, shape, dt)
 
 
 def plan_activations(

@@ -7,7 +7,8 @@ lone one whose logits are processed (a grammar's mask: the DFlash graphs process
 policy each one's cost). Each decode step but a batched verify is launched before the
 step before it is read (`Pipeline`), so the host's work between steps runs while the GPU computes: a batched step
 launches the next one for every sequence that goes on (its input token carried on the device), a one-sequence step
-the next one that embeds the token it leaves in out_ids[0]."""
+the next one that embeds the token it leaves in out_ids[0]. The plain one-sequence steps of a speculative sequence
+keep their DFlash taps (runtime/cuda/tap_ring.py), so its catch-up before it drafts again runs no target forward."""
 
 from __future__ import annotations
 
@@ -241,17 +242,25 @@ class CudaRunner:
             self.pipe.on_device = None  # out_ids[0] holds a verify row
             self.pipe.ahead = None if nxt is None else Ahead(nxt[1], "spec", {seq.request_id: (0, nxt[0])})
             return new, drafted
+        # (a plain step leaves the drafter context behind; a speculative sequence's keeps its taps in the tap ring,
+        # which its catch-up before the next DFlash step projects: DFlashDecoder.tap_row, catch_up)
         ext, one = False, None if ahead is None else ahead.launch
         if one is None:
             staged = None if self.pipe.on_device == (seq.request_id, pos) else seq.output[-1]
             ext = self.logits.stage([seq])
-            one = self.steps.launch_one(pos, greedy, token=staged, lane=lane, ext=ext)
+            tap_row = self.spec.tap_row(seq, lane, pos, greedy, ext)
+            one = self.steps.launch_one(pos, greedy, token=staged, lane=lane, ext=ext, tap_row=tap_row)
         drafts = self.spec.lanes[lane]
-        drafts.drafted(pos, pos + 1, taps=False)  # a plain step leaves the drafter context behind
+        drafts.drafted(pos, pos + 1, taps=False)
         nxt = None  # the next step, launched now: it decodes the token this one leaves in out_ids[0]
         # (not when the draft policy may make the next step a DFlash one, which starts from the token on the host)
         if self.launch_ahead and not (ext or seq.drafts_next) and seq.room(self.max_context) >= 2:
-            nxt = Ahead(self.steps.launch_one(pos + 1, greedy, lane=lane), "one", {seq.request_id: (0, pos + 1)})
+            tap_row = self.spec.tap_row(seq, lane, pos + 1, greedy)
+            nxt = Ahead(
+                self.steps.launch_one(pos + 1, greedy, lane=lane, tap_row=tap_row),
+                "one",
+                {seq.request_id: (0, pos + 1)},
+            )
             drafts.drafted(pos + 1, pos + 2, taps=False)
         if launched is not None:
             launched()

@@ -67,11 +67,11 @@ class DecodeSteps:
             for kind in ("row_token", "batch")
         }
 
-    def row_graph(self, greedy: bool, ext: bool = False) -> CudaGraph:
-        """The graphed one-row step (captured on first use)."""
+    def row_graph(self, greedy: bool, ext: bool = False, taps: bool = False) -> CudaGraph:
+        """The graphed one-row step (captured on first use); `taps`: its tap layers also write row 0 of `taps`."""
         return self.launches.captured(
-            ("greedy" if greedy else "sample") + ("_ext" if ext else ""),
-            lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext),
+            ("greedy" if greedy else "sample") + ("_ext" if ext else "") + ("_taps" if taps else ""),
+            lambda: self.fwd.ops(1, decode=True, last=True, greedy=greedy, ext=ext, taps=taps),
             "decode step",
         )
 
@@ -88,13 +88,28 @@ class DecodeSteps:
             check(cu.cuMemcpyHtoDAsync(self.act["out_ids"].ptr, slot.at("token"), 4, h), "prompt token")
 
     def launch_one(
-        self, position: int, greedy: bool = True, token: int | None = None, lane: int = 0, ext: bool = False
+        self,
+        position: int,
+        greedy: bool = True,
+        token: int | None = None,
+        lane: int = 0,
+        ext: bool = False,
+        tap_row: int | None = None,
     ) -> BatchLaunch:
         """Enqueue the graphed one-row step for the token at `position` (its id is out_ids[0], or `token` when
         given) without waiting for it: a runner may enqueue the next step of the same sequence (token None: the one
-        this step leaves in out_ids[0]) before it reads this one's token (`wait`)."""
+        this step leaves in out_ids[0]) before it reads this one's token (`wait`). `tap_row`: the step keeps its
+        DFlash taps in that row of the tap ring (runtime/cuda/tap_ring.py): the graph with taps, then one copy of
+        `taps` row 0 into it, on the same stream (a step enqueued after this one writes `taps` after the copy)."""
         self.stage_row(position, token, lane)
-        self.row_graph(greedy, ext).replay(self.stream)
+        self.row_graph(greedy, ext, taps=tap_row is not None).replay(self.stream)
+        if tap_row is not None:
+            taps, ring = self.act["taps"], self.act["tap_ring"]
+            width = taps.nbytes // self.max_rows  # (a row of taps: n_taps * H f16, as a ring row)
+            check(
+                driver().cuMemcpyDtoDAsync(ring.ptr + tap_row * width, taps.ptr, width, self.stream.handle),
+                "taps into the tap ring",
+            )
         return self._read_back("row_token", 1, 1)
 
     def launch_batch(
