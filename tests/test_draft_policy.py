@@ -20,11 +20,12 @@ def _seq(draft_tokens: int | None = None, max_tokens: int = 10_000) -> Sequence:
     return Sequence("r", [2, 3], SamplingParams(draft_tokens=draft_tokens), max_tokens, speculative=True)
 
 
-def _run(planner: DraftPlanner, seq: Sequence, steps: int, accepted) -> list[int]:
-    """Plan and record `steps` steps, step i accepting accepted(i, drafts) drafts: the drafts of each step."""
+def _run(planner: DraftPlanner, seq: Sequence, steps: int, accepted, batch: int = 1) -> list[int]:
+    """Plan and record `steps` steps in a batch of `batch`, step i accepting accepted(i, drafts) drafts: the
+    drafts of each step."""
     out = []
     for i in range(steps):
-        planner.plan(seq)
+        planner.plan(seq, batch)
         out.append(seq.drafts)
         planner.record(seq, seq.drafts, accepted(i, seq.drafts) if seq.drafts else 0)
     return out
@@ -134,12 +135,7 @@ def test_probes_beside_other_sequences_wait_longer_and_stop_where_drafts_cannot_
         planner.plan(seq, batch=2)
         planner.record(seq, seq.drafts, 0)
     assert seq.acceptance is not None and seq.acceptance.probe_wait > DraftOptions().probe_every  # it did probe
-    seq = _seq()
-    drafts = []
-    for _ in range(200):
-        planner.plan(seq, batch=2)
-        drafts.append(seq.drafts)
-        planner.record(seq, seq.drafts, 0)
+    drafts = _run(planner, _seq(), 200, lambda i, k: 0, batch=2)
     probes = [i for i, d in enumerate(drafts) if d]
     assert probes[0] == 0  # untested, it probes at once (at batch 2 the prior alone says no)
     # after a miss the wait doubles, and beside another sequence it is twice the lone sequence's
@@ -160,16 +156,8 @@ def test_a_new_sequence_probes_at_once_where_the_prior_says_no() -> None:
     planner = DraftPlanner(lambda k, b: FLAT if b == 1 else 5.2, 7, 1 << 20)
     assert not planner.best(DraftOptions().prior, 7, 4)[1] and planner.best(7, 7, 4)[1]
     landing = _seq()
-    drafts = []
-    for _ in range(40):
-        planner.plan(landing, batch=4)
-        drafts.append(landing.drafts)
-        planner.record(landing, landing.drafts, landing.drafts)
+    drafts = _run(planner, landing, 40, lambda i, k: k, batch=4)
     assert all(drafts) and landing.drafts_on
     missing = _seq()
-    drafts = []
-    for _ in range(100):
-        planner.plan(missing, batch=4)
-        drafts.append(missing.drafts)
-        planner.record(missing, missing.drafts, 0)
+    drafts = _run(planner, missing, 100, lambda i, k: 0, batch=4)
     assert drafts[0] > 0 and not any(drafts[1:]) and not missing.drafts_on

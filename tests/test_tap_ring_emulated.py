@@ -173,40 +173,17 @@ def test_the_ring_serves_only_the_lane_that_recorded_it(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_probes_catch_up_from_the_ring(tiny_checkpoint, tmp_path_factory):
+def test_gpu_probes_catch_up_from_the_ring(request):
     """On the device: drafts that never land (each draft token 0), probes whose catch-ups project the ring (no tap
     prefill), plain decoding's tokens but at a near-tie, and each ring catch-up's drafter context within
     DRAFT_CONTEXT_TOL of the tap prefill's."""
-    import os
-
-    from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.model_spec.nvfp4 import bf16_to_f32
-    from thorgen.runtime.backend import BackendError
     from thorgen.runtime.cuda import device as D
     from thorgen.runtime.cuda.backend import open_backend
-    from thorgen.runtime.convert.repack import repack
     from thorgen.runtime.reference.ops import softcap
 
     D.set_driver(None)  # the real cuda-python driver, never the emulator the tests above install
-    try:
-        dev = D.Device.open(0)
-    except BackendError as exc:
-        pytest.skip(f"no GPU: {exc}")
-    repack(tiny_checkpoint, arch=dev.info.arch)
-    pre = os.environ.get("THORGEN_KERNELS")
-    if pre and (Path(pre) / "manifest.json").is_file():
-        kernels = Path(pre)
-    else:
-        try:
-            from thorgen.codegen.arch import get_arch
-            from thorgen.codegen.builder import build
-            from thorgen.codegen.nvcc import find_nvcc
-
-            find_nvcc()
-        except Exception as exc:
-            pytest.skip(f"no nvcc / codegen: {exc}")
-        kernels = tmp_path_factory.mktemp("tap_ring_kernels")
-        build(Checkpoint.open(tiny_checkpoint).spec, get_arch(dev.info.arch), kernels)
+    tiny_checkpoint, kernels = request.getfixturevalue("built")  # (conftest: skips without a GPU or nvcc)
     backend = open_backend(tiny_checkpoint, ctx=4096, kernels_dir=kernels)
     try:
         engine = backend.engine
