@@ -378,37 +378,15 @@ def _sampled_difference(backend, ids, got, want, params, log: _VerifyLog) -> str
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
-def test_gpu_speculative_equals_plain(tiny_checkpoint, tmp_path_factory, mode):
-    import os
-
+def test_gpu_speculative_equals_plain(request, mode):
     from thorgen.model_spec.checkpoint import Checkpoint
     from thorgen.runtime.cuda.backend import open_backend
-    from thorgen.runtime.cuda.device import Device
-    from thorgen.runtime.convert.repack import repack
 
     from thorgen.runtime.cuda import device as D
 
     D.set_driver(None)  # the real cuda-python driver, never the emulator the tests above install
-    try:
-        dev = Device.open(0)
-    except BackendError as exc:
-        pytest.skip(f"no GPU: {exc}")
+    tiny_checkpoint, kernels = request.getfixturevalue("built")  # (conftest: skips without a GPU or nvcc)
     ck = Checkpoint.open(tiny_checkpoint)
-    repack(tiny_checkpoint, arch=dev.info.arch)
-    pre = os.environ.get("THORGEN_KERNELS")
-    if pre and (Path(pre) / "manifest.json").is_file():
-        kernels = Path(pre)
-    else:
-        try:
-            from thorgen.codegen.arch import get_arch
-            from thorgen.codegen.builder import build
-            from thorgen.codegen.nvcc import find_nvcc
-
-            find_nvcc()
-        except Exception as exc:
-            pytest.skip(f"no nvcc / codegen: {exc}")
-        kernels = tmp_path_factory.mktemp("spec_kernels")
-        build(ck.spec, get_arch(dev.info.arch), kernels)
     backend = open_backend(tiny_checkpoint, ctx=4096, kernels_dir=kernels)
     params = SamplingParams() if mode == "greedy" else SAMPLED
     shared = _shared()
