@@ -29,6 +29,10 @@ class EngineOptions:
         "cuda: launch each decode step (batched, one-sequence or DFlash) before the step before it is read, its "
         "input tokens carried on the device (off: each step is launched when it is scheduled)"
     )
+    capture_graphs: bool = _switch(
+        "cuda: capture every decode, verify and draft step graph when the engine core's runner is made (off: each "
+        "when it is first used, while running requests wait)"
+    )
     rowwise_splits: bool = _switch(
         "cuda: batched-decode attention over the planner's key-split count for the batch's rows (off: every "
         "planned split)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from .buffers import plan_activations
 from .engine import Engine
 from .profile import distinct_tokens
 from .runner import CudaRunner
+from .step_graphs import capture_step_graphs
 from .vision import plan_vision
 from .kv_cache import fit_kv, plan_kv
 from .memory import alloc, check_fits, upload_artifact
@@ -38,6 +40,8 @@ from ..options import EngineOptions, default_ctx
 from ..convert.layouts import layout_version
 from ..engine.single import EngineBackend
 from ..convert.artifact import WEIGHTS_JSON, WeightsArtifact, default_artifact_dirs, find_artifact
+
+log = logging.getLogger("thorgen.engine")
 
 
 def _spec(model_dir: Path, draft_dir: Path | None):
@@ -93,7 +97,12 @@ class CudaBackend(EngineBackend):
     def runner(self, max_num_seqs: int = 1, kv_tokens: int | None = None) -> CudaRunner:
         """The engine core's ModelRunner over up to `max_num_seqs` of the engine's KV lanes and `kv_tokens`
         positions of its pages (default: all of them)."""
-        return CudaRunner(self.engine, max_num_seqs, kv_tokens=kv_tokens)
+        runner = CudaRunner(self.engine, max_num_seqs, kv_tokens=kv_tokens)
+        if self.engine.options.capture_graphs:
+            count, seconds = capture_step_graphs(runner)
+            if count:
+                log.info("captured %d step graphs in %.2f s", count, seconds)
+        return runner
 
     @property
     def features(self) -> BackendFeatures:

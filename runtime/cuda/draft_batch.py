@@ -24,6 +24,7 @@ from ...model_spec.step_program import DRAFT_BATCH, DRAFT_HEAD, draft_batch_bloc
 from ..backend import BackendError
 from .device import check, driver
 from .dflash import DraftForward
+from .graphs import CudaGraph
 from .staging import Slot
 from .steps import StepParts
 
@@ -70,16 +71,25 @@ class BatchedDraft:
         rec["ids"][: nb * B] = np.repeat([b.last for b in padded], B)
         for field, what in (("positions", "block positions"), ("lanes", "block KV lanes"), ("ids", "last tokens")):
             check(cu.cuMemcpyHtoDAsync(act[field].ptr, slot.at(field), 4 * nb * B, h), what)
-        fwd, lists = DraftForward(eng.fwd), eng.launches
-        lists.captured(f"draft_batch{nb}", lambda: fwd.batch_ops(nb), f"batched draft x{nb}").replay(eng.stream)
+        self.batch_graph(nb).replay(eng.stream)
         da, dhead, first, at = act["da"].ptr, act["dhead"].ptr, [], 0
         for i, b in enumerate(blocks):
             src, size = da + (B * i + 1) * self.row_bytes, b.drafts * self.row_bytes
             check(cu.cuMemcpyDtoDAsync(dhead + at * self.row_bytes, src, size, h), "draft rows to the head")
             first.append(at)
             at += b.drafts
-        lists.captured(f"draft_head{rows}", lambda: fwd.head_ops(rows), f"draft head x{rows}").replay(eng.stream)
+        self.head_graph(rows).replay(eng.stream)
         return slot, first
+
+    def batch_graph(self, nb: int) -> CudaGraph:
+        """The graphed drafter pass over `nb` blocks (a DECODE_BUCKETS size), captured on first use."""
+        fwd = DraftForward(self.parts.fwd)
+        return self.parts.launches.captured(f"draft_batch{nb}", lambda: fwd.batch_ops(nb), f"batched draft x{nb}")
+
+    def head_graph(self, rows: int) -> CudaGraph:
+        """The graphed drafter head over `rows` draft rows (1..MAX_BATCH), captured on first use."""
+        fwd = DraftForward(self.parts.fwd)
+        return self.parts.launches.captured(f"draft_head{rows}", lambda: fwd.head_ops(rows), f"draft head x{rows}")
 
     def read(self, slot: Slot, rows: int) -> np.ndarray:
         """The drafts carry[0..rows) of the step `slot` launched, on the host (waits for the stream)."""

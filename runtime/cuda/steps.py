@@ -75,6 +75,18 @@ class DecodeSteps:
             "decode step",
         )
 
+    def batch_graph(self, B: int, greedy: bool, ext: bool = False, taps: bool = False) -> CudaGraph:
+        """The graphed batched step of bucket `B` (captured on first use); `taps`: a batched verify's, the drafter's
+        context program after the forward (launch_batch)."""
+        return self.launches.captured(
+            f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_taps" if taps else "") + ("_ext" if ext else ""),
+            lambda: (
+                self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext, taps=taps)
+                + (self.fwd.program(DRAFT_CONTEXT, B) if taps else [])
+            ),
+            f"{'verify' if taps else 'decode'} x{B}",
+        )
+
     def stage_row(self, position: int, token: int | None, lane: int = 0) -> None:
         """Async copies of a one-row step's position (and sampled position, KV lane, and a prompt token into
         out_ids[0]) from the next row-input slot (a step launched ahead may still wait for its own)."""
@@ -174,14 +186,7 @@ class DecodeSteps:
                 cu.cuMemcpyHtoDAsync(self.act["params"].ptr, slot.at("params"), B * SAMPLE_PARAMS.itemsize, h),
                 "batch sampling params",
             )
-        self.launches.captured(
-            f"batch{B}_{'greedy' if greedy else 'sample'}" + ("_taps" if taps else "") + ("_ext" if ext else ""),
-            lambda: (
-                self.fwd.ops(B, decode=False, last=True, greedy=greedy, batched=True, ext=ext, taps=taps)
-                + (self.fwd.program(DRAFT_CONTEXT, B) if taps else [])
-            ),
-            f"{'verify' if taps else 'decode'} x{B}",
-        ).replay(self.stream)
+        self.batch_graph(B, greedy, ext, taps).replay(self.stream)
         if taps:  # (the same slot: its ids were copied to the device before, in stream order)
             check(cu.cuMemcpyDtoHAsync(slot.at("ids"), ids, 4 * B, h), "verified input ids")
         # (the carried copy: a prefill may reuse out_ids before the next batched step reads these tokens)
