@@ -18,18 +18,22 @@ pytest.importorskip("thorgen.codegen.plan")  # the fake manifest comes from code
 
 from thorgen.runtime.backend import BackendError, SamplingParams  # noqa: E402
 from thorgen.runtime.engine.core import EngineCore  # noqa: E402
+from thorgen.runtime.options import EngineOptions  # noqa: E402
 from thorgen.runtime.cuda.kv_cache import fit_kv, plan_kv  # noqa: E402
 from thorgen.runtime.cuda.runner import CudaRunner  # noqa: E402
 
 LANES = 3
 GREEDY = SamplingParams()
 
+# (step graphs captured on first use, not when a runner is made: these tests read which ran from them)
+LAZY = EngineOptions(capture_graphs=False)
+
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint, tmp_path_factory):
     from thorgen.runtime.cuda import device as dev
 
-    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("batched"), ctx=512, max_num_seqs=LANES)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path_factory.mktemp("batched"), ctx=512, max_num_seqs=LANES, options=LAZY)
     yield b
     b.close()
     dev.set_driver(None)
@@ -216,7 +220,7 @@ def test_more_than_16_rows_run_the_32_row_bucket(tiny_checkpoint, tmp_path):
     from thorgen.runtime.cuda import device as dev
 
     before = dev._driver  # the module fixture's fake driver, which its backend closes with
-    b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=64, max_num_seqs=18)
+    b = EE.open_emulated(tiny_checkpoint, tmp_path, ctx=64, max_num_seqs=18, options=LAZY)
     try:
         reqs = {
             f"r{i}": ([2, 10 + i], 2, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i)) for i in range(18)

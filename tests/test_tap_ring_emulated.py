@@ -3,6 +3,8 @@ decodes plain decoding's tokens, its plain one-row steps keep their taps, and ev
 (no tap prefill runs), launched ahead or not; the drafter context a ring catch-up writes equals, exactly, what the
 tap prefill of the same positions writes (the emulated one-row step's taps and a prefill's round at the same
 points); the ring serves only the lane that recorded it, and not after that lane is claimed (a tap prefill then).
+Sequences that decode together keep their drafter context in their plain batched steps (the taps of a verify step
+of no drafts): no catch-up, and the context a tap prefill of the same tokens writes.
 
 The GPU test at the bottom (marked gpu) runs the first two on the device, at the tiny preset:
   python -m pytest tests/test_tap_ring_emulated.py -m gpu -q -rA
@@ -170,6 +172,44 @@ def test_the_ring_serves_only_the_lane_that_recorded_it(backend):
     assert spec.tap_row(seqs[0], 0, end, True) is not None and ring.book.holds(0, end, end + 1)
     spec.copied(1, 0, P, drafter=True)  # a prefix copied into lane 0
     assert not ring.book.holds(0, end, end + 1)
+
+
+def test_batched_plain_steps_keep_the_drafter_context(backend):
+    """Two speculative sequences whose drafts never land decode together: their plain batched steps run with the
+    taps, so no probe needs a catch-up (no tap prefill, nothing projected), the drafter context each probe finds
+    equals, byte for byte, what a tap prefill of the same tokens from position 0 writes, and the tokens are plain
+    decoding's."""
+    engine = backend.engine
+    prompts = [PROMPT, [2] + np.random.default_rng(9).integers(256, 512, 40).tolist()]  # (no shared page)
+    plain = [backend.generate(p, TOKENS, SamplingParams()).token_ids for p in prompts]
+    runner = CudaRunner(engine, 2)
+    spec, projected = runner.spec, engine.dflash.ring.projected
+    prefills, probes = counted_prefills(runner), []
+    ready = spec.ready
+
+    def kept(seq, lane, pos, rows=False):
+        # (a probe after plain batched steps: the drafter context they left)
+        start = len(seq.prompt)
+        if rows and spec.lanes[lane].draft_upto == pos and pos - start > 16:
+            probes.append((seq.tokens[:pos], start, drafter_rows(engine, lane, start, pos)))
+        return ready(seq, lane, pos, rows)
+
+    spec.ready = kept
+    core = EngineCore(runner)
+    for i, p in enumerate(prompts):
+        core.add(f"r{i}", p, TOKENS, SamplingParams(), speculative=True)
+    out: dict[str, list[int]] = {"r0": [], "r1": []}
+    while core.unfinished:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    assert [out["r0"], out["r1"]] == plain
+    assert runner.caught_up_tokens == 0 and prefills == [] and engine.dflash.ring.projected == projected
+    assert len(probes) >= 2
+    for tokens, start, rows in probes:
+        spec.claim(0, 0)
+        engine.prefill(tokens, taps=True, lane=0)
+        again = drafter_rows(engine, 0, start, len(tokens))
+        assert all(np.array_equal(a, b) for a, b in zip(rows, again))
 
 
 @pytest.mark.gpu
