@@ -20,6 +20,11 @@ MANIFEST_SCHEMA = 4  # the kernel manifest's format (codegen writes it, the runt
 # context in a lane per sequence (its programs' "dlane_bytes")
 
 
+def decode_bucket(rows: int) -> int:
+    """The smallest of DECODE_BUCKETS that holds `rows` rows (1..MAX_BATCH): the batched graph a step of them runs."""
+    return next(b for b in DECODE_BUCKETS if b >= rows)
+
+
 def ring_slots(window: int, max_step_tokens: int = MAX_STEP_TOKENS) -> int:
     """Slots of a sliding layer's KV ring: a step writes up to max_step_tokens new keys before its queries have read
     the `window - 1` older keys they need, so the ring holds both."""

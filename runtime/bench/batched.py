@@ -16,7 +16,7 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
     sequence in its own KV lane at `position`, with its own token (the lanes' K/V is whatever they hold: the cost
     does not depend on it); the time is the wall time of a launched and waited-for batched step (DecodeSteps),
     host staging and the token read-back included, as the server sees it."""
-    from ...model_spec.conventions import DECODE_BUCKETS
+    from ...model_spec.conventions import DECODE_BUCKETS, decode_bucket
     from ..cuda.profile import distinct_tokens
 
     eng, spec = backend.engine, backend.spec
@@ -37,7 +37,7 @@ def measure_batched(backend: Any, report: dict, sizes: list[int], position: int,
         rows_out.append(
             {
                 "rows": n,
-                "bucket": next(b for b in DECODE_BUCKETS if b >= n),
+                "bucket": decode_bucket(n),
                 "step_ms": round(ms, 3),
                 "tok_s": round(1e3 * n / ms, 1),
                 "bytes": int(nbytes),

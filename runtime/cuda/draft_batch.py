@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH, VERIFY_ROWS
+from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS, decode_bucket
 from ...model_spec.step_program import DRAFT_BATCH, DRAFT_HEAD, draft_batch_blocks
 from ..backend import BackendError
 from .device import check, driver
@@ -60,7 +60,7 @@ class BatchedDraft:
             raise BackendError(
                 f"a batched draft step of {n} blocks and {rows} drafts: 1..{self.most} blocks, 1..{MAX_BATCH} drafts"
             )
-        nb = next(b for b in DECODE_BUCKETS if b >= max(n, 2))
+        nb = decode_bucket(max(n, 2))
         padded = blocks + [blocks[0]] * (nb - n)
         eng, cu = self.parts, driver()
         h, act, B = eng.stream.handle, eng.act, VERIFY_ROWS
@@ -83,13 +83,17 @@ class BatchedDraft:
 
     def batch_graph(self, nb: int) -> CudaGraph:
         """The graphed drafter pass over `nb` blocks (a DECODE_BUCKETS size), captured on first use."""
-        fwd = DraftForward(self.parts.fwd)
-        return self.parts.launches.captured(f"draft_batch{nb}", lambda: fwd.batch_ops(nb), f"batched draft x{nb}")
+        fwd = self.parts.fwd  # (bound only when the graph is captured: replays build nothing)
+        return self.parts.launches.captured(
+            f"draft_batch{nb}", lambda: DraftForward(fwd).batch_ops(nb), f"batched draft x{nb}"
+        )
 
     def head_graph(self, rows: int) -> CudaGraph:
         """The graphed drafter head over `rows` draft rows (1..MAX_BATCH), captured on first use."""
-        fwd = DraftForward(self.parts.fwd)
-        return self.parts.launches.captured(f"draft_head{rows}", lambda: fwd.head_ops(rows), f"draft head x{rows}")
+        fwd = self.parts.fwd
+        return self.parts.launches.captured(
+            f"draft_head{rows}", lambda: DraftForward(fwd).head_ops(rows), f"draft head x{rows}"
+        )
 
     def read(self, slot: Slot, rows: int) -> np.ndarray:
         """The drafts carry[0..rows) of the step `slot` launched, on the host (waits for the stream)."""

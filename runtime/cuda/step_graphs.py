@@ -13,15 +13,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH
+from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH, decode_bucket
 
 if TYPE_CHECKING:
     from .runner import CudaRunner
-
-
-def bucket(n: int) -> int:
-    """The smallest batched-graph bucket that holds `n` rows."""
-    return next(b for b in DECODE_BUCKETS if b >= n)
 
 
 def capture_step_graphs(runner: CudaRunner) -> tuple[int, float]:
@@ -39,7 +34,7 @@ def capture_step_graphs(runner: CudaRunner) -> tuple[int, float]:
         steps.row_graph(greedy, ext)
         if dflash is not None and dflash.ring.keeps(greedy, ext):
             steps.row_graph(greedy, ext, taps=True)
-        for B in DECODE_BUCKETS[: DECODE_BUCKETS.index(bucket(runner.max_num_seqs)) + 1]:
+        for B in DECODE_BUCKETS[: DECODE_BUCKETS.index(decode_bucket(runner.max_num_seqs)) + 1]:
             steps.batch_graph(B, greedy, ext)
     if dflash is not None:
         dflash.graph("draft")
@@ -50,7 +45,7 @@ def capture_step_graphs(runner: CudaRunner) -> tuple[int, float]:
         for greedy, ext in modes:
             for B in DECODE_BUCKETS[1:]:  # (a verify's programs start at 2 rows)
                 steps.batch_graph(B, greedy, ext, taps=True)
-        most = bucket(max(2, min(batched.drafter.most, runner.max_num_seqs)))
+        most = decode_bucket(max(2, min(batched.drafter.most, runner.max_num_seqs)))
         for nb in DECODE_BUCKETS[1 : DECODE_BUCKETS.index(most) + 1]:
             batched.drafter.batch_graph(nb)
         for rows in range(1, MAX_BATCH + 1):
@@ -58,4 +53,4 @@ def capture_step_graphs(runner: CudaRunner) -> tuple[int, float]:
     return len(graphs) - before, time.perf_counter() - t0
 
 
-__all__ = ["bucket", "capture_step_graphs"]
+__all__ = ["capture_step_graphs"]

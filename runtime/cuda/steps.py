@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...model_spec.conventions import DECODE_BUCKETS, MAX_BATCH, SAMPLE_PARAMS
+from ...model_spec.conventions import MAX_BATCH, SAMPLE_PARAMS, decode_bucket
 from ...model_spec.step_program import DRAFT_CONTEXT
 from ..backend import BackendError
 from .device import Device, Stream, check, driver
@@ -153,7 +153,7 @@ class DecodeSteps:
             )
         carried = carried or {}
         greedy = all(r[3] is None or r[3].greedy for r in rows)
-        B = next(b for b in DECODE_BUCKETS if b >= max(n, 2 if taps else 1))  # (a verify's programs start at 2 rows)
+        B = decode_bucket(max(n, 2 if taps else 1))  # (a verify's programs start at 2 rows)
         padded = rows + [rows[0]] * (B - n)
         slot = self.staging.next("batch")
         rec = slot.record
