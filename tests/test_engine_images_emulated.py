@@ -297,7 +297,7 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     engine = cuda.engine
     text = [2, 105, *range(300, 340), 106, 105]
     image_ids, spans = prompt(ck.spec, 5)
-    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # every chunk beside a decode runs in pieces
+    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # every chunk with image rows beside a decode: pieces
     monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(image_ids))  # of one layer each
     calls = []
     whole = engine.prefill_piece
@@ -327,6 +327,38 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     assert engine.pieces.chunk is None
     assert out["text"] == ref.generate(text, 24, SamplingParams()).token_ids
     assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
+
+
+def test_a_text_chunk_beside_a_decoding_sequence_runs_whole(pair, monkeypatch):
+    """Text is cut by position (the scheduler's token budget), so a text prompt beside decoding sequences runs
+    whole in one step however long: in pieces a wave of prompts was prefilled one at a time, a few steps each."""
+    from thorgen.runtime.cuda import runner as runner_mod
+    from thorgen.runtime.engine.core import EngineCore
+
+    cuda, ref, _ = pair
+    engine = cuda.engine
+    first, late = [2, 105, *range(300, 340), 106, 105], [2, 105, *range(400, 430), 106, 105]
+    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # any chunk with image rows would run in pieces
+    pieced = []
+    monkeypatch.setattr(engine, "prefill_piece", lambda *a, **k: pieced.append(a) or engine.prefill(*a, **k))
+    core = EngineCore(runner_mod.CudaRunner(engine, max_num_seqs=2))
+    core.add("first", first, 12, SamplingParams())
+    out: dict[str, list[int]] = {"first": [], "late": []}
+    while not out["first"]:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    core.add("late", late, 6, SamplingParams())
+    steps = 0
+    while not out["late"]:
+        steps += 1
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    assert steps == 1 and not pieced  # its first token from its one chunk, run whole beside the decode
+    while core.unfinished:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    assert out["first"] == ref.generate(first, 12, SamplingParams()).token_ids
+    assert out["late"] == ref.generate(late, 6, SamplingParams()).token_ids
 
 
 def test_a_second_long_chunk_waits_for_the_one_in_pieces(pair, monkeypatch):

@@ -31,7 +31,10 @@ from .spec_grammar import masked
 # drafts all missed decoded at 0.48x the plain rate
 SPEC_STEP_COST = 2.1
 
-# a chunk runs in pieces from two pieces' worth of rows x layers (below, the decode steps wait less than a piece)
+# a chunk with image rows runs in pieces from two pieces' worth of rows x layers (below, the decode steps wait less
+# than a piece). A text chunk runs whole: the scheduler's token budget already cuts text by position, and in pieces a
+# 512-token prompt (15,360 row-layers at full size) took 3 steps, while a second one waited for it (H100, 32d7aa3: the
+# first wave's first tokens ~50 ms apart at 32 streams, 2,592 tok/s against 2,934 before the pieces).
 PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
@@ -165,8 +168,10 @@ class CudaRunner:
                 return None
         ext = sample and self.logits.stage([seq])
         images = self.engine.image_rows(seq, start, end)
-        # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
-        pieced = beside and (end - start) * self.engine.spec.target.num_hidden_layers >= PIECED_ROW_LAYERS
+        # beside decoding sequences a long chunk with image rows runs a few layers a call, the decode steps between
+        # (pieces.py: such a chunk cannot be cut by position, the image's span attends within itself)
+        long = (end - start) * self.engine.spec.target.num_hidden_layers >= PIECED_ROW_LAYERS
+        pieced = beside and bool(images) and long
         if not pieced:  # (a chunk of its own held part-way, from steps with company, is run whole now)
             self.engine.pieces.drop(lane)
         run = self.engine.prefill_piece if pieced else self.engine.prefill
