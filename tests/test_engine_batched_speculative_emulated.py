@@ -340,16 +340,23 @@ def test_grammar_request_beside_drafting_ones(backend, tiny_checkpoint, tiny_ckp
 
 def test_cost_model_lets_the_policy_draft_per_sequence(backend):
     """speculative_cost for a step of several sequences: finite while a sequence's equal share of the batched
-    step's rows holds its drafts, growing with them and, for a draft count, with the sequences beside it (its
-    drafter launch delays all of them); the draft policy then drafts for a sequence whose drafts land and not for
-    one whose drafts miss."""
+    step's rows holds its drafts, growing with them; the one drafter launch is shared by the step's sequences, so
+    at the full model's size 8 streams draft 3 each while their estimate climbs towards 3 (charged a launch each,
+    they stayed plain below an estimate of 2.95), and none drafts at 32; the draft policy drafts for a sequence whose drafts land and not for one whose drafts
+    miss."""
+    from thorgen.model_spec.presets import get_preset
+    from thorgen.runtime.cuda.spec_batch import batched_verify_cost
+
     runner = backend.runner(LANES)
     cost = runner.speculative_cost
     assert 1 < cost(1, 4) < cost(4, 4) < cost(7, 4) < float("inf") and cost(8, 4) == cost(4, 8) == float("inf")
-    assert cost(1, 2) < cost(1, 4) < cost(1, 8)
     planner = DraftPlanner(cost, 15, 256)
     assert planner.best(estimate=3.0, cap=15, batch=4) == (MAX_BATCH // 4 - 1, True)  # (its share of the rows)
     assert planner.best(estimate=0.0, cap=15, batch=4)[1] is False
+    moe = get_preset("gemma-4-26b-a4b").target
+    full = DraftPlanner(lambda k, b: batched_verify_cost(k, b, moe.num_experts, moe.top_k_experts), 15, 4096)
+    assert full.best(estimate=2.5, cap=15, batch=8) == (3, True)
+    assert full.best(estimate=15.0, cap=15, batch=32)[1] is False
 
 
 def test_free_text_before_a_grammar_opens_is_drafted_in_batched_verify(backend, tiny_checkpoint, tiny_ckpt):

@@ -50,13 +50,16 @@ from .steps import DecodeSteps
 # synthetic checkpoint, `thorgen bench serve` at 1..32 streams, 2026-12-06, tree 3e54bec): a plain batched step of
 # b sequences took 1, 2.0, 2.3, 3.7 and 5.6 one-row steps at b = 1, 4, 8, 16, 32. A memory-bound MoE step grows
 # with the distinct experts its rows read (`experts_read`), and the routed experts are MOE_SHARE of a one-row step
-# (its top-k of them; by bytes ~37 % of the full model's step). A sequence's drafter launch (its own 16-slot block,
-# one launch a sequence) took ~1 ms beside the one-row step's 2.14 ms: DRAFTER_COST. (Measured before the batched
-# draft step, runtime/cuda/draft_batch.py, which runs every drafting sequence's block in one launch. Through the
-# server at f9f8dac it left 4 streams at 1.31x, near this model's 1.26x, but its own cost was not isolated, so the
-# model still charges each sequence a launch of its own.)
+# (its top-k of them; by bytes ~37 % of the full model's step).
+# The drafter runs every drafting sequence's block in one launch (runtime/cuda/draft_batch.py), so most of its cost
+# is the launch's, shared by the step's sequences: a lone block's drafter took ~1 ms beside the 2.14 ms one-row step
+# (DRAFT_LAUNCH_COST), and at 4 streams (H100, 32d7aa3) a verify step of 4 blocks and 32 rows took ~13.2 ms where a
+# plain 32-row step takes ~12 ms, so 4 blocks cost at most ~0.56 one-row steps: ~0.03 a block past the first
+# (DRAFT_BLOCK_COST). Charged a whole launch per sequence instead, the model kept 8 streams at 3 drafts each just
+# short of paying (3.95 shares against the 4 tokens of 3 landed drafts), so that level decoded mostly plain (1.16x).
 MOE_SHARE = 0.34
-DRAFTER_COST = 0.47
+DRAFT_LAUNCH_COST = 0.44
+DRAFT_BLOCK_COST = 0.03
 
 
 def batched_verify_keys() -> list[str]:
@@ -80,13 +83,14 @@ def step_cost(rows: int, experts: int, top_k: int) -> float:
 
 def batched_verify_cost(drafts: int, batch: int, experts: int, top_k: int) -> float:
     """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in its share of a plain
-    batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its drafter launch and
-    its draft rows' extra experts, against the step's time a sequence (the plain step's tokens a unit of time);
-    infinite where its equal share of the step's MAX_BATCH rows cannot hold them."""
+    batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its share of the one
+    drafter launch, its block, and its draft rows' extra experts, against the step's time a sequence (the plain
+    step's tokens a unit of time); infinite where its equal share of the step's MAX_BATCH rows cannot hold them."""
     if (drafts + 1) * batch > MAX_BATCH:
         return math.inf
     plain = step_cost(batch, experts, top_k)
-    extra = DRAFTER_COST + step_cost(batch + drafts, experts, top_k) - plain
+    drafter = DRAFT_LAUNCH_COST / batch + DRAFT_BLOCK_COST
+    extra = drafter + step_cost(batch + drafts, experts, top_k) - plain
     return 1 + extra * batch / plain
 
 
@@ -228,4 +232,12 @@ def _lane(seq: Sequence) -> int:
     return seq.lane
 
 
-__all__ = ["DRAFTER_COST", "MOE_SHARE", "BatchedVerify", "batched_verify_cost", "batched_verify_keys", "step_cost"]
+__all__ = [
+    "DRAFT_BLOCK_COST",
+    "DRAFT_LAUNCH_COST",
+    "MOE_SHARE",
+    "BatchedVerify",
+    "batched_verify_cost",
+    "batched_verify_keys",
+    "step_cost",
+]
