@@ -202,7 +202,8 @@ def test_kv_lanes_and_pages_fit_the_budget(backend):
 
 def test_bench_times_each_bucket(backend):
     """`thorgen bench --batch-sizes`' measurement on the emulated engine: one row per size, the largest's
-    kernels, and bytes that grow with the rows (more experts touched, more K/V)."""
+    kernels, bytes that grow with the rows (more experts touched, more K/V), and from 2 rows the same step with the
+    DFlash taps (its graph, with the drafter's context program after the forward)."""
     from thorgen.runtime.bench.batched import measure_batched
 
     report = {"kv_dtype": "bf16", "lm_head": "nvfp4", "copy_gb_s": 1.0}
@@ -210,6 +211,11 @@ def test_bench_times_each_bucket(backend):
     one, three = report["batched_decode"]
     assert (one["rows"], one["bucket"], three["rows"], three["bucket"]) == (1, 1, 3, 4)
     assert three["bytes"] > one["bytes"] > 0 and three["step_ms"] > 0
+    assert (
+        "taps_step_ms" not in one
+        and three["taps_step_ms"] > 0
+        and "batch4_greedy_taps" in backend.engine.launches.graphs
+    )
     kernels = {k["kernel"] for k in report["batched_step_kernels"]}
     assert any(k.startswith("attn_dec__") for k in kernels) and report["batched_step_rows"] == 3
 

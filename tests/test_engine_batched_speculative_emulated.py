@@ -342,8 +342,8 @@ def test_cost_model_lets_the_policy_draft_per_sequence(backend):
     """speculative_cost for a step of several sequences: finite while a sequence's equal share of the batched
     step's rows holds its drafts, growing with them; the one drafter launch is shared by the step's sequences, so
     at the full model's size 8 streams draft 3 each while their estimate climbs towards 3 (charged a launch each,
-    they stayed plain below an estimate of 2.95), and none drafts at 32; the draft policy drafts for a sequence whose drafts land and not for one whose drafts
-    miss."""
+    they stayed plain below an estimate of 2.95), and none drafts at 32; the draft policy drafts for a sequence
+    whose drafts land and not for one whose drafts miss."""
     from thorgen.model_spec.presets import get_preset
     from thorgen.runtime.cuda.spec_batch import batched_verify_cost
 

@@ -276,12 +276,12 @@ def _batched(names: list[str], runs: dict, ctx: Context) -> str:
             "",
             f"Each row a sequence at position {r['batched_decode_position']}.",
             "",
-            "| rows | bucket | step ms | tok/s | MB per step | GB/s | of copy |",
-            "|---|---|---|---|---|---|---|",
+            "| rows | bucket | step ms | tok/s | MB per step | GB/s | of copy | with the taps, ms |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {b['rows']} | {b['bucket']} | {b['step_ms']} | {b['tok_s']:,} | {b['bytes'] / 1e6:,.0f} | "
-            f"{b['gb_s']:,} | {100 * b['frac_copy']:.1f} % |"
+            f"{b['gb_s']:,} | {100 * b['frac_copy']:.1f} % | {b.get('taps_step_ms', '-')} |"
             for b in r["batched_decode"]
         ]
         out.append("\n".join(lines))
