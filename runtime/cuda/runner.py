@@ -33,8 +33,8 @@ SPEC_STEP_COST = 2.1
 
 # a chunk with image rows runs in pieces from two pieces' worth of rows x layers (below, the decode steps wait less
 # than a piece). A text chunk runs whole: the scheduler's token budget already cuts text by position, and in pieces a
-# 512-token prompt (15,360 row-layers at full size) took 3 steps, while a second one waited for it (H100, 32d7aa3: the
-# first wave's first tokens ~50 ms apart at 32 streams, 2,592 tok/s against 2,934 before the pieces).
+# 512-token prompt (15,360 row-layers at full size) took 3 steps, while a second one waited for it (H100, 32d7aa3: a
+# wave of 32 prompts got its first tokens ~50 ms apart).
 PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
