@@ -36,7 +36,8 @@ class ModelRunner(Protocol):
     def speculative_cost(self, drafts: int, batch: int) -> float:
         """What a sequence's draft + verify step of `drafts` drafts costs beside the other sequences of a step of
         `batch`, in plain decode steps of it (math.inf: it cannot verify drafts in such a step). The draft
-        policy's cost model: it speculates only where the expected accepted drafts pay for it."""
+        policy's cost model: it speculates only where the expected accepted drafts pay for it. A fixed function of
+        its arguments: the policy asks each pair once."""
 
     @property
     def lookahead(self) -> int:

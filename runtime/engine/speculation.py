@@ -59,10 +59,21 @@ class DraftPlanner:
     runner may launch ahead), `record(seq, drafted, accepted)` feeds the estimate after the step."""
 
     def __init__(self, cost: Cost, max_drafts: int, max_context: int, options: DraftOptions | None = None) -> None:
-        self.cost, self.max_drafts, self.max_context = cost, max_drafts, max_context
+        self.max_drafts, self.max_context = max_drafts, max_context
         self.options = options or DraftOptions()
         self.batch = 1  # sequences in the step planned last
+        self._model = cost
+        # (the runner's cost model is fixed: each (drafts, batch) is worked out once, not for every draft count of
+        # every sequence at every step, which at 16 sequences was ~480 evaluations a step on the host's critical path)
+        self._costs: dict[tuple[int, int], float] = {}
         self._pays: dict[tuple[int, int], bool] = {}  # (drafts, batch) -> _can_pay
+
+    def cost(self, drafts: int, batch: int) -> float:
+        """The runner's cost of a speculative step of `drafts` drafts beside `batch` sequences (memoised)."""
+        got = self._costs.get((drafts, batch))
+        if got is None:
+            got = self._costs[drafts, batch] = self._model(drafts, batch)
+        return got
 
     def _cap(self, seq: Sequence) -> int:
         """The most drafts `seq` may propose: the drafter's block, the request's own cap, the room left."""
