@@ -415,29 +415,24 @@ def test_shutdown_drains_in_flight_requests(cluster):
     """`serve.delete` (what `thorgen cluster` runs on SIGINT/SIGTERM) lets a running stream finish."""
     url, _ = cluster
     finish: dict = {}
+    streaming = threading.Event()  # its first chunk came (a poll of the replicas' running gauge could miss it)
 
     def stream_to_end() -> None:
         try:
             for ch in _client(url).chat.completions.create(
                 model="tiny", messages=LONG, max_tokens=60, temperature=0, stream=True
             ):
+                streaming.set()
                 if ch.choices and ch.choices[0].finish_reason:
                     finish["reason"] = ch.choices[0].finish_reason
         except Exception as exc:
             finish["error"] = exc
+        streaming.set()
 
     t = threading.Thread(target=stream_to_end, daemon=True)
     t.start()
-    _wait(
-        lambda: (
-            sum(
-                _counter(_metrics(url), "thorgen_replica_requests_running", f'replica="{r}"') for r in _replicas_up(url)
-            )
-            >= 1
-        ),
-        30,
-        "the stream to start",
-    )
+    assert streaming.wait(60), "the stream did not start"
+    assert not finish, f"the stream ended before the shutdown began: {finish}"
     serve.delete(APP)
     t.join(60)
     assert not t.is_alive() and finish.get("reason") in ("length", "stop"), finish
