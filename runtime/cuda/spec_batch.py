@@ -46,20 +46,22 @@ from .programs import Forward
 from .spec_grammar import masked, walk
 from .steps import DecodeSteps
 
-# The draft policy's cost model of a batched verify step, in one-row decode steps, fitted to an H100 (full-size
-# synthetic checkpoint, `thorgen bench serve` at 1..32 streams, 2026-12-06, tree 3e54bec): a plain batched step of
-# b sequences took 1, 2.0, 2.3, 3.7 and 5.6 one-row steps at b = 1, 4, 8, 16, 32. A memory-bound MoE step grows
-# with the distinct experts its rows read (`experts_read`), and the routed experts are MOE_SHARE of a one-row step
-# (its top-k of them; by bytes ~37 % of the full model's step).
-# The drafter runs every drafting sequence's block in one launch (runtime/cuda/draft_batch.py), so most of its cost
-# is the launch's, shared by the step's sequences: a lone block's drafter took ~1 ms beside the 2.14 ms one-row step
-# (DRAFT_LAUNCH_COST), and at 4 streams (H100, 32d7aa3) a verify step of 4 blocks and 32 rows took ~13.2 ms where a
-# plain 32-row step takes ~12 ms, so 4 blocks cost at most ~0.56 one-row steps: ~0.03 a block past the first
-# (DRAFT_BLOCK_COST). Charged a whole launch per sequence instead, the model kept 8 streams at 3 drafts each just
-# short of paying (3.95 shares against the 4 tokens of 3 landed drafts), so that level decoded mostly plain (1.16x).
-MOE_SHARE = 0.34
-DRAFT_LAUNCH_COST = 0.44
-DRAFT_BLOCK_COST = 0.03
+# The draft policy's cost model of a batched verify step, in one-row decode steps (2.14 ms), fitted to what the
+# server did on an H100 (full-size synthetic checkpoint, `thorgen bench serve --prompt-len 512 --gen 256` at 1..32
+# streams, 2026-12-07, tree 8347fce). A plain batched step, launched ahead of the one before, took 1.45, 1.82, 2.43
+# and 3.78 one-row steps at 4, 8, 16 and 32 streams (inter-token p50 3.09, 3.89, 5.21, 8.09 ms): it grows with the
+# distinct experts its rows read (`experts_read`, MOE_SHARE) and with the rows themselves (ROW_COST: attention, the
+# LM head's rows and each sequence's host work), and these two fit those four within 7 %. A verify step of 32 rows
+# took 4.74, 4.9 and 5.56 (10.2, 10.5 and 11.9 ms for 4, 8 and 16 drafting sequences, emulated acceptance), 1-1.8
+# more than a plain step of as many rows: the one drafter launch and a step that is not launched ahead
+# (VERIFY_STEP_COST), and each sequence's drafter block (DRAFT_BLOCK_COST). The model before (0.34 a one-row step's
+# top-k of experts, fitted to the same kind of runs without the rows' own cost) priced the plain step at 16 streams
+# at 4.2 and so let them verify one draft each: 0.89x of plain with every draft landing. This one keeps 4 and 8
+# streams drafting (1.90x and 1.36x measured, 1.81x and 1.32x modelled) and 16 and 32 plain.
+MOE_SHARE = 0.06
+ROW_COST = 0.064
+VERIFY_STEP_COST = 0.72
+DRAFT_BLOCK_COST = 0.068
 
 
 def batched_verify_keys() -> list[str]:
@@ -77,20 +79,20 @@ def experts_read(rows: int, experts: int, top_k: int) -> float:
 
 
 def step_cost(rows: int, experts: int, top_k: int) -> float:
-    """A batched step of `rows` rows, in one-row steps: the experts past one row's top-k add their share."""
-    return 1 + MOE_SHARE * (experts_read(rows, experts, top_k) - top_k) / top_k
+    """A batched step of `rows` rows, in one-row steps: the experts past one row's top-k and the rows past one add
+    their shares."""
+    return 1 + MOE_SHARE * (experts_read(rows, experts, top_k) - top_k) / top_k + ROW_COST * (rows - 1)
 
 
 def batched_verify_cost(drafts: int, batch: int, experts: int, top_k: int) -> float:
     """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in its share of a plain
-    batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its share of the one
-    drafter launch, its block, and its draft rows' extra experts, against the step's time a sequence (the plain
-    step's tokens a unit of time); infinite where its equal share of the step's MAX_BATCH rows cannot hold them."""
+    batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its share of the verify
+    step's fixed cost, its drafter block, and its draft rows, against the plain step's time a sequence; infinite
+    where its equal share of the step's MAX_BATCH rows cannot hold them."""
     if (drafts + 1) * batch > MAX_BATCH:
         return math.inf
     plain = step_cost(batch, experts, top_k)
-    drafter = DRAFT_LAUNCH_COST / batch + DRAFT_BLOCK_COST
-    extra = drafter + step_cost(batch + drafts, experts, top_k) - plain
+    extra = VERIFY_STEP_COST / batch + DRAFT_BLOCK_COST + step_cost(batch + drafts, experts, top_k) - plain
     return 1 + extra * batch / plain
 
 
@@ -234,8 +236,9 @@ def _lane(seq: Sequence) -> int:
 
 __all__ = [
     "DRAFT_BLOCK_COST",
-    "DRAFT_LAUNCH_COST",
     "MOE_SHARE",
+    "ROW_COST",
+    "VERIFY_STEP_COST",
     "BatchedVerify",
     "batched_verify_cost",
     "batched_verify_keys",
