@@ -319,8 +319,9 @@ class CudaRunner:
         ms a position against a ~4 ms step at 4 streams, H200). The drafter's context program over the rows reads
         ~0.15 GB of drafter weights a step, ~1-2 % of such a step (an estimate from the bytes, not yet measured).
         Not for more than half of MAX_BATCH rows: the cost model gives no draft where a verify step could not hold
-        one for each sequence (spec_batch.batched_verify_cost), so the taps would be pure cost (with them, 32
-        streams decoded at 0.90x of plain, H100); a sequence that drafts again once the batch shrinks catches up."""
+        one for each sequence (spec_batch.batched_verify_cost), so the taps would be pure cost (H100, 32 streams:
+        0.90x of plain with them, 0.96-0.98x without); a sequence that drafts again once the batch shrinks catches
+        up first."""
         taps = (
             self.batched is not None
             and self.verify_together
