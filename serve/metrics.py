@@ -186,6 +186,14 @@ class Metrics:
                     "vllm:time_to_first_token_seconds", "Time to the first token (vLLM's name).", _TTFT_BUCKETS, model
                 ).labels(model_name),
             ],
+            "prepare": [
+                histogram(
+                    "thorgen_request_prepare_seconds",
+                    "Time from a generation request's handler to its submission to the engine: the prompt rendered "
+                    "and tokenized, its images and videos read, decoded and preprocessed (before the TTFT's arrival).",
+                    _TTFT_BUCKETS,
+                ),
+            ],
             "tokens_per_s": [
                 histogram("thorgen_decode_tokens_per_second", "Decode speed per request.", _TPS_BUCKETS),
             ],
@@ -221,7 +229,7 @@ class Metrics:
                 series.inc(value)
 
     def observe(self, name: str, value: float) -> None:
-        """Observe a value in a histogram: ttft, tokens_per_s, accepted_per_step or e2e."""
+        """Observe a value in a histogram: ttft, prepare, tokens_per_s, accepted_per_step or e2e."""
         for series in self._histograms[name]:
             series.observe(value)
 

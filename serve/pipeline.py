@@ -4,6 +4,8 @@ only translate their wire formats to and from it."""
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import replace
 from typing import Callable
 
@@ -172,7 +174,9 @@ def _one_grammar(
 
 
 async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> list[Generation]:
-    """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400."""
+    """The request's generations (prompt-major, n per prompt), ready to start; every mistake a 400. The time it
+    took (images decoded and preprocessed included) goes to the server's `prepare` histogram."""
+    started = time.perf_counter()
     stop_ids = _stop_ids(ctx, req)
     keep = req.truncate_prompt_tokens
     keep = ctx.caps.max_context if keep == -1 else keep
@@ -239,4 +243,6 @@ async def prepare(ctx: ServerContext, req: GenerationRequest, endpoint: str) -> 
 
         return make
 
-    return choices(req.n, [maker(*p) for p in prompts], sampling)
+    gens = choices(req.n, [maker(*p) for p in prompts], sampling)
+    ctx.metrics.observe("prepare", time.perf_counter() - started)
+    return gens

@@ -70,7 +70,11 @@ def test_bench_serve_levels(tmp_path):
         assert steps["steps"] >= 12 and 0 < steps["mean_running"] <= lv["concurrency"]
         assert min(steps[f"{p}_ms"] for p in ("prepare", "flush", "finish")) >= 0
         assert sum(steps[f"{p}_ms"] for p in ("prepare", "flush", "finish")) >= 0.9 * 2.0
-    assert "engine:" in r.output and "prepare" in r.output
+        # the server's own account of each request (from /metrics): its handler to the engine, then a first token
+        # that takes at least one scripted step
+        assert lv["server"]["to_engine_ms"] > 0 and lv["server"]["ttft_ms"] >= 0.9 * 2.0
+        assert lv["server"]["to_engine_ms"] + lv["server"]["ttft_ms"] < lv["ttft_ms_p99"]
+    assert "engine:" in r.output and "prepare" in r.output and "server: to the engine" in r.output
     assert len(engine.calls[-1]["prompt"]) == 40 and report["server_over_engine"] > 0
     assert CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", "--concurrency", "1"]).exit_code != 0
     state.close()
@@ -188,6 +192,7 @@ def test_bench_serve_image_chats_and_arrivals(tiny_checkpoint, tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == lv["concurrency"] and lv["completion_tokens"] == 3 * lv["requests"]
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["prompt_tokens_mean"] > 12 + 60
+        assert lv["server"]["to_engine_ms"] > 0  # (each request's image decoded and preprocessed in it)
     report = json.loads(arrivals_out.read_text())
     assert report["image"]["arrivals"] and report["image"]["budget"] == 140 and "--image-arrivals" in report["command"]
     for lv in report["levels"]:

@@ -76,9 +76,14 @@ def test_vllm_names_beside_thorgen_names(served) -> None:
         "vllm:e2e_request_latency_seconds",
         "vllm:kv_cache_usage_perc",
         "thorgen_time_to_first_token_seconds",
+        "thorgen_request_prepare_seconds",
         "thorgen_kv_cache_usage",
     ):
         assert name in got, name
+    prepared = {s.name: s.value for s in got["thorgen_request_prepare_seconds"].samples}
+    first = {s.name: s.value for s in got["thorgen_time_to_first_token_seconds"].samples}
+    assert prepared["thorgen_request_prepare_seconds_count"] == first["thorgen_time_to_first_token_seconds_count"] >= 1
+    assert prepared["thorgen_request_prepare_seconds_sum"] > 0
     ttft = {s.name: s for s in got["vllm:time_to_first_token_seconds"].samples}
     assert ttft["vllm:time_to_first_token_seconds_count"].labels == {"model_name": state.model_id}
     assert ttft["vllm:time_to_first_token_seconds_count"].value >= 1

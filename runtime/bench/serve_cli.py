@@ -16,6 +16,8 @@ from .serve_images import ImageRequests, send_beside
 from .serve_tools import tool_chats
 from .serve_load import (
     engine_steps,
+    server_means,
+    server_times,
     step_means,
     bench_prompt,
     chat_text,
@@ -40,6 +42,9 @@ def _level_line(row: dict) -> str:
             f"  | {row['image_requests']} image arrivals, their TTFT p50 {row['image_ttft_ms_p50']} ms p99 "
             f"{row['image_ttft_ms_p99']} ms; without them ITL p50 {alone['itl_ms_p50']} ms p99 {alone['itl_ms_p99']} ms"
         )
+    server = row.get("server")
+    if server:
+        line += f"  server: to the engine {server['to_engine_ms']} ms, then first token {server['ttft_ms']} ms"
     if steps:
         line += (
             f"  engine: {steps['steps']} steps, {steps['mean_running']} running, prepare "
@@ -209,12 +214,15 @@ def bench_serve(
         if image_arrivals and images is not None:
             alone = asyncio.run(run_level(url, c, n, make, api_key, timeout))
             images.prepare(16)  # the first arrivals' variants, made before the clock starts
-        before = engine_steps(url)
+        before, times = engine_steps(url), server_times(url)
         beside = partial(send_beside, images, fields) if alone is not None else None
         row = asyncio.run(run_level(url, c, n, make, api_key, timeout, beside))
         steps = step_means(before, engine_steps(url))
         if steps:
             row["engine_steps"] = steps
+        server = server_means(times, server_times(url))
+        if server:
+            row["server"] = server
         if alone is not None:
             row["without_images"] = {k: v for k, v in alone.items() if k != "ttft_ms_by_send"}
         rows.append(row)

@@ -233,6 +233,41 @@ def engine_steps(url: str) -> dict | None:
     return steps if isinstance(steps, dict) else None
 
 
+SERVER_TIMES = {"to_engine": "thorgen_request_prepare_seconds", "ttft": "thorgen_time_to_first_token_seconds"}
+
+
+def server_times(url: str) -> dict[str, float] | None:
+    """The sums and counts of a thorgen server's request histograms (SERVER_TIMES) from its /metrics; None from
+    another server."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    wanted = {f"{name}_{part}": f"{key}_{part}" for key, name in SERVER_TIMES.items() for part in ("sum", "count")}
+    out: dict[str, float] = {}
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[wanted[name]] = float(value)
+    return out if len(out) == len(wanted) else None
+
+
+def server_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Per-request means over a level, as the server measured them: to_engine_ms (its handler to the engine: the
+    prompt rendered and tokenized, images decoded and preprocessed) and ttft_ms (from then to the first token)."""
+    if not before or not after:
+        return None
+    out = {}
+    for key in SERVER_TIMES:
+        n = after[f"{key}_count"] - before[f"{key}_count"]
+        if n <= 0:
+            return None
+        out[f"{key}_ms"] = round(1e3 * (after[f"{key}_sum"] - before[f"{key}_sum"]) / n, 3)
+    return out
+
+
 def step_means(before: dict | None, after: dict | None) -> dict | None:
     """Per-step means over a level: steps, mean sequences running, and ms per phase (runtime/client.py); with a
     thorgen server's speculation counters, the level's verify steps, drafted and accepted tokens too."""
