@@ -5,7 +5,6 @@ only translate their wire formats to and from it."""
 from __future__ import annotations
 
 import time
-
 from dataclasses import replace
 from typing import Callable
 

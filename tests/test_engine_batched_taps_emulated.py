@@ -44,8 +44,10 @@ def test_plain_batched_steps_keep_the_taps_only_where_a_draft_could_fit(backend)
     requests = {f"r{i}": ([2] + list(range(300, 306 + i)), 3 + 2 * i, GREEDY) for i in range(n)}
     free = _serve(backend, requests, speculative=False, lanes=n).tokens
     launches: list[tuple[int, bool]] = []  # the plain batched steps' (rows, taps)
+    runners: list = []
 
     def spy(core) -> None:
+        runners.append(core.runner)
         runner, steps = core.runner, core.runner.steps
         launch_batch, plain_step = steps.launch_batch, runner._launch
 
@@ -64,9 +66,10 @@ def test_plain_batched_steps_keep_the_taps_only_where_a_draft_could_fit(backend)
         plain = [False]
         steps.launch_batch, runner._launch = recording, plain_launch
 
-    quiet = DraftOptions(prior=0.0)  # (no drafts until a probe: every sequence decodes in the first plain steps)
+    quiet = DraftOptions(prior=0.0, probe_every=1)  # (no drafts until a probe: the first steps are plain)
     run = _serve(backend, requests, speculative=True, drafts=quiet, lanes=n, between=lambda i, core: i or spy(core))
     assert run.tokens == free
     assert any(rows == n for rows, _ in launches)
     assert not any(taps for rows, taps in launches if 2 * rows > MAX_BATCH)
     assert any(taps for rows, taps in launches if 2 <= rows and 2 * rows <= MAX_BATCH)
+    assert runners[0].caught_up_tokens > 0 and run.speculation["speculative_steps"] > 0
