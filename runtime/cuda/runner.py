@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
 
-from ...model_spec.conventions import MAX_BATCH, VERIFY_ROWS
+from ...model_spec.conventions import VERIFY_ROWS
 from ..engine.interface import PENDING, Pending
 from ..engine.kv_manager import ClaimLane, CopyPrefix, KVOp, MapPages
 from ..engine.sequence import Sequence
@@ -318,14 +318,14 @@ class CudaRunner:
         the sequence's next verify step needs no catch-up (a tap prefill of every position it decoded plain: ~0.26
         ms a position against a ~4 ms step at 4 streams, H200). The drafter's context program over the rows reads
         ~0.15 GB of drafter weights a step, ~1-2 % of such a step (an estimate from the bytes, not yet measured).
-        Not for more than half of MAX_BATCH rows: the cost model gives no draft where a verify step could not hold
-        one for each sequence (spec_batch.batched_verify_cost), so the taps would be pure cost (H100, 32 streams:
-        0.90x of plain with them, 0.96-0.98x without); a sequence that drafts again once the batch shrinks catches
-        up first."""
+        Not where the cost model gives no draft at this batch (speculative_cost: more than half of MAX_BATCH
+        sequences, whose verify step could not hold one draft each): there the taps would be pure cost (H100, 32
+        streams: 0.90x of plain with them, 0.96-0.98x without); a sequence that drafts again once the batch
+        shrinks catches up first."""
         taps = (
             self.batched is not None
             and self.verify_together
-            and 2 * len(rows) <= MAX_BATCH
+            and math.isfinite(self.speculative_cost(1, len(rows)))
             and any(s.speculative for _, _, _, s in rows)
         )
         for lane, pos, _, _ in rows:  # (without the taps a plain step leaves the drafter context behind)
