@@ -98,7 +98,8 @@ BACKENDS: dict[str, Callable[[EngineConfig, Checkpoint], Backend]] = {"reference
 
 def engine_option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """Give a click command one `--X/--no-X` switch per EngineOptions field (--no-pdl, --no-fork,
-    --no-launch-ahead, --no-rowwise-splits); the command receives them as one `engine_options` value."""
+    --no-launch-ahead, --no-rowwise-splits, --no-prefill-pieces); the command receives them as one `engine_options`
+    value."""
     import functools
 
     import click

@@ -37,6 +37,11 @@ class EngineOptions:
         "cuda: batched-decode attention over the planner's key-split count for the batch's rows (off: every "
         "planned split)"
     )
+    prefill_pieces: bool = _switch(
+        "cuda: while sequences decode, a step takes one prompt chunk and runs a long one a few layers a step, so "
+        "the running streams' token gaps stay near one decode step plus one piece (off: prompt chunks beside "
+        "decodes run whole, several a step: sooner first tokens under a burst of prompts, longer gaps)"
+    )
 
     @staticmethod
     def flags() -> list[tuple[str, str, str]]:

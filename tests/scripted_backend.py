@@ -148,6 +148,7 @@ class ScriptedRunner:
     """The engine core's ModelRunner for ScriptedBackend: each step commits the next `chunk` script tokens."""
 
     prefill_chunk = None
+    prefill_pieces = False
     verify_block = 1
     lookahead = 0
     caught_up_tokens = 0

@@ -298,7 +298,8 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     text = [2, 105, *range(300, 340), 106, 105]
     image_ids, spans = prompt(ck.spec, 5)
     monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # every chunk with image rows beside a decode: pieces
-    monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(image_ids))  # of one layer each
+    for module in (pieces, runner_mod):  # of one layer each
+        monkeypatch.setattr(module, "PIECE_ROW_LAYERS", len(image_ids))
     calls = []
     whole = engine.prefill_piece
 
@@ -329,35 +330,45 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
 
 
-def test_a_text_chunk_beside_a_decoding_sequence_runs_whole(pair, monkeypatch):
-    """Text is cut by position (the scheduler's token budget), so a text prompt beside decoding sequences runs
-    whole in one step however long: in pieces a wave of prompts was prefilled one at a time, a few steps each."""
-    from thorgen.runtime.cuda import runner as runner_mod
+@pytest.mark.parametrize("in_pieces", [True, False])
+def test_a_text_prompt_beside_a_decoding_sequence(pair, monkeypatch, in_pieces):
+    """Beside a decoding sequence (EngineOptions.prefill_pieces) a text prompt runs a layer a piece here, the decode
+    stepping between its pieces; off, it runs whole in the step it arrives in. Either way every token is the
+    reference's."""
+    from thorgen.runtime.cuda import pieces, runner as runner_mod
     from thorgen.runtime.engine.core import EngineCore
 
-    cuda, ref, _ = pair
+    cuda, ref, ck = pair
     engine = cuda.engine
     first, late = [2, 105, *range(300, 340), 106, 105], [2, 105, *range(400, 430), 106, 105]
     monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # any chunk with image rows would run in pieces
-    pieced = []
-    monkeypatch.setattr(engine, "prefill_piece", lambda *a, **k: pieced.append(a) or engine.prefill(*a, **k))
-    core = EngineCore(runner_mod.CudaRunner(engine, max_num_seqs=2))
-    core.add("first", first, 12, SamplingParams())
+    for module in (pieces, runner_mod):  # the prompt's chunk: a layer a piece
+        monkeypatch.setattr(module, "PIECE_ROW_LAYERS", len(late) - 1)
+    ran = []
+    piece = engine.prefill_piece
+    monkeypatch.setattr(engine, "prefill_piece", lambda *a, **k: ran.append(len(a[0])) or piece(*a, **k))
+    core = EngineCore(runner_mod.CudaRunner(engine, max_num_seqs=2, prefill_pieces=in_pieces))
+    core.add("first", first, 40, SamplingParams())
     out: dict[str, list[int]] = {"first": [], "late": []}
     while not out["first"]:
         for o in core.step():
             out[o.request_id] += o.token_ids
     core.add("late", late, 6, SamplingParams())
-    steps = 0
+    steps, decoded = 0, 0
     while not out["late"]:
         steps += 1
         for o in core.step():
             out[o.request_id] += o.token_ids
-    assert steps == 1 and not pieced  # its first token from its one chunk, run whole beside the decode
+            decoded += o.request_id == "first"
+    layers = ck.spec.target.num_hidden_layers
+    if in_pieces:  # a piece a step, the decode between
+        assert steps == layers and decoded == layers and ran == [len(late)] * layers
+    else:
+        assert steps == 1 and not ran
     while core.unfinished:
         for o in core.step():
             out[o.request_id] += o.token_ids
-    assert out["first"] == ref.generate(first, 12, SamplingParams()).token_ids
+    assert out["first"] == ref.generate(first, 40, SamplingParams()).token_ids
     assert out["late"] == ref.generate(late, 6, SamplingParams()).token_ids
 
 

@@ -31,10 +31,11 @@ from .spec_grammar import masked
 # drafts all missed decoded at 0.48x the plain rate
 SPEC_STEP_COST = 2.1
 
-# a chunk with image rows runs in pieces from two pieces' worth of rows x layers (below, the decode steps wait less
-# than a piece). A text chunk runs whole: the scheduler's token budget already cuts text by position, and in pieces a
-# 512-token prompt (15,360 row-layers at full size) took 3 steps, while a second one waited for it (H100, 32d7aa3: a
-# wave of 32 prompts got its first tokens ~50 ms apart).
+# Beside decoding sequences (EngineOptions.prefill_pieces), a chunk of more than a piece's rows x layers runs in
+# pieces: a 512-token prompt (15,360 row-layers at full size) in 3, each held to ~8 ms on an H100. That bounds the
+# decoders' token gaps and costs first tokens under a burst of prompts: a wave of 32 prompts gets its first tokens
+# a few pieces apart (~50 ms at 32d7aa3). Off, only a chunk with image rows (which the scheduler cannot cut by
+# position: the image's span attends within itself) runs in pieces, from two pieces' worth.
 PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
@@ -67,8 +68,9 @@ class Pipeline:
 
 class CudaRunner:
     """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes and `kv_tokens` positions of its pages
-    (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements; default: the
-    engine's options). `batched_verify` off: sequences that decode together never draft (A/B measurements)."""
+    (default: all). `launch_ahead` off: every step is launched when scheduled; `prefill_pieces` off: text chunks
+    beside decodes run whole (A/B measurements; default: the engine's options). `batched_verify` off: sequences
+    that decode together never draft (A/B measurements)."""
 
     def __init__(
         self,
@@ -77,11 +79,13 @@ class CudaRunner:
         launch_ahead: bool | None = None,
         kv_tokens: int | None = None,
         batched_verify: bool = True,
+        prefill_pieces: bool | None = None,
     ) -> None:
         self.engine, self.steps = engine, engine.steps
         # Chunked prefill (the engine continues a prompt from any position): a whole-prompt runner would wait
         # for a step whose token budget holds its prompt, which a full batch of decodes never leaves.
         self.prefill_chunk = engine.max_rows
+        self.prefill_pieces = engine.options.prefill_pieces if prefill_pieces is None else prefill_pieces
         self.max_num_seqs = min(engine.lanes, max_num_seqs or engine.lanes)
         self.max_context = engine.ctx
         self.kv_geometry = engine.kv.plan.geometry(self.max_num_seqs, kv_tokens)
@@ -168,10 +172,12 @@ class CudaRunner:
                 return None
         ext = sample and self.logits.stage([seq])
         images = self.engine.image_rows(seq, start, end)
-        # beside decoding sequences a long chunk with image rows runs a few layers a call, the decode steps between
-        # (pieces.py: such a chunk cannot be cut by position, the image's span attends within itself)
-        long = (end - start) * self.engine.spec.target.num_hidden_layers >= PIECED_ROW_LAYERS
-        pieced = beside and bool(images) and long
+        # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
+        row_layers = (end - start) * self.engine.spec.target.num_hidden_layers
+        if self.prefill_pieces:
+            pieced = beside and row_layers > PIECE_ROW_LAYERS
+        else:
+            pieced = beside and bool(images) and row_layers >= PIECED_ROW_LAYERS
         if not pieced:  # (a chunk of its own held part-way, from steps with company, is run whole now)
             self.engine.pieces.drop(lane)
         run = self.engine.prefill_piece if pieced else self.engine.prefill

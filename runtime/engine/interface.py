@@ -49,6 +49,12 @@ class ModelRunner(Protocol):
         """Prompt tokens per prefill call; None: whole prompts."""
 
     @property
+    def prefill_pieces(self) -> bool:
+        """Whether it runs any long prefill chunk beside decoding sequences a few layers a call (`prefill`'s
+        `beside`): the scheduler then gives such a step one chunk, so no step holds the decoders back by more than
+        one piece."""
+
+    @property
     def caught_up_tokens(self) -> int:
         """Positions whose drafter context a catch-up prefill restored (0: never behind)."""
 

@@ -62,6 +62,7 @@ class Scheduler:
         lookahead: int = 0,
         media_ready: Callable[[Sequence, bool, list[Sequence]], bool] = lambda seq, wait, queued: True,
         drafts: DraftPlanner | None = None,
+        one_chunk_beside: bool = False,
     ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
@@ -70,6 +71,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
         self.media_ready = media_ready  # ModelRunner.media_ready: its images' rows at hand without a wait
         self.drafts = drafts  # the draft policy: each decoder's drafts this step (None: the most it may propose)
+        # a step with decoders takes one prompt chunk (ModelRunner.prefill_pieces: the runner cuts a long one into
+        # pieces of a few layers, so that step holds the decoders back by one piece; a second chunk would add its
+        # own whole forward)
+        self.one_chunk_beside = one_chunk_beside
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
 
@@ -124,7 +129,7 @@ class Scheduler:
             budget -= 1
         prefills: list[Prefill] = []
         for seq in [s for s in self.running if s.num_cached < s.prefill_target]:  # admitted, prompt not done
-            if budget <= 0 or (prefills and not self._fits_whole(seq, budget)):
+            if budget <= 0 or (prefills and not self._more_chunks(seq, budget, decodes)):
                 break
             chunk = self._chunk(seq, budget)
             if chunk is not None:
@@ -132,7 +137,7 @@ class Scheduler:
                 budget -= chunk.end - chunk.start
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if prefills and not self._fits_whole(seq, budget):
+            if prefills and not self._more_chunks(seq, budget, decodes):
                 break
             # its encode runs beside the steps (FCFS: the queue waits for it, the running ones do not); a step with
             # nothing else to run waits for it
@@ -163,6 +168,11 @@ class Scheduler:
             for seq in decodes:
                 self.drafts.plan(seq, len(decodes))
         return tuple(decodes)
+
+    def _more_chunks(self, seq: Sequence, budget: int, decodes: list[Sequence]) -> bool:
+        """Whether a step that has a prefill chunk takes `seq`'s next one too: never beside decoders when the runner
+        runs chunks in pieces there, else when the budget holds it whole (_fits_whole)."""
+        return not (decodes and self.one_chunk_beside) and self._fits_whole(seq, budget)
 
     def _fits_whole(self, seq: Sequence, budget: int) -> bool:
         """Whether `budget` holds the sequence's next chunk whole (the rest of its prompt, or a full chunk). A

@@ -42,6 +42,7 @@ class ReferenceRunner:
         self.verify_block = drafter.block_size if drafter is not None else 1
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
+        self.prefill_pieces = False  # (each chunk runs whole: NumPy has no decode step to let through between pieces)
         self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
         self.device_memory_used: int | None = None  # (host memory only)
         self.kv_geometry = reference_geometry(
