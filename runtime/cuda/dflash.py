@@ -231,7 +231,7 @@ def grammar_free_run(seq, tokens: list[int]) -> list[int]:
     return kept
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: `drafted` runs for every row of every batched step)
 class DraftLane:
     """What a KV lane's drafter context holds: positions 0..draft_upto-1 (of the tokens its K/V holds), and the
     highest position written in the lane since (its rings keep a position until one `slots` later is written)."""
@@ -243,8 +243,11 @@ class DraftLane:
     def drafted(self, start: int, end: int, taps: bool) -> None:
         """Positions start..end-1 were written: with the DFlash taps the drafter context follows them (when it
         held every earlier position); without, it holds positions before `start` only."""
-        self.draft_upto = end if taps and self.draft_upto >= start else min(self.draft_upto, start)
-        self.last_written = max(self.last_written, end - 1)
+        # (min and max spelled out, and slots: with their calls 32 rows took ~13 us of a step's host time, ~3 us so)
+        upto = self.draft_upto
+        self.draft_upto = end if taps and upto >= start else (upto if upto < start else start)
+        if end > self.last_written:
+            self.last_written = end - 1
 
 
 class DFlashDecoder:

@@ -334,8 +334,9 @@ class CudaRunner:
             and math.isfinite(self.speculative_cost(1, len(rows)))
             and any(s.speculative for _, _, _, s in rows)
         )
+        lanes = self.spec.lanes
         for lane, pos, _, _ in rows:  # (without the taps a plain step leaves the drafter context behind)
-            self.spec.lanes[lane].drafted(pos, pos + 1, taps=taps)
+            lanes[lane].drafted(pos, pos + 1, taps)
         launch = self.steps.launch_batch(
             [(lane, pos, tok, None if s.sampling.greedy else s.sampling) for lane, pos, tok, s in rows],
             carried,

@@ -29,6 +29,7 @@ Launch-ahead is off for these steps in this first version: the runner waits for 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -84,6 +85,7 @@ def step_cost(rows: int, experts: int, top_k: int) -> float:
     return 1 + MOE_SHARE * (experts_read(rows, experts, top_k) - top_k) / top_k + ROW_COST * (rows - 1)
 
 
+@functools.cache  # (the runner asks it at every batched step it launches: whether the step keeps the taps)
 def batched_verify_cost(drafts: int, batch: int, experts: int, top_k: int) -> float:
     """What a sequence's `drafts` drafts cost in a batched verify step of `batch` sequences, in its share of a plain
     batched step (DraftPlanner's unit: drafting pays when 1 + the drafts it accepts beat it): its share of the verify
