@@ -281,9 +281,11 @@ class Engine:
         rows, chunk = n - begin, self.pieces.current(key)
         self._stage_chunk(prompt, begin, rows, lane)
         if chunk is None:
-            _, ops = self._chunk_ops(spans, begin, rows, True, greedy, taps, ext)
-            chunk = self.pieces.begin(key, ops(), rows)
-        self.launches.run(self.launches.bind(self.pieces.next_launches(chunk)))
+            shape, ops = self._chunk_ops(spans, begin, rows, True, greedy, taps, ext)
+            chunk = self.pieces.begin(key, shape, ops, rows)
+        # (each piece of a shape bound once: binding a piece's ~150 launches took milliseconds of Python, while
+        # the decoders waited)
+        self.launches.run(self.launches.eager(*self.pieces.next_piece(chunk)))
         if not self.pieces.finished(chunk):
             if launched is not None:
                 launched()

@@ -12,8 +12,9 @@ K/V written by a piece's layers is the sequence's own and stays where it is.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .dataflow import Regions, accesses
 from .kernels import Ptr
@@ -28,6 +29,7 @@ PIECE_ROW_LAYERS = 6144
 # calls for other chunks a chunk in flight may go without running a piece before it is forgotten (it starts again
 # from its first layer if it comes back)
 MAX_WAITS = 64
+PLANS_KEPT = 16  # chunk shapes whose cuts are kept (working them out walks the chunk's ~400 launches per cut)
 RESTAGED = frozenset(
     {"ids", "positions", "lanes", "params", "kv_pages", "logit_rows", "logit_counts", "logit_biases", "logit_masks"}
 )
@@ -88,12 +90,20 @@ def kept_across(ops: list, cut: int, regions: Regions) -> list[str]:
     return [r for r in after if (r in live or r in before) and r not in RESTAGED]
 
 
-@dataclass
-class _Chunk:
-    key: tuple  # what the chunk is: its lane, positions and program flags (another key starts from layer 0)
+@dataclass(frozen=True)
+class _Plan:
+    """Where a chunk of one shape is cut and what crosses each cut (the same for every chunk of that shape)."""
+
     ops: list
     ranges: list[tuple[int, int]]
     kept: list[list[str]]  # per cut: the regions kept in the store across it
+
+
+@dataclass
+class _Chunk:
+    key: tuple  # what the chunk is: its lane, positions and program flags (another key starts from layer 0)
+    shape: tuple  # its launch list's shape (Engine._chunk_ops): chunks of one shape share their plan and bindings
+    plan: _Plan
     done: int = 0  # pieces run
     waits: int = 0  # calls for other chunks since this one last ran a piece
 
@@ -106,6 +116,7 @@ class PrefillPieces:
         self.regions = Regions(act.buffer.ptr, act.plan.regions.values())
         self.chunk: _Chunk | None = None
         self._store: Any = None
+        self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
 
     def busy(self, key: tuple) -> bool:
         """Whether another chunk is in flight: the chunk `key` then waits its turn (run whole, it would hold the
@@ -122,28 +133,41 @@ class PrefillPieces:
     def current(self, key: tuple) -> _Chunk | None:
         return self.chunk if self.chunk is not None and self.chunk.key == key else None
 
-    def begin(self, key: tuple, ops: list, rows: int) -> _Chunk:
-        """Start `ops` (a chunk of `rows` rows) in pieces, the store sized for its largest cut."""
-        ranges = piece_ranges(ops, rows)
-        kept = [kept_across(ops, b, self.regions) for _, b in ranges[:-1]]
-        self._ensure(max([sum(self.act[n].nbytes for n in names) for names in kept], default=0))
-        self.chunk = _Chunk(key, ops, ranges, kept)
+    def begin(self, key: tuple, shape: tuple, ops: Callable[[], list], rows: int) -> _Chunk:
+        """Start the chunk `key` (launch list `ops()` of `shape`, `rows` rows) in pieces, the store sized for its
+        largest cut. The cuts of a shape are worked out once (PLANS_KEPT shapes, least recently used first out)."""
+        plan = self._plans.get(shape)
+        if plan is None:
+            listed = ops()
+            ranges = piece_ranges(listed, rows)
+            plan = _Plan(listed, ranges, [kept_across(listed, b, self.regions) for _, b in ranges[:-1]])
+            self._plans[shape] = plan
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(shape)
+        self._ensure(max([sum(self.act[n].nbytes for n in names) for names in plan.kept], default=0))
+        self.chunk = _Chunk(key, shape, plan)
         return self.chunk
 
-    def next_launches(self, chunk: _Chunk) -> list:
-        """The next piece's launches: the store copied back into the regions it kept, the piece's own launches,
-        then what the rest of the chunk reads copied into the store."""
-        i = chunk.done
-        a, b = chunk.ranges[i]
-        ops = (self._copies(chunk.kept[i - 1], restore=True) if i else []) + chunk.ops[a:b]
-        if i < len(chunk.kept):
-            ops += self._copies(chunk.kept[i], restore=False)
+    def next_piece(self, chunk: _Chunk) -> tuple[tuple, Callable[[], list]]:
+        """The next piece: (the key of its launch list, what builds the list: the store copied back into the
+        regions it kept, the piece's own launches, then what the rest of the chunk reads copied into the store).
+        The key names the chunk's shape and the piece, so the engine binds each piece of a shape once."""
+        i, plan = chunk.done, chunk.plan
         chunk.done += 1
         chunk.waits = 0
-        return ops
+
+        def ops() -> list:
+            a, b = plan.ranges[i]
+            listed = (self._copies(plan.kept[i - 1], restore=True) if i else []) + plan.ops[a:b]
+            if i < len(plan.kept):
+                listed += self._copies(plan.kept[i], restore=False)
+            return listed
+
+        return ("piece", *chunk.shape, i, self._store.ptr), ops
 
     def finished(self, chunk: _Chunk) -> bool:
-        return chunk.done == len(chunk.ranges)
+        return chunk.done == len(chunk.plan.ranges)
 
     def drop(self, lane: int | None = None) -> None:
         """Forget the chunk in flight (of KV lane `lane`, or any): it ends, was preempted or failed."""
