@@ -11,6 +11,7 @@ from PIL import Image
 
 from thorgen.model_spec.presets import get_preset
 from thorgen.runtime.backend import ImageSpan, check_image_spans, key_tokens
+from thorgen.runtime.media import images
 from thorgen.runtime.media.images import ImageError, decode, load_image, preprocess
 from thorgen.runtime.media.prompts import ImagePlaceholderError, expand_image_tokens
 
@@ -76,6 +77,28 @@ def test_hash_keys_content_and_budget() -> None:
     jpeg = io.BytesIO()
     a.save(jpeg, format="JPEG")
     assert preprocess(Image.open(io.BytesIO(jpeg.getvalue())), VISION).hash != ia.hash
+
+
+def composited(img: Image.Image) -> bytes:
+    """What to_rgb gave before the paste: Pillow's alpha_composite onto white, then the alpha dropped."""
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB").tobytes()
+
+
+def test_the_paste_composites_as_pillow_does() -> None:
+    assert images.paste_composites()  # this Pillow takes the fast path, so the cases below test it
+
+
+@pytest.mark.parametrize("size", [(1, 1), (37, 41), (3, 5000), (720, 1283)])  # the last in bands
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_transparency_goes_onto_white_byte_for_byte(size, mode, threads, monkeypatch) -> None:
+    img = noise(*size, mode, seed=size[0] + size[1])
+    rgba = img.convert("RGBA")
+    assert images.onto_white(rgba, threads).tobytes() == composited(img)
+    assert images.to_rgb(img).tobytes() == composited(img)
+    monkeypatch.setattr(images, "paste_composites", lambda: False)  # a Pillow that rounds the paste otherwise
+    assert images.onto_white(rgba, threads).tobytes() == composited(img)
 
 
 @pytest.mark.parametrize(

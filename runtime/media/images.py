@@ -1,16 +1,17 @@
 """Runtime stage: one image's bytes -> an ImageInput (Gemma4ImageProcessor's steps, bit-exact, on Pillow + NumPy).
 
 Decode (Pillow; a plain 8-bit RGB(A) PNG by FFmpeg, the same pixels faster: runtime/media/png.py), composite any
-transparency onto white, resize preserving the aspect ratio to the largest multiple-of-(pool x patch) sides within
-the soft-token budget (PIL BICUBIC on uint8; small images are upscaled; a large image's resize runs in bands on a
-few threads, byte for byte the same: runtime/media/resize.py), cut into patches in (py, px, c) order, row-major
-over the patch grid, with (x, y) grid positions. Pixels stay uint8 (ImageInput.pixel_values gives /255 as
-float32). Anything Pillow cannot turn into pixels, a decompression bomb or a zero-size image raises ImageError
-with a message fit for a 400.
+transparency onto white (alpha_composite's bytes, from a paste through the alpha in bands), resize preserving the
+aspect ratio to the largest multiple-of-(pool x patch) sides within the soft-token budget (PIL BICUBIC on uint8;
+small images are upscaled; a large image's resize runs in bands on a few threads, byte for byte the same:
+runtime/media/resize.py), cut into patches in (py, px, c) order, row-major over the patch grid, with (x, y) grid
+positions. Pixels stay uint8 (ImageInput.pixel_values gives /255 as float32). Anything Pillow cannot turn into
+pixels, a decompression bomb or a zero-size image raises ImageError with a message fit for a 400.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
@@ -22,12 +23,13 @@ from PIL import Image, UnidentifiedImageError
 from ...model_spec.types import Gemma4VisionSpec
 from ..backend import ImageInput
 from .png import decode_plain
-from .resize import resized_patches, worth_bands
+from .resize import PARALLEL_PIXELS, THREADS, resized_patches, run_all, spans, worth_bands
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 DEFAULT_BUDGET = 280
 MAX_PIXELS = 50_000_000  # decoded pixels an image may have (a 7071 x 7071 photo); Pillow checks it from the header
 MAX_BYTES = 64 << 20
+WHITE = (255, 255, 255)  # what transparency is composited onto
 
 
 class ImageError(ValueError):
@@ -74,9 +76,42 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency (an alpha band or a transparent palette entry) composited onto white; an RGB
     image as it is (convert would copy it, and nothing here writes to it)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        return onto_white(image if image.mode == "RGBA" else image.convert("RGBA"))  # RGBA is read, not copied
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def onto_white(rgba: Image.Image, threads: int = THREADS) -> Image.Image:
+    """An RGBA image composited onto opaque white, as RGB: the bytes of `Image.alpha_composite(white, rgba)
+    .convert("RGB")`, from a paste through its own alpha where this Pillow rounds that paste the same way: a
+    quarter of the time, and with the GIL let go (alpha_composite holds it), so a large image's rows go in bands
+    on the resize threads (a 720p RGBA screenshot on a 16-core host: 10.5 ms -> 1.7 ms)."""
+    if not paste_composites():
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*WHITE, 255)), rgba).convert("RGB")
+    (w, h), out = rgba.size, Image.new("RGB", rgba.size, WHITE)
+    if threads < 2 or w * h < PARALLEL_PIXELS:
+        out.paste(rgba, (0, 0), rgba)
+        return out
+    rgba.load()  # decoded once, not by the first band's crop racing the others
+
+    def band(a: int, b: int) -> None:
+        part = rgba.crop((0, a, w, b))  # paste reads a source of the box's size
+        out.paste(part, (0, a), part)  # disjoint rows
+
+    run_all([lambda a=a, b=b: band(a, b) for a, b in spans(h, threads)], threads)
+    return out
+
+
+@functools.cache
+def paste_composites() -> bool:
+    """Whether a paste through the alpha onto white gives alpha_composite's bytes, told from every (value, alpha)
+    pair: each channel of either is a function of the pair alone (Pillow 13: both compute (v * a + 255 * (255 - a))
+    / 255, rounded alike), so the 65536 pairs are every case there is."""
+    value, alpha = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8))
+    probe = Image.fromarray(np.stack([value, ~value, value * np.uint8(7), alpha], axis=-1), "RGBA")
+    pasted = Image.new("RGB", probe.size, WHITE)
+    pasted.paste(probe, (0, 0), probe)
+    composited = Image.alpha_composite(Image.new("RGBA", probe.size, (*WHITE, 255)), probe).convert("RGB")
+    return pasted.tobytes() == composited.tobytes()
 
 
 def target_size(height: int, width: int, budget: int, vision: Gemma4VisionSpec) -> tuple[int, int]:
