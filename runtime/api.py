@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # sequences decoded together (cuda: KV lanes, at most forward.MAX_BATCH)
     kv_cache_gib: float | None = None  # cuda: the KV cache's size (default: what fits beside the weights)
     max_step_tokens: int | None = None  # a step's token budget (default: engine_core.default_step_tokens)
-    options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (all on by default)
+    options: EngineOptions = EngineOptions()  # cuda: how the engine launches its work (EngineOptions' defaults)
     drafts: DraftOptions = DraftOptions()  # the draft policy of every engine core over it (adaptive by default)
     sms: int | None = None  # cuda: run on this many multiprocessors (a green context; None: the whole GPU)
     # the server's engine runs in a child process (runtime/process), so that a device fault, which no context
@@ -98,21 +98,21 @@ BACKENDS: dict[str, Callable[[EngineConfig, Checkpoint], Backend]] = {"reference
 
 def engine_option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """Give a click command one `--X/--no-X` switch per EngineOptions field (--no-pdl, --no-fork,
-    --no-launch-ahead, --no-rowwise-splits, --no-prefill-pieces); the command receives them as one `engine_options`
+    --no-launch-ahead, --no-rowwise-splits, --prefill-pieces); the command receives them as one `engine_options`
     value."""
     import functools
 
     import click
 
-    names = [name for name, _, _ in EngineOptions.flags()]
+    names = [name for name, _, _, _ in EngineOptions.flags()]
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         kwargs["engine_options"] = EngineOptions(**{n: kwargs.pop(n) for n in names})
         return command(*args, **kwargs)
 
-    for name, flag, help in reversed(EngineOptions.flags()):
-        run = click.option(f"--{flag}/--no-{flag}", name, default=True, show_default=True, help=help)(run)
+    for name, flag, help, default in reversed(EngineOptions.flags()):
+        run = click.option(f"--{flag}/--no-{flag}", name, default=default, show_default=True, help=help)(run)
     return run
 
 

@@ -14,14 +14,15 @@ def default_ctx(max_position_embeddings: int, ctx: int | None = None) -> int:
     return min(max_position_embeddings, DEFAULT_CTX) if ctx is None else int(ctx)
 
 
-def _switch(help: str) -> bool:
-    return field(default=True, metadata={"help": help})
+def _switch(help: str, default: bool = True) -> bool:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """How the CUDA engine launches its work. Every switch keeps the engine's output the same; turning one off
-    measures what it buys (docs/BENCHMARKS.md). The reference backend ignores them."""
+    measures what it buys (docs/BENCHMARKS.md). All are on by default but `prefill_pieces`, which trades
+    throughput for shorter token gaps. The reference backend ignores them."""
 
     pdl: bool = _switch("cuda: programmatic dependent launch between consecutive kernels, where the kernels allow it")
     fork: bool = _switch("cuda: the dense MLP on a side stream beside router + MoE (off: one stream)")
@@ -39,14 +40,16 @@ class EngineOptions:
     )
     prefill_pieces: bool = _switch(
         "cuda: while sequences decode, a step takes one prompt chunk and runs a long one a few layers a step, so "
-        "the running streams' token gaps stay near one decode step plus one piece (off: prompt chunks beside "
-        "decodes run whole, several a step: sooner first tokens under a burst of prompts, longer gaps)"
+        "the running streams' token gaps stay near one decode step plus one piece, at some throughput and first-"
+        "token latency under bursts of prompts (off: text chunks beside decodes run whole, several a step; only "
+        "a chunk with an image runs in pieces)",
+        default=False,
     )
 
     @staticmethod
-    def flags() -> list[tuple[str, str, str]]:
-        """(field name, command-line switch, help) of each option: `--pdl/--no-pdl` and so on."""
-        return [(f.name, f.name.replace("_", "-"), f.metadata["help"]) for f in fields(EngineOptions)]
+    def flags() -> list[tuple[str, str, str, bool]]:
+        """(field name, command-line switch, help, default) of each option: `--pdl/--no-pdl` and so on."""
+        return [(f.name, f.name.replace("_", "-"), f.metadata["help"], f.default) for f in fields(EngineOptions)]
 
 
 @dataclass(frozen=True)

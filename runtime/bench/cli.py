@@ -431,7 +431,11 @@ def bench(
         + (f" --video {video}" if video else "")
         + (f" --video-frames {video_frames}" if video and video_frames else "")
         + (f" --sms {sms}" if sms is not None else "")
-        + "".join(f" --no-{flag}" for name, flag, _ in EngineOptions.flags() if not getattr(engine_options, name))
+        + "".join(
+            f" --{'' if on else 'no-'}{flag}"
+            for name, flag, _, default in EngineOptions.flags()
+            if (on := getattr(engine_options, name)) != default
+        )
     )
     if kernels and sms is not None:
         raise click.UsageError("--kernels times each kernel on the whole GPU: drop --sms")

@@ -31,11 +31,11 @@ from .spec_grammar import masked
 # drafts all missed decoded at 0.48x the plain rate
 SPEC_STEP_COST = 2.1
 
-# Beside decoding sequences (EngineOptions.prefill_pieces), a chunk of more than a piece's rows x layers runs in
-# pieces: a 512-token prompt (15,360 row-layers at full size) in 3, each held to ~8 ms on an H100. That bounds the
-# decoders' token gaps and costs first tokens under a burst of prompts: a wave of 32 prompts gets its first tokens
-# a few pieces apart (~50 ms at 32d7aa3). Off, only a chunk with image rows (which the scheduler cannot cut by
-# position: the image's span attends within itself) runs in pieces, from two pieces' worth.
+# With EngineOptions.prefill_pieces, any chunk of more than a piece's rows x layers beside decoding sequences runs
+# in pieces (a 512-token prompt, 15,360 row-layers at full size, in 3): that bounds the decoders' token gaps, and
+# costs throughput and first tokens under a burst of prompts, whose decodes then start a few steps apart (H100,
+# b8e026d: 32 streams 2,732 against 2,995 tok/s). By default only a chunk with image rows (which the scheduler
+# cannot cut by position: the image's span attends within itself) runs in pieces, from two pieces' worth.
 PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
@@ -68,9 +68,9 @@ class Pipeline:
 
 class CudaRunner:
     """ModelRunner over the Engine, on up to `max_num_seqs` of its KV lanes and `kv_tokens` positions of its pages
-    (default: all). `launch_ahead` off: every step is launched when scheduled; `prefill_pieces` off: text chunks
-    beside decodes run whole (A/B measurements; default: the engine's options). `batched_verify` off: sequences
-    that decode together never draft (A/B measurements)."""
+    (default: all). `launch_ahead` off: every step is launched when scheduled (A/B measurements); `prefill_pieces`
+    on: text chunks beside decodes run in pieces too (default for both: the engine's options). `batched_verify`
+    off: sequences that decode together never draft (A/B measurements)."""
 
     def __init__(
         self,
