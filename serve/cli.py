@@ -144,7 +144,9 @@ def open_model(config):
     type=click.IntRange(min=1),
     default=None,
     help="Tokens one step schedules: prompt chunks plus every running sequence's decode rows (default: "
-    "one whole prefill chunk, 2,048 rows on the cuda backend, beside every sequence's decode).",
+    "one whole prefill chunk, 2,048 rows on the cuda backend, beside every sequence's decode). Lower "
+    "it to shorten other streams' token gaps while prompts prefill, at the price of TTFT (or see "
+    "--prefill-pieces).",
 )
 @click.option(
     "--max-body-mb",

@@ -44,11 +44,11 @@ def percentile(values: list[float], q: float) -> float | None:
 async def _one(http, url: str, body: dict, headers: dict, endpoint: str = "/v1/completions") -> dict:
     # serialized before the clock starts: a megabyte-sized image chat takes milliseconds of the client's own
     # JSON encoding, which is no part of the server's latency
-    data = json.dumps(body).encode()
+    data = json.dumps(body, separators=(",", ":")).encode()
+    headers = {**headers, "content-type": "application/json"}
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage = None
-    headers = {**headers, "content-type": "application/json"}
     async with http.stream("POST", url + endpoint, content=data, headers=headers) as r:
         if r.status_code != 200:
             raise click.ClickException(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")

@@ -285,7 +285,7 @@ class Engine:
             chunk = self.pieces.begin(key, shape, ops, rows)
         # (each piece of a shape bound once: binding a piece's ~150 launches took milliseconds of Python, while
         # the decoders waited)
-        self.launches.run(self.launches.eager(*self.pieces.next_piece(chunk)))
+        self.launches.run(self.pieces.next_piece(chunk, self.launches.bind))
         if not self.pieces.finished(chunk):
             if launched is not None:
                 launched()

@@ -2,12 +2,13 @@
 
 A chunk holding an image span cannot be split by position (the span attends within itself), and at the real model's
 size a 1120-budget image's chunk takes tens of milliseconds: run whole, it holds back every sequence decoding beside
-it by that much. Cut at layer boundaries instead, each piece is one call of the runner's prefill, and the decode
-steps between pieces run as usual. They share the activation arena with the chunk, so what crosses a cut is saved
-after a piece and restored before the next: the regions the rest of the chunk reads before writing them
-(`live_in`, from the manifest's argument accesses, as runtime/cuda/dataflow.py checks a step), less those the engine
-stages again for every call (token ids, positions, lanes, sampling parameters, the page table, logits masks). The
-K/V written by a piece's layers is the sequence's own and stays where it is.
+it by that much (so can any long text chunk: EngineOptions.prefill_pieces cuts those too). Cut at layer boundaries
+instead, each piece is one call of the runner's prefill, and the decode steps between pieces run as usual. They
+share the activation arena with the chunk, so what crosses a cut is saved after a piece and restored before the
+next: the regions the rest of the chunk reads before writing them (`live_in`, from the manifest's argument accesses,
+as runtime/cuda/dataflow.py checks a step), less those the engine stages again for every call (token ids,
+positions, lanes, sampling parameters, the page table, logits masks). The K/V written by a piece's layers is the
+sequence's own and stays where it is.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from .memory import Arena, alloc
 from .programs import Copy2D
 
 # A piece's rows x layers. On an H100 the 1,614-row chunk of a 1120-budget image took ~60 ms for 30 layers, ~2 ms a
-# layer: 6,144 row-layers is ~4 of its layers, ~8 ms, about one batched decode step of 8 sequences. Not yet measured
-# as pieces.
+# layer: 6,144 row-layers is ~4 of its layers, ~8 ms, about one batched decode step of 8 sequences. Measured as
+# pieces of 512-row text chunks (H100, b8e026d): a step with a piece and 8 decodes ~20 ms, not yet placed.
 PIECE_ROW_LAYERS = 6144
-# staged again by every call of the runner's prefill (or engine state another sequence may change between pieces)
 # calls for other chunks a chunk in flight may go without running a piece before it is forgotten (it starts again
 # from its first layer if it comes back)
 MAX_WAITS = 64
 PLANS_KEPT = 16  # chunk shapes whose cuts are kept (working them out walks the chunk's ~400 launches per cut)
+# pieces' launch lists kept bound, apart from LaunchLists' own (a shape's pieces would push out whole chunks' lists)
+BOUND_KEPT = 32
+# staged again by every call of the runner's prefill (or engine state another sequence may change between pieces)
 RESTAGED = frozenset(
     {"ids", "positions", "lanes", "params", "kv_pages", "logit_rows", "logit_counts", "logit_biases", "logit_masks"}
 )
@@ -117,6 +120,7 @@ class PrefillPieces:
         self.chunk: _Chunk | None = None
         self._store: Any = None
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._bound: OrderedDict[tuple, list] = OrderedDict()
 
     def busy(self, key: tuple) -> bool:
         """Whether another chunk is in flight: the chunk `key` then waits its turn (run whole, it would hold the
@@ -136,6 +140,7 @@ class PrefillPieces:
     def begin(self, key: tuple, shape: tuple, ops: Callable[[], list], rows: int) -> _Chunk:
         """Start the chunk `key` (launch list `ops()` of `shape`, `rows` rows) in pieces, the store sized for its
         largest cut. The cuts of a shape are worked out once (PLANS_KEPT shapes, least recently used first out)."""
+        shape = (*shape, PIECE_ROW_LAYERS)  # (the budget the cuts were made for)
         plan = self._plans.get(shape)
         if plan is None:
             listed = ops()
@@ -149,10 +154,10 @@ class PrefillPieces:
         self.chunk = _Chunk(key, shape, plan)
         return self.chunk
 
-    def next_piece(self, chunk: _Chunk) -> tuple[tuple, Callable[[], list]]:
-        """The next piece: (the key of its launch list, what builds the list: the store copied back into the
-        regions it kept, the piece's own launches, then what the rest of the chunk reads copied into the store).
-        The key names the chunk's shape and the piece, so the engine binds each piece of a shape once."""
+    def next_piece(self, chunk: _Chunk, bind: Callable[[list], list]) -> list:
+        """The next piece's launch list, bound by `bind` the first time a chunk of its shape runs it: the store
+        copied back into the regions it kept, the piece's own launches, then what the rest of the chunk reads
+        copied into the store."""
         i, plan = chunk.done, chunk.plan
         chunk.done += 1
         chunk.waits = 0
@@ -164,7 +169,14 @@ class PrefillPieces:
                 listed += self._copies(plan.kept[i], restore=False)
             return listed
 
-        return ("piece", *chunk.shape, i, self._store.ptr), ops
+        key = (*chunk.shape, i, self._store.ptr)
+        launches = self._bound.get(key)
+        if launches is None:
+            launches = self._bound[key] = bind(ops())
+            if len(self._bound) > BOUND_KEPT:
+                self._bound.popitem(last=False)
+        self._bound.move_to_end(key)
+        return launches
 
     def finished(self, chunk: _Chunk) -> bool:
         return chunk.done == len(chunk.plan.ranges)

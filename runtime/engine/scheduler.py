@@ -5,7 +5,8 @@ one, which is the next step's input. Each step the scheduler first gives every r
 token, or a verify block when speculative; the draft policy, runtime/engine/speculation.py, sets its drafts) and
 the KV for it, then fills the rest of the per-step token budget with prefill chunks: of sequences already
 admitted, then of new ones (FCFS), each admitted only when the KV manager gives it a lane and the pages of its
-prompt (less what its prefix cache hit shares). When a decoder needs
+prompt (less what its prefix cache hit shares); one chunk only, in a step with decoders, for a runner that runs
+chunks beside decodes in pieces (ModelRunner.prefill_pieces). When a decoder needs
 a page and none is free, the most recently admitted other sequence is preempted by recompute: its KV is freed and
 it re-queues at the front, keeping its output. On readmission it prefills its prompt plus all its output but the
 last token, and continues, with the tokens it would have produced anyway (seeded sampling depends only on seed
@@ -49,7 +50,8 @@ class KVExhausted(Exception):
 
 class Scheduler:
     """FCFS admission under the KV manager and `max_num_seqs`; chunked prefill under `max_step_tokens` per step (a
-    step's first chunk may be cut by the budget, later ones only whole: _fits_whole)."""
+    step's first chunk may be cut by the budget, later ones only whole, and none beside decodes with
+    `one_chunk_beside`: _more_chunks)."""
 
     def __init__(
         self,
@@ -138,6 +140,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if prefills and not self._more_chunks(seq, budget, decodes):
+                if seq.images and decodes and self.one_chunk_beside:  # (its encode still starts, or goes on)
+                    self.media_ready(seq, False, self._queued_images())
                 break
             # its encode runs beside the steps (FCFS: the queue waits for it, the running ones do not); a step with
             # nothing else to run waits for it
