@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .dataflow import Regions, accesses
 from .kernels import Ptr
@@ -93,6 +93,20 @@ def kept_across(ops: list, cut: int, regions: Regions) -> list[str]:
     return [r for r in after if (r in live or r in before) and r not in RESTAGED]
 
 
+T = TypeVar("T")
+
+
+def _cached(cache: OrderedDict[tuple, T], key: tuple, make: Callable[[], T], kept: int) -> T:
+    """cache[key], made by `make()` when missing; beyond `kept` entries the least recently used goes."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+        if len(cache) > kept:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return value
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Where a chunk of one shape is cut and what crosses each cut (the same for every chunk of that shape)."""
@@ -141,15 +155,13 @@ class PrefillPieces:
         """Start the chunk `key` (launch list `ops()` of `shape`, `rows` rows) in pieces, the store sized for its
         largest cut. The cuts of a shape are worked out once (PLANS_KEPT shapes, least recently used first out)."""
         shape = (*shape, PIECE_ROW_LAYERS)  # (the budget the cuts were made for)
-        plan = self._plans.get(shape)
-        if plan is None:
+
+        def cut() -> _Plan:
             listed = ops()
             ranges = piece_ranges(listed, rows)
-            plan = _Plan(listed, ranges, [kept_across(listed, b, self.regions) for _, b in ranges[:-1]])
-            self._plans[shape] = plan
-            if len(self._plans) > PLANS_KEPT:
-                self._plans.popitem(last=False)
-        self._plans.move_to_end(shape)
+            return _Plan(listed, ranges, [kept_across(listed, b, self.regions) for _, b in ranges[:-1]])
+
+        plan = _cached(self._plans, shape, cut, PLANS_KEPT)
         self._ensure(max([sum(self.act[n].nbytes for n in names) for names in plan.kept], default=0))
         self.chunk = _Chunk(key, shape, plan)
         return self.chunk
@@ -169,14 +181,7 @@ class PrefillPieces:
                 listed += self._copies(plan.kept[i], restore=False)
             return listed
 
-        key = (*chunk.shape, i, self._store.ptr)
-        launches = self._bound.get(key)
-        if launches is None:
-            launches = self._bound[key] = bind(ops())
-            if len(self._bound) > BOUND_KEPT:
-                self._bound.popitem(last=False)
-        self._bound.move_to_end(key)
-        return launches
+        return _cached(self._bound, (*chunk.shape, i, self._store.ptr), lambda: bind(ops()), BOUND_KEPT)
 
     def finished(self, chunk: _Chunk) -> bool:
         return chunk.done == len(chunk.plan.ranges)
