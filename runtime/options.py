@@ -41,8 +41,8 @@ class EngineOptions:
     prefill_pieces: bool = _switch(
         "cuda: while sequences decode, a step takes one prompt chunk and runs a long one a few layers a step, so "
         "the running streams' token gaps stay near one decode step plus one piece, at some throughput and first-"
-        "token latency under bursts of prompts (off: text chunks beside decodes run whole, several a step; only "
-        "a chunk with an image runs in pieces)",
+        "token latency under bursts of prompts (off: only the chunks of a request with images run in pieces; "
+        "others beside decodes run whole, several a step)",
         default=False,
     )
 

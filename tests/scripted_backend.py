@@ -148,12 +148,14 @@ class ScriptedRunner:
     """The engine core's ModelRunner for ScriptedBackend: each step commits the next `chunk` script tokens."""
 
     prefill_chunk = None
-    prefill_pieces = False
     verify_block = 1
     lookahead = 0
     caught_up_tokens = 0
     device_memory_used = None
     image_rows_bytes = 0
+
+    def chunks_in_pieces(self, seq) -> bool:
+        return False
 
     def __init__(self, backend: ScriptedBackend, max_num_seqs: int, kv_tokens: int | None) -> None:
         from thorgen.runtime.engine.kv_manager import KVGeometry

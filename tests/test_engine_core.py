@@ -45,7 +45,7 @@ class Recording:
             "verify_block",
             "lookahead",
             "prefill_chunk",
-            "prefill_pieces",
+            "chunks_in_pieces",
             "caught_up_tokens",
             "speculative_cost",
             "check",
@@ -117,31 +117,32 @@ def test_default_budget_prefills_a_whole_chunk_beside_every_decode(backend):
     assert _tokens(outs["late"]) == _alone(backend, _prompt(16, 95), 4, GREEDY)
 
 
-def test_a_runner_in_pieces_gets_one_chunk_a_step_beside_decodes(backend):
-    """A runner that cuts long chunks beside decodes into pieces (prefill_pieces) gets one prompt chunk in a step
-    that decodes, however much budget is left (a second chunk would be a whole forward more for the decoders to
-    wait for); prompts that arrive with nothing decoding still share a step."""
-    runner = Recording(backend.runner(max_num_seqs=4))
-    runner.prefill_pieces = True
+def test_a_chunk_in_pieces_goes_alone_beside_decodes(backend):
+    """A chunk the runner cuts into pieces beside decodes (chunks_in_pieces: here the "p" sequences') runs in a step
+    that decodes with no other chunk, however much budget is left (a second chunk would be a whole forward more for
+    the decoders to wait for); other sequences' chunks still share a step with each other, and prompts that arrive
+    with nothing decoding share one too."""
+    runner = Recording(backend.runner(max_num_seqs=6))
+    runner.chunks_in_pieces = lambda seq: seq.request_id.startswith("p")
     core = EngineCore(runner)
     together = {f"t{i}": _prompt(6, 30 + i) for i in range(2)}
     for rid, prompt in together.items():
         core.add(rid, prompt, 12, GREEDY)
     first = {o.request_id: o for o in core.step()}
     assert [s[1] for s in runner.steps if s[0] == "prefill"] == ["t0", "t1"]
-    late = {f"l{i}": _prompt(5, 40 + i) for i in range(2)}
+    late = {"p0": _prompt(5, 40), "w0": _prompt(5, 41), "w1": _prompt(5, 42), "p1": _prompt(5, 43)}
     for rid, prompt in late.items():
         core.add(rid, prompt, 4, GREEDY)
     runner.steps.clear()
     outs = _run(core)
-    per_step, chunks = [], 0
-    for kind, *_ in runner.steps:
+    per_step, chunks = [], []
+    for kind, *rest in runner.steps:
         if kind == "prefill":
-            chunks += 1
+            chunks.append(rest[0])
         else:
             per_step.append(chunks)
-            chunks = 0
-    assert max(per_step) == 1 and sum(per_step) == 2, runner.steps
+            chunks = []
+    assert [c for c in per_step if c] == [["p0"], ["w0", "w1"], ["p1"]], runner.steps
     for rid, prompt in {**together, **late}.items():
         n = 12 if rid in together else 4
         assert _tokens([first[rid], *outs[rid]] if rid in first else outs[rid]) == _alone(backend, prompt, n, GREEDY)

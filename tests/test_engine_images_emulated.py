@@ -297,8 +297,7 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     engine = cuda.engine
     text = [2, 105, *range(300, 340), 106, 105]
     image_ids, spans = prompt(ck.spec, 5)
-    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # every chunk with image rows beside a decode: pieces
-    for module in (pieces, runner_mod):  # of one layer each
+    for module in (pieces, runner_mod):  # a chunk of an image's sequence beside a decode: pieces of one layer each
         monkeypatch.setattr(module, "PIECE_ROW_LAYERS", len(image_ids))
     calls = []
     whole = engine.prefill_piece
@@ -341,7 +340,6 @@ def test_a_text_prompt_beside_a_decoding_sequence(pair, monkeypatch, in_pieces):
     cuda, ref, ck = pair
     engine = cuda.engine
     first, late = [2, 105, *range(300, 340), 106, 105], [2, 105, *range(400, 430), 106, 105]
-    monkeypatch.setattr(runner_mod, "PIECED_ROW_LAYERS", 1)  # any chunk with image rows would run in pieces
     for module in (pieces, runner_mod):  # the prompt's chunk: a layer a piece
         monkeypatch.setattr(module, "PIECE_ROW_LAYERS", len(late) - 1)
     ran = []

@@ -202,6 +202,10 @@ def bench_serve(
     if images is not None:  # ... and the image path at this image's size
         images.prepare(1)
         asyncio.run(run_level(url, 1, 1, image_chats(images, streamed(2)), api_key, timeout))
+    if images is not None and image_arrivals:  # ... and beside a decoding stream: its chunk's pieces cut and bound
+        images.prepare(2)
+        beside = partial(send_beside, images, fields)
+        asyncio.run(run_level(url, 1, 1, text_requests(prompt, streamed(256, True)), api_key, timeout, beside))
     rows = []
     for c in levels:
         n = c * per_client

@@ -31,12 +31,12 @@ from .spec_grammar import masked
 # drafts all missed decoded at 0.48x the plain rate
 SPEC_STEP_COST = 2.1
 
-# With EngineOptions.prefill_pieces, any chunk of more than a piece's rows x layers beside decoding sequences runs
-# in pieces (a 512-token prompt, 15,360 row-layers at full size, in 3): that bounds the decoders' token gaps, and
-# costs throughput and first tokens under a burst of prompts, whose decodes then start a few steps apart (H100,
-# b8e026d: 32 streams 2,732 against 2,995 tok/s). By default only a chunk with image rows (which the scheduler
-# cannot cut by position: the image's span attends within itself) runs in pieces, from two pieces' worth.
-PIECED_ROW_LAYERS = 2 * PIECE_ROW_LAYERS
+# Beside decoding sequences, a chunk of more than a piece's rows x layers of a sequence with images runs in pieces
+# (chunks_in_pieces): its image span cannot be cut by position (it attends within itself), and a 1120-budget image's
+# chunk runs ~60 ms whole on an H100. With EngineOptions.prefill_pieces every sequence's long chunks do (a 512-token
+# prompt, 15,360 row-layers at full size, in 3): that bounds the decoders' token gaps, and costs throughput and first
+# tokens under a burst of prompts, whose decodes then start a few steps apart (H100, b8e026d: 32 streams 2,732
+# against 2,995 tok/s).
 
 Row = tuple[int, int, int, Sequence]  # a batched step's row: (KV lane, position, input token, sequence)
 
@@ -122,6 +122,9 @@ class CudaRunner:
     def check(self, seq: Sequence) -> None:
         self.engine.check_request(seq)
 
+    def chunks_in_pieces(self, seq: Sequence) -> bool:
+        return self.prefill_pieces or bool(seq.images)
+
     def media_ready(self, seq: Sequence, wait: bool, queued: Iterable[Sequence] = ()) -> bool:
         cache = self.engine.encoder_cache
         along = [s.image for q in queued for s in q.images]
@@ -174,10 +177,7 @@ class CudaRunner:
         images = self.engine.image_rows(seq, start, end)
         # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
         row_layers = (end - start) * self.engine.spec.target.num_hidden_layers
-        if self.prefill_pieces:
-            pieced = beside and row_layers > PIECE_ROW_LAYERS
-        else:
-            pieced = beside and bool(images) and row_layers >= PIECED_ROW_LAYERS
+        pieced = beside and row_layers > PIECE_ROW_LAYERS and self.chunks_in_pieces(seq)
         if not pieced:  # (a chunk of its own held part-way, from steps with company, is run whole now)
             self.engine.pieces.drop(lane)
         run = self.engine.prefill_piece if pieced else self.engine.prefill

@@ -97,7 +97,7 @@ class EngineCore:
             runner.lookahead,
             runner.media_ready,
             self.drafts,
-            runner.prefill_pieces,
+            runner.chunks_in_pieces,
         )
         # speculative decoding's totals (health(); /metrics): verify steps, drafts they verified, drafts accepted
         self.speculation = {"speculative_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}

@@ -48,11 +48,10 @@ class ModelRunner(Protocol):
     def prefill_chunk(self) -> int | None:
         """Prompt tokens per prefill call; None: whole prompts."""
 
-    @property
-    def prefill_pieces(self) -> bool:
-        """Whether it runs any long prefill chunk beside decoding sequences a few layers a call (`prefill`'s
-        `beside`): the scheduler then gives such a step one chunk, so no step holds the decoders back by more than
-        one piece."""
+    def chunks_in_pieces(self, seq: Sequence) -> bool:
+        """Whether it runs a long prefill chunk of `seq` beside decoding sequences a few layers a call (`prefill`'s
+        `beside`): the scheduler then gives a step with such a chunk no other, so no step holds the decoders back by
+        more than one piece."""
 
     @property
     def caught_up_tokens(self) -> int:

@@ -5,8 +5,8 @@ one, which is the next step's input. Each step the scheduler first gives every r
 token, or a verify block when speculative; the draft policy, runtime/engine/speculation.py, sets its drafts) and
 the KV for it, then fills the rest of the per-step token budget with prefill chunks: of sequences already
 admitted, then of new ones (FCFS), each admitted only when the KV manager gives it a lane and the pages of its
-prompt (less what its prefix cache hit shares); one chunk only, in a step with decoders, for a runner that runs
-chunks beside decodes in pieces (ModelRunner.prefill_pieces). When a decoder needs
+prompt (less what its prefix cache hit shares); in a step with decoders, a chunk the runner runs in pieces there
+(ModelRunner.chunks_in_pieces) goes alone. When a decoder needs
 a page and none is free, the most recently admitted other sequence is preempted by recompute: its KV is freed and
 it re-queues at the front, keeping its output. On readmission it prefills its prompt plus all its output but the
 last token, and continues, with the tokens it would have produced anyway (seeded sampling depends only on seed
@@ -50,8 +50,8 @@ class KVExhausted(Exception):
 
 class Scheduler:
     """FCFS admission under the KV manager and `max_num_seqs`; chunked prefill under `max_step_tokens` per step (a
-    step's first chunk may be cut by the budget, later ones only whole, and none beside decodes with
-    `one_chunk_beside`: _more_chunks)."""
+    step's first chunk may be cut by the budget, later ones only whole, and none beside decodes next to a chunk
+    that runs in pieces: _more_chunks)."""
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class Scheduler:
         lookahead: int = 0,
         media_ready: Callable[[Sequence, bool, list[Sequence]], bool] = lambda seq, wait, queued: True,
         drafts: DraftPlanner | None = None,
-        one_chunk_beside: bool = False,
+        in_pieces: Callable[[Sequence], bool] = lambda seq: False,
     ) -> None:
         self.kv, self.max_num_seqs, self.max_step_tokens = kv, max_num_seqs, max_step_tokens
         self.max_context, self.verify_block = max_context, verify_block
@@ -73,10 +73,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk  # None: a runner that prefills a whole prompt in one call
         self.media_ready = media_ready  # ModelRunner.media_ready: its images' rows at hand without a wait
         self.drafts = drafts  # the draft policy: each decoder's drafts this step (None: the most it may propose)
-        # a step with decoders takes one prompt chunk (ModelRunner.prefill_pieces: the runner cuts a long one into
-        # pieces of a few layers, so that step holds the decoders back by one piece; a second chunk would add its
-        # own whole forward)
-        self.one_chunk_beside = one_chunk_beside
+        # whether the runner cuts a long chunk of the sequence into pieces of a few layers beside decoders
+        # (ModelRunner.chunks_in_pieces): a step with decoders and such a chunk takes no other chunk, which would
+        # add its own whole forward to the one piece the decoders wait for
+        self.in_pieces = in_pieces
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
 
@@ -131,7 +131,7 @@ class Scheduler:
             budget -= 1
         prefills: list[Prefill] = []
         for seq in [s for s in self.running if s.num_cached < s.prefill_target]:  # admitted, prompt not done
-            if budget <= 0 or (prefills and not self._more_chunks(seq, budget, decodes)):
+            if budget <= 0 or (prefills and not self._more_chunks(seq, budget, decodes, prefills)):
                 break
             chunk = self._chunk(seq, budget)
             if chunk is not None:
@@ -139,8 +139,8 @@ class Scheduler:
                 budget -= chunk.end - chunk.start
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if prefills and not self._more_chunks(seq, budget, decodes):
-                if seq.images and decodes and self.one_chunk_beside:  # (its encode still starts, or goes on)
+            if prefills and not self._more_chunks(seq, budget, decodes, prefills):
+                if seq.images and decodes:  # (its encode still starts, or goes on)
                     self.media_ready(seq, False, self._queued_images())
                 break
             # its encode runs beside the steps (FCFS: the queue waits for it, the running ones do not); a step with
@@ -173,10 +173,12 @@ class Scheduler:
                 self.drafts.plan(seq, len(decodes))
         return tuple(decodes)
 
-    def _more_chunks(self, seq: Sequence, budget: int, decodes: list[Sequence]) -> bool:
-        """Whether a step that has a prefill chunk takes `seq`'s next one too: never beside decoders when the runner
-        runs chunks in pieces there, else when the budget holds it whole (_fits_whole)."""
-        return not (decodes and self.one_chunk_beside) and self._fits_whole(seq, budget)
+    def _more_chunks(self, seq: Sequence, budget: int, decodes: list[Sequence], prefills: list[Prefill]) -> bool:
+        """Whether a step that has `prefills` takes `seq`'s next chunk too: when the budget holds it whole
+        (_fits_whole), and beside decoders only if neither it nor a chunk the step has runs in pieces there."""
+        if decodes and (self.in_pieces(seq) or any(self.in_pieces(p.seq) for p in prefills)):
+            return False
+        return self._fits_whole(seq, budget)
 
     def _fits_whole(self, seq: Sequence, budget: int) -> bool:
         """Whether `budget` holds the sequence's next chunk whole (the rest of its prompt, or a full chunk). A

@@ -42,7 +42,6 @@ class ReferenceRunner:
         self.verify_block = drafter.block_size if drafter is not None else 1
         self.lookahead = 0  # (each step runs to its end before the next is scheduled)
         self.prefill_chunk = prefill_chunk
-        self.prefill_pieces = False  # (each chunk runs whole: NumPy has no decode step to let through between pieces)
         self.caught_up_tokens = 0  # (each sequence's drafter state follows it through every step)
         self.device_memory_used: int | None = None  # (host memory only)
         self.kv_geometry = reference_geometry(
@@ -57,6 +56,9 @@ class ReferenceRunner:
 
     def media_ready(self, seq: Sequence, wait: bool, queued: Iterable[Sequence] = ()) -> bool:
         return True  # (the NumPy tower encodes in the prefill that needs the rows)
+
+    def chunks_in_pieces(self, seq: Sequence) -> bool:
+        return False  # (each chunk runs whole: NumPy has no decode step to let through between pieces)
 
     def check(self, seq: Sequence) -> None:
         if seq.speculative and self.backend.drafter is None:
