@@ -280,13 +280,16 @@ def test_pieces_between_decode_steps_give_the_whole_chunks_logits(pair, monkeypa
     text = [2, 105, *range(300, 320)]
     token, pos = engine.prefill(text, lane=1), len(text)
     monkeypatch.setattr(pieces, "PIECE_ROW_LAYERS", len(ids))  # a layer a piece
-    pieced = 0
+    pieced, last = 0, None
     while (first := engine.prefill_piece(ids, lane=0, images=images)) is None:
         pieced += 1
+        if engine.pieces.chunk is not None and engine.pieces.chunk.sampled:  # (before the decode step's logits)
+            last = engine.logits()
         token, pos = EE.decode_step(engine, pos, token=token, lane=1), pos + 1
-    assert pieced == ck.spec.target.num_hidden_layers - 1 and engine.pieces.chunk is None
+    # a piece a layer, the first token read by the call after the last (the decode step ran between)
+    assert pieced == ck.spec.target.num_hidden_layers and engine.pieces.chunk is None
     assert first == int(np.argmax(whole))
-    assert np.array_equal(engine.logits(), whole)
+    assert last is not None and np.array_equal(last, whole)
 
 
 def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
@@ -321,9 +324,9 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
             out[o.request_id] += o.token_ids
         if calls and calls[-1] is None:
             text_during = (text_during or 0) + len(out["text"]) - before
-    layers = ck.spec.target.num_hidden_layers
-    assert calls[: layers - 1] == [None] * (layers - 1) and isinstance(calls[layers - 1], int)
-    assert text_during and text_during >= layers - 1  # the text sequence decoded between the pieces
+    layers = ck.spec.target.num_hidden_layers  # (a piece a layer, then a call that reads the first token)
+    assert calls[:layers] == [None] * layers and isinstance(calls[layers], int)
+    assert text_during and text_during >= layers  # the text sequence decoded between the pieces
     assert engine.pieces.chunk is None
     assert out["text"] == ref.generate(text, 24, SamplingParams()).token_ids
     assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
@@ -359,8 +362,8 @@ def test_a_text_prompt_beside_a_decoding_sequence(pair, monkeypatch, in_pieces):
             out[o.request_id] += o.token_ids
             decoded += o.request_id == "first"
     layers = ck.spec.target.num_hidden_layers
-    if in_pieces:  # a piece a step, the decode between
-        assert steps == layers and decoded == layers and ran == [len(late)] * layers
+    if in_pieces:  # a piece a step, the decode between, then a step that reads the first token
+        assert steps == layers + 1 and decoded == layers + 1 and ran == [len(late)] * (layers + 1)
     else:
         assert steps == 1 and not ran
     while core.unfinished:

@@ -123,6 +123,7 @@ class _Chunk:
     plan: _Plan
     done: int = 0  # pieces run
     waits: int = 0  # calls for other chunks since this one last ran a piece
+    sampled: bool = False  # its last piece ran and copied the sampled token out (Engine.prefill_piece reads it)
 
 
 class PrefillPieces:
@@ -190,6 +191,10 @@ class PrefillPieces:
         """Forget the chunk in flight (of KV lane `lane`, or any): it ends, was preempted or failed."""
         if self.chunk is not None and (lane is None or self.chunk.key[0] == lane):
             self.chunk = None
+
+    def sampled(self, lane: int) -> bool:
+        """Whether the chunk in flight is of KV lane `lane` and ran its last piece (only its token is left)."""
+        return self.chunk is not None and self.chunk.sampled and self.chunk.key[0] == lane
 
     @property
     def lane(self) -> int | None:

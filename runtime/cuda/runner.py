@@ -178,6 +178,7 @@ class CudaRunner:
         # beside decoding sequences a long chunk runs a few layers a call, the decode steps between (pieces.py)
         row_layers = (end - start) * self.engine.spec.target.num_hidden_layers
         pieced = beside and row_layers > PIECE_ROW_LAYERS and self.chunks_in_pieces(seq)
+        pieced = pieced or self.engine.pieces.sampled(lane)  # (its last piece ran: only its token is left to read)
         if not pieced:  # (a chunk of its own held part-way, from steps with company, is run whole now)
             self.engine.pieces.drop(lane)
         run = self.engine.prefill_piece if pieced else self.engine.prefill

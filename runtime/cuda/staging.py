@@ -71,12 +71,14 @@ ALIGN = 64  # bytes between slots (a cache line: the host writes one slot while 
 # Turns per kind. One-row inputs: 128, used in turn (the stream is synchronised at least every 128 steps).
 # One-row, batched and DFlash steps: two each (a runner launches step n + 1 before it waits for step n, so a slot
 # is rewritten only after the step that used it was waited for). The DFlash block is rewritten only when no step
-# is in flight (a step launched ahead reads its block from the device), the prefill token only after a wait; the
-# batched verify's drafter blocks likewise (that step is never launched ahead: the runner waits for it).
+# is in flight (a step launched ahead reads its block from the device), the prefill token only after a wait, the
+# token of a chunk run in pieces (one chunk at a time) only after it was read; the batched verify's drafter blocks
+# likewise (that step is never launched ahead: the runner waits for it).
 ENGINE_SLOTS: dict[str, tuple[np.dtype, int]] = {
     "row_input": (ROW_INPUT, 128),
     "row_token": (ROW_TOKEN, 2),
     "prefill_token": (ROW_TOKEN, 1),
+    "piece_token": (ROW_TOKEN, 1),
     "batch": (BATCH, 2),
     "spec_block": (SPEC_BLOCK, 1),
     "spec_step": (SPEC_STEP, 2),
