@@ -332,6 +332,40 @@ def test_an_image_chunk_in_pieces_beside_a_decoding_sequence(pair, monkeypatch):
     assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
 
 
+def test_a_last_pieces_token_is_read_when_its_decoders_are_gone(pair, monkeypatch):
+    """The first token of a chunk run in pieces is read by the call after its last piece; when that call's step has
+    no decoders left (here the one decoding sequence was cancelled), it reads the token rather than running the
+    chunk again whole, and the image request's tokens are the reference's."""
+    from thorgen.runtime.cuda import pieces, runner as runner_mod
+    from thorgen.runtime.engine.core import EngineCore
+
+    cuda, ref, ck = pair
+    engine = cuda.engine
+    image_ids, spans = prompt(ck.spec, 7)
+    for module in (pieces, runner_mod):  # a piece a layer
+        monkeypatch.setattr(module, "PIECE_ROW_LAYERS", len(image_ids))
+    whole_calls = []
+    whole = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda *a, **k: whole_calls.append(len(a[0])) or whole(*a, **k))
+    core = EngineCore(runner_mod.CudaRunner(engine, max_num_seqs=2))
+    core.add("text", [2, 105, *range(300, 340), 106, 105], 200, SamplingParams())
+    out: dict[str, list[int]] = {"text": [], "image": []}
+    while not out["text"]:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    whole_calls.clear()
+    core.add("image", image_ids, GEN, SamplingParams(), images=tuple(spans))
+    while engine.pieces.chunk is None or not engine.pieces.chunk.sampled:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    core.abort("text")
+    while core.unfinished:
+        for o in core.step():
+            out[o.request_id] += o.token_ids
+    assert len(image_ids) not in whole_calls and engine.pieces.chunk is None
+    assert out["image"] == ref.generate(image_ids, GEN, SamplingParams(), images=spans).token_ids
+
+
 @pytest.mark.parametrize("in_pieces", [True, False])
 def test_a_text_prompt_beside_a_decoding_sequence(pair, monkeypatch, in_pieces):
     """Beside a decoding sequence (EngineOptions.prefill_pieces) a text prompt runs a layer a piece here, the decode

@@ -192,7 +192,8 @@ class CudaRunner:
         if ext:
             _raise_failed(self.logits.picked([seq], [tok]))
         self.spec.lanes[lane].drafted(start, end, taps)
-        self.pipe.on_device = (seq.request_id, end) if sample else None
+        # (a chunk in pieces: its token was read a call after its last piece, other steps' tokens in out_ids since)
+        self.pipe.on_device = (seq.request_id, end) if sample and not pieced else None
         if sample:
             self.pipe.joining.append((seq, tok))
         return tok if sample else None
