@@ -283,7 +283,7 @@ def test_pieces_between_decode_steps_give_the_whole_chunks_logits(pair, monkeypa
     pieced, last = 0, None
     while (first := engine.prefill_piece(ids, lane=0, images=images)) is None:
         pieced += 1
-        if engine.pieces.chunk is not None and engine.pieces.chunk.sampled:  # (before the decode step's logits)
+        if engine.pieces.sampled(0):  # (its last piece ran: read the logits before the decode step writes its own)
             last = engine.logits()
         token, pos = EE.decode_step(engine, pos, token=token, lane=1), pos + 1
     # a piece a layer, the first token read by the call after the last (the decode step ran between)
@@ -355,7 +355,7 @@ def test_a_last_pieces_token_is_read_when_its_decoders_are_gone(pair, monkeypatc
             out[o.request_id] += o.token_ids
     whole_calls.clear()
     core.add("image", image_ids, GEN, SamplingParams(), images=tuple(spans))
-    while engine.pieces.chunk is None or not engine.pieces.chunk.sampled:
+    while engine.pieces.chunk is None or engine.pieces.chunk.token is None:
         for o in core.step():
             out[o.request_id] += o.token_ids
     core.abort("text")

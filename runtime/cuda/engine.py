@@ -36,7 +36,7 @@ from .memory import DeviceBuffer
 from ..options import EngineOptions
 from .dflash import DFlashSteps, DraftForward
 from .programs import Forward
-from .staging import ENGINE_SLOTS, StagingRing
+from .staging import ENGINE_SLOTS, Slot, StagingRing
 from .steps import DecodeSteps, StepParts, sample_record
 from .pieces import PrefillPieces
 from .vision import VisionEncoder, chunk_images, stage_images, vision_missing
@@ -106,7 +106,6 @@ class Engine:
         )
         self.fwd.ptr = self.buffers  # the programs bind real buffers from now on
         self.pieces = PrefillPieces(device, self.act)  # a chunk run a few layers at a time (prefill_piece)
-        self._piece_sampled = device.event(timing=False)  # its last piece's token copied out
         self.staging = StagingRing(ENGINE_SLOTS)
         parts = StepParts(device, self.stream, self.act, self.fwd, self.launches, self.staging, self.max_rows)
         self.steps = DecodeSteps(parts, lanes)
@@ -283,8 +282,8 @@ class Engine:
                 launched()
             return None
         rows, chunk = n - begin, self.pieces.current(key)
-        if chunk is not None and chunk.sampled:
-            return self._piece_token(launched)
+        if chunk is not None and chunk.token is not None:
+            return self._piece_token(chunk.token, launched)
         self._stage_chunk(prompt, begin, rows, lane)
         if chunk is None:
             shape, ops = self._chunk_ops(spans, begin, rows, True, greedy, taps, ext)
@@ -293,24 +292,19 @@ class Engine:
         # the decoders waited)
         self.launches.run(self.pieces.next_piece(chunk, self.launches.bind))
         if self.pieces.finished(chunk):
-            slot = self.staging.next("piece_token")
-            check(
-                driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle),
-                "token id",
-            )
-            self._piece_sampled.record(self.stream)
-            chunk.sampled = True
+            chunk.token = self._token_out("piece_token")
+            self.pieces.sampled_event.record(self.stream)
         if launched is not None:
             launched()
         return None
 
-    def _piece_token(self, launched: Callable[[], None] | None) -> int:
-        """The token a chunk's last piece sampled (prefill_piece), once the piece is done."""
+    def _piece_token(self, slot: Slot, launched: Callable[[], None] | None) -> int:
+        """The token a chunk's last piece sampled and copied to `slot` (prefill_piece), once the piece is done."""
         if launched is not None:
             launched()
-        self._piece_sampled.synchronize()
+        self.pieces.sampled_event.synchronize()
         self.pieces.drop()
-        return int(self.staging.next("piece_token").record["tokens"][0])  # (one slot: the one it was copied to)
+        return int(slot.record["tokens"][0])
 
     def _stage_chunk(self, prompt: list[int], start: int, rows: int, lane: int) -> None:
         """A chunk's token ids, positions (and its end after them) and lanes. Stream-ordered copies: a synchronous
@@ -324,10 +318,15 @@ class Engine:
         pos.view(4 * self.max_rows, 4).upload(np.array([start + rows], np.int32), stream=self.stream)
         self.act["lanes"].view(0, 4 * rows).upload(np.full(rows, lane, np.int32), stream=self.stream)
 
+    def _token_out(self, kind: str) -> Slot:
+        """The next `kind` staging slot, the chunk's sampled token (out_ids[0]) copied into it in stream order."""
+        slot = self.staging.next(kind)
+        check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
+        return slot
+
     def _first_token(self, launched: Callable[[], None] | None) -> int:
         """The token the last chunk sampled, read once `launched()` ran beside the GPU's work."""
-        slot = self.staging.next("prefill_token")
-        check(driver().cuMemcpyDtoHAsync(slot.at("tokens"), self.act["out_ids"].ptr, 4, self.stream.handle), "token id")
+        slot = self._token_out("prefill_token")
         if launched is not None:
             launched()
         self.stream.synchronize()

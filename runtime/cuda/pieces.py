@@ -21,6 +21,7 @@ from .dataflow import Regions, accesses
 from .kernels import Ptr
 from .memory import Arena, alloc
 from .programs import Copy2D
+from .staging import Slot
 
 # A piece's rows x layers. On an H100 the 1,614-row chunk of a 1120-budget image took ~60 ms for 30 layers, ~2 ms a
 # layer: 6,144 row-layers is ~4 of its layers, ~8 ms, about one batched decode step of 8 sequences. Measured as
@@ -123,7 +124,7 @@ class _Chunk:
     plan: _Plan
     done: int = 0  # pieces run
     waits: int = 0  # calls for other chunks since this one last ran a piece
-    sampled: bool = False  # its last piece ran and copied the sampled token out (Engine.prefill_piece reads it)
+    token: Slot | None = None  # once its last piece ran: where it copied the sampled token (Engine.prefill_piece)
 
 
 class PrefillPieces:
@@ -133,6 +134,7 @@ class PrefillPieces:
         self.device, self.act = device, act
         self.regions = Regions(act.buffer.ptr, act.plan.regions.values())
         self.chunk: _Chunk | None = None
+        self.sampled_event = device.event(timing=False)  # recorded once a chunk's last piece copied its token out
         self._store: Any = None
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
         self._bound: OrderedDict[tuple, list] = OrderedDict()
@@ -194,7 +196,7 @@ class PrefillPieces:
 
     def sampled(self, lane: int) -> bool:
         """Whether the chunk in flight is of KV lane `lane` and ran its last piece (only its token is left)."""
-        return self.chunk is not None and self.chunk.sampled and self.chunk.key[0] == lane
+        return self.chunk is not None and self.chunk.token is not None and self.chunk.key[0] == lane
 
     @property
     def lane(self) -> int | None:
@@ -222,6 +224,7 @@ class PrefillPieces:
         if self._store is not None:
             self._store.free()
             self._store = None
+        self.sampled_event.destroy()
         self.chunk = None
 
 
