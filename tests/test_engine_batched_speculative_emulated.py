@@ -338,6 +338,27 @@ def test_grammar_request_beside_drafting_ones(backend, tiny_checkpoint, tiny_ckp
     assert {r: t for r, t in run.tokens.items() if r != "r2"} == {r: t for r, t in plain.items() if r != "r2"}
 
 
+def test_a_prompt_beside_more_sequences_than_a_verify_step_holds_keeps_no_taps(backend):
+    """A prompt that runs while more sequences hold prompts than a batched verify step could give one draft each
+    (here 15 others stand for them, so the first request is the 16th and the second the 17th) runs without the
+    DFlash taps: its drafter context stays empty and it decodes plain to its end, while the 16th drafts; their
+    tokens are plain decoding's either way."""
+    requests = _requests(2)
+    plain = _serve(backend, requests, speculative=False).tokens
+    runners = []
+
+    def crowd(i, core) -> None:
+        if i == 0:
+            runners.append(core.runner)
+            core.runner.prefilled.update(f"elsewhere-{j}" for j in range(MAX_BATCH // 2 - 1))
+
+    run = _serve(backend, requests, speculative=True, between=crowd)
+    assert run.tokens == plain
+    drafted = {rid for step in _verified(run) for rid in step}
+    assert drafted == {"r0"}, drafted
+    assert runners[0].prefilled == {f"elsewhere-{j}" for j in range(MAX_BATCH // 2 - 1)}  # (both released)
+
+
 def test_cost_model_lets_the_policy_draft_per_sequence(backend):
     """speculative_cost for a step of several sequences: finite while a sequence's equal share of the batched
     step's rows holds its drafts, growing with them; at the full model's size (the model fitted to an H100's
