@@ -64,6 +64,9 @@ def test_bench_serve_levels(tmp_path):
         assert lv["requests"] == 2 * lv["concurrency"] and lv["completion_tokens"] == 12 * lv["requests"]
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
         assert len(lv["ttft_ms_by_send"]) == lv["requests"] and min(lv["ttft_ms_by_send"]) > 0
+        largest = lv["itl_ms_largest"]  # (2 x 11 gaps a stream)
+        assert len(largest) == min(24, 22 * lv["concurrency"]) and largest == sorted(largest, reverse=True)
+        assert largest[0] >= lv["itl_ms_p99"] >= largest[-1] > 0
         assert lv["aggregate_tok_s"] > 0
         # the engine thread's own account of the level (from /health): every step sleeps `delay` somewhere
         steps = lv["engine_steps"]

@@ -96,7 +96,6 @@ class CudaRunner:
         self.lookahead = 1 if self.launch_ahead else 0
         self.ahead_steps = 0  # steps that were launched ahead (by the step before) and used
         self.pipe = Pipeline()
-        self.prefilled: set[str] = set()  # the requests whose prompt has run, in part at least, until released
         self.logits = RequestLogits(engine.set_logits, engine.read_logits, engine.spec.target.vocab_size)
         self.spec = DFlashDecoder(engine.dflash, engine.prefill, self.kv_geometry, self.max_context, self.max_num_seqs)
         self.batched: BatchedVerify | None = None  # batched verify steps (None: a build without their programs)
@@ -144,16 +143,6 @@ class CudaRunner:
                 self.engine.kv.copy_prefix(op.src, op.dst, op.tokens, self.engine.stream, drafter=op.drafter)
                 self.spec.copied(op.src, op.dst, op.tokens, op.drafter)
 
-    def _prompt_taps(self) -> bool:
-        """Whether a prompt's chunk keeps the DFlash taps (the drafter's context of its rows): not while more
-        sequences hold prompts than a batched verify step could give one draft each (speculative_cost, as for the
-        batched steps' taps in `_launch`), where they would be pure cost. Such a sequence decodes plain to its end:
-        once the batch shrinks, a catch-up over a whole prompt is refused (DFlashDecoder.catch_up). Without batched
-        verify steps every prompt keeps them: a sequence may yet decode alone, and draft then."""
-        if self.batched is None or not self.verify_together:
-            return True
-        return math.isfinite(self.speculative_cost(1, len(self.prefilled)))
-
     def _params(self, seq: Sequence) -> None:
         """params[] holds `seq`'s sampling parameters before a one-sequence step samples."""
         if not seq.sampling.greedy and self.pipe.params_for != seq.request_id:
@@ -175,10 +164,8 @@ class CudaRunner:
         lane = _lane(seq)
         self._params(seq)
         # A scored prompt (prompt logprobs) runs its rows through Engine.score, all but a last row that samples;
-        # that skips the DFlash taps, so the sequence then decodes with plain steps. So does a prompt that starts
-        # (or goes on) beside more sequences than the cost model lets draft (`_prompt_taps`).
-        self.prefilled.add(seq.request_id)
-        taps = seq.speculative and seq.prompt_logprobs is None and self._prompt_taps()
+        # that skips the DFlash taps, so the sequence then decodes with plain steps.
+        taps = seq.speculative and seq.prompt_logprobs is None
         if seq.scores_prompt:
             scored = self.engine.score_prompt(seq, start, end)
             self.spec.lanes[lane].drafted(start, scored, taps=False)
@@ -371,7 +358,6 @@ class CudaRunner:
             self.pipe.on_device = None
 
     def release(self, seq: Sequence, finished: bool) -> None:
-        self.prefilled.discard(seq.request_id)
         self.logits.forget(seq.request_id)
         pipe = self.pipe
         pipe.joining = [(s, t) for s, t in pipe.joining if s is not seq]

@@ -147,10 +147,16 @@ class Scheduler:
             # nothing else to run waits for it
             if seq.images and not self.media_ready(seq, not (decodes or prefills), self._queued_images()):
                 break
+            # more sequences want the engine than a batched verify step could give one draft each: this one would
+            # not draft until most of them are done, and its prompt's drafter context (the DFlash taps) and its
+            # verify blocks' KV grants would be pure cost, so it decodes plain to its end
+            crowded = seq.speculative and self.drafts is not None and self.drafts.crowded(self.unfinished)
+            seq.speculative = seq.speculative and not crowded
             cached = self.kv.admit(
                 seq, seq.reuse_limit(), min(seq.prefill_target + self.step_tokens(seq), self.max_context)
             )
             if cached is None:
+                seq.speculative = seq.speculative or crowded  # (decided again when it is admitted)
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.admitted(cached)

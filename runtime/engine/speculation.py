@@ -83,6 +83,11 @@ class DraftPlanner:
             got = self._costs[drafts, batch] = self._model(drafts, batch)
         return got
 
+    def crowded(self, batch: int) -> bool:
+        """Whether sequences that decode together draft (in batched verify steps: a step of two could verify a
+        draft), but a step of `batch` could not give each one (the runner's cost is infinite there)."""
+        return math.isfinite(self.cost(1, 2)) and not math.isfinite(self.cost(1, batch))
+
     def _cap(self, seq: Sequence) -> int:
         """The most drafts `seq` may propose: the drafter's block, the request's own cap, the room left."""
         cap = self.max_drafts
