@@ -95,15 +95,21 @@ def _serve(
     plain: frozenset[str] = frozenset(),
     between=None,
     stop_ids: frozenset[int] = frozenset(),
+    later: dict | None = None,
 ) -> Run:
-    """The requests queued at once on one engine core (`plain`: requests that never speculate), to the end;
-    `between(step, core)` runs before each step."""
+    """The requests queued at once on one engine core (`plain`: requests that never speculate), and `later` once
+    the first step has run, to the end; `between(step, core)` runs before each step."""
     runner = backend.runner(lanes or len(requests), kv_tokens)
     core = EngineCore(runner, drafts=drafts)
-    seqs = [
-        core.add(rid, p, n, sp, stop_ids, speculative=speculative and rid not in plain)
-        for rid, (p, n, sp) in requests.items()
-    ]
+
+    def add(batch: dict) -> list:
+        return [
+            core.add(rid, p, n, sp, stop_ids, speculative=speculative and rid not in plain)
+            for rid, (p, n, sp) in batch.items()
+        ]
+
+    seqs = add(requests)
+    requests = {**requests, **(later or {})}
     steps: list[dict] = []
     decode = runner.decode
 
@@ -121,6 +127,8 @@ def _serve(
             break
         if between is not None:
             between(i, core)
+        if i == 1 and later:
+            seqs += add(later)
         for o in core.step():
             out[o.request_id] += o.token_ids
             if o.accepted is not None:

@@ -36,13 +36,15 @@ def backend(tiny_checkpoint, tmp_path_factory):
 
 
 def test_plain_batched_steps_keep_the_taps_only_where_a_draft_could_fit(backend):
-    """More speculative sequences than half of MAX_BATCH: the cost model gives none of them a draft (no verify step
-    of them could hold one draft each), so their plain batched steps run without the DFlash taps; once finished
-    sequences shrink the batch to half, the plain steps keep the taps again and the sequences that draft first
-    catch their drafter context up. Every token is plain decoding's."""
+    """Half of MAX_BATCH speculative sequences, then one more (admitted into that crowd: it decodes plain): the
+    cost model gives none of the 17 a draft (no verify step of them could hold one draft each), so their plain
+    batched steps run without the DFlash taps; once finished sequences shrink the batch to half, the plain steps
+    keep the taps again and the sequences that draft first catch their drafter context up. Every token is plain
+    decoding's."""
     n = LANES
     requests = {f"r{i}": ([2] + list(range(300, 306 + i)), 3 + 2 * i, GREEDY) for i in range(n)}
-    free = _serve(backend, requests, speculative=False, lanes=n).tokens
+    last = {f"r{n - 1}": requests.pop(f"r{n - 1}")}
+    free = _serve(backend, requests, speculative=False, lanes=n, later=last).tokens
     launches: list[tuple[int, bool]] = []  # the plain batched steps' (rows, taps)
     runners: list = []
 
@@ -67,7 +69,9 @@ def test_plain_batched_steps_keep_the_taps_only_where_a_draft_could_fit(backend)
         steps.launch_batch, runner._launch = recording, plain_launch
 
     quiet = DraftOptions(prior=0.0, probe_every=1)  # (no drafts until a probe: the first steps are plain)
-    run = _serve(backend, requests, speculative=True, drafts=quiet, lanes=n, between=lambda i, core: i or spy(core))
+    run = _serve(
+        backend, requests, speculative=True, drafts=quiet, lanes=n, between=lambda i, core: i or spy(core), later=last
+    )
     assert run.tokens == free
     assert any(rows == n for rows, _ in launches)
     assert not any(taps for rows, taps in launches if 2 * rows > MAX_BATCH)
